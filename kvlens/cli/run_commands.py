@@ -1,0 +1,165 @@
+"""Subcommands that resolve models, list policies, run them and show runs."""
+from __future__ import annotations
+
+from kvlens.cli.common import (add_model_args, add_policy_args, command_line, load, print_json, progress,
+                               read_text)
+from kvlens.errors import KvlensError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("model-path", help="print the local directory of a resolved model")
+    p.add_argument("--model", default="default")
+    p.set_defaults(func=cmd_model_path)
+
+    p = sub.add_parser("policies", help="list every policy with its parameters")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_policies)
+
+    p = sub.add_parser("generate", help="generate text under a policy and save the run")
+    add_policy_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples with --seed")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--record", default="summary", choices=["summary", "states", "full"])
+    p.add_argument("--record-layers", help="comma-separated layers to record states/rows for (default: all)")
+    p.add_argument("--out", required=True, help="run directory to write")
+    add_model_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("ppl", help="teacher-forced perplexity of a text under a policy")
+    add_policy_args(p)
+    p.add_argument("--text-file", required=True)
+    p.add_argument("--prefill", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--record", default="summary", choices=["summary", "states", "full"])
+    p.add_argument("--out", help="also save the run here")
+    p.add_argument("--json", action="store_true")
+    add_model_args(p)
+    p.set_defaults(func=cmd_ppl)
+
+    p = sub.add_parser("show", help="summarise a saved run")
+    p.add_argument("--run", required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_show)
+
+
+def cmd_model_path(args) -> int:
+    from kvlens.models import model_path
+
+    print(model_path(args.model))
+    return 0
+
+
+def cmd_policies(args) -> int:
+    from kvlens.policies import REGISTRY, parameters
+
+    rows = [{"name": name, "description": cls.description, "paper": cls.paper, "budget_free": cls.budget_free,
+             "parameters": parameters(name)} for name, cls in REGISTRY.items()]
+    if args.json:
+        print_json(rows)
+        return 0
+    for row in rows:
+        params = ", ".join(f"{p['name']}={p['default']}" for p in row["parameters"]) or "no parameters"
+        print(f"{row['name']:<14} {row['description']}\n{'':<14} {params}")
+    return 0
+
+
+def _options(args, **extra):
+    from kvlens.engine import RunOptions
+    from kvlens.policies import parse_budget
+
+    layers = None
+    if getattr(args, "record_layers", None):
+        try:
+            layers = [int(x) for x in args.record_layers.split(",")]
+        except ValueError:
+            raise KvlensError(f"--record-layers takes comma-separated integers; got '{args.record_layers}'.") from None
+    return RunOptions(budget=parse_budget(args.budget), record=args.record, record_layers=layers, **extra)
+
+
+def _policy(args):
+    from kvlens.policies import make_policy, parse_settings
+
+    params = parse_settings(args.policy, args.settings)
+    make_policy(args.policy, params)  # validate before loading the model
+    return params
+
+
+def cmd_generate(args) -> int:
+    from kvlens.api import generate
+
+    params = _policy(args)
+    prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file)
+    if not prompt.strip():
+        raise KvlensError("The prompt is empty: give some text.")
+    if args.max_new_tokens < 1:
+        raise KvlensError("--max-new-tokens must be at least 1.")
+    opts = _options(args, max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature,
+                    top_p=args.top_p)
+    model = load(args)
+    bar, on_step = progress(args.max_new_tokens, f"{args.policy}")
+    with bar:
+        run = generate(model, prompt, args.policy, params, opts=opts, chat=args.chat, on_step=on_step,
+                       meta={"command": command_line()})
+    path = run.save(args.out)
+    m = run.metrics
+    print(run.meta["text"])
+    ms = f"{m['ms_per_token']:.1f} ms/token" if m["ms_per_token"] else "one token"
+    print(f"\n[{args.policy}] {len(run.meta['tokens'])} tokens, {ms}, kv slots max {m['kv_slots_max']}, "
+          f"{len(run.decisions)} decisions -> {path}")
+    return 0
+
+
+def cmd_ppl(args) -> int:
+    from kvlens.api import perplexity
+
+    params = _policy(args)
+    text = read_text(args.text_file)
+    opts = _options(args)
+    model = load(args)
+    bar, on_step = progress(args.tokens, f"{args.policy} ppl")
+    with bar:
+        run = perplexity(model, text, args.policy, params, prefill=args.prefill, tokens=args.tokens, opts=opts,
+                         on_step=on_step, meta={"command": command_line()})
+    if args.out:
+        run.save(args.out)
+    m = run.metrics
+    result = {"policy": args.policy, "params": run.meta["policy"]["params"], "budget": run.meta["budget"]["slots"],
+              "budget_requested": opts.budget, "prefill": args.prefill, "tokens": args.tokens, "nll": m["nll"],
+              "ppl": m["ppl"], "kv_slots_max": m["kv_slots_max"], "kv_bytes_peak": m["kv_bytes_peak"],
+              "ms_per_token": m["ms_per_token"]}
+    if args.json:
+        print_json(result)
+    else:
+        print(f"{args.policy}: ppl {m['ppl']:.3f} (nll {m['nll']:.4f}) over {args.tokens} tokens after "
+              f"{args.prefill}; kv slots max {m['kv_slots_max']}, {m['kv_bytes_peak'] / 2**20:.2f} MiB")
+    return 0
+
+
+def cmd_show(args) -> int:
+    from kvlens import load_run
+
+    run = load_run(args.run)
+    meta = run.meta
+    summary = {"model": meta["model"], "policy": meta["policy"], "budget": meta.get("budget"), "mode": meta.get("mode"),
+               "prompt": meta.get("prompt"), "text": meta.get("text"), "metrics": meta.get("metrics"),
+               "decisions": len(run.decisions), "record": meta.get("record"), "command": meta.get("command"),
+               "tensors": {k: list(v.shape) for k, v in sorted(run.tensors.items())}}
+    if args.json:
+        print_json(summary)
+        return 0
+    pol = meta["policy"]
+    print(f"run       {run.path}\nmodel     {meta['model'].get('spec')} {meta['model']['shape']}")
+    print(f"policy    {pol['name']} {pol.get('params')}  budget {summary['budget']}")
+    print(f"prompt    {summary['prompt']!r}\ntext      {summary['text']!r}")
+    for k, v in (summary["metrics"] or {}).items():
+        print(f"  {k:<20} {v}")
+    print(f"decisions {summary['decisions']}\ntensors")
+    for k, shape in summary["tensors"].items():
+        print(f"  {k:<24} {shape}")
+    return 0

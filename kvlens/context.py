@@ -1,0 +1,72 @@
+"""Per-run context handed through the model call to the attention function.
+
+Everything a run accumulates lives here or in its `KVCache`, never in module globals or on
+`nn.Module`s, so two runs on one shared model cannot see each other's tensors.
+Observers (recorder, perturbation meter) are named capture points in the TransformerLens sense:
+they see the attention of every layer and are dropped with the context when the run ends.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvlens.attention import decode_rows, prefill_stats, sdpa
+from kvlens.cache import KVCache, LayerCache
+from kvlens.policies.base import Policy, group_mean
+
+
+class Observer:
+    """Capture point called by the attention function; override what you need."""
+
+    needs_rows = False  # decode attention rows must be computed (not only SDPA)
+    prefill_rows = 0  # last prefill rows wanted
+
+    def on_prefill(self, layer: LayerCache, query, key, value, last_rows) -> None:
+        """query `(1, Hq, T, D)`, key/value `(1, Hkv, T, D)` after RoPE, last_rows `(Hq, L, T)` or None."""
+
+    def on_decode(self, layer: LayerCache, query, probs, out, scaling: float) -> None:
+        """query `(1, Hq, 1, D)`, probs `(Hkv, G, S)` over `layer`'s slots, out `(1, 1, Hq, D)`."""
+
+
+class RunContext:
+    """Routes one run's attention calls: statistics to the cache, rows to policy and observers."""
+
+    def __init__(self, cache: KVCache, policy: Policy, observers: list[Observer] = ()):
+        self.cache = cache
+        self.policy = policy
+        self.observers = list(observers)
+        self.needs_rows = policy.needs_attention or any(o.needs_rows for o in self.observers)
+        self.prefill_rows = max([policy.prefill_rows()] + [o.prefill_rows for o in self.observers])
+
+    def attend(self, layer_idx: int, query, key, value, scaling: float) -> torch.Tensor:
+        layer = self.cache.layers[layer_idx]
+        if query.shape[2] > 1:
+            return self._prefill(layer, query, key, value, scaling)
+        if not self.needs_rows and not layer.padded:
+            return sdpa(query, key, value, scaling)
+        out, probs = decode_rows(query, key, value, layer.valid, scaling)
+        layer.abar += group_mean(probs)
+        layer.nobs += layer.valid
+        layer.last_attn = probs.reshape(-1, probs.shape[-1])
+        self.policy.observe(layer, probs)
+        for obs in self.observers:
+            obs.on_decode(layer, query, probs, out, scaling)
+        return out
+
+    def _prefill(self, layer: LayerCache, query, key, value, scaling: float) -> torch.Tensor:
+        t = query.shape[2]
+        if key.shape[2] != t:
+            raise RuntimeError("kvlens feeds several tokens at once only as the first (prefill) call of a run.")
+        if not self.needs_rows:
+            for obs in self.observers:
+                obs.on_prefill(layer, query, key, value, None)
+            return sdpa(query, key, value, scaling)
+        out, colsum, last = prefill_stats(query, key, value, scaling, min(self.prefill_rows, t))
+        hkv = key.shape[1]
+        layer.abar = colsum
+        layer.nobs = (t - torch.arange(t, device=key.device, dtype=torch.float32)).expand(hkv, t).clone()
+        layer.last_attn = last[:, -1] if last.shape[1] else None
+        layer.prefill_rows = last
+        self.policy.observe_prefill(layer, last)
+        for obs in self.observers:
+            obs.on_prefill(layer, query, key, value, last)
+        return out

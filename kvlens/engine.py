@@ -1,0 +1,205 @@
+"""Prefill + decode loop over a compressed cache: free generation and teacher forcing.
+
+One prefill pass over the first `prefill` tokens (full attention), then the cache is compressed
+to the budget using the prefill's attention statistics (step 0). Each later step feeds one token
+at its true position, the policy observes the step's attention and compresses again (step t).
+One `StepEvent` per produced token goes to `on_step`, so callers can plot live; setting
+`cancel` stops within one step and raises `Cancelled` (nothing is saved).
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvlens.attention import CONTEXT_KWARG
+from kvlens.cache import KVCache
+from kvlens.context import Observer, RunContext
+from kvlens.decisions import DecisionLog
+from kvlens.errors import Cancelled, KvlensError
+from kvlens.models import LoadedModel
+from kvlens.policies import Policy
+from kvlens.record import Recorder
+from kvlens.runs import Run
+
+
+@dataclass
+class StepEvent:
+    """What happened at one step: the token produced (or scored) and the cache after compression."""
+
+    step: int
+    token: int
+    text: str
+    nll: float  # -log p(token)
+    kv_slots: list[int]  # largest kept count over KV heads, per layer
+    kv_bytes: int
+    ms: float  # wall time of the forward + compression that produced this step's logits
+    attention: dict | None = None  # last layer's current row: {"positions": [...], "weights": [...]}
+    extra: dict = field(default_factory=dict)  # observers' per-step numbers (e.g. perturbation)
+    logits: torch.Tensor | None = None  # (V,) the logits this step's token was chosen or scored from
+
+
+@dataclass
+class RunOptions:
+    """How to run: budget (slots or share of the prompt), sampling, recording."""
+
+    budget: int | float | None = None
+    max_new_tokens: int = 64
+    seed: int = 0
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    stop_at_eos: bool = True
+    record: str = "summary"
+    record_layers: list[int] | None = None
+    log_decisions: bool = True
+
+
+def _check_length(model: LoadedModel, n: int) -> None:
+    ctx = model.shape()["context"]
+    if ctx and n > ctx:
+        raise KvlensError(f"The sequence needs {n} tokens but the model's context window is {ctx}.")
+
+
+def _choose(logits: torch.Tensor, opts: RunOptions, gen: torch.Generator) -> int:
+    if opts.temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / opts.temperature, dim=-1)
+    if opts.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        cut = torch.cumsum(sorted_p, 0) - sorted_p >= opts.top_p
+        probs = probs.clone()
+        probs[order[cut]] = 0
+        probs /= probs.sum()
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+
+
+class _Loop:
+    """State of one run; `run()` drives it."""
+
+    def __init__(self, model: LoadedModel, policy: Policy, opts: RunOptions, observers: list[Observer]):
+        self.model, self.policy, self.opts = model, policy, opts
+        self.recorder = Recorder(opts.record, opts.record_layers)
+        self.cache = KVCache(model.shape()["layers"])
+        self.log = DecisionLog() if opts.log_decisions else None
+        self.ctx = RunContext(self.cache, policy, [self.recorder, *observers])
+        self.budget: int | None = None
+        self.kept: list[torch.Tensor] = []  # (L, Hkv) per step
+        self.peak_bytes = 0  # largest cache after compression
+        self.prefill_bytes = 0  # the uncompressed prompt's cache
+
+    def forward(self, ids: list[int], start: int) -> torch.Tensor:
+        dev = self.model.device
+        positions = torch.arange(start, start + len(ids), device=dev)
+        self.cache.positions = positions
+        out = self.model.model(
+            input_ids=torch.tensor([ids], device=dev), position_ids=positions[None],
+            past_key_values=self.cache, use_cache=True, logits_to_keep=1, **{CONTEXT_KWARG: self.ctx},
+        )
+        return out.logits[0, -1]
+
+    def compress(self, step: int) -> None:
+        if step == 0:
+            self.prefill_bytes = self.cache.nbytes
+        if self.log is not None:
+            self.log.step = step
+        for layer in self.cache.layers:
+            self.policy.compress(layer, self.budget, self.log)
+            layer.prefill_rows = None
+        self.kept.append(self.cache.kept_slots())
+        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes)
+
+    def event(self, step, token, nll, ms, logits) -> StepEvent:
+        last = self.cache.layers[-1]
+        attention = None
+        if last.last_attn is not None:
+            attention = {"positions": last.pos[0].tolist(), "weights": last.last_attn.mean(0).tolist()}
+        slots = self.kept[-1].max(-1).values.tolist()
+        return StepEvent(step=step, token=token, text=self.model.tokenizer.decode([token]), nll=nll,
+                         kv_slots=slots, kv_bytes=self.cache.nbytes, ms=ms, attention=attention, logits=logits)
+
+
+def run(model: LoadedModel, policy: Policy, ids: list[int], *, prefill: int, steps: int, teacher: bool,
+        opts: RunOptions, observers: list[Observer] = (), on_step: Callable[[StepEvent], None] | None = None,
+        cancel: threading.Event | None = None, meta: dict | None = None) -> Run:
+    """Run `policy` over `ids`: prefill the first `prefill`, then produce `steps` tokens.
+
+    teacher=True scores `ids[prefill:prefill+steps]` (teacher forcing); otherwise tokens are
+    generated (greedy, or seeded sampling) and `ids` beyond `prefill` are ignored.
+    """
+    if prefill < 1:
+        raise KvlensError("The prompt is empty: give at least one token.")
+    if steps < 1:
+        raise KvlensError("Ask for at least one new token.")
+    if teacher and len(ids) < prefill + steps:
+        raise KvlensError(f"The text has {len(ids)} tokens, fewer than prefill + tokens = {prefill + steps}.")
+    _check_length(model, prefill + steps)
+    loop = _Loop(model, policy, opts, list(observers))
+    gen = torch.Generator().manual_seed(opts.seed)
+    eos = model.tokenizer.eos_token_id
+    tokens, nlls, ms = [], [], []
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        logits = loop.forward(ids[:prefill], 0)
+        loop.budget = policy.resolve_budget(opts.budget, prefill, prefill + steps)
+        loop.compress(0)
+        prefill_ms = (time.perf_counter() - t0) * 1000
+        step_ms = prefill_ms
+        for i in range(steps):
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            token = ids[prefill + i] if teacher else _choose(logits, opts, gen)
+            nll = float(-logp[token])
+            tokens.append(token)
+            nlls.append(nll)
+            if i:
+                ms.append(step_ms)
+            if on_step is not None:
+                on_step(loop.event(i, token, nll, step_ms, logits))
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("The run was stopped before it finished; nothing was saved.")
+            if i == steps - 1 or (not teacher and opts.stop_at_eos and token == eos):
+                break
+            t = time.perf_counter()
+            logits = loop.forward([token], prefill + i)
+            loop.compress(i + 1)
+            step_ms = (time.perf_counter() - t) * 1000
+    total_s = time.perf_counter() - t0
+    return _make_run(loop, model, ids[:prefill], tokens, nlls, ms, prefill_ms, total_s, teacher, meta)
+
+
+def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, total_s, teacher, meta) -> Run:
+    tok = model.tokenizer
+    kept = torch.stack(loop.kept)  # (steps + 1, L, Hkv): after prefill compression, then each step
+    nll = sum(nlls) / len(nlls)
+    tensors = loop.recorder.finish()
+    tensors["steps/nll"] = torch.tensor(nlls, dtype=torch.float32)
+    tensors["steps/kv_slots"] = kept.to(torch.int32)
+    policy, opts = loop.policy, loop.opts
+    metrics = {
+        "nll": nll, "ppl": math.exp(nll), "kv_slots_max": int(kept.max()),
+        "kv_slots_final_mean": float(kept[-1].float().mean()),
+        "kv_bytes_final": loop.cache.nbytes, "kv_bytes_peak": loop.peak_bytes, "kv_bytes_prefill": loop.prefill_bytes,
+        "ms_per_token": (sum(ms) / len(ms)) if ms else None, "prefill_ms": prefill_ms, "total_s": total_s,
+    }
+    info = {
+        "mode": "teacher" if teacher else "generate",
+        "model": {"spec": model.spec, "shape": model.shape(), "device": str(model.device),
+                  "dtype": str(model.dtype).removeprefix("torch.")},
+        "policy": {"name": policy.name, "params": policy.params()},
+        "budget": {"requested": opts.budget, "slots": loop.budget},
+        "seed": opts.seed, "temperature": opts.temperature, "top_p": opts.top_p,
+        "prompt": tok.decode(prompt_ids), "prompt_tokens": list(prompt_ids),
+        "prompt_token_strings": tok.convert_ids_to_tokens(list(prompt_ids)),
+        "tokens": tokens, "token_strings": tok.convert_ids_to_tokens(tokens), "text": tok.decode(tokens),
+        "metrics": metrics,
+        "record": {"level": opts.record, "layers": opts.record_layers, "dtype": "float16"},
+    }
+    info.update(meta or {})
+    decisions = loop.log.frame() if loop.log is not None else None
+    run_ = Run(meta=info, tensors=tensors)
+    if decisions is not None:
+        run_.decisions = decisions
+    return run_

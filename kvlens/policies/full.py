@@ -1,0 +1,20 @@
+"""`full`: keep everything. The reference every other policy is measured against."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlens.policies.base import Policy
+
+
+@dataclass
+class Full(Policy):
+    """Keeps every slot; its logits equal the model's own forward pass."""
+
+    name = "full"
+    description = "Keep every key and value (the uncompressed reference)."
+    paper = ""
+    needs_attention = False
+    budget_free = True
+
+    def compress(self, layer, budget, log) -> None:
+        return None

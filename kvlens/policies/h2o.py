@@ -1,0 +1,37 @@
+"""`h2o`: heavy hitters + a recent window.
+
+Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
+Models", NeurIPS 2023, https://arxiv.org/abs/2306.14048. The budget is split into a recent
+window (`recent_ratio` of it) and heavy hitters: the non-recent slots with the largest
+accumulated attention `Abar` (summed over every query since the slot entered, prefill included;
+a KV head's attention is the mean of its query heads').
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlens.policies.base import ScoredEviction, check, recent_mask
+
+
+@dataclass
+class H2O(ScoredEviction):
+    """recent_ratio: share of the budget reserved for the most recent slots."""
+
+    recent_ratio: float = 0.5
+
+    name = "h2o"
+    description = "Keep a recent window plus the heavy hitters with the largest accumulated attention."
+    paper = "https://arxiv.org/abs/2306.14048"
+
+    def __post_init__(self):
+        check(isinstance(self.recent_ratio, (int, float)) and 0 <= self.recent_ratio <= 1,
+              f"recent_ratio must be in [0, 1]; got {self.recent_ratio!r}.")
+
+    def recent(self, budget: int) -> int:
+        return int(budget * self.recent_ratio)
+
+    def score(self, layer):
+        return layer.abar
+
+    def protected(self, layer, budget):
+        return recent_mask(layer, self.recent(budget))

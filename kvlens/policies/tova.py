@@ -1,0 +1,25 @@
+"""`tova`: token omission via attention.
+
+Oren et al., "Transformers are Multi-State RNNs", 2024, https://arxiv.org/abs/2401.06104.
+Drops the slot with the smallest attention from the current query, averaged over all heads of
+the layer, so every KV head of a layer keeps the same set (as TOVA's code does). No forced sinks
+or recent window.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlens.policies.base import ScoredEviction
+
+
+@dataclass
+class TOVA(ScoredEviction):
+    """No hyperparameters: the current query's attention decides."""
+
+    name = "tova"
+    description = "Keep the slots with the highest attention from the current query (mean over the layer's heads)."
+    paper = "https://arxiv.org/abs/2401.06104"
+
+    def score(self, layer):
+        hkv = layer.pos.shape[0]
+        return layer.last_attn.mean(0, keepdim=True).expand(hkv, -1)

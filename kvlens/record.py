@@ -1,0 +1,72 @@
+"""Recorder: what a run captures, by level, through the attention function's capture points.
+
+Levels (each includes the one before):
+- `summary`: tokens, per-step metrics, kept slots per layer and KV head, decisions.
+- `states`:  + prefill queries/keys/values after RoPE (`prefill/q|k|v/{layer}`) and the prefill
+             accumulated attention (`prefill/abar/{layer}`), before any compression.
+- `full`:    + every step's attention rows with the positions of their slots
+             (`attn/{layer}`, `attn_pos/{layer}`).
+A `layers` filter limits states and rows to some layers; tensors are stored as `dtype` (default
+float16) on the CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvlens.context import Observer
+from kvlens.errors import KvlensError
+
+LEVELS = ("summary", "states", "full")
+
+
+class Recorder(Observer):
+    """Collects named CPU tensors for a `Run`."""
+
+    def __init__(self, level: str = "summary", layers: list[int] | None = None, dtype: torch.dtype = torch.float16):
+        if level not in LEVELS:
+            raise KvlensError(f"Unknown record level '{level}'; choose one of: {', '.join(LEVELS)}.")
+        self.level = level
+        self.layers = None if layers is None else set(layers)
+        self.dtype = dtype
+        self.needs_rows = level == "full"
+        self.prefill_rows = 1 if level == "full" else 0
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def wants(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def on_prefill(self, layer, query, key, value, last_rows) -> None:
+        i = layer.layer
+        if self.level == "summary" or not self.wants(i):
+            return
+        self.tensors[f"prefill/q/{i}"] = self._cpu(query[0])
+        self.tensors[f"prefill/k/{i}"] = self._cpu(key[0])
+        self.tensors[f"prefill/v/{i}"] = self._cpu(value[0])
+        if layer.abar is not None and layer.abar.shape[-1] == key.shape[2]:
+            self.tensors[f"prefill/abar/{i}"] = layer.abar.detach().float().cpu()
+        if self.level == "full" and last_rows is not None and last_rows.shape[1]:
+            self._rows.setdefault(i, []).append((last_rows[:, -1].detach(), layer.pos.detach()))
+
+    def on_decode(self, layer, query, probs, out, scaling) -> None:
+        if self.level != "full" or not self.wants(layer.layer):
+            return
+        pos = layer.pos.masked_fill(~layer.valid, -1)
+        self._rows.setdefault(layer.layer, []).append((probs.reshape(-1, probs.shape[-1]).detach(), pos.detach()))
+
+    def _cpu(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", self.dtype).contiguous()
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Stack per-step rows: `attn/{layer}` `(steps, Hq, Smax)`, `attn_pos/{layer}` `(steps, Hkv, Smax)` (-1 = none)."""
+        for i, rows in self._rows.items():
+            smax = max(r.shape[-1] for r, _ in rows)
+            attn = torch.zeros(len(rows), rows[0][0].shape[0], smax, dtype=self.dtype)
+            pos = torch.full((len(rows), rows[0][1].shape[0], smax), -1, dtype=torch.int32)
+            for s, (r, p) in enumerate(rows):
+                attn[s, :, : r.shape[-1]] = r.to("cpu", self.dtype)
+                pos[s, :, : p.shape[-1]] = p.to("cpu", torch.int32)
+            self.tensors[f"attn/{i}"] = attn
+            self.tensors[f"attn_pos/{i}"] = pos
+        self._rows.clear()
+        return self.tensors

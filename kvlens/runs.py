@@ -1,0 +1,175 @@
+"""A run on disk: `run.json` + `tensors.safetensors` + `decisions.parquet`.
+
+Saving is atomic (a temporary directory beside the target, then a rename). Loading is safe for
+files from strangers: no pickle, fixed file names (never taken from the manifest), size limits,
+schema version checked, every tensor's name, dtype and shape checked against the manifest.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from kvlens import __version__
+from kvlens.decisions import COLUMNS, decisions_frame
+from kvlens.errors import KvlensError
+
+SCHEMA_VERSION = 1
+RUN_JSON, TENSORS, DECISIONS = "run.json", "tensors.safetensors", "decisions.parquet"
+MAX_JSON_BYTES = 64 << 20
+MAX_TENSOR_BYTES = 8 << 30
+
+
+@dataclass
+class Run:
+    """One recorded run: `meta` is run.json, `tensors` named CPU tensors, `decisions` a table."""
+
+    meta: dict
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    decisions: pd.DataFrame = field(default_factory=decisions_frame)
+    path: Path | None = None
+
+    @property
+    def shape(self) -> dict:
+        return self.meta["model"]["shape"]
+
+    @property
+    def metrics(self) -> dict:
+        return self.meta.get("metrics", {})
+
+    def tokens(self) -> list[int]:
+        """Prompt (or prefill) tokens followed by the generated (or scored) tokens."""
+        return list(self.meta["prompt_tokens"]) + list(self.meta["tokens"])
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            level = "full" if name.startswith("attn") else "states"
+            raise KvlensError(f"This run has no tensor '{name}'; record it with --record {level}.")
+        return self.tensors[name]
+
+    def save(self, path: str | Path) -> Path:
+        """Write the run atomically; an existing run directory at `path` is replaced, anything else refused."""
+        from safetensors.torch import save_file
+
+        target = Path(path)
+        if target.exists() and not (target / RUN_JSON).is_file():
+            if not target.is_dir() or any(target.iterdir()):
+                raise KvlensError(f"{target} exists and is not a kvlens run; choose another --out.")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        meta = dict(self.meta)
+        meta["schema"] = SCHEMA_VERSION
+        meta["kvlens_version"] = __version__
+        meta["tensors"] = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+                           for k, v in sorted(self.tensors.items())}
+        meta["decisions"] = len(self.decisions)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            (tmp / RUN_JSON).write_text(json.dumps(meta, indent=1, allow_nan=True))
+            save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(tmp / TENSORS))
+            self.decisions.to_parquet(tmp / DECISIONS, index=False)
+            old = None
+            if target.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+                os.replace(target, old / "run")
+            os.replace(tmp, target)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.meta, self.path = meta, target
+        return target
+
+
+def _inside(directory: Path, name: str) -> Path:
+    """The file `name` of a run directory, refusing links that lead out of it."""
+    path = directory / name
+    if not path.exists():
+        raise KvlensError(f"{directory} is not a complete kvlens run: {name} is missing.")
+    if path.is_symlink() and directory.resolve() not in path.resolve().parents:
+        raise KvlensError(f"{directory}/{name} is a link leading out of the run directory; refusing to read it.")
+    if not path.is_file():
+        raise KvlensError(f"{directory}/{name} is not a regular file.")
+    return path
+
+
+def _read_meta(directory: Path) -> dict:
+    path = _inside(directory, RUN_JSON)
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise KvlensError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MB; refusing to read it.")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise KvlensError(f"{path} is not valid JSON ({err.__class__.__name__}).") from err
+    if not isinstance(meta, dict) or not isinstance(meta.get("schema"), int):
+        raise KvlensError(f"{path} is not a kvlens run manifest (no integer 'schema').")
+    if meta["schema"] > SCHEMA_VERSION:
+        raise KvlensError(f"{directory} was written by a newer kvlens ({meta.get('kvlens_version', '?')}, "
+                          f"schema {meta['schema']}); upgrade kvlens to read it.")
+    if meta["schema"] < 1:
+        raise KvlensError(f"{path} has an unknown schema version {meta['schema']}.")
+    for key, kind in (("tensors", dict), ("model", dict), ("policy", dict), ("prompt_tokens", list), ("tokens", list)):
+        if not isinstance(meta.get(key), kind):
+            raise KvlensError(f"{path} lacks a valid '{key}' entry.")
+    return meta
+
+
+def _read_tensors(directory: Path, manifest: dict) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    path = _inside(directory, TENSORS)
+    if path.stat().st_size > MAX_TENSOR_BYTES:
+        raise KvlensError(f"{path} is larger than {MAX_TENSOR_BYTES >> 30} GB; refusing to read it.")
+    tensors = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = set(f.keys())
+            if names != set(manifest):
+                diff = sorted(names ^ set(manifest))[0]
+                raise KvlensError(f"{path} and run.json disagree about tensor '{diff[:80]}'.")
+            for name in names:
+                t = f.get_tensor(name)
+                want = manifest[name]
+                if not isinstance(want, dict) or list(t.shape) != want.get("shape") or \
+                        str(t.dtype).removeprefix("torch.") != want.get("dtype"):
+                    raise KvlensError(f"Tensor '{name[:80]}' in {path} has shape {list(t.shape)}, "
+                                      f"which contradicts run.json.")
+                tensors[name] = t
+    except (SafetensorError, OSError, ValueError) as err:
+        if isinstance(err, KvlensError):
+            raise
+        raise KvlensError(f"{path} is truncated or corrupt ({str(err).splitlines()[0][:120]}).") from err
+    return tensors
+
+
+def _read_decisions(directory: Path, count) -> pd.DataFrame:
+    import pyarrow.parquet as pq
+
+    path = _inside(directory, DECISIONS)
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # pyarrow raises several unrelated types for corrupt files
+        raise KvlensError(f"{path} is truncated or corrupt ({type(err).__name__}).") from err
+    if table.column_names != COLUMNS or (isinstance(count, int) and table.num_rows != count):
+        raise KvlensError(f"{path} does not hold the decision table that run.json describes.")
+    return table.to_pandas()
+
+
+def load_run(path: str | Path) -> Run:
+    """Load a run directory written by `Run.save`, checking everything (see module docstring)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise KvlensError(f"{directory} is not a run directory.")
+    meta = _read_meta(directory)
+    tensors = _read_tensors(directory, meta["tensors"])
+    decisions = _read_decisions(directory, meta.get("decisions"))
+    return Run(meta=meta, tensors=tensors, decisions=decisions, path=directory)

@@ -1,0 +1,60 @@
+"""Shared fixtures: a tiny random GQA Llama (seconds, no download) and the embedded SmolLM2."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlens.attention import ATTENTION_NAME, register_attention
+from kvlens.models import LoadedModel
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXTS = ROOT / "kvlens" / "data" / "state_union"
+
+
+class ByteTokenizer:
+    """A byte-level tokenizer for the tiny model: token id = byte value, 255 = eos."""
+
+    eos_token_id = 255
+    chat_template = None
+
+    def __call__(self, text):
+        return type("Enc", (), {"input_ids": list(text.encode("utf-8"))})()
+
+    def decode(self, ids):
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+    def convert_ids_to_tokens(self, ids):
+        return [chr(i) for i in ids]
+
+
+def tiny_model(layers: int = 3, seed: int = 0) -> LoadedModel:
+    """Llama with 4 query heads over 2 KV heads (GQA), head_dim 16, random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    register_attention()
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         rope_theta=10000.0, attn_implementation=ATTENTION_NAME)
+    model = LlamaForCausalLM(config).eval()
+    return LoadedModel(model=model, tokenizer=ByteTokenizer(), spec="tiny", path=Path("."),
+                       device=torch.device("cpu"), dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return tiny_model()
+
+
+@pytest.fixture(scope="session")
+def smol():
+    from kvlens.models import load_model
+
+    return load_model("default")
+
+
+@pytest.fixture(scope="session")
+def long_text():
+    return (TEXTS / "1961-Kennedy.txt").read_text()

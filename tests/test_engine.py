@@ -1,0 +1,156 @@
+"""The engine: exact `full` logits, true positions, real eviction, events, sampling, cancellation."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvlens.attention import decode_rows, prefill_stats
+from kvlens.engine import RunOptions, run
+from kvlens.errors import Cancelled, KvlensError
+from kvlens.policies import make_policy
+
+IDS = list(b"The quick brown fox jumps over the lazy dog. " * 6)
+
+
+def _teacher(model, policy, ids, prefill, steps, **opts):
+    logits = []
+    r = run(model, make_policy(policy), ids, prefill=prefill, steps=steps, teacher=True,
+            opts=RunOptions(**opts), on_step=lambda e: logits.append(e.logits.clone()))
+    return r, torch.stack(logits)
+
+
+def _model_logits(model, ids):
+    with torch.no_grad():
+        return model.model(torch.tensor([ids], device=model.device)).logits[0].float()
+
+
+def test_full_reproduces_model_logits_tiny(tiny):
+    prefill, steps = 40, 30
+    r, got = _teacher(tiny, "full", IDS, prefill, steps)
+    want = _model_logits(tiny, IDS[: prefill + steps])[prefill - 1: prefill + steps - 1]
+    assert (got - want).abs().max() < 1e-4
+    assert r.decisions.empty and r.metrics["kv_slots_max"] == prefill + steps - 1
+
+
+def test_compressed_policy_changes_logits(tiny):
+    _, full = _teacher(tiny, "full", IDS, 40, 30)
+    _, comp = _teacher(tiny, "h2o", IDS, 40, 30, budget=12)
+    assert torch.allclose(full[0], comp[0], atol=1e-5)  # step 0 comes from the uncompressed prefill
+    assert (full[1:] - comp[1:]).abs().max() > 1e-3
+
+
+def test_eviction_really_shrinks_tensors(tiny):
+    budget = 10
+    r = run(tiny, make_policy("streaming_llm"), IDS, prefill=50, steps=20, teacher=True,
+            opts=RunOptions(budget=budget))
+    kept = r.tensors["steps/kv_slots"]
+    assert kept.shape == (20, 3, 2) and bool((kept == budget).all())
+    shape = tiny.shape()
+    per_slot = 2 * shape["kv_heads"] * shape["head_dim"] * 4  # K and V, fp32
+    assert r.metrics["kv_bytes_peak"] == shape["layers"] * budget * per_slot
+    assert r.metrics["kv_bytes_prefill"] == shape["layers"] * 50 * per_slot
+
+
+def test_new_tokens_get_true_positions(tiny):
+    r = run(tiny, make_policy("streaming_llm", {"sink": 2}), IDS, prefill=30, steps=10, teacher=True,
+            opts=RunOptions(budget=8, record="full"))
+    pos = r.tensors["attn_pos/0"]  # (steps, Hkv, S)
+    for step in range(1, 10):
+        row = pos[step, 0]
+        assert int(row.max()) == 30 + step - 1  # the fed token sits at its true position, not at slot 8
+        assert sorted(row[row >= 0].tolist())[:2] == [0, 1]
+
+
+def test_one_event_per_step_and_decisions_logged(tiny):
+    events = []
+    r = run(tiny, make_policy("tova"), IDS, prefill=30, steps=12, teacher=True, opts=RunOptions(budget=16),
+            on_step=events.append)
+    assert [e.step for e in events] == list(range(12))
+    assert all(max(e.kv_slots) <= 16 for e in events)
+    # 30 -> 16 after prefill, then one eviction per step and KV head
+    per_layer = (30 - 16) + 11
+    assert len(r.decisions) == 3 * 2 * per_layer
+    assert set(r.decisions["action"]) == {"evict"}
+
+
+def test_greedy_is_deterministic_and_sampling_is_seeded(tiny):
+    def gen(seed, temperature):
+        return run(tiny, make_policy("h2o"), IDS[:20], prefill=20, steps=15, teacher=False,
+                   opts=RunOptions(budget=10, seed=seed, temperature=temperature, stop_at_eos=False)).meta["tokens"]
+
+    assert gen(0, 0.0) == gen(5, 0.0)
+    assert gen(3, 1.0) == gen(3, 1.0)
+    assert gen(3, 1.0) != gen(4, 1.0)
+
+
+def test_cancel_stops_within_one_step(tiny):
+    stop = threading.Event()
+    seen = []
+
+    def on_step(e):
+        seen.append(e.step)
+        if e.step == 2:
+            stop.set()
+
+    with pytest.raises(Cancelled):
+        run(tiny, make_policy("full"), IDS, prefill=20, steps=30, teacher=True, opts=RunOptions(),
+            on_step=on_step, cancel=stop)
+    assert seen == [0, 1, 2]
+
+
+def test_bad_lengths_are_one_sentence(tiny):
+    with pytest.raises(KvlensError, match="fewer than prefill"):
+        run(tiny, make_policy("full"), IDS[:10], prefill=8, steps=5, teacher=True, opts=RunOptions())
+    with pytest.raises(KvlensError, match="context window"):
+        run(tiny, make_policy("full"), IDS * 5, prefill=1000, steps=30, teacher=True, opts=RunOptions())
+    with pytest.raises(KvlensError, match="below the 5 slots"):
+        run(tiny, make_policy("streaming_llm"), IDS, prefill=30, steps=5, teacher=True, opts=RunOptions(budget=3))
+
+
+def test_prefill_stats_in_chunks_match_dense(monkeypatch):
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 4, 37, 8), torch.randn(1, 2, 37, 8), torch.randn(1, 2, 37, 8)
+    monkeypatch.setattr("kvlens.attention.CHUNK_ELEMENTS", 4 * 37 * 5)  # 5 rows per chunk
+    out, colsum, last = prefill_stats(q, k, v, 8 ** -0.5, keep_rows=7)
+    kr = k.repeat_interleave(2, 1)
+    scores = (q @ kr.transpose(-1, -2)) * 8 ** -0.5
+    scores = scores.masked_fill(torch.ones(37, 37, dtype=torch.bool).triu(1), float("-inf"))
+    probs = scores.softmax(-1)[0]  # (Hq, T, T)
+    dense_out = probs @ v.repeat_interleave(2, 1)[0]
+    assert torch.allclose(out[0].transpose(0, 1), dense_out, atol=1e-5)
+    assert torch.allclose(colsum, probs.view(2, 2, 37, 37).mean(1).sum(1), atol=1e-5)
+    assert torch.allclose(last, probs[:, -7:], atol=1e-6)
+
+
+def test_decode_rows_match_repeated_kv_and_mask_padding():
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 6, 1, 8), torch.randn(1, 3, 11, 8), torch.randn(1, 3, 11, 8)
+    valid = torch.ones(3, 11, dtype=torch.bool)
+    valid[1, 7:] = False
+    out, probs = decode_rows(q, k, v, valid, 0.3)
+    for h in range(6):
+        kv = h // 2
+        n = int(valid[kv].sum())
+        p = torch.softmax((k[0, kv, :n] @ q[0, h, 0]) * 0.3, -1)
+        assert torch.allclose(probs[kv, h % 2, :n], p, atol=1e-6)
+        assert float(probs[kv, h % 2, n:].sum()) == 0.0
+        assert torch.allclose(out[0, 0, h], p @ v[0, kv, :n], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_full_reproduces_embedded_model_logits(smol, long_text):
+    ids = smol.tokenizer(long_text).input_ids[:300]
+    _, got = _teacher(smol, "full", ids, 200, 100)
+    want = _model_logits(smol, ids)[199:299]
+    assert (got - want).abs().max() <= 1e-3
+
+
+@pytest.mark.slow
+def test_full_perplexity_equals_model_loss(smol, long_text):
+    ids = smol.tokenizer(long_text).input_ids[:400]
+    r, _ = _teacher(smol, "full", ids, 256, 144)
+    logits = _model_logits(smol, ids)
+    loss = torch.nn.functional.cross_entropy(logits[255:399], torch.tensor(ids[256:400]))
+    assert abs(r.metrics["nll"] - float(loss)) / float(loss) < 1e-3
