@@ -8,6 +8,7 @@ One `StepEvent` per produced token goes to `on_step`, so callers can plot live; 
 """
 from __future__ import annotations
 
+import gc
 import math
 import threading
 import time
@@ -137,14 +138,37 @@ def run(model: LoadedModel, policy: Policy, ids: list[int], *, prefill: int, ste
     if teacher and len(ids) < prefill + steps:
         raise KvlensError(f"The text has {len(ids)} tokens, fewer than prefill + tokens = {prefill + steps}.")
     _check_length(model, prefill + steps)
+    budget = policy.resolve_budget(opts.budget, prefill, prefill + steps)
     loop = _Loop(model, policy, opts, list(observers))
+    loop.budget = budget
+    try:
+        return _drive(loop, ids, prefill, steps, teacher, on_step, cancel, meta)
+    except (MemoryError, RuntimeError) as err:
+        if not _is_oom(err):
+            raise
+        message = str(err).splitlines()[0][:200]
+    del loop  # free the cache before telling the caller
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    raise KvlensError(f"Out of memory on {prefill} + {steps} tokens ({message}); the memory was freed: "
+                      f"try a shorter text, fewer tokens or a smaller model.")
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(err) \
+        or "out of memory" in str(err).lower()
+
+
+def _drive(loop: _Loop, ids, prefill, steps, teacher, on_step, cancel, meta) -> Run:
+    """The prefill + decode loop proper."""
+    model, opts = loop.model, loop.opts
     gen = torch.Generator().manual_seed(opts.seed)
     eos = model.tokenizer.eos_token_id
     tokens, nlls, ms = [], [], []
     t0 = time.perf_counter()
     with torch.inference_mode():
         logits = loop.forward(ids[:prefill], 0)
-        loop.budget = policy.resolve_budget(opts.budget, prefill, prefill + steps)
         loop.compress(0)
         prefill_ms = (time.perf_counter() - t0) * 1000
         step_ms = prefill_ms

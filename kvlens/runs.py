@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ SCHEMA_VERSION = 1
 RUN_JSON, TENSORS, DECISIONS = "run.json", "tensors.safetensors", "decisions.parquet"
 MAX_JSON_BYTES = 64 << 20
 MAX_TENSOR_BYTES = 8 << 30
+TENSOR_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}(/[A-Za-z0-9_.-]{1,64}){0,4}")
 
 
 @dataclass
@@ -93,10 +95,10 @@ class Run:
 def _inside(directory: Path, name: str) -> Path:
     """The file `name` of a run directory, refusing links that lead out of it."""
     path = directory / name
-    if not path.exists():
-        raise KvlensError(f"{directory} is not a complete kvlens run: {name} is missing.")
     if path.is_symlink() and directory.resolve() not in path.resolve().parents:
         raise KvlensError(f"{directory}/{name} is a link leading out of the run directory; refusing to read it.")
+    if not path.exists():
+        raise KvlensError(f"{directory} is not a complete kvlens run: {name} is missing.")
     if not path.is_file():
         raise KvlensError(f"{directory}/{name} is not a regular file.")
     return path
@@ -117,6 +119,9 @@ def _read_meta(directory: Path) -> dict:
                           f"schema {meta['schema']}); upgrade kvlens to read it.")
     if meta["schema"] < 1:
         raise KvlensError(f"{path} has an unknown schema version {meta['schema']}.")
+    for name in meta.get("tensors") or {}:
+        if not isinstance(name, str) or not TENSOR_NAME.fullmatch(name) or ".." in name.split("/"):
+            raise KvlensError(f"{path} names a tensor '{str(name)[:80]}' that is not a plain kvlens tensor name.")
     for key, kind in (("tensors", dict), ("model", dict), ("policy", dict), ("prompt_tokens", list), ("tokens", list)):
         if not isinstance(meta.get(key), kind):
             raise KvlensError(f"{path} lacks a valid '{key}' entry.")

@@ -95,8 +95,11 @@ def parse_value(policy: str, key: str, text: str):
             return int(text)
         return text
     except ValueError:
-        kind = f"one of {', '.join(spec['choices'])}" if spec["choices"] else f"a {spec['type']}"
+        kind = f"one of {', '.join(spec['choices'])}" if spec["choices"] else _KINDS.get(spec["type"], "text")
         raise KvlensError(f"Parameter {key} of {policy} must be {kind}; got '{text}'.") from None
+
+
+_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "tuple": "comma-separated numbers"}
 
 
 def parse_settings(policy: str, settings: list[str] | None) -> dict:
