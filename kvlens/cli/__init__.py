@@ -13,11 +13,16 @@ from kvlens.errors import Cancelled, KvlensError
 COMMAND_MODULES = ["kvlens.cli.run_commands"]
 
 
+def one_line(message: str) -> str:
+    """The message on one printable line: control characters from user input are escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, but usage errors are one sentence (exit 2)."""
 
     def error(self, message):
-        self.exit(2, f"kvlens: error: {message} (see `{self.prog} --help`).\n")
+        self.exit(2, f"kvlens: error: {one_line(message)} (see `{self.prog} --help`).\n")
 
 
 def build_parser() -> Parser:
@@ -33,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except KvlensError as err:
-        print(f"kvlens: error: {err}", file=sys.stderr)
+        print(f"kvlens: error: {one_line(str(err))}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into `head` and closed early
         sys.stderr.close()

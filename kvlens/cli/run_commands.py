@@ -74,6 +74,8 @@ def _options(args, **extra):
     from kvlens.policies import parse_budget
 
     layers = None
+    if getattr(args, "record_layers", None) and args.record == "summary":
+        raise KvlensError("--record-layers needs --record states or --record full.")
     if getattr(args, "record_layers", None):
         try:
             layers = [int(x) for x in args.record_layers.split(",")]
@@ -99,6 +101,8 @@ def cmd_generate(args) -> int:
         raise KvlensError("The prompt is empty: give some text.")
     if args.max_new_tokens < 1:
         raise KvlensError("--max-new-tokens must be at least 1.")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise KvlensError("--temperature must be >= 0 and --top-p in (0, 1].")
     opts = _options(args, max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature,
                     top_p=args.top_p)
     model = load(args)
