@@ -69,8 +69,13 @@ def test_generate_then_show(tmp_path):
     assert proc.returncode == 0, proc.stderr
     shown = json.loads(kvlens("show", "--run", str(out), "--json").stdout)
     assert shown["policy"]["name"] == "h2o" and shown["budget"]["slots"] == 8
-    assert shown["tensors"]["prefill/q/5"] == [9, 5, 64] and "prefill/q/1" not in shown["tensors"]
+    prompt_len = len(kvlens_run_tokens(out))
+    assert shown["tensors"]["prefill/q/5"] == [9, prompt_len, 64] and "prefill/q/1" not in shown["tensors"]
     assert shown["command"].startswith("kvlens generate --policy h2o")
+
+
+def kvlens_run_tokens(path):
+    return json.loads((path / "run.json").read_text())["prompt_tokens"]
 
 
 BAD = [
