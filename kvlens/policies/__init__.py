@@ -6,13 +6,18 @@ import typing
 
 from kvlens.errors import KvlensError
 from kvlens.policies.base import Policy
+from kvlens.policies.cam import CaM
+from kvlens.policies.corm import CORM
 from kvlens.policies.full import Full
 from kvlens.policies.h2o import H2O
+from kvlens.policies.kvmerger import KVMerger
 from kvlens.policies.scissorhands import Scissorhands
 from kvlens.policies.streaming_llm import StreamingLLM
 from kvlens.policies.tova import TOVA
+from kvlens.policies.weightedkv import WeightedKV
 
-REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, H2O, Scissorhands, TOVA)}
+REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, H2O, Scissorhands, TOVA, CaM,
+                                                                WeightedKV, KVMerger, CORM)}
 
 
 def register(cls: type[Policy]) -> type[Policy]:

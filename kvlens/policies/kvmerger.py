@@ -3,12 +3,25 @@
 Wang et al., "Model Tells You Where to Merge: Adaptive KV Cache Merging for LLMs on Long-Context
 Tasks" (KVMerger), 2024, https://arxiv.org/abs/2407.08454. The pure functions `merging_sets`
 (Algorithm 1) and `gaussian_weights` (Eq. 7-8) are public so analysis code can reuse them.
+
+The policy: after prefill, per KV head, keep the `recent_ratio` newest slots and the `keep_ratio`
+slots with the largest aggregated attention `Abar` (column sums of the attention map); group the
+rest into merging sets; per set the pivot is its slot with the largest `Abar`, and the merged key
+and value `sum_i w_i k_i`, `sum_i w_i v_i` replace the pivot's (it keeps its position and its own
+statistics). Generated tokens are appended. Budget-free: heads keep different counts, the layer
+is padded to the longest head, and the reached size is reported per layer and head
+(`steps/kv_slots`). `remerge_every` > 0 re-runs the merge during decoding (not in the paper).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvlens.errors import KvlensError
+from kvlens.policies.base import Policy, check
+from kvlens.policies.corm import padded_keep
 
 
 def merging_sets(keys: torch.Tensor, threshold: float, candidates: torch.Tensor | None = None) -> list[list[int]]:
@@ -67,3 +80,83 @@ def gaussian_weights(keys_of_set: torch.Tensor, pivot_index: int, sigma: float |
         return torch.full((n,), 1.0 / n)
     logits = -dist2 / (2 * sigma ** 2)
     return torch.softmax(logits, dim=0)  # normalised exp(logits), stable
+
+
+@dataclass
+class KVMerger(Policy):
+    """threshold: cosine similarity to join a merging set; recent_ratio: share of the slots kept as the
+    recent window; keep_ratio: share kept as top-k by aggregated attention (sinks and heavy hitters);
+    sigma: Gaussian kernel width (0 = the paper's formula); remerge_every: also re-merge every this many
+    decode steps (0 = only after prefill, the paper's setting)."""
+
+    threshold: float = 0.75
+    recent_ratio: float = 0.1
+    keep_ratio: float = 0.1
+    sigma: float = 0.0
+    remerge_every: int = 0
+
+    name = "kvmerger"
+    description = "After prefill, merge runs of similar consecutive keys into their most attended one (Gaussian weights)."
+    paper = "https://arxiv.org/abs/2407.08454"
+    budget_free = True
+    merge_rule: ClassVar[str] = "set"  # provenance: per step, target <- w_p target + sum_i w_i source_i
+
+    def __post_init__(self):
+        check(isinstance(self.threshold, (int, float)) and -1 <= self.threshold <= 1,
+              f"threshold must be a cosine similarity in [-1, 1]; got {self.threshold!r}.")
+        for key in ("recent_ratio", "keep_ratio"):
+            value = getattr(self, key)
+            check(isinstance(value, (int, float)) and 0 <= value <= 1, f"{key} must be in [0, 1]; got {value!r}.")
+        check(isinstance(self.sigma, (int, float)) and self.sigma >= 0,
+              f"sigma must be >= 0 (0 = the paper's formula); got {self.sigma!r}.")
+        check(isinstance(self.remerge_every, int) and self.remerge_every >= 0,
+              f"remerge_every must be an integer >= 0; got {self.remerge_every!r}.")
+        self._steps: dict[int, int] = {}  # compress calls per layer
+
+    def compress(self, layer, budget, log):
+        step = self._steps.get(layer.layer, 0)
+        self._steps[layer.layer] = step + 1
+        if step and not (self.remerge_every and step % self.remerge_every == 0):
+            return
+        hkv, s = layer.pos.shape
+        keys, values = layer.keys[0].clone(), layer.values[0].clone()  # (Hkv, S, D)
+        keep = layer.valid.clone()  # (Hkv, S)
+        for h in range(hkv):
+            for members, weights in self._head_sets(layer, h):
+                pivot = members[int(torch.argmax(layer.abar[h, members]))]
+                w = weights(pivot, members).to(keys.dtype)  # (n,)
+                keys[h, pivot] = w @ layer.keys[0, h, members]
+                values[h, pivot] = w @ layer.values[0, h, members]
+                keep[h, [m for m in members if m != pivot]] = False
+                if log is not None:
+                    for m, wm in zip(members, w.tolist()):
+                        if m != pivot:
+                            log.merge(layer.layer, h, int(layer.pos[h, m]), [int(layer.pos[h, pivot])], [wm])
+        if bool((keep == layer.valid).all()):
+            return
+        layer.keys, layer.values = keys[None], values[None]
+        index, valid = padded_keep(keep)
+        layer.keep(index, valid)
+
+    def _head_sets(self, layer, h: int):
+        """Merging sets (of two or more slots) of KV head h, each with its weight function."""
+        valid = layer.valid[h]  # (S,)
+        n = int(valid.sum())
+        order = torch.nonzero(valid).flatten()  # valid slots, oldest first
+        candidates = valid.clone()
+        n_recent = int(n * self.recent_ratio)
+        if n_recent:
+            candidates[order[n - n_recent:]] = False
+        n_top = int(n * self.keep_ratio)
+        if n_top:
+            score = layer.abar[h].masked_fill(~candidates, float("-inf"))
+            candidates[torch.topk(score, min(n_top, int(candidates.sum()))).indices] = False
+        keys = layer.keys[0, h]
+        sigma = self.sigma or None
+
+        def weights(pivot, members):
+            return gaussian_weights(keys[members], members.index(pivot), sigma)
+
+        for members in merging_sets(keys, self.threshold, candidates):
+            if len(members) > 1:
+                yield members, weights

@@ -1,0 +1,101 @@
+"""`corm`: budget-free eviction by recent query messages.
+
+Dai et al., "CORM: Cache Optimization with Recent Message for Large Language Model Inference",
+2024, https://arxiv.org/abs/2404.15949 (Algorithm 1, Section 5.3 for GQA). Each query step
+leaves a message `1[A_t[j] >= 1/t]` per key; with a window of the last `w` messages, a key
+minor in all of them is dropped, except the `r` most recent. Under GQA a key is minor only if
+minor for every query head of its group. Nothing happens until `w` messages exist (the last
+prefill rows count as messages). Heads keep different counts: the layer is padded to the
+longest head (`valid=False`), so kept entries and allocated bytes both get reported.
+
+`important="position"` (default) uses the paper's `1/t`, t the number of tokens seen so far;
+`important="slots"` uses `1/n_slots` (the keys actually attended, as in kvlens' DESIGN table).
+Paper defaults are w = r = 256 for 4k contexts; the defaults here (32, 32) scale that to the
+few-hundred-token prompts this workbench runs on CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvlens.policies.base import Policy, check
+
+MESSAGE = "corm_message"  # (Hkv, S, w) bool, newest message last
+
+
+def padded_keep(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`keep` `(Hkv, S)` bool -> ascending index `(Hkv, n)` and valid `(Hkv, n)`, n = the largest count.
+
+    Heads with fewer kept slots are padded with their oldest dropped slots, marked invalid.
+    """
+    counts = keep.sum(-1, keepdim=True)  # (Hkv, 1)
+    n = int(counts.max())
+    dropped_rank = (~keep).long().cumsum(-1)
+    select = keep | (~keep & (dropped_rank <= n - counts))
+    index = select.nonzero()[:, 1].view(keep.shape[0], n)
+    return index, torch.gather(keep, 1, index)
+
+
+def log_dropped(layer, keep: torch.Tensor, log) -> None:
+    """Log every valid slot not in `keep` `(Hkv, S)` as evicted."""
+    if log is not None:
+        log.evict(layer.layer, layer.pos.masked_fill(~(layer.valid & ~keep), -1))
+
+
+@dataclass
+class CORM(Policy):
+    """window: w, recent query messages kept; recent: r, newest slots never dropped;
+    important: threshold 1/t over tokens seen (paper) or 1/n_slots."""
+
+    window: int = 32
+    recent: int = 32
+    important: Literal["position", "slots"] = "position"
+
+    name = "corm"
+    description = "Budget-free: drop keys minor for all of the last `window` queries (GQA: every head of the group)."
+    paper = "https://arxiv.org/abs/2404.15949"
+    budget_free = True
+
+    def __post_init__(self):
+        check(isinstance(self.window, int) and self.window >= 1, f"window must be an integer >= 1; got {self.window!r}.")
+        check(isinstance(self.recent, int) and self.recent >= 0, f"recent must be an integer >= 0; got {self.recent!r}.")
+        check(self.important in ("position", "slots"), f"important must be position or slots; got {self.important!r}.")
+        self._count: dict[int, int] = {}  # messages seen per layer
+
+    def prefill_rows(self) -> int:
+        return self.window
+
+    def observe_prefill(self, layer, rows):
+        hkv, t = layer.pos.shape
+        hq, length, _ = rows.shape
+        seen = torch.arange(t - length + 1, t + 1, device=rows.device, dtype=torch.float32)  # query i sees i+1 keys
+        important = (rows >= (1.0 / seen)[None, :, None]).view(hkv, hq // hkv, length, t).any(1)  # (Hkv, L, T)
+        msg = torch.zeros(hkv, t, self.window, dtype=torch.bool, device=rows.device)
+        msg[:, :, self.window - length:] = important.transpose(1, 2)
+        layer.extra[MESSAGE] = msg
+        self._count[layer.layer] = length
+
+    def observe(self, layer, probs):
+        if self.important == "position":
+            t = float(layer.pos.max()) + 1
+        else:
+            t = layer.valid.sum(-1, keepdim=True)[:, None].float()  # (Hkv, 1, 1)
+        important = (probs >= 1.0 / t).any(1) & layer.valid  # (Hkv, S)
+        msg = layer.extra[MESSAGE]
+        layer.extra[MESSAGE] = torch.cat([msg[:, :, 1:], important[:, :, None]], dim=2)
+        self._count[layer.layer] = self._count.get(layer.layer, 0) + 1
+
+    def compress(self, layer, budget, log):
+        if self._count.get(layer.layer, 0) < self.window:
+            return
+        s = layer.n_slots
+        recent = torch.zeros(s, dtype=torch.bool, device=layer.pos.device)
+        recent[max(0, s - self.recent):] = True
+        keep = (layer.extra[MESSAGE].any(-1) | recent[None, :]) & layer.valid  # (Hkv, S)
+        if bool((keep == layer.valid).all()):
+            return
+        log_dropped(layer, keep, log)
+        index, valid = padded_keep(keep)
+        layer.keep(index, valid)
