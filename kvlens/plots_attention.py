@@ -1,0 +1,198 @@
+"""Attention maps of a recorded run, CaM Fig. 1 (a-c) style, and cache occupancy over time.
+
+`attention_grid` turns a `--record full` run's per-step rows (`attn/{layer}` `(R, Hq, Smax)`,
+`attn_pos/{layer}` `(R, Hkv, Smax)`; row 0 = the last prompt token's query, row r >= 1 = the
+decode forward that fed generated token r - 1) into a query-step x position grid: the attention
+each cached position received, and each cell's status (not yet seen, evicted, merged away, kept,
+holding merged values, sink). Cache state at row r reflects the decisions of steps < r.
+Long runs are block-pooled to at most `max_cells` per axis (attention: mean over the block's
+cached cells; status: the highest code in the block).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+import torch
+
+from kvlens.errors import KvlensError
+from kvlens.runs import Run
+
+# status codes, in pooling priority (higher wins when blocks are pooled)
+FUTURE, EVICTED, MERGED_AWAY, KEPT, HOLDS_MERGE, SINK = range(6)
+STATUS = {FUTURE: ("not yet seen", "#ffffff"), EVICTED: ("evicted", "#c8c8c8"),
+          MERGED_AWAY: ("merged away", "#f2b37a"), KEPT: ("kept", "#dde8f5"),
+          HOLDS_MERGE: ("holds merged values", "#d62728"), SINK: ("sink", "#111111")}
+
+
+@dataclass
+class AttentionGrid:
+    """`weights` `(R', P')` attention (NaN where no cached slot), `status` `(R', P')` codes above;
+    `rows` / `cols` the first query row / position of each (pooled) cell; `block` the pooling."""
+
+    layer: int
+    head: int
+    weights: torch.Tensor
+    status: torch.Tensor
+    rows: list[int]
+    cols: list[int]
+    block: tuple[int, int]
+    prompt_len: int
+
+
+def recorded_attention_layers(run: Run) -> list[int]:
+    layers = sorted(int(n.split("/")[1]) for n in run.tensors if n.startswith("attn/"))
+    if not layers:
+        raise KvlensError("This run has no per-step attention rows; record it with --record full.")
+    return layers
+
+
+def _merges(run: Run, layer: int, kv_head: int):
+    """(step, position merged away, target positions) of this layer and KV head, from the decision log."""
+    d = run.decisions
+    if d is None or not len(d):
+        return []
+    d = d[(d["action"] == "merge") & (d["layer"] == layer) & (d["kv_head"] == kv_head)]
+    if "draw" in d:
+        d = d[d["draw"] != 0]  # a Bernoulli draw of 0 merged nothing
+    return [(int(s), int(p), [int(t) for t in ts]) for s, p, ts in zip(d["step"], d["position"], d["targets"])]
+
+
+def attention_grid(run: Run, layer: int, head: int, max_cells: int = 512) -> AttentionGrid:
+    """The step x position attention grid of query head `head` in `layer` (see module docstring)."""
+    layers = recorded_attention_layers(run)
+    if layer not in layers:
+        raise KvlensError(f"Layer {layer} has no recorded attention rows; recorded layers: "
+                          f"{', '.join(map(str, layers))}.")
+    attn = run.tensor(f"attn/{layer}").float()  # (R, Hq, Smax)
+    pos = run.tensor(f"attn_pos/{layer}").long()  # (R, Hkv, Smax)
+    n_rows, hq, _ = attn.shape
+    if not 0 <= head < hq:
+        raise KvlensError(f"Head {head} is out of range: the model has query heads 0 to {hq - 1}.")
+    kv = head // (hq // pos.shape[1])
+    prompt_len = len(run.meta["prompt_tokens"])
+    n_pos = prompt_len + n_rows - 1
+    weights = torch.full((n_rows, n_pos), float("nan"))
+    present = torch.zeros(n_rows, n_pos, dtype=torch.bool)
+    p = pos[:, kv]  # (R, Smax)
+    valid = p >= 0
+    r_idx = torch.arange(n_rows)[:, None].expand_as(p)
+    weights[r_idx[valid], p[valid]] = attn[:, head][valid]
+    present[r_idx[valid], p[valid]] = True
+    seen = torch.arange(n_pos)[None, :] <= (prompt_len - 1 + torch.arange(n_rows))[:, None]  # (R, P)
+    status = torch.full((n_rows, n_pos), FUTURE, dtype=torch.int8)
+    status[seen] = EVICTED
+    for step, position, targets in _merges(run, layer, kv):
+        later = slice(step + 1, None)
+        status[later, position] = torch.where(present[later, position], status[later, position],
+                                              torch.tensor(MERGED_AWAY, dtype=torch.int8))
+        for t in targets:
+            if 0 <= t < n_pos:
+                status[later, t] = HOLDS_MERGE
+    status[present & (status != HOLDS_MERGE)] = KEPT
+    sink = int(run.meta["policy"].get("params", {}).get("sink", 0) or 0)
+    if sink:
+        status[:, :sink][present[:, :sink]] = SINK
+    status[~present & (status >= KEPT)] = EVICTED  # a merge target that was evicted later
+    return _pool(layer, head, weights, status, max_cells, prompt_len)
+
+
+def _pool(layer, head, weights, status, max_cells, prompt_len) -> AttentionGrid:
+    br = math.ceil(weights.shape[0] / max_cells)
+    bc = math.ceil(weights.shape[1] / max_cells)
+    if br > 1 or bc > 1:
+        pr, pc = (-weights.shape[0]) % br, (-weights.shape[1]) % bc
+        w = torch.nn.functional.pad(weights, (0, pc, 0, pr), value=float("nan"))
+        s = torch.nn.functional.pad(status, (0, pc, 0, pr), value=FUTURE)
+        r, c = w.shape[0] // br, w.shape[1] // bc
+        w = w.view(r, br, c, bc).permute(0, 2, 1, 3).reshape(r, c, br * bc)
+        weights = w.nansum(-1) / (~w.isnan()).sum(-1)  # NaN where the block holds no cached cell
+        status = s.view(r, br, c, bc).permute(0, 2, 1, 3).reshape(r, c, -1).amax(-1)
+    rows = list(range(0, br * weights.shape[0], br))
+    cols = list(range(0, bc * weights.shape[1], bc))
+    return AttentionGrid(layer, head, weights, status, rows, cols, (br, bc), prompt_len)
+
+
+def attention_map_figure(run: Run, grid: AttentionGrid, step: int | None = None) -> go.Figure:
+    """Heatmap of log10 attention over kept cells on a status background; `step` draws a guide line."""
+    fig = go.Figure()
+    codes = sorted(STATUS)
+    scale = []
+    for i, code in enumerate(codes):  # a discrete colour scale over the codes
+        lo, hi = i / len(codes), (i + 1) / len(codes)
+        scale += [[lo, STATUS[code][1]], [hi, STATUS[code][1]]]
+    names = [[STATUS[int(c)][0] for c in row] for row in grid.status.tolist()]
+    fig.add_trace(go.Heatmap(z=grid.status.tolist(), x=grid.cols, y=grid.rows, zmin=-0.5, zmax=len(codes) - 0.5,
+                             colorscale=scale, showscale=False, customdata=names, name="status",
+                             hovertemplate="position %{x}, query row %{y}: %{customdata}<extra></extra>"))
+    logw = torch.log10(grid.weights.clamp(min=1e-6))
+    fig.add_trace(go.Heatmap(z=logw.tolist(), x=grid.cols, y=grid.rows, zmin=-4, zmax=0, colorscale="Viridis",
+                             customdata=names, name="attention",
+                             colorbar=dict(title=dict(text="attention"), tickvals=[-4, -3, -2, -1, 0],
+                                           ticktext=["≤1e-4", "1e-3", "0.01", "0.1", "1"], thickness=14),
+                             hovertemplate="position %{x}, query row %{y}<br>attention 10^%{z:.2f}"
+                                           "<br>%{customdata}<extra></extra>"))
+    for code in (EVICTED, MERGED_AWAY, HOLDS_MERGE, SINK):
+        if bool((grid.status == code).any()):
+            fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=STATUS[code][0],
+                                     marker=dict(symbol="square", size=12, color=STATUS[code][1],
+                                                 line=dict(color="#555", width=1))))
+    fig.add_vline(x=grid.prompt_len - 0.5, line=dict(color="#444", dash="dot", width=1))
+    if step is not None:
+        fig.add_hline(y=step, line=dict(color="#d62728", width=1))
+    pooled = grid.block != (1, 1)
+    xlabel = "token position" + (f" (blocks of {grid.block[1]})" if pooled else "")
+    ylabel = "query row (0 = last prompt token)" + (f" (blocks of {grid.block[0]})" if pooled else "")
+    fig.update_xaxes(title_text=xlabel, range=[-0.5, grid.cols[-1] + grid.block[1] - 0.5])
+    fig.update_yaxes(title_text=ylabel, autorange="reversed")
+    pol = run.meta["policy"]["name"]
+    fig.update_layout(title=dict(text=f"Attention of layer {grid.layer}, head {grid.head} under {pol} "
+                                      f"(dotted: end of prompt)"),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0), height=520,
+                      meta={"analysis": "attention_map", "params": {"layer": grid.layer, "head": grid.head},
+                            "run": str(run.path) if run.path else None, "run_command": run.meta.get("command")})
+    return fig
+
+
+def attention_row_figure(grid: AttentionGrid, row: int) -> go.Figure:
+    """One query row of the grid as bars over positions, coloured by status."""
+    r = min(range(len(grid.rows)), key=lambda i: abs(grid.rows[i] - row))
+    w = grid.weights[r]
+    st = grid.status[r]
+    fig = go.Figure()
+    for code in (KEPT, HOLDS_MERGE, SINK):
+        mask = (st == code) & ~w.isnan()
+        if bool(mask.any()):
+            xs = [grid.cols[i] for i in mask.nonzero().flatten().tolist()]
+            fig.add_trace(go.Bar(x=xs, y=w[mask].tolist(), name=STATUS[code][0],
+                                 marker=dict(color="#1f77b4" if code == KEPT else STATUS[code][1])))
+    fig.update_xaxes(title_text="token position")
+    fig.update_yaxes(title_text="attention", type="log")
+    fig.update_layout(title=dict(text=f"Attention row at query row {grid.rows[r]}"), barmode="overlay", height=300,
+                      bargap=0, legend=dict(orientation="h", y=1.1))
+    return fig
+
+
+def occupancy_figure(run: Run) -> go.Figure:
+    """Kept slots per KV head after each step's compression (mean, min and max over layers and heads)."""
+    kept = run.tensor("steps/kv_slots").float()  # (steps + 1, L, Hkv)
+    flat = kept.flatten(1)
+    steps = list(range(kept.shape[0]))
+    prompt_len = len(run.meta["prompt_tokens"])
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=steps, y=[prompt_len + s for s in steps], mode="lines", name="tokens seen",
+                             line=dict(color="#888", dash="dot")))
+    fig.add_trace(go.Scatter(x=steps + steps[::-1], y=flat.amax(1).tolist() + flat.amin(1).tolist()[::-1],
+                             fill="toself", mode="none", fillcolor="rgba(0,114,178,0.15)", name="min-max over heads"))
+    fig.add_trace(go.Scatter(x=steps, y=flat.mean(1).tolist(), mode="lines", name="kept slots (mean)",
+                             line=dict(color="#0072B2", width=2)))
+    budget = (run.meta.get("budget") or {}).get("slots")
+    if budget:
+        fig.add_hline(y=budget, line=dict(color="#D55E00", dash="dash", width=1),
+                      annotation_text=f"budget {budget}", annotation_position="top left")
+    fig.update_xaxes(title_text="step (0 = right after the prompt)")
+    fig.update_yaxes(title_text="slots per KV head", rangemode="tozero")
+    fig.update_layout(title=dict(text="Cache occupancy"), height=340, legend=dict(orientation="h", y=1.12),
+                      meta={"analysis": "occupancy", "run": str(run.path) if run.path else None})
+    return fig

@@ -1,0 +1,68 @@
+"""Every chart in the app goes through `chart()`: the figure, then PNG / SVG / PDF / CSV / JSON downloads.
+
+Files come from `kvlens.export` (the CLI's exporter) and images are rendered only when their
+button is clicked (Streamlit calls the data callable then), so a page never pays kaleido's
+seconds for exports nobody asked for. Exports are always in the paper style (`kvlens.plots`'
+template); the sidebar's paper-style toggle (`app_paper`) shows that style on screen too,
+otherwise charts follow the app's theme.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from kvlens import export
+from kvlens.errors import KvlensError
+from kvlens.plots import COLORS  # noqa: F401  (importing kvlens.plots registers the "kvlens" template)
+
+MIME = {"png": "image/png", "svg": "image/svg+xml", "pdf": "application/pdf", "csv": "text/csv",
+        "json": "application/json"}
+
+
+def paper_mode() -> bool:
+    return bool(st.session_state.get("app_paper", False))
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")[:80] or "figure"
+
+
+def chart(fig: go.Figure, key: str, *, name: str, config: dict, data: pd.DataFrame | None = None,
+          height: int | None = None) -> None:
+    """Show `fig` with its export row. `config` is what reproduces it (run, layer, head, ...);
+    `data` the figure's numbers as a table (default: the traces' x/y/z)."""
+    if not fig.layout.template or not fig.layout.template.layout.font.family:
+        fig.update_layout(template="kvlens")
+    if height:
+        fig.update_layout(height=height)
+    st.plotly_chart(fig, key=f"{key}_chart", theme=None if paper_mode() else "streamlit",
+                    config={"displaylogo": False, "toImageButtonOptions": {"filename": _slug(name)}})
+    stem = _slug(name)
+    full_config = {**export.figure_config(fig), **config}
+    cols = st.columns([1, 1, 1, 1, 1, 4], gap="small")
+    for col, fmt in zip(cols, ("png", "svg", "pdf")):
+        col.download_button(fmt.upper(), data=lambda f=fig, x=fmt: _image(f, x), file_name=f"{stem}.{fmt}",
+                            mime=MIME[fmt], key=f"{key}_{fmt}", on_click="ignore",
+                            help=f"The figure as {fmt.upper()} in the paper style (rendered on click: a few seconds)")
+    cols[3].download_button("CSV", data=lambda: _csv(fig, data), file_name=f"{stem}.csv", mime=MIME["csv"],
+                            key=f"{key}_csv", on_click="ignore", help="The plotted numbers")
+    cols[4].download_button("JSON", data=lambda: json.dumps(full_config, indent=1, default=str),
+                            file_name=f"{stem}.json", mime=MIME["json"], key=f"{key}_json", on_click="ignore",
+                            help="The settings that reproduce this figure")
+
+
+def _image(fig: go.Figure, fmt: str) -> bytes:
+    """Image bytes; without Chromium the download holds the sentence saying how to get it."""
+    try:
+        return export.image_bytes(fig, fmt)
+    except KvlensError as err:
+        return str(err).encode()
+
+
+def _csv(fig: go.Figure, data: pd.DataFrame | None) -> str:
+    frame = data if data is not None else pd.DataFrame(export.figure_rows(fig), columns=["trace", "x", "y", "z", "error"])
+    return frame.to_csv(index=False)

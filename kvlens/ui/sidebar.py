@@ -1,0 +1,42 @@
+"""The shared sidebar: model, device, run picker, "new run", paper-style toggle (keys prefixed `app_`)."""
+from __future__ import annotations
+
+import streamlit as st
+
+from kvlens.ui.state import LEVEL_RANK, RunEntry, all_runs, cached_runs_dir, user_runs_dir
+
+DEVICES = ["auto", "cpu", "cuda", "mps"]
+
+
+def default_run(runs: list[RunEntry]) -> RunEntry:
+    """The run that fills the most pages: highest recording level, merging policies first."""
+    return max(runs, key=lambda e: (LEVEL_RANK.get(e.level, 0), e.policy in ("cam", "kvmerger", "weightedkv", "corm"),
+                                    e.source == "shipped"))
+
+
+def sidebar(run_page) -> None:
+    """Draw the sidebar; the chosen run's entry lands in `st.session_state.app_run_entry`."""
+    with st.sidebar:
+        runs = all_runs()
+        if not runs:
+            st.session_state.app_run_entry = None
+            st.info(f"No runs yet: {cached_runs_dir()} and {user_runs_dir()} hold none. "
+                    "Make one on the Run page, or regenerate the shipped ones with "
+                    "`python scripts/make_cached_runs.py`.")
+        else:
+            by_path = {e.path: e for e in runs}
+            if st.session_state.get("app_run") not in by_path:
+                st.session_state.app_run = default_run(runs).path
+            path = st.selectbox("Run", list(by_path), key="app_run", format_func=lambda p: by_path[p].label,
+                                help="Shipped runs from cached_runs/, then yours from runs/ (newest first).")
+            st.session_state.app_run_entry = by_path[path]
+        if st.button("New run", icon=":material/add:", width="stretch", help="Run a policy on your own prompt"):
+            st.switch_page(run_page)
+        st.divider()
+        st.toggle("Paper style", key="app_paper",
+                  help="Show charts in the style they are exported in (white, one font, no grid).")
+        with st.expander("Model", expanded=False):
+            st.text_input("Model", value="default", key="app_model",
+                          help="'default' (embedded SmolLM2-135M-Instruct), a hub id, a local folder or a .gguf file. "
+                               "Used by the Run and Compare pages.")
+            st.selectbox("Device", DEVICES, key="app_device", help="auto = CUDA, then MPS, then CPU.")

@@ -1,0 +1,66 @@
+"""Small shared blocks of page layout: run header, metric row, texts with a highlighted divergence."""
+from __future__ import annotations
+
+import html
+
+import streamlit as st
+
+from kvlens.runs import Run
+
+
+def _budget(run: Run) -> str:
+    b = run.meta.get("budget") or {}
+    if b.get("slots") is None:
+        return "no budget"
+    req = b.get("requested")
+    return f"budget {b['slots']} slots" + (f" ({req:g} of the prompt)" if isinstance(req, float) else "")
+
+
+def run_header(run: Run) -> None:
+    """One line naming the run: policy, parameters, budget, mode, model, level."""
+    pol = run.meta["policy"]
+    params = ", ".join(f"{k}={v}" for k, v in (pol.get("params") or {}).items())
+    rec = run.meta.get("record") or {}
+    layers = rec.get("layers")
+    st.markdown(f"**{pol['name']}**" + (f" ({params})" if params else "") + f" · {_budget(run)} · "
+                f"{run.meta.get('mode', 'generate')} · {len(run.meta['prompt_tokens'])} prompt + "
+                f"{len(run.meta['tokens'])} new tokens · recorded `{rec.get('level', 'summary')}`"
+                + (f" (layers {', '.join(map(str, layers))})" if layers else "")
+                + f" · `{run.path.name if run.path else 'unsaved'}`")
+
+
+def metric_row(run: Run) -> None:
+    m = run.metrics
+    cols = st.columns(5)
+    cols[0].metric("Perplexity", f"{m['ppl']:.2f}", help="exp(mean NLL) of the produced tokens under this run")
+    cols[1].metric("Peak KV cache", f"{m['kv_bytes_peak'] / 2**20:.2f} MiB",
+                   help=f"Allocated bytes after compression; the uncompressed prompt took "
+                        f"{m.get('kv_bytes_prefill', 0) / 2**20:.2f} MiB")
+    cols[2].metric("Max slots / head", m["kv_slots_max"])
+    ms = m.get("ms_per_token")
+    cols[3].metric("Speed", f"{ms:.0f} ms/token" if ms else "n/a")
+    kl = m.get("kl")
+    cols[4].metric("KL to full", f"{kl:.4f}" if kl is not None else "not measured",
+                   help="Mean KL(p_full || p_policy) per step; measured runs only (--measure)")
+
+
+def token_text(run: Run) -> None:
+    """Prompt in grey, generated (or scored) text in black."""
+    prompt = html.escape(run.meta.get("prompt", ""))
+    text = html.escape(run.meta.get("text", ""))
+    st.markdown(f"<div style='white-space:pre-wrap;line-height:1.5'><span style='color:#888'>{prompt}</span>"
+                f"<span style='background:#e8f0fe'>{text}</span></div>", unsafe_allow_html=True)
+
+
+def diverging_text(text_tokens: list[str], first_diff: int | None) -> None:
+    """Generated text with everything from the first token that differs from the full cache highlighted."""
+    if first_diff is None:
+        body = html.escape("".join(text_tokens))
+        st.markdown(f"<div style='white-space:pre-wrap'>{body}</div>", unsafe_allow_html=True)
+        st.caption("Same as the full cache.")
+        return
+    same = html.escape("".join(text_tokens[:first_diff]))
+    diff = html.escape("".join(text_tokens[first_diff:]))
+    st.markdown(f"<div style='white-space:pre-wrap'>{same}<span style='background:#ffd8a8' "
+                f"title='differs from the full cache from here'>{diff}</span></div>", unsafe_allow_html=True)
+    st.caption(f"Diverges from the full cache at new token {first_diff}.")

@@ -1,0 +1,88 @@
+"""Regenerate `cached_runs/`: small recorded runs of the embedded model that the app shows at once.
+
+Each run is made by the real CLI (`kvlens generate`), so its `run.json` carries the exact
+command that produced it. Prompts are short excerpts of the bundled State of the Union texts and
+only a few layers are recorded (`--record-layers`) to keep the folder at a few MB.
+
+    .venv/bin/python scripts/make_cached_runs.py            # all runs
+    .venv/bin/python scripts/make_cached_runs.py h2o-full   # only some
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "cached_runs"
+TEXTS = ROOT / "kvlens" / "data" / "state_union"
+
+
+def excerpt(name: str, chars: int) -> str:
+    """The first `chars` characters of a bundled text, cut at a word boundary."""
+    text = " ".join((TEXTS / name).read_text(encoding="utf-8").split())
+    return text[:chars].rsplit(" ", 1)[0]
+
+
+SHORT = excerpt("1961-Kennedy.txt", 480)  # ~100 tokens
+MEDIUM = excerpt("1962-Kennedy.txt", 800)  # ~160 tokens
+
+# name -> arguments of `kvlens generate` (without --out)
+RUNS: dict[str, list[str]] = {
+    "full-states": ["--policy", "full", "--prompt", MEDIUM, "--max-new-tokens", "16", "--record", "states",
+                    "--record-layers", "0,5,11,17,23,29"],
+    "streaming_llm-full": ["--policy", "streaming_llm", "--budget", "48", "--prompt", SHORT,
+                           "--max-new-tokens", "40", "--record", "full", "--record-layers", "0,15,29"],
+    "h2o-full": ["--policy", "h2o", "--budget", "48", "--prompt", SHORT, "--max-new-tokens", "40",
+                 "--record", "full", "--record-layers", "0,15,29"],
+    "tova-summary": ["--policy", "tova", "--budget", "32", "--prompt", SHORT, "--max-new-tokens", "40"],
+}
+# Merging runs need the merging policies and `--measure` (issue 3); added when they are registered.
+MERGING: dict[str, list[str]] = {
+    "cam-full": ["--policy", "cam", "--budget", "48", "--set", "base=h2o", "--prompt", SHORT,
+                 "--max-new-tokens", "40", "--record", "full", "--record-layers", "0,15,29", "--measure"],
+    "kvmerger-full": ["--policy", "kvmerger", "--prompt", SHORT, "--max-new-tokens", "24", "--record", "full",
+                      "--record-layers", "0,15,29", "--measure"],
+}
+
+
+def available(args: list[str]) -> bool:
+    """Whether the installed kvlens knows this run's policy and flags."""
+    from kvlens.policies import REGISTRY
+
+    policy = args[args.index("--policy") + 1]
+    if policy not in REGISTRY:
+        return False
+    if "--measure" in args:
+        helptext = subprocess.run([sys.executable, "-m", "kvlens", "generate", "--help"], capture_output=True,
+                                  text=True).stdout
+        return "--measure" in helptext
+    return True
+
+
+def main(names: list[str]) -> int:
+    runs = {**RUNS, **MERGING}
+    unknown = [n for n in names if n not in runs]
+    if unknown:
+        print(f"unknown run {unknown[0]}; choose from: {', '.join(runs)}", file=sys.stderr)
+        return 2
+    OUT.mkdir(exist_ok=True)
+    for name in names or list(runs):
+        args = runs[name]
+        if not available(args):
+            print(f"skip {name}: this kvlens lacks its policy or --measure")
+            continue
+        cmd = [sys.executable, "-m", "kvlens", "generate", *args, "--out", f"cached_runs/{name}"]
+        print(f"run  {name}", flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        meta = json.loads((OUT / name / "run.json").read_text())
+        size = sum(f.stat().st_size for f in (OUT / name).iterdir())
+        print(f"     {len(meta['tokens'])} tokens, {size / 1e6:.2f} MB: {meta['text'][:60]!r}")
+    total = sum(f.stat().st_size for f in OUT.rglob("*") if f.is_file())
+    print(f"cached_runs/: {total / 1e6:.2f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
