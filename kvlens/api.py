@@ -8,6 +8,7 @@ from kvlens.context import Observer
 from kvlens.engine import RunOptions, StepEvent, run
 from kvlens.errors import KvlensError
 from kvlens.models import LoadedModel
+from kvlens.perturbation import measured
 from kvlens.policies import make_policy
 from kvlens.runs import Run
 
@@ -28,22 +29,30 @@ def encode(model: LoadedModel, text: str, chat: bool = False) -> list[int]:
 def generate(model: LoadedModel, prompt: str, policy: str, params: dict | None = None, *,
              opts: RunOptions, chat: bool = False, observers: list[Observer] = (),
              on_step: Callable[[StepEvent], None] | None = None, cancel: threading.Event | None = None,
-             meta: dict | None = None) -> Run:
-    """Generate up to `opts.max_new_tokens` tokens after `prompt` under a policy."""
+             meta: dict | None = None, measure: bool = False) -> Run:
+    """Generate up to `opts.max_new_tokens` tokens after `prompt` under a policy (`measure`: perturbation too)."""
     pol = make_policy(policy, params)
     ids = encode(model, prompt, chat)
-    return run(model, pol, ids, prefill=len(ids), steps=opts.max_new_tokens, teacher=False, opts=opts,
-               observers=observers, on_step=on_step, cancel=cancel, meta=meta)
+
+    def go(obs, cb):
+        return run(model, pol, ids, prefill=len(ids), steps=opts.max_new_tokens, teacher=False, opts=opts,
+                   observers=obs, on_step=cb, cancel=cancel, meta=meta)
+    return measured(model, go, observers, on_step) if measure else go(observers, on_step)
 
 
 def perplexity(model: LoadedModel, text: str, policy: str, params: dict | None = None, *, prefill: int,
                tokens: int, opts: RunOptions, observers: list[Observer] = (),
                on_step: Callable[[StepEvent], None] | None = None, cancel: threading.Event | None = None,
-               meta: dict | None = None) -> Run:
-    """Teacher-forced perplexity: prefill `prefill` tokens, then score the next `tokens` one at a time."""
+               meta: dict | None = None, measure: bool = False) -> Run:
+    """Teacher-forced perplexity: prefill `prefill` tokens, then score the next `tokens` one at a time.
+
+    `measure` adds the output perturbation and the KL to the full cache (`kvlens.perturbation`)."""
     pol = make_policy(policy, params)
     ids = encode(model, text)
     if prefill < 1 or tokens < 1:
         raise KvlensError("--prefill and --tokens must both be at least 1.")
-    return run(model, pol, ids, prefill=prefill, steps=tokens, teacher=True, opts=opts,
-               observers=observers, on_step=on_step, cancel=cancel, meta=meta)
+
+    def go(obs, cb):
+        return run(model, pol, ids, prefill=prefill, steps=tokens, teacher=True, opts=opts,
+                   observers=obs, on_step=cb, cancel=cancel, meta=meta)
+    return measured(model, go, observers, on_step) if measure else go(observers, on_step)

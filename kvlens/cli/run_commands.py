@@ -5,6 +5,9 @@ from kvlens.cli.common import (add_model_args, add_policy_args, command_line, lo
                                read_text)
 from kvlens.errors import KvlensError
 
+MEASURED = ("perturbation_used", "perturbation_evict", "attention_loss", "kl", "perturbation_used_per_layer",
+            "perturbation_evict_per_layer")
+
 
 def register(sub) -> None:
     p = sub.add_parser("model-path", help="print the local directory of a resolved model")
@@ -25,6 +28,7 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples with --seed")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--measure", action="store_true", help="also measure output perturbation and KL to the full cache")
     p.add_argument("--record", default="summary", choices=["summary", "states", "full"])
     p.add_argument("--record-layers", help="comma-separated layers to record states/rows for (default: all)")
     p.add_argument("--out", required=True, help="run directory to write")
@@ -39,6 +43,7 @@ def register(sub) -> None:
     p.add_argument("--record", default="summary", choices=["summary", "states", "full"])
     p.add_argument("--out", help="also save the run here")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--measure", action="store_true", help="also measure output perturbation and KL to the full cache")
     add_model_args(p)
     p.set_defaults(func=cmd_ppl)
 
@@ -109,7 +114,7 @@ def cmd_generate(args) -> int:
     bar, on_step = progress(args.max_new_tokens, f"{args.policy}")
     with bar:
         run = generate(model, prompt, args.policy, params, opts=opts, chat=args.chat, on_step=on_step,
-                       meta={"command": command_line()})
+                       meta={"command": command_line()}, measure=args.measure)
     path = run.save(args.out)
     m = run.metrics
     print(run.meta["text"])
@@ -129,7 +134,7 @@ def cmd_ppl(args) -> int:
     bar, on_step = progress(args.tokens, f"{args.policy} ppl")
     with bar:
         run = perplexity(model, text, args.policy, params, prefill=args.prefill, tokens=args.tokens, opts=opts,
-                         on_step=on_step, meta={"command": command_line()})
+                         on_step=on_step, meta={"command": command_line()}, measure=args.measure)
     if args.out:
         run.save(args.out)
     m = run.metrics
@@ -137,6 +142,8 @@ def cmd_ppl(args) -> int:
               "budget_requested": opts.budget, "prefill": args.prefill, "tokens": args.tokens, "nll": m["nll"],
               "ppl": m["ppl"], "kv_slots_max": m["kv_slots_max"], "kv_bytes_peak": m["kv_bytes_peak"],
               "ms_per_token": m["ms_per_token"]}
+    if args.measure:
+        result.update({k: m[k] for k in MEASURED})
     if args.json:
         print_json(result)
     else:

@@ -1,0 +1,135 @@
+"""Output perturbation of a compressed cache (analysis mode, `--measure`).
+
+CaM (Zhang et al., ICML 2024) Fig. 1(d) and Eq. 4-5. The `PerturbationMeter` observer keeps a
+shadow of the uncompressed K/V history of the same run. At each decode step and layer, with the
+step's own query `q` `(Hq, D)`:
+- `O_full` = attention over the shadow (every position so far),
+- `O_used` = the run's own output over its compressed (possibly merged) cache,
+- `O_evict` = attention over the original keys and values of the positions the cache still holds
+  (same decisions, no merging),
+and it stores per (step, layer, query head) `||O_used - O_full|| / ||O_full||`, the same for
+`O_evict`, and the attention loss `1 - sum_{kept j} A_full[j]`. End to end, `kl_per_step` gives
+KL(p_full || p_policy) of the next-token distributions, p_full from one full-cache forward over
+the same tokens (teacher forced).
+
+Tensor names saved in a run: `perturbation/used`, `perturbation/evict`,
+`perturbation/attention_loss` `(steps - 1, L, Hq)` float32 (row k = the decode forward that fed
+token k and produced the logits of token k + 1), and `perturbation/kl` `(steps,)` (entry 0 is the
+prefill's logits, identical for every policy, so 0).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kvlens.context import Observer
+from kvlens.engine import StepEvent
+from kvlens.models import LoadedModel
+from kvlens.runs import Run
+
+
+class PerturbationMeter(Observer):
+    """Shadow full cache + per-step relative output errors of the compressed cache."""
+
+    needs_rows = True
+
+    def __init__(self):
+        self.shadow_k: dict[int, torch.Tensor] = {}  # layer -> (Hkv, T, D)
+        self.shadow_v: dict[int, torch.Tensor] = {}
+        self.used: dict[int, list[torch.Tensor]] = {}  # layer -> [(Hq,)] per step
+        self.evict: dict[int, list[torch.Tensor]] = {}
+        self.loss: dict[int, list[torch.Tensor]] = {}
+
+    def on_prefill(self, layer, query, key, value, last_rows) -> None:
+        self.shadow_k[layer.layer] = key[0].detach().clone()
+        self.shadow_v[layer.layer] = value[0].detach().clone()
+
+    def on_decode(self, layer, query, probs, out, scaling) -> None:
+        i = layer.layer
+        # the token just fed is the newest slot (compression runs after the forward)
+        self.shadow_k[i] = torch.cat([self.shadow_k[i], layer.keys[0, :, -1:]], dim=1)
+        self.shadow_v[i] = torch.cat([self.shadow_v[i], layer.values[0, :, -1:]], dim=1)
+        k_full, v_full = self.shadow_k[i], self.shadow_v[i]  # (Hkv, T, D)
+        hkv, t, d = k_full.shape
+        hq = query.shape[1]
+        q = query[0, :, 0].view(hkv, hq // hkv, d).float()  # (Hkv, G, D)
+        a_full = torch.softmax(torch.einsum("hgd,htd->hgt", q, k_full.float()) * scaling, dim=-1)  # (Hkv, G, T)
+        o_full = torch.einsum("hgt,htd->hgd", a_full, v_full.float())
+        pos = layer.pos.clamp(max=t - 1)  # (Hkv, S); padding masked below
+        idx = pos[..., None].expand(-1, -1, d)
+        k_kept, v_kept = torch.gather(k_full, 1, idx).float(), torch.gather(v_full, 1, idx).float()  # (Hkv, S, D)
+        scores = torch.einsum("hgd,hsd->hgs", q, k_kept) * scaling
+        a_evict = torch.softmax(scores.masked_fill(~layer.valid[:, None, :], float("-inf")), dim=-1)
+        o_evict = torch.einsum("hgs,hsd->hgd", a_evict, v_kept)
+        o_used = out[0, 0].view(hkv, hq // hkv, d).float()
+        norm = o_full.norm(dim=-1).clamp(min=1e-30)
+        kept = torch.zeros(hkv, t, device=pos.device).scatter_(1, pos, layer.valid.float())  # (Hkv, T)
+        self.used.setdefault(i, []).append(((o_used - o_full).norm(dim=-1) / norm).flatten().cpu())
+        self.evict.setdefault(i, []).append(((o_evict - o_full).norm(dim=-1) / norm).flatten().cpu())
+        self.loss.setdefault(i, []).append((1 - (a_full * kept[:, None, :]).sum(-1)).flatten().cpu())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """`perturbation/used|evict|attention_loss` `(steps - 1, L, Hq)`; empty rows if no decode step ran."""
+        layers = sorted(self.used)
+
+        def stack(d):
+            return torch.stack([torch.stack(d[i]) for i in layers], dim=1) if layers else torch.zeros(0, 0, 0)
+
+        return {"perturbation/used": stack(self.used), "perturbation/evict": stack(self.evict),
+                "perturbation/attention_loss": stack(self.loss)}
+
+
+def full_logprobs(model: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """Log-probabilities `(len(ids), V)` of one uncompressed forward over `ids` (the full-cache reference)."""
+    with torch.inference_mode():
+        logits = model.model(input_ids=torch.tensor([ids], device=model.device)).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+def kl_per_step(full: torch.Tensor, policy_logits: list[torch.Tensor]) -> torch.Tensor:
+    """KL(p_full || p_policy) `(steps,)` from reference log-probs `(steps, V)` and the policy's logits."""
+    logp = torch.log_softmax(torch.stack([lg.float().cpu() for lg in policy_logits]), dim=-1)
+    return (full.exp() * (full - logp)).sum(-1).clamp(min=0)
+
+
+def measured(model: LoadedModel, go: Callable, observers=(), on_step=None) -> Run:
+    """Run `go(observers, on_step) -> Run` with a `PerturbationMeter` and add the perturbation to it.
+
+    Adds the tensors above and metrics `perturbation_used`, `perturbation_evict`, `attention_loss`,
+    `kl` (means over steps, layers and heads) and `perturbation_used_per_layer`,
+    `perturbation_evict_per_layer` (means per layer).
+    """
+    meter = PerturbationMeter()
+    logits: list[torch.Tensor] = []
+
+    def collect(event: StepEvent):
+        logits.append(event.logits.detach())
+        if on_step is not None:
+            on_step(event)
+
+    run = go([*observers, meter], collect)
+    ids = run.meta["prompt_tokens"] + run.meta["tokens"]
+    n = len(run.meta["tokens"])
+    full = full_logprobs(model, ids[:-1])[len(ids) - 1 - n:]  # (n, V): predicts each produced token
+    kl = kl_per_step(full, logits[:n])
+    run.tensors.update(meter.tensors())
+    run.tensors["perturbation/kl"] = kl
+    run.meta["metrics"].update(summary(run.tensors))
+    return run
+
+
+def summary(tensors: dict[str, torch.Tensor]) -> dict:
+    """Mean perturbation metrics of a run's `perturbation/*` tensors (None where no decode step ran)."""
+    used, evict, loss = (tensors[f"perturbation/{k}"] for k in ("used", "evict", "attention_loss"))
+    kl = tensors["perturbation/kl"]
+
+    def mean(t):
+        return float(t.mean()) if t.numel() else None
+
+    def per_layer(t):
+        return t.mean(dim=(0, 2)).tolist() if t.numel() else []
+
+    return {"perturbation_used": mean(used), "perturbation_evict": mean(evict), "attention_loss": mean(loss),
+            "kl": mean(kl), "perturbation_used_per_layer": per_layer(used),
+            "perturbation_evict_per_layer": per_layer(evict)}
