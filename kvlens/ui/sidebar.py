@@ -25,6 +25,9 @@ def sidebar(run_page) -> None:
                     "`python scripts/make_cached_runs.py`.")
         else:
             by_path = {e.path: e for e in runs}
+            request = st.session_state.pop("app_run_request", None)  # set by pages that saved a run
+            if request in by_path:
+                st.session_state.app_run = request
             if st.session_state.get("app_run") not in by_path:
                 st.session_state.app_run = default_run(runs).path
             path = st.selectbox("Run", list(by_path), key="app_run", format_func=lambda p: by_path[p].label,

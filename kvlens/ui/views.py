@@ -52,12 +52,12 @@ def token_text(run: Run) -> None:
                 f"<span style='background:#e8f0fe'>{text}</span></div>", unsafe_allow_html=True)
 
 
-def diverging_text(text_tokens: list[str], first_diff: int | None) -> None:
+def diverging_text(text_tokens: list[str], first_diff: int | None, reference: bool = False) -> None:
     """Generated text with everything from the first token that differs from the full cache highlighted."""
     if first_diff is None:
         body = html.escape("".join(text_tokens))
         st.markdown(f"<div style='white-space:pre-wrap'>{body}</div>", unsafe_allow_html=True)
-        st.caption("Same as the full cache.")
+        st.caption("The reference." if reference else "Same as the full cache.")
         return
     same = html.escape("".join(text_tokens[:first_diff]))
     diff = html.escape("".join(text_tokens[first_diff:]))

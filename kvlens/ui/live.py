@@ -1,0 +1,131 @@
+"""A run launched from the app: its settings, the worker that runs it, and the live figure.
+
+`RunSettings.work` is what `kvlens.ui.jobs.Job` executes on its thread (the CLI's `generate` /
+`perplexity` API, so the app and the CLI run the same code); `Live` accumulates the step events
+the page draws while the run goes on.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from kvlens.api import generate, perplexity
+from kvlens.engine import RunOptions, StepEvent
+from kvlens.errors import KvlensError
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "state_union"
+
+
+def bundled_texts() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(DATA.glob("*.txt"))}
+
+
+@dataclass
+class RunSettings:
+    policy: str
+    params: dict
+    budget: int | float | None
+    text: str
+    teacher: bool
+    new_tokens: int
+    prefill: int = 0  # teacher forcing only
+    record: str = "full"
+    record_layers: list[int] | None = None
+    measure: bool = False
+    seed: int = 0
+
+    def options(self) -> RunOptions:
+        return RunOptions(budget=self.budget, max_new_tokens=self.new_tokens, seed=self.seed, record=self.record,
+                          record_layers=self.record_layers)
+
+    def command(self) -> str:
+        """The equivalent CLI command (the prompt itself is not repeated)."""
+        parts = ["kvlens", "ppl" if self.teacher else "generate", "--policy", self.policy]
+        if self.budget is not None:
+            parts += ["--budget", str(self.budget)]
+        for k, v in self.params.items():
+            parts += ["--set", f"{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}"]
+        if self.teacher:
+            parts += ["--text-file", "TEXT", "--prefill", str(self.prefill), "--tokens", str(self.new_tokens)]
+        else:
+            parts += ["--prompt", "PROMPT", "--max-new-tokens", str(self.new_tokens)]
+        parts += ["--record", self.record]
+        if self.record_layers:
+            parts += ["--record-layers", ",".join(map(str, self.record_layers))]
+        if self.measure:
+            parts.append("--measure")
+        return " ".join(parts) + "   # made in the app"
+
+    def work(self, model):
+        """`(on_step, cancel) -> Run` for a `Job`."""
+        meta = {"command": self.command(), "made_in": "app"}
+
+        def go(on_step, cancel):
+            if self.teacher:
+                return perplexity(model, self.text, self.policy, self.params, prefill=self.prefill,
+                                  tokens=self.new_tokens, opts=self.options(), on_step=on_step, cancel=cancel,
+                                  meta=meta, measure=self.measure)
+            return generate(model, self.text, self.policy, self.params, opts=self.options(), on_step=on_step,
+                            cancel=cancel, meta=meta, measure=self.measure)
+        return go
+
+
+def parse_layers(text: str, n_layers: int) -> list[int] | None:
+    """'all' or '' -> None; '0,15,29' -> [0, 15, 29] checked against the model."""
+    text = text.strip().lower()
+    if text in ("", "all"):
+        return None
+    try:
+        layers = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
+    except ValueError:
+        raise KvlensError(f"Layers to record must be 'all' or comma-separated numbers like 0,15,29; got '{text}'.")
+    bad = [x for x in layers if not 0 <= x < n_layers]
+    if bad:
+        raise KvlensError(f"Layer {bad[0]} does not exist: the model has layers 0 to {n_layers - 1}.")
+    return layers
+
+
+@dataclass
+class Live:
+    """Step events received so far."""
+
+    t0: float = field(default_factory=time.perf_counter)
+    steps: list[int] = field(default_factory=list)
+    nll: list[float] = field(default_factory=list)
+    slots: list[float] = field(default_factory=list)
+    text: str = ""
+    attention: dict | None = None
+
+    def add(self, events: list[StepEvent]) -> None:
+        for e in events:
+            self.steps.append(e.step)
+            self.nll.append(e.nll)
+            self.slots.append(max(e.kv_slots))
+            self.text += e.text
+            self.attention = e.attention or self.attention
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def figure(self) -> go.Figure:
+        """Three aligned panels: NLL per step, kept slots, and the last layer's current attention row."""
+        fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08,
+                            subplot_titles=["NLL of each token (nats)", "kept slots per KV head (max)",
+                                            "current attention row, last layer"])
+        fig.add_trace(go.Scatter(x=self.steps, y=self.nll, mode="lines+markers", name="NLL",
+                                 line=dict(color="#0072B2")), row=1, col=1)
+        fig.add_trace(go.Scatter(x=self.steps, y=self.slots, mode="lines", name="kept slots",
+                                 line=dict(color="#009E73")), row=1, col=2)
+        if self.attention:
+            fig.add_trace(go.Bar(x=self.attention["positions"], y=self.attention["weights"], name="attention",
+                                 marker=dict(color="#444")), row=1, col=3)
+        fig.update_xaxes(title_text="step", row=1, col=1)
+        fig.update_xaxes(title_text="step", row=1, col=2)
+        fig.update_xaxes(title_text="position", row=1, col=3)
+        fig.update_yaxes(rangemode="tozero", row=1, col=2)
+        fig.update_layout(height=300, showlegend=False, margin=dict(t=40, b=40, l=40, r=10), bargap=0)
+        return fig

@@ -1,0 +1,100 @@
+"""Run: a policy on your prompt or a bundled text, live plots while it runs, Stop cancels cleanly."""
+import time
+
+import streamlit as st
+
+from kvlens.errors import Cancelled, KvlensError
+from kvlens.ui.jobs import Job
+from kvlens.ui.live import Live, RunSettings, bundled_texts, parse_layers
+from kvlens.ui.state import get_model, list_runs, user_runs_dir
+from kvlens.ui.widgets import policy_picker
+
+st.title("Run")
+st.caption("Run a policy on a prompt, watch it work, and save the run for the other pages.")
+
+if st.session_state.pop("run_stopped", False):
+    st.warning("Stopped. The run was cancelled and nothing was saved.")
+saved = st.session_state.pop("run_saved", None)
+if saved:
+    st.success(f"Saved {saved}; it is now selected in the sidebar, so every page shows it.")
+
+left, right = st.columns([2, 3], gap="large")
+with left:
+    mode = st.radio("Mode", ["Generate", "Teacher-force (perplexity)"], horizontal=True, key="run_mode",
+                    help="Generate: greedy continuation of the prompt. Teacher-force: score the text's own next "
+                         "tokens after a prefill (perplexity).")
+    teacher = mode.startswith("Teacher")
+    texts = bundled_texts()
+    source = st.radio("Text", ["Type a prompt", "Bundled text"], horizontal=True, key="run_source",
+                      index=1 if teacher else 0)
+    if source == "Bundled text":
+        name = st.selectbox("Bundled text (State of the Union addresses)", list(texts), key="run_text")
+        text = texts[name].read_text(encoding="utf-8")
+    else:
+        text = st.text_area("Prompt", key="run_prompt", height=140,
+                            value="The history of the United States Congress begins in 1789, when")
+    picked = policy_picker("run")
+    c1, c2 = st.columns(2)
+    if teacher:
+        prefill = c1.number_input("Prefill tokens", 8, 4096, 256, step=32, key="run_prefill")
+        new_tokens = c2.number_input("Scored tokens", 1, 2048, 64, step=16, key="run_tokens")
+    else:
+        prefill = 0
+        new_tokens = c1.number_input("New tokens", 1, 1024, 48, step=8, key="run_new")
+        if source == "Bundled text":
+            chars = c2.number_input("Prompt characters", 50, 20000, 1000, step=250, key="run_chars",
+                                    help="Use the start of the bundled text as the prompt.")
+            text = text[:chars]
+    c3, c4 = st.columns(2)
+    record = c3.selectbox("Record", ["full", "states", "summary"], key="run_record",
+                          help="summary: tokens, metrics, decisions. states: + prompt q/k/v (Similarity, Spectra). "
+                               "full: + attention rows of every step (Attention).")
+    layers_text = c4.text_input("Layers to record", "0,15,29", key="run_layers", disabled=record == "summary",
+                                help="'all' or comma-separated layers; fewer layers keep the run small.")
+    measure = st.checkbox("Measure perturbation and KL to the full cache", value=True, key="run_measure",
+                          help="Keeps an uncompressed shadow cache (slower); fills the Perturbation page.")
+    b1, b2 = st.columns(2)
+    go_clicked = b1.button("Run", type="primary", icon=":material/play_arrow:", width="stretch", key="run_go",
+                           disabled=picked is None)
+    b2.button("Stop", icon=":material/stop:", width="stretch", key="run_stop",
+              on_click=lambda: st.session_state.update(run_stopped=True),
+              help="Cancel the running run; nothing is saved.")
+
+with right:
+    status = st.empty()
+    live_chart = st.empty()
+    live_text = st.empty()
+    if not go_clicked:
+        status.info("Set up a run on the left and press **Run**. Plots appear here while it runs.")
+
+if go_clicked and picked is not None:
+    policy, params, budget = picked
+    st.session_state.pop("run_stopped", None)
+    try:
+        model = get_model(st.session_state.get("app_model", "default"), st.session_state.get("app_device", "auto"))
+        layers = None if record == "summary" else parse_layers(layers_text, model.shape()["layers"])
+        settings = RunSettings(policy, params, budget, text, teacher, int(new_tokens), int(prefill), record, layers,
+                               measure)
+        live = Live()
+        frame = [0]
+
+        def draw(events):
+            live.add(events)
+            frame[0] += 1
+            status.info(f"Running {policy}: step {live.steps[-1] + 1} of {new_tokens}, {live.seconds():.1f} s. "
+                        "Press **Stop** to cancel.")
+            live_chart.plotly_chart(live.figure(), key=f"run_live_{frame[0]}")
+            live_text.markdown(f"**Output so far:** {live.text}")
+
+        with st.spinner("Running…"):
+            run = Job(settings.work(model)).follow(draw)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = run.save(user_runs_dir() / f"{policy}-{stamp}")
+        list_runs.clear()
+        st.session_state.app_run_request = str(path)
+        st.session_state.run_saved = path.name
+        st.rerun()
+    except Cancelled:
+        status.warning("Stopped. The run was cancelled and nothing was saved.")
+    except KvlensError as err:
+        status.error(str(err))
