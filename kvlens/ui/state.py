@@ -41,6 +41,7 @@ class RunEntry:
     policy: str
     level: str
     mtime: float
+    measured: bool  # has perturbation tensors (--measure)
 
     @property
     def label(self) -> str:
@@ -53,7 +54,8 @@ def _entry(directory: Path, source: str) -> RunEntry | None:
         meta = json.loads(manifest.read_text(encoding="utf-8"))
         policy = str(meta["policy"]["name"])
         level = str((meta.get("record") or {}).get("level", "summary"))
-        return RunEntry(str(directory), source, directory.name, policy, level, manifest.stat().st_mtime)
+        measured = "perturbation/used" in (meta.get("tensors") or {})
+        return RunEntry(str(directory), source, directory.name, policy, level, manifest.stat().st_mtime, measured)
     except (OSError, ValueError, KeyError, TypeError):
         return None  # not a run (or unreadable): left out of the picker
 

@@ -1,0 +1,101 @@
+"""Saved sweep and benchmark results (`results/sweep_*.json`, `results/bench_*.json`) for the app.
+
+A results file is one JSON object with a `rows` list of flat records (see `kvlens.sweep.write`);
+anything else in the object is its settings. Files that do not parse are listed with the reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from kvlens.plots import line_style
+from kvlens.ui.charts import chart
+from kvlens.ui.state import ROOT
+
+MAX_BYTES = 32 << 20
+
+
+def results_dir() -> Path:
+    """$KVLENS_RESULTS or `results/` beside app.py."""
+    return Path(os.environ.get("KVLENS_RESULTS") or ROOT / "results")
+
+
+@st.cache_data(ttl=10, max_entries=32, show_spinner=False)
+def read_results(path: str, mtime: float) -> tuple[dict, pd.DataFrame] | str:
+    """(settings, rows) of one results file, or the sentence saying why it cannot be read."""
+    p = Path(path)
+    if p.stat().st_size > MAX_BYTES:
+        return f"{p.name} is larger than {MAX_BYTES >> 20} MB; not shown."
+    try:
+        obj = json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        return f"{p.name} is not valid JSON ({type(err).__name__})."
+    if not isinstance(obj, dict) or not isinstance(obj.get("rows"), list):
+        return f"{p.name} has no 'rows' list of results."
+    rows = [r for r in obj["rows"] if isinstance(r, dict)]
+    frame = pd.DataFrame(rows)
+    for col in frame.columns:  # nested values (params, per-layer lists) as text, so tables render
+        if frame[col].map(lambda v: isinstance(v, (dict, list))).any():
+            frame[col] = frame[col].map(lambda v: json.dumps(v) if isinstance(v, (dict, list)) else v)
+    return {k: v for k, v in obj.items() if k != "rows"}, frame
+
+
+def result_files(kind: str) -> list[Path]:
+    folder = results_dir()
+    return sorted(folder.glob(f"{kind}_*.json"), key=lambda p: -p.stat().st_mtime) if folder.is_dir() else []
+
+
+def pick_results(prefix: str, kind: str, label: str):
+    """A select box over `results/{kind}_*.json`; returns (path, settings, frame) or None (after saying why)."""
+    files = result_files(kind)
+    if not files:
+        st.info(f"No saved {label} yet: {results_dir()} holds no `{kind}_*.json`. "
+                + ("Make one with `kvlens sweep ... --out results/sweep_NAME.json`." if kind == "sweep" else
+                   "Make one with the benchmark commands (see the README), which write `results/bench_*.json`."))
+        return None
+    path = st.selectbox(f"Saved {label}", files, format_func=lambda p: p.name, key=f"{prefix}_{kind}_file")
+    got = read_results(str(path), path.stat().st_mtime)
+    if isinstance(got, str):
+        st.error(got)
+        return None
+    return path, *got
+
+
+def metric_figure(frame: pd.DataFrame, x: str, ys: list[str], title: str) -> go.Figure:
+    """One line per policy (and per y column) of `ys` against `x`."""
+    fig = go.Figure()
+    i = 0
+    for policy, rows in frame.groupby("policy", sort=False):
+        rows = rows.sort_values(x)
+        for y in ys:
+            name = policy if len(ys) == 1 else f"{policy}: {y}"
+            fig.add_trace(go.Scatter(x=rows[x].tolist(), y=rows[y].tolist(), mode="lines+markers", name=name,
+                                     **line_style(i)))
+            i += 1
+    fig.update_xaxes(title_text=x.replace("_", " "))
+    fig.update_yaxes(title_text=" / ".join(y.replace("_", " ") for y in ys))
+    fig.update_layout(title=dict(text=title), height=400)
+    return fig
+
+
+def sweep_section(prefix: str, y: list[str], require_column: str) -> None:
+    """A sweep's chosen metrics against the budget, one line per policy (CaM Fig. 1d for perturbation)."""
+    picked = pick_results(prefix, "sweep", "sweeps")
+    if picked is None:
+        return
+    path, settings, frame = picked
+    if require_column not in frame.columns or frame[require_column].isna().all():
+        st.info(f"{path.name} has no `{require_column}` column; run the sweep with `--measure`.")
+        return
+    x = "budget_slots" if "budget_slots" in frame.columns else "budget"
+    rows = frame[frame[x].notna()]
+    if not len(rows):
+        st.info(f"{path.name} has no budgeted runs to plot against the budget.")
+        return
+    chart(metric_figure(rows, x, y, f"{' and '.join(y)} against the budget ({path.name})"), f"{prefix}_sweep",
+          name=f"{path.stem}-{'-'.join(y)}", config={"results": str(path), **settings}, data=rows)
