@@ -1,0 +1,82 @@
+"""Access to a run's recorded prefill states, and chunked causal attention recomputed from them.
+
+Every analysis takes a loaded `Run` (`kvlens.load_run`). States are stored as float16
+`prefill/q/{layer}` `(Hq, T, D)` and `prefill/k|v/{layer}` `(Hkv, T, D)` after RoPE; they are
+read back as float32. A missing tensor or an out-of-range layer/head is one `KvlensError` sentence.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from kvlens.errors import KvlensError
+from kvlens.runs import Run
+
+KINDS = {"query": "q", "key": "k", "value": "v"}
+CHUNK_ELEMENTS = 1 << 22  # float32 scores per attention chunk (~16 MB)
+
+
+def kind_code(kind: str) -> str:
+    """'query'/'key'/'value' (or 'q'/'k'/'v') -> the tensor letter."""
+    code = KINDS.get(kind, kind)
+    if code not in KINDS.values():
+        raise KvlensError(f"Unknown state kind '{kind}'; choose query, key or value.")
+    return code
+
+
+def recorded_layers(run: Run, kind: str = "key") -> list[int]:
+    """Layers whose prefill states of `kind` were recorded, ascending."""
+    prefix = f"prefill/{kind_code(kind)}/"
+    layers = sorted(int(n[len(prefix):]) for n in run.tensors if n.startswith(prefix))
+    if not layers:
+        raise KvlensError("This run has no recorded prefill states; record it with --record states (or full).")
+    return layers
+
+
+def check_layer(run: Run, layer: int, kind: str = "key") -> None:
+    layers = recorded_layers(run, kind)
+    if layer not in layers:
+        total = run.shape.get("layers", len(layers))
+        if 0 <= layer < total:
+            raise KvlensError(f"Layer {layer} was not recorded in this run; recorded layers: "
+                              f"{', '.join(map(str, layers))}.")
+        raise KvlensError(f"Layer {layer} is out of range: the model has layers 0 to {total - 1}.")
+
+
+def states(run: Run, kind: str, layer: int) -> torch.Tensor:
+    """Prefill states of one layer as float32: query `(Hq, T, D)`, key/value `(Hkv, T, D)`."""
+    check_layer(run, layer, kind)
+    return run.tensor(f"prefill/{kind_code(kind)}/{layer}").float()
+
+
+def head_states(run: Run, kind: str, layer: int, head: int) -> torch.Tensor:
+    """One head's prefill states `(T, D)`; `head` indexes query heads for queries, KV heads otherwise."""
+    x = states(run, kind, layer)
+    if not 0 <= head < x.shape[0]:
+        what = "query" if kind_code(kind) == "q" else "KV"
+        raise KvlensError(f"Head {head} is out of range: layer {layer} has {what} heads 0 to {x.shape[0] - 1}.")
+    return x[head]
+
+
+def attention_chunks(q: torch.Tensor, k: torch.Tensor, start: int = 0, stop: int | None = None,
+                     scale: float | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Causal softmax attention of query rows `[start, stop)`, a chunk of rows at a time.
+
+    q `(Hq, T, D)`, k `(Hkv, T, D)` with Hq a multiple of Hkv (GQA: query head h reads KV head
+    h // (Hq / Hkv)). `scale` defaults to 1/sqrt(head_dim) (Llama-family models; runs do not record
+    another). Yields `(a, b, probs (Hq, b - a, T))`, zero above the diagonal, so a long
+    prompt never materialises T x T for every head at once.
+    """
+    hq, t, _ = q.shape
+    group = hq // k.shape[0]
+    kk = k.repeat_interleave(group, dim=0)  # (Hq, T, D)
+    stop = t if stop is None else stop
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    chunk = max(1, CHUNK_ELEMENTS // (hq * t))
+    cols = torch.arange(t)
+    for a in range(start, stop, chunk):
+        b = min(stop, a + chunk)
+        scores = torch.einsum("hqd,hsd->hqs", q[:, a:b], kk) * scale  # (Hq, q, T)
+        future = cols[None, :] > torch.arange(a, b)[:, None]  # (q, T)
+        yield a, b, torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)

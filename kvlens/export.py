@@ -1,0 +1,100 @@
+"""Write a figure as PNG, SVG or PDF (kaleido with a system Chromium), plus its data (CSV) and config (JSON).
+
+`export_figure(fig, "out/fig.png")` writes `out/fig.png`, `out/fig.csv` (every trace's points in
+long form: trace, x, y, z, error) and `out/fig.json` (the analysis, its parameters, the run and the
+command that recorded it, kvlens version). Image export needs Chromium: `/usr/bin/chromium`
+(Debian's `chromium` package) or a Chrome/Chromium on PATH; without one, a clear `KvlensError`.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+from pathlib import Path
+
+import plotly.graph_objects as go
+
+from kvlens import __version__
+from kvlens.errors import KvlensError
+
+FORMATS = ("png", "svg", "pdf")
+CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+def find_chromium() -> str:
+    """Path of a Chromium/Chrome executable (BROWSER_PATH first), or a KvlensError saying how to get one."""
+    for name in (os.environ.get("BROWSER_PATH"), *CHROMIUM_CANDIDATES):
+        path = name and (name if os.path.isfile(name) and os.access(name, os.X_OK) else shutil.which(name))
+        if path:
+            return path
+    raise KvlensError("Image export needs Chromium and none was found; install it (Debian: apt-get install chromium) "
+                      "or set BROWSER_PATH, or export only the data with a .csv or .json --out.")
+
+
+def image_bytes(fig: go.Figure, fmt: str, scale: float = 2.0) -> bytes:
+    """The figure rendered as `fmt` (png, svg or pdf); PNG at `scale` x its layout size."""
+    if fmt not in FORMATS:
+        raise KvlensError(f"Unknown image format '{fmt}'; choose one of: {', '.join(FORMATS)}.")
+    os.environ["BROWSER_PATH"] = find_chromium()
+    return fig.to_image(format=fmt, scale=scale if fmt == "png" else 1)
+
+
+def figure_rows(fig: go.Figure) -> list[dict]:
+    """Every trace's points in long form: heatmaps one row per cell, lines one row per point."""
+    rows = []
+    for i, tr in enumerate(fig.data):
+        name = tr.name or f"trace {i}"
+        if tr.type == "heatmap":
+            z = tr.z or []
+            xs = list(tr.x) if tr.x is not None else list(range(len(z[0]) if z else 0))
+            ys = list(tr.y) if tr.y is not None else list(range(len(z)))
+            rows += [{"trace": name, "x": xs[c], "y": ys[r], "z": v, "error": None}
+                     for r, zr in enumerate(z) for c, v in enumerate(zr)]
+            continue
+        xs, ys = tr.x, tr.y
+        if ys is None or all(v is None for v in ys):
+            continue
+        xs = list(xs) if xs is not None else list(range(len(ys)))
+        err = list(tr.error_y.array) if getattr(tr, "error_y", None) is not None and tr.error_y.array is not None \
+            else [None] * len(ys)
+        rows += [{"trace": name, "x": x, "y": y, "z": None, "error": e} for x, y, e in zip(xs, ys, err)]
+    return rows
+
+
+def write_csv(fig: go.Figure, path: str | Path) -> Path:
+    path = Path(path)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["trace", "x", "y", "z", "error"])
+        writer.writeheader()
+        writer.writerows(figure_rows(fig))
+    return path
+
+
+def figure_config(fig: go.Figure) -> dict:
+    """What reproduces the figure: the builder's `layout.meta` (analysis, parameters, run) plus versions."""
+    meta = fig.layout.meta if isinstance(fig.layout.meta, dict) else {}
+    return {"kvlens_version": __version__, "title": fig.layout.title.text, **meta}
+
+
+def export_figure(fig: go.Figure, out: str | Path, scale: float = 2.0, command: str | None = None) -> list[Path]:
+    """Write `out` (.png/.svg/.pdf image, or .csv/.json only) and the CSV + JSON beside it; returns the paths."""
+    out = Path(out)
+    fmt = out.suffix.lower().lstrip(".")
+    if fmt not in (*FORMATS, "csv", "json"):
+        raise KvlensError(f"--out must end in .png, .svg, .pdf, .csv or .json; got '{out.name}'.")
+    if not out.parent.is_dir():
+        raise KvlensError(f"The folder {out.parent} does not exist.")
+    written = []
+    if fmt in FORMATS:
+        data = image_bytes(fig, fmt, scale)
+        out.write_bytes(data)
+        written.append(out)
+    config = figure_config(fig)
+    if command:
+        config["command"] = command
+    written.append(write_csv(fig, out.with_suffix(".csv")))
+    json_path = out.with_suffix(".json")
+    json_path.write_text(json.dumps(config, indent=1, default=str))
+    written.append(json_path)
+    return written
