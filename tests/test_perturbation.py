@@ -1,0 +1,83 @@
+"""Output perturbation (`--measure`): shadow full cache, O_used / O_evict vs O_full, attention loss, KL."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvlens.engine import RunOptions, run
+from kvlens.perturbation import measured
+from kvlens.policies import make_policy
+
+IDS = list(b"Attention sinks and heavy hitters keep the cache small. " * 3)
+NAMES = ("used", "evict", "attention_loss")
+
+
+def measure(model, name, params=None, budget=20, steps=16):
+    policy = make_policy(name, params)
+
+    def go(obs, cb):
+        return run(model, policy, IDS, prefill=80, steps=steps, teacher=True, observers=obs, on_step=cb,
+                   opts=RunOptions(budget=None if policy.budget_free or name == "full" else budget))
+    return measured(model, go)
+
+
+def test_full_has_zero_perturbation_and_zero_kl(tiny):
+    r = measure(tiny, "full")
+    for n in NAMES:
+        t = r.tensors[f"perturbation/{n}"]
+        assert t.shape == (15, 3, 4) and float(t.abs().max()) < 1e-5
+    assert r.tensors["perturbation/kl"].shape == (16,) and float(r.tensors["perturbation/kl"].max()) < 1e-6
+    assert r.metrics["kl"] < 1e-6 and len(r.metrics["perturbation_used_per_layer"]) == 3
+
+
+@pytest.mark.parametrize("name,params", [("streaming_llm", {}), ("h2o", {}), ("cam", {"mask": "never"})])
+def test_without_merges_used_equals_evict_and_eviction_perturbs(tiny, name, params):
+    r = measure(tiny, name, params)
+    used, evict = r.tensors["perturbation/used"], r.tensors["perturbation/evict"]
+    torch.testing.assert_close(used, evict, atol=1e-5, rtol=1e-4)
+    assert r.metrics["perturbation_used"] > 0.01 and r.metrics["kl"] > 0
+    loss = r.tensors["perturbation/attention_loss"]
+    assert float(loss.min()) >= -1e-6 and float(loss.max()) <= 1 and r.metrics["attention_loss"] > 0
+
+
+def test_cam_differs_from_eviction_only_after_its_first_merge(tiny):
+    r = measure(tiny, "cam", {"mask": "always"})  # step 0 evicts without merging, decode steps merge
+    used, evict = r.tensors["perturbation/used"], r.tensors["perturbation/evict"]
+    torch.testing.assert_close(used[0], evict[0], atol=1e-5, rtol=1e-4)  # before any merge
+    assert float((used[1:] - evict[1:]).abs().max()) > 1e-3
+    # same decisions and, in layer 0, the same queries (teacher forcing): the same attention loss there
+    plain = measure(tiny, "streaming_llm")
+    assert r.tensors["steps/kv_slots"].equal(plain.tensors["steps/kv_slots"])
+    torch.testing.assert_close(r.tensors["perturbation/attention_loss"][:, 0],
+                               plain.tensors["perturbation/attention_loss"][:, 0])
+
+
+def test_kl_is_against_a_full_pass_on_the_same_tokens(tiny):
+    r = measure(tiny, "h2o", budget=12)
+    full = run(tiny, make_policy("full"), IDS, prefill=80, steps=16, teacher=True, opts=RunOptions())
+    assert r.tensors["perturbation/kl"][0] == pytest.approx(0, abs=1e-6)  # the prefill's logits are shared
+    # KL from the logged nll: E_full[log p_full - log p_policy] >= 0, and large where nll moved most
+    assert float(r.tensors["perturbation/kl"].min()) >= 0
+    moved = (r.tensors["steps/nll"] - full.tensors["steps/nll"]).abs()
+    assert (float(r.tensors["perturbation/kl"].sum()) > 0) == (float(moved.sum()) > 0)
+
+
+def test_ppl_measure_json_keys(tiny, monkeypatch, capsys, tmp_path):
+    from kvlens.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(IDS))
+    monkeypatch.setattr("kvlens.cli.run_commands.load", lambda args: tiny)
+    out = tmp_path / "run"
+    assert main(["ppl", "--policy", "cam", "--budget", "20", "--text-file", str(text), "--prefill", "80",
+                 "--tokens", "8", "--measure", "--json", "--out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in ("perturbation_used", "perturbation_evict", "attention_loss", "kl"):
+        assert isinstance(result[key], float)
+    assert len(result["perturbation_used_per_layer"]) == len(result["perturbation_evict_per_layer"]) == 3
+    from kvlens import load_run
+
+    saved = load_run(out)
+    assert saved.tensors["perturbation/used"].shape == (7, 3, 4) and "perturbation/kl" in saved.tensors
