@@ -1,0 +1,247 @@
+"""Analyses against independent numpy computations, on the tiny model and on the embedded one."""
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import kvlens.analysis as an
+from kvlens.analysis.spectrum import singular_values
+from kvlens.analysis.sweeps import prefix_ids, record_states
+from kvlens.cli import main
+from kvlens.engine import RunOptions, run as engine_run
+from kvlens.errors import KvlensError
+from kvlens.policies import make_policy
+from kvlens.policies.kvmerger import merging_sets
+from tests.conftest import TEXTS, tiny_model
+
+T = 160
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_run(tmp_dir: str | None = None):
+    """A full-cache run of the tiny model with prefill states (T prompt tokens, 4 steps), saved if asked."""
+    model = tiny_model()
+    text = (TEXTS / "1961-Kennedy.txt").read_text()
+    ids = prefix_ids(model, text, T)
+    opts = RunOptions(max_new_tokens=4, record="states")
+    r = engine_run(model, make_policy("full"), ids, prefill=T, steps=4, teacher=False, opts=opts)
+    if tmp_dir:
+        r.save(tmp_dir)
+    return r
+
+
+@pytest.fixture(scope="module")
+def run():
+    return tiny_run()
+
+
+def np_states(run, code, layer):
+    return run.tensor(f"prefill/{code}/{layer}").float().numpy().astype(np.float64)  # (H, T, D)
+
+
+def np_unit(x):
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def np_attention(q, k):
+    """Causal softmax attention per query head, GQA by repetition: (Hq, T, T) float64."""
+    k = np.repeat(k, q.shape[0] // k.shape[0], axis=0)
+    s = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    s = np.where(np.triu(np.ones(s.shape[-2:], bool), 1), -np.inf, s)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("kind,code,head", [("query", "q", 3), ("key", "k", 1), ("value", "v", 0)])
+def test_similarity_map_is_the_cosine_matrix(run, kind, code, head):
+    x = np_unit(np_states(run, code, 1)[head])
+    full = x @ x.T
+    m = an.similarity_map(run, 1, head, kind, max_size=512)
+    assert m.block == 1 and m.matrix.shape == (T, T)
+    lower = np.tril(np.ones((T, T), bool))
+    np.testing.assert_allclose(m.matrix.numpy()[lower], full[lower], atol=1e-5)
+    assert np.isnan(m.matrix.numpy()[~lower]).all()
+
+
+def test_block_averaging_preserves_the_mean_and_each_block(run):
+    x = np_unit(np_states(run, "k", 2)[0])
+    full = x @ x.T
+    m = an.similarity_map(run, 2, 0, "key", max_size=7, lower=False)
+    edges = m.edges.tolist()
+    assert m.matrix.shape == (7, 7) and edges[0] == 0 and edges[-1] == T
+    sizes = np.diff(edges)
+    weighted = (m.matrix.numpy() * sizes[:, None] * sizes[None, :]).sum() / T ** 2
+    assert weighted == pytest.approx(full.mean(), abs=1e-5)
+    a, b = 3, 5
+    block = full[edges[a]:edges[a + 1], edges[b]:edges[b + 1]].mean()
+    assert float(m.matrix[a, b]) == pytest.approx(block, abs=1e-5)
+
+
+def test_block_edges_never_exceed_max_size():
+    for t in (1, 5, 511, 512, 513, 1075, 4096):
+        e = an.block_edges(t, 512)
+        assert len(e) - 1 <= 512 and int(e[-1]) == t and bool((e[1:] > e[:-1]).all())
+
+
+def test_adjacency_matches_numpy(run):
+    adj = an.adjacency(run)
+    assert adj.layers == [0, 1, 2]
+    for name, code in (("query", "q"), ("key", "k"), ("value", "v")):
+        for layer in adj.layers:
+            x = np_unit(np_states(run, code, layer))
+            want = (x[:, 1:] * x[:, :-1]).sum(-1).mean(-1)
+            np.testing.assert_allclose(adj.values[name][layer].numpy(), want, atol=1e-5)
+        assert adj.per_layer(name) == pytest.approx(adj.values[name].mean(1).tolist())
+
+
+def test_preceding_similarity_matches_numpy_and_pads_before_token_zero(run):
+    x = np_unit(np_states(run, "k", 0))
+    sims = an.preceding_similarity(run, 0, 100, window=5, kind="key").numpy()
+    for j in range(1, 6):
+        np.testing.assert_allclose(sims[:, j - 1], (x[:, 100] * x[:, 100 - j]).sum(-1), atol=1e-5)
+    early = an.preceding_similarity(run, 0, 2, window=5).numpy()
+    assert np.isfinite(early[:, :2]).all() and np.isnan(early[:, 2:]).all()
+
+
+def test_spectrum_matches_numpy_svd(run):
+    spec = an.spectrum(run, "value", components=64, top=8)
+    for layer in spec.layers:
+        for head, x in enumerate(np_states(run, "v", layer)):
+            s = np.linalg.svd(x, compute_uv=False)
+            np.testing.assert_allclose(spec.values[layer, head].numpy(), (s / s[0])[:16], rtol=1e-4, atol=1e-6)
+            assert float(spec.energy_top[layer, head]) == pytest.approx((s[:8] ** 2).sum() / (s ** 2).sum(), rel=1e-5)
+    assert spec.values.shape == (3, 2, 16)  # head_dim 16 bounds the rank
+
+
+def test_randomized_svd_path_for_large_matrices():
+    gen = torch.Generator().manual_seed(0)
+    u = torch.linalg.qr(torch.randn(700, 600, generator=gen, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(600, 600, generator=gen, dtype=torch.float64))[0]
+    s = 0.9 ** torch.arange(600, dtype=torch.float64)
+    x = (u * s) @ v.T  # (700, 600), min side > 512: randomized
+    got, total = singular_values(x.float(), components=20)
+    np.testing.assert_allclose(got.numpy(), s[:20].numpy(), rtol=1e-3)
+    assert total == pytest.approx(float((s ** 2).sum()), rel=1e-4)
+
+
+def test_corm_sparsity_matches_numpy(run):
+    sp = an.corm_sparsity(run)
+    for layer in sp.layers:
+        a = np_attention(np_states(run, "q", layer), np_states(run, "k", layer))  # (Hq, T, T)
+        seen = np.arange(1, T + 1)
+        share = ((a >= 1 / seen[None, :, None]) & np.tril(np.ones((T, T), bool))).sum(-1) / seen
+        np.testing.assert_allclose(sp.important[layer].numpy(), share.mean(-1), atol=2e-3)
+    np.testing.assert_allclose(sp.sparsity.numpy(), 1 - sp.important.numpy())
+
+
+def test_attention_variance_matches_numpy(run):
+    res = an.attention_variance(run, 1, head=2, group=16, rows=60)
+    a = np_attention(np_states(run, "q", 1), np_states(run, "k", 1))[2, T - 60:, :96]  # (rows, 6 groups * 16)
+    np.testing.assert_allclose(res.token_var.numpy().ravel(), a.var(0), rtol=1e-3, atol=1e-9)
+    np.testing.assert_allclose(res.group_var.numpy(), a.reshape(60, 6, 16).mean(-1).var(0), rtol=1e-3, atol=1e-9)
+    assert res.starts.tolist() == [0, 16, 32, 48, 64, 80] and res.rows == (T - 60, T)
+
+
+def test_merge_future_similarity_matches_an_explicit_renormalised_softmax(run):
+    step, horizon = 50, 30
+    res = an.merge_future_similarity(run, step, horizon, sink=4, layers=[2])
+    q, k = np_states(run, "q", 2), np_states(run, "k", 2)
+    a = np_attention(q, k)  # (Hq, T, T)
+    kv_mean = a.reshape(2, 2, T, T).mean(1)  # (Hkv, T, T)
+    seen = step + 1 - np.arange(step)
+    score = kv_mean[:, :step + 1, :step].sum(1) / seen
+    score[:, :4] = np.inf
+    j = score.argmin(-1)
+    assert res.merged[0].tolist() == j.tolist()
+    for h in range(4):
+        jh = j[h // 2]
+        rows = a[h, step + 1:step + 1 + horizon]
+        merged = rows.copy()
+        merged[:, jh] = 0
+        merged /= merged.sum(-1, keepdims=True)
+        cos = (rows * merged).sum(-1) / np.linalg.norm(rows, axis=-1) / np.linalg.norm(merged, axis=-1)
+        np.testing.assert_allclose(res.cosine[0, h].numpy(), cos, atol=1e-5)
+
+
+def test_aggregated_attention_recomputed_equals_the_engine_statistic(tiny):
+    ids = prefix_ids(tiny, (TEXTS / "1953-Eisenhower.txt").read_text(), 96)
+    r = engine_run(tiny, make_policy("h2o"), ids, prefill=96, steps=1, teacher=False,
+                   opts=RunOptions(budget=48, max_new_tokens=1, record="states"))
+    recorded = r.tensor("prefill/abar/1")
+    del r.tensors["prefill/abar/1"]
+    np.testing.assert_allclose(an.aggregated_attention(r, 1).numpy(), recorded.numpy(), rtol=1e-3, atol=1e-4)
+
+
+def test_merging_ratio_and_gaussian_set_use_the_policy_functions(run):
+    mr = an.merging_ratio(run, threshold=0.5)
+    keys = run.tensor("prefill/k/1")[0]
+    assert float(mr.ratio[1, 0]) == pytest.approx(1 - len(merging_sets(keys, 0.5)) / T)
+    gs = an.gaussian_set(run, 1, 0, threshold=0.5, sigmas=(None, 0.5))
+    assert gs.positions == max(merging_sets(keys, 0.5), key=len)
+    abar = an.aggregated_attention(run, 1)[0]
+    assert gs.pivot == gs.positions[int(abar[gs.positions].argmax())]
+    for w in gs.weights.values():
+        assert float(w.sum()) == pytest.approx(1) and int(w.argmax()) == gs.positions.index(gs.pivot)
+
+
+def test_log_perplexity_curve_is_the_running_mean_nll(run):
+    c = an.log_perplexity_curve(run, "full")
+    nll = run.tensor("steps/nll").double().numpy()
+    np.testing.assert_allclose(c.log_ppl.numpy(), np.cumsum(nll) / np.arange(1, len(nll) + 1), rtol=1e-6)
+    assert c.positions.tolist() == list(range(T, T + len(nll)))
+
+
+def test_bad_input_is_one_sentence(run, tiny):
+    with pytest.raises(KvlensError, match="out of range"):
+        an.similarity_map(run, 3, 0)
+    with pytest.raises(KvlensError, match="KV heads 0 to 1"):
+        an.similarity_map(run, 0, 2, "key")
+    r = engine_run(tiny, make_policy("full"), list(range(40, 60)), prefill=20, steps=1, teacher=False,
+                   opts=RunOptions(max_new_tokens=1))
+    with pytest.raises(KvlensError, match="--record states"):
+        an.adjacency(r)
+
+
+def test_cli_json_contracts(tmp_path, capsys):
+    tiny_run(str(tmp_path / "run"))
+    assert main(["analyze", "adjacency", "--run", str(tmp_path / "run"), "--json"]) == 0
+    adj = json.loads(capsys.readouterr().out)
+    assert set(adj) == {"layers", "query", "key", "value"} and adj["layers"] == 3
+    assert adj["key"] == pytest.approx(an.adjacency(tiny_run()).per_layer("key"), abs=1e-6)
+    assert main(["analyze", "spectrum", "--run", str(tmp_path / "run"), "--json"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert set(spec) == {"layers", "key", "value"} and set(spec["value"]) == {"singular_values", "energy_top8"}
+    assert len(spec["key"]["singular_values"]) == 3 and spec["key"]["singular_values"][0][0] == pytest.approx(1)
+    x = np_states(tiny_run(), "k", 2)
+    energy = [(s[:8] ** 2).sum() / (s ** 2).sum() for s in np.linalg.svd(x, compute_uv=False)]
+    assert spec["key"]["energy_top8"][2] == pytest.approx(np.mean(energy), rel=1e-5)
+
+
+def test_cli_bad_input_exits_2(tmp_path, capsys):
+    tiny_run(str(tmp_path / "run"))
+    assert main(["analyze", "similarity", "--run", str(tmp_path / "run"), "--layer", "9"]) == 2
+    assert main(["analyze", "similarity", "--run", str(tmp_path / "run"), "--head", "5"]) == 2
+    assert main(["analyze", "adjacency", "--run", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("kvlens: error: ") for line in err)
+
+
+@pytest.mark.slow
+def test_embedded_model_states_match_numpy(smol):
+    ids = prefix_ids(smol, (TEXTS / "1961-Kennedy.txt").read_text(), 300)
+    r = record_states(smol, ids, layers=[0, 15])
+    adj = an.adjacency(r)
+    for i, layer in enumerate(adj.layers):
+        x = np_unit(np_states(r, "k", layer))
+        np.testing.assert_allclose(adj.values["key"][i].numpy(), (x[:, 1:] * x[:, :-1]).sum(-1).mean(-1), atol=1e-5)
+    x = np_unit(np_states(r, "q", 15)[4])
+    m = an.similarity_map(r, 15, 4, "query", max_size=100, lower=False)
+    sizes = np.diff(m.edges.numpy())
+    assert (m.matrix.numpy() * np.outer(sizes, sizes)).sum() / 300 ** 2 == pytest.approx((x @ x.T).mean(), abs=1e-5)
+    spec = an.spectrum(r, "key")
+    s = np.linalg.svd(np_states(r, "k", 15)[1], compute_uv=False)
+    np.testing.assert_allclose(spec.values[1, 1].numpy(), s / s[0], rtol=1e-4, atol=1e-6)
