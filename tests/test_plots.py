@@ -1,0 +1,90 @@
+"""Figure builders: their trace data equal the analysis output, heatmaps stay small, style and config are set."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvlens.analysis as an
+from kvlens import plots
+from tests.test_analysis import T, tiny_run
+
+
+@pytest.fixture(scope="module")
+def run():
+    return tiny_run()
+
+
+def traces(fig, kind):
+    return [t for t in fig.data if t.type == kind]
+
+
+def test_similarity_figure_shows_the_map_within_512_cells(run):
+    fig = plots.similarity_figure(run, 1, 0, ["key", "value"], max_size=64)
+    heat = traces(fig, "heatmap")
+    assert len(heat) == 2
+    for tr, kind in zip(heat, ("key", "value")):
+        m = an.similarity_map(run, 1, 0, kind, max_size=64)
+        np.testing.assert_allclose(np.array(tr.z, dtype=float), m.matrix.numpy(), equal_nan=True)
+        assert len(tr.z) <= 64 and list(tr.x) == m.edges[:-1].tolist()
+    assert heat[0].zmin == heat[1].zmin  # one colour scale for both panels
+    assert "mean over blocks of 3" in fig.layout.xaxis.title.text
+    assert fig.layout.meta["analysis"] == "similarity" and fig.layout.template.layout.font.family
+
+
+def test_adjacency_figure_lines_are_the_per_layer_means(run):
+    fig = plots.adjacency_figure(run)
+    adj = an.adjacency(run)
+    lines = {t.name: t for t in fig.data if t.mode == "lines+markers"}
+    assert set(lines) == {"queries", "keys", "values"}
+    np.testing.assert_allclose(lines["keys"].y, adj.per_layer("key"))
+    assert list(lines["values"].x) == adj.layers
+    dashes = {t.line.dash for t in lines.values()}
+    assert len(dashes) == 3  # distinguishable in greyscale
+
+
+def test_spectrum_figure_lines_are_the_head_means(run):
+    fig = plots.spectrum_figure(run, components=64)
+    spec = an.spectrum(run, "value")
+    value_lines = [t for t in fig.data if t.xaxis == "x2" and t.name and t.name.startswith("layer")]
+    assert len(value_lines) == 3
+    np.testing.assert_allclose(value_lines[2].y, spec.values[2].mean(0).numpy(), rtol=1e-6)
+    assert fig.layout.yaxis.type == "log"
+
+
+def test_sparsity_figure_bars_and_map(run):
+    fig = plots.sparsity_figure(run)
+    sp = an.corm_sparsity(run)
+    np.testing.assert_allclose(traces(fig, "bar")[0].y, sp.sparsity.mean(1).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(np.array(traces(fig, "heatmap")[0].z), sp.sparsity.numpy(), rtol=1e-6)
+
+
+def test_variance_preceding_gaussian_merge_and_perplexity_figures(run):
+    fig = plots.variance_figure(run, 1, 0, group=16, rows=60)
+    res = an.attention_variance(run, 1, 0, 16, 60)
+    np.testing.assert_allclose(fig.data[1].y, res.group_var.numpy())
+    np.testing.assert_allclose(fig.data[0].y, res.token_var.numpy().ravel())
+
+    fig = plots.preceding_figure(run, 2, 120, window=8)
+    np.testing.assert_allclose(np.array([t.y for t in fig.data]), an.preceding_similarity(run, 2, 120, 8).numpy())
+
+    fig = plots.gaussian_figure(run, 1, 1, threshold=0.5, sigmas=(None, 2.0))
+    gs = an.gaussian_set(run, 1, 1, 0.5, sigmas=(None, 2.0))
+    assert list(fig.data[0].x) == gs.positions
+    np.testing.assert_allclose(fig.data[1].y, gs.weights[2.0].numpy())
+
+    fig = plots.merge_similarity_figure(run, step=50, horizon=40)
+    ms = an.merge_future_similarity(run, 50, 40)
+    np.testing.assert_allclose(fig.data[0].y, ms.cosine.flatten(1).mean(1).numpy(), rtol=1e-6)
+
+    fig = plots.perplexity_figure([run, run], ["a", "b"])
+    assert [t.name for t in fig.data] == ["a", "b"]
+    np.testing.assert_allclose(fig.data[1].y, an.log_perplexity_curve(run).log_ppl.numpy())
+    assert fig.data[0].x[0] == T
+
+
+def test_sweep_figures_plot_their_inputs(run):
+    ratio = an.merging_ratio(run, 0.5)
+    fig = plots.merging_ratio_figure([ratio, ratio], ["text a", "text b"])
+    np.testing.assert_allclose(fig.data[1].y, ratio.per_layer().numpy())
+    fig = plots.corm_lengths_figure([128, 256], [0.3, 0.5], budget=64)
+    assert list(fig.data[0].y) == [0.3, 0.5] and list(fig.data[1].y) == [0.5, 0.75]
