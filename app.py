@@ -29,6 +29,7 @@ PAGES = {
 }
 
 page = st.navigation(PAGES)
+st.session_state.app_shell = True
 sidebar(PAGES["Run"][0])
 try:
     page.run()

@@ -117,8 +117,10 @@ def _pool(layer, head, weights, status, max_cells, prompt_len) -> AttentionGrid:
     return AttentionGrid(layer, head, weights, status, rows, cols, (br, bc), prompt_len)
 
 
-def attention_map_figure(run: Run, grid: AttentionGrid, step: int | None = None) -> go.Figure:
-    """Heatmap of log10 attention over kept cells on a status background; `step` draws a guide line."""
+def attention_map_figure(run: Run, grid: AttentionGrid, step: int | None = None, max_dots: int = 20000) -> go.Figure:
+    """Heatmap of log10 attention over kept cells on a status background (evicted grey, merged away
+    orange); slots holding merged values get red dots (at most `max_dots`), sinks a black triangle
+    above their column; `step` draws a guide line."""
     fig = go.Figure()
     codes = sorted(STATUS)
     scale = []
@@ -136,11 +138,24 @@ def attention_map_figure(run: Run, grid: AttentionGrid, step: int | None = None)
                                            ticktext=["≤1e-4", "1e-3", "0.01", "0.1", "1"], thickness=14),
                              hovertemplate="position %{x}, query row %{y}<br>attention 10^%{z:.2f}"
                                            "<br>%{customdata}<extra></extra>"))
-    for code in (EVICTED, MERGED_AWAY, HOLDS_MERGE, SINK):
+    for code in (EVICTED, MERGED_AWAY):
         if bool((grid.status == code).any()):
             fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=STATUS[code][0],
                                      marker=dict(symbol="square", size=12, color=STATUS[code][1],
                                                  line=dict(color="#555", width=1))))
+    holds = (grid.status == HOLDS_MERGE).nonzero()  # (n, 2) cells drawn over the attention as dots
+    if len(holds):
+        holds = holds[:: max(1, len(holds) // max_dots)]
+        fig.add_trace(go.Scatter(x=[grid.cols[c] for c in holds[:, 1].tolist()],
+                                 y=[grid.rows[r] for r in holds[:, 0].tolist()], mode="markers",
+                                 name=STATUS[HOLDS_MERGE][0], hoverinfo="skip",
+                                 marker=dict(symbol="circle", size=3, color=STATUS[HOLDS_MERGE][1])))
+    sinks = sorted({grid.cols[c] for c in (grid.status == SINK).any(0).nonzero().flatten().tolist()})
+    if sinks:
+        fig.add_trace(go.Scatter(x=sinks, y=[grid.rows[0] - max(1, grid.block[0]) * 1.2] * len(sinks),
+                                 mode="markers", name="sink", cliponaxis=False,
+                                 marker=dict(symbol="triangle-down", size=9, color=STATUS[SINK][1]),
+                                 hovertemplate="sink position %{x}<extra></extra>"))
     fig.add_vline(x=grid.prompt_len - 0.5, line=dict(color="#444", dash="dot", width=1))
     if step is not None:
         fig.add_hline(y=step, line=dict(color="#d62728", width=1))

@@ -3,17 +3,18 @@ import streamlit as st
 
 from kvlens.ui.charts import chart
 from kvlens.ui.results import metric_figure, pick_results, sweep_section
+from kvlens.ui.state import app_shell
+
+app_shell()
 
 st.title("Benchmarks")
 st.caption("Read from saved results (`results/`); nothing is run here.")
 
 tab_sweep, tab_bench = st.tabs(["Sweeps", "Benchmarks"])
 with tab_sweep:
-    st.markdown("**Perplexity against the budget** (WeightedKV Table I, CORM Table 3)")
-    sweep_section("bench_ppl", y=["ppl"], require_column="ppl")
-    st.markdown("**Memory and speed against the budget** (KVMerger Table 2, CaM Table 4)")
-    sweep_section("bench_mem", y=["bytes_share"], require_column="bytes_share")
-    sweep_section("bench_ms", y=["ms_per_token"], require_column="ms_per_token")
+    sweep_section("bench_sweep", [("Perplexity against the budget", ["ppl"]),
+                                  ("Share of the full cache's bytes kept", ["bytes_share"]),
+                                  ("Speed", ["ms_per_token"])])
 with tab_bench:
     picked = pick_results("bench", "bench", "benchmark results")
     if picked is not None:

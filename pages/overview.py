@@ -3,8 +3,10 @@ import streamlit as st
 
 from kvlens.plots_attention import occupancy_figure
 from kvlens.ui.charts import chart
-from kvlens.ui.state import selected_run
+from kvlens.ui.state import app_shell, selected_run
 from kvlens.ui.views import metric_row, run_header, token_text
+
+app_shell()
 
 st.title("kvlens")
 st.caption("See what KV-cache compression does to a language model: pick a run in the sidebar, "

@@ -4,8 +4,10 @@ import streamlit as st
 from kvlens.plots_attention import perturbation_layers_figure, perturbation_steps_figure
 from kvlens.ui.charts import chart
 from kvlens.ui.results import sweep_section
-from kvlens.ui.state import offer_runs, run_figure, selected_run
+from kvlens.ui.state import app_shell, offer_runs, run_figure, selected_run
 from kvlens.ui.views import run_header
+
+app_shell()
 
 st.title("Perturbation")
 st.caption("How far attention outputs drift from the full cache: the cache actually used, the same evictions "
@@ -31,4 +33,5 @@ if run is not None:
         chart(run_figure(perturbation_layers_figure, run), "pert_layers", name="perturbation-layers",
               config={"run": str(run.path)})
 st.subheader("Against the budget (from a sweep)")
-sweep_section("pert", y=["perturbation_used", "perturbation_evict"], require_column="perturbation_used")
+sweep_section("pert", [("Output perturbation against the budget, merging vs evicting (CaM Fig. 1d)",
+                        ["perturbation_used", "perturbation_evict"])])

@@ -6,8 +6,10 @@ import streamlit as st
 from kvlens.errors import Cancelled, KvlensError
 from kvlens.ui.jobs import Job
 from kvlens.ui.live import Live, RunSettings, bundled_texts, parse_layers
-from kvlens.ui.state import get_model, list_runs, user_runs_dir
+from kvlens.ui.state import app_shell, get_model, list_runs, user_runs_dir
 from kvlens.ui.widgets import policy_picker
+
+app_shell()
 
 st.title("Run")
 st.caption("Run a policy on a prompt, watch it work, and save the run for the other pages.")

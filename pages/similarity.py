@@ -5,8 +5,10 @@ import streamlit as st
 from kvlens.analysis import recorded_layers
 from kvlens.plots import adjacency_figure, preceding_figure, similarity_figure
 from kvlens.ui.charts import chart
-from kvlens.ui.state import require, run_figure, selected_run
+from kvlens.ui.state import app_shell, require, run_figure, selected_run
 from kvlens.ui.views import run_header
+
+app_shell()
 
 st.title("Similarity")
 st.caption("Cosine similarity of the prompt's query, key and value states after RoPE. Keys of neighbouring tokens "
@@ -31,7 +33,9 @@ if run is not None:
             for col, kind in zip(cols, kinds):
                 h = head * group if kind == "query" else head
                 with col:
-                    chart(run_figure(similarity_figure, run, layer, h, kind), f"sim_{kind}",
+                    fig = run_figure(similarity_figure, run, layer, h, kind)
+                    fig.update_layout(title=dict(text=f"layer {layer}, {'query' if kind == 'query' else 'KV'} head {h}"))
+                    chart(fig, f"sim_{kind}",
                           name=f"similarity-{kind}-L{layer}-H{h}", config={**cfg, "kind": kind, "head": h})
         st.subheader("Across layers and heads")
         left, right = st.columns(2)

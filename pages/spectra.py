@@ -3,8 +3,10 @@ import streamlit as st
 
 from kvlens.plots import spectrum_figure
 from kvlens.ui.charts import chart
-from kvlens.ui.state import require, run_figure, selected_run
+from kvlens.ui.state import app_shell, require, run_figure, selected_run
 from kvlens.ui.views import run_header
+
+app_shell()
 
 st.title("Spectra")
 st.caption("Keys are low-rank (their singular values fall fast), values are not: WeightedKV's reason to drop "

@@ -43,16 +43,16 @@ def chart(fig: go.Figure, key: str, *, name: str, config: dict, data: pd.DataFra
                     config={"displaylogo": False, "toImageButtonOptions": {"filename": _slug(name)}})
     stem = _slug(name)
     full_config = {**export.figure_config(fig), **config}
-    cols = st.columns([1, 1, 1, 1, 1, 4], gap="small")
-    for col, fmt in zip(cols, ("png", "svg", "pdf")):
-        col.download_button(fmt.upper(), data=lambda f=fig, x=fmt: _image(f, x), file_name=f"{stem}.{fmt}",
-                            mime=MIME[fmt], key=f"{key}_{fmt}", on_click="ignore",
-                            help=f"The figure as {fmt.upper()} in the paper style (rendered on click: a few seconds)")
-    cols[3].download_button("CSV", data=lambda: _csv(fig, data), file_name=f"{stem}.csv", mime=MIME["csv"],
-                            key=f"{key}_csv", on_click="ignore", help="The plotted numbers")
-    cols[4].download_button("JSON", data=lambda: json.dumps(full_config, indent=1, default=str),
-                            file_name=f"{stem}.json", mime=MIME["json"], key=f"{key}_json", on_click="ignore",
-                            help="The settings that reproduce this figure")
+    with st.popover("Export", icon=":material/download:", help="PNG, SVG, PDF (paper style), CSV data, JSON config"):
+        for fmt in ("png", "svg", "pdf"):
+            st.download_button(f"{fmt.upper()} image", data=lambda f=fig, x=fmt: _image(f, x),
+                               file_name=f"{stem}.{fmt}", mime=MIME[fmt], key=f"{key}_{fmt}", on_click="ignore",
+                               width="stretch", help="Rendered in the paper style when clicked (a few seconds)")
+        st.download_button("CSV data", data=lambda: _csv(fig, data), file_name=f"{stem}.csv", mime=MIME["csv"],
+                           key=f"{key}_csv", on_click="ignore", width="stretch", help="The plotted numbers")
+        st.download_button("JSON config", data=lambda: json.dumps(full_config, indent=1, default=str),
+                           file_name=f"{stem}.json", mime=MIME["json"], key=f"{key}_json", on_click="ignore",
+                           width="stretch", help="The settings that reproduce this figure")
 
 
 def _image(fig: go.Figure, fmt: str) -> bytes:

@@ -19,7 +19,8 @@ from kvlens.api import encode, generate
 from kvlens.engine import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.plots import line_style
-from kvlens.policies import make_policy, parameters
+from kvlens.policies import make_policy
+from kvlens.ui.labels import changed_params
 from kvlens.runs import Run
 
 MAX_POLICIES = 4
@@ -33,8 +34,7 @@ class Entry:
 
     @property
     def label(self) -> str:
-        defaults = {p["name"]: p["default"] for p in parameters(self.policy)}
-        extra = ", ".join(f"{k}={v}" for k, v in self.params.items() if defaults.get(k) != v)
+        extra = ", ".join(f"{k}={v}" for k, v in changed_params(self.policy, self.params).items())
         budget = "" if self.budget is None else f" @{self.budget:g}"
         return f"{self.policy}{budget}" + (f" ({extra})" if extra else "")
 

@@ -83,19 +83,23 @@ def metric_figure(frame: pd.DataFrame, x: str, ys: list[str], title: str) -> go.
     return fig
 
 
-def sweep_section(prefix: str, y: list[str], require_column: str) -> None:
-    """A sweep's chosen metrics against the budget, one line per policy (CaM Fig. 1d for perturbation)."""
+def sweep_section(prefix: str, charts: list[tuple[str, list[str]]]) -> None:
+    """Pick a saved sweep, then for each `(title, y columns)` its metrics against the budget, one line
+    per policy (CaM Fig. 1d for perturbation, WeightedKV Table I for perplexity)."""
     picked = pick_results(prefix, "sweep", "sweeps")
     if picked is None:
         return
     path, settings, frame = picked
-    if require_column not in frame.columns or frame[require_column].isna().all():
-        st.info(f"{path.name} has no `{require_column}` column; run the sweep with `--measure`.")
-        return
     x = "budget_slots" if "budget_slots" in frame.columns else "budget"
-    rows = frame[frame[x].notna()]
-    if not len(rows):
+    rows = frame[frame[x].notna()] if x in frame.columns else frame.iloc[:0]
+    if not len(rows) or "policy" not in rows.columns:
         st.info(f"{path.name} has no budgeted runs to plot against the budget.")
         return
-    chart(metric_figure(rows, x, y, f"{' and '.join(y)} against the budget ({path.name})"), f"{prefix}_sweep",
-          name=f"{path.stem}-{'-'.join(y)}", config={"results": str(path), **settings}, data=rows)
+    for title, ys in charts:
+        missing = [y for y in ys if y not in rows.columns or rows[y].isna().all()]
+        if missing:
+            hint = " (run the sweep with `--measure`)" if missing[0].startswith(("perturbation", "kl")) else ""
+            st.info(f"{path.name} has no `{missing[0]}` column{hint}.")
+            continue
+        chart(metric_figure(rows, x, ys, f"{title} ({path.name})"), f"{prefix}_{'_'.join(ys)}",
+              name=f"{path.stem}-{'-'.join(ys)}", config={"results": str(path), **settings}, data=rows)

@@ -6,6 +6,7 @@ import html
 import streamlit as st
 
 from kvlens.runs import Run
+from kvlens.ui.labels import changed_params
 
 
 def _budget(run: Run) -> str:
@@ -19,7 +20,7 @@ def _budget(run: Run) -> str:
 def run_header(run: Run) -> None:
     """One line naming the run: policy, parameters, budget, mode, model, level."""
     pol = run.meta["policy"]
-    params = ", ".join(f"{k}={v}" for k, v in (pol.get("params") or {}).items())
+    params = ", ".join(f"{k}={v}" for k, v in changed_params(pol["name"], pol.get("params") or {}).items())
     rec = run.meta.get("record") or {}
     layers = rec.get("layers")
     st.markdown(f"**{pol['name']}**" + (f" ({params})" if params else "") + f" · {_budget(run)} · "
@@ -38,7 +39,8 @@ def metric_row(run: Run) -> None:
                         f"{m.get('kv_bytes_prefill', 0) / 2**20:.2f} MiB")
     cols[2].metric("Max slots / head", m["kv_slots_max"])
     ms = m.get("ms_per_token")
-    cols[3].metric("Speed", f"{ms:.0f} ms/token" if ms else "n/a")
+    cols[3].metric("ms / token", f"{ms:.0f}" if ms else "n/a",
+                   help="Wall time per decode step, recording and measuring included (this machine, at that time)")
     kl = m.get("kl")
     cols[4].metric("KL to full", f"{kl:.4f}" if kl is not None else "not measured",
                    help="Mean KL(p_full || p_policy) per step; measured runs only (--measure)")
