@@ -289,8 +289,8 @@ def test_registry_lists_all_nine():
 def test_each_policy_on_embedded_model_small_budget(smol, long_text):
     from kvlens.api import encode
 
-    ids = encode(smol, long_text)[:100]
+    ids = encode(smol, long_text)[:60]
     for name in NEW:
         policy = make_policy(name, {"window": 8, "recent": 8} if name == "corm" else {})
-        r = run(smol, policy, ids, prefill=64, steps=6, teacher=True, opts=RunOptions(budget=16))
-        _check(r, policy, 16)
+        r = run(smol, policy, ids, prefill=48, steps=4, teacher=True, opts=RunOptions(budget=12))
+        _check(r, policy, 12)
