@@ -5,7 +5,7 @@ and parameters, which `kvlens.export` writes as the figure's JSON config):
 
 | builder | analysis | paper figure |
 |---|---|---|
-| `similarity_figure(run, layer, head, kind="key" or ["key", "value"], max_size=512)` | `similarity_map` | KVMerger Fig. 2, CORM Fig. 3 |
+| `similarity_figure(run, layer, head, kind="key", max_size=512)` | `similarity_map` | KVMerger Fig. 2, CORM Fig. 3 |
 | `adjacency_figure(run)` | `adjacency` | KVMerger Fig. 3a (summary) |
 | `preceding_figure(run, layer, token, window=32, kind="key")` | `preceding_similarity` | KVMerger Fig. 3a |
 | `spectrum_figure(run, components=64)` | `spectrum` | WeightedKV Fig. 1 |
@@ -20,6 +20,7 @@ and parameters, which `kvlens.export` writes as the figure's JSON config):
 Style: one font, white background, axis lines without grids, ticks outside, units in axis titles,
 greyscale-safe colour scales (Viridis for maps) and line styles that differ by dash and marker
 as well as colour. Heatmaps are at most `max_size` x `max_size` cells (block-averaged).
+`similarity_figure` takes one kind or a list (e.g. `["key", "value"]`: panels on one colour scale).
 """
 from __future__ import annotations
 
@@ -62,9 +63,13 @@ def _finish(fig: go.Figure, title: str, analysis: str, run: Run | None = None, *
     return fig
 
 
-def _model(run: Run) -> str:
-    spec = str(run.meta["model"].get("spec", "model"))
+def model_label(spec: str) -> str:
+    """A model spec as a figure shows it: the embedded default by name, else the last path part."""
     return "SmolLM2-135M-Instruct" if spec == "default" else spec.rstrip("/").split("/")[-1]
+
+
+def _model(run: Run) -> str:
+    return model_label(str(run.meta["model"].get("spec", "model")))
 
 
 def similarity_figure(run: Run, layer: int, head: int, kind: str | list[str] = "key", max_size: int = 512) -> go.Figure:
@@ -81,9 +86,12 @@ def similarity_figure(run: Run, layer: int, head: int, kind: str | list[str] = "
                                  hovertemplate="token %{y} vs %{x}<br>cos %{z:.3f}<extra></extra>"), row=1, col=i)
         unit = "token" if m.block == 1 else f"token (mean over blocks of {m.block})"
         fig.update_xaxes(title_text=f"earlier {unit}", row=1, col=i, constrain="domain")
-        fig.update_yaxes(title_text=unit if i == 1 else None, autorange="reversed", scaleanchor=f"x{i if i > 1 else ''}",
+        fig.update_yaxes(title_text=unit if i == 1 else None, autorange="reversed",
+                         scaleanchor=f"x{i if i > 1 else ''}",
                          row=1, col=i, constrain="domain")
-    title = f"Cosine similarity of {' and '.join(m.kind for m in maps)} states, layer {layer}, head {head} ({_model(run)})"
+    which = "query head" if kinds == ["query"] else "KV head" if "query" not in kinds else "head"
+    names = " and ".join(m.kind for m in maps)
+    title = f"Cosine similarity of {names} states, layer {layer}, {which} {head} ({_model(run)})"
     fig = _finish(fig, title, "similarity", run, layer=layer, head=head, kind=kinds, max_size=max_size)
     fig.update_layout(width=WIDTH if len(maps) == 1 else 1100, height=520)
     return fig
@@ -136,8 +144,8 @@ def spectrum_figure(run: Run, components: int = 64) -> go.Figure:
                              marker=dict(colorscale=SCALE, cmin=specs[0].layers[0], cmax=specs[0].layers[-1],
                                          color=[specs[0].layers[0]], showscale=True,
                                          colorbar=dict(title=dict(text="layer"), thickness=14))))
-    fig.update_yaxes(type="log", dtick=1, exponentformat="power", title_text="σ<sub>i</sub> / σ<sub>1</sub>",
-                     row=1, col=1)
+    fig.update_yaxes(type="log", dtick=1, exponentformat="power", row=1, col=1,
+                     title_text="σ<sub>i</sub> / σ<sub>1</sub> (mean over KV heads)")
     fig.update_yaxes(type="log", dtick=1, exponentformat="power", row=1, col=2)
     title = f"Normalised singular values of the KV cache ({_model(run)}, {n} layers)"
     fig = _finish(fig, title, "spectrum", run, components=components)
@@ -171,7 +179,8 @@ def sparsity_figure(run: Run, start: int = 0) -> go.Figure:
     return fig
 
 
-def variance_figure(run: Run, layer: int, head: int | None = None, group: int = 64, rows: int | None = None) -> go.Figure:
+def variance_figure(run: Run, layer: int, head: int | None = None, group: int = 64,
+                    rows: int | None = None) -> go.Figure:
     """CaM Fig. 2: attention variance of single tokens (small) vs of group means (large), log scale."""
     res = an.attention_variance(run, layer, head, group, rows)
     g, m = res.token_var.shape
@@ -191,15 +200,16 @@ def variance_figure(run: Run, layer: int, head: int | None = None, group: int = 
     return fig
 
 
-def merging_ratio_figure(ratios: list[an.MergingRatio], labels: list[str]) -> go.Figure:
-    """KVMerger Fig. 3b: layer-wise merging-set compression ratio, one line per text."""
+def merging_ratio_figure(ratios: list[an.MergingRatio], labels: list[str], note: str = "") -> go.Figure:
+    """KVMerger Fig. 3b: layer-wise merging-set compression ratio, one line per text (`note` ends the title)."""
     fig = go.Figure()
     for i, (r, label) in enumerate(zip(ratios, labels)):
-        fig.add_trace(go.Scatter(x=r.layers, y=r.per_layer().tolist(), mode="lines+markers", name=label, **line_style(i)))
+        fig.add_trace(go.Scatter(x=r.layers, y=r.per_layer().tolist(), mode="lines+markers", name=label,
+                                 **line_style(i)))
     fig.update_xaxes(title_text="layer")
     fig.update_yaxes(title_text="compression ratio (1 − sets / tokens)", range=[0, 1])
     threshold = ratios[0].threshold if ratios else None
-    return _finish(fig, f"Merging-set compression ratio per layer, threshold {threshold}", "merging-ratio",
+    return _finish(fig, f"Merging-set compression ratio per layer, threshold {threshold}{note}", "merging-ratio",
                    threshold=threshold, labels=list(labels))
 
 
@@ -248,7 +258,8 @@ def perplexity_figure(runs: list[Run], labels: list[str] | None = None) -> go.Fi
                    runs=[str(r.path) if r.path else None for r in runs])
 
 
-def corm_lengths_figure(lengths: list[int], ratios: list[float], budget: int | None = None) -> go.Figure:
+def corm_lengths_figure(lengths: list[int], ratios: list[float], budget: int | None = None,
+                        note: str = "") -> go.Figure:
     """CORM Fig. 4: compression rate reached by CORM against sequence length."""
     fig = go.Figure(go.Scatter(x=lengths, y=ratios, mode="lines+markers", name="CORM", **line_style(0)))
     if budget:
@@ -256,5 +267,5 @@ def corm_lengths_figure(lengths: list[int], ratios: list[float], budget: int | N
                                  name=f"budget {budget}", **line_style(1)))
     fig.update_xaxes(title_text="sequence length (tokens)")
     fig.update_yaxes(title_text="compression rate (share of KV removed)", range=[0, 1])
-    return _finish(fig, "CORM compression rate against sequence length", "corm-lengths", lengths=list(lengths),
+    return _finish(fig, f"CORM compression rate against sequence length{note}", "corm-lengths", lengths=list(lengths),
                    budget=budget)

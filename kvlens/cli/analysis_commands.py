@@ -51,7 +51,8 @@ def register(sub) -> None:
     _add_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_analyze)
-    p = sub.add_parser("figure", help="export a paper-style figure (.png/.svg/.pdf) with its .csv data and .json config")
+    p = sub.add_parser("figure", help="export a paper-style figure (.png/.svg/.pdf) with its data (.csv) and "
+                                      "config (.json)")
     _add_args(p)
     p.add_argument("--out", required=True, help="FILE.png, .svg or .pdf (FILE.csv and FILE.json are written beside it)")
     p.add_argument("--scale", type=float, default=2.0, help="PNG pixel scale")
@@ -142,7 +143,8 @@ def analysis_result(args) -> dict:
         return out
     if kind == "sparsity":
         sp = an.corm_sparsity(run)
-        return {"layers": sp.layers, "sparsity": sp.sparsity.mean(1).tolist(), "sparsity_per_head": sp.sparsity.tolist()}
+        return {"layers": sp.layers, "sparsity": sp.sparsity.mean(1).tolist(),
+                "sparsity_per_head": sp.sparsity.tolist()}
     if kind == "perplexity":
         labels = args.label + [None] * (len(runs) - len(args.label))
         curves = [an.log_perplexity_curve(r, lab) for r, lab in zip(runs, labels)]
@@ -165,12 +167,12 @@ def analysis_result(args) -> dict:
     if kind == "similarity":
         m = an.similarity_map(run, layer, head, _state(args.state), args.max_size)
         return {"layer": layer, "head": head, "state": m.kind, "tokens": m.tokens, "block": m.block,
-                "edges": m.edges.tolist(), "matrix": [[None if v != v else v for v in row] for row in m.matrix.tolist()]}
+                "edges": m.edges.tolist(), "matrix": _nan_to_none(m.matrix)}
     if kind == "preceding":
         token = len(run.meta["prompt_tokens"]) - 1 if args.token is None else args.token
         sims = an.preceding_similarity(run, layer, token, args.window, _state(args.state))
         return {"layer": layer, "token": token, "state": args.state,
-                "similarity": [[None if v != v else v for v in row] for row in sims.tolist()]}
+                "similarity": _nan_to_none(sims)}
     if kind == "variance":
         res = an.attention_variance(run, layer, args.head, args.group)
         return {"layer": layer, "head": args.head, "group": args.group, "rows": list(res.rows),
@@ -179,6 +181,11 @@ def analysis_result(args) -> dict:
     gs = an.gaussian_set(run, layer, head, args.threshold, args.token, (None, *args.sigma))
     return {"layer": layer, "head": head, "threshold": args.threshold, "positions": gs.positions, "pivot": gs.pivot,
             "weights": {("paper" if s is None else str(s)): w.tolist() for s, w in gs.weights.items()}}
+
+
+def _nan_to_none(t) -> list[list]:
+    """A 2-D tensor as nested lists with NaN as None (valid JSON)."""
+    return [[None if v != v else v for v in row] for row in t.tolist()]
 
 
 def _print_text(result: dict) -> None:
@@ -227,10 +234,13 @@ def build_figure(args):
         return plots.merge_similarity_figure(run, args.step, args.horizon)
     if kind == "merging-ratio":
         res = _sweep(args)
-        return plots.merging_ratio_figure(list(res.values()), list(res))
+        note = f" ({plots.model_label(args.model)}, first {args.tokens} tokens of {len(res)} texts)"
+        return plots.merging_ratio_figure(list(res.values()), list(res), note)
     if kind == "corm-lengths":
         res = _sweep(args)
-        return plots.corm_lengths_figure(res.lengths, res.mean())
+        params = ", ".join(f"{k}={v}" for k, v in res.params.items())
+        note = f"<br><sup>{plots.model_label(args.model)}, corm {params}, mean of {len(res.labels)} texts</sup>"
+        return plots.corm_lengths_figure(res.lengths, res.mean(), note=note)
     layer, head = _layer_head(args, run)
     if kind == "similarity":
         return plots.similarity_figure(run, layer, head, _states(args.state), args.max_size)
