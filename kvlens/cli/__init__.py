@@ -10,7 +10,8 @@ import sys
 
 from kvlens.errors import Cancelled, KvlensError
 
-COMMAND_MODULES = ["kvlens.cli.run_commands", "kvlens.cli.sweep_commands", "kvlens.cli.analysis_commands"]
+COMMAND_MODULES = ["kvlens.cli.run_commands", "kvlens.cli.sweep_commands", "kvlens.cli.analysis_commands",
+                   "kvlens.cli.bench_commands"]
 
 
 def one_line(message: str) -> str:

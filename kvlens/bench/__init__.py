@@ -1,0 +1,1 @@
+"""Benchmarks: perplexity tables, needle-in-a-haystack heatmaps, speed and memory with target ratios."""

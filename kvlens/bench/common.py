@@ -1,0 +1,128 @@
+"""Shared pieces of the benchmarks: bundled texts, policy specs, medians, peak memory, saving results."""
+from __future__ import annotations
+
+import csv
+import json
+import platform
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from kvlens import __version__
+from kvlens.errors import KvlensError
+from kvlens.policies import make_policy, parse_settings
+
+TEXT_DIR = Path(__file__).resolve().parent.parent / "data" / "state_union"
+
+
+def bundled_texts(n: int | None = None, min_chars: int = 0) -> list[tuple[str, str]]:
+    """The bundled State of the Union addresses as `(name, text)`, sorted by name; the first `n` long enough."""
+    texts = [(p.stem, p.read_text(encoding="utf-8")) for p in sorted(TEXT_DIR.glob("*.txt"))]
+    texts = [t for t in texts if len(t[1]) >= min_chars]
+    if not texts:
+        raise KvlensError(f"No bundled text has at least {min_chars} characters.")
+    return texts[:n] if n else texts
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A policy with its parameters, as benchmarks name it: `cam` or `cam:base=h2o,span=8`."""
+
+    name: str
+    params: tuple = ()
+
+    @property
+    def label(self) -> str:
+        if not self.params:
+            return self.name
+        return self.name + ":" + ",".join(f"{k}={v}" for k, v in self.params)
+
+    @property
+    def budget_free(self) -> bool:
+        return make_policy(self.name, dict(self.params)).budget_free
+
+    @classmethod
+    def parse(cls, text: str) -> "PolicySpec":
+        """`name` or `name:key=value,key=value`; parameters are checked against the policy."""
+        name, _, rest = text.strip().partition(":")
+        params = parse_settings(name, [s for s in rest.split(",") if s]) if rest else {}
+        make_policy(name, params)
+        return cls(name, tuple(sorted(params.items())))
+
+
+def parse_policies(text: str) -> list[PolicySpec]:
+    """A ';'-separated list of policy specs (';' because parameters use ',')."""
+    specs = [PolicySpec.parse(s) for s in text.split(";") if s.strip()]
+    if not specs:
+        raise KvlensError("Give at least one policy.")
+    return specs
+
+
+def median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def spread(values) -> dict:
+    """mean, sample standard deviation, min and max of a list of numbers."""
+    values = list(values)
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+class PeakRSS:
+    """Samples the process's resident memory in a thread: `with PeakRSS() as m: ...; m.peak` (bytes)."""
+
+    def __init__(self, interval_s: float = 0.005):
+        self.interval_s = interval_s
+        self.proc = psutil.Process()
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(self.interval_s)
+
+    def __enter__(self) -> "PeakRSS":
+        self.start = self.peak = self.proc.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+def environment(model) -> dict:
+    """Where the numbers were measured: machine, threads, versions, model."""
+    return {"kvlens_version": __version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpus": psutil.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+            "load_average": list(psutil.getloadavg()), "model": model.spec, "shape": model.shape(),
+            "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def save_results(result: dict, rows: list[dict], fig, out_dir: str | Path, stem: str) -> list[Path]:
+    """Write `{stem}.json` (the whole result), `{stem}.csv` (`rows`) and `{stem}.png` (`fig`, if given)."""
+    from kvlens.export import image_bytes
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.json", out / f"{stem}.csv"]
+    paths[0].write_text(json.dumps(result, indent=1, default=str))
+    with paths[1].open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
+        writer.writeheader()
+        writer.writerows(rows)
+    if fig is not None:
+        paths.append(out / f"{stem}.png")
+        paths[-1].write_bytes(image_bytes(fig, "png"))
+    return paths

@@ -1,0 +1,128 @@
+"""Needle in a haystack over context lengths x depths, per policy (KVMerger Fig. 5).
+
+The haystack is whole sentences of the bundled texts; a synthetic fact (the needle) is put at the
+sentence boundary nearest a share `depth` of the haystack's tokens (0 = first, 1 = last), a
+question follows, and the model answers
+greedily. A cell scores 1 when the answer appears in the output, compared on lowercase letters
+and digits only (so "Blue harbor 42" counts for 'blue-harbor-42'), else 0.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+from kvlens.api import encode
+from kvlens.bench.common import PolicySpec, environment
+from kvlens.engine import RunOptions, run
+from kvlens.errors import KvlensError
+from kvlens.models import LoadedModel
+from kvlens.policies import make_policy
+
+NEEDLE = "The secret passphrase is 'blue-harbor-42'."
+QUESTION = "What is the secret passphrase in the text above? Answer with the passphrase only."
+ANSWER = "blue-harbor-42"
+
+
+def normalise(text: str) -> str:
+    """Lowercase letters and digits only."""
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
+def score(output: str, answer: str) -> float:
+    """1.0 if `answer` appears in `output` (letters and digits, any case), else 0.0."""
+    key = normalise(answer)
+    if not key:
+        raise KvlensError("The needle's answer has no letters or digits to look for.")
+    return 1.0 if key in normalise(output) else 0.0
+
+
+def sentences(text: str) -> list[str]:
+    """Split prose into sentences at '.', '?' or '!' followed by whitespace."""
+    return [s.strip() for s in re.split(r"(?<=[.?!])\s+", " ".join(text.split())) if s.strip()]
+
+
+def haystack(model: LoadedModel, filler: list[str], length: int, depth: float, needle: str = NEEDLE,
+             question: str = QUESTION, chat: bool = True) -> list[int]:
+    """Prompt ids of about `length` tokens: filler sentences with `needle` at `depth` in [0, 1], then `question`."""
+    if not 0 <= depth <= 1:
+        raise KvlensError(f"A needle depth must be in [0, 1]; got {depth}.")
+    tail = f"\n\n{question}"
+    room = length - len(encode(model, f"{needle} {tail}", chat))
+    chosen, starts, used = [], [], 0  # starts[i]: filler tokens before sentence i
+    for sent in filler:
+        n = len(model.tokenizer(" " + sent).input_ids)
+        if used + n > room:
+            break
+        chosen.append(sent)
+        starts.append(used)
+        used += n
+    if len(chosen) < 2:
+        raise KvlensError(f"A context of {length} tokens leaves no room for a haystack; use a longer length.")
+    starts.append(used)
+    at = min(range(len(starts)), key=lambda i: abs(starts[i] - depth * used))  # sentence boundary nearest depth
+    chosen.insert(at, needle)
+    return encode(model, " ".join(chosen) + tail, chat)
+
+
+def bench_needle(model: LoadedModel, policies: list[PolicySpec], lengths: list[int], depths: list[float], *,
+                 budget: int | float | None, filler_text: str, max_new_tokens: int = 16, chat: bool = True,
+                 needle: str = NEEDLE, question: str = QUESTION, answer: str = ANSWER,
+                 on_cell: Callable[[dict], None] | None = None) -> dict:
+    """Every policy on every (length, depth). Returns `{"config", "environment", "cells", "summary"}`.
+
+    cells: policy, length (asked), prompt_tokens (actual), depth, score, output; summary: per
+    policy the mean score, and per policy and length the mean over depths.
+    """
+    filler = sentences(filler_text)
+    prompts = {(n, d): haystack(model, filler, n, d, needle, question, chat) for n in lengths for d in depths}
+    cells = []
+    for spec in policies:
+        for (n, d), ids in prompts.items():
+            b = None if spec.budget_free else budget
+            r = run(model, make_policy(spec.name, dict(spec.params)), ids, prefill=len(ids), steps=max_new_tokens,
+                    teacher=False, opts=RunOptions(budget=b, max_new_tokens=max_new_tokens, log_decisions=False))
+            text = r.meta["text"]
+            cell = {"policy": spec.label, "length": n, "prompt_tokens": len(ids), "depth": d,
+                    "budget_slots": r.meta["budget"]["slots"], "score": score(text, answer), "output": text}
+            cells.append(cell)
+            if on_cell is not None:
+                on_cell(cell)
+    return {"config": {"policies": [p.label for p in policies], "lengths": lengths, "depths": depths,
+                       "budget": budget, "needle": needle, "question": question, "answer": answer, "chat": chat,
+                       "max_new_tokens": max_new_tokens},
+            "environment": environment(model), "cells": cells, "summary": summarise(cells)}
+
+
+def summarise(cells: list[dict]) -> list[dict]:
+    """Per policy: mean score overall and per length (over depths)."""
+    out = []
+    for policy in dict.fromkeys(c["policy"] for c in cells):
+        mine = [c for c in cells if c["policy"] == policy]
+        by_len = {}
+        for c in mine:
+            by_len.setdefault(c["length"], []).append(c["score"])
+        out.append({"policy": policy, "score": sum(c["score"] for c in mine) / len(mine),
+                    "by_length": {str(n): sum(v) / len(v) for n, v in by_len.items()}})
+    return out
+
+
+def figure(result: dict):
+    """One heatmap per policy: depth (rows) x context length (columns), green = found."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    cfg, cells = result["config"], result["cells"]
+    policies = list(dict.fromkeys(c["policy"] for c in cells))
+    fig = make_subplots(rows=1, cols=len(policies), subplot_titles=policies, shared_yaxes=True,
+                        horizontal_spacing=0.02)
+    score_of = {(c["policy"], c["length"], c["depth"]): c["score"] for c in cells}
+    for i, policy in enumerate(policies, 1):
+        z = [[score_of.get((policy, n, d)) for n in cfg["lengths"]] for d in cfg["depths"]]
+        fig.add_trace(go.Heatmap(z=z, x=[str(n) for n in cfg["lengths"]], y=[f"{d:.0%}" for d in cfg["depths"]],
+                                 zmin=0, zmax=1, colorscale=[[0, "#d73027"], [1, "#1a9850"]], showscale=False,
+                                 name=policy, xgap=2, ygap=2), 1, i)
+        fig.update_xaxes(title_text="context tokens", row=1, col=i)
+    fig.update_yaxes(title_text="needle depth", row=1, col=1, autorange="reversed")
+    fig.update_layout(title=f"Needle in a haystack (green = found; budget {cfg['budget']} for compressing policies)",
+                      width=max(500, 230 * len(policies)), height=420, template="plotly_white")
+    return fig

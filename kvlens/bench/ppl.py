@@ -1,0 +1,125 @@
+"""Perplexity table: policies x budgets x texts, teacher forced (WeightedKV Table I, CORM Table 3).
+
+Each cell prefills `prefill` tokens of a text, compresses to the budget and scores the next
+`tokens` tokens one at a time (`kvlens.api.perplexity`, the same as `kvlens ppl`). `full` and
+budget-free policies (CORM) run once per text, whatever the budgets.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from kvlens.api import perplexity
+from kvlens.bench.common import PolicySpec, environment, spread
+from kvlens.engine import RunOptions
+from kvlens.models import LoadedModel
+
+
+def cells(policies: list[PolicySpec], budgets: list) -> list[tuple[PolicySpec, int | float | None]]:
+    """(policy, budget) pairs to run: one `None` budget for budget-free policies (`full`, CORM)."""
+    out = []
+    for spec in policies:
+        out += [(spec, None)] if spec.budget_free else [(spec, b) for b in budgets]
+    return out
+
+
+def bench_ppl(model: LoadedModel, policies: list[PolicySpec], budgets: list, texts: list[tuple[str, str]], *,
+              prefill: int, tokens: int, on_cell: Callable[[dict], None] | None = None) -> dict:
+    """Run every cell on every text. Returns `{"config", "environment", "rows", "summary"}`.
+
+    rows: one per (policy, budget, text) with ppl, nll, slots and bytes; summary: one per
+    (policy, budget) with the mean, std, min and max of ppl over texts and the ratio to `full`'s mean.
+    """
+    rows = []
+    for spec, budget in cells(policies, budgets):
+        for name, text in texts:
+            run = perplexity(model, text, spec.name, dict(spec.params), prefill=prefill, tokens=tokens,
+                             opts=RunOptions(budget=budget, log_decisions=False))
+            m = run.metrics
+            row = {"policy": spec.label, "budget": _budget_key(spec, budget),
+                   "budget_slots": run.meta["budget"]["slots"], "text": name, "ppl": m["ppl"], "nll": m["nll"],
+                   "kv_slots_final_mean": m["kv_slots_final_mean"], "kv_bytes_peak": m["kv_bytes_peak"],
+                   "ms_per_token": m["ms_per_token"]}
+            rows.append(row)
+            if on_cell is not None:
+                on_cell(row)
+    return {"config": {"policies": [p.label for p in policies], "budgets": budgets, "texts": [t[0] for t in texts],
+                       "prefill": prefill, "tokens": tokens},
+            "environment": environment(model), "rows": rows, "summary": summarise(rows)}
+
+
+def _budget_key(spec: PolicySpec, budget) -> int | float | str:
+    """The budget as a table key: slots, share, "full" (no compression) or "auto" (budget-free policy)."""
+    if budget is not None:
+        return budget
+    return "full" if spec.name == "full" else "auto"
+
+
+def _numeric(summary: list[dict]) -> list:
+    """The numeric budgets of a summary, slots (descending) then shares (descending)."""
+    return sorted({s["budget"] for s in summary if not isinstance(s["budget"], str)},
+                  key=lambda b: (isinstance(b, float), -b))
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per (policy, budget): ppl spread over texts, mean slots kept, and mean ppl / full's mean ppl."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["policy"], row["budget"]), []).append(row)
+    full = groups.get(("full", "full"))
+    full_mean = spread(r["ppl"] for r in full)["mean"] if full else None
+    out = []
+    for (policy, budget), group in groups.items():
+        s = spread(r["ppl"] for r in group)
+        out.append({"policy": policy, "budget": budget,
+                    "budget_slots_mean": spread(r["kv_slots_final_mean"] for r in group)["mean"],
+                    "ppl_mean": s["mean"], "ppl_std": s["std"], "ppl_min": s["min"], "ppl_max": s["max"],
+                    "texts": s["n"], "log_ppl_mean": spread(math.log(r["ppl"]) for r in group)["mean"],
+                    "vs_full": s["mean"] / full_mean if full_mean else None})
+    return out
+
+
+def markdown_table(summary: list[dict]) -> str:
+    """Rows = policies, columns = budgets; cells `mean ± std` ppl (WeightedKV Table I layout)."""
+    budgets = _numeric(summary)
+    policies = list(dict.fromkeys(s["policy"] for s in summary))
+    cell = {(s["policy"], s["budget"]): f"{s['ppl_mean']:.2f} ± {s['ppl_std']:.2f}" for s in summary}
+    own = {s["policy"]: s["budget"] for s in summary if isinstance(s["budget"], str)}  # full / budget-free
+    lines = ["| policy | " + " | ".join(_budget_name(b) for b in budgets) + " |",
+             "|---|" + "---|" * len(budgets)]
+    for p in policies:
+        row = [cell[(p, own[p])] + (f" ({own[p]})" if own[p] != "full" else "") for _ in budgets] if p in own \
+            else [cell.get((p, b), "") for b in budgets]
+        lines.append(f"| {p} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _budget_name(b) -> str:
+    return f"{b:.0%} of prompt" if isinstance(b, float) else f"{b} slots"
+
+
+def figure(result: dict):
+    """Mean perplexity (error bars: std over texts) against budget, one line per policy; full dashed."""
+    import plotly.graph_objects as go
+
+    summary = result["summary"]
+    budgets = _numeric(summary)
+    names = [_budget_name(b) for b in budgets]
+    fig = go.Figure()
+    for policy in dict.fromkeys(s["policy"] for s in summary):
+        group = {s["budget"]: s for s in summary if s["policy"] == policy}
+        own = [b for b in group if isinstance(b, str)]
+        if own:  # full or a budget-free policy: one value, drawn flat across the budgets
+            s = group[own[0]]
+            fig.add_trace(go.Scatter(x=names, y=[s["ppl_mean"]] * len(names), name=f"{policy} ({own[0]})",
+                                     mode="lines", line={"dash": "dash"}))
+            continue
+        fig.add_trace(go.Scatter(x=names, y=[group[b]["ppl_mean"] if b in group else None for b in budgets],
+                                 error_y={"array": [group[b]["ppl_std"] if b in group else None for b in budgets]},
+                                 name=policy, mode="lines+markers"))
+    c = result["config"]
+    fig.update_layout(title=f"Perplexity by KV budget ({c['prefill']} prompt + {c['tokens']} scored tokens, "
+                            f"{len(c['texts'])} texts; bars: std over texts)",
+                      xaxis_title="budget per KV head per layer", yaxis_title="perplexity", width=900, height=520,
+                      template="plotly_white")
+    return fig

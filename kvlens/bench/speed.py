@@ -1,0 +1,167 @@
+"""Speed and memory per policy, and the DESIGN.md target ratios, measured side by side in one run.
+
+Per policy and prompt length: prefill ms, median ms per generated token, KV bytes allocated
+(peak after compression) and the process's peak resident memory. Each ratio compares two sides
+run alternately (A B, B A, A B, ...) on the same prompt, so load from other processes hits both;
+a ratio is the median over repeats of the per-repeat ratio of median decode ms/token.
+
+- engine_vs_model_loop: engine `full`, summary recording (the least there is), vs the model's
+  own greedy decode loop over a transformers `DynamicCache` with plain SDPA (the `kvlens`
+  attention falls back to SDPA without a run context). Same prompt, same greedy tokens.
+- cam_vs_streaming_llm: `cam` (base streaming_llm) vs `streaming_llm`, both at the same budget.
+- record_full_vs_none: engine `full` with `record="full"` vs `record="summary"`.
+- kv_bytes_half_budget_vs_full: KV bytes of `streaming_llm` at half the prompt vs the full
+  prompt's cache (both allocated bytes); proportional means equal to the slot share (~0.5).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from kvlens.bench.common import PeakRSS, PolicySpec, environment, median
+from kvlens.engine import RunOptions, run
+from kvlens.errors import KvlensError
+from kvlens.models import LoadedModel
+from kvlens.policies import make_policy
+
+TARGETS = {"engine_vs_model_loop": 1.10, "cam_vs_streaming_llm": 1.10, "record_full_vs_none": 1.5}
+
+
+def prompt_ids(model: LoadedModel, text: str, length: int) -> list[int]:
+    """The first `length` token ids of `text`."""
+    ids = list(model.tokenizer(text).input_ids)
+    if len(ids) < length:
+        raise KvlensError(f"The text has {len(ids)} tokens, fewer than the prompt length {length}.")
+    return ids[:length]
+
+
+def engine_once(model: LoadedModel, spec: PolicySpec, ids: list[int], steps: int, budget, record: str = "summary") -> dict:
+    """One greedy engine run: prefill ms, median decode ms/token, KV bytes, peak RSS, and its tokens."""
+    step_ms = []
+    b = None if spec.budget_free else budget
+    opts = RunOptions(budget=b, max_new_tokens=steps, stop_at_eos=False, record=record, log_decisions=False)
+    with PeakRSS() as mem:
+        r = run(model, make_policy(spec.name, dict(spec.params)), ids, prefill=len(ids), steps=steps, teacher=False,
+                opts=opts, on_step=lambda e: step_ms.append(e.ms) if e.step else None)
+    m = r.metrics
+    return {"prefill_ms": m["prefill_ms"], "ms_per_token": median(step_ms), "kv_bytes_peak": m["kv_bytes_peak"],
+            "kv_bytes_prefill": m["kv_bytes_prefill"], "kv_slots_max": m["kv_slots_max"],
+            "peak_rss": mem.peak, "rss_growth": mem.peak - mem.start, "tokens": r.meta["tokens"]}
+
+
+def model_loop_once(model: LoadedModel, ids: list[int], steps: int) -> dict:
+    """The model's own cached greedy loop: `DynamicCache`, one token per call, SDPA attention."""
+    from transformers import DynamicCache
+
+    dev = model.device
+    cache, tokens, step_ms = DynamicCache(), [], []
+    with torch.inference_mode():
+        t = time.perf_counter()
+        out = model.model(input_ids=torch.tensor([ids], device=dev), past_key_values=cache, use_cache=True,
+                          logits_to_keep=1)
+        prefill_ms = (time.perf_counter() - t) * 1000
+        for i in range(steps):
+            token = int(torch.argmax(out.logits[0, -1]))
+            tokens.append(token)
+            if i == steps - 1:
+                break
+            t = time.perf_counter()
+            out = model.model(input_ids=torch.tensor([[token]], device=dev), past_key_values=cache, use_cache=True)
+            step_ms.append((time.perf_counter() - t) * 1000)
+    return {"prefill_ms": prefill_ms, "ms_per_token": median(step_ms), "tokens": tokens}
+
+
+def paired(a: Callable[[], dict], b: Callable[[], dict], repeats: int, tick: Callable[[], None]) -> dict:
+    """Run a and b alternately `repeats` times (order flipped each repeat); median of the ms/token ratios."""
+    sides = {"a": [], "b": []}
+    for r in range(repeats):
+        for side in ("ab" if r % 2 == 0 else "ba"):
+            sides[side].append((a if side == "a" else b)())
+            tick()
+    ratios = [x["ms_per_token"] / y["ms_per_token"] for x, y in zip(sides["a"], sides["b"])]
+    return {"ratio": median(ratios), "ratios": ratios, "a_ms_per_token": [x["ms_per_token"] for x in sides["a"]],
+            "b_ms_per_token": [y["ms_per_token"] for y in sides["b"]]}
+
+
+def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[int], *, text: str, steps: int,
+                budget: float, repeats: int, ratio_length: int,
+                tick: Callable[[], None] = lambda: None) -> dict:
+    """The policy table (one run per policy and length) and the four ratios at `ratio_length`.
+
+    `tick` is called after every engine or loop run (progress bars): the total is
+    `len(policies) * len(lengths) + 6 * repeats`.
+    """
+    if repeats < 1 or steps < 2:
+        raise KvlensError("Speed needs at least one repeat and two generated tokens.")
+    rows = []
+    for n in lengths:
+        ids = prompt_ids(model, text, n)
+        for spec in policies:
+            res = engine_once(model, spec, ids, steps, budget)
+            res.pop("tokens")
+            rows.append({"policy": spec.label, "prompt_tokens": n, "steps": steps, **res})
+            tick()
+    ids = prompt_ids(model, text, ratio_length)
+    full, sl, cam = PolicySpec("full"), PolicySpec("streaming_llm"), PolicySpec("cam")
+    engine = lambda: engine_once(model, full, ids, steps, budget)  # noqa: E731
+    loop = paired(engine, lambda: model_loop_once(model, ids, steps), repeats, tick)
+    cam_pair = paired(lambda: engine_once(model, cam, ids, steps, budget),
+                      lambda: engine_once(model, sl, ids, steps, budget), repeats, tick)
+    record = paired(lambda: engine_once(model, full, ids, steps, budget, record="full"), engine, repeats, tick)
+    half = engine_once(model, sl, ids, steps, 0.5)
+    whole = engine_once(model, full, ids, steps, None)
+    same_tokens = engine()["tokens"] == model_loop_once(model, ids, steps)["tokens"]
+    ratios = {"engine_vs_model_loop": loop["ratio"], "cam_vs_streaming_llm": cam_pair["ratio"],
+              "record_full_vs_none": record["ratio"],
+              "kv_bytes_half_budget_vs_full": half["kv_bytes_peak"] / whole["kv_bytes_prefill"]}
+    return {"config": {"policies": [p.label for p in policies], "lengths": lengths, "steps": steps, "budget": budget,
+                       "repeats": repeats, "ratio_length": ratio_length},
+            "environment": environment(model), "rows": rows, "ratios": ratios,
+            "ratio_details": {"engine_vs_model_loop": {**loop, "same_tokens": same_tokens},
+                              "cam_vs_streaming_llm": cam_pair, "record_full_vs_none": record,
+                              "kv_bytes_half_budget_vs_full": {
+                                  "half_bytes": half["kv_bytes_peak"], "full_prompt_bytes": whole["kv_bytes_prefill"],
+                                  "slot_share": half["kv_slots_max"] / ratio_length}},
+            "targets": verdicts(ratios, half["kv_slots_max"] / ratio_length), "growth": growth(rows)}
+
+
+def verdicts(ratios: dict, slot_share: float) -> dict:
+    """Each ratio against its DESIGN.md target: `{"target", "met"}`; bytes must match the slot share within 2%."""
+    out = {k: {"target": f"<= {t}", "met": ratios[k] <= t} for k, t in TARGETS.items()}
+    out["kv_bytes_half_budget_vs_full"] = {
+        "target": f"proportional ({slot_share:.3f})",
+        "met": abs(ratios["kv_bytes_half_budget_vs_full"] - slot_share) <= 0.02 * slot_share}
+    return out
+
+
+def growth(rows: list[dict]) -> dict:
+    """Per policy, least-squares slopes over prompt length: decode and prefill ms per 1000 prompt tokens."""
+    out = {}
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        mine = [r for r in rows if r["policy"] == policy]
+        if len({r["prompt_tokens"] for r in mine}) < 2:
+            continue
+        out[policy] = {"ms_per_token_per_1k_prompt": _slope(mine, "ms_per_token") * 1000,
+                       "prefill_ms_per_1k_prompt": _slope(mine, "prefill_ms") * 1000,
+                       "prefill_ms_by_length": {r["prompt_tokens"]: r["prefill_ms"] for r in mine},
+                       "ms_per_token_by_length": {r["prompt_tokens"]: r["ms_per_token"] for r in mine}}
+    return out
+
+
+def _slope(rows: list[dict], key: str) -> float:
+    xs = [r["prompt_tokens"] for r in rows]
+    ys = [r[key] for r in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def markdown_table(result: dict) -> str:
+    """Policy x prompt length: prefill ms, ms/token, KV MiB, peak RSS MiB."""
+    lines = ["| policy | prompt | prefill ms | ms/token | KV MiB (peak) | process RSS MiB (peak) |",
+             "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['policy']} | {r['prompt_tokens']} | {r['prefill_ms']:.0f} | {r['ms_per_token']:.1f} | "
+                     f"{r['kv_bytes_peak'] / 2**20:.2f} | {r['peak_rss'] / 2**20:.0f} |")
+    return "\n".join(lines)

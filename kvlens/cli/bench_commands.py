@@ -1,0 +1,169 @@
+"""`kvlens bench ppl|needle|speed`: paper-style tables and figures, saved under results/ for the app."""
+from __future__ import annotations
+
+import sys
+
+from kvlens.cli.common import add_model_args, command_line, load, print_json
+from kvlens.errors import KvlensError
+
+ALL_POLICIES = "full;streaming_llm;h2o;scissorhands;tova;cam;weightedkv;kvmerger;corm"
+
+
+def register(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: perplexity table, needle in a haystack, speed and memory")
+    bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH", parser_class=type(bench))
+
+    p = bsub.add_parser("ppl", help="teacher-forced perplexity, policies x budgets x bundled texts")
+    _common(p, ALL_POLICIES)
+    p.add_argument("--budgets", default="0.5,0.25,64", help="comma-separated slots (64) or prompt shares (0.5)")
+    p.add_argument("--texts", type=int, default=3, help="how many bundled texts (default 3)")
+    p.add_argument("--prefill", type=int, default=384)
+    p.add_argument("--tokens", type=int, default=96, help="tokens scored after the prefill")
+    p.set_defaults(func=cmd_ppl)
+    _quick(p, policies="full;streaming_llm;h2o;cam", budgets="0.5", texts=2, prefill=192, tokens=32)
+
+    p = bsub.add_parser("needle", help="needle in a haystack: context length x depth heatmap per policy")
+    _common(p, "full;streaming_llm;h2o;tova;cam;weightedkv;kvmerger")
+    p.add_argument("--lengths", default="256,512,1024", help="comma-separated context lengths in tokens")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="comma-separated needle depths in [0, 1]")
+    p.add_argument("--budget", default="0.5", help="budget of the compressing policies (slots or share)")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--no-chat", action="store_true", help="plain text prompt instead of the chat template")
+    p.set_defaults(func=cmd_needle)
+    _quick(p, policies="full;streaming_llm;h2o", lengths="256,512", depths="0.5,1")
+
+    p = bsub.add_parser("speed", help="prefill, ms/token, KV bytes, peak memory per policy; target ratios")
+    _common(p, ALL_POLICIES)
+    p.add_argument("--lengths", default="256,1024,2048", help="comma-separated prompt lengths")
+    p.add_argument("--steps", type=int, default=32, help="generated tokens per run")
+    p.add_argument("--budget", type=float, default=0.5, help="share of the prompt kept by compressing policies")
+    p.add_argument("--repeats", type=int, default=5, help="repeats of each side of each ratio")
+    p.add_argument("--ratio-length", type=int, default=1024, help="prompt length the ratios are measured at")
+    p.set_defaults(func=cmd_speed)
+    _quick(p, policies="full;streaming_llm;h2o;cam", lengths="256,1024", steps=16, repeats=3, ratio_length=512)
+
+
+def _quick(p, **settings) -> None:
+    """Set the --quick settings, remembering the defaults they replace."""
+    p.set_defaults(quick_args=settings, parser_defaults={k: p.get_default(k) for k in settings})
+
+
+def _common(p, policies: str) -> None:
+    p.add_argument("--policies", default=policies,
+                   help="';'-separated policies, each `name` or `name:key=value,...` (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="small settings (minutes); results go to *_quick files")
+    p.add_argument("--out-dir", default="results", help="where JSON, CSV and PNG go (default results/)")
+    p.add_argument("--no-figure", action="store_true", help="skip the PNG (needs Chromium)")
+    p.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    add_model_args(p)
+
+
+def _apply_quick(args) -> str:
+    """Replace settings left at their defaults by the quick ones; returns the file stem suffix."""
+    if not args.quick:
+        return ""
+    for key, value in args.quick_args.items():
+        if getattr(args, key) == args.parser_defaults[key]:
+            setattr(args, key, value)
+    return "_quick"
+
+
+def _numbers(text: str, kind, what: str) -> list:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvlensError(f"{what} takes comma-separated numbers; got '{text}'.") from None
+    if not values:
+        raise KvlensError(f"{what} needs at least one value.")
+    return values
+
+
+def _bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not sys.stderr.isatty(), dynamic_ncols=True)
+
+
+def _finish(args, result: dict, rows: list[dict], fig, stem: str, text: str) -> int:
+    from kvlens.bench.common import save_results
+
+    result["command"] = command_line()
+    paths = save_results(result, rows, None if args.no_figure else fig, args.out_dir, stem)
+    if args.json:
+        print_json(result)
+    else:
+        print(text)
+        print("\nwrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def cmd_ppl(args) -> int:
+    from kvlens.bench import ppl
+    from kvlens.bench.common import bundled_texts, parse_policies
+    from kvlens.policies import parse_budget
+
+    suffix = _apply_quick(args)
+    policies = parse_policies(args.policies)
+    budgets = [parse_budget(b) for b in args.budgets.split(",") if b.strip()]
+    if args.prefill < 1 or args.tokens < 1 or args.texts < 1:
+        raise KvlensError("--prefill, --tokens and --texts must all be at least 1.")
+    texts = bundled_texts(args.texts, min_chars=8 * (args.prefill + args.tokens))
+    model = load(args)
+    bar = _bar(len(ppl.cells(policies, budgets)) * len(texts), "bench ppl")
+    with bar:
+        def on_cell(row):
+            bar.set_postfix_str(f"{row['policy']} {row['budget']} ppl {row['ppl']:.2f}", refresh=False)
+            bar.update(1)
+        result = ppl.bench_ppl(model, policies, budgets, texts, prefill=args.prefill, tokens=args.tokens,
+                               on_cell=on_cell)
+    return _finish(args, result, result["rows"], ppl.figure(result), "bench_ppl" + suffix,
+                   ppl.markdown_table(result["summary"]))
+
+
+def cmd_needle(args) -> int:
+    from kvlens.bench import needle
+    from kvlens.bench.common import bundled_texts, parse_policies
+    from kvlens.policies import parse_budget
+
+    suffix = _apply_quick(args)
+    policies = parse_policies(args.policies)
+    lengths = _numbers(args.lengths, int, "--lengths")
+    depths = _numbers(args.depths, float, "--depths")
+    if args.max_new_tokens < 1:
+        raise KvlensError("--max-new-tokens must be at least 1.")
+    model = load(args)
+    filler = " ".join(text for _, text in bundled_texts())
+    bar = _bar(len(policies) * len(lengths) * len(depths), "bench needle")
+    with bar:
+        def on_cell(cell):
+            bar.set_postfix_str(f"{cell['policy']} {cell['length']} {cell['depth']:.0%} {cell['score']:.0f}",
+                                refresh=False)
+            bar.update(1)
+        result = needle.bench_needle(model, policies, lengths, depths, budget=parse_budget(args.budget),
+                                     filler_text=filler, max_new_tokens=args.max_new_tokens, chat=not args.no_chat,
+                                     on_cell=on_cell)
+    text = "\n".join(f"{s['policy']:<16} found {s['score']:.0%}  by length "
+                     + ", ".join(f"{n}: {v:.0%}" for n, v in s["by_length"].items()) for s in result["summary"])
+    return _finish(args, result, result["cells"], needle.figure(result), "bench_needle" + suffix, text)
+
+
+def cmd_speed(args) -> int:
+    from kvlens.bench import speed
+    from kvlens.bench.common import bundled_texts, parse_policies
+
+    suffix = _apply_quick(args)
+    policies = parse_policies(args.policies)
+    lengths = _numbers(str(args.lengths), int, "--lengths")
+    if not 0 < args.budget <= 1 or args.repeats < 1 or args.steps < 2:
+        raise KvlensError("--budget must be in (0, 1], --repeats at least 1 and --steps at least 2.")
+    model = load(args)
+    text = bundled_texts(1)[0][1]  # the longest-running address (1946 Truman, ~40k tokens)
+    bar = _bar(len(policies) * len(lengths) + 6 * args.repeats, "bench speed")
+    with bar:
+        result = speed.bench_speed(model, policies, lengths, text=text, steps=args.steps, budget=args.budget,
+                                   repeats=args.repeats, ratio_length=args.ratio_length, tick=lambda: bar.update(1))
+    lines = [speed.markdown_table(result), ""]
+    for key, value in result["ratios"].items():
+        verdict = result["targets"][key]
+        lines.append(f"{key:<30} {value:.3f}  target {verdict['target']}: {'met' if verdict['met'] else 'NOT met'}")
+    return _finish(args, result, result["rows"], None, "bench_speed" + suffix, "\n".join(lines))
