@@ -41,7 +41,7 @@ def image_bytes(fig: go.Figure, fmt: str, scale: float = 2.0) -> bytes:
 
 
 def figure_rows(fig: go.Figure) -> list[dict]:
-    """Every trace's points in long form: heatmaps one row per cell, lines one row per point."""
+    """Every trace's points in long form: heatmaps one row per cell (empty cells left out), lines one row per point."""
     rows = []
     for i, tr in enumerate(fig.data):
         name = tr.name or f"trace {i}"
@@ -50,7 +50,7 @@ def figure_rows(fig: go.Figure) -> list[dict]:
             xs = list(tr.x) if tr.x is not None else list(range(len(z[0]) if z else 0))
             ys = list(tr.y) if tr.y is not None else list(range(len(z)))
             rows += [{"trace": name, "x": xs[c], "y": ys[r], "z": v, "error": None}
-                     for r, zr in enumerate(z) for c, v in enumerate(zr)]
+                     for r, zr in enumerate(z) for c, v in enumerate(zr) if v is not None and v == v]
             continue
         xs, ys = tr.x, tr.y
         if ys is None or all(v is None for v in ys):
@@ -67,7 +67,8 @@ def write_csv(fig: go.Figure, path: str | Path) -> Path:
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["trace", "x", "y", "z", "error"])
         writer.writeheader()
-        writer.writerows(figure_rows(fig))
+        for row in figure_rows(fig):
+            writer.writerow({k: f"{v:.7g}" if isinstance(v, float) else v for k, v in row.items()})
     return path
 
 

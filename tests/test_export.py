@@ -52,8 +52,9 @@ def test_csv_holds_every_trace_point(fig, tmp_path):
 def test_heatmap_csv_is_long_form(tmp_path):
     fig = plots.similarity_figure(tiny_run(), 0, 0, "key", max_size=10)
     rows = export.figure_rows(fig)
-    assert len(rows) == 100 and {r["trace"] for r in rows} == {"key"}
-    assert rows[10]["y"] == fig.data[0].y[1] and rows[10]["x"] == fig.data[0].x[0]
+    assert len(rows) == 55 and {r["trace"] for r in rows} == {"key"}  # lower triangle: empty cells left out
+    assert (rows[1]["x"], rows[1]["y"]) == (fig.data[0].x[0], fig.data[0].y[1])
+    assert rows[1]["z"] == fig.data[0].z[1][0]
 
 
 def test_missing_chromium_is_one_clear_sentence(fig, tmp_path, monkeypatch):
