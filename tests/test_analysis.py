@@ -245,3 +245,22 @@ def test_embedded_model_states_match_numpy(smol):
     spec = an.spectrum(r, "key")
     s = np.linalg.svd(np_states(r, "k", 15)[1], compute_uv=False)
     np.testing.assert_allclose(spec.values[1, 1].numpy(), s / s[0], rtol=1e-4, atol=1e-6)
+
+
+def test_sweeps_over_texts_and_lengths(tiny):
+    from kvlens.analysis import sweeps
+
+    texts = {"a": (TEXTS / "1953-Eisenhower.txt").read_text(), "b": (TEXTS / "1986-Reagan.txt").read_text()}
+    ratios = sweeps.merging_ratio_over_texts(tiny, texts, tokens=64, threshold=0.5)
+    assert list(ratios) == ["a", "b"]
+    keys = record_states(tiny, prefix_ids(tiny, texts["b"], 64)).tensor("prefill/k/2")[1]
+    assert float(ratios["b"].ratio[2, 1]) == pytest.approx(1 - len(merging_sets(keys, 0.5)) / 64)
+    res = sweeps.corm_over_lengths(tiny, texts, [48, 96], {"window": 8, "recent": 8})
+    assert res.ratio.shape == (2, 2) and res.params["window"] == 8
+    r = engine_run(tiny, make_policy("corm", {"window": 8, "recent": 8}), prefix_ids(tiny, texts["a"], 96),
+                   prefill=96, steps=1, teacher=False, opts=RunOptions(max_new_tokens=1))
+    kept = r.tensor("steps/kv_slots")[0].float().mean()
+    assert float(res.ratio[0, 1]) == pytest.approx(1 - float(kept) / 96)
+    assert 0 < float(res.ratio[0, 1]) < 1  # corm drops some keys of a 96-token prompt, keeps the recent 8
+    with pytest.raises(KvlensError, match="fewer than"):
+        sweeps.prefix_ids(tiny, "short", 64)
