@@ -119,7 +119,7 @@ def preceding_figure(run: Run, layer: int, token: int, window: int = 32, kind: s
     fig = go.Figure()
     for h, row in enumerate(sims):
         fig.add_trace(go.Scatter(x=list(range(1, window + 1)), y=row.tolist(), mode="lines+markers",
-                                 name=f"head {h}", **line_style(h)))
+                                 name=f"{'query' if kind == 'query' else 'KV'} head {h}", **line_style(h)))
     fig.update_xaxes(title_text="distance j (tokens before t)")
     fig.update_yaxes(title_text=f"cos({kind}<sub>t</sub>, {kind}<sub>t-j</sub>)")
     title = f"Similarity of {kind} {token} to the {window} before it, layer {layer} ({_model(run)})"
@@ -231,15 +231,19 @@ def gaussian_figure(run: Run, layer: int, head: int, threshold: float = 0.75, po
 
 
 def merge_similarity_figure(run: Run, step: int = 100, horizon: int = 800, sink: int = 4) -> go.Figure:
-    """WeightedKV Fig. 2: per layer, mean (± std over heads and steps) cosine similarity of future
-    attention rows with and without one merge."""
+    """WeightedKV Fig. 2: per layer, 1 − cosine similarity of future attention rows with and without
+    one merge (mean, and the worst row of any head), on a log axis: the paper's cosine is so close to
+    1 that error bars around it would cross 1."""
     res = an.merge_future_similarity(run, step, horizon, sink)
-    flat = res.cosine.flatten(1)  # (L, Hq * N)
-    fig = go.Figure(go.Scatter(x=res.layers, y=flat.mean(1).tolist(), mode="markers", name="mean",
-                               error_y=dict(type="data", array=flat.std(1, unbiased=False).tolist(), color="#555555"),
-                               marker=dict(color=COLORS[0], size=7)))
+    flat = res.cosine.flatten(1).double()  # (L, Hq * N)
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=res.layers, y=(1 - flat.mean(1)).tolist(), mode="lines+markers", name="mean",
+                             **line_style(0)))
+    fig.add_trace(go.Scatter(x=res.layers, y=(1 - flat.min(1).values).tolist(), mode="lines+markers",
+                             name="worst row", **line_style(1)))
     fig.update_xaxes(title_text="layer")
-    fig.update_yaxes(title_text=f"cosine similarity, steps {step + 1}–{step + res.cosine.shape[-1]}")
+    fig.update_yaxes(type="log", dtick=1, exponentformat="power",
+                     title_text=f"1 − cosine similarity, steps {step + 1}–{step + res.cosine.shape[-1]}")
     return _finish(fig, f"Future attention with vs without one merge at step {step} ({_model(run)})",
                    "merge-similarity", run, step=step, horizon=horizon, sink=sink)
 

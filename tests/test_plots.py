@@ -74,7 +74,9 @@ def test_variance_preceding_gaussian_merge_and_perplexity_figures(run):
 
     fig = plots.merge_similarity_figure(run, step=50, horizon=40)
     ms = an.merge_future_similarity(run, 50, 40)
-    np.testing.assert_allclose(fig.data[0].y, ms.cosine.flatten(1).mean(1).numpy(), rtol=1e-6)
+    flat = ms.cosine.flatten(1).double().numpy()
+    np.testing.assert_allclose(fig.data[0].y, 1 - flat.mean(1), rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(fig.data[1].y, 1 - flat.min(1), rtol=1e-6, atol=1e-12)
 
     fig = plots.perplexity_figure([run, run], ["a", "b"])
     assert [t.name for t in fig.data] == ["a", "b"]

@@ -118,7 +118,7 @@ def aggregated_attention(run: Run, layer: int) -> torch.Tensor:
 
 @dataclass
 class MergeSimilarity:
-    """WeightedKV Fig. 2: `cosine` `(L, Hq, N)` similarity of attention rows at steps
+    """WeightedKV Fig. 2: `cosine` `(L, Hq, N)` float64 similarity of attention rows at steps
     `step+1 .. step+N` with and without the merge at `step`; `merged` `(L, Hkv)` the merged token."""
 
     layers: list[int]
@@ -162,7 +162,7 @@ def merge_future_similarity(run: Run, step: int = 100, horizon: int = 800, sink:
             a = probs.double()
             aj = a.gather(-1, jq[:, None, None].expand(-1, a.shape[1], 1)).squeeze(-1)  # (Hq, r)
             norm2 = (a ** 2).sum(-1)
-            cos.append(((norm2 - aj ** 2).clamp(min=0).sqrt() / norm2.sqrt()).float())
+            cos.append((norm2 - aj ** 2).clamp(min=0).sqrt() / norm2.sqrt())  # float64: values sit near 1
         out.append(torch.cat(cos, dim=1))
         merged.append(j)
     return MergeSimilarity(list(layers), step, torch.stack(out), torch.stack(merged))
