@@ -119,7 +119,8 @@ def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
     rows = result["rows"]
     assert [(r["policy"], r["prompt_tokens"]) for r in rows[:4]] == [
         ("full", 32), ("streaming_llm", 32), ("cam", 32), ("corm", 32)]
-    fields = {"policy", "prompt_tokens", "steps", "prefill_ms", "ms_per_token", "kv_bytes_peak", "kv_bytes_prefill",
+    fields = {"policy", "prompt_tokens", "steps", "prefill_ms", "ms_per_token", "cpu_ms_per_token", "kv_bytes_peak",
+              "kv_bytes_prefill",
               "kv_slots_max", "peak_rss", "rss_growth"}
     assert all(set(r) == fields and r["ms_per_token"] > 0 and r["peak_rss"] > 0 for r in rows)
     by = {(r["policy"], r["prompt_tokens"]): r for r in rows}
@@ -135,6 +136,7 @@ def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
         assert d["ratios"] == pytest.approx(per_repeat) and len(per_repeat) == 2
         assert ratios[key] == pytest.approx(sum(per_repeat) / 2)  # median of two
         assert set(result["targets"][key]) == {"target", "met"}
+        assert result["ratios_cpu"][key] == pytest.approx(sum(d["cpu_ratios"]) / 2) and len(d["cpu_ratios"]) == 2
     assert details["engine_vs_model_loop"]["same_tokens"]
     assert ratios["kv_bytes_half_budget_vs_full"] == pytest.approx(0.5)
     assert result["targets"]["kv_bytes_half_budget_vs_full"]["met"]

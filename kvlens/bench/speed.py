@@ -3,7 +3,9 @@
 Per policy and prompt length: prefill ms, median ms per generated token, KV bytes allocated
 (peak after compression) and the process's peak resident memory. Each ratio compares two sides
 run alternately (A B, B A, A B, ...) on the same prompt, so load from other processes hits both;
-a ratio is the median over repeats of the per-repeat ratio of median decode ms/token.
+a ratio is the median over repeats of the per-repeat ratio of median decode ms/token (wall
+clock). `ratios_cpu` gives the same ratios in process CPU time per step, which a machine shared
+with other processes disturbs less than wall time.
 
 - engine_vs_model_loop: engine `full`, summary recording (the least there is), vs the model's
   own greedy decode loop over a transformers `DynamicCache` with plain SDPA (the `kvlens`
@@ -39,14 +41,21 @@ def prompt_ids(model: LoadedModel, text: str, length: int) -> list[int]:
 
 def engine_once(model: LoadedModel, spec: PolicySpec, ids: list[int], steps: int, budget, record: str = "summary") -> dict:
     """One greedy engine run: prefill ms, median decode ms/token, KV bytes, peak RSS, and its tokens."""
-    step_ms = []
+    step_ms, cpu = [], []  # wall ms of each decode step; process CPU time at each step event
     b = None if spec.budget_free else budget
     opts = RunOptions(budget=b, max_new_tokens=steps, stop_at_eos=False, record=record, log_decisions=False)
+
+    def on_step(event):
+        cpu.append(time.process_time() * 1000)
+        if event.step:
+            step_ms.append(event.ms)
+
     with PeakRSS() as mem:
         r = run(model, make_policy(spec.name, dict(spec.params)), ids, prefill=len(ids), steps=steps, teacher=False,
-                opts=opts, on_step=lambda e: step_ms.append(e.ms) if e.step else None)
+                opts=opts, on_step=on_step)
     m = r.metrics
-    return {"prefill_ms": m["prefill_ms"], "ms_per_token": median(step_ms), "kv_bytes_peak": m["kv_bytes_peak"],
+    return {"prefill_ms": m["prefill_ms"], "ms_per_token": median(step_ms),
+            "cpu_ms_per_token": median(b - a for a, b in zip(cpu, cpu[1:])), "kv_bytes_peak": m["kv_bytes_peak"],
             "kv_bytes_prefill": m["kv_bytes_prefill"], "kv_slots_max": m["kv_slots_max"],
             "peak_rss": mem.peak, "rss_growth": mem.peak - mem.start, "tokens": r.meta["tokens"]}
 
@@ -56,7 +65,7 @@ def model_loop_once(model: LoadedModel, ids: list[int], steps: int) -> dict:
     from transformers import DynamicCache
 
     dev = model.device
-    cache, tokens, step_ms = DynamicCache(), [], []
+    cache, tokens, step_ms, cpu_ms = DynamicCache(), [], [], []
     with torch.inference_mode():
         t = time.perf_counter()
         out = model.model(input_ids=torch.tensor([ids], device=dev), past_key_values=cache, use_cache=True,
@@ -67,10 +76,12 @@ def model_loop_once(model: LoadedModel, ids: list[int], steps: int) -> dict:
             tokens.append(token)
             if i == steps - 1:
                 break
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             out = model.model(input_ids=torch.tensor([[token]], device=dev), past_key_values=cache, use_cache=True)
             step_ms.append((time.perf_counter() - t) * 1000)
-    return {"prefill_ms": prefill_ms, "ms_per_token": median(step_ms), "tokens": tokens}
+            cpu_ms.append((time.process_time() - c) * 1000)
+    return {"prefill_ms": prefill_ms, "ms_per_token": median(step_ms), "cpu_ms_per_token": median(cpu_ms),
+            "tokens": tokens}
 
 
 def paired(a: Callable[[], dict], b: Callable[[], dict], repeats: int, tick: Callable[[], None]) -> dict:
@@ -81,8 +92,9 @@ def paired(a: Callable[[], dict], b: Callable[[], dict], repeats: int, tick: Cal
             sides[side].append((a if side == "a" else b)())
             tick()
     ratios = [x["ms_per_token"] / y["ms_per_token"] for x, y in zip(sides["a"], sides["b"])]
+    cpu = [x["cpu_ms_per_token"] / y["cpu_ms_per_token"] for x, y in zip(sides["a"], sides["b"])]
     return {"ratio": median(ratios), "ratios": ratios, "a_ms_per_token": [x["ms_per_token"] for x in sides["a"]],
-            "b_ms_per_token": [y["ms_per_token"] for y in sides["b"]]}
+            "b_ms_per_token": [y["ms_per_token"] for y in sides["b"]], "cpu_ratio": median(cpu), "cpu_ratios": cpu}
 
 
 def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[int], *, text: str, steps: int,
@@ -116,9 +128,11 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
     ratios = {"engine_vs_model_loop": loop["ratio"], "cam_vs_streaming_llm": cam_pair["ratio"],
               "record_full_vs_none": record["ratio"],
               "kv_bytes_half_budget_vs_full": half["kv_bytes_peak"] / whole["kv_bytes_prefill"]}
+    ratios_cpu = {k: d["cpu_ratio"] for k, d in (("engine_vs_model_loop", loop), ("cam_vs_streaming_llm", cam_pair),
+                                                  ("record_full_vs_none", record))}
     return {"config": {"policies": [p.label for p in policies], "lengths": lengths, "steps": steps, "budget": budget,
                        "repeats": repeats, "ratio_length": ratio_length},
-            "environment": environment(model), "rows": rows, "ratios": ratios,
+            "environment": environment(model), "rows": rows, "ratios": ratios, "ratios_cpu": ratios_cpu,
             "ratio_details": {"engine_vs_model_loop": {**loop, "same_tokens": same_tokens},
                               "cam_vs_streaming_llm": cam_pair, "record_full_vs_none": record,
                               "kv_bytes_half_budget_vs_full": {
@@ -158,10 +172,11 @@ def _slope(rows: list[dict], key: str) -> float:
 
 
 def markdown_table(result: dict) -> str:
-    """Policy x prompt length: prefill ms, ms/token, KV MiB, peak RSS MiB."""
-    lines = ["| policy | prompt | prefill ms | ms/token | KV MiB (peak) | process RSS MiB (peak) |",
-             "|---|---|---|---|---|---|"]
+    """Policy x prompt length: prefill ms, ms/token (wall and CPU), KV MiB, peak RSS MiB."""
+    lines = ["| policy | prompt | prefill ms | ms/token | CPU ms/token | KV MiB (peak) | process RSS MiB (peak) |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['policy']} | {r['prompt_tokens']} | {r['prefill_ms']:.0f} | {r['ms_per_token']:.1f} | "
+                     f"{r['cpu_ms_per_token']:.1f} | "
                      f"{r['kv_bytes_peak'] / 2**20:.2f} | {r['peak_rss'] / 2**20:.0f} |")
     return "\n".join(lines)

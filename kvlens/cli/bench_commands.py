@@ -165,5 +165,7 @@ def cmd_speed(args) -> int:
     lines = [speed.markdown_table(result), ""]
     for key, value in result["ratios"].items():
         verdict = result["targets"][key]
-        lines.append(f"{key:<30} {value:.3f}  target {verdict['target']}: {'met' if verdict['met'] else 'NOT met'}")
+        cpu = result["ratios_cpu"].get(key)
+        lines.append(f"{key:<30} {value:.3f}  target {verdict['target']}: {'met' if verdict['met'] else 'NOT met'}"
+                     + (f"  (CPU time: {cpu:.3f})" if cpu is not None else ""))
     return _finish(args, result, result["rows"], None, "bench_speed" + suffix, "\n".join(lines))
