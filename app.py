@@ -8,9 +8,9 @@ import logging
 import streamlit as st
 
 from kvlens.errors import KvlensError
-from kvlens.ui.sidebar import sidebar
+from kvlens.ui.sidebar import page_config, sidebar
 
-st.set_page_config(page_title="kvlens", page_icon=":material/memory:", layout="wide")
+page_config()
 
 PAGES = {
     "Browse": [
@@ -29,8 +29,8 @@ PAGES = {
 }
 
 page = st.navigation(PAGES)
-st.session_state.app_shell = True
 sidebar(PAGES["Run"][0])
+st.session_state.app_shell_active = True
 try:
     page.run()
 except KvlensError as err:
@@ -39,3 +39,5 @@ except Exception as err:  # noqa: BLE001  (the page shows a sentence, the log ke
     logging.getLogger("kvlens.app").exception("page %s failed", page.title)
     st.error(f"This page hit an unexpected error ({type(err).__name__}: {str(err)[:200]}). "
              "The details are in the terminal running `make run`; please report them.")
+finally:
+    st.session_state.app_shell_active = False

@@ -3,7 +3,7 @@ import streamlit as st
 
 from kvlens.ui.charts import chart
 from kvlens.ui.results import metric_figure, pick_results, sweep_section
-from kvlens.ui.state import app_shell
+from kvlens.ui.sidebar import app_shell
 
 app_shell()
 

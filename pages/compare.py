@@ -5,9 +5,10 @@ from kvlens.errors import Cancelled, KvlensError
 from kvlens.ui.charts import chart
 from kvlens.ui.compare import Entry, compare, compare_figure, table
 from kvlens.ui.jobs import Job
-from kvlens.ui.state import app_shell, get_model
+from kvlens.ui.state import get_model
 from kvlens.ui.views import diverging_text
 from kvlens.ui.widgets import policy_picker
+from kvlens.ui.sidebar import app_shell
 
 app_shell()
 

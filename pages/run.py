@@ -6,8 +6,9 @@ import streamlit as st
 from kvlens.errors import Cancelled, KvlensError
 from kvlens.ui.jobs import Job
 from kvlens.ui.live import Live, RunSettings, bundled_texts, parse_layers
-from kvlens.ui.state import app_shell, get_model, list_runs, user_runs_dir
+from kvlens.ui.state import get_model, list_runs, user_runs_dir
 from kvlens.ui.widgets import policy_picker
+from kvlens.ui.sidebar import app_shell
 
 app_shell()
 

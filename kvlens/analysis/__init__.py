@@ -20,12 +20,12 @@ from kvlens.analysis.perplexity import PerplexityCurve, log_perplexity_curve
 from kvlens.analysis.similarity import (Adjacency, SimilarityMap, adjacency, block_edges, preceding_similarity,
                                         similarity_map)
 from kvlens.analysis.spectrum import Spectrum, singular_values, spectrum
-from kvlens.analysis.states import attention_chunks, recorded_layers, states
+from kvlens.analysis.states import attention_chunks, recorded_layers
 
 __all__ = [
     "Adjacency", "AttentionVariance", "GaussianSet", "MergeSimilarity", "MergingRatio", "PerplexityCurve",
     "SimilarityMap", "Sparsity", "Spectrum", "adjacency", "aggregated_attention", "attention_chunks",
     "attention_variance", "block_edges", "corm_sparsity", "gaussian_set", "log_perplexity_curve",
     "merge_future_similarity", "merging_ratio", "preceding_similarity", "recorded_layers", "similarity_map",
-    "singular_values", "spectrum", "states",
+    "singular_values", "spectrum",
 ]

@@ -14,7 +14,21 @@ def default_run(runs: list[RunEntry]) -> RunEntry:
                                     e.source == "shipped"))
 
 
-def sidebar(run_page) -> None:
+def page_config() -> None:
+    st.set_page_config(page_title="kvlens", page_icon=":material/memory:", layout="wide")
+
+
+def app_shell() -> None:
+    """Pages call this first. app.py draws the shell (page config, sidebar) around the page and
+    marks it in `app_shell_active`; when Streamlit runs a `pages/` file on its own (its multipage v1
+    mode: the first request of a fresh server is a page's URL, and AppTest's `switch_page`), the
+    page draws the shell itself."""
+    if not st.session_state.get("app_shell_active"):
+        page_config()
+        sidebar()
+
+
+def sidebar(run_page="pages/run.py") -> None:
     """Draw the sidebar; the chosen run's entry lands in `st.session_state.app_run_entry`."""
     with st.sidebar:
         runs = all_runs()

@@ -156,10 +156,3 @@ def run_figure(builder, run: Run, *args, **kwargs):
     return _figure(builder.__module__, builder.__name__, str(run.path), manifest.stat().st_mtime, args,
                    tuple(sorted(kwargs.items())))
 
-
-def app_shell() -> None:
-    """Pages call this first. On a fresh server whose first request is a page's own URL, Streamlit
-    runs that `pages/` file on its own (its multipage v1 mode) without app.py's navigation and
-    sidebar; go through app.py instead (which sets `app_shell`)."""
-    if not st.session_state.get("app_shell"):
-        st.switch_page("app.py")

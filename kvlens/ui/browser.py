@@ -1,0 +1,56 @@
+"""Drive the app in a real browser: `streamlit run app.py` on a free 127.0.0.1 port and Debian's Chromium.
+
+Used by the browser test and `scripts/app_screenshots.py`.
+"""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def streamlit_server(env: dict | None = None):
+    """`streamlit run app.py` headless on a free local port; yields its base URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.address",
+                             "127.0.0.1", "--server.port", str(port), "--server.headless", "true",
+                             "--browser.gatherUsageStats", "false"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"{url}/_stcore/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("streamlit did not start within 60 s")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def wait_idle(page, timeout_ms: int = 120000) -> None:
+    """Wait until the page's title is drawn, the script has finished and the charts are drawn."""
+    page.wait_for_selector("[data-testid='stMain'] h1", timeout=timeout_ms)
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]') && "
+                           "!document.querySelector('[data-testid=\"stSkeleton\"]')", timeout=timeout_ms)
+    page.wait_for_timeout(2000)

@@ -1,0 +1,226 @@
+"""The app under `streamlit.testing.v1.AppTest`: every page on the shipped `cached_runs/`.
+
+Each test checks that the page runs without an exception, that its widgets exist, and that the
+charts' plotly JSON holds the expected trace types and sizes (from the run's own shapes).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from kvlens import load_run
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHED = ROOT / "cached_runs"
+TIMEOUT = 120
+
+
+@pytest.fixture
+def app(tmp_path, monkeypatch):
+    """An AppTest of app.py with the user's runs and results in empty temporary folders."""
+    monkeypatch.setenv("KVLENS_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("KVLENS_RESULTS", str(tmp_path / "results"))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=TIMEOUT)
+    at.run()
+    return at
+
+
+def open_page(at: AppTest, page: str, run: str | None = None) -> AppTest:
+    """Switch to `pages/{page}.py`, then pick `run` in the sidebar (which the page draws itself under AppTest)."""
+    at.switch_page(f"pages/{page}.py")
+    at.run()
+    if run is not None:
+        at.sidebar.selectbox(key="app_run").set_value(str(CACHED / run) if "/" not in run else run)
+        at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def charts(at: AppTest) -> list[dict]:
+    return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+
+
+def traces(spec: dict, kind: str) -> list[dict]:
+    return [t for t in spec["data"] if t["type"] == kind]
+
+
+def test_overview_lists_shipped_runs_and_defaults_to_a_measured_merging_run(app):
+    assert not app.exception
+    options = app.sidebar.selectbox(key="app_run").options
+    shipped = sorted(d.name for d in CACHED.iterdir() if (d / "run.json").is_file())
+    assert len(options) == len(shipped) >= 5
+    run = load_run(app.sidebar.selectbox(key="app_run").value)
+    assert run.meta["policy"]["name"] in ("cam", "kvmerger") and run.has("perturbation/used")
+    occupancy = charts(app)[0]
+    kept = traces(occupancy, "scatter")[-1]
+    assert len(kept["y"]) == run.tensor("steps/kv_slots").shape[0]
+    assert max(kept["y"]) <= run.meta["budget"]["slots"]
+
+
+def test_attention_map_marks_evictions_and_stays_small(app):
+    at = open_page(app, "attention", "streaming_llm-full")
+    run = load_run(CACHED / "streaming_llm-full")
+    assert at.selectbox(key="attn_layer").options == ["0", "15", "29"]
+    assert len(at.selectbox(key="attn_head").options) == run.shape["heads"]
+    heat = traces(charts(at)[0], "heatmap")
+    assert len(heat) == 2  # status background + attention
+    rows = run.tensor("attn/15").shape[0]
+    prompt = len(run.meta["prompt_tokens"])
+    assert len(heat[1]["z"]) == rows and len(heat[1]["z"][0]) == prompt + rows - 1
+    statuses = {c for row in heat[0]["customdata"] for c in row}
+    assert {"evicted", "sink", "kept"} <= statuses
+    sink = next(t for t in charts(at)[0]["data"] if t.get("name") == "sink")
+    assert sink["x"] == [0, 1, 2, 3]
+    at.slider(key="attn_step").set_value(5).run()
+    assert not at.exception
+    assert charts(at)[1]["layout"]["title"]["text"].endswith("query row 5")
+
+
+def test_attention_asks_for_full_recording_on_a_summary_run(app):
+    at = open_page(app, "attention", "tova-summary")
+    assert any("--record full" in w.value for w in at.warning)
+    assert not at.get("plotly_chart")
+    at.button(key="req_h2o-full").click().run()  # the offered run opens
+    assert not at.exception and at.get("plotly_chart")
+
+
+def test_similarity_shows_three_lower_triangular_maps(app):
+    at = open_page(app, "similarity", "full-states")
+    n = len(load_run(CACHED / "full-states").meta["prompt_tokens"])
+    assert at.multiselect(key="sim_kinds").value == ["query", "key", "value"]
+    maps = [traces(c, "heatmap")[0] for c in charts(at)[:3]]
+    for m in maps:
+        assert len(m["z"]) == n and len(m["z"][0]) == n
+        assert m["z"][0][1] is None and abs(m["z"][5][5] - 1) < 1e-3  # upper triangle blank, diagonal 1
+    adjacency = charts(at)[3]
+    assert any(t.get("name") == "keys" and len(t["x"]) == 6 for t in adjacency["data"])
+
+
+def test_spectra_has_one_line_per_recorded_layer_for_keys_and_values(app):
+    at = open_page(app, "spectra", "full-states")
+    at.slider(key="spec_components").set_value(32).run()
+    lines = [t for t in traces(charts(at)[0], "scatter") if t.get("name", "").startswith("layer")]
+    assert len(lines) == 2 * 6 and all(len(t["y"]) == 32 for t in lines)
+    assert all(abs(t["y"][0] - 1) < 1e-6 for t in lines)  # normalised by the largest
+
+
+def test_merges_timeline_and_provenance_of_a_cam_run(app):
+    at = open_page(app, "merges", "cam-full")
+    run = load_run(CACHED / "cam-full")
+    timeline = charts(at)[0]
+    names = {t["name"] for t in timeline["data"]}
+    assert names == {"evict", "merge"}
+    d = run.decisions
+    layer0 = d[(d["layer"] == 0) & (d["kv_head"] == 0)]
+    assert sum(len(t["x"]) for t in timeline["data"]) == len(layer0)
+    assert at.dataframe  # provenance table
+    assert any(t["type"] == "scatter" and t.get("name") == "weight" for t in charts(at)[1]["data"])
+
+
+def test_merges_says_an_eviction_run_has_no_provenance(app):
+    at = open_page(app, "merges", "h2o-full")
+    assert any("only evicts" in i.value for i in at.info)
+
+
+def test_perturbation_of_a_measured_run(app):
+    at = open_page(app, "perturbation", "cam-full")
+    run = load_run(CACHED / "cam-full")
+    steps = run.tensor("perturbation/used").shape[0]
+    spec = charts(at)[0]
+    names = [t["name"] for t in spec["data"]]
+    assert "this policy's cache" in names and "KL" in names
+    used = next(t for t in spec["data"] if t["name"] == "this policy's cache")
+    assert len(used["y"]) == steps
+    assert any("No saved sweeps" in i.value for i in at.info)
+
+
+def test_perturbation_asks_for_measure(app):
+    at = open_page(app, "perturbation", "h2o-full")
+    assert any("--measure" in w.value for w in at.warning)
+
+
+def test_benchmarks_reads_a_saved_sweep(app, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [{"policy": p, "budget": b, "budget_slots": b, "ppl": 10 + 100 / b, "bytes_share": b / 256,
+             "ms_per_token": 60.0} for p in ("h2o", "tova") for b in (32, 64, 128)]
+    (results / "sweep_broken.json").write_text("{not json")
+    os.utime(results / "sweep_broken.json", (1, 1))  # older: the newest sweep is shown first
+    (results / "sweep_demo.json").write_text(json.dumps({"text": "demo", "rows": rows}))
+    at = open_page(app, "benchmarks")
+    ppl = charts(at)[0]
+    assert [t["name"] for t in ppl["data"]] == ["h2o", "tova"]
+    assert ppl["data"][0]["x"] == [32, 64, 128]
+    at.selectbox(key="bench_sweep_sweep_file").set_value(results / "sweep_broken.json").run()
+    assert not at.exception and any("not valid JSON" in e.value for e in at.error)
+
+
+def test_no_runs_at_all_is_a_friendly_empty_state(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLENS_CACHED_RUNS", str(tmp_path / "none"))
+    monkeypatch.setenv("KVLENS_RUNS", str(tmp_path / "none2"))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=TIMEOUT).run()
+    assert not at.exception
+    assert any("No runs yet" in i.value for i in at.sidebar.info)
+    for page in ("attention", "similarity", "merges"):
+        at.switch_page(f"pages/{page}.py").run()
+        assert not at.exception and any("No run is selected" in i.value for i in at.info)
+
+
+def test_a_corrupt_run_is_one_sentence(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    shutil.copytree(CACHED / "tova-summary", runs / "broken")
+    (runs / "broken" / "tensors.safetensors").write_bytes(b"garbage")
+    monkeypatch.setenv("KVLENS_RUNS", str(runs))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=TIMEOUT).run()
+    at = open_page(at, "overview", str(runs / "broken"))
+    assert any("truncated or corrupt" in e.value or "contradicts" in e.value for e in at.error)
+
+
+def test_policy_widgets_are_generated_and_bad_budgets_explained(app):
+    at = open_page(app, "run")
+    at.selectbox(key="run_policy").set_value("cam").run()
+    assert at.selectbox(key="run_cam_base").options == ["streaming_llm", "h2o", "scissorhands", "tova"]
+    assert at.number_input(key="run_cam_span").value == 0
+    assert at.text_input(key="run_cam_clamp").value == "0.0,1.0"
+    at.text_input(key="run_cam_budget").set_value("1.5").run()
+    assert any("(0, 1]" in e.value for e in at.error)
+    assert at.button(key="run_go").disabled
+    at.text_input(key="run_cam_budget").set_value("32").run()
+    at.text_input(key="run_cam_clamp").set_value("a,b").run()
+    assert any("comma-separated numbers" in e.value for e in at.error)
+
+
+def test_compare_page_widgets(app):
+    at = open_page(app, "compare")
+    assert at.selectbox(key="cmp0_policy").value == "streaming_llm"
+    assert at.selectbox(key="cmp1_policy").value == "h2o"
+    at.number_input(key="cmp_count").set_value(4).run()
+    assert not at.exception and at.selectbox(key="cmp3_policy").value == "cam"
+    assert any("press **Compare**" in i.value for i in at.info)
+
+
+@pytest.mark.slow
+def test_run_page_generates_and_saves_a_run(app, tmp_path):
+    at = open_page(app, "run")
+    at.text_area(key="run_prompt").set_value("The Senate and the House of Representatives met in")
+    at.selectbox(key="run_policy").set_value("streaming_llm").run()
+    at.text_input(key="run_streaming_llm_budget").set_value("8")
+    at.number_input(key="run_new").set_value(4)
+    at.selectbox(key="run_record").set_value("full")
+    at.text_input(key="run_layers").set_value("0,29")
+    at.checkbox(key="run_measure").uncheck().run()
+    at.button(key="run_go").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    saved = list((tmp_path / "runs").iterdir())
+    assert len(saved) == 1
+    run = load_run(saved[0])
+    assert run.meta["policy"]["name"] == "streaming_llm" and len(run.meta["tokens"]) == 4
+    assert sorted(int(n.split("/")[1]) for n in run.tensors if n.startswith("attn/")) == [0, 29]
+    assert at.sidebar.selectbox(key="app_run").value == str(saved[0])  # the new run is selected
+    at.switch_page("pages/attention.py").run()
+    assert not at.exception and at.get("plotly_chart")

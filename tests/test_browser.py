@@ -1,0 +1,55 @@
+"""End to end in a real browser: `streamlit run app.py` headless, driven by Playwright and Debian's Chromium.
+
+Opens the Compare page, runs two policies on a short prompt and checks that the texts (the full
+cache's reference plus the two policies) and the aligned chart appear.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, streamlit_server, wait_idle
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def browser_page():
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium package (make test does so when run as root)")
+    from playwright.sync_api import sync_playwright
+
+    with streamlit_server() as url, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(url)
+        wait_idle(page)
+        yield page
+        browser.close()
+
+
+def test_compare_two_policies_in_chromium(browser_page):
+    page = browser_page
+    assert page.get_by_text("cam-full").first.is_visible()  # a shipped run is open
+    page.get_by_role("link", name="Compare").click()
+    wait_idle(page)
+    prompt = page.get_by_label("Prompt")
+    prompt.fill("The President spoke to the Congress about the state of the economy and the")
+    slider = page.get_by_role("slider")
+    slider.focus()
+    slider.press("Home")  # fewest new tokens (4): keeps the test short
+    page.get_by_role("button", name="Compare", exact=True).click()
+    page.get_by_text("Generated texts").wait_for(timeout=240_000)
+    main = page.locator("[data-testid='stMain']")
+    main.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
+    labels = [main.get_by_text(name, exact=False).first for name in ("full", "streaming_llm", "h2o")]
+    assert all(label.is_visible() for label in labels)
+    captions = main.get_by_text("The reference.").count() + main.get_by_text("Same as the full cache").count() + \
+        main.get_by_text("Diverges from the full cache").count()
+    assert captions == 3  # one text per run: the reference and the two policies
+    assert page.locator(".js-plotly-plot").count() >= 1
+    assert main.get_by_text("ppl on full's text").count() >= 1  # the metrics table header
+    if os.environ.get("KVLENS_SCREENSHOTS"):
+        page.screenshot(path=os.environ["KVLENS_SCREENSHOTS"], full_page=True)
