@@ -81,3 +81,12 @@ def test_ppl_measure_json_keys(tiny, monkeypatch, capsys, tmp_path):
 
     saved = load_run(out)
     assert saved.tensors["perturbation/used"].shape == (7, 3, 4) and "perturbation/kl" in saved.tensors
+
+
+def test_generate_measure_scores_the_generated_tokens(tiny):
+    from kvlens.api import generate
+
+    opts = RunOptions(budget=20, max_new_tokens=8, stop_at_eos=False)
+    r = generate(tiny, bytes(IDS[:80]).decode(), "tova", opts=opts, measure=True)
+    assert len(r.meta["tokens"]) == 8 and r.tensors["perturbation/used"].shape == (7, 3, 4)
+    assert r.metrics["kl"] >= 0 and r.metrics["perturbation_used"] > 0
