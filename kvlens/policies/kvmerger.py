@@ -118,13 +118,14 @@ class KVMerger(Policy):
         self._steps[layer.layer] = step + 1
         if step and not (self.remerge_every and step % self.remerge_every == 0):
             return
-        hkv, s = layer.pos.shape
+        hkv = layer.pos.shape[0]
         keys, values = layer.keys[0].clone(), layer.values[0].clone()  # (Hkv, S, D)
         keep = layer.valid.clone()  # (Hkv, S)
         for h in range(hkv):
-            for members, weights in self._head_sets(layer, h):
+            for members in self._head_sets(layer, h):
                 pivot = members[int(torch.argmax(layer.abar[h, members]))]
-                w = weights(pivot, members).to(keys.dtype)  # (n,)
+                w = gaussian_weights(layer.keys[0, h, members], members.index(pivot), self.sigma or None)
+                w = w.to(keys.dtype)  # (n,)
                 keys[h, pivot] = w @ layer.keys[0, h, members]
                 values[h, pivot] = w @ layer.values[0, h, members]
                 keep[h, [m for m in members if m != pivot]] = False
@@ -138,8 +139,8 @@ class KVMerger(Policy):
         index, valid = padded_keep(keep)
         layer.keep(index, valid)
 
-    def _head_sets(self, layer, h: int):
-        """Merging sets (of two or more slots) of KV head h, each with its weight function."""
+    def _head_sets(self, layer, h: int) -> list[list[int]]:
+        """Merging sets of two or more slots of KV head h (slot indices, ascending)."""
         valid = layer.valid[h]  # (S,)
         n = int(valid.sum())
         order = torch.nonzero(valid).flatten()  # valid slots, oldest first
@@ -151,12 +152,4 @@ class KVMerger(Policy):
         if n_top:
             score = layer.abar[h].masked_fill(~candidates, float("-inf"))
             candidates[torch.topk(score, min(n_top, int(candidates.sum()))).indices] = False
-        keys = layer.keys[0, h]
-        sigma = self.sigma or None
-
-        def weights(pivot, members):
-            return gaussian_weights(keys[members], members.index(pivot), sigma)
-
-        for members in merging_sets(keys, self.threshold, candidates):
-            if len(members) > 1:
-                yield members, weights
+        return [m for m in merging_sets(layer.keys[0, h], self.threshold, candidates) if len(m) > 1]
