@@ -28,7 +28,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from kvlens.policies.base import Policy, ScoredEviction, check, group_mean
+from kvlens.policies.base import Policy, ScoredEviction, check
 from kvlens.policies.h2o import H2O
 from kvlens.policies.scissorhands import Scissorhands
 from kvlens.policies.streaming_llm import StreamingLLM
