@@ -193,8 +193,10 @@ def _print_text(result: dict) -> None:
     def fmt(v):
         if isinstance(v, float):
             return f"{v:.4g}"
+        if isinstance(v, list) and len(v) > 12:
+            return f"[{', '.join(fmt(x) for x in v[:8])}, ..., {fmt(v[-1])}] ({len(v)} values)"
         if isinstance(v, list):
-            return "[" + ", ".join(fmt(x) for x in v[:64]) + (", ..." if len(v) > 64 else "") + "]"
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
         if isinstance(v, dict):
             return "{" + ", ".join(f"{k}: {fmt(x)}" for k, x in v.items()) + "}"
         return str(v)
@@ -202,6 +204,9 @@ def _print_text(result: dict) -> None:
     for key, value in result.items():
         if key in ("matrix", "edges"):
             print(f"{key:<16} {len(value)} rows (use --json or `kvlens figure` for the values)")
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            for item in value:
+                print(f"{key:<16} {fmt(item)}")
         else:
             print(f"{key:<16} {fmt(value)}")
 
