@@ -21,7 +21,7 @@ def main(out: Path, pages: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with streamlit_server() as url, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1500, "height": 1000})
+        page = browser.new_page(viewport={"width": 1500, "height": 1800})
         page.goto(url)  # a fresh server's first request must be app.py itself (see kvlens.ui.state.app_shell)
         wait_idle(page)
         for name in pages:

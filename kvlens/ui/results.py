@@ -15,6 +15,7 @@ import streamlit as st
 
 from kvlens.plots import line_style
 from kvlens.ui.charts import chart
+from kvlens.ui.labels import changed_params
 from kvlens.ui.state import ROOT
 
 MAX_BYTES = 32 << 20
@@ -50,9 +51,19 @@ def result_files(kind: str) -> list[Path]:
     return sorted(folder.glob(f"{kind}_*.json"), key=lambda p: -p.stat().st_mtime) if folder.is_dir() else []
 
 
-def pick_results(prefix: str, kind: str, label: str):
-    """A select box over `results/{kind}_*.json`; returns (path, settings, frame) or None (after saying why)."""
+def _usable(path: Path, want: tuple[str, ...]) -> bool:
+    got = read_results(str(path), path.stat().st_mtime)
+    if isinstance(got, str):
+        return False
+    frame = got[1]
+    return all(c in frame.columns and frame[c].notna().any() for c in want)
+
+
+def pick_results(prefix: str, kind: str, label: str, want: tuple[str, ...] = ()):
+    """A select box over `results/{kind}_*.json` (newest first, files holding the `want` columns
+    before the others); returns (path, settings, frame) or None (after saying why)."""
     files = result_files(kind)
+    files.sort(key=lambda p: not _usable(p, want))  # stable: keeps newest first within each group
     if not files:
         st.info(f"No saved {label} yet: {results_dir()} holds no `{kind}_*.json`. "
                 + ("Make one with `kvlens sweep ... --out results/sweep_NAME.json`." if kind == "sweep" else
@@ -70,10 +81,15 @@ def metric_figure(frame: pd.DataFrame, x: str, ys: list[str], title: str) -> go.
     """One line per policy (and per y column) of `ys` against `x`."""
     fig = go.Figure()
     i = 0
-    for policy, rows in frame.groupby("policy", sort=False):
+    keys = ["policy", "params"] if "params" in frame.columns else ["policy"]
+    for key, rows in frame.groupby(keys, sort=False):
+        policy = key[0]
+        params = json.loads(key[1]) if len(key) > 1 and isinstance(key[1], str) and key[1].startswith("{") else {}
+        extra = ", ".join(f"{k}={v}" for k, v in changed_params(policy, params).items())
+        series = f"{policy} ({extra})" if extra else policy
         rows = rows.sort_values(x)
         for y in ys:
-            name = policy if len(ys) == 1 else f"{policy}: {y}"
+            name = series if len(ys) == 1 else f"{series}: {y}"
             fig.add_trace(go.Scatter(x=rows[x].tolist(), y=rows[y].tolist(), mode="lines+markers", name=name,
                                      **line_style(i)))
             i += 1
@@ -86,7 +102,7 @@ def metric_figure(frame: pd.DataFrame, x: str, ys: list[str], title: str) -> go.
 def sweep_section(prefix: str, charts: list[tuple[str, list[str]]]) -> None:
     """Pick a saved sweep, then for each `(title, y columns)` its metrics against the budget, one line
     per policy (CaM Fig. 1d for perturbation, WeightedKV Table I for perplexity)."""
-    picked = pick_results(prefix, "sweep", "sweeps")
+    picked = pick_results(prefix, "sweep", "sweeps", ("budget_slots", *charts[0][1]))
     if picked is None:
         return
     path, settings, frame = picked
