@@ -43,6 +43,7 @@ if run is not None:
             offer_runs(lambda e: e.policy in MERGING, "merge_offer")
         else:
             table = provenance.table(run)
+            table = table[table["weight"] > 0]  # a Bernoulli draw of 0 added nothing
             sub = table[(table["layer"] == layer) & (table["kv_head"] == head)]
             left, right = st.columns([3, 2])
             with left:
