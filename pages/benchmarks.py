@@ -2,7 +2,7 @@
 import streamlit as st
 
 from kvlens.ui.charts import chart
-from kvlens.ui.results import metric_figure, pick_results, sweep_section
+from kvlens.ui.results import bench_figure, pick_results, sweep_section
 from kvlens.ui.sidebar import app_shell
 
 app_shell()
@@ -18,15 +18,17 @@ with tab_sweep:
 with tab_bench:
     picked = pick_results("bench", "bench", "benchmark results")
     if picked is not None:
-        path, settings, frame = picked
-        if settings:
-            with st.expander("Settings of this benchmark"):
-                st.json(settings, expanded=False)
+        path, settings, frame, raw = picked
+        builder = bench_figure(path.name)
+        if builder is not None:
+            try:
+                chart(builder(raw), "bench_fig", name=path.stem, config={"results": str(path), **settings}, data=frame)
+            except (KeyError, TypeError, ValueError) as err:
+                st.error(f"{path.name} does not have the layout its benchmark writes ({type(err).__name__}: {err}).")
         st.dataframe(frame, hide_index=True, width="stretch")
-        numeric = [c for c in frame.select_dtypes("number").columns]
-        if "policy" in frame.columns and numeric:
-            c1, c2 = st.columns(2)
-            x = c1.selectbox("x", numeric, key="bench_x")
-            y = c2.selectbox("y", [c for c in numeric if c != x] or numeric, key="bench_y")
-            chart(metric_figure(frame, x, [y], f"{y} against {x} ({path.name})"), "bench_fig",
-                  name=f"{path.stem}-{y}", config={"results": str(path), **settings}, data=frame)
+        for key in ("ratios", "targets", "growth"):
+            if isinstance(raw.get(key), dict):
+                st.markdown(f"**{key}**")
+                st.json(raw[key], expanded=True)
+        with st.expander("Settings of this benchmark"):
+            st.json(settings.get("config", settings), expanded=False)

@@ -224,3 +224,18 @@ def test_run_page_generates_and_saves_a_run(app, tmp_path):
     assert at.sidebar.selectbox(key="app_run").value == str(saved[0])  # the new run is selected
     at.switch_page("pages/attention.py").run()
     assert not at.exception and at.get("plotly_chart")
+
+
+def test_benchmarks_draws_a_saved_needle_result_with_its_own_figure(app, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    cells = [{"policy": p, "length": n, "depth": d, "score": float(p == "full" or d < 0.5), "output": "x"}
+             for p in ("full", "h2o") for n in (256, 512) for d in (0.0, 0.5, 1.0)]
+    config = {"policies": ["full", "h2o"], "lengths": [256, 512], "depths": [0.0, 0.5, 1.0], "budget": 64}
+    (results / "bench_needle.json").write_text(json.dumps({"config": config, "cells": cells}))
+    at = open_page(app, "benchmarks")
+    needle = next(c for c in charts(at) if traces(c, "heatmap"))
+    maps = traces(needle, "heatmap")
+    assert [m["name"] for m in maps] == ["full", "h2o"]
+    assert len(maps[1]["z"]) == 3 and len(maps[1]["z"][0]) == 2  # depths x lengths
+    assert maps[1]["z"][2] == [0.0, 0.0]

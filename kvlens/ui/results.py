@@ -1,7 +1,8 @@
 """Saved sweep and benchmark results (`results/sweep_*.json`, `results/bench_*.json`) for the app.
 
-A results file is one JSON object with a `rows` list of flat records (see `kvlens.sweep.write`);
-anything else in the object is its settings. Files that do not parse are listed with the reason.
+A results file is one JSON object with a `rows` list (sweeps, `bench_ppl`, `bench_speed`) or a
+`cells` list (`bench_needle`) of flat records; anything else in the object is its settings.
+Files that do not parse are listed with the reason.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def results_dir() -> Path:
 
 
 @st.cache_data(ttl=10, max_entries=32, show_spinner=False)
-def read_results(path: str, mtime: float) -> tuple[dict, pd.DataFrame] | str:
-    """(settings, rows) of one results file, or the sentence saying why it cannot be read."""
+def read_results(path: str, mtime: float) -> tuple[dict, pd.DataFrame, dict] | str:
+    """(settings, rows, the whole object) of one results file, or the sentence saying why it cannot be read."""
     p = Path(path)
     if p.stat().st_size > MAX_BYTES:
         return f"{p.name} is larger than {MAX_BYTES >> 20} MB; not shown."
@@ -36,14 +37,15 @@ def read_results(path: str, mtime: float) -> tuple[dict, pd.DataFrame] | str:
         obj = json.loads(p.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         return f"{p.name} is not valid JSON ({type(err).__name__})."
-    if not isinstance(obj, dict) or not isinstance(obj.get("rows"), list):
-        return f"{p.name} has no 'rows' list of results."
-    rows = [r for r in obj["rows"] if isinstance(r, dict)]
+    key = "rows" if isinstance(obj, dict) and isinstance(obj.get("rows"), list) else "cells"
+    if not isinstance(obj, dict) or not isinstance(obj.get(key), list):
+        return f"{p.name} has no 'rows' (or 'cells') list of results."
+    rows = [r for r in obj[key] if isinstance(r, dict)]
     frame = pd.DataFrame(rows)
     for col in frame.columns:  # nested values (params, per-layer lists) as text, so tables render
         if frame[col].map(lambda v: isinstance(v, (dict, list))).any():
             frame[col] = frame[col].map(lambda v: json.dumps(v) if isinstance(v, (dict, list)) else v)
-    return {k: v for k, v in obj.items() if k != "rows"}, frame
+    return {k: v for k, v in obj.items() if k != key}, frame, obj
 
 
 def result_files(kind: str) -> list[Path]:
@@ -61,7 +63,7 @@ def _usable(path: Path, want: tuple[str, ...]) -> bool:
 
 def pick_results(prefix: str, kind: str, label: str, want: tuple[str, ...] = ()):
     """A select box over `results/{kind}_*.json` (newest first, files holding the `want` columns
-    before the others); returns (path, settings, frame) or None (after saying why)."""
+    before the others); returns (path, settings, frame, whole object) or None (after saying why)."""
     files = result_files(kind)
     files.sort(key=lambda p: not _usable(p, want))  # stable: keeps newest first within each group
     if not files:
@@ -105,7 +107,7 @@ def sweep_section(prefix: str, charts: list[tuple[str, list[str]]]) -> None:
     picked = pick_results(prefix, "sweep", "sweeps", ("budget_slots", *charts[0][1]))
     if picked is None:
         return
-    path, settings, frame = picked
+    path, settings, frame, _ = picked
     x = "budget_slots" if "budget_slots" in frame.columns else "budget"
     rows = frame[frame[x].notna()] if x in frame.columns else frame.iloc[:0]
     if not len(rows) or "policy" not in rows.columns:
@@ -119,3 +121,14 @@ def sweep_section(prefix: str, charts: list[tuple[str, list[str]]]) -> None:
             continue
         chart(metric_figure(rows, x, ys, f"{title} ({path.name})"), f"{prefix}_{'_'.join(ys)}",
               name=f"{path.stem}-{'-'.join(ys)}", config={"results": str(path), **settings}, data=rows)
+
+
+def bench_figure(name: str):
+    """The figure builder of a `results/bench_*.json` file (its benchmark's own), or None (table only)."""
+    from kvlens.bench import needle, ppl
+
+    if name.startswith("bench_needle"):
+        return needle.figure
+    if name.startswith("bench_ppl"):
+        return ppl.figure
+    return None
