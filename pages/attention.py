@@ -4,9 +4,9 @@ import streamlit as st
 from kvlens.plots_attention import (attention_grid, attention_map_figure, attention_row_figure, occupancy_figure,
                                     recorded_attention_layers)
 from kvlens.ui.charts import chart
+from kvlens.ui.sidebar import app_shell
 from kvlens.ui.state import require, selected_run
 from kvlens.ui.views import run_header
-from kvlens.ui.sidebar import app_shell
 
 app_shell()
 

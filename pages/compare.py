@@ -5,10 +5,10 @@ from kvlens.errors import Cancelled, KvlensError
 from kvlens.ui.charts import chart
 from kvlens.ui.compare import Entry, compare, compare_figure, table
 from kvlens.ui.jobs import Job
+from kvlens.ui.sidebar import app_shell
 from kvlens.ui.state import get_model
 from kvlens.ui.views import diverging_text
 from kvlens.ui.widgets import policy_picker
-from kvlens.ui.sidebar import app_shell
 
 app_shell()
 
@@ -18,7 +18,8 @@ st.title("Compare")
 st.caption("Several policies on one prompt, each against the full cache: where the text first differs, perplexity "
            "on the full cache's continuation, KL and output perturbation, memory and speed.")
 
-if st.session_state.pop("cmp_stopped", False):
+st.session_state.cmp_running = False  # a comparison interrupted by Stop or navigation has ended by now
+if st.session_state.pop("cmp_stopped", False):  # Stop pressed while a run was going
     st.warning("Stopped. Nothing was compared.")
 prompt = st.text_area("Prompt", key="cmp_prompt", height=100,
                       value="The Constitution imposes upon me the obligation to give to the Congress information of "
@@ -36,7 +37,7 @@ b1, b2, _ = st.columns([1, 1, 3])
 go_clicked = b1.button("Compare", type="primary", icon=":material/play_arrow:", key="cmp_go", width="stretch",
                        disabled=any(p is None for p in picks))
 b2.button("Stop", icon=":material/stop:", key="cmp_stop", width="stretch",
-          on_click=lambda: st.session_state.update(cmp_stopped=True))
+          on_click=lambda: st.session_state.update(cmp_stopped=st.session_state.get("cmp_running", False)))
 
 if go_clicked and all(p is not None for p in picks):
     entries = [Entry(*p) for p in picks]
@@ -53,11 +54,14 @@ if go_clicked and all(p is not None for p in picks):
 
         job = Job(lambda on_step, cancel: compare(model, prompt, entries, new_tokens,
                                                   lambda label, e: on_step((label, e)), cancel))
+        st.session_state.cmp_running = True
         st.session_state.cmp_result = job.follow(draw)
+        st.session_state.cmp_running = False
         status.empty()
     except Cancelled:
         status.warning("Stopped. Nothing was compared.")
     except KvlensError as err:
+        st.session_state.cmp_running = False
         status.error(str(err))
 
 outcomes = st.session_state.get("cmp_result")

@@ -6,9 +6,9 @@ from kvlens.analysis import recorded_layers
 from kvlens.plots import gaussian_figure
 from kvlens.plots_attention import decision_timeline_figure, provenance_figure
 from kvlens.ui.charts import chart
+from kvlens.ui.sidebar import app_shell
 from kvlens.ui.state import LEVEL_RANK, offer_runs, run_figure, selected_run
 from kvlens.ui.views import run_header
-from kvlens.ui.sidebar import app_shell
 
 app_shell()
 

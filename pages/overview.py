@@ -3,9 +3,9 @@ import streamlit as st
 
 from kvlens.plots_attention import occupancy_figure
 from kvlens.ui.charts import chart
+from kvlens.ui.sidebar import app_shell
 from kvlens.ui.state import selected_run
 from kvlens.ui.views import metric_row, run_header, token_text
-from kvlens.ui.sidebar import app_shell
 
 app_shell()
 

@@ -4,9 +4,9 @@ import streamlit as st
 from kvlens.plots_attention import perturbation_layers_figure, perturbation_steps_figure
 from kvlens.ui.charts import chart
 from kvlens.ui.results import sweep_section
+from kvlens.ui.sidebar import app_shell
 from kvlens.ui.state import offer_runs, run_figure, selected_run
 from kvlens.ui.views import run_header
-from kvlens.ui.sidebar import app_shell
 
 app_shell()
 

@@ -6,16 +6,17 @@ import streamlit as st
 from kvlens.errors import Cancelled, KvlensError
 from kvlens.ui.jobs import Job
 from kvlens.ui.live import Live, RunSettings, bundled_texts, parse_layers
+from kvlens.ui.sidebar import app_shell
 from kvlens.ui.state import get_model, list_runs, user_runs_dir
 from kvlens.ui.widgets import policy_picker
-from kvlens.ui.sidebar import app_shell
 
 app_shell()
 
 st.title("Run")
 st.caption("Run a policy on a prompt, watch it work, and save the run for the other pages.")
 
-if st.session_state.pop("run_stopped", False):
+st.session_state.run_running = False  # a run interrupted by Stop or navigation has ended by now
+if st.session_state.pop("run_stopped", False):  # Stop pressed while a run was going
     st.warning("Stopped. The run was cancelled and nothing was saved.")
 saved = st.session_state.pop("run_saved", None)
 if saved:
@@ -60,7 +61,7 @@ with left:
     go_clicked = b1.button("Run", type="primary", icon=":material/play_arrow:", width="stretch", key="run_go",
                            disabled=picked is None)
     b2.button("Stop", icon=":material/stop:", width="stretch", key="run_stop",
-              on_click=lambda: st.session_state.update(run_stopped=True),
+              on_click=lambda: st.session_state.update(run_stopped=st.session_state.get("run_running", False)),
               help="Cancel the running run; nothing is saved.")
 
 with right:
@@ -89,8 +90,10 @@ if go_clicked and picked is not None:
             live_chart.plotly_chart(live.figure(), key=f"run_live_{frame[0]}")
             live_text.markdown(f"**Output so far:** {live.text}")
 
+        st.session_state.run_running = True
         with st.spinner("Running…"):
             run = Job(settings.work(model)).follow(draw)
+        st.session_state.run_running = False
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = run.save(user_runs_dir() / f"{policy}-{stamp}")
         list_runs.clear()
@@ -100,4 +103,5 @@ if go_clicked and picked is not None:
     except Cancelled:
         status.warning("Stopped. The run was cancelled and nothing was saved.")
     except KvlensError as err:
+        st.session_state.run_running = False
         status.error(str(err))

@@ -3,9 +3,9 @@ import streamlit as st
 
 from kvlens.plots import spectrum_figure
 from kvlens.ui.charts import chart
+from kvlens.ui.sidebar import app_shell
 from kvlens.ui.state import require, run_figure, selected_run
 from kvlens.ui.views import run_header
-from kvlens.ui.sidebar import app_shell
 
 app_shell()
 

@@ -1,7 +1,8 @@
 """End to end in a real browser: `streamlit run app.py` headless, driven by Playwright and Debian's Chromium.
 
 Opens the Compare page, runs two policies on a short prompt and checks that the texts (the full
-cache's reference plus the two policies) and the aligned chart appear.
+cache's reference plus the two policies) and the aligned chart appear; then starts a long run on
+the Run page, presses Stop and checks that it stopped and saved nothing.
 """
 from __future__ import annotations
 
@@ -16,12 +17,17 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def browser_page():
+def runs_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def browser_page(runs_dir):
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium package (make test does so when run as root)")
     from playwright.sync_api import sync_playwright
 
-    with streamlit_server() as url, sync_playwright() as pw:
+    with streamlit_server(env={**os.environ, "KVLENS_RUNS": str(runs_dir)}) as url, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(url)
@@ -53,3 +59,16 @@ def test_compare_two_policies_in_chromium(browser_page):
     assert main.get_by_text("ppl on full's text").count() >= 1  # the metrics table header
     if os.environ.get("KVLENS_SCREENSHOTS"):
         page.screenshot(path=os.environ["KVLENS_SCREENSHOTS"], full_page=True)
+
+
+def test_stop_cancels_a_run_and_saves_nothing(browser_page, runs_dir):
+    page = browser_page
+    page.get_by_role("link", name="Run", exact=True).click()
+    wait_idle(page)
+    page.get_by_label("New tokens").fill("400")
+    page.get_by_label("New tokens").press("Enter")
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.get_by_text("Press Stop to cancel").wait_for(timeout=120_000)  # live status: steps are running
+    page.get_by_role("button", name="Stop").click()
+    page.get_by_text("Stopped. The run was cancelled and nothing was saved.").wait_for(timeout=60_000)
+    assert list(runs_dir.iterdir()) == []
