@@ -26,11 +26,12 @@ def free_port() -> int:
 
 @contextmanager
 def streamlit_server(env: dict | None = None):
-    """`streamlit run app.py` headless on a free local port; yields its base URL."""
+    """`streamlit run app.py` headless on a free local port; yields its base URL. No file watcher:
+    an edited source file would otherwise leave a "Source file changed" prompt on the page."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.address",
                              "127.0.0.1", "--server.port", str(port), "--server.headless", "true",
-                             "--browser.gatherUsageStats", "false"], cwd=ROOT, env=env,
+                             "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
