@@ -239,3 +239,13 @@ def test_benchmarks_draws_a_saved_needle_result_with_its_own_figure(app, tmp_pat
     assert [m["name"] for m in maps] == ["full", "h2o"]
     assert len(maps[1]["z"]) == 3 and len(maps[1]["z"][0]) == 2  # depths x lengths
     assert maps[1]["z"][2] == [0.0, 0.0]
+
+
+def test_paper_style_toggle_shows_the_export_style(app):
+    app = open_page(app, "overview")
+    assert app.get("plotly_chart")[0].proto.theme == "streamlit"
+    app.sidebar.toggle(key="app_paper").set_value(True).run()
+    assert not app.exception
+    chart = app.get("plotly_chart")[0]
+    assert chart.proto.theme == ""  # the figure's own (paper) template, as exported
+    assert json.loads(chart.proto.spec)["layout"]["template"]["layout"]["font"]["family"].startswith("Helvetica")

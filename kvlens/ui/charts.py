@@ -15,9 +15,9 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+import kvlens.plots  # noqa: F401  (registers the "kvlens" plotly template used below)
 from kvlens import export
 from kvlens.errors import KvlensError
-from kvlens.plots import COLORS  # noqa: F401  (importing kvlens.plots registers the "kvlens" template)
 
 MIME = {"png": "image/png", "svg": "image/svg+xml", "pdf": "application/pdf", "csv": "text/csv",
         "json": "application/json"}
@@ -35,7 +35,7 @@ def chart(fig: go.Figure, key: str, *, name: str, config: dict, data: pd.DataFra
           height: int | None = None) -> None:
     """Show `fig` with its export row. `config` is what reproduces it (run, layer, head, ...);
     `data` the figure's numbers as a table (default: the traces' x/y/z)."""
-    if not fig.layout.template or not fig.layout.template.layout.font.family:
+    if not fig.layout.template or not fig.layout.template.layout.font.family:  # the app's own figures
         fig.update_layout(template="kvlens")
     if height:
         fig.update_layout(height=height)
