@@ -69,6 +69,6 @@ def test_stop_cancels_a_run_and_saves_nothing(browser_page, runs_dir):
     page.get_by_label("New tokens").press("Enter")
     page.get_by_role("button", name="Run", exact=True).click()
     page.get_by_text("Press Stop to cancel").wait_for(timeout=120_000)  # live status: steps are running
-    page.get_by_role("button", name="Stop").click()
+    page.locator("[data-testid='stMain']").get_by_role("button", name="Stop").click()  # not the header one
     page.get_by_text("Stopped. The run was cancelled and nothing was saved.").wait_for(timeout=60_000)
     assert list(runs_dir.iterdir()) == []
