@@ -258,7 +258,8 @@ def perplexity_figure(runs: list[Run], labels: list[str] | None = None) -> go.Fi
                                  line=line_style(i)["line"]))
     fig.update_xaxes(title_text="position (tokens)")
     fig.update_yaxes(title_text="log perplexity (mean NLL so far, nats)")
-    return _finish(fig, "Log-perplexity over position", "perplexity", labels=[str(x) for x in labels],
+    model = f" ({_model(runs[0])})" if runs else ""
+    return _finish(fig, f"Log-perplexity over position{model}", "perplexity", labels=[str(x) for x in labels],
                    runs=[str(r.path) if r.path else None for r in runs])
 
 
