@@ -249,3 +249,28 @@ def test_paper_style_toggle_shows_the_export_style(app):
     chart = app.get("plotly_chart")[0]
     assert chart.proto.theme == ""  # the figure's own (paper) template, as exported
     assert json.loads(chart.proto.spec)["layout"]["template"]["layout"]["font"]["family"].startswith("Helvetica")
+
+
+def test_first_difference():
+    from kvlens.ui.compare import first_difference
+
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2, 3], [1, 2]) == 2  # stopped early
+
+
+def test_compare_runs_the_full_reference_first_and_scores_every_policy_on_its_tokens(tiny):
+    from kvlens.ui.compare import Entry, compare, table
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 2
+    out = compare(tiny, prompt, [Entry("streaming_llm", {"sink": 2}, 16), Entry("full", {}, None)], 6)
+    assert [o.entry.policy for o in out] == ["full", "streaming_llm"]  # full once, as the reference
+    reference = out[0].generated.meta["tokens"]
+    assert out[0].first_diff is None
+    for o in out:
+        assert o.scored.meta["tokens"] == reference  # perplexity on the same tokens
+        assert len(o.pieces) == len(o.generated.meta["tokens"])
+    assert out[1].generated.metrics["kv_slots_max"] <= 16 < out[0].generated.metrics["kv_slots_max"]
+    rows = table(out)
+    assert list(rows["policy"]) == ["full", "streaming_llm @16 (sink=2)"]
+    assert rows["KL to full (mean)"][0] == pytest.approx(0, abs=1e-6)
