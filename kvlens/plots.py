@@ -73,9 +73,16 @@ def _model(run: Run) -> str:
 
 
 def similarity_figure(run: Run, layer: int, head: int, kind: str | list[str] = "key", max_size: int = 512) -> go.Figure:
-    """Token x token cosine-similarity heatmap(s) of one head; several kinds share one colour scale."""
+    """Token x token cosine-similarity heatmap(s) of one head; several kinds share one colour scale.
+
+    With queries among several kinds, `head` is a query head and keys/values come from its KV
+    head (`head // group` under GQA); otherwise it is a KV head.
+    """
     kinds = [kind] if isinstance(kind, str) else list(kind)
-    maps = [an.similarity_map(run, layer, head, k, max_size) for k in kinds]
+    group = run.shape["heads"] // run.shape["kv_heads"]
+    mixed = "query" in kinds and len(kinds) > 1
+    maps = [an.similarity_map(run, layer, head // group if mixed and k != "query" else head, k, max_size)
+            for k in kinds]
     fig = make_subplots(rows=1, cols=len(maps), subplot_titles=[PLURAL[m.kind] for m in maps],
                         horizontal_spacing=0.1)
     lo = min(float(m.matrix.nan_to_num(1.0).min()) for m in maps)
@@ -89,9 +96,11 @@ def similarity_figure(run: Run, layer: int, head: int, kind: str | list[str] = "
         fig.update_yaxes(title_text=unit if i == 1 else None, autorange="reversed",
                          scaleanchor=f"x{i if i > 1 else ''}",
                          row=1, col=i, constrain="domain")
-    which = "query head" if kinds == ["query"] else "KV head" if "query" not in kinds else "head"
+    which = "KV head" if "query" not in kinds else "query head"
+    if mixed:
+        head_text = f"{head} (KV head {head // group})"
     names = " and ".join(m.kind for m in maps)
-    title = f"Cosine similarity of {names} states, layer {layer}, {which} {head} ({_model(run)})"
+    title = f"Cosine similarity of {names} states, layer {layer}, {which} {head_text if mixed else head} ({_model(run)})"
     fig = _finish(fig, title, "similarity", run, layer=layer, head=head, kind=kinds, max_size=max_size)
     fig.update_layout(width=WIDTH if len(maps) == 1 else 1100, height=520)
     return fig

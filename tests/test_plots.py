@@ -31,6 +31,16 @@ def test_similarity_figure_shows_the_map_within_512_cells(run):
     assert fig.layout.meta["analysis"] == "similarity" and fig.layout.template.layout.font.family
 
 
+def test_similarity_with_queries_takes_keys_from_the_query_heads_kv_head(run):
+    fig = plots.similarity_figure(run, 1, 3, ["query", "key"], max_size=64)  # tiny: 4 query heads over 2 KV heads
+    query, key = traces(fig, "heatmap")
+    np.testing.assert_allclose(np.array(query.z, dtype=float), an.similarity_map(run, 1, 3, "query", 64).matrix.numpy(),
+                               equal_nan=True)
+    np.testing.assert_allclose(np.array(key.z, dtype=float), an.similarity_map(run, 1, 1, "key", 64).matrix.numpy(),
+                               equal_nan=True)
+    assert "query head 3 (KV head 1)" in fig.layout.title.text
+
+
 def test_adjacency_figure_lines_are_the_per_layer_means(run):
     fig = plots.adjacency_figure(run)
     adj = an.adjacency(run)
