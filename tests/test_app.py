@@ -274,3 +274,17 @@ def test_compare_runs_the_full_reference_first_and_scores_every_policy_on_its_to
     rows = table(out)
     assert list(rows["policy"]) == ["full", "streaming_llm @16 (sink=2)"]
     assert rows["KL to full (mean)"][0] == pytest.approx(0, abs=1e-6)
+
+
+def test_the_app_reads_no_model_path_typed_into_it(monkeypatch, tmp_path):
+    from kvlens.errors import KvlensError
+    from kvlens.ui.state import check_app_model
+
+    monkeypatch.delenv("KVLENS_APP_MODEL", raising=False)
+    assert check_app_model(" default ") == "default"
+    assert check_app_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    for typed in ("/etc", "../../secret", "~/.ssh", "x.gguf", str(tmp_path)):
+        with pytest.raises(KvlensError, match="KVLENS_APP_MODEL"):
+            check_app_model(typed)
+    monkeypatch.setenv("KVLENS_APP_MODEL", str(tmp_path))
+    assert check_app_model(str(tmp_path)) == str(tmp_path)

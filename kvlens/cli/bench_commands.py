@@ -44,13 +44,15 @@ def register(sub) -> None:
 
 
 def _quick(p, **settings) -> None:
-    """Set the --quick settings, remembering the defaults they replace."""
+    """Register the --quick settings; the options they cover default to None so that a value
+    given on the command line (even one equal to the default) always wins."""
     p.set_defaults(quick_args=settings, parser_defaults={k: p.get_default(k) for k in settings})
+    p.set_defaults(**{k: None for k in settings})
 
 
 def _common(p, policies: str) -> None:
     p.add_argument("--policies", default=policies,
-                   help="';'-separated policies, each `name` or `name:key=value,...` (default: %(default)s)")
+                   help=f"';'-separated policies, each `name` or `name:key=value,...` (default: {policies})")
     p.add_argument("--quick", action="store_true", help="small settings (minutes); results go to *_quick files")
     p.add_argument("--out-dir", default="results", help="where JSON, CSV and PNG go (default results/)")
     p.add_argument("--no-figure", action="store_true", help="skip the PNG (needs Chromium)")
@@ -59,13 +61,12 @@ def _common(p, policies: str) -> None:
 
 
 def _apply_quick(args) -> str:
-    """Replace settings left at their defaults by the quick ones; returns the file stem suffix."""
-    if not args.quick:
-        return ""
-    for key, value in args.quick_args.items():
-        if getattr(args, key) == args.parser_defaults[key]:
+    """Fill settings not given on the command line (quick or default ones); returns the file stem suffix."""
+    chosen = args.quick_args if args.quick else args.parser_defaults
+    for key, value in chosen.items():
+        if getattr(args, key) is None:
             setattr(args, key, value)
-    return "_quick"
+    return "_quick" if args.quick else ""
 
 
 def _numbers(text: str, kind, what: str) -> list:

@@ -54,6 +54,7 @@ def sidebar(run_page="pages/run.py") -> None:
                   help="Show charts in the style they are exported in (white, one font, no grid).")
         with st.expander("Model", expanded=False):
             st.text_input("Model", value="default", key="app_model",
-                          help="'default' (embedded SmolLM2-135M-Instruct), a hub id, a local folder or a .gguf file. "
+                          help="'default' (embedded SmolLM2-135M-Instruct) or a hub id; a local folder or .gguf "
+                               "file only if the app was started with KVLENS_APP_MODEL set to it. "
                                "Used by the Run and Compare pages.")
             st.selectbox("Device", DEVICES, key="app_device", help="auto = CUDA, then MPS, then CPU.")

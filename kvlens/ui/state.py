@@ -92,9 +92,28 @@ def open_run(path: str) -> Run:
     return _open_run(path, mtime)
 
 
-@st.cache_resource(max_entries=2, show_spinner="Loading the model (a few seconds the first time)…")
+def check_app_model(spec: str) -> str:
+    """The app loads 'default' or a hub id; a local path only if the server was started with it
+    in $KVLENS_APP_MODEL, so nothing typed into the page reads files elsewhere on the machine."""
+    from kvlens.errors import KvlensError
+
+    spec = (spec or "default").strip()
+    allowed = os.environ.get("KVLENS_APP_MODEL")
+    looks_local = spec.startswith(("/", ".", "~", "\\")) or spec.lower().endswith(".gguf") or \
+        Path(spec).expanduser().exists() or ".." in spec.split("/")
+    if looks_local and spec != allowed:
+        raise KvlensError("The app loads only 'default' or a hub id; to use a local model, start the app "
+                          "with KVLENS_APP_MODEL=/path/to/model and type that path.")
+    return spec
+
+
 def get_model(spec: str, device: str):
     """The model, loaded once per (spec, device) and shared by every session."""
+    return _load_model(check_app_model(spec), device)
+
+
+@st.cache_resource(max_entries=2, show_spinner="Loading the model (a few seconds the first time)…")
+def _load_model(spec: str, device: str):
     from kvlens.models import load_model
 
     return load_model(spec, device=device)
