@@ -69,6 +69,13 @@ class PerturbationMeter(Observer):
         self.evict.setdefault(i, []).append(((o_evict - o_full).norm(dim=-1) / norm).flatten().cpu())
         self.loss.setdefault(i, []).append((1 - (a_full * kept[:, None, :]).sum(-1)).flatten().cpu())
 
+    def latest(self) -> dict:
+        """The last decode step's perturbation, mean over layers and heads (empty before the first step)."""
+        if not self.used:
+            return {}
+        return {name: float(torch.stack([rows[-1] for rows in d.values()]).mean())
+                for name, d in (("perturbation_used", self.used), ("perturbation_evict", self.evict))}
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """`perturbation/used|evict|attention_loss` `(steps - 1, L, Hq)`; empty rows if no decode step ran."""
         layers = sorted(self.used)
@@ -105,6 +112,8 @@ def measured(model: LoadedModel, go: Callable, observers=(), on_step=None) -> Ru
 
     def collect(event: StepEvent):
         logits.append(event.logits.detach())
+        if event.step > 0:
+            event.extra.update(meter.latest())  # for live plots
         if on_step is not None:
             on_step(event)
 

@@ -99,6 +99,7 @@ class Live:
     slots: list[float] = field(default_factory=list)
     text: str = ""
     attention: dict | None = None
+    perturbation: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # measured runs only
 
     def add(self, events: list[StepEvent]) -> None:
         for e in events:
@@ -107,25 +108,39 @@ class Live:
             self.slots.append(max(e.kv_slots))
             self.text += e.text
             self.attention = e.attention or self.attention
+            for name in ("perturbation_used", "perturbation_evict"):
+                if name in e.extra:
+                    self.perturbation.setdefault(name, []).append((e.step, e.extra[name]))
 
     def seconds(self) -> float:
         return time.perf_counter() - self.t0
 
     def figure(self) -> go.Figure:
-        """Three aligned panels: NLL per step, kept slots, and the last layer's current attention row."""
-        fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08,
-                            subplot_titles=["NLL of each token (nats)", "kept slots per KV head (max)",
-                                            "current attention row, last layer"])
-        fig.add_trace(go.Scatter(x=self.steps, y=self.nll, mode="lines+markers", name="NLL",
+        """Aligned panels: NLL per step, kept slots, output perturbation (measured runs), and the last
+        layer's current attention row."""
+        titles = ["NLL of each token (nats)", "kept slots per KV head (max)"]
+        if self.perturbation:
+            titles.append("output perturbation (mean)")
+        titles.append("current attention row, last layer")
+        fig = make_subplots(rows=1, cols=len(titles), horizontal_spacing=0.07, subplot_titles=titles)
+        last = len(titles)
+        fig.add_trace(go.Scatter(x=self.steps, y=self.nll, mode="lines+markers", name="NLL", showlegend=False,
                                  line=dict(color="#0072B2")), row=1, col=1)
-        fig.add_trace(go.Scatter(x=self.steps, y=self.slots, mode="lines", name="kept slots",
+        fig.add_trace(go.Scatter(x=self.steps, y=self.slots, mode="lines", name="kept slots", showlegend=False,
                                  line=dict(color="#009E73")), row=1, col=2)
+        styles = {"perturbation_used": ("cache used (merged)", "#D55E00", "solid"),
+                  "perturbation_evict": ("same evictions, no merge", "#0072B2", "dash")}
+        for name, points in self.perturbation.items():
+            label, color, dash = styles[name]
+            fig.add_trace(go.Scatter(x=[s for s, _ in points], y=[v for _, v in points], mode="lines", name=label,
+                                     line=dict(color=color, dash=dash), showlegend=True), row=1, col=3)
         if self.attention:
             fig.add_trace(go.Bar(x=self.attention["positions"], y=self.attention["weights"], name="attention",
-                                 marker=dict(color="#444")), row=1, col=3)
-        fig.update_xaxes(title_text="step", row=1, col=1)
-        fig.update_xaxes(title_text="step", row=1, col=2)
-        fig.update_xaxes(title_text="position", row=1, col=3)
+                                 marker=dict(color="#444"), showlegend=False), row=1, col=last)
+        for col in range(1, last):
+            fig.update_xaxes(title_text="step", row=1, col=col)
+        fig.update_xaxes(title_text="position", row=1, col=last)
         fig.update_yaxes(rangemode="tozero", row=1, col=2)
-        fig.update_layout(height=300, showlegend=False, margin=dict(t=40, b=40, l=40, r=10), bargap=0)
+        fig.update_layout(height=300, showlegend=bool(self.perturbation), margin=dict(t=40, b=40, l=40, r=10),
+                          bargap=0, legend=dict(orientation="h", y=-0.25))
         return fig
