@@ -111,6 +111,8 @@ def figure(result: dict):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
+    import kvlens.plots  # noqa: F401  registers the "kvlens" paper template
+
     cfg, cells = result["config"], result["cells"]
     policies = list(dict.fromkeys(c["policy"] for c in cells))
     fig = make_subplots(rows=1, cols=len(policies), subplot_titles=policies, shared_yaxes=True,
@@ -124,5 +126,5 @@ def figure(result: dict):
         fig.update_xaxes(title_text="context tokens", row=1, col=i)
     fig.update_yaxes(title_text="needle depth", row=1, col=1, autorange="reversed")
     fig.update_layout(title=f"Needle in a haystack (green = found; budget {cfg['budget']} for compressing policies)",
-                      width=max(500, 230 * len(policies)), height=420, template="plotly_white")
+                      width=max(500, 230 * len(policies)), height=420, template="kvlens")
     return fig

@@ -102,24 +102,27 @@ def figure(result: dict):
     """Mean perplexity (error bars: std over texts) against budget, one line per policy; full dashed."""
     import plotly.graph_objects as go
 
+    from kvlens.plots import line_style  # also registers the "kvlens" paper template
+
     summary = result["summary"]
-    budgets = _numeric(summary)
+    slots = {s["budget"]: s["budget_slots_mean"] for s in summary}
+    budgets = sorted(_numeric(summary), key=lambda b: slots.get(b) or 0)  # smallest cache first
     names = [_budget_name(b) for b in budgets]
     fig = go.Figure()
-    for policy in dict.fromkeys(s["policy"] for s in summary):
+    for i, policy in enumerate(dict.fromkeys(s["policy"] for s in summary)):
         group = {s["budget"]: s for s in summary if s["policy"] == policy}
         own = [b for b in group if isinstance(b, str)]
         if own:  # full or a budget-free policy: one value, drawn flat across the budgets
             s = group[own[0]]
             fig.add_trace(go.Scatter(x=names, y=[s["ppl_mean"]] * len(names), name=f"{policy} ({own[0]})",
-                                     mode="lines", line={"dash": "dash"}))
+                                     mode="lines", line={**line_style(i)["line"], "dash": "dot"}))
             continue
         fig.add_trace(go.Scatter(x=names, y=[group[b]["ppl_mean"] if b in group else None for b in budgets],
                                  error_y={"array": [group[b]["ppl_std"] if b in group else None for b in budgets]},
-                                 name=policy, mode="lines+markers"))
+                                 name=policy, mode="lines+markers", **line_style(i)))
     c = result["config"]
     fig.update_layout(title=f"Perplexity by KV budget ({c['prefill']} prompt + {c['tokens']} scored tokens, "
                             f"{len(c['texts'])} texts; bars: std over texts)",
                       xaxis_title="budget per KV head per layer", yaxis_title="perplexity", width=900, height=520,
-                      template="plotly_white")
+                      template="kvlens")
     return fig
