@@ -22,6 +22,16 @@ def check(condition: bool, message: str) -> None:
         raise KvlensError(message)
 
 
+def check_int(name: str, value, minimum: int) -> None:
+    """An integer parameter of at least `minimum`."""
+    check(isinstance(value, int) and value >= minimum, f"{name} must be an integer >= {minimum}; got {value!r}.")
+
+
+def check_share(name: str, value) -> None:
+    """A share (ratio) parameter in [0, 1]."""
+    check(isinstance(value, (int, float)) and 0 <= value <= 1, f"{name} must be in [0, 1]; got {value!r}.")
+
+
 @dataclass
 class Policy:
     """Base of all policies. Fields are hyperparameters with defaults, validated in `__post_init__`."""

@@ -28,7 +28,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from kvlens.policies.base import Policy, ScoredEviction, check
+from kvlens.policies.base import Policy, ScoredEviction, check, check_int
 from kvlens.policies.h2o import H2O
 from kvlens.policies.scissorhands import Scissorhands
 from kvlens.policies.streaming_llm import StreamingLLM
@@ -63,7 +63,7 @@ class CaM(Policy):
 
     def __post_init__(self):
         check(self.base in BASES, f"base must be one of {', '.join(BASES)}; got {self.base!r}.")
-        check(isinstance(self.span, int) and self.span >= 0, f"span must be an integer >= 0; got {self.span!r}.")
+        check_int("span", self.span, 0)
         check(isinstance(self.clamp, (tuple, list)) and len(self.clamp) == 2 and 0 <= self.clamp[0] <= self.clamp[1],
               f"clamp must be two numbers lo <= hi with lo >= 0; got {self.clamp!r}.")
         check(self.mask in ("bernoulli", "always", "never"), f"mask must be bernoulli, always or never; got {self.mask!r}.")

@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from kvlens.policies.base import Policy, check
+from kvlens.policies.base import Policy, check, check_int
 
 MESSAGE = "corm_message"  # (Hkv, S, w) bool, newest message last
 
@@ -59,8 +59,8 @@ class CORM(Policy):
     budget_free = True
 
     def __post_init__(self):
-        check(isinstance(self.window, int) and self.window >= 1, f"window must be an integer >= 1; got {self.window!r}.")
-        check(isinstance(self.recent, int) and self.recent >= 0, f"recent must be an integer >= 0; got {self.recent!r}.")
+        check_int("window", self.window, 1)
+        check_int("recent", self.recent, 0)
         check(self.important in ("position", "slots"), f"important must be position or slots; got {self.important!r}.")
         self._count: dict[int, int] = {}  # messages seen per layer
 

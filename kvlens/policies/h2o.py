@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlens.policies.base import ScoredEviction, check, recent_mask
+from kvlens.policies.base import ScoredEviction, check_share, recent_mask
 
 
 @dataclass
@@ -24,8 +24,7 @@ class H2O(ScoredEviction):
     paper = "https://arxiv.org/abs/2306.14048"
 
     def __post_init__(self):
-        check(isinstance(self.recent_ratio, (int, float)) and 0 <= self.recent_ratio <= 1,
-              f"recent_ratio must be in [0, 1]; got {self.recent_ratio!r}.")
+        check_share("recent_ratio", self.recent_ratio)
 
     def recent(self, budget: int) -> int:
         return int(budget * self.recent_ratio)

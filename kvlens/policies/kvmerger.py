@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from kvlens.errors import KvlensError
-from kvlens.policies.base import Policy, check
+from kvlens.policies.base import Policy, check, check_int, check_share
 from kvlens.policies.corm import padded_keep
 
 
@@ -104,13 +104,11 @@ class KVMerger(Policy):
     def __post_init__(self):
         check(isinstance(self.threshold, (int, float)) and -1 <= self.threshold <= 1,
               f"threshold must be a cosine similarity in [-1, 1]; got {self.threshold!r}.")
-        for key in ("recent_ratio", "keep_ratio"):
-            value = getattr(self, key)
-            check(isinstance(value, (int, float)) and 0 <= value <= 1, f"{key} must be in [0, 1]; got {value!r}.")
+        check_share("recent_ratio", self.recent_ratio)
+        check_share("keep_ratio", self.keep_ratio)
         check(isinstance(self.sigma, (int, float)) and self.sigma >= 0,
               f"sigma must be >= 0 (0 = the paper's formula); got {self.sigma!r}.")
-        check(isinstance(self.remerge_every, int) and self.remerge_every >= 0,
-              f"remerge_every must be an integer >= 0; got {self.remerge_every!r}.")
+        check_int("remerge_every", self.remerge_every, 0)
         self._steps: dict[int, int] = {}  # compress calls per layer
 
     def compress(self, layer, budget, log):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.policies.base import ScoredEviction, check, group_mean, recent_mask
+from kvlens.policies.base import ScoredEviction, check_int, check_share, group_mean, recent_mask
 
 HISTORY = "scissorhands_history"  # (Hkv, S, history) bool, newest step last
 
@@ -29,9 +29,8 @@ class Scissorhands(ScoredEviction):
     paper = "https://arxiv.org/abs/2305.17118"
 
     def __post_init__(self):
-        check(isinstance(self.history, int) and self.history >= 1, f"history must be an integer >= 1; got {self.history!r}.")
-        check(isinstance(self.recent_ratio, (int, float)) and 0 <= self.recent_ratio <= 1,
-              f"recent_ratio must be in [0, 1]; got {self.recent_ratio!r}.")
+        check_int("history", self.history, 1)
+        check_share("recent_ratio", self.recent_ratio)
 
     def prefill_rows(self) -> int:
         return self.history

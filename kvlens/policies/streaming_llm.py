@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlens.policies.base import ScoredEviction, check
+from kvlens.policies.base import ScoredEviction, check_int
 
 
 @dataclass
@@ -24,7 +24,7 @@ class StreamingLLM(ScoredEviction):
     needs_attention = False
 
     def __post_init__(self):
-        check(isinstance(self.sink, int) and self.sink >= 0, f"sink must be an integer >= 0; got {self.sink!r}.")
+        check_int("sink", self.sink, 0)
 
     def min_budget(self) -> int:
         return self.sink + 1

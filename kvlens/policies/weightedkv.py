@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.policies.base import Policy, check
+from kvlens.policies.base import Policy, check, check_int, check_share
 
 
 @dataclass
@@ -35,9 +35,8 @@ class WeightedKV(Policy):
     merge_rule: ClassVar[str] = "convex"  # provenance: target <- (1 - w) target + w source, row by row
 
     def __post_init__(self):
-        check(isinstance(self.sink, int) and self.sink >= 0, f"sink must be an integer >= 0; got {self.sink!r}.")
-        check(isinstance(self.recent_ratio, (int, float)) and 0 <= self.recent_ratio <= 1,
-              f"recent_ratio must be in [0, 1]; got {self.recent_ratio!r}.")
+        check_int("sink", self.sink, 0)
+        check_share("recent_ratio", self.recent_ratio)
         check(isinstance(self.merge, bool), f"merge must be true or false; got {self.merge!r}.")
 
     def min_budget(self) -> int:
