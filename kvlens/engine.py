@@ -219,11 +219,11 @@ def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, tota
         "prompt_token_strings": tok.convert_ids_to_tokens(list(prompt_ids)),
         "tokens": tokens, "token_strings": tok.convert_ids_to_tokens(tokens), "text": tok.decode(tokens),
         "metrics": metrics,
-        "record": {"level": opts.record, "layers": opts.record_layers, "dtype": "float16"},
+        "record": {"level": opts.record, "layers": opts.record_layers,
+                   "dtype": str(loop.recorder.dtype).removeprefix("torch.")},
     }
     info.update(meta or {})
-    decisions = loop.log.frame() if loop.log is not None else None
     run_ = Run(meta=info, tensors=tensors)
-    if decisions is not None:
-        run_.decisions = decisions
+    if loop.log is not None:
+        run_.decisions = loop.log.frame()
     return run_
