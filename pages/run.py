@@ -3,9 +3,10 @@ import time
 
 import streamlit as st
 
+from kvlens import texts as bundled
 from kvlens.errors import Cancelled, KvlensError
 from kvlens.ui.jobs import Job
-from kvlens.ui.live import Live, RunSettings, bundled_texts, parse_layers
+from kvlens.ui.live import Live, RunSettings, parse_layers
 from kvlens.ui.sidebar import app_shell
 from kvlens.ui.state import get_model, list_runs, user_runs_dir
 from kvlens.ui.widgets import policy_picker
@@ -28,12 +29,11 @@ with left:
                     help="Generate: greedy continuation of the prompt. Teacher-force: score the text's own next "
                          "tokens after a prefill (perplexity).")
     teacher = mode.startswith("Teacher")
-    texts = bundled_texts()
     source = st.radio("Text", ["Type a prompt", "Bundled text"], horizontal=True, key="run_source",
                       index=1 if teacher else 0)
     if source == "Bundled text":
-        name = st.selectbox("Bundled text (State of the Union addresses)", list(texts), key="run_text")
-        text = texts[name].read_text(encoding="utf-8")
+        name = st.selectbox("Bundled text (State of the Union addresses)", bundled.ids(), key="run_text")
+        text = bundled.read(name)
     else:
         text = st.text_area("Prompt", key="run_prompt", height=140,
                             value="The history of the United States Congress begins in 1789, when")

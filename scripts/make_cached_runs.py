@@ -14,19 +14,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvlens.texts import read
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "cached_runs"
-TEXTS = ROOT / "kvlens" / "data" / "state_union"
 
 
 def excerpt(name: str, chars: int) -> str:
     """The first `chars` characters of a bundled text, cut at a word boundary."""
-    text = " ".join((TEXTS / name).read_text(encoding="utf-8").split())
+    text = " ".join(read(name).split())
     return text[:chars].rsplit(" ", 1)[0]
 
 
-SHORT = excerpt("1961-Kennedy.txt", 480)  # ~100 tokens
-MEDIUM = excerpt("1962-Kennedy.txt", 800)  # ~160 tokens
+SHORT = excerpt("1961-Kennedy", 480)  # ~100 tokens
+MEDIUM = excerpt("1962-Kennedy", 800)  # ~160 tokens
 
 # name -> arguments of `kvlens generate` (without --out)
 RUNS: dict[str, list[str]] = {

@@ -6,11 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvlens import texts
 from kvlens.attention import ATTENTION_NAME, register_attention
 from kvlens.models import LoadedModel
 
 ROOT = Path(__file__).resolve().parent.parent
-TEXTS = ROOT / "kvlens" / "data" / "state_union"
+TEXTS = texts.DIR
 
 
 class ByteTokenizer:

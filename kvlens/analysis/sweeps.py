@@ -4,41 +4,21 @@
   curve per text: the paper's claim is that the curves coincide).
 - `corm_over_lengths`: CORM Fig. 4 (compression rate CORM reaches against sequence length,
   averaged over texts).
-Texts default to the bundled State of the Union addresses (`kvlens/data/state_union/`).
+Texts default to the bundled State of the Union addresses (`kvlens.texts`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
 
 import torch
 
 from kvlens.analysis.merging import MergingRatio, merging_ratio
-from kvlens.api import encode
 from kvlens.engine import RunOptions, run
-from kvlens.errors import KvlensError
 from kvlens.models import LoadedModel
 from kvlens.policies import make_policy
 from kvlens.runs import Run
-
-TEXTS = Path(__file__).resolve().parent.parent / "data" / "state_union"
-
-
-def bundled_texts(count: int | None = None) -> dict[str, str]:
-    """The bundled texts by file stem, sorted by name (the first `count`)."""
-    paths = sorted(TEXTS.glob("*.txt"))[:count]
-    if not paths:
-        raise KvlensError(f"No bundled texts found in {TEXTS}.")
-    return {p.stem: p.read_text(encoding="utf-8") for p in paths}
-
-
-def prefix_ids(model: LoadedModel, text: str, tokens: int, label: str = "the text") -> list[int]:
-    """The first `tokens` token ids of `text`."""
-    ids = encode(model, text)
-    if len(ids) < tokens:
-        raise KvlensError(f"{label} has {len(ids)} tokens, fewer than the {tokens} asked for.")
-    return ids[:tokens]
+from kvlens.texts import prefix_ids
 
 
 def record_states(model: LoadedModel, ids: list[int], layers: list[int] | None = None) -> Run:

@@ -76,16 +76,14 @@ def cmd_policies(args) -> int:
 
 def _options(args, **extra):
     from kvlens.engine import RunOptions
+    from kvlens.lists import parse_list
     from kvlens.policies import parse_budget
 
     layers = None
     if getattr(args, "record_layers", None) and args.record == "summary":
         raise KvlensError("--record-layers needs --record states or --record full.")
     if getattr(args, "record_layers", None):
-        try:
-            layers = [int(x) for x in args.record_layers.split(",")]
-        except ValueError:
-            raise KvlensError(f"--record-layers takes comma-separated integers; got '{args.record_layers}'.") from None
+        layers = parse_list(args.record_layers, "--record-layers", minimum=0)
     return RunOptions(budget=parse_budget(args.budget), record=args.record, record_layers=layers, **extra)
 
 

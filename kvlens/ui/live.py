@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -16,12 +15,7 @@ from plotly.subplots import make_subplots
 from kvlens.api import generate, perplexity
 from kvlens.engine import RunOptions, StepEvent
 from kvlens.errors import KvlensError
-
-DATA = Path(__file__).resolve().parents[1] / "data" / "state_union"
-
-
-def bundled_texts() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(DATA.glob("*.txt"))}
+from kvlens.lists import parse_list
 
 
 @dataclass
@@ -79,10 +73,7 @@ def parse_layers(text: str, n_layers: int) -> list[int] | None:
     text = text.strip().lower()
     if text in ("", "all"):
         return None
-    try:
-        layers = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
-    except ValueError:
-        raise KvlensError(f"Layers to record must be 'all' or comma-separated numbers like 0,15,29; got '{text}'.")
+    layers = sorted(set(parse_list(text, "Layers to record ('all' or a list like 0,15,29)")))
     bad = [x for x in layers if not 0 <= x < n_layers]
     if bad:
         raise KvlensError(f"Layer {bad[0]} does not exist: the model has layers 0 to {n_layers - 1}.")
