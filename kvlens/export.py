@@ -58,7 +58,7 @@ def figure_rows(fig: go.Figure) -> list[dict]:
         xs = list(xs) if xs is not None else list(range(len(ys)))
         err = list(tr.error_y.array) if getattr(tr, "error_y", None) is not None and tr.error_y.array is not None \
             else [None] * len(ys)
-        rows += [{"trace": name, "x": x, "y": y, "z": None, "error": e} for x, y, e in zip(xs, ys, err)]
+        rows += [{"trace": name, "x": x, "y": y, "z": None, "error": e} for x, y, e in zip(xs, ys, err, strict=False)]
     return rows
 
 

@@ -100,7 +100,8 @@ def similarity_figure(run: Run, layer: int, head: int, kind: str | list[str] = "
     if mixed:
         head_text = f"{head} (KV head {head // group})"
     names = " and ".join(m.kind for m in maps)
-    title = f"Cosine similarity of {names} states, layer {layer}, {which} {head_text if mixed else head} ({_model(run)})"
+    title = (f"Cosine similarity of {names} states, layer {layer}, {which} {head_text if mixed else head} "
+             f"({_model(run)})")
     fig = _finish(fig, title, "similarity", run, layer=layer, head=head, kind=kinds, max_size=max_size)
     fig.update_layout(width=WIDTH if len(maps) == 1 else 1100, height=520)
     return fig
@@ -113,7 +114,7 @@ def adjacency_figure(run: Run) -> go.Figure:
     for i, (kind, values) in enumerate(adj.values.items()):
         style = line_style(i)
         heads = values.shape[1]
-        fig.add_trace(go.Scatter(x=[l for l in adj.layers for _ in range(heads)], y=values.flatten().tolist(),
+        fig.add_trace(go.Scatter(x=[layer for layer in adj.layers for _ in range(heads)], y=values.flatten().tolist(),
                                  mode="markers", name=f"{kind} (each head)", showlegend=False, hoverinfo="skip",
                                  marker=dict(color=style["marker"]["color"], size=4, opacity=0.3)))
         fig.add_trace(go.Scatter(x=adj.layers, y=adj.per_layer(kind), mode="lines+markers", name=PLURAL[kind], **style))
@@ -212,7 +213,7 @@ def variance_figure(run: Run, layer: int, head: int | None = None, group: int = 
 def merging_ratio_figure(ratios: list[an.MergingRatio], labels: list[str], note: str = "") -> go.Figure:
     """KVMerger Fig. 3b: layer-wise merging-set compression ratio, one line per text (`note` ends the title)."""
     fig = go.Figure()
-    for i, (r, label) in enumerate(zip(ratios, labels)):
+    for i, (r, label) in enumerate(zip(ratios, labels, strict=False)):
         fig.add_trace(go.Scatter(x=r.layers, y=r.per_layer().tolist(), mode="lines+markers", name=label,
                                  **line_style(i)))
     fig.update_xaxes(title_text="layer")
@@ -261,7 +262,7 @@ def perplexity_figure(runs: list[Run], labels: list[str] | None = None) -> go.Fi
     """WeightedKV Fig. 4: log-perplexity of the tokens so far against position, one line per run."""
     labels = labels or [None] * len(runs)
     fig = go.Figure()
-    for i, (r, label) in enumerate(zip(runs, labels)):
+    for i, (r, label) in enumerate(zip(runs, labels, strict=False)):
         c = an.log_perplexity_curve(r, label)
         fig.add_trace(go.Scatter(x=c.positions.tolist(), y=c.log_ppl.tolist(), mode="lines", name=c.label,
                                  line=line_style(i)["line"]))

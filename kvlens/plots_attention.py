@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 import torch
+from plotly.subplots import make_subplots
 
 from kvlens.errors import KvlensError
 from kvlens.runs import Run
@@ -59,7 +59,8 @@ def _merges(run: Run, layer: int, kv_head: int):
     d = d[(d["action"] == "merge") & (d["layer"] == layer) & (d["kv_head"] == kv_head)]
     if "draw" in d:
         d = d[d["draw"] != 0]  # a Bernoulli draw of 0 merged nothing
-    return [(int(s), int(p), [int(t) for t in ts]) for s, p, ts in zip(d["step"], d["position"], d["targets"])]
+    return [(int(s), int(p), [int(t) for t in ts])
+            for s, p, ts in zip(d["step"], d["position"], d["targets"], strict=True)]
 
 
 def attention_grid(run: Run, layer: int, head: int, max_cells: int = 512) -> AttentionGrid:
@@ -232,7 +233,7 @@ def decision_timeline_figure(run: Run, layer: int, kv_head: int, max_points: int
             f"<br>into {list(map(int, t))}<br>weights {[round(float(x), 3) for x in w]}"
             + ("" if pr != pr else f"<br>p = {pr:.3f}, draw {dr}") if action == "merge" else "")
                  for s, p, t, w, pr, dr in zip(rows["step"], rows["position"], rows["targets"], rows["weights"],
-                                               rows["prob"], rows["draw"])]
+                                               rows["prob"], rows["draw"], strict=True)]
         marker = dict(style)
         if action == "merge":
             marker["symbol"] = ["circle-open" if dr == 0 else "circle" for dr in rows["draw"]]

@@ -58,6 +58,18 @@ class Run:
             raise KvlensError(f"This run has no tensor '{name}'; record it with --record {level}.")
         return self.tensors[name]
 
+    def figure(self, kind: str, **params):
+        """The plotly figure of the analysis `kind` on this run: the one `kvlens figure KIND` and the app draw."""
+        from kvlens.analysis.registry import analysis_figure
+
+        return analysis_figure(kind, self, **params)
+
+    def analyze(self, kind: str, **params) -> dict:
+        """The analysis `kind` on this run as a dict: what `kvlens analyze KIND --json` prints."""
+        from kvlens.analysis.registry import analysis_json
+
+        return analysis_json(kind, self, **params)
+
     def save(self, path: str | Path) -> Path:
         """Write the run atomically; an existing run directory at `path` is replaced, anything else refused."""
         from safetensors.torch import save_file

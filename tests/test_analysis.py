@@ -12,7 +12,8 @@ import kvlens.analysis as an
 from kvlens.analysis.spectrum import singular_values
 from kvlens.analysis.sweeps import prefix_ids, record_states
 from kvlens.cli import main
-from kvlens.engine import RunOptions, run as engine_run
+from kvlens.engine import RunOptions
+from kvlens.engine import run as engine_run
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy
 from kvlens.policies.kvmerger import merging_sets
@@ -21,7 +22,7 @@ from tests.conftest import TEXTS, tiny_model
 T = 160
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_run(tmp_dir: str | None = None):
     """A full-cache run of the tiny model with prefill states (T prompt tokens, 4 steps), saved if asked."""
     model = tiny_model()
@@ -264,3 +265,109 @@ def test_sweeps_over_texts_and_lengths(tiny):
     assert 0 < float(res.ratio[0, 1]) < 1  # corm drops some keys of a 96-token prompt, keeps the recent 8
     with pytest.raises(KvlensError, match="fewer than"):
         sweeps.prefix_ids(tiny, "short", 64)
+
+
+SMALL = {"similarity": {"max_size": 40}, "preceding": {"window": 8}, "variance": {"group": 16},
+         "merge-similarity": {"step": 50, "horizon": 20}, "gaussian": {"threshold": 0.5}}
+
+
+def run_kinds():
+    from kvlens.analysis.registry import analyses
+
+    return [name for name, cls in analyses().items() if cls.inputs != "model"]
+
+
+@pytest.mark.parametrize("kind", run_kinds())
+def test_every_registered_analysis_dispatches_to_itself_on_the_cli_and_in_python(kind, tmp_path, capsys):
+    from kvlens import load_run
+
+    tiny_run(str(tmp_path / "run"))
+    run = load_run(tmp_path / "run")
+    flags = [a for k, v in SMALL.get(kind, {}).items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    assert main(["analyze", kind, "--run", str(tmp_path / "run"), "--json", *flags]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(run.analyze(kind, **SMALL.get(kind, {}))))
+    assert run.figure(kind, **SMALL.get(kind, {})).layout.meta["analysis"] == kind  # no fall-through to another
+
+
+def test_analyze_list_names_every_analysis_with_its_paper_level_and_parameters(capsys):
+    from kvlens.analysis.registry import analyses
+
+    assert main(["analyze", "--list", "--json"]) == 0
+    listed = {d["name"]: d for d in json.loads(capsys.readouterr().out)}
+    assert set(listed) == set(analyses()) >= {"similarity", "adjacency", "perplexity", "merging-ratio", "corm-lengths"}
+    assert listed["spectrum"]["paper"] == "WeightedKV Fig. 1" and listed["spectrum"]["level"] == "states"
+    assert listed["merging-ratio"]["level"] is None and listed["perplexity"]["inputs"] == "runs"
+    sim = {p["name"]: p for p in listed["similarity"]["params"]}
+    assert sim["max_size"]["default"] == 512 and sim["max_size"]["flag"] == "--max-size" and sim["layer"]["help"]
+
+
+def test_unknown_or_unfitting_requests_are_one_sentence(tmp_path, capsys):
+    from kvlens.analysis.registry import analysis_figure, get_analysis
+
+    with pytest.raises(KvlensError, match="Unknown analysis 'nope'; choose one of: adjacency, "):
+        get_analysis("nope")
+    r = tiny_run()
+    with pytest.raises(KvlensError, match="'adjacency' has no parameter 'layer'; it takes none"):
+        r.figure("adjacency", layer=1)
+    with pytest.raises(KvlensError, match="layer takes an integer; got 'x'"):
+        r.figure("similarity", layer="x")
+    with pytest.raises(KvlensError, match="sigma takes a list of a number"):
+        r.figure("gaussian", sigma=2.0)
+    with pytest.raises(KvlensError, match="runs the model over the bundled texts"):
+        r.figure("merging-ratio")
+    summary = engine_run(tiny_model(), make_policy("full"), list(range(40, 60)), prefill=20, steps=1, teacher=False,
+                         opts=RunOptions(max_new_tokens=1))
+    with pytest.raises(KvlensError, match="needs a run recorded with --record states; this run was recorded at summ"):
+        analysis_figure("similarity", summary)
+    with pytest.raises(SystemExit) as exit_:
+        main(["analyze", "nope", "--run", "x"])
+    assert exit_.value.code == 2
+    assert main(["figure", "adjacency", "--run", "x", "--out", str(tmp_path / "a.gif")]) == 2
+    assert main(["analyze", "adjacency", "--run", "x", "--run", "y"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and "invalid choice: 'nope'" in err[0] and "takes one --run" in err[2]
+
+
+def test_a_registered_analysis_reaches_the_cli_and_run_figure(tmp_path, capsys):
+    import plotly.graph_objects as go
+
+    from kvlens.analysis import registry
+
+    @registry.register_analysis
+    class Norms(registry.Analysis):
+        name = "test-norms"
+        paper = "none"
+        level = registry.STATES
+        params = (registry.Param("layer", int, 0, "layer"),)
+
+        def compute(self, run, layer):
+            return run.tensor(f"prefill/k/{layer}").float().norm(dim=-1).mean(0)  # (T,)
+
+        def to_json(self, norms, layer):
+            return {"layer": layer, "norms": norms.tolist()}
+
+        def figure(self, run, layer):
+            return go.Figure(go.Scatter(y=self.compute(run, layer).tolist()), layout={"meta": {"analysis": self.name}})
+
+    try:
+        tiny_run(str(tmp_path / "run"))
+        assert main(["analyze", "test-norms", "--run", str(tmp_path / "run"), "--layer", "2", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["layer"] == 2 and len(out["norms"]) == T
+        assert list(tiny_run().figure("test-norms", layer=2).data[0].y) == pytest.approx(out["norms"], abs=1e-6)
+    finally:
+        del registry._REGISTRY["test-norms"]
+
+
+def test_the_model_analyses_run_through_the_registry(tiny):
+    from kvlens.analysis.registry import analysis_figure, analysis_json
+
+    corm = analysis_json("corm-lengths", tiny, texts=1, lengths="96,48", settings=["window=8", "recent=8"])
+    assert corm["lengths"] == [48, 96] and corm["params"]["window"] == 8 and len(corm["texts"]) == 1
+    ratio = analysis_figure("merging-ratio", tiny, texts=2, tokens=64, threshold=0.5)
+    assert ratio.layout.meta["analysis"] == "merging-ratio" and [t.name for t in ratio.data] == ["1946-Truman",
+                                                                                                 "1953-Eisenhower"]
+    with pytest.raises(KvlensError, match="--lengths takes comma-separated integers; got '48,x'"):
+        analysis_json("corm-lengths", tiny, lengths="48,x")
+    with pytest.raises(KvlensError, match="--texts of at least 1"):
+        analysis_json("merging-ratio", tiny, texts=0)

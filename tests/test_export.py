@@ -81,3 +81,17 @@ def test_cli_figure_writes_image_csv_and_json(tmp_path, capsys):
     assert config["params"] == {"layer": 1, "head": 0, "kind": ["key", "value"], "max_size": 40}
     assert main(["figure", "similarity", "--run", str(tmp_path / "run"), "--state", "keys", "--out",
                  str(tmp_path / "y.png")]) == 2
+
+
+def test_a_notebooks_run_figure_is_the_cli_figure(tmp_path, capsys):
+    from kvlens import load_run
+
+    tiny_run(str(tmp_path / "run"))
+    assert main(["figure", "gaussian", "--run", str(tmp_path / "run"), "--layer", "1", "--threshold", "0.5",
+                 "--sigma", "2", "--out", str(tmp_path / "cli.csv")]) == 0
+    fig = load_run(tmp_path / "run").figure("gaussian", layer=1, threshold=0.5, sigma=[2.0])
+    export.export_figure(fig, tmp_path / "notebook.csv")
+    assert (tmp_path / "notebook.csv").read_text() == (tmp_path / "cli.csv").read_text()
+    cli, notebook = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("cli", "notebook"))
+    assert cli["params"] == notebook["params"] == {"layer": 1, "head": 0, "threshold": 0.5, "position": None,
+                                                   "sigmas": [None, 2.0]}

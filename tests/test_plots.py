@@ -22,7 +22,7 @@ def test_similarity_figure_shows_the_map_within_512_cells(run):
     fig = plots.similarity_figure(run, 1, 0, ["key", "value"], max_size=64)
     heat = traces(fig, "heatmap")
     assert len(heat) == 2
-    for tr, kind in zip(heat, ("key", "value")):
+    for tr, kind in zip(heat, ("key", "value"), strict=True):
         m = an.similarity_map(run, 1, 0, kind, max_size=64)
         np.testing.assert_allclose(np.array(tr.z, dtype=float), m.matrix.numpy(), equal_nan=True)
         assert len(tr.z) <= 64 and list(tr.x) == m.edges[:-1].tolist()

@@ -12,13 +12,28 @@
 | `log_perplexity_curve(run)` | WeightedKV Fig. 4 |
 
 Analyses over several texts or lengths, which run the model, are in `kvlens.analysis.sweeps`.
+Each analysis the CLI, `Run.figure` and the app offer is declared once in `kvlens/analysis/kinds/`
+(see `kvlens.analysis.registry`).
 """
-from kvlens.analysis.attention_stats import (AttentionVariance, MergeSimilarity, Sparsity, aggregated_attention,
-                                             attention_variance, corm_sparsity, merge_future_similarity)
+from kvlens.analysis.attention_stats import (
+    AttentionVariance,
+    MergeSimilarity,
+    Sparsity,
+    aggregated_attention,
+    attention_variance,
+    corm_sparsity,
+    merge_future_similarity,
+)
 from kvlens.analysis.merging import GaussianSet, MergingRatio, gaussian_set, merging_ratio
 from kvlens.analysis.perplexity import PerplexityCurve, log_perplexity_curve
-from kvlens.analysis.similarity import (Adjacency, SimilarityMap, adjacency, block_edges, preceding_similarity,
-                                        similarity_map)
+from kvlens.analysis.similarity import (
+    Adjacency,
+    SimilarityMap,
+    adjacency,
+    block_edges,
+    preceding_similarity,
+    similarity_map,
+)
 from kvlens.analysis.spectrum import Spectrum, singular_values, spectrum
 from kvlens.analysis.states import attention_chunks, recorded_layers
 

@@ -6,7 +6,7 @@ read back as float32. A missing tensor or an out-of-range layer/head is one `Kvl
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -80,3 +80,21 @@ def attention_chunks(q: torch.Tensor, k: torch.Tensor, start: int = 0, stop: int
         scores = torch.einsum("hqd,hsd->hqs", q[:, a:b], kk) * scale  # (Hq, q, T)
         future = cols[None, :] > torch.arange(a, b)[:, None]  # (q, T)
         yield a, b, torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+
+
+def layer_or_middle(run: Run, layer: int | None, kind: str = "key") -> int:
+    """`layer` checked against the recorded layers, or the middle recorded layer when None."""
+    layers = recorded_layers(run, kind)
+    layer = layers[len(layers) // 2] if layer is None else layer
+    check_layer(run, layer, kind)
+    return layer
+
+
+def parse_states(text: str, many: bool = True) -> list[str]:
+    """'key' or 'key,value' -> the state kinds; one sentence for anything else (or for several when not `many`)."""
+    states = [x.strip() for x in text.split(",") if x.strip()]
+    if not states or any(x not in KINDS for x in states):
+        raise KvlensError(f"--state takes query, key or value (comma-separated for a similarity figure); got '{text}'.")
+    if len(states) > 1 and not many:
+        raise KvlensError(f"This analysis takes one --state; got '{text}'.")
+    return states

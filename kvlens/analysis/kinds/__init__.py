@@ -1,0 +1,1 @@
+"""One file per registered analysis (`@register_analysis`); `kvlens.analysis.registry` imports them all."""

@@ -1,0 +1,24 @@
+"""Normalised singular values of the key and value caches per layer (WeightedKV Fig. 1)."""
+from kvlens import analysis as an
+from kvlens.analysis.registry import STATES, Analysis, Param, register_analysis
+
+
+@register_analysis
+class Spectrum(Analysis):
+    name = "spectrum"
+    paper = "WeightedKV Fig. 1"
+    level = STATES
+    params = (Param("components", int, 64, "singular values kept per head"),)
+
+    def compute(self, run, components):
+        return {kind: an.spectrum(run, kind, components) for kind in ("key", "value")}
+
+    def to_json(self, specs, **params) -> dict:
+        return {"layers": len(specs["key"].layers),
+                **{k: {"singular_values": s.values.mean(1).tolist(), "energy_top8": s.energy_top.mean(1).tolist()}
+                   for k, s in specs.items()}}
+
+    def figure(self, run, components):
+        from kvlens.plots import spectrum_figure
+
+        return spectrum_figure(run, components)

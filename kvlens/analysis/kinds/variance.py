@@ -1,0 +1,27 @@
+"""Attention variance of single tokens against that of group means over later steps (CaM Fig. 2)."""
+from kvlens import analysis as an
+from kvlens.analysis.registry import LAYER, STATES, Analysis, Param, register_analysis
+from kvlens.analysis.states import layer_or_middle
+
+
+@register_analysis
+class Variance(Analysis):
+    name = "variance"
+    paper = "CaM Fig. 2"
+    level = STATES
+    params = (LAYER,
+              Param("head", int, None, "query head (default: the mean over the layer's heads)"),
+              Param("group", int, 64, "tokens per group (CaM's m)"))
+
+    def compute(self, run, layer, head, group):
+        return an.attention_variance(run, layer_or_middle(run, layer), head, group)
+
+    def to_json(self, res, **params) -> dict:
+        return {"layer": res.layer, "head": res.head, "group": res.group, "rows": list(res.rows),
+                "starts": res.starts.tolist(), "group_var": res.group_var.tolist(),
+                "token_var_mean": res.token_var.mean(1).tolist()}
+
+    def figure(self, run, layer, head, group):
+        from kvlens.plots import variance_figure
+
+        return variance_figure(run, layer_or_middle(run, layer), head, group)

@@ -1,0 +1,165 @@
+"""The analysis registry: each analysis is declared once, and `kvlens analyze`, `kvlens figure`,
+`Run.figure` and the app's pages all go through it.
+
+An analysis is one file in `kvlens/analysis/kinds/`: a subclass of `Analysis` decorated with
+`@register_analysis`, naming the paper figure it reproduces, what it reads (`inputs`: one run,
+several runs, or the model itself), the record level its runs need, and its parameters; it
+provides `compute`, `to_json` and `figure`. Files in that folder are found by themselves.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from kvlens.errors import KvlensError
+from kvlens.record import LEVELS
+from kvlens.runs import Run
+
+SUMMARY, STATES, ROWS = LEVELS  # what a run records: metrics, + prefill states, + every step's attention rows
+INPUTS = ("run", "runs", "model")  # one recorded run, several, or a loaded model (the analysis runs it)
+_REGISTRY: dict[str, type[Analysis]] = {}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter: `type` parses it on the command line (int, float or str); `many` makes it a list
+    (a repeatable flag); a `None` default is worked out from the run (the help says how)."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    many: bool = False
+    cli: str = ""  # the command-line flag, when not `--name` with dashes
+
+    @property
+    def flag(self) -> str:
+        return self.cli or "--" + self.name.replace("_", "-")
+
+    def check(self, value) -> Any:
+        """`value` as this parameter takes it (a list if `many`), or one sentence saying what it should be."""
+        items = value if self.many and isinstance(value, (list, tuple)) else [value]
+        if self.many and not isinstance(value, (list, tuple)) or not all(map(self._fits, items)):
+            want = {int: "an integer", float: "a number", str: "text"}[self.type]
+            raise KvlensError(f"{self.name} takes {'a list of ' if self.many else ''}{want}; got {value!r}.")
+        return list(value) if self.many else value
+
+    def _fits(self, v) -> bool:
+        if v is None:
+            return self.default is None
+        return not isinstance(v, bool) and (isinstance(v, self.type) or self.type is float and isinstance(v, int))
+
+
+# parameters several analyses share
+LAYER = Param("layer", int, None, "layer (default: the middle recorded layer)")
+THRESHOLD = Param("threshold", float, 0.75, "cosine-similarity threshold of the merging sets")
+TEXTS = Param("texts", int, 4, "how many bundled texts")
+
+
+class Analysis:
+    """Declare `name`, `paper`, `inputs`, `level` and `params`; implement the three methods."""
+
+    name: ClassVar[str]
+    paper: ClassVar[str]  # the figure it reproduces, e.g. "KVMerger Fig. 2"
+    inputs: ClassVar[str] = "run"
+    level: ClassVar[str] = LEVELS[0]  # the record level each run needs
+    params: ClassVar[tuple[Param, ...]] = ()
+
+    def compute(self, source, **params):
+        """The analysis result (any object) of `source`: a Run, a list of Runs, or a LoadedModel."""
+        raise NotImplementedError
+
+    def to_json(self, result, **params) -> dict:
+        """The result as a JSON-able dict (what `kvlens analyze --json` prints)."""
+        raise NotImplementedError
+
+    def figure(self, source, **params):
+        """The plotly figure (what `kvlens figure`, `Run.figure` and the app show)."""
+        raise NotImplementedError
+
+    @classmethod
+    def describe(cls) -> dict:
+        """Name, paper figure, inputs, level and parameters, for `kvlens analyze --list`."""
+        return {"name": cls.name, "paper": cls.paper, "inputs": cls.inputs,
+                "level": None if cls.inputs == "model" else cls.level,
+                "params": [{"name": p.name, "flag": p.flag, "type": p.type.__name__, "default": p.default,
+                            "help": p.help, "many": p.many} for p in cls.params]}
+
+
+def register_analysis(cls: type[Analysis]) -> type[Analysis]:
+    """Class decorator adding an analysis to the registry under `cls.name`."""
+    if cls.inputs not in INPUTS or cls.level not in LEVELS:
+        raise TypeError(f"{cls.__name__}: inputs must be one of {INPUTS} and level one of {LEVELS}.")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def analyses() -> dict[str, type[Analysis]]:
+    """Every registered analysis by name (the files of `kvlens/analysis/kinds/` are imported first)."""
+    from kvlens.analysis import kinds
+
+    for module in pkgutil.iter_modules(kinds.__path__):
+        importlib.import_module(f"{kinds.__name__}.{module.name}")
+    return dict(sorted(_REGISTRY.items()))
+
+
+def get_analysis(name: str) -> Analysis:
+    """The analysis called `name`, or one sentence naming the known ones."""
+    known = analyses()
+    if name not in known:
+        raise KvlensError(f"Unknown analysis '{name}'; choose one of: {', '.join(known)}.")
+    return known[name]()
+
+
+def level_rank(level: str | None) -> int:
+    """The position of a record level among `kvlens.record.LEVELS` (0 for a missing or unknown one)."""
+    return LEVELS.index(level) if level in LEVELS else 0
+
+
+def run_level(run) -> str:
+    """The level a run was recorded at."""
+    return (run.meta.get("record") or {}).get("level") or LEVELS[0]
+
+
+def nan_to_none(t) -> list:
+    """A tensor as nested lists with NaN as None (valid JSON)."""
+    def clean(x):
+        return [clean(v) for v in x] if isinstance(x, list) else None if x != x else x
+    return clean(t.tolist())
+
+
+def _prepare(analysis: Analysis, source, params: dict):
+    """`(source, parameters with defaults filled in)` after checking the names, values and runs."""
+    known = {p.name: p for p in analysis.params}
+    unknown = [k for k in params if k not in known]
+    if unknown:
+        takes = f"it takes {', '.join(known)}" if known else "it takes none"
+        raise KvlensError(f"The analysis '{analysis.name}' has no parameter '{unknown[0]}'; {takes}.")
+    runs = [source] if isinstance(source, Run) else list(source) if isinstance(source, (list, tuple)) else []
+    if analysis.inputs == "model" and runs:
+        raise KvlensError(f"The analysis '{analysis.name}' runs the model over the bundled texts; pass it the "
+                          "loaded model, not a run.")
+    if analysis.inputs != "model" and (not runs or analysis.inputs == "run" and len(runs) > 1):
+        raise KvlensError(f"The analysis '{analysis.name}' reads {'one run' if analysis.inputs == 'run' else 'runs'}.")
+    for run in runs:
+        if level_rank(run_level(run)) < level_rank(analysis.level):
+            raise KvlensError(f"The analysis '{analysis.name}' needs a run recorded with --record {analysis.level}; "
+                              f"{run.path.name if run.path else 'this run'} was recorded at {run_level(run)}.")
+    source = runs if analysis.inputs == "runs" else source
+    return source, {name: p.check(params.get(name, p.default)) for name, p in known.items()}
+
+
+def analysis_json(name: str, source, **params) -> dict:
+    """`kvlens analyze NAME --json` on `source` (a Run, a list of Runs, or a LoadedModel)."""
+    analysis = get_analysis(name)
+    source, p = _prepare(analysis, source, params)
+    return analysis.to_json(analysis.compute(source, **p), **p)
+
+
+def analysis_figure(name: str, source, **params):
+    """`kvlens figure NAME` on `source`: the plotly figure."""
+    analysis = get_analysis(name)
+    source, p = _prepare(analysis, source, params)
+    return analysis.figure(source, **p)
