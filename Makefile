@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvlens-installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run test setup model browser clean-venv
+.PHONY: run test test-fast fuzz lint setup model browser clean-venv
 
 setup: $(STAMP)
 
@@ -35,8 +35,19 @@ browser:
 run: model
 	$(VENV)/bin/streamlit run app.py --server.address $(HOST) --server.port $(PORT)
 
-test: model browser
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: model browser lint
 	$(PY) -m pytest -q
+
+# The tests that need neither the embedded model nor a browser (about a minute).
+test-fast: lint
+	$(PY) -m pytest -q -m "not slow and not browser"
+
+# Property tests with random seeds and 20x the examples (CI runs them derandomized).
+fuzz: model
+	KVLENS_FUZZ=1 $(PY) -m pytest -q -m property $(FUZZ_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

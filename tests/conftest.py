@@ -1,14 +1,35 @@
 """Shared fixtures: a tiny random GQA Llama (seconds, no download) and the embedded SmolLM2."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from kvlens import texts
 from kvlens.attention import ATTENTION_NAME, register_attention
 from kvlens.models import LoadedModel
+
+# `make test` runs every property test derandomized: the same examples on every run, so a red CI
+# always means a change. `make fuzz` sets KVLENS_FUZZ: random seeds and 20x the examples.
+FUZZ = bool(os.environ.get("KVLENS_FUZZ"))
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("fuzz", derandomize=False, deadline=None, print_blob=True)
+settings.load_profile("fuzz" if FUZZ else "ci")
+
+
+def examples(n: int) -> int:
+    """A property test's example count: n in CI, 20 n under `make fuzz`."""
+    return n * 20 if FUZZ else n
+
+
+def pytest_collection_modifyitems(items):
+    """Mark every Hypothesis test `property`, so `make fuzz` can select them."""
+    for item in items:
+        if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+            item.add_marker(pytest.mark.property)
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = texts.DIR

@@ -8,15 +8,10 @@ import argparse
 import importlib
 import sys
 
-from kvlens.errors import Cancelled, KvlensError
+from kvlens.errors import Cancelled, KvlensError, one_line
 
 COMMAND_MODULES = ["kvlens.cli.run_commands", "kvlens.cli.sweep_commands", "kvlens.cli.analysis_commands",
                    "kvlens.cli.bench_commands"]
-
-
-def one_line(message: str) -> str:
-    """The message on one printable line: control characters from user input are escaped."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
 class Parser(argparse.ArgumentParser):
@@ -39,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except KvlensError as err:
-        print(f"kvlens: error: {one_line(str(err))}", file=sys.stderr)
+        print(f"kvlens: error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into `head` and closed early
         sys.stderr.close()
