@@ -6,7 +6,8 @@ accumulated `abar` (summed over every query that saw it, prefill rows included, 
 score being the mean of its query heads), the number of queries `nobs` that observed it, and a
 `valid` flag: policies whose heads keep different counts pad to the longest head and mask.
 Policies may keep extra per-slot statistics in `extra` (first dims `(Hkv, S)`); they travel with
-their slots. Eviction gathers into new, smaller tensors, so `nbytes` is what is really allocated.
+their slots. Per-layer run state of a policy (counters, random generators) lives in `state`, so
+policy objects stay immutable configuration. Eviction gathers into new, smaller tensors, so `nbytes` is what is really allocated.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class LayerCache:
     nobs: torch.Tensor | None = None  # (Hkv, S) float32, number of queries that saw the slot
     valid: torch.Tensor | None = None  # (Hkv, S) bool, False for padding
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # (Hkv, S, ...) policy statistics
+    state: dict[str, object] = field(default_factory=dict)  # the policy's per-layer run state (counters, RNGs)
     last_attn: torch.Tensor | None = None  # (Hq, S) float32, attention of the latest query
     prefill_rows: torch.Tensor | None = None  # (Hq, L, T) last L prefill rows, dropped after compression
 

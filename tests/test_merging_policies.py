@@ -10,10 +10,11 @@ from kvlens.cache import LayerCache
 from kvlens.decisions import DecisionLog
 from kvlens.engine import RunOptions, run
 from kvlens.errors import KvlensError
-from kvlens.policies import REGISTRY, make_policy, parse_settings
-from kvlens.policies.corm import CORM, MESSAGE
+from kvlens.policies import make_policy, parse_settings
+from kvlens.policies.corm import CORM, MESSAGE, MESSAGES_SEEN
 from kvlens.policies.kvmerger import gaussian_weights, merging_sets
 from kvlens.provenance import replay
+from tests.conftest import examples
 
 HKV, G, D = 2, 2, 8
 IDS = list(b"Attention sinks and heavy hitters keep the cache small. " * 3)
@@ -92,7 +93,7 @@ def test_cam_prefill_choice_and_base_parameters(tiny):
     step0 = evict.decisions[evict.decisions.step == 0]
     assert (step0.action == "evict").all() and (evict.decisions[evict.decisions.step > 0].action == "merge").all()
     assert (merge.decisions[merge.decisions.step == 0].action == "merge").all()
-    assert make_policy("cam", {"base": "h2o", "recent_ratio": 0.25}).local_window(40) == 10
+    assert make_policy("cam", {"base": "h2o", "base.recent_ratio": 0.25}).base.local_window(40) == 10
     assert parse_settings("cam", ["base=tova", "mask=always", "clamp=0.2,0.9"]) == \
         {"base": "tova", "mask": "always", "clamp": (0.2, 0.9)}
     with pytest.raises(KvlensError, match="mask of cam must be one of bernoulli, always, never"):
@@ -136,7 +137,7 @@ def test_weightedkv_eviction_ablation_keeps_values():
 # ---------------------------------------------------------------- KVMerger
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(st.integers(0, 10_000), st.integers(1, 40), st.floats(-0.5, 0.95))
 def test_merging_sets_are_consecutive_above_threshold_and_maximal(seed, t, threshold):
     gen = torch.Generator().manual_seed(seed)
@@ -199,10 +200,10 @@ class SpyCORM(CORM):
 
     def __post_init__(self):
         super().__post_init__()
-        self.checks = []
+        object.__setattr__(self, "checks", [])  # test-side record on a frozen policy
 
     def compress(self, layer, budget, log):
-        if self._count.get(layer.layer, 0) >= self.window:
+        if layer.state.get(MESSAGES_SEEN, 0) >= self.window:
             must = layer.extra[MESSAGE].any(-1) & layer.valid
             s = layer.n_slots
             must[:, max(0, s - self.recent):] = layer.valid[:, max(0, s - self.recent):]
@@ -255,42 +256,3 @@ def test_provenance_replay_rebuilds_every_value(name, params):
             sources = prov.get((0, h), {}).get(p, {p: 1.0})
             rebuilt = sum(w * original[0, h, q] for q, w in sources.items())
             torch.testing.assert_close(layer.values[0, h, s], rebuilt, atol=1e-5, rtol=1e-5)
-
-
-# ---------------------------------------------------------------- every policy on real models
-
-
-NEW = ["cam", "weightedkv", "kvmerger", "corm"]
-
-
-def _check(r, policy, budget):
-    assert torch.isfinite(r.tensors["steps/nll"]).all()
-    kept = r.tensors["steps/kv_slots"]
-    if policy.budget_free:
-        assert r.meta["budget"]["slots"] is None and r.metrics["kv_slots_final_mean"] > 0
-        assert r.metrics["kv_bytes_final"] > 0
-    else:
-        assert int(kept.max()) <= budget
-
-
-@pytest.mark.parametrize("name", NEW)
-def test_each_policy_on_tiny_model_small_budget(tiny, name):
-    policy = make_policy(name, {"window": 8, "recent": 8} if name == "corm" else {})
-    r = run(tiny, policy, IDS, prefill=80, steps=24, teacher=True, opts=RunOptions(budget=12))
-    _check(r, policy, 12)
-
-
-def test_registry_lists_all_nine():
-    assert set(REGISTRY) == {"full", "streaming_llm", "h2o", "scissorhands", "tova", "cam", "weightedkv",
-                             "kvmerger", "corm"}
-
-
-@pytest.mark.slow
-def test_each_policy_on_embedded_model_small_budget(smol, long_text):
-    from kvlens.api import encode
-
-    ids = encode(smol, long_text)[:60]
-    for name in NEW:
-        policy = make_policy(name, {"window": 8, "recent": 8} if name == "corm" else {})
-        r = run(smol, policy, ids, prefill=48, steps=4, teacher=True, opts=RunOptions(budget=12))
-        _check(r, policy, 12)

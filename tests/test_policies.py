@@ -12,6 +12,7 @@ from kvlens.engine import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.policies import REGISTRY, make_policy, parse_budget, parse_settings
 from kvlens.policies.scissorhands import HISTORY
+from tests.conftest import examples
 
 HKV, G, D = 2, 2, 4
 
@@ -39,7 +40,7 @@ def compress(policy, layer, budget):
 cases = st.tuples(st.integers(0, 10_000), st.integers(8, 60), st.integers(6, 40))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(cases)
 def test_streaming_llm_keeps_sinks_and_most_recent(case):
     seed, slots, budget = case
@@ -51,7 +52,7 @@ def test_streaming_llm_keeps_sinks_and_most_recent(case):
     assert len(log) == HKV * max(0, slots - budget)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(cases, st.floats(0.0, 1.0))
 def test_h2o_keeps_recent_window_and_heaviest_hitters(case, ratio):
     seed, slots, budget = case
@@ -72,7 +73,7 @@ def test_h2o_keeps_recent_window_and_heaviest_hitters(case, ratio):
     assert layer.keys.shape[2] == budget and torch.equal(layer.pos, layer.pos.sort(-1).values)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(cases)
 def test_scissorhands_drops_least_persistent_then_smaller_abar(case):
     seed, slots, budget = case
@@ -94,7 +95,7 @@ def test_scissorhands_drops_least_persistent_then_smaller_abar(case):
                 assert (counts[h, d], abar[h, d]) <= (counts[h, k], abar[h, k])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(cases)
 def test_tova_keeps_top_current_attention_same_set_per_layer(case):
     seed, slots, budget = case
@@ -114,16 +115,6 @@ def test_full_keeps_everything(tiny):
     assert r.tensors["steps/kv_slots"][-1].unique().tolist() == [59]
 
 
-@pytest.mark.parametrize("name", ["streaming_llm", "h2o", "scissorhands", "tova"])
-def test_every_eviction_policy_respects_budget_on_tiny_model(tiny, name):
-    ids = list(b"Attention sinks and heavy hitters. " * 4)
-    r = run(tiny, make_policy(name), ids, prefill=60, steps=30, teacher=True, opts=RunOptions(budget=16))
-    assert int(r.tensors["steps/kv_slots"].max()) == 16 == r.metrics["kv_slots_max"]
-    assert torch.isfinite(r.tensors["steps/nll"]).all()
-    # every evicted position is gone for good: each (layer, head, position) is evicted at most once
-    assert not r.decisions.duplicated(["layer", "kv_head", "position"]).any()
-
-
 def test_fraction_budget_is_share_of_prompt(tiny):
     r = run(tiny, make_policy("h2o"), list(b"x" * 100), prefill=80, steps=5, teacher=True,
             opts=RunOptions(budget=0.25))
@@ -133,7 +124,7 @@ def test_fraction_budget_is_share_of_prompt(tiny):
 def test_parameters_are_validated_with_one_sentence():
     with pytest.raises(KvlensError, match="no parameter 'window'"):
         make_policy("h2o", {"window": 3})
-    with pytest.raises(KvlensError, match="recent_ratio must be in"):
+    with pytest.raises(KvlensError, match="recent_ratio of h2o must be in"):
         make_policy("h2o", {"recent_ratio": 1.5})
     with pytest.raises(KvlensError, match="must be an integer"):
         parse_settings("streaming_llm", ["sink=four"])
@@ -144,7 +135,3 @@ def test_parameters_are_validated_with_one_sentence():
     for bad in ("0.0", "1.5", "abc"):
         with pytest.raises(KvlensError):
             parse_budget(bad)
-
-
-def test_registry_lists_the_eviction_policies():
-    assert {"full", "streaming_llm", "h2o", "scissorhands", "tova"} <= set(REGISTRY)

@@ -1,77 +1,114 @@
-"""Policy registry: name -> dataclass. `make_policy(name, params)` validates and builds one."""
+"""The policy registry: every module in this package that `@register`s a policy is imported here.
+
+A new policy is one new file in `kvlens/policies/`; `REGISTRY`, `kvlens policies`, validation,
+`--set`, the app's widgets, the bench and sweep lists and CaM's bases all derive from it.
+`make_policy(name, params)` validates and builds one; `parse_settings` turns `--set KEY=VALUE`.
+"""
 from __future__ import annotations
 
 import dataclasses
-import typing
+import importlib
+import math
+import pkgutil
 
 from kvlens.errors import KvlensError
-from kvlens.policies.base import Policy
-from kvlens.policies.cam import CaM
-from kvlens.policies.corm import CORM
-from kvlens.policies.full import Full
-from kvlens.policies.h2o import H2O
-from kvlens.policies.kvmerger import KVMerger
-from kvlens.policies.scissorhands import Scissorhands
-from kvlens.policies.streaming_llm import StreamingLLM
-from kvlens.policies.tova import TOVA
-from kvlens.policies.weightedkv import WeightedKV
+from kvlens.policies.base import (REGISTRY, Policy, ScoredEviction, choices_of, field_default, param, register,
+                                  scored_eviction_names)
 
-REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, H2O, Scissorhands, TOVA, CaM,
-                                                                WeightedKV, KVMerger, CORM)}
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+_FAMILY = {"reference": 0, "eviction": 1, "merging": 2}
 
 
-def register(cls: type[Policy]) -> type[Policy]:
-    """Add a policy class to the registry (decorator)."""
-    REGISTRY[cls.name] = cls
-    return cls
+def family(cls: type[Policy]) -> str:
+    """`reference` (keeps everything), `eviction` or `merging`: how lists of policies are grouped."""
+    if cls.merges:
+        return "merging"
+    return "reference" if cls.budget_free and not cls.needs_attention else "eviction"
+
+
+def policy_names() -> list[str]:
+    """Registered names: the reference first, then eviction, then merging policies, each by name."""
+    return sorted(REGISTRY, key=lambda n: (_FAMILY[family(REGISTRY[n])], n))
 
 
 def policy_class(name: str) -> type[Policy]:
     if name not in REGISTRY:
-        raise KvlensError(f"Unknown policy '{name}'; choose one of: {', '.join(REGISTRY)}.")
+        raise KvlensError(f"Unknown policy '{name}'; choose one of: {', '.join(policy_names())}.")
     return REGISTRY[name]
 
 
-def parameters(name: str) -> list[dict]:
-    """Each hyperparameter of a policy: name, type, default, allowed choices, help."""
-    cls = policy_class(name)
-    hints = typing.get_type_hints(cls)
+def parameters(name: str, values: dict | None = None) -> list[dict]:
+    """Each hyperparameter of a policy: name, type, default, choices, minimum, maximum, help.
+
+    A nested policy field (CaM's `base`) is listed with type `policy`, followed by the parameters
+    of the chosen nested policy (`values[field]`, else the default) as `field.PARAM`.
+    """
     out = []
-    for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        hint = hints.get(f.name)
-        choices = list(typing.get_args(hint)) if typing.get_origin(hint) is typing.Literal else None
-        out.append({"name": f.name, "type": _type_name(hint, default), "default": default,
-                    "choices": choices, "help": f.metadata.get("help", "")})
+    for f in dataclasses.fields(policy_class(name)):
+        default = field_default(f)
+        meta = f.metadata
+        if isinstance(default, Policy):
+            chosen = (values or {}).get(f.name, default.name)
+            chosen = chosen.name if isinstance(chosen, Policy) else chosen
+            out.append({"name": f.name, "type": "policy", "default": default.name, "choices": list(choices_of(f)),
+                        "minimum": None, "maximum": None, "help": meta.get("help", "")})
+            if chosen in REGISTRY:
+                out += [{**p, "name": f"{f.name}.{p['name']}"} for p in parameters(chosen)]
+            continue
+        choices = choices_of(f)
+        kind = "choice" if choices is not None else type(default).__name__
+        out.append({"name": f.name, "type": kind, "default": default, "choices": list(choices) if choices else None,
+                    "minimum": meta.get("minimum"), "maximum": meta.get("maximum"), "help": meta.get("help", "")})
     return out
 
 
-def _type_name(hint, default) -> str:
-    if typing.get_origin(hint) is typing.Literal:
-        return "choice"
-    return type(default).__name__ if default is not None else "str"
-
-
 def make_policy(name: str, params: dict | None = None) -> Policy:
-    """Build a validated policy; unknown parameters are refused with one sentence."""
+    """Build a validated policy. Nested policies: `{"base": "h2o", "base.recent_ratio": 0.3}`."""
     cls = policy_class(name)
-    known = {f.name for f in dataclasses.fields(cls)}
-    params = dict(params or {})
-    unknown = sorted(set(params) - known)
-    if unknown:
-        allowed = ", ".join(sorted(known)) or "none"
-        raise KvlensError(f"Policy {name} has no parameter '{unknown[0]}' (its parameters: {allowed}).")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    own, nested = {}, {}
+    for key, value in (params or {}).items():
+        head, dot, sub = key.partition(".")
+        if dot and head in fields and isinstance(field_default(fields[head]), Policy):
+            nested.setdefault(head, {})[sub] = value
+        elif key in fields:
+            own[key] = value
+        else:
+            raise _unknown(name, key, params)
+    for head, f in fields.items():
+        if not isinstance(field_default(f), Policy):
+            continue
+        inner = own.get(head, field_default(f))
+        if isinstance(inner, Policy):
+            inner_name, inner_params = inner.name, {**inner.params(), **nested.get(head, {})}
+        else:
+            inner_name, inner_params = inner, nested.get(head, {})
+        choices = choices_of(f)
+        if choices is not None and inner_name not in choices:
+            raise KvlensError(f"{head} of {name} must be one of {', '.join(choices)}; got {inner_name!r}.")
+        own[head] = make_policy(inner_name, inner_params)
     try:
-        return cls(**params)
+        return cls(**own)
     except TypeError as err:
         raise KvlensError(f"Bad parameters for policy {name}: {err}.") from err
 
 
-def parse_value(policy: str, key: str, text: str):
-    """Turn a `--set KEY=VALUE` string into the parameter's type (int, float, bool, choice, pair)."""
-    spec = next((p for p in parameters(policy) if p["name"] == key), None)
+def _unknown(policy: str, key: str, values: dict | None) -> KvlensError:
+    allowed = ", ".join(p["name"] for p in parameters(policy, values)) or "none"
+    return KvlensError(f"Policy {policy} has no parameter '{key}' (its parameters: {allowed}).")
+
+
+_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "tuple": "comma-separated numbers"}
+
+
+def parse_value(policy: str, key: str, text: str, values: dict | None = None):
+    """Turn a `--set KEY=VALUE` string into the parameter's type (int, float, bool, choice, tuple)."""
+    spec = next((p for p in parameters(policy, values) if p["name"] == key), None)
     if spec is None:
-        make_policy(policy, {key: None})  # raises the unknown-parameter sentence
+        raise _unknown(policy, key, values)
     default, text = spec["default"], text.strip()
     try:
         if spec["choices"] is not None:
@@ -86,35 +123,31 @@ def parse_value(policy: str, key: str, text: str):
             return int(text)
         if isinstance(default, float):
             value = float(text)
-            if value != value or value in (float("inf"), float("-inf")):
+            if not math.isfinite(value):
                 raise ValueError
             return value
         if isinstance(default, tuple):
             parts = tuple(float(x) for x in text.split(","))
-            if len(parts) != len(default):
+            if len(parts) != len(default) or not all(math.isfinite(x) for x in parts):
                 raise ValueError
             return parts
-        if default is None and text.lower() in ("none", ""):
-            return None
-        if default is None:
-            return int(text)
         return text
     except ValueError:
         kind = f"one of {', '.join(spec['choices'])}" if spec["choices"] else _KINDS.get(spec["type"], "text")
         raise KvlensError(f"Parameter {key} of {policy} must be {kind}; got '{text}'.") from None
 
 
-_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "tuple": "comma-separated numbers"}
-
-
 def parse_settings(policy: str, settings: list[str] | None) -> dict:
-    """`["k=v", ...]` -> typed parameters of `policy`."""
-    params = {}
+    """`["k=v", ...]` -> typed parameters of `policy`; nested policies (`base=h2o`) are read first."""
+    pairs = []
     for item in settings or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise KvlensError(f"--set takes KEY=VALUE; got '{item}'.")
-        params[key.strip()] = parse_value(policy, key.strip(), value)
+        pairs.append((key.strip(), value))
+    params: dict = {}
+    for key, value in sorted(pairs, key=lambda kv: "." in kv[0]):  # stable: plain keys, then dotted ones
+        params[key] = parse_value(policy, key, value, params)
     return params
 
 
@@ -135,3 +168,7 @@ def parse_budget(text: str | None) -> int | float | None:
     if not (0 < value <= 1):
         raise KvlensError(f"A fractional budget must be in (0, 1]; got {text}.")
     return value
+
+
+__all__ = ["REGISTRY", "Policy", "ScoredEviction", "family", "make_policy", "param", "parameters", "parse_budget",
+           "parse_settings", "parse_value", "policy_class", "policy_names", "register", "scored_eviction_names"]

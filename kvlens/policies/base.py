@@ -1,12 +1,18 @@
-"""Policy base classes (kvpress style: a two-level base, scorers only write `score()`).
+"""Policy base classes, `param()` and the registry (kvpress style: a policy is one small file).
 
-A policy sees one layer's `LayerCache` at a time. It may keep per-slot statistics in
-`layer.extra` (`observe`, `observe_prefill`), and `compress` shrinks the layer to the budget.
-Policies never record or plot: they report what they did to the `DecisionLog` they are given.
+A policy is a frozen dataclass registered with `@register`. Its fields are hyperparameters
+declared with `param()` (default, help text, bounds, choices), validated here once for all
+policies; its capabilities are class attributes (`budget_free`, `merges`, `needs_attention`).
+It holds no run state: what changes during a run lives in the `LayerCache` it is handed
+(`layer.extra` per slot, `layer.state` per layer), so one instance serves any number of runs
+and threads with identical decisions. Policies never record or plot: they report what they did
+to the `DecisionLog` they are given.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from collections.abc import Callable
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import ClassVar
 
 import torch
@@ -15,6 +21,33 @@ from kvlens.cache import LayerCache
 from kvlens.decisions import DecisionLog
 from kvlens.errors import KvlensError
 
+REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: add a policy to `REGISTRY` under its `name`."""
+    if not cls.name or (cls.name in REGISTRY and REGISTRY[cls.name].__qualname__ != cls.__qualname__):
+        raise TypeError(f"policy class {cls.__qualname__} needs a unique `name`; got {cls.name!r}")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def param(default, help: str, *, minimum: float | None = None, maximum: float | None = None,
+          choices: tuple | Callable[[], tuple] | None = None):
+    """A hyperparameter: a dataclass field carrying its help text, bounds and allowed choices.
+
+    `choices` may be a callable (resolved when validating), e.g. the registered names of a kind.
+    A field whose default is a policy instance is a nested policy (CaM's `base`), set as
+    `base=NAME` and `base.PARAM=VALUE`.
+    """
+    meta = {"help": help, "minimum": minimum, "maximum": maximum, "choices": choices}
+    return field(default=default, metadata=meta)
+
+
+def choices_of(f: Field) -> tuple | None:
+    c = f.metadata.get("choices")
+    return tuple(c()) if callable(c) else (tuple(c) if c is not None else None)
+
 
 def check(condition: bool, message: str) -> None:
     """Raise the one-sentence error of a bad parameter."""
@@ -22,28 +55,72 @@ def check(condition: bool, message: str) -> None:
         raise KvlensError(message)
 
 
-def check_int(name: str, value, minimum: int) -> None:
-    """An integer parameter of at least `minimum`."""
-    check(isinstance(value, int) and value >= minimum, f"{name} must be an integer >= {minimum}; got {value!r}.")
+def _check_field(policy: str, f: Field, value):
+    """Validate one field's value against its default's type, bounds and choices; returns it normalised."""
+    default, meta = f.default, f.metadata
+    where = f"{f.name} of {policy}"
+    choices = choices_of(f)
+    if isinstance(default, Policy):
+        check(isinstance(value, Policy) and (choices is None or value.name in choices),
+              f"{where} must be one of {', '.join(choices or ())}; got {getattr(value, 'name', value)!r}.")
+        return value
+    if choices is not None:
+        check(value in choices, f"{where} must be one of {', '.join(map(str, choices))}; got {value!r}.")
+        return value
+    if isinstance(default, bool):
+        check(isinstance(value, bool), f"{where} must be true or false; got {value!r}.")
+        return value
+    if isinstance(default, tuple):
+        ok = isinstance(value, (tuple, list)) and len(value) == len(default) and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value)
+        check(ok, f"{where} must be {len(default)} comma-separated numbers; got {value!r}.")
+        return tuple(float(x) for x in value)
+    if isinstance(default, (int, float)):
+        is_int = isinstance(default, int)
+        ok = isinstance(value, int) if is_int else isinstance(value, (int, float)) and math.isfinite(value)
+        kind = "an integer" if is_int else "a number"
+        check(ok and not isinstance(value, bool), f"{where} must be {kind}; got {value!r}.")
+        lo, hi = meta.get("minimum"), meta.get("maximum")
+        if lo is not None and hi is not None:
+            check(lo <= value <= hi, f"{where} must be in [{lo}, {hi}]; got {value!r}.")
+        elif lo is not None:
+            check(value >= lo, f"{where} must be >= {lo}; got {value!r}.")
+        elif hi is not None:
+            check(value <= hi, f"{where} must be <= {hi}; got {value!r}.")
+        return value if is_int else float(value)
+    return value
 
 
-def check_share(name: str, value) -> None:
-    """A share (ratio) parameter in [0, 1]."""
-    check(isinstance(value, (int, float)) and 0 <= value <= 1, f"{name} must be in [0, 1]; got {value!r}.")
-
-
-@dataclass
+@dataclass(frozen=True)
 class Policy:
-    """Base of all policies. Fields are hyperparameters with defaults, validated in `__post_init__`."""
+    """Base of all policies. Subclasses are `@register`-ed frozen dataclasses of `param()` fields."""
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     needs_attention: ClassVar[bool] = True  # needs attention rows at decode steps
-    budget_free: ClassVar[bool] = False  # decides its own size (reports the budget it reached)
+    budget_free: ClassVar[bool] = False  # decides its own size (reports the size it reached)
+    merges: ClassVar[bool] = False  # merges evicted entries into kept ones (Merges page, provenance)
+
+    def __post_init__(self):
+        for f in fields(self):
+            object.__setattr__(self, f.name, _check_field(self.name, f, getattr(self, f.name)))
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks across several parameters (single fields are checked from their `param()`)."""
 
     def params(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Resolved parameters, nested policies flattened as `base` + `base.PARAM`."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Policy):
+                out[f.name] = value.name
+                out.update({f"{f.name}.{k}": v for k, v in value.params().items()})
+            else:
+                out[f.name] = value
+        return out
 
     def prefill_rows(self) -> int:
         """How many of the last prefill attention rows `observe_prefill` needs."""
@@ -82,9 +159,13 @@ class Policy:
         raise NotImplementedError
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScoredEviction(Policy):
-    """Evicts the lowest-scoring unprotected slots until `budget` remain (all heads keep `budget`)."""
+    """Evicts the lowest-scoring unprotected slots until `budget` remain (all heads keep `budget`).
+
+    Any scored eviction policy can be CaM's base: it also says which kept slots are its local
+    (recent) window, `local_window(budget)`.
+    """
 
     def score(self, layer: LayerCache) -> torch.Tensor:
         """`(Hkv, S)` keep-scores: higher is kept."""
@@ -93,6 +174,10 @@ class ScoredEviction(Policy):
     def protected(self, layer: LayerCache, budget: int) -> torch.Tensor | None:
         """`(Hkv, S)` bool of slots that must stay, or None."""
         return None
+
+    def local_window(self, budget: int) -> int:
+        """How many of the newest kept slots form the policy's local window (all of them by default)."""
+        return budget
 
     def compress(self, layer: LayerCache, budget: int | None, log: DecisionLog | None) -> None:
         if budget is None or layer.n_slots <= budget:
@@ -114,6 +199,11 @@ class ScoredEviction(Policy):
         return keep, evicted
 
 
+def scored_eviction_names() -> tuple[str, ...]:
+    """Registered policies that can be a merging policy's base."""
+    return tuple(n for n, c in REGISTRY.items() if issubclass(c, ScoredEviction))
+
+
 def recent_mask(layer: LayerCache, recent: int) -> torch.Tensor:
     """`(Hkv, S)` True for each head's `recent` newest slots (slots are kept in arrival order)."""
     s = layer.n_slots
@@ -126,3 +216,7 @@ def recent_mask(layer: LayerCache, recent: int) -> torch.Tensor:
 def group_mean(probs: torch.Tensor) -> torch.Tensor:
     """A KV head's attention is the mean of its query heads': `(Hkv, G, ...)` -> `(Hkv, ...)`."""
     return probs.mean(1)
+
+
+def field_default(f: Field):
+    return f.default if f.default is not MISSING else f.default_factory()

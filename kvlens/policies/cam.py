@@ -7,101 +7,85 @@ i, merges its value into the `m` kept local slots that follow it:
 `p = clamp(Abar[i] / mean(Abar[targets]), lo, hi)`, `M ~ Bernoulli(p)`, `V_k += M * V_i / m`.
 
 Choices where the paper is silent:
-- Local slots: the base's recent window (`streaming_llm`: every non-sink slot; `h2o` and
-  `scissorhands`: `recent_ratio` of the budget; `tova` has none, so every kept slot). The
-  targets are the first `span` local slots after i (default: all of them, the paper's "all local
-  tokens"); an evicted slot with no local slot after it is simply evicted.
-- The prompt compressed right after prefill (step 0) evicts hundreds of slots at once, and
-  adding `V_i / m` for each swamps the targets (measured in docs/notes-merging.md).
+- Local slots: the base's recent window, `base.local_window(budget)` (`streaming_llm`: every
+  non-sink slot; `h2o` and `scissorhands`: `recent_ratio` of the budget; `tova` has none, so
+  every kept slot). The targets are the first `span` local slots after i (default: all of them,
+  the paper's "all local tokens"); an evicted slot with no local slot after it is simply evicted.
+- The prompt compressed right after prefill (step 0) evicts hundreds of slots at once.
   `prefill="evict"` (default) evicts at step 0 without merging and merges from the first decode
   step on, as the paper's algorithm runs per generation step; `prefill="merge"` applies Eq. 15
   to every step-0 eviction too.
-- Base parameters are CaM fields with the bases' own names and defaults (`sink`,
-  `recent_ratio`, `history`); each base uses the ones it has.
+- The base is any registered scored eviction policy, with its own parameters as `base.NAME`.
+- Bernoulli draws come from a generator per layer and run, seeded by `seed` and the layer.
 `mask="never"` reproduces the base exactly (same kept slots, values and decisions).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 
-from kvlens.policies.base import Policy, ScoredEviction, check, check_int
-from kvlens.policies.h2o import H2O
-from kvlens.policies.scissorhands import Scissorhands
+from kvlens.policies.base import Policy, ScoredEviction, check, param, register, scored_eviction_names
 from kvlens.policies.streaming_llm import StreamingLLM
-from kvlens.policies.tova import TOVA
 
-BASES: dict[str, type[ScoredEviction]] = {c.name: c for c in (StreamingLLM, H2O, Scissorhands, TOVA)}
+GENERATOR = "cam_generator"  # per layer: the run's Bernoulli generator
 
 
-@dataclass
+@register
+@dataclass(frozen=True)
 class CaM(Policy):
-    """base: eviction policy whose evictions are merged; span: m targets (0 = whole local window);
-    clamp: (lo, hi) of the merge probability; mask: bernoulli (paper), always or never (= base);
-    score: accumulated Abar (paper) or current-step attention; seed: Bernoulli generator seed;
-    prefill: what step-0 evictions do (evict, or merge like decode steps);
-    sink, recent_ratio, history: parameters of the base policies that have them."""
-
-    base: Literal["streaming_llm", "h2o", "scissorhands", "tova"] = "streaming_llm"
-    span: int = 0
-    clamp: tuple = (0.0, 1.0)
-    mask: Literal["bernoulli", "always", "never"] = "bernoulli"
-    score: Literal["accumulated", "current"] = "accumulated"
-    seed: int = 0
-    prefill: Literal["evict", "merge"] = "evict"
-    sink: int = 4
-    recent_ratio: float = 0.5
-    history: int = 64
+    base: ScoredEviction = param(StreamingLLM(), "Eviction policy whose evicted values are merged (any scored "
+                                 "eviction policy; set its parameters as base.NAME).", choices=scored_eviction_names)
+    span: int = param(0, "m, the number of local slots after an evicted one that receive its value "
+                      "(0 = the whole local window).", minimum=0)
+    clamp: tuple = param((0.0, 1.0), "lo,hi bounds of the merge probability p (Eq. 14).")
+    mask: str = param("bernoulli", "Merge mask: Bernoulli(p) (the paper), always merge, or never (= the base).",
+                      choices=("bernoulli", "always", "never"))
+    score: str = param("accumulated", "Attention used for p: accumulated Abar (the paper) or the current step's.",
+                       choices=("accumulated", "current"))
+    seed: int = param(0, "Seed of the Bernoulli draws (one generator per layer and run).", minimum=0)
+    prefill: str = param("evict", "What the step-0 compression of the prompt does: evict without merging, or "
+                         "merge like decode steps.", choices=("evict", "merge"))
 
     name = "cam"
     description = "Merge the values its base eviction policy drops into the following local slots (Bernoulli mask)."
     paper = "https://proceedings.mlr.press/v235/zhang24n.html"
+    merges = True
     merge_rule: ClassVar[str] = "add"  # provenance: targets keep their own value and add w * V_i
 
-    def __post_init__(self):
-        check(self.base in BASES, f"base must be one of {', '.join(BASES)}; got {self.base!r}.")
-        check_int("span", self.span, 0)
-        check(isinstance(self.clamp, (tuple, list)) and len(self.clamp) == 2 and 0 <= self.clamp[0] <= self.clamp[1],
-              f"clamp must be two numbers lo <= hi with lo >= 0; got {self.clamp!r}.")
-        check(self.mask in ("bernoulli", "always", "never"), f"mask must be bernoulli, always or never; got {self.mask!r}.")
-        check(self.score in ("accumulated", "current"), f"score must be accumulated or current; got {self.score!r}.")
-        check(self.prefill in ("evict", "merge"), f"prefill must be evict or merge; got {self.prefill!r}.")
-        check(isinstance(self.seed, int), f"seed must be an integer; got {self.seed!r}.")
-        cls = BASES[self.base]
-        names = {f.name for f in dataclasses.fields(cls)}
-        self._base = cls(**{k: getattr(self, k) for k in names})
-        self._gen = torch.Generator().manual_seed(self.seed)
+    def validate(self):
+        lo, hi = self.clamp
+        check(0 <= lo <= hi, f"clamp of cam must be two numbers lo <= hi with lo >= 0; got {self.clamp!r}.")
+
+    @property
+    def needs_attention(self) -> bool:
         # merging needs Abar even when the base does not; mask=never runs exactly like the base
-        self.needs_attention = self.mask != "never" or self._base.needs_attention
+        return self.mask != "never" or self.base.needs_attention
 
     def prefill_rows(self) -> int:
-        return self._base.prefill_rows() if self.mask == "never" else max(1, self._base.prefill_rows())
+        return self.base.prefill_rows() if self.mask == "never" else max(1, self.base.prefill_rows())
 
     def min_budget(self) -> int:
-        return self._base.min_budget()
+        return self.base.min_budget()
 
     def observe_prefill(self, layer, rows):
-        self._base.observe_prefill(layer, rows)
+        self.base.observe_prefill(layer, rows)
 
     def observe(self, layer, probs):
-        self._base.observe(layer, probs)
+        self.base.observe(layer, probs)
 
-    def local_window(self, budget: int) -> int:
-        """Kept slots that count as local (the base's recent window)."""
-        if isinstance(self._base, StreamingLLM):
-            return budget - self.sink
-        if isinstance(self._base, (H2O, Scissorhands)):
-            return int(budget * self.recent_ratio)
-        return budget
+    def generator(self, layer) -> torch.Generator:
+        """The layer's Bernoulli generator for this run (created on first use)."""
+        if GENERATOR not in layer.state:
+            layer.state[GENERATOR] = torch.Generator().manual_seed(self.seed * 1_000_003 + layer.layer)
+        return layer.state[GENERATOR]
 
     def compress(self, layer, budget, log):
         if budget is None or layer.n_slots <= budget:
             return
         step0 = layer.prefill_rows is not None
-        keep, evicted = self._base.select(layer, budget)  # (Hkv, B), (Hkv, E)
+        keep, evicted = self.base.select(layer, budget)  # (Hkv, B), (Hkv, E)
         merging = self.mask != "never" and not (step0 and self.prefill == "evict")
         if merging:
             self._merge(layer, keep, evicted, budget, log)
@@ -111,7 +95,7 @@ class CaM(Policy):
 
     def _weights(self, layer, keep, evicted, budget):
         """Merge matrix `(Hkv, E, B)`: weight of evicted value e in kept slot b, plus p and M `(Hkv, E)`."""
-        local = self.local_window(budget)
+        local = self.base.local_window(budget)
         b = keep.shape[1]
         m = local if self.span == 0 else min(self.span, local)
         # the first m local kept slots after each evicted slot
@@ -134,7 +118,7 @@ class CaM(Policy):
         if self.mask == "always":
             draw = (n_t > 0).float()
         else:
-            draw = (torch.rand(p.shape, generator=self._gen).to(p.device) < p).float()
+            draw = (torch.rand(p.shape, generator=self.generator(layer)).to(p.device) < p).float()
         w = targets.float() * (draw / n_t.clamp(min=1))[..., None]  # (Hkv, E, B)
         return w, targets, p, draw
 

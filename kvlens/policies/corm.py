@@ -9,20 +9,19 @@ prefill rows count as messages). Heads keep different counts: the layer is padde
 longest head (`valid=False`), so kept entries and allocated bytes both get reported.
 
 `important="position"` (default) uses the paper's `1/t`, t the number of tokens seen so far;
-`important="slots"` uses `1/n_slots` (the keys actually attended, as in kvlens' DESIGN table).
+`important="slots"` uses `1/n_slots` (the keys actually attended).
 Paper defaults are w = r = 256 for 4k contexts; the defaults here (32, 32) scale that to the
 few-hundred-token prompts this workbench runs on CPU.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
-from kvlens.policies.base import Policy, check, check_int
+from kvlens.policies.base import Policy, param, register
 
 MESSAGE = "corm_message"  # (Hkv, S, w) bool, newest message last
+MESSAGES_SEEN = "corm_messages_seen"  # per layer: query messages observed so far in this run
 
 
 def padded_keep(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,25 +43,19 @@ def log_dropped(layer, keep: torch.Tensor, log) -> None:
         log.evict(layer.layer, layer.pos.masked_fill(~(layer.valid & ~keep), -1))
 
 
-@dataclass
+@register
+@dataclass(frozen=True)
 class CORM(Policy):
-    """window: w, recent query messages kept; recent: r, newest slots never dropped;
-    important: threshold 1/t over tokens seen (paper) or 1/n_slots."""
-
-    window: int = 32
-    recent: int = 32
-    important: Literal["position", "slots"] = "position"
+    window: int = param(32, "w: the number of recent query messages a key must be minor in to be dropped "
+                        "(paper: 256 for 4k contexts).", minimum=1)
+    recent: int = param(32, "r: the newest slots that are never dropped (paper: 256 for 4k contexts).", minimum=0)
+    important: str = param("position", "Importance threshold: 1/t with t the tokens seen (position, the paper) "
+                           "or 1/n_slots, the keys actually attended (slots).", choices=("position", "slots"))
 
     name = "corm"
     description = "Budget-free: drop keys minor for all of the last `window` queries (GQA: every head of the group)."
     paper = "https://arxiv.org/abs/2404.15949"
     budget_free = True
-
-    def __post_init__(self):
-        check_int("window", self.window, 1)
-        check_int("recent", self.recent, 0)
-        check(self.important in ("position", "slots"), f"important must be position or slots; got {self.important!r}.")
-        self._count: dict[int, int] = {}  # messages seen per layer
 
     def prefill_rows(self) -> int:
         return self.window
@@ -75,7 +68,7 @@ class CORM(Policy):
         msg = torch.zeros(hkv, t, self.window, dtype=torch.bool, device=rows.device)
         msg[:, :, self.window - length:] = important.transpose(1, 2)
         layer.extra[MESSAGE] = msg
-        self._count[layer.layer] = length
+        layer.state[MESSAGES_SEEN] = length
 
     def observe(self, layer, probs):
         if self.important == "position":
@@ -85,10 +78,10 @@ class CORM(Policy):
         important = (probs >= 1.0 / t).any(1) & layer.valid  # (Hkv, S)
         msg = layer.extra[MESSAGE]
         layer.extra[MESSAGE] = torch.cat([msg[:, :, 1:], important[:, :, None]], dim=2)
-        self._count[layer.layer] = self._count.get(layer.layer, 0) + 1
+        layer.state[MESSAGES_SEEN] = layer.state.get(MESSAGES_SEEN, 0) + 1
 
     def compress(self, layer, budget, log):
-        if self._count.get(layer.layer, 0) < self.window:
+        if layer.state.get(MESSAGES_SEEN, 0) < self.window:
             return
         s = layer.n_slots
         recent = torch.zeros(s, dtype=torch.bool, device=layer.pos.device)

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlens.policies.base import Policy
+from kvlens.policies.base import Policy, register
 
 
-@dataclass
+@register
+@dataclass(frozen=True)
 class Full(Policy):
     """Keeps every slot; its logits equal the model's own forward pass."""
 

@@ -10,27 +10,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlens.policies.base import ScoredEviction, check_share, recent_mask
+from kvlens.policies.base import ScoredEviction, param, recent_mask, register
 
 
-@dataclass
+@register
+@dataclass(frozen=True)
 class H2O(ScoredEviction):
-    """recent_ratio: share of the budget reserved for the most recent slots."""
-
-    recent_ratio: float = 0.5
+    recent_ratio: float = param(0.5, "Share of the budget reserved for the most recent slots; the rest are "
+                                "heavy hitters (the paper splits the budget evenly).", minimum=0.0, maximum=1.0)
 
     name = "h2o"
     description = "Keep a recent window plus the heavy hitters with the largest accumulated attention."
     paper = "https://arxiv.org/abs/2306.14048"
 
-    def __post_init__(self):
-        check_share("recent_ratio", self.recent_ratio)
-
-    def recent(self, budget: int) -> int:
+    def local_window(self, budget: int) -> int:
         return int(budget * self.recent_ratio)
 
     def score(self, layer):
         return layer.abar
 
     def protected(self, layer, budget):
-        return recent_mask(layer, self.recent(budget))
+        return recent_mask(layer, self.local_window(budget))

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from kvlens.errors import KvlensError
-from kvlens.policies.base import Policy, check, check_int, check_share
+from kvlens.policies.base import Policy, param, register
 from kvlens.policies.corm import padded_keep
 
 
@@ -82,38 +82,32 @@ def gaussian_weights(keys_of_set: torch.Tensor, pivot_index: int, sigma: float |
     return torch.softmax(logits, dim=0)  # normalised exp(logits), stable
 
 
-@dataclass
-class KVMerger(Policy):
-    """threshold: cosine similarity to join a merging set; recent_ratio: share of the slots kept as the
-    recent window; keep_ratio: share kept as top-k by aggregated attention (sinks and heavy hitters);
-    sigma: Gaussian kernel width (0 = the paper's formula); remerge_every: also re-merge every this many
-    decode steps (0 = only after prefill, the paper's setting)."""
+COMPRESSIONS = "kvmerger_compressions"  # per layer: compress calls so far in this run
 
-    threshold: float = 0.75
-    recent_ratio: float = 0.1
-    keep_ratio: float = 0.1
-    sigma: float = 0.0
-    remerge_every: int = 0
+
+@register
+@dataclass(frozen=True)
+class KVMerger(Policy):
+    threshold: float = param(0.75, "Cosine similarity a key needs with its set's anchor to join the merging set.",
+                             minimum=-1.0, maximum=1.0)
+    recent_ratio: float = param(0.1, "Share of the slots kept unmerged as the recent window.",
+                                minimum=0.0, maximum=1.0)
+    keep_ratio: float = param(0.1, "Share of the slots kept unmerged as top-k by aggregated attention "
+                              "(sinks and heavy hitters).", minimum=0.0, maximum=1.0)
+    sigma: float = param(0.0, "Gaussian kernel width (0 = the paper's Eq. 7 formula).", minimum=0.0)
+    remerge_every: int = param(0, "Also re-merge every this many decode steps (0 = only after prefill, the "
+                               "paper's setting).", minimum=0)
 
     name = "kvmerger"
     description = "After prefill, merge runs of similar consecutive keys into their most attended one (Gaussian weights)."
     paper = "https://arxiv.org/abs/2407.08454"
     budget_free = True
+    merges = True
     merge_rule: ClassVar[str] = "set"  # provenance: per step, target <- w_p target + sum_i w_i source_i
 
-    def __post_init__(self):
-        check(isinstance(self.threshold, (int, float)) and -1 <= self.threshold <= 1,
-              f"threshold must be a cosine similarity in [-1, 1]; got {self.threshold!r}.")
-        check_share("recent_ratio", self.recent_ratio)
-        check_share("keep_ratio", self.keep_ratio)
-        check(isinstance(self.sigma, (int, float)) and self.sigma >= 0,
-              f"sigma must be >= 0 (0 = the paper's formula); got {self.sigma!r}.")
-        check_int("remerge_every", self.remerge_every, 0)
-        self._steps: dict[int, int] = {}  # compress calls per layer
-
     def compress(self, layer, budget, log):
-        step = self._steps.get(layer.layer, 0)
-        self._steps[layer.layer] = step + 1
+        step = layer.state.get(COMPRESSIONS, 0)
+        layer.state[COMPRESSIONS] = step + 1
         if step and not (self.remerge_every and step % self.remerge_every == 0):
             return
         hkv = layer.pos.shape[0]

@@ -12,25 +12,21 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.policies.base import ScoredEviction, check_int, check_share, group_mean, recent_mask
+from kvlens.policies.base import ScoredEviction, group_mean, param, recent_mask, register
 
 HISTORY = "scissorhands_history"  # (Hkv, S, history) bool, newest step last
 
 
-@dataclass
+@register
+@dataclass(frozen=True)
 class Scissorhands(ScoredEviction):
-    """history: queries over which importance is counted; recent_ratio: share of the budget kept recent."""
-
-    history: int = 64
-    recent_ratio: float = 0.5
+    history: int = param(64, "Window of the last queries over which a slot's importance is counted.", minimum=1)
+    recent_ratio: float = param(0.5, "Share of the budget kept as the most recent slots (never dropped).",
+                                minimum=0.0, maximum=1.0)
 
     name = "scissorhands"
     description = "Keep a recent window plus the slots most often important over the last `history` queries."
     paper = "https://arxiv.org/abs/2305.17118"
-
-    def __post_init__(self):
-        check_int("history", self.history, 1)
-        check_share("recent_ratio", self.recent_ratio)
 
     def prefill_rows(self) -> int:
         return self.history
@@ -58,5 +54,8 @@ class Scissorhands(ScoredEviction):
         tie = layer.abar / (layer.abar.max() + 1.0)  # in [0, 1): breaks ties only
         return count + tie
 
+    def local_window(self, budget: int) -> int:
+        return int(budget * self.recent_ratio)
+
     def protected(self, layer, budget):
-        return recent_mask(layer, int(budget * self.recent_ratio))
+        return recent_mask(layer, self.local_window(budget))

@@ -9,28 +9,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlens.policies.base import ScoredEviction, check_int
+from kvlens.policies.base import ScoredEviction, param, register
 
 
-@dataclass
+@register
+@dataclass(frozen=True)
 class StreamingLLM(ScoredEviction):
-    """sink: number of first positions always kept (the attention sinks)."""
-
-    sink: int = 4
+    sink: int = param(4, "Number of first positions always kept (the attention sinks; the paper uses 4).",
+                      minimum=0)
 
     name = "streaming_llm"
     description = "Keep the first `sink` tokens (attention sinks) and a window of the most recent ones."
     paper = "https://arxiv.org/abs/2309.17453"
     needs_attention = False
 
-    def __post_init__(self):
-        check_int("sink", self.sink, 0)
-
     def min_budget(self) -> int:
         return self.sink + 1
 
-    def prefill_rows(self) -> int:
-        return 0
+    def local_window(self, budget: int) -> int:
+        return budget - self.sink
 
     def score(self, layer):
         return layer.pos.float()  # newest first

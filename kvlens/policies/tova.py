@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlens.policies.base import ScoredEviction
+from kvlens.policies.base import ScoredEviction, register
 
 
-@dataclass
+@register
+@dataclass(frozen=True)
 class TOVA(ScoredEviction):
     """No hyperparameters: the current query's attention decides."""
 
@@ -21,5 +22,5 @@ class TOVA(ScoredEviction):
     paper = "https://arxiv.org/abs/2401.06104"
 
     def score(self, layer):
-        hkv = layer.pos.shape[0]
-        return layer.last_attn.mean(0, keepdim=True).expand(hkv, -1)
+        # mean over all query heads of the layer; identical for every KV head
+        return layer.last_attn.mean(0, keepdim=True).expand(layer.pos.shape[0], -1)

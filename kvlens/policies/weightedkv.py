@@ -17,27 +17,23 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.policies.base import Policy, check, check_int, check_share
+from kvlens.policies.base import Policy, param, register
 
 
-@dataclass
+@register
+@dataclass(frozen=True)
 class WeightedKV(Policy):
-    """sink: first positions kept; recent_ratio: share of the budget for sinks + recent window;
-    merge: convex value merge (False = evict, the paper's ablation)."""
-
-    sink: int = 4
-    recent_ratio: float = 0.5
-    merge: bool = True
+    sink: int = param(4, "First positions always kept (the paper keeps 4 sinks).", minimum=0)
+    recent_ratio: float = param(0.5, "Share of the budget for the sinks plus the recent window (paper: half).",
+                                minimum=0.0, maximum=1.0)
+    merge: bool = param(True, "Merge the dropped value into its right neighbour (false = evict, the paper's "
+                        "ablation).")
 
     name = "weightedkv"
     description = "Drop the key with the smallest average attention; merge its value into its right neighbour."
     paper = "https://arxiv.org/abs/2503.01330"
+    merges = True
     merge_rule: ClassVar[str] = "convex"  # provenance: target <- (1 - w) target + w source, row by row
-
-    def __post_init__(self):
-        check_int("sink", self.sink, 0)
-        check_share("recent_ratio", self.recent_ratio)
-        check(isinstance(self.merge, bool), f"merge must be true or false; got {self.merge!r}.")
 
     def min_budget(self) -> int:
         return self.sink + 1

@@ -12,7 +12,7 @@ def _norm(value):
 def changed_params(policy: str, params: dict) -> dict:
     """The parameters that differ from the policy's defaults (all of them for an unknown policy)."""
     try:
-        defaults = {p["name"]: p["default"] for p in parameters(policy)}
+        defaults = {p["name"]: p["default"] for p in parameters(policy, params)}
     except KvlensError:
         return dict(params)
     return {k: v for k, v in params.items() if k not in defaults or _norm(defaults[k]) != _norm(v)}

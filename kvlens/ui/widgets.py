@@ -4,21 +4,22 @@ from __future__ import annotations
 import streamlit as st
 
 from kvlens.errors import KvlensError
-from kvlens.policies import REGISTRY, make_policy, parameters, parse_budget, parse_value
-
-
-def policy_names() -> list[str]:
-    return list(REGISTRY)
+from kvlens.policies import REGISTRY, make_policy, parameters, parse_budget, parse_value, policy_names
 
 
 def parameter_widgets(policy: str, prefix: str) -> dict:
     """One widget per hyperparameter of `policy` (keys `{prefix}_{policy}_{name}`); returns the values.
 
-    Bools are checkboxes, Literal choices select boxes, ints and floats number inputs; tuples and
-    optional values are text fields parsed like the CLI's `--set` (a bad entry raises KvlensError).
+    Bools are checkboxes, choices (and nested policies such as CaM's base) select boxes, ints and
+    floats number inputs within their bounds; tuples are text fields parsed like the CLI's `--set`
+    (a bad entry raises KvlensError). Help texts come from the policy's `param()` declarations.
     """
     values = {}
-    specs = parameters(policy)
+    for spec in parameters(policy):  # nested policies first: their choice decides the parameters shown
+        if spec["type"] == "policy":
+            values[spec["name"]] = st.selectbox(spec["name"], spec["choices"], index=spec["choices"].index(
+                spec["default"]), key=f"{prefix}_{policy}_{spec['name']}", help=spec["help"] or None)
+    specs = [s for s in parameters(policy, values) if s["type"] != "policy"]
     cols = st.columns(min(3, max(1, len(specs))))
     for i, spec in enumerate(specs):
         name, default, help_ = spec["name"], spec["default"], spec["help"] or None
@@ -30,15 +31,18 @@ def parameter_widgets(policy: str, prefix: str) -> dict:
             elif isinstance(default, bool):
                 values[name] = st.checkbox(name, value=default, key=key, help=help_)
             elif isinstance(default, int):
-                values[name] = int(st.number_input(name, value=default, step=1, key=key, help=help_))
+                values[name] = int(st.number_input(name, value=default, step=1, key=key, help=help_,
+                                                   min_value=spec["minimum"], max_value=spec["maximum"]))
             elif isinstance(default, float):
+                lo, hi = spec["minimum"], spec["maximum"]
                 values[name] = float(st.number_input(name, value=default, step=0.05, format="%.3g", key=key,
-                                                     help=help_))
+                                                     help=help_, min_value=None if lo is None else float(lo),
+                                                     max_value=None if hi is None else float(hi)))
             else:
                 shown = "none" if default is None else ",".join(str(x) for x in default) \
                     if isinstance(default, tuple) else str(default)
                 text = st.text_input(name, value=shown, key=key, help=help_)
-                values[name] = parse_value(policy, name, text)
+                values[name] = parse_value(policy, name, text, values)
     return values
 
 

@@ -1,0 +1,124 @@
+"""One contract over the whole registry (kvpress `default_presses.py` style): every registered policy,
+on the tiny model with its defaults and one small budget, must pass every test here. A new policy
+file in `kvlens/policies/` is picked up with no other change."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from kvlens.context import Observer
+from kvlens.engine import RunOptions, run
+from kvlens.policies import REGISTRY, make_policy, parameters, parse_settings, policy_names
+
+IDS = list(b"The contract: a budget kept, an evicted token never back, a log that tells the truth. " * 2)
+PREFILL, STEPS, BUDGET = 80, 24, 12
+NAMES = policy_names()
+
+
+class KeptSets(Observer):
+    """Records the valid positions of every (layer, KV head) each time a decode step attends to the cache."""
+
+    needs_rows = True
+
+    def __init__(self):
+        self.seen: dict[tuple[int, int], list[set[int]]] = {}
+
+    def on_decode(self, layer, query, probs, out, scaling):
+        for h in range(layer.pos.shape[0]):
+            kept = set(layer.pos[h][layer.valid[h]].tolist())
+            self.seen.setdefault((layer.layer, h), []).append(kept)
+
+
+def go(policy, observers=()):
+    return run(TINY, policy, IDS, prefill=PREFILL, steps=STEPS, teacher=True, opts=RunOptions(budget=BUDGET),
+               observers=list(observers))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tiny(tiny):
+    global TINY
+    TINY = tiny
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_budget_is_respected_or_the_policy_is_budget_free(name):
+    policy = make_policy(name)
+    r = go(policy)
+    if policy.budget_free:
+        assert r.meta["budget"]["slots"] is None
+        assert 0 < r.metrics["kv_slots_final_mean"] <= PREFILL + STEPS
+    else:
+        assert r.meta["budget"]["slots"] == BUDGET and r.metrics["kv_slots_max"] <= BUDGET
+        assert r.metrics["kv_slots_max"] == BUDGET  # the prompt is longer than the budget: it was compressed
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_evicted_positions_never_come_back_and_the_log_names_exactly_what_left(name):
+    spy = KeptSets()
+    r = go(make_policy(name), [spy])
+    log = r.decisions
+    for (layer, head), sets in spy.seen.items():
+        before = set(range(PREFILL))
+        gone: set[int] = set()
+        for step, kept in enumerate(sets):  # decode step k attends to the cache after compression k
+            left = before - kept
+            rows = log[(log.step == step) & (log.layer == layer) & (log.kv_head == head)]
+            assert left == set(rows.position.tolist()), (layer, head, step)
+            assert not (kept & gone), "an evicted position came back"
+            gone |= left
+            before = kept
+    if make_policy(name).budget_free or name == "full":
+        return
+    assert len(log), "a budget below the prompt length must evict or merge something"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_parameter_round_trips_through_set(name):
+    default = make_policy(name)
+    for spec in parameters(name):
+        value = spec["default"]
+        text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        parsed = parse_settings(name, [f"{spec['name']}={text}"])
+        assert parsed == {spec["name"]: value}
+        assert make_policy(name, parsed).params() == default.params()
+    assert make_policy(name, default.params()) == default  # run.json's params rebuild the same policy
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_instance_twice_and_from_two_threads_gives_identical_runs(name):
+    policy = make_policy(name)
+    first, second = go(policy), go(policy)
+    threaded = {}
+    workers = [threading.Thread(target=lambda i=i: threaded.update({i: go(policy)})) for i in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    for other in (second, threaded[0], threaded[1]):
+        assert other.tensors["steps/nll"].tolist() == first.tensors["steps/nll"].tolist()
+        assert other.decisions.equals(first.decisions)
+        assert other.tensors["steps/kv_slots"].equal(first.tensors["steps/kv_slots"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_policies_are_immutable_configuration_with_help_for_every_parameter(name):
+    policy = make_policy(name)
+    for f in dataclasses.fields(policy):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(policy, f.name, getattr(policy, f.name))
+    assert all(spec["help"] for spec in parameters(name)), "every parameter needs help text (param(..., help))"
+    assert REGISTRY[name].description
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_every_policy_on_the_embedded_model(smol, long_text, name):
+    from kvlens.api import encode
+
+    ids = encode(smol, long_text)[:60]
+    policy = make_policy(name)
+    r = run(smol, policy, ids, prefill=48, steps=4, teacher=True, opts=RunOptions(budget=12))
+    assert r.tensors["steps/nll"].isfinite().all()
+    assert policy.budget_free or r.metrics["kv_slots_max"] <= 12
