@@ -7,16 +7,25 @@ import json
 import pytest
 
 from kvlens.bench import needle, ppl, speed
-from kvlens.bench.common import PolicySpec, parse_policies, save_results
+from kvlens.bench.common import PolicySpec, label, parse_policies
 from kvlens.cli import main
 from kvlens.errors import KvlensError
-
-from tests.conftest import TEXTS
+from kvlens.executors import Job, in_process
+from kvlens.grid import Results, run_grid
+from kvlens.sweep import plan_ppl
+from kvlens.texts import bundled
+from tests.test_sweep import tiny_dir  # noqa: F401  (a fixture)
 
 
 @pytest.fixture(scope="module")
 def texts():
-    return [(p.stem, p.read_text()) for p in sorted(TEXTS.glob("*.txt"))[:2]]
+    return bundled(2)
+
+
+def _run(model, cells, texts, path) -> list[dict]:
+    """The rows of `cells`, run in this process into the results file `path`."""
+    job = Job("tiny", texts=tuple(texts.items()))
+    return run_grid(Results(path, cells, {}), in_process(lambda: model, job), "test").ordered()
 
 
 def test_policy_specs_parse_and_validate():
@@ -30,35 +39,52 @@ def test_policy_specs_parse_and_validate():
         PolicySpec.parse("nope")
 
 
-def test_ppl_bench_rows_summary_table_and_files(tiny, texts, tmp_path):
-    policies = parse_policies("full;streaming_llm;corm")
-    result = ppl.bench_ppl(tiny, policies, [0.5, 16], texts, prefill=64, tokens=8)
-    rows = result["rows"]
+def test_ppl_bench_rows_summary_table_and_figure(tiny, texts, tmp_path):
+    cells = plan_ppl([("full", {}), ("streaming_llm", {}), ("corm", {})], [0.5, 16], texts, [64], tokens=8,
+                     model="tiny")
+    rows = _run(tiny, cells, texts, tmp_path / "bench_ppl.json")
     # full and budget-free corm once per text, streaming_llm once per budget per text
-    assert [(r["policy"], r["budget"]) for r in rows[::2]] == [
-        ("full", "full"), ("streaming_llm", 0.5), ("streaming_llm", 16), ("corm", "auto")]
-    assert {r["text"] for r in rows} == {t[0] for t in texts}
-    fields = {"policy", "budget", "budget_slots", "text", "ppl", "nll", "kv_slots_final_mean", "kv_bytes_peak",
-              "ms_per_token"}
-    assert all(set(r) == fields for r in rows)
+    assert [(r["text"], r["policy"], r["budget"]) for r in rows] == [
+        (t, p, b) for t in texts for p, b in [("full", None), ("streaming_llm", 0.5), ("streaming_llm", 16),
+                                              ("corm", None)]]
+    assert all(r["prefill"] == 64 and r["tokens"] == 8 and r["model"] == "tiny" and r["kvlens_version"] for r in rows)
     by = {(r["policy"], r["budget"], r["text"]): r for r in rows}
-    name = texts[0][0]
+    name = list(texts)[0]
     assert by[("streaming_llm", 16, name)]["budget_slots"] == 16
     assert by[("streaming_llm", 0.5, name)]["budget_slots"] == 32
-    assert by[("full", "full", name)]["kv_slots_final_mean"] == 64 + 8 - 1
+    assert by[("full", None, name)]["kept_final_mean"] == 64 + 8 - 1
+    result = {"config": {"prefill": 64, "tokens": 8, "texts": list(texts)}, "rows": rows,
+              "summary": ppl.summarise(rows)}
     summary = {(s["policy"], s["budget"]): s for s in result["summary"]}
     assert len(summary) == 4 and summary[("full", "full")]["vs_full"] == pytest.approx(1.0)
+    assert ("corm", "auto") in summary
     s = summary[("streaming_llm", 16)]
-    vals = [by[("streaming_llm", 16, t[0])]["ppl"] for t in texts]
+    vals = [by[("streaming_llm", 16, t)]["ppl"] for t in texts]
     assert s["ppl_mean"] == pytest.approx(sum(vals) / 2) and s["ppl_min"] == min(vals) and s["texts"] == 2
     table = ppl.markdown_table(result["summary"])
     assert table.splitlines()[0] == "| policy | 16 slots | 50% of prompt |"
     assert "(auto)" in table and len(table.splitlines()) == 2 + 3
     fig = ppl.figure(result)
     assert [t.name for t in fig.data] == ["full (full)", "streaming_llm", "corm (auto)"]
-    paths = save_results(result, rows, None, tmp_path, "bench_ppl")
-    assert json.loads(paths[0].read_text())["summary"] == json.loads(json.dumps(result["summary"]))
-    assert len(list(csv.DictReader(paths[1].open()))) == len(rows)
+
+
+def test_bench_labels_name_the_changed_parameters(texts):
+    cells = plan_ppl([("cam", {"base": "h2o"}), ("h2o", {})], [0.5], texts, [64], tokens=8, model="tiny")
+    assert cells[0]["params"]["base.recent_ratio"] == 0.5  # resolved, nested parameters included
+    assert [label(c) for c in cells[:2]] == ["cam:base=h2o", "h2o"]
+
+
+def test_bench_ppl_command_resumes_and_writes_summary_csv(tiny_dir, tmp_path, capsys):  # noqa: F811
+    argv = ["bench", "ppl", "--policies", "full;h2o", "--budgets", "0.5,16", "--texts", "1", "--prefill", "64",
+            "--tokens", "4", "--model", str(tiny_dir), "--out-dir", str(tmp_path), "--no-figure"]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "bench_ppl.json").read_text())
+    assert data["status"] == "done" and data["cells_total"] == 3 and len(data["summary"]) == 3
+    assert data["config"]["texts"] == ["1946-Truman"] and data["environment"]["executor"] == "in-process"
+    assert len(list(csv.DictReader((tmp_path / "bench_ppl.csv").open()))) == 3
+    assert "| h2o |" in capsys.readouterr().out
+    assert main(argv) == 0  # nothing left to run: the same rows, timings and all
+    assert json.loads((tmp_path / "bench_ppl.json").read_text())["rows"] == data["rows"]
 
 
 @pytest.mark.parametrize("output, found", [
@@ -95,25 +121,27 @@ def test_haystack_places_the_needle_at_its_depth(tiny):
         needle.haystack(tiny, filler, 60, 0.5, chat=False)
 
 
-def test_needle_bench_cells_and_summary(tiny, texts):
-    result = needle.bench_needle(tiny, parse_policies("full;h2o"), [400, 500], [0.0, 1.0], budget=0.5,
-                                 filler_text=texts[0][1], max_new_tokens=3, chat=False)
-    cells = result["cells"]
-    assert len(cells) == 2 * 2 * 2
-    assert all(set(c) == {"policy", "length", "prompt_tokens", "depth", "budget_slots", "score", "output"}
-               for c in cells)
-    assert all(c["score"] == needle.score(c["output"], needle.ANSWER) for c in cells)
-    assert {c["budget_slots"] for c in cells if c["policy"] == "full"} == {None}
-    assert all(c["budget_slots"] == round(c["prompt_tokens"] / 2) for c in cells if c["policy"] == "h2o")
-    assert [s["policy"] for s in result["summary"]] == ["full", "h2o"]
-    assert set(result["summary"][0]["by_length"]) == {"400", "500"}
-    fig = needle.figure(result)
+def test_needle_bench_cells_and_summary(tiny, texts, tmp_path):
+    haystack = {"haystack": list(texts.values())[0]}
+    cells = needle.plan_needle([("full", {}), ("h2o", {})], [400, 500], [0.0, 1.0], budget=0.5,
+                               filler_text=haystack["haystack"], model="tiny", max_new_tokens=3, chat=False)
+    rows = _run(tiny, cells, haystack, tmp_path / "bench_needle.json")
+    assert len(rows) == 2 * 2 * 2
+    assert all(r["score"] == needle.score(r["output"], needle.ANSWER) for r in rows)
+    assert {r["budget_slots"] for r in rows if r["policy"] == "full"} == {None}
+    assert all(r["budget_slots"] == round(r["prompt_tokens"] / 2) for r in rows if r["policy"] == "h2o")
+    assert all(r["prompt_tokens"] <= r["length"] and r["needle"] == needle.NEEDLE for r in rows)
+    summary = needle.summarise(rows)
+    assert [s["policy"] for s in summary] == ["full", "h2o"] and set(summary[0]["by_length"]) == {"400", "500"}
+    fig = needle.figure({"config": {"lengths": [400, 500], "depths": [0.0, 1.0], "budget": 0.5}, "rows": rows})
     assert len(fig.data) == 2 and len(fig.data[0].z) == 2 and len(fig.data[0].z[0]) == 2
+    with pytest.raises(KvlensError, match="depth"):
+        needle.plan_needle([("full", {})], [400], [1.5], budget=0.5, filler_text="x", model="tiny")
 
 
 def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
     ticks = []
-    result = speed.bench_speed(tiny, parse_policies("full;streaming_llm;cam;corm"), [32, 64], text=texts[0][1],
+    result = speed.bench_speed(tiny, parse_policies("full;streaming_llm;cam;corm"), [32, 64], text=texts["1946-Truman"],
                                steps=4, budget=0.5, repeats=2, ratio_length=64, tick=lambda: ticks.append(1))
     assert len(ticks) == 4 * 2 + 6 * 2
     rows = result["rows"]
@@ -132,7 +160,7 @@ def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
                            "kv_bytes_half_budget_vs_full"}
     for key in ("engine_vs_model_loop", "cam_vs_streaming_llm", "record_full_vs_none"):
         d = details[key]
-        per_repeat = [a / b for a, b in zip(d["a_ms_per_token"], d["b_ms_per_token"])]
+        per_repeat = [a / b for a, b in zip(d["a_ms_per_token"], d["b_ms_per_token"], strict=True)]
         assert d["ratios"] == pytest.approx(per_repeat) and len(per_repeat) == 2
         assert ratios[key] == pytest.approx(sum(per_repeat) / 2)  # median of two
         assert set(result["targets"][key]) == {"target", "met"}
@@ -146,7 +174,9 @@ def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["bench", "needle", "--lengths", "a,b"], "--lengths takes comma-separated numbers"),
+    (["bench", "needle", "--lengths", "a,b"], "--lengths takes comma-separated integers; got 'a,b'."),
+    (["bench", "needle", "--depths", "0,2"], "--depths takes values in [0, 1]; got 2.0."),
+    (["bench", "needle", "--workers", "0"], "--workers must be at least 1"),
     (["bench", "ppl", "--policies", "h2o:window=3"], "no parameter 'window'"),
     (["bench", "ppl", "--budgets", "2.5"], "fractional budget"),
     (["bench", "speed", "--repeats", "0"], "--repeats at least 1"),

@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: bundled texts, policy specs, medians, peak memory, saving results."""
+"""Shared pieces of the benchmarks: policy specs and labels, medians, peak memory, environment, saving results."""
 from __future__ import annotations
 
 import csv
@@ -16,17 +16,6 @@ import torch
 from kvlens import __version__
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy, parse_settings
-
-TEXT_DIR = Path(__file__).resolve().parent.parent / "data" / "state_union"
-
-
-def bundled_texts(n: int | None = None, min_chars: int = 0) -> list[tuple[str, str]]:
-    """The bundled State of the Union addresses as `(name, text)`, sorted by name; the first `n` long enough."""
-    texts = [(p.stem, p.read_text(encoding="utf-8")) for p in sorted(TEXT_DIR.glob("*.txt"))]
-    texts = [t for t in texts if len(t[1]) >= min_chars]
-    if not texts:
-        raise KvlensError(f"No bundled text has at least {min_chars} characters.")
-    return texts[:n] if n else texts
 
 
 @dataclass(frozen=True)
@@ -47,7 +36,7 @@ class PolicySpec:
         return make_policy(self.name, dict(self.params)).budget_free
 
     @classmethod
-    def parse(cls, text: str) -> "PolicySpec":
+    def parse(cls, text: str) -> PolicySpec:
         """`name` or `name:key=value,key=value`; parameters are checked against the policy."""
         name, _, rest = text.strip().partition(":")
         params = parse_settings(name, [s for s in rest.split(",") if s]) if rest else {}
@@ -89,7 +78,7 @@ class PeakRSS:
             self.peak = max(self.peak, self.proc.memory_info().rss)
             time.sleep(self.interval_s)
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self.start = self.peak = self.proc.memory_info().rss
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -101,13 +90,23 @@ class PeakRSS:
         self.peak = max(self.peak, self.proc.memory_info().rss)
 
 
-def environment(model) -> dict:
-    """Where the numbers were measured: machine, threads, versions, model."""
-    return {"kvlens_version": __version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpus": psutil.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
-            "load_average": list(psutil.getloadavg()), "model": model.spec, "shape": model.shape(),
-            "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+def label(row: dict) -> str:
+    """A row's policy as benchmarks name it: `cam` or `cam:base=h2o` (the parameters that differ from the defaults)."""
+    from kvlens.ui.labels import changed_params
+
+    changed = changed_params(row["policy"], row.get("params") or {})
+    return row["policy"] + (":" + ",".join(f"{k}={v}" for k, v in changed.items()) if changed else "")
+
+
+def environment(model=None) -> dict:
+    """Where the numbers were measured: machine, threads, versions, and the model if it was loaded here."""
+    env = {"kvlens_version": __version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "cpus": psutil.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+           "load_average": list(psutil.getloadavg()), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if model is not None:
+        env.update(model=model.spec, shape=model.shape(), device=str(model.device),
+                   dtype=str(model.dtype).removeprefix("torch."))
+    return env
 
 
 def save_results(result: dict, rows: list[dict], fig, out_dir: str | Path, stem: str) -> list[Path]:

@@ -9,12 +9,12 @@ and digits only (so "Blue harbor 42" counts for 'blue-harbor-42'), else 0.
 from __future__ import annotations
 
 import re
-from typing import Callable
 
 from kvlens.api import encode
-from kvlens.bench.common import PolicySpec, environment
+from kvlens.bench.common import label
 from kvlens.engine import RunOptions, run
 from kvlens.errors import KvlensError
+from kvlens.grid import digest, plan
 from kvlens.models import LoadedModel
 from kvlens.policies import make_policy
 
@@ -64,40 +64,36 @@ def haystack(model: LoadedModel, filler: list[str], length: int, depth: float, n
     return encode(model, " ".join(chosen) + tail, chat)
 
 
-def bench_needle(model: LoadedModel, policies: list[PolicySpec], lengths: list[int], depths: list[float], *,
-                 budget: int | float | None, filler_text: str, max_new_tokens: int = 16, chat: bool = True,
-                 needle: str = NEEDLE, question: str = QUESTION, answer: str = ANSWER,
-                 on_cell: Callable[[dict], None] | None = None) -> dict:
-    """Every policy on every (length, depth). Returns `{"config", "environment", "cells", "summary"}`.
-
-    cells: policy, length (asked), prompt_tokens (actual), depth, score, output; summary: per
-    policy the mean score, and per policy and length the mean over depths.
-    """
-    filler = sentences(filler_text)
-    prompts = {(n, d): haystack(model, filler, n, d, needle, question, chat) for n in lengths for d in depths}
-    cells = []
-    for spec in policies:
-        for (n, d), ids in prompts.items():
-            b = None if spec.budget_free else budget
-            r = run(model, make_policy(spec.name, dict(spec.params)), ids, prefill=len(ids), steps=max_new_tokens,
-                    teacher=False, opts=RunOptions(budget=b, max_new_tokens=max_new_tokens, log_decisions=False))
-            text = r.meta["text"]
-            cell = {"policy": spec.label, "length": n, "prompt_tokens": len(ids), "depth": d,
-                    "budget_slots": r.meta["budget"]["slots"], "score": score(text, answer), "output": text}
-            cells.append(cell)
-            if on_cell is not None:
-                on_cell(cell)
-    return {"config": {"policies": [p.label for p in policies], "lengths": lengths, "depths": depths,
-                       "budget": budget, "needle": needle, "question": question, "answer": answer, "chat": chat,
-                       "max_new_tokens": max_new_tokens},
-            "environment": environment(model), "cells": cells, "summary": summarise(cells)}
+def plan_needle(policies: list[tuple[str, dict]], lengths: list[int], depths: list[float], *,
+                budget: int | float | None, filler_text: str, model: str, max_new_tokens: int = 16, chat: bool = True,
+                needle: str = NEEDLE, question: str = QUESTION, answer: str = ANSWER) -> list[dict]:
+    """The `needle` cells: every policy at every (context length, depth); the haystack is text id `haystack`."""
+    bad = [d for d in depths if not 0 <= d <= 1]
+    if bad:
+        raise KvlensError(f"A needle depth must be in [0, 1]; got {bad[0]}.")
+    return plan("needle", policies, [budget], {"length": lengths, "depth": depths},
+                {"model": model, "text": "haystack", "text_digest": digest(filler_text),
+                 "max_new_tokens": max_new_tokens, "chat": chat, "needle": needle, "question": question,
+                 "answer": answer})
 
 
-def summarise(cells: list[dict]) -> list[dict]:
+def needle_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
+    """One `needle` cell: build the haystack, answer greedily, score. `prompt_tokens` is the actual length."""
+    ids = haystack(model, sentences(texts[cell["text"]]), cell["length"], cell["depth"], cell["needle"],
+                   cell["question"], cell["chat"])
+    n = cell["max_new_tokens"]
+    r = run(model, make_policy(cell["policy"], cell["params"]), ids, prefill=len(ids), steps=n, teacher=False,
+            opts=RunOptions(budget=cell["budget"], max_new_tokens=n, seed=cell["seed"], log_decisions=False))
+    text = r.meta["text"]
+    return {"prompt_tokens": len(ids), "budget_slots": r.meta["budget"]["slots"],
+            "score": score(text, cell["answer"]), "output": text}
+
+
+def summarise(rows: list[dict]) -> list[dict]:
     """Per policy: mean score overall and per length (over depths)."""
     out = []
-    for policy in dict.fromkeys(c["policy"] for c in cells):
-        mine = [c for c in cells if c["policy"] == policy]
+    for policy in dict.fromkeys(label(r) for r in rows):
+        mine = [r for r in rows if label(r) == policy]
         by_len = {}
         for c in mine:
             by_len.setdefault(c["length"], []).append(c["score"])
@@ -113,11 +109,11 @@ def figure(result: dict):
 
     import kvlens.plots  # noqa: F401  registers the "kvlens" paper template
 
-    cfg, cells = result["config"], result["cells"]
-    policies = list(dict.fromkeys(c["policy"] for c in cells))
+    cfg, rows = result["config"], result["rows"]
+    policies = list(dict.fromkeys(label(r) for r in rows))
     fig = make_subplots(rows=1, cols=len(policies), subplot_titles=policies, shared_yaxes=True,
                         horizontal_spacing=0.02)
-    score_of = {(c["policy"], c["length"], c["depth"]): c["score"] for c in cells}
+    score_of = {(label(r), r["length"], r["depth"]): r["score"] for r in rows}
     for i, policy in enumerate(policies, 1):
         z = [[score_of.get((policy, n, d)) for n in cfg["lengths"]] for d in cfg["depths"]]
         fig.add_trace(go.Heatmap(z=z, x=[str(n) for n in cfg["lengths"]], y=[f"{d:.0%}" for d in cfg["depths"]],

@@ -1,58 +1,22 @@
 """Perplexity table: policies x budgets x texts, teacher forced (WeightedKV Table I, CORM Table 3).
 
-Each cell prefills `prefill` tokens of a text, compresses to the budget and scores the next
-`tokens` tokens one at a time (`kvlens.api.perplexity`, the same as `kvlens ppl`). `full` and
-budget-free policies (CORM) run once per text, whatever the budgets.
+The cells are `kvlens sweep`'s (`kvlens.sweep.plan_ppl`, task `ppl`): each prefills `prefill`
+tokens of a text, compresses to the budget and scores the next `tokens` tokens one at a time
+(`kvlens.api.perplexity`, the same as `kvlens ppl`). `full` and budget-free policies (CORM) run
+once per text, whatever the budgets. This module summarises the rows, as a table and a figure.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable
 
-from kvlens.api import perplexity
-from kvlens.bench.common import PolicySpec, environment, spread
-from kvlens.engine import RunOptions
-from kvlens.models import LoadedModel
+from kvlens.bench.common import label, spread
 
 
-def cells(policies: list[PolicySpec], budgets: list) -> list[tuple[PolicySpec, int | float | None]]:
-    """(policy, budget) pairs to run: one `None` budget for budget-free policies (`full`, CORM)."""
-    out = []
-    for spec in policies:
-        out += [(spec, None)] if spec.budget_free else [(spec, b) for b in budgets]
-    return out
-
-
-def bench_ppl(model: LoadedModel, policies: list[PolicySpec], budgets: list, texts: list[tuple[str, str]], *,
-              prefill: int, tokens: int, on_cell: Callable[[dict], None] | None = None) -> dict:
-    """Run every cell on every text. Returns `{"config", "environment", "rows", "summary"}`.
-
-    rows: one per (policy, budget, text) with ppl, nll, slots and bytes; summary: one per
-    (policy, budget) with the mean, std, min and max of ppl over texts and the ratio to `full`'s mean.
-    """
-    rows = []
-    for spec, budget in cells(policies, budgets):
-        for name, text in texts:
-            run = perplexity(model, text, spec.name, dict(spec.params), prefill=prefill, tokens=tokens,
-                             opts=RunOptions(budget=budget, log_decisions=False))
-            m = run.metrics
-            row = {"policy": spec.label, "budget": _budget_key(spec, budget),
-                   "budget_slots": run.meta["budget"]["slots"], "text": name, "ppl": m["ppl"], "nll": m["nll"],
-                   "kv_slots_final_mean": m["kv_slots_final_mean"], "kv_bytes_peak": m["kv_bytes_peak"],
-                   "ms_per_token": m["ms_per_token"]}
-            rows.append(row)
-            if on_cell is not None:
-                on_cell(row)
-    return {"config": {"policies": [p.label for p in policies], "budgets": budgets, "texts": [t[0] for t in texts],
-                       "prefill": prefill, "tokens": tokens},
-            "environment": environment(model), "rows": rows, "summary": summarise(rows)}
-
-
-def _budget_key(spec: PolicySpec, budget) -> int | float | str:
-    """The budget as a table key: slots, share, "full" (no compression) or "auto" (budget-free policy)."""
-    if budget is not None:
-        return budget
-    return "full" if spec.name == "full" else "auto"
+def budget_key(row: dict) -> int | float | str:
+    """A row's budget as a table key: slots, share, "full" (no compression) or "auto" (budget-free policy)."""
+    if row["budget"] is not None:
+        return row["budget"]
+    return "full" if row["policy"] == "full" else "auto"
 
 
 def _numeric(summary: list[dict]) -> list:
@@ -65,14 +29,14 @@ def summarise(rows: list[dict]) -> list[dict]:
     """Per (policy, budget): ppl spread over texts, mean slots kept, and mean ppl / full's mean ppl."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["policy"], row["budget"]), []).append(row)
+        groups.setdefault((label(row), budget_key(row)), []).append(row)
     full = groups.get(("full", "full"))
     full_mean = spread(r["ppl"] for r in full)["mean"] if full else None
     out = []
     for (policy, budget), group in groups.items():
         s = spread(r["ppl"] for r in group)
         out.append({"policy": policy, "budget": budget,
-                    "budget_slots_mean": spread(r["kv_slots_final_mean"] for r in group)["mean"],
+                    "budget_slots_mean": spread(r["kept_final_mean"] for r in group)["mean"],
                     "ppl_mean": s["mean"], "ppl_std": s["std"], "ppl_min": s["min"], "ppl_max": s["max"],
                     "texts": s["n"], "log_ppl_mean": spread(math.log(r["ppl"]) for r in group)["mean"],
                     "vs_full": s["mean"] / full_mean if full_mean else None})

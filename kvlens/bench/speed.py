@@ -1,4 +1,4 @@
-"""Speed and memory per policy, and the DESIGN.md target ratios, measured side by side in one run.
+"""Speed and memory per policy, and the target ratios (`TARGETS`), measured side by side in one run.
 
 Per policy and prompt length: prefill ms, median ms per generated token, KV bytes allocated
 (peak after compression) and the process's peak resident memory. Each ratio compares two sides
@@ -18,7 +18,7 @@ with other processes disturbs less than wall time.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -27,19 +27,13 @@ from kvlens.engine import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.models import LoadedModel
 from kvlens.policies import make_policy
+from kvlens.texts import prefix_ids
 
 TARGETS = {"engine_vs_model_loop": 1.10, "cam_vs_streaming_llm": 1.10, "record_full_vs_none": 1.5}
 
 
-def prompt_ids(model: LoadedModel, text: str, length: int) -> list[int]:
-    """The first `length` token ids of `text`."""
-    ids = list(model.tokenizer(text).input_ids)
-    if len(ids) < length:
-        raise KvlensError(f"The text has {len(ids)} tokens, fewer than the prompt length {length}.")
-    return ids[:length]
-
-
-def engine_once(model: LoadedModel, spec: PolicySpec, ids: list[int], steps: int, budget, record: str = "summary") -> dict:
+def engine_once(model: LoadedModel, spec: PolicySpec, ids: list[int], steps: int, budget,
+                record: str = "summary") -> dict:
     """One greedy engine run: prefill ms, median decode ms/token, KV bytes, peak RSS, and its tokens."""
     step_ms, cpu = [], []  # wall ms of each decode step; process CPU time at each step event
     b = None if spec.budget_free else budget
@@ -55,7 +49,8 @@ def engine_once(model: LoadedModel, spec: PolicySpec, ids: list[int], steps: int
                 opts=opts, on_step=on_step)
     m = r.metrics
     return {"prefill_ms": m["prefill_ms"], "ms_per_token": median(step_ms),
-            "cpu_ms_per_token": median(b - a for a, b in zip(cpu, cpu[1:])), "kv_bytes_peak": m["kv_bytes_peak"],
+            "cpu_ms_per_token": median(b - a for a, b in zip(cpu, cpu[1:], strict=False)),
+            "kv_bytes_peak": m["kv_bytes_peak"],
             "kv_bytes_prefill": m["kv_bytes_prefill"], "kv_slots_max": m["kv_slots_max"],
             "peak_rss": mem.peak, "rss_growth": mem.peak - mem.start, "tokens": r.meta["tokens"]}
 
@@ -91,8 +86,8 @@ def paired(a: Callable[[], dict], b: Callable[[], dict], repeats: int, tick: Cal
         for side in ("ab" if r % 2 == 0 else "ba"):
             sides[side].append((a if side == "a" else b)())
             tick()
-    ratios = [x["ms_per_token"] / y["ms_per_token"] for x, y in zip(sides["a"], sides["b"])]
-    cpu = [x["cpu_ms_per_token"] / y["cpu_ms_per_token"] for x, y in zip(sides["a"], sides["b"])]
+    ratios = [x["ms_per_token"] / y["ms_per_token"] for x, y in zip(sides["a"], sides["b"], strict=True)]
+    cpu = [x["cpu_ms_per_token"] / y["cpu_ms_per_token"] for x, y in zip(sides["a"], sides["b"], strict=True)]
     return {"ratio": median(ratios), "ratios": ratios, "a_ms_per_token": [x["ms_per_token"] for x in sides["a"]],
             "b_ms_per_token": [y["ms_per_token"] for y in sides["b"]], "cpu_ratio": median(cpu), "cpu_ratios": cpu}
 
@@ -109,13 +104,13 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
         raise KvlensError("Speed needs at least one repeat and two generated tokens.")
     rows = []
     for n in lengths:
-        ids = prompt_ids(model, text, n)
+        ids = prefix_ids(model, text, n, "The text")
         for spec in policies:
             res = engine_once(model, spec, ids, steps, budget)
             res.pop("tokens")
             rows.append({"policy": spec.label, "prompt_tokens": n, "steps": steps, **res})
             tick()
-    ids = prompt_ids(model, text, ratio_length)
+    ids = prefix_ids(model, text, ratio_length, "The text")
     full, sl, cam = PolicySpec("full"), PolicySpec("streaming_llm"), PolicySpec("cam")
     engine = lambda: engine_once(model, full, ids, steps, budget)  # noqa: E731
     loop = paired(engine, lambda: model_loop_once(model, ids, steps), repeats, tick)
@@ -142,7 +137,7 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
 
 
 def verdicts(ratios: dict, slot_share: float) -> dict:
-    """Each ratio against its DESIGN.md target: `{"target", "met"}`; bytes must match the slot share within 2%."""
+    """Each ratio against its target (`TARGETS`): `{"target", "met"}`; bytes must match the slot share within 2%."""
     out = {k: {"target": f"<= {t}", "met": ratios[k] <= t} for k, t in TARGETS.items()}
     out["kv_bytes_half_budget_vs_full"] = {
         "target": f"proportional ({slot_share:.3f})",
@@ -168,7 +163,7 @@ def _slope(rows: list[dict], key: str) -> float:
     xs = [r["prompt_tokens"] for r in rows]
     ys = [r[key] for r in rows]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
 
 
 def markdown_table(result: dict) -> str:

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from kvlens.cli.common import add_model_args, command_line, load, print_json
+from kvlens.cli.sweep_commands import add_executor_args, run_cells
 from kvlens.errors import KvlensError
+from kvlens.policies import policy_names
 
-ALL_POLICIES = "full;streaming_llm;h2o;scissorhands;tova;cam;weightedkv;kvmerger;corm"
+ALL_POLICIES = ";".join(policy_names())
 
 
 def register(sub) -> None:
@@ -19,6 +22,7 @@ def register(sub) -> None:
     p.add_argument("--texts", type=int, default=3, help="how many bundled texts (default 3)")
     p.add_argument("--prefill", type=int, default=384)
     p.add_argument("--tokens", type=int, default=96, help="tokens scored after the prefill")
+    add_executor_args(p)
     p.set_defaults(func=cmd_ppl)
     _quick(p, policies="full;streaming_llm;h2o;cam", budgets="0.5", texts=2, prefill=192, tokens=32)
 
@@ -29,6 +33,7 @@ def register(sub) -> None:
     p.add_argument("--budget", default="0.5", help="budget of the compressing policies (slots or share)")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--no-chat", action="store_true", help="plain text prompt instead of the chat template")
+    add_executor_args(p)
     p.set_defaults(func=cmd_needle)
     _quick(p, policies="full;streaming_llm;h2o", lengths="256,512", depths="0.5,1")
 
@@ -69,16 +74,6 @@ def _apply_quick(args) -> str:
     return "_quick" if args.quick else ""
 
 
-def _numbers(text: str, kind, what: str) -> list:
-    try:
-        values = [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KvlensError(f"{what} takes comma-separated numbers; got '{text}'.") from None
-    if not values:
-        raise KvlensError(f"{what} needs at least one value.")
-    return values
-
-
 def _bar(total: int, desc: str):
     from tqdm import tqdm
 
@@ -98,67 +93,94 @@ def _finish(args, result: dict, rows: list[dict], fig, stem: str, text: str) -> 
     return 0
 
 
+def _run_grid(args, cells: list[dict], texts: dict[str, str], config: dict, stem: str, summarise, figure,
+              table) -> int:
+    """Run a benchmark's cells (resumable, on the chosen executor), then add its summary, figure and table."""
+    from kvlens.bench.common import environment
+    from kvlens.export import image_bytes
+    from kvlens.grid import report
+
+    executor = "ray" if args.ray is not None else f"{args.workers} processes" if args.workers else "in-process"
+    settings = {"command": command_line(), "config": config,
+                "environment": {**environment(), "model": args.model, "executor": executor}}
+    results = run_cells(args, Path(args.out_dir) / f"{stem}.json", cells, texts, settings, stem)
+    result = {**settings, "rows": results.ordered(), "summary": summarise(results.ordered())}
+    results.write({"summary": result["summary"]})
+    paths = [results.path, results.path.with_suffix(".csv")]
+    if not args.no_figure and result["rows"]:
+        paths.append(results.path.with_suffix(".png"))
+        paths[-1].write_bytes(image_bytes(figure(result), "png"))
+    if args.json:
+        print_json(result)
+    else:
+        print(table(result))
+        print("\n" + "\n".join(report(results)) + "\nwrote " + ", ".join(str(p) for p in paths))
+    return 0 if not results.failed else 1
+
+
 def cmd_ppl(args) -> int:
+    from kvlens import texts as bundled
     from kvlens.bench import ppl
-    from kvlens.bench.common import bundled_texts, parse_policies
+    from kvlens.bench.common import parse_policies
+    from kvlens.lists import parse_list
     from kvlens.policies import parse_budget
+    from kvlens.sweep import plan_ppl
 
     suffix = _apply_quick(args)
     policies = parse_policies(args.policies)
-    budgets = [parse_budget(b) for b in args.budgets.split(",") if b.strip()]
+    budgets = parse_list(args.budgets, "--budgets", kind=parse_budget)
     if args.prefill < 1 or args.tokens < 1 or args.texts < 1:
         raise KvlensError("--prefill, --tokens and --texts must all be at least 1.")
-    texts = bundled_texts(args.texts, min_chars=8 * (args.prefill + args.tokens))
-    model = load(args)
-    bar = _bar(len(ppl.cells(policies, budgets)) * len(texts), "bench ppl")
-    with bar:
-        def on_cell(row):
-            bar.set_postfix_str(f"{row['policy']} {row['budget']} ppl {row['ppl']:.2f}", refresh=False)
-            bar.update(1)
-        result = ppl.bench_ppl(model, policies, budgets, texts, prefill=args.prefill, tokens=args.tokens,
-                               on_cell=on_cell)
-    return _finish(args, result, result["rows"], ppl.figure(result), "bench_ppl" + suffix,
-                   ppl.markdown_table(result["summary"]))
+    texts = bundled.bundled(args.texts, min_chars=8 * (args.prefill + args.tokens))
+    cells = plan_ppl([(p.name, dict(p.params)) for p in policies], budgets, texts, [args.prefill],
+                     tokens=args.tokens, model=args.model)
+    config = {"policies": [p.label for p in policies], "budgets": budgets, "texts": list(texts),
+              "prefill": args.prefill, "tokens": args.tokens}
+    return _run_grid(args, cells, texts, config, "bench_ppl" + suffix, ppl.summarise, ppl.figure,
+                     lambda result: ppl.markdown_table(result["summary"]))
 
 
 def cmd_needle(args) -> int:
+    from kvlens import texts as bundled
     from kvlens.bench import needle
-    from kvlens.bench.common import bundled_texts, parse_policies
+    from kvlens.bench.common import parse_policies
+    from kvlens.lists import parse_list
     from kvlens.policies import parse_budget
 
     suffix = _apply_quick(args)
     policies = parse_policies(args.policies)
-    lengths = _numbers(args.lengths, int, "--lengths")
-    depths = _numbers(args.depths, float, "--depths")
+    lengths = parse_list(args.lengths, "--lengths", minimum=1)
+    depths = parse_list(args.depths, "--depths", kind=float, minimum=0, maximum=1)
     if args.max_new_tokens < 1:
         raise KvlensError("--max-new-tokens must be at least 1.")
-    model = load(args)
-    filler = " ".join(text for _, text in bundled_texts())
-    bar = _bar(len(policies) * len(lengths) * len(depths), "bench needle")
-    with bar:
-        def on_cell(cell):
-            bar.set_postfix_str(f"{cell['policy']} {cell['length']} {cell['depth']:.0%} {cell['score']:.0f}",
-                                refresh=False)
-            bar.update(1)
-        result = needle.bench_needle(model, policies, lengths, depths, budget=parse_budget(args.budget),
-                                     filler_text=filler, max_new_tokens=args.max_new_tokens, chat=not args.no_chat,
-                                     on_cell=on_cell)
-    text = "\n".join(f"{s['policy']:<16} found {s['score']:.0%}  by length "
-                     + ", ".join(f"{n}: {v:.0%}" for n, v in s["by_length"].items()) for s in result["summary"])
-    return _finish(args, result, result["cells"], needle.figure(result), "bench_needle" + suffix, text)
+    texts = {"haystack": " ".join(bundled.bundled().values())}
+    budget = parse_budget(args.budget)
+    cells = needle.plan_needle([(p.name, dict(p.params)) for p in policies], lengths, depths, budget=budget,
+                               filler_text=texts["haystack"], model=args.model, max_new_tokens=args.max_new_tokens,
+                               chat=not args.no_chat)
+    config = {"policies": [p.label for p in policies], "lengths": lengths, "depths": depths, "budget": budget,
+              "needle": needle.NEEDLE, "question": needle.QUESTION, "answer": needle.ANSWER, "chat": not args.no_chat,
+              "max_new_tokens": args.max_new_tokens}
+
+    def table(result):
+        return "\n".join(f"{s['policy']:<16} found {s['score']:.0%}  by length "
+                         + ", ".join(f"{n}: {v:.0%}" for n, v in s["by_length"].items()) for s in result["summary"])
+    return _run_grid(args, cells, texts, config, "bench_needle" + suffix, needle.summarise, needle.figure, table)
 
 
 def cmd_speed(args) -> int:
+    from kvlens import texts as bundled
     from kvlens.bench import speed
-    from kvlens.bench.common import bundled_texts, parse_policies
+    from kvlens.bench.common import parse_policies
+    from kvlens.lists import parse_list
 
     suffix = _apply_quick(args)
     policies = parse_policies(args.policies)
-    lengths = _numbers(str(args.lengths), int, "--lengths")
+    lengths = parse_list(args.lengths, "--lengths", minimum=1)
     if not 0 < args.budget <= 1 or args.repeats < 1 or args.steps < 2:
         raise KvlensError("--budget must be in (0, 1], --repeats at least 1 and --steps at least 2.")
     model = load(args)
-    text = bundled_texts(1)[0][1]  # the longest-running address (1946 Truman, ~40k tokens)
+    text = bundled.read(bundled.ids()[0])  # the longest-running address (1946 Truman, ~40k tokens)
     bar = _bar(len(policies) * len(lengths) + 6 * args.repeats, "bench speed")
     with bar:
         result = speed.bench_speed(model, policies, lengths, text=text, steps=args.steps, budget=args.budget,

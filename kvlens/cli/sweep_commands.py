@@ -1,4 +1,7 @@
-"""`kvlens sweep`: policies x budgets (x prompt lengths) on a text -> one JSON and CSV table."""
+"""`kvlens sweep`: policies x budgets x texts x prompt lengths (x seeds) -> one JSON + CSV table, cell by cell.
+
+Shared with `kvlens bench`: the executor flags (`--workers N`, `--ray [ADDRESS]`) and `--fresh`.
+"""
 from __future__ import annotations
 
 from kvlens.cli.common import add_model_args, command_line, load, print_json, read_text
@@ -6,29 +9,53 @@ from kvlens.errors import KvlensError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("sweep", help="run policies x budgets on a text and write one JSON + CSV table")
+    p = sub.add_parser("sweep", help="run policies x budgets x texts on the model and write one JSON + CSV table")
     p.add_argument("--policies", required=True, help="comma-separated policy names")
     p.add_argument("--budgets", default="", help="comma-separated budgets: slots (64) or shares of the prompt (0.3)")
-    p.add_argument("--text-file", required=True)
+    p.add_argument("--text-file", action="append", default=[], help="a text to score; repeat for several")
+    p.add_argument("--texts", default="", help="bundled texts: a count (the first N) or comma-separated ids "
+                                               "(see `kvlens.texts`, e.g. 1961-Kennedy)")
     p.add_argument("--prefill", default="256", help="prompt length, or comma-separated lengths (a row per length)")
     p.add_argument("--tokens", type=int, default=64, help="tokens scored after the prompt")
+    p.add_argument("--seeds", help="comma-separated seeds (a row per seed): the run's seed and the `seed` "
+                                   "parameter of policies that have one (CaM's draws)")
     p.add_argument("--measure", action="store_true", help="also measure output perturbation and KL to the full cache")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="POLICY.KEY=VALUE",
                    help="a parameter of one policy of the sweep, e.g. cam.base=h2o; repeat for several")
-    p.add_argument("--out", required=True, help="JSON file to write (the CSV goes beside it)")
+    p.add_argument("--out", required=True, help="JSON file to write (the CSV goes beside it); re-running the "
+                                                "same command skips the cells it already holds")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    add_executor_args(p)
     add_model_args(p)
     p.set_defaults(func=cmd_sweep)
 
 
-def _ints(text: str, what: str) -> list[int]:
+def add_executor_args(p) -> None:
+    """`--workers`, `--ray` and `--fresh`: where a grid's cells run, and whether finished ones are kept."""
+    p.add_argument("--workers", type=int, help="run cells on N local processes, each loading the model once "
+                                               "(default: one after another in this process)")
+    p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                   help="run cells on Ray actors: on the cluster at ADDRESS (e.g. auto, ray://head:10001), or on a "
+                        "local Ray started here; --workers sets the actors (default: one per GPU, else per CPU)")
+    p.add_argument("--fresh", action="store_true", help="recompute every cell instead of keeping finished ones")
+
+
+def run_cells(args, out, cells: list[dict], texts: dict[str, str], settings: dict, desc: str):
+    """Run the cells the results file `out` still lacks on the executor `args` chose; the `Results`."""
+    from kvlens.executors import Job, executor
+    from kvlens.grid import Results, run_grid
+    from kvlens.models import model_path
+
+    results = Results(out, cells, settings, fresh=args.fresh)
+    local_workers = args.ray == "" or (args.ray is None and args.workers)
+    if results.todo() and local_workers:
+        model_path(args.model)  # convert (or download) once here, not in every worker
+    job = Job(args.model, args.device, args.dtype, args.trust_remote_code, tuple(texts.items()))
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KvlensError(f"{what} takes comma-separated integers; got '{text}'.") from None
-    if not values or min(values) < 1:
-        raise KvlensError(f"{what} takes positive integers; got '{text}'.")
-    return values
+        return run_grid(results, executor(lambda: load(args), job, args.workers, args.ray), desc)
+    except KeyboardInterrupt:
+        raise KvlensError(f"Stopped: {len(results.rows)} of {len(cells)} cells are saved in {results.path}; "
+                          "run the same command to go on.") from None
 
 
 def _settings(items: list[str]) -> dict[str, dict]:
@@ -43,32 +70,39 @@ def _settings(items: list[str]) -> dict[str, dict]:
     return out
 
 
+def sweep_texts(files: list[str], bundled_arg: str) -> dict[str, str]:
+    """The texts of a sweep by id: each --text-file by its path, then the --texts bundled ones."""
+    from kvlens import texts as bundled
+
+    out = {path: read_text(path) for path in files}
+    if bundled_arg.strip().isdigit():
+        out.update(bundled.bundled(int(bundled_arg)))
+    elif bundled_arg.strip():
+        out.update({i.strip(): bundled.read(i.strip()) for i in bundled_arg.split(",") if i.strip()})
+    if not out:
+        raise KvlensError("Give the texts to score: --text-file PATH and/or --texts N (bundled).")
+    return out
+
+
 def cmd_sweep(args) -> int:
-    from tqdm import tqdm
-
+    from kvlens.grid import report
+    from kvlens.lists import parse_list
     from kvlens.policies import parse_budget
-    from kvlens.sweep import plan, sweep, write
+    from kvlens.sweep import plan_ppl
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    budgets = [parse_budget(b) for b in args.budgets.split(",") if b.strip()]
-    prefills = _ints(args.prefill, "--prefill")
-    if args.tokens < 1:
-        raise KvlensError("--tokens must be at least 1.")
-    runs = plan(policies, budgets, prefills, _settings(args.settings))
-    text = read_text(args.text_file)
-    model = load(args)
-    bar = tqdm(total=len(runs), desc="sweep", unit="run")
-
-    def on_run(r):
-        bar.update(1)
-        bar.set_postfix(policy=r["policy"], budget=r["budget"], ppl=f"{r['ppl']:.2f}", refresh=True)
-
-    with bar:
-        rows = sweep(model, text, runs, tokens=args.tokens, measure=args.measure, on_run=on_run)
-    meta = {"command": command_line(), "model": model.spec, "text_file": args.text_file, "tokens": args.tokens,
-            "measure": args.measure}
-    json_path, csv_path = write(rows, args.out, meta)
+    names = parse_list(args.policies, "--policies", kind=str)
+    settings = _settings(args.settings)
+    unknown = sorted(set(settings) - set(names))
+    if unknown:
+        raise KvlensError(f"--set names policy '{unknown[0]}', which is not in --policies.")
+    budgets = parse_list(args.budgets, "--budgets", kind=parse_budget) if args.budgets.strip() else []
+    seeds = parse_list(args.seeds, "--seeds", minimum=0) if args.seeds is not None else None
+    texts = sweep_texts(args.text_file, args.texts)
+    cells = plan_ppl([(n, settings.get(n, {})) for n in names], budgets, texts,
+                     parse_list(args.prefill, "--prefill", minimum=1), tokens=args.tokens, model=args.model,
+                     measure=args.measure, seeds=seeds)
+    results = run_cells(args, args.out, cells, texts, {"command": command_line(), "model": args.model}, "sweep")
     if args.json:
-        print_json(rows)
-    print(f"{len(rows)} runs -> {json_path} and {csv_path}")
-    return 0
+        print_json(results.ordered())
+    print("\n".join(report(results)))
+    return 0 if not results.failed else 1
