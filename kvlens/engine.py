@@ -219,7 +219,7 @@ def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, tota
         "prompt_token_strings": tok.convert_ids_to_tokens(list(prompt_ids)),
         "tokens": tokens, "token_strings": tok.convert_ids_to_tokens(tokens), "text": tok.decode(tokens),
         "metrics": metrics,
-        "record": {"level": opts.record, "layers": opts.record_layers,
+        "record": {"level": str(loop.recorder.level), "layers": opts.record_layers,
                    "dtype": str(loop.recorder.dtype).removeprefix("torch.")},
     }
     info.update(meta or {})

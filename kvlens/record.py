@@ -4,8 +4,9 @@ Levels (each includes the one before):
 - `summary`: tokens, per-step metrics, kept slots per layer and KV head, decisions.
 - `states`:  + prefill queries/keys/values after RoPE (`prefill/q|k|v/{layer}`) and the prefill
              accumulated attention (`prefill/abar/{layer}`), before any compression.
-- `full`:    + every step's attention rows with the positions of their slots
-             (`attn/{layer}`, `attn_pos/{layer}`).
+- `attention`: + every step's attention rows with the positions of their slots
+             (`attn/{layer}`, `attn_pos/{layer}`). Runs written before this level was renamed
+             call it `full`; `RecordLevel.parse` reads that name too.
 A `layers` filter limits states and rows to some layers; tensors are stored as `dtype` (default
 float16) on the CPU.
 """
@@ -14,22 +15,22 @@ from __future__ import annotations
 import torch
 
 from kvlens.context import Observer
-from kvlens.errors import KvlensError
+from kvlens.levels import RecordLevel
 
-LEVELS = ("summary", "states", "full")
+
+
 
 
 class Recorder(Observer):
     """Collects named CPU tensors for a `Run`."""
 
-    def __init__(self, level: str = "summary", layers: list[int] | None = None, dtype: torch.dtype = torch.float16):
-        if level not in LEVELS:
-            raise KvlensError(f"Unknown record level '{level}'; choose one of: {', '.join(LEVELS)}.")
-        self.level = level
+    def __init__(self, level: str = RecordLevel.SUMMARY, layers: list[int] | None = None,
+                 dtype: torch.dtype = torch.float16):
+        self.level = RecordLevel.parse(level)
         self.layers = None if layers is None else set(layers)
         self.dtype = dtype
-        self.needs_rows = level == "full"
-        self.prefill_rows = 1 if level == "full" else 0
+        self.needs_rows = self.level is RecordLevel.ATTENTION
+        self.prefill_rows = 1 if self.needs_rows else 0
         self.tensors: dict[str, torch.Tensor] = {}
         self._rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -38,18 +39,18 @@ class Recorder(Observer):
 
     def on_prefill(self, layer, query, key, value, last_rows) -> None:
         i = layer.layer
-        if self.level == "summary" or not self.wants(i):
+        if self.level is RecordLevel.SUMMARY or not self.wants(i):
             return
         self.tensors[f"prefill/q/{i}"] = self._cpu(query[0])
         self.tensors[f"prefill/k/{i}"] = self._cpu(key[0])
         self.tensors[f"prefill/v/{i}"] = self._cpu(value[0])
         if layer.abar is not None and layer.abar.shape[-1] == key.shape[2]:
             self.tensors[f"prefill/abar/{i}"] = layer.abar.detach().float().cpu()
-        if self.level == "full" and last_rows is not None and last_rows.shape[1]:
+        if self.needs_rows and last_rows is not None and last_rows.shape[1]:
             self._rows.setdefault(i, []).append((last_rows[:, -1].detach(), layer.pos.detach()))
 
     def on_decode(self, layer, query, probs, out, scaling) -> None:
-        if self.level != "full" or not self.wants(layer.layer):
+        if not self.needs_rows or not self.wants(layer.layer):
             return
         pos = layer.pos.masked_fill(~layer.valid, -1)
         self._rows.setdefault(layer.layer, []).append((probs.reshape(-1, probs.shape[-1]).detach(), pos.detach()))

@@ -20,6 +20,7 @@ import torch
 from kvlens import __version__
 from kvlens.decisions import COLUMNS, decisions_frame
 from kvlens.errors import KvlensError
+from kvlens.levels import RecordLevel
 
 SCHEMA_VERSION = 1
 RUN_JSON, TENSORS, DECISIONS = "run.json", "tensors.safetensors", "decisions.parquet"
@@ -54,7 +55,7 @@ class Run:
 
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self.tensors:
-            level = "full" if name.startswith("attn") else "states"
+            level = RecordLevel.ATTENTION if name.startswith("attn") else RecordLevel.STATES
             raise KvlensError(f"This run has no tensor '{name}'; record it with --record {level}.")
         return self.tensors[name]
 
@@ -137,6 +138,9 @@ def _read_meta(directory: Path) -> dict:
     for key, kind in (("tensors", dict), ("model", dict), ("policy", dict), ("prompt_tokens", list), ("tokens", list)):
         if not isinstance(meta.get(key), kind):
             raise KvlensError(f"{path} lacks a valid '{key}' entry.")
+    record = meta.get("record")
+    if isinstance(record, dict) and "level" in record:  # older runs call the attention level `full`
+        record["level"] = str(RecordLevel.parse(str(record["level"])))
     return meta
 
 

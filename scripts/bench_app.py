@@ -19,7 +19,7 @@ from pathlib import Path
 import streamlit as st
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = [("attention", "streaming_llm-full"), ("similarity", "full-states")]
+CASES = [("attention", "streaming_llm-attention"), ("similarity", "full-states")]
 
 
 def builder_seconds(page: str, run_name: str) -> float:

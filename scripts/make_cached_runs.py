@@ -5,7 +5,7 @@ command that produced it. Prompts are short excerpts of the bundled State of the
 only a few layers are recorded (`--record-layers`) to keep the folder at a few MB.
 
     .venv/bin/python scripts/make_cached_runs.py            # all runs
-    .venv/bin/python scripts/make_cached_runs.py h2o-full   # only some
+    .venv/bin/python scripts/make_cached_runs.py h2o-attention   # only some
 """
 from __future__ import annotations
 
@@ -33,17 +33,17 @@ MEDIUM = excerpt("1962-Kennedy", 800)  # ~160 tokens
 RUNS: dict[str, list[str]] = {
     "full-states": ["--policy", "full", "--prompt", MEDIUM, "--max-new-tokens", "16", "--record", "states",
                     "--record-layers", "0,5,11,17,23,29"],
-    "streaming_llm-full": ["--policy", "streaming_llm", "--budget", "48", "--prompt", SHORT,
-                           "--max-new-tokens", "40", "--record", "full", "--record-layers", "0,15,29"],
-    "h2o-full": ["--policy", "h2o", "--budget", "48", "--prompt", SHORT, "--max-new-tokens", "40",
-                 "--record", "full", "--record-layers", "0,15,29"],
+    "streaming_llm-attention": ["--policy", "streaming_llm", "--budget", "48", "--prompt", SHORT,
+                           "--max-new-tokens", "40", "--record", "attention", "--record-layers", "0,15,29"],
+    "h2o-attention": ["--policy", "h2o", "--budget", "48", "--prompt", SHORT, "--max-new-tokens", "40",
+                 "--record", "attention", "--record-layers", "0,15,29"],
     "tova-summary": ["--policy", "tova", "--budget", "32", "--prompt", SHORT, "--max-new-tokens", "40"],
 }
 # Merging runs need the merging policies and `--measure` (issue 3); added when they are registered.
 MERGING: dict[str, list[str]] = {
-    "cam-full": ["--policy", "cam", "--budget", "48", "--set", "base=h2o", "--prompt", SHORT,
-                 "--max-new-tokens", "40", "--record", "full", "--record-layers", "0,15,29", "--measure"],
-    "kvmerger-full": ["--policy", "kvmerger", "--prompt", SHORT, "--max-new-tokens", "24", "--record", "full",
+    "cam-attention": ["--policy", "cam", "--budget", "48", "--set", "base=h2o", "--prompt", SHORT,
+                 "--max-new-tokens", "40", "--record", "attention", "--record-layers", "0,15,29", "--measure"],
+    "kvmerger-attention": ["--policy", "kvmerger", "--prompt", SHORT, "--max-new-tokens", "24", "--record", "attention",
                       "--record-layers", "0,15,29", "--measure"],
 }
 

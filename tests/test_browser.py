@@ -38,7 +38,7 @@ def browser_page(runs_dir):
 
 def test_compare_two_policies_in_chromium(browser_page):
     page = browser_page
-    assert page.get_by_text("cam-full").first.is_visible()  # a shipped run is open
+    assert page.get_by_text("cam-attention").first.is_visible()  # a shipped run is open
     page.get_by_role("link", name="Compare").click()
     wait_idle(page)
     prompt = page.get_by_label("Prompt")

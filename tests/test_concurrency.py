@@ -15,7 +15,7 @@ JOBS = [("h2o", 12, b"Two researchers share one workstation. "), ("tova", 9, b"A
 def _go(model, name, budget, text):
     ids = list(text * 3)
     r = run(model, make_policy(name), ids, prefill=50, steps=40, teacher=False,
-            opts=RunOptions(budget=budget, temperature=0.8, seed=7, stop_at_eos=False, record="full",
+            opts=RunOptions(budget=budget, temperature=0.8, seed=7, stop_at_eos=False, record="attention",
                             record_layers=[1]))
     return r.meta["tokens"], r.decisions, r.tensors["attn/1"]
 

@@ -55,7 +55,7 @@ def test_eviction_really_shrinks_tensors(tiny):
 
 def test_new_tokens_get_true_positions(tiny):
     r = run(tiny, make_policy("streaming_llm", {"sink": 2}), IDS, prefill=30, steps=10, teacher=True,
-            opts=RunOptions(budget=8, record="full"))
+            opts=RunOptions(budget=8, record="attention"))
     pos = r.tensors["attn_pos/0"]  # (steps, Hkv, S)
     for step in range(1, 10):
         row = pos[step, 0]

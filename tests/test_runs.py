@@ -22,7 +22,7 @@ from kvlens.runs import DECISIONS, RUN_JSON, TENSORS
 @pytest.fixture(scope="module")
 def saved(tiny, tmp_path_factory):
     r = run(tiny, make_policy("h2o"), list(b"Runs are shared between researchers. " * 3), prefill=60, steps=10,
-            teacher=True, opts=RunOptions(budget=20, record="full"))
+            teacher=True, opts=RunOptions(budget=20, record="attention"))
     return r.save(tmp_path_factory.mktemp("runs") / "good")
 
 

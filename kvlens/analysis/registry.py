@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvlens.errors import KvlensError
-from kvlens.record import LEVELS
+from kvlens.levels import RecordLevel
 from kvlens.runs import Run
 
-SUMMARY, STATES, ROWS = LEVELS  # what a run records: metrics, + prefill states, + every step's attention rows
 INPUTS = ("run", "runs", "model")  # one recorded run, several, or a loaded model (the analysis runs it)
 _REGISTRY: dict[str, type[Analysis]] = {}
 
@@ -64,7 +63,7 @@ class Analysis:
     name: ClassVar[str]
     paper: ClassVar[str]  # the figure it reproduces, e.g. "KVMerger Fig. 2"
     inputs: ClassVar[str] = "run"
-    level: ClassVar[str] = LEVELS[0]  # the record level each run needs
+    level: ClassVar[RecordLevel] = RecordLevel.SUMMARY  # the record level each run needs
     params: ClassVar[tuple[Param, ...]] = ()
 
     def compute(self, source, **params):
@@ -90,8 +89,8 @@ class Analysis:
 
 def register_analysis(cls: type[Analysis]) -> type[Analysis]:
     """Class decorator adding an analysis to the registry under `cls.name`."""
-    if cls.inputs not in INPUTS or cls.level not in LEVELS:
-        raise TypeError(f"{cls.__name__}: inputs must be one of {INPUTS} and level one of {LEVELS}.")
+    if cls.inputs not in INPUTS or not isinstance(cls.level, RecordLevel):
+        raise TypeError(f"{cls.__name__}: inputs must be one of {INPUTS} and level a RecordLevel.")
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -113,14 +112,9 @@ def get_analysis(name: str) -> Analysis:
     return known[name]()
 
 
-def level_rank(level: str | None) -> int:
-    """The position of a record level among `kvlens.record.LEVELS` (0 for a missing or unknown one)."""
-    return LEVELS.index(level) if level in LEVELS else 0
-
-
-def run_level(run) -> str:
+def run_level(run: Run) -> RecordLevel:
     """The level a run was recorded at."""
-    return (run.meta.get("record") or {}).get("level") or LEVELS[0]
+    return RecordLevel.parse((run.meta.get("record") or {}).get("level") or RecordLevel.SUMMARY)
 
 
 def nan_to_none(t) -> list:
@@ -144,7 +138,7 @@ def _prepare(analysis: Analysis, source, params: dict):
     if analysis.inputs != "model" and (not runs or analysis.inputs == "run" and len(runs) > 1):
         raise KvlensError(f"The analysis '{analysis.name}' reads {'one run' if analysis.inputs == 'run' else 'runs'}.")
     for run in runs:
-        if level_rank(run_level(run)) < level_rank(analysis.level):
+        if not run_level(run).includes(analysis.level):
             raise KvlensError(f"The analysis '{analysis.name}' needs a run recorded with --record {analysis.level}; "
                               f"{run.path.name if run.path else 'this run'} was recorded at {run_level(run)}.")
     source = runs if analysis.inputs == "runs" else source
