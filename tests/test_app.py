@@ -160,6 +160,20 @@ def test_benchmarks_reads_a_saved_sweep(app, tmp_path):
     assert not at.exception and any("not valid JSON" in e.value for e in at.error)
 
 
+def test_benchmarks_shows_an_unfinished_sweep_and_how_many_cells_are_done(app, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [{"policy": "h2o", "params": {}, "budget": b, "budget_slots": b, "ppl": 10 + 100 / b, "bytes_share": 0.5,
+             "ms_per_token": 60.0} for b in (32, 64, 128)]
+    failed = [{"policy": "tova", "params": {}, "budget": 32, "error": "It broke."}]
+    (results / "sweep_live.json").write_text(json.dumps({"cells_total": 6, "cells_done": 3, "cells_failed": 1,
+                                                         "status": "running", "rows": rows, "failed": failed}))
+    at = open_page(app, "benchmarks")
+    progress = at.get("progress")[0].proto
+    assert "3 of 6 cells done, 1 failed" in progress.text and progress.value == 50
+    assert charts(at)[0]["data"][0]["x"] == [32, 64, 128]  # the rows so far
+
+
 def test_no_runs_at_all_is_a_friendly_empty_state(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLENS_CACHED_RUNS", str(tmp_path / "none"))
     monkeypatch.setenv("KVLENS_RUNS", str(tmp_path / "none2"))
