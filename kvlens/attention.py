@@ -1,35 +1,140 @@
 """The registered attention function: exposes attention rows to policies and recorders.
 
 Models are loaded with `attn_implementation="kvlens"`. The function receives queries and the
-layer's (already updated) cached keys/values after RoPE. Without a run context (plain use of
-the model) it is transformers' SDPA. With one, it hands the work to `RunContext.attend`, which
-uses the math below: decode rows computed per KV head (GQA without repeating K/V), and prefill
-statistics computed in row chunks so a long prompt never materialises T x T per head at once.
+layer's (already updated) cached keys/values after RoPE, plus keyword arguments saying how the
+layer attends. It reads them into an `AttentionSpec` and refuses, with one sentence naming the
+layer, anything it cannot compute exactly (`read_call`). Without a run context (plain use of the
+model) it is transformers' SDPA, or the dense math below when the layer soft-caps or slides. With
+one, it hands the work to `RunContext.attend`: decode rows computed per KV head (GQA without
+repeating K/V), and prefill statistics computed in row chunks so a long prompt never
+materialises T x T per head at once.
+
+Sliding windows (transformers' convention): a query at position p sees the keys at positions
+k with p - window < k <= p. In a kvlens run the window is applied to the slots' original
+positions before anything else: slots of the compressed cache outside the window get zero
+attention and are not counted as observed (`nobs`); the policy still decides which slots the
+cache keeps, and its budget counts every kept slot, in the window or not.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvlens.errors import KvlensError
+
 ATTENTION_NAME = "kvlens"
 CONTEXT_KWARG = "kvlens_context"
 CHUNK_ELEMENTS = 1 << 23  # ~32 MB of float32 scores per prefill chunk
+# Keyword arguments transformers forwards to every attention call that do not change what a layer computes.
+BOOKKEEPING = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
+NAMED_FEATURES = {"s_aux": "learned attention sinks (`s_aux`)"}
 
 
-def kvlens_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer attends: logit scale, tanh soft-capping of the logits, sliding window (None = off)."""
+
+    scaling: float
+    softcap: float | None = None
+    window: int | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Causal softmax attention that SDPA computes as is."""
+        return self.softcap is None and self.window is None
+
+
+def read_call(module, query, key, value, attention_mask, scaling, dropout, softcap, sliding_window,
+              kwargs: dict, in_run: bool) -> AttentionSpec:
+    """Check one attention call and return its spec; raise `KvlensError` on what kvlens cannot do exactly.
+
+    query `(B, Hq, q, D)`, key/value `(B, Hkv, S, D)`. `in_run`: called inside a kvlens run,
+    where no attention mask can be honoured (the engine passes none, so one comes from the model).
+    """
+    layer = getattr(module, "layer_idx", None)
+    where = f"layer {layer}" if isinstance(layer, int) else f"attention module {type(module).__name__}"
+    for name, val in kwargs.items():
+        if name in BOOKKEEPING or val is None or (name == "is_causal" and val is True):
+            continue
+        if name == "is_causal":
+            raise KvlensError(f"The attention of {where} is not causal (e.g. cross-attention or an encoder), "
+                              f"which kvlens does not support.")
+        feature = NAMED_FEATURES.get(name, f"the attention argument `{name}`")
+        raise KvlensError(f"The attention of {where} uses {feature}, which kvlens does not support, so it refuses "
+                          f"rather than approximate.")
+    if not isinstance(layer, int):
+        raise KvlensError(f"The {where} has no layer index, so it has no KV cache kvlens can compress.")
+    if dropout:
+        raise KvlensError(f"The attention of {where} applies dropout {dropout}; put the model in eval mode.")
+    if key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:
+        raise KvlensError(f"The attention of {where} has queries, keys and values of different widths "
+                          f"({query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]}; e.g. multi-latent attention), "
+                          f"which kvlens does not support.")
+    if attention_mask is not None and in_run:
+        raise KvlensError(f"The attention of {where} receives an attention mask or bias (e.g. ALiBi), which kvlens "
+                          f"cannot apply to a compressed cache.")
+    spec = AttentionSpec(scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
+                         softcap=float(softcap) if softcap else None,
+                         window=int(sliding_window) if sliding_window else None)
+    if attention_mask is not None and not spec.plain:
+        raise KvlensError(f"The attention of {where} combines an attention mask with soft-capping or a sliding "
+                          f"window, which kvlens does not support.")
+    return spec
+
+
+def kvlens_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                     sliding_window=None, **kwargs):
     """AttentionInterface entry point. Returns `(out (B, q, Hq, D), None)`."""
     ctx = kwargs.pop(CONTEXT_KWARG, None)
-    if ctx is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return ctx.attend(module.layer_idx, query, key, value, scaling), None
+    spec = read_call(module, query, key, value, attention_mask, scaling, dropout, softcap, sliding_window, kwargs,
+                     in_run=ctx is not None)
+    if ctx is not None:
+        return ctx.attend(module.layer_idx, query, key, value, spec), None
+    if spec.plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=spec.scaling)
+    return dense(query, key, value, spec), None
 
 
 def register_attention() -> None:
     """Register `kvlens` with transformers (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, kvlens_attention)
+
+
+def visible(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Keys each query may attend: `qpos (q,)`, `kpos (..., S)` -> `(..., q, S)` bool (causal, within the window)."""
+    diff = qpos[:, None] - kpos[..., None, :]
+    ok = diff >= 0
+    return ok & (diff < window) if window is not None else ok
+
+
+def attention_probs(qg, key, spec: AttentionSpec, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Softmax attention of grouped queries: qg `(..., Hkv, G, q, D)`, key `(..., Hkv, S, D)`.
+
+    `allowed` broadcasts to `(..., Hkv, G, q, S)` (None = every key). Scores are scaled, soft-capped
+    (`softcap * tanh(s / softcap)`) and masked before the softmax. Returns float32 `(..., Hkv, G, q, S)`.
+    """
+    scores = torch.matmul(qg, key.unsqueeze(-3).transpose(-1, -2)).float() * spec.scaling
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def dense(query, key, value, spec: AttentionSpec) -> torch.Tensor:
+    """Causal attention of the q queries at the last q of the S key positions, any spec.
+
+    query `(B, Hq, q, D)`, key/value `(B, Hkv, S, D)` -> `(B, q, Hq, D)`.
+    """
+    b, hq, q, d = query.shape
+    hkv, s = key.shape[1], key.shape[2]
+    kpos = torch.arange(s, device=key.device)
+    probs = attention_probs(query.view(b, hkv, hq // hkv, q, d), key, spec, visible(kpos[s - q:], kpos, spec.window))
+    out = torch.matmul(probs.to(value.dtype), value.unsqueeze(2))  # (B, Hkv, G, q, D)
+    return out.reshape(b, hq, q, d).transpose(1, 2).contiguous()
 
 
 def sdpa(query, key, value, scaling: float) -> torch.Tensor:
@@ -44,24 +149,22 @@ def sdpa(query, key, value, scaling: float) -> torch.Tensor:
     return out.transpose(1, 2).contiguous()
 
 
-def decode_rows(query, key, value, valid, scaling: float):
+def decode_rows(query, key, value, valid, spec: AttentionSpec):
     """One query per head against the compressed cache.
 
-    query `(1, Hq, 1, D)`, key/value `(1, Hkv, S, D)`, valid `(Hkv, S)`.
-    Returns out `(1, 1, Hq, D)` and probs `(Hkv, G, S)` float32.
+    query `(1, Hq, 1, D)`, key/value `(1, Hkv, S, D)`, valid `(Hkv, S)` (the slots the query may
+    see) or None. Returns out `(1, 1, Hq, D)` and probs `(Hkv, G, S)` float32.
     """
     hq, d = query.shape[1], query.shape[-1]
     hkv = key.shape[1]
-    qg = query[0, :, 0].view(hkv, hq // hkv, d)  # (Hkv, G, D)
-    scores = torch.einsum("hgd,hsd->hgs", qg, key[0]).float() * scaling
-    if valid is not None and not bool(valid.all()):
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    qg = query[0, :, 0].view(hkv, hq // hkv, 1, d)
+    allowed = None if valid is None or bool(valid.all()) else valid[:, None, None, :]
+    probs = attention_probs(qg, key[0], spec, allowed)[:, :, 0]  # (Hkv, G, S)
     out = torch.einsum("hgs,hsd->hgd", probs.to(value.dtype), value[0])  # (Hkv, G, D)
     return out.reshape(1, 1, hq, d), probs
 
 
-def prefill_stats(query, key, value, scaling: float, keep_rows: int):
+def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
     """Causal attention of a whole prompt, computed in row chunks, with the statistics policies need.
 
     query `(1, Hq, T, D)`, key/value `(1, Hkv, T, D)`. Returns
@@ -81,9 +184,7 @@ def prefill_stats(query, key, value, scaling: float, keep_rows: int):
     cols = torch.arange(t, device=key.device)
     for a in range(0, t, chunk):
         b = min(t, a + chunk)
-        scores = torch.einsum("hgqd,hsd->hgqs", qg[:, :, a:b], k).float() * scaling
-        future = cols[None, :] > torch.arange(a, b, device=key.device)[:, None]  # (q, T)
-        probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)  # (Hkv, G, q, T)
+        probs = attention_probs(qg[:, :, a:b], k, spec, visible(cols[a:b], cols, spec.window))  # (Hkv, G, q, T)
         out[:, :, a:b] = torch.einsum("hgqs,hsd->hgqd", probs.to(v.dtype), v)
         colsum += probs.mean(1).sum(1)
         if b > first_kept and keep_rows > 0:

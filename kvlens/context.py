@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.attention import decode_rows, prefill_stats, sdpa
+from kvlens.attention import AttentionSpec, decode_rows, prefill_stats, sdpa
 from kvlens.cache import KVCache, LayerCache
 from kvlens.policies.base import Policy, group_mean
 
@@ -37,33 +37,38 @@ class RunContext:
         self.needs_rows = policy.needs_attention or any(o.needs_rows for o in self.observers)
         self.prefill_rows = max([policy.prefill_rows()] + [o.prefill_rows for o in self.observers])
 
-    def attend(self, layer_idx: int, query, key, value, scaling: float) -> torch.Tensor:
+    def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
+        """One layer's attention in this run; a sliding window hides the slots outside it (see `kvlens.attention`)."""
         layer = self.cache.layers[layer_idx]
         if query.shape[2] > 1:
-            return self._prefill(layer, query, key, value, scaling)
-        if not self.needs_rows and not layer.padded:
-            return sdpa(query, key, value, scaling)
-        out, probs = decode_rows(query, key, value, layer.valid, scaling)
+            return self._prefill(layer, query, key, value, spec)
+        if not self.needs_rows and spec.plain and not layer.padded:
+            return sdpa(query, key, value, spec.scaling)
+        seen = layer.valid
+        if spec.window is not None:
+            seen = seen & (self.cache.positions[-1] - layer.pos < spec.window)
+        out, probs = decode_rows(query, key, value, seen, spec)
         layer.abar += group_mean(probs)
-        layer.nobs += layer.valid
+        layer.nobs += seen
         layer.last_attn = probs.reshape(-1, probs.shape[-1])
         self.policy.observe(layer, probs)
         for obs in self.observers:
-            obs.on_decode(layer, query, probs, out, scaling)
+            obs.on_decode(layer, query, probs, out, spec.scaling)
         return out
 
-    def _prefill(self, layer: LayerCache, query, key, value, scaling: float) -> torch.Tensor:
+    def _prefill(self, layer: LayerCache, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         t = query.shape[2]
         if key.shape[2] != t:
             raise RuntimeError("kvlens feeds several tokens at once only as the first (prefill) call of a run.")
-        if not self.needs_rows:
+        if not self.needs_rows and spec.plain:
             for obs in self.observers:
                 obs.on_prefill(layer, query, key, value, None)
-            return sdpa(query, key, value, scaling)
-        out, colsum, last = prefill_stats(query, key, value, scaling, min(self.prefill_rows, t))
+            return sdpa(query, key, value, spec.scaling)
+        out, colsum, last = prefill_stats(query, key, value, spec, min(self.prefill_rows, t))
         hkv = key.shape[1]
         layer.abar = colsum
-        layer.nobs = (t - torch.arange(t, device=key.device, dtype=torch.float32)).expand(hkv, t).clone()
+        seen_by = t - torch.arange(t, device=key.device, dtype=torch.float32)  # queries at or after each slot
+        layer.nobs = seen_by.clamp(max=spec.window or t).expand(hkv, t).clone()
         layer.last_attn = last[:, -1] if last.shape[1] else None
         layer.prefill_rows = last
         self.policy.observe_prefill(layer, last)

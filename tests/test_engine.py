@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from kvlens.attention import decode_rows, prefill_stats
+from kvlens.attention import AttentionSpec, decode_rows, prefill_stats
 from kvlens.engine import RunOptions, run
 from kvlens.errors import Cancelled, KvlensError
 from kvlens.policies import make_policy
@@ -109,14 +109,20 @@ def test_bad_lengths_are_one_sentence(tiny):
         run(tiny, make_policy("streaming_llm"), IDS, prefill=30, steps=5, teacher=True, opts=RunOptions(budget=3))
 
 
-def test_prefill_stats_in_chunks_match_dense(monkeypatch):
+@pytest.mark.parametrize("softcap, window", [(None, None), (2.0, 6)])
+def test_prefill_stats_in_chunks_match_dense(monkeypatch, softcap, window):
     torch.manual_seed(1)
     q, k, v = torch.randn(1, 4, 37, 8), torch.randn(1, 2, 37, 8), torch.randn(1, 2, 37, 8)
     monkeypatch.setattr("kvlens.attention.CHUNK_ELEMENTS", 4 * 37 * 5)  # 5 rows per chunk
-    out, colsum, last = prefill_stats(q, k, v, 8 ** -0.5, keep_rows=7)
+    out, colsum, last = prefill_stats(q, k, v, AttentionSpec(8 ** -0.5, softcap, window), keep_rows=7)
     kr = k.repeat_interleave(2, 1)
     scores = (q @ kr.transpose(-1, -2)) * 8 ** -0.5
-    scores = scores.masked_fill(torch.ones(37, 37, dtype=torch.bool).triu(1), float("-inf"))
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    hidden = torch.ones(37, 37, dtype=torch.bool).triu(1)
+    if window:
+        hidden |= torch.ones(37, 37, dtype=torch.bool).tril(-window)  # keys `window` or more behind the query
+    scores = scores.masked_fill(hidden, float("-inf"))
     probs = scores.softmax(-1)[0]  # (Hq, T, T)
     dense_out = probs @ v.repeat_interleave(2, 1)[0]
     assert torch.allclose(out[0].transpose(0, 1), dense_out, atol=1e-5)
@@ -129,11 +135,11 @@ def test_decode_rows_match_repeated_kv_and_mask_padding():
     q, k, v = torch.randn(1, 6, 1, 8), torch.randn(1, 3, 11, 8), torch.randn(1, 3, 11, 8)
     valid = torch.ones(3, 11, dtype=torch.bool)
     valid[1, 7:] = False
-    out, probs = decode_rows(q, k, v, valid, 0.3)
+    out, probs = decode_rows(q, k, v, valid, AttentionSpec(0.3, softcap=1.5))
     for h in range(6):
         kv = h // 2
         n = int(valid[kv].sum())
-        p = torch.softmax((k[0, kv, :n] @ q[0, h, 0]) * 0.3, -1)
+        p = torch.softmax(1.5 * torch.tanh((k[0, kv, :n] @ q[0, h, 0]) * 0.3 / 1.5), -1)
         assert torch.allclose(probs[kv, h % 2, :n], p, atol=1e-6)
         assert float(probs[kv, h % 2, n:].sum()) == 0.0
         assert torch.allclose(out[0, 0, h], p @ v[0, kv, :n], atol=1e-5)
