@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kvlens.architectures import Support, inspect_model
 from kvlens.attention import ATTENTION_NAME, register_attention
 from kvlens.errors import KvlensError
 
@@ -38,6 +39,7 @@ class LoadedModel:
     path: Path
     device: torch.device
     dtype: torch.dtype
+    support: Support | None = None  # set by `load_model` (`kvlens.architectures`)
 
     @property
     def config(self):
@@ -46,12 +48,12 @@ class LoadedModel:
     def shape(self) -> dict:
         """Model shape as stored in run.json."""
         c = self.model.config
-        heads = c.num_attention_heads
+        heads = getattr(c, "num_attention_heads", None)  # None for models without attention (refused)
         return {
             "layers": c.num_hidden_layers,
             "heads": heads,
             "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads,
+            "head_dim": getattr(c, "head_dim", None) or (c.hidden_size // heads if heads else None),
             "context": getattr(c, "max_position_embeddings", None),
             "architecture": c.model_type,
         }
@@ -184,8 +186,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(spec: str = DEFAULT_SPEC, device: str = "auto", dtype: str = "auto",
-               trust_remote_code: bool = False) -> LoadedModel:
-    """Load a causal LM with kvlens' attention function registered; eval mode, no grad needed."""
+               trust_remote_code: bool = False, refuse: bool = True) -> LoadedModel:
+    """Load a causal LM with kvlens' attention function registered; eval mode, no grad needed.
+
+    The model is probed (`inspect_model`); what kvlens cannot compute exactly is refused with
+    one sentence, unless `refuse` is False (`kvlens check-model` reports it instead).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -204,4 +210,7 @@ def load_model(spec: str = DEFAULT_SPEC, device: str = "auto", dtype: str = "aut
     except (OSError, ValueError) as err:
         raise KvlensError(f"Could not load model '{spec}' from {path}: {str(err).splitlines()[0]}") from err
     model.to(dev).eval()
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, device=dev, dtype=dt)
+    support = inspect_model(model)
+    if refuse:
+        support.require()
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, device=dev, dtype=dt, support=support)

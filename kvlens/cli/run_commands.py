@@ -14,6 +14,12 @@ def register(sub) -> None:
     p.add_argument("--model", default="default")
     p.set_defaults(func=cmd_model_path)
 
+    p = sub.add_parser("check-model", help="what kvlens supports of a model: exact, or refused with the reason "
+                                           "(exit 0 exact, 1 refused)")
+    add_model_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_check_model)
+
     p = sub.add_parser("policies", help="list every policy with its parameters")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_policies)
@@ -58,6 +64,35 @@ def cmd_model_path(args) -> int:
 
     print(model_path(args.model))
     return 0
+
+
+def _per_layer(values: dict) -> str:
+    return "; ".join(f"layer {i}: {v}" for i, v in values.items()) or "none"
+
+
+def cmd_check_model(args) -> int:
+    from kvlens.models import load_model
+
+    model = load_model(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+                       refuse=False)
+    sup = model.support
+    report = {"model": args.model, "path": str(model.path), **model.shape(), **sup.as_dict()}
+    if args.json:
+        print_json(report)
+        return 0 if sup.refusal is None else 1
+    rows = [("model", f"{args.model} ({model.path})"),
+            ("architecture", f"{report['architecture']} ({sup.model_class})"),
+            ("shape", f"{report['layers']} layers, {report['heads']} query heads over {report['kv_heads']} KV heads, "
+                      f"head_dim {report['head_dim']}"),
+            ("tokenizer", type(model.tokenizer).__name__),
+            ("positions", sup.positions),
+            ("scaling", ", ".join(f"{x:.6g}" for x in sorted(set(sup.scaling))) or "n/a"),
+            ("sliding", _per_layer(sup.sliding)),
+            ("softcap", _per_layer(sup.softcap)),
+            ("verdict", sup.verdict + (f": {sup.refusal}" if sup.refusal else ""))]
+    for label, value in rows:
+        print(f"{label:<13}{value}")
+    return 0 if sup.refusal is None else 1
 
 
 def cmd_policies(args) -> int:

@@ -1,0 +1,126 @@
+"""What kvlens supports of a loaded model, found out before any run: exact, or refused with one sentence.
+
+`inspect_model` reads the config for what no attention call shows (cross-attention, latent KV
+compression) and then runs one probe forward of two tokens through kvlens' attention function
+with a fresh `KVCache`, recording what every layer asks for (`AttentionSpec`: scale, soft-cap,
+sliding window). `read_call` refuses any argument it does not understand during that probe, and
+every layer must attend through the function exactly once with its own KV cache. Nothing is
+keyed on model names: two models that pass the same arguments are treated the same.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvlens.attention import CONTEXT_KWARG, AttentionSpec, dense, sdpa
+from kvlens.cache import KVCache
+from kvlens.errors import KvlensError
+
+PROBE_TOKENS = 2
+
+
+@dataclass
+class Support:
+    """A model as kvlens sees it. `refusal` is None when every layer is computed exactly."""
+
+    model_class: str
+    positions: str  # "rotary", "rotary on 25% of each head" or "no rotary embedding"
+    scaling: list[float] = field(default_factory=list)  # per layer
+    sliding: dict[int, int] = field(default_factory=dict)  # layer -> window
+    softcap: dict[int, float] = field(default_factory=dict)  # layer -> cap
+    refusal: str | None = None
+
+    @property
+    def verdict(self) -> str:
+        return "exact" if self.refusal is None else "refused"
+
+    def require(self) -> None:
+        """Raise the refusal sentence, if any."""
+        if self.refusal is not None:
+            raise KvlensError(self.refusal)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "verdict": self.verdict}
+
+
+class _Probe:
+    """Stands in for a `RunContext` during the probe forward: records each layer's spec."""
+
+    def __init__(self):
+        self.specs: dict[int, list[AttentionSpec]] = {}
+
+    def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
+        self.specs.setdefault(layer_idx, []).append(spec)
+        return sdpa(query, key, value, spec.scaling) if spec.plain else dense(query, key, value, spec)
+
+
+def _positions(model: torch.nn.Module) -> str:
+    if not any(type(m).__name__.endswith("RotaryEmbedding") for m in model.modules()):
+        return "no rotary embedding"
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    share = rope.get("partial_rotary_factor", 1.0) if isinstance(rope, dict) else 1.0
+    return "rotary" if share >= 1.0 else f"rotary on {share:.0%} of each head"
+
+
+def _config_refusal(config) -> str | None:
+    """Features an attention call does not reveal, named by their generic config fields."""
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        return "The model has cross-attention (encoder-decoder), which kvlens does not support."
+    if getattr(config, "kv_lora_rank", None):
+        return (f"The model uses multi-latent attention (kv_lora_rank={config.kv_lora_rank}): its cache is a latent, "
+                f"not per-head keys and values, which kvlens does not support.")
+    return None
+
+
+def _probe(model: torch.nn.Module, layers: int) -> tuple[dict[int, list[AttentionSpec]], KVCache]:
+    """One forward of `PROBE_TOKENS` tokens: each layer's specs, and the cache the layers filled."""
+    probe = _Probe()
+    cache = KVCache(layers)
+    dev = next(model.parameters()).device
+    cache.positions = torch.arange(PROBE_TOKENS, device=dev)
+    with torch.inference_mode():
+        model(input_ids=torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=dev), position_ids=cache.positions[None],
+              past_key_values=cache, use_cache=True, logits_to_keep=1, **{CONTEXT_KWARG: probe})
+    return probe.specs, cache
+
+
+def inspect_model(model: torch.nn.Module) -> Support:
+    """Probe a model loaded with `attn_implementation="kvlens"` (eval mode) and say what kvlens supports of it."""
+    layers = model.config.num_hidden_layers
+    support = Support(model_class=type(model).__name__, positions=_positions(model))
+    support.refusal = _config_refusal(model.config)
+    if support.refusal is not None:
+        return support
+    try:
+        specs, cache = _probe(model, layers)
+    except KvlensError as err:
+        support.refusal = str(err)
+        return support
+    except Exception as err:  # noqa: BLE001 - any failure of the probe is a refusal, said in one sentence
+        support.refusal = (f"The model's forward fails with kvlens' KV cache ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0][:160] if str(err) else 'no message'}), so kvlens cannot run it.")
+        return support
+    missing = [i for i in range(layers) if i not in specs]
+    if missing:
+        support.refusal = (f"Layer {missing[0]} does not attend through kvlens' attention function with a KV cache "
+                           f"(e.g. a recurrent or state-space layer), so kvlens cannot run this model.")
+        return support
+    twice = [i for i, s in specs.items() if len(s) != 1]
+    if twice:
+        support.refusal = (f"Layer {twice[0]} attends {len(specs[twice[0]])} times per token, which kvlens does "
+                           f"not support.")
+        return support
+    shared = [i for i in range(layers) if cache.layers[i].n_slots != PROBE_TOKENS]
+    if shared:
+        support.refusal = (f"Layer {shared[0]} does not keep its own keys and values in the KV cache (shared or no "
+                           f"KV cache), which kvlens does not support.")
+        return support
+    for i in range(layers):
+        spec = specs[i][0]
+        support.scaling.append(spec.scaling)
+        if spec.window is not None:
+            support.sliding[i] = spec.window
+        if spec.softcap is not None:
+            support.softcap[i] = spec.softcap
+    return support
