@@ -8,6 +8,7 @@ import logging
 import streamlit as st
 
 from kvlens.errors import KvlensError
+from kvlens.ui import session
 from kvlens.ui.sidebar import page_config, sidebar
 
 page_config()
@@ -30,7 +31,7 @@ PAGES = {
 
 page = st.navigation(PAGES)
 sidebar(PAGES["Run"][0])
-st.session_state.app_shell_active = True
+st.session_state[session.SHELL] = True
 try:
     page.run()
 except KvlensError as err:
@@ -40,4 +41,4 @@ except Exception as err:  # noqa: BLE001  (the page shows a sentence, the log ke
     st.error(f"This page hit an unexpected error ({type(err).__name__}: {str(err)[:200]}). "
              "The details are in the terminal running `make run`; please report them.")
 finally:
-    st.session_state.app_shell_active = False
+    st.session_state[session.SHELL] = False

@@ -1,35 +1,33 @@
 """Attention: the step x position attention map of a layer and head, kept/evicted/merged/sink marked (CaM Fig. 1a-c)."""
 import streamlit as st
 
-from kvlens.plots_attention import (attention_grid, attention_map_figure, attention_row_figure, occupancy_figure,
-                                    recorded_attention_layers)
+from kvlens.levels import RecordLevel
+from kvlens.plots_attention import (
+    attention_grid,
+    attention_map_figure,
+    attention_row_figure,
+    occupancy_figure,
+    recorded_attention_layers,
+)
 from kvlens.ui.charts import chart
-from kvlens.ui.sidebar import app_shell
-from kvlens.ui.state import require, selected_run
-from kvlens.ui.views import run_header
+from kvlens.ui.page import browse_page, level_need
 
-app_shell()
-
-st.title("Attention")
-run = selected_run()
-if run is not None:
-    run_header(run)
-    if require(run, "full", "The attention map"):
-        layers = recorded_attention_layers(run)
-        heads = run.shape["heads"]
-        c1, c2, c3 = st.columns([1, 1, 3])
-        layer = c1.selectbox("Layer", layers, index=len(layers) // 2, key="attn_layer")
-        head = c2.selectbox("Query head", list(range(heads)), key="attn_head",
-                            help=f"KV head = query head // {heads // run.shape['kv_heads']} (GQA)")
-        grid = attention_grid(run, layer, head)
-        last = grid.rows[-1]
-        step = c3.slider("Query row", 0, last, last, key="attn_step",
-                         help="Row 0 is the last prompt token's query; row r fed generated token r - 1.") if last else 0
-        cfg = {"run": str(run.path), "layer": layer, "head": head}
-        chart(attention_map_figure(run, grid, step), "attn_map", name=f"attention-L{layer}-H{head}", config=cfg)
-        left, right = st.columns(2)
-        with left:
-            chart(attention_row_figure(grid, step), "attn_row", name=f"attention-row-{step}-L{layer}-H{head}",
-                  config={**cfg, "row": step})
-        with right:
-            chart(occupancy_figure(run), "attn_occ", name="occupancy", config={"run": str(run.path)})
+run = browse_page("Attention", need=level_need(RecordLevel.ATTENTION, "The attention map"))
+layers = recorded_attention_layers(run)
+heads = run.shape["heads"]
+c1, c2, c3 = st.columns([1, 1, 3])
+layer = c1.selectbox("Layer", layers, index=len(layers) // 2, key="attn_layer")
+head = c2.selectbox("Query head", list(range(heads)), key="attn_head",
+                    help=f"KV head = query head // {heads // run.shape['kv_heads']} (GQA)")
+grid = attention_grid(run, layer, head)
+last = grid.rows[-1]
+step = c3.slider("Query row", 0, last, last, key="attn_step",
+                 help="Row 0 is the last prompt token's query; row r fed generated token r - 1.") if last else 0
+cfg = {"run": str(run.path), "layer": layer, "head": head}
+chart(attention_map_figure(run, grid, step), "attn_map", name=f"attention-L{layer}-H{head}", config=cfg)
+left, right = st.columns(2)
+with left:
+    chart(attention_row_figure(grid, step), "attn_row", name=f"attention-row-{step}-L{layer}-H{head}",
+          config={**cfg, "row": step})
+with right:
+    chart(occupancy_figure(run), "attn_occ", name="occupancy", config={"run": str(run.path)})

@@ -1,12 +1,10 @@
 """Compare: 2-4 policies on one prompt, against the full cache: texts, divergence, metrics, aligned charts."""
 import streamlit as st
 
-from kvlens.errors import Cancelled, KvlensError
 from kvlens.ui.charts import chart
 from kvlens.ui.compare import Entry, compare, compare_figure, table
-from kvlens.ui.jobs import Job
+from kvlens.ui.jobs import PageJob
 from kvlens.ui.sidebar import app_shell
-from kvlens.ui.state import get_model
 from kvlens.ui.views import diverging_text
 from kvlens.ui.widgets import policy_picker
 
@@ -18,9 +16,8 @@ st.title("Compare")
 st.caption("Several policies on one prompt, each against the full cache: where the text first differs, perplexity "
            "on the full cache's continuation, KL and output perturbation, memory and speed.")
 
-st.session_state.cmp_running = False  # a comparison interrupted by Stop or navigation has ended by now
-if st.session_state.pop("cmp_stopped", False):  # Stop pressed while a run was going
-    st.warning("Stopped. Nothing was compared.")
+job = PageJob("cmp", "Stopped. Nothing was compared.")
+job.begin()
 prompt = st.text_area("Prompt", key="cmp_prompt", height=100,
                       value="The Constitution imposes upon me the obligation to give to the Congress information of "
                             "the State of the Union. While this has traditionally been interpreted as an annual "
@@ -36,33 +33,26 @@ for i, col in enumerate(cols):
 b1, b2, _ = st.columns([1, 1, 3])
 go_clicked = b1.button("Compare", type="primary", icon=":material/play_arrow:", key="cmp_go", width="stretch",
                        disabled=any(p is None for p in picks))
-b2.button("Stop", icon=":material/stop:", key="cmp_stop", width="stretch",
-          on_click=lambda: st.session_state.update(cmp_stopped=st.session_state.get("cmp_running", False)))
+job.stop_button(b2)
 
 if go_clicked and all(p is not None for p in picks):
     entries = [Entry(*p) for p in picks]
     status = st.empty()
-    try:
-        model = get_model(st.session_state.get("app_model", "default"), st.session_state.get("app_device", "auto"))
-        progress = {"n": 0}
-        total = (len({e.policy for e in entries} - {"full"}) + 1) * new_tokens
+    progress = {"n": 0}
+    total = (len({e.policy for e in entries} - {"full"}) + 1) * new_tokens
 
-        def draw(events):
-            progress["n"] += len(events)
-            label = events[-1][0]
-            status.progress(min(1.0, progress["n"] / total), text=f"Generating with {label}…")
+    def draw(events):
+        progress["n"] += len(events)
+        status.progress(min(1.0, progress["n"] / total), text=f"Generating with {events[-1][0]}…")
 
-        job = Job(lambda on_step, cancel: compare(model, prompt, entries, new_tokens,
-                                                  lambda label, e: on_step((label, e)), cancel))
-        st.session_state.cmp_running = True
-        st.session_state.cmp_result = job.follow(draw)
-        st.session_state.cmp_running = False
+    def work(model):
+        return lambda on_step, cancel: compare(model, prompt, entries, new_tokens,
+                                               lambda label, e: on_step((label, e)), cancel)
+
+    result = job.run(work, draw, status)
+    if result is not None:
+        st.session_state.cmp_result = result
         status.empty()
-    except Cancelled:
-        status.warning("Stopped. Nothing was compared.")
-    except KvlensError as err:
-        st.session_state.cmp_running = False
-        status.error(str(err))
 
 outcomes = st.session_state.get("cmp_result")
 if not outcomes:

@@ -3,65 +3,51 @@ import streamlit as st
 
 from kvlens import provenance
 from kvlens.analysis import recorded_layers
-from kvlens.plots import gaussian_figure
 from kvlens.plots_attention import decision_timeline_figure, provenance_figure
 from kvlens.ui.charts import chart
-from kvlens.ui.sidebar import app_shell
-from kvlens.ui.state import LEVEL_RANK, offer_runs, run_figure, selected_run
-from kvlens.ui.views import run_header
+from kvlens.ui.page import analysis_need, browse_page, fits, offer_runs
+from kvlens.ui.state import run_figure
 
-app_shell()
-
-MERGING = ("cam", "weightedkv", "kvmerger")
-
-st.title("Merges")
-st.caption("Which slot went where: evictions and merges per step, what each merged slot now holds, and how "
-           "KVMerger weighs a merging set.")
-run = selected_run()
-if run is not None:
-    run_header(run)
-    d = run.decisions
-    if d is None or not len(d):
-        st.info("This run made no decisions (nothing was evicted or merged). Pick a run of a compressing policy.")
-        offer_runs(lambda e: e.policy in MERGING, "merge_offer")
+run = browse_page("Merges", "Which slot went where: evictions and merges per step, what each merged slot now holds, "
+                            "and how KVMerger weighs a merging set.")
+d = run.decisions
+if d is None or not len(d):
+    st.info("This run made no decisions (nothing was evicted or merged). Pick a run of a compressing policy.")
+    offer_runs(lambda e: e.merging, "merge_offer")
+else:
+    c1, c2, _ = st.columns([1, 1, 2])
+    layer = c1.selectbox("Layer", sorted(d["layer"].unique().tolist()), key="merge_layer")
+    head = c2.selectbox("KV head", list(range(run.shape["kv_heads"])), key="merge_head")
+    merges = d[d["action"] == "merge"]
+    n_draw0 = int((merges["draw"] == 0).sum())
+    st.markdown(f"{(d['action'] == 'evict').sum()} evictions and {len(merges)} merges in all layers"
+                + (f" ({n_draw0} of them drew 0 from the Bernoulli mask and merged nothing)" if n_draw0 else "") + ".")
+    cfg = {"run": str(run.path), "layer": layer, "kv_head": head}
+    chart(decision_timeline_figure(run, layer, head), "merge_timeline", name=f"decisions-L{layer}-H{head}", config=cfg)
+    if not len(merges):
+        st.info(f"{run.meta['policy']['name']} only evicts, so no slot holds merged values. "
+                "Open a merging run to see provenance.")
+        offer_runs(lambda e: e.merging, "merge_offer")
     else:
-        shape = run.shape
-        c1, c2, _ = st.columns([1, 1, 2])
-        layer = c1.selectbox("Layer", sorted(d["layer"].unique().tolist()), key="merge_layer")
-        head = c2.selectbox("KV head", list(range(shape["kv_heads"])), key="merge_head")
-        merges = d[d["action"] == "merge"]
-        n_draw0 = int((merges["draw"] == 0).sum())
-        st.markdown(f"{(d['action'] == 'evict').sum()} evictions and {len(merges)} merges in all layers"
-                    + (f" ({n_draw0} of them drew 0 from the Bernoulli mask and merged nothing)" if n_draw0 else "")
-                    + ".")
-        cfg = {"run": str(run.path), "layer": layer, "kv_head": head}
-        chart(run_figure(decision_timeline_figure, run, layer, head), "merge_timeline",
-              name=f"decisions-L{layer}-H{head}", config=cfg)
-        if not len(merges):
-            st.info(f"{run.meta['policy']['name']} only evicts, so no slot holds merged values. "
-                    "Open a merging run to see provenance.")
-            offer_runs(lambda e: e.policy in MERGING, "merge_offer")
-        else:
-            table = provenance.table(run)
-            table = table[table["weight"] > 0]  # a Bernoulli draw of 0 added nothing
-            sub = table[(table["layer"] == layer) & (table["kv_head"] == head)]
-            left, right = st.columns([3, 2])
-            with left:
-                if len(sub):
-                    chart(provenance_figure(table, layer, head), "merge_prov", name=f"provenance-L{layer}-H{head}",
-                          config=cfg, data=sub)
-                else:
-                    st.info("No slot of this layer and head holds merged values at the end of the run.")
-            with right:
-                st.markdown("**Provenance table** (slot, original position it holds, weight)")
-                st.dataframe(sub[["slot", "source", "weight"]], hide_index=True, height=380, width="stretch")
-    if LEVEL_RANK.get((run.meta.get("record") or {}).get("level"), 0) >= 1:
-        st.subheader("Gaussian weights of a KVMerger merging set")
-        layers = recorded_layers(run)
-        c1, c2, c3 = st.columns(3)
-        g_layer = c1.selectbox("Layer", layers, key="merge_glayer")
-        g_head = c2.selectbox("KV head", list(range(run.shape["kv_heads"])), key="merge_ghead")
-        threshold = c3.slider("Similarity threshold", 0.3, 0.95, 0.75, step=0.05, key="merge_thr")
-        chart(run_figure(gaussian_figure, run, g_layer, g_head, threshold), "merge_gauss",
-              name=f"gaussian-L{g_layer}-H{g_head}",
-              config={"run": str(run.path), "layer": g_layer, "head": g_head, "threshold": threshold})
+        table = provenance.table(run)
+        table = table[table["weight"] > 0]  # a Bernoulli draw of 0 added nothing
+        sub = table[(table["layer"] == layer) & (table["kv_head"] == head)]
+        left, right = st.columns([3, 2])
+        with left:
+            if len(sub):
+                chart(provenance_figure(table, layer, head), "merge_prov", name=f"provenance-L{layer}-H{head}",
+                      config=cfg, data=sub)
+            else:
+                st.info("No slot of this layer and head holds merged values at the end of the run.")
+        with right:
+            st.markdown("**Provenance table** (slot, original position it holds, weight)")
+            st.dataframe(sub[["slot", "source", "weight"]], hide_index=True, height=380, width="stretch")
+if fits(analysis_need("gaussian")):
+    st.subheader("Gaussian weights of a KVMerger merging set")
+    c1, c2, c3 = st.columns(3)
+    g_layer = c1.selectbox("Layer", recorded_layers(run), key="merge_glayer")
+    g_head = c2.selectbox("KV head", list(range(run.shape["kv_heads"])), key="merge_ghead")
+    threshold = c3.slider("Similarity threshold", 0.3, 0.95, 0.75, step=0.05, key="merge_thr")
+    chart(run_figure(run, "gaussian", layer=g_layer, head=g_head, threshold=threshold), "merge_gauss",
+          name=f"gaussian-L{g_layer}-H{g_head}",
+          config={"run": str(run.path), "layer": g_layer, "head": g_head, "threshold": threshold})

@@ -3,28 +3,20 @@ import streamlit as st
 
 from kvlens.plots_attention import occupancy_figure
 from kvlens.ui.charts import chart
-from kvlens.ui.sidebar import app_shell
-from kvlens.ui.state import selected_run
-from kvlens.ui.views import metric_row, run_header, token_text
+from kvlens.ui.page import browse_page
+from kvlens.ui.views import metric_row, token_text
 
-app_shell()
-
-st.title("kvlens")
-st.caption("See what KV-cache compression does to a language model: pick a run in the sidebar, "
-           "browse its pages, or run and compare policies on your own prompt.")
-
-run = selected_run()
-if run is not None:
-    run_header(run)
-    metric_row(run)
-    left, right = st.columns([3, 2])
-    with left:
-        st.subheader("Text")
-        token_text(run)
-    with right:
-        chart(occupancy_figure(run), "ov_occ", name=f"occupancy-{run.path.name}",
-              config={"run": str(run.path), "figure": "occupancy"})
-    with st.expander("How this run was made, and what it recorded"):
-        st.code(run.meta.get("command") or "(made in the app)", language="bash", wrap_lines=True)
-        st.dataframe({"tensor": list(run.tensors), "shape": [str(list(t.shape)) for t in run.tensors.values()]},
-                     hide_index=True, width="stretch")
+run = browse_page("kvlens", "See what KV-cache compression does to a language model: pick a run in the sidebar, "
+                            "browse its pages, or run and compare policies on your own prompt.")
+metric_row(run)
+left, right = st.columns([3, 2])
+with left:
+    st.subheader("Text")
+    token_text(run)
+with right:
+    chart(occupancy_figure(run), "ov_occ", name=f"occupancy-{run.path.name}",
+          config={"run": str(run.path), "figure": "occupancy"})
+with st.expander("How this run was made, and what it recorded"):
+    st.code(run.meta.get("command") or "(made in the app)", language="bash", wrap_lines=True)
+    st.dataframe({"tensor": list(run.tensors), "shape": [str(list(t.shape)) for t in run.tensors.values()]},
+                 hide_index=True, width="stretch")

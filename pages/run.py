@@ -4,11 +4,12 @@ import time
 import streamlit as st
 
 from kvlens import texts as bundled
-from kvlens.errors import Cancelled, KvlensError
-from kvlens.ui.jobs import Job
+from kvlens.levels import LEVELS, RecordLevel
+from kvlens.ui import session
+from kvlens.ui.jobs import PageJob
 from kvlens.ui.live import Live, RunSettings, parse_layers
 from kvlens.ui.sidebar import app_shell
-from kvlens.ui.state import get_model, list_runs, user_runs_dir
+from kvlens.ui.state import list_runs, user_runs_dir
 from kvlens.ui.widgets import policy_picker
 
 app_shell()
@@ -16,9 +17,8 @@ app_shell()
 st.title("Run")
 st.caption("Run a policy on a prompt, watch it work, and save the run for the other pages.")
 
-st.session_state.run_running = False  # a run interrupted by Stop or navigation has ended by now
-if st.session_state.pop("run_stopped", False):  # Stop pressed while a run was going
-    st.warning("Stopped. The run was cancelled and nothing was saved.")
+job = PageJob("run", "Stopped. The run was cancelled and nothing was saved.")
+job.begin()
 saved = st.session_state.pop("run_saved", None)
 if saved:
     st.success(f"Saved {saved}; it is now selected in the sidebar, so every page shows it.")
@@ -50,19 +50,19 @@ with left:
                                     help="Use the start of the bundled text as the prompt.")
             text = text[:chars]
     c3, c4 = st.columns(2)
-    record = c3.selectbox("Record", ["full", "states", "summary"], key="run_record",
-                          help="summary: tokens, metrics, decisions. states: + prompt q/k/v (Similarity, Spectra). "
-                               "full: + attention rows of every step (Attention).")
-    layers_text = c4.text_input("Layers to record", "0,15,29", key="run_layers", disabled=record == "summary",
+    record = c3.selectbox("Record", LEVELS[::-1], key="run_record",
+                          help=f"{RecordLevel.SUMMARY}: tokens, metrics, decisions. {RecordLevel.STATES}: + prompt "
+                               f"q/k/v (Similarity, Spectra). {RecordLevel.ATTENTION}: + attention rows of every "
+                               "step (Attention).")
+    layers_text = c4.text_input("Layers to record", "0,15,29", key="run_layers",
+                                disabled=record == RecordLevel.SUMMARY,
                                 help="'all' or comma-separated layers; fewer layers keep the run small.")
     measure = st.checkbox("Measure perturbation and KL to the full cache", value=True, key="run_measure",
                           help="Keeps an uncompressed shadow cache (slower); fills the Perturbation page.")
     b1, b2 = st.columns(2)
     go_clicked = b1.button("Run", type="primary", icon=":material/play_arrow:", width="stretch", key="run_go",
                            disabled=picked is None)
-    b2.button("Stop", icon=":material/stop:", width="stretch", key="run_stop",
-              on_click=lambda: st.session_state.update(run_stopped=st.session_state.get("run_running", False)),
-              help="Cancel the running run; nothing is saved.")
+    job.stop_button(b2, help="Cancel the running run; nothing is saved.")
 
 with right:
     status = st.empty()
@@ -73,35 +73,27 @@ with right:
 
 if go_clicked and picked is not None:
     policy, params, budget = picked
-    st.session_state.pop("run_stopped", None)
-    try:
-        model = get_model(st.session_state.get("app_model", "default"), st.session_state.get("app_device", "auto"))
-        layers = None if record == "summary" else parse_layers(layers_text, model.shape()["layers"])
-        settings = RunSettings(policy, params, budget, text, teacher, int(new_tokens), int(prefill), record, layers,
-                               measure)
-        live = Live()
-        frame = [0]
+    live = Live()
+    frame = [0]
 
-        def draw(events):
-            live.add(events)
-            frame[0] += 1
-            status.info(f"Running {policy}: step {live.steps[-1] + 1} of {new_tokens}, {live.seconds():.1f} s. "
-                        "Press **Stop** to cancel.")
-            live_chart.plotly_chart(live.figure(), key=f"run_live_{frame[0]}")
-            live_text.markdown(f"**Output so far:** {live.text}")
+    def work(model):
+        layers = None if record == RecordLevel.SUMMARY else parse_layers(layers_text, model.shape()["layers"])
+        return RunSettings(policy, params, budget, text, teacher, int(new_tokens), int(prefill), record, layers,
+                           measure).work(model)
 
-        st.session_state.run_running = True
-        with st.spinner("Running…"):
-            run = Job(settings.work(model)).follow(draw)
-        st.session_state.run_running = False
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = run.save(user_runs_dir() / f"{policy}-{stamp}")
+    def draw(events):
+        live.add(events)
+        frame[0] += 1
+        status.info(f"Running {policy}: step {live.steps[-1] + 1} of {new_tokens}, {live.seconds():.1f} s. "
+                    "Press **Stop** to cancel.")
+        live_chart.plotly_chart(live.figure(), key=f"run_live_{frame[0]}")
+        live_text.markdown(f"**Output so far:** {live.text}")
+
+    with st.spinner("Running…"):
+        run = job.run(work, draw, status)
+    if run is not None:
+        path = run.save(user_runs_dir() / f"{policy}-{time.strftime('%Y%m%d-%H%M%S')}")
         list_runs.clear()
-        st.session_state.app_run_request = str(path)
+        st.session_state[session.RUN_REQUEST] = str(path)
         st.session_state.run_saved = path.name
         st.rerun()
-    except Cancelled:
-        status.warning("Stopped. The run was cancelled and nothing was saved.")
-    except KvlensError as err:
-        st.session_state.run_running = False
-        status.error(str(err))

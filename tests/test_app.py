@@ -14,6 +14,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from kvlens import load_run
+from kvlens.levels import RecordLevel
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHED = ROOT / "cached_runs"
@@ -63,8 +64,8 @@ def test_overview_lists_shipped_runs_and_defaults_to_a_measured_merging_run(app)
 
 
 def test_attention_map_marks_evictions_and_stays_small(app):
-    at = open_page(app, "attention", "streaming_llm-full")
-    run = load_run(CACHED / "streaming_llm-full")
+    at = open_page(app, "attention", "streaming_llm-attention")
+    run = load_run(CACHED / "streaming_llm-attention")
     assert at.selectbox(key="attn_layer").options == ["0", "15", "29"]
     assert len(at.selectbox(key="attn_head").options) == run.shape["heads"]
     heat = traces(charts(at)[0], "heatmap")
@@ -81,11 +82,11 @@ def test_attention_map_marks_evictions_and_stays_small(app):
     assert charts(at)[1]["layout"]["title"]["text"].endswith("query row 5")
 
 
-def test_attention_asks_for_full_recording_on_a_summary_run(app):
+def test_attention_asks_for_attention_recording_on_a_summary_run(app):
     at = open_page(app, "attention", "tova-summary")
-    assert any("--record full" in w.value for w in at.warning)
+    assert any(f"--record {RecordLevel.ATTENTION}" in w.value for w in at.warning)
     assert not at.get("plotly_chart")
-    at.button(key="req_h2o-full").click().run()  # the offered run opens
+    at.button(key="req_h2o-attention").click().run()  # the offered run opens
     assert not at.exception and at.get("plotly_chart")
 
 
@@ -110,8 +111,8 @@ def test_spectra_has_one_line_per_recorded_layer_for_keys_and_values(app):
 
 
 def test_merges_timeline_and_provenance_of_a_cam_run(app):
-    at = open_page(app, "merges", "cam-full")
-    run = load_run(CACHED / "cam-full")
+    at = open_page(app, "merges", "cam-attention")
+    run = load_run(CACHED / "cam-attention")
     timeline = charts(at)[0]
     names = {t["name"] for t in timeline["data"]}
     assert names == {"evict", "merge"}
@@ -123,13 +124,13 @@ def test_merges_timeline_and_provenance_of_a_cam_run(app):
 
 
 def test_merges_says_an_eviction_run_has_no_provenance(app):
-    at = open_page(app, "merges", "h2o-full")
+    at = open_page(app, "merges", "h2o-attention")
     assert any("only evicts" in i.value for i in at.info)
 
 
 def test_perturbation_of_a_measured_run(app):
-    at = open_page(app, "perturbation", "cam-full")
-    run = load_run(CACHED / "cam-full")
+    at = open_page(app, "perturbation", "cam-attention")
+    run = load_run(CACHED / "cam-attention")
     steps = run.tensor("perturbation/used").shape[0]
     spec = charts(at)[0]
     names = [t["name"] for t in spec["data"]]
@@ -140,7 +141,7 @@ def test_perturbation_of_a_measured_run(app):
 
 
 def test_perturbation_asks_for_measure(app):
-    at = open_page(app, "perturbation", "h2o-full")
+    at = open_page(app, "perturbation", "h2o-attention")
     assert any("--measure" in w.value for w in at.warning)
 
 
@@ -225,7 +226,7 @@ def test_run_page_generates_and_saves_a_run(app, tmp_path):
     at.selectbox(key="run_policy").set_value("streaming_llm").run()
     at.text_input(key="run_streaming_llm_budget").set_value("8")
     at.number_input(key="run_new").set_value(4)
-    at.selectbox(key="run_record").set_value("full")
+    at.selectbox(key="run_record").set_value(RecordLevel.ATTENTION)
     at.text_input(key="run_layers").set_value("0,29")
     at.checkbox(key="run_measure").uncheck().run()
     at.button(key="run_go").click().run()
@@ -302,3 +303,55 @@ def test_the_app_reads_no_model_path_typed_into_it(monkeypatch, tmp_path):
             check_app_model(typed)
     monkeypatch.setenv("KVLENS_APP_MODEL", str(tmp_path))
     assert check_app_model(str(tmp_path)) == str(tmp_path)
+
+
+def test_the_app_draws_the_figure_a_notebook_gets_from_the_registry(app):
+    at = open_page(app, "spectra", "full-states")
+    at.slider(key="spec_components").set_value(16).run()
+    drawn = charts(at)[0]
+    notebook = json.loads(load_run(CACHED / "full-states").figure("spectrum", components=16).to_json())
+    assert drawn["data"] == notebook["data"] and drawn["layout"]["meta"] == notebook["layout"]["meta"]
+
+
+def test_merges_offers_the_runs_of_merging_policies(app):
+    at = open_page(app, "merges", "full-states")  # the full cache decides nothing
+    assert any("made no decisions" in i.value for i in at.info)
+    offered = {b.key.removeprefix("merge_offer_") for b in at.button if b.key and b.key.startswith("merge_offer_")}
+    assert offered == {"cam-attention", "kvmerger-attention"}  # h2o and streaming_llm only evict
+
+
+def test_page_job_protocol_errors_results_and_stop(monkeypatch):
+    """Run and Compare share `PageJob`: a bad setting is one sentence, a result comes back, Stop is reported."""
+    import kvlens.ui.jobs
+
+    monkeypatch.setattr(kvlens.ui.jobs, "get_model", lambda spec, device: "model")
+
+    def page():
+        import streamlit as st
+
+        from kvlens.errors import KvlensError
+        from kvlens.ui.jobs import PageJob
+
+        def make_work(model):
+            if st.session_state.get("fail"):
+                raise KvlensError("That setting is bad.")
+            return lambda on_step, cancel: [on_step(i) for i in range(3)] and f"done with {model}"
+
+        job = PageJob("t", "Stopped; nothing was saved.")
+        job.begin()
+        job.stop_button()
+        if st.button("Go", key="t_go"):
+            st.session_state.result = job.run(make_work, st.session_state.setdefault("events", []).extend, st.empty())
+
+    at = AppTest.from_function(page, default_timeout=TIMEOUT).run()
+    at.button(key="t_go").click().run()
+    assert at.session_state.result == "done with model" and at.session_state.events == [0, 1, 2]
+    assert not at.session_state.t_running
+    at.session_state.fail = True
+    at.button(key="t_go").click().run()
+    assert [e.value for e in at.error] == ["That setting is bad."] and at.session_state.result is None
+    at.session_state.t_running = True  # as while a job runs: Stop's callback records it, the next run says so
+    at.button(key="t_stop").click().run()
+    assert [w.value for w in at.warning] == ["Stopped; nothing was saved."] and not at.session_state.t_running
+    at.button(key="t_stop").click().run()  # Stop with nothing running says nothing
+    assert not at.warning

@@ -3,7 +3,7 @@
 Files come from `kvlens.export` (the CLI's exporter) and images are rendered only when their
 button is clicked (Streamlit calls the data callable then), so a page never pays kaleido's
 seconds for exports nobody asked for. Exports are always in the paper style (`kvlens.plots`'
-template); the sidebar's paper-style toggle (`app_paper`) shows that style on screen too,
+template); the sidebar's paper-style toggle (`session.PAPER`) shows that style on screen too,
 otherwise charts follow the app's theme.
 """
 from __future__ import annotations
@@ -18,13 +18,14 @@ import streamlit as st
 import kvlens.plots  # noqa: F401  (registers the "kvlens" plotly template used below)
 from kvlens import export
 from kvlens.errors import KvlensError
+from kvlens.ui import session
 
 MIME = {"png": "image/png", "svg": "image/svg+xml", "pdf": "application/pdf", "csv": "text/csv",
         "json": "application/json"}
 
 
 def paper_mode() -> bool:
-    return bool(st.session_state.get("app_paper", False))
+    return bool(st.session_state.get(session.PAPER, False))
 
 
 def _slug(text: str) -> str:
@@ -64,5 +65,6 @@ def _image(fig: go.Figure, fmt: str) -> bytes:
 
 
 def _csv(fig: go.Figure, data: pd.DataFrame | None) -> str:
-    frame = data if data is not None else pd.DataFrame(export.figure_rows(fig), columns=["trace", "x", "y", "z", "error"])
+    columns = ["trace", "x", "y", "z", "error"]
+    frame = data if data is not None else pd.DataFrame(export.figure_rows(fig), columns=columns)
     return frame.to_csv(index=False)

@@ -3,13 +3,14 @@
 For each policy: one measured generation (`kvlens.api.generate(measure=True)`: its text, output
 perturbation and KL to a full-cache pass over its own tokens, memory), and one unmeasured
 teacher-forced pass over the full cache's continuation, so every policy's perplexity (and speed,
-free of the measuring overhead) is on the same tokens. The full cache itself is always run first as the reference. No Streamlit here.
+free of the measuring overhead) is on the same tokens. The full cache itself is always run first
+as the reference. No Streamlit here.
 """
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -20,8 +21,8 @@ from kvlens.engine import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.plots import line_style
 from kvlens.policies import make_policy
-from kvlens.ui.labels import changed_params
 from kvlens.runs import Run
+from kvlens.ui.labels import changed_params
 
 MAX_POLICIES = 4
 

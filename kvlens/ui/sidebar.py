@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvlens.ui.state import LEVEL_RANK, RunEntry, all_runs, cached_runs_dir, user_runs_dir
+from kvlens.levels import LEVELS
+from kvlens.ui import session
+from kvlens.ui.state import RunEntry, all_runs, cached_runs_dir, user_runs_dir
 
 DEVICES = ["auto", "cpu", "cuda", "mps"]
 
 
 def default_run(runs: list[RunEntry]) -> RunEntry:
     """The run that fills the most pages: highest recording level, merging policies first."""
-    return max(runs, key=lambda e: (LEVEL_RANK.get(e.level, 0), e.policy in ("cam", "kvmerger", "weightedkv", "corm"),
-                                    e.source == "shipped"))
+    return max(runs, key=lambda e: (LEVELS.index(e.level), e.merging, e.source == "shipped"))
 
 
 def page_config() -> None:
@@ -20,41 +21,41 @@ def page_config() -> None:
 
 def app_shell() -> None:
     """Pages call this first. app.py draws the shell (page config, sidebar) around the page and
-    marks it in `app_shell_active`; when Streamlit runs a `pages/` file on its own (its multipage v1
+    marks it in `session.SHELL`; when Streamlit runs a `pages/` file on its own (its multipage v1
     mode: the first request of a fresh server is a page's URL, and AppTest's `switch_page`), the
     page draws the shell itself."""
-    if not st.session_state.get("app_shell_active"):
+    if not st.session_state.get(session.SHELL):
         page_config()
         sidebar()
 
 
 def sidebar(run_page="pages/run.py") -> None:
-    """Draw the sidebar; the chosen run's entry lands in `st.session_state.app_run_entry`."""
+    """Draw the sidebar; the chosen run's entry lands in `st.session_state[session.RUN_ENTRY]`."""
     with st.sidebar:
         runs = all_runs()
         if not runs:
-            st.session_state.app_run_entry = None
+            st.session_state[session.RUN_ENTRY] = None
             st.info(f"No runs yet: {cached_runs_dir()} and {user_runs_dir()} hold none. "
                     "Make one on the Run page, or regenerate the shipped ones with "
                     "`python scripts/make_cached_runs.py`.")
         else:
             by_path = {e.path: e for e in runs}
-            request = st.session_state.pop("app_run_request", None)  # set by pages that saved a run
+            request = st.session_state.pop(session.RUN_REQUEST, None)  # set by pages that saved a run
             if request in by_path:
-                st.session_state.app_run = request
-            if st.session_state.get("app_run") not in by_path:
-                st.session_state.app_run = default_run(runs).path
-            path = st.selectbox("Run", list(by_path), key="app_run", format_func=lambda p: by_path[p].label,
+                st.session_state[session.RUN] = request
+            if st.session_state.get(session.RUN) not in by_path:
+                st.session_state[session.RUN] = default_run(runs).path
+            path = st.selectbox("Run", list(by_path), key=session.RUN, format_func=lambda p: by_path[p].label,
                                 help="Shipped runs from cached_runs/, then yours from runs/ (newest first).")
-            st.session_state.app_run_entry = by_path[path]
+            st.session_state[session.RUN_ENTRY] = by_path[path]
         if st.button("New run", icon=":material/add:", width="stretch", help="Run a policy on your own prompt"):
             st.switch_page(run_page)
         st.divider()
-        st.toggle("Paper style", key="app_paper",
+        st.toggle("Paper style", key=session.PAPER,
                   help="Show charts in the style they are exported in (white, one font, no grid).")
         with st.expander("Model", expanded=False):
-            st.text_input("Model", value="default", key="app_model",
+            st.text_input("Model", value="default", key=session.MODEL,
                           help="'default' (embedded SmolLM2-135M-Instruct) or a hub id; a local folder or .gguf "
                                "file only if the app was started with KVLENS_APP_MODEL set to it. "
                                "Used by the Run and Compare pages.")
-            st.selectbox("Device", DEVICES, key="app_device", help="auto = CUDA, then MPS, then CPU.")
+            st.selectbox("Device", DEVICES, key=session.DEVICE, help="auto = CUDA, then MPS, then CPU.")

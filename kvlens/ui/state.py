@@ -15,6 +15,8 @@ from pathlib import Path
 import streamlit as st
 
 from kvlens.errors import KvlensError
+from kvlens.levels import RecordLevel
+from kvlens.policies import REGISTRY
 from kvlens.runs import RUN_JSON, Run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,9 +41,14 @@ class RunEntry:
     source: str  # "shipped" or "yours"
     name: str
     policy: str
-    level: str
+    level: RecordLevel
     mtime: float
     measured: bool  # has perturbation tensors (--measure)
+
+    @property
+    def merging(self) -> bool:
+        """Whether its policy merges slots (the policy class's `merges`)."""
+        return bool(getattr(REGISTRY.get(self.policy), "merges", False))
 
     @property
     def label(self) -> str:
@@ -53,7 +60,7 @@ def _entry(directory: Path, source: str) -> RunEntry | None:
     try:
         meta = json.loads(manifest.read_text(encoding="utf-8"))
         policy = str(meta["policy"]["name"])
-        level = str((meta.get("record") or {}).get("level", "summary"))
+        level = RecordLevel.parse(str((meta.get("record") or {}).get("level", RecordLevel.SUMMARY)))
         measured = "perturbation/used" in (meta.get("tensors") or {})
         return RunEntry(str(directory), source, directory.name, policy, level, manifest.stat().st_mtime, measured)
     except (OSError, ValueError, KeyError, TypeError):
@@ -95,8 +102,6 @@ def open_run(path: str) -> Run:
 def check_app_model(spec: str) -> str:
     """The app loads 'default' or a hub id; a local path only if the server was started with it
     in $KVLENS_APP_MODEL, so nothing typed into the page reads files elsewhere on the machine."""
-    from kvlens.errors import KvlensError
-
     spec = (spec or "default").strip()
     allowed = os.environ.get("KVLENS_APP_MODEL")
     looks_local = spec.startswith(("/", ".", "~", "\\")) or spec.lower().endswith(".gguf") or \
@@ -119,59 +124,13 @@ def _load_model(spec: str, device: str):
     return load_model(spec, device=device)
 
 
-def selected_run() -> Run | None:
-    """The run chosen in the sidebar, or None (after telling the user why) if there is none."""
-    entry = st.session_state.get("app_run_entry")
-    if entry is None:
-        st.info("No run is selected. Pick one in the sidebar, or make one on the **Run** page.")
-        return None
-    try:
-        return open_run(entry.path)
-    except KvlensError as err:
-        st.error(str(err))
-    except OSError as err:
-        st.error(f"The run folder {entry.path} could not be read ({err.strerror or err}).")
-    return None
-
-
-LEVEL_RANK = {"summary": 0, "states": 1, "full": 2}
-
-
-def require(run: Run, level: str, what: str) -> bool:
-    """True if `run` was recorded at `level` or above; else explain which `--record` level to use."""
-    have = (run.meta.get("record") or {}).get("level", "summary")
-    if LEVEL_RANK.get(have, 0) >= LEVEL_RANK[level]:
-        return True
-    st.warning(f"{what} needs a run recorded with `--record {level}`; this run was recorded at `{have}`. "
-               f"Open one that has it, or make one on the **Run** page with *Record* set to `{level}`.")
-    offer_runs(lambda e: LEVEL_RANK.get(e.level, 0) >= LEVEL_RANK[level], "req")
-    return False
-
-
-def offer_runs(accept, key: str) -> None:
-    """Buttons opening the runs that `accept(entry)` (at most four)."""
-    fitting = [e for e in all_runs() if accept(e)][:4]
-    if fitting:
-        cols = st.columns(len(fitting))
-        for col, e in zip(cols, fitting):
-            col.button(f"Open {e.name}", key=f"{key}_{e.name}", on_click=_choose, args=(e.path,))
-
-
-def _choose(path: str) -> None:
-    st.session_state.app_run = path
-
-
 @st.cache_data(max_entries=64, show_spinner="Computing…")
-def _figure(module: str, builder: str, path: str, mtime: float, args: tuple, kwargs: tuple):
-    import importlib
-
-    fn = getattr(importlib.import_module(module), builder)
-    return fn(_open_run(path, mtime), *args, **dict(kwargs))
+def _figure(kind: str, path: str, mtime: float, params: tuple):
+    return _open_run(path, mtime).figure(kind, **dict(params))
 
 
-def run_figure(builder, run: Run, *args, **kwargs):
-    """`builder(run, *args, **kwargs)` (a figure builder of `kvlens.plots*`), cached per run and arguments."""
+def run_figure(run: Run, kind: str, **params):
+    """`run.figure(kind, **params)`: the registered analysis' figure, as `kvlens figure` draws it, cached
+    per run and parameters."""
     manifest = Path(run.path) / RUN_JSON
-    return _figure(builder.__module__, builder.__name__, str(run.path), manifest.stat().st_mtime, args,
-                   tuple(sorted(kwargs.items())))
-
+    return _figure(kind, str(run.path), manifest.stat().st_mtime, tuple(sorted(params.items())))

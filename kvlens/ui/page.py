@@ -1,0 +1,105 @@
+"""The scaffold of a browse page: `run = browse_page(title, caption, need)` draws the shell, the title,
+the run picked in the sidebar and its header, checks what the page needs of the run, and stops the
+page (`st.stop()`) when there is no run or the run lacks it, after saying why and offering runs that
+have it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import streamlit as st
+
+from kvlens.analysis.registry import get_analysis
+from kvlens.errors import KvlensError
+from kvlens.levels import RecordLevel
+from kvlens.runs import Run
+from kvlens.ui import session
+from kvlens.ui.sidebar import app_shell
+from kvlens.ui.state import RunEntry, all_runs, open_run
+from kvlens.ui.views import run_header
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a page needs of a run: `accept(entry)` on the picker's entries, and `why`, the sentence shown
+    when the open run lacks it (`{have}` is replaced by that run's record level)."""
+
+    accept: Callable[[RunEntry], bool]
+    why: str
+
+
+MEASURED = Need(lambda e: e.measured, "This run was not measured. Record one with `kvlens generate ... --measure` "
+                                      "(or tick *Measure* on the Run page), or open a measured run:")
+
+
+def level_need(level: RecordLevel, what: str) -> Need:
+    """A run recorded at `level` or above (`what` names what needs it, e.g. "The attention map")."""
+    return Need(lambda e: e.level.includes(level),
+                f"{what} needs a run recorded with `--record {level}`; this run was recorded at `{{have}}`. "
+                f"Open one that has it, or make one on the **Run** page with *Record* set to `{level}`.")
+
+
+def analysis_need(kind: str) -> Need:
+    """The record level the registered analysis `kind` declares."""
+    analysis = get_analysis(kind)
+    return level_need(analysis.level, f"The {analysis.name} analysis ({analysis.paper})")
+
+
+def browse_page(title: str, caption: str = "", need: Need | None = None) -> Run:
+    """Shell, title, caption, the picked run's header, and `need` checked; the open run, or `st.stop()`."""
+    app_shell()
+    st.title(title)
+    if caption:
+        st.caption(caption)
+    run = selected_run()
+    if run is None:
+        st.stop()
+    run_header(run)
+    if need is not None and not meets(need, "req"):
+        st.stop()
+    return run
+
+
+def fits(need: Need) -> bool:
+    """Whether the open run meets `need` (nothing is shown)."""
+    entry = st.session_state.get(session.RUN_ENTRY)
+    return entry is not None and need.accept(entry)
+
+
+def meets(need: Need, key: str) -> bool:
+    """True if the open run meets `need`; else say why and offer (buttons keyed `{key}_NAME`) runs that do."""
+    if fits(need):
+        return True
+    entry = st.session_state.get(session.RUN_ENTRY)
+    st.warning(need.why.replace("{have}", entry.level if entry else "none"))
+    offer_runs(need.accept, key)
+    return False
+
+
+def selected_run() -> Run | None:
+    """The run chosen in the sidebar, or None (after telling the user why) if there is none."""
+    entry = st.session_state.get(session.RUN_ENTRY)
+    if entry is None:
+        st.info("No run is selected. Pick one in the sidebar, or make one on the **Run** page.")
+        return None
+    try:
+        return open_run(entry.path)
+    except KvlensError as err:
+        st.error(str(err))
+    except OSError as err:
+        st.error(f"The run folder {entry.path} could not be read ({err.strerror or err}).")
+    return None
+
+
+def offer_runs(accept: Callable[[RunEntry], bool], key: str) -> None:
+    """Buttons opening the runs that `accept(entry)` (at most four)."""
+    fitting = [e for e in all_runs() if accept(e)][:4]
+    if fitting:
+        cols = st.columns(len(fitting))
+        for col, e in zip(cols, fitting, strict=True):
+            col.button(f"Open {e.name}", key=f"{key}_{e.name}", on_click=_choose, args=(e.path,))
+
+
+def _choose(path: str) -> None:
+    st.session_state[session.RUN] = path
