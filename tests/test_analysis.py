@@ -15,6 +15,7 @@ from kvlens.cli import main
 from kvlens.engine import RunOptions
 from kvlens.engine import run as engine_run
 from kvlens.errors import KvlensError
+from kvlens.levels import RecordLevel
 from kvlens.policies import make_policy
 from kvlens.policies.kvmerger import merging_sets
 from tests.conftest import TEXTS, tiny_model
@@ -337,7 +338,7 @@ def test_a_registered_analysis_reaches_the_cli_and_run_figure(tmp_path, capsys):
     class Norms(registry.Analysis):
         name = "test-norms"
         paper = "none"
-        level = registry.STATES
+        level = RecordLevel.STATES
         params = (registry.Param("layer", int, 0, "layer"),)
 
         def compute(self, run, layer):

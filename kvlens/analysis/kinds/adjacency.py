@@ -1,13 +1,14 @@
 """Mean cosine similarity of adjacent tokens' states per layer (KVMerger Fig. 3a, summarised)."""
 from kvlens import analysis as an
-from kvlens.analysis.registry import STATES, Analysis, register_analysis
+from kvlens.analysis.registry import Analysis, register_analysis
+from kvlens.levels import RecordLevel
 
 
 @register_analysis
 class Adjacency(Analysis):
     name = "adjacency"
     paper = "KVMerger Fig. 3a (summary over tokens)"
-    level = STATES
+    level = RecordLevel.STATES
 
     def compute(self, run):
         return an.adjacency(run)

@@ -1,14 +1,15 @@
 """Gaussian-kernel merge weights over one KVMerger merging set, pivot marked (KVMerger Fig. 3d)."""
 from kvlens import analysis as an
-from kvlens.analysis.registry import LAYER, STATES, THRESHOLD, Analysis, Param, register_analysis
+from kvlens.analysis.registry import LAYER, THRESHOLD, Analysis, Param, register_analysis
 from kvlens.analysis.states import layer_or_middle
+from kvlens.levels import RecordLevel
 
 
 @register_analysis
 class Gaussian(Analysis):
     name = "gaussian"
     paper = "KVMerger Fig. 3d"
-    level = STATES
+    level = RecordLevel.STATES
     params = (LAYER,
               Param("head", int, 0, "KV head"),
               THRESHOLD,

@@ -1,13 +1,14 @@
 """Future attention with and without one merge, per layer (WeightedKV Fig. 2)."""
 from kvlens import analysis as an
-from kvlens.analysis.registry import STATES, Analysis, Param, register_analysis
+from kvlens.analysis.registry import Analysis, Param, register_analysis
+from kvlens.levels import RecordLevel
 
 
 @register_analysis
 class MergeSimilarity(Analysis):
     name = "merge-similarity"
     paper = "WeightedKV Fig. 2"
-    level = STATES
+    level = RecordLevel.STATES
     params = (Param("step", int, 100, "the query row at which one token is merged"),
               Param("horizon", int, 800, "how many later rows are compared"))
 

@@ -1,6 +1,7 @@
 """Log-perplexity of the tokens so far against position, one curve per run (WeightedKV Fig. 4)."""
 from kvlens import analysis as an
-from kvlens.analysis.registry import SUMMARY, Analysis, Param, register_analysis
+from kvlens.analysis.registry import Analysis, Param, register_analysis
+from kvlens.levels import RecordLevel
 
 
 def _labels(runs: list, label: list) -> list:
@@ -13,7 +14,7 @@ class Perplexity(Analysis):
     name = "perplexity"
     paper = "WeightedKV Fig. 4"
     inputs = "runs"
-    level = SUMMARY
+    level = RecordLevel.SUMMARY
     params = (Param("label", str, (), "legend label of each run, in order (default: its policy)", many=True),)
 
     def compute(self, runs, label):

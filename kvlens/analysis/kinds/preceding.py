@@ -1,14 +1,15 @@
 """Similarity of token t's state to each of the tokens before it, per head (KVMerger Fig. 3a)."""
 from kvlens import analysis as an
-from kvlens.analysis.registry import LAYER, STATES, Analysis, Param, nan_to_none, register_analysis
+from kvlens.analysis.registry import LAYER, Analysis, Param, nan_to_none, register_analysis
 from kvlens.analysis.states import layer_or_middle, parse_states
+from kvlens.levels import RecordLevel
 
 
 @register_analysis
 class Preceding(Analysis):
     name = "preceding"
     paper = "KVMerger Fig. 3a"
-    level = STATES
+    level = RecordLevel.STATES
     params = (LAYER,
               Param("token", int, None, "token t (default: the last prompt token)"),
               Param("window", int, 32, "how many tokens before t"),

@@ -1,14 +1,15 @@
 """Token x token cosine similarity of one head's prefill states (KVMerger Fig. 2, CORM Fig. 3)."""
 from kvlens import analysis as an
-from kvlens.analysis.registry import LAYER, STATES, Analysis, Param, nan_to_none, register_analysis
+from kvlens.analysis.registry import LAYER, Analysis, Param, nan_to_none, register_analysis
 from kvlens.analysis.states import layer_or_middle, parse_states
+from kvlens.levels import RecordLevel
 
 
 @register_analysis
 class Similarity(Analysis):
     name = "similarity"
     paper = "KVMerger Fig. 2, CORM Fig. 3"
-    level = STATES
+    level = RecordLevel.STATES
     params = (LAYER,
               Param("head", int, 0, "KV head (a query head for queries)"),
               Param("state", str, "key", "query, key or value; a figure also takes several, comma-separated "

@@ -1,13 +1,14 @@
 """Layer-wise and head-wise attention sparsity, CORM's definition (CORM Fig. 1)."""
 from kvlens import analysis as an
-from kvlens.analysis.registry import STATES, Analysis, register_analysis
+from kvlens.analysis.registry import Analysis, register_analysis
+from kvlens.levels import RecordLevel
 
 
 @register_analysis
 class Sparsity(Analysis):
     name = "sparsity"
     paper = "CORM Fig. 1"
-    level = STATES
+    level = RecordLevel.STATES
 
     def compute(self, run):
         return an.corm_sparsity(run)

@@ -1,13 +1,14 @@
 """Normalised singular values of the key and value caches per layer (WeightedKV Fig. 1)."""
 from kvlens import analysis as an
-from kvlens.analysis.registry import STATES, Analysis, Param, register_analysis
+from kvlens.analysis.registry import Analysis, Param, register_analysis
+from kvlens.levels import RecordLevel
 
 
 @register_analysis
 class Spectrum(Analysis):
     name = "spectrum"
     paper = "WeightedKV Fig. 1"
-    level = STATES
+    level = RecordLevel.STATES
     params = (Param("components", int, 64, "singular values kept per head"),)
 
     def compute(self, run, components):

@@ -1,14 +1,15 @@
 """Attention variance of single tokens against that of group means over later steps (CaM Fig. 2)."""
 from kvlens import analysis as an
-from kvlens.analysis.registry import LAYER, STATES, Analysis, Param, register_analysis
+from kvlens.analysis.registry import LAYER, Analysis, Param, register_analysis
 from kvlens.analysis.states import layer_or_middle
+from kvlens.levels import RecordLevel
 
 
 @register_analysis
 class Variance(Analysis):
     name = "variance"
     paper = "CaM Fig. 2"
-    level = STATES
+    level = RecordLevel.STATES
     params = (LAYER,
               Param("head", int, None, "query head (default: the mean over the layer's heads)"),
               Param("group", int, 64, "tokens per group (CaM's m)"))
