@@ -11,6 +11,7 @@ from kvlens.decisions import DecisionLog
 from kvlens.engine import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy, parse_settings
+from kvlens.policies.cam import DECODE_ATTN, CaM
 from kvlens.policies.corm import CORM, MESSAGE, MESSAGES_SEEN
 from kvlens.policies.kvmerger import gaussian_weights, merging_sets
 from kvlens.provenance import replay
@@ -41,25 +42,59 @@ def slot_of(layer: LayerCache, head: int, position: int) -> int:
 # ---------------------------------------------------------------- CaM
 
 
-@pytest.mark.parametrize("span", [0, 3])
-def test_cam_changes_only_target_values_by_exactly_m_vi_over_m(span):
-    layer = random_layer(1, 17)  # a decode step: budget 16 + the new token
-    layer.abar[:, 4] = 100.0  # the evicted slot (oldest non-sink) is heavy: p = 1
-    keys, values = layer.keys.clone(), layer.values.clone()
+def hand_layer() -> LayerCache:
+    """One KV head, one query head, a decode step of 7 slots (positions 0-6) with round statistics."""
+    layer = LayerCache(layer=0)
+    values = torch.arange(7 * 2, dtype=torch.float32).view(1, 1, 7, 2)
+    layer.append(torch.ones(1, 1, 7, 2), values, torch.arange(7))
+    layer.abar = torch.tensor([[10.0, 4.0, 8.0, 6.0, 4.0, 2.0, 1.0]])
+    layer.extra[DECODE_ATTN] = torch.tensor([[3.0, 1.0, 2.0, 2.0, 1.0, 1.0, 1.0]])
+    layer.last_attn = torch.tensor([[0.3, 0.1, 0.2, 0.1, 0.1, 0.1, 0.1]])
+    return layer
+
+
+# base streaming_llm with one sink at budget 6 evicts position 1; its local window is positions 2-6.
+# p and the weight each of 2-6 receives, computed by hand from hand_layer()'s numbers:
+HAND = {
+    "paper": (4 / ((8 + 6 + 4 + 2 + 1) / 5), 1 / 5),  # Abar_1 / mean Abar_2..6, / m = whole window (5)
+    "official-qa": (4 / 10, 1 / 5),  # Abar_1 / max(Abar of sink 0, 1, 2..6), / R = 5
+    "official-ppl": (4 / ((8 + 6 + 4 + 2 + 1) / 5), 1 / 16),  # mean over the (only 5) next, / 16
+    "official-summarization": (0.1 / ((0.2 + 0.1 * 4) / 5), 1 / 32),  # current A_1 / mean of the window, / 32
+    "kvpress": (1 / ((2 + 2 + 1 + 1 + 1) / 5), 1 / 5),  # decode-only sums, mean over the 5 found, / found
+}
+
+
+@pytest.mark.parametrize("preset", sorted(HAND))
+def test_cam_preset_on_a_hand_computed_step(preset):
+    p, w = HAND[preset]
+    layer = hand_layer()
+    values = layer.values.clone()
     log = DecisionLog()
-    make_policy("cam", {"span": span}).compress(layer, 16, log)
-    m = 12 if span == 0 else 3  # streaming_llm's local window is budget - sink = 12
-    for h in range(HKV):
-        kept = [p for p in range(17) if p != 4]
-        assert layer.pos[h].tolist() == kept
-        assert torch.equal(layer.keys[0, h], keys[0, h, kept])  # keys untouched, key 4 dropped
-        for s, p in enumerate(kept):
-            expected = values[0, h, p] + (values[0, h, 4] / m if 5 <= p < 5 + m else 0)
-            torch.testing.assert_close(layer.values[0, h, s], expected)
-    merges = log.frame()
-    assert (merges.action == "merge").all() and len(merges) == HKV
-    assert merges.targets.iloc[0] == list(range(5, 5 + m)) and merges.prob.tolist() == [1.0, 1.0]
-    assert merges.draw.tolist() == [1, 1] and merges.weights.iloc[0] == pytest.approx([1 / m] * m)
+    policy = make_policy("cam", {"preset": preset, "base.sink": 1, "mask": "always"})  # explicit values win
+    assert policy.params() == {**policy.params(), **CaM.presets[preset], "mask": "always"}
+    policy.compress(layer, 6, log)
+    row = log.frame().iloc[0]
+    assert len(log.frame()) == 1 and row.action == "merge" and row.position == 1
+    assert row.prob == pytest.approx(p) and row.targets == [2, 3, 4, 5, 6] and row.weights == pytest.approx([w] * 5)
+    assert layer.pos[0].tolist() == [0, 2, 3, 4, 5, 6]
+    expected = values[0, 0, [0, 2, 3, 4, 5, 6]].clone()
+    expected[1:] += w * values[0, 0, 1]
+    torch.testing.assert_close(layer.values[0, 0], expected)
+
+
+def test_cam_divides_by_m_or_by_the_targets_found_and_pools_local_or_kept_slots():
+    # h2o at budget 6: recent window 4-6, heavy hitters 0, 2, 3 (after the evicted position 1)
+    params = {"base": "h2o", "base.recent_ratio": 0.5, "mask": "always", "score": "accumulated"}
+    frames = {}
+    for pool, divide in (("kept", "found"), ("local", "m")):
+        layer = hand_layer()
+        layer.abar = torch.tensor([[10.0, 1.0, 8.0, 9.0, 4.0, 2.0, 1.0]])
+        log = DecisionLog()
+        make_policy("cam", {**params, "targets": pool, "divide": divide, "span": 4}).compress(layer, 6, log)
+        frames[pool] = log.frame().iloc[0]
+    assert frames["kept"].targets == [2, 3, 4, 5] and frames["kept"].weights == pytest.approx([1 / 4] * 4)
+    assert frames["local"].targets == [4, 5, 6] and frames["local"].weights == pytest.approx([1 / 4] * 3)
+    assert frames["local"].prob == pytest.approx(1 / ((4 + 2 + 1) / 3))
 
 
 def test_cam_bernoulli_probability_is_clamped_attention_ratio():
@@ -68,10 +103,33 @@ def test_cam_bernoulli_probability_is_clamped_attention_ratio():
     layer.abar[0, 4], layer.abar[1, 4] = 0.0, 0.5  # p = 0 and p = 0.25
     values = layer.values.clone()
     log = DecisionLog()
-    make_policy("cam", {"seed": 3}).compress(layer, 16, log)
+    make_policy("cam", {"preset": "paper", "seed": 3}).compress(layer, 16, log)
     frame = log.frame()
     assert frame.prob.tolist() == pytest.approx([0.0, 0.25])
     assert frame.draw.iloc[0] == 0 and torch.equal(layer.values[0, 0], values[0, 0, [p for p in range(17) if p != 4]])
+    with pytest.raises(KvlensError, match="Policy cam has no preset 'qa' \\(its presets: paper, official-qa"):
+        make_policy("cam", {"preset": "qa"})
+    with pytest.raises(KvlensError, match="Policy h2o has no preset 'paper' \\(it has no presets\\)"):
+        parse_settings("h2o", ["preset=paper"])
+
+
+@pytest.mark.parametrize("params", [{"preset": "official-ppl", "span": 5}, {"preset": "kvpress"},
+                                    {"preset": "paper", "span": 3, "mask": "always"}])
+def test_cam_bulk_step0_merge_equals_the_same_evictions_one_at_a_time(params):
+    bulk, single = random_layer(9, 40, prefill=True), random_layer(9, 40, prefill=True)
+    bulk.extra[DECODE_ATTN] = single.extra[DECODE_ATTN] = torch.rand(HKV, 40)
+    policy = make_policy("cam", {**params, "prefill": "merge"})
+    log_bulk, log_single = DecisionLog(), DecisionLog()
+    policy.compress(bulk, 12, log_bulk)  # streaming_llm: positions 4..31 leave at once
+    for budget in range(39, 11, -1):  # the same positions leave one per call, oldest first
+        policy.compress(single, budget, log_single)
+    assert bulk.pos.equal(single.pos) and bulk.pos[0].tolist() == [0, 1, 2, 3, *range(32, 40)]
+    torch.testing.assert_close(bulk.values, single.values)
+    columns = ["kv_head", "position", "targets", "weights", "draw"]
+    a, b = (log.frame().sort_values(["kv_head", "position"], kind="stable").reset_index(drop=True)
+            for log in (log_bulk, log_single))
+    assert a[columns].equals(b[columns]) and a.prob.tolist() == pytest.approx(b.prob.tolist(), rel=1e-6)
+    assert (log_bulk.frame().action == "merge").sum() == 2 * 28  # every evicted slot merged or drew 0
 
 
 @pytest.mark.parametrize("base", ["streaming_llm", "h2o", "scissorhands", "tova"])
@@ -87,7 +145,8 @@ def test_cam_mask_never_reproduces_its_base(tiny, base):
 
 def test_cam_prefill_choice_and_base_parameters(tiny):
     opts = RunOptions(budget=20)
-    evict = run(tiny, make_policy("cam", {"mask": "always"}), IDS, prefill=80, steps=6, teacher=True, opts=opts)
+    evict = run(tiny, make_policy("cam", {"mask": "always", "span": 0, "targets": "local"}), IDS, prefill=80,
+                steps=6, teacher=True, opts=opts)
     merge = run(tiny, make_policy("cam", {"mask": "always", "prefill": "merge"}), IDS, prefill=80, steps=6,
                 teacher=True, opts=opts)
     step0 = evict.decisions[evict.decisions.step == 0]

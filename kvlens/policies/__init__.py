@@ -3,6 +3,8 @@
 A new policy is one new file in `kvlens/policies/`; `REGISTRY`, `kvlens policies`, validation,
 `--set`, the app's widgets, the bench and sweep lists and CaM's bases all derive from it.
 `make_policy(name, params)` validates and builds one; `parse_settings` turns `--set KEY=VALUE`.
+A policy class may name settings in `presets` (`{"NAME": {param: value}}`): `preset=NAME` among
+the parameters applies them, and explicit parameters override them.
 """
 from __future__ import annotations
 
@@ -12,8 +14,16 @@ import math
 import pkgutil
 
 from kvlens.errors import KvlensError
-from kvlens.policies.base import (REGISTRY, Policy, ScoredEviction, choices_of, field_default, param, register,
-                                  scored_eviction_names)
+from kvlens.policies.base import (
+    REGISTRY,
+    Policy,
+    ScoredEviction,
+    choices_of,
+    field_default,
+    param,
+    register,
+    scored_eviction_names,
+)
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base":
@@ -65,12 +75,30 @@ def parameters(name: str, values: dict | None = None) -> list[dict]:
     return out
 
 
+def presets(name: str) -> dict[str, dict]:
+    """The named settings of a policy (`{}` if it has none)."""
+    return dict(policy_class(name).presets)
+
+
+def with_preset(name: str, params: dict | None) -> dict:
+    """`params` with `preset=NAME` replaced by the preset's settings; explicit parameters win."""
+    params = dict(params or {})
+    if "preset" not in params:
+        return params
+    chosen, known = params.pop("preset"), presets(name)
+    if chosen not in known:
+        raise KvlensError(f"Policy {name} has no preset {chosen!r}"
+                          + (f" (its presets: {', '.join(known)})." if known else " (it has no presets)."))
+    return {**known[chosen], **params}
+
+
 def make_policy(name: str, params: dict | None = None) -> Policy:
-    """Build a validated policy. Nested policies: `{"base": "h2o", "base.recent_ratio": 0.3}`."""
+    """Build a validated policy. Nested policies: `{"base": "h2o", "base.recent_ratio": 0.3}`;
+    `{"preset": NAME}` applies a named setting first."""
     cls = policy_class(name)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     own, nested = {}, {}
-    for key, value in (params or {}).items():
+    for key, value in with_preset(name, params).items():
         head, dot, sub = key.partition(".")
         if dot and head in fields and isinstance(field_default(fields[head]), Policy):
             nested.setdefault(head, {})[sub] = value
@@ -147,7 +175,8 @@ def parse_settings(policy: str, settings: list[str] | None) -> dict:
         pairs.append((key.strip(), value))
     params: dict = {}
     for key, value in sorted(pairs, key=lambda kv: "." in kv[0]):  # stable: plain keys, then dotted ones
-        params[key] = parse_value(policy, key, value, params)
+        params[key] = value.strip() if key == "preset" else parse_value(policy, key, value, params)
+    with_preset(policy, params)  # an unknown preset is refused here
     return params
 
 
@@ -171,4 +200,5 @@ def parse_budget(text: str | None) -> int | float | None:
 
 
 __all__ = ["REGISTRY", "Policy", "ScoredEviction", "family", "make_policy", "param", "parameters", "parse_budget",
-           "parse_settings", "parse_value", "policy_class", "policy_names", "register", "scored_eviction_names"]
+           "parse_settings", "parse_value", "policy_class", "policy_names", "presets", "register",
+           "scored_eviction_names", "with_preset"]

@@ -101,6 +101,7 @@ class Policy:
     needs_attention: ClassVar[bool] = True  # needs attention rows at decode steps
     budget_free: ClassVar[bool] = False  # decides its own size (reports the size it reached)
     merges: ClassVar[bool] = False  # merges evicted entries into kept ones (Merges page, provenance)
+    presets: ClassVar[dict[str, dict]] = {}  # named settings, `preset=NAME` (explicit parameters override)
 
     def __post_init__(self):
         for f in fields(self):

@@ -3,21 +3,41 @@
 Zhang et al., "CaM: Cache Merging for Memory-efficient LLMs Inference", ICML 2024,
 https://proceedings.mlr.press/v235/zhang24n.html (Algorithm 1, Eq. 14-15). The `base` eviction
 policy decides which slots go (its `select()`); CaM drops their keys and, for each evicted slot
-i, merges its value into the `m` kept local slots that follow it:
-`p = clamp(Abar[i] / mean(Abar[targets]), lo, hi)`, `M ~ Bernoulli(p)`, `V_k += M * V_i / m`.
+i, adds `M * V_i / m` to the values of its merge targets, `M ~ Bernoulli(clamp(A_i / A_ref, lo, hi))`.
 
-Choices where the paper is silent:
-- Local slots: the base's recent window, `base.local_window(budget)` (`streaming_llm`: every
-  non-sink slot; `h2o` and `scissorhands`: `recent_ratio` of the budget; `tova` has none, so
-  every kept slot). The targets are the first `span` local slots after i (default: all of them,
-  the paper's "all local tokens"); an evicted slot with no local slot after it is simply evicted.
-- The prompt compressed right after prefill (step 0) evicts hundreds of slots at once.
-  `prefill="evict"` (default) evicts at step 0 without merging and merges from the first decode
-  step on, as the paper's algorithm runs per generation step; `prefill="merge"` applies Eq. 15
-  to every step-0 eviction too.
-- The base is any registered scored eviction policy, with its own parameters as `base.NAME`.
-- Bernoulli draws come from a generator per layer and run, seeded by `seed` and the layer.
-`mask="never"` reproduces the base exactly (same kept slots, values and decisions).
+The paper and the authors' code (github.com/zyxxmu/cam) disagree on several choices, and NVIDIA
+kvpress's `CAMPress` (kvpress/presses/cam_press.py) makes others. Each is a parameter:
+- `score`, the attention A: `accumulated` (summed over every query since the slot entered,
+  prompt rows included: kvlens's Abar, H2O's statistic that the paper's Eq. 14 cites), `decode`
+  (summed over decode steps only: kvpress `CAMPress._running_attn_sum`), `current` (this step's
+  attention: `cam_hf/utils_hh/modify_llama_cam.py:local_cam_mask`).
+- `denominator`, A_ref: `targets_mean` (mean over the targets: paper Eq. 14,
+  `generate_task/streaming_llm/kv_cache_cam.py:slicev`, kvpress), `window_mean` (mean over the
+  local window after i: utils_hh `local_cam_mask`), `max` (max over the kept slots outside the
+  local window (the sinks), i and its window: `cam_hf/utils_lm_eval/modify_llama_cam.py:local_cam_mask`).
+- `span`, m: the first m slots after i of the pool receive the value (0 = the whole pool: with the
+  local window, the paper's "all local tokens" and utils_lm_eval's recent window; never more than
+  the pool holds after i); `targets`, the pool:
+  the base's local window (the paper, the official code) or every kept slot (kvpress).
+- `divide`: by m (Eq. 15, the official code even when fewer targets exist) or by the number of
+  targets found (kvpress `actual_budget`). They differ when fewer than m slots follow i (TOVA).
+- `prefill`: the step-0 compression of the prompt evicts hundreds of slots at once. `evict`
+  merges none of them (the paper's Algorithm 1 runs per generation step; utils_hh masks the prompt
+  without merging; kvpress's `CAMPress` merges only as many evicted slots as decode steps ran
+  since the last compression, none for the prompt). `merge` merges them one at a time in position
+  order, as the utils_lm_eval and kv_cache_cam paths do while the prompt streams in: each evicted
+  slot's candidates are the pool plus the evicted slots after it (still in the cache when it
+  leaves), the later ones carry the merges they received, and with the local pool its window is
+  the `local` candidates after it (the base's window as i leaves a stream). A decode step evicts
+  one slot, where both rules coincide.
+`presets` name the five sources' settings (`--set preset=NAME`; explicit values override).
+
+Divergences kept: kvlens prefills with full attention, so `accumulated` scores of prompt slots
+are full-attention column sums, where the official streaming paths sum attention under their
+window mask; utils_hh merges the slot one after the one leaving the window (an off-by-one), kvlens
+the one leaving; kvpress evicts the same positions in every KV head (mean score over heads), kvlens
+lets the base choose per head. Bernoulli draws come from a generator per layer and run, seeded by
+`seed` and the layer. `mask="never"` reproduces the base exactly.
 """
 from __future__ import annotations
 
@@ -26,33 +46,68 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.policies.base import Policy, ScoredEviction, check, param, register, scored_eviction_names
+from kvlens.policies.base import Policy, ScoredEviction, check, group_mean, param, register, scored_eviction_names
 from kvlens.policies.streaming_llm import StreamingLLM
 
 GENERATOR = "cam_generator"  # per layer: the run's Bernoulli generator
+DECODE_ATTN = "cam_decode_attn"  # per slot: attention summed over decode steps only (score="decode")
+
+# settings of each source; every other parameter keeps its default
+PRESETS: dict[str, dict] = {
+    # Algorithm 1 and Eq. 14-15 as written: Abar, mean over all local tokens, / m, per generation step
+    "paper": {"score": "accumulated", "denominator": "targets_mean", "span": 0, "targets": "local",
+              "divide": "m", "prefill": "evict"},
+    # cam_hf/utils_lm_eval/modify_llama_cam.py:local_cam_mask (QA tables)
+    "official-qa": {"score": "accumulated", "denominator": "max", "span": 0, "targets": "local",
+                    "divide": "m", "prefill": "merge"},
+    # generate_task/streaming_llm/kv_cache_cam.py:slicev (perplexity; merge_num = 16)
+    "official-ppl": {"score": "accumulated", "denominator": "targets_mean", "span": 16, "targets": "local",
+                     "divide": "m", "prefill": "merge"},
+    # cam_hf/utils_hh/modify_llama_cam.py:local_cam_mask (summarisation; merge_budget = 32)
+    "official-summarization": {"score": "current", "denominator": "window_mean", "span": 32, "targets": "local",
+                               "divide": "m", "prefill": "evict"},
+    # kvpress/presses/cam_press.py:CAMPress (merge_budget = 32)
+    "kvpress": {"score": "decode", "denominator": "targets_mean", "span": 32, "targets": "kept",
+                "divide": "found", "prefill": "evict"},
+}
 
 
 @register
 @dataclass(frozen=True)
 class CaM(Policy):
+    """Defaults = the `kvpress` preset: the one source kvlens reproduces step for step (the tests
+    compare it with kvpress's own output), and the only one whose choices do not depend on how the
+    prompt was processed, which kvlens (full-attention prefill, then step-0 compression) does
+    differently from every official CaM path."""
+
     base: ScoredEviction = param(StreamingLLM(), "Eviction policy whose evicted values are merged (any scored "
                                  "eviction policy; set its parameters as base.NAME).", choices=scored_eviction_names)
-    span: int = param(0, "m, the number of local slots after an evicted one that receive its value "
-                      "(0 = the whole local window).", minimum=0)
+    score: str = param("decode", "Attention A of Eq. 14: accumulated over every query (prompt included), over "
+                       "decode steps only (kvpress), or the current step's (official summarisation code).",
+                       choices=("accumulated", "decode", "current"))
+    denominator: str = param("targets_mean", "Reference of p = A_i / ref: mean over the targets (paper, kvpress), "
+                             "mean over the local window after i (official summarisation code), or max over the "
+                             "sinks, i and its window (official QA code).",
+                             choices=("targets_mean", "window_mean", "max"))
+    span: int = param(32, "m, how many slots of the pool after an evicted one receive its value "
+                      "(0 = the whole pool).", minimum=0)
+    targets: str = param("kept", "Pool of merge targets: the base's local window (paper, official code) or every "
+                         "kept slot (kvpress).", choices=("local", "kept"))
+    divide: str = param("found", "Divide the merged value by m (Eq. 15) or by the number of targets found "
+                        "(kvpress).", choices=("m", "found"))
     clamp: tuple = param((0.0, 1.0), "lo,hi bounds of the merge probability p (Eq. 14).")
     mask: str = param("bernoulli", "Merge mask: Bernoulli(p) (the paper), always merge, or never (= the base).",
                       choices=("bernoulli", "always", "never"))
-    score: str = param("accumulated", "Attention used for p: accumulated Abar (the paper) or the current step's.",
-                       choices=("accumulated", "current"))
     seed: int = param(0, "Seed of the Bernoulli draws (one generator per layer and run).", minimum=0)
-    prefill: str = param("evict", "What the step-0 compression of the prompt does: evict without merging, or "
-                         "merge like decode steps.", choices=("evict", "merge"))
+    prefill: str = param("evict", "The step-0 compression of the prompt: evict without merging, or merge the "
+                         "evicted slots one at a time in position order.", choices=("evict", "merge"))
 
     name = "cam"
-    description = "Merge the values its base eviction policy drops into the following local slots (Bernoulli mask)."
+    description = "Merge the values its base eviction policy drops into the following slots (Bernoulli mask)."
     paper = "https://proceedings.mlr.press/v235/zhang24n.html"
     merges = True
     merge_rule: ClassVar[str] = "add"  # provenance: targets keep their own value and add w * V_i
+    presets: ClassVar[dict[str, dict]] = PRESETS
 
     def validate(self):
         lo, hi = self.clamp
@@ -60,7 +115,7 @@ class CaM(Policy):
 
     @property
     def needs_attention(self) -> bool:
-        # merging needs Abar even when the base does not; mask=never runs exactly like the base
+        # merging needs attention even when the base does not; mask=never runs exactly like the base
         return self.mask != "never" or self.base.needs_attention
 
     def prefill_rows(self) -> int:
@@ -74,6 +129,9 @@ class CaM(Policy):
 
     def observe(self, layer, probs):
         self.base.observe(layer, probs)
+        if self.score == "decode":
+            att = group_mean(probs)  # (Hkv, S)
+            layer.extra[DECODE_ATTN] = layer.extra.get(DECODE_ATTN, torch.zeros_like(att)) + att
 
     def generator(self, layer) -> torch.Generator:
         """The layer's Bernoulli generator for this run (created on first use)."""
@@ -85,62 +143,76 @@ class CaM(Policy):
         if budget is None or layer.n_slots <= budget:
             return
         step0 = layer.prefill_rows is not None
-        keep, evicted = self.base.select(layer, budget)  # (Hkv, B), (Hkv, E)
-        merging = self.mask != "never" and not (step0 and self.prefill == "evict")
-        if merging:
+        keep, evicted = self.base.select(layer, budget)  # (Hkv, B), (Hkv, E), ascending
+        if self.mask != "never" and not (step0 and self.prefill == "evict"):
             self._merge(layer, keep, evicted, budget, log)
         elif log is not None:
             log.evict(layer.layer, torch.gather(layer.pos, 1, evicted))
         layer.keep(keep)
 
-    def _weights(self, layer, keep, evicted, budget):
-        """Merge matrix `(Hkv, E, B)`: weight of evicted value e in kept slot b, plus p and M `(Hkv, E)`."""
-        local = self.base.local_window(budget)
-        b = keep.shape[1]
-        m = local if self.span == 0 else min(self.span, local)
-        # the first m local kept slots after each evicted slot
-        is_local = torch.zeros(b, dtype=torch.bool, device=keep.device)
-        is_local[b - local:] = True
-        after = keep[:, None, :] > evicted[:, :, None]  # (Hkv, E, B)
-        cand = after & is_local[None, None, :]
-        rank = cand.long().cumsum(-1)
-        targets = cand & (rank <= m)  # (Hkv, E, B)
-        n_t = targets.sum(-1)  # (Hkv, E)
+    def attention(self, layer) -> torch.Tensor:
+        """`(Hkv, S)` the attention A that p compares, per `score`."""
         if self.score == "accumulated":
-            score = layer.abar
-        else:
-            score = layer.last_attn.view(layer.pos.shape[0], -1, layer.n_slots).mean(1)
-        s_keep = torch.gather(score, 1, keep)  # (Hkv, B)
-        s_evict = torch.gather(score, 1, evicted)  # (Hkv, E)
-        mean_t = (targets * s_keep[:, None, :]).sum(-1) / n_t.clamp(min=1)
-        p = (s_evict / mean_t.clamp(min=1e-30)).clamp(self.clamp[0], self.clamp[1])
-        p = torch.where(n_t > 0, p, torch.zeros_like(p))
-        if self.mask == "always":
-            draw = (n_t > 0).float()
-        else:
-            draw = (torch.rand(p.shape, generator=self.generator(layer)).to(p.device) < p).float()
-        w = targets.float() * (draw / n_t.clamp(min=1))[..., None]  # (Hkv, E, B)
-        return w, targets, p, draw
+            return layer.abar
+        if self.score == "decode":
+            return layer.extra.get(DECODE_ATTN, torch.zeros_like(layer.abar))
+        return layer.last_attn.view(layer.pos.shape[0], -1, layer.n_slots).mean(1)
 
     def _merge(self, layer, keep, evicted, budget, log):
-        w, targets, p, draw = self._weights(layer, keep, evicted, budget)
-        d = layer.values.shape[-1]
-        v = layer.values[0]  # (Hkv, S, D)
-        v_evict = torch.gather(v, 1, evicted[..., None].expand(-1, -1, d))  # (Hkv, E, D)
-        added = torch.einsum("heb,hed->hbd", w.to(v.dtype), v_evict)  # (Hkv, B, D)
-        new_v = v.clone()
-        new_v.scatter_add_(1, keep[..., None].expand(-1, -1, d), added)
-        layer.values = new_v[None]
+        """Merge the evicted slots one at a time in position order (the k-th of every head together)."""
+        hkv, s = layer.pos.shape
+        b = keep.shape[1]
+        local = self.base.local_window(budget)  # the newest `local` kept slots
+        pool = local if self.targets == "local" else b  # kept slots that may receive merges
+        m = self.span or pool
+        reach = local if self.targets == "local" else s  # how many candidates after i its window spans
+        score = self.attention(layer).float()
+        values = layer.values[0].clone()  # (Hkv, S, D)
+        cand = torch.zeros(hkv, s, dtype=torch.bool, device=keep.device)
+        cand.scatter_(1, keep[:, b - pool:], True)
+        cand.scatter_(1, evicted, True)  # an evicted slot stays a candidate until its own turn
+        outside = torch.zeros_like(cand).scatter_(1, keep[:, :b - pool], True)  # sinks, heavy hitters
+        index = torch.arange(s, device=keep.device)
+        no_target = torch.zeros_like(evicted, dtype=torch.bool)
+        for k in range(evicted.shape[1]):
+            e = evicted[:, k : k + 1]  # (Hkv, 1)
+            cand.scatter_(1, e, False)
+            after = cand & (index[None, :] > e)
+            rank = after.long().cumsum(-1)
+            window, targets = after & (rank <= reach), after & (rank <= min(m, reach))
+            found = targets.sum(-1)  # (Hkv,)
+            p = self._probability(score, e, targets, window, outside, found)
+            if self.mask == "always":
+                draw = (found > 0).float()
+            else:
+                draw = (torch.rand(p.shape, generator=self.generator(layer)).to(p.device) < p).float()
+            w = draw / (found.clamp(min=1).float() if self.divide == "found" else float(m))  # (Hkv,)
+            v_e = torch.gather(values, 1, e[..., None].expand(-1, -1, values.shape[-1]))  # (Hkv, 1, D)
+            values += targets[..., None].to(values.dtype) * (w[:, None, None].to(values.dtype) * v_e)
+            no_target[:, k] = found == 0
+            if log is not None:
+                self._log(layer, log, e, targets, w, p, draw)
+        layer.values = values[None]
         if log is not None:
-            self._log(layer, keep, evicted, w, targets, p, draw, log)
+            log.evict(layer.layer, torch.gather(layer.pos, 1, evicted).masked_fill(~no_target, -1))
 
-    def _log(self, layer, keep, evicted, w, targets, p, draw, log):
-        pos_keep = torch.gather(layer.pos, 1, keep).tolist()
-        pos_evict = torch.gather(layer.pos, 1, evicted)  # (Hkv, E)
-        has = targets.any(-1)  # (Hkv, E)
-        log.evict(layer.layer, pos_evict.masked_fill(has, -1))  # no local slot after it: plain eviction
-        for h, e in has.nonzero().tolist():
-            position = int(pos_evict[h, e])
-            idx = targets[h, e].nonzero().flatten().tolist()
-            log.merge(layer.layer, h, position, [pos_keep[h][i] for i in idx], w[h, e, idx].tolist(),
-                      prob=float(p[h, e]), draw=int(draw[h, e]))
+    def _probability(self, score, e, targets, window, outside, found) -> torch.Tensor:
+        """`(Hkv,)` p = clamp(A_i / A_ref, lo, hi), 0 where no target follows i."""
+        a_i = torch.gather(score, 1, e)[:, 0]
+        if self.denominator == "targets_mean":
+            ref = (score * targets).sum(-1) / found.clamp(min=1)
+        elif self.denominator == "window_mean":
+            ref = (score * window).sum(-1) / window.sum(-1).clamp(min=1)
+        else:
+            pool = outside | window
+            pool.scatter_(1, e, True)
+            ref = score.masked_fill(~pool, float("-inf")).max(-1).values
+        p = (a_i / ref.clamp(min=1e-30)).clamp(self.clamp[0], self.clamp[1])
+        return torch.where(found > 0, p, torch.zeros_like(p))
+
+    def _log(self, layer, log, e, targets, w, p, draw):
+        for h in range(e.shape[0]):
+            idx = targets[h].nonzero().flatten()
+            if len(idx):
+                log.merge(layer.layer, h, int(layer.pos[h, e[h, 0]]), layer.pos[h, idx].tolist(),
+                          [float(w[h])] * len(idx), prob=float(p[h]), draw=int(draw[h]))
