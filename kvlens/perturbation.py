@@ -13,13 +13,23 @@ KL(p_full || p_policy) of the next-token distributions, p_full from one full-cac
 the same tokens (teacher forced).
 
 Tensor names saved in a run: `perturbation/used`, `perturbation/evict`,
-`perturbation/attention_loss` `(steps - 1, L, Hq)` float32 (row k = the decode forward that fed
-token k and produced the logits of token k + 1), and `perturbation/kl` `(steps,)` (entry 0 is the
-prefill's logits, identical for every policy, so 0).
+`perturbation/attention_loss`, `perturbation/full_norm` (`||O_full||`) `(steps - 1, L, Hq)` float32
+(row k = the decode forward that fed token k and produced the logits of token k + 1), and
+`perturbation/kl` `(steps,)` (entry 0 is the prefill's logits, identical for every policy, so 0).
+
+Summaries (`summary`): a mean of per-cell relative errors overweights the cells whose `||O_full||`
+is small, so the medians and the pooled ratios `sum ||O - O_full|| / sum ||O_full||` come with the
+means; `merge_better_share` counts the cells where the merged output is strictly closer to
+`O_full` than the evicted one (`merge_worse_share` the opposite, ties are neither), and
+`merge_sign_per_layer` says per layer whether merging lowered (+1), raised (-1) or kept (0) the
+pooled perturbation. `kl` averages entries 1.. only (entry 0 is the same for every policy).
+Two baselines: `perturbation_evict` is the same run's counterfactual (same decisions, original
+values); `base_baseline` measures a separate run of a merging policy's base eviction policy.
 """
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -40,6 +50,7 @@ class PerturbationMeter(Observer):
         self.used: dict[int, list[torch.Tensor]] = {}  # layer -> [(Hq,)] per step
         self.evict: dict[int, list[torch.Tensor]] = {}
         self.loss: dict[int, list[torch.Tensor]] = {}
+        self.full_norm: dict[int, list[torch.Tensor]] = {}
 
     def on_prefill(self, layer, query, key, value, last_rows) -> None:
         self.shadow_k[layer.layer] = key[0].detach().clone()
@@ -63,11 +74,13 @@ class PerturbationMeter(Observer):
         a_evict = torch.softmax(scores.masked_fill(~layer.valid[:, None, :], float("-inf")), dim=-1)
         o_evict = torch.einsum("hgs,hsd->hgd", a_evict, v_kept)
         o_used = out[0, 0].view(hkv, hq // hkv, d).float()
-        norm = o_full.norm(dim=-1).clamp(min=1e-30)
+        full_norm = o_full.norm(dim=-1)
+        norm = full_norm.clamp(min=1e-30)
         kept = torch.zeros(hkv, t, device=pos.device).scatter_(1, pos, layer.valid.float())  # (Hkv, T)
         self.used.setdefault(i, []).append(((o_used - o_full).norm(dim=-1) / norm).flatten().cpu())
         self.evict.setdefault(i, []).append(((o_evict - o_full).norm(dim=-1) / norm).flatten().cpu())
         self.loss.setdefault(i, []).append((1 - (a_full * kept[:, None, :]).sum(-1)).flatten().cpu())
+        self.full_norm.setdefault(i, []).append(full_norm.flatten().cpu())
 
     def latest(self) -> dict:
         """The last decode step's perturbation, mean over layers and heads (empty before the first step)."""
@@ -77,14 +90,14 @@ class PerturbationMeter(Observer):
                 for name, d in (("perturbation_used", self.used), ("perturbation_evict", self.evict))}
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """`perturbation/used|evict|attention_loss` `(steps - 1, L, Hq)`; empty rows if no decode step ran."""
+        """`perturbation/used|evict|attention_loss|full_norm` `(steps - 1, L, Hq)`; empty if no decode step ran."""
         layers = sorted(self.used)
 
         def stack(d):
             return torch.stack([torch.stack(d[i]) for i in layers], dim=1) if layers else torch.zeros(0, 0, 0)
 
         return {"perturbation/used": stack(self.used), "perturbation/evict": stack(self.evict),
-                "perturbation/attention_loss": stack(self.loss)}
+                "perturbation/attention_loss": stack(self.loss), "perturbation/full_norm": stack(self.full_norm)}
 
 
 def full_logprobs(model: LoadedModel, ids: list[int]) -> torch.Tensor:
@@ -103,9 +116,7 @@ def kl_per_step(full: torch.Tensor, policy_logits: list[torch.Tensor]) -> torch.
 def measured(model: LoadedModel, go: Callable, observers=(), on_step=None) -> Run:
     """Run `go(observers, on_step) -> Run` with a `PerturbationMeter` and add the perturbation to it.
 
-    Adds the tensors above and metrics `perturbation_used`, `perturbation_evict`, `attention_loss`,
-    `kl` (means over steps, layers and heads) and `perturbation_used_per_layer`,
-    `perturbation_evict_per_layer` (means per layer).
+    Adds the tensors above and the metrics of `summary`.
     """
     meter = PerturbationMeter()
     logits: list[torch.Tensor] = []
@@ -129,16 +140,66 @@ def measured(model: LoadedModel, go: Callable, observers=(), on_step=None) -> Ru
 
 
 def summary(tensors: dict[str, torch.Tensor]) -> dict:
-    """Mean perturbation metrics of a run's `perturbation/*` tensors (None where no decode step ran)."""
+    """Perturbation metrics of a run's `perturbation/*` tensors (None where no decode step ran).
+
+    `perturbation_used|evict`: means over (step, layer, head) cells of the relative errors; `_median`
+    their medians; `_pooled` `sum ||O - O_full|| / sum ||O_full||`; `_per_layer` the means per layer;
+    `merge_better_share` / `merge_worse_share`: shares of cells where the run's own output is strictly
+    closer to / farther from `O_full` than the counterfactual eviction's; `merge_sign_per_layer`: per
+    layer, +1 if the pooled `used` is below the pooled `evict`, -1 above, 0 equal; `attention_loss`;
+    `kl`: mean KL over steps 1.. (`kl_steps` of them; step 0 is the prefill's logits, shared).
+    """
     used, evict, loss = (tensors[f"perturbation/{k}"] for k in ("used", "evict", "attention_loss"))
-    kl = tensors["perturbation/kl"]
+    norm = tensors.get("perturbation/full_norm")
+    kl = tensors["perturbation/kl"][1:]
+    some = bool(used.numel())
 
     def mean(t):
         return float(t.mean()) if t.numel() else None
 
+    def pooled(t, dims=None):
+        if not some or norm is None:
+            return None
+        total = (t * norm).sum(dims) if dims else (t * norm).sum()
+        return total / (norm.sum(dims) if dims else norm.sum()).clamp(min=1e-30)
+
     def per_layer(t):
         return t.mean(dim=(0, 2)).tolist() if t.numel() else []
 
-    return {"perturbation_used": mean(used), "perturbation_evict": mean(evict), "attention_loss": mean(loss),
-            "kl": mean(kl), "perturbation_used_per_layer": per_layer(used),
-            "perturbation_evict_per_layer": per_layer(evict)}
+    out = {"perturbation_used": mean(used), "perturbation_evict": mean(evict),
+           "perturbation_used_median": float(used.median()) if some else None,
+           "perturbation_evict_median": float(evict.median()) if some else None,
+           "perturbation_used_pooled": _float(pooled(used)), "perturbation_evict_pooled": _float(pooled(evict)),
+           "merge_better_share": mean((used < evict).float()), "merge_worse_share": mean((used > evict).float()),
+           "merge_sign_per_layer": [], "attention_loss": mean(loss), "kl": mean(kl), "kl_steps": int(kl.numel()),
+           "perturbation_used_per_layer": per_layer(used), "perturbation_evict_per_layer": per_layer(evict)}
+    if some and norm is not None:
+        out["merge_sign_per_layer"] = torch.sign(pooled(evict, (0, 2)) - pooled(used, (0, 2))).int().tolist()
+    return out
+
+
+def _float(t):
+    return None if t is None else float(t)
+
+
+def baseline_policy(policy) -> tuple[str, dict] | None:
+    """`(name, params)` of a merging policy's base eviction policy (CaM's `base`), None if it has none."""
+    from kvlens.policies import Policy
+
+    nested = [v for v in (getattr(policy, f.name) for f in dataclasses.fields(policy)) if isinstance(v, Policy)]
+    return (nested[0].name, nested[0].params()) if policy.merges and len(nested) == 1 else None
+
+
+BASELINE_KEYS = ("ppl", "perturbation_used", "perturbation_used_median", "perturbation_used_pooled", "kl")
+
+
+def base_baseline(policy, run_base: Callable[[str, dict], Run]) -> dict:
+    """The second baseline: `base_*` metrics of a separate measured run of the base eviction policy.
+
+    `run_base(name, params)` runs it measured, on the same text, budget and settings; `{}` for a
+    policy with no base."""
+    base = baseline_policy(policy)
+    if base is None:
+        return {}
+    m = run_base(*base).metrics
+    return {"base_policy": base[0], **{f"base_{k}": m[k] for k in BASELINE_KEYS}}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvlens.engine import RunOptions, run
-from kvlens.perturbation import measured
+from kvlens.perturbation import measured, summary
 from kvlens.policies import make_policy
 
 IDS = list(b"Attention sinks and heavy hitters keep the cache small. " * 3)
@@ -74,8 +74,20 @@ def test_ppl_measure_json_keys(tiny, monkeypatch, capsys, tmp_path):
     assert main(["ppl", "--policy", "cam", "--budget", "20", "--text-file", str(text), "--prefill", "80",
                  "--tokens", "8", "--measure", "--json", "--out", str(out)]) == 0
     result = json.loads(capsys.readouterr().out)
-    for key in ("perturbation_used", "perturbation_evict", "attention_loss", "kl"):
-        assert isinstance(result[key], float)
+    for key in ("perturbation_used", "perturbation_evict", "attention_loss", "kl", "perturbation_used_median",
+                "perturbation_evict_median", "perturbation_used_pooled", "perturbation_evict_pooled",
+                "base_ppl", "base_perturbation_used", "base_perturbation_used_pooled", "base_kl"):
+        assert isinstance(result[key], float), key
+    better, worse = result["merge_better_share"], result["merge_worse_share"]
+    assert 0 <= better <= 1 and 0 <= worse <= 1 and better + worse <= 1
+    assert result["kl_steps"] == 7 and result["base_policy"] == "streaming_llm"
+    assert set(result["merge_sign_per_layer"]) <= {-1, 0, 1} and len(result["merge_sign_per_layer"]) == 3
+    # the separate base run is streaming_llm's own measured run: same numbers as running it directly
+    assert main(["ppl", "--policy", "streaming_llm", "--budget", "20", "--text-file", str(text), "--prefill", "80",
+                 "--tokens", "8", "--measure", "--json"]) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert result["base_ppl"] == base["ppl"] and result["base_perturbation_used"] == base["perturbation_used"]
+    assert "base_ppl" not in base  # an eviction policy has no base
     assert len(result["perturbation_used_per_layer"]) == len(result["perturbation_evict_per_layer"]) == 3
     from kvlens import load_run
 
@@ -90,3 +102,20 @@ def test_generate_measure_scores_the_generated_tokens(tiny):
     r = generate(tiny, bytes(IDS[:80]).decode(), "tova", opts=opts, measure=True)
     assert len(r.meta["tokens"]) == 8 and r.tensors["perturbation/used"].shape == (7, 3, 4)
     assert r.metrics["kl"] >= 0 and r.metrics["perturbation_used"] > 0
+
+
+def test_summary_medians_pooled_shares_signs_and_kl_without_entry_0():
+    used = torch.tensor([[[0.1, 0.5], [0.2, 0.2]], [[0.3, 0.1], [0.4, 0.2]]])  # (steps 2, layers 2, heads 2)
+    evict = torch.tensor([[[0.2, 0.4], [0.2, 0.1]], [[0.1, 0.2], [0.4, 0.3]]])
+    norm = torch.tensor([[[1.0, 3.0], [2.0, 2.0]], [[1.0, 1.0], [2.0, 4.0]]])
+    tensors = {"perturbation/used": used, "perturbation/evict": evict, "perturbation/full_norm": norm,
+               "perturbation/attention_loss": torch.zeros(2, 2, 2), "perturbation/kl": torch.tensor([0.0, 0.3, 0.1])}
+    m = summary(tensors)
+    assert m["perturbation_used"] == pytest.approx(2.0 / 8) and m["perturbation_used_median"] == pytest.approx(0.2)
+    # sum |dO| / sum |O_full|: used (0.1 + 1.5 + 0.4 + 0.4 + 0.3 + 0.1 + 0.8 + 0.8) / 16
+    assert m["perturbation_used_pooled"] == pytest.approx(4.4 / 16)
+    assert m["perturbation_evict_pooled"] == pytest.approx((0.2 + 1.2 + 0.4 + 0.2 + 0.1 + 0.2 + 0.8 + 1.2) / 16)
+    assert m["merge_better_share"] == pytest.approx(3 / 8) and m["merge_worse_share"] == pytest.approx(3 / 8)
+    # layer 0: used 2.0 vs evict 1.7 of 6 (worse, -1); layer 1: used 2.4 vs evict 2.6 of 10 (better, +1)
+    assert m["merge_sign_per_layer"] == [-1, 1]
+    assert m["kl"] == pytest.approx(0.2) and m["kl_steps"] == 2  # entry 0 (the shared prefill logits) left out

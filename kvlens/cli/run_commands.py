@@ -5,7 +5,9 @@ from kvlens.cli.common import (add_model_args, add_policy_args, command_line, lo
                                read_text)
 from kvlens.errors import KvlensError
 
-MEASURED = ("perturbation_used", "perturbation_evict", "attention_loss", "kl", "perturbation_used_per_layer",
+MEASURED = ("perturbation_used", "perturbation_evict", "perturbation_used_median", "perturbation_evict_median",
+            "perturbation_used_pooled", "perturbation_evict_pooled", "merge_better_share", "merge_worse_share",
+            "merge_sign_per_layer", "attention_loss", "kl", "kl_steps", "perturbation_used_per_layer",
             "perturbation_evict_per_layer")
 
 
@@ -96,16 +98,18 @@ def cmd_check_model(args) -> int:
 
 
 def cmd_policies(args) -> int:
-    from kvlens.policies import REGISTRY, parameters
+    from kvlens.policies import REGISTRY, parameters, presets
 
     rows = [{"name": name, "description": cls.description, "paper": cls.paper, "budget_free": cls.budget_free,
-             "parameters": parameters(name)} for name, cls in REGISTRY.items()]
+             "parameters": parameters(name), "presets": presets(name)} for name, cls in REGISTRY.items()]
     if args.json:
         print_json(rows)
         return 0
     for row in rows:
         params = ", ".join(f"{p['name']}={p['default']}" for p in row["parameters"]) or "no parameters"
         print(f"{row['name']:<14} {row['description']}\n{'':<14} {params}")
+        for preset, values in row["presets"].items():
+            print(f"{'':<14} preset={preset}: {', '.join(f'{k}={v}' for k, v in values.items())}")
     return 0
 
 
@@ -132,6 +136,8 @@ def _policy(args):
 
 def cmd_generate(args) -> int:
     from kvlens.api import generate
+    from kvlens.perturbation import base_baseline
+    from kvlens.policies import make_policy
 
     params = _policy(args)
     prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file)
@@ -148,6 +154,9 @@ def cmd_generate(args) -> int:
     with bar:
         run = generate(model, prompt, args.policy, params, opts=opts, chat=args.chat, on_step=on_step,
                        meta={"command": command_line()}, measure=args.measure)
+    if args.measure:
+        run.meta["metrics"].update(base_baseline(make_policy(args.policy, params), lambda name, base: generate(
+            model, prompt, name, base, opts=opts, chat=args.chat, measure=True)))
     path = run.save(args.out)
     m = run.metrics
     print(run.meta["text"])
@@ -159,6 +168,8 @@ def cmd_generate(args) -> int:
 
 def cmd_ppl(args) -> int:
     from kvlens.api import perplexity
+    from kvlens.perturbation import base_baseline
+    from kvlens.policies import make_policy
 
     params = _policy(args)
     text = read_text(args.text_file)
@@ -168,6 +179,9 @@ def cmd_ppl(args) -> int:
     with bar:
         run = perplexity(model, text, args.policy, params, prefill=args.prefill, tokens=args.tokens, opts=opts,
                          on_step=on_step, meta={"command": command_line()}, measure=args.measure)
+    if args.measure:
+        run.meta["metrics"].update(base_baseline(make_policy(args.policy, params), lambda name, base: perplexity(
+            model, text, name, base, prefill=args.prefill, tokens=args.tokens, opts=opts, measure=True)))
     if args.out:
         run.save(args.out)
     m = run.metrics
@@ -176,7 +190,8 @@ def cmd_ppl(args) -> int:
               "ppl": m["ppl"], "kv_slots_max": m["kv_slots_max"], "kv_bytes_peak": m["kv_bytes_peak"],
               "ms_per_token": m["ms_per_token"]}
     if args.measure:
-        result.update({k: m[k] for k in MEASURED})
+        # MEASURED, and base_* (the separate run of a merging policy's base eviction policy)
+        result.update({k: v for k, v in m.items() if k in MEASURED or k.startswith("base_")})
     if args.json:
         print_json(result)
     else:
