@@ -1,9 +1,10 @@
 """kvlens app: browse recorded runs, run policies live, compare them, export figures.
 
 `make run` starts it (`streamlit run app.py` on 127.0.0.1). Navigation and the shared sidebar
-live here; each page in `pages/` holds widgets and layout only.
+live here; each page in `pages/` holds widgets and layout only, and a new file there is a new page.
 """
 import logging
+from pathlib import Path
 
 import streamlit as st
 
@@ -13,21 +14,19 @@ from kvlens.ui.sidebar import page_config, sidebar
 
 page_config()
 
-PAGES = {
-    "Browse": [
-        st.Page("pages/overview.py", title="Overview", icon=":material/description:", default=True),
-        st.Page("pages/attention.py", title="Attention", icon=":material/grid_on:"),
-        st.Page("pages/similarity.py", title="Similarity", icon=":material/compare_arrows:"),
-        st.Page("pages/spectra.py", title="Spectra", icon=":material/show_chart:"),
-        st.Page("pages/merges.py", title="Merges", icon=":material/call_merge:"),
-        st.Page("pages/perturbation.py", title="Perturbation", icon=":material/ssid_chart:"),
-    ],
-    "Run": [
-        st.Page("pages/run.py", title="Run", icon=":material/play_arrow:"),
-        st.Page("pages/compare.py", title="Compare", icon=":material/view_column:"),
-        st.Page("pages/benchmarks.py", title="Benchmarks", icon=":material/speed:"),
-    ],
+NAVIGATION = {  # section: (file in pages/, title, icon); any other file in pages/ joins Browse under its own name
+    "Browse": [("overview", "Overview", ":material/description:"), ("attention", "Attention", ":material/grid_on:"),
+               ("similarity", "Similarity", ":material/compare_arrows:"),
+               ("spectra", "Spectra", ":material/show_chart:"), ("merges", "Merges", ":material/call_merge:"),
+               ("perturbation", "Perturbation", ":material/ssid_chart:")],
+    "Run": [("run", "Run", ":material/play_arrow:"), ("compare", "Compare", ":material/view_column:"),
+            ("benchmarks", "Benchmarks", ":material/speed:")],
 }
+PAGES = {section: [st.Page(f"pages/{name}.py", title=title, icon=icon, default=name == "overview")
+                   for name, title, icon in entries] for section, entries in NAVIGATION.items()}
+listed = {name for entries in NAVIGATION.values() for name, _, _ in entries}
+PAGES["Browse"] += [st.Page(f"pages/{p.name}", title=p.stem.replace("_", " ").capitalize(), icon=":material/insights:")
+                    for p in sorted((Path(__file__).parent / "pages").glob("*.py")) if p.stem not in listed]
 
 page = st.navigation(PAGES)
 sidebar(PAGES["Run"][0])

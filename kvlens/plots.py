@@ -53,7 +53,9 @@ def line_style(i: int) -> dict:
                 marker=dict(color=COLORS[i % 6], symbol=SYMBOLS[i % 6], size=6))
 
 
-def _finish(fig: go.Figure, title: str, analysis: str, run: Run | None = None, **params) -> go.Figure:
+def finish(fig: go.Figure, title: str, analysis: str, run: Run | None = None, **params) -> go.Figure:
+    """The paper style, the title, and `layout.meta` (the analysis, its parameters and the run) that
+    `kvlens.export` writes as the figure's JSON config."""
     meta = {"analysis": analysis, "params": params}
     if run is not None:
         meta["run"] = str(run.path) if run.path else None
@@ -102,7 +104,7 @@ def similarity_figure(run: Run, layer: int, head: int, kind: str | list[str] = "
     names = " and ".join(m.kind for m in maps)
     title = (f"Cosine similarity of {names} states, layer {layer}, {which} {head_text if mixed else head} "
              f"({_model(run)})")
-    fig = _finish(fig, title, "similarity", run, layer=layer, head=head, kind=kinds, max_size=max_size)
+    fig = finish(fig, title, "similarity", run, layer=layer, head=head, kind=kinds, max_size=max_size)
     fig.update_layout(width=WIDTH if len(maps) == 1 else 1100, height=520)
     return fig
 
@@ -120,7 +122,7 @@ def adjacency_figure(run: Run) -> go.Figure:
         fig.add_trace(go.Scatter(x=adj.layers, y=adj.per_layer(kind), mode="lines+markers", name=PLURAL[kind], **style))
     fig.update_xaxes(title_text="layer")
     fig.update_yaxes(title_text="cos(x<sub>t</sub>, x<sub>t-1</sub>), mean over tokens")
-    return _finish(fig, f"Adjacent-token similarity of prefill states ({_model(run)})", "adjacency", run)
+    return finish(fig, f"Adjacent-token similarity of prefill states ({_model(run)})", "adjacency", run)
 
 
 def preceding_figure(run: Run, layer: int, token: int, window: int = 32, kind: str = "key") -> go.Figure:
@@ -133,7 +135,7 @@ def preceding_figure(run: Run, layer: int, token: int, window: int = 32, kind: s
     fig.update_xaxes(title_text="distance j (tokens before t)")
     fig.update_yaxes(title_text=f"cos({kind}<sub>t</sub>, {kind}<sub>t-j</sub>)")
     title = f"Similarity of {kind} {token} to the {window} before it, layer {layer} ({_model(run)})"
-    return _finish(fig, title, "preceding", run, layer=layer, token=token, window=window, kind=kind)
+    return finish(fig, title, "preceding", run, layer=layer, token=token, window=window, kind=kind)
 
 
 def spectrum_figure(run: Run, components: int = 64) -> go.Figure:
@@ -158,7 +160,7 @@ def spectrum_figure(run: Run, components: int = 64) -> go.Figure:
                      title_text="σ<sub>i</sub> / σ<sub>1</sub> (mean over KV heads)")
     fig.update_yaxes(type="log", dtick=1, exponentformat="power", row=1, col=2)
     title = f"Normalised singular values of the KV cache ({_model(run)}, {n} layers)"
-    fig = _finish(fig, title, "spectrum", run, components=components)
+    fig = finish(fig, title, "spectrum", run, components=components)
     fig.update_layout(width=1000)
     return fig
 
@@ -184,7 +186,7 @@ def sparsity_figure(run: Run, start: int = 0) -> go.Figure:
     fig.update_yaxes(title_text="sparsity (share of keys with A < 1/t)", range=[0, 1], row=1, col=1)
     fig.update_xaxes(title_text="query head", row=1, col=2)
     fig.update_yaxes(title_text="layer", autorange="reversed", row=1, col=2)
-    fig = _finish(fig, f"Attention sparsity, CORM's definition ({_model(run)})", "sparsity", run, start=start)
+    fig = finish(fig, f"Attention sparsity, CORM's definition ({_model(run)})", "sparsity", run, start=start)
     fig.update_layout(width=1000, showlegend=False)
     return fig
 
@@ -204,7 +206,7 @@ def variance_figure(run: Run, layer: int, head: int | None = None, group: int = 
     fig.update_yaxes(type="log", dtick=1, exponentformat="power",
                      title_text=f"variance of attention over steps {res.rows[0]}–{res.rows[1] - 1}")
     who = "mean of heads" if head is None else f"head {head}"
-    fig = _finish(fig, f"Attention variance, layer {layer}, {who} ({_model(run)})", "variance", run, layer=layer,
+    fig = finish(fig, f"Attention variance, layer {layer}, {who} ({_model(run)})", "variance", run, layer=layer,
                   head=head, group=group, rows=rows)
     fig.update_layout(legend=dict(x=0.98, xanchor="right", y=0.02, yanchor="bottom"))
     return fig
@@ -219,7 +221,7 @@ def merging_ratio_figure(ratios: list[an.MergingRatio], labels: list[str], note:
     fig.update_xaxes(title_text="layer")
     fig.update_yaxes(title_text="compression ratio (1 − sets / tokens)", range=[0, 1])
     threshold = ratios[0].threshold if ratios else None
-    return _finish(fig, f"Merging-set compression ratio per layer, threshold {threshold}{note}", "merging-ratio",
+    return finish(fig, f"Merging-set compression ratio per layer, threshold {threshold}{note}", "merging-ratio",
                    threshold=threshold, labels=list(labels))
 
 
@@ -236,7 +238,7 @@ def gaussian_figure(run: Run, layer: int, head: int, threshold: float = 0.75, po
     fig.update_xaxes(title_text="token position in the merging set")
     fig.update_yaxes(title_text="merge weight w<sub>i</sub>")
     title = f"Gaussian merge weights, layer {layer}, KV head {head}, threshold {threshold} ({_model(run)})"
-    return _finish(fig, title, "gaussian", run, layer=layer, head=head, threshold=threshold, position=position,
+    return finish(fig, title, "gaussian", run, layer=layer, head=head, threshold=threshold, position=position,
                    sigmas=list(sigmas))
 
 
@@ -254,7 +256,7 @@ def merge_similarity_figure(run: Run, step: int = 100, horizon: int = 800, sink:
     fig.update_xaxes(title_text="layer")
     fig.update_yaxes(type="log", dtick=1, exponentformat="power",
                      title_text=f"1 − cosine similarity, steps {step + 1}–{step + res.cosine.shape[-1]}")
-    return _finish(fig, f"Future attention with vs without one merge at step {step} ({_model(run)})",
+    return finish(fig, f"Future attention with vs without one merge at step {step} ({_model(run)})",
                    "merge-similarity", run, step=step, horizon=horizon, sink=sink)
 
 
@@ -269,7 +271,7 @@ def perplexity_figure(runs: list[Run], labels: list[str] | None = None) -> go.Fi
     fig.update_xaxes(title_text="position (tokens)")
     fig.update_yaxes(title_text="log perplexity (mean NLL so far, nats)")
     model = f" ({_model(runs[0])})" if runs else ""
-    return _finish(fig, f"Log-perplexity over position{model}", "perplexity", labels=[str(x) for x in labels],
+    return finish(fig, f"Log-perplexity over position{model}", "perplexity", labels=[str(x) for x in labels],
                    runs=[str(r.path) if r.path else None for r in runs])
 
 
@@ -282,5 +284,5 @@ def corm_lengths_figure(lengths: list[int], ratios: list[float], budget: int | N
                                  name=f"budget {budget}", **line_style(1)))
     fig.update_xaxes(title_text="sequence length (tokens)")
     fig.update_yaxes(title_text="compression rate (share of KV removed)", range=[0, 1])
-    return _finish(fig, f"CORM compression rate against sequence length{note}", "corm-lengths", lengths=list(lengths),
+    return finish(fig, f"CORM compression rate against sequence length{note}", "corm-lengths", lengths=list(lengths),
                    budget=budget)

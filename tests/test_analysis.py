@@ -372,3 +372,43 @@ def test_the_model_analyses_run_through_the_registry(tiny):
         analysis_json("corm-lengths", tiny, lengths="48,x")
     with pytest.raises(KvlensError, match="--texts of at least 1"):
         analysis_json("merging-ratio", tiny, texts=0)
+
+
+def test_aggregated_attention_is_recomputed_when_the_policy_recorded_none(run):
+    assert not run.tensor("prefill/abar/1").any()  # the full cache computes no attention statistic: zeros
+    a = np_attention(np_states(run, "q", 1), np_states(run, "k", 1))  # (Hq, T, T)
+    want = a.reshape(2, 2, T, T).mean(1).sum(1)  # (Hkv, T) column sums of the group mean
+    np.testing.assert_allclose(an.aggregated_attention(run, 1).numpy(), want, rtol=1e-3, atol=1e-4)
+
+
+def test_readme_analysis_example_is_listed_analyzed_drawn_and_reaches_run_figure(tmp_path):
+    """The README's "Adding an analysis" file, saved in a copy of the repository, is all it takes."""
+    import shutil
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.test_readme_examples import ROOT, readme_example
+
+    path, code = readme_example("Adding an analysis")
+    assert path.startswith("kvlens/analysis/kinds/") and not (ROOT / path).exists()
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "kvlens", repo / "kvlens", ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / path).write_text(code)
+    run, out = str(ROOT / "cached_runs" / "full-states"), str(tmp_path / "k.csv")
+    script = textwrap.dedent(f"""
+        import kvlens
+        from kvlens.cli import main
+        main(["analyze", "--list", "--json"])
+        main(["analyze", "key-norms", "--run", {run!r}, "--layer", "5", "--json"])
+        main(["figure", "key-norms", "--run", {run!r}, "--out", {out!r}])
+        print(kvlens.load_run({run!r}).figure("key-norms").layout.meta["analysis"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    decoder, text = json.JSONDecoder(), proc.stdout
+    listed, end = decoder.raw_decode(text)
+    result, end2 = decoder.raw_decode(text, end + 1)
+    assert {d["name"]: d["level"] for d in listed}["key-norms"] == "states"
+    assert result["layer"] == 5 and all(-1 < c < 0 for c in result["correlation_norm_log_attention"])
+    assert text[end2:].split() == [out, out.replace(".csv", ".json"), "key-norms"]

@@ -355,3 +355,24 @@ def test_page_job_protocol_errors_results_and_stop(monkeypatch):
     assert [w.value for w in at.warning] == ["Stopped; nothing was saved."] and not at.session_state.t_running
     at.button(key="t_stop").click().run()  # Stop with nothing running says nothing
     assert not at.warning
+
+
+def test_readme_page_example_joins_the_navigation_and_draws_its_analysis(tmp_path, monkeypatch):
+    """The README's "Adding a page" file, saved beside a copy of app.py and its pages, is all it takes."""
+    from tests.test_readme_examples import readme_example
+
+    path, code = readme_example("Adding a page")
+    assert path.startswith("pages/") and not (ROOT / path).exists()
+    shutil.copytree(ROOT / "pages", tmp_path / "pages")
+    shutil.copy(ROOT / "app.py", tmp_path / "app.py")
+    (tmp_path / path).write_text(code)
+    monkeypatch.setenv("KVLENS_RUNS", str(tmp_path / "runs"))
+    at = AppTest.from_file(str(tmp_path / "app.py"), default_timeout=TIMEOUT).run()
+    browse = [p["page_name"] for p in at._registered_pages.values()]  # AppTest's view of st.navigation
+    assert browse.index("Variance") == browse.index("Perturbation") + 1
+    at = open_page(at, Path(path).stem, "full-states")
+    drawn = charts(at)[0]
+    want = json.loads(load_run(CACHED / "full-states").figure("variance", layer=0, group=16).to_json())
+    assert drawn["data"] == want["data"] and drawn["layout"]["meta"]["analysis"] == "variance"
+    at = open_page(at, Path(path).stem, "tova-summary")
+    assert any(f"--record {RecordLevel.STATES}" in w.value for w in at.warning) and not at.get("plotly_chart")

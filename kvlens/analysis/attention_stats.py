@@ -103,9 +103,10 @@ def attention_variance(run: Run, layer: int, head: int | None = None, group: int
 
 def aggregated_attention(run: Run, layer: int) -> torch.Tensor:
     """Accumulated prefill attention per KV head `(Hkv, T)`: column sums of the mean over the
-    group's query heads (the recorded `prefill/abar/{layer}` when present, else recomputed)."""
+    group's query heads (the recorded `prefill/abar/{layer}` when the policy computed it, else
+    recomputed; a policy that needs no attention records it as zeros)."""
     name = f"prefill/abar/{layer}"
-    if run.has(name):
+    if run.has(name) and bool(run.tensor(name).any()):
         return run.tensor(name).float()
     check_layer(run, layer)
     q, k = states(run, "q", layer), states(run, "k", layer)
