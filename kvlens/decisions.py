@@ -4,11 +4,15 @@ Columns: step (0 = compression right after prefill, t = after the forward that p
 layer, kv_head, action (`evict`, `merge`), position (original position of the slot acted on),
 targets (positions that received it), weights (the weight each target received), prob
 (Bernoulli probability, NaN if none) and draw (Bernoulli outcome 0/1, -1 if none).
+
+Evictions are kept as the policies' tensors (one append per layer and step, no per-row Python)
+and turned into rows once, when the table is built; rows keep the order of the calls.
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -20,29 +24,63 @@ class DecisionLog:
 
     def __init__(self):
         self.step = 0
-        self._rows: list[tuple] = []
+        self._chunks: list[tuple[int, int, torch.Tensor] | tuple] = []  # evict chunks and merge rows, in order
 
     def evict(self, layer: int, evicted_pos: torch.Tensor) -> None:
         """`evicted_pos` `(Hkv, n)` original positions dropped per KV head (-1 entries ignored)."""
-        for head, row in enumerate(evicted_pos.tolist()):
-            for p in row:
-                if p >= 0:
-                    self._rows.append((self.step, layer, head, "evict", p, [], [], math.nan, -1))
+        self._chunks.append((self.step, layer, evicted_pos.detach()))
 
     def merge(self, layer: int, head: int, position: int, targets: list[int], weights: list[float],
               prob: float = math.nan, draw: int = -1) -> None:
-        self._rows.append((self.step, layer, head, "merge", int(position), list(targets),
-                           [float(w) for w in weights], float(prob), int(draw)))
+        self._chunks.append((self.step, layer, head, "merge", int(position), list(targets),
+                             [float(w) for w in weights], float(prob), int(draw)))
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return sum(int((c[-1] >= 0).sum()) if _is_evict(c) else 1 for c in self._chunks)
 
     def frame(self) -> pd.DataFrame:
-        return decisions_frame(self._rows)
+        parts = [_evict_columns(*c) if _is_evict(c) else _row_columns(c) for c in self._chunks]
+        if not parts:
+            return decisions_frame()
+        columns = {k: np.concatenate([p[k] for p in parts]) for k in COLUMNS}
+        return decisions_frame(columns)
 
 
-def decisions_frame(rows: list[tuple] | None = None) -> pd.DataFrame:
-    """A typed decisions table (empty if no rows)."""
-    df = pd.DataFrame(rows or [], columns=COLUMNS)
+def _is_evict(chunk: tuple) -> bool:
+    return isinstance(chunk[-1], torch.Tensor)
+
+
+def _row_columns(row: tuple) -> dict[str, np.ndarray]:
+    return {k: _objects([v]) if k in ("targets", "weights") else np.array([v]) for k, v in zip(COLUMNS, row)}
+
+
+def _empty(n: int) -> np.ndarray:
+    """n empty (immutable, shared) target or weight lists: no per-row allocation."""
+    out = np.empty(n, dtype=object)
+    out.fill(())
+    return out
+
+
+def _objects(items: list) -> np.ndarray:
+    out = np.empty(len(items), dtype=object)
+    out[:] = items
+    return out
+
+
+def _evict_columns(step: int, layer: int, evicted_pos: torch.Tensor) -> dict[str, np.ndarray]:
+    """Rows of one `evict` call, head by head, in the order the policy listed the positions."""
+    pos = evicted_pos.cpu().numpy()
+    heads = np.broadcast_to(np.arange(pos.shape[0])[:, None], pos.shape)
+    keep = pos >= 0
+    n = int(keep.sum())
+    return {"step": np.full(n, step), "layer": np.full(n, layer), "kv_head": heads[keep],
+            "action": np.full(n, "evict", dtype=object), "position": pos[keep],
+            "targets": _empty(n), "weights": _empty(n),
+            "prob": np.full(n, math.nan), "draw": np.full(n, -1)}
+
+
+def decisions_frame(data: list[tuple] | dict | None = None) -> pd.DataFrame:
+    """A typed decisions table (empty if no rows) from rows or from columns."""
+    df = pd.DataFrame(data if isinstance(data, dict) else (data or []), columns=COLUMNS)
     return df.astype({"step": "int32", "layer": "int16", "kv_head": "int16", "action": "string",
                       "position": "int64", "prob": "float64", "draw": "int8"})
