@@ -1,4 +1,4 @@
-"""Property tests of each eviction policy's rule (DESIGN.md), on random layer caches and on the tiny model."""
+"""Property tests of each eviction policy's rule (as its file cites the paper) on random caches and the tiny model."""
 from __future__ import annotations
 
 import pytest
