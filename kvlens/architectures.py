@@ -18,6 +18,7 @@ from kvlens.cache import KVCache
 from kvlens.errors import KvlensError
 
 PROBE_TOKENS = 2
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # `config.layer_types` entries kvlens computes
 
 
 @dataclass
@@ -65,8 +66,13 @@ def _positions(model: torch.nn.Module) -> str:
 
 def _config_refusal(config) -> str | None:
     """Features an attention call does not reveal, named by their generic config fields."""
+    for i, kind in enumerate(getattr(config, "layer_types", None) or []):
+        if kind not in ATTENTION_LAYER_TYPES:
+            return (f"Layer {i} is a {kind.replace('_', ' ')} layer (not softmax attention over a KV cache), "
+                    f"which kvlens does not support.")
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
-        return "The model has cross-attention (encoder-decoder), which kvlens does not support."
+        return ("The model has cross-attention layers (encoder-decoder or add_cross_attention), which kvlens "
+                "does not support.")
     if getattr(config, "kv_lora_rank", None):
         return (f"The model uses multi-latent attention (kv_lora_rank={config.kv_lora_rank}): its cache is a latent, "
                 f"not per-head keys and values, which kvlens does not support.")
@@ -103,8 +109,9 @@ def inspect_model(model: torch.nn.Module) -> Support:
         return support
     missing = [i for i in range(layers) if i not in specs]
     if missing:
-        support.refusal = (f"Layer {missing[0]} does not attend through kvlens' attention function with a KV cache "
-                           f"(e.g. a recurrent or state-space layer), so kvlens cannot run this model.")
+        support.refusal = (f"Layer {missing[0]}'s attention never reaches kvlens with its run context (the layer "
+                           f"bypasses transformers' attention interface, drops its keyword arguments, or is not an "
+                           f"attention layer), so kvlens cannot run this model.")
         return support
     twice = [i for i, s in specs.items() if len(s) != 1]
     if twice:
@@ -115,6 +122,12 @@ def inspect_model(model: torch.nn.Module) -> Support:
     if shared:
         support.refusal = (f"Layer {shared[0]} does not keep its own keys and values in the KV cache (shared or no "
                            f"KV cache), which kvlens does not support.")
+        return support
+    types = getattr(model.config, "layer_types", None) or []
+    unwindowed = [i for i, kind in enumerate(types) if kind == "sliding_attention" and specs[i][0].window is None]
+    if unwindowed:
+        support.refusal = (f"Layer {unwindowed[0]} is a sliding-window layer that passes no window to its attention "
+                           f"function (only to its mask), so kvlens cannot apply it.")
         return support
     for i in range(layers):
         spec = specs[i][0]

@@ -29,7 +29,7 @@ ATTENTION_NAME = "kvlens"
 CONTEXT_KWARG = "kvlens_context"
 CHUNK_ELEMENTS = 1 << 23  # ~32 MB of float32 scores per prefill chunk
 # Keyword arguments transformers forwards to every attention call that do not change what a layer computes.
-BOOKKEEPING = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
+BOOKKEEPING = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions", "output_router_logits"})
 NAMED_FEATURES = {"s_aux": "learned attention sinks (`s_aux`)"}
 
 

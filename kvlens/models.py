@@ -207,6 +207,11 @@ def load_model(spec: str = DEFAULT_SPEC, device: str = "auto", dtype: str = "aut
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dt, attn_implementation=ATTENTION_NAME, trust_remote_code=trust_remote_code
         )
+    except KeyError as err:
+        if err.args != (ATTENTION_NAME,):
+            raise
+        raise KvlensError("This architecture's transformers code hard-codes its attention classes (it takes no "
+                          "registered attention function), so kvlens cannot run it.") from err
     except (OSError, ValueError) as err:
         raise KvlensError(f"Could not load model '{spec}' from {path}: {str(err).splitlines()[0]}") from err
     model.to(dev).eval()
