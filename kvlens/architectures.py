@@ -68,8 +68,8 @@ def _config_refusal(config) -> str | None:
     """Features an attention call does not reveal, named by their generic config fields."""
     for i, kind in enumerate(getattr(config, "layer_types", None) or []):
         if kind not in ATTENTION_LAYER_TYPES:
-            return (f"Layer {i} is a {kind.replace('_', ' ')} layer (not softmax attention over a KV cache), "
-                    f"which kvlens does not support.")
+            return (f"Layer {i} is a {kind.replace('_', ' ')} layer, which kvlens does not support (it computes "
+                    f"full and sliding-window softmax attention only).")
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         return ("The model has cross-attention layers (encoder-decoder or add_cross_attention), which kvlens "
                 "does not support.")
