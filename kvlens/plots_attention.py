@@ -169,7 +169,7 @@ def attention_map_figure(run: Run, grid: AttentionGrid, step: int | None = None,
     fig.update_layout(title=dict(text=f"Attention of layer {grid.layer}, head {grid.head} under {pol} "
                                       f"(dotted: end of prompt)"),
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0), height=520,
-                      meta={"analysis": "attention_map", "params": {"layer": grid.layer, "head": grid.head},
+                      meta={"analysis": "attention", "params": {"layer": grid.layer, "head": grid.head, "step": step},
                             "run": str(run.path) if run.path else None, "run_command": run.meta.get("command")})
     return fig
 
@@ -291,7 +291,7 @@ def perturbation_steps_figure(run: Run) -> go.Figure:
     fig.update_yaxes(rangemode="tozero", row=1, col=2)
     fig.update_layout(title=dict(text="Perturbation over steps (means over layers and heads)"), height=380,
                       legend=dict(orientation="h", y=-0.2),
-                      meta={"analysis": "perturbation_steps", "run": str(run.path) if run.path else None})
+                      meta={"analysis": "perturbation", "run": str(run.path) if run.path else None})
     return fig
 
 
@@ -313,5 +313,5 @@ def perturbation_layers_figure(run: Run) -> go.Figure:
     fig.update_xaxes(title_text="step", row=1, col=2)
     fig.update_yaxes(title_text="layer", row=1, col=2)
     fig.update_layout(title=dict(text="Perturbation across layers"), height=400, legend=dict(orientation="h", y=-0.2),
-                      meta={"analysis": "perturbation_layers", "run": str(run.path) if run.path else None})
+                      meta={"analysis": "perturbation-layers", "run": str(run.path) if run.path else None})
     return fig

@@ -6,11 +6,11 @@ from kvlens.plots_attention import (
     attention_grid,
     attention_map_figure,
     attention_row_figure,
-    occupancy_figure,
     recorded_attention_layers,
 )
 from kvlens.ui.charts import chart
 from kvlens.ui.page import browse_page, level_need
+from kvlens.ui.state import run_figure
 
 run = browse_page("Attention", need=level_need(RecordLevel.ATTENTION, "The attention map"))
 layers = recorded_attention_layers(run)
@@ -30,4 +30,4 @@ with left:
     chart(attention_row_figure(grid, step), "attn_row", name=f"attention-row-{step}-L{layer}-H{head}",
           config={**cfg, "row": step})
 with right:
-    chart(occupancy_figure(run), "attn_occ", name="occupancy", config={"run": str(run.path)})
+    chart(run_figure(run, "occupancy"), "attn_occ", name="occupancy", config={"run": str(run.path)})

@@ -3,7 +3,7 @@ import streamlit as st
 
 from kvlens import provenance
 from kvlens.analysis import recorded_layers
-from kvlens.plots_attention import decision_timeline_figure, provenance_figure
+from kvlens.plots_attention import provenance_figure
 from kvlens.ui.charts import chart
 from kvlens.ui.page import analysis_need, browse_page, fits, offer_runs
 from kvlens.ui.state import run_figure
@@ -23,7 +23,8 @@ else:
     st.markdown(f"{(d['action'] == 'evict').sum()} evictions and {len(merges)} merges in all layers"
                 + (f" ({n_draw0} of them drew 0 from the Bernoulli mask and merged nothing)" if n_draw0 else "") + ".")
     cfg = {"run": str(run.path), "layer": layer, "kv_head": head}
-    chart(decision_timeline_figure(run, layer, head), "merge_timeline", name=f"decisions-L{layer}-H{head}", config=cfg)
+    chart(run_figure(run, "decisions", layer=layer, kv_head=head), "merge_timeline", name=f"decisions-L{layer}-H{head}",
+          config=cfg)
     if not len(merges):
         st.info(f"{run.meta['policy']['name']} only evicts, so no slot holds merged values. "
                 "Open a merging run to see provenance.")

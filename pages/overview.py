@@ -1,9 +1,9 @@
 """Overview: what the selected run is (policy, prompt, generated text, metrics, command) and its cache occupancy."""
 import streamlit as st
 
-from kvlens.plots_attention import occupancy_figure
 from kvlens.ui.charts import chart
 from kvlens.ui.page import browse_page
+from kvlens.ui.state import run_figure
 from kvlens.ui.views import metric_row, token_text
 
 run = browse_page("kvlens", "See what KV-cache compression does to a language model: pick a run in the sidebar, "
@@ -14,7 +14,7 @@ with left:
     st.subheader("Text")
     token_text(run)
 with right:
-    chart(occupancy_figure(run), "ov_occ", name=f"occupancy-{run.path.name}",
+    chart(run_figure(run, "occupancy"), "ov_occ", name=f"occupancy-{run.path.name}",
           config={"run": str(run.path), "figure": "occupancy"})
 with st.expander("How this run was made, and what it recorded"):
     st.code(run.meta.get("command") or "(made in the app)", language="bash", wrap_lines=True)

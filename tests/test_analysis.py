@@ -278,14 +278,25 @@ def run_kinds():
     return [name for name, cls in analyses().items() if cls.inputs != "model"]
 
 
+@functools.cache
+def measured_run(tmp_dir: str):
+    """A measured CaM run of the tiny model with attention rows (so with states, decisions and merges), saved."""
+    from kvlens.api import generate
+
+    opts = RunOptions(budget=24, max_new_tokens=6, record=RecordLevel.ATTENTION)
+    r = generate(tiny_model(), "Merging keeps what eviction drops. " * 4, "cam", {"base": "h2o"}, opts=opts,
+                 measure=True)
+    return r.save(tmp_dir)
+
+
 @pytest.mark.parametrize("kind", run_kinds())
-def test_every_registered_analysis_dispatches_to_itself_on_the_cli_and_in_python(kind, tmp_path, capsys):
+def test_every_registered_analysis_dispatches_to_itself_on_the_cli_and_in_python(kind, tmp_path_factory, capsys):
     from kvlens import load_run
 
-    tiny_run(str(tmp_path / "run"))
-    run = load_run(tmp_path / "run")
+    path = measured_run(str(tmp_path_factory.getbasetemp() / "measured"))
+    run = load_run(path)
     flags = [a for k, v in SMALL.get(kind, {}).items() for a in (f"--{k.replace('_', '-')}", str(v))]
-    assert main(["analyze", kind, "--run", str(tmp_path / "run"), "--json", *flags]) == 0
+    assert main(["analyze", kind, "--run", str(path), "--json", *flags]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(run.analyze(kind, **SMALL.get(kind, {}))))
     assert run.figure(kind, **SMALL.get(kind, {})).layout.meta["analysis"] == kind  # no fall-through to another
 

@@ -198,10 +198,13 @@ def test_a_corrupt_run_is_one_sentence(tmp_path, monkeypatch):
 
 def test_policy_widgets_are_generated_and_bad_budgets_explained(app):
     at = open_page(app, "run")
+    from kvlens.policies import parameters
+
     at.selectbox(key="run_policy").set_value("cam").run()
-    assert at.selectbox(key="run_cam_base").options == ["streaming_llm", "h2o", "scissorhands", "tova"]
-    assert at.number_input(key="run_cam_span").value == 0
-    assert at.text_input(key="run_cam_clamp").value == "0.0,1.0"
+    specs = {p["name"]: p for p in parameters("cam")}
+    assert at.selectbox(key="run_cam_base").options == specs["base"]["choices"] and "h2o" in specs["base"]["choices"]
+    assert at.number_input(key="run_cam_span").value == specs["span"]["default"]
+    assert at.text_input(key="run_cam_clamp").value == ",".join(map(str, specs["clamp"]["default"]))
     at.text_input(key="run_cam_budget").set_value("1.5").run()
     assert any("(0, 1]" in e.value for e in at.error)
     assert at.button(key="run_go").disabled

@@ -64,6 +64,7 @@ class Analysis:
     paper: ClassVar[str]  # the figure it reproduces, e.g. "KVMerger Fig. 2"
     inputs: ClassVar[str] = "run"
     level: ClassVar[RecordLevel] = RecordLevel.SUMMARY  # the record level each run needs
+    measured: ClassVar[bool] = False  # each run needs the perturbation tensors of --measure
     params: ClassVar[tuple[Param, ...]] = ()
 
     def compute(self, source, **params):
@@ -82,7 +83,7 @@ class Analysis:
     def describe(cls) -> dict:
         """Name, paper figure, inputs, level and parameters, for `kvlens analyze --list`."""
         return {"name": cls.name, "paper": cls.paper, "inputs": cls.inputs,
-                "level": None if cls.inputs == "model" else cls.level,
+                "level": None if cls.inputs == "model" else cls.level, "measured": cls.measured,
                 "params": [{"name": p.name, "flag": p.flag, "type": p.type.__name__, "default": p.default,
                             "help": p.help, "many": p.many} for p in cls.params]}
 
@@ -138,6 +139,9 @@ def _prepare(analysis: Analysis, source, params: dict):
     if analysis.inputs != "model" and (not runs or analysis.inputs == "run" and len(runs) > 1):
         raise KvlensError(f"The analysis '{analysis.name}' reads {'one run' if analysis.inputs == 'run' else 'runs'}.")
     for run in runs:
+        if analysis.measured and not run.has("perturbation/used"):
+            raise KvlensError(f"The analysis '{analysis.name}' needs a run made with --measure; "
+                              f"{run.path.name if run.path else 'this run'} was not measured.")
         if not run_level(run).includes(analysis.level):
             raise KvlensError(f"The analysis '{analysis.name}' needs a run recorded with --record {analysis.level}; "
                               f"{run.path.name if run.path else 'this run'} was recorded at {run_level(run)}.")

@@ -33,7 +33,8 @@ def register(sub) -> None:
 
 
 def _add_kind(kinds, name: str, cls, command: str) -> None:
-    level = "" if cls.inputs == "model" else f", recorded with --record {cls.level} or more"
+    level = "" if cls.inputs == "model" else f", recorded with --record {cls.level} or more" + \
+        (" and --measure" if cls.measured else "")
     k = kinds.add_parser(name, help=cls.paper,
                          description=f"{name}: {cls.paper}. Reads {INPUTS[cls.inputs]}{level}.")
     if cls.inputs != "model":
@@ -86,8 +87,9 @@ def _print_list(as_json: bool) -> None:
         print_json(described)
         return
     for d in described:
-        needs = INPUTS[d["inputs"]] + (f" at --record {d['level']}" if d["level"] else "")
-        print(f"{d['name']:<17} {d['paper']}; reads {needs}")
+        needs = INPUTS[d["inputs"]] + (f" at --record {d['level']}" if d["level"] else "") + \
+            (", made with --measure" if d["measured"] else "")
+        print(f"{d['name']:<20} {d['paper']}; reads {needs}")
         for p in d["params"]:
             shown = "" if p["default"] in (None, ()) else f" (default {p['default']})"
             print(f"{'':<4}{p['flag']:<13} {p['help']}{shown}")

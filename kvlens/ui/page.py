@@ -41,9 +41,10 @@ def level_need(level: RecordLevel, what: str) -> Need:
 
 
 def analysis_need(kind: str) -> Need:
-    """The record level the registered analysis `kind` declares."""
+    """What the registered analysis `kind` declares: a measured run, or its record level."""
     analysis = get_analysis(kind)
-    return level_need(analysis.level, f"The {analysis.name} analysis ({analysis.paper})")
+    return MEASURED if analysis.measured else level_need(analysis.level,
+                                                         f"The {analysis.name} analysis ({analysis.paper})")
 
 
 def browse_page(title: str, caption: str = "", need: Need | None = None) -> Run:

@@ -1,0 +1,32 @@
+"""The query-row x position attention map of one layer and head, kept/evicted/merged/sink marked (CaM Fig. 1a-c)."""
+from kvlens.analysis.registry import Analysis, Param, nan_to_none, register_analysis
+from kvlens.levels import RecordLevel
+
+
+@register_analysis
+class Attention(Analysis):
+    name = "attention"
+    paper = "CaM Fig. 1 (a)-(c)"
+    level = RecordLevel.ATTENTION
+    params = (Param("layer", int, None, "layer (default: the middle layer with attention rows)"),
+              Param("head", int, 0, "query head"),
+              Param("step", int, None, "query row marked by a guide line (default: none)"),
+              Param("max_cells", int, 512, "at most this many cells per side (longer runs are block-pooled)"))
+
+    def compute(self, run, layer, head, max_cells, **params):
+        from kvlens.plots_attention import attention_grid, recorded_attention_layers
+
+        layers = recorded_attention_layers(run)
+        return attention_grid(run, layers[len(layers) // 2] if layer is None else layer, head, max_cells)
+
+    def to_json(self, grid, **params) -> dict:
+        from kvlens.plots_attention import STATUS
+
+        return {"layer": grid.layer, "head": grid.head, "prompt_tokens": grid.prompt_len, "rows": grid.rows,
+                "cols": grid.cols, "block": list(grid.block), "weights": nan_to_none(grid.weights),
+                "status": grid.status.tolist(), "status_codes": {code: name for code, (name, _) in STATUS.items()}}
+
+    def figure(self, run, step, **params):
+        from kvlens.plots_attention import attention_map_figure
+
+        return attention_map_figure(run, self.compute(run, **params), step)
