@@ -10,7 +10,9 @@ from kvlens.errors import KvlensError
 
 def register(sub) -> None:
     p = sub.add_parser("sweep", help="run policies x budgets x texts on the model and write one JSON + CSV table")
-    p.add_argument("--policies", required=True, help="comma-separated policy names")
+    p.add_argument("--policies", required=True,
+                   help="comma-separated policy names, or ';'-separated `name:key=value,...` specs to run several "
+                        "variants of one policy (e.g. 'cam:base=h2o;cam:base=tova')")
     p.add_argument("--budgets", default="", help="comma-separated budgets: slots (64) or shares of the prompt (0.3)")
     p.add_argument("--text-file", action="append", default=[], help="a text to score; repeat for several")
     p.add_argument("--texts", default="", help="bundled texts: a count (the first N) or comma-separated ids "
@@ -32,8 +34,9 @@ def register(sub) -> None:
 
 def add_executor_args(p) -> None:
     """`--workers`, `--ray` and `--fresh`: where a grid's cells run, and whether finished ones are kept."""
-    p.add_argument("--workers", type=int, help="run cells on N local processes, each loading the model once "
-                                               "(default: one after another in this process)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="run cells on N local processes, each loading the model once "
+                        "(default: one after another in this process)")
     p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
                    help="run cells on Ray actors: on the cluster at ADDRESS (e.g. auto, ray://head:10001), or on a "
                         "local Ray started here; --workers sets the actors (default: one per GPU, else per CPU)")
@@ -85,20 +88,24 @@ def sweep_texts(files: list[str], bundled_arg: str) -> dict[str, str]:
 
 
 def cmd_sweep(args) -> int:
+    from kvlens.bench.common import parse_policies
     from kvlens.grid import report
     from kvlens.lists import parse_list
     from kvlens.policies import parse_budget
     from kvlens.sweep import plan_ppl
 
-    names = parse_list(args.policies, "--policies", kind=str)
+    if ";" in args.policies or ":" in args.policies:
+        policies = [(p.name, dict(p.params)) for p in parse_policies(args.policies)]
+    else:
+        policies = [(n, {}) for n in parse_list(args.policies, "--policies", kind=str)]
     settings = _settings(args.settings)
-    unknown = sorted(set(settings) - set(names))
+    unknown = sorted(set(settings) - {n for n, _ in policies})
     if unknown:
         raise KvlensError(f"--set names policy '{unknown[0]}', which is not in --policies.")
     budgets = parse_list(args.budgets, "--budgets", kind=parse_budget) if args.budgets.strip() else []
     seeds = parse_list(args.seeds, "--seeds", minimum=0) if args.seeds is not None else None
     texts = sweep_texts(args.text_file, args.texts)
-    cells = plan_ppl([(n, settings.get(n, {})) for n in names], budgets, texts,
+    cells = plan_ppl([(n, {**given, **settings.get(n, {})}) for n, given in policies], budgets, texts,
                      parse_list(args.prefill, "--prefill", minimum=1), tokens=args.tokens, model=args.model,
                      measure=args.measure, seeds=seeds)
     results = run_cells(args, args.out, cells, texts, {"command": command_line(), "model": args.model}, "sweep")
