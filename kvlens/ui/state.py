@@ -3,7 +3,8 @@
 The model lives in `st.cache_resource` (loaded once, shared read-only by every session; each run
 gets its own engine context, so sessions never mix). Loaded runs are read-only too and sit in a
 bounded `st.cache_resource` keyed by path and modification time: `st.cache_data` would pickle a
-copy of every tensor on each rerun. Small derived results use `st.cache_data(max_entries=...)`.
+copy of every tensor on each rerun. Figures of registered analyses (`run_figure`) are small and use
+`st.cache_data(max_entries=...)`.
 """
 from __future__ import annotations
 
