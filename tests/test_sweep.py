@@ -156,11 +156,11 @@ def test_sweep_writes_json_and_csv_with_full_parameters(tiny_dir, tmp_path):
 
 def test_sweep_runs_several_variants_of_one_policy(tiny_dir, text_file, tmp_path):
     out = tmp_path / "v.json"
-    assert main(["sweep", "--policies", "cam:base=h2o;cam:base=tova,span=2", "--budgets", "16", "--seeds", "0,1",
+    assert main(["sweep", "--policies", "cam:base=h2o,span=1;cam:base=tova,span=2", "--budgets", "16", "--seeds", "0,1",
                  "--prefill", "32", "--tokens", "2", "--text-file", str(text_file), "--model", str(tiny_dir),
                  "--out", str(out)]) == 0
     assert [(r["params"]["base"], r["params"]["span"], r["params"]["seed"]) for r in _rows(out)] == [
-        ("h2o", 0, 0), ("h2o", 0, 1), ("tova", 2, 0), ("tova", 2, 1)]
+        ("h2o", 1, 0), ("h2o", 1, 1), ("tova", 2, 0), ("tova", 2, 1)]
 
 
 def test_a_failed_cell_is_recorded_with_its_reason_and_retried(tiny_dir, text_file, tmp_path, monkeypatch, capsys):
