@@ -367,6 +367,8 @@ def test_a_registered_analysis_reaches_the_cli_and_run_figure(tmp_path, capsys):
         out = json.loads(capsys.readouterr().out)
         assert out["layer"] == 2 and len(out["norms"]) == T
         assert list(tiny_run().figure("test-norms", layer=2).data[0].y) == pytest.approx(out["norms"], abs=1e-6)
+        with pytest.raises(TypeError, match="Two analyses are called 'test-norms'"):
+            registry.register_analysis(type("Other", (Norms,), {}))
     finally:
         del registry._REGISTRY["test-norms"]
 

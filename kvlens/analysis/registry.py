@@ -92,6 +92,9 @@ def register_analysis(cls: type[Analysis]) -> type[Analysis]:
     """Class decorator adding an analysis to the registry under `cls.name`."""
     if cls.inputs not in INPUTS or not isinstance(cls.level, RecordLevel):
         raise TypeError(f"{cls.__name__}: inputs must be one of {INPUTS} and level a RecordLevel.")
+    other = _REGISTRY.get(cls.name)
+    if other is not None and (other.__module__, other.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise TypeError(f"Two analyses are called '{cls.name}': {other.__module__} and {cls.__module__}.")
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -132,6 +135,11 @@ def _prepare(analysis: Analysis, source, params: dict):
     if unknown:
         takes = f"it takes {', '.join(known)}" if known else "it takes none"
         raise KvlensError(f"The analysis '{analysis.name}' has no parameter '{unknown[0]}'; {takes}.")
+    return _checked_source(analysis, source), {name: p.check(params.get(name, p.default)) for name, p in known.items()}
+
+
+def _checked_source(analysis: Analysis, source):
+    """`source` as the analysis reads it (several runs as a list), after checking what each run recorded."""
     runs = [source] if isinstance(source, Run) else list(source) if isinstance(source, (list, tuple)) else []
     if analysis.inputs == "model" and runs:
         raise KvlensError(f"The analysis '{analysis.name}' runs the model over the bundled texts; pass it the "
@@ -145,8 +153,7 @@ def _prepare(analysis: Analysis, source, params: dict):
         if not run_level(run).includes(analysis.level):
             raise KvlensError(f"The analysis '{analysis.name}' needs a run recorded with --record {analysis.level}; "
                               f"{run.path.name if run.path else 'this run'} was recorded at {run_level(run)}.")
-    source = runs if analysis.inputs == "runs" else source
-    return source, {name: p.check(params.get(name, p.default)) for name, p in known.items()}
+    return runs if analysis.inputs == "runs" else source
 
 
 def analysis_json(name: str, source, **params) -> dict:
