@@ -15,6 +15,7 @@ from kvlens.cli import main
 from kvlens.errors import KvlensError
 from kvlens.grid import TIMINGS, Results, key, plan
 from kvlens.lists import parse_list
+from kvlens.policies import make_policy
 from kvlens.sweep import plan_ppl
 from tests.conftest import ROOT, tiny_model
 
@@ -81,8 +82,8 @@ def test_plan_runs_budget_free_policies_once_and_resolves_parameters():
         ("a", "full", None, 64), ("a", "full", None, 96), ("a", "h2o", 0.2, 64), ("a", "h2o", 0.2, 96),
         ("a", "h2o", 16, 64), ("a", "h2o", 16, 96), ("a", "corm", None, 64), ("a", "corm", None, 96)]
     assert len(cells) == 16 and cells[8]["text"] == "b" and cells[8]["text_digest"] != cells[0]["text_digest"]
-    assert cells[6]["params"] == {"window": 8, "recent": 32, "important": "position"}  # resolved, not as given
-    assert cells[2]["params"] == {"recent_ratio": 0.5} and cells[0]["params"] == {}
+    assert cells[6]["params"] == make_policy("corm", {"window": 8}).params()  # resolved, not as given
+    assert cells[2]["params"] == make_policy("h2o").params() and cells[0]["params"] == {}
     assert len({key(c) for c in cells}) == 16
 
 
