@@ -7,7 +7,7 @@ import tomllib
 
 from kvlens.cli import main
 from kvlens.models import load_model
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TEXTS
 
 
 def test_app_binds_to_loopback_by_default():
@@ -20,7 +20,7 @@ def test_app_binds_to_loopback_by_default():
 
 def test_remote_code_is_off_by_default_and_loud_when_on(capsys):
     assert inspect.signature(load_model).parameters["trust_remote_code"].default is False
-    code = main(["ppl", "--policy", "full", "--text-file", str(ROOT / "kvlens/data/state_union/1961-Kennedy.txt"),
+    code = main(["ppl", "--policy", "full", "--text-file", str(TEXTS / "1961-Kennedy.txt"),
                  "--model", "/nonexistent/dir", "--trust-remote-code"])
     err = capsys.readouterr().err
     assert code == 2 and "WARNING: --trust-remote-code is on" in err
