@@ -4,17 +4,14 @@ import streamlit as st
 from kvlens.ui.charts import chart
 from kvlens.ui.compare import Entry, compare, compare_figure, table
 from kvlens.ui.jobs import PageJob
-from kvlens.ui.sidebar import app_shell
+from kvlens.ui.page import page_top
 from kvlens.ui.views import diverging_text
 from kvlens.ui.widgets import policy_picker
 
-app_shell()
-
 DEFAULTS = ["streaming_llm", "h2o", "tova", "cam"]
 
-st.title("Compare")
-st.caption("Several policies on one prompt, each against the full cache: where the text first differs, perplexity "
-           "on the full cache's continuation, KL and output perturbation, memory and speed.")
+page_top("Compare", "Several policies on one prompt, each against the full cache: where the text first differs, "
+                    "perplexity on the full cache's continuation, KL and output perturbation, memory and speed.")
 
 job = PageJob("cmp", "Stopped. Nothing was compared.")
 job.begin()

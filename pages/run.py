@@ -8,14 +8,11 @@ from kvlens.levels import LEVELS, RecordLevel
 from kvlens.ui import session
 from kvlens.ui.jobs import PageJob
 from kvlens.ui.live import Live, RunSettings, parse_layers
-from kvlens.ui.sidebar import app_shell
+from kvlens.ui.page import page_top
 from kvlens.ui.state import list_runs, user_runs_dir
 from kvlens.ui.widgets import policy_picker
 
-app_shell()
-
-st.title("Run")
-st.caption("Run a policy on a prompt, watch it work, and save the run for the other pages.")
+page_top("Run", "Run a policy on a prompt, watch it work, and save the run for the other pages.")
 
 job = PageJob("run", "Stopped. The run was cancelled and nothing was saved.")
 job.begin()

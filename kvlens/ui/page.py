@@ -47,12 +47,17 @@ def analysis_need(kind: str) -> Need:
                                                          f"The {analysis.name} analysis ({analysis.paper})")
 
 
-def browse_page(title: str, caption: str = "", need: Need | None = None) -> Run:
-    """Shell, title, caption, the picked run's header, and `need` checked; the open run, or `st.stop()`."""
+def page_top(title: str, caption: str = "") -> None:
+    """Every page's start: the shell (when Streamlit runs the page on its own), the title and the caption."""
     app_shell()
     st.title(title)
     if caption:
         st.caption(caption)
+
+
+def browse_page(title: str, caption: str = "", need: Need | None = None) -> Run:
+    """`page_top`, the picked run's header, and `need` checked; the open run, or `st.stop()`."""
+    page_top(title, caption)
     run = selected_run()
     if run is None:
         st.stop()
