@@ -76,12 +76,13 @@ def _settings(items: list[str]) -> dict[str, dict]:
 def sweep_texts(files: list[str], bundled_arg: str) -> dict[str, str]:
     """The texts of a sweep by id: each --text-file by its path, then the --texts bundled ones."""
     from kvlens import texts as bundled
+    from kvlens.lists import parse_list
 
     out = {path: read_text(path) for path in files}
     if bundled_arg.strip().isdigit():
         out.update(bundled.bundled(int(bundled_arg)))
     elif bundled_arg.strip():
-        out.update({i.strip(): bundled.read(i.strip()) for i in bundled_arg.split(",") if i.strip()})
+        out.update({i: bundled.read(i) for i in parse_list(bundled_arg, "--texts", kind=str)})
     if not out:
         raise KvlensError("Give the texts to score: --text-file PATH and/or --texts N (bundled).")
     return out
