@@ -112,7 +112,7 @@ def ray_cluster(job: Job, workers: int | None, address: str | None,
     """Run cells on Ray actors: on the cluster at `address`, or on a local Ray started here (and stopped after).
 
     One actor per worker, each holding a GPU when the cluster has GPUs and the device is not `cpu`
-    (default: one per GPU, else one per CPU); each loads the model once.
+    (default: one per GPU, else one per CPU; more actors share them); each loads the model once.
     """
     def outcomes(cells):
         if not cells:
@@ -130,8 +130,11 @@ def ray_cluster(job: Job, workers: int | None, address: str | None,
         try:
             resources = ray.cluster_resources()
             gpus = int(resources.get("GPU", 0)) if job.device != "cpu" else 0
-            n = workers or gpus or int(resources.get("CPU", 1))
-            actor = ray.remote(num_gpus=1, num_cpus=0)(_RayWorker) if gpus else ray.remote(num_cpus=1)(_RayWorker)
+            cpus = int(resources.get("CPU", 1))
+            n = workers or gpus or cpus
+            # more actors than GPUs (or CPUs) share them, rather than waiting for a free one forever
+            share = {"num_gpus": min(1.0, gpus / n), "num_cpus": 0} if gpus else {"num_cpus": min(1.0, cpus / n)}
+            actor = ray.remote(**share)(_RayWorker)
             pool = ActorPool([actor.remote(job, 1) for _ in range(n)])
             yield from pool.map_unordered(lambda a, cell: a.run.remote(cell), cells)
         except ray.exceptions.RayActorError as err:
