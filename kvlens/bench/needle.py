@@ -109,7 +109,7 @@ def figure(result: dict):
 
     import kvlens.plots  # noqa: F401  registers the "kvlens" paper template
 
-    cfg, rows = result["config"], result["rows"]
+    cfg, rows = result["config"], result.get("rows", result.get("cells"))  # `cells`: files from before the grid
     policies = list(dict.fromkeys(label(r) for r in rows))
     fig = make_subplots(rows=1, cols=len(policies), subplot_titles=policies, shared_yaxes=True,
                         horizontal_spacing=0.02)

@@ -68,7 +68,7 @@ def figure(result: dict):
 
     from kvlens.plots import line_style  # also registers the "kvlens" paper template
 
-    summary = result["summary"]
+    summary = result.get("summary") or summarise(result["rows"])  # an unfinished benchmark has no summary yet
     slots = {s["budget"]: s["budget_slots_mean"] for s in summary}
     budgets = sorted(_numeric(summary), key=lambda b: slots.get(b) or 0)  # smallest cache first
     names = [_budget_name(b) for b in budgets]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -76,7 +77,22 @@ def pick_results(prefix: str, kind: str, label: str, want: tuple[str, ...] = ())
     if isinstance(got, str):
         st.error(got)
         return None
+    cells_status(path, got[0])
     return path, *got
+
+
+def cells_status(path: Path, settings: dict) -> None:
+    """How many cells of a grid's results file are done: a progress bar while it is not finished."""
+    total, done, failed = (settings.get(k) for k in ("cells_total", "cells_done", "cells_failed"))
+    if not isinstance(total, int) or not isinstance(done, int) or total < 1:
+        return
+    text = f"{done} of {total} cells done" + (f", {failed} failed (re-run the command to retry them)" if failed else "")
+    if settings.get("status") == "done":
+        st.caption(text + ".")
+        return
+    ago = max(0, time.time() - path.stat().st_mtime)
+    st.progress(min(1.0, done / total), text=f"Not finished: {text}, the last {ago:.0f} s ago "
+                                             "(the rows so far are shown and refreshed while it runs).")
 
 
 def metric_figure(frame: pd.DataFrame, x: str, ys: list[str], title: str) -> go.Figure:
