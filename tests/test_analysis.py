@@ -383,8 +383,13 @@ def test_the_model_analyses_run_through_the_registry(tiny):
                                                                                                  "1953-Eisenhower"]
     with pytest.raises(KvlensError, match="--lengths takes comma-separated integers; got '48,x'"):
         analysis_json("corm-lengths", tiny, lengths="48,x")
-    with pytest.raises(KvlensError, match="--texts of at least 1"):
+    with pytest.raises(KvlensError, match="texts must be at least 1; got 0"):
         analysis_json("merging-ratio", tiny, texts=0)
+
+
+def test_bad_parameters_are_refused_before_the_model_is_loaded(capsys):
+    assert main(["analyze", "merging-ratio", "--tokens", "1", "--model", "/no/such/model"]) == 2
+    assert capsys.readouterr().err.strip() == "kvlens: error: tokens must be at least 2; got 1."
 
 
 def test_aggregated_attention_is_recomputed_when_the_policy_recorded_none(run):

@@ -24,7 +24,8 @@ _REGISTRY: dict[str, type[Analysis]] = {}
 @dataclass(frozen=True)
 class Param:
     """One parameter: `type` parses it on the command line (int, float or str); `many` makes it a list
-    (a repeatable flag); a `None` default is worked out from the run (the help says how)."""
+    (a repeatable flag); a `None` default is worked out from the run (the help says how); a number
+    below `minimum` is refused."""
 
     name: str
     type: type
@@ -32,6 +33,7 @@ class Param:
     help: str
     many: bool = False
     cli: str = ""  # the command-line flag, when not `--name` with dashes
+    minimum: float | None = None
 
     @property
     def flag(self) -> str:
@@ -43,6 +45,9 @@ class Param:
         if self.many and not isinstance(value, (list, tuple)) or not all(map(self._fits, items)):
             want = {int: "an integer", float: "a number", str: "text"}[self.type]
             raise KvlensError(f"{self.name} takes {'a list of ' if self.many else ''}{want}; got {value!r}.")
+        low = [v for v in items if self.minimum is not None and v is not None and v < self.minimum]
+        if low:
+            raise KvlensError(f"{self.name} must be at least {self.minimum}; got {low[0]}.")
         return list(value) if self.many else value
 
     def _fits(self, v) -> bool:
@@ -54,7 +59,7 @@ class Param:
 # parameters several analyses share
 LAYER = Param("layer", int, None, "layer (default: the middle recorded layer)")
 THRESHOLD = Param("threshold", float, 0.75, "cosine-similarity threshold of the merging sets")
-TEXTS = Param("texts", int, 4, "how many bundled texts")
+TEXTS = Param("texts", int, 4, "how many bundled texts", minimum=1)
 
 
 class Analysis:
@@ -85,7 +90,7 @@ class Analysis:
         return {"name": cls.name, "paper": cls.paper, "inputs": cls.inputs,
                 "level": None if cls.inputs == "model" else cls.level, "measured": cls.measured,
                 "params": [{"name": p.name, "flag": p.flag, "type": p.type.__name__, "default": p.default,
-                            "help": p.help, "many": p.many} for p in cls.params]}
+                            "help": p.help, "many": p.many, "minimum": p.minimum} for p in cls.params]}
 
 
 def register_analysis(cls: type[Analysis]) -> type[Analysis]:
@@ -128,14 +133,15 @@ def nan_to_none(t) -> list:
     return clean(t.tolist())
 
 
-def _prepare(analysis: Analysis, source, params: dict):
-    """`(source, parameters with defaults filled in)` after checking the names, values and runs."""
+def checked_params(name: str, **params) -> dict:
+    """The parameters of analysis `name` with defaults filled in, or one sentence about the first bad one."""
+    analysis = get_analysis(name)
     known = {p.name: p for p in analysis.params}
     unknown = [k for k in params if k not in known]
     if unknown:
         takes = f"it takes {', '.join(known)}" if known else "it takes none"
         raise KvlensError(f"The analysis '{analysis.name}' has no parameter '{unknown[0]}'; {takes}.")
-    return _checked_source(analysis, source), {name: p.check(params.get(name, p.default)) for name, p in known.items()}
+    return {name: p.check(params.get(name, p.default)) for name, p in known.items()}
 
 
 def _checked_source(analysis: Analysis, source):
@@ -158,13 +164,12 @@ def _checked_source(analysis: Analysis, source):
 
 def analysis_json(name: str, source, **params) -> dict:
     """`kvlens analyze NAME --json` on `source` (a Run, a list of Runs, or a LoadedModel)."""
-    analysis = get_analysis(name)
-    source, p = _prepare(analysis, source, params)
+    analysis, p = get_analysis(name), checked_params(name, **params)
+    source = _checked_source(analysis, source)
     return analysis.to_json(analysis.compute(source, **p), **p)
 
 
 def analysis_figure(name: str, source, **params):
     """`kvlens figure NAME` on `source`: the plotly figure."""
-    analysis = get_analysis(name)
-    source, p = _prepare(analysis, source, params)
-    return analysis.figure(source, **p)
+    analysis, p = get_analysis(name), checked_params(name, **params)
+    return analysis.figure(_checked_source(analysis, source), **p)

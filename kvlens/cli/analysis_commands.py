@@ -70,12 +70,14 @@ def _source(args, inputs: str):
 
 
 def _call(args, fn):
-    """`fn(kind, source, **params)` with the parameters given on the command line."""
-    from kvlens.analysis.registry import get_analysis
+    """`fn(kind, source, **params)` with the parameters given on the command line (checked before
+    anything is loaded)."""
+    from kvlens.analysis.registry import checked_params, get_analysis
 
     if args.kind is None:
         raise KvlensError("Name an analysis KIND (see `kvlens analyze --list`).")
     params = {k.removeprefix("param_"): v for k, v in vars(args).items() if k.startswith("param_")}
+    checked_params(args.kind, **params)
     return fn(args.kind, _source(args, get_analysis(args.kind).inputs), **params)
 
 

@@ -11,7 +11,8 @@ class Attention(Analysis):
     params = (Param("layer", int, None, "layer (default: the middle layer with attention rows)"),
               Param("head", int, 0, "query head"),
               Param("step", int, None, "query row marked by a guide line (default: none)"),
-              Param("max_cells", int, 512, "at most this many cells per side (longer runs are block-pooled)"))
+              Param("max_cells", int, 512, "at most this many cells per side (longer runs are block-pooled)",
+                    minimum=1))
 
     def compute(self, run, layer, head, max_cells, **params):
         from kvlens.plots_attention import attention_grid, recorded_attention_layers

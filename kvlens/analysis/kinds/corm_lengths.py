@@ -1,6 +1,5 @@
 """Compression rate CORM reaches against sequence length, over the bundled texts (CORM Fig. 4)."""
 from kvlens.analysis.registry import TEXTS, Analysis, Param, register_analysis
-from kvlens.errors import KvlensError
 from kvlens.lists import parse_list
 from kvlens.texts import bundled
 
@@ -19,8 +18,6 @@ class CormLengths(Analysis):
         from kvlens.analysis import sweeps
         from kvlens.policies import parse_settings
 
-        if texts < 1:
-            raise KvlensError(f"corm-lengths needs --texts of at least 1; got {texts}.")
         lengths = sorted(parse_list(lengths, "--lengths", int, minimum=2))
         return sweeps.corm_over_lengths(model, bundled(texts), lengths, parse_settings("corm", settings))
 

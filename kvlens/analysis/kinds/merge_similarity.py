@@ -10,7 +10,7 @@ class MergeSimilarity(Analysis):
     paper = "WeightedKV Fig. 2"
     level = RecordLevel.STATES
     params = (Param("step", int, 100, "the query row at which one token is merged"),
-              Param("horizon", int, 800, "how many later rows are compared"))
+              Param("horizon", int, 800, "how many later rows are compared", minimum=1))
 
     def compute(self, run, step, horizon):
         return an.merge_future_similarity(run, step, horizon)

@@ -1,6 +1,5 @@
 """Layer-wise compression ratio of KVMerger's merging sets over the bundled texts (KVMerger Fig. 3b)."""
 from kvlens.analysis.registry import TEXTS, THRESHOLD, Analysis, Param, register_analysis
-from kvlens.errors import KvlensError
 from kvlens.texts import bundled
 
 
@@ -10,15 +9,12 @@ class MergingRatio(Analysis):
     paper = "KVMerger Fig. 3b"
     inputs = "model"
     params = (TEXTS,
-              Param("tokens", int, 1024, "tokens of each text"),
+              Param("tokens", int, 1024, "tokens of each text", minimum=2),
               THRESHOLD)
 
     def compute(self, model, texts, tokens, threshold):
         from kvlens.analysis import sweeps
 
-        if texts < 1 or tokens < 2:
-            raise KvlensError(f"merging-ratio needs --texts of at least 1 and --tokens of at least 2; "
-                              f"got {texts} and {tokens}.")
         return sweeps.merging_ratio_over_texts(model, bundled(texts), tokens, threshold)
 
     def to_json(self, res, threshold, tokens, **params) -> dict:

@@ -12,7 +12,7 @@ class Preceding(Analysis):
     level = RecordLevel.STATES
     params = (LAYER,
               Param("token", int, None, "token t (default: the last prompt token)"),
-              Param("window", int, 32, "how many tokens before t"),
+              Param("window", int, 32, "how many tokens before t", minimum=1),
               Param("state", str, "key", "query, key or value"))
 
     def _args(self, run, layer, token, window, state):

@@ -14,7 +14,8 @@ class Similarity(Analysis):
               Param("head", int, 0, "KV head (a query head for queries)"),
               Param("state", str, "key", "query, key or value; a figure also takes several, comma-separated "
                                          "(key,value: panels on one colour scale)"),
-              Param("max_size", int, 512, "at most this many cells per side (longer prompts are block-averaged)"))
+              Param("max_size", int, 512, "at most this many cells per side (longer prompts are block-averaged)",
+                    minimum=1))
 
     def compute(self, run, layer, head, state, max_size):
         return an.similarity_map(run, layer_or_middle(run, layer), head, parse_states(state, many=False)[0], max_size)

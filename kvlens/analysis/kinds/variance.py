@@ -12,7 +12,7 @@ class Variance(Analysis):
     level = RecordLevel.STATES
     params = (LAYER,
               Param("head", int, None, "query head (default: the mean over the layer's heads)"),
-              Param("group", int, 64, "tokens per group (CaM's m)"))
+              Param("group", int, 64, "tokens per group (CaM's m)", minimum=1))
 
     def compute(self, run, layer, head, group):
         return an.attention_variance(run, layer_or_middle(run, layer), head, group)
