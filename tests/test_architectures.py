@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from kvlens.architectures import inspect_model
 from kvlens.attention import kvlens_attention
 from kvlens.cli import main
 from kvlens.engine import RunOptions, run
@@ -37,7 +39,7 @@ BASE = dict(vocab_size=EOS + 1, hidden_size=32, intermediate_size=64, num_hidden
             initializer_range=INIT)
 GQA = dict(BASE, num_key_value_heads=2)
 GEMMA = dict(GQA, head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=12)
-SCALE, GEMMA_SCALE = 8 ** -0.5, 12 ** -0.5
+GEMMA_SCALE = 12 ** -0.5  # query_pre_attn_scalar ** -0.5
 
 # name -> (config class, config arguments, what the probe must find, features for the table)
 MATRIX = {
@@ -64,6 +66,10 @@ MATRIX = {
                                 eos_token_id=EOS, bos_token_id=None, initializer_range=INIT),
              {"positions": "no rotary embedding"}, "learned absolute positions, no RoPE"),
 }
+GEMMA3N = dict(GQA, head_dim=8, num_hidden_layers=4, num_kv_shared_layers=2, sliding_window=WINDOW,
+               layer_types=["sliding_attention", "full_attention"] * 2, intermediate_size=[64] * 4,
+               activation_sparsity_pattern=[0.0] * 4, laurel_rank=4, altup_num_inputs=2, hidden_size_per_layer_input=4,
+               vocab_size_per_layer_input=EOS + 1)
 REFUSED = {
     "gpt_oss": ("GptOssConfig", dict(GQA, head_dim=8, num_local_experts=2, num_experts_per_tok=1),
                 "learned attention sinks", "learned attention sinks (`s_aux`)"),
@@ -80,6 +86,8 @@ REFUSED = {
     "llama4 (text)": ("Llama4TextConfig", dict(GQA, head_dim=8, intermediate_size_mlp=64, num_local_experts=1,
                                                attention_chunk_size=8, no_rope_layers=[1, 0], moe_layers=[]),
                       "Layer 0 is a chunked attention layer", "chunked attention (in the mask only)"),
+    "gemma3n (text)": ("Gemma3nTextConfig", GEMMA3N, "Layer 2 does not keep its own keys and values",
+                       "layers 2-3 reuse earlier layers' KV cache"),
     "stablelm": ("StableLmConfig", GQA, "Layer 0's attention never reaches kvlens",
                  "its decoder layer does not pass keyword arguments on to the attention function"),
     "gptj": ("GPTJConfig", dict(vocab_size=EOS + 1, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256,
@@ -227,6 +235,37 @@ def test_check_model_reports_what_the_layers_ask_for(tiny_dir, capsys):
 
 class _Layer(torch.nn.Module):
     layer_idx = 3
+
+
+class _TwoLayers(torch.nn.Module):
+    """A stand-in decoder whose layers call kvlens' attention as told: `calls` per layer, `update` the cache or not."""
+
+    def __init__(self, layer_types, window=None, calls=(1, 1), update=(True, True)):
+        super().__init__()
+        self.config = types.SimpleNamespace(num_hidden_layers=2, layer_types=layer_types)
+        self.attn = torch.nn.ModuleList(torch.nn.Linear(1, 1) for _ in range(2))
+        for i, layer in enumerate(self.attn):
+            layer.layer_idx = i
+        self.window, self.calls, self.update = window, calls, update
+
+    def forward(self, input_ids, past_key_values, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k == "kvlens_context"}
+        for i, layer in enumerate(self.attn):
+            q = k = torch.randn(1, 2, input_ids.shape[1], 4)
+            if self.update[i]:
+                k, _ = past_key_values.update(k, k, i)
+            for _ in range(self.calls[i]):
+                kvlens_attention(layer, q, k, k, None, sliding_window=self.window, **kwargs)
+
+
+@pytest.mark.parametrize("model, words", [
+    (_TwoLayers(["sliding_attention", "full_attention"]), "Layer 0 is a sliding-window layer that passes no window"),
+    (_TwoLayers(["full_attention"] * 2, calls=(1, 2)), "Layer 1 attends 2 times per token"),
+    (_TwoLayers(["full_attention"] * 2, update=(True, False)), "Layer 1 does not keep its own keys and values"),
+])
+def test_probe_refuses_layers_it_cannot_follow(model, words):
+    assert words in inspect_model(model).refusal
+    assert inspect_model(_TwoLayers(["sliding_attention"] * 2, window=4)).sliding == {0: 4, 1: 4}
 
 
 @pytest.mark.parametrize("kwargs, words", [
