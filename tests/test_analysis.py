@@ -327,6 +327,10 @@ def test_unknown_or_unfitting_requests_are_one_sentence(tmp_path, capsys):
         r.figure("gaussian", sigma=2.0)
     with pytest.raises(KvlensError, match="runs the model over the bundled texts"):
         r.figure("merging-ratio")
+    for kind, bad in (("spectrum", {"components": 0}), ("merge-similarity", {"horizon": 0}),
+                      ("similarity", {"max_size": 0})):
+        with pytest.raises(KvlensError, match=f"{next(iter(bad))} must be at least 1; got 0"):
+            r.figure(kind, **bad)
     summary = engine_run(tiny_model(), make_policy("full"), list(range(40, 60)), prefill=20, steps=1, teacher=False,
                          opts=RunOptions(max_new_tokens=1))
     with pytest.raises(KvlensError, match="needs a run recorded with --record states; this run was recorded at summ"):
