@@ -176,6 +176,23 @@ def test_full_is_the_models_own_forward(name, loaded, tiny_dir, ids):
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_ppl_command_equals_the_models_own_loss(name, tiny_dir, long_text, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text(long_text[:PREFILL + STEPS])  # one token per byte
+    capsys.readouterr()
+    assert main(["ppl", "--policy", "full", "--model", str(tiny_dir(name)), "--text-file", str(text), "--prefill",
+                 str(PREFILL), "--tokens", str(STEPS), "--device", "cpu", "--json"]) == 0
+    nll = json.loads(capsys.readouterr().out)["nll"]
+    eager = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir(name), attn_implementation="eager").eval()
+    ids = transformers.AutoTokenizer.from_pretrained(tiny_dir(name))(text.read_text()).input_ids
+    assert len(ids) == PREFILL + STEPS
+    with torch.no_grad():
+        logits = eager(torch.tensor([ids])).logits[0, PREFILL - 1:-1]
+    loss = float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[PREFILL:])))
+    assert abs(nll - loss) / loss <= TOLERANCE
+
+
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_every_policy_runs_within_its_budget(name, loaded, ids):
     lm = loaded(name)
