@@ -3,9 +3,10 @@
 `inspect_model` reads the config for what no attention call shows (cross-attention, latent KV
 compression) and then runs one probe forward of two tokens through kvlens' attention function
 with a fresh `KVCache`, recording what every layer asks for (`AttentionSpec`: scale, soft-cap,
-sliding window). `read_call` refuses any argument it does not understand during that probe, and
-every layer must attend through the function exactly once with its own KV cache. Nothing is
-keyed on model names: two models that pass the same arguments are treated the same.
+sliding window). `read_call` refuses any argument it does not understand during that probe;
+every layer must attend through the function exactly once with its own KV cache, and a layer
+that `config.layer_types` calls sliding must pass its window. Nothing is keyed on model names:
+two models that pass the same arguments are treated the same.
 """
 from __future__ import annotations
 
@@ -91,6 +92,28 @@ def _probe(model: torch.nn.Module, layers: int) -> tuple[dict[int, list[Attentio
     return probe.specs, cache
 
 
+def _probe_refusal(config, layers: int, specs: dict[int, list[AttentionSpec]], cache: KVCache) -> str | None:
+    """What the probe forward showed that kvlens cannot follow: the first such layer's sentence, or None."""
+    missing = [i for i in range(layers) if i not in specs]
+    if missing:
+        return (f"Layer {missing[0]}'s attention never reaches kvlens with its run context (the layer bypasses "
+                f"transformers' attention interface, drops its keyword arguments, or is not an attention layer), "
+                f"so kvlens cannot run this model.")
+    twice = [i for i, s in specs.items() if len(s) != 1]
+    if twice:
+        return f"Layer {twice[0]} attends {len(specs[twice[0]])} times per token, which kvlens does not support."
+    shared = [i for i in range(layers) if cache.layers[i].n_slots != PROBE_TOKENS]
+    if shared:
+        return (f"Layer {shared[0]} does not keep its own keys and values in the KV cache (shared or no KV cache), "
+                f"which kvlens does not support.")
+    types = getattr(config, "layer_types", None) or []
+    unwindowed = [i for i, kind in enumerate(types) if kind == "sliding_attention" and specs[i][0].window is None]
+    if unwindowed:
+        return (f"Layer {unwindowed[0]} is a sliding-window layer that passes no window to its attention function "
+                f"(only to its mask), so kvlens cannot apply it.")
+    return None
+
+
 def inspect_model(model: torch.nn.Module) -> Support:
     """Probe a model loaded with `attn_implementation="kvlens"` (eval mode) and say what kvlens supports of it."""
     layers = model.config.num_hidden_layers
@@ -107,27 +130,8 @@ def inspect_model(model: torch.nn.Module) -> Support:
         support.refusal = (f"The model's forward fails with kvlens' KV cache ({type(err).__name__}: "
                            f"{str(err).splitlines()[0][:160] if str(err) else 'no message'}), so kvlens cannot run it.")
         return support
-    missing = [i for i in range(layers) if i not in specs]
-    if missing:
-        support.refusal = (f"Layer {missing[0]}'s attention never reaches kvlens with its run context (the layer "
-                           f"bypasses transformers' attention interface, drops its keyword arguments, or is not an "
-                           f"attention layer), so kvlens cannot run this model.")
-        return support
-    twice = [i for i, s in specs.items() if len(s) != 1]
-    if twice:
-        support.refusal = (f"Layer {twice[0]} attends {len(specs[twice[0]])} times per token, which kvlens does "
-                           f"not support.")
-        return support
-    shared = [i for i in range(layers) if cache.layers[i].n_slots != PROBE_TOKENS]
-    if shared:
-        support.refusal = (f"Layer {shared[0]} does not keep its own keys and values in the KV cache (shared or no "
-                           f"KV cache), which kvlens does not support.")
-        return support
-    types = getattr(model.config, "layer_types", None) or []
-    unwindowed = [i for i, kind in enumerate(types) if kind == "sliding_attention" and specs[i][0].window is None]
-    if unwindowed:
-        support.refusal = (f"Layer {unwindowed[0]} is a sliding-window layer that passes no window to its attention "
-                           f"function (only to its mask), so kvlens cannot apply it.")
+    support.refusal = _probe_refusal(model.config, layers, specs, cache)
+    if support.refusal is not None:
         return support
     for i in range(layers):
         spec = specs[i][0]
