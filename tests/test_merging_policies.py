@@ -14,6 +14,7 @@ from kvlens.policies import make_policy, parse_settings
 from kvlens.policies.cam import DECODE_ATTN, CaM
 from kvlens.policies.corm import CORM, MESSAGE, MESSAGES_SEEN
 from kvlens.policies.kvmerger import gaussian_weights, merging_sets
+from kvlens.policies.scissorhands import HISTORY
 from kvlens.provenance import replay
 from tests.conftest import examples
 
@@ -95,6 +96,10 @@ def test_cam_divides_by_m_or_by_the_targets_found_and_pools_local_or_kept_slots(
     assert frames["kept"].targets == [2, 3, 4, 5] and frames["kept"].weights == pytest.approx([1 / 4] * 4)
     assert frames["local"].targets == [4, 5, 6] and frames["local"].weights == pytest.approx([1 / 4] * 3)
     assert frames["local"].prob == pytest.approx(1 / ((4 + 2 + 1) / 3))
+    layer, plain = hand_layer(), hand_layer()  # no local window at all: nothing to merge into, the base's eviction
+    make_policy("cam", {**params, "base.recent_ratio": 0.0, "span": 0, "targets": "local"}).compress(layer, 6, None)
+    make_policy("h2o", {"recent_ratio": 0.0}).compress(plain, 6, None)
+    assert torch.equal(layer.values, plain.values) and torch.equal(layer.pos, plain.pos)
 
 
 def test_cam_bernoulli_probability_is_clamped_attention_ratio():
@@ -214,17 +219,26 @@ def test_merging_sets_are_consecutive_above_threshold_and_maximal(seed, t, thres
         assert left < 0 or not cand[left] or float(unit[left] @ unit[anchor]) <= threshold
 
 
-def test_gaussian_weights_paper_sigma_and_explicit_sigma():
+def test_gaussian_weights_paper_sigmas_and_explicit_sigma():
     keys = torch.tensor([[0.0, 0.0], [1.0, 0.0], [3.0, 0.0]])
-    w = gaussian_weights(keys, 0)
-    sigma = (0 + 1 + 9) / (2 ** 0.5 * 3)  # Eq. 7
+    w = gaussian_weights(keys, 0, "eq7")
+    sigma = (0 + 1 + 9) / (2 ** 0.5 * 3)  # Eq. 7: 2.357, larger than the distances 1 and 3
     g = torch.exp(-torch.tensor([0.0, 1.0, 9.0]) / (2 * sigma ** 2))
     torch.testing.assert_close(w, g / g.sum())
+    torch.testing.assert_close(gaussian_weights(keys, 0), w)  # None = Eq. 7
     assert float(w.sum()) == pytest.approx(1) and int(w.argmax()) == 0
+    near = gaussian_weights(keys, 0, "mean_distance")  # §6.3: sigma = mean(1, 3) = 2 over the other keys
+    g = torch.exp(-torch.tensor([0.0, 1.0, 9.0]) / (2 * 2.0 ** 2))
+    torch.testing.assert_close(near, g / g.sum())
+    assert float(near[2]) < float(w[2])  # the far key weighs less than under Eq. 7
     wide = gaussian_weights(keys, 0, sigma=100.0)
     torch.testing.assert_close(wide, torch.full((3,), 1 / 3), atol=1e-3, rtol=0)
     with pytest.raises(KvlensError):
         gaussian_weights(keys, 3)
+    with pytest.raises(KvlensError, match="sigma must be a positive number, eq7 or mean_distance; got 'mean'"):
+        gaussian_weights(keys, 0, "mean")
+    assert make_policy("kvmerger", {"preset": "budget35"}).params()["recent_ratio"] == 0.08
+    assert make_policy("kvmerger", {"preset": "budget50", "keep_ratio": 0.2}).params()["keep_ratio"] == 0.2
 
 
 def test_kvmerger_merges_each_set_at_its_pivot_with_gaussian_weights():
@@ -242,7 +256,7 @@ def test_kvmerger_merges_each_set_at_its_pivot_with_gaussian_weights():
         assert target == members[int(abar[h, members].argmax())]
         unit = torch.nn.functional.normalize(keys[0, h, members], dim=-1)
         assert bool((unit[:-1] @ unit[-1] > 0.75).all())
-        w = gaussian_weights(keys[0, h, members], members.index(target))
+        w = gaussian_weights(keys[0, h, members], members.index(target), "mean_distance")
         s = slot_of(layer, h, target)
         torch.testing.assert_close(layer.keys[0, h, s], w @ keys[0, h, members])
         torch.testing.assert_close(layer.values[0, h, s], w @ values[0, h, members])
@@ -315,3 +329,36 @@ def test_provenance_replay_rebuilds_every_value(name, params):
             sources = prov.get((0, h), {}).get(p, {p: 1.0})
             rebuilt = sum(w * original[0, h, q] for q, w in sources.items())
             torch.testing.assert_close(layer.values[0, h, s], rebuilt, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- Scissorhands
+
+
+@pytest.mark.parametrize("count,kept", [("unimportant", [0, 3, 4, 5]), ("important", [0, 1, 2, 5])])
+def test_scissorhands_counts_unimportant_steps_like_the_paper_or_important_ones(count, kept):
+    layer = LayerCache(layer=0)
+    layer.append(torch.randn(1, 1, 6, 2), torch.randn(1, 1, 6, 2), torch.arange(6))
+    layer.abar = torch.tensor([[9.0, 5.0, 4.0, 3.0, 1.0, 1.0]])  # slot 3 < slot 2: the important count's tie
+    # per slot, the last 4 steps: 0 not yet in the cache, 1 below the average attention, 2 at or above it
+    layer.extra[HISTORY] = torch.tensor([[[2, 2, 2, 2], [1, 1, 2, 2], [1, 1, 1, 2], [0, 0, 2, 1], [0, 0, 0, 1],
+                                          [0, 0, 0, 2]]], dtype=torch.int8)
+    policy = make_policy("scissorhands", {"history": 4, "recent_ratio": 0.25, "count": count})
+    policy.compress(layer, 4, DecisionLog())  # recent window: slot 5; two of slots 0-4 go
+    # unimportant counts 0, 2, 3, 1, 1: slots 2 and 1 go; the young slots 3 and 4 stay (seen only 2 and 1 times)
+    # important counts 4, 2, 1, 1, 0: slot 4 goes, then slot 3 (tie with 2, smaller Abar)
+    assert layer.pos[0].tolist() == kept
+
+
+def test_scissorhands_prefill_history_marks_unseen_slots_and_drop_compresses_m_at_once(tiny):
+    layer = LayerCache(layer=0)
+    layer.append(torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2), torch.arange(3))
+    rows = torch.tensor([[[0.6, 0.4, 0.0], [0.2, 0.3, 0.5]]])  # queries 1 and 2 (one query head)
+    make_policy("scissorhands", {"history": 3}).observe_prefill(layer, rows)
+    # query 1 sees 2 slots (average 1/2), query 2 sees 3 (1/3); slot 2 is unseen by query 1
+    assert layer.extra[HISTORY][0].tolist() == [[0, 2, 1], [0, 1, 1], [0, 0, 2]]
+    r = run(tiny, make_policy("scissorhands", {"drop": 3}), IDS, prefill=80, steps=8, teacher=True,
+            opts=RunOptions(budget=12))
+    assert r.tensors["steps/kv_slots"].amax((1, 2)).tolist() == [10, 11, 12, 10, 11, 12, 10, 11]
+    with pytest.raises(KvlensError, match="Budget 2 is below the 3 slots that scissorhands always keeps"):
+        run(tiny, make_policy("scissorhands", {"drop": 3}), IDS, prefill=80, steps=8, teacher=True,
+            opts=RunOptions(budget=2))

@@ -79,8 +79,8 @@ def test_scissorhands_drops_least_persistent_then_smaller_abar(case):
     seed, slots, budget = case
     layer = random_layer(seed, slots)
     gen = torch.Generator().manual_seed(seed + 1)
-    layer.extra[HISTORY] = torch.rand(HKV, slots, 8, generator=gen) > 0.5
-    counts, abar = layer.extra[HISTORY].sum(-1), layer.abar.clone()
+    layer.extra[HISTORY] = torch.randint(0, 3, (HKV, slots, 8), generator=gen, dtype=torch.int8)  # unseen/below/above
+    counts, abar = -(layer.extra[HISTORY] == 1).sum(-1), layer.abar.clone()  # fewest unimportant steps are kept
     policy = make_policy("scissorhands", {"history": 8, "recent_ratio": 0.25})
     compress(policy, layer, budget)
     if slots <= budget:

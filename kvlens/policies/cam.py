@@ -186,7 +186,7 @@ class CaM(Policy):
                 draw = (found > 0).float()
             else:
                 draw = (torch.rand(p.shape, generator=self.generator(layer)).to(p.device) < p).float()
-            w = draw / (found.clamp(min=1).float() if self.divide == "found" else float(m))  # (Hkv,)
+            w = draw / (found.clamp(min=1).float() if self.divide == "found" else float(max(m, 1)))  # (Hkv,)
             v_e = torch.gather(values, 1, e[..., None].expand(-1, -1, values.shape[-1]))  # (Hkv, 1, D)
             values += targets[..., None].to(values.dtype) * (w[:, None, None].to(values.dtype) * v_e)
             no_target[:, k] = found == 0

@@ -11,6 +11,11 @@ and value `sum_i w_i k_i`, `sum_i w_i v_i` replace the pivot's (it keeps its pos
 statistics). Generated tokens are appended. Budget-free: heads keep different counts, the layer
 is padded to the longest head, and the reached size is reported per layer and head
 (`steps/kv_slots`). `remerge_every` > 0 re-runs the merge during decoding (not in the paper).
+
+Shares: the paper's "Implementation details" (§6.1) keep recent 0.17 and attention top-k 0.12 of the
+states for its 50 % budget, 0.08 and 0.02 for 35 % (printed "0.17%", ..., read as shares: 0.17 %
+of a 4k-token context would be 7 tokens); presets `budget50` and `budget35`. The budget reached
+still depends on how many keys are similar enough to merge (threshold 0.75, as in the paper).
 """
 from __future__ import annotations
 
@@ -58,24 +63,38 @@ def merging_sets(keys: torch.Tensor, threshold: float, candidates: torch.Tensor 
     return sets[::-1]
 
 
-def gaussian_weights(keys_of_set: torch.Tensor, pivot_index: int, sigma: float | None = None) -> torch.Tensor:
+SIGMA_RULES = ("eq7", "mean_distance")
+
+
+def gaussian_weights(keys_of_set: torch.Tensor, pivot_index: int, sigma: float | str | None = None) -> torch.Tensor:
     """Eq. 7-8: normalised Gaussian-kernel weights `(n,)` of a set's keys `(n, D)` around its pivot.
 
-    `g_i = exp(-||k_p - k_i||^2 / (2 sigma^2))`, `w_i = g_i / sum_j g_j`. With `sigma=None`,
-    sigma follows the paper's formula (Eq. 7): `sigma = sum_i ||k_p - k_i||^2 / (sqrt(2) n)`.
-    The paper's sentence instead says sigma is "the mean value of g_pi"; that is circular (g
-    depends on sigma), so the formula is implemented and sigma is exposed for other choices.
-    When every key equals the pivot (or n = 1), sigma is 0 and the weights are uniform.
+    `g_i = exp(-||k_p - k_i||^2 / (2 sigma^2))`, `w_i = g_i / sum_j g_j`. The paper defines sigma
+    three ways: Eq. 7's formula `sum_i ||k_p - k_i||^2 / (sqrt(2) n)` (`sigma="eq7"` or None); §5.2's
+    sentence, "the mean value of g_pi", circular (g depends on sigma), so not implemented; and §6.3,
+    "the mean of l_2 distance between the pivotal state and all the remaining states"
+    (`"mean_distance"`: the mean of `||k_p - k_i||` over the n - 1 other keys). Eq. 7 is in squared
+    distance units, so on keys far apart sigma is much larger than the distances and the weights
+    are near-uniform (the "average merging" of the paper's Table 4). A positive number is used as
+    sigma. When every key equals the pivot (or n = 1), sigma is 0 and the weights are uniform.
     """
     n = keys_of_set.shape[0]
     if not 0 <= pivot_index < n:
         raise KvlensError(f"The pivot index {pivot_index} is outside the merging set of {n} keys.")
-    if sigma is not None and not sigma > 0:
-        raise KvlensError(f"sigma must be a positive number or None (the paper's formula); got {sigma!r}.")
+    rule = "eq7" if sigma is None else sigma
+    if isinstance(rule, str):
+        if rule not in SIGMA_RULES:
+            raise KvlensError(f"sigma must be a positive number, eq7 or mean_distance; got {sigma!r}.")
+    elif not rule > 0:
+        raise KvlensError(f"sigma must be a positive number, eq7 or mean_distance; got {sigma!r}.")
     k = keys_of_set.float()
     dist2 = ((k - k[pivot_index]) ** 2).sum(-1)  # (n,)
-    if sigma is None:
+    if rule == "eq7":
         sigma = float(dist2.sum()) / (2 ** 0.5 * n)
+    elif rule == "mean_distance":
+        sigma = float(dist2.sqrt().sum()) / max(n - 1, 1)
+    else:
+        sigma = float(rule)
     if sigma == 0:
         return torch.full((n,), 1.0 / n)
     logits = -dist2 / (2 * sigma ** 2)
@@ -94,16 +113,22 @@ class KVMerger(Policy):
                                 minimum=0.0, maximum=1.0)
     keep_ratio: float = param(0.1, "Share of the slots kept unmerged as top-k by aggregated attention "
                               "(sinks and heavy hitters).", minimum=0.0, maximum=1.0)
-    sigma: float = param(0.0, "Gaussian kernel width (0 = the paper's Eq. 7 formula).", minimum=0.0)
+    sigma: float = param(0.0, "Gaussian kernel width (0 = computed by sigma_rule).", minimum=0.0)
+    sigma_rule: str = param("mean_distance", "How sigma is computed per merging set when sigma is 0: the mean "
+                            "l2 distance from the pivot (§6.3, the rule the paper's sigma ablation uses) or Eq. 7's "
+                            "formula (squared distances: near-uniform weights).", choices=SIGMA_RULES)
     remerge_every: int = param(0, "Also re-merge every this many decode steps (0 = only after prefill, the "
                                "paper's setting).", minimum=0)
 
     name = "kvmerger"
-    description = "After prefill, merge runs of similar consecutive keys into their most attended one (Gaussian weights)."
+    description = ("After prefill, merge runs of similar consecutive keys into their most attended one "
+                   "(Gaussian weights).")
     paper = "https://arxiv.org/abs/2407.08454"
     budget_free = True
     merges = True
     merge_rule: ClassVar[str] = "set"  # provenance: per step, target <- w_p target + sum_i w_i source_i
+    presets: ClassVar[dict[str, dict]] = {"budget50": {"recent_ratio": 0.17, "keep_ratio": 0.12},
+                                          "budget35": {"recent_ratio": 0.08, "keep_ratio": 0.02}}
 
     def compress(self, layer, budget, log):
         step = layer.state.get(COMPRESSIONS, 0)
@@ -116,7 +141,7 @@ class KVMerger(Policy):
         for h in range(hkv):
             for members in self._head_sets(layer, h):
                 pivot = members[int(torch.argmax(layer.abar[h, members]))]
-                w = gaussian_weights(layer.keys[0, h, members], members.index(pivot), self.sigma or None)
+                w = gaussian_weights(layer.keys[0, h, members], members.index(pivot), self.sigma or self.sigma_rule)
                 w = w.to(keys.dtype)  # (n,)
                 keys[h, pivot] = w @ layer.keys[0, h, members]
                 values[h, pivot] = w @ layer.values[0, h, members]

@@ -1,10 +1,19 @@
 """`scissorhands`: persistence of importance.
 
 Liu et al., "Scissorhands: Exploiting the Persistence of Importance Hypothesis for LLM KV Cache
-Compression at Test Time", NeurIPS 2023, https://arxiv.org/abs/2305.17118. Over the last
-`history` queries, count how often a slot was important (`A_t[j] >= 1/n_slots`, a KV head's
-attention being the mean of its query heads'); drop the non-recent slots with the lowest count,
-ties broken by smaller accumulated attention `Abar`.
+Compression at Test Time", NeurIPS 2023, https://arxiv.org/abs/2305.17118 (§4, Algorithms 1-2).
+Over the last `history` queries, a slot is important at a step if its attention reaches the
+average `1/t` over the t slots that query saw (a KV head's attention being the mean of its query
+heads'), unimportant if below. The paper counts the unimportant steps and drops the non-recent
+slots with the largest count (`count="unimportant"`); it compresses only when the cache is full,
+dropping `m` slots at once (`drop`). kvlens used to keep the slots with the most important steps
+(`count="important"`): the two rankings differ only for slots that entered during the window
+(they were observed fewer times, so they have fewer of both counts: the paper keeps them, the
+important count drops them). Ties are broken by smaller accumulated attention `Abar`. With
+`drop` > 1 the recent window is `recent_ratio` of the size compressed to.
+
+As CaM's base only `select()` is used (one slot per decode step), so `drop` applies when
+scissorhands runs on its own.
 """
 from __future__ import annotations
 
@@ -14,7 +23,8 @@ import torch
 
 from kvlens.policies.base import ScoredEviction, group_mean, param, recent_mask, register
 
-HISTORY = "scissorhands_history"  # (Hkv, S, history) bool, newest step last
+HISTORY = "scissorhands_history"  # (Hkv, S, history) int8, newest step last: 0 unseen, 1 unimportant, 2 important
+UNSEEN, UNIMPORTANT, IMPORTANT = 0, 1, 2
 
 
 @register
@@ -23,39 +33,54 @@ class Scissorhands(ScoredEviction):
     history: int = param(64, "Window of the last queries over which a slot's importance is counted.", minimum=1)
     recent_ratio: float = param(0.5, "Share of the budget kept as the most recent slots (never dropped).",
                                 minimum=0.0, maximum=1.0)
+    count: str = param("unimportant", "Statistic over the window: drop the slots most often below the average "
+                       "attention (the paper), or keep those most often at or above it.",
+                       choices=("unimportant", "important"))
+    drop: int = param(1, "m, slots dropped at once when the cache exceeds the budget (the paper drops m when full; "
+                      "1 = compress at every step).", minimum=1)
 
     name = "scissorhands"
-    description = "Keep a recent window plus the slots most often important over the last `history` queries."
+    description = "Keep a recent window; drop the slots most often unimportant over the last `history` queries."
     paper = "https://arxiv.org/abs/2305.17118"
 
     def prefill_rows(self) -> int:
         return self.history
+
+    def min_budget(self) -> int:
+        return self.drop
 
     def observe_prefill(self, layer, rows):
         hkv, s = layer.pos.shape
         g = rows.shape[0] // hkv
         length = rows.shape[1]
         kv_rows = rows.view(hkv, g, length, -1).mean(1)  # (Hkv, L, T)
-        n_seen = torch.arange(s - length + 1, s + 1, device=rows.device, dtype=torch.float32)  # query i sees i+1 slots
-        important = kv_rows >= (1.0 / n_seen)[None, :, None]
-        hist = torch.zeros(hkv, s, self.history, dtype=torch.bool, device=rows.device)
-        hist[:, :, self.history - length:] = important.transpose(1, 2)
+        query = torch.arange(s - length, s, device=rows.device)  # query i sees slots 0..i
+        seen = torch.arange(s, device=rows.device)[None, :] <= query[:, None]  # (L, T)
+        important = kv_rows >= (1.0 / (query + 1).float())[None, :, None]
+        state = torch.where(seen[None], UNIMPORTANT + important.to(torch.int8), UNSEEN).to(torch.int8)
+        hist = torch.zeros(hkv, s, self.history, dtype=torch.int8, device=rows.device)
+        hist[:, :, self.history - length:] = state.transpose(1, 2)
         layer.extra[HISTORY] = hist
 
     def observe(self, layer, probs):
         att = group_mean(probs)  # (Hkv, S)
         n_slots = layer.valid.sum(-1, keepdim=True).float()
-        important = (att >= 1.0 / n_slots) & layer.valid
+        state = torch.where(layer.valid, UNIMPORTANT + (att >= 1.0 / n_slots).to(torch.int8), UNSEEN)
         hist = layer.extra[HISTORY]
-        layer.extra[HISTORY] = torch.cat([hist[:, :, 1:], important[:, :, None]], dim=2)
+        layer.extra[HISTORY] = torch.cat([hist[:, :, 1:], state.to(torch.int8)[:, :, None]], dim=2)
 
     def score(self, layer):
-        count = layer.extra[HISTORY].sum(-1).float()
+        hist = layer.extra[HISTORY]
+        counted = (hist == IMPORTANT).sum(-1) if self.count == "important" else -(hist == UNIMPORTANT).sum(-1)
         tie = layer.abar / (layer.abar.max() + 1.0)  # in [0, 1): breaks ties only
-        return count + tie
+        return counted.float() + tie
 
     def local_window(self, budget: int) -> int:
         return int(budget * self.recent_ratio)
 
     def protected(self, layer, budget):
         return recent_mask(layer, self.local_window(budget))
+
+    def compress(self, layer, budget, log):
+        if budget is not None and layer.n_slots > budget:
+            super().compress(layer, budget + 1 - self.drop, log)
