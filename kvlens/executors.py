@@ -123,7 +123,11 @@ def ray_cluster(job: Job, workers: int | None, address: str | None,
         except ImportError:
             raise KvlensError("--ray needs Ray: pip install 'kvlens[ray]'.") from None
         if address:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            try:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            except ConnectionError as err:
+                reason = str(err).splitlines()[0]
+                raise KvlensError(f"Could not reach the Ray cluster at '{address}': {reason}") from None
         else:
             ray.init(num_cpus=workers or os.cpu_count(), include_dashboard=False, log_to_driver=False,
                      object_store_memory=object_store_bytes)
