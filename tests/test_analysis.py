@@ -404,7 +404,9 @@ def test_aggregated_attention_is_recomputed_when_the_policy_recorded_none(run):
 
 
 def test_readme_analysis_example_is_listed_analyzed_drawn_and_reaches_run_figure(tmp_path):
-    """The README's "Adding an analysis" file, saved in a copy of the repository, is all it takes."""
+    """The README's "Adding an analysis" file, saved in a copy of the repository, is all it takes: the CLI,
+    Run.figure and the app's Analyses page offer it."""
+    import os
     import shutil
     import subprocess
     import sys
@@ -415,22 +417,34 @@ def test_readme_analysis_example_is_listed_analyzed_drawn_and_reaches_run_figure
     path, code = readme_example("Adding an analysis")
     assert path.startswith("kvlens/analysis/kinds/") and not (ROOT / path).exists()
     repo = tmp_path / "repo"
-    shutil.copytree(ROOT / "kvlens", repo / "kvlens", ignore=shutil.ignore_patterns("__pycache__"))
+    for part in ("kvlens", "pages"):
+        shutil.copytree(ROOT / part, repo / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "app.py", repo / "app.py")
     (repo / path).write_text(code)
     run, out = str(ROOT / "cached_runs" / "full-states"), str(tmp_path / "k.csv")
     script = textwrap.dedent(f"""
+        import json
         import kvlens
         from kvlens.cli import main
         main(["analyze", "--list", "--json"])
         main(["analyze", "key-norms", "--run", {run!r}, "--layer", "5", "--json"])
         main(["figure", "key-norms", "--run", {run!r}, "--out", {out!r}])
         print(kvlens.load_run({run!r}).figure("key-norms").layout.meta["analysis"])
+        from streamlit.testing.v1 import AppTest
+        at = AppTest.from_file("app.py", default_timeout=120).run()
+        at.switch_page("pages/analyses.py").run()
+        at.sidebar.selectbox(key="app_run").set_value({run!r}).run()
+        at.selectbox(key="an_kind").set_value("key-norms").run()
+        assert not at.exception and at.number_input(key="an_key-norms_layer").help
+        print(json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]["meta"]["analysis"])
     """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "KVLENS_CACHED_RUNS": str(ROOT / "cached_runs"), "KVLENS_RUNS": str(tmp_path / "runs")}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=600,
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     decoder, text = json.JSONDecoder(), proc.stdout
     listed, end = decoder.raw_decode(text)
     result, end2 = decoder.raw_decode(text, end + 1)
     assert {d["name"]: d["level"] for d in listed}["key-norms"] == "states"
     assert result["layer"] == 5 and all(-1 < c < 0 for c in result["correlation_norm_log_attention"])
-    assert text[end2:].split() == [out, out.replace(".csv", ".json"), "key-norms"]
+    assert text[end2:].split() == [out, out.replace(".csv", ".json"), "key-norms", "key-norms"]

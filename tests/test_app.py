@@ -372,10 +372,30 @@ def test_readme_page_example_joins_the_navigation_and_draws_its_analysis(tmp_pat
     monkeypatch.setenv("KVLENS_RUNS", str(tmp_path / "runs"))
     at = AppTest.from_file(str(tmp_path / "app.py"), default_timeout=TIMEOUT).run()
     browse = [p["page_name"] for p in at._registered_pages.values()]  # AppTest's view of st.navigation
-    assert browse.index("Variance") == browse.index("Perturbation") + 1
+    assert browse.index("Variance") == browse.index("Run") - 1  # the end of Browse
     at = open_page(at, Path(path).stem, "full-states")
     drawn = charts(at)[0]
     want = json.loads(load_run(CACHED / "full-states").figure("variance", layer=0, group=16).to_json())
     assert drawn["data"] == want["data"] and drawn["layout"]["meta"]["analysis"] == "variance"
     at = open_page(at, Path(path).stem, "tova-summary")
     assert any(f"--record {RecordLevel.STATES}" in w.value for w in at.warning) and not at.get("plotly_chart")
+
+
+def test_analyses_page_offers_every_run_analysis_with_generated_widgets(app):
+    at = open_page(app, "analyses", "full-states")
+    from kvlens.analysis.registry import analyses
+
+    shown = [o.split(" (")[0] for o in at.selectbox(key="an_kind").options]  # "name (paper figure)"
+    assert shown == [n for n, c in analyses().items() if c.inputs == "run"] and "perplexity" not in shown
+    at.selectbox(key="an_kind").set_value("gaussian").run()
+    threshold = at.number_input(key="an_gaussian_threshold")
+    assert threshold.value == 0.75 and "merging sets" in threshold.help
+    assert at.number_input(key="an_gaussian_layer").value is None  # empty: the analysis' own default
+    threshold.set_value(0.5).run()
+    at.text_input(key="an_gaussian_sigma").set_value("2,4").run()
+    want = load_run(CACHED / "full-states").figure("gaussian", threshold=0.5, sigma=[2.0, 4.0])
+    assert charts(at)[0]["data"] == json.loads(want.to_json())["data"]
+    at.text_input(key="an_gaussian_sigma").set_value("2,x").run()
+    assert any("comma-separated numbers" in e.value for e in at.error)
+    at.selectbox(key="an_kind").set_value("attention").run()  # full-states recorded no attention rows
+    assert any(f"--record {RecordLevel.ATTENTION}" in w.value for w in at.warning)
