@@ -10,7 +10,7 @@ from kvlens.ui.state import run_figure
 
 run = browse_page("Analyses", "Every registered analysis of one run, with its parameters: the figure `kvlens figure` "
                               "exports and `kvlens.load_run(...).figure(...)` returns.")
-known = {name: cls for name, cls in analyses().items() if cls.inputs == "run"}
+known = {name: cls for name, cls in analyses().items() if cls.inputs != "model"}  # those that read runs
 kind = st.selectbox("Analysis", list(known), key="an_kind", format_func=lambda n: f"{n} ({known[n].paper})")
 if meets(analysis_need(kind), "an_offer"):
     params = analysis_widgets(kind, "an")

@@ -386,7 +386,7 @@ def test_analyses_page_offers_every_run_analysis_with_generated_widgets(app):
     from kvlens.analysis.registry import analyses
 
     shown = [o.split(" (")[0] for o in at.selectbox(key="an_kind").options]  # "name (paper figure)"
-    assert shown == [n for n, c in analyses().items() if c.inputs == "run"] and "perplexity" not in shown
+    assert shown == [n for n, c in analyses().items() if c.inputs != "model"] and "merging-ratio" not in shown
     at.selectbox(key="an_kind").set_value("gaussian").run()
     threshold = at.number_input(key="an_gaussian_threshold")
     assert threshold.value == 0.75 and "merging sets" in threshold.help
@@ -397,5 +397,7 @@ def test_analyses_page_offers_every_run_analysis_with_generated_widgets(app):
     assert charts(at)[0]["data"] == json.loads(want.to_json())["data"]
     at.text_input(key="an_gaussian_sigma").set_value("2,x").run()
     assert any("comma-separated numbers" in e.value for e in at.error)
+    at.selectbox(key="an_kind").set_value("perplexity").run()  # an analysis of several runs, on this one
+    assert charts(at)[0]["data"][0]["name"] == "full" and not at.exception
     at.selectbox(key="an_kind").set_value("attention").run()  # full-states recorded no attention rows
     assert any(f"--record {RecordLevel.ATTENTION}" in w.value for w in at.warning)
