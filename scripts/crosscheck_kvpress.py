@@ -1,0 +1,131 @@
+"""Independent reference values from NVIDIA kvpress for `tests/test_kvpress_crosscheck.py`.
+
+    python scripts/crosscheck_kvpress.py [--venv DIR] [--model DIR]
+
+kvpress needs transformers < 5.3, so this script builds its own virtualenv (default
+`~/.cache/kvlens/kvpress-venv`, never inside the repository), installs the pinned kvpress, torch
+and transformers there, re-runs itself inside it and writes `tests/data/kvpress_reference.json`:
+the token ids it scored, the per-step negative log-likelihoods under each case, the versions and
+this command. CI never installs kvpress: the test compares kvlens with the stored values.
+
+Where kvlens and kvpress define a policy the same way, the two must agree: the embedded
+SmolLM2-135M, a prompt of PREFILL tokens compressed to BUDGET slots right after prefill, then
+teacher-forced decode steps, each compressing back to BUDGET.
+- `streaming_llm`: kvpress `StreamingLLMPress` (prefill) + `DecodingPress(StreamingLLMPress)`.
+  kvpress's `ScorerPress.compress` keeps `topk` indices unsorted, so its decoding StreamingLLM
+  evicts the wrong slots (kvpress issue #173); the reference sorts the kept indices.
+- `cam`: `CAMPress(StreamingLLMPress, merge_budget=32)` during decoding with every Bernoulli draw
+  1, the prompt compressed by `StreamingLLMPress`; kvlens `cam` preset `kvpress`, `mask=always`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "data" / "kvpress_reference.json"
+VENV = Path.home() / ".cache" / "kvlens" / "kvpress-venv"
+PINS = ["kvpress==0.5.5", "torch==2.13.0", "transformers>=4.56,<5.3"]
+TEXT = ROOT / "kvlens" / "data" / "state_union" / "1946-Truman.txt"
+PREFILL, STEPS, BUDGET, SINK = 64, 12, 24, 4
+# case -> the kvlens policy and parameters that define the same thing
+CASES = {"streaming_llm": ("streaming_llm", {"sink": SINK}),
+         "cam": ("cam", {"preset": "kvpress", "mask": "always", "base.sink": SINK})}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--venv", type=Path, default=VENV, help="virtualenv for kvpress (built if missing)")
+    parser.add_argument("--model", help="the embedded model's directory (default: `kvlens model-path`)")
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.inside:
+        return reference(args.model)
+    model = args.model or subprocess.run([str(ROOT / ".venv" / "bin" / "kvlens"), "model-path"], check=True,
+                                         capture_output=True, text=True).stdout.strip()
+    python = args.venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(args.venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *PINS], check=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # kvpress's own stack only
+    subprocess.run([str(python), __file__, "--inside", "--model", model], check=True, env=env)
+    print(f"wrote {OUT.relative_to(ROOT)}")
+    return 0
+
+
+def reference(model_dir: str) -> int:
+    """Inside the kvpress virtualenv: score the text under each case and write the JSON."""
+    from importlib.metadata import version
+    from unittest import mock
+
+    import torch
+    from kvpress import CAMPress, DecodingPress, PrefillDecodingPress, StreamingLLMPress
+    from kvpress.presses.scorer_press import ScorerPress
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    ids = tok(TEXT.read_text(encoding="utf-8"))["input_ids"][:PREFILL + STEPS]
+    ratio = (PREFILL - BUDGET) / PREFILL
+    assert int(PREFILL * (1 - ratio)) == BUDGET, "pick PREFILL and BUDGET whose ratio rounds exactly"
+
+    def sorted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        """`ScorerPress.compress` with the kept indices in position order (kvpress issue #173)."""
+        if self.compression_ratio == 0:
+            return keys, values
+        scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+        n_kept = int(keys.shape[2] * (1 - self.compression_ratio))
+        index = scores.topk(n_kept, dim=-1).indices.sort(-1).values
+        index = index.unsqueeze(-1).expand(-1, -1, -1, module.head_dim)
+        return keys.gather(2, index).contiguous(), values.gather(2, index).contiguous()
+
+    presses = {
+        "streaming_llm": PrefillDecodingPress(
+            prefilling_press=StreamingLLMPress(compression_ratio=ratio, n_sink=SINK),
+            decoding_press=DecodingPress(base_press=StreamingLLMPress(n_sink=SINK), compression_interval=1,
+                                         target_size=BUDGET)),
+        "cam": PrefillDecodingPress(
+            prefilling_press=StreamingLLMPress(compression_ratio=ratio, n_sink=SINK),
+            decoding_press=CAMPress(base_press=StreamingLLMPress(n_sink=SINK), compression_interval=1,
+                                    target_size=BUDGET, merge_budget=32)),
+    }
+    nll = {}
+    with mock.patch.object(ScorerPress, "compress", sorted_compress), \
+            mock.patch("torch.bernoulli", lambda p, *a, **k: torch.ones_like(p)), torch.no_grad():
+        for case, press in presses.items():
+            nll[case] = score(model, press, ids, torch)
+    result = {"command": "python scripts/crosscheck_kvpress.py", "text": TEXT.relative_to(ROOT).as_posix(),
+              "ids": ids, "prefill": PREFILL, "steps": STEPS, "budget": BUDGET,
+              "versions": {p: version(p) for p in ("kvpress", "torch", "transformers")},
+              "cases": {case: {"policy": CASES[case][0], "params": CASES[case][1], "nll": nll[case]}
+                        for case in presses}}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+def score(model, press, ids, torch) -> list[float]:
+    """Per-step NLL of ids[PREFILL:]: the prompt's logits, then one teacher-forced decode step each."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    out = []
+    with press(model):
+        logits = model(input_ids=torch.tensor([ids[:PREFILL]]), past_key_values=cache).logits[0, -1]
+        for i in range(STEPS):
+            out.append(float(-torch.log_softmax(logits.float(), -1)[ids[PREFILL + i]]))
+            if i == STEPS - 1:
+                break
+            logits = model(input_ids=torch.tensor([[ids[PREFILL + i]]]), past_key_values=cache,
+                           position_ids=torch.tensor([[PREFILL + i]])).logits[0, -1]
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
