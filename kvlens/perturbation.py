@@ -19,8 +19,8 @@ Tensor names saved in a run: `perturbation/used`, `perturbation/evict`,
 
 Summaries (`summary`): a mean of per-cell relative errors overweights the cells whose `||O_full||`
 is small, so the medians and the pooled ratios `sum ||O - O_full|| / sum ||O_full||` come with the
-means; `merge_better_share` counts the cells where the merged output is strictly closer to
-`O_full` than the evicted one (`merge_worse_share` the opposite, ties are neither), and
+means; `merge_better_share` counts the cells where the merged output is closer to `O_full` than
+the evicted one by more than 1e-4 relative (`merge_worse_share` the opposite, ties are neither), and
 `merge_sign_per_layer` says per layer whether merging lowered (+1), raised (-1) or kept (0) the
 pooled perturbation. `kl` averages entries 1.. only (entry 0 is the same for every policy).
 Two baselines: `perturbation_evict` is the same run's counterfactual (same decisions, original
@@ -139,14 +139,18 @@ def measured(model: LoadedModel, go: Callable, observers=(), on_step=None) -> Ru
     return run
 
 
+TIE = 1e-4  # relative: O_used (the model's attention) and O_evict (recomputed here) differ by float noise
+
+
 def summary(tensors: dict[str, torch.Tensor]) -> dict:
     """Perturbation metrics of a run's `perturbation/*` tensors (None where no decode step ran).
 
     `perturbation_used|evict`: means over (step, layer, head) cells of the relative errors; `_median`
     their medians; `_pooled` `sum ||O - O_full|| / sum ||O_full||`; `_per_layer` the means per layer;
-    `merge_better_share` / `merge_worse_share`: shares of cells where the run's own output is strictly
-    closer to / farther from `O_full` than the counterfactual eviction's; `merge_sign_per_layer`: per
-    layer, +1 if the pooled `used` is below the pooled `evict`, -1 above, 0 equal; `attention_loss`;
+    `merge_better_share` / `merge_worse_share`: shares of cells where the run's own output is closer to /
+    farther from `O_full` than the counterfactual eviction's by more than `TIE` (relative; float noise
+    alone moves an eviction-only run's cells both ways); `merge_sign_per_layer`: per layer, +1 if the
+    pooled `used` is below the pooled `evict`, -1 above, 0 within `TIE`; `attention_loss`;
     `kl`: mean KL over steps 1.. (`kl_steps` of them; step 0 is the prefill's logits, shared).
     """
     used, evict, loss = (tensors[f"perturbation/{k}"] for k in ("used", "evict", "attention_loss"))
@@ -170,11 +174,14 @@ def summary(tensors: dict[str, torch.Tensor]) -> dict:
            "perturbation_used_median": float(used.median()) if some else None,
            "perturbation_evict_median": float(evict.median()) if some else None,
            "perturbation_used_pooled": _float(pooled(used)), "perturbation_evict_pooled": _float(pooled(evict)),
-           "merge_better_share": mean((used < evict).float()), "merge_worse_share": mean((used > evict).float()),
+           "merge_better_share": mean((used < evict - TIE * evict).float()),
+           "merge_worse_share": mean((used > evict + TIE * evict).float()),
            "merge_sign_per_layer": [], "attention_loss": mean(loss), "kl": mean(kl), "kl_steps": int(kl.numel()),
            "perturbation_used_per_layer": per_layer(used), "perturbation_evict_per_layer": per_layer(evict)}
     if some and norm is not None:
-        out["merge_sign_per_layer"] = torch.sign(pooled(evict, (0, 2)) - pooled(used, (0, 2))).int().tolist()
+        gain = pooled(evict, (0, 2)) - pooled(used, (0, 2))
+        out["merge_sign_per_layer"] = torch.where(gain.abs() <= TIE * pooled(evict, (0, 2)), 0,
+                                                  torch.sign(gain)).int().tolist()
     return out
 
 

@@ -38,6 +38,8 @@ def test_without_merges_used_equals_evict_and_eviction_perturbs(tiny, name, para
     used, evict = r.tensors["perturbation/used"], r.tensors["perturbation/evict"]
     torch.testing.assert_close(used, evict, atol=1e-5, rtol=1e-4)
     assert r.metrics["perturbation_used"] > 0.01 and r.metrics["kl"] > 0
+    assert r.metrics["merge_better_share"] == r.metrics["merge_worse_share"] == 0  # float noise is a tie
+    assert set(r.metrics["merge_sign_per_layer"]) == {0}
     loss = r.tensors["perturbation/attention_loss"]
     assert float(loss.min()) >= -1e-6 and float(loss.max()) <= 1 and r.metrics["attention_loss"] > 0
 
