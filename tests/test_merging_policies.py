@@ -1,6 +1,8 @@
 """Rules of the merging policies (CaM, WeightedKV, KVMerger) and CORM, their decision logs and provenance."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,7 +12,7 @@ from kvlens.cache import LayerCache
 from kvlens.decisions import DecisionLog
 from kvlens.engine import RunOptions, run
 from kvlens.errors import KvlensError
-from kvlens.policies import make_policy, parse_settings
+from kvlens.policies import REGISTRY, make_policy, parse_settings
 from kvlens.policies.cam import DECODE_ATTN, CaM
 from kvlens.policies.corm import CORM, MESSAGE, MESSAGES_SEEN
 from kvlens.policies.kvmerger import gaussian_weights, merging_sets
@@ -362,3 +364,16 @@ def test_scissorhands_prefill_history_marks_unseen_slots_and_drop_compresses_m_a
     with pytest.raises(KvlensError, match="Budget 2 is below the 3 slots that scissorhands always keeps"):
         run(tiny, make_policy("scissorhands", {"drop": 3}), IDS, prefill=80, steps=8, teacher=True,
             opts=RunOptions(budget=2))
+
+
+# ---------------------------------------------------------------- presets
+
+
+@pytest.mark.parametrize("name,preset", [(n, p) for n in REGISTRY for p in REGISTRY[n].presets])
+def test_every_preset_runs_and_is_recorded_resolved(tiny, name, preset):
+    policy = make_policy(name, parse_settings(name, [f"preset={preset}"]))
+    r = run(tiny, policy, IDS, prefill=80, steps=8, teacher=True,
+            opts=RunOptions(budget=None if policy.budget_free else 20))
+    assert r.meta["policy"]["params"] == {**r.meta["policy"]["params"], **REGISTRY[name].presets[preset]}
+    assert "preset" not in r.meta["policy"]["params"] and math.isfinite(r.metrics["ppl"])
+    assert policy.budget_free or r.metrics["kv_slots_max"] == 20
