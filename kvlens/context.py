@@ -19,12 +19,14 @@ class Observer:
 
     needs_rows = False  # decode attention rows must be computed (not only SDPA)
     prefill_rows = 0  # last prefill rows wanted
+    needs_prefill_stats = False  # the prompt's accumulated attention (`layer.abar`) must be computed
 
     def on_prefill(self, layer: LayerCache, query, key, value, last_rows) -> None:
         """query `(1, Hq, T, D)`, key/value `(1, Hkv, T, D)` after RoPE, last_rows `(Hq, L, T)` or None."""
 
-    def on_decode(self, layer: LayerCache, query, probs, out, scaling: float) -> None:
-        """query `(1, Hq, 1, D)`, probs `(Hkv, G, S)` over `layer`'s slots, out `(1, 1, Hq, D)`."""
+    def on_decode(self, layer: LayerCache, query, probs, out, spec: AttentionSpec) -> None:
+        """query `(1, Hq, 1, D)`, probs `(Hkv, G, S)` over `layer`'s slots, out `(1, 1, Hq, D)`; `spec`
+        is how the layer attends (scaling, soft-capping, sliding window)."""
 
 
 class RunContext:
@@ -35,6 +37,7 @@ class RunContext:
         self.policy = policy
         self.observers = list(observers)
         self.needs_rows = policy.needs_attention or any(o.needs_rows for o in self.observers)
+        self.prefill_stats = self.needs_rows or any(o.needs_prefill_stats for o in self.observers)
         self.prefill_rows = max([policy.prefill_rows()] + [o.prefill_rows for o in self.observers])
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
@@ -53,14 +56,14 @@ class RunContext:
         layer.last_attn = probs.reshape(-1, probs.shape[-1])
         self.policy.observe(layer, probs)
         for obs in self.observers:
-            obs.on_decode(layer, query, probs, out, spec.scaling)
+            obs.on_decode(layer, query, probs, out, spec)
         return out
 
     def _prefill(self, layer: LayerCache, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         t = query.shape[2]
         if key.shape[2] != t:
             raise RuntimeError("kvlens feeds several tokens at once only as the first (prefill) call of a run.")
-        if not self.needs_rows and spec.plain:
+        if not self.prefill_stats and spec.plain:
             for obs in self.observers:
                 obs.on_prefill(layer, query, key, value, None)
             return sdpa(query, key, value, spec.scaling)

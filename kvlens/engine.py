@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from kvlens.architectures import inspect_model
 from kvlens.attention import CONTEXT_KWARG
 from kvlens.cache import KVCache
 from kvlens.context import Observer, RunContext
@@ -138,6 +139,9 @@ def run(model: LoadedModel, policy: Policy, ids: list[int], *, prefill: int, ste
     if teacher and len(ids) < prefill + steps:
         raise KvlensError(f"The text has {len(ids)} tokens, fewer than prefill + tokens = {prefill + steps}.")
     _check_length(model, prefill + steps)
+    if model.support is None:  # a model built by hand, not through `load_model`: probe it once
+        model.support = inspect_model(model.model)
+    model.support.require()  # never run a model kvlens would only approximate
     budget = policy.resolve_budget(opts.budget, prefill, prefill + steps)
     loop = _Loop(model, policy, opts, list(observers))
     loop.budget = budget

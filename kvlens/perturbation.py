@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvlens.attention import AttentionSpec, attention_probs, visible
 from kvlens.context import Observer
 from kvlens.engine import StepEvent
 from kvlens.models import LoadedModel
@@ -56,22 +57,24 @@ class PerturbationMeter(Observer):
         self.shadow_k[layer.layer] = key[0].detach().clone()
         self.shadow_v[layer.layer] = value[0].detach().clone()
 
-    def on_decode(self, layer, query, probs, out, scaling) -> None:
+    def on_decode(self, layer, query, probs, out, spec: AttentionSpec) -> None:
         i = layer.layer
         # the token just fed is the newest slot (compression runs after the forward)
         self.shadow_k[i] = torch.cat([self.shadow_k[i], layer.keys[0, :, -1:]], dim=1)
         self.shadow_v[i] = torch.cat([self.shadow_v[i], layer.values[0, :, -1:]], dim=1)
-        k_full, v_full = self.shadow_k[i], self.shadow_v[i]  # (Hkv, T, D)
+        k_full, v_full = self.shadow_k[i], self.shadow_v[i]  # (Hkv, T, D); slot index = position
         hkv, t, d = k_full.shape
         hq = query.shape[1]
-        q = query[0, :, 0].view(hkv, hq // hkv, d).float()  # (Hkv, G, D)
-        a_full = torch.softmax(torch.einsum("hgd,htd->hgt", q, k_full.float()) * scaling, dim=-1)  # (Hkv, G, T)
+        q = query[0, :, 0].view(hkv, hq // hkv, 1, d).float()  # (Hkv, G, 1, D)
+        now = torch.tensor([t - 1], device=k_full.device)
+        seen = visible(now, torch.arange(t, device=k_full.device), spec.window)  # (1, T): the layer's window
+        a_full = attention_probs(q, k_full.float(), spec, seen)[:, :, 0]  # (Hkv, G, T)
         o_full = torch.einsum("hgt,htd->hgd", a_full, v_full.float())
         pos = layer.pos.clamp(max=t - 1)  # (Hkv, S); padding masked below
         idx = pos[..., None].expand(-1, -1, d)
         k_kept, v_kept = torch.gather(k_full, 1, idx).float(), torch.gather(v_full, 1, idx).float()  # (Hkv, S, D)
-        scores = torch.einsum("hgd,hsd->hgs", q, k_kept) * scaling
-        a_evict = torch.softmax(scores.masked_fill(~layer.valid[:, None, :], float("-inf")), dim=-1)
+        kept_seen = layer.valid & visible(now, layer.pos, spec.window)[:, 0]  # (Hkv, S)
+        a_evict = attention_probs(q, k_kept, spec, kept_seen[:, None, None, :])[:, :, 0]  # (Hkv, G, S)
         o_evict = torch.einsum("hgs,hsd->hgd", a_evict, v_kept)
         o_used = out[0, 0].view(hkv, hq // hkv, d).float()
         full_norm = o_full.norm(dim=-1)

@@ -31,6 +31,7 @@ class Recorder(Observer):
         self.dtype = dtype
         self.needs_rows = self.level is RecordLevel.ATTENTION
         self.prefill_rows = 1 if self.needs_rows else 0
+        self.needs_prefill_stats = self.level is not RecordLevel.SUMMARY  # `prefill/abar/{layer}`
         self.tensors: dict[str, torch.Tensor] = {}
         self._rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -49,7 +50,7 @@ class Recorder(Observer):
         if self.needs_rows and last_rows is not None and last_rows.shape[1]:
             self._rows.setdefault(i, []).append((last_rows[:, -1].detach(), layer.pos.detach()))
 
-    def on_decode(self, layer, query, probs, out, scaling) -> None:
+    def on_decode(self, layer, query, probs, out, spec) -> None:
         if not self.needs_rows or not self.wants(layer.layer):
             return
         pos = layer.pos.masked_fill(~layer.valid, -1)

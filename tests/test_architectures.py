@@ -239,6 +239,12 @@ def test_unsupported_models_are_refused_before_running(name, tiny_dir, long_text
         assert code == 2 and out.err.strip() == f"kvlens: error: {sentence}"
 
 
+def test_the_engine_refuses_a_model_loaded_only_to_be_reported(tiny_dir):
+    lm = load_model(str(tiny_dir("gpt_oss")), device="cpu", dtype="float32", refuse=False)
+    with pytest.raises(KvlensError, match=REFUSED["gpt_oss"][2]):
+        run(lm, make_policy("full"), list(range(12)), prefill=8, steps=4, teacher=True, opts=RunOptions())
+
+
 def test_check_model_reports_what_the_layers_ask_for(tiny_dir, capsys):
     assert main(["check-model", "--model", str(tiny_dir("gemma2")), "--device", "cpu", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -321,3 +327,25 @@ def write_support_table():
     target = os.environ.get("KVLENS_SUPPORT_TABLE")
     if target and set(MATRIX) | set(REFUSED) <= set(RESULTS):
         Path(target).write_text(support_table())
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3"])
+def test_measured_perturbation_follows_the_layers_window_and_softcap(name, loaded, ids):
+    """`--measure` recomputes attention as the layer does: zero for `full`, used == evict without merging."""
+    from kvlens.perturbation import measured
+
+    lm = loaded(name)
+
+    def measure(policy):
+        def go(observers, on_step):
+            return run(lm, make_policy(policy), ids, prefill=PREFILL, steps=STEPS, teacher=True, observers=observers,
+                       on_step=on_step, opts=RunOptions(budget=None if policy == "full" else BUDGET))
+        return measured(lm, go)
+
+    full = measure("full")
+    for kind in ("used", "evict", "attention_loss"):
+        assert float(full.tensors[f"perturbation/{kind}"].abs().max()) < 1e-5, kind
+    evicting = measure("streaming_llm")
+    torch.testing.assert_close(evicting.tensors["perturbation/used"], evicting.tensors["perturbation/evict"],
+                               atol=1e-5, rtol=1e-4)
+    assert evicting.metrics["perturbation_used"] > 0.01

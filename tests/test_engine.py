@@ -100,6 +100,18 @@ def test_cancel_stops_within_one_step(tiny):
     assert seen == [0, 1, 2]
 
 
+@pytest.mark.parametrize("policy", ["full", "streaming_llm", "h2o"])
+def test_states_record_the_prompts_accumulated_attention_whatever_the_policy_computes(tiny, policy):
+    """`prefill/abar/{layer}` holds real column sums even for policies that need no attention: each of
+    the T prompt rows sums to one, so a KV head's column sums add up to T."""
+    ids = list(b"Column sums of the prompt's attention. " * 2)
+    r = run(tiny, make_policy(policy), ids, prefill=60, steps=4, teacher=True,
+            opts=RunOptions(budget=None if policy == "full" else 20, record="states"))
+    for layer in range(3):
+        abar = r.tensors[f"prefill/abar/{layer}"]
+        torch.testing.assert_close(abar.sum(-1), torch.full((abar.shape[0],), 60.0), rtol=1e-4, atol=1e-3)
+
+
 def test_bad_lengths_are_one_sentence(tiny):
     with pytest.raises(KvlensError, match="fewer than prefill"):
         run(tiny, make_policy("full"), IDS[:10], prefill=8, steps=5, teacher=True, opts=RunOptions())

@@ -25,7 +25,7 @@ class KeptSets(Observer):
     def __init__(self):
         self.seen: dict[tuple[int, int], list[set[int]]] = {}
 
-    def on_decode(self, layer, query, probs, out, scaling):
+    def on_decode(self, layer, query, probs, out, spec):
         for h in range(layer.pos.shape[0]):
             kept = set(layer.pos[h][layer.valid[h]].tolist())
             self.seen.setdefault((layer.layer, h), []).append(kept)
