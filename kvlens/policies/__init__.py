@@ -125,7 +125,8 @@ def make_policy(name: str, params: dict | None = None) -> Policy:
 
 
 def _unknown(policy: str, key: str, values: dict | None) -> KvlensError:
-    allowed = ", ".join(p["name"] for p in parameters(policy, values)) or "none"
+    names = [p["name"] for p in parameters(policy, values)] + (["preset"] if presets(policy) else [])
+    allowed = ", ".join(names) or "none"
     return KvlensError(f"Policy {policy} has no parameter '{key}' (its parameters: {allowed}).")
 
 
