@@ -164,12 +164,26 @@ def decode_rows(query, key, value, valid, spec: AttentionSpec):
     return out.reshape(1, 1, hq, d), probs
 
 
+def last_rows(query, key, spec: AttentionSpec, keep_rows: int) -> torch.Tensor:
+    """The attention rows of a prompt's last `keep_rows` queries only (what TOVA and CORM read).
+
+    query `(1, Hq, T, D)`, key `(1, Hkv, T, D)` -> `(Hq, L, T)` float32, equal to `prefill_stats`'s `last`.
+    """
+    _, hq, t, d = query.shape
+    hkv = key.shape[1]
+    cols = torch.arange(t, device=key.device)
+    rows = cols[t - keep_rows:]
+    qg = query[0, :, t - keep_rows:].view(hkv, hq // hkv, keep_rows, d)
+    return attention_probs(qg, key[0], spec, visible(rows, cols, spec.window)).reshape(hq, keep_rows, t)
+
+
 def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
     """Causal attention of a whole prompt, computed in row chunks, with the statistics policies need.
 
     query `(1, Hq, T, D)`, key/value `(1, Hkv, T, D)`. Returns
     out `(1, T, Hq, D)`; colsum `(Hkv, T)` float32, each KV head's column sums of its query heads'
     mean attention (H2O's accumulated score); last `(Hq, L, T)` float32, the last `keep_rows` rows.
+    Plain layers take their output from SDPA (the model's own kernel); the chunks then only score.
     """
     _, hq, t, d = query.shape
     hkv = key.shape[1]
@@ -177,7 +191,7 @@ def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
     qg = query[0].view(hkv, g, t, d)
     k, v = key[0], value[0]
     chunk = max(1, CHUNK_ELEMENTS // (hq * t))
-    out = torch.empty(hkv, g, t, d, dtype=value.dtype, device=value.device)
+    out = None if spec.plain else torch.empty(hkv, g, t, d, dtype=value.dtype, device=value.device)
     colsum = torch.zeros(hkv, t, dtype=torch.float32, device=key.device)
     first_kept = t - keep_rows
     last = torch.zeros(hq, max(keep_rows, 0), t, dtype=torch.float32, device=key.device)
@@ -185,9 +199,12 @@ def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
     for a in range(0, t, chunk):
         b = min(t, a + chunk)
         probs = attention_probs(qg[:, :, a:b], k, spec, visible(cols[a:b], cols, spec.window))  # (Hkv, G, q, T)
-        out[:, :, a:b] = torch.einsum("hgqs,hsd->hgqd", probs.to(v.dtype), v)
+        if out is not None:
+            out[:, :, a:b] = torch.einsum("hgqs,hsd->hgqd", probs.to(v.dtype), v)
         colsum += probs.mean(1).sum(1)
         if b > first_kept and keep_rows > 0:
             lo = max(a, first_kept)
             last[:, lo - first_kept:b - first_kept] = probs[:, :, lo - a:].reshape(hq, b - lo, t)
+    if out is None:
+        return sdpa(query, key, value, spec.scaling), colsum, last
     return out.reshape(hq, t, d).transpose(0, 1).unsqueeze(0), colsum, last

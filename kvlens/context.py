@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.attention import AttentionSpec, decode_rows, prefill_stats, sdpa
+from kvlens.attention import AttentionSpec, decode_rows, last_rows, prefill_stats, sdpa
 from kvlens.cache import KVCache, LayerCache
 from kvlens.policies.base import Policy, group_mean
 
@@ -37,7 +37,8 @@ class RunContext:
         self.policy = policy
         self.observers = list(observers)
         self.needs_rows = policy.needs_attention or any(o.needs_rows for o in self.observers)
-        self.prefill_stats = self.needs_rows or any(o.needs_prefill_stats for o in self.observers)
+        # the prompt's column sums cost a chunked pass over T x T; computed only when someone reads them
+        self.column_sums = policy.prefill_column_sums() or any(o.needs_prefill_stats for o in self.observers)
         self.prefill_rows = max([policy.prefill_rows()] + [o.prefill_rows for o in self.observers])
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
@@ -63,13 +64,17 @@ class RunContext:
         t = query.shape[2]
         if key.shape[2] != t:
             raise RuntimeError("kvlens feeds several tokens at once only as the first (prefill) call of a run.")
-        if not self.prefill_stats and spec.plain:
+        keep = min(self.prefill_rows, t)
+        if self.column_sums or not spec.plain:  # chunked rows: never T x T scores at once
+            out, layer.abar, last = prefill_stats(query, key, value, spec, keep)
+        else:  # SDPA's output, plus only the last rows a policy reads
+            out = sdpa(query, key, value, spec.scaling)
+            last = last_rows(query, key, spec, keep)
+        if not (self.needs_rows or self.column_sums):
             for obs in self.observers:
                 obs.on_prefill(layer, query, key, value, None)
-            return sdpa(query, key, value, spec.scaling)
-        out, colsum, last = prefill_stats(query, key, value, spec, min(self.prefill_rows, t))
+            return out
         hkv = key.shape[1]
-        layer.abar = colsum
         seen_by = t - torch.arange(t, device=key.device, dtype=torch.float32)  # queries at or after each slot
         layer.nobs = seen_by.clamp(max=spec.window or t).expand(hkv, t).clone()
         layer.last_attn = last[:, -1] if last.shape[1] else None

@@ -112,6 +112,25 @@ def test_states_record_the_prompts_accumulated_attention_whatever_the_policy_com
         torch.testing.assert_close(abar.sum(-1), torch.full((abar.shape[0],), 60.0), rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("policy,params", [("tova", {}), ("corm", {"window": 4, "recent": 4}), ("streaming_llm", {})])
+def test_policies_that_read_no_column_sums_skip_the_chunked_pass_and_decide_the_same(tiny, policy, params, monkeypatch):
+    """TOVA and CORM read only the last prefill rows, StreamingLLM nothing: SDPA plus those rows, no T x T pass."""
+    import kvlens.context
+    from kvlens.context import Observer
+
+    class WantsSums(Observer):
+        needs_prefill_stats = True
+
+    ids = list(b"Only what a policy reads is computed. " * 3)
+    go = lambda obs=(): run(tiny, make_policy(policy, params), ids, prefill=90, steps=12, teacher=True,  # noqa: E731
+                            opts=RunOptions(budget=None if policy == "corm" else 24), observers=list(obs))
+    chunked = go([WantsSums()])
+    monkeypatch.setattr(kvlens.context, "prefill_stats", lambda *a: pytest.fail("chunked prefill pass"))
+    light = go()
+    assert light.decisions.equals(chunked.decisions) and len(light.decisions)
+    torch.testing.assert_close(light.tensors["steps/nll"], chunked.tensors["steps/nll"], rtol=1e-5, atol=1e-6)
+
+
 def test_bad_lengths_are_one_sentence(tiny):
     with pytest.raises(KvlensError, match="fewer than prefill"):
         run(tiny, make_policy("full"), IDS[:10], prefill=8, steps=5, teacher=True, opts=RunOptions())

@@ -127,6 +127,10 @@ class Policy:
         """How many of the last prefill attention rows `observe_prefill` needs."""
         return 1 if self.needs_attention else 0
 
+    def prefill_column_sums(self) -> bool:
+        """Whether it reads the prompt's accumulated attention `layer.abar` (a chunked T x T pass)."""
+        return self.needs_attention
+
     def min_budget(self) -> int:
         """Slots the policy always protects; a smaller budget is refused."""
         return 1

@@ -57,6 +57,9 @@ class CORM(Policy):
     paper = "https://arxiv.org/abs/2404.15949"
     budget_free = True
 
+    def prefill_column_sums(self) -> bool:
+        return False  # reads only the last prefill rows
+
     def prefill_rows(self) -> int:
         return self.window
 

@@ -21,6 +21,9 @@ class TOVA(ScoredEviction):
     description = "Keep the slots with the highest attention from the current query (mean over the layer's heads)."
     paper = "https://arxiv.org/abs/2401.06104"
 
+    def prefill_column_sums(self) -> bool:
+        return False  # reads only the last prefill rows
+
     def score(self, layer):
         # mean over all query heads of the layer; identical for every KV head
         return layer.last_attn.mean(0, keepdim=True).expand(layer.pos.shape[0], -1)
