@@ -5,7 +5,8 @@
 Groups the rows by budget and policy variant (CaM rows by their preset, recognised from the
 resolved parameters), prints one markdown table per budget with mean ± std over the cells
 (texts x seeds) and a paired comparison with the base on the same text: the perplexity ratio and
-the pooled perturbation difference, each with a bootstrap 95 % interval over texts. `--figure`
+the pooled perturbation difference (seeds averaged per text), each with a bootstrap 95 % interval
+over the texts (with 5 texts, a coarse interval). `--figure`
 draws CaM Fig. 1(d) style bars (pooled perturbation, merged vs the same run's eviction) with std
 (PNG, and the CSV and JSON beside it).
 """
@@ -18,7 +19,7 @@ from collections import defaultdict
 
 from kvlens.policies import make_policy, presets
 
-METRICS = ("ppl", "perturbation_used_pooled", "perturbation_evict_pooled", "merge_better_share", "kl")
+METRICS = ("ppl", "perturbation_used_pooled", "perturbation_evict_pooled", "kl")
 
 
 def variant(row: dict) -> str:
@@ -57,9 +58,9 @@ def main() -> int:
     base = {(r["budget"], r["text"]): r for r in rows if r["policy"] != "cam"}
     for budget in sorted({b for b, _ in groups}):
         print(f"\nbudget {budget}\n")
-        print("| variant | cells | texts | " + " | ".join(METRICS)
-              + " | ppl / base (95% CI) | pooled used - evict (95% CI) |")
-        print("|---" * (len(METRICS) + 5) + "|")
+        print("| variant | cells (texts) | ppl | pooled perturbation | pooled, evicted (same run) | KL (steps 1..) "
+              "| ppl / base ppl (95% CI) | pooled CaM - evicted (95% CI) |")
+        print("|---" * (len(METRICS) + 4) + "|")
         for (b, name), cells in sorted(groups.items()):
             if b != budget:
                 continue
@@ -71,7 +72,7 @@ def main() -> int:
                                      for c in cells if c["text"] == t) for t in texts]
             r_lo, r_hi = bootstrap(ratio) if ratio else (float("nan"),) * 2
             d_lo, d_hi = bootstrap(diff)
-            print(f"| {name} | {len(cells)} | {len(texts)} | " + " | ".join(cols)
+            print(f"| {name} | {len(cells)} ({len(texts)}) | " + " | ".join(cols)
                   + f" | {statistics.fmean(ratio):.3f} [{r_lo:.3f}, {r_hi:.3f}] | "
                   f"{statistics.fmean(diff):+.4f} [{d_lo:+.4f}, {d_hi:+.4f}] |")
     if args.figure:

@@ -121,3 +121,19 @@ def test_summary_medians_pooled_shares_signs_and_kl_without_entry_0():
     # layer 0: used 2.0 vs evict 1.7 of 6 (worse, -1); layer 1: used 2.4 vs evict 2.6 of 10 (better, +1)
     assert m["merge_sign_per_layer"] == [-1, 1]
     assert m["kl"] == pytest.approx(0.2) and m["kl_steps"] == 2  # entry 0 (the shared prefill logits) left out
+
+
+def test_generate_measure_records_the_base_run_in_run_json(tiny, monkeypatch, capsys, tmp_path):
+    from kvlens import load_run
+    from kvlens.cli import main
+
+    monkeypatch.setattr("kvlens.cli.run_commands.load", lambda args: tiny)
+    prompt = bytes(IDS[:80]).decode()
+    assert main(["generate", "--policy", "cam", "--budget", "20", "--prompt", prompt, "--max-new-tokens", "6",
+                 "--measure", "--out", str(tmp_path / "cam")]) == 0
+    assert main(["generate", "--policy", "streaming_llm", "--budget", "20", "--prompt", prompt, "--max-new-tokens",
+                 "6", "--measure", "--out", str(tmp_path / "base")]) == 0
+    capsys.readouterr()
+    cam, base = load_run(tmp_path / "cam").metrics, load_run(tmp_path / "base").metrics
+    assert cam["base_policy"] == "streaming_llm" and cam["base_ppl"] == base["ppl"]
+    assert cam["base_perturbation_used_pooled"] == base["perturbation_used_pooled"] and "base_ppl" not in base
