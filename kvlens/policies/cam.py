@@ -75,8 +75,8 @@ PRESETS: dict[str, dict] = {
 @register
 @dataclass(frozen=True)
 class CaM(Policy):
-    """Defaults = the `kvpress` preset: the one source kvlens reproduces step for step (the tests
-    compare it with kvpress's own output), and the only one whose choices do not depend on how the
+    """Defaults = the `kvpress` preset: the one source kvlens reproduces step for step (a test
+    compares its per-step perplexity with kvpress's own, every Bernoulli draw 1), and the only one whose choices do not depend on how the
     prompt was processed, which kvlens (full-attention prefill, then step-0 compression) does
     differently from every official CaM path."""
 
