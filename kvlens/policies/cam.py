@@ -76,8 +76,8 @@ PRESETS: dict[str, dict] = {
 @dataclass(frozen=True)
 class CaM(Policy):
     """Defaults = the `kvpress` preset: the one source kvlens reproduces step for step (a test
-    compares its per-step perplexity with kvpress's own, every Bernoulli draw 1), and the only one whose choices do not depend on how the
-    prompt was processed, which kvlens (full-attention prefill, then step-0 compression) does
+    compares its per-step perplexity with kvpress's own, every Bernoulli draw 1), and the only one
+    whose choices do not depend on how the prompt was processed, which kvlens (full-attention prefill, then step-0 compression) does
     differently from every official CaM path."""
 
     base: ScoredEviction = param(StreamingLLM(), "Eviction policy whose evicted values are merged (any scored "
