@@ -77,8 +77,8 @@ PRESETS: dict[str, dict] = {
 class CaM(Policy):
     """Defaults = the `kvpress` preset: the one source kvlens reproduces step for step (a test
     compares its per-step perplexity with kvpress's own, every Bernoulli draw 1), and the only one
-    whose choices do not depend on how the prompt was processed, which kvlens (full-attention prefill, then step-0 compression) does
-    differently from every official CaM path."""
+    whose choices do not depend on how the prompt was processed, which kvlens (full-attention
+    prefill, then step-0 compression) does differently from every official CaM path."""
 
     base: ScoredEviction = param(StreamingLLM(), "Eviction policy whose evicted values are merged (any scored "
                                  "eviction policy; set its parameters as base.NAME).", choices=scored_eviction_names)
