@@ -7,7 +7,8 @@ score being the mean of its query heads), the number of queries `nobs` that obse
 `valid` flag: policies whose heads keep different counts pad to the longest head and mask.
 Policies may keep extra per-slot statistics in `extra` (first dims `(Hkv, S)`); they travel with
 their slots. Per-layer run state of a policy (counters, random generators) lives in `state`, so
-policy objects stay immutable configuration. Eviction gathers into new, smaller tensors, so `nbytes` is what is really allocated.
+policy objects stay immutable configuration. Eviction gathers into new, smaller tensors, so
+`nbytes` is what is really allocated.
 """
 from __future__ import annotations
 

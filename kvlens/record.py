@@ -18,9 +18,6 @@ from kvlens.context import Observer
 from kvlens.levels import RecordLevel
 
 
-
-
-
 class Recorder(Observer):
     """Collects named CPU tensors for a `Run`."""
 
@@ -60,7 +57,10 @@ class Recorder(Observer):
         return t.detach().to("cpu", self.dtype).contiguous()
 
     def finish(self) -> dict[str, torch.Tensor]:
-        """Stack per-step rows: `attn/{layer}` `(steps, Hq, Smax)`, `attn_pos/{layer}` `(steps, Hkv, Smax)` (-1 = none)."""
+        """Stack per-step rows: `attn/{layer}` `(steps, Hq, Smax)`, `attn_pos/{layer}` `(steps, Hkv, Smax)`.
+
+        Positions are -1 where a step had fewer slots.
+        """
         for i, rows in self._rows.items():
             smax = max(r.shape[-1] for r, _ in rows)
             attn = torch.zeros(len(rows), rows[0][0].shape[0], smax, dtype=self.dtype)

@@ -8,7 +8,8 @@ import pytest
 from kvlens.engine import RunOptions, run
 from kvlens.policies import make_policy
 
-JOBS = [("h2o", 12, b"Two researchers share one workstation. "), ("tova", 9, b"Attention is all you need, said the paper. "),
+JOBS = [("h2o", 12, b"Two researchers share one workstation. "),
+        ("tova", 9, b"Attention is all you need, said the paper. "),
         ("scissorhands", 14, b"Merging keeps information that eviction throws away. ")]
 
 
@@ -52,7 +53,8 @@ def test_concurrent_runs_on_the_embedded_model(smol):
 
     alone = [go(p, n) for p, n in zip(prompts, ("h2o", "tova"))]
     out = {}
-    threads = [threading.Thread(target=lambda i=i: out.update({i: go(prompts[i], ("h2o", "tova")[i])})) for i in range(2)]
+    names = ("h2o", "tova")
+    threads = [threading.Thread(target=lambda i=i: out.update({i: go(prompts[i], names[i])})) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:

@@ -10,7 +10,7 @@ from kvlens.cache import LayerCache
 from kvlens.decisions import DecisionLog
 from kvlens.engine import RunOptions, run
 from kvlens.errors import KvlensError
-from kvlens.policies import REGISTRY, make_policy, parse_budget, parse_settings
+from kvlens.policies import make_policy, parse_budget, parse_settings
 from kvlens.policies.scissorhands import HISTORY
 from tests.conftest import examples
 

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import kvlens
 from kvlens.engine import RunOptions, run
@@ -113,9 +112,10 @@ CORRUPTIONS = {
                       "not a plain kvlens tensor name"),
     "lying shape": (lambda p: edit_meta(p, lambda m: m["tensors"]["steps/nll"].update(shape=[999])),
                     "contradicts run.json"),
-    "missing tensor": (lambda p: edit_meta(p, lambda m: m["tensors"].update({"attn/7": {"shape": [1], "dtype": "float16"}})),
-                       "disagree about tensor"),
-    "truncated tensors": (lambda p: (p / TENSORS).write_bytes((p / TENSORS).read_bytes()[:500]), "truncated or corrupt"),
+    "missing tensor": (lambda p: edit_meta(p, lambda m: m["tensors"].update(
+        {"attn/7": {"shape": [1], "dtype": "float16"}})), "disagree about tensor"),
+    "truncated tensors": (lambda p: (p / TENSORS).write_bytes((p / TENSORS).read_bytes()[:500]),
+                          "truncated or corrupt"),
     "truncated decisions": (lambda p: (p / DECISIONS).write_bytes((p / DECISIONS).read_bytes()[:100]),
                             "truncated or corrupt"),
     "wrong decision count": (lambda p: edit_meta(p, lambda m: m.update(decisions=1)), "decision table"),

@@ -11,10 +11,12 @@ from kvlens.errors import KvlensError
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct), a hub id, a directory or a .gguf file")
+    p.add_argument("--model", default="default",
+                   help="'default' (embedded SmolLM2-135M-Instruct), a hub id, a directory or a .gguf file")
     p.add_argument("--device", default="auto", help="auto (CUDA, MPS, CPU), cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code to run (off by default)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model's own Python code to run (off by default)")
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ few-hundred-token prompts this workbench runs on CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from kvlens.policies.base import Policy, param, register

@@ -59,7 +59,8 @@ class WeightedKV(Policy):
             total = a_j + a_r
             w = torch.where(total > 0, a_j / total.clamp(min=1e-30), torch.full_like(total, 0.5))  # (Hkv,)
             if self.merge:
-                values[heads, right] = (w[:, None] * values[heads, j] + (1 - w[:, None]) * values[heads, right]).to(values.dtype)
+                merged = w[:, None] * values[heads, j] + (1 - w[:, None]) * values[heads, right]
+                values[heads, right] = merged.to(values.dtype)
             alive[heads, j] = False
             if log is not None:
                 self._log(layer, log, j, right, w)
