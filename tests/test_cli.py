@@ -93,6 +93,8 @@ def test_the_same_command_twice_gives_bit_identical_runs(tmp_path, command):
                      "--out", str(out)]) == 0
         runs.append(load_run(out))
     a, b = runs
+    for name in ("decisions.parquet", "tensors.safetensors"):  # the files themselves, byte for byte
+        assert (tmp_path / "run0" / name).read_bytes() == (tmp_path / "run1" / name).read_bytes(), name
     assert a.tensors["steps/nll"].numpy().tobytes() == b.tensors["steps/nll"].numpy().tobytes()
     assert a.decisions.equals(b.decisions) and len(a.decisions)
     assert (a.decisions.action == "merge").any()
