@@ -1,9 +1,9 @@
 """Subcommands that resolve models, list policies, run them and show runs."""
 from __future__ import annotations
 
-from kvlens.cli.common import (add_model_args, add_policy_args, command_line, load, print_json, progress,
-                               read_text)
+from kvlens.cli.common import add_model_args, add_policy_args, command_line, load, print_json, progress, read_text
 from kvlens.errors import KvlensError
+from kvlens.levels import LEVELS
 
 MEASURED = ("perturbation_used", "perturbation_evict", "perturbation_used_median", "perturbation_evict_median",
             "perturbation_used_pooled", "perturbation_evict_pooled", "merge_better_share", "merge_worse_share",
@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--measure", action="store_true", help="also measure output perturbation and KL to the full cache")
-    p.add_argument("--record", default="summary", choices=["summary", "states", "full"])
+    p.add_argument("--record", default="summary", choices=list(LEVELS))
     p.add_argument("--record-layers", help="comma-separated layers to record states/rows for (default: all)")
     p.add_argument("--out", required=True, help="run directory to write")
     add_model_args(p)
@@ -48,7 +48,7 @@ def register(sub) -> None:
     p.add_argument("--text-file", required=True)
     p.add_argument("--prefill", type=int, default=256)
     p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--record", default="summary", choices=["summary", "states", "full"])
+    p.add_argument("--record", default="summary", choices=list(LEVELS))
     p.add_argument("--out", help="also save the run here")
     p.add_argument("--json", action="store_true")
     p.add_argument("--measure", action="store_true", help="also measure output perturbation and KL to the full cache")
@@ -98,10 +98,12 @@ def cmd_check_model(args) -> int:
 
 
 def cmd_policies(args) -> int:
-    from kvlens.policies import REGISTRY, parameters, presets
+    from kvlens.policies import REGISTRY, family, parameters, policy_names, presets
 
-    rows = [{"name": name, "description": cls.description, "paper": cls.paper, "budget_free": cls.budget_free,
-             "parameters": parameters(name), "presets": presets(name)} for name, cls in REGISTRY.items()]
+    rows = [{"name": name, "family": family(REGISTRY[name]), "description": REGISTRY[name].description,
+             "paper": REGISTRY[name].paper, "budget_free": REGISTRY[name].budget_free,
+             "merges": REGISTRY[name].merges, "parameters": parameters(name), "presets": presets(name)}
+            for name in policy_names()]
     if args.json:
         print_json(rows)
         return 0
@@ -120,7 +122,7 @@ def _options(args, **extra):
 
     layers = None
     if getattr(args, "record_layers", None) and args.record == "summary":
-        raise KvlensError("--record-layers needs --record states or --record full.")
+        raise KvlensError("--record-layers needs --record states or --record attention.")
     if getattr(args, "record_layers", None):
         layers = parse_list(args.record_layers, "--record-layers", minimum=0)
     return RunOptions(budget=parse_budget(args.budget), record=args.record, record_layers=layers, **extra)
