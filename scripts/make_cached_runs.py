@@ -34,47 +34,25 @@ RUNS: dict[str, list[str]] = {
     "full-states": ["--policy", "full", "--prompt", MEDIUM, "--max-new-tokens", "16", "--record", "states",
                     "--record-layers", "0,5,11,17,23,29"],
     "streaming_llm-attention": ["--policy", "streaming_llm", "--budget", "48", "--prompt", SHORT,
-                           "--max-new-tokens", "40", "--record", "attention", "--record-layers", "0,15,29"],
+                                "--max-new-tokens", "40", "--record", "attention", "--record-layers", "0,15,29"],
     "h2o-attention": ["--policy", "h2o", "--budget", "48", "--prompt", SHORT, "--max-new-tokens", "40",
-                 "--record", "attention", "--record-layers", "0,15,29"],
+                      "--record", "attention", "--record-layers", "0,15,29"],
     "tova-summary": ["--policy", "tova", "--budget", "32", "--prompt", SHORT, "--max-new-tokens", "40"],
-}
-# Merging runs need the merging policies and `--measure` (issue 3); added when they are registered.
-MERGING: dict[str, list[str]] = {
     "cam-attention": ["--policy", "cam", "--budget", "48", "--set", "base=h2o", "--prompt", SHORT,
-                 "--max-new-tokens", "40", "--record", "attention", "--record-layers", "0,15,29", "--measure"],
-    "kvmerger-attention": ["--policy", "kvmerger", "--prompt", SHORT, "--max-new-tokens", "24", "--record", "attention",
-                      "--record-layers", "0,15,29", "--measure"],
+                      "--max-new-tokens", "40", "--record", "attention", "--record-layers", "0,15,29", "--measure"],
+    "kvmerger-attention": ["--policy", "kvmerger", "--prompt", SHORT, "--max-new-tokens", "24", "--record",
+                           "attention", "--record-layers", "0,15,29", "--measure"],
 }
-
-
-def available(args: list[str]) -> bool:
-    """Whether the installed kvlens knows this run's policy and flags."""
-    from kvlens.policies import REGISTRY
-
-    policy = args[args.index("--policy") + 1]
-    if policy not in REGISTRY:
-        return False
-    if "--measure" in args:
-        helptext = subprocess.run([sys.executable, "-m", "kvlens", "generate", "--help"], capture_output=True,
-                                  text=True).stdout
-        return "--measure" in helptext
-    return True
 
 
 def main(names: list[str]) -> int:
-    runs = {**RUNS, **MERGING}
-    unknown = [n for n in names if n not in runs]
+    unknown = [n for n in names if n not in RUNS]
     if unknown:
-        print(f"unknown run {unknown[0]}; choose from: {', '.join(runs)}", file=sys.stderr)
+        print(f"unknown run {unknown[0]}; choose from: {', '.join(RUNS)}", file=sys.stderr)
         return 2
     OUT.mkdir(exist_ok=True)
-    for name in names or list(runs):
-        args = runs[name]
-        if not available(args):
-            print(f"skip {name}: this kvlens lacks its policy or --measure")
-            continue
-        cmd = [sys.executable, "-m", "kvlens", "generate", *args, "--out", f"cached_runs/{name}"]
+    for name in names or list(RUNS):
+        cmd = [sys.executable, "-m", "kvlens", "generate", *RUNS[name], "--out", f"cached_runs/{name}"]
         print(f"run  {name}", flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         meta = json.loads((OUT / name / "run.json").read_text())
