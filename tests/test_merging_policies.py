@@ -87,7 +87,8 @@ def test_cam_preset_on_a_hand_computed_step(preset):
 
 def test_cam_divides_by_m_or_by_the_targets_found_and_pools_local_or_kept_slots():
     # h2o at budget 6: recent window 4-6, heavy hitters 0, 2, 3 (after the evicted position 1)
-    params = {"base": "h2o", "base.recent_ratio": 0.5, "mask": "always", "score": "accumulated"}
+    params = {"base": "h2o", "base.recent_ratio": 0.5, "mask": "always", "score": "accumulated",
+              "denominator": "targets_mean"}
     frames = {}
     for pool, divide in (("kept", "found"), ("local", "m")):
         layer = hand_layer()
@@ -152,8 +153,8 @@ def test_cam_mask_never_reproduces_its_base(tiny, base):
 
 def test_cam_prefill_choice_and_base_parameters(tiny):
     opts = RunOptions(budget=20)
-    evict = run(tiny, make_policy("cam", {"mask": "always", "span": 0, "targets": "local"}), IDS, prefill=80,
-                steps=6, teacher=True, opts=opts)
+    evict = run(tiny, make_policy("cam", {"mask": "always", "prefill": "evict"}), IDS, prefill=80, steps=6,
+                teacher=True, opts=opts)
     merge = run(tiny, make_policy("cam", {"mask": "always", "prefill": "merge"}), IDS, prefill=80, steps=6,
                 teacher=True, opts=opts)
     step0 = evict.decisions[evict.decisions.step == 0]

@@ -45,7 +45,7 @@ def test_without_merges_used_equals_evict_and_eviction_perturbs(tiny, name, para
 
 
 def test_cam_differs_from_eviction_only_after_its_first_merge(tiny):
-    r = measure(tiny, "cam", {"mask": "always"})  # step 0 evicts without merging, decode steps merge
+    r = measure(tiny, "cam", {"mask": "always", "prefill": "evict"})  # step 0 evicts, decode steps merge
     used, evict = r.tensors["perturbation/used"], r.tensors["perturbation/evict"]
     torch.testing.assert_close(used[0], evict[0], atol=1e-5, rtol=1e-4)  # before any merge
     assert float((used[1:] - evict[1:]).abs().max()) > 1e-3
