@@ -1,6 +1,8 @@
 """Analyses against independent numpy computations, on the tiny model and on the embedded one."""
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import json
 
@@ -396,11 +398,13 @@ def test_bad_parameters_are_refused_before_the_model_is_loaded(capsys):
     assert capsys.readouterr().err.strip() == "kvlens: error: tokens must be at least 2; got 1."
 
 
-def test_aggregated_attention_is_recomputed_when_the_policy_recorded_none(run):
-    assert not run.tensor("prefill/abar/1").any()  # the full cache computes no attention statistic: zeros
+def test_aggregated_attention_is_recorded_and_recomputed_for_older_runs_that_recorded_zeros(run):
     a = np_attention(np_states(run, "q", 1), np_states(run, "k", 1))  # (Hq, T, T)
     want = a.reshape(2, 2, T, T).mean(1).sum(1)  # (Hkv, T) column sums of the group mean
-    np.testing.assert_allclose(an.aggregated_attention(run, 1).numpy(), want, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(run.tensor("prefill/abar/1").numpy(), want, rtol=1e-3, atol=1e-4)
+    older = dataclasses.replace(run, tensors={**run.tensors, "prefill/abar/1": torch.zeros_like(
+        run.tensor("prefill/abar/1"))})  # runs of policies without attention recorded zeros before
+    np.testing.assert_allclose(an.aggregated_attention(older, 1).numpy(), want, rtol=1e-3, atol=1e-4)
 
 
 def test_readme_analysis_example_is_listed_analyzed_drawn_and_reaches_run_figure(tmp_path):
