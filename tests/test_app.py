@@ -196,6 +196,20 @@ def test_a_corrupt_run_is_one_sentence(tmp_path, monkeypatch):
     assert any("truncated or corrupt" in e.value or "contradicts" in e.value for e in at.error)
 
 
+def test_a_preset_sets_the_policy_widgets_to_its_settings(app):
+    from kvlens.policies import make_policy, presets
+
+    at = open_page(app, "run")
+    at.selectbox(key="run_policy").set_value("cam").run()
+    assert at.selectbox(key="run_cam_preset").options == ["(defaults)", *presets("cam")]
+    at.selectbox(key="run_cam_preset").set_value("official-summarization").run()
+    assert not at.exception, [e.value for e in at.exception]
+    want = make_policy("cam", {"preset": "official-summarization"})
+    assert at.selectbox(key="run_official-summarization_cam_score").value == want.score == "current"
+    assert at.number_input(key="run_official-summarization_cam_span").value == want.span == 32
+    assert at.selectbox(key="run_official-summarization_cam_denominator").value == want.denominator
+
+
 def test_policy_widgets_are_generated_and_bad_budgets_explained(app):
     at = open_page(app, "run")
     from kvlens.policies import parameters

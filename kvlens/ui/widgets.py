@@ -4,7 +4,18 @@ from __future__ import annotations
 import streamlit as st
 
 from kvlens.errors import KvlensError
-from kvlens.policies import REGISTRY, make_policy, parameters, parse_budget, parse_value, policy_names
+from kvlens.policies import (
+    REGISTRY,
+    make_policy,
+    parameters,
+    parse_budget,
+    parse_value,
+    policy_names,
+    presets,
+    with_preset,
+)
+
+DEFAULTS = "(defaults)"
 
 
 def parameter_widgets(policy: str, prefix: str) -> dict:
@@ -15,14 +26,16 @@ def parameter_widgets(policy: str, prefix: str) -> dict:
     (a bad entry raises KvlensError). Help texts come from the policy's `param()` declarations.
     """
     values = {}
+    start, prefix = _preset_picker(policy, prefix)  # the widgets start from the chosen preset's settings
     for spec in parameters(policy):  # nested policies first: their choice decides the parameters shown
         if spec["type"] == "policy":
-            values[spec["name"]] = st.selectbox(spec["name"], spec["choices"], index=spec["choices"].index(
-                spec["default"]), key=f"{prefix}_{policy}_{spec['name']}", help=spec["help"] or None)
+            default = start.get(spec["name"], spec["default"])
+            values[spec["name"]] = st.selectbox(spec["name"], spec["choices"], index=spec["choices"].index(default),
+                                                key=f"{prefix}_{policy}_{spec['name']}", help=spec["help"] or None)
     specs = [s for s in parameters(policy, values) if s["type"] != "policy"]
     cols = st.columns(min(3, max(1, len(specs))))
     for i, spec in enumerate(specs):
-        name, default, help_ = spec["name"], spec["default"], spec["help"] or None
+        name, default, help_ = spec["name"], start.get(spec["name"], spec["default"]), spec["help"] or None
         key = f"{prefix}_{policy}_{name}"
         with cols[i % len(cols)]:
             if spec["choices"] is not None:
@@ -44,6 +57,20 @@ def parameter_widgets(policy: str, prefix: str) -> dict:
                 text = st.text_input(name, value=shown, key=key, help=help_)
                 values[name] = parse_value(policy, name, text, values)
     return values
+
+
+def _preset_picker(policy: str, prefix: str) -> tuple[dict, str]:
+    """A select box of the policy's presets (if it has any): the chosen preset's settings, and the widget
+    key prefix (per preset, so that choosing one resets the fields to its values)."""
+    named = presets(policy)
+    if not named:
+        return {}, prefix
+    choice = st.selectbox("preset", [DEFAULTS, *named], key=f"{prefix}_{policy}_preset",
+                          help="Named settings from the policy's sources (see `kvlens policies`); the fields below "
+                               "start from it and can still be changed.")
+    if choice == DEFAULTS:
+        return {}, prefix
+    return with_preset(policy, {"preset": choice}), f"{prefix}_{choice}"
 
 
 def policy_picker(prefix: str, default: str = "h2o", label: str = "Policy", budget_default: str = "0.5"):
