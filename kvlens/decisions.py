@@ -79,8 +79,8 @@ def _evict_columns(step: int, layer: int, evicted_pos: torch.Tensor) -> dict[str
             "prob": np.full(n, math.nan), "draw": np.full(n, -1)}
 
 
-def decisions_frame(data: list[tuple] | dict | None = None) -> pd.DataFrame:
-    """A typed decisions table (empty if no rows) from rows or from columns."""
-    df = pd.DataFrame(data if isinstance(data, dict) else (data or []), columns=COLUMNS)
+def decisions_frame(columns: dict[str, np.ndarray] | None = None) -> pd.DataFrame:
+    """A typed decisions table from its columns (empty without)."""
+    df = pd.DataFrame(columns or {}, columns=COLUMNS)
     return df.astype({"step": "int32", "layer": "int16", "kv_head": "int16", "action": "string",
                       "position": "int64", "prob": "float64", "draw": "int8"})
