@@ -16,6 +16,14 @@ teacher-forced decode steps, each compressing back to BUDGET.
   evicts the wrong slots (kvpress issue #173); the reference sorts the kept indices.
 - `cam`: `CAMPress(StreamingLLMPress, merge_budget=32)` during decoding with every Bernoulli draw
   1, the prompt compressed by `StreamingLLMPress`; kvlens `cam` preset `kvpress`, `mask=always`.
+- `h2o`: kvpress's `ObservedAttentionPress` scores the *mean* attention a slot received in the
+  prompt (column sum / queries that saw it) and nothing across decode steps, so the reference is a
+  `ScorerPress` with H2O's own score, run by kvpress's prefill and `DecodingPress` hooks: the raw
+  accumulated attention (the prompt's column sums, then every decode row added; a KV head's is the
+  mean of its query heads') with kvlens's recent window (`recent_ratio` 0.5 of the budget) kept.
+- `tova`: kvpress `TOVAPress` without its pin of the newest token (it scores the last query's
+  attention to every slot but its own, then gives the newest slot max + 1; TOVA and kvlens score
+  all slots, the newest included).
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,10 +40,12 @@ OUT = ROOT / "tests" / "data" / "kvpress_reference.json"
 VENV = Path.home() / ".cache" / "kvlens" / "kvpress-venv"
 PINS = ["kvpress==0.5.5", "torch==2.13.0", "transformers>=4.56,<5.3"]
 TEXT = ROOT / "kvlens" / "data" / "state_union" / "1946-Truman.txt"
-PREFILL, STEPS, BUDGET, SINK = 64, 12, 24, 4
+PREFILL, STEPS, BUDGET, SINK, RECENT_RATIO = 64, 12, 24, 4, 0.5
 # case -> the kvlens policy and parameters that define the same thing
 CASES = {"streaming_llm": ("streaming_llm", {"sink": SINK}),
-         "cam": ("cam", {"preset": "kvpress", "mask": "always", "base.sink": SINK})}
+         "cam": ("cam", {"preset": "kvpress", "mask": "always", "base.sink": SINK}),
+         "h2o": ("h2o", {"recent_ratio": RECENT_RATIO}),
+         "tova": ("tova", {})}
 
 
 def main() -> int:
@@ -63,8 +74,10 @@ def reference(model_dir: str) -> int:
     from unittest import mock
 
     import torch
-    from kvpress import CAMPress, DecodingPress, PrefillDecodingPress, StreamingLLMPress
+    import torch.nn.functional as F
+    from kvpress import CAMPress, DecodingPress, PrefillDecodingPress, StreamingLLMPress, TOVAPress
     from kvpress.presses.scorer_press import ScorerPress
+    from kvpress.utils import compute_n_kept
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
@@ -75,25 +88,70 @@ def reference(model_dir: str) -> int:
     ratio = (PREFILL - BUDGET) / PREFILL
     assert int(PREFILL * (1 - ratio)) == BUDGET, "pick PREFILL and BUDGET whose ratio rounds exactly"
 
-    def sorted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
-        """`ScorerPress.compress` with the kept indices in position order (kvpress issue #173)."""
-        if self.compression_ratio == 0:
-            return keys, values
-        scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
-        n_kept = int(keys.shape[2] * (1 - self.compression_ratio))
-        index = scores.topk(n_kept, dim=-1).indices.sort(-1).values
+    def kept(scores, n_kept):
+        """The `n_kept` highest-scoring slots of each KV head, in position order (kvpress issue #173)."""
+        return scores.topk(n_kept, dim=-1).indices.sort(-1).values
+
+    def gather(module, keys, values, index):
         index = index.unsqueeze(-1).expand(-1, -1, -1, module.head_dim)
         return keys.gather(2, index).contiguous(), values.gather(2, index).contiguous()
 
+    def sorted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        """`ScorerPress.compress` with the kept indices in position order."""
+        if self.compression_ratio == 0:
+            return keys, values
+        scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+        return gather(module, keys, values, kept(scores, compute_n_kept(keys.shape[2], self.compression_ratio)))
+
+    @dataclass
+    class H2OScorer(ScorerPress):
+        """H2O's score on kvpress's hooks: raw accumulated attention, the `recent` newest slots always kept."""
+
+        recent: int = 0
+        sums: dict = field(default_factory=dict)  # layer -> (1, Hkv, S), shared by the prefill and decoding press
+
+        def score(self, module, hidden_states, keys, values, attentions, kwargs):
+            b, hkv, s, _ = keys.shape
+            # a KV head's attention is the mean of its query heads'; summed over the rows (the prompt's, or this step's)
+            received = attentions.view(b, hkv, -1, attentions.shape[2], s).mean(2).sum(2)
+            if attentions.shape[2] == 1:  # decoding: add to the sums so far, the new slot starting at 0
+                previous = self.sums[module.layer_idx]
+                received = F.pad(previous, (0, s - previous.shape[-1])) + received
+            self.sums[module.layer_idx] = received
+            scores = received.clone()
+            scores[..., s - self.recent:] = float("inf")
+            return scores
+
+        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+            scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+            if self.compression_ratio == 0:
+                return keys, values
+            index = kept(scores, compute_n_kept(keys.shape[2], self.compression_ratio))
+            self.sums[module.layer_idx] = self.sums[module.layer_idx].gather(2, index)
+            return gather(module, keys, values, index)
+
+    class UnpinnedTOVAPress(TOVAPress):
+        """`TOVAPress` scoring every slot, the newest included, by the last query's mean attention (no pin)."""
+
+        def score(self, module, hidden_states, keys, values, attentions, kwargs):
+            return attentions[..., -1:, :].mean(1).repeat(1, keys.shape[1], 1)
+
+    def decoding(scorer_press):
+        return DecodingPress(base_press=scorer_press, compression_interval=1, target_size=BUDGET)
+
+    recent, sums = int(BUDGET * RECENT_RATIO), {}
     presses = {
         "streaming_llm": PrefillDecodingPress(
             prefilling_press=StreamingLLMPress(compression_ratio=ratio, n_sink=SINK),
-            decoding_press=DecodingPress(base_press=StreamingLLMPress(n_sink=SINK), compression_interval=1,
-                                         target_size=BUDGET)),
+            decoding_press=decoding(StreamingLLMPress(n_sink=SINK))),
         "cam": PrefillDecodingPress(
             prefilling_press=StreamingLLMPress(compression_ratio=ratio, n_sink=SINK),
             decoding_press=CAMPress(base_press=StreamingLLMPress(n_sink=SINK), compression_interval=1,
                                     target_size=BUDGET, merge_budget=32)),
+        "h2o": PrefillDecodingPress(prefilling_press=H2OScorer(compression_ratio=ratio, recent=recent, sums=sums),
+                                    decoding_press=decoding(H2OScorer(recent=recent, sums=sums))),
+        "tova": PrefillDecodingPress(prefilling_press=UnpinnedTOVAPress(compression_ratio=ratio),
+                                     decoding_press=decoding(UnpinnedTOVAPress())),
     }
     nll = {}
     with mock.patch.object(ScorerPress, "compress", sorted_compress), \

@@ -1,7 +1,9 @@
 """kvlens against NVIDIA kvpress, an independent implementation, where both define a policy the same way.
 
 The reference values come from `scripts/crosscheck_kvpress.py` (its own virtualenv with kvpress;
-the file records the versions and the command); this test needs no kvpress.
+the file records the versions and the command); this test needs no kvpress. Cases: StreamingLLM,
+CaM with every Bernoulli draw 1, H2O as a raw-sum scorer with kvlens's recent window, and TOVA
+without kvpress's newest-token pin; each compressed right after prefill and at every decode step.
 """
 from __future__ import annotations
 
@@ -15,6 +17,11 @@ from kvlens.engine import RunOptions, run
 from kvlens.policies import make_policy
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "kvpress_reference.json").read_text(encoding="utf-8"))
+
+
+def test_the_reference_covers_every_policy_both_define_the_same_way():
+    assert set(REFERENCE["cases"]) == {"streaming_llm", "cam", "h2o", "tova"}
+    assert {case["policy"] for case in REFERENCE["cases"].values()} == {"streaming_llm", "cam", "h2o", "tova"}
 
 
 @pytest.mark.slow
