@@ -117,7 +117,9 @@ def _inside(directory: Path, name: str) -> Path:
     return path
 
 
-def _read_meta(directory: Path) -> dict:
+def read_meta(directory: str | Path) -> dict:
+    """The checked run.json of a run directory, without reading its tensors (listings use this)."""
+    directory = Path(directory)
     path = _inside(directory, RUN_JSON)
     if path.stat().st_size > MAX_JSON_BYTES:
         raise KvlensError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MB; refusing to read it.")
@@ -190,7 +192,7 @@ def load_run(path: str | Path) -> Run:
     directory = Path(path)
     if not directory.is_dir():
         raise KvlensError(f"{directory} is not a run directory.")
-    meta = _read_meta(directory)
+    meta = read_meta(directory)
     tensors = _read_tensors(directory, meta["tensors"])
     decisions = _read_decisions(directory, meta.get("decisions"))
     return Run(meta=meta, tensors=tensors, decisions=decisions, path=directory)

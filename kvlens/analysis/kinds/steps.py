@@ -1,0 +1,63 @@
+"""Per-step curves of one or more runs overlaid: each new token's NLL, kept slots, and the output
+perturbation of the runs measured with --measure (the Runs page's overlay)."""
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from kvlens.analysis.registry import Analysis, Param, nan_to_none, register_analysis
+from kvlens.plots import finish, line_style
+
+
+def _labels(runs: list, label: list) -> list[str]:
+    """One legend label per run: the given ones, else the run's folder name (its policy when unsaved), made unique."""
+    out = []
+    for i, run in enumerate(runs):
+        base = label[i] if i < len(label) else run.path.name if run.path else run.meta["policy"]["name"]
+        out.append(base if base not in out else f"{base} ({i + 1})")
+    return out
+
+
+@register_analysis
+class Steps(Analysis):
+    name = "steps"
+    paper = "per-step NLL, kept slots and perturbation of several runs, overlaid (every policy)"
+    inputs = "runs"
+    params = (Param("label", str, (), "legend label of each run, in order (default: its folder name)", many=True),)
+
+    def compute(self, runs, label):
+        """Per run: its label, the NLL of each new token, mean kept slots per KV head after each step, and the
+        mean output perturbation of each decode step (None when not measured)."""
+        curves = []
+        for run, lab in zip(runs, _labels(runs, label), strict=True):
+            pert = run.tensors.get("perturbation/used")
+            curves.append({"label": lab, "run": str(run.path) if run.path else None,
+                           "nll": run.tensor("steps/nll").float(),
+                           "kept_slots": run.tensor("steps/kv_slots").float().flatten(1).mean(1),
+                           "perturbation": None if pert is None else pert.float().mean(dim=(1, 2))})
+        return curves
+
+    def to_json(self, curves, **params) -> dict:
+        return {"runs": [{k: v if isinstance(v, str) or v is None else nan_to_none(v) for k, v in c.items()}
+                         for c in curves]}
+
+    def figure(self, runs, label):
+        curves = self.compute(runs, label)
+        panels = [("nll", "NLL of each new token (nats)", 0), ("kept_slots", "kept slots per KV head (mean)", 0)]
+        if any(c["perturbation"] is not None for c in curves):  # row k is the forward that produced token k + 1
+            panels.append(("perturbation", "output perturbation (mean)", 1))
+        fig = make_subplots(rows=1, cols=len(panels), horizontal_spacing=0.08,
+                            subplot_titles=[title for _, title, _ in panels])
+        for i, c in enumerate(curves):
+            for col, (key, _, first) in enumerate(panels, start=1):
+                if c[key] is None:
+                    continue
+                ys = c[key].tolist()
+                fig.add_trace(go.Scatter(x=list(range(first, first + len(ys))), y=ys, mode="lines", name=c["label"],
+                                         legendgroup=c["label"], showlegend=col == 1, line=line_style(i)["line"]),
+                              row=1, col=col)
+        for col in range(1, len(panels) + 1):
+            fig.update_xaxes(title_text="step (new token)", row=1, col=col)
+            fig.update_yaxes(rangemode="tozero", row=1, col=col)
+        finish(fig, "Per-step curves", self.name, labels=[c["label"] for c in curves],
+               runs=[c["run"] for c in curves])
+        fig.update_layout(width=1000, height=400, legend=dict(orientation="h", y=-0.25))
+        return fig

@@ -1,0 +1,77 @@
+"""The runs table: one row per run directory, read from its run.json alone (no tensors are loaded).
+
+`run_table([(path, source), ...])` gives a DataFrame (policy, parameters, budget, model, tokens,
+perplexity, KL, perturbation, peak KV, saved date, path) and the sentences of the folders it could
+not read; `filter_table(frame, text, policies)` narrows it. In a notebook:
+
+    frame, skipped = run_table([(p, "shipped") for p in Path("cached_runs").iterdir()])
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pandas as pd
+
+from kvlens.errors import KvlensError
+from kvlens.plots import model_label
+from kvlens.runs import RUN_JSON, read_meta
+from kvlens.ui.labels import changed_params
+
+COLUMNS = ["name", "source", "policy", "params", "budget", "model", "mode", "prompt tokens", "new tokens", "ppl",
+           "KL", "perturbation", "peak KV (MiB)", "level", "saved", "path"]
+SEARCHED = ["name", "source", "policy", "params", "budget", "model", "mode", "level"]  # what the text filter reads
+
+
+def _budget(meta: dict) -> str:
+    b = meta.get("budget") or {}
+    slots, requested = b.get("slots"), b.get("requested")
+    if slots is None:
+        return "none"
+    return f"{slots} slots" + (f" ({requested:g} of the prompt)" if isinstance(requested, float) else "")
+
+
+def run_row(path: str | Path, source: str) -> dict:
+    """The table row of one run directory (a KvlensError if its run.json is not a valid manifest)."""
+    path = Path(path)
+    meta = read_meta(path)
+    policy = meta["policy"]
+    name = str(policy.get("name", "?"))
+    params = changed_params(name, policy.get("params") or {})
+    metrics = meta.get("metrics") or {}
+    peak = metrics.get("kv_bytes_peak")
+    return {"name": path.name, "source": source, "policy": name,
+            "params": ", ".join(f"{k}={v}" for k, v in params.items()), "budget": _budget(meta),
+            "model": model_label(str(meta["model"].get("spec", "?"))), "mode": str(meta.get("mode", "generate")),
+            "prompt tokens": len(meta["prompt_tokens"]), "new tokens": len(meta["tokens"]),
+            "ppl": metrics.get("ppl"), "KL": metrics.get("kl"), "perturbation": metrics.get("perturbation_used"),
+            "peak KV (MiB)": peak / 2**20 if isinstance(peak, (int, float)) else None,
+            "level": str((meta.get("record") or {}).get("level", "summary")),
+            "saved": datetime.fromtimestamp((path / RUN_JSON).stat().st_mtime, UTC).replace(tzinfo=None),
+            "path": str(path)}
+
+
+def run_table(entries: Iterable[tuple[str | Path, str]]) -> tuple[pd.DataFrame, list[str]]:
+    """Rows of the `(path, source)` run directories in order, and one sentence per directory left out."""
+    rows, skipped = [], []
+    for path, source in entries:
+        try:
+            rows.append(run_row(path, source))
+        except (KvlensError, OSError) as err:
+            skipped.append(str(err))
+    return pd.DataFrame(rows, columns=COLUMNS).astype({"ppl": float, "KL": float, "perturbation": float,
+                                                      "peak KV (MiB)": float}), skipped
+
+
+def filter_table(frame: pd.DataFrame, text: str = "", policies: Iterable[str] = ()) -> pd.DataFrame:
+    """The rows whose text columns hold every word of `text` (any case) and whose policy is in `policies`
+    (all policies when empty); the index is reset so row numbers are positions."""
+    keep = pd.Series(True, index=frame.index)
+    policies = list(policies)
+    if policies:
+        keep &= frame["policy"].isin(policies)
+    haystack = frame[SEARCHED].astype(str).agg(" ".join, axis=1).str.lower()
+    for word in text.lower().split():
+        keep &= haystack.str.contains(word, regex=False)
+    return frame[keep].reset_index(drop=True)
