@@ -30,8 +30,8 @@ listed = {name for entries in NAVIGATION.values() for name, _, _ in entries}
 PAGES["Browse"] += [st.Page(f"pages/{p.name}", title=p.stem.replace("_", " ").capitalize(), icon=":material/insights:")
                     for p in sorted((Path(__file__).parent / "pages").glob("*.py")) if p.stem not in listed]
 
-page = st.navigation(PAGES)
-sidebar(PAGES["Run"][0])
+page = st.navigation(PAGES, position="hidden")  # the sidebar draws the links (see kvlens/ui/sidebar.py)
+sidebar(PAGES, PAGES["Run"][0])
 st.session_state[session.SHELL] = True
 try:
     page.run()

@@ -2,6 +2,7 @@
 import streamlit as st
 
 from kvlens.ui.charts import chart
+from kvlens.ui.inspector import token_inspector
 from kvlens.ui.page import browse_page
 from kvlens.ui.state import run_figure
 from kvlens.ui.views import metric_row, token_text
@@ -16,6 +17,9 @@ with left:
 with right:
     chart(run_figure(run, "occupancy"), "ov_occ", name=f"occupancy-{run.path.name}",
           config={"run": str(run.path), "figure": "occupancy"})
+st.subheader("Token inspector", help="Click a token: the attention its step paid to every position of the cache, "
+             "as the run recorded it, with what the policy had kept, evicted or merged by then.")
+token_inspector(run, "ov_insp")
 with st.expander("How this run was made, and what it recorded"):
     st.code(run.meta.get("command") or "(made in the app)", language="bash", wrap_lines=True)
     st.dataframe({"tensor": list(run.tensors), "shape": [str(list(t.shape)) for t in run.tensors.values()]},

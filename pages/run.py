@@ -5,11 +5,12 @@ import streamlit as st
 
 from kvlens import texts as bundled
 from kvlens.levels import LEVELS, RecordLevel
-from kvlens.ui import session
+from kvlens.ui import session, url_state
+from kvlens.ui.inspector import token_inspector
 from kvlens.ui.jobs import PageJob
 from kvlens.ui.live import Live, RunSettings, parse_layers
 from kvlens.ui.page import page_top
-from kvlens.ui.state import list_runs, user_runs_dir
+from kvlens.ui.state import list_runs, open_run, user_runs_dir
 from kvlens.ui.widgets import policy_picker
 
 page_top("Run", "Run a policy on a prompt, watch it work, and save the run for the other pages.")
@@ -34,7 +35,9 @@ with left:
     else:
         text = st.text_area("Prompt", key="run_prompt", height=140,
                             value="The history of the United States Congress begins in 1789, when")
+    url_state.bind_policy("run")
     picked = policy_picker("run")
+    url_state.publish_policy("run")
     c1, c2 = st.columns(2)
     if teacher:
         prefill = c1.number_input("Prefill tokens", 8, 4096, 256, step=32, key="run_prefill")
@@ -67,6 +70,9 @@ with right:
     live_text = st.empty()
     if not go_clicked:
         status.info("Set up a run on the left and press **Run**. Plots appear here while it runs.")
+        if st.session_state.get("run_last"):  # the run this page saved last: inspect its tokens here
+            st.subheader("Token inspector")
+            token_inspector(open_run(st.session_state.run_last), "run_insp")
 
 if go_clicked and picked is not None:
     policy, params, budget = picked
@@ -93,4 +99,5 @@ if go_clicked and picked is not None:
         list_runs.clear()
         st.session_state[session.RUN_REQUEST] = str(path)
         st.session_state.run_saved = path.name
+        st.session_state.run_last = str(path)
         st.rerun()

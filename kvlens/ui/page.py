@@ -1,7 +1,8 @@
 """The scaffold of a browse page: `run = browse_page(title, caption, need)` draws the shell, the title,
-the run picked in the sidebar and its header, checks what the page needs of the run, and stops the
-page (`st.stop()`) when there is no run or the run lacks it, after saying why and offering runs that
-have it.
+the run picked in the sidebar, its header and a link to the view, checks what the page needs of the run,
+and stops the page (`st.stop()`) when there is no run or the run lacks it, after saying why and offering
+runs that have it. `pick_layer` and `pick_head` keep a page's layer and head in the URL (`?layer=`,
+`?head=`; the sidebar keeps `?run=`), so a copied link reopens the same view.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from kvlens.analysis.registry import get_analysis
 from kvlens.errors import KvlensError
 from kvlens.levels import RecordLevel
 from kvlens.runs import Run
-from kvlens.ui import session
+from kvlens.ui import session, url_state
 from kvlens.ui.sidebar import app_shell
 from kvlens.ui.state import RunEntry, all_runs, open_run
 from kvlens.ui.views import run_header
@@ -62,9 +63,24 @@ def browse_page(title: str, caption: str = "", need: Need | None = None) -> Run:
     if run is None:
         st.stop()
     run_header(run)
+    url_state.share_link()
     if need is not None and not meets(need, "req"):
         st.stop()
     return run
+
+
+def pick_layer(layers: list[int], key: str, where=st, default: int | None = None) -> int:
+    """A layer select box kept in the URL (`?layer=`); starts at `default` (else the middle layer)."""
+    start = default if default in layers else layers[len(layers) // 2]
+    return url_state.bound(lambda **kw: where.selectbox("Layer", layers, **kw), "layer", key, layers, "layer", start)
+
+
+def pick_head(run: Run, key: str, where=st) -> int:
+    """A query-head select box kept in the URL (`?head=`); the help names its KV head."""
+    heads = list(range(run.shape["heads"]))
+    group = run.shape["heads"] // run.shape["kv_heads"]
+    return url_state.bound(lambda **kw: where.selectbox("Query head", heads, help=f"KV head = query head // {group} "
+                                                        "(GQA)", **kw), "head", key, heads, "query head", 0)
 
 
 def fits(need: Need) -> bool:

@@ -1,10 +1,17 @@
-"""The shared sidebar: model, device, run picker, "new run", paper-style toggle (keys prefixed `app_`)."""
+"""The shared sidebar: the page links, model, device, run picker, "new run", paper-style toggle (keys
+prefixed `app_`).
+
+The app draws its own page links (app.py calls `st.navigation(..., position="hidden")`, and
+`.streamlit/config.toml` sets `client.showSidebarNavigation = false`): Streamlit's own sidebar list
+would first show the raw file names of `pages/` when a fresh server's first request is a page's URL.
+"""
 from __future__ import annotations
 
 import streamlit as st
+from streamlit.runtime.pages_manager import PagesManager
 
 from kvlens.levels import LEVELS
-from kvlens.ui import session
+from kvlens.ui import session, url_state
 from kvlens.ui.state import RunEntry, all_runs, cached_runs_dir, user_runs_dir
 
 DEVICES = ["auto", "cpu", "cuda", "mps"]
@@ -21,17 +28,35 @@ def page_config() -> None:
 
 def app_shell() -> None:
     """Pages call this first. app.py draws the shell (page config, sidebar) around the page and
-    marks it in `session.SHELL`; when Streamlit runs a `pages/` file on its own (its multipage v1
-    mode: the first request of a fresh server is a page's URL, and AppTest's `switch_page`), the
-    page draws the shell itself."""
-    if not st.session_state.get(session.SHELL):
-        page_config()
-        sidebar()
+    marks it in `session.SHELL`. Streamlit runs a `pages/` file on its own in its legacy multipage mode,
+    which it starts in when a fresh server's first request is a page's URL: the page then reruns at
+    once through app.py (what app.py's `st.navigation` does to later requests). A page run by itself
+    otherwise (AppTest's `switch_page`) draws the shell itself, without page links."""
+    if st.session_state.get(session.SHELL):
+        return
+    if PagesManager.uses_pages_directory and not st.session_state.get(session.HANDED_OVER):
+        st.session_state[session.HANDED_OVER] = True  # once: a page that cannot hand over draws its shell
+        PagesManager.uses_pages_directory = False
+        st.rerun()
+    page_config()
+    sidebar()
 
 
-def sidebar(run_page="pages/run.py") -> None:
-    """Draw the sidebar; the chosen run's entry lands in `st.session_state[session.RUN_ENTRY]`."""
+def page_links(pages: dict[str, list]) -> None:
+    """The navigation: each section's `st.Page`s as links (the current page highlighted)."""
+    for section, entries in pages.items():
+        st.caption(section)
+        for page in entries:
+            st.page_link(page)
+
+
+def sidebar(pages: dict[str, list] | None = None, run_page="pages/run.py") -> None:
+    """Draw the sidebar (the page links of `pages`: section -> `st.Page`s, when given); the chosen run's entry
+    lands in `st.session_state[session.RUN_ENTRY]`."""
     with st.sidebar:
+        if pages:
+            page_links(pages)
+            st.divider()
         runs = all_runs()
         if not runs:
             st.session_state[session.RUN_ENTRY] = None
@@ -40,6 +65,11 @@ def sidebar(run_page="pages/run.py") -> None:
                     "`python scripts/make_cached_runs.py`.")
         else:
             by_path = {e.path: e for e in runs}
+
+            def name(p: str) -> str:  # how the URL names a run: `?run=h2o-attention`
+                return by_path[p].name
+
+            url_state.bind(session.RUN, "run", list(by_path), "run", show=name)
             request = st.session_state.pop(session.RUN_REQUEST, None)  # set by pages that saved a run
             if request in by_path:
                 st.session_state[session.RUN] = request
@@ -47,6 +77,7 @@ def sidebar(run_page="pages/run.py") -> None:
                 st.session_state[session.RUN] = default_run(runs).path
             path = st.selectbox("Run", list(by_path), key=session.RUN, format_func=lambda p: by_path[p].label,
                                 help="Shipped runs from cached_runs/, then yours from runs/ (newest first).")
+            url_state.publish("run", path, show=name)
             st.session_state[session.RUN_ENTRY] = by_path[path]
         if st.button("New run", icon=":material/add:", width="stretch", help="Run a policy on your own prompt"):
             st.switch_page(run_page)
