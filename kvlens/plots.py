@@ -12,7 +12,7 @@ and parameters, which `kvlens.export` writes as the figure's JSON config):
 | `sparsity_figure(run)` | `corm_sparsity` | CORM Fig. 1 |
 | `variance_figure(run, layer, head=None, group=64)` | `attention_variance` | CaM Fig. 2 |
 | `merging_ratio_figure(ratios, labels)` | `merging_ratio` per text | KVMerger Fig. 3b |
-| `gaussian_figure(run, layer, head, threshold=0.75, sigmas=(None,))` | `gaussian_set` | KVMerger Fig. 3d |
+| `gaussian_figure(run, layer, head, threshold=0.75, sigmas=RULES)` | `gaussian_set` | KVMerger Fig. 3d |
 | `merge_similarity_figure(run, step=100, horizon=800)` | `merge_future_similarity` | WeightedKV Fig. 2 |
 | `perplexity_figure(runs, labels=None)` | `log_perplexity_curve` per run | WeightedKV Fig. 4 |
 | `corm_lengths_figure(lengths, ratios)` | `sweeps.corm_over_lengths` | CORM Fig. 4 |
@@ -29,6 +29,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from kvlens import analysis as an
+from kvlens.analysis.merging import RULES
 from kvlens.runs import Run
 
 FONT = dict(family="Helvetica, Arial, sans-serif", size=14, color="#111111")
@@ -226,12 +227,12 @@ def merging_ratio_figure(ratios: list[an.MergingRatio], labels: list[str], note:
 
 
 def gaussian_figure(run: Run, layer: int, head: int, threshold: float = 0.75, position: int | None = None,
-                    sigmas: tuple[float | None, ...] = (None,)) -> go.Figure:
-    """KVMerger Fig. 3d: Gaussian-kernel weights over one merging set, pivot marked."""
+                    sigmas: tuple[str | float | None, ...] = RULES) -> go.Figure:
+    """KVMerger Fig. 3d: Gaussian-kernel weights over one merging set under each sigma rule or value, pivot marked."""
     gs = an.gaussian_set(run, layer, head, threshold, position, sigmas)
     fig = go.Figure()
     for i, (sigma, w) in enumerate(gs.weights.items()):
-        name = "σ from Eq. 7" if sigma is None else f"σ = {sigma:g}"
+        name = gs.label(sigma)
         fig.add_trace(go.Scatter(x=gs.positions, y=w.tolist(), mode="lines+markers", name=name, **line_style(i)))
     fig.add_vline(x=gs.pivot, line=dict(color="#777777", dash="dot", width=1),
                   annotation_text=f"pivot {gs.pivot}", annotation_position="top")

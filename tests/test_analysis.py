@@ -183,12 +183,34 @@ def test_merging_ratio_and_gaussian_set_use_the_policy_functions(run):
     mr = an.merging_ratio(run, threshold=0.5)
     keys = run.tensor("prefill/k/1")[0]
     assert float(mr.ratio[1, 0]) == pytest.approx(1 - len(merging_sets(keys, 0.5)) / T)
-    gs = an.gaussian_set(run, 1, 0, threshold=0.5, sigmas=(None, 0.5))
+    gs = an.gaussian_set(run, 1, 0, threshold=0.5, sigmas=("mean_distance", "eq7", 0.5))
     assert gs.positions == max(merging_sets(keys, 0.5), key=len)
     abar = an.aggregated_attention(run, 1)[0]
     assert gs.pivot == gs.positions[int(abar[gs.positions].argmax())]
     for w in gs.weights.values():
         assert float(w.sum()) == pytest.approx(1) and int(w.argmax()) == gs.positions.index(gs.pivot)
+
+
+def test_gaussian_weights_follow_both_sigma_rules_of_the_paper_policy_default_first(run):
+    gs = an.gaussian_set(run, 1, 0, threshold=0.5)
+    assert set(gs.weights) == {"mean_distance", "eq7"}
+    assert next(iter(gs.weights)) == make_policy("kvmerger").sigma_rule  # the policy's default first
+    k = np_states(run, "k", 1)[0][gs.positions]  # (n, D)
+    d2 = ((k - k[gs.positions.index(gs.pivot)]) ** 2).sum(-1)
+    n = len(gs.positions)
+    sigmas = {"mean_distance": np.sqrt(d2).sum() / (n - 1),  # §6.3: mean l2 distance to the pivot
+              "eq7": d2.sum() / (np.sqrt(2) * n)}  # Eq. 7
+    for rule, sigma in sigmas.items():
+        w = np.exp(-d2 / (2 * sigma ** 2))
+        np.testing.assert_allclose(gs.weights[rule].numpy(), w / w.sum(), rtol=1e-4, atol=1e-7)
+    assert not torch.allclose(gs.weights["mean_distance"], gs.weights["eq7"])
+    assert gs.label("mean_distance") == "σ = mean ‖k_p − k_i‖ (§6.3, default)"
+    assert gs.label("eq7") == "σ from Eq. 7 (§5.2)" and gs.label(2.0) == "σ = 2"
+    fig = run.figure("gaussian", layer=1, threshold=0.5, sigma=[2.0])
+    assert [t.name for t in fig.data] == [gs.label("mean_distance"), gs.label("eq7"), gs.label(2.0)]
+    js = run.analyze("gaussian", layer=1, threshold=0.5, rule=["eq7"])
+    assert js["sigma_rules"] == {"eq7": "σ from Eq. 7 in KVMerger §5.2"} and list(js["weights"]) == ["eq7"]
+    np.testing.assert_allclose(js["weights"]["eq7"], gs.weights["eq7"].numpy(), rtol=1e-6)
 
 
 def test_log_perplexity_curve_is_the_running_mean_nll(run):
@@ -326,6 +348,10 @@ def test_unknown_or_unfitting_requests_are_one_sentence(tmp_path, capsys):
         r.figure("similarity", layer="x")
     with pytest.raises(KvlensError, match="sigma takes a list of a number"):
         r.figure("gaussian", sigma=2.0)
+    with pytest.raises(KvlensError, match="rule takes mean_distance or eq7; got 'mean'"):
+        r.figure("gaussian", rule=["mean"])
+    with pytest.raises(KvlensError, match="Name at least one sigma"):
+        r.figure("gaussian", rule=[])
     with pytest.raises(KvlensError, match="runs the model over the bundled texts"):
         r.figure("merging-ratio")
     for kind, bad in (("spectrum", {"components": 0}), ("merge-similarity", {"horizon": 0}),

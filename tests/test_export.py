@@ -94,4 +94,4 @@ def test_a_notebooks_run_figure_is_the_cli_figure(tmp_path, capsys):
     assert (tmp_path / "notebook.csv").read_text() == (tmp_path / "cli.csv").read_text()
     cli, notebook = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("cli", "notebook"))
     assert cli["params"] == notebook["params"] == {"layer": 1, "head": 0, "threshold": 0.5, "position": None,
-                                                   "sigmas": [None, 2.0]}
+                                                   "sigmas": ["mean_distance", "eq7", 2.0]}
