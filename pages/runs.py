@@ -9,8 +9,10 @@ from kvlens.ui.state import all_runs, cached_runs_dir, user_runs_dir
 
 page_top("Runs", f"Shipped runs ({cached_runs_dir().name}/) and yours ({user_runs_dir().name}/), read from each "
                  "run.json. Click a column to sort; tick rows to compare their curves.")
+c1, c2, c3 = st.columns([3, 2, 1], vertical_alignment="bottom")
+with c3.popover("Import .zip", icon=":material/upload:", width="stretch"):
+    imported = rt.upload()
 frame, skipped = rt.runs_frame(all_runs())
-c1, c2 = st.columns([3, 2])
 text = c1.text_input("Filter", key="runs_filter", placeholder="words from the name, policy, parameters, model …",
                      help="Keeps the runs whose name, source, policy, parameters, budget, model, mode or level "
                           "hold every word typed here.")
@@ -18,10 +20,12 @@ policies = c2.multiselect("Policies", sorted(frame["policy"].unique()), key="run
                           placeholder="all policies")
 shown = filter_table(frame, text, policies)
 key = rt.table_key(st.session_state.get(rt.VERSION, 0), text, policies)
-event = st.dataframe(shown.drop(columns="path"), column_config=rt.COLUMN_CONFIG, hide_index=True,
+event = st.dataframe(shown, column_config=rt.COLUMN_CONFIG, column_order=rt.ORDER, hide_index=True, placeholder="–",
                      on_select="rerun", selection_mode="multi-row", key=key)
 st.caption(f"{len(shown)} of {len(frame)} runs" + (f" · {len(skipped)} folders could not be read: "
                                                    + " ".join(skipped) if skipped else ""))
+if imported:
+    (st.success if imported[0] else st.error)(imported[1])
 picked = shown.iloc[[i for i in event.selection.rows if i < len(shown)]]
 if picked.empty:
     st.info("Tick one or more rows to overlay their per-step curves; tick one to open, download or delete it.")
@@ -38,5 +42,3 @@ else:
                   width="stretch", help="Tick one run to download it")
     rt.delete_button(b3, list(picked["path"]), bool((picked["source"] == "yours").all()))
     rt.overlay(list(picked["path"]), list(picked["name"]))
-st.subheader("Import a run")
-rt.upload()

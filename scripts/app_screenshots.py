@@ -12,7 +12,22 @@ from pathlib import Path
 
 from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, ROOT, streamlit_server, wait_idle
 
-PAGES = ["overview", "attention", "similarity", "spectra", "merges", "perturbation", "run", "compare", "benchmarks"]
+PAGES = ["overview", "runs", "attention", "similarity", "spectra", "merges", "perturbation", "run", "compare",
+         "benchmarks"]
+SIZES = {"runs": (1500, 1000)}  # the rest are 1500 x 1800
+ROW = 35  # a table row's height in pixels (header included)
+
+
+def tick_rows(page, rows: list[int]) -> None:
+    """Tick rows of the page's first table, which is drawn on a canvas: click each row's checkbox."""
+    box = page.locator("[data-testid='stMain'] [data-testid='stDataFrame']").first.bounding_box()
+    for i in rows:
+        page.mouse.click(box["x"] + 15, box["y"] + ROW * (i + 1.5))
+        wait_idle(page)
+    page.mouse.move(0, 0)  # no hover toolbar over the table
+
+
+PREPARE = {"runs": lambda page: tick_rows(page, [0, 2, 4])}  # cam, h2o, streaming_llm: the overlay
 
 
 def main(out: Path, pages: list[str]) -> None:
@@ -25,8 +40,11 @@ def main(out: Path, pages: list[str]) -> None:
         page.goto(url)  # a fresh server's first request must be app.py itself (see kvlens.ui.state.app_shell)
         wait_idle(page)
         for name in pages:
+            width, height = SIZES.get(name, (1500, 1800))
+            page.set_viewport_size({"width": width, "height": height})
             page.goto(f"{url}/{'' if name == 'overview' else name}")
             wait_idle(page)
+            PREPARE.get(name, lambda _: None)(page)
             page.screenshot(path=str(out / f"app-{name}.png"), full_page=True)
             print(out / f"app-{name}.png")
         browser.close()

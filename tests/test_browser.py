@@ -74,3 +74,40 @@ def test_stop_cancels_a_run_and_saves_nothing(browser_page, runs_dir):
     page.locator("[data-testid='stMain']").get_by_role("button", name="Stop").click()  # not the header one
     page.get_by_text("Stopped. The run was cancelled and nothing was saved.").wait_for(timeout=60_000)
     assert list(runs_dir.iterdir()) == []
+
+
+def _runs_table(page):
+    """Open the Runs page; its table (drawn on a canvas, with an accessible copy of the cells for reading)."""
+    page.get_by_role("link", name="Runs", exact=True).click()
+    wait_idle(page)
+    return page.locator("[data-testid='stMain'] [data-testid='stDataFrame']").first
+
+
+def test_runs_table_lists_the_shipped_runs_and_filtering_narrows_it(browser_page):
+    from playwright.sync_api import expect
+
+    page = browser_page
+    table = _runs_table(page)
+    shipped = sorted(p.parent.name for p in (Path(__file__).resolve().parent.parent / "cached_runs").glob("*/run.json"))
+    first_cells = table.locator("tbody tr td:first-child")
+    expect(first_cells).to_have_text(shipped, timeout=60_000)  # one row per shipped run, in name order
+    page.get_by_text(f"{len(shipped)} of {len(shipped)} runs").wait_for(timeout=60_000)
+    page.get_by_role("textbox", name="Filter").fill("summary")
+    page.get_by_role("textbox", name="Filter").press("Enter")
+    page.get_by_text(f"1 of {len(shipped)} runs").wait_for(timeout=60_000)
+    expect(first_cells).to_have_text(["tova-summary"], timeout=60_000)
+    page.get_by_role("textbox", name="Filter").fill("")
+    page.get_by_role("textbox", name="Filter").press("Enter")
+    expect(first_cells).to_have_text(shipped, timeout=60_000)
+
+
+def test_uploading_a_zip_that_is_not_a_run_is_refused_with_one_sentence(browser_page, runs_dir):
+    page = browser_page
+    _runs_table(page)
+    page.get_by_role("button", name="Import .zip").click()
+    page.locator("[data-testid='stFileUploaderDropzoneInput']").set_input_files(
+        files=[{"name": "notes.zip", "mimeType": "application/zip", "buffer": b"these are notes, not a zip"}])
+    refusal = page.locator("[data-testid='stMain'] [data-testid='stAlert']").get_by_text(
+        "notes.zip is not a zip archive (or it is damaged).", exact=True)
+    refusal.wait_for(timeout=60_000)
+    assert refusal.count() == 1 and list(runs_dir.iterdir()) == []

@@ -25,16 +25,25 @@ PENDING = "runs_pending_delete"  # the runs whose Delete was pressed, until the 
 VERSION = "runs_version"  # bumped after a delete: the table's selection starts afresh
 IMPORTED = "runs_imported"  # uploaded file id -> the sentence its import gave (each upload is imported once)
 
+ORDER = ["name", "policy", "params", "budget", "ppl", "KL", "perturbation", "peak KV (MiB)", "prompt tokens",
+         "new tokens", "mode", "level", "model", "source", "saved"]  # what tells runs apart first
 COLUMN_CONFIG = {
-    "ppl": st.column_config.NumberColumn("ppl", format="%.3f", help="Perplexity of the new tokens"),
-    "KL": st.column_config.NumberColumn("KL", format="%.4f", help="Mean KL(p_full ‖ p_policy) per step (--measure)"),
+    "name": st.column_config.TextColumn("name", width="medium", pinned=True),
+    "params": st.column_config.TextColumn("params", width=130, help="Parameters that differ from their defaults"),
+    "budget": st.column_config.TextColumn("budget", help="Slots per KV head per layer (none: the policy keeps "
+                                                         "what it decides, e.g. full, KVMerger, CORM)"),
+    "ppl": st.column_config.NumberColumn("ppl", format="%.3f", width="small", help="Perplexity of the new tokens"),
+    "KL": st.column_config.NumberColumn("KL", format="%.4f", width="small",
+                                        help="Mean KL(p_full ‖ p_policy) per step (runs made with --measure)"),
     "perturbation": st.column_config.NumberColumn("perturbation", format="%.4f",
-                                                  help="Mean output perturbation ‖O − O_full‖ / ‖O_full‖ (--measure)"),
+                                                  help="Mean output perturbation ‖O − O_full‖ / ‖O_full‖ "
+                                                       "(runs made with --measure)"),
     "peak KV (MiB)": st.column_config.NumberColumn("peak KV (MiB)", format="%.2f",
                                                    help="Largest allocated K+V bytes after any compression"),
+    "prompt tokens": st.column_config.NumberColumn("prompt", width="small", help="Prompt (or prefill) tokens"),
+    "new tokens": st.column_config.NumberColumn("new", width="small", help="Generated (or scored) tokens"),
     "saved": st.column_config.DatetimeColumn("saved (UTC)", format="YYYY-MM-DD HH:mm",
                                              help="When run.json was written"),
-    "params": st.column_config.TextColumn("params", help="Parameters that differ from the policy's defaults"),
 }
 
 
@@ -70,7 +79,7 @@ def overlay(paths: list[str], names: list[str]) -> None:
             st.error(str(err))
     if runs:
         chart(analysis_figure("steps", runs, label=labels), "runs_overlay", name="steps-" + "-".join(labels)[:60],
-              config={"runs": [str(r.path) for r in runs], "labels": labels})
+              config={"runs": [str(r.path) for r in runs], "labels": labels}, height=330)
 
 
 def open_in_browse(path: str) -> None:
@@ -132,22 +141,21 @@ def _confirm_delete(paths: list[str]) -> None:
         st.rerun()
 
 
-def upload() -> None:
-    """Import an uploaded zip into the user's runs (once per upload) and say how it went."""
-    file = st.file_uploader("Import a run (.zip)", type=["zip"], key="runs_upload",
-                            help="A zip made by *Download .zip* (or of a run folder). It is checked like any run "
-                                 "before it joins your runs, and never replaces one.")
+def upload() -> tuple[bool, str] | None:
+    """An uploader that imports a zip into the user's runs (once per upload); whether it worked and the sentence
+    saying so, while the file is in the uploader (None when there is none)."""
+    file = st.file_uploader("A run as a .zip: one made by *Download .zip*, or a zip of a run folder", type=["zip"],
+                            key="runs_upload",
+                            help="It is checked like any run before it joins your runs, and never replaces one "
+                                 "(a name already taken gets -2, -3, ...).")
     if file is None:
-        return
+        return None
     done = st.session_state.setdefault(IMPORTED, {})
     if file.file_id not in done:
         try:
             target = import_run(file, user_runs_dir(), file.name)
             done[file.file_id] = (True, f"Imported {file.name} as `{target.name}` in your runs.")
+            list_runs.clear()
         except KvlensError as err:
             done[file.file_id] = (False, str(err))
-        else:
-            list_runs.clear()
-            st.rerun()  # the table above shows the new run
-    ok, sentence = done[file.file_id]
-    (st.success if ok else st.error)(sentence)
+    return done[file.file_id]

@@ -59,5 +59,6 @@ class Steps(Analysis):
             fig.update_yaxes(rangemode="tozero", row=1, col=col)
         finish(fig, "Per-step curves", self.name, labels=[c["label"] for c in curves],
                runs=[c["run"] for c in curves])
-        fig.update_layout(width=1000, height=400, legend=dict(orientation="h", y=-0.25))
+        fig.update_layout(width=1000, height=400, margin=dict(t=100),
+                          legend=dict(orientation="h", x=1, xanchor="right", y=1.14, yanchor="bottom"))
         return fig
