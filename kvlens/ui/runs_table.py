@@ -25,10 +25,11 @@ PENDING = "runs_pending_delete"  # the runs whose Delete was pressed, until the 
 VERSION = "runs_version"  # bumped after a delete: the table's selection starts afresh
 IMPORTED = "runs_imported"  # uploaded file id -> the sentence its import gave (each upload is imported once)
 
-ORDER = ["name", "policy", "params", "budget", "ppl", "KL", "perturbation", "peak KV (MiB)", "prompt tokens",
-         "new tokens", "mode", "level", "model", "source", "saved"]  # what tells runs apart first
+ORDER = ["name", "source", "policy", "params", "budget", "ppl", "KL", "perturbation", "peak KV (MiB)",
+         "prompt tokens", "new tokens", "mode", "level", "model", "saved"]  # what tells runs apart first
 COLUMN_CONFIG = {
     "name": st.column_config.TextColumn("name", width="medium", pinned=True),
+    "source": st.column_config.TextColumn("source", width="small", help="shipped: cached_runs/; yours: runs/"),
     "params": st.column_config.TextColumn("params", width=130, help="Parameters that differ from their defaults"),
     "budget": st.column_config.TextColumn("budget", help="Slots per KV head per layer (none: the policy keeps "
                                                          "what it decides, e.g. full, KVMerger, CORM)"),
