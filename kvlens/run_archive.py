@@ -10,6 +10,7 @@ format's size limits. `delete_run(path, runs_dir)` deletes only runs directly in
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -78,17 +79,13 @@ def _members(zf: zipfile.ZipFile, label: str) -> tuple[str | None, dict[str, zip
     return next(iter(folders), None), files
 
 
-def _unpack(zf: zipfile.ZipFile, info: zipfile.ZipInfo, target: Path, label: str) -> None:
-    """Copy one member, never more bytes than its entry declares; keep its date."""
-    written = 0
+def _unpack(zf: zipfile.ZipFile, info: zipfile.ZipInfo, target: Path) -> None:
+    """Copy one member (zipfile reads no more than the size its entry declares, checked above) and keep its date."""
     with zf.open(info) as src, target.open("wb") as dst:
-        while chunk := src.read(CHUNK):
-            written += len(chunk)
-            if written > info.file_size:
-                raise KvlensError(f"{label}: {target.name} is larger than its zip entry says; refusing to unpack it.")
-            dst.write(chunk)
-    stamp = time.mktime((*info.date_time, 0, 0, -1))
-    os.utime(target, (stamp, stamp))
+        shutil.copyfileobj(src, dst, CHUNK)
+    with contextlib.suppress(OverflowError, ValueError, OSError):  # a date the platform cannot hold: keep today's
+        stamp = time.mktime((*info.date_time, 0, 0, -1))
+        os.utime(target, (stamp, stamp))
 
 
 def _free_name(runs_dir: Path, name: str) -> Path:
@@ -116,10 +113,8 @@ def import_run(archive: str | Path | BinaryIO, runs_dir: str | Path, name: str =
         try:
             try:
                 for file_name, info in files.items():
-                    _unpack(zf, info, tmp / file_name, label)
-            except (zipfile.BadZipFile, EOFError, OSError, ValueError) as err:
-                if isinstance(err, KvlensError):
-                    raise
+                    _unpack(zf, info, tmp / file_name)
+            except (zipfile.BadZipFile, EOFError, OSError, ValueError) as err:  # e.g. a CRC that does not match
                 raise KvlensError(f"{label} is damaged ({type(err).__name__}); nothing was imported.") from err
             try:
                 load_run(tmp)

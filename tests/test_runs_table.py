@@ -122,6 +122,8 @@ def _bad_archives(tmp_path: Path) -> dict[str, tuple[object, str]]:
     with zipfile.ZipFile(big, "w", zipfile.ZIP_DEFLATED) as zf:
         zf.writestr("r/run.json", b" " * (MAX_JSON_BYTES + 1))
     big.seek(0)
+    damaged = bytearray(zip_of(good).getvalue())
+    damaged[damaged.index(good["r/run.json"][:64]) + 10] ^= 1  # one bit of run.json's stored bytes: its CRC fails
     plain = tmp_path / "notes.zip"
     plain.write_text("these are notes, not a zip")
     return {
@@ -141,12 +143,13 @@ def _bad_archives(tmp_path: Path) -> dict[str, tuple[object, str]]:
         "two folders": (zip_of({**good, "s/decisions.parquet": b""}),
                         "x.zip holds files in more than one folder; zip one run at a time."),
         "too large": (big, "x.zip: run.json is larger than 64 MB; refusing to unpack it."),
+        "damaged": (io.BytesIO(bytes(damaged)), "x.zip is damaged (BadZipFile); nothing was imported."),
         "invalid": (zip_of(corrupt), "x.zip is not a valid kvlens run: tensors.safetensors is truncated or corrupt"),
     }
 
 
 @pytest.mark.parametrize("kind", ["not a zip", "no run.json", "no tensors", "traversal", "absolute", "link",
-                                  "other file", "two folders", "too large", "invalid"])
+                                  "other file", "two folders", "too large", "damaged", "invalid"])
 def test_each_kind_of_bad_zip_is_refused_with_its_sentence_and_leaves_nothing(kind, runs_dir, tmp_path):
     archive, sentence = _bad_archives(tmp_path)[kind]
     with pytest.raises(KvlensError) as err:
