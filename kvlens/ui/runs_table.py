@@ -44,7 +44,8 @@ COLUMN_CONFIG = {
     "prompt tokens": st.column_config.NumberColumn("prompt", width="small", help="Prompt (or prefill) tokens"),
     "new tokens": st.column_config.NumberColumn("new", width="small", help="Generated (or scored) tokens"),
     "saved": st.column_config.DatetimeColumn("saved (UTC)", format="YYYY-MM-DD HH:mm",
-                                             help="When run.json was written"),
+                                             help="When run.json was last written (a shipped run: when it "
+                                                  "was checked out)"),
 }
 
 
