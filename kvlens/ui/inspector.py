@@ -23,6 +23,7 @@ from kvlens.ui.page import level_need, pick_head, pick_layer
 MAX_PILLS = 256  # longer runs pick their token on a slider
 BAR_COLORS = {STATUS[KEPT][0]: "#1f77b4", STATUS[HOLDS_MERGE][0]: STATUS[HOLDS_MERGE][1], STATUS[SINK][0]: "#111111"}
 CODES = {name: code for code, (name, _) in STATUS.items()}
+COUNTED = {STATUS[HOLDS_MERGE][0]: "holding merged values", STATUS[SINK][0]: "sinks"}  # "4 holding merged values"
 NEED = level_need(RecordLevel.ATTENTION, "The token inspector")
 
 
@@ -30,6 +31,22 @@ def shown(text: str) -> str:
     """A token's text with its whitespace visible (a pill or a label would hide it)."""
     text = text.replace("\n", "↵").replace("\t", "⇥")
     return text if text.strip() else (text.replace(" ", "␣") or "∅")
+
+
+def pill_names(texts: list[str]) -> list[str]:
+    """`texts` made distinct by invisible zero-width spaces (a repeated token gets one more each time): pills
+    report the clicked option by its text, so two pills reading "of" must still differ."""
+    seen: dict[str, int] = {}
+    out = []
+    for text in texts:
+        seen[text] = seen.get(text, -1) + 1
+        out.append(text + "\u200b" * seen[text])
+    return out
+
+
+def label(text: str) -> str:
+    """A token's text for a sentence or a title: trimmed, unless it is only whitespace."""
+    return text.strip() or shown(text)
 
 
 def lacks_rows(run: Run) -> bool:
@@ -50,8 +67,10 @@ def token_inspector(run: Run, key: str) -> None:
     steps = list(range(run.tensor(f"attn/{recorded_attention_layers(run)[0]}").shape[0]))
     label = "Generated token" if run.meta.get("mode", "generate") == "generate" else "Scored token"
     if len(steps) <= MAX_PILLS:
+        names = pill_names([shown(t) for t in strings[:len(steps)]])
+
         def widget(**kw):
-            return st.pills(label, steps, format_func=lambda s: shown(strings[s]), **kw)
+            return st.pills(label, steps, format_func=names.__getitem__, **kw)
     else:
         def widget(**kw):
             return st.select_slider(label, steps, format_func=lambda s: f"{s}: {shown(strings[s])}", **kw)
@@ -102,8 +121,8 @@ def inspect_pair(run_a: Run, run_b: Run, step: int, key: str = "pair") -> None:
 def summary(row: TokenRow) -> str:
     """One sentence: which query produced the token and how much of what it had seen it attended to."""
     counts = {name: row.status.count(name) for name in dict.fromkeys(row.status)}
-    parts = ", ".join(f"{n} {name}" for name, n in counts.items())
-    return (f"Token {row.step} «{_md(shown(row.token))}» came from the query of «{_md(shown(row.query))}» "
+    parts = ", ".join(f"{n} {COUNTED.get(name, name)}" for name, n in counts.items())
+    return (f"Token {row.step} «{_md(label(row.token))}» came from the query of «{_md(label(row.query))}» "
             f"(position {row.query_position}), which attended to "
             f"{row.in_cache} cache slots of the {len(row.positions)} positions seen so far ({parts}).")
 
@@ -162,7 +181,7 @@ def token_row_figure(row: TokenRow, policy: str, height: int = 460) -> go.Figure
     fig.update_yaxes(title_text="attention", type="log", row=1, col=1)
     fig.update_yaxes(showticklabels=False, row=2, col=1)
     fig.update_xaxes(title_text="token position (red dotted: the query)", row=2, col=1)
-    fig.update_layout(title=dict(text=f"Token {row.step} «{html.escape(shown(row.token))}» under {policy}: layer "
+    fig.update_layout(title=dict(text=f"Token {row.step} «{html.escape(label(row.token))}» under {policy}: layer "
                                       f"{row.layer}, head {row.head} (KV head {row.kv_head})"),
                       height=height, bargap=0, barmode="overlay", margin=dict(t=90),
                       legend=dict(orientation="h", y=1.02, yanchor="bottom"),

@@ -4,7 +4,6 @@ A widget key used by one page only stays in that page; a page's job flags are de
 prefix by `kvlens.ui.jobs.PageJob` (`{prefix}_running`, `{prefix}_stopped`).
 """
 SHELL = "app_shell_active"  # app.py is drawing the shell (page config, sidebar) around the page
-HANDED_OVER = "app_handed_over"  # a page Streamlit ran on its own (legacy multipage mode) reran through app.py
 RUN = "app_run"  # the sidebar's run picker: a run directory
 RUN_ENTRY = "app_run_entry"  # the picked run's `RunEntry` (None: there are no runs)
 RUN_REQUEST = "app_run_request"  # a run directory a page saved, selected on the next rerun

@@ -8,6 +8,7 @@ would first show the raw file names of `pages/` when a fresh server's first requ
 from __future__ import annotations
 
 import streamlit as st
+from streamlit import config
 from streamlit.runtime.pages_manager import PagesManager
 
 from kvlens.levels import LEVELS
@@ -28,15 +29,14 @@ def page_config() -> None:
 
 def app_shell() -> None:
     """Pages call this first. app.py draws the shell (page config, sidebar) around the page and
-    marks it in `session.SHELL`. Streamlit runs a `pages/` file on its own in its legacy multipage mode,
-    which it starts in when a fresh server's first request is a page's URL: the page then reruns at
-    once through app.py (what app.py's `st.navigation` does to later requests). A page run by itself
-    otherwise (AppTest's `switch_page`) draws the shell itself, without page links."""
+    marks it in `session.SHELL`. When a fresh server's first request is a page's URL, Streamlit runs that
+    `pages/` file on its own (its legacy multipage mode, left once app.py calls `st.navigation`): the
+    page then reruns at once through app.py. Under AppTest, which restarts that mode before every run
+    (`switch_page` runs the file on its own each time), and without app.py, the page draws the shell."""
     if st.session_state.get(session.SHELL):
         return
-    if PagesManager.uses_pages_directory and not st.session_state.get(session.HANDED_OVER):
-        st.session_state[session.HANDED_OVER] = True  # once: a page that cannot hand over draws its shell
-        PagesManager.uses_pages_directory = False
+    if PagesManager.uses_pages_directory and not config.get_option("global.appTest"):
+        PagesManager.uses_pages_directory = False  # what app.py's st.navigation sets: from now on app.py runs
         st.rerun()
     page_config()
     sidebar()

@@ -1,0 +1,119 @@
+"""The token inspector, shareable links and the first paint, in a real browser (Playwright + Debian's Chromium).
+
+One fresh `streamlit run app.py` for the module: the first test is its first request, a page's URL.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvlens import load_run
+from kvlens.inspect_token import token_strings
+from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, streamlit_server, wait_idle
+from kvlens.ui.inspector import label
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parent.parent
+RAW = {"app", "overview", "attention", "similarity", "spectra", "merges", "perturbation", "analyses", "run",
+       "compare", "benchmarks"}  # Streamlit's own list of pages/: lower-case file names and `app`
+RECORD_LINKS = """
+window.__links = new Set();
+new MutationObserver(() => {
+  for (const a of document.querySelectorAll('[data-testid="stSidebar"] a, [data-testid="stSidebarNav"] *'))
+    window.__links.add(a.textContent.trim());
+}).observe(document, {childList: true, subtree: true, characterData: true});
+"""
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium package (make test does so when run as root)")
+    from playwright.sync_api import sync_playwright
+
+    env = {**os.environ, "KVLENS_RUNS": str(tmp_path_factory.mktemp("runs"))}
+    with streamlit_server(env=env) as url, sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium, url
+        chromium.close()
+
+
+def new_page(chromium):
+    """A page in a new browser context: no cookies, no session."""
+    return chromium.new_context(viewport={"width": 1500, "height": 1000}).new_page()
+
+
+def test_first_paint_of_a_page_url_never_shows_the_raw_page_list(browser):
+    chromium, url = browser
+    page = new_page(chromium)
+    page.add_init_script(RECORD_LINKS)  # every link text the sidebar ever shows, from the first paint on
+    page.goto(f"{url}/attention", wait_until="commit")
+    page.locator("[data-testid='stMain'] h1", has_text="Attention").wait_for(timeout=120_000)
+    page.locator("[data-testid='stSidebar'] a", has_text="Similarity").wait_for(timeout=60_000)
+    seen = set(page.evaluate("() => Array.from(window.__links)"))
+    assert any(text.endswith("Overview") for text in seen)  # the app's own links were recorded
+    assert not seen & RAW, seen & RAW
+    assert page.locator("[data-testid='stSidebarNav']").count() == 0
+    page.context.close()
+
+
+def _pick_token(page, run) -> tuple[int, str]:
+    """Click the first of a generated word that the run repeats later (from step 5 on); its step and label.
+    Pills report a click by their text, so a wrong pick would land on the word's last occurrence."""
+    labels = [label(s) for s in token_strings(run)]
+    step = next(i for i in range(5, len(labels)) if labels[i].isalpha() and labels[i] in labels[i + 1:])
+    page.locator("[data-testid='stMain']").get_by_role("radio", name=labels[step], exact=True).first.click()
+    return step, labels[step]
+
+
+def _choose(page, name: str, option: str) -> None:
+    """Pick `option` in the main area's select box labelled `name`."""
+    page.locator("[data-testid='stMain']").get_by_role("combobox", name=name, exact=True).press("ArrowDown")
+    page.get_by_role("option", name=option, exact=True).click()
+
+
+def _title(page, text: str) -> None:
+    page.locator("[data-testid='stMain'] .gtitle", has_text=text).first.wait_for(timeout=60_000)
+
+
+def test_inspector_row_of_a_clicked_token_and_a_copied_link_reopens_it(browser):
+    chromium, url = browser
+    run = load_run(ROOT / "cached_runs" / "h2o-attention")
+    page = new_page(chromium)
+    page.goto(f"{url}/?run=h2o-attention")
+    wait_idle(page)
+    step, text = _pick_token(page, run)
+    _title(page, f"Token {step} «{text}» under h2o: layer 15, head 0")
+    _choose(page, "Layer", "29")
+    _choose(page, "Query head", "4")
+    want = f"Token {step} «{text}» under h2o: layer 29, head 4 (KV head 1)"
+    _title(page, want)
+    main = page.locator("[data-testid='stMain']")
+    assert main.get_by_text(f"Token {step} «{text}» came from the query of").is_visible()
+    assert main.locator(".js-plotly-plot .bars path").count() > 0  # the row's bars
+    page.wait_for_function(f"() => window.location.href.includes('step={step}') && "
+                           "window.location.href.includes('layer=29') && window.location.href.includes('head=4')")
+    share = page.frame_locator("iframe").first
+    shown = share.locator("#link").input_value()  # the link is shown as text
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    share.get_by_role("button", name="Copy link").click()
+    share.get_by_text("Copied").wait_for()
+    copied = page.evaluate("() => navigator.clipboard.readText()")
+    assert copied == shown == page.url and "run=h2o-attention" in copied
+    if os.environ.get("KVLENS_SCREENSHOTS"):
+        page.screenshot(path=os.environ["KVLENS_SCREENSHOTS"])
+    page.context.close()
+
+    other = new_page(chromium)  # only the link carries the view
+    other.goto(copied)
+    wait_idle(other)
+    _title(other, want)
+    assert other.locator("[data-testid='stSidebar']").get_by_role("combobox", name="Run").input_value() \
+        .startswith("h2o-attention")
+    main = other.locator("[data-testid='stMain']")
+    assert [main.get_by_role("combobox", name=n, exact=True).input_value() for n in ("Layer", "Query head")] \
+        == ["29", "4"]
+    assert main.get_by_role("radio", name=text, exact=True).first.is_checked()
+    other.context.close()
