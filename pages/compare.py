@@ -1,17 +1,18 @@
 """Compare: 2-4 policies on one prompt, against the full cache: texts, divergence, metrics, aligned charts."""
 import streamlit as st
 
-from kvlens.ui.charts import chart
-from kvlens.ui.compare import Entry, compare, compare_figure, table
+from kvlens.compare import Entry, compare, entries_with_reference
+from kvlens.ui.compare import result_cache, show_results, show_text
 from kvlens.ui.jobs import PageJob
 from kvlens.ui.page import page_top
-from kvlens.ui.views import diverging_text
 from kvlens.ui.widgets import policy_picker
 
 DEFAULTS = ["streaming_llm", "h2o", "tova", "cam"]
 
-page_top("Compare", "Several policies on one prompt, each against the full cache: where the text first differs, "
-                    "perplexity on the full cache's continuation, KL and output perturbation, memory and speed.")
+page_top("Compare", "Several policies on one prompt, each against the full cache: where its text first differs, "
+                    "perplexity on the full cache's continuation, KL and output perturbation, memory and speed. "
+                    "One measured pass per policy, teacher-forced on the full cache's text; earlier results are "
+                    "reused.")
 
 job = PageJob("cmp", "Stopped. Nothing was compared.")
 job.begin()
@@ -29,47 +30,47 @@ for i, col in enumerate(cols):
         picks.append(policy_picker(f"cmp{i}", default=DEFAULTS[i], label=f"Policy {i + 1}"))
 b1, b2, _ = st.columns([1, 1, 3])
 go_clicked = b1.button("Compare", type="primary", icon=":material/play_arrow:", key="cmp_go", width="stretch",
-                       disabled=any(p is None for p in picks))
+                       disabled=any(p is None for p in picks),
+                       help="Fix the settings marked above first." if any(p is None for p in picks) else None)
 job.stop_button(b2)
 
 if go_clicked and all(p is not None for p in picks):
     entries = [Entry(*p) for p in picks]
+    runs = entries_with_reference(entries)  # settings were checked by the pickers
     status = st.empty()
-    progress = {"n": 0}
-    total = (len({e.policy for e in entries} - {"full"}) + 1) * new_tokens
+    live = {}
+    for e, col in zip(runs, st.columns(len(runs))):
+        with col, st.container(border=True):
+            live[e.label] = {"bar": st.progress(0.0, text=f"{e.label}: waiting (or reused)"), "text": st.empty(),
+                             "pieces": [], "full": [], "diff": None}
 
     def draw(events):
-        progress["n"] += len(events)
-        status.progress(min(1.0, progress["n"] / total), text=f"Generating with {events[-1][0]}…")
+        for label, piece, event in events:
+            state = live[label]
+            if state["diff"] is None and int(event.logits.argmax()) != event.token:  # teacher-forced on full's text
+                state["diff"] = event.step
+            state["pieces"].append(piece)
+            state["full"].append(event.text)
+            state["bar"].progress((event.step + 1) / new_tokens, text=f"{label}: token {event.step + 1} of "
+                                                                       f"{new_tokens}")
+        for label in {label for label, _, _ in events}:
+            state = live[label]
+            with state["text"].container():
+                show_text(label, state["pieces"], state["diff"], None if label == runs[0].label else state["full"])
 
     def work(model):
-        return lambda on_step, cancel: compare(model, prompt, entries, new_tokens,
-                                               lambda label, e: on_step((label, e)), cancel)
+        def on_step(put):
+            return lambda entry, event: put((entry.label, model.tokenizer.decode([int(event.logits.argmax())]),
+                                             event))
+        return lambda put, cancel: compare(model, prompt, entries, new_tokens, on_step(put), cancel, result_cache())
 
     result = job.run(work, draw, status)
     if result is not None:
         st.session_state.cmp_result = result
-        status.empty()
+        st.rerun()
 
-outcomes = st.session_state.get("cmp_result")
-if not outcomes:
+results = st.session_state.get("cmp_result")
+if not results:
     st.info("Pick the policies and press **Compare**. The full cache is always run too, as the reference.")
 else:
-    st.subheader("Generated texts")
-    text_cols = st.columns(len(outcomes))
-    for col, o in zip(text_cols, outcomes):
-        with col, st.container(border=True):
-            st.markdown(f"**{o.entry.label}**")
-            diverging_text(o.pieces, o.first_diff, reference=o.entry.policy == "full")
-    st.subheader("Metrics")
-    st.dataframe(table(outcomes), hide_index=True, width="stretch",
-                 column_config={"ppl on full's text": st.column_config.NumberColumn(format="%.2f"),
-                                "KL to full (mean)": st.column_config.NumberColumn(format="%.4f"),
-                                "perturbation (mean)": st.column_config.NumberColumn(format="%.3f"),
-                                "attention loss": st.column_config.NumberColumn(format="%.3f"),
-                                "peak KV (MiB)": st.column_config.NumberColumn(format="%.2f"),
-                                "ms / token": st.column_config.NumberColumn(format="%.0f")})
-    chart(compare_figure(outcomes), "cmp_fig", name="compare",
-          config={"prompt": outcomes[0].generated.meta["prompt"], "new_tokens": len(outcomes[0].scored.meta["tokens"]),
-                  "policies": [{"policy": o.entry.policy, "params": o.entry.params, "budget": o.entry.budget}
-                               for o in outcomes]})
+    show_results(results)

@@ -283,31 +283,6 @@ def test_paper_style_toggle_shows_the_export_style(app):
     assert json.loads(chart.proto.spec)["layout"]["template"]["layout"]["font"]["family"].startswith("Helvetica")
 
 
-def test_first_difference():
-    from kvlens.ui.compare import first_difference
-
-    assert first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
-    assert first_difference([1, 2, 3], [1, 2]) == 2  # stopped early
-
-
-def test_compare_runs_the_full_reference_first_and_scores_every_policy_on_its_tokens(tiny):
-    from kvlens.ui.compare import Entry, compare, table
-
-    prompt = "The quick brown fox jumps over the lazy dog. " * 2
-    out = compare(tiny, prompt, [Entry("streaming_llm", {"sink": 2}, 16), Entry("full", {}, None)], 6)
-    assert [o.entry.policy for o in out] == ["full", "streaming_llm"]  # full once, as the reference
-    reference = out[0].generated.meta["tokens"]
-    assert out[0].first_diff is None
-    for o in out:
-        assert o.scored.meta["tokens"] == reference  # perplexity on the same tokens
-        assert len(o.pieces) == len(o.generated.meta["tokens"])
-    assert out[1].generated.metrics["kv_slots_max"] <= 16 < out[0].generated.metrics["kv_slots_max"]
-    rows = table(out)
-    assert list(rows["policy"]) == ["full", "streaming_llm @16 (sink=2)"]
-    assert rows["KL to full (mean)"][0] == pytest.approx(0, abs=1e-6)
-
-
 def test_the_app_reads_no_model_path_typed_into_it(monkeypatch, tmp_path):
     from kvlens.errors import KvlensError
     from kvlens.ui.state import check_app_model
@@ -415,3 +390,55 @@ def test_analyses_page_offers_every_run_analysis_with_generated_widgets(app):
     assert charts(at)[0]["data"][0]["name"] == "full" and not at.exception
     at.selectbox(key="an_kind").set_value("attention").run()  # full-states recorded no attention rows
     assert any(f"--record {RecordLevel.ATTENTION}" in w.value for w in at.warning)
+
+
+def test_a_bad_budget_or_parameter_says_why_under_its_field_and_disables_compare(app):
+    at = open_page(app, "compare")
+    assert not at.button(key="cmp_go").disabled
+    at.text_input(key="cmp1_h2o_budget").set_value("0").run()
+    assert [e.value for e in at.error] == ["The budget must be a positive number of slots; got 0."]
+    assert at.button(key="cmp_go").disabled
+    at.text_input(key="cmp1_h2o_budget").set_value("0.5").run()
+    assert not at.error and not at.button(key="cmp_go").disabled
+    at.number_input(key="cmp0_streaming_llm_sink").set_value(-1).run()  # below the registry's bound
+    assert [e.value for e in at.error] == ["sink of streaming_llm must be >= 0; got -1."]
+    assert at.button(key="cmp_go").disabled
+    at.number_input(key="cmp0_streaming_llm_sink").set_value(4).run()
+    at.text_input(key="cmp0_streaming_llm_budget").set_value("3").run()  # fewer slots than the sinks it keeps
+    assert [e.value for e in at.error] == ["Budget 3 is below the 5 slots that streaming_llm always keeps."]
+    assert at.button(key="cmp_go").disabled
+
+
+def test_every_policy_parameter_widget_has_the_registrys_help(app):
+    from kvlens.policies import parameters, policy_names
+
+    at = open_page(app, "run")
+    for name in policy_names():
+        at.selectbox(key="run_policy").set_value(name).run()
+        for spec in parameters(name):
+            if spec["type"] == "policy":
+                continue
+            widget = next(w for kind in ("number_input", "text_input", "selectbox", "checkbox") for w in at.get(kind)
+                          if w.key == f"run_{name}_{spec['name']}")
+            assert spec["help"] and widget.help == spec["help"], (name, spec["name"])
+
+
+@pytest.mark.slow
+def test_compare_page_shows_the_table_kvlens_compare_computes(app, smol):
+    from kvlens.compare import Entry, compare, table
+
+    prompt = "The Senate and the House of Representatives met in the Capitol on Monday to debate the budget, and"
+    at = open_page(app, "compare")
+    at.text_area(key="cmp_prompt").set_value(prompt)
+    at.slider(key="cmp_tokens").set_value(4)
+    at.button(key="cmp_go").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.exception] + [e.value for e in at.error]
+    shown = at.dataframe[0].value
+    want = table(compare(smol, prompt, [Entry("streaming_llm", {}, 0.5), Entry("h2o", {}, 0.5)], 4))
+    assert list(shown["policy"]) == [r["policy"] for r in want] == ["full", "streaming_llm @0.5", "h2o @0.5"]
+    for column, key in (("ppl on full's text", "ppl"), ("KL to full (mean)", "kl"), ("peak KV bytes", "kv_bytes_peak"),
+                        ("perturbation (mean)", "perturbation")):
+        assert list(shown[column]) == pytest.approx([r[key] for r in want], rel=1e-4, abs=1e-7), column
+    assert [None if d != d else d for d in shown["diverges at token"]] == [r["first_divergence"] for r in want]
+    assert len(charts(at)[-1]["data"]) == 3 * 3  # three aligned panels, one line per run
+

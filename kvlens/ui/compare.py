@@ -1,120 +1,82 @@
-"""Compare 2-4 policies on one prompt: texts, first divergence from the full cache, metrics, aligned charts.
-
-For each policy: one measured generation (`kvlens.api.generate(measure=True)`: its text, output
-perturbation and KL to a full-cache pass over its own tokens, memory), and one unmeasured
-teacher-forced pass over the full cache's continuation, so every policy's perplexity (and speed,
-free of the measuring overhead) is on the same tokens. The full cache itself is always run first
-as the reference. No Streamlit here.
-"""
+"""The Compare page's views of `kvlens.compare` results: the table as shown, the texts, the aligned charts."""
 from __future__ import annotations
-
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import pandas as pd
 import plotly.graph_objects as go
+import streamlit as st
 from plotly.subplots import make_subplots
 
-from kvlens.api import encode, generate
-from kvlens.engine import RunOptions, run
-from kvlens.errors import KvlensError
+from kvlens.compare import Result, ResultCache, table
 from kvlens.plots import line_style
-from kvlens.policies import make_policy
-from kvlens.runs import Run
-from kvlens.ui.labels import changed_params
+from kvlens.ui.charts import chart
+from kvlens.ui.views import diverging_text
 
-MAX_POLICIES = 4
-
-
-@dataclass
-class Entry:
-    policy: str
-    params: dict
-    budget: int | float | None
-
-    @property
-    def label(self) -> str:
-        extra = ", ".join(f"{k}={v}" for k, v in changed_params(self.policy, self.params).items())
-        budget = "" if self.budget is None else f" @{self.budget:g}"
-        return f"{self.policy}{budget}" + (f" ({extra})" if extra else "")
+# `kvlens compare --json` row keys -> the page's column names and number formats
+COLUMNS = {"policy": ("policy", None), "first_divergence": ("diverges at token", None),
+           "top1_agreement": ("top-1 agrees with full", "percent"), "ppl": ("ppl on full's text", "%.3f"),
+           "kl": ("KL to full (mean)", "%.4f"), "perturbation": ("perturbation (mean)", "%.3f"),
+           "attention_loss": ("attention loss", "%.3f"), "kv_slots_max": ("max slots", None),
+           "kv_bytes_peak": ("peak KV bytes", "localized"), "ms_per_token": ("ms / token (measured pass)", "%.0f")}
 
 
-@dataclass
-class Outcome:
-    entry: Entry
-    generated: Run  # free generation, measured
-    scored: Run  # teacher-forced on the full cache's continuation
-    first_diff: int | None  # first new token that differs from the full cache's (None: identical)
-    pieces: list[str]  # each new token decoded on its own, for highlighting
-
-    def row(self) -> dict:
-        g, s = self.generated.metrics, self.scored.metrics
-        return {"policy": self.entry.label, "diverges at token": self.first_diff,
-                "ppl on full's text": s["ppl"], "KL to full (mean)": g.get("kl"),
-                "perturbation (mean)": g.get("perturbation_used"), "attention loss": g.get("attention_loss"),
-                "peak KV (MiB)": g["kv_bytes_peak"] / 2**20, "max slots": g["kv_slots_max"],
-                "ms / token": s["ms_per_token"]}  # from the unmeasured pass: no shadow-cache overhead
+@st.cache_resource
+def result_cache() -> ResultCache:
+    """The results of earlier comparisons, shared by every session of this server (they depend only on the inputs)."""
+    return ResultCache()
 
 
-def first_difference(reference: list[int], tokens: list[int]) -> int | None:
-    """Index of the first token where the two sequences differ (None if equal)."""
-    for i, (a, b) in enumerate(zip(reference, tokens)):
-        if a != b:
-            return i
-    return None if len(reference) == len(tokens) else min(len(reference), len(tokens))
+def show_table(results: list[Result]) -> None:
+    """The rows of `kvlens.compare.table`, with the page's column names."""
+    frame = pd.DataFrame(table(results))[list(COLUMNS)].rename(columns={k: v[0] for k, v in COLUMNS.items()})
+    config = {name: st.column_config.NumberColumn(format=fmt) for name, fmt in COLUMNS.values() if fmt}
+    st.dataframe(frame, hide_index=True, width="stretch", column_config=config)
 
 
-def compare(model, prompt: str, entries: list[Entry], new_tokens: int,
-            on_step: Callable[[str, object], None] | None = None,
-            cancel: threading.Event | None = None) -> list[Outcome]:
-    """Run the full cache and each entry on `prompt` (see module docstring); the full cache comes first."""
-    if not 1 <= len(entries) <= MAX_POLICIES:
-        raise KvlensError(f"Compare takes 1 to {MAX_POLICIES} policies besides the full cache; got {len(entries)}.")
-    for e in entries:
-        make_policy(e.policy, e.params)
-    ids = encode(model, prompt)
-    entries = [Entry("full", {}, None)] + [e for e in entries if e.policy != "full"]
-    outcomes, reference = [], None
-    for e in entries:
-        label = e.label
-
-        def step(event, label=label):
-            if on_step is not None:
-                on_step(label, event)
-        opts = RunOptions(budget=e.budget, max_new_tokens=new_tokens, stop_at_eos=False)
-        gen = generate(model, prompt, e.policy, e.params, opts=opts, on_step=step, cancel=cancel, measure=True,
-                       meta={"compare": True})
-        if reference is None:
-            reference = gen.meta["tokens"]
-        scored = run(model, make_policy(e.policy, e.params), ids + reference, prefill=len(ids),
-                     steps=len(reference), teacher=True, opts=opts, cancel=cancel)
-        pieces = [model.tokenizer.decode([t]) for t in gen.meta["tokens"]]
-        outcomes.append(Outcome(e, gen, scored, first_difference(reference, gen.meta["tokens"]), pieces))
-    return outcomes
+def show_text(label: str, pieces: list[str], first_diff: int | None, reference: list[str] | None = None,
+              agree: int | None = None) -> None:
+    """The reference's own text (`reference` None), or a policy's greedy choice at each step of the reference's
+    text (its pieces), everything from its first divergence highlighted; `agree`: steps where the two agree."""
+    st.markdown(f"**{label}**")
+    diverging_text(pieces, first_diff, reference=reference is None)
+    if first_diff is not None and reference is not None and first_diff < len(reference):
+        st.caption(f"It writes {pieces[first_diff]!r} where the full cache writes {reference[first_diff]!r}. "
+                   "Highlighted: its choice at each later step of the full cache's text, on which it is scored"
+                   + (f"; it agrees at {agree} of {len(pieces)} steps." if agree is not None else "."))
 
 
-def table(outcomes: list[Outcome]) -> pd.DataFrame:
-    return pd.DataFrame([o.row() for o in outcomes])
+def show_results(results: list[Result]) -> None:
+    """The texts side by side, the table and the aligned charts of a finished comparison."""
+    st.subheader("Generated texts")
+    reference = results[0].pieces
+    for col, r in zip(st.columns(len(results)), results):
+        with col, st.container(border=True):
+            show_text(r.entry.label, r.pieces, r.first_diff, None if r is results[0] else reference,
+                      round(r.agreement * len(r.picks)))
+    st.subheader("Metrics")
+    show_table(results)
+    chart(compare_figure(results), "cmp_fig", name="compare",
+          config={"prompt": results[0].run.meta["prompt"], "new_tokens": len(reference),
+                  "policies": [{"policy": r.entry.policy, "params": r.entry.params, "budget": r.entry.budget}
+                               for r in results]})
 
 
-def compare_figure(outcomes: list[Outcome]) -> go.Figure:
+def compare_figure(results: list[Result]) -> go.Figure:
     """Three aligned panels over new-token steps: NLL on the full cache's text, KL to full, kept slots."""
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.07,
                         subplot_titles=["NLL of the full cache's tokens (nats)", "KL(p_full ‖ p_policy) per step",
                                         "kept slots per KV head (max over layers)"])
-    for i, o in enumerate(outcomes):
+    for i, r in enumerate(results):
         style = line_style(i)
-        nll = o.scored.tensor("steps/nll").tolist()
-        kl = o.generated.tensor("perturbation/kl").tolist()
-        slots = o.generated.tensor("steps/kv_slots").flatten(1).amax(1).tolist()
+        nll = r.run.tensor("steps/nll").tolist()
+        kl = r.run.tensor("perturbation/kl").tolist()
+        slots = r.run.tensor("steps/kv_slots").flatten(1).amax(1).tolist()
         for col, ys in ((1, nll), (2, kl), (3, slots)):
-            fig.add_trace(go.Scatter(x=list(range(len(ys))), y=ys, mode="lines", name=o.entry.label,
-                                     legendgroup=o.entry.label, showlegend=col == 1, line=style["line"]),
+            fig.add_trace(go.Scatter(x=list(range(len(ys))), y=ys, mode="lines", name=r.entry.label,
+                                     legendgroup=r.entry.label, showlegend=col == 1, line=style["line"]),
                           row=1, col=col)
     for col in (1, 2, 3):
         fig.update_xaxes(title_text="new token", row=1, col=col)
     fig.update_yaxes(rangemode="tozero", row=1, col=3)
     fig.update_layout(height=380, legend=dict(orientation="h", y=-0.25), title=dict(text="Policies side by side"),
-                      meta={"analysis": "compare", "policies": [o.entry.label for o in outcomes]})
+                      meta={"analysis": "compare", "policies": [r.entry.label for r in results]})
     return fig

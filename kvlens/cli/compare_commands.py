@@ -1,0 +1,85 @@
+"""`kvlens compare`: the Compare page's table on the command line (`kvlens.compare`)."""
+from __future__ import annotations
+
+import time
+
+from kvlens.cli.common import add_model_args, command_line, load, print_json, progress, read_text
+from kvlens.errors import KvlensError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("compare", help="policies against the full cache on one prompt: divergence, perplexity on "
+                                       "the full cache's text, KL, perturbation, memory, speed")
+    p.add_argument("--policies", required=True,
+                   help="comma-separated policy names, or ';'-separated `name:key=value,...` specs (1 to 4)")
+    p.add_argument("--budget", default="0.5",
+                   help="budget of every compressing policy: slots per KV head (64) or a share of the prompt (0.5)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the plain generations timed for `generate_s` (they double the command's time)")
+    p.add_argument("--json", action="store_true")
+    add_model_args(p)
+    p.set_defaults(func=cmd_compare)
+
+
+def policy_entries(text: str, budget: str):
+    """`--policies` (the `kvlens sweep` syntax) and `--budget` as comparison entries."""
+    from kvlens.bench.common import parse_policies
+    from kvlens.compare import Entry
+    from kvlens.lists import parse_list
+    from kvlens.policies import make_policy, parse_budget
+
+    if ";" in text or ":" in text:
+        specs = [(p.name, dict(p.params)) for p in parse_policies(text)]
+    else:
+        specs = [(n, {}) for n in parse_list(text, "--policies", kind=str)]
+    slots = parse_budget(budget)
+    if isinstance(slots, int) and slots < 1:
+        raise KvlensError(f"The budget must be a positive number of slots; got {slots}.")
+    return [Entry(name, params, None if make_policy(name, params).budget_free else slots) for name, params in specs]
+
+
+def cmd_compare(args) -> int:
+    from kvlens.compare import compare, entries_with_reference, plain_generation_seconds, table
+
+    entries = policy_entries(args.policies, args.budget)
+    entries_with_reference(entries)  # the count and every setting checked before the model loads
+    prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file)
+    if args.max_new_tokens < 1:
+        raise KvlensError("--max-new-tokens must be at least 1.")
+    model = load(args)
+    bar, on_step = progress(args.max_new_tokens * len(entries_with_reference(entries)), "compare")
+    t = time.perf_counter()
+    with bar:
+        results = compare(model, prompt, entries, args.max_new_tokens, lambda entry, event: on_step(event))
+    wall = time.perf_counter() - t
+    generate_s = None if args.no_baseline else plain_generation_seconds(model, prompt, entries,
+                                                                        args.max_new_tokens)
+    rows = table(results)
+    reference = results[0].run.meta
+    out = {"command": command_line(), "model": args.model, "prompt_tokens": len(reference["prompt_tokens"]),
+           "new_tokens": args.max_new_tokens, "reference_text": reference["text"], "rows": rows,
+           "wall_s": wall, "generate_s": generate_s}
+    if args.json:
+        print_json(out)
+        return 0
+    print(f"full cache: {reference['text']!r}\n")
+    print(f"{'policy':<28}{'diverges':>9}{'agree':>7}{'ppl':>9}{'KL':>9}{'perturb.':>9}{'KV MiB':>8}{'ms/tok':>8}")
+    for r in rows:
+        div = "-" if r["first_divergence"] is None else str(r["first_divergence"])
+        cells = [_fmt(r[k], f) for k, f in (("top1_agreement", ".0%"), ("ppl", ".3f"), ("kl", ".4f"),
+                                             ("perturbation", ".3f"), ("kv_bytes_peak", "mib"),
+                                             ("ms_per_token", ".0f"))]
+        print(f"{r['policy']:<28}{div:>9}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (7, 9, 9, 9, 8, 8))))
+    base = "" if generate_s is None else f"; plain generation of each: {generate_s:.1f} s"
+    print(f"\ncompared in {wall:.1f} s{base}")
+    return 0
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value / 2**20:.2f}" if spec == "mib" else f"{value:{spec}}"

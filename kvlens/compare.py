@@ -1,0 +1,202 @@
+"""Compare policies on one prompt against the full cache: one measured pass per policy, one table.
+
+The design (what each number means, and why it costs one pass per policy):
+- The full cache generates first (greedy, exactly `new_tokens` tokens, the perturbation meter on):
+  its continuation is *full's text*, its row is measured like the others (KL and perturbation come
+  out 0 up to float noise, which checks the meter).
+- Each policy is then teacher-forced on full's text with the meter on (`kvlens.perturbation.measured`).
+  That one pass gives: perplexity on full's text (the same tokens for every policy), KL(p_full ‖
+  p_policy) per step along full's text, the output perturbation against the meter's shadow full
+  cache, kept slots and peak KV bytes, ms per token (of this measured pass, meter included) and the
+  policy's greedy choice at each step. Greedy generation under the policy feeds exactly the same
+  tokens until its choice first differs from full's, so the first step whose choice differs *is*
+  the first divergence of the policy's own text: no free generation is needed for the table. Its
+  own text past that point would cost one more generation per policy; the pages show instead its
+  choice at each step of full's text and the share of steps where it agrees with full
+  (`top1_agreement`).
+- Measured on the 2-core reference machine (SmolLM2, 72-token prompt, 24 new tokens): a measured
+  pass costs about 1.3x a plain generation of the same policy, so the whole comparison costs about
+  1.3x generating with every policy and the full cache (`kvlens compare` prints both times), where
+  generation + a teacher-forced pass + a measured pass per policy cost over 3x.
+- Results are reused for identical inputs (`ResultCache`, keyed on model, prompt, policy, its
+  resolved parameters, budget and new tokens): a second identical comparison, or one where a
+  single policy changed, runs only what changed.
+
+`compare` is shared by `kvlens compare` and the Compare page, so both show the same `table`.
+No Streamlit here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvlens.api import encode, generate
+from kvlens.engine import RunOptions, StepEvent, run
+from kvlens.errors import KvlensError
+from kvlens.models import LoadedModel
+from kvlens.perturbation import measured
+from kvlens.policies import make_policy
+from kvlens.runs import Run
+from kvlens.ui.labels import changed_params
+
+MAX_POLICIES = 4
+FULL = "full"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One policy of a comparison: name, parameters, budget (None for budget-free policies)."""
+
+    policy: str
+    params: dict
+    budget: int | float | None
+
+    @property
+    def label(self) -> str:
+        extra = ", ".join(f"{k}={v}" for k, v in changed_params(self.policy, self.params).items())
+        budget = "" if self.budget is None else f" @{self.budget:g}"
+        return f"{self.policy}{budget}" + (f" ({extra})" if extra else "")
+
+
+@dataclass
+class Result:
+    """One row: the measured pass (the full cache's generation, or a policy teacher-forced on its text)."""
+
+    entry: Entry
+    run: Run
+    picks: list[int]  # the greedy choice at each step (the full cache: its own tokens)
+    first_diff: int | None  # first step whose choice differs from full's token (None: never)
+    pieces: list[str]  # each pick decoded on its own, for the texts
+
+    @property
+    def agreement(self) -> float:
+        """Share of steps whose choice is the full cache's token."""
+        return sum(a == b for a, b in zip(self.picks, self.run.meta["tokens"])) / len(self.picks)
+
+    def row(self) -> dict:
+        m = self.run.metrics
+        return {"policy": self.entry.label, "name": self.entry.policy, "params": self.run.meta["policy"]["params"],
+                "budget": self.entry.budget, "budget_slots": self.run.meta["budget"]["slots"],
+                "first_divergence": self.first_diff, "top1_agreement": self.agreement,
+                "ppl": m["ppl"], "kl": m["kl"], "perturbation": m["perturbation_used"],
+                "attention_loss": m["attention_loss"], "kv_slots_max": m["kv_slots_max"],
+                "kv_bytes_peak": m["kv_bytes_peak"], "ms_per_token": m["ms_per_token"]}
+
+
+def first_difference(reference: list[int], tokens: list[int]) -> int | None:
+    """Index of the first token where the two sequences differ (None if equal)."""
+    for i, (a, b) in enumerate(zip(reference, tokens)):
+        if a != b:
+            return i
+    return None if len(reference) == len(tokens) else min(len(reference), len(tokens))
+
+
+class ResultCache:
+    """Results of `compare` by (model, prompt, policy, resolved parameters, budget, new tokens); keeps the
+    `size` most recently used. Thread-safe: the app shares one between sessions."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(model: LoadedModel, prompt: str, entry: Entry, new_tokens: int) -> tuple:
+        params = json.dumps(make_policy(entry.policy, entry.params).params(), sort_keys=True, default=str)
+        return (model.spec, str(model.path), str(model.device), str(model.dtype), prompt, entry.policy, params,
+                repr(entry.budget), new_tokens)
+
+    def get(self, key: tuple) -> Result | None:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+            return self._items.get(key)
+
+    def put(self, key: tuple, result: Result) -> None:
+        with self._lock:
+            self._items[key] = result
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+
+def entries_with_reference(entries: list[Entry]) -> list[Entry]:
+    """The full cache first, then each policy once (in order; `full` itself only as the reference)."""
+    if not 1 <= len(entries) <= MAX_POLICIES:
+        raise KvlensError(f"Compare takes 1 to {MAX_POLICIES} policies besides the full cache; got {len(entries)}.")
+    out = [Entry(FULL, {}, None)]
+    for e in entries:
+        make_policy(e.policy, e.params)  # a bad setting is one sentence before anything runs
+        if e.policy != FULL and e not in out:
+            out.append(e)
+    return out
+
+
+def compare(model: LoadedModel, prompt: str, entries: list[Entry], new_tokens: int,
+            on_step: Callable[[Entry, StepEvent], None] | None = None, cancel: threading.Event | None = None,
+            cache: ResultCache | None = None) -> list[Result]:
+    """The full cache's measured generation, then each policy's measured teacher-forced pass on its text
+    (module docstring). `on_step(entry, event)` follows every pass; reused results send no events."""
+    if new_tokens < 1:
+        raise KvlensError("Ask for at least one new token.")
+    ids = encode(model, prompt)
+    opts = RunOptions(max_new_tokens=new_tokens, stop_at_eos=False, log_decisions=False)
+    results: list[Result] = []
+    for e in entries_with_reference(entries):
+        key = ResultCache.key(model, prompt, e, new_tokens)
+        result = cache.get(key) if cache is not None else None
+        if result is None:
+            reference = results[0].run.meta["tokens"] if results else None
+            result = _measure(model, ids, prompt, e, reference, opts, on_step, cancel)
+            if cache is not None:
+                cache.put(key, result)
+        results.append(result)
+    return results
+
+
+def _measure(model, ids, prompt, e: Entry, reference, opts, on_step, cancel) -> Result:
+    """The full cache's generation (reference None) or a policy teacher-forced on `reference`, measured."""
+    picks: list[int] = []
+
+    def step(event: StepEvent):
+        picks.append(int(torch.argmax(event.logits)))
+        if on_step is not None:
+            on_step(e, event)
+
+    opts = dataclasses.replace(opts, budget=e.budget)
+    if reference is None:
+        out = generate(model, prompt, e.policy, e.params, opts=opts, on_step=step, cancel=cancel, measure=True)
+        return Result(e, out, picks, None, _pieces(model, picks))
+    policy = make_policy(e.policy, e.params)
+    out = measured(model, lambda obs, cb: run(model, policy, ids + reference, prefill=len(ids),
+                                              steps=len(reference), teacher=True, opts=opts, observers=obs,
+                                              on_step=cb, cancel=cancel), on_step=step)
+    return Result(e, out, picks, first_difference(reference, picks), _pieces(model, picks))
+
+
+def _pieces(model: LoadedModel, tokens: list[int]) -> list[str]:
+    return [model.tokenizer.decode([t]) for t in tokens]
+
+
+def table(results: list[Result]) -> list[dict]:
+    """One row per result (the full cache first): what `kvlens compare --json` prints and the page shows."""
+    return [r.row() for r in results]
+
+
+def plain_generation_seconds(model: LoadedModel, prompt: str, entries: list[Entry], new_tokens: int) -> float:
+    """Seconds to generate `new_tokens` with the full cache and each policy, plainly (no meter, no scoring):
+    the baseline `kvlens compare` reports as `generate_s`."""
+    total = 0.0
+    for e in entries_with_reference(entries):
+        opts = RunOptions(budget=e.budget, max_new_tokens=new_tokens, stop_at_eos=False, log_decisions=False)
+        t = time.perf_counter()
+        generate(model, prompt, e.policy, e.params, opts=opts)
+        total += time.perf_counter() - t
+    return total
