@@ -13,8 +13,10 @@ from pathlib import Path
 from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, ROOT, streamlit_server, wait_idle
 
 PAGES = ["overview", "runs", "attention", "similarity", "spectra", "merges", "perturbation", "run", "compare",
-         "benchmarks"]
-SIZES = {"runs": (1500, 1000)}  # the rest are 1500 x 1800
+         "benchmarks", "inspector"]
+SIZES = {"runs": (1500, 1000), "inspector": (1500, 1000)}  # the rest are 1500 x 1800
+ADDRESS = {"overview": "", "inspector": "?run=cam-attention&step=10&layer=15&head=4"}  # the rest: /{name}
+WINDOW = {"inspector"}  # shots of the window scrolled to a part of the page, not of the full page
 ROW = 35  # a table row's height in pixels (header included)
 
 
@@ -27,7 +29,14 @@ def tick_rows(page, rows: list[int]) -> None:
     page.mouse.move(0, 0)  # no hover toolbar over the table
 
 
-PREPARE = {"runs": lambda page: tick_rows(page, [0, 2, 4])}  # cam, h2o, streaming_llm: the overlay
+def scroll_to(page, heading: str) -> None:
+    """Scroll the page so that the heading `heading` is at the top of the window."""
+    page.get_by_role("heading", name=heading).first.evaluate("e => e.scrollIntoView({block: 'start'})")
+    page.wait_for_timeout(500)
+
+
+PREPARE = {"runs": lambda page: tick_rows(page, [0, 2, 4]),  # cam, h2o, streaming_llm: the overlay
+           "inspector": lambda page: scroll_to(page, "Token inspector")}  # CaM's merged slots in layer 15
 
 
 def main(out: Path, pages: list[str]) -> None:
@@ -37,15 +46,15 @@ def main(out: Path, pages: list[str]) -> None:
     with streamlit_server() as url, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1500, "height": 1800})
-        page.goto(url)  # a fresh server's first request must be app.py itself (see kvlens.ui.state.app_shell)
+        page.goto(url)
         wait_idle(page)
         for name in pages:
             width, height = SIZES.get(name, (1500, 1800))
             page.set_viewport_size({"width": width, "height": height})
-            page.goto(f"{url}/{'' if name == 'overview' else name}")
+            page.goto(f"{url}/{ADDRESS.get(name, name)}")
             wait_idle(page)
             PREPARE.get(name, lambda _: None)(page)
-            page.screenshot(path=str(out / f"app-{name}.png"), full_page=True)
+            page.screenshot(path=str(out / f"app-{name}.png"), full_page=name not in WINDOW)
             print(out / f"app-{name}.png")
         browser.close()
 

@@ -159,3 +159,26 @@ def test_repeated_tokens_get_distinct_pills_that_read_the_same():
 
     names = pill_names([" of", "the", " of", " of"])
     assert len(set(names)) == 4 and [n.replace("\u200b", "") for n in names] == [" of", "the", " of", " of"]
+
+
+def test_inspect_pair_shows_two_policies_rows_for_one_token():
+    def page(folder):
+        from kvlens import load_run
+        from kvlens.ui.inspector import inspect_pair
+
+        runs = [load_run(f"{folder}/{name}") for name in ("cam-attention", "streaming_llm-attention")]
+        inspect_pair(*runs, 10)
+
+    at = AppTest.from_function(page, default_timeout=120, args=(str(CACHED),)).run()
+    assert not at.exception
+    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
+    assert [t.split(" under ")[1].split(":")[0] for t in titles] == ["cam", "streaming_llm"]
+    texts = [load_run(CACHED / n).meta["token_strings"][:11] for n in ("cam-attention", "streaming_llm-attention")]
+    assert [t.split(" under ")[0] for t in titles] == [f"Token 10 «{display_text(s[10]).strip()}»" for s in texts]
+    diverged = any("generated different text" in c.value for c in at.caption)
+    assert diverged == (texts[0] != texts[1]) and diverged  # these two runs part before token 10
+    sink = [json.loads(c.proto.spec) for c in at.get("plotly_chart")][1]
+    assert any(t.get("name") == "sink" and t["x"] == [0, 1, 2, 3] for t in sink["data"])  # StreamingLLM's sinks
+    at.selectbox(key="pair_layer").set_value(0).run()
+    assert all(": layer 0, head 0" in json.loads(c.proto.spec)["layout"]["title"]["text"]
+               for c in at.get("plotly_chart"))

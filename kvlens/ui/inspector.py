@@ -84,10 +84,14 @@ def token_inspector(run: Run, key: str) -> None:
     row = inspect_token(run, step, layer, head)
     st.markdown(_context(row), unsafe_allow_html=True)
     st.markdown(summary(row))
-    chart(token_row_figure(row, run.meta["policy"]["name"]), f"{key}_row",
-          name=f"token-{step}-L{layer}-H{head}", config={"run": str(run.path), "step": step, "layer": layer,
-                                                          "head": head})
-    provenance_table(row)
+    left, right = st.columns([5, 2]) if row.provenance else (st.container(), None)
+    with left:
+        chart(token_row_figure(row, run.meta["policy"]["name"]), f"{key}_row",
+              name=f"token-{step}-L{layer}-H{head}", config={"run": str(run.path), "step": step, "layer": layer,
+                                                              "head": head})
+    if right is not None:
+        with right:
+            provenance_table(row)
 
 
 def inspect_pair(run_a: Run, run_b: Run, step: int, key: str = "pair") -> None:
@@ -136,9 +140,11 @@ def _context(row: TokenRow, before: int = 24) -> str:
     """The text leading up to the token, the token highlighted."""
     lead = "".join(row.texts[max(0, row.query_position + 1 - before):row.query_position + 1])
     cut = row.query_position + 1 - before > 0
+    word = row.token.lstrip() or row.token
+    space = row.token[:len(row.token) - len(word)]  # a leading space stays outside the highlight
     return (f"<div style='white-space:pre-wrap;line-height:1.6'><span style='color:#888'>{'…' if cut else ''}"
-            f"{html.escape(lead)}</span><span style='background:#ffe08a;font-weight:600' title='token {row.step}'>"
-            f"{html.escape(row.token)}</span></div>")
+            f"{html.escape(lead + space)}</span><span style='background:#ffe08a;font-weight:600' "
+            f"title='token {row.step}'>{html.escape(word)}</span></div>")
 
 
 def _hover(row: TokenRow, i: int) -> str:
@@ -167,8 +173,9 @@ def token_row_figure(row: TokenRow, policy: str, height: int = 460) -> go.Figure
                                  hoverinfo="text"), row=1, col=1)
     codes = sorted(STATUS)
     scale = []
-    for i, code in enumerate(codes):
-        scale += [[i / len(codes), STATUS[code][1]], [(i + 1) / len(codes), STATUS[code][1]]]
+    for i, code in enumerate(codes):  # the strip's colours: the bars' where there are bars
+        color = BAR_COLORS.get(STATUS[code][0], STATUS[code][1])
+        scale += [[i / len(codes), color], [(i + 1) / len(codes), color]]
     fig.add_trace(go.Heatmap(z=[[CODES[s] for s in row.status]], x=row.positions, y=["status"], zmin=-0.5,
                              zmax=len(codes) - 0.5, colorscale=scale, showscale=False, hovertext=[hover],
                              hoverinfo="text", name="status"), row=2, col=1)
@@ -191,12 +198,11 @@ def token_row_figure(row: TokenRow, policy: str, height: int = 460) -> go.Figure
 
 def provenance_table(row: TokenRow) -> None:
     """What each slot holding merged values held when the token was produced (from the decision log)."""
-    if not row.provenance:
-        return
     text = dict(zip(row.positions, row.texts, strict=True))
-    st.markdown(f"**Merged slots of layer {row.layer}, KV head {row.kv_head} at this token** "
-                "(replayed from the decision log: the original positions each slot holds, with their weights)")
-    st.dataframe({"slot": list(row.provenance), "token": [shown(text.get(s, "")) for s in row.provenance],
-                  "holds": [", ".join(f"{p} «{shown(text.get(p, ''))}» {w:.3g}" for p, w in src.items())
-                            for src in row.provenance.values()]},
-                 hide_index=True, width="stretch", height=min(36 * (len(row.provenance) + 1) + 3, 300))
+    st.markdown(f"**Merged slots of layer {row.layer}, KV head {row.kv_head}** at this token: the original "
+                "positions each holds, with their weights (replayed from the decision log)")
+    pairs = [(slot, p, w) for slot, src in row.provenance.items() for p, w in src.items()]
+    st.dataframe({"slot": [s for s, _, _ in pairs], "holds position": [p for _, p, _ in pairs],
+                  "token": [label(text.get(p, "")) for _, p, _ in pairs], "weight": [w for _, _, w in pairs]},
+                 hide_index=True, width="stretch", height=min(36 * (len(pairs) + 1) + 3, 420),
+                 column_config={"weight": st.column_config.NumberColumn(format="%.4f")})
