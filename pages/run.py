@@ -14,6 +14,7 @@ from kvlens.ui.state import list_runs, open_run, user_runs_dir
 from kvlens.ui.widgets import policy_picker
 
 page_top("Run", "Run a policy on a prompt, watch it work, and save the run for the other pages.")
+url_state.share_link()  # the policy, preset and budget below are in the link
 
 job = PageJob("run", "Stopped. The run was cancelled and nothing was saved.")
 job.begin()
