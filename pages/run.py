@@ -72,7 +72,7 @@ with right:
     if not go_clicked:
         status.info("Set up a run on the left and press **Run**. Plots appear here while it runs.")
         if st.session_state.get("run_last"):  # the run this page saved last: inspect its tokens here
-            st.subheader("Token inspector")
+            st.subheader("Token inspector of your last run")
             token_inspector(open_run(st.session_state.run_last), "run_insp")
 
 if go_clicked and picked is not None:
