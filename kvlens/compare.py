@@ -2,8 +2,8 @@
 
 The design (what each number means, and why it costs one pass per policy):
 - The full cache generates first (greedy, exactly `new_tokens` tokens, the perturbation meter on):
-  its continuation is *full's text*, its row is measured like the others (KL and perturbation come
-  out 0 up to float noise, which checks the meter).
+  its continuation is *full's text*; its row is measured like the others, so ms per token compare
+  under the same conditions (its perturbation comes out 0: the meter's shadow is its cache).
 - Each policy is then teacher-forced on full's text with the meter on (`kvlens.perturbation.measured`).
   That one pass gives: perplexity on full's text (the same tokens for every policy), KL(p_full ‖
   p_policy) per step along full's text, the output perturbation against the meter's shadow full
@@ -14,10 +14,15 @@ The design (what each number means, and why it costs one pass per policy):
   own text past that point would cost one more generation per policy; the pages show instead its
   choice at each step of full's text and the share of steps where it agrees with full
   (`top1_agreement`).
-- Measured on the 2-core reference machine (SmolLM2, 72-token prompt, 24 new tokens): a measured
-  pass costs about 1.3x a plain generation of the same policy, so the whole comparison costs about
-  1.3x generating with every policy and the full cache (`kvlens compare` prints both times), where
-  generation + a teacher-forced pass + a measured pass per policy cost over 3x.
+- p_full for the KL is the reference's own step distributions (what `measured`'s extra one-shot
+  full-cache forward would compute again), so the reference's KL is 0 by construction.
+- Cost, measured on the 2-core reference machine with one torch thread (SmolLM2, 68-token prompt,
+  24 new tokens, CPU seconds, medians of 3): a plain generation takes 1.9-2.6 s per policy, a
+  measured teacher-forced pass 2.4-3.4 s (the meter's shadow attention and, for policies that
+  otherwise run on SDPA, the per-head attention rows), the one-shot forward saved above 0.3 s.
+  The previous design (a measured generation, then an unmeasured teacher-forced pass per policy)
+  adds up to about 2.4x generating with every policy; this one measured 1.25-1.45x (`kvlens
+  compare` prints both times).
 - Results are reused for identical inputs (`ResultCache`, keyed on model, prompt, policy, its
   resolved parameters, budget and new tokens): a second identical comparison, or one where a
   single policy changed, runs only what changed.
@@ -41,7 +46,7 @@ from kvlens.api import encode, generate
 from kvlens.engine import RunOptions, StepEvent, run
 from kvlens.errors import KvlensError
 from kvlens.models import LoadedModel
-from kvlens.perturbation import measured
+from kvlens.perturbation import PerturbationMeter, kl_per_step, summary
 from kvlens.policies import make_policy
 from kvlens.runs import Run
 from kvlens.ui.labels import changed_params
@@ -74,6 +79,7 @@ class Result:
     picks: list[int]  # the greedy choice at each step (the full cache: its own tokens)
     first_diff: int | None  # first step whose choice differs from full's token (None: never)
     pieces: list[str]  # each pick decoded on its own, for the texts
+    logprobs: torch.Tensor | None = None  # the full cache's: its next-token log-probs per step (steps, V)
 
     @property
     def agreement(self) -> float:
@@ -153,32 +159,42 @@ def compare(model: LoadedModel, prompt: str, entries: list[Entry], new_tokens: i
         key = ResultCache.key(model, prompt, e, new_tokens)
         result = cache.get(key) if cache is not None else None
         if result is None:
-            reference = results[0].run.meta["tokens"] if results else None
-            result = _measure(model, ids, prompt, e, reference, opts, on_step, cancel)
+            result = _measure(model, ids, e, results[0] if results else None, opts, on_step, cancel)
             if cache is not None:
                 cache.put(key, result)
         results.append(result)
     return results
 
 
-def _measure(model, ids, prompt, e: Entry, reference, opts, on_step, cancel) -> Result:
-    """The full cache's generation (reference None) or a policy teacher-forced on `reference`, measured."""
+def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, cancel) -> Result:
+    """The full cache's generation (`reference` None) or a policy teacher-forced on the reference's tokens,
+    with the perturbation meter on (`kvlens.perturbation.measured`, except that p_full is the reference's own
+    step distributions: the one-shot full-cache forward `measured` would add gives them again)."""
     picks: list[int] = []
+    logits: list[torch.Tensor] = []
+    meter = PerturbationMeter()
 
     def step(event: StepEvent):
         picks.append(int(torch.argmax(event.logits)))
+        logits.append(event.logits.detach().float().cpu())
         if on_step is not None:
             on_step(e, event)
 
     opts = dataclasses.replace(opts, budget=e.budget)
     if reference is None:
-        out = generate(model, prompt, e.policy, e.params, opts=opts, on_step=step, cancel=cancel, measure=True)
-        return Result(e, out, picks, None, _pieces(model, picks))
-    policy = make_policy(e.policy, e.params)
-    out = measured(model, lambda obs, cb: run(model, policy, ids + reference, prefill=len(ids),
-                                              steps=len(reference), teacher=True, opts=opts, observers=obs,
-                                              on_step=cb, cancel=cancel), on_step=step)
-    return Result(e, out, picks, first_difference(reference, picks), _pieces(model, picks))
+        out = run(model, make_policy(e.policy, e.params), ids, prefill=len(ids), steps=opts.max_new_tokens,
+                  teacher=False, opts=opts, observers=[meter], on_step=step, cancel=cancel)
+    else:
+        tokens = reference.run.meta["tokens"]
+        out = run(model, make_policy(e.policy, e.params), ids + tokens, prefill=len(ids), steps=len(tokens),
+                  teacher=True, opts=opts, observers=[meter], on_step=step, cancel=cancel)
+    logprobs = torch.log_softmax(torch.stack(logits), dim=-1)
+    out.tensors.update(meter.tensors())
+    out.tensors["perturbation/kl"] = kl_per_step(logprobs if reference is None else reference.logprobs, logits)
+    out.meta["metrics"].update(summary(out.tensors))
+    if reference is None:
+        return Result(e, out, picks, None, _pieces(model, picks), logprobs)
+    return Result(e, out, picks, first_difference(reference.run.meta["tokens"], picks), _pieces(model, picks))
 
 
 def _pieces(model: LoadedModel, tokens: list[int]) -> list[str]:

@@ -62,7 +62,8 @@ if go_clicked and all(p is not None for p in picks):
         def on_step(put):
             return lambda entry, event: put((entry.label, model.tokenizer.decode([int(event.logits.argmax())]),
                                              event))
-        return lambda put, cancel: compare(model, prompt, entries, new_tokens, on_step(put), cancel, result_cache())
+        cache = result_cache()
+        return lambda put, cancel: compare(model, prompt, entries, new_tokens, on_step(put), cancel, cache)
 
     result = job.run(work, draw, status)
     if result is not None:
