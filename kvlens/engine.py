@@ -25,6 +25,7 @@ from kvlens.decisions import DecisionLog
 from kvlens.errors import Cancelled, KvlensError
 from kvlens.models import LoadedModel
 from kvlens.policies import Policy
+from kvlens.policies.base import position_order
 from kvlens.record import Recorder
 from kvlens.runs import Run
 
@@ -82,10 +83,12 @@ def _choose(logits: torch.Tensor, opts: RunOptions, gen: torch.Generator) -> int
 class _Loop:
     """State of one run; `run()` drives it."""
 
-    def __init__(self, model: LoadedModel, policy: Policy, opts: RunOptions, observers: list[Observer]):
+    def __init__(self, model: LoadedModel, policy: Policy, opts: RunOptions, observers: list[Observer],
+                 budget: int | None, length: int):
         self.model, self.policy, self.opts = model, policy, opts
         self.recorder = Recorder(opts.record, opts.record_layers)
-        self.cache = KVCache(model.shape()["layers"])
+        # a compressed layer never holds more than budget + the step's token; others grow up to the run's length
+        self.cache = KVCache(model.shape()["layers"], limit=length if budget is None else budget + 1)
         self.log = DecisionLog() if opts.log_decisions else None
         self.ctx = RunContext(self.cache, policy, [self.recorder, *observers])
         self.budget: int | None = None
@@ -118,7 +121,8 @@ class _Loop:
         last = self.cache.layers[-1]
         attention = None
         if last.last_attn is not None:
-            attention = {"positions": last.pos[0].tolist(), "weights": last.last_attn.mean(0).tolist()}
+            slots = position_order(last)[0, : int(last.valid[0].sum())]  # head 0's valid slots, oldest first
+            attention = {"positions": last.pos[0, slots].tolist(), "weights": last.last_attn.mean(0)[slots].tolist()}
         slots = self.kept[-1].max(-1).values.tolist()
         return StepEvent(step=step, token=token, text=self.model.tokenizer.decode([token]), nll=nll,
                          kv_slots=slots, kv_bytes=self.cache.nbytes, ms=ms, attention=attention, logits=logits)
@@ -143,7 +147,7 @@ def run(model: LoadedModel, policy: Policy, ids: list[int], *, prefill: int, ste
         model.support = inspect_model(model.model)
     model.support.require()  # never run a model kvlens would only approximate
     budget = policy.resolve_budget(opts.budget, prefill, prefill + steps)
-    loop = _Loop(model, policy, opts, list(observers))
+    loop = _Loop(model, policy, opts, list(observers), budget, prefill + steps - 1)  # the last token is never fed
     loop.budget = budget
     try:
         return _drive(loop, ids, prefill, steps, teacher, on_step, cancel, meta)

@@ -59,9 +59,10 @@ class PerturbationMeter(Observer):
 
     def on_decode(self, layer, query, probs, out, spec: AttentionSpec) -> None:
         i = layer.layer
-        # the token just fed is the newest slot (compression runs after the forward)
-        self.shadow_k[i] = torch.cat([self.shadow_k[i], layer.keys[0, :, -1:]], dim=1)
-        self.shadow_v[i] = torch.cat([self.shadow_v[i], layer.values[0, :, -1:]], dim=1)
+        # the token just fed is in the slots the cache wrote last (compression runs after the forward)
+        new = layer.written[..., None].expand(-1, -1, layer.keys.shape[-1])  # (Hkv, 1, D)
+        self.shadow_k[i] = torch.cat([self.shadow_k[i], torch.gather(layer.keys[0], 1, new)], dim=1)
+        self.shadow_v[i] = torch.cat([self.shadow_v[i], torch.gather(layer.values[0], 1, new)], dim=1)
         k_full, v_full = self.shadow_k[i], self.shadow_v[i]  # (Hkv, T, D); slot index = position
         hkv, t, d = k_full.shape
         hq = query.shape[1]
@@ -70,7 +71,7 @@ class PerturbationMeter(Observer):
         seen = visible(now, torch.arange(t, device=k_full.device), spec.window)  # (1, T): the layer's window
         a_full = attention_probs(q, k_full.float(), spec, seen)[:, :, 0]  # (Hkv, G, T)
         o_full = torch.einsum("hgt,htd->hgd", a_full, v_full.float())
-        pos = layer.pos.clamp(max=t - 1)  # (Hkv, S); padding masked below
+        pos = layer.pos.clamp(min=0, max=t - 1)  # (Hkv, S); free slots and padding masked below
         idx = pos[..., None].expand(-1, -1, d)
         k_kept, v_kept = torch.gather(k_full, 1, idx).float(), torch.gather(v_full, 1, idx).float()  # (Hkv, S, D)
         kept_seen = layer.valid & visible(now, layer.pos, spec.window)[:, 0]  # (Hkv, S)
@@ -79,7 +80,7 @@ class PerturbationMeter(Observer):
         o_used = out[0, 0].view(hkv, hq // hkv, d).float()
         full_norm = o_full.norm(dim=-1)
         norm = full_norm.clamp(min=1e-30)
-        kept = torch.zeros(hkv, t, device=pos.device).scatter_(1, pos, layer.valid.float())  # (Hkv, T)
+        kept = torch.zeros(hkv, t + 1, device=pos.device).scatter_(1, pos.masked_fill(~layer.valid, t), 1.0)[:, :t]
         self.used.setdefault(i, []).append(((o_used - o_full).norm(dim=-1) / norm).flatten().cpu())
         self.evict.setdefault(i, []).append(((o_evict - o_full).norm(dim=-1) / norm).flatten().cpu())
         self.loss.setdefault(i, []).append((1 - (a_full * kept[:, None, :]).sum(-1)).flatten().cpu())

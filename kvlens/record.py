@@ -16,6 +16,7 @@ import torch
 
 from kvlens.context import Observer
 from kvlens.levels import RecordLevel
+from kvlens.policies.base import position_order
 
 
 class Recorder(Observer):
@@ -43,18 +44,20 @@ class Recorder(Observer):
         self.tensors[f"prefill/k/{i}"] = self._cpu(key[0])
         self.tensors[f"prefill/v/{i}"] = self._cpu(value[0])
         if layer.abar is not None and layer.abar.shape[-1] == key.shape[2]:
-            self.tensors[f"prefill/abar/{i}"] = layer.abar.detach().float().cpu()
+            self.tensors[f"prefill/abar/{i}"] = layer.abar.detach().to("cpu", torch.float32, copy=True)
         if self.needs_rows and last_rows is not None and last_rows.shape[1]:
-            self._rows.setdefault(i, []).append((last_rows[:, -1].detach(), layer.pos.detach()))
+            self._rows.setdefault(i, []).append((last_rows[:, -1].detach().clone(), layer.pos.detach().clone()))
 
     def on_decode(self, layer, query, probs, out, spec) -> None:
         if not self.needs_rows or not self.wants(layer.layer):
             return
-        pos = layer.pos.masked_fill(~layer.valid, -1)
-        self._rows.setdefault(layer.layer, []).append((probs.reshape(-1, probs.shape[-1]).detach(), pos.detach()))
+        order = position_order(layer)  # saved oldest first, free slots and padding last (-1)
+        pos = layer.pos.masked_fill(~layer.valid, -1).gather(1, order)
+        rows = probs.gather(2, order[:, None, :].expand_as(probs)).reshape(-1, probs.shape[-1])
+        self._rows.setdefault(layer.layer, []).append((rows.detach(), pos.detach()))
 
     def _cpu(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to("cpu", self.dtype).contiguous()
+        return t.detach().to("cpu", self.dtype, copy=True).contiguous()  # the cache reuses its buffers
 
     def finish(self) -> dict[str, torch.Tensor]:
         """Stack per-step rows: `attn/{layer}` `(steps, Hq, Smax)`, `attn_pos/{layer}` `(steps, Hkv, Smax)`.

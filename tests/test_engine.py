@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvlens.attention import AttentionSpec, decode_rows, prefill_stats
+from kvlens.context import Observer
 from kvlens.engine import RunOptions, run
 from kvlens.errors import Cancelled, KvlensError
 from kvlens.policies import make_policy
@@ -49,8 +50,23 @@ def test_eviction_really_shrinks_tensors(tiny):
     assert kept.shape == (20, 3, 2) and bool((kept == budget).all())
     shape = tiny.shape()
     per_slot = 2 * shape["kv_heads"] * shape["head_dim"] * 4  # K and V, fp32
-    assert r.metrics["kv_bytes_peak"] == shape["layers"] * budget * per_slot
+    # allocated: the budget plus the slot each step's token is written into before compression
+    assert r.metrics["kv_bytes_peak"] == shape["layers"] * (budget + 1) * per_slot
     assert r.metrics["kv_bytes_prefill"] == shape["layers"] * 50 * per_slot
+
+
+def test_the_prompt_is_released_and_steps_write_into_the_same_buffers(tiny):
+    """After step 0 the cache lives in budget + 1 slots; later steps reuse them (no new allocation)."""
+    seen = []
+
+    class Spy(Observer):
+        def on_decode(self, layer, query, probs, out, spec):
+            if layer.layer == 0:
+                seen.append((layer.keys.data_ptr(), layer.capacity, layer.n_slots))
+
+    run(tiny, make_policy("h2o"), IDS, prefill=50, steps=12, teacher=True, opts=RunOptions(budget=10),
+        observers=[Spy()])
+    assert len({ptr for ptr, _, _ in seen}) == 1 and {(c, n) for _, c, n in seen} == {(11, 11)}
 
 
 def test_new_tokens_get_true_positions(tiny):

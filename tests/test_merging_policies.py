@@ -79,10 +79,11 @@ def test_cam_preset_on_a_hand_computed_step(preset):
     row = log.frame().iloc[0]
     assert len(log.frame()) == 1 and row.action == "merge" and row.position == 1
     assert row.prob == pytest.approx(p) and row.targets == [2, 3, 4, 5, 6] and row.weights == pytest.approx([w] * 5)
-    assert layer.pos[0].tolist() == [0, 2, 3, 4, 5, 6]
+    kept = layer.ordered()
+    assert kept.pos[0].tolist() == [0, 2, 3, 4, 5, 6]
     expected = values[0, 0, [0, 2, 3, 4, 5, 6]].clone()
     expected[1:] += w * values[0, 0, 1]
-    torch.testing.assert_close(layer.values[0, 0], expected)
+    torch.testing.assert_close(kept.values[0, 0], expected)
 
 
 def test_cam_divides_by_m_or_by_the_targets_found_and_pools_local_or_kept_slots():
@@ -114,7 +115,8 @@ def test_cam_bernoulli_probability_is_clamped_attention_ratio():
     make_policy("cam", {"preset": "paper", "seed": 3}).compress(layer, 16, log)
     frame = log.frame()
     assert frame.prob.tolist() == pytest.approx([0.0, 0.25])
-    assert frame.draw.iloc[0] == 0 and torch.equal(layer.values[0, 0], values[0, 0, [p for p in range(17) if p != 4]])
+    kept = layer.ordered().values[0, 0]
+    assert frame.draw.iloc[0] == 0 and torch.equal(kept, values[0, 0, [p for p in range(17) if p != 4]])
     with pytest.raises(KvlensError, match="Policy cam has no preset 'qa' \\(its presets: paper, official-qa"):
         make_policy("cam", {"preset": "qa"})
     with pytest.raises(KvlensError, match="Policy h2o has no preset 'paper' \\(it has no presets\\)"):
@@ -131,6 +133,7 @@ def test_cam_bulk_step0_merge_equals_the_same_evictions_one_at_a_time(params):
     policy.compress(bulk, 12, log_bulk)  # streaming_llm: positions 4..31 leave at once
     for budget in range(39, 11, -1):  # the same positions leave one per call, oldest first
         policy.compress(single, budget, log_single)
+    bulk, single = bulk.ordered(), single.ordered()
     assert bulk.pos.equal(single.pos) and bulk.pos[0].tolist() == [0, 1, 2, 3, *range(32, 40)]
     torch.testing.assert_close(bulk.values, single.values)
     columns = ["kv_head", "position", "targets", "weights", "draw"]
@@ -175,6 +178,7 @@ def test_weightedkv_merges_least_attended_value_into_right_neighbour_on_the_segm
     avg = layer.abar / layer.nobs
     keys, values = layer.keys.clone(), layer.values.clone()
     make_policy("weightedkv").compress(layer, 20, DecisionLog())  # protected: 4 sinks + 10 - 4 = 6 recent
+    layer = layer.ordered()
     for h in range(HKV):
         j = 4 + int(avg[h, 4:15].argmin())
         kept = [p for p in range(21) if p != j]
@@ -196,9 +200,10 @@ def test_weightedkv_eviction_ablation_keeps_values():
     values = layer.values.clone()
     log = DecisionLog()
     make_policy("weightedkv", {"merge": False}).compress(layer, 12, log)
-    assert layer.n_slots == 12 and (log.frame().action == "evict").all()
+    assert layer.n_kept == 12 and (log.frame().action == "evict").all()
+    kept = layer.ordered()
     for h in range(HKV):
-        assert torch.equal(layer.values[0, h], values[0, h, layer.pos[h]])
+        assert torch.equal(kept.values[0, h], values[0, h, kept.pos[h]])
 
 
 # ---------------------------------------------------------------- KVMerger
@@ -349,7 +354,7 @@ def test_scissorhands_counts_unimportant_steps_like_the_paper_or_important_ones(
     policy.compress(layer, 4, DecisionLog())  # recent window: slot 5; two of slots 0-4 go
     # unimportant counts 0, 2, 3, 1, 1: slots 2 and 1 go; the young slots 3 and 4 stay (seen only 2 and 1 times)
     # important counts 4, 2, 1, 1, 0: slot 4 goes, then slot 3 (tie with 2, smaller Abar)
-    assert layer.pos[0].tolist() == kept
+    assert layer.ordered().pos[0].tolist() == kept
 
 
 def test_scissorhands_prefill_history_marks_unseen_slots_and_drop_compresses_m_at_once(tiny):

@@ -11,6 +11,7 @@ from kvlens.decisions import DecisionLog
 from kvlens.engine import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy, parse_budget, parse_settings
+from kvlens.policies.cam import DECODE_ATTN
 from kvlens.policies.scissorhands import HISTORY
 from tests.conftest import examples
 
@@ -33,6 +34,7 @@ def random_layer(seed: int, slots: int, first_pos: int = 0) -> LayerCache:
 def compress(policy, layer, budget):
     log = DecisionLog()
     before = layer.pos.clone()
+    layer.limit = budget + 1  # as in a run: compressing the prompt moves the kept slots into budget + 1 slots
     policy.compress(layer, budget, log)
     return before, log
 
@@ -135,3 +137,55 @@ def test_parameters_are_validated_with_one_sentence():
     for bad in ("0.0", "1.5", "abc"):
         with pytest.raises(KvlensError):
             parse_budget(bad)
+
+
+def shuffled(layer: LayerCache, seed: int) -> LayerCache:
+    """The same slots as `layer`, stored in a random slot order (as a cache that reuses freed slots holds them)."""
+    perm = torch.randperm(layer.n_slots, generator=torch.Generator().manual_seed(seed))
+    out = LayerCache(layer=0)
+    out.append(layer.keys[:, :, perm].clone(), layer.values[:, :, perm].clone(), layer.pos[0, perm])
+    out.abar, out.nobs, out.last_attn = layer.abar[:, perm], layer.nobs[:, perm], layer.last_attn[:, perm].clone()
+    out.extra = {name: t[:, perm].clone() for name, t in layer.extra.items()}
+    return out
+
+
+SLOT_FREE = [("streaming_llm", {}), ("h2o", {}), ("tova", {}), ("scissorhands", {"drop": 3}), ("cam", {}),
+             ("cam", {"base": "h2o", "preset": "paper", "mask": "always"}), ("cam", {"preset": "kvpress"}),
+             ("cam", {"base": "scissorhands", "preset": "official-summarization"}), ("weightedkv", {}),
+             ("weightedkv", {"merge": False})]
+
+
+@settings(max_examples=examples(30))
+@given(cases, st.integers(1, 10_000), st.sampled_from(range(len(SLOT_FREE))))
+def test_decisions_do_not_depend_on_which_slot_holds_which_position(case, perm_seed, which):
+    seed, slots, budget = case
+    name, params = SLOT_FREE[which]
+    policy = make_policy(name, params)
+    budget = max(budget, policy.min_budget())
+    layer = random_layer(seed, slots)
+    gen = torch.Generator().manual_seed(seed + 2)
+    coarse = torch.randint(0, 4, (HKV * G + 2 * HKV, slots), generator=gen).float()  # many equal scores: ties
+    layer.abar, layer.last_attn = coarse[:HKV], coarse[HKV:HKV + HKV * G] / slots
+    layer.extra = {HISTORY: torch.randint(0, 3, (HKV, slots, 8), generator=gen, dtype=torch.int8),
+                   DECODE_ATTN: coarse[-HKV:]}
+    other = shuffled(layer, perm_seed)
+    _, log = compress(policy, layer, budget)
+    _, other_log = compress(policy, other, budget)
+    assert log.frame().equals(other_log.frame())
+    a, b = layer.ordered(), other.ordered()
+    assert torch.equal(a.pos, b.pos) and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@settings(max_examples=examples(30))
+@given(cases, st.integers(1, 10_000), st.sampled_from(["streaming_llm", "h2o", "tova", "scissorhands"]))
+def test_a_single_eviction_without_sorting_picks_the_slot_the_sort_would(case, perm_seed, name):
+    seed, slots, _ = case
+    policy = make_policy(name)
+    budget = max(slots - 1, policy.min_budget())
+    layer = random_layer(seed, budget + 1)
+    gen = torch.Generator().manual_seed(seed + 2)
+    layer.abar = torch.randint(0, 3, (HKV, budget + 1), generator=gen).float()  # ties
+    layer.last_attn = torch.randint(0, 3, (HKV * G, budget + 1), generator=gen).float()
+    layer.extra = {HISTORY: torch.randint(0, 3, (HKV, budget + 1, 8), generator=gen, dtype=torch.int8)}
+    layer = shuffled(layer, perm_seed)
+    assert torch.equal(policy.lowest(layer, budget), policy.select(layer, budget)[1])

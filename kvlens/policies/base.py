@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.cache import LayerCache
+from kvlens.cache import LayerCache, order_of
 from kvlens.decisions import DecisionLog
 from kvlens.errors import KvlensError
 
@@ -185,23 +185,39 @@ class ScoredEviction(Policy):
         return budget
 
     def compress(self, layer: LayerCache, budget: int | None, log: DecisionLog | None) -> None:
-        if budget is None or layer.n_slots <= budget:
+        if budget is None or layer.n_kept <= budget:
             return
-        keep, evicted = self.select(layer, budget)
+        if layer.n_kept == budget + 1 and not layer.padded:  # a decode step: one slot leaves each head
+            evicted = self.lowest(layer, budget)
+        else:
+            _, evicted = self.select(layer, budget)
         if log is not None:
             log.evict(layer.layer, torch.gather(layer.pos, 1, evicted))
-        layer.keep(keep)
+        layer.free(evicted)
 
-    def select(self, layer: LayerCache, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indices to keep `(Hkv, budget)` and to evict `(Hkv, S - budget)`, each ascending."""
-        score = self.score(layer).float().clone()
+    def lowest(self, layer: LayerCache, budget: int) -> torch.Tensor:
+        """`(Hkv, 1)` the slot `select` would evict when exactly one must go (no sort): the lowest
+        score, and among equal lowest scores the newest position. The cache has no free slot."""
+        score = self.score(layer).float()
         protected = self.protected(layer, budget)
         if protected is not None:
-            score[protected] = float("inf")
-        order = torch.argsort(score, dim=-1, descending=True, stable=True)
-        keep = order[:, :budget].sort(-1).values
-        evicted = order[:, budget:].sort(-1).values
-        return keep, evicted
+            score = score.masked_fill(protected, float("inf"))
+        low = score == score.min(-1, keepdim=True).values
+        return torch.where(low, layer.pos, -1).argmax(-1, keepdim=True)
+
+    def select(self, layer: LayerCache, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots to keep `(Hkv, budget)` and to evict `(Hkv, n_kept - budget)`, each in position order.
+
+        Highest score first; among equal scores the older position stays. Free slots never count.
+        """
+        score = self.score(layer).float().masked_fill(~layer.valid, float("-inf"))
+        protected = self.protected(layer, budget)
+        if protected is not None:
+            score = score.masked_fill(protected & layer.valid, float("inf"))
+        by_pos = position_order(layer)
+        order = by_pos.gather(1, torch.argsort(score.gather(1, by_pos), dim=-1, descending=True, stable=True))
+        keep, evicted = order[:, :budget], order[:, budget:layer.n_kept]
+        return by_position(layer, keep), by_position(layer, evicted)
 
 
 def scored_eviction_names() -> tuple[str, ...]:
@@ -209,13 +225,23 @@ def scored_eviction_names() -> tuple[str, ...]:
     return tuple(n for n, c in REGISTRY.items() if issubclass(c, ScoredEviction))
 
 
+def position_order(layer: LayerCache) -> torch.Tensor:
+    """`(Hkv, S)` slot indices sorted by position, oldest first, free slots last (slots hold any order)."""
+    return order_of(layer.pos, layer.valid)
+
+
+def by_position(layer: LayerCache, slots: torch.Tensor) -> torch.Tensor:
+    """Valid `slots` `(Hkv, n)` reordered so that their positions ascend."""
+    return slots.gather(1, layer.pos.gather(1, slots).argsort(-1))
+
+
 def recent_mask(layer: LayerCache, recent: int) -> torch.Tensor:
-    """`(Hkv, S)` True for each head's `recent` newest slots (slots are kept in arrival order)."""
-    s = layer.n_slots
-    mask = torch.zeros(layer.pos.shape, dtype=torch.bool, device=layer.pos.device)
-    if recent > 0:
-        mask[:, max(0, s - recent):] = True
-    return mask
+    """`(Hkv, S)` True for each head's `recent` valid slots with the newest positions."""
+    if recent <= 0:
+        return torch.zeros(layer.pos.shape, dtype=torch.bool, device=layer.pos.device)
+    pos = layer.pos.masked_fill(~layer.valid, -1)
+    newest = pos.topk(min(recent, pos.shape[1]), dim=-1).values[:, -1:]  # (Hkv, 1)
+    return layer.valid & (pos >= newest)
 
 
 def group_mean(probs: torch.Tensor) -> torch.Tensor:

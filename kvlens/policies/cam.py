@@ -46,7 +46,16 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.policies.base import Policy, ScoredEviction, check, group_mean, param, register, scored_eviction_names
+from kvlens.policies.base import (
+    Policy,
+    ScoredEviction,
+    check,
+    group_mean,
+    param,
+    position_order,
+    register,
+    scored_eviction_names,
+)
 from kvlens.policies.streaming_llm import StreamingLLM
 
 GENERATOR = "cam_generator"  # per layer: the run's Bernoulli generator
@@ -140,15 +149,15 @@ class CaM(Policy):
         return layer.state[GENERATOR]
 
     def compress(self, layer, budget, log):
-        if budget is None or layer.n_slots <= budget:
+        if budget is None or layer.n_kept <= budget:
             return
         step0 = layer.prefill_rows is not None
-        keep, evicted = self.base.select(layer, budget)  # (Hkv, B), (Hkv, E), ascending
+        keep, evicted = self.base.select(layer, budget)  # (Hkv, B), (Hkv, E) slots, in position order
         if self.mask != "never" and not (step0 and self.prefill == "evict"):
             self._merge(layer, keep, evicted, budget, log)
         elif log is not None:
             log.evict(layer.layer, torch.gather(layer.pos, 1, evicted))
-        layer.keep(keep)
+        layer.free(evicted)
 
     def attention(self, layer) -> torch.Tensor:
         """`(Hkv, S)` the attention A that p compares, per `score`."""
@@ -159,15 +168,24 @@ class CaM(Policy):
         return layer.last_attn.view(layer.pos.shape[0], -1, layer.n_slots).mean(1)
 
     def _merge(self, layer, keep, evicted, budget, log):
-        """Merge the evicted slots one at a time in position order (the k-th of every head together)."""
+        """Merge the evicted slots one at a time in position order (the k-th of every head together).
+
+        "After i" and the windows count in position order: the masks below are indexed by rank
+        (the slot's place in position order, `perm` maps rank to slot); values are updated in place.
+        """
         hkv, s = layer.pos.shape
         b = keep.shape[1]
         local = self.base.local_window(budget)  # the newest `local` kept slots
         pool = local if self.targets == "local" else b  # kept slots that may receive merges
         m = self.span or pool
         reach = local if self.targets == "local" else s  # how many candidates after i its window spans
-        score = self.attention(layer).float()
-        values = layer.values[0].clone()  # (Hkv, S, D)
+        perm = position_order(layer)  # (Hkv, S) rank -> slot
+        rank_of = torch.empty_like(perm).scatter_(1, perm, torch.arange(s, device=perm.device).expand(hkv, s))
+        slots_evicted = evicted
+        keep, evicted = rank_of.gather(1, keep), rank_of.gather(1, evicted)  # ranks, ascending
+        score = self.attention(layer).float().gather(1, perm)
+        pos = layer.pos.gather(1, perm)
+        values = layer.values[0]  # (Hkv, S, D), a view of the cache: merged in place
         cand = torch.zeros(hkv, s, dtype=torch.bool, device=keep.device)
         cand.scatter_(1, keep[:, b - pool:], True)
         cand.scatter_(1, evicted, True)  # an evicted slot stays a candidate until its own turn
@@ -187,14 +205,15 @@ class CaM(Policy):
             else:
                 draw = (torch.rand(p.shape, generator=self.generator(layer)).to(p.device) < p).float()
             w = draw / (found.clamp(min=1).float() if self.divide == "found" else float(max(m, 1)))  # (Hkv,)
-            v_e = torch.gather(values, 1, e[..., None].expand(-1, -1, values.shape[-1]))  # (Hkv, 1, D)
-            values += targets[..., None].to(values.dtype) * (w[:, None, None].to(values.dtype) * v_e)
+            e_slot = slots_evicted[:, k : k + 1, None].expand(-1, -1, values.shape[-1])
+            v_e = torch.gather(values, 1, e_slot)  # (Hkv, 1, D)
+            receives = torch.zeros_like(targets).scatter_(1, perm, targets)  # targets, by slot
+            values += receives[..., None].to(values.dtype) * (w[:, None, None].to(values.dtype) * v_e)
             no_target[:, k] = found == 0
             if log is not None:
-                self._log(layer, log, e, targets, w, p, draw)
-        layer.values = values[None]
+                self._log(layer.layer, pos, log, e, targets, w, p, draw)
         if log is not None:
-            log.evict(layer.layer, torch.gather(layer.pos, 1, evicted).masked_fill(~no_target, -1))
+            log.evict(layer.layer, torch.gather(pos, 1, evicted).masked_fill(~no_target, -1))
 
     def _probability(self, score, e, targets, window, outside, found) -> torch.Tensor:
         """`(Hkv,)` p = clamp(A_i / A_ref, lo, hi), 0 where no target follows i."""
@@ -210,9 +229,11 @@ class CaM(Policy):
         p = (a_i / ref.clamp(min=1e-30)).clamp(self.clamp[0], self.clamp[1])
         return torch.where(found > 0, p, torch.zeros_like(p))
 
-    def _log(self, layer, log, e, targets, w, p, draw):
+    @staticmethod
+    def _log(layer, pos, log, e, targets, w, p, draw):
+        """One merge row per head that has targets; `pos` `(Hkv, S)` and the masks are in position order."""
         for h in range(e.shape[0]):
             idx = targets[h].nonzero().flatten()
             if len(idx):
-                log.merge(layer.layer, h, int(layer.pos[h, e[h, 0]]), layer.pos[h, idx].tolist(),
+                log.merge(layer, h, int(pos[h, e[h, 0]]), pos[h, idx].tolist(),
                           [float(w[h])] * len(idx), prob=float(p[h]), draw=int(draw[h]))

@@ -82,5 +82,5 @@ class Scissorhands(ScoredEviction):
         return recent_mask(layer, self.local_window(budget))
 
     def compress(self, layer, budget, log):
-        if budget is not None and layer.n_slots > budget:
+        if budget is not None and layer.n_kept > budget:
             super().compress(layer, budget + 1 - self.drop, log)

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.policies.base import Policy, param, register
+from kvlens.policies.base import Policy, param, position_order, register
 
 
 @register
@@ -42,36 +42,38 @@ class WeightedKV(Policy):
         return max(1, int(budget * self.recent_ratio) - self.sink)
 
     def compress(self, layer, budget, log):
-        if budget is None or layer.n_slots <= budget:
+        if budget is None or layer.n_kept <= budget:
             return
         hkv, s = layer.pos.shape
-        idx = torch.arange(s, device=layer.pos.device)
-        protected = (layer.pos < self.sink) | (idx >= s - self.recent(budget))[None, :]  # (Hkv, S)
-        avg = layer.abar / layer.nobs.clamp(min=1)  # (Hkv, S)
-        alive = torch.ones(hkv, s, dtype=torch.bool, device=layer.pos.device)
-        values = layer.values[0].clone()  # (Hkv, S, D)
-        heads = torch.arange(hkv, device=idx.device)
-        for _ in range(s - budget):
+        n = layer.n_kept
+        perm = position_order(layer)  # (Hkv, S) rank -> slot; "right" and "recent" count in position order
+        pos = layer.pos.gather(1, perm)
+        rank = torch.arange(s, device=pos.device)
+        protected = (pos < self.sink) | (rank >= n - self.recent(budget))[None, :]  # (Hkv, S) by rank
+        avg = (layer.abar / layer.nobs.clamp(min=1)).gather(1, perm)  # (Hkv, S) by rank
+        alive = (rank < n)[None, :].expand(hkv, s).clone()
+        values = layer.values[0]  # (Hkv, S, D) by slot, a view of the cache: merged in place
+        heads = torch.arange(hkv, device=pos.device)
+        for _ in range(n - budget):
             score = avg.masked_fill(protected | ~alive, float("inf"))
             j = score.argmin(-1)  # (Hkv,)
-            right = (alive & (idx[None, :] > j[:, None])).float().argmax(-1)  # first alive slot after j
+            right = (alive & (rank[None, :] > j[:, None])).float().argmax(-1)  # first alive rank after j
             a_j, a_r = avg[heads, j], avg[heads, right]
             total = a_j + a_r
             w = torch.where(total > 0, a_j / total.clamp(min=1e-30), torch.full_like(total, 0.5))  # (Hkv,)
             if self.merge:
-                merged = w[:, None] * values[heads, j] + (1 - w[:, None]) * values[heads, right]
-                values[heads, right] = merged.to(values.dtype)
+                slot_j, slot_r = perm[heads, j], perm[heads, right]
+                merged = w[:, None] * values[heads, slot_j] + (1 - w[:, None]) * values[heads, slot_r]
+                values[heads, slot_r] = merged.to(values.dtype)
             alive[heads, j] = False
             if log is not None:
-                self._log(layer, log, j, right, w)
-        layer.values = values[None]
-        layer.keep(alive.nonzero()[:, 1].view(hkv, budget))
+                self._log(layer.layer, log, pos[heads, j], pos[heads, right], w)
+        dropped = (~alive[:, :n]).nonzero()[:, 1].view(hkv, n - budget)
+        layer.free(perm.gather(1, dropped))
 
-    def _log(self, layer, log, j, right, w):
-        heads = torch.arange(j.shape[0])
-        pos_j = layer.pos[heads, j]
+    def _log(self, layer: int, log, pos_j, pos_right, w):
         if not self.merge:
-            log.evict(layer.layer, pos_j[:, None])
+            log.evict(layer, pos_j[:, None])
             return
-        for h, (p, t, wt) in enumerate(zip(pos_j.tolist(), layer.pos[heads, right].tolist(), w.tolist())):
-            log.merge(layer.layer, h, p, [t], [wt])
+        for h, (p, t, wt) in enumerate(zip(pos_j.tolist(), pos_right.tolist(), w.tolist())):
+            log.merge(layer, h, p, [t], [wt])
