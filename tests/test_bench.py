@@ -140,10 +140,11 @@ def test_needle_bench_cells_and_summary(tiny, texts, tmp_path):
 
 
 def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
-    ticks = []
+    ticks, streamed = [], []
     result = speed.bench_speed(tiny, parse_policies("full;streaming_llm;cam;corm"), [32, 64], text=texts["1946-Truman"],
-                               steps=4, budget=0.5, repeats=2, ratio_length=64, tick=lambda: ticks.append(1))
-    assert len(ticks) == 4 * 2 + 6 * 2
+                               steps=4, budget=0.5, repeats=2, ratio_length=64, evict_lengths=[48],
+                               tick=lambda: ticks.append(1), on_row=lambda row: streamed.append(row["policy"]))
+    assert len(ticks) == 4 * 2 + 6 * 2 + 4 * 2
     rows = result["rows"]
     assert [(r["policy"], r["prompt_tokens"]) for r in rows[:4]] == [
         ("full", 32), ("streaming_llm", 32), ("cam", 32), ("corm", 32)]
@@ -153,8 +154,9 @@ def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
     assert all(set(r) == fields and r["ms_per_token"] > 0 and r["peak_rss"] > 0 for r in rows)
     by = {(r["policy"], r["prompt_tokens"]): r for r in rows}
     # tiny model: 3 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes per slot
+    assert streamed == [r["policy"] for r in rows]  # each row handed out as soon as it was measured
     assert by[("full", 64)]["kv_bytes_peak"] == (64 + 3) * 3 * 2 * 16 * 2 * 4
-    assert by[("streaming_llm", 64)]["kv_bytes_peak"] == 32 * 3 * 2 * 16 * 2 * 4
+    assert by[("streaming_llm", 64)]["kv_bytes_peak"] == (32 + 1) * 3 * 2 * 16 * 2 * 4  # + the step's token
     ratios, details = result["ratios"], result["ratio_details"]
     assert set(ratios) >= {"engine_vs_model_loop", "cam_vs_streaming_llm", "record_full_vs_none",
                            "kv_bytes_half_budget_vs_full"}
@@ -166,8 +168,15 @@ def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
         assert set(result["targets"][key]) == {"target", "met"}
         assert result["ratios_cpu"][key] == pytest.approx(sum(d["cpu_ratios"]) / 2) and len(d["cpu_ratios"]) == 2
     assert details["engine_vs_model_loop"]["same_tokens"]
-    assert ratios["kv_bytes_half_budget_vs_full"] == pytest.approx(0.5)
-    assert result["targets"]["kv_bytes_half_budget_vs_full"]["met"]
+    assert ratios["kv_bytes_half_budget_vs_full"] == pytest.approx(33 / 64)
+    assert result["targets"]["kv_bytes_half_budget_vs_full"]["met"]  # 33 of 64 slots allocated: budget + 1
+    evict = details["evict_half_vs_full_at_48"]
+    per_policy = {name: sorted(a / b for a, b in zip(evict["ms_per_token"][name], evict["ms_per_token"]["full"],
+                                                     strict=True)) for name in ("streaming_llm", "h2o")}
+    assert ratios["evict_half_vs_full_at_48"] == pytest.approx(max(sum(v) / 2 for v in per_policy.values()))
+    prefill = {name: sum(a / b for a, b in zip(evict["prefill_ms"][name], evict["prefill_ms"]["full"],
+                                               strict=True)) / 2 for name in ("h2o", "tova")}
+    assert ratios["prefill_stats_vs_full"] == pytest.approx(max(prefill.values()))
     assert set(result["growth"]) == {"full", "streaming_llm", "cam", "corm"}
     json.dumps(result)
     assert len(speed.markdown_table(result).splitlines()) == 2 + len(rows)

@@ -1,6 +1,7 @@
 """`kvlens bench ppl|needle|speed`: paper-style tables and figures, saved under results/ for the app."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -44,8 +45,11 @@ def register(sub) -> None:
     p.add_argument("--budget", type=float, default=0.5, help="share of the prompt kept by compressing policies")
     p.add_argument("--repeats", type=int, default=5, help="repeats of each side of each ratio")
     p.add_argument("--ratio-length", type=int, default=1024, help="prompt length the ratios are measured at")
+    p.add_argument("--evict-lengths", default="1024,4096,8192",
+                   help="prompt lengths of the evict_half_vs_full ratios (capped at the context minus --steps)")
     p.set_defaults(func=cmd_speed)
-    _quick(p, policies="full;streaming_llm;h2o;cam", lengths="256,1024", steps=16, repeats=3, ratio_length=512)
+    _quick(p, policies="full;streaming_llm;h2o;cam", lengths="256,1024", steps=16, repeats=3, ratio_length=512,
+           evict_lengths="1024,4096")
 
 
 def _quick(p, **settings) -> None:
@@ -177,14 +181,24 @@ def cmd_speed(args) -> int:
     suffix = _apply_quick(args)
     policies = parse_policies(args.policies)
     lengths = parse_list(args.lengths, "--lengths", minimum=1)
+    evict_lengths = parse_list(args.evict_lengths, "--evict-lengths", minimum=1)
     if not 0 < args.budget <= 1 or args.repeats < 1 or args.steps < 2:
         raise KvlensError("--budget must be in (0, 1], --repeats at least 1 and --steps at least 2.")
     model = load(args)
     text = bundled.read(bundled.ids()[0])  # the longest-running address (1946 Truman, ~40k tokens)
-    bar = _bar(len(policies) * len(lengths) + 6 * args.repeats, "bench speed")
+    bar = _bar(len(policies) * len(lengths) + (6 + 4 * len(evict_lengths)) * args.repeats, "bench speed")
+    rows_file = Path(args.out_dir) / f"bench_speed{suffix}.rows.jsonl"  # each row as soon as it is measured
+    rows_file.parent.mkdir(parents=True, exist_ok=True)
+    rows_file.write_text("", encoding="utf-8")
+
+    def on_row(row: dict) -> None:
+        with rows_file.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
     with bar:
         result = speed.bench_speed(model, policies, lengths, text=text, steps=args.steps, budget=args.budget,
-                                   repeats=args.repeats, ratio_length=args.ratio_length, tick=lambda: bar.update(1))
+                                   repeats=args.repeats, ratio_length=args.ratio_length, evict_lengths=evict_lengths,
+                                   tick=lambda: bar.update(1), on_row=on_row)
     lines = [speed.markdown_table(result), ""]
     for key, value in result["ratios"].items():
         verdict = result["targets"][key]
