@@ -144,7 +144,7 @@ def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
     result = speed.bench_speed(tiny, parse_policies("full;streaming_llm;cam;corm"), [32, 64], text=texts["1946-Truman"],
                                steps=4, budget=0.5, repeats=2, ratio_length=64, evict_lengths=[48],
                                tick=lambda: ticks.append(1), on_row=lambda row: streamed.append(row["policy"]))
-    assert len(ticks) == 4 * 2 + 6 * 2 + 4 * 2
+    assert len(ticks) == 4 * 2 + 6 * 2 + 4 * 2 == speed.ticks(4, [32, 64], 2, [48])  # 48 tokens: 2 rotations
     rows = result["rows"]
     assert [(r["policy"], r["prompt_tokens"]) for r in rows[:4]] == [
         ("full", 32), ("streaming_llm", 32), ("cam", 32), ("corm", 32)]

@@ -189,3 +189,31 @@ def test_a_single_eviction_without_sorting_picks_the_slot_the_sort_would(case, p
     layer.extra = {HISTORY: torch.randint(0, 3, (HKV, budget + 1, 8), generator=gen, dtype=torch.int8)}
     layer = shuffled(layer, perm_seed)
     assert torch.equal(policy.lowest(layer, budget), policy.select(layer, budget)[1])
+
+
+CAM_SETTINGS = [{}, {"preset": "paper"}, {"preset": "kvpress"}, {"preset": "official-ppl", "span": 3},
+                {"preset": "official-summarization"}, {"base": "h2o", "targets": "kept", "divide": "found"},
+                {"base": "tova", "denominator": "window_mean", "mask": "always"}]
+
+
+@settings(max_examples=examples(30))
+@given(cases, st.integers(1, 10_000), st.sampled_from(range(len(CAM_SETTINGS))))
+def test_cam_single_merge_without_sorting_equals_the_general_merge(case, perm_seed, which):
+    seed, slots, _ = case
+    policy = make_policy("cam", CAM_SETTINGS[which])
+    budget = max(slots - 1, policy.min_budget())
+    layer = random_layer(seed, budget + 1)
+    gen = torch.Generator().manual_seed(seed + 2)
+    layer.abar = torch.randint(0, 3, (HKV, budget + 1), generator=gen).float()
+    layer.extra = {DECODE_ATTN: torch.rand(HKV, budget + 1, generator=gen)}
+    fast, general = shuffled(layer, perm_seed), shuffled(layer, perm_seed)
+    fast_log, general_log = DecisionLog(), DecisionLog()
+    policy.compress(fast, budget, fast_log)  # one slot per head leaves: the sort-free path
+    keep, evicted = policy.base.select(general, budget)
+    policy._merge(general, keep, evicted, budget, general_log)
+    general.free(evicted)
+    a, b = fast_log.frame(), general_log.frame()
+    assert a.drop(columns=["prob", "weights"]).equals(b.drop(columns=["prob", "weights"]))
+    assert a.prob.fillna(-1).tolist() == pytest.approx(b.prob.fillna(-1).tolist(), rel=1e-6)
+    assert [list(w) for w in a.weights] == [pytest.approx(list(w)) for w in b.weights]
+    torch.testing.assert_close(fast.ordered().values, general.ordered().values)

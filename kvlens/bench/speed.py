@@ -111,13 +111,18 @@ def rotated(runs: dict[str, Callable[[], dict]], repeats: int, tick: Callable[[]
     return out
 
 
+def evict_repeats(repeats: int, n: int) -> int:
+    """Rotations at an n-token prompt: fewer for long prompts, whose prefill dominates the time."""
+    return min(repeats, max(1, repeats * 1024 // n))
+
+
 def evict_ratios(model: LoadedModel, text: str, n: int, steps: int, budget: float, repeats: int,
                  tick: Callable[[], None]) -> dict:
     """full, streaming_llm, h2o and tova on one n-token prompt, rotated: decode and prefill ratios over full."""
     n = min(n, (model.shape()["context"] or n + steps) - steps)
     ids = prefix_ids(model, text, n, "The text")
     sides = rotated({name: (lambda name=name: engine_once(model, PolicySpec(name), ids, steps, budget))
-                     for name in ("full", *EVICTING, *STATS[1:])}, repeats, tick)
+                     for name in ("full", *EVICTING, *STATS[1:])}, evict_repeats(repeats, n), tick)
 
     def ratio(name, key):
         return median(a[key] / b[key] for a, b in zip(sides[name], sides["full"], strict=True))
@@ -129,6 +134,11 @@ def evict_ratios(model: LoadedModel, text: str, n: int, steps: int, budget: floa
             "prefill_ms": {k: [x["prefill_ms"] for x in v] for k, v in sides.items()}}
 
 
+def ticks(n_policies: int, lengths: list[int], repeats: int, evict_lengths: list[int]) -> int:
+    """How many times `bench_speed` calls `tick`."""
+    return n_policies * len(lengths) + 6 * repeats + 4 * sum(evict_repeats(repeats, n) for n in evict_lengths)
+
+
 def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[int], *, text: str, steps: int,
                 budget: float, repeats: int, ratio_length: int, evict_lengths: list[int],
                 tick: Callable[[], None] = lambda: None, on_row: Callable[[dict], None] = lambda row: None) -> dict:
@@ -136,7 +146,8 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
     the ratios at `ratio_length` and the evict ratios at each of `evict_lengths`.
 
     `tick` is called after every engine or loop run (progress bars): the total is
-    `len(policies) * len(lengths) + 6 * repeats + 4 * repeats * len(evict_lengths)`.
+    `len(policies) * len(lengths) + 6 * repeats + 4 * sum(evict_repeats(repeats, n) for n in evict_lengths)`
+    (see `ticks`).
     """
     if repeats < 1 or steps < 2:
         raise KvlensError("Speed needs at least one repeat and two generated tokens.")

@@ -186,7 +186,7 @@ def cmd_speed(args) -> int:
         raise KvlensError("--budget must be in (0, 1], --repeats at least 1 and --steps at least 2.")
     model = load(args)
     text = bundled.read(bundled.ids()[0])  # the longest-running address (1946 Truman, ~40k tokens)
-    bar = _bar(len(policies) * len(lengths) + (6 + 4 * len(evict_lengths)) * args.repeats, "bench speed")
+    bar = _bar(speed.ticks(len(policies), lengths, args.repeats, evict_lengths), "bench speed")
     rows_file = Path(args.out_dir) / f"bench_speed{suffix}.rows.jsonl"  # each row as soon as it is measured
     rows_file.parent.mkdir(parents=True, exist_ok=True)
     rows_file.write_text("", encoding="utf-8")

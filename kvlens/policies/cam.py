@@ -152,8 +152,14 @@ class CaM(Policy):
         if budget is None or layer.n_kept <= budget:
             return
         step0 = layer.prefill_rows is not None
+        merging = self.mask != "never" and not (step0 and self.prefill == "evict")
+        if merging and layer.n_kept == budget + 1 and not layer.padded:  # a decode step: one slot per head
+            evicted = self.base.lowest(layer, budget)
+            self._merge_one(layer, evicted, budget, log)
+            layer.free(evicted)
+            return
         keep, evicted = self.base.select(layer, budget)  # (Hkv, B), (Hkv, E) slots, in position order
-        if self.mask != "never" and not (step0 and self.prefill == "evict"):
+        if merging:
             self._merge(layer, keep, evicted, budget, log)
         elif log is not None:
             log.evict(layer.layer, torch.gather(layer.pos, 1, evicted))
@@ -214,6 +220,50 @@ class CaM(Policy):
                 self._log(layer.layer, pos, log, e, targets, w, p, draw)
         if log is not None:
             log.evict(layer.layer, torch.gather(pos, 1, evicted).masked_fill(~no_target, -1))
+
+    def _merge_one(self, layer, e, budget, log):
+        """`_merge` for one evicted slot per head `e` `(Hkv, 1)`, in slot space without sorting.
+
+        The pool is the newest `pool` kept slots; what follows i in it is both the window (it
+        spans the whole pool) and, up to the first m by position, the targets.
+        """
+        local = self.base.local_window(budget)
+        pool = local if self.targets == "local" else budget
+        m = self.span or pool
+        pos, valid = layer.pos, layer.valid
+        kept = valid.scatter(1, e, False)
+        in_pool = torch.zeros_like(kept)
+        if pool > 0:
+            newest = pos.masked_fill(~kept, -1).topk(pool, dim=-1).values[:, -1:]
+            in_pool = kept & (pos >= newest)
+        window = in_pool & (pos > pos.gather(1, e))  # (Hkv, S): the pool after i
+        targets = window
+        if m < pool:  # only the first m after i
+            mth = pos.masked_fill(~window, torch.iinfo(pos.dtype).max).topk(m, dim=-1, largest=False).values[:, -1:]
+            targets = window & (pos <= mth)
+        found = targets.sum(-1)
+        score = self.attention(layer).float()
+        p = self._probability(score, e, targets, window, kept & ~in_pool, found)
+        if self.mask == "always":
+            draw = (found > 0).float()
+        else:
+            draw = (torch.rand(p.shape, generator=self.generator(layer)).to(p.device) < p).float()
+        w = draw / (found.clamp(min=1).float() if self.divide == "found" else float(max(m, 1)))  # (Hkv,)
+        values = layer.values[0]  # (Hkv, S, D), merged in place
+        v_e = torch.gather(values, 1, e[..., None].expand(-1, -1, values.shape[-1]))  # (Hkv, 1, D)
+        values += targets[..., None].to(values.dtype) * (w[:, None, None].to(values.dtype) * v_e)
+        if log is None:
+            return
+        heads, slots = targets.nonzero(as_tuple=True)  # one transfer for every head's targets
+        rows: dict[int, list[int]] = {}
+        for h, t in zip(heads.tolist(), pos[heads, slots].tolist(), strict=True):
+            rows.setdefault(h, []).append(t)
+        source, probs, draws, weights = pos.gather(1, e)[:, 0].tolist(), p.tolist(), draw.tolist(), w.tolist()
+        for h in sorted(rows):
+            log.merge(layer.layer, h, source[h], sorted(rows[h]), [weights[h]] * len(rows[h]), prob=probs[h],
+                      draw=int(draws[h]))
+        missed = found == 0
+        log.evict(layer.layer, pos.gather(1, e).masked_fill(~missed[:, None], -1))
 
     def _probability(self, score, e, targets, window, outside, found) -> torch.Tensor:
         """`(Hkv,)` p = clamp(A_i / A_ref, lo, hi), 0 where no target follows i."""
