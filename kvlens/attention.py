@@ -183,14 +183,15 @@ def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
     query `(1, Hq, T, D)`, key/value `(1, Hkv, T, D)`. Returns
     out `(1, T, Hq, D)`; colsum `(Hkv, T)` float32, each KV head's column sums of its query heads'
     mean attention (H2O's accumulated score); last `(Hq, L, T)` float32, the last `keep_rows` rows.
-    Plain layers take their output from SDPA (the model's own kernel); the chunks then only score.
+    Plain layers take their output from SDPA (the model's own kernel); the chunks then only score,
+    each over the keys its rows can see (a causal chunk of rows a..b-1 needs keys 0..b-1).
     """
     _, hq, t, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
     qg = query[0].view(hkv, g, t, d)
     k, v = key[0], value[0]
-    chunk = max(1, CHUNK_ELEMENTS // (hq * t))
+    chunk = max(1, min(CHUNK_ELEMENTS // (hq * t), max(64, t // 8)))  # >= 8 chunks: the causal triangle is skipped
     out = None if spec.plain else torch.empty(hkv, g, t, d, dtype=value.dtype, device=value.device)
     colsum = torch.zeros(hkv, t, dtype=torch.float32, device=key.device)
     first_kept = t - keep_rows
@@ -198,13 +199,19 @@ def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
     cols = torch.arange(t, device=key.device)
     for a in range(0, t, chunk):
         b = min(t, a + chunk)
-        probs = attention_probs(qg[:, :, a:b], k, spec, visible(cols[a:b], cols, spec.window))  # (Hkv, G, q, T)
-        if out is not None:
+        if spec.plain:  # causal: the rows a..b-1 see keys 0..b-1 only; mask just the diagonal block
+            scores = torch.matmul(qg[:, :, a:b], k[:, :b].unsqueeze(1).transpose(-1, -2)).float().mul_(spec.scaling)
+            scores[..., a:].masked_fill_(torch.ones(b - a, b - a, dtype=torch.bool, device=k.device).triu(1),
+                                         float("-inf"))
+            probs = torch.softmax(scores, dim=-1)  # (Hkv, G, q, b)
+        else:
+            probs = attention_probs(qg[:, :, a:b], k, spec, visible(cols[a:b], cols, spec.window))  # (Hkv, G, q, T)
             out[:, :, a:b] = torch.einsum("hgqs,hsd->hgqd", probs.to(v.dtype), v)
-        colsum += probs.mean(1).sum(1)
+        width = probs.shape[-1]
+        colsum[:, :width] += probs.sum((1, 2)) / g
         if b > first_kept and keep_rows > 0:
             lo = max(a, first_kept)
-            last[:, lo - first_kept:b - first_kept] = probs[:, :, lo - a:].reshape(hq, b - lo, t)
+            last[:, lo - first_kept:b - first_kept, :width] = probs[:, :, lo - a:].reshape(hq, b - lo, width)
     if out is None:
         return sdpa(query, key, value, spec.scaling), colsum, last
     return out.reshape(hq, t, d).transpose(0, 1).unsqueeze(0), colsum, last

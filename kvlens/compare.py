@@ -153,7 +153,8 @@ def compare(model: LoadedModel, prompt: str, entries: list[Entry], new_tokens: i
     if new_tokens < 1:
         raise KvlensError("Ask for at least one new token.")
     ids = encode(model, prompt)
-    opts = RunOptions(max_new_tokens=new_tokens, stop_at_eos=False, log_decisions=False)
+    # attention rows and decisions are recorded for the token inspector (the meter computes the rows anyway)
+    opts = RunOptions(max_new_tokens=new_tokens, stop_at_eos=False, record="attention")
     results: list[Result] = []
     for e in entries_with_reference(entries):
         key = ResultCache.key(model, prompt, e, new_tokens)

@@ -440,5 +440,11 @@ def test_compare_page_shows_the_table_kvlens_compare_computes(app, smol):
                         ("perturbation (mean)", "perturbation")):
         assert list(shown[column]) == pytest.approx([r[key] for r in want], rel=1e-4, abs=1e-7), column
     assert [None if d != d else d for d in shown["diverges at token"]] == [r["first_divergence"] for r in want]
-    assert len(charts(at)[-1]["data"]) == 3 * 3  # three aligned panels, one line per run
+    drawn = charts(at)
+    assert sum(len(c["data"]) == 3 * 3 for c in drawn) == 1  # three aligned panels, one line per run
+    # the token inspector: the two policies' rows for token 0 of the full cache's text, side by side
+    assert "Token inspector" in [h.value for h in at.subheader]
+    assert at.selectbox(key="cmp_pair_a").value == "streaming_llm @0.5" and at.selectbox(key="cmp_pair_b").value == \
+        "h2o @0.5"
+    assert len(drawn) >= 3, "the inspector draws one row per policy"
 

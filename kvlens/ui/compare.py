@@ -9,6 +9,7 @@ from plotly.subplots import make_subplots
 from kvlens.compare import Result, ResultCache, table
 from kvlens.plots import line_style
 from kvlens.ui.charts import chart
+from kvlens.ui.inspector import inspect_pair
 from kvlens.ui.views import diverging_text
 
 # `kvlens compare --json` row keys -> the page's column names and number formats
@@ -58,6 +59,20 @@ def show_results(results: list[Result]) -> None:
           config={"prompt": results[0].run.meta["prompt"], "new_tokens": len(reference),
                   "policies": [{"policy": r.entry.policy, "params": r.entry.params, "budget": r.entry.budget}
                                for r in results]})
+    show_pair(results)
+
+
+def show_pair(results: list[Result]) -> None:
+    """Two of the compared runs' attention rows for one token of the full cache's text, side by side."""
+    st.subheader("Token inspector")
+    labels = [r.entry.label for r in results]
+    c1, c2, c3 = st.columns([1, 1, 2])
+    a = c1.selectbox("Left", labels, index=1 if len(labels) > 1 else 0, key="cmp_pair_a")
+    b = c2.selectbox("Right", labels, index=2 if len(labels) > 2 else 0, key="cmp_pair_b")
+    step = c3.select_slider("Token of the full cache's text", list(range(len(results[0].pieces))),
+                            format_func=lambda i: f"{i}: {results[0].pieces[i]!r}", key="cmp_pair_step")
+    runs = {r.entry.label: r.run for r in results}
+    inspect_pair(runs[a], runs[b], step, key="cmp_pair")
 
 
 def compare_figure(results: list[Result]) -> go.Figure:
