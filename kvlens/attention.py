@@ -157,10 +157,15 @@ def decode_rows(query, key, value, valid, spec: AttentionSpec):
     """
     hq, d = query.shape[1], query.shape[-1]
     hkv = key.shape[1]
-    qg = query[0, :, 0].view(hkv, hq // hkv, 1, d)
-    allowed = None if valid is None or bool(valid.all()) else valid[:, None, None, :]
-    probs = attention_probs(qg, key[0], spec, allowed)[:, :, 0]  # (Hkv, G, S)
-    out = torch.einsum("hgs,hsd->hgd", probs.to(value.dtype), value[0])  # (Hkv, G, D)
+    qg = query[0, :, 0].reshape(hkv, hq // hkv, d)
+    # batched over KV heads, the group's queries as rows: no broadcast copy of K (`attention_probs`'s layout)
+    scores = torch.bmm(qg, key[0].transpose(1, 2)).float().mul_(spec.scaling)  # (Hkv, G, S)
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    if valid is not None and not bool(valid.all()):
+        scores.masked_fill_(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(probs.to(value.dtype), value[0])  # (Hkv, G, D)
     return out.reshape(1, 1, hq, d), probs
 
 

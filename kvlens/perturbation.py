@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvlens.attention import AttentionSpec, attention_probs, visible
+from kvlens.attention import AttentionSpec, attention_probs, decode_rows, visible
 from kvlens.context import Observer
 from kvlens.engine import StepEvent
 from kvlens.models import LoadedModel
@@ -73,10 +73,10 @@ class PerturbationMeter(Observer):
         o_full = torch.einsum("hgt,htd->hgd", a_full, v_full.float())
         pos = layer.pos.clamp(min=0, max=t - 1)  # (Hkv, S); free slots and padding masked below
         idx = pos[..., None].expand(-1, -1, d)
-        k_kept, v_kept = torch.gather(k_full, 1, idx).float(), torch.gather(v_full, 1, idx).float()  # (Hkv, S, D)
+        k_kept, v_kept = torch.gather(k_full, 1, idx), torch.gather(v_full, 1, idx)  # (Hkv, S, D)
         kept_seen = layer.valid & visible(now, layer.pos, spec.window)[:, 0]  # (Hkv, S)
-        a_evict = attention_probs(q, k_kept, spec, kept_seen[:, None, None, :])[:, :, 0]  # (Hkv, G, S)
-        o_evict = torch.einsum("hgs,hsd->hgd", a_evict, v_kept)
+        # the run's own kernel over the same slots: where nothing was merged, O_evict is O_used exactly
+        o_evict = decode_rows(query, k_kept[None], v_kept[None], kept_seen, spec)[0][0, 0].view(hkv, -1, d).float()
         o_used = out[0, 0].view(hkv, hq // hkv, d).float()
         full_norm = o_full.norm(dim=-1)
         norm = full_norm.clamp(min=1e-30)

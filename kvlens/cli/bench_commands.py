@@ -43,7 +43,7 @@ def register(sub) -> None:
     p.add_argument("--lengths", default="256,1024,2048", help="comma-separated prompt lengths")
     p.add_argument("--steps", type=int, default=32, help="generated tokens per run")
     p.add_argument("--budget", type=float, default=0.5, help="share of the prompt kept by compressing policies")
-    p.add_argument("--repeats", type=int, default=5, help="repeats of each side of each ratio")
+    p.add_argument("--repeats", type=int, default=3, help="repeats of each side of each ratio")
     p.add_argument("--ratio-length", type=int, default=1024, help="prompt length the ratios are measured at")
     p.add_argument("--evict-lengths", default="1024,4096,8192",
                    help="prompt lengths of the evict_half_vs_full ratios (capped at the context minus --steps)")
