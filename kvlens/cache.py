@@ -37,11 +37,6 @@ class Slots(NamedTuple):
     valid: torch.Tensor  # (Hkv, S)
 
 
-def order_of(pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """`(Hkv, S)` slot indices sorted by position, oldest first, invalid slots last."""
-    return torch.argsort(pos.masked_fill(~valid, torch.iinfo(pos.dtype).max), dim=-1, stable=True)
-
-
 @dataclass
 class LayerCache:
     """One layer's compressed cache: slot-indexed views `[:n_slots]` of preallocated buffers."""
@@ -89,9 +84,17 @@ class LayerCache:
     def capacity(self) -> int:
         return 0 if "keys" not in self._buf else self._buf["keys"].shape[2]
 
+    def position_order(self) -> torch.Tensor:
+        """`(Hkv, S)` slot indices sorted by position, oldest first, free and padding slots last."""
+        return torch.argsort(self.pos.masked_fill(~self.valid, torch.iinfo(self.pos.dtype).max), dim=-1, stable=True)
+
+    def one_to_evict(self, budget: int) -> bool:
+        """A decode step's compression: each head holds budget + 1 slots, none free, so exactly one leaves."""
+        return self.n_kept == budget + 1 and not self.padded
+
     def ordered(self) -> Slots:
         """The kept slots in position order (a copy, `n_kept` per head): what an append-only cache would hold."""
-        order = order_of(self.pos, self.valid)[:, : self.n_kept]
+        order = self.position_order()[:, : self.n_kept]
         idx = order[None, :, :, None].expand(1, -1, -1, self.keys.shape[-1])
         return Slots(self.pos.masked_fill(~self.valid, -1).gather(1, order), self.keys.gather(2, idx),
                      self.values.gather(2, idx), self.valid.gather(1, order))

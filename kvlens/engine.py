@@ -25,7 +25,6 @@ from kvlens.decisions import DecisionLog
 from kvlens.errors import Cancelled, KvlensError
 from kvlens.models import LoadedModel
 from kvlens.policies import Policy
-from kvlens.policies.base import position_order
 from kvlens.record import Recorder
 from kvlens.runs import Run
 
@@ -121,7 +120,7 @@ class _Loop:
         last = self.cache.layers[-1]
         attention = None
         if last.last_attn is not None:
-            slots = position_order(last)[0, : int(last.valid[0].sum())]  # head 0's valid slots, oldest first
+            slots = last.position_order()[0, : int(last.valid[0].sum())]  # head 0's valid slots, oldest first
             attention = {"positions": last.pos[0, slots].tolist(), "weights": last.last_attn.mean(0)[slots].tolist()}
         slots = self.kept[-1].max(-1).values.tolist()
         return StepEvent(step=step, token=token, text=self.model.tokenizer.decode([token]), nll=nll,

@@ -16,7 +16,6 @@ import torch
 
 from kvlens.context import Observer
 from kvlens.levels import RecordLevel
-from kvlens.policies.base import position_order
 
 
 class Recorder(Observer):
@@ -51,7 +50,7 @@ class Recorder(Observer):
     def on_decode(self, layer, query, probs, out, spec) -> None:
         if not self.needs_rows or not self.wants(layer.layer):
             return
-        order = position_order(layer)  # saved oldest first, free slots and padding last (-1)
+        order = layer.position_order()  # saved oldest first, free slots and padding last (-1)
         pos = layer.pos.masked_fill(~layer.valid, -1).gather(1, order)
         rows = probs.gather(2, order[:, None, :].expand_as(probs)).reshape(-1, probs.shape[-1])
         self._rows.setdefault(layer.layer, []).append((rows.detach(), pos.detach()))

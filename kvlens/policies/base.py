@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.cache import LayerCache, order_of
+from kvlens.cache import LayerCache
 from kvlens.decisions import DecisionLog
 from kvlens.errors import KvlensError
 
@@ -187,7 +187,7 @@ class ScoredEviction(Policy):
     def compress(self, layer: LayerCache, budget: int | None, log: DecisionLog | None) -> None:
         if budget is None or layer.n_kept <= budget:
             return
-        if layer.n_kept == budget + 1 and not layer.padded:  # a decode step: one slot leaves each head
+        if layer.one_to_evict(budget):
             evicted = self.lowest(layer, budget)
         else:
             _, evicted = self.select(layer, budget)
@@ -214,7 +214,7 @@ class ScoredEviction(Policy):
         protected = self.protected(layer, budget)
         if protected is not None:
             score = score.masked_fill(protected & layer.valid, float("inf"))
-        by_pos = position_order(layer)
+        by_pos = layer.position_order()
         order = by_pos.gather(1, torch.argsort(score.gather(1, by_pos), dim=-1, descending=True, stable=True))
         keep, evicted = order[:, :budget], order[:, budget:layer.n_kept]
         return by_position(layer, keep), by_position(layer, evicted)
@@ -223,11 +223,6 @@ class ScoredEviction(Policy):
 def scored_eviction_names() -> tuple[str, ...]:
     """Registered policies that can be a merging policy's base."""
     return tuple(n for n, c in REGISTRY.items() if issubclass(c, ScoredEviction))
-
-
-def position_order(layer: LayerCache) -> torch.Tensor:
-    """`(Hkv, S)` slot indices sorted by position, oldest first, free slots last (slots hold any order)."""
-    return order_of(layer.pos, layer.valid)
 
 
 def by_position(layer: LayerCache, slots: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,6 @@ from kvlens.policies.base import (
     check,
     group_mean,
     param,
-    position_order,
     register,
     scored_eviction_names,
 )
@@ -153,7 +152,7 @@ class CaM(Policy):
             return
         step0 = layer.prefill_rows is not None
         merging = self.mask != "never" and not (step0 and self.prefill == "evict")
-        if merging and layer.n_kept == budget + 1 and not layer.padded:  # a decode step: one slot per head
+        if merging and layer.one_to_evict(budget):
             evicted = self.base.lowest(layer, budget)
             self._merge_one(layer, evicted, budget, log)
             layer.free(evicted)
@@ -185,7 +184,7 @@ class CaM(Policy):
         pool = local if self.targets == "local" else b  # kept slots that may receive merges
         m = self.span or pool
         reach = local if self.targets == "local" else s  # how many candidates after i its window spans
-        perm = position_order(layer)  # (Hkv, S) rank -> slot
+        perm = layer.position_order()  # (Hkv, S) rank -> slot
         rank_of = torch.empty_like(perm).scatter_(1, perm, torch.arange(s, device=perm.device).expand(hkv, s))
         slots_evicted = evicted
         keep, evicted = rank_of.gather(1, keep), rank_of.gather(1, evicted)  # ranks, ascending

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.policies.base import Policy, param, position_order, register
+from kvlens.policies.base import Policy, param, register
 
 
 @register
@@ -46,7 +46,7 @@ class WeightedKV(Policy):
             return
         hkv, s = layer.pos.shape
         n = layer.n_kept
-        perm = position_order(layer)  # (Hkv, S) rank -> slot; "right" and "recent" count in position order
+        perm = layer.position_order()  # (Hkv, S) rank -> slot; "right" and "recent" count in position order
         pos = layer.pos.gather(1, perm)
         rank = torch.arange(s, device=pos.device)
         protected = (pos < self.sink) | (rank >= n - self.recent(budget))[None, :]  # (Hkv, S) by rank
