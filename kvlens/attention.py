@@ -153,7 +153,7 @@ def decode_rows(query, key, value, valid, spec: AttentionSpec):
     """One query per head against the compressed cache.
 
     query `(1, Hq, 1, D)`, key/value `(1, Hkv, S, D)`, valid `(Hkv, S)` (the slots the query may
-    see) or None. Returns out `(1, 1, Hq, D)` and probs `(Hkv, G, S)` float32.
+    see) or None (all of them). Returns out `(1, 1, Hq, D)` and probs `(Hkv, G, S)` float32.
     """
     hq, d = query.shape[1], query.shape[-1]
     hkv = key.shape[1]
@@ -162,7 +162,7 @@ def decode_rows(query, key, value, valid, spec: AttentionSpec):
     scores = torch.bmm(qg, key[0].transpose(1, 2)).float().mul_(spec.scaling)  # (Hkv, G, S)
     if spec.softcap is not None:
         scores = torch.tanh(scores / spec.softcap) * spec.softcap
-    if valid is not None and not bool(valid.all()):
+    if valid is not None:
         scores.masked_fill_(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.bmm(probs.to(value.dtype), value[0])  # (Hkv, G, D)

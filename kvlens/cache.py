@@ -53,13 +53,19 @@ class LayerCache:
     _holes: torch.Tensor | None = None  # (Hkv, E) slots freed by `free`, to be reused first
     _pad: bool = False  # `keep` left padding (heads keeping different counts); never reused
     _buf: dict[str, torch.Tensor] = field(default_factory=dict)  # keys, values (1, Hkv, C, D); pos ... (Hkv, C)
+    _views: dict[str, torch.Tensor] = field(default_factory=dict)  # `[:n]` of each buffer (made once per layout)
+    _flat: torch.Tensor | None = None  # (Hkv,) offset of each head's first slot in a flattened buffer
 
     # -- views -------------------------------------------------------------------------------------
     def _view(self, name: str) -> torch.Tensor | None:
-        t = self._buf.get(name)
-        if t is None:
-            return None
-        return t[:, :, : self._n] if name in ("keys", "values") else t[:, : self._n]
+        return self._views.get(name)
+
+    def _set_layout(self, buffers: dict[str, torch.Tensor], n: int) -> None:
+        """New buffers and/or slot count: remake the views (a decode step's cache keeps its layout)."""
+        self._buf, self._n = buffers, n
+        self._views = {name: t[:, :, :n] if name in ("keys", "values") else t[:, :n] for name, t in buffers.items()}
+        hkv, cap = buffers["pos"].shape
+        self._flat = torch.arange(0, hkv * cap, cap, device=buffers["pos"].device)
 
     def _assign(self, name: str, value: torch.Tensor) -> None:
         view = self._view(name)
@@ -134,12 +140,11 @@ class LayerCache:
         """The prefill's tensors become the buffers (no copy)."""
         hkv, q = key.shape[1], key.shape[2]
         dev = key.device
-        self._buf = {"keys": key.contiguous(), "values": value.contiguous(),
-                     "pos": positions.view(1, q).expand(hkv, q).clone(),
-                     "abar": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
-                     "nobs": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
-                     "valid": torch.ones(hkv, q, dtype=torch.bool, device=dev)}
-        self._n = q
+        self._set_layout({"keys": key.contiguous(), "values": value.contiguous(),
+                          "pos": positions.view(1, q).expand(hkv, q).clone(),
+                          "abar": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
+                          "nobs": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
+                          "valid": torch.ones(hkv, q, dtype=torch.bool, device=dev)}, q)
         self.written = torch.arange(q, device=dev).expand(hkv, q)
 
     def _fill_free(self, key, value, positions) -> None:
@@ -147,21 +152,19 @@ class LayerCache:
         hkv, d = key.shape[1], key.shape[3]
         slot = self._holes[:, 0]  # (Hkv,)
         self._holes = self._holes[:, 1:] if self._holes.shape[1] > 1 else None
-        b, cap = self._buf, self.capacity
-        flat = slot + torch.arange(0, hkv * cap, cap, device=slot.device)  # (Hkv,) into (Hkv * C)
+        b = self._buf
+        flat = slot + self._flat  # (Hkv,) into (Hkv * C)
         b["keys"].view(-1, d).index_copy_(0, flat, key[0, :, 0])
         b["values"].view(-1, d).index_copy_(0, flat, value[0, :, 0])
         b["pos"].view(-1).index_fill_(0, flat, positions[0])
         b["abar"].view(-1).index_fill_(0, flat, 0.0)
         b["nobs"].view(-1).index_fill_(0, flat, 0.0)
         b["valid"].view(-1).index_fill_(0, flat, True)
-        heads = torch.arange(hkv, device=slot.device)
-        for t in self.extra.values():
-            t[heads, slot] = 0
-        if self.last_attn is not None:
-            group = self.last_attn.shape[0] // hkv
-            rows = (torch.arange(hkv * group, device=slot.device), slot.repeat_interleave(group))
-            self.last_attn = self.last_attn.index_put(rows, self.last_attn.new_zeros(()))  # others may hold it
+        if self.extra:
+            heads = torch.arange(hkv, device=slot.device)
+            for t in self.extra.values():
+                t[heads, slot] = 0
+        self.last_attn = None  # the slots changed: the next query's attention replaces it
         self.written = slot[:, None]
 
     def _write_end(self, key, value, positions) -> None:
@@ -179,22 +182,21 @@ class LayerCache:
         b["valid"][:, n:need] = True
         for name, t in self.extra.items():
             self.extra[name] = torch.cat([t, t.new_zeros((hkv, q, *t.shape[2:]))], dim=1)
-        if self.last_attn is not None:
-            self.last_attn = torch.cat([self.last_attn, self.last_attn.new_zeros(self.last_attn.shape[0], q)], 1)
-        self._n = need
+        self.last_attn = None
+        self._set_layout(self._buf, need)
         self.written = torch.arange(n, need, device=key.device).expand(hkv, q)
 
     def _resize(self, capacity: int) -> None:
         """Reallocate every buffer to `capacity` slots, keeping `[0, n)`."""
-        n = self._n
+        n, new = self._n, {}
         for name, t in self._buf.items():
             shape = (*t.shape[:-2], capacity, t.shape[-1]) if name in ("keys", "values") else (t.shape[0], capacity)
-            new = t.new_zeros(shape)
+            new[name] = t.new_zeros(shape)
             if name in ("keys", "values"):
-                new[:, :, :n] = t[:, :, :n]
+                new[name][:, :, :n] = t[:, :, :n]
             else:
-                new[:, :n] = t[:, :n]
-            self._buf[name] = new
+                new[name][:, :n] = t[:, :n]
+        self._set_layout(new, n)
 
     def free(self, index: torch.Tensor) -> None:
         """Evict slots `index` `(Hkv, E)` (the same count per head); later tokens reuse them.
@@ -233,7 +235,7 @@ class LayerCache:
             new[name] = kept
         if valid is not None:
             new["valid"][:, :s] &= valid
-        self._buf = new
+        self._set_layout(new, s)
         for name, t in self.extra.items():
             ix = index.view(*index.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:])
             self.extra[name] = torch.gather(t, 1, ix)
@@ -241,7 +243,6 @@ class LayerCache:
             # last_attn is per query head; map each query head to its KV head's index.
             group = self.last_attn.shape[0] // index.shape[0]
             self.last_attn = torch.gather(self.last_attn, 1, index.repeat_interleave(group, 0))
-        self._n = s
         counts = self.valid.sum(-1)
         self.n_kept = int(counts.max())
         self._holes, self._pad = None, int(counts.min()) < s
@@ -273,5 +274,7 @@ class KVCache:
         return sum(layer.nbytes for layer in self.layers)
 
     def kept_slots(self) -> torch.Tensor:
-        """Valid slots per layer and KV head, `(L, Hkv)`."""
+        """Valid slots per layer and KV head, `(L, Hkv)` (without padding every head keeps `n_kept`)."""
+        if not any(layer._pad for layer in self.layers):
+            return torch.tensor([[layer.n_kept] * layer.pos.shape[0] for layer in self.layers])
         return torch.stack([layer.kept() for layer in self.layers]).cpu()

@@ -48,12 +48,12 @@ class RunContext:
             return self._prefill(layer, query, key, value, spec)
         if not self.needs_rows and spec.plain and not layer.padded:
             return sdpa(query, key, value, spec.scaling)
-        seen = layer.valid
+        seen = layer.valid if layer.padded else None  # None: every slot holds a token
         if spec.window is not None:
-            seen = seen & (self.cache.positions[-1] - layer.pos < spec.window)
+            seen = layer.valid & (self.cache.positions[-1] - layer.pos < spec.window)
         out, probs = decode_rows(query, key, value, seen, spec)
         layer.abar += group_mean(probs)
-        layer.nobs += seen
+        layer.nobs += 1 if seen is None else seen
         layer.last_attn = probs.reshape(-1, probs.shape[-1])
         self.policy.observe(layer, probs)
         for obs in self.observers:

@@ -11,6 +11,7 @@ from kvlens.decisions import DecisionLog
 from kvlens.engine import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy, parse_budget, parse_settings
+from kvlens.policies.base import newest_cut
 from kvlens.policies.cam import DECODE_ATTN
 from kvlens.policies.scissorhands import HISTORY
 from tests.conftest import examples
@@ -217,3 +218,16 @@ def test_cam_single_merge_without_sorting_equals_the_general_merge(case, perm_se
     assert a.prob.fillna(-1).tolist() == pytest.approx(b.prob.fillna(-1).tolist(), rel=1e-6)
     assert [list(w) for w in a.weights] == [pytest.approx(list(w)) for w in b.weights]
     torch.testing.assert_close(fast.ordered().values, general.ordered().values)
+
+
+@settings(max_examples=examples(40))
+@given(st.integers(0, 10_000), st.integers(1, 40), st.integers(1, 45), st.booleans())
+def test_newest_cut_selects_the_k_newest_positions_with_or_without_gaps(seed, slots, k, consecutive):
+    gen = torch.Generator().manual_seed(seed)
+    span = slots if consecutive else 3 * slots  # consecutive positions take the counting path, gaps the sort
+    pos = torch.stack([torch.randperm(span, generator=gen)[:slots] for _ in range(HKV)])
+    mask = torch.rand(HKV, slots, generator=gen) < 0.8
+    got = mask & (pos >= newest_cut(pos, mask, k))
+    for h in range(HKV):
+        newest = sorted(pos[h, mask[h]].tolist(), reverse=True)[:k]
+        assert sorted(pos[h, got[h]].tolist(), reverse=True) == newest

@@ -234,9 +234,21 @@ def recent_mask(layer: LayerCache, recent: int) -> torch.Tensor:
     """`(Hkv, S)` True for each head's `recent` valid slots with the newest positions."""
     if recent <= 0:
         return torch.zeros(layer.pos.shape, dtype=torch.bool, device=layer.pos.device)
-    pos = layer.pos.masked_fill(~layer.valid, -1)
-    newest = pos.topk(min(recent, pos.shape[1]), dim=-1).values[:, -1:]  # (Hkv, 1)
-    return layer.valid & (pos >= newest)
+    return layer.valid & (layer.pos >= newest_cut(layer.pos, layer.valid, recent))
+
+
+def newest_cut(pos: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
+    """`(Hkv, 1)` a cut such that `mask & (pos >= cut)` are each head's k newest slots of `mask`
+    (all of them when it has fewer). Positions are distinct within a head.
+
+    Windows that a policy protects hold consecutive positions, so the cut is tried as the newest
+    position minus k - 1 and checked by counting (O(S)); a sort (`topk`) only when the check fails.
+    """
+    masked = pos.masked_fill(~mask, -1)
+    guess = masked.max(-1, keepdim=True).values - (k - 1)
+    if bool(((masked >= guess).sum(-1) == k).all()):
+        return guess
+    return masked.topk(min(k, pos.shape[1]), dim=-1).values[:, -1:]
 
 
 def group_mean(probs: torch.Tensor) -> torch.Tensor:

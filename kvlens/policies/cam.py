@@ -51,6 +51,7 @@ from kvlens.policies.base import (
     ScoredEviction,
     check,
     group_mean,
+    newest_cut,
     param,
     register,
     scored_eviction_names,
@@ -231,10 +232,7 @@ class CaM(Policy):
         m = self.span or pool
         pos, valid = layer.pos, layer.valid
         kept = valid.scatter(1, e, False)
-        in_pool = torch.zeros_like(kept)
-        if pool > 0:
-            newest = pos.masked_fill(~kept, -1).topk(pool, dim=-1).values[:, -1:]
-            in_pool = kept & (pos >= newest)
+        in_pool = kept & (pos >= newest_cut(pos, kept, pool)) if pool > 0 else torch.zeros_like(kept)
         window = in_pool & (pos > pos.gather(1, e))  # (Hkv, S): the pool after i
         targets = window
         if m < pool:  # only the first m after i
