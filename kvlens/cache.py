@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 GROWTH = 32  # minimum slots added when a growing cache runs out of room
+STAT_BUFFERS = {"valid": False, "pos": -1, "abar": 0.0, "nobs": 0.0}  # per-slot statistics, and a free slot's
 
 
 class Slots(NamedTuple):
@@ -55,6 +56,7 @@ class LayerCache:
     _buf: dict[str, torch.Tensor] = field(default_factory=dict)  # keys, values (1, Hkv, C, D); pos ... (Hkv, C)
     _views: dict[str, torch.Tensor] = field(default_factory=dict)  # `[:n]` of each buffer (made once per layout)
     _flat: torch.Tensor | None = None  # (Hkv,) offset of each head's first slot in a flattened buffer
+    stacked: bool = False  # the buffers are this layer's rows of a `LayerStack`'s (set by the stack)
 
     # -- views -------------------------------------------------------------------------------------
     def _view(self, name: str) -> torch.Tensor | None:
@@ -62,10 +64,12 @@ class LayerCache:
 
     def _set_layout(self, buffers: dict[str, torch.Tensor], n: int) -> None:
         """New buffers and/or slot count: remake the views (a decode step's cache keeps its layout)."""
+        if buffers is not self._buf:
+            hkv, cap = buffers["pos"].shape
+            self._flat = torch.arange(0, hkv * cap, cap, device=buffers["pos"].device)
+            self.stacked = False
         self._buf, self._n = buffers, n
         self._views = {name: t[:, :, :n] if name in ("keys", "values") else t[:, :n] for name, t in buffers.items()}
-        hkv, cap = buffers["pos"].shape
-        self._flat = torch.arange(0, hkv * cap, cap, device=buffers["pos"].device)
 
     def _assign(self, name: str, value: torch.Tensor) -> None:
         view = self._view(name)
@@ -104,6 +108,14 @@ class LayerCache:
         idx = order[None, :, :, None].expand(1, -1, -1, self.keys.shape[-1])
         return Slots(self.pos.masked_fill(~self.valid, -1).gather(1, order), self.keys.gather(2, idx),
                      self.values.gather(2, idx), self.valid.gather(1, order))
+
+    def parts(self) -> list[LayerCache]:
+        """The layers whose heads these rows are (a `LayerStack` has several)."""
+        return [self]
+
+    def split(self, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """`(Hkv, ...)` rows -> `[(layer index, rows)]` (a `LayerStack` splits its rows by layer)."""
+        return [(self.layer, t)]
 
     def kept(self) -> torch.Tensor:
         """Valid slots per KV head, `(Hkv,)`."""
@@ -204,11 +216,8 @@ class LayerCache:
         When the slots in use exceed `limit` (the prompt's cache after its first compression), the
         kept slots move into new buffers of `limit` slots and the old ones are released.
         """
-        b = self._buf
-        b["valid"].scatter_(1, index, False)
-        b["pos"].scatter_(1, index, -1)
-        b["abar"].scatter_(1, index, 0.0)
-        b["nobs"].scatter_(1, index, 0.0)
+        for name, fill in STAT_BUFFERS.items():
+            self._buf[name].scatter_(1, index, fill)
         self._holes = index if self._holes is None else torch.cat([self._holes, index], dim=1)
         self.n_kept -= index.shape[1]
         if self.limit is not None and self._n > self.limit and not self._pad:

@@ -23,6 +23,7 @@ from kvlens.cache import KVCache
 from kvlens.context import Observer, RunContext
 from kvlens.decisions import DecisionLog
 from kvlens.errors import Cancelled, KvlensError
+from kvlens.layer_stack import LayerStack
 from kvlens.models import LoadedModel
 from kvlens.policies import Policy
 from kvlens.record import Recorder
@@ -94,6 +95,7 @@ class _Loop:
         self.kept: list[torch.Tensor] = []  # (L, Hkv) per step
         self.peak_bytes = 0  # largest cache after compression
         self.prefill_bytes = 0  # the uncompressed prompt's cache
+        self.stack: LayerStack | None = None  # every layer as one, for cross-layer decode steps
 
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
         dev = self.model.device
@@ -110,11 +112,25 @@ class _Loop:
             self.prefill_bytes = self.cache.nbytes
         if self.log is not None:
             self.log.step = step
-        for layer in self.cache.layers:
-            self.policy.compress(layer, self.budget, self.log)
-            layer.prefill_rows = None
+        stack = self.layer_stack() if step else None
+        if stack is not None:
+            self.policy.compress(stack, self.budget, self.log)
+        else:
+            for layer in self.cache.layers:
+                self.policy.compress(layer, self.budget, self.log)
+                layer.prefill_rows = None
         self.kept.append(self.cache.kept_slots())
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes)
+
+    def layer_stack(self) -> LayerStack | None:
+        """All layers as one when this decode step evicts one slot per head everywhere and the policy's
+        rule allows it (`cross_layer`); built once the layers reach their fixed capacity."""
+        if self.budget is None or not self.policy.cross_layer:
+            return None
+        layers = self.cache.layers
+        if self.stack is None or not self.stack.valid_now:
+            self.stack = LayerStack(layers) if LayerStack.eligible(layers) else None
+        return self.stack if self.stack is not None and self.stack.one_to_evict(self.budget) else None
 
     def event(self, step, token, nll, ms, logits) -> StepEvent:
         last = self.cache.layers[-1]

@@ -101,6 +101,7 @@ class Policy:
     needs_attention: ClassVar[bool] = True  # needs attention rows at decode steps
     budget_free: ClassVar[bool] = False  # decides its own size (reports the size it reached)
     merges: ClassVar[bool] = False  # merges evicted entries into kept ones (Merges page, provenance)
+    cross_layer: ClassVar[bool] = False  # its one-eviction decode step may run on all layers at once (`LayerStack`)
     presets: ClassVar[dict[str, dict]] = {}  # named settings, `preset=NAME` (explicit parameters override)
 
     def __post_init__(self):
@@ -192,7 +193,7 @@ class ScoredEviction(Policy):
         else:
             _, evicted = self.select(layer, budget)
         if log is not None:
-            log.evict(layer.layer, torch.gather(layer.pos, 1, evicted))
+            log_evictions(log, layer, torch.gather(layer.pos, 1, evicted))
         layer.free(evicted)
 
     def lowest(self, layer: LayerCache, budget: int) -> torch.Tensor:
@@ -218,6 +219,12 @@ class ScoredEviction(Policy):
         order = by_pos.gather(1, torch.argsort(score.gather(1, by_pos), dim=-1, descending=True, stable=True))
         keep, evicted = order[:, :budget], order[:, budget:layer.n_kept]
         return by_position(layer, keep), by_position(layer, evicted)
+
+
+def log_evictions(log: DecisionLog, layer: LayerCache, positions: torch.Tensor) -> None:
+    """Log evicted `positions` `(Hkv, n)` (-1 = none) of a layer or of a `LayerStack`'s layers."""
+    for index, rows in layer.split(positions):
+        log.evict(index, rows)
 
 
 def scored_eviction_names() -> tuple[str, ...]:

@@ -51,6 +51,7 @@ from kvlens.policies.base import (
     ScoredEviction,
     check,
     group_mean,
+    log_evictions,
     newest_cut,
     param,
     register,
@@ -127,6 +128,10 @@ class CaM(Policy):
         # merging needs attention even when the base does not; mask=never runs exactly like the base
         return self.mask != "never" or self.base.needs_attention
 
+    @property
+    def cross_layer(self) -> bool:
+        return self.base.cross_layer
+
     def prefill_rows(self) -> int:
         return self.base.prefill_rows() if self.mask == "never" else max(1, self.base.prefill_rows())
 
@@ -162,7 +167,7 @@ class CaM(Policy):
         if merging:
             self._merge(layer, keep, evicted, budget, log)
         elif log is not None:
-            log.evict(layer.layer, torch.gather(layer.pos, 1, evicted))
+            log_evictions(log, layer, torch.gather(layer.pos, 1, evicted))
         layer.free(evicted)
 
     def attention(self, layer) -> torch.Tensor:
@@ -206,10 +211,7 @@ class CaM(Policy):
             window, targets = after & (rank <= reach), after & (rank <= min(m, reach))
             found = targets.sum(-1)  # (Hkv,)
             p = self._probability(score, e, targets, window, outside, found)
-            if self.mask == "always":
-                draw = (found > 0).float()
-            else:
-                draw = (torch.rand(p.shape, generator=self.generator(layer)).to(p.device) < p).float()
+            draw = self._draw(layer, p, found)
             w = draw / (found.clamp(min=1).float() if self.divide == "found" else float(max(m, 1)))  # (Hkv,)
             e_slot = slots_evicted[:, k : k + 1, None].expand(-1, -1, values.shape[-1])
             v_e = torch.gather(values, 1, e_slot)  # (Hkv, 1, D)
@@ -219,7 +221,7 @@ class CaM(Policy):
             if log is not None:
                 self._log(layer.layer, pos, log, e, targets, w, p, draw)
         if log is not None:
-            log.evict(layer.layer, torch.gather(pos, 1, evicted).masked_fill(~no_target, -1))
+            log_evictions(log, layer, torch.gather(pos, 1, evicted).masked_fill(~no_target, -1))
 
     def _merge_one(self, layer, e, budget, log):
         """`_merge` for one evicted slot per head `e` `(Hkv, 1)`, in slot space without sorting.
@@ -241,10 +243,7 @@ class CaM(Policy):
         found = targets.sum(-1)
         score = self.attention(layer).float()
         p = self._probability(score, e, targets, window, kept & ~in_pool, found)
-        if self.mask == "always":
-            draw = (found > 0).float()
-        else:
-            draw = (torch.rand(p.shape, generator=self.generator(layer)).to(p.device) < p).float()
+        draw = self._draw(layer, p, found)
         w = draw / (found.clamp(min=1).float() if self.divide == "found" else float(max(m, 1)))  # (Hkv,)
         values = layer.values[0]  # (Hkv, S, D), merged in place
         v_e = torch.gather(values, 1, e[..., None].expand(-1, -1, values.shape[-1]))  # (Hkv, 1, D)
@@ -256,11 +255,20 @@ class CaM(Policy):
         for h, t in zip(heads.tolist(), pos[heads, slots].tolist(), strict=True):
             rows.setdefault(h, []).append(t)
         source, probs, draws, weights = pos.gather(1, e)[:, 0].tolist(), p.tolist(), draw.tolist(), w.tolist()
+        parts = layer.parts()  # a `LayerStack`'s rows are its layers' heads, layer by layer
+        hkv = len(source) // len(parts)
         for h in sorted(rows):
-            log.merge(layer.layer, h, source[h], sorted(rows[h]), [weights[h]] * len(rows[h]), prob=probs[h],
-                      draw=int(draws[h]))
+            log.merge(parts[h // hkv].layer, h % hkv, source[h], sorted(rows[h]), [weights[h]] * len(rows[h]),
+                      prob=probs[h], draw=int(draws[h]))
         missed = found == 0
-        log.evict(layer.layer, pos.gather(1, e).masked_fill(~missed[:, None], -1))
+        log_evictions(log, layer, pos.gather(1, e).masked_fill(~missed[:, None], -1))
+
+    def _draw(self, layer, p, found) -> torch.Tensor:
+        """`(Hkv,)` the merge mask: Bernoulli(p) from each layer's generator, or 1 wherever a target exists."""
+        if self.mask == "always":
+            return (found > 0).float()
+        u = torch.cat([torch.rand(part.pos.shape[0], generator=self.generator(part)) for part in layer.parts()])
+        return (u.to(p.device) < p).float()
 
     def _probability(self, score, e, targets, window, outside, found) -> torch.Tensor:
         """`(Hkv,)` p = clamp(A_i / A_ref, lo, hi), 0 where no target follows i."""

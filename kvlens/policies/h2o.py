@@ -22,6 +22,7 @@ class H2O(ScoredEviction):
     name = "h2o"
     description = "Keep a recent window plus the heavy hitters with the largest accumulated attention."
     paper = "https://arxiv.org/abs/2306.14048"
+    cross_layer = True
 
     def local_window(self, budget: int) -> int:
         return int(budget * self.recent_ratio)

@@ -22,6 +22,7 @@ class StreamingLLM(ScoredEviction):
     description = "Keep the first `sink` tokens (attention sinks) and a window of the most recent ones."
     paper = "https://arxiv.org/abs/2309.17453"
     needs_attention = False
+    cross_layer = True
 
     def min_budget(self) -> int:
         return self.sink + 1
