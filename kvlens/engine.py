@@ -12,7 +12,7 @@ import gc
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -151,6 +151,46 @@ def run(model: LoadedModel, policy: Policy, ids: list[int], *, prefill: int, ste
     teacher=True scores `ids[prefill:prefill+steps]` (teacher forcing); otherwise tokens are
     generated (greedy, or seeded sampling) and `ids` beyond `prefill` are ignored.
     """
+    loop = _prepare(model, policy, ids, prefill, steps, teacher, opts, observers)
+    try:
+        events = _steps(loop, ids, prefill, steps, teacher, meta)
+        while True:
+            try:
+                event = next(events)
+            except StopIteration as done:
+                return done.value
+            if on_step is not None:
+                with torch.inference_mode():
+                    on_step(event)
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("The run was stopped before it finished; nothing was saved.")
+    except (MemoryError, RuntimeError) as err:
+        if not _is_oom(err):
+            raise
+        message = str(err).splitlines()[0][:200]
+    del loop, events  # free the cache before telling the caller
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    raise KvlensError(f"Out of memory on {prefill} + {steps} tokens ({message}); the memory was freed: "
+                      f"try a shorter text, fewer tokens or a smaller model.")
+
+
+def run_steps(model: LoadedModel, policy: Policy, ids: list[int], *, prefill: int, steps: int, teacher: bool,
+              opts: RunOptions, observers: list[Observer] = (), meta: dict | None = None
+              ) -> Generator[StepEvent, None, Run]:
+    """`run` one step at a time: yields each `StepEvent` right after its step and returns the `Run`.
+
+    Several runs can be advanced in turn, one step each (the speed benchmark's lockstep), so that
+    whatever slows the machine down meanwhile hits all of them alike. `total_s` counts only the
+    run's own time, not the time spent suspended between steps.
+    """
+    loop = _prepare(model, policy, ids, prefill, steps, teacher, opts, observers)
+    return (yield from _steps(loop, ids, prefill, steps, teacher, meta))
+
+
+def _prepare(model: LoadedModel, policy: Policy, ids, prefill, steps, teacher, opts, observers) -> _Loop:
+    """Check the request and set up the run's state (budget, cache, context)."""
     if prefill < 1:
         raise KvlensError("The prompt is empty: give at least one token.")
     if steps < 1:
@@ -164,18 +204,7 @@ def run(model: LoadedModel, policy: Policy, ids: list[int], *, prefill: int, ste
     budget = policy.resolve_budget(opts.budget, prefill, prefill + steps)
     loop = _Loop(model, policy, opts, list(observers), budget, prefill + steps - 1)  # the last token is never fed
     loop.budget = budget
-    try:
-        return _drive(loop, ids, prefill, steps, teacher, on_step, cancel, meta)
-    except (MemoryError, RuntimeError) as err:
-        if not _is_oom(err):
-            raise
-        message = str(err).splitlines()[0][:200]
-    del loop  # free the cache before telling the caller
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    raise KvlensError(f"Out of memory on {prefill} + {steps} tokens ({message}); the memory was freed: "
-                      f"try a shorter text, fewer tokens or a smaller model.")
+    return loop
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -183,19 +212,21 @@ def _is_oom(err: BaseException) -> bool:
         or "out of memory" in str(err).lower()
 
 
-def _drive(loop: _Loop, ids, prefill, steps, teacher, on_step, cancel, meta) -> Run:
-    """The prefill + decode loop proper."""
+def _steps(loop: _Loop, ids, prefill, steps, teacher, meta) -> Generator[StepEvent, None, Run]:
+    """The prefill + decode loop proper, one yield per produced token (each step in inference mode)."""
     model, opts = loop.model, loop.opts
     gen = torch.Generator().manual_seed(opts.seed)
     eos = model.tokenizer.eos_token_id
     tokens, nlls, ms = [], [], []
     t0 = time.perf_counter()
+    suspended = 0.0  # time spent between a yield and the next step
     with torch.inference_mode():
         logits = loop.forward(ids[:prefill], 0)
         loop.compress(0)
-        prefill_ms = (time.perf_counter() - t0) * 1000
-        step_ms = prefill_ms
-        for i in range(steps):
+    prefill_ms = (time.perf_counter() - t0) * 1000
+    step_ms = prefill_ms
+    for i in range(steps):
+        with torch.inference_mode():
             logp = torch.log_softmax(logits.float(), dim=-1)
             token = ids[prefill + i] if teacher else _choose(logits, opts, gen)
             nll = float(-logp[token])
@@ -203,17 +234,18 @@ def _drive(loop: _Loop, ids, prefill, steps, teacher, on_step, cancel, meta) -> 
             nlls.append(nll)
             if i:
                 ms.append(step_ms)
-            if on_step is not None:
-                on_step(loop.event(i, token, nll, step_ms, logits))
-            if cancel is not None and cancel.is_set():
-                raise Cancelled("The run was stopped before it finished; nothing was saved.")
-            if i == steps - 1 or (not teacher and opts.stop_at_eos and token == eos):
-                break
-            t = time.perf_counter()
+            event = loop.event(i, token, nll, step_ms, logits)
+        paused = time.perf_counter()
+        yield event
+        suspended += time.perf_counter() - paused
+        if i == steps - 1 or (not teacher and opts.stop_at_eos and token == eos):
+            break
+        t = time.perf_counter()
+        with torch.inference_mode():
             logits = loop.forward([token], prefill + i)
             loop.compress(i + 1)
-            step_ms = (time.perf_counter() - t) * 1000
-    total_s = time.perf_counter() - t0
+        step_ms = (time.perf_counter() - t) * 1000
+    total_s = time.perf_counter() - t0 - suspended
     return _make_run(loop, model, ids[:prefill], tokens, nlls, ms, prefill_ms, total_s, teacher, meta)
 
 

@@ -193,3 +193,21 @@ def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
 def test_bench_cli_refuses_bad_input_before_loading(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_lockstep_advances_every_side_one_step_in_turn():
+    calls = []
+
+    def side(name, ms):
+        def steps():
+            for i, value in enumerate(ms):
+                calls.append((name, i))
+                yield value
+            return {"tokens": [name]}
+        return steps
+
+    res = speed.lockstep({"b": side("b", [100.0, 3.0, 5.0, 4.0]), "a": side("a", [200.0, 1.0, 2.0])})
+    assert calls == [("b", 0), ("a", 0), ("b", 1), ("a", 1), ("b", 2), ("a", 2), ("b", 3)]
+    assert list(res) == ["b", "a"]
+    assert res["b"]["prefill_ms"] == 100.0 and res["b"]["ms_per_token"] == 4.0 and res["b"]["tokens"] == ["b"]
+    assert res["a"]["prefill_ms"] == 200.0 and res["a"]["ms_per_token"] == 1.5

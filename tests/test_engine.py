@@ -8,7 +8,7 @@ import torch
 
 from kvlens.attention import AttentionSpec, decode_rows, prefill_stats
 from kvlens.context import Observer
-from kvlens.engine import RunOptions, run
+from kvlens.engine import RunOptions, run, run_steps
 from kvlens.errors import Cancelled, KvlensError
 from kvlens.policies import make_policy
 
@@ -208,3 +208,39 @@ def test_full_perplexity_equals_model_loss(smol, long_text):
     logits = _model_logits(smol, ids)
     loss = torch.nn.functional.cross_entropy(logits[255:399], torch.tensor(ids[256:400]))
     assert abs(r.metrics["nll"] - float(loss)) / float(loss) < 1e-3
+
+
+@pytest.mark.parametrize("name,stacks", [("streaming_llm", True), ("h2o", True), ("cam", True), ("tova", False),
+                                         ("cam", False)])
+def test_cross_layer_policies_evict_on_the_layer_stack_from_the_second_decode_step(tiny, name, stacks):
+    """The stack is built once every layer holds budget + 1 slots; policies without `cross_layer` (or
+    CaM with per-slot extras, score=decode) keep the per-layer path."""
+    seen = []
+
+    class Spy(Observer):
+        needs_rows = True
+
+        def on_decode(self, layer, query, probs, out, spec):
+            seen.append(layer.stacked)
+
+    params = {"score": "decode"} if name == "cam" and not stacks else {}
+    run(tiny, make_policy(name, params), IDS, prefill=40, steps=8, teacher=True, opts=RunOptions(budget=10),
+        observers=[Spy()])
+    layers = tiny.shape()["layers"]
+    assert seen[:layers] == [False] * layers and set(seen[layers:]) == {stacks}
+
+
+def test_run_steps_yields_each_step_and_returns_the_same_run_as_run(tiny):
+    policy, opts = make_policy("h2o"), RunOptions(budget=10)
+    whole = run(tiny, policy, IDS, prefill=40, steps=6, teacher=True, opts=opts)
+    events = run_steps(tiny, policy, IDS, prefill=40, steps=6, teacher=True, opts=opts)
+    seen = []
+    while True:
+        try:
+            seen.append(next(events).step)
+        except StopIteration as done:
+            stepped = done.value
+            break
+    assert seen == list(range(6))
+    assert torch.equal(stepped.tensors["steps/nll"], whole.tensors["steps/nll"])
+    assert stepped.decisions.equals(whole.decisions)

@@ -1,11 +1,12 @@
 """Speed and memory per policy, and the target ratios (`TARGETS`), measured side by side in one run.
 
 Per policy and prompt length: prefill ms, median ms per generated token, KV bytes allocated
-(peak after compression) and the process's peak resident memory. Each ratio compares two sides
-run alternately (A B, B A, A B, ...) on the same prompt, so load from other processes hits both;
-a ratio is the median over repeats of the per-repeat ratio of median decode ms/token (wall
-clock). `ratios_cpu` gives the same ratios in process CPU time per step, which a machine shared
-with other processes disturbs less than wall time.
+(peak after compression) and the process's peak resident memory. Each ratio compares sides run
+in lockstep on the same prompt (`lockstep`: the prefills in turn, then one decode step of each side
+in turn, ...), so load from other processes and the machine's drift hit every side alike; which side
+goes first flips or rotates each repeat. A ratio is the median over repeats of the per-repeat ratio
+of median decode ms/token (wall clock). `ratios_cpu` gives the same ratios in process CPU time per
+step, which a machine shared with other processes disturbs less than wall time.
 
 - engine_vs_model_loop: engine `full`, summary recording (the least there is), vs the model's
   own greedy decode loop over a transformers `DynamicCache` with plain SDPA (the `kvlens`
@@ -16,19 +17,19 @@ with other processes disturbs less than wall time.
   full prompt's cache; proportional means the slot share (budget + the step's token).
 - evict_half_vs_full_at_N: ms/token of `streaming_llm` and of `h2o` at half the prompt over `full`
   on an N-token prompt (N capped so that prompt + steps fit the model's context), the worse of the
-  two; the four policies run in turn, the order rotating each repeat.
+  two; full, streaming_llm, h2o and tova in lockstep, the order rotating each repeat.
 - prefill_stats_vs_full: prefill + step-0 compression ms of `h2o` (column sums) and of `tova`
   (last rows) over `full`'s prefill, at the first evict length, the worse of the two.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import torch
 
 from kvlens.bench.common import PeakRSS, PolicySpec, environment, median
-from kvlens.engine import RunOptions, run
+from kvlens.engine import RunOptions, run_steps
 from kvlens.errors import KvlensError
 from kvlens.models import LoadedModel
 from kvlens.policies import make_policy
@@ -41,72 +42,106 @@ EVICTING = ("streaming_llm", "h2o")  # the evict ratios: the worse of these over
 STATS = ("h2o", "tova")  # the prefill ratio: the worse of these over full
 
 
-def engine_once(model: LoadedModel, spec: PolicySpec, ids: list[int], steps: int, budget,
-                record: str = "summary") -> dict:
-    """One greedy engine run: prefill ms, median decode ms/token, KV bytes, peak RSS, and its tokens."""
-    step_ms, cpu = [], []  # wall ms of each decode step; process CPU time at each step event
+def engine_steps(model: LoadedModel, spec: PolicySpec, ids: list[int], steps: int, budget,
+                 record: str = "summary") -> Generator[float, None, dict]:
+    """One greedy engine run, one step per `next`: yields the prefill ms, then each decode step's ms
+    (forward + compression); returns KV bytes, kept slots and the tokens."""
     b = None if spec.budget_free else budget
     opts = RunOptions(budget=b, max_new_tokens=steps, stop_at_eos=False, record=record, log_decisions=False)
-
-    def on_step(event):
-        cpu.append(time.process_time() * 1000)
-        if event.step:
-            step_ms.append(event.ms)
-
-    with PeakRSS() as mem:
-        r = run(model, make_policy(spec.name, dict(spec.params)), ids, prefill=len(ids), steps=steps, teacher=False,
-                opts=opts, on_step=on_step)
-    m = r.metrics
-    return {"prefill_ms": m["prefill_ms"], "ms_per_token": median(step_ms),
-            "cpu_ms_per_token": median(b - a for a, b in zip(cpu, cpu[1:], strict=False)),
-            "kv_bytes_peak": m["kv_bytes_peak"],
-            "kv_bytes_prefill": m["kv_bytes_prefill"], "kv_slots_max": m["kv_slots_max"],
-            "peak_rss": mem.peak, "rss_growth": mem.peak - mem.start, "tokens": r.meta["tokens"]}
+    events = run_steps(model, make_policy(spec.name, dict(spec.params)), ids, prefill=len(ids), steps=steps,
+                       teacher=False, opts=opts)
+    while True:
+        try:
+            event = next(events)
+        except StopIteration as done:
+            m = done.value.metrics
+            return {"kv_bytes_peak": m["kv_bytes_peak"], "kv_bytes_prefill": m["kv_bytes_prefill"],
+                    "kv_slots_max": m["kv_slots_max"], "tokens": done.value.meta["tokens"]}
+        yield event.ms
 
 
-def model_loop_once(model: LoadedModel, ids: list[int], steps: int) -> dict:
-    """The model's own cached greedy loop: `DynamicCache`, one token per call, SDPA attention."""
+def model_loop_steps(model: LoadedModel, ids: list[int], steps: int) -> Generator[float, None, dict]:
+    """The model's own cached greedy loop (`DynamicCache`, one token per call, SDPA attention), one step
+    per `next`: yields the prefill ms, then each decode step's ms; returns the tokens."""
     from transformers import DynamicCache
 
     dev = model.device
-    cache, tokens, step_ms, cpu_ms = DynamicCache(), [], [], []
+    cache, tokens = DynamicCache(), []
+    t = time.perf_counter()
     with torch.inference_mode():
-        t = time.perf_counter()
         out = model.model(input_ids=torch.tensor([ids], device=dev), past_key_values=cache, use_cache=True,
                           logits_to_keep=1)
-        prefill_ms = (time.perf_counter() - t) * 1000
-        for i in range(steps):
-            token = int(torch.argmax(out.logits[0, -1]))
-            tokens.append(token)
-            if i == steps - 1:
-                break
-            t, c = time.perf_counter(), time.process_time()
+    yield (time.perf_counter() - t) * 1000
+    for i in range(steps):
+        token = int(torch.argmax(out.logits[0, -1]))
+        tokens.append(token)
+        if i == steps - 1:
+            break
+        t = time.perf_counter()
+        with torch.inference_mode():
             out = model.model(input_ids=torch.tensor([[token]], device=dev), past_key_values=cache, use_cache=True)
-            step_ms.append((time.perf_counter() - t) * 1000)
-            cpu_ms.append((time.process_time() - c) * 1000)
-    return {"prefill_ms": prefill_ms, "ms_per_token": median(step_ms), "cpu_ms_per_token": median(cpu_ms),
-            "tokens": tokens}
+        yield (time.perf_counter() - t) * 1000
+    return {"tokens": tokens}
 
 
-def paired(a: Callable[[], dict], b: Callable[[], dict], repeats: int, tick: Callable[[], None]) -> dict:
-    """Run a and b alternately `repeats` times (order flipped each repeat); median of the ms/token ratios."""
+def lockstep(sides: dict[str, Callable[[], Generator[float, None, dict]]]) -> dict[str, dict]:
+    """Advance the sides' runs in turn, one step each, in the dict's order: prefills one after the
+    other, then step 1 of each, step 2 of each, ... so that load and drift hit every side alike.
+
+    Per side: prefill_ms, ms_per_token (median decode step, wall) and cpu_ms_per_token (median
+    process CPU time of its steps), plus what its generator returns."""
+    runs = {name: make() for name, make in sides.items()}
+    ms = {name: [] for name in runs}
+    cpu = {name: [] for name in runs}
+    out: dict[str, dict] = {}
+    while len(out) < len(runs):
+        for name, steps in runs.items():
+            if name in out:
+                continue
+            c = time.process_time()
+            try:
+                value = next(steps)
+            except StopIteration as done:
+                out[name] = {"prefill_ms": ms[name][0], "ms_per_token": median(ms[name][1:]),
+                             "cpu_ms_per_token": median(cpu[name][1:]), **done.value}
+                continue
+            cpu[name].append((time.process_time() - c) * 1000)
+            ms[name].append(value)
+    return {name: out[name] for name in runs}
+
+
+def engine_once(model: LoadedModel, spec: PolicySpec, ids: list[int], steps: int, budget,
+                record: str = "summary") -> dict:
+    """One engine run alone (a table row): prefill ms, median ms/token, KV bytes, peak RSS, its tokens."""
+    with PeakRSS() as mem:
+        res = lockstep({"run": lambda: engine_steps(model, spec, ids, steps, budget, record)})["run"]
+    return {**res, "peak_rss": mem.peak, "rss_growth": mem.peak - mem.start}
+
+
+def paired(a: Callable[[], Generator], b: Callable[[], Generator], repeats: int, tick: Callable[[], None]) -> dict:
+    """a and b in lockstep `repeats` times (which goes first flips each repeat); median of the ms/token ratios."""
     sides = {"a": [], "b": []}
     for r in range(repeats):
-        for side in ("ab" if r % 2 == 0 else "ba"):
-            sides[side].append((a if side == "a" else b)())
+        order = "ab" if r % 2 == 0 else "ba"
+        res = lockstep({side: (a if side == "a" else b) for side in order})
+        for side in order:
+            sides[side].append(res[side])
             tick()
     ratios = [x["ms_per_token"] / y["ms_per_token"] for x, y in zip(sides["a"], sides["b"], strict=True)]
     cpu = [x["cpu_ms_per_token"] / y["cpu_ms_per_token"] for x, y in zip(sides["a"], sides["b"], strict=True)]
     return {"ratio": median(ratios), "ratios": ratios, "a_ms_per_token": [x["ms_per_token"] for x in sides["a"]],
-            "b_ms_per_token": [y["ms_per_token"] for y in sides["b"]], "cpu_ratio": median(cpu), "cpu_ratios": cpu}
+            "b_ms_per_token": [y["ms_per_token"] for y in sides["b"]], "cpu_ratio": median(cpu), "cpu_ratios": cpu,
+            "same_tokens": all(x["tokens"] == y["tokens"] for x, y in zip(sides["a"], sides["b"], strict=True))}
 
 
-def rotated(runs: dict[str, Callable[[], dict]], repeats: int, tick: Callable[[], None]) -> dict[str, list[dict]]:
-    """Run every side once per repeat, the order rotating each repeat; results per side."""
+def rotated(runs: dict[str, Callable[[], Generator]], repeats: int, tick: Callable[[], None]) -> dict[str, list[dict]]:
+    """Every side in lockstep once per repeat, the order rotating each repeat; results per side."""
     names, out = list(runs), {name: [] for name in runs}
     for r in range(repeats):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            out[name].append(runs[name]())
+        order = names[r % len(names):] + names[: r % len(names)]
+        res = lockstep({name: runs[name] for name in order})
+        for name in order:
+            out[name].append(res[name])
             tick()
     return out
 
@@ -121,7 +156,7 @@ def evict_ratios(model: LoadedModel, text: str, n: int, steps: int, budget: floa
     """full, streaming_llm, h2o and tova on one n-token prompt, rotated: decode and prefill ratios over full."""
     n = min(n, (model.shape()["context"] or n + steps) - steps)
     ids = prefix_ids(model, text, n, "The text")
-    sides = rotated({name: (lambda name=name: engine_once(model, PolicySpec(name), ids, steps, budget))
+    sides = rotated({name: (lambda name=name: engine_steps(model, PolicySpec(name), ids, steps, budget))
                      for name in ("full", *EVICTING, *STATS[1:])}, evict_repeats(repeats, n), tick)
 
     def ratio(name, key):
@@ -163,14 +198,13 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
     evict = {n: evict_ratios(model, text, n, steps, 0.5, repeats, tick) for n in evict_lengths}
     ids = prefix_ids(model, text, ratio_length, "The text")
     full, sl, cam = PolicySpec("full"), PolicySpec("streaming_llm"), PolicySpec("cam")
-    engine = lambda: engine_once(model, full, ids, steps, budget)  # noqa: E731
-    loop = paired(engine, lambda: model_loop_once(model, ids, steps), repeats, tick)
-    cam_pair = paired(lambda: engine_once(model, cam, ids, steps, budget),
-                      lambda: engine_once(model, sl, ids, steps, budget), repeats, tick)
-    record = paired(lambda: engine_once(model, full, ids, steps, budget, record="attention"), engine, repeats, tick)
+    engine = lambda: engine_steps(model, full, ids, steps, budget)  # noqa: E731
+    loop = paired(engine, lambda: model_loop_steps(model, ids, steps), repeats, tick)
+    cam_pair = paired(lambda: engine_steps(model, cam, ids, steps, budget),
+                      lambda: engine_steps(model, sl, ids, steps, budget), repeats, tick)
+    record = paired(lambda: engine_steps(model, full, ids, steps, budget, record="attention"), engine, repeats, tick)
     half = engine_once(model, sl, ids, steps, 0.5)
     whole = engine_once(model, full, ids, steps, None)
-    same_tokens = engine()["tokens"] == model_loop_once(model, ids, steps)["tokens"]
     ratios = {"engine_vs_model_loop": loop["ratio"], "cam_vs_streaming_llm": cam_pair["ratio"],
               "record_full_vs_none": record["ratio"],
               "kv_bytes_half_budget_vs_full": half["kv_bytes_peak"] / whole["kv_bytes_prefill"],
@@ -182,7 +216,7 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
     return {"config": {"policies": [p.label for p in policies], "lengths": lengths, "steps": steps, "budget": budget,
                        "repeats": repeats, "ratio_length": ratio_length, "evict_lengths": evict_lengths},
             "environment": environment(model), "rows": rows, "ratios": ratios, "ratios_cpu": ratios_cpu,
-            "ratio_details": {"engine_vs_model_loop": {**loop, "same_tokens": same_tokens},
+            "ratio_details": {"engine_vs_model_loop": loop,
                               "cam_vs_streaming_llm": cam_pair, "record_full_vs_none": record,
                               **{f"evict_half_vs_full_at_{n}": e for n, e in evict.items()},
                               "kv_bytes_half_budget_vs_full": {
