@@ -205,7 +205,9 @@ def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
     for a in range(0, t, chunk):
         b = min(t, a + chunk)
         if spec.plain:  # causal: the rows a..b-1 see keys 0..b-1 only; mask just the diagonal block
-            scores = torch.matmul(qg[:, :, a:b], k[:, :b].unsqueeze(1).transpose(-1, -2)).float().mul_(spec.scaling)
+            # batched over KV heads with the group's rows stacked: K is read as is, never copied per query head
+            rows = qg[:, :, a:b].reshape(hkv, g * (b - a), d)
+            scores = torch.bmm(rows, k[:, :b].transpose(1, 2)).float().mul_(spec.scaling).view(hkv, g, b - a, b)
             scores[..., a:].masked_fill_(torch.ones(b - a, b - a, dtype=torch.bool, device=k.device).triu(1),
                                          float("-inf"))
             probs = torch.softmax(scores, dim=-1)  # (Hkv, G, q, b)

@@ -169,9 +169,7 @@ class LayerCache:
         b["keys"].view(-1, d).index_copy_(0, flat, key[0, :, 0])
         b["values"].view(-1, d).index_copy_(0, flat, value[0, :, 0])
         b["pos"].view(-1).index_fill_(0, flat, positions[0])
-        b["abar"].view(-1).index_fill_(0, flat, 0.0)
-        b["nobs"].view(-1).index_fill_(0, flat, 0.0)
-        b["valid"].view(-1).index_fill_(0, flat, True)
+        b["valid"].view(-1).index_fill_(0, flat, True)  # `free` already zeroed abar and nobs
         if self.extra:
             heads = torch.arange(hkv, device=slot.device)
             for t in self.extra.values():

@@ -11,6 +11,7 @@ import torch
 
 from kvlens.attention import AttentionSpec, decode_rows, last_rows, prefill_stats, sdpa
 from kvlens.cache import KVCache, LayerCache
+from kvlens.layer_stack import LayerStack
 from kvlens.policies.base import Policy, group_mean
 
 
@@ -26,7 +27,8 @@ class Observer:
 
     def on_decode(self, layer: LayerCache, query, probs, out, spec: AttentionSpec) -> None:
         """query `(1, Hq, 1, D)`, probs `(Hkv, G, S)` over `layer`'s slots, out `(1, 1, Hq, D)`; `spec`
-        is how the layer attends (scaling, soft-capping, sliding window)."""
+        is how the layer attends (scaling, soft-capping, sliding window). `layer.abar` and `nobs` take
+        this step's attention after the forward (`RunContext.accumulate`), not yet here."""
 
 
 class RunContext:
@@ -40,6 +42,7 @@ class RunContext:
         # the prompt's column sums cost a chunked pass over T x T; computed only when someone reads them
         self.column_sums = policy.prefill_column_sums() or any(o.needs_prefill_stats for o in self.observers)
         self.prefill_rows = max([policy.prefill_rows()] + [o.prefill_rows for o in self.observers])
+        self._observed: list[tuple[LayerCache, torch.Tensor, torch.Tensor | None]] = []  # this step's rows
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         """One layer's attention in this run; a sliding window hides the slots outside it (see `kvlens.attention`)."""
@@ -52,13 +55,26 @@ class RunContext:
         if spec.window is not None:
             seen = layer.valid & (self.cache.positions[-1] - layer.pos < spec.window)
         out, probs = decode_rows(query, key, value, seen, spec)
-        layer.abar += group_mean(probs)
-        layer.nobs += 1 if seen is None else seen
+        self._observed.append((layer, probs, seen))
         layer.last_attn = probs.reshape(-1, probs.shape[-1])
         self.policy.observe(layer, probs)
         for obs in self.observers:
             obs.on_decode(layer, query, probs, out, spec)
         return out
+
+    def accumulate(self, stack: LayerStack | None = None) -> None:
+        """After a decode step's forward, before compression: add its attention to every slot's `abar`
+        and its query to `nobs`. With a `LayerStack` whose layers all saw every slot, once for all layers."""
+        observed, self._observed = self._observed, []
+        if stack is not None and len(observed) == len(stack.layers) and all(
+                layer is mine and seen is None for (layer, _, seen), mine in zip(observed, stack.layers, strict=True)):
+            probs = torch.stack([p for _, p, _ in observed])  # (L, Hkv, G, S)
+            stack.abar.add_(group_mean(probs.flatten(0, 1)))
+            stack.nobs.add_(1)
+            return
+        for layer, probs, seen in observed:
+            layer.abar += group_mean(probs)
+            layer.nobs += 1 if seen is None else seen
 
     def _prefill(self, layer: LayerCache, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         t = query.shape[2]
