@@ -17,6 +17,7 @@ cache keeps, and its budget counts every kept slot, in the window or not.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -188,8 +189,9 @@ def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
     query `(1, Hq, T, D)`, key/value `(1, Hkv, T, D)`. Returns
     out `(1, T, Hq, D)`; colsum `(Hkv, T)` float32, each KV head's column sums of its query heads'
     mean attention (H2O's accumulated score); last `(Hq, L, T)` float32, the last `keep_rows` rows.
-    Plain layers take their output from SDPA (the model's own kernel); the chunks then only score,
-    each over the keys its rows can see (a causal chunk of rows a..b-1 needs keys 0..b-1).
+    The output comes from the same probabilities as the statistics (one eager pass over the causal
+    triangle: a chunk of rows a..b-1 scores keys 0..b-1 only), which costs less than SDPA's output
+    plus a second, scoring pass.
     """
     _, hq, t, d = query.shape
     hkv = key.shape[1]
@@ -197,7 +199,11 @@ def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
     qg = query[0].view(hkv, g, t, d)
     k, v = key[0], value[0]
     chunk = max(1, min(CHUNK_ELEMENTS // (hq * t), max(64, t // 8)))  # >= 8 chunks: the causal triangle is skipped
-    out = None if spec.plain else torch.empty(hkv, g, t, d, dtype=value.dtype, device=value.device)
+    scale = spec.scaling
+    if spec.plain and math.frexp(scale)[0] == 0.5:  # a power of two scales exactly: once on Q, not on every score
+        qg, scale = qg * scale, 1.0
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).triu(1)  # a diagonal block's masked keys
+    out = torch.empty(hkv, g, t, d, dtype=value.dtype, device=value.device)
     colsum = torch.zeros(hkv, t, dtype=torch.float32, device=key.device)
     first_kept = t - keep_rows
     last = torch.zeros(hq, max(keep_rows, 0), t, dtype=torch.float32, device=key.device)
@@ -207,10 +213,12 @@ def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
         if spec.plain:  # causal: the rows a..b-1 see keys 0..b-1 only; mask just the diagonal block
             # batched over KV heads with the group's rows stacked: K is read as is, never copied per query head
             rows = qg[:, :, a:b].reshape(hkv, g * (b - a), d)
-            scores = torch.bmm(rows, k[:, :b].transpose(1, 2)).float().mul_(spec.scaling).view(hkv, g, b - a, b)
-            scores[..., a:].masked_fill_(torch.ones(b - a, b - a, dtype=torch.bool, device=k.device).triu(1),
-                                         float("-inf"))
+            scores = torch.bmm(rows, k[:, :b].transpose(1, 2)).float().view(hkv, g, b - a, b)
+            if scale != 1.0:
+                scores.mul_(scale)
+            scores[..., a:].masked_fill_(future[: b - a, : b - a], float("-inf"))
             probs = torch.softmax(scores, dim=-1)  # (Hkv, G, q, b)
+            out[:, :, a:b] = torch.bmm(probs.to(v.dtype).view(hkv, g * (b - a), b), v[:, :b]).view(hkv, g, b - a, d)
         else:
             probs = attention_probs(qg[:, :, a:b], k, spec, visible(cols[a:b], cols, spec.window))  # (Hkv, G, q, T)
             out[:, :, a:b] = torch.einsum("hgqs,hsd->hgqd", probs.to(v.dtype), v)
@@ -219,6 +227,4 @@ def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
         if b > first_kept and keep_rows > 0:
             lo = max(a, first_kept)
             last[:, lo - first_kept:b - first_kept, :width] = probs[:, :, lo - a:].reshape(hq, b - lo, width)
-    if out is None:
-        return sdpa(query, key, value, spec.scaling), colsum, last
     return out.reshape(hq, t, d).transpose(0, 1).unsqueeze(0), colsum, last
