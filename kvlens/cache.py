@@ -15,8 +15,10 @@ Memory: the prompt's cache is the prefill's own tensors; the first compression b
 copies the kept slots into new buffers of exactly `limit` slots (budget + the one token of a
 step), so the prompt's memory is really freed; later steps write into those buffers in place.
 Caches that grow (full, budget-free policies) grow by chunks up to `limit` (the run's length).
-`nbytes` is what is allocated. `keep` gathers an explicit layout (policies whose decisions depend
-on slot order, e.g. CORM's and KVMerger's padding, use it and get the layout they ask for).
+`nbytes` is what is allocated. Slots past `n_slots` and freed slots hold zero `abar` and `nobs`, so
+a token written there starts with empty statistics without clearing them again. `keep` gathers an
+explicit layout (policies whose decisions depend on slot order, e.g. CORM's and KVMerger's padding,
+use it and get the layout they ask for).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ class LayerCache:
     state: dict[str, object] = field(default_factory=dict)  # the policy's per-layer run state (counters, RNGs)
     last_attn: torch.Tensor | None = None  # (Hq, S) float32, attention of the latest query
     prefill_rows: torch.Tensor | None = None  # (Hq, L, T) last L prefill rows, dropped after compression
-    written: torch.Tensor | None = None  # (Hkv, q) the slots the latest `append` wrote
+    _written: torch.Tensor | range | None = None  # the slots the latest `append` wrote (a range: at the end)
     n_kept: int = 0  # valid slots of the fullest KV head
     _n: int = 0  # slots in use, free ones included
     _holes: torch.Tensor | None = None  # (Hkv, E) slots freed by `free`, to be reused first
@@ -60,7 +62,11 @@ class LayerCache:
 
     # -- views -------------------------------------------------------------------------------------
     def _view(self, name: str) -> torch.Tensor | None:
-        return self._views.get(name)
+        view = self._views.get(name)
+        if view is None and name in self._buf:  # made on first use: a growing cache changes n every step
+            t, n = self._buf[name], self._n
+            view = self._views[name] = t[:, :, :n] if name in ("keys", "values") else t[:, :n]
+        return view
 
     def _set_layout(self, buffers: dict[str, torch.Tensor], n: int) -> None:
         """New buffers and/or slot count: remake the views (a decode step's cache keeps its layout)."""
@@ -68,8 +74,7 @@ class LayerCache:
             hkv, cap = buffers["pos"].shape
             self._flat = torch.arange(0, hkv * cap, cap, device=buffers["pos"].device)
             self.stacked = False
-        self._buf, self._n = buffers, n
-        self._views = {name: t[:, :, :n] if name in ("keys", "values") else t[:, :n] for name, t in buffers.items()}
+        self._buf, self._n, self._views = buffers, n, {}
 
     def _assign(self, name: str, value: torch.Tensor) -> None:
         view = self._view(name)
@@ -84,6 +89,14 @@ class LayerCache:
     abar = property(lambda self: self._view("abar"), lambda self, v: self._assign("abar", v))  # (Hkv, S) f32
     nobs = property(lambda self: self._view("nobs"), lambda self, v: self._assign("nobs", v))  # (Hkv, S) f32
     valid = property(lambda self: self._view("valid"), lambda self, v: self._assign("valid", v))  # (Hkv, S) bool
+
+    @property
+    def written(self) -> torch.Tensor | None:
+        """`(Hkv, q)` the slots the latest `append` wrote."""
+        if isinstance(self._written, range):
+            hkv, span = self._buf["pos"].shape[0], self._written
+            self._written = torch.arange(span.start, span.stop, device=self._buf["pos"].device).expand(hkv, len(span))
+        return self._written
 
     @property
     def n_slots(self) -> int:
@@ -157,7 +170,7 @@ class LayerCache:
                           "abar": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
                           "nobs": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
                           "valid": torch.ones(hkv, q, dtype=torch.bool, device=dev)}, q)
-        self.written = torch.arange(q, device=dev).expand(hkv, q)
+        self._written = range(q)
 
     def _fill_free(self, key, value, positions) -> None:
         """Write one token into each head's oldest freed slot (flat `index_copy_`, no reallocation)."""
@@ -175,7 +188,7 @@ class LayerCache:
             for t in self.extra.values():
                 t[heads, slot] = 0
         self.last_attn = None  # the slots changed: the next query's attention replaces it
-        self.written = slot[:, None]
+        self._written = slot[:, None]
 
     def _write_end(self, key, value, positions) -> None:
         hkv, q = key.shape[1], key.shape[2]
@@ -187,14 +200,12 @@ class LayerCache:
         b["keys"][:, :, n:need] = key
         b["values"][:, :, n:need] = value
         b["pos"][:, n:need] = positions
-        b["abar"][:, n:need] = 0.0
-        b["nobs"][:, n:need] = 0.0
-        b["valid"][:, n:need] = True
+        b["valid"][:, n:need] = True  # abar and nobs past the slots in use are zero
         for name, t in self.extra.items():
             self.extra[name] = torch.cat([t, t.new_zeros((hkv, q, *t.shape[2:]))], dim=1)
         self.last_attn = None
         self._set_layout(self._buf, need)
-        self.written = torch.arange(n, need, device=key.device).expand(hkv, q)
+        self._written = range(n, need)
 
     def _resize(self, capacity: int) -> None:
         """Reallocate every buffer to `capacity` slots, keeping `[0, n)`."""

@@ -132,6 +132,10 @@ class CaM(Policy):
     def cross_layer(self) -> bool:
         return self.base.cross_layer
 
+    def prefill_column_sums(self) -> bool:
+        # Abar is read by the base, or by the merge probability under score=accumulated
+        return self.base.prefill_column_sums() or (self.mask != "never" and self.score == "accumulated")
+
     def prefill_rows(self) -> int:
         return self.base.prefill_rows() if self.mask == "never" else max(1, self.base.prefill_rows())
 
