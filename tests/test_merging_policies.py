@@ -123,6 +123,65 @@ def test_cam_bernoulli_probability_is_clamped_attention_ratio():
         parse_settings("h2o", ["preset=paper"])
 
 
+def sequential_step0_merge(policy: CaM, layer: LayerCache, budget: int):
+    """CaM's step-0 merge written plainly (the official loop: one evicted slot at a time, in position
+    order, head by head, Python numbers); returns the merged values `(Hkv, S, D)` and the merge rows."""
+    keep, evicted = policy.base.select(layer, budget)
+    b, local = keep.shape[1], policy.base.local_window(budget)
+    pool = local if policy.targets == "local" else b
+    m = policy.span or pool
+    score, pos, values = policy.attention(layer).tolist(), layer.pos.tolist(), layer.values[0].clone()
+    gen = torch.Generator().manual_seed(policy.seed * 1_000_003 + layer.layer)
+    cands = [sorted(keep[h, b - pool:].tolist() + evicted[h].tolist(), key=lambda x, h=h: pos[h][x])
+             for h in range(HKV)]
+    outside = [keep[h, : b - pool].tolist() for h in range(HKV)]
+    reach = local if policy.targets == "local" else len(cands[0])
+    rows = []
+    for k in range(evicted.shape[1]):
+        u = torch.rand(HKV, generator=gen).tolist()
+        for h in range(HKV):
+            i = int(evicted[h, k])
+            after = cands[h][cands[h].index(i) + 1:]
+            window, targets = after[:reach], after[:min(m, reach)]
+            if not targets:
+                continue
+            if policy.denominator == "max":
+                ref = max(score[h][x] for x in [*outside[h], *window, i])
+            else:
+                over = targets if policy.denominator == "targets_mean" else window
+                ref = sum(score[h][x] for x in over) / len(over)
+            p = min(max(score[h][i] / max(ref, 1e-30), policy.clamp[0]), policy.clamp[1])
+            draw = 1 if policy.mask == "always" else int(u[h] < p)
+            w = draw / (len(targets) if policy.divide == "found" else m)
+            for t in targets:
+                values[h, t] += w * values[h, i]
+            rows.append((h, pos[h][i], [pos[h][t] for t in targets], draw, w, p))
+    return values, rows
+
+
+@pytest.mark.parametrize("params", [{}, {"preset": "official-summarization", "span": 6, "prefill": "merge"},
+                                    {"preset": "kvpress", "prefill": "merge"}, {"preset": "paper", "prefill": "merge"},
+                                    {"base": "h2o", "denominator": "window_mean", "span": 2},
+                                    {"base": "h2o", "preset": "official-ppl", "span": 3, "mask": "always"}])
+def test_cam_step0_merge_in_tensor_form_equals_the_sequential_loop(params):
+    policy = make_policy("cam", {**params, "seed": 4})
+    layer, reference = random_layer(11, 40, prefill=True), random_layer(11, 40, prefill=True)
+    decode_attn = torch.rand(HKV, 40, generator=torch.Generator().manual_seed(1))  # score=decode (kvpress)
+    layer.extra[DECODE_ATTN], reference.extra[DECODE_ATTN] = decode_attn, decode_attn.clone()
+    values, rows = sequential_step0_merge(policy, reference, 12)
+    log = DecisionLog()
+    policy.compress(layer, 12, log)
+    merges = log.frame().query("action == 'merge'")
+    assert len(merges) == len(rows) and sum(r[3] for r in rows) > 0
+    assert [(int(r.kv_head), int(r.position), list(r.targets), int(r.draw)) for r in merges.itertuples()] == \
+        [(h, i, t, d) for h, i, t, d, _, _ in rows]
+    assert merges.prob.tolist() == pytest.approx([r[5] for r in rows], rel=1e-5)
+    kept = layer.ordered()
+    for h in range(HKV):
+        slots = [int((reference.pos[h] == q).nonzero()) for q in kept.pos[h].tolist()]
+        torch.testing.assert_close(kept.values[0, h], values[h, slots])
+
+
 @pytest.mark.parametrize("params", [{"preset": "official-ppl", "span": 5}, {"preset": "kvpress"},
                                     {"preset": "paper", "span": 3, "mask": "always"}])
 def test_cam_bulk_step0_merge_equals_the_same_evictions_one_at_a_time(params):

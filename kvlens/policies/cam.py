@@ -183,49 +183,75 @@ class CaM(Policy):
         return layer.last_attn.view(layer.pos.shape[0], -1, layer.n_slots).mean(1)
 
     def _merge(self, layer, keep, evicted, budget, log):
-        """Merge the evicted slots one at a time in position order (the k-th of every head together).
+        """Merge the evicted slots one at a time in position order, each carrying what earlier ones sent
+        it, in tensor form (no loop over slots).
 
-        "After i" and the windows count in position order: the masks below are indexed by rank
-        (the slot's place in position order, `perm` maps rank to slot); values are updated in place.
+        Per head, the candidates C are the pool (the newest `pool` kept slots) and the evicted slots,
+        in position order; evicted slot i sends `w_i * V_i` to the first `found_i` candidates after
+        it (its window: the first `reach`). Which candidates, p and the draws depend only on the
+        scores, so they are computed for every i at once (draws in the same generator order as one
+        at a time); the values then solve `V = V0 + W V` over C, W strictly lower triangular
+        (`W[x, i] = w_i` for the targets x of i), by forward substitution.
         """
-        hkv, s = layer.pos.shape
-        b = keep.shape[1]
-        local = self.base.local_window(budget)  # the newest `local` kept slots
-        pool = local if self.targets == "local" else b  # kept slots that may receive merges
+        hkv, b, n_ev = layer.pos.shape[0], keep.shape[1], evicted.shape[1]
+        local = self.base.local_window(budget)
+        pool = local if self.targets == "local" else b
         m = self.span or pool
-        reach = local if self.targets == "local" else s  # how many candidates after i its window spans
-        perm = layer.position_order()  # (Hkv, S) rank -> slot
-        rank_of = torch.empty_like(perm).scatter_(1, perm, torch.arange(s, device=perm.device).expand(hkv, s))
-        slots_evicted = evicted
-        keep, evicted = rank_of.gather(1, keep), rank_of.gather(1, evicted)  # ranks, ascending
-        score = self.attention(layer).float().gather(1, perm)
-        pos = layer.pos.gather(1, perm)
-        values = layer.values[0]  # (Hkv, S, D), a view of the cache: merged in place
-        cand = torch.zeros(hkv, s, dtype=torch.bool, device=keep.device)
-        cand.scatter_(1, keep[:, b - pool:], True)
-        cand.scatter_(1, evicted, True)  # an evicted slot stays a candidate until its own turn
-        outside = torch.zeros_like(cand).scatter_(1, keep[:, :b - pool], True)  # sinks, heavy hitters
-        index = torch.arange(s, device=keep.device)
-        no_target = torch.zeros_like(evicted, dtype=torch.bool)
-        for k in range(evicted.shape[1]):
-            e = evicted[:, k : k + 1]  # (Hkv, 1)
-            cand.scatter_(1, e, False)
-            after = cand & (index[None, :] > e)
-            rank = after.long().cumsum(-1)
-            window, targets = after & (rank <= reach), after & (rank <= min(m, reach))
-            found = targets.sum(-1)  # (Hkv,)
-            p = self._probability(score, e, targets, window, outside, found)
-            draw = self._draw(layer, p, found)
-            w = draw / (found.clamp(min=1).float() if self.divide == "found" else float(max(m, 1)))  # (Hkv,)
-            e_slot = slots_evicted[:, k : k + 1, None].expand(-1, -1, values.shape[-1])
-            v_e = torch.gather(values, 1, e_slot)  # (Hkv, 1, D)
-            receives = torch.zeros_like(targets).scatter_(1, perm, targets)  # targets, by slot
-            values += receives[..., None].to(values.dtype) * (w[:, None, None].to(values.dtype) * v_e)
-            no_target[:, k] = found == 0
-            if log is not None:
-                self._log(layer.layer, pos, log, e, targets, w, p, draw)
+        members = torch.cat([keep[:, b - pool:], evicted], dim=1)  # slots (Hkv, C)
+        order = layer.pos.gather(1, members).argsort(-1)
+        members, is_evicted = members.gather(1, order), order >= pool
+        n_c = members.shape[1]
+        reach = min(local if self.targets == "local" else n_c, n_c)
+        c = is_evicted.nonzero()[:, 1].view(hkv, n_ev)  # each evicted slot's place in C, ascending
+        after = n_c - 1 - c
+        found, window = after.clamp(max=min(m, reach)), after.clamp(max=reach)
+        all_scores = self.attention(layer).float()
+        score = all_scores.gather(1, members)  # (Hkv, C)
+        p = self._probabilities(score, c, found, window, all_scores.gather(1, keep[:, : b - pool]), reach)
+        draw = self._draw(layer, p, found)
+        w = draw / (found.clamp(min=1).float() if self.divide == "found" else float(max(m, 1)))  # (Hkv, E)
+        values = layer.values[0]  # (Hkv, S, D), merged in place
+        sent = torch.zeros(hkv, n_c, dtype=torch.float32, device=w.device).scatter_(1, c, w)
+        reach_of = torch.zeros(hkv, n_c, dtype=torch.long, device=c.device).scatter_(1, c, found)
+        target, source = torch.arange(n_c, device=c.device)[:, None], torch.arange(n_c, device=c.device)[None, :]
+        for h in range(hkv):  # one C x C system per head keeps the memory at C^2
+            receives = (target > source) & (target <= source + reach_of[h][None, :])
+            weights = torch.where(receives, sent[h][None, :], 0.0)
+            v0 = values[h, members[h]].float()
+            merged = torch.linalg.solve_triangular(-weights, v0, upper=False, unitriangular=True)
+            kept = members[h, ~is_evicted[h]]
+            values[h, kept] = merged[~is_evicted[h]].to(values.dtype)
         if log is not None:
-            log_evictions(log, layer, torch.gather(pos, 1, evicted).masked_fill(~no_target, -1))
+            self._log_all(layer.layer, layer.pos.gather(1, members), c, found, w, p, draw, log)
+            log_evictions(log, layer, layer.pos.gather(1, evicted).masked_fill(found > 0, -1))
+
+    def _probabilities(self, score, c, found, window, outside, reach) -> torch.Tensor:
+        """`(Hkv, E)` p = clamp(A_i / A_ref, lo, hi) of every evicted slot at C places `c`, 0 without a target.
+
+        score `(Hkv, C)` over the candidates in position order; outside `(Hkv, O)` the kept slots
+        outside the pool (the `max` reference's sinks and heavy hitters)."""
+        a_i = score.gather(1, c)
+        if self.denominator == "max":
+            ref = torch.maximum(window_max(score, reach + 1).gather(1, c),
+                                outside.max(-1, keepdim=True).values if outside.shape[1] else a_i.new_full(
+                                    (a_i.shape[0], 1), float("-inf")))
+        else:
+            span = found if self.denominator == "targets_mean" else window
+            sums = torch.cat([score.new_zeros(score.shape[0], 1), score.double().cumsum(-1)], dim=1)
+            ref = ((sums.gather(1, c + 1 + span) - sums.gather(1, c + 1)) / span.clamp(min=1)).float()
+        p = (a_i / ref.clamp(min=1e-30)).clamp(self.clamp[0], self.clamp[1])
+        return torch.where(found > 0, p, torch.zeros_like(p))
+
+    @staticmethod
+    def _log_all(layer, pos, c, found, w, p, draw, log):
+        """The merge rows of `_merge`, evicted slot by slot in position order, head by head."""
+        pos, c, found, w, p, draw = (t.tolist() for t in (pos, c, found, w, p, draw))
+        for k in range(len(c[0])):
+            for h in range(len(c)):
+                i, f = c[h][k], found[h][k]
+                if f:
+                    log.merge(layer, h, pos[h][i], pos[h][i + 1:i + 1 + f], [w[h][k]] * f, prob=p[h][k],
+                              draw=int(draw[h][k]))
 
     def _merge_one(self, layer, e, budget, log):
         """`_merge` for one evicted slot per head `e` `(Hkv, 1)`, in slot space without sorting.
@@ -268,10 +294,13 @@ class CaM(Policy):
         log_evictions(log, layer, pos.gather(1, e).masked_fill(~missed[:, None], -1))
 
     def _draw(self, layer, p, found) -> torch.Tensor:
-        """`(Hkv,)` the merge mask: Bernoulli(p) from each layer's generator, or 1 wherever a target exists."""
+        """The merge mask, p's shape (`(Hkv,)` or `(Hkv, E)`): Bernoulli(p) from each layer's generator, or
+        1 wherever a target exists."""
         if self.mask == "always":
             return (found > 0).float()
-        u = torch.cat([torch.rand(part.pos.shape[0], generator=self.generator(part)) for part in layer.parts()])
+        rows = p.shape[0] // len(layer.parts())  # drawn step by step (the k-th evicted slot of every head together)
+        u = torch.cat([torch.rand((*p.shape[1:], rows), generator=self.generator(part)).movedim(-1, 0)
+                       for part in layer.parts()])
         return (u.to(p.device) < p).float()
 
     def _probability(self, score, e, targets, window, outside, found) -> torch.Tensor:
@@ -288,11 +317,14 @@ class CaM(Policy):
         p = (a_i / ref.clamp(min=1e-30)).clamp(self.clamp[0], self.clamp[1])
         return torch.where(found > 0, p, torch.zeros_like(p))
 
-    @staticmethod
-    def _log(layer, pos, log, e, targets, w, p, draw):
-        """One merge row per head that has targets; `pos` `(Hkv, S)` and the masks are in position order."""
-        for h in range(e.shape[0]):
-            idx = targets[h].nonzero().flatten()
-            if len(idx):
-                log.merge(layer, h, int(pos[h, e[h, 0]]), pos[h, idx].tolist(),
-                          [float(w[h])] * len(idx), prob=float(p[h]), draw=int(draw[h]))
+
+def window_max(x: torch.Tensor, length: int) -> torch.Tensor:
+    """`(..., n)` -> the max of `x[..., i : i + length]` at each i (fewer at the end): exact, log2(length) steps."""
+    out, span = x, 1
+    pad = x.new_full((*x.shape[:-1], length), float("-inf"))
+    while span * 2 <= length:  # out[i] = max of x[i : i + span]
+        out = torch.maximum(out, torch.cat([out, pad], dim=-1)[..., span:span + x.shape[-1]])
+        span *= 2
+    if span < length:  # two overlapping windows of `span` cover `length`
+        out = torch.maximum(out, torch.cat([out, pad], dim=-1)[..., length - span:length - span + x.shape[-1]])
+    return out
