@@ -186,6 +186,8 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
     """
     if repeats < 1 or steps < 2:
         raise KvlensError("Speed needs at least one repeat and two generated tokens.")
+    # untimed warm-up: the process's first run pays one-off costs (allocator, kernels) that would land in row one
+    engine_once(model, PolicySpec("full"), prefix_ids(model, text, min(lengths), "The text"), 2, None)
     rows = []
     for n in lengths:
         ids = prefix_ids(model, text, n, "The text")
