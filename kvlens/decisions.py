@@ -5,18 +5,33 @@ layer, kv_head, action (`evict`, `merge`), position (original position of the sl
 targets (positions that received it), weights (the weight each target received), prob
 (Bernoulli probability, NaN if none) and draw (Bernoulli outcome 0/1, -1 if none).
 
-Evictions are kept as the policies' tensors (one append per layer and step, no per-row Python)
-and turned into rows once, when the table is built; rows keep the order of the calls.
+Evictions and tensor-form merges are kept as the policies' tensors (one append per layer and
+step, no per-row Python) and turned into rows once, when the table is built; rows keep the order
+of the calls.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 import torch
 
 COLUMNS = ["step", "layer", "kv_head", "action", "position", "targets", "weights", "prob", "draw"]
+
+
+@dataclass(frozen=True)
+class _Merges:
+    """A `merges` call: per head and merged slot (Hkv, E), targets (Hkv, E, K) padded with -1."""
+
+    step: int
+    layer: int
+    source: torch.Tensor
+    targets: torch.Tensor
+    weight: torch.Tensor
+    prob: torch.Tensor
+    draw: torch.Tensor
 
 
 class DecisionLog:
@@ -35,19 +50,28 @@ class DecisionLog:
         self._chunks.append((self.step, layer, head, "merge", int(position), list(targets),
                              [float(w) for w in weights], float(prob), int(draw)))
 
+    def merges(self, layer: int, source: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+               prob: torch.Tensor, draw: torch.Tensor) -> None:
+        """Merges in tensor form: `source` `(Hkv, E)` positions merged, `targets` `(Hkv, E, K)` the positions
+        each sent its value to (ascending, -1 pads), `weight`, `prob`, `draw` `(Hkv, E)`. One row per
+        source with a target, the E sources in turn, head by head within each."""
+        self._chunks.append(_Merges(self.step, layer, *(t.detach() for t in (source, targets, weight, prob, draw))))
+
     def __len__(self) -> int:
-        return sum(int((c[-1] >= 0).sum()) if _is_evict(c) else 1 for c in self._chunks)
+        return sum(int((c[-1] >= 0).sum()) if _is_evict(c) else
+                   int((c.targets[..., 0] >= 0).sum()) if isinstance(c, _Merges) else 1 for c in self._chunks)
 
     def frame(self) -> pd.DataFrame:
-        parts = [_evict_columns(*c) if _is_evict(c) else _row_columns(c) for c in self._chunks]
+        parts = [_evict_columns(*c) if _is_evict(c) else _merge_columns(c) if isinstance(c, _Merges) else
+                 _row_columns(c) for c in self._chunks]
         if not parts:
             return decisions_frame()
         columns = {k: np.concatenate([p[k] for p in parts]) for k in COLUMNS}
         return decisions_frame(columns)
 
 
-def _is_evict(chunk: tuple) -> bool:
-    return isinstance(chunk[-1], torch.Tensor)
+def _is_evict(chunk) -> bool:
+    return isinstance(chunk, tuple) and isinstance(chunk[-1], torch.Tensor)
 
 
 def _row_columns(row: tuple) -> dict[str, np.ndarray]:
@@ -77,6 +101,22 @@ def _evict_columns(step: int, layer: int, evicted_pos: torch.Tensor) -> dict[str
             "action": np.full(n, "evict", dtype=object), "position": pos[keep],
             "targets": _empty(n), "weights": _empty(n),
             "prob": np.full(n, math.nan), "draw": np.full(n, -1)}
+
+
+def _merge_columns(chunk: _Merges) -> dict[str, np.ndarray]:
+    """Rows of one `merges` call, source by source, head by head (sources without a target left out)."""
+    targets = chunk.targets.cpu().numpy().transpose(1, 0, 2)  # (E, Hkv, K)
+    found = (targets >= 0).sum(-1)
+    has = found > 0
+    heads = np.broadcast_to(np.arange(found.shape[1])[None, :], found.shape)[has]
+    rows, counts = targets[has], found[has]
+    weights = chunk.weight.cpu().numpy().T[has].tolist()
+    n = len(rows)
+    return {"step": np.full(n, chunk.step), "layer": np.full(n, chunk.layer), "kv_head": heads,
+            "action": np.full(n, "merge", dtype=object), "position": chunk.source.cpu().numpy().T[has],
+            "targets": _objects([row[:f].tolist() for row, f in zip(rows, counts, strict=True)]),
+            "weights": _objects([[w] * int(f) for w, f in zip(weights, counts, strict=True)]),
+            "prob": chunk.prob.cpu().numpy().T[has].astype(np.float64), "draw": chunk.draw.cpu().numpy().T[has]}
 
 
 def decisions_frame(columns: dict[str, np.ndarray] | None = None) -> pd.DataFrame:

@@ -442,3 +442,18 @@ def test_every_preset_runs_and_is_recorded_resolved(tiny, name, preset):
     assert r.meta["policy"]["params"] == {**r.meta["policy"]["params"], **REGISTRY[name].presets[preset]}
     assert "preset" not in r.meta["policy"]["params"] and math.isfinite(r.metrics["ppl"])
     assert policy.budget_free or r.metrics["kv_slots_max"] == 20
+
+
+def test_merges_in_tensor_form_give_the_rows_of_one_merge_call_each():
+    tensor_log, row_log = DecisionLog(), DecisionLog()
+    source = torch.tensor([[5, 9], [6, 8]])  # (Hkv, E)
+    targets = torch.tensor([[[6, 7, -1], [-1, -1, -1]], [[7, 9, 10], [9, -1, -1]]])  # (Hkv, E, K)
+    weight, prob = torch.tensor([[0.5, 0.0], [0.25, 1.0]]), torch.tensor([[0.9, 0.0], [0.3, 1.0]])
+    draw = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    tensor_log.merges(2, source, targets, weight, prob, draw)
+    for e, h in [(0, 0), (0, 1), (1, 1)]:  # source by source, head by head; head 0's second has no target
+        found = [int(t) for t in targets[h, e] if t >= 0]
+        row_log.merge(2, h, int(source[h, e]), found, [float(weight[h, e])] * len(found), prob=float(prob[h, e]),
+                      draw=int(draw[h, e]))
+    assert len(tensor_log) == len(row_log) == 3
+    assert tensor_log.frame().equals(row_log.frame())

@@ -222,7 +222,11 @@ class CaM(Policy):
             kept = members[h, ~is_evicted[h]]
             values[h, kept] = merged[~is_evicted[h]].to(values.dtype)
         if log is not None:
-            self._log_all(layer.layer, layer.pos.gather(1, members), c, found, w, p, draw, log)
+            pos = layer.pos.gather(1, members)  # (Hkv, C)
+            k = torch.arange(max(int(found.max()), 1), device=c.device)  # target j of i is candidate c + 1 + j
+            places = (c[..., None] + 1 + k).clamp(max=n_c - 1)  # (Hkv, E, K)
+            targets = pos.gather(1, places.flatten(1)).view_as(places).masked_fill(k >= found[..., None], -1)
+            log_merges(log, layer, pos.gather(1, c), targets, w, p, draw)
             log_evictions(log, layer, layer.pos.gather(1, evicted).masked_fill(found > 0, -1))
 
     def _probabilities(self, score, c, found, window, outside, reach) -> torch.Tensor:
@@ -241,17 +245,6 @@ class CaM(Policy):
             ref = ((sums.gather(1, c + 1 + span) - sums.gather(1, c + 1)) / span.clamp(min=1)).float()
         p = (a_i / ref.clamp(min=1e-30)).clamp(self.clamp[0], self.clamp[1])
         return torch.where(found > 0, p, torch.zeros_like(p))
-
-    @staticmethod
-    def _log_all(layer, pos, c, found, w, p, draw, log):
-        """The merge rows of `_merge`, evicted slot by slot in position order, head by head."""
-        pos, c, found, w, p, draw = (t.tolist() for t in (pos, c, found, w, p, draw))
-        for k in range(len(c[0])):
-            for h in range(len(c)):
-                i, f = c[h][k], found[h][k]
-                if f:
-                    log.merge(layer, h, pos[h][i], pos[h][i + 1:i + 1 + f], [w[h][k]] * f, prob=p[h][k],
-                              draw=int(draw[h][k]))
 
     def _merge_one(self, layer, e, budget, log):
         """`_merge` for one evicted slot per head `e` `(Hkv, 1)`, in slot space without sorting.
@@ -280,18 +273,11 @@ class CaM(Policy):
         values += targets[..., None].to(values.dtype) * (w[:, None, None].to(values.dtype) * v_e)
         if log is None:
             return
-        heads, slots = targets.nonzero(as_tuple=True)  # one transfer for every head's targets
-        rows: dict[int, list[int]] = {}
-        for h, t in zip(heads.tolist(), pos[heads, slots].tolist(), strict=True):
-            rows.setdefault(h, []).append(t)
-        source, probs, draws, weights = pos.gather(1, e)[:, 0].tolist(), p.tolist(), draw.tolist(), w.tolist()
-        parts = layer.parts()  # a `LayerStack`'s rows are its layers' heads, layer by layer
-        hkv = len(source) // len(parts)
-        for h in sorted(rows):
-            log.merge(parts[h // hkv].layer, h % hkv, source[h], sorted(rows[h]), [weights[h]] * len(rows[h]),
-                      prob=probs[h], draw=int(draws[h]))
-        missed = found == 0
-        log_evictions(log, layer, pos.gather(1, e).masked_fill(~missed[:, None], -1))
+        top = pos.masked_fill(~targets, torch.iinfo(pos.dtype).max).sort(-1).values[:, : max(int(found.max()), 1)]
+        targets_pos = top.masked_fill(top == torch.iinfo(pos.dtype).max, -1)[:, None]  # (Hkv, 1, K) ascending
+        source = pos.gather(1, e)
+        log_merges(log, layer, source, targets_pos, w[:, None], p[:, None], draw[:, None])
+        log_evictions(log, layer, source.masked_fill((found > 0)[:, None], -1))
 
     def _draw(self, layer, p, found) -> torch.Tensor:
         """The merge mask, p's shape (`(Hkv,)` or `(Hkv, E)`): Bernoulli(p) from each layer's generator, or
@@ -316,6 +302,13 @@ class CaM(Policy):
             ref = score.masked_fill(~pool, float("-inf")).max(-1).values
         p = (a_i / ref.clamp(min=1e-30)).clamp(self.clamp[0], self.clamp[1])
         return torch.where(found > 0, p, torch.zeros_like(p))
+
+
+def log_merges(log, layer, source, targets, weight, prob, draw) -> None:
+    """`DecisionLog.merges` for a layer or each layer of a `LayerStack` (rows split by layer)."""
+    for (index, s), (_, t), (_, w), (_, p), (_, d) in zip(*(layer.split(x) for x in (source, targets, weight, prob,
+                                                                                     draw)), strict=True):
+        log.merges(index, s, t, w, p, d)
 
 
 def window_max(x: torch.Tensor, length: int) -> torch.Tensor:
