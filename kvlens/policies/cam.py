@@ -194,9 +194,7 @@ class CaM(Policy):
         (`W[x, i] = w_i` for the targets x of i), by forward substitution.
         """
         hkv, b, n_ev = layer.pos.shape[0], keep.shape[1], evicted.shape[1]
-        local = self.base.local_window(budget)
-        pool = local if self.targets == "local" else b
-        m = self.span or pool
+        local, pool, m = self._sizes(budget)
         members = torch.cat([keep[:, b - pool:], evicted], dim=1)  # slots (Hkv, C)
         order = layer.pos.gather(1, members).argsort(-1)
         members, is_evicted = members.gather(1, order), order >= pool
@@ -208,8 +206,7 @@ class CaM(Policy):
         all_scores = self.attention(layer).float()
         score = all_scores.gather(1, members)  # (Hkv, C)
         p = self._probabilities(score, c, found, window, all_scores.gather(1, keep[:, : b - pool]), reach)
-        draw = self._draw(layer, p, found)
-        w = draw / (found.clamp(min=1).float() if self.divide == "found" else float(max(m, 1)))  # (Hkv, E)
+        draw, w = self._draw(layer, p, found, m)  # (Hkv, E)
         values = layer.values[0]  # (Hkv, S, D), merged in place
         sent = torch.zeros(hkv, n_c, dtype=torch.float32, device=w.device).scatter_(1, c, w)
         reach_of = torch.zeros(hkv, n_c, dtype=torch.long, device=c.device).scatter_(1, c, found)
@@ -252,9 +249,7 @@ class CaM(Policy):
         The pool is the newest `pool` kept slots; what follows i in it is both the window (it
         spans the whole pool) and, up to the first m by position, the targets.
         """
-        local = self.base.local_window(budget)
-        pool = local if self.targets == "local" else budget
-        m = self.span or pool
+        _, pool, m = self._sizes(budget)
         pos, valid = layer.pos, layer.valid
         kept = valid.scatter(1, e, False)
         in_pool = kept & (pos >= newest_cut(pos, kept, pool)) if pool > 0 else torch.zeros_like(kept)
@@ -266,8 +261,7 @@ class CaM(Policy):
         found = targets.sum(-1)
         score = self.attention(layer).float()
         p = self._probability(score, e, targets, window, kept & ~in_pool, found)
-        draw = self._draw(layer, p, found)
-        w = draw / (found.clamp(min=1).float() if self.divide == "found" else float(max(m, 1)))  # (Hkv,)
+        draw, w = self._draw(layer, p, found, m)  # (Hkv,)
         values = layer.values[0]  # (Hkv, S, D), merged in place
         v_e = torch.gather(values, 1, e[..., None].expand(-1, -1, values.shape[-1]))  # (Hkv, 1, D)
         values += targets[..., None].to(values.dtype) * (w[:, None, None].to(values.dtype) * v_e)
@@ -279,15 +273,23 @@ class CaM(Policy):
         log_merges(log, layer, source, targets_pos, w[:, None], p[:, None], draw[:, None])
         log_evictions(log, layer, source.masked_fill((found > 0)[:, None], -1))
 
-    def _draw(self, layer, p, found) -> torch.Tensor:
-        """The merge mask, p's shape (`(Hkv,)` or `(Hkv, E)`): Bernoulli(p) from each layer's generator, or
-        1 wherever a target exists."""
+    def _sizes(self, budget: int) -> tuple[int, int, int]:
+        """The base's local window, the pool of merge targets and m (how many after i receive)."""
+        local = self.base.local_window(budget)
+        pool = local if self.targets == "local" else budget
+        return local, pool, self.span or pool
+
+    def _draw(self, layer, p, found, m) -> tuple[torch.Tensor, torch.Tensor]:
+        """The merge mask and each target's weight, p's shape (`(Hkv,)` or `(Hkv, E)`): Bernoulli(p) from
+        each layer's generator (or 1 wherever a target exists), divided by m or by the targets found."""
         if self.mask == "always":
-            return (found > 0).float()
-        rows = p.shape[0] // len(layer.parts())  # drawn step by step (the k-th evicted slot of every head together)
-        u = torch.cat([torch.rand((*p.shape[1:], rows), generator=self.generator(part)).movedim(-1, 0)
-                       for part in layer.parts()])
-        return (u.to(p.device) < p).float()
+            draw = (found > 0).float()
+        else:
+            rows = p.shape[0] // len(layer.parts())  # drawn step by step (the k-th evicted slot of every head together)
+            u = torch.cat([torch.rand((*p.shape[1:], rows), generator=self.generator(part)).movedim(-1, 0)
+                           for part in layer.parts()])
+            draw = (u.to(p.device) < p).float()
+        return draw, draw / (found.clamp(min=1).float() if self.divide == "found" else float(max(m, 1)))
 
     def _probability(self, score, e, targets, window, outside, found) -> torch.Tensor:
         """`(Hkv,)` p = clamp(A_i / A_ref, lo, hi), 0 where no target follows i."""
