@@ -227,11 +227,21 @@ class LayerCache:
         """
         for name, fill in STAT_BUFFERS.items():
             self._buf[name].scatter_(1, index, fill)
-        self._holes = index if self._holes is None else torch.cat([self._holes, index], dim=1)
-        self.n_kept -= index.shape[1]
+        self.queue_freed(index)
         if self.limit is not None and self._n > self.limit and not self._pad:
             kept = self.valid.nonzero()[:, 1].view(self.valid.shape[0], self.n_kept)
             self.keep(kept, capacity=self.limit)
+
+    def queue_freed(self, index: torch.Tensor) -> None:
+        """Slots `index` `(Hkv, E)` whose statistics were cleared (`STAT_BUFFERS`) leave the kept count and
+        receive the next tokens (`free` does both; a `LayerStack` clears all layers at once, then calls this)."""
+        self._holes = index if self._holes is None else torch.cat([self._holes, index], dim=1)
+        self.n_kept -= index.shape[1]
+
+    def share_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Live in `buffers`, this layer's row blocks of a `LayerStack`'s shared buffers (same slots)."""
+        self._set_layout(buffers, self._n)
+        self.stacked = True
 
     def keep(self, index: torch.Tensor, valid: torch.Tensor | None = None, capacity: int | None = None) -> None:
         """Keep slots `index` `(Hkv, S')`, in that slot order, and free the rest (new buffers).

@@ -64,9 +64,9 @@ class RunContext:
 
     def accumulate(self, stack: LayerStack | None = None) -> None:
         """After a decode step's forward, before compression: add its attention to every slot's `abar`
-        and its query to `nobs`. With a `LayerStack` whose layers all saw every slot, once for all layers."""
+        and its query to `nobs`. With a live `LayerStack` whose layers all saw every slot, once for all layers."""
         observed, self._observed = self._observed, []
-        if stack is not None and len(observed) == len(stack.layers) and all(
+        if stack is not None and stack.valid_now and len(observed) == len(stack.layers) and all(
                 layer is mine and seen is None for (layer, _, seen), mine in zip(observed, stack.layers, strict=True)):
             probs = torch.stack([p for _, p, _ in observed])  # (L, Hkv, G, S)
             stack.abar.add_(group_mean(probs.flatten(0, 1)))

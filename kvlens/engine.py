@@ -105,7 +105,7 @@ class _Loop:
             input_ids=torch.tensor([ids], device=dev), position_ids=positions[None],
             past_key_values=self.cache, use_cache=True, logits_to_keep=1, **{CONTEXT_KWARG: self.ctx},
         )
-        self.ctx.accumulate(self.stack if self.stack is not None and self.stack.valid_now else None)
+        self.ctx.accumulate(self.stack)
         return out.logits[0, -1]
 
     def compress(self, step: int) -> None:

@@ -28,11 +28,10 @@ class LayerStack:
         self.hkv = layers[0].pos.shape[0]
         self._buf = {name: torch.cat([layer._buf[name] for layer in layers], dim=1 if name in ("keys", "values") else 0)
                      for name in layers[0]._buf}
-        rows = [slice(i * self.hkv, (i + 1) * self.hkv) for i in range(len(layers))]
-        for layer, block in zip(layers, rows, strict=True):
-            layer._set_layout({name: t[:, block] if name in ("keys", "values") else t[block]
-                               for name, t in self._buf.items()}, layer.n_slots)
-            layer.stacked = True
+        self._blocks = [slice(i * self.hkv, (i + 1) * self.hkv) for i in range(len(layers))]  # each layer's rows
+        for layer, block in zip(layers, self._blocks, strict=True):
+            layer.share_buffers({name: t[:, block] if name in ("keys", "values") else t[block]
+                                 for name, t in self._buf.items()})
         self.extra: dict[str, torch.Tensor] = {}  # used only while no layer keeps per-slot extras
         self.prefill_rows = None  # decode steps only
 
@@ -40,8 +39,8 @@ class LayerStack:
     def eligible(layers: list[LayerCache]) -> bool:
         """Every layer is a full fixed-capacity cache of equal shape (no free slot, no padding, no extras)."""
         first = layers[0]
-        return all(layer.n_slots == layer.capacity == first.capacity and layer._holes is None and not layer._pad
-                   and not layer.extra and layer.pos.shape == first.pos.shape for layer in layers)
+        return all(layer.n_slots == layer.capacity == first.capacity and not layer.padded and not layer.extra
+                   and layer.pos.shape == first.pos.shape for layer in layers)
 
     @property
     def valid_now(self) -> bool:
@@ -83,12 +82,11 @@ class LayerStack:
 
     def split(self, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """`(L * Hkv, ...)` -> each layer's index and its `(Hkv, ...)` rows."""
-        return [(layer.layer, t[i * self.hkv:(i + 1) * self.hkv]) for i, layer in enumerate(self.layers)]
+        return [(layer.layer, t[block]) for layer, block in zip(self.layers, self._blocks, strict=True)]
 
     def free(self, index: torch.Tensor) -> None:
-        """Evict one slot per head `(L * Hkv, 1)`: statistics cleared at once, each layer queues its hole."""
+        """Evict slots `index` `(L * Hkv, E)`: statistics cleared at once, each layer queues its rows."""
         for name, fill in STAT_BUFFERS.items():
             self._buf[name].scatter_(1, index, fill)
         for layer, (_, rows) in zip(self.layers, self.split(index), strict=True):
-            layer._holes = rows
-            layer.n_kept -= 1
+            layer.queue_freed(rows)
