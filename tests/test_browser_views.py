@@ -79,6 +79,8 @@ def _title(page, text: str) -> None:
 
 
 def test_inspector_row_of_a_clicked_token_and_a_copied_link_reopens_it(browser):
+    from playwright.sync_api import expect
+
     chromium, url = browser
     run = load_run(ROOT / "cached_runs" / "h2o-attention")
     page = new_page(chromium)
@@ -96,6 +98,7 @@ def test_inspector_row_of_a_clicked_token_and_a_copied_link_reopens_it(browser):
     page.wait_for_function(f"() => window.location.href.includes('step={step}') && "
                            "window.location.href.includes('layer=29') && window.location.href.includes('head=4')")
     share = page.frame_locator("iframe").first
+    expect(share.locator("#link")).to_have_value(page.url, timeout=10_000)  # the shown link refreshes every 0.5 s
     shown = share.locator("#link").input_value()  # the link is shown as text
     page.context.grant_permissions(["clipboard-read", "clipboard-write"])
     share.get_by_role("button", name="Copy link").click()
