@@ -153,25 +153,57 @@ def reference(model_dir: str) -> int:
         "tova": PrefillDecodingPress(prefilling_press=UnpinnedTOVAPress(compression_ratio=ratio),
                                      decoding_press=decoding(UnpinnedTOVAPress())),
     }
-    nll = {}
+    nll, removed = {}, {}
     with mock.patch.object(ScorerPress, "compress", sorted_compress), \
             mock.patch("torch.bernoulli", lambda p, *a, **k: torch.ones_like(p)), torch.no_grad():
         for case, press in presses.items():
-            nll[case] = score(model, press, ids, torch)
+            nll[case], removed[case] = score(model, press, ids, torch)
     result = {"command": "python scripts/crosscheck_kvpress.py", "text": TEXT.relative_to(ROOT).as_posix(),
               "ids": ids, "prefill": PREFILL, "steps": STEPS, "budget": BUDGET,
               "versions": {p: version(p) for p in ("kvpress", "torch", "transformers")},
-              "cases": {case: {"policy": CASES[case][0], "params": CASES[case][1], "nll": nll[case]}
+              "cases": {case: {"policy": CASES[case][0], "params": CASES[case][1], "nll": nll[case],
+                               "removed": removed[case]}
                         for case in presses}}
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    head = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in result.items() if k != "cases"]
+    cases = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in result["cases"].items()]  # one line per case
+    OUT.write_text("{\n" + "\n".join(head) + '\n "cases": {\n' + ",\n".join(cases) + "\n }\n}\n", encoding="utf-8")
     return 0
 
 
-def score(model, press, ids, torch) -> list[float]:
-    """Per-step NLL of ids[PREFILL:]: the prompt's logits, then one teacher-forced decode step each."""
+def score(model, press, ids, torch) -> tuple[list[float], list[list[list[list[int]]]]]:
+    """Per-step NLL of ids[PREFILL:] (the prompt's logits, then one teacher-forced decode step each) and the
+    positions each compression removed, `[step][layer][kv_head]` (step 0: the prompt's compression).
+
+    Positions are tracked outside kvpress: every `compress` call's kept keys are matched, row by row,
+    to the keys it was given (keys are never merged, so each kept key is one of them exactly)."""
     from transformers import DynamicCache
 
+    layers = model.config.num_hidden_layers
+    positions: dict[int, torch.Tensor] = {}  # layer -> (Hkv, S) original position of each cached key
+    removed: list[list[list[list[int]]]] = []
+    step = [0]
+
+    def tracked(compress):
+        def wrapper(module, hidden_states, keys, values, attentions, kwargs):
+            new_keys, new_values = compress(module, hidden_states, keys, values, attentions, kwargs)
+            layer, s = module.layer_idx, keys.shape[2]
+            before = positions.get(layer, torch.empty(keys.shape[1], 0, dtype=torch.long))
+            start = 0 if step[0] == 0 else PREFILL + step[0] - 1  # the prompt, then one token per step
+            before = torch.cat([before, torch.arange(start, start + s - before.shape[1]).expand(keys.shape[1], -1)], 1)
+            match = (new_keys[0][:, :, None, :] == keys[0][:, None, :, :]).all(-1)  # (Hkv, kept, S)
+            assert bool((match.sum(-1) == 1).all()), "every kept key is exactly one of the keys given"
+            kept = before.gather(1, match.float().argmax(-1))
+            positions[layer] = kept
+            while len(removed) <= step[0]:
+                removed.append([[] for _ in range(layers)])
+            removed[step[0]][layer] = [sorted(set(b.tolist()) - set(k.tolist())) for b, k in zip(before, kept)]
+            return new_keys, new_values
+        return wrapper
+
+    inner = [press.prefilling_press, press.decoding_press]
+    for p in inner:
+        object.__setattr__(p, "compress", tracked(p.compress))
     cache = DynamicCache()
     out = []
     with press(model):
@@ -180,9 +212,12 @@ def score(model, press, ids, torch) -> list[float]:
             out.append(float(-torch.log_softmax(logits.float(), -1)[ids[PREFILL + i]]))
             if i == STEPS - 1:
                 break
+            step[0] = i + 1
             logits = model(input_ids=torch.tensor([[ids[PREFILL + i]]]), past_key_values=cache,
                            position_ids=torch.tensor([[PREFILL + i]])).logits[0, -1]
-    return out
+    for p in inner:
+        del p.compress
+    return out, removed
 
 
 if __name__ == "__main__":

@@ -1,26 +1,32 @@
-"""Record every policy's decisions, NLLs and kept positions as the reference the cache must keep.
+"""Record every policy's decisions, kept counts and NLLs as the reference the engine must keep.
 
-    python scripts/make_golden_runs.py        # writes tests/data/golden_runs.json
+    python scripts/make_golden_runs.py [--cases a,b]   # writes tests/data/golden_runs.json + golden_decisions.parquet
 
-`tests/test_golden_runs.py` re-runs each case and compares: per-step NLL (rel <= 1e-5), a digest
-of each step's decision rows (sorted; everything but the float weights and probabilities, whose
-per-step sums are compared with a tolerance: summing in another slot order moves them by ~1e-7),
-the kept counts per step and, for the measured case, the perturbation summary. Made once,
-before the slot-reusing cache replaced the append-and-gather one, so any change of layout that
-moves a decision fails the test. Regenerate only for an intended change of a policy's behaviour.
+Structural facts are stored explicitly and compared exactly by `tests/test_golden_runs.py`:
+every decision row (step, layer, KV head, action, position, merge targets, Bernoulli draw) in
+`golden_decisions.parquet`, and the kept count of every step, layer and KV head in the JSON; the
+kept positions follow from them. Floats (per-step NLL, per-step sums of merge weights and
+probabilities, the perturbation summary) are compared within the envelope measured by
+`scripts/float_envelope.py` across kernel sets and thread counts. The cases were recorded
+before the slot-reusing cache replaced the append-and-gather one, so a layout that moves a
+decision fails. Regenerate only for an intended change of a policy's behaviour (`--cases`
+rewrites only those cases).
 """
 from __future__ import annotations
 
-import hashlib
+import argparse
 import json
 from pathlib import Path
+
+import pandas as pd
 
 from kvlens.engine import RunOptions, run
 from kvlens.models import load_model
 from kvlens.perturbation import measured
 from kvlens.policies import make_policy, policy_names
 
-OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "golden_runs.json"
+DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+OUT, ROWS = DATA / "golden_runs.json", DATA / "golden_decisions.parquet"
 TEXT = "kvlens/data/state_union/1946-Truman.txt"
 PREFILL, STEPS, BUDGET = 64, 24, 0.5
 EXTRA = {  # variants whose code paths the defaults do not reach
@@ -32,6 +38,7 @@ EXTRA = {  # variants whose code paths the defaults do not reach
     "weightedkv:merge=false": ("weightedkv", {"merge": False}),
 }
 MEASURED = ("cam", "h2o")  # also compare the perturbation summary
+STRUCTURE = ["step", "layer", "kv_head", "action", "position", "targets", "draw"]  # compared exactly
 
 
 def cases() -> dict[str, tuple[str, dict]]:
@@ -40,18 +47,14 @@ def cases() -> dict[str, tuple[str, dict]]:
     return out
 
 
-def digest(value) -> str:
-    return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]
-
-
-def step_digests(decisions) -> list[str]:
-    """One digest per step over its decision rows, sorted (layer, head, action, position, targets, draw)."""
-    out = []
-    for step in range(STEPS + 1):
-        rows = decisions[decisions.step == step]
-        out.append(digest(sorted((int(r.layer), int(r.kv_head), str(r.action), int(r.position),
-                                  [int(t) for t in r.targets], int(r.draw)) for r in rows.itertuples())))
-    return out
+def structure(decisions: pd.DataFrame) -> pd.DataFrame:
+    """The decision rows' structural columns, sorted, with plain Python-comparable types."""
+    rows = pd.DataFrame({"step": decisions.step.astype("int64"), "layer": decisions.layer.astype("int64"),
+                         "kv_head": decisions.kv_head.astype("int64"), "action": decisions.action.astype(str),
+                         "position": decisions.position.astype("int64"),
+                         "targets": [tuple(int(t) for t in ts) for ts in decisions.targets],
+                         "draw": decisions.draw.astype("int64")})
+    return rows.sort_values(STRUCTURE).reset_index(drop=True)
 
 
 def step_weights(decisions) -> list[float]:
@@ -61,6 +64,7 @@ def step_weights(decisions) -> list[float]:
 
 
 def one(model, ids, policy: str, params: dict, measure: bool) -> dict:
+    """One case: NLLs, kept counts `(steps + 1, L, Hkv)`, decision rows (`structure`), weight sums."""
     pol = make_policy(policy, params)
     budget = None if pol.budget_free else BUDGET
 
@@ -69,26 +73,71 @@ def one(model, ids, policy: str, params: dict, measure: bool) -> dict:
                    opts=RunOptions(budget=budget), observers=observers, on_step=on_step)
     r = measured(model, go, [], None) if measure else go([], None)
     out = {"policy": policy, "params": params, "nll": r.tensors["steps/nll"].tolist(),
-           "kv_slots": digest(r.tensors["steps/kv_slots"].tolist()), "decisions": step_digests(r.decisions),
-           "weights": step_weights(r.decisions),
-           "n_decisions": len(r.decisions)}
+           "kv_slots": r.tensors["steps/kv_slots"].tolist(), "weights": step_weights(r.decisions),
+           "rows": structure(r.decisions)}
     if measure:
         out["perturbation"] = {k: r.metrics[k] for k in ("perturbation_used_pooled", "perturbation_evict_pooled",
                                                           "kl", "merge_better_share")}
     return out
 
 
+def stored_rows(case: str) -> pd.DataFrame:
+    table = pd.read_parquet(ROWS)
+    rows = table[table.case == case].drop(columns="case")
+    return structure(rows.assign(targets=[tuple(t) for t in rows.targets]))
+
+
+def check_case(got: dict, want: dict, want_rows: pd.DataFrame) -> str | None:
+    """The first structural difference between a re-run and the stored case, in one sentence; None if equal."""
+    for step, (a, b) in enumerate(zip(got["kv_slots"], want["kv_slots"], strict=True)):
+        if a != b:
+            layer = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+            return f"kept counts differ at step {step}, layer {layer}: {a[layer]} against {b[layer]} stored"
+    mine, theirs = got["rows"], want_rows
+    for i in range(max(len(mine), len(theirs))):
+        a = tuple(mine.iloc[i]) if i < len(mine) else None
+        b = tuple(theirs.iloc[i]) if i < len(theirs) else None
+        if a != b:
+            return f"decision row {i} (sorted by {', '.join(STRUCTURE)}) is {a} but {b} is stored"
+    return None
+
+
+def write_rows(results: dict[str, dict]) -> None:
+    frames = [r["rows"].assign(case=case) for case, r in results.items()]
+    table = pd.concat(frames, ignore_index=True)[["case", *STRUCTURE]]
+    table["targets"] = [list(t) for t in table.targets]
+    table.to_parquet(ROWS, compression="zstd", index=False)
+
+
+def write_json(result: dict) -> None:
+    """One case per line, so a diff shows which cases changed."""
+    head = {k: v for k, v in result.items() if k != "cases"}
+    lines = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
+    cases_ = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in result["cases"].items()]
+    OUT.write_text("{\n" + "\n".join(lines) + '\n "cases": {\n' + ",\n".join(cases_) + "\n }\n}\n", encoding="utf-8")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", help="comma-separated case names to rewrite (default: all)")
+    args = parser.parse_args()
     model = load_model("default")
     ids = list(model.tokenizer(Path(TEXT).read_text(encoding="utf-8")).input_ids)[:PREFILL + STEPS]
-    result = {"command": "python scripts/make_golden_runs.py", "text": TEXT, "ids": ids, "prefill": PREFILL,
-              "steps": STEPS, "budget": BUDGET, "cases": {}}
-    for name, (policy, params) in cases().items():
-        result["cases"][name] = one(model, ids, policy, params, measure=False)
-        if name in MEASURED:
-            result["cases"][f"{name}:measured"] = one(model, ids, policy, params, measure=True)
-        print(name, result["cases"][name]["n_decisions"])
-    OUT.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    names = [f"{n}:measured" if m else n for n in cases() for m in ((False, True) if n in MEASURED else (False,))]
+    chosen = args.cases.split(",") if args.cases else names
+    old = json.loads(OUT.read_text(encoding="utf-8")) if args.cases else {"cases": {}}
+    results = {}
+    for name in names:
+        if name not in chosen:
+            results[name] = {**old["cases"][name], "rows": stored_rows(name)}
+            continue
+        policy, params = cases()[name.removesuffix(":measured")]
+        results[name] = one(model, ids, policy, params, measure=name.endswith(":measured"))
+        print(name, len(results[name]["rows"]), "decisions")
+    write_rows(results)
+    write_json({"command": "python scripts/make_golden_runs.py", "text": TEXT, "ids": ids, "prefill": PREFILL,
+                "steps": STEPS, "budget": BUDGET,
+                "cases": {n: {k: v for k, v in r.items() if k != "rows"} for n, r in results.items()}})
 
 
 if __name__ == "__main__":

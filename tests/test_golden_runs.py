@@ -1,9 +1,12 @@
 """Every policy decides exactly as it did before the slot-reusing cache (`scripts/make_golden_runs.py`).
 
-The cache's memory layout (which slot holds which position) must never change a decision: per
-case, the per-step NLL (rel <= 1e-5), each step's decision rows (digest of the sorted rows; merge
-weights and probabilities as per-step sums, rel <= 1e-5), the kept counts per step, layer and
-head and, for the measured cases, the perturbation summary.
+Structural facts are exact: every decision row (step, layer, KV head, action, position, merge
+targets, draw) and every kept count. Floats only guard against gross changes, within the
+envelope `python scripts/float_envelope.py` measured across ATen kernel sets and thread counts
+(ATEN_CPU_CAPABILITY=default|avx2 x OMP_NUM_THREADS=1|2 on an AVX2 EPYC, against values stored
+on an AVX-512 one): per-step NLL at most {nll_abs:.1e} apart, per-step sums of merge weights
+and probabilities {weights_rel:.1e} relative, perturbation summaries {pert_rel:.1e} relative
+({pert_abs:.1e} absolute). The tolerances below are ten times those.
 """
 from __future__ import annotations
 
@@ -13,26 +16,49 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.make_golden_runs import MEASURED, one
+from scripts.make_golden_runs import MEASURED, check_case, one, stored_rows
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "golden_runs.json").read_text(encoding="utf-8"))
+ENVELOPE = {"nll_abs": 3.3e-5, "weights_rel": 1.0e-6, "pert_rel": 6.0e-4, "pert_abs": 1.6e-4}  # measured (docstring)
+__doc__ = __doc__.format(**ENVELOPE)
+
+
+def check_floats(got: dict, want: dict) -> None:
+    torch.testing.assert_close(torch.tensor(got["nll"], dtype=torch.float64),
+                               torch.tensor(want["nll"], dtype=torch.float64), rtol=0, atol=10 * ENVELOPE["nll_abs"])
+    assert got["weights"] == pytest.approx(want["weights"], rel=10 * ENVELOPE["weights_rel"], abs=1e-9)
+    for key, value in want.get("perturbation", {}).items():
+        assert got["perturbation"][key] == pytest.approx(value, rel=10 * ENVELOPE["pert_rel"],
+                                                         abs=10 * ENVELOPE["pert_abs"]), key
+
+
+def rerun(model, case: str) -> dict:
+    want = GOLDEN["cases"][case]
+    measure = case.endswith(":measured")
+    assert not measure or case.removesuffix(":measured") in MEASURED
+    return one(model, GOLDEN["ids"], want["policy"], want["params"], measure=measure)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(GOLDEN["cases"]))
 def test_policy_decides_as_recorded(smol, case):
-    want = GOLDEN["cases"][case]
-    measure = case.endswith(":measured")
-    assert not measure or case.removesuffix(":measured") in MEASURED
-    got = one(smol, GOLDEN["ids"], want["policy"], want["params"], measure=measure)
-    torch.testing.assert_close(torch.tensor(got["nll"], dtype=torch.float64),
-                               torch.tensor(want["nll"], dtype=torch.float64), rtol=1e-5, atol=1e-7)
-    assert got["kv_slots"] == want["kv_slots"]
-    assert got["n_decisions"] == want["n_decisions"]
-    changed = [step for step, (a, b) in enumerate(zip(got["decisions"], want["decisions"], strict=True)) if a != b]
-    assert not changed, f"decisions differ at steps {changed}"
-    assert got["weights"] == pytest.approx(want["weights"], rel=1e-5, abs=1e-6)
-    if measure:
-        for key, value in want["perturbation"].items():
-            # a share of cells counts near-ties (1e-4 relative); float noise may move one of ~6000 cells
-            assert got["perturbation"][key] == pytest.approx(value, rel=1e-4, abs=1e-3 if "share" in key else 1e-7), key
+    got, want = rerun(smol, case), GOLDEN["cases"][case]
+    problem = check_case(got, want, stored_rows(case))
+    assert problem is None, problem
+    check_floats(got, want)
+
+
+@pytest.mark.slow
+def test_one_flipped_decision_fails_and_float_noise_passes(smol):
+    """The golden check can fail: one stored position changed is caught; NLLs 1e-6 relative apart pass."""
+    got, want, rows = rerun(smol, "h2o"), GOLDEN["cases"]["h2o"], stored_rows("h2o")
+    assert check_case(got, want, rows) is None
+    flipped = rows.copy()
+    flipped.loc[100, "position"] = int(flipped.position[100]) + 1
+    assert "decision row" in check_case(got, want, flipped)
+    miscounted = {**want, "kv_slots": json.loads(json.dumps(want["kv_slots"]))}
+    miscounted["kv_slots"][5][7][1] += 1
+    assert "step 5, layer 7" in check_case(got, miscounted, rows)
+    check_floats({**got, "nll": [x * (1 + 1e-6) for x in got["nll"]]}, want)
+    with pytest.raises(AssertionError):
+        check_floats({**got, "nll": [x + 1e-2 for x in got["nll"]]}, want)

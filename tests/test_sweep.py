@@ -66,6 +66,19 @@ def _untimed(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]
 
 
+def _same_rows(got: list[dict], want: list[dict]) -> None:
+    """Rows equal field by field: counts, shares and bytes exactly; the NLL, perplexity and perturbation
+    within 1e-6 relative. Worker processes run torch on 1/N of the threads, and a matrix product summed in
+    another order rounds differently: the embedded model's `full` cell moved by 1.4e-8 relative
+    (5.498275518 with 2 threads, 5.498275598 with 1), measured with `tests/test_sweep.py`'s tiny model."""
+    assert len(got) == len(want)
+    for a, b in zip(_untimed(got), _untimed(want), strict=True):
+        assert a.keys() == b.keys()
+        floats = {"nll", "ppl"}  # this grid measures no perturbation
+        assert {k: v for k, v in a.items() if k not in floats} == {k: v for k, v in b.items() if k not in floats}
+        assert {k: a[k] for k in floats} == pytest.approx({k: b[k] for k in floats}, rel=1e-6, abs=1e-12)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_dir, text_file, tmp_path_factory):
     """The rows of the 6-cell sweep run in this process, from start to end."""
@@ -194,7 +207,7 @@ def test_six_cells_give_the_same_rows_in_process_with_workers_and_on_ray(tiny_di
     for name, flags in [("workers", ["--workers", "2"]), ("ray", ["--ray", "--workers", "2"])]:
         out = tmp_path / name / "s.json"
         assert _sweep(tiny_dir, text_file, out, *flags) == 0, name
-        assert _untimed(_rows(out)) == _untimed(uninterrupted), name
+        _same_rows(_rows(out), uninterrupted)
 
 
 def test_a_sweep_killed_after_its_first_cell_resumes_without_recomputing(tiny_dir, text_file, uninterrupted,
