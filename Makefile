@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvlens-installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run test test-fast fuzz lint setup model browser clean-venv
+.PHONY: run test test-fast test-portable fuzz lint setup model browser clean-venv
 
 setup: $(STAMP)
 
@@ -44,6 +44,17 @@ test: model browser lint
 # The tests that need neither the embedded model nor a browser (about a minute).
 test-fast: lint
 	$(PY) -m pytest -q -m "not slow and not browser"
+
+# The float-sensitive tests under other ATen kernel sets and one thread: stored references, the engine
+# against the model, the executors and the property tests must not depend on the machine's kernels.
+PORTABLE_TESTS := tests/test_golden_runs.py tests/test_kvpress_crosscheck.py tests/test_engine.py \
+	tests/test_sweep.py::test_six_cells_give_the_same_rows_in_process_with_workers_and_on_ray
+test-portable: model
+	@for setting in ATEN_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1; do \
+		echo "== $$setting"; \
+		env $$setting $(PY) -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS) || exit 1; \
+		env $$setting $(PY) -m pytest -q -p no:cacheprovider -m property || exit 1; \
+	done
 
 # Property tests with random seeds and 20x the examples (CI runs them derandomized).
 fuzz: model

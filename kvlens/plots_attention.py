@@ -2,7 +2,7 @@
 timeline and merge provenance, and the measured perturbation (CaM Fig. 1d over steps and layers).
 The app's views of a single run that `kvlens.plots` does not build.
 
-`attention_grid` turns a `--record full` run's per-step rows (`attn/{layer}` `(R, Hq, Smax)`,
+`attention_grid` turns a `--record attention` run's per-step rows (`attn/{layer}` `(R, Hq, Smax)`,
 `attn_pos/{layer}` `(R, Hkv, Smax)`; row 0 = the last prompt token's query, row r >= 1 = the
 decode forward that fed generated token r - 1) into a query-step x position grid: the attention
 each cached position received, and each cell's status (not yet seen, evicted, merged away, kept,
@@ -47,7 +47,7 @@ class AttentionGrid:
 def recorded_attention_layers(run: Run) -> list[int]:
     layers = sorted(int(n.split("/")[1]) for n in run.tensors if n.startswith("attn/"))
     if not layers:
-        raise KvlensError("This run has no per-step attention rows; record it with --record full.")
+        raise KvlensError("This run has no per-step attention rows; record it with --record attention.")
     return layers
 
 

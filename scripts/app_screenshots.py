@@ -53,6 +53,7 @@ def main(out: Path, pages: list[str]) -> None:
             page.set_viewport_size({"width": width, "height": height})
             page.goto(f"{url}/{ADDRESS.get(name, name)}")
             wait_idle(page)
+            page.wait_for_timeout(1500)  # a picture, not a test: let the charts finish their transitions
             PREPARE.get(name, lambda _: None)(page)
             page.screenshot(path=str(out / f"app-{name}.png"), full_page=name not in WINDOW)
             print(out / f"app-{name}.png")

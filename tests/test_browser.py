@@ -31,7 +31,7 @@ def browser_page(runs_dir):
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(url)
-        wait_idle(page)
+        wait_idle(page, "kvlens")
         yield page
         browser.close()
 
@@ -40,7 +40,7 @@ def test_compare_two_policies_in_chromium(browser_page):
     page = browser_page
     assert page.get_by_text("cam-attention").first.is_visible()  # a shipped run is open
     page.get_by_role("link", name="Compare").click()
-    wait_idle(page)
+    wait_idle(page, "Compare")
     prompt = page.get_by_label("Prompt")
     prompt.fill("The President spoke to the Congress about the state of the economy and the")
     slider = page.get_by_role("slider")
@@ -66,7 +66,7 @@ def test_compare_two_policies_in_chromium(browser_page):
 def test_stop_cancels_a_run_and_saves_nothing(browser_page, runs_dir):
     page = browser_page
     page.get_by_role("link", name="Run", exact=True).click()
-    wait_idle(page)
+    wait_idle(page, "Run")
     page.get_by_label("New tokens").fill("400")
     page.get_by_label("New tokens").press("Enter")
     page.get_by_role("button", name="Run", exact=True).click()
@@ -79,7 +79,7 @@ def test_stop_cancels_a_run_and_saves_nothing(browser_page, runs_dir):
 def _runs_table(page):
     """Open the Runs page; its table (drawn on a canvas, with an accessible copy of the cells for reading)."""
     page.get_by_role("link", name="Runs", exact=True).click()
-    wait_idle(page)
+    wait_idle(page, "Runs")
     return page.locator("[data-testid='stMain'] [data-testid='stDataFrame']").first
 
 

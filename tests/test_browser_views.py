@@ -69,9 +69,16 @@ def _pick_token(page, run) -> tuple[int, str]:
 
 
 def _choose(page, name: str, option: str) -> None:
-    """Pick `option` in the main area's select box labelled `name`."""
-    page.locator("[data-testid='stMain']").get_by_role("combobox", name=name, exact=True).press("ArrowDown")
-    page.get_by_role("option", name=option, exact=True).click()
+    """Pick `option` in the main area's select box labelled `name` by typing it (the option list is
+    virtualised: an option far down is not in the page until scrolled to), then wait until it shows."""
+    from playwright.sync_api import expect
+
+    box = page.locator("[data-testid='stMain']").get_by_role("combobox", name=name, exact=True)
+    box.click()
+    box.fill(option)
+    page.get_by_role("option", name=option, exact=True).wait_for()  # the typed text left this option listed
+    box.press("Enter")
+    expect(box).to_have_value(option, timeout=60_000)
 
 
 def _title(page, text: str) -> None:
@@ -85,7 +92,7 @@ def test_inspector_row_of_a_clicked_token_and_a_copied_link_reopens_it(browser):
     run = load_run(ROOT / "cached_runs" / "h2o-attention")
     page = new_page(chromium)
     page.goto(f"{url}/?run=h2o-attention")
-    wait_idle(page)
+    wait_idle(page, "kvlens")
     step, text = _pick_token(page, run)
     _title(page, f"Token {step} «{text}» under h2o: layer 15, head 0")
     _choose(page, "Layer", "29")
@@ -111,7 +118,7 @@ def test_inspector_row_of_a_clicked_token_and_a_copied_link_reopens_it(browser):
 
     other = new_page(chromium)  # only the link carries the view
     other.goto(copied)
-    wait_idle(other)
+    wait_idle(other, "kvlens")
     _title(other, want)
     assert other.locator("[data-testid='stSidebar']").get_by_role("combobox", name="Run").input_value() \
         .startswith("h2o-attention")

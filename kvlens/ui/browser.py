@@ -49,9 +49,11 @@ def streamlit_server(env: dict | None = None):
         proc.wait(timeout=20)
 
 
-def wait_idle(page, timeout_ms: int = 120000) -> None:
-    """Wait until the page's title is drawn, the script has finished and the charts are drawn."""
-    page.wait_for_selector("[data-testid='stMain'] h1", timeout=timeout_ms)
+def wait_idle(page, title: str | None = None, timeout_ms: int = 120000) -> None:
+    """Wait until the page titled `title` (any page if None) is drawn and its script has finished: no
+    running indicator, no skeleton. States only, never a fixed time: after a click the previous page's
+    title is still there until the next one replaces it, so pass the title of the page being opened."""
+    heading = page.locator("[data-testid='stMain'] h1")
+    (heading.filter(has_text=title) if title else heading).first.wait_for(timeout=timeout_ms)
     page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]') && "
                            "!document.querySelector('[data-testid=\"stSkeleton\"]')", timeout=timeout_ms)
-    page.wait_for_timeout(2000)
