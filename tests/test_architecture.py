@@ -1,0 +1,131 @@
+"""The package's layers: a module imports only from its own layer or the layers below, and no import cycle.
+
+Every `import` and `from ... import` statement under `kvlens/` counts, inside functions too (a lazy
+import is still a dependency). The layers, bottom to top, are the README's "Architecture" section.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from kvlens.engine.cache import CacheRows, KVCache
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "kvlens"
+LAYERS = [  # bottom first; a module belongs to the layer of its longest matching prefix
+    ("base", ["kvlens.version", "kvlens.errors", "kvlens.lists", "kvlens.levels", "kvlens.params", "kvlens.texts"]),
+    ("runs", ["kvlens.runs"]),
+    ("cache", ["kvlens.engine.attention", "kvlens.engine.cache"]),
+    ("policies", ["kvlens.policies"]),
+    ("engine", ["kvlens.engine"]),
+    ("figures", ["kvlens.figures"]),
+    ("analysis", ["kvlens.analysis"]),
+    ("experiments", ["kvlens.experiments"]),
+    ("interfaces", ["kvlens.ui", "kvlens.cli", "kvlens.__main__", "kvlens"]),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> int:
+    best = max(((len(p), rank) for rank, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+                if module == p or module.startswith(p + ".")), default=None)
+    assert best is not None, f"{module} is in no layer"
+    return best[1]
+
+
+def imports(path: Path) -> set[str]:
+    """The kvlens modules a file imports (`from kvlens.x import y` counts y when it is a module)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "kvlens"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "kvlens" \
+                and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists()
+                          or (PACKAGE.parent / sub.replace(".", "/")).is_dir() else node.module)
+    return found
+
+
+GRAPH = {module_name(p): imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    upward = [f"{m} ({LAYERS[layer(m)][0]}) imports {d} ({LAYERS[layer(d)][0]})"
+              for m, deps in GRAPH.items() for d in sorted(deps) if layer(d) > layer(m)]
+    assert not upward, "\n".join(upward)
+
+
+def test_only_the_interfaces_import_the_app():
+    offenders = [m for m, deps in GRAPH.items() if any(d.startswith("kvlens.ui") for d in deps)
+                 and not m.startswith(("kvlens.ui", "kvlens.cli"))]
+    assert not offenders
+
+
+def test_no_import_cycle():
+    """Depth-first search over every import (lazy ones included); a back edge is a cycle."""
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for d in sorted(GRAPH.get(m, ())):
+            if d == m or d not in GRAPH:
+                continue
+            if state.get(d) == 1:
+                return [*path, m, d]
+            if d not in state and (cycle := visit(d, [*path, m])):
+                return cycle
+        state[m] = 2
+        return None
+
+    for module in GRAPH:
+        if module not in state and (cycle := visit(module, [])):
+            pytest.fail(" -> ".join(cycle[cycle.index(cycle[-1]):]))
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The rule can fail: a cache module importing the app is upward, and a lazy import counts."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from kvlens.ui import page\n")
+    assert imports(bad) == {"kvlens.ui.page"} and layer("kvlens.ui.page") > layer("kvlens.engine.cache")
+
+
+def test_no_policy_touches_a_private_attribute_of_the_cache():
+    for path in sorted((PACKAGE / "policies").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        private = [f"{path.name}:{n.lineno} .{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                   and n.attr.startswith("_") and not n.attr.startswith("__")
+                   and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+        assert not private, private
+
+
+def test_both_views_of_the_cache_implement_the_row_contract(tiny):
+    from kvlens.engine.loop import RunOptions, run
+    from kvlens.policies import make_policy
+
+    seen = []
+    policy = make_policy("h2o")
+    original = type(policy).compress
+
+    def compress(self, rows, step):
+        seen.append(rows)
+        return original(self, rows, step)
+
+    type(policy).compress = compress
+    try:
+        run(tiny, policy, list(b"The quick brown fox jumps over the lazy dog. " * 3), prefill=60, steps=6,
+            teacher=True, opts=RunOptions(budget=16))
+    finally:
+        type(policy).compress = original
+    assert {len(r.layers) for r in seen} == {1, tiny.shape()["layers"]}  # per layer at step 0, all layers later
+    for rows in seen:
+        assert isinstance(rows, CacheRows)
+    assert isinstance(KVCache(2).layers[0], CacheRows)
