@@ -38,7 +38,7 @@ def bundled(count: int | None = None, min_chars: int = 0) -> dict[str, str]:
 
 
 def prefix_ids(model, text: str, tokens: int, label: str = "the text") -> list[int]:
-    """The first `tokens` token ids of `text` (`model` is a `kvlens.models.LoadedModel`)."""
+    """The first `tokens` token ids of `text` (`model` is a `kvlens.engine.models.LoadedModel`)."""
     ids_ = list(model.tokenizer(text).input_ids)
     if len(ids_) < tokens:
         raise KvlensError(f"{label} has {len(ids_)} tokens, fewer than the {tokens} asked for.")

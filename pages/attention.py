@@ -2,7 +2,7 @@
 import streamlit as st
 
 from kvlens.levels import RecordLevel
-from kvlens.plots_attention import (
+from kvlens.figures.attention import (
     attention_grid,
     attention_map_figure,
     attention_row_figure,

@@ -1,7 +1,7 @@
 """Compare: 2-4 policies on one prompt, against the full cache: texts, divergence, metrics, aligned charts."""
 import streamlit as st
 
-from kvlens.compare import Entry, compare, entries_with_reference
+from kvlens.experiments.compare import Entry, compare, entries_with_reference
 from kvlens.ui.compare import result_cache, show_results, show_text
 from kvlens.ui.jobs import PageJob
 from kvlens.ui.page import page_top

@@ -86,7 +86,7 @@ def figure(groups, path: str, command: str) -> None:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from kvlens.export import export_figure
+    from kvlens.figures.export import export_figure
 
     budgets = sorted({b for b, _ in groups})
     names = sorted({n for _, n in groups if n.startswith("cam:")})

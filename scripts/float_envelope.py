@@ -34,8 +34,8 @@ def inside() -> dict:
     """In the configured process: every golden and kvpress case against its stored values."""
     import torch
 
-    from kvlens.engine import RunOptions, run
-    from kvlens.models import load_model
+    from kvlens.engine.loop import RunOptions, run
+    from kvlens.engine.models import load_model
     from kvlens.policies import make_policy
     from scripts.make_golden_runs import check_case, one, stored_rows
 

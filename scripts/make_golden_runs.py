@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvlens.engine import RunOptions, run
-from kvlens.models import load_model
-from kvlens.perturbation import measured
+from kvlens.engine.loop import RunOptions, run
+from kvlens.engine.models import load_model
+from kvlens.engine.perturbation import measured
 from kvlens.policies import make_policy, policy_names
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"

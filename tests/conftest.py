@@ -9,8 +9,8 @@ import torch
 from hypothesis import settings
 
 from kvlens import texts
-from kvlens.attention import ATTENTION_NAME, register_attention
-from kvlens.models import LoadedModel
+from kvlens.engine.attention import ATTENTION_NAME, register_attention
+from kvlens.engine.models import LoadedModel
 
 # `make test` runs every property test derandomized: the same examples on every run, so a red CI
 # always means a change. `make fuzz` sets KVLENS_FUZZ: random seeds and 20x the examples.
@@ -72,7 +72,7 @@ def tiny():
 
 @pytest.fixture(scope="session")
 def smol():
-    from kvlens.models import load_model
+    from kvlens.engine.models import load_model
 
     return load_model("default")
 

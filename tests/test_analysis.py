@@ -13,8 +13,8 @@ import kvlens.analysis as an
 from kvlens.analysis.spectrum import singular_values
 from kvlens.analysis.sweeps import prefix_ids, record_states
 from kvlens.cli import main
-from kvlens.engine import RunOptions
-from kvlens.engine import run as engine_run
+from kvlens.engine.loop import RunOptions
+from kvlens.engine.loop import run as engine_run
 from kvlens.errors import KvlensError
 from kvlens.levels import RecordLevel
 from kvlens.policies import make_policy
@@ -304,7 +304,7 @@ def run_kinds():
 @functools.cache
 def measured_run(tmp_dir: str):
     """A measured CaM run of the tiny model with attention rows (so with states, decisions and merges), saved."""
-    from kvlens.api import generate
+    from kvlens.experiments.api import generate
 
     opts = RunOptions(budget=24, max_new_tokens=6, record=RecordLevel.ATTENTION)
     r = generate(tiny_model(), "Merging keeps what eviction drops. " * 4, "cam", {"base": "h2o"}, opts=opts,

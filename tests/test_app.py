@@ -425,7 +425,7 @@ def test_every_policy_parameter_widget_has_the_registrys_help(app):
 
 @pytest.mark.slow
 def test_compare_page_shows_the_table_kvlens_compare_computes(app, smol):
-    from kvlens.compare import Entry, compare, table
+    from kvlens.experiments.compare import Entry, compare, table
 
     prompt = "The Senate and the House of Representatives met in the Capitol on Monday to debate the budget, and"
     at = open_page(app, "compare")

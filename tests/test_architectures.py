@@ -19,12 +19,12 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from kvlens.architectures import inspect_model
-from kvlens.attention import kvlens_attention
+from kvlens.engine.architectures import inspect_model
+from kvlens.engine.attention import kvlens_attention
 from kvlens.cli import main
-from kvlens.engine import RunOptions, run
+from kvlens.engine.loop import RunOptions, run
 from kvlens.errors import KvlensError
-from kvlens.models import load_model
+from kvlens.engine.models import load_model
 from kvlens.policies import REGISTRY, make_policy
 
 PREFILL, STEPS = 40, 40  # 80 tokens: five times the sliding windows below
@@ -332,7 +332,7 @@ def write_support_table():
 @pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3"])
 def test_measured_perturbation_follows_the_layers_window_and_softcap(name, loaded, ids):
     """`--measure` recomputes attention as the layer does: zero for `full`, used == evict without merging."""
-    from kvlens.perturbation import measured
+    from kvlens.engine.perturbation import measured
 
     lm = loaded(name)
 

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from kvlens.bench import needle, ppl, speed
-from kvlens.bench.common import PolicySpec, label, parse_policies
+from kvlens.experiments.bench import needle, ppl, speed
+from kvlens.experiments.bench.common import PolicySpec, label, parse_policies
 from kvlens.cli import main
 from kvlens.errors import KvlensError
-from kvlens.executors import Job, in_process
-from kvlens.grid import Results, run_grid
-from kvlens.sweep import plan_ppl
+from kvlens.experiments.executors import Job, in_process
+from kvlens.experiments.grid import Results, run_grid
+from kvlens.experiments.sweep import plan_ppl
 from kvlens.texts import bundled
 from tests.test_sweep import tiny_dir  # noqa: F401  (a fixture)
 

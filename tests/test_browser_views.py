@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvlens import load_run
-from kvlens.inspect_token import token_strings
+from kvlens.figures.inspect_token import token_strings
 from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, streamlit_server, wait_idle
 from kvlens.ui.inspector import label
 

@@ -1,14 +1,14 @@
-"""`kvlens.compare` (one measured pass per policy, results reused) and `kvlens compare --json`."""
+"""`kvlens.experiments.compare` (one measured pass per policy, results reused) and `kvlens compare --json`."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-import kvlens.compare as cmp
-from kvlens.api import generate
-from kvlens.compare import Entry, ResultCache, compare, first_difference, table
-from kvlens.engine import RunOptions
+import kvlens.experiments.compare as cmp
+from kvlens.experiments.api import generate
+from kvlens.experiments.compare import Entry, ResultCache, compare, first_difference, table
+from kvlens.engine.loop import RunOptions
 from tests.test_cli import kvlens, one_sentence
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
@@ -55,7 +55,7 @@ def test_identical_inputs_reuse_results_and_run_only_what_changed(tiny, monkeypa
         return engine_run(model, policy, *args, **kwargs)
 
     monkeypatch.setattr(cmp, "run", counted)
-    monkeypatch.setattr("kvlens.api.run", counted)
+    monkeypatch.setattr("kvlens.experiments.api.run", counted)
     cache = ResultCache()
     first = compare(tiny, PROMPT, ENTRIES, 6, cache=cache)
     assert passes == ["full", "streaming_llm", "tova"]  # one pass each

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from kvlens.engine import RunOptions, run
+from kvlens.engine.loop import RunOptions, run
 from kvlens.policies import make_policy
 
 JOBS = [("h2o", 12, b"Two researchers share one workstation. "),

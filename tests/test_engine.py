@@ -6,9 +6,9 @@ import threading
 import pytest
 import torch
 
-from kvlens.attention import AttentionSpec, decode_rows, prefill_stats
-from kvlens.context import Observer
-from kvlens.engine import RunOptions, run, run_steps
+from kvlens.engine.attention import AttentionSpec, decode_rows, prefill_stats
+from kvlens.engine.context import Observer
+from kvlens.engine.loop import RunOptions, run, run_steps
 from kvlens.errors import Cancelled, KvlensError
 from kvlens.policies import make_policy
 
@@ -132,8 +132,8 @@ def test_states_record_the_prompts_accumulated_attention_whatever_the_policy_com
 @pytest.mark.parametrize("policy,params", [("tova", {}), ("corm", {"window": 4, "recent": 4}), ("streaming_llm", {})])
 def test_policies_that_read_no_column_sums_skip_the_chunked_pass_and_decide_the_same(tiny, policy, params, monkeypatch):
     """TOVA and CORM read only the last prefill rows, StreamingLLM nothing: SDPA plus those rows, no T x T pass."""
-    import kvlens.context
-    from kvlens.context import Observer
+    import kvlens.engine.context
+    from kvlens.engine.context import Observer
 
     class WantsSums(Observer):
         needs_prefill_stats = True
@@ -142,7 +142,7 @@ def test_policies_that_read_no_column_sums_skip_the_chunked_pass_and_decide_the_
     go = lambda obs=(): run(tiny, make_policy(policy, params), ids, prefill=90, steps=12, teacher=True,  # noqa: E731
                             opts=RunOptions(budget=None if policy == "corm" else 24), observers=list(obs))
     chunked = go([WantsSums()])
-    monkeypatch.setattr(kvlens.context, "prefill_stats", lambda *a: pytest.fail("chunked prefill pass"))
+    monkeypatch.setattr(kvlens.engine.context, "prefill_stats", lambda *a: pytest.fail("chunked prefill pass"))
     light = go()
     assert light.decisions.equals(chunked.decisions) and len(light.decisions)
     torch.testing.assert_close(light.tensors["steps/nll"], chunked.tensors["steps/nll"], rtol=1e-5, atol=1e-6)
@@ -161,7 +161,7 @@ def test_bad_lengths_are_one_sentence(tiny):
 def test_prefill_stats_in_chunks_match_dense(monkeypatch, softcap, window):
     torch.manual_seed(1)
     q, k, v = torch.randn(1, 4, 37, 8), torch.randn(1, 2, 37, 8), torch.randn(1, 2, 37, 8)
-    monkeypatch.setattr("kvlens.attention.CHUNK_ELEMENTS", 4 * 37 * 5)  # 5 rows per chunk
+    monkeypatch.setattr("kvlens.engine.attention.CHUNK_ELEMENTS", 4 * 37 * 5)  # 5 rows per chunk
     out, colsum, last = prefill_stats(q, k, v, AttentionSpec(8 ** -0.5, softcap, window), keep_rows=7)
     kr = k.repeat_interleave(2, 1)
     scores = (q @ kr.transpose(-1, -2)) * 8 ** -0.5

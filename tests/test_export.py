@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kvlens import export, plots
+from kvlens.figures import export, plots
 from kvlens.cli import main
 from kvlens.errors import KvlensError
 from tests.test_analysis import tiny_run

@@ -6,7 +6,7 @@ import re
 import tomllib
 
 from kvlens.cli import main
-from kvlens.models import load_model
+from kvlens.engine.models import load_model
 from tests.conftest import ROOT, TEXTS
 
 

@@ -1,4 +1,4 @@
-"""The token inspector (`kvlens.inspect_token`, `kvlens.ui.inspector`) and views kept in the URL
+"""The token inspector (`kvlens.figures.inspect_token`, `kvlens.ui.inspector`) and views kept in the URL
 (`kvlens.ui.url_state`), on the shipped runs: rows checked against the recorded tensors and the decision log.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from streamlit.testing.v1 import AppTest
 
 from kvlens import load_run
 from kvlens.errors import KvlensError
-from kvlens.inspect_token import display_text, inspect_token
+from kvlens.figures.inspect_token import display_text, inspect_token
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHED = ROOT / "cached_runs"

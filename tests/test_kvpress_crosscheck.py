@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlens.engine import RunOptions, run
+from kvlens.engine.loop import RunOptions, run
 from kvlens.policies import make_policy
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "kvpress_reference.json").read_text(encoding="utf-8"))

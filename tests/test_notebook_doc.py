@@ -10,7 +10,7 @@ import pytest
 
 from kvlens import load_run
 from kvlens.cli import main
-from kvlens.export import write_csv
+from kvlens.figures.export import write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "notebook.md"

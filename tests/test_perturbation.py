@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from kvlens.engine import RunOptions, run
-from kvlens.perturbation import measured, summary
+from kvlens.engine.loop import RunOptions, run
+from kvlens.engine.perturbation import measured, summary
 from kvlens.policies import make_policy
 
 IDS = list(b"Attention sinks and heavy hitters keep the cache small. " * 3)
@@ -98,7 +98,7 @@ def test_ppl_measure_json_keys(tiny, monkeypatch, capsys, tmp_path):
 
 
 def test_generate_measure_scores_the_generated_tokens(tiny):
-    from kvlens.api import generate
+    from kvlens.experiments.api import generate
 
     opts = RunOptions(budget=20, max_new_tokens=8, stop_at_eos=False)
     r = generate(tiny, bytes(IDS[:80]).decode(), "tova", opts=opts, measure=True)

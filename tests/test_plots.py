@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import kvlens.analysis as an
-from kvlens import plots
+from kvlens.figures import plots
 from tests.test_analysis import T, tiny_run
 
 

@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlens.cache import LayerCache
-from kvlens.decisions import DecisionLog
-from kvlens.engine import RunOptions, run
+from kvlens.engine.cache import LayerCache
+from kvlens.runs.decisions import DecisionLog
+from kvlens.engine.loop import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy, parse_budget, parse_settings
 from kvlens.policies.base import newest_cut

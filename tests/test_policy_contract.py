@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from kvlens.context import Observer
-from kvlens.engine import RunOptions, run
+from kvlens.engine.context import Observer
+from kvlens.engine.loop import RunOptions, run
 from kvlens.policies import REGISTRY, make_policy, parameters, parse_settings, policy_names
 
 IDS = list(b"The contract: a budget kept, an evicted token never back, a log that tells the truth. " * 2)
@@ -115,7 +115,7 @@ def test_policies_are_immutable_configuration_with_help_for_every_parameter(name
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_every_policy_on_the_embedded_model(smol, long_text, name):
-    from kvlens.api import encode
+    from kvlens.experiments.api import encode
 
     ids = encode(smol, long_text)[:60]
     policy = make_policy(name)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import kvlens
-from kvlens.engine import RunOptions, run
+from kvlens.engine.loop import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy
-from kvlens.runs import DECISIONS, RUN_JSON, TENSORS
+from kvlens.runs.run import DECISIONS, RUN_JSON, TENSORS
 
 
 @pytest.fixture(scope="module")

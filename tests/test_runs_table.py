@@ -1,4 +1,4 @@
-"""The runs table (kvlens.run_index), zip export/import/delete (kvlens.run_archive), the `steps` overlay
+"""The runs table (kvlens.runs.index), zip export/import/delete (kvlens.runs.archive), the `steps` overlay
 analysis and the Runs page under AppTest."""
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from streamlit.testing.v1 import AppTest
 from kvlens import load_run
 from kvlens.analysis.registry import analysis_figure
 from kvlens.errors import KvlensError
-from kvlens.run_archive import delete_run, export_run, import_run
-from kvlens.run_index import filter_table, run_table
-from kvlens.runs import MAX_JSON_BYTES
+from kvlens.runs.archive import delete_run, export_run, import_run
+from kvlens.runs.index import filter_table, run_table
+from kvlens.runs.run import MAX_JSON_BYTES
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHED = ROOT / "cached_runs"

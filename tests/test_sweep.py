@@ -13,10 +13,10 @@ import pytest
 
 from kvlens.cli import main
 from kvlens.errors import KvlensError
-from kvlens.grid import TIMINGS, Results, key, plan
+from kvlens.experiments.grid import TIMINGS, Results, key, plan
 from kvlens.lists import parse_list
 from kvlens.policies import make_policy
-from kvlens.sweep import plan_ppl
+from kvlens.experiments.sweep import plan_ppl
 from tests.conftest import ROOT, tiny_model
 
 TEXT = "Attention sinks and heavy hitters keep the cache small. " * 6
@@ -178,9 +178,9 @@ def test_sweep_runs_several_variants_of_one_policy(tiny_dir, text_file, tmp_path
 
 
 def test_a_failed_cell_is_recorded_with_its_reason_and_retried(tiny_dir, text_file, tmp_path, monkeypatch, capsys):
-    import kvlens.sweep
+    import kvlens.experiments.sweep
 
-    real = kvlens.sweep.ppl_cell
+    real = kvlens.experiments.sweep.ppl_cell
 
     def flaky(model, texts, cell):
         if cell["policy"] == "cam":
@@ -188,13 +188,13 @@ def test_a_failed_cell_is_recorded_with_its_reason_and_retried(tiny_dir, text_fi
         return real(model, texts, cell)
 
     out = tmp_path / "s.json"
-    monkeypatch.setattr(kvlens.sweep, "ppl_cell", flaky)
+    monkeypatch.setattr(kvlens.experiments.sweep, "ppl_cell", flaky)
     assert _sweep(tiny_dir, text_file, out) == 1
     data = json.loads(out.read_text())
     assert [f["policy"] for f in data["failed"]] == ["cam", "cam"]
     assert data["failed"][0]["error"] == "RuntimeError: the GPU fell off" and data["cells_done"] == 4
     assert "failed: cam budget 0.25: RuntimeError: the GPU fell off" in capsys.readouterr().out
-    monkeypatch.setattr(kvlens.sweep, "ppl_cell", real)
+    monkeypatch.setattr(kvlens.experiments.sweep, "ppl_cell", real)
     assert _sweep(tiny_dir, text_file, out) == 0
     rows = _rows(out)
     assert [r for r in rows if r["policy"] != "cam"] == [r for r in data["rows"]]  # not recomputed: same timings

@@ -17,7 +17,7 @@ import torch
 
 from kvlens.analysis.states import attention_chunks, check_layer, recorded_layers, states
 from kvlens.errors import KvlensError
-from kvlens.runs import Run
+from kvlens.runs.run import Run
 
 
 @dataclass

@@ -13,7 +13,7 @@ from kvlens.analysis.attention_stats import aggregated_attention
 from kvlens.analysis.states import head_states, recorded_layers, states
 from kvlens.errors import KvlensError
 from kvlens.policies.kvmerger import SIGMA_RULES, KVMerger, gaussian_weights, merging_sets
-from kvlens.runs import Run
+from kvlens.runs.run import Run
 
 # KVMerger (arXiv 2407.08454) defines the Gaussian kernel's sigma in two usable ways (its §5.2 sentence, "the
 # mean value of g_pi", is circular): where each rule comes from, and the policy's default drawn first

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.runs import Run
+from kvlens.runs.run import Run
 
 
 @dataclass

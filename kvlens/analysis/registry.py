@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from kvlens.errors import KvlensError
 from kvlens.levels import RecordLevel
-from kvlens.runs import Run
+from kvlens.runs.run import Run
 
 INPUTS = ("run", "runs", "model")  # one recorded run, several, or a loaded model (the analysis runs it)
 _REGISTRY: dict[str, type[Analysis]] = {}

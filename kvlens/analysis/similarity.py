@@ -15,7 +15,7 @@ import torch
 
 from kvlens.analysis.states import head_states, kind_code, recorded_layers, states
 from kvlens.errors import KvlensError
-from kvlens.runs import Run
+from kvlens.runs.run import Run
 
 NAMES = {"q": "query", "k": "key", "v": "value"}
 

@@ -12,7 +12,7 @@ import torch
 
 from kvlens.analysis.similarity import NAMES
 from kvlens.analysis.states import kind_code, recorded_layers, states
-from kvlens.runs import Run
+from kvlens.runs.run import Run
 
 EXACT_MAX = 512  # full SVD when min(T, D) is at most this; randomized_svd above
 

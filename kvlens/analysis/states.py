@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from kvlens.errors import KvlensError
-from kvlens.runs import Run
+from kvlens.runs.run import Run
 
 KINDS = {"query": "q", "key": "k", "value": "v"}
 CHUNK_ELEMENTS = 1 << 22  # float32 scores per attention chunk (~16 MB)

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.analysis.merging import MergingRatio, merging_ratio
-from kvlens.engine import RunOptions, run
-from kvlens.models import LoadedModel
+from kvlens.engine.loop import RunOptions, run
+from kvlens.engine.models import LoadedModel
 from kvlens.policies import make_policy
-from kvlens.runs import Run
+from kvlens.runs.run import Run
 from kvlens.texts import prefix_ids
 
 

@@ -57,7 +57,7 @@ def _add_kind(kinds, name: str, cls, command: str) -> None:
 
 def _source(args, inputs: str):
     """What the analysis reads: the loaded run(s), or the model."""
-    from kvlens import load_run
+    from kvlens.runs.run import load_run
 
     if inputs == "model":
         return load(args)
@@ -138,7 +138,7 @@ def cmd_figure(args) -> int:
     from pathlib import Path
 
     from kvlens.analysis.registry import analysis_figure
-    from kvlens.export import export_figure
+    from kvlens.figures.export import export_figure
 
     if args.list:
         _print_list(args.json)

@@ -85,7 +85,7 @@ def _bar(total: int, desc: str):
 
 
 def _finish(args, result: dict, rows: list[dict], fig, stem: str, text: str) -> int:
-    from kvlens.bench.common import save_results
+    from kvlens.experiments.bench.common import save_results
 
     result["command"] = command_line()
     paths = save_results(result, rows, None if args.no_figure else fig, args.out_dir, stem)
@@ -100,9 +100,9 @@ def _finish(args, result: dict, rows: list[dict], fig, stem: str, text: str) -> 
 def _run_grid(args, cells: list[dict], texts: dict[str, str], config: dict, stem: str, summarise, figure,
               table) -> int:
     """Run a benchmark's cells (resumable, on the chosen executor), then add its summary, figure and table."""
-    from kvlens.bench.common import environment
-    from kvlens.export import image_bytes
-    from kvlens.grid import report
+    from kvlens.experiments.bench.common import environment
+    from kvlens.figures.export import image_bytes
+    from kvlens.experiments.grid import report
 
     executor = "ray" if args.ray is not None else f"{args.workers} processes" if args.workers else "in-process"
     settings = {"command": command_line(), "config": config,
@@ -124,11 +124,11 @@ def _run_grid(args, cells: list[dict], texts: dict[str, str], config: dict, stem
 
 def cmd_ppl(args) -> int:
     from kvlens import texts as bundled
-    from kvlens.bench import ppl
-    from kvlens.bench.common import parse_policies
+    from kvlens.experiments.bench import ppl
+    from kvlens.experiments.bench.common import parse_policies
     from kvlens.lists import parse_list
     from kvlens.policies import parse_budget
-    from kvlens.sweep import plan_ppl
+    from kvlens.experiments.sweep import plan_ppl
 
     suffix = _apply_quick(args)
     policies = parse_policies(args.policies)
@@ -146,8 +146,8 @@ def cmd_ppl(args) -> int:
 
 def cmd_needle(args) -> int:
     from kvlens import texts as bundled
-    from kvlens.bench import needle
-    from kvlens.bench.common import parse_policies
+    from kvlens.experiments.bench import needle
+    from kvlens.experiments.bench.common import parse_policies
     from kvlens.lists import parse_list
     from kvlens.policies import parse_budget
 
@@ -174,8 +174,8 @@ def cmd_needle(args) -> int:
 
 def cmd_speed(args) -> int:
     from kvlens import texts as bundled
-    from kvlens.bench import speed
-    from kvlens.bench.common import parse_policies
+    from kvlens.experiments.bench import speed
+    from kvlens.experiments.bench.common import parse_policies
     from kvlens.lists import parse_list
 
     suffix = _apply_quick(args)

@@ -27,7 +27,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 
 
 def load(args):
-    from kvlens.models import load_model
+    from kvlens.engine.models import load_model
 
     if args.trust_remote_code:
         print("kvlens: WARNING: --trust-remote-code is on: the model's own code will run.", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""`kvlens compare`: the Compare page's table on the command line (`kvlens.compare`)."""
+"""`kvlens compare`: the Compare page's table on the command line (`kvlens.experiments.compare`)."""
 from __future__ import annotations
 
 import time
@@ -27,8 +27,8 @@ def register(sub) -> None:
 
 def policy_entries(text: str, budget: str):
     """`--policies` (the `kvlens sweep` syntax) and `--budget` as comparison entries."""
-    from kvlens.bench.common import parse_policies
-    from kvlens.compare import Entry
+    from kvlens.experiments.bench.common import parse_policies
+    from kvlens.experiments.compare import Entry
     from kvlens.lists import parse_list
     from kvlens.policies import make_policy, parse_budget
 
@@ -43,9 +43,9 @@ def policy_entries(text: str, budget: str):
 
 
 def cmd_compare(args) -> int:
-    from kvlens.api import generate
-    from kvlens.compare import compare, entries_with_reference, plain_generation_seconds, table
-    from kvlens.engine import RunOptions
+    from kvlens.experiments.api import generate
+    from kvlens.experiments.compare import compare, entries_with_reference, plain_generation_seconds, table
+    from kvlens.engine.loop import RunOptions
 
     entries = policy_entries(args.policies, args.budget)
     entries_with_reference(entries)  # the count and every setting checked before the model loads

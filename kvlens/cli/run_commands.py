@@ -62,7 +62,7 @@ def register(sub) -> None:
 
 
 def cmd_model_path(args) -> int:
-    from kvlens.models import model_path
+    from kvlens.engine.models import model_path
 
     print(model_path(args.model))
     return 0
@@ -73,7 +73,7 @@ def _per_layer(values: dict) -> str:
 
 
 def cmd_check_model(args) -> int:
-    from kvlens.models import load_model
+    from kvlens.engine.models import load_model
 
     model = load_model(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
                        refuse=False)
@@ -116,7 +116,7 @@ def cmd_policies(args) -> int:
 
 
 def _options(args, **extra):
-    from kvlens.engine import RunOptions
+    from kvlens.engine.loop import RunOptions
     from kvlens.lists import parse_list
     from kvlens.policies import parse_budget
 
@@ -137,8 +137,8 @@ def _policy(args):
 
 
 def cmd_generate(args) -> int:
-    from kvlens.api import generate
-    from kvlens.perturbation import base_baseline
+    from kvlens.experiments.api import generate
+    from kvlens.engine.perturbation import base_baseline
     from kvlens.policies import make_policy
 
     params = _policy(args)
@@ -169,8 +169,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_ppl(args) -> int:
-    from kvlens.api import perplexity
-    from kvlens.perturbation import base_baseline
+    from kvlens.experiments.api import perplexity
+    from kvlens.engine.perturbation import base_baseline
     from kvlens.policies import make_policy
 
     params = _policy(args)
@@ -203,7 +203,7 @@ def cmd_ppl(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from kvlens import load_run
+    from kvlens.runs.run import load_run
 
     run = load_run(args.run)
     meta = run.meta

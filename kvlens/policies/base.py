@@ -17,8 +17,8 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.cache import LayerCache
-from kvlens.decisions import DecisionLog
+from kvlens.engine.cache import LayerCache
+from kvlens.runs.decisions import DecisionLog
 from kvlens.errors import KvlensError
 
 REGISTRY: dict[str, type[Policy]] = {}

@@ -1,8 +1,8 @@
 """Every chart in the app goes through `chart()`: the figure, then PNG / SVG / PDF / CSV / JSON downloads.
 
-Files come from `kvlens.export` (the CLI's exporter) and images are rendered only when their
+Files come from `kvlens.figures.export` (the CLI's exporter) and images are rendered only when their
 button is clicked (Streamlit calls the data callable then), so a page never pays kaleido's
-seconds for exports nobody asked for. Exports are always in the paper style (`kvlens.plots`'
+seconds for exports nobody asked for. Exports are always in the paper style (`kvlens.figures.plots`'
 template); the sidebar's paper-style toggle (`session.PAPER`) shows that style on screen too,
 otherwise charts follow the app's theme.
 """
@@ -15,8 +15,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-import kvlens.plots  # noqa: F401  (registers the "kvlens" plotly template used below)
-from kvlens import export
+import kvlens.figures.plots  # noqa: F401  (registers the "kvlens" plotly template used below)
+from kvlens.figures import export
 from kvlens.errors import KvlensError
 from kvlens.ui import session
 

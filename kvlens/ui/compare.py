@@ -1,4 +1,4 @@
-"""The Compare page's views of `kvlens.compare` results: the table as shown, the texts, the aligned charts."""
+"""The Compare page's views of `kvlens.experiments.compare` results: the table as shown, the texts, the aligned charts."""
 from __future__ import annotations
 
 import pandas as pd
@@ -6,8 +6,8 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from kvlens.compare import Result, ResultCache, table
-from kvlens.plots import line_style
+from kvlens.experiments.compare import Result, ResultCache, table
+from kvlens.figures.plots import line_style
 from kvlens.ui.charts import chart
 from kvlens.ui.inspector import inspect_pair
 from kvlens.ui.views import diverging_text
@@ -27,7 +27,7 @@ def result_cache() -> ResultCache:
 
 
 def show_table(results: list[Result]) -> None:
-    """The rows of `kvlens.compare.table`, with the page's column names."""
+    """The rows of `kvlens.experiments.compare.table`, with the page's column names."""
     frame = pd.DataFrame(table(results))[list(COLUMNS)].rename(columns={k: v[0] for k, v in COLUMNS.items()})
     config = {name: st.column_config.NumberColumn(format=fmt) for name, fmt in COLUMNS.values() if fmt}
     st.dataframe(frame, hide_index=True, width="stretch", column_config=config)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlens.api import generate, perplexity
-from kvlens.engine import RunOptions, StepEvent
+from kvlens.experiments.api import generate, perplexity
+from kvlens.engine.loop import RunOptions, StepEvent
 from kvlens.errors import KvlensError
 from kvlens.lists import parse_list
 

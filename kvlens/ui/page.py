@@ -14,7 +14,7 @@ import streamlit as st
 from kvlens.analysis.registry import get_analysis
 from kvlens.errors import KvlensError
 from kvlens.levels import RecordLevel
-from kvlens.runs import Run
+from kvlens.runs.run import Run
 from kvlens.ui import session, url_state
 from kvlens.ui.sidebar import app_shell
 from kvlens.ui.state import RunEntry, all_runs, open_run

@@ -15,7 +15,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from kvlens.plots import line_style
+from kvlens.figures.plots import line_style
 from kvlens.ui.charts import chart
 from kvlens.ui.labels import changed_params
 from kvlens.ui.state import ROOT
@@ -141,7 +141,7 @@ def sweep_section(prefix: str, charts: list[tuple[str, list[str]]]) -> None:
 
 def bench_figure(name: str):
     """The figure builder of a `results/bench_*.json` file (its benchmark's own), or None (table only)."""
-    from kvlens.bench import needle, ppl
+    from kvlens.experiments.bench import needle, ppl
 
     if name.startswith("bench_needle"):
         return needle.figure

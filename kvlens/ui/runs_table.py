@@ -1,7 +1,7 @@
 """The Runs page's Streamlit pieces (keys prefixed `runs_`): the cached table, the overlay of the
 picked runs, opening one in the browse pages, the delete dialog, zip download and upload.
 
-The table and the archive logic live in `kvlens.run_index` and `kvlens.run_archive`; the runs are
+The table and the archive logic live in `kvlens.runs.index` and `kvlens.runs.archive`; the runs are
 those of the sidebar's picker (`kvlens.ui.state.all_runs`), so both always agree on what a run is.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ import streamlit as st
 
 from kvlens.analysis.registry import analysis_figure
 from kvlens.errors import KvlensError
-from kvlens.run_archive import delete_run, export_run, import_run
-from kvlens.run_index import run_table
-from kvlens.runs import RUN_JSON
+from kvlens.runs.archive import delete_run, export_run, import_run
+from kvlens.runs.index import run_table
+from kvlens.runs.run import RUN_JSON
 from kvlens.ui import session
 from kvlens.ui.charts import chart
 from kvlens.ui.state import RunEntry, list_runs, open_run, user_runs_dir

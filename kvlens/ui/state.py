@@ -18,7 +18,7 @@ import streamlit as st
 from kvlens.errors import KvlensError
 from kvlens.levels import RecordLevel
 from kvlens.policies import REGISTRY
-from kvlens.runs import RUN_JSON, Run
+from kvlens.runs.run import RUN_JSON, Run
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHED_DIR = ROOT / "cached_runs"
@@ -88,7 +88,7 @@ def all_runs() -> list[RunEntry]:
 
 @st.cache_resource(max_entries=8, show_spinner=False)
 def _open_run(path: str, mtime: float) -> Run:
-    from kvlens import load_run
+    from kvlens.runs.run import load_run
 
     return load_run(path)
 
@@ -120,7 +120,7 @@ def get_model(spec: str, device: str):
 
 @st.cache_resource(max_entries=2, show_spinner="Loading the model (a few seconds the first time)…")
 def _load_model(spec: str, device: str):
-    from kvlens.models import load_model
+    from kvlens.engine.models import load_model
 
     return load_model(spec, device=device)
 

@@ -5,7 +5,7 @@ import html
 
 import streamlit as st
 
-from kvlens.runs import Run
+from kvlens.runs.run import Run
 from kvlens.ui.labels import changed_params
 
 

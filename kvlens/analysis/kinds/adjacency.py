@@ -17,6 +17,6 @@ class Adjacency(Analysis):
         return {"layers": len(adj.layers), **{k: adj.per_layer(k) for k in ("query", "key", "value")}}
 
     def figure(self, run):
-        from kvlens.plots import adjacency_figure
+        from kvlens.figures.plots import adjacency_figure
 
         return adjacency_figure(run)

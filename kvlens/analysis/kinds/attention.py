@@ -15,19 +15,19 @@ class Attention(Analysis):
                     minimum=1))
 
     def compute(self, run, layer, head, max_cells, **params):
-        from kvlens.plots_attention import attention_grid, recorded_attention_layers
+        from kvlens.figures.attention import attention_grid, recorded_attention_layers
 
         layers = recorded_attention_layers(run)
         return attention_grid(run, layers[len(layers) // 2] if layer is None else layer, head, max_cells)
 
     def to_json(self, grid, **params) -> dict:
-        from kvlens.plots_attention import STATUS
+        from kvlens.figures.attention import STATUS
 
         return {"layer": grid.layer, "head": grid.head, "prompt_tokens": grid.prompt_len, "rows": grid.rows,
                 "cols": grid.cols, "block": list(grid.block), "weights": nan_to_none(grid.weights),
                 "status": grid.status.tolist(), "status_codes": {code: name for code, (name, _) in STATUS.items()}}
 
     def figure(self, run, step, **params):
-        from kvlens.plots_attention import attention_map_figure
+        from kvlens.figures.attention import attention_map_figure
 
         return attention_map_figure(run, self.compute(run, **params), step)

@@ -26,7 +26,7 @@ class CormLengths(Analysis):
                 "texts": dict(zip(res.labels, res.ratio.tolist(), strict=True))}
 
     def figure(self, model, **params):
-        from kvlens.plots import corm_lengths_figure, model_label
+        from kvlens.figures.plots import corm_lengths_figure, model_label
 
         res = self.compute(model, **params)
         used = ", ".join(f"{k}={v}" for k, v in res.params.items())

@@ -18,6 +18,6 @@ class Decisions(Analysis):
                 **{k: rows[k].tolist() for k in ("step", "action", "position")}}
 
     def figure(self, run, layer, kv_head):
-        from kvlens.plots_attention import decision_timeline_figure
+        from kvlens.figures.attention import decision_timeline_figure
 
         return decision_timeline_figure(run, layer, kv_head)

@@ -40,6 +40,6 @@ class Gaussian(Analysis):
                 "weights": {str(s): w.tolist() for s, w in gs.weights.items()}}
 
     def figure(self, run, **params):
-        from kvlens.plots import gaussian_figure
+        from kvlens.figures.plots import gaussian_figure
 
         return gaussian_figure(run, *self._args(run, **params))

@@ -21,6 +21,6 @@ class MergeSimilarity(Analysis):
                 "std": flat.std(1, unbiased=False).tolist(), "merged_token": ms.merged.tolist()}
 
     def figure(self, run, step, horizon):
-        from kvlens.plots import merge_similarity_figure
+        from kvlens.figures.plots import merge_similarity_figure
 
         return merge_similarity_figure(run, step, horizon)

@@ -22,7 +22,7 @@ class MergingRatio(Analysis):
                 "texts": {label: r.per_layer().tolist() for label, r in res.items()}}
 
     def figure(self, model, **params):
-        from kvlens.plots import merging_ratio_figure, model_label
+        from kvlens.figures.plots import merging_ratio_figure, model_label
 
         res = self.compute(model, **params)
         note = f" ({model_label(model.spec)}, first {params['tokens']} tokens of {len(res)} texts)"

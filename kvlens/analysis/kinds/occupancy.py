@@ -14,6 +14,6 @@ class Occupancy(Analysis):
         return {"mean": kept.float().mean(1).tolist(), "min": kept.amin(1).tolist(), "max": kept.amax(1).tolist()}
 
     def figure(self, run):
-        from kvlens.plots_attention import occupancy_figure
+        from kvlens.figures.attention import occupancy_figure
 
         return occupancy_figure(run)

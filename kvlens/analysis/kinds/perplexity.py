@@ -25,6 +25,6 @@ class Perplexity(Analysis):
                          for c in curves]}
 
     def figure(self, runs, label):
-        from kvlens.plots import perplexity_figure
+        from kvlens.figures.plots import perplexity_figure
 
         return perplexity_figure(runs, _labels(runs, label))

@@ -17,6 +17,6 @@ class Perturbation(Analysis):
         return {k: v.tolist() for k, v in per_step.items()}
 
     def figure(self, run):
-        from kvlens.plots_attention import perturbation_steps_figure
+        from kvlens.figures.attention import perturbation_steps_figure
 
         return perturbation_steps_figure(run)

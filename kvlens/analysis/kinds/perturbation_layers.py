@@ -15,6 +15,6 @@ class PerturbationLayers(Analysis):
         return {k: v.tolist() for k, v in per_layer.items()}
 
     def figure(self, run):
-        from kvlens.plots_attention import perturbation_layers_figure
+        from kvlens.figures.attention import perturbation_layers_figure
 
         return perturbation_layers_figure(run)

@@ -28,6 +28,6 @@ class Preceding(Analysis):
         return {**result, "similarity": nan_to_none(result["similarity"])}
 
     def figure(self, run, **params):
-        from kvlens.plots import preceding_figure
+        from kvlens.figures.plots import preceding_figure
 
         return preceding_figure(run, *self._args(run, **params))

@@ -25,6 +25,6 @@ class Similarity(Analysis):
                 "edges": m.edges.tolist(), "matrix": nan_to_none(m.matrix)}
 
     def figure(self, run, layer, head, state, max_size):
-        from kvlens.plots import similarity_figure
+        from kvlens.figures.plots import similarity_figure
 
         return similarity_figure(run, layer_or_middle(run, layer), head, parse_states(state), max_size)

@@ -18,6 +18,6 @@ class Sparsity(Analysis):
                 "sparsity_per_head": sp.sparsity.tolist()}
 
     def figure(self, run):
-        from kvlens.plots import sparsity_figure
+        from kvlens.figures.plots import sparsity_figure
 
         return sparsity_figure(run)

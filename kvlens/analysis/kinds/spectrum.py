@@ -20,6 +20,6 @@ class Spectrum(Analysis):
                    for k, s in specs.items()}}
 
     def figure(self, run, components):
-        from kvlens.plots import spectrum_figure
+        from kvlens.figures.plots import spectrum_figure
 
         return spectrum_figure(run, components)

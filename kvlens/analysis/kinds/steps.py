@@ -4,7 +4,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlens.analysis.registry import Analysis, Param, nan_to_none, register_analysis
-from kvlens.plots import finish, line_style
+from kvlens.figures.plots import finish, line_style
 
 
 def _labels(runs: list, label: list) -> list[str]:

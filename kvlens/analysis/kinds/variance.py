@@ -23,6 +23,6 @@ class Variance(Analysis):
                 "token_var_mean": res.token_var.mean(1).tolist()}
 
     def figure(self, run, layer, head, group):
-        from kvlens.plots import variance_figure
+        from kvlens.figures.plots import variance_figure
 
         return variance_figure(run, layer_or_middle(run, layer), head, group)

@@ -3,7 +3,7 @@
 A cell is a flat dict of JSON values that fully describes one run: its task (`ppl`, `needle`),
 the model spec, the policy and its resolved parameters, the budget, the text id and a digest of
 the text, the lengths, the seed and whether to measure. Running a cell is deterministic, so
-the same cell gives the same row wherever it runs (`kvlens.executors`).
+the same cell gives the same row wherever it runs (`kvlens.experiments.executors`).
 
 `Results` is the results file of a grid: `{**settings, "cells_total", "cells_done",
 "cells_failed", "status", "rows", "failed"}`. Every finished cell rewrites it atomically
@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from kvlens import __version__
+from kvlens.version import __version__
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy
 

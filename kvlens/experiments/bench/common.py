@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from kvlens import __version__
+from kvlens.version import __version__
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy, parse_settings
 
@@ -111,7 +111,7 @@ def environment(model=None) -> dict:
 
 def save_results(result: dict, rows: list[dict], fig, out_dir: str | Path, stem: str) -> list[Path]:
     """Write `{stem}.json` (the whole result), `{stem}.csv` (`rows`) and `{stem}.png` (`fig`, if given)."""
-    from kvlens.export import image_bytes
+    from kvlens.figures.export import image_bytes
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """What the cache held over a run: attention maps (CaM Fig. 1 a-c style), occupancy, the decision
 timeline and merge provenance, and the measured perturbation (CaM Fig. 1d over steps and layers).
-The app's views of a single run that `kvlens.plots` does not build.
+The app's views of a single run that `kvlens.figures.plots` does not build.
 
 `attention_grid` turns a `--record attention` run's per-step rows (`attn/{layer}` `(R, Hq, Smax)`,
 `attn_pos/{layer}` `(R, Hkv, Smax)`; row 0 = the last prompt token's query, row r >= 1 = the
@@ -20,7 +20,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from kvlens.errors import KvlensError
-from kvlens.runs import Run
+from kvlens.runs.run import Run
 
 # status codes, in pooling priority (higher wins when blocks are pooled)
 FUTURE, EVICTED, MERGED_AWAY, KEPT, HOLDS_MERGE, SINK = range(6)

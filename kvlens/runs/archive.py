@@ -2,7 +2,7 @@
 
 `export_run(path)` is the zip bytes of `NAME/run.json`, `NAME/tensors.safetensors` and
 `NAME/decisions.parquet` (a valid run only). `import_run(zip, runs_dir, name)` unpacks into a hidden
-temporary folder beside the runs, checks the result with the safe loader (`kvlens.runs.load_run`),
+temporary folder beside the runs, checks the result with the safe loader (`kvlens.runs.run.load_run`),
 and renames it to a name no run has yet: it never overwrites a run. Before anything is written it
 refuses, with one sentence, a file that is not a zip, entries with absolute or `..` names, links,
 anything but those three files in at most one folder, a missing file and files over the run
@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 from kvlens.errors import KvlensError
-from kvlens.runs import DECISIONS, MAX_JSON_BYTES, MAX_TENSOR_BYTES, RUN_JSON, TENSORS, load_run
+from kvlens.runs.run import DECISIONS, MAX_JSON_BYTES, MAX_TENSOR_BYTES, RUN_JSON, TENSORS, load_run
 
 FILES = (RUN_JSON, TENSORS, DECISIONS)
 LIMITS = {RUN_JSON: MAX_JSON_BYTES, TENSORS: MAX_TENSOR_BYTES, DECISIONS: MAX_TENSOR_BYTES}

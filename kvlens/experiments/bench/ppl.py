@@ -1,15 +1,15 @@
 """Perplexity table: policies x budgets x texts, teacher forced (WeightedKV Table I, CORM Table 3).
 
-The cells are `kvlens sweep`'s (`kvlens.sweep.plan_ppl`, task `ppl`): each prefills `prefill`
+The cells are `kvlens sweep`'s (`kvlens.experiments.sweep.plan_ppl`, task `ppl`): each prefills `prefill`
 tokens of a text, compresses to the budget and scores the next `tokens` tokens one at a time
-(`kvlens.api.perplexity`, the same as `kvlens ppl`). `full` and budget-free policies (CORM) run
+(`kvlens.experiments.api.perplexity`, the same as `kvlens ppl`). `full` and budget-free policies (CORM) run
 once per text, whatever the budgets. This module summarises the rows, as a table and a figure.
 """
 from __future__ import annotations
 
 import math
 
-from kvlens.bench.common import label, spread
+from kvlens.experiments.bench.common import label, spread
 
 
 def budget_key(row: dict) -> int | float | str:
@@ -66,7 +66,7 @@ def figure(result: dict):
     """Mean perplexity (error bars: std over texts) against budget, one line per policy; full dashed."""
     import plotly.graph_objects as go
 
-    from kvlens.plots import line_style  # also registers the "kvlens" paper template
+    from kvlens.figures.plots import line_style  # also registers the "kvlens" paper template
 
     summary = result.get("summary") or summarise(result["rows"])  # an unfinished benchmark has no summary yet
     slots = {s["budget"]: s["budget_slots_mean"] for s in summary}

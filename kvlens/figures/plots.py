@@ -1,7 +1,7 @@
 """Run or analysis result -> plotly Figure, in one paper-ready style (the app and `kvlens figure` use these).
 
 Builders (trace data are exactly the analysis output; `fig.layout.meta` holds the analysis name
-and parameters, which `kvlens.export` writes as the figure's JSON config):
+and parameters, which `kvlens.figures.export` writes as the figure's JSON config):
 
 | builder | analysis | paper figure |
 |---|---|---|
@@ -30,7 +30,7 @@ from plotly.subplots import make_subplots
 
 from kvlens import analysis as an
 from kvlens.analysis.merging import RULES
-from kvlens.runs import Run
+from kvlens.runs.run import Run
 
 FONT = dict(family="Helvetica, Arial, sans-serif", size=14, color="#111111")
 SCALE = "Viridis"
@@ -56,7 +56,7 @@ def line_style(i: int) -> dict:
 
 def finish(fig: go.Figure, title: str, analysis: str, run: Run | None = None, **params) -> go.Figure:
     """The paper style, the title, and `layout.meta` (the analysis, its parameters and the run) that
-    `kvlens.export` writes as the figure's JSON config."""
+    `kvlens.figures.export` writes as the figure's JSON config."""
     meta = {"analysis": analysis, "params": params}
     if run is not None:
         meta["run"] = str(run.path) if run.path else None

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from kvlens import __version__
+from kvlens.version import __version__
 from kvlens.errors import KvlensError
 
 FORMATS = ("png", "svg", "pdf")

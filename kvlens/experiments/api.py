@@ -4,13 +4,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from kvlens.context import Observer
-from kvlens.engine import RunOptions, StepEvent, run
+from kvlens.engine.context import Observer
+from kvlens.engine.loop import RunOptions, StepEvent, run
 from kvlens.errors import KvlensError
-from kvlens.models import LoadedModel
-from kvlens.perturbation import measured
+from kvlens.engine.models import LoadedModel
+from kvlens.engine.perturbation import measured
 from kvlens.policies import make_policy
-from kvlens.runs import Run
+from kvlens.runs.run import Run
 
 
 def encode(model: LoadedModel, text: str, chat: bool = False) -> list[int]:
@@ -46,7 +46,7 @@ def perplexity(model: LoadedModel, text: str, policy: str, params: dict | None =
                meta: dict | None = None, measure: bool = False) -> Run:
     """Teacher-forced perplexity: prefill `prefill` tokens, then score the next `tokens` one at a time.
 
-    `measure` adds the output perturbation and the KL to the full cache (`kvlens.perturbation`)."""
+    `measure` adds the output perturbation and the KL to the full cache (`kvlens.engine.perturbation`)."""
     pol = make_policy(policy, params)
     ids = encode(model, text)
     if prefill < 1 or tokens < 1:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import re
 
-from kvlens.api import encode
-from kvlens.bench.common import label
-from kvlens.engine import RunOptions, run
+from kvlens.experiments.api import encode
+from kvlens.experiments.bench.common import label
+from kvlens.engine.loop import RunOptions, run
 from kvlens.errors import KvlensError
-from kvlens.grid import digest, plan
-from kvlens.models import LoadedModel
+from kvlens.experiments.grid import digest, plan
+from kvlens.engine.models import LoadedModel
 from kvlens.policies import make_policy
 
 NEEDLE = "The secret passphrase is 'blue-harbor-42'."
@@ -107,7 +107,7 @@ def figure(result: dict):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    import kvlens.plots  # noqa: F401  registers the "kvlens" paper template
+    import kvlens.figures.plots  # noqa: F401  registers the "kvlens" paper template
 
     cfg, rows = result["config"], result.get("rows", result.get("cells"))  # `cells`: files from before the grid
     policies = list(dict.fromkeys(label(r) for r in rows))

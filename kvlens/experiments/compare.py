@@ -4,7 +4,7 @@ The design (what each number means, and why it costs one pass per policy):
 - The full cache generates first (greedy, exactly `new_tokens` tokens, the perturbation meter on):
   its continuation is *full's text*; its row is measured like the others, so ms per token compare
   under the same conditions (its perturbation comes out 0: the meter's shadow is its cache).
-- Each policy is then teacher-forced on full's text with the meter on (`kvlens.perturbation.measured`).
+- Each policy is then teacher-forced on full's text with the meter on (`kvlens.engine.perturbation.measured`).
   That one pass gives: perplexity on full's text (the same tokens for every policy), KL(p_full ‖
   p_policy) per step along full's text, the output perturbation against the meter's shadow full
   cache, kept slots and peak KV bytes, ms per token (of this measured pass, meter included) and the
@@ -42,13 +42,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.api import encode, generate
-from kvlens.engine import RunOptions, StepEvent, run
+from kvlens.experiments.api import encode, generate
+from kvlens.engine.loop import RunOptions, StepEvent, run
 from kvlens.errors import KvlensError
-from kvlens.models import LoadedModel
-from kvlens.perturbation import PerturbationMeter, kl_per_step, summary
+from kvlens.engine.models import LoadedModel
+from kvlens.engine.perturbation import PerturbationMeter, kl_per_step, summary
 from kvlens.policies import make_policy
-from kvlens.runs import Run
+from kvlens.runs.run import Run
 from kvlens.ui.labels import changed_params
 
 MAX_POLICIES = 4
@@ -169,7 +169,7 @@ def compare(model: LoadedModel, prompt: str, entries: list[Entry], new_tokens: i
 
 def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, cancel) -> Result:
     """The full cache's generation (`reference` None) or a policy teacher-forced on the reference's tokens,
-    with the perturbation meter on (`kvlens.perturbation.measured`, except that p_full is the reference's own
+    with the perturbation meter on (`kvlens.engine.perturbation.measured`, except that p_full is the reference's own
     step distributions: the one-shot full-cache forward `measured` would add gives them again)."""
     picks: list[int] = []
     logits: list[torch.Tensor] = []

@@ -17,8 +17,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from kvlens import __version__
-from kvlens.decisions import COLUMNS, decisions_frame
+from kvlens.version import __version__
+from kvlens.runs.decisions import COLUMNS, decisions_frame
 from kvlens.errors import KvlensError
 from kvlens.levels import RecordLevel
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.cache import STAT_BUFFERS, LayerCache
+from kvlens.engine.cache import STAT_BUFFERS, LayerCache
 
 
 class LayerStack:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.context import Observer
+from kvlens.engine.context import Observer
 from kvlens.levels import RecordLevel
 
 

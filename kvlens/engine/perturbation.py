@@ -33,11 +33,11 @@ from collections.abc import Callable
 
 import torch
 
-from kvlens.attention import AttentionSpec, attention_probs, decode_rows, visible
-from kvlens.context import Observer
-from kvlens.engine import StepEvent
-from kvlens.models import LoadedModel
-from kvlens.runs import Run
+from kvlens.engine.attention import AttentionSpec, attention_probs, decode_rows, visible
+from kvlens.engine.context import Observer
+from kvlens.engine.loop import StepEvent
+from kvlens.engine.models import LoadedModel
+from kvlens.runs.run import Run
 
 
 class PerturbationMeter(Observer):

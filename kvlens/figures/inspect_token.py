@@ -2,9 +2,9 @@
 
 Step k is generated (or scored) token k: row k of `attn/{layer}` is the forward that produced it, whose
 query is the token before it (the last prompt token for k = 0), and the cache it attended to holds the
-decisions of steps < k (`kvlens.plots_attention.attention_grid`, read unpooled). Every position seen so
+decisions of steps < k (`kvlens.figures.attention.attention_grid`, read unpooled). Every position seen so
 far gets a status (kept, sink, holds merged values, merged away, evicted) and merged slots their
-provenance, replayed from the decision log up to that step (`kvlens.provenance.replay`).
+provenance, replayed from the decision log up to that step (`kvlens.figures.provenance.replay`).
 """
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import math
 from dataclasses import dataclass
 from functools import cache
 
-from kvlens import provenance
+from kvlens.figures import provenance
 from kvlens.errors import KvlensError
 from kvlens.levels import RecordLevel
-from kvlens.plots_attention import FUTURE, STATUS, attention_grid, recorded_attention_layers
+from kvlens.figures.attention import FUTURE, STATUS, attention_grid, recorded_attention_layers
 from kvlens.policies import policy_class
-from kvlens.runs import Run
+from kvlens.runs.run import Run
 
 
 @dataclass(frozen=True)

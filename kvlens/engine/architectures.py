@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvlens.attention import CONTEXT_KWARG, AttentionSpec, dense, sdpa
-from kvlens.cache import KVCache
+from kvlens.engine.attention import CONTEXT_KWARG, AttentionSpec, dense, sdpa
+from kvlens.engine.cache import KVCache
 from kvlens.errors import KvlensError
 
 PROBE_TOKENS = 2

@@ -17,17 +17,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlens.architectures import inspect_model
-from kvlens.attention import CONTEXT_KWARG
-from kvlens.cache import KVCache
-from kvlens.context import Observer, RunContext
-from kvlens.decisions import DecisionLog
+from kvlens.engine.architectures import inspect_model
+from kvlens.engine.attention import CONTEXT_KWARG
+from kvlens.engine.cache import KVCache
+from kvlens.engine.context import Observer, RunContext
+from kvlens.runs.decisions import DecisionLog
 from kvlens.errors import Cancelled, KvlensError
-from kvlens.layer_stack import LayerStack
-from kvlens.models import LoadedModel
+from kvlens.engine.layer_stack import LayerStack
+from kvlens.engine.models import LoadedModel
 from kvlens.policies import Policy
-from kvlens.record import Recorder
-from kvlens.runs import Run
+from kvlens.engine.record import Recorder
+from kvlens.runs.run import Run
 
 
 @dataclass

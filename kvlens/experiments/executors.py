@@ -1,7 +1,7 @@
 """Where a grid's cells run: in this process (the default), in N local worker processes, or on a Ray cluster.
 
 A worker loads the model once (`Job.load`) and then runs cells (`outcome`); each outcome goes
-back to the caller, which alone writes the results file (`kvlens.grid.Results`). The two
+back to the caller, which alone writes the results file (`kvlens.experiments.grid.Results`). The two
 engines are the standard library's `ProcessPoolExecutor` and Ray actors (`ray.util.ActorPool`).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Job:
     texts: tuple[tuple[str, str], ...] = ()
 
     def load(self):
-        from kvlens.models import load_model
+        from kvlens.engine.models import load_model
 
         return load_model(self.model, device=self.device, dtype=self.dtype, trust_remote_code=self.trust_remote_code)
 
@@ -35,11 +35,11 @@ class Job:
 def task(name: str) -> Callable:
     """The function `(model, texts, cell) -> metrics` of a cell's task."""
     if name == "ppl":
-        from kvlens.sweep import ppl_cell
+        from kvlens.experiments.sweep import ppl_cell
 
         return ppl_cell
     if name == "needle":
-        from kvlens.bench.needle import needle_cell
+        from kvlens.experiments.bench.needle import needle_cell
 
         return needle_cell
     raise KvlensError(f"Unknown cell task '{name}'.")

@@ -15,8 +15,8 @@ from pathlib import Path
 import pandas as pd
 
 from kvlens.errors import KvlensError
-from kvlens.plots import model_label
-from kvlens.runs import RUN_JSON, read_meta
+from kvlens.figures.plots import model_label
+from kvlens.runs.run import RUN_JSON, read_meta
 from kvlens.ui.labels import changed_params
 
 COLUMNS = ["name", "source", "policy", "params", "budget", "model", "mode", "prompt tokens", "new tokens", "ppl",

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.attention import AttentionSpec, decode_rows, last_rows, prefill_stats, sdpa
-from kvlens.cache import KVCache, LayerCache
-from kvlens.layer_stack import LayerStack
+from kvlens.engine.attention import AttentionSpec, decode_rows, last_rows, prefill_stats, sdpa
+from kvlens.engine.cache import KVCache, LayerCache
+from kvlens.engine.layer_stack import LayerStack
 from kvlens.policies.base import Policy, group_mean
 
 
@@ -45,7 +45,7 @@ class RunContext:
         self._observed: list[tuple[LayerCache, torch.Tensor, torch.Tensor | None]] = []  # this step's rows
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
-        """One layer's attention in this run; a sliding window hides the slots outside it (see `kvlens.attention`)."""
+        """One layer's attention in this run; a sliding window hides the slots outside it (see `kvlens.engine.attention`)."""
         layer = self.cache.layers[layer_idx]
         if query.shape[2] > 1:
             return self._prefill(layer, query, key, value, spec)

@@ -7,16 +7,16 @@ perturbation of its base's evictions `perturbation_evict`), and a budget-free po
 compression against the sequence length (CORM Fig. 4, several `prefills`). Budget-free
 policies run once per text, prompt length and seed, whatever the budgets.
 
-A cell (`kvlens.grid`) of task `ppl` is teacher-forced perplexity: prefill `prefill` tokens of
-text `text`, then score the next `tokens` one at a time (`kvlens.api.perplexity`).
+A cell (`kvlens.experiments.grid`) of task `ppl` is teacher-forced perplexity: prefill `prefill` tokens of
+text `text`, then score the next `tokens` one at a time (`kvlens.experiments.api.perplexity`).
 """
 from __future__ import annotations
 
-from kvlens.api import perplexity
-from kvlens.engine import RunOptions
+from kvlens.experiments.api import perplexity
+from kvlens.engine.loop import RunOptions
 from kvlens.errors import KvlensError
-from kvlens.grid import digest, plan
-from kvlens.perturbation import summary
+from kvlens.experiments.grid import digest, plan
+from kvlens.engine.perturbation import summary
 
 
 def plan_ppl(policies: list[tuple[str, dict]], budgets: list, texts: dict[str, str], prefills: list[int], *,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from kvlens.architectures import Support, inspect_model
-from kvlens.attention import ATTENTION_NAME, register_attention
+from kvlens.engine.architectures import Support, inspect_model
+from kvlens.engine.attention import ATTENTION_NAME, register_attention
 from kvlens.errors import KvlensError
 
 DEFAULT_SPEC = "default"
@@ -39,7 +39,7 @@ class LoadedModel:
     path: Path
     device: torch.device
     dtype: torch.dtype
-    support: Support | None = None  # set by `load_model` (`kvlens.architectures`)
+    support: Support | None = None  # set by `load_model` (`kvlens.engine.architectures`)
 
     @property
     def config(self):
