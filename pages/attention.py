@@ -1,13 +1,13 @@
 """Attention: the step x position attention map of a layer and head, kept/evicted/merged/sink marked (CaM Fig. 1a-c)."""
 import streamlit as st
 
-from kvlens.levels import RecordLevel
 from kvlens.figures.attention import (
     attention_grid,
     attention_map_figure,
     attention_row_figure,
     recorded_attention_layers,
 )
+from kvlens.levels import RecordLevel
 from kvlens.ui.charts import chart
 from kvlens.ui.page import browse_page, level_need
 from kvlens.ui.state import run_figure

@@ -19,12 +19,12 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from kvlens.cli import main
 from kvlens.engine.architectures import inspect_model
 from kvlens.engine.attention import kvlens_attention
-from kvlens.cli import main
 from kvlens.engine.loop import RunOptions, run
-from kvlens.errors import KvlensError
 from kvlens.engine.models import load_model
+from kvlens.errors import KvlensError
 from kvlens.policies import REGISTRY, make_policy
 
 PREFILL, STEPS = 40, 40  # 80 tokens: five times the sliding windows below

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from kvlens.experiments.bench import needle, ppl, speed
-from kvlens.experiments.bench.common import PolicySpec, label, parse_policies
 from kvlens.cli import main
 from kvlens.errors import KvlensError
+from kvlens.experiments.bench import needle, ppl, speed
+from kvlens.experiments.bench.common import PolicySpec, label, parse_policies
 from kvlens.experiments.executors import Job, in_process
 from kvlens.experiments.grid import Results, run_grid
 from kvlens.experiments.sweep import plan_ppl

@@ -6,9 +6,9 @@ import json
 import pytest
 
 import kvlens.experiments.compare as cmp
+from kvlens.engine.loop import RunOptions
 from kvlens.experiments.api import generate
 from kvlens.experiments.compare import Entry, ResultCache, compare, first_difference, table
-from kvlens.engine.loop import RunOptions
 from tests.test_cli import kvlens, one_sentence
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2

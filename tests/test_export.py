@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from kvlens.figures import export, plots
 from kvlens.cli import main
 from kvlens.errors import KvlensError
+from kvlens.figures import export, plots
 from tests.test_analysis import tiny_run
 
 CHROMIUM = os.path.exists("/usr/bin/chromium")

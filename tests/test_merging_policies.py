@@ -9,15 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlens.engine.cache import LayerCache
-from kvlens.runs.decisions import DecisionLog
 from kvlens.engine.loop import RunOptions, run
 from kvlens.errors import KvlensError
+from kvlens.figures.provenance import replay
 from kvlens.policies import REGISTRY, make_policy, parse_settings
 from kvlens.policies.cam import DECODE_ATTN, CaM
 from kvlens.policies.corm import CORM, MESSAGE, MESSAGES_SEEN
 from kvlens.policies.kvmerger import gaussian_weights, merging_sets
 from kvlens.policies.scissorhands import HISTORY
-from kvlens.figures.provenance import replay
+from kvlens.runs.decisions import DecisionLog
 from tests.conftest import examples
 
 HKV, G, D = 2, 2, 8

@@ -7,13 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlens.engine.cache import LayerCache
-from kvlens.runs.decisions import DecisionLog
 from kvlens.engine.loop import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy, parse_budget, parse_settings
 from kvlens.policies.base import newest_cut
 from kvlens.policies.cam import DECODE_ATTN
 from kvlens.policies.scissorhands import HISTORY
+from kvlens.runs.decisions import DecisionLog
 from tests.conftest import examples
 
 HKV, G, D = 2, 2, 4

@@ -14,9 +14,9 @@ import pytest
 from kvlens.cli import main
 from kvlens.errors import KvlensError
 from kvlens.experiments.grid import TIMINGS, Results, key, plan
+from kvlens.experiments.sweep import plan_ppl
 from kvlens.lists import parse_list
 from kvlens.policies import make_policy
-from kvlens.experiments.sweep import plan_ppl
 from tests.conftest import ROOT, tiny_model
 
 TEXT = "Attention sinks and heavy hitters keep the cache small. " * 6

@@ -101,8 +101,8 @@ def _run_grid(args, cells: list[dict], texts: dict[str, str], config: dict, stem
               table) -> int:
     """Run a benchmark's cells (resumable, on the chosen executor), then add its summary, figure and table."""
     from kvlens.experiments.bench.common import environment
-    from kvlens.figures.export import image_bytes
     from kvlens.experiments.grid import report
+    from kvlens.figures.export import image_bytes
 
     executor = "ray" if args.ray is not None else f"{args.workers} processes" if args.workers else "in-process"
     settings = {"command": command_line(), "config": config,
@@ -126,9 +126,9 @@ def cmd_ppl(args) -> int:
     from kvlens import texts as bundled
     from kvlens.experiments.bench import ppl
     from kvlens.experiments.bench.common import parse_policies
+    from kvlens.experiments.sweep import plan_ppl
     from kvlens.lists import parse_list
     from kvlens.policies import parse_budget
-    from kvlens.experiments.sweep import plan_ppl
 
     suffix = _apply_quick(args)
     policies = parse_policies(args.policies)

@@ -43,9 +43,9 @@ def policy_entries(text: str, budget: str):
 
 
 def cmd_compare(args) -> int:
+    from kvlens.engine.loop import RunOptions
     from kvlens.experiments.api import generate
     from kvlens.experiments.compare import compare, entries_with_reference, plain_generation_seconds, table
-    from kvlens.engine.loop import RunOptions
 
     entries = policy_entries(args.policies, args.budget)
     entries_with_reference(entries)  # the count and every setting checked before the model loads

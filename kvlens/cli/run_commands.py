@@ -137,8 +137,8 @@ def _policy(args):
 
 
 def cmd_generate(args) -> int:
-    from kvlens.experiments.api import generate
     from kvlens.engine.perturbation import base_baseline
+    from kvlens.experiments.api import generate
     from kvlens.policies import make_policy
 
     params = _policy(args)
@@ -169,8 +169,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_ppl(args) -> int:
-    from kvlens.experiments.api import perplexity
     from kvlens.engine.perturbation import base_baseline
+    from kvlens.experiments.api import perplexity
     from kvlens.policies import make_policy
 
     params = _policy(args)

@@ -45,9 +45,9 @@ def add_executor_args(p) -> None:
 
 def run_cells(args, out, cells: list[dict], texts: dict[str, str], settings: dict, desc: str):
     """Run the cells the results file `out` still lacks on the executor `args` chose; the `Results`."""
+    from kvlens.engine.models import model_path
     from kvlens.experiments.executors import Job, executor
     from kvlens.experiments.grid import Results, run_grid
-    from kvlens.engine.models import model_path
 
     results = Results(out, cells, settings, fresh=args.fresh)
     local_workers = args.ray == "" or (args.ray is None and args.workers)
@@ -91,9 +91,9 @@ def sweep_texts(files: list[str], bundled_arg: str) -> dict[str, str]:
 def cmd_sweep(args) -> int:
     from kvlens.experiments.bench.common import parse_policies
     from kvlens.experiments.grid import report
+    from kvlens.experiments.sweep import plan_ppl
     from kvlens.lists import parse_list
     from kvlens.policies import parse_budget
-    from kvlens.experiments.sweep import plan_ppl
 
     if ";" in args.policies or ":" in args.policies:
         policies = [(p.name, dict(p.params)) for p in parse_policies(args.policies)]

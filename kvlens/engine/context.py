@@ -45,7 +45,7 @@ class RunContext:
         self._observed: list[tuple[LayerCache, torch.Tensor, torch.Tensor | None]] = []  # this step's rows
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
-        """One layer's attention in this run; a sliding window hides the slots outside it (see `kvlens.engine.attention`)."""
+        """One layer's attention in this run; a sliding window hides the slots outside it (see `attention`)."""
         layer = self.cache.layers[layer_idx]
         if query.shape[2] > 1:
             return self._prefill(layer, query, key, value, spec)

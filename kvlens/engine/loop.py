@@ -21,12 +21,12 @@ from kvlens.engine.architectures import inspect_model
 from kvlens.engine.attention import CONTEXT_KWARG
 from kvlens.engine.cache import KVCache
 from kvlens.engine.context import Observer, RunContext
-from kvlens.runs.decisions import DecisionLog
-from kvlens.errors import Cancelled, KvlensError
 from kvlens.engine.layer_stack import LayerStack
 from kvlens.engine.models import LoadedModel
-from kvlens.policies import Policy
 from kvlens.engine.record import Recorder
+from kvlens.errors import Cancelled, KvlensError
+from kvlens.policies import Policy
+from kvlens.runs.decisions import DecisionLog
 from kvlens.runs.run import Run
 
 

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 from kvlens.engine.context import Observer
 from kvlens.engine.loop import RunOptions, StepEvent, run
-from kvlens.errors import KvlensError
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.perturbation import measured
+from kvlens.errors import KvlensError
 from kvlens.policies import make_policy
 from kvlens.runs.run import Run
 

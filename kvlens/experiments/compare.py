@@ -42,11 +42,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.experiments.api import encode, generate
 from kvlens.engine.loop import RunOptions, StepEvent, run
-from kvlens.errors import KvlensError
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.perturbation import PerturbationMeter, kl_per_step, summary
+from kvlens.errors import KvlensError
+from kvlens.experiments.api import encode, generate
 from kvlens.policies import make_policy
 from kvlens.runs.run import Run
 from kvlens.ui.labels import changed_params

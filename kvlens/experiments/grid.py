@@ -22,9 +22,9 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from kvlens.version import __version__
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy
+from kvlens.version import __version__
 
 # Per-layer lists and nested parameters stay in the JSON only.
 CSV_SKIP = ("params", "perturbation_used_per_layer", "perturbation_evict_per_layer")

@@ -12,11 +12,11 @@ text `text`, then score the next `tokens` one at a time (`kvlens.experiments.api
 """
 from __future__ import annotations
 
-from kvlens.experiments.api import perplexity
 from kvlens.engine.loop import RunOptions
-from kvlens.errors import KvlensError
-from kvlens.experiments.grid import digest, plan
 from kvlens.engine.perturbation import summary
+from kvlens.errors import KvlensError
+from kvlens.experiments.api import perplexity
+from kvlens.experiments.grid import digest, plan
 
 
 def plan_ppl(policies: list[tuple[str, dict]], budgets: list, texts: dict[str, str], prefills: list[int], *,

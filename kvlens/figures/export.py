@@ -15,8 +15,8 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from kvlens.version import __version__
 from kvlens.errors import KvlensError
+from kvlens.version import __version__
 
 FORMATS = ("png", "svg", "pdf")
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser", "google-chrome", "google-chrome-stable")

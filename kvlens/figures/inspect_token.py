@@ -12,10 +12,10 @@ import math
 from dataclasses import dataclass
 from functools import cache
 
-from kvlens.figures import provenance
 from kvlens.errors import KvlensError
-from kvlens.levels import RecordLevel
+from kvlens.figures import provenance
 from kvlens.figures.attention import FUTURE, STATUS, attention_grid, recorded_attention_layers
+from kvlens.levels import RecordLevel
 from kvlens.policies import policy_class
 from kvlens.runs.run import Run
 

@@ -18,8 +18,8 @@ from typing import ClassVar
 import torch
 
 from kvlens.engine.cache import LayerCache
-from kvlens.runs.decisions import DecisionLog
 from kvlens.errors import KvlensError
+from kvlens.runs.decisions import DecisionLog
 
 REGISTRY: dict[str, type[Policy]] = {}
 

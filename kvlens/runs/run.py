@@ -17,10 +17,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from kvlens.version import __version__
-from kvlens.runs.decisions import COLUMNS, decisions_frame
 from kvlens.errors import KvlensError
 from kvlens.levels import RecordLevel
+from kvlens.runs.decisions import COLUMNS, decisions_frame
+from kvlens.version import __version__
 
 SCHEMA_VERSION = 1
 RUN_JSON, TENSORS, DECISIONS = "run.json", "tensors.safetensors", "decisions.parquet"

@@ -16,8 +16,8 @@ import plotly.graph_objects as go
 import streamlit as st
 
 import kvlens.figures.plots  # noqa: F401  (registers the "kvlens" plotly template used below)
-from kvlens.figures import export
 from kvlens.errors import KvlensError
+from kvlens.figures import export
 from kvlens.ui import session
 
 MIME = {"png": "image/png", "svg": "image/svg+xml", "pdf": "application/pdf", "csv": "text/csv",

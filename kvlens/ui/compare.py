@@ -1,4 +1,4 @@
-"""The Compare page's views of `kvlens.experiments.compare` results: the table as shown, the texts, the aligned charts."""
+"""The Compare page's views of `kvlens.experiments.compare` results: the table, the texts, the aligned charts."""
 from __future__ import annotations
 
 import pandas as pd

@@ -12,9 +12,9 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
+from kvlens.figures.attention import HOLDS_MERGE, KEPT, SINK, STATUS, recorded_attention_layers
 from kvlens.figures.inspect_token import TokenRow, has_rows, inspect_token, token_strings
 from kvlens.levels import RecordLevel
-from kvlens.figures.attention import HOLDS_MERGE, KEPT, SINK, STATUS, recorded_attention_layers
 from kvlens.runs.run import Run
 from kvlens.ui import url_state
 from kvlens.ui.charts import chart

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlens.experiments.api import generate, perplexity
 from kvlens.engine.loop import RunOptions, StepEvent
 from kvlens.errors import KvlensError
+from kvlens.experiments.api import generate, perplexity
 from kvlens.lists import parse_list
 
 

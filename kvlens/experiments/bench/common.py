@@ -13,9 +13,9 @@ from pathlib import Path
 import psutil
 import torch
 
-from kvlens.version import __version__
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy, parse_settings
+from kvlens.version import __version__
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import re
 
+from kvlens.engine.loop import RunOptions, run
+from kvlens.engine.models import LoadedModel
+from kvlens.errors import KvlensError
 from kvlens.experiments.api import encode
 from kvlens.experiments.bench.common import label
-from kvlens.engine.loop import RunOptions, run
-from kvlens.errors import KvlensError
 from kvlens.experiments.grid import digest, plan
-from kvlens.engine.models import LoadedModel
 from kvlens.policies import make_policy
 
 NEEDLE = "The secret passphrase is 'blue-harbor-42'."

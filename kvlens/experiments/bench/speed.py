@@ -28,10 +28,10 @@ from collections.abc import Callable, Generator
 
 import torch
 
-from kvlens.experiments.bench.common import PeakRSS, PolicySpec, environment, median
 from kvlens.engine.loop import RunOptions, run_steps
-from kvlens.errors import KvlensError
 from kvlens.engine.models import LoadedModel
+from kvlens.errors import KvlensError
+from kvlens.experiments.bench.common import PeakRSS, PolicySpec, environment, median
 from kvlens.policies import make_policy
 from kvlens.texts import prefix_ids
 
