@@ -23,6 +23,7 @@ from kvlens.errors import KvlensError
 
 KINDS = ("int", "float", "bool", "text", "choice", "numbers", "policy")
 _WHAT = {"int": "an integer", "float": "a number", "bool": "true or false", "text": "text"}
+_MANY = {"int": "integers", "float": "numbers", "bool": "true/false values", "text": "texts"}
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
 
@@ -77,15 +78,25 @@ class Param:
         """Command-line or text-field input as a checked value (`many`: comma-separated)."""
         text = str(text).strip()
         if self.many:
-            return self.check([self._parse_one(t.strip(), owner) for t in text.split(",") if t.strip()], owner)
+            try:
+                items = [self.parse_item(t.strip(), owner) for t in text.split(",") if t.strip()]
+            except KvlensError:
+                raise self._bad(text, owner, plural=True) from None
+            return self.check(items, owner)
         if self.optional and text.lower() in ("", "none"):
             return None
-        return self.check(self._parse_one(text, owner), owner)
+        if self.kind == "policy":  # a nested policy is named; its owner builds it
+            if text not in (self.allowed() or ()):
+                raise self._bad(text, owner)
+            return text
+        return self.check(self.parse_item(text, owner), owner)
 
     def describe(self) -> dict:
         """What listings show: name, kind, default, choices, bounds, help (and `many`, the flag)."""
         default = self.default.name if self.kind == "policy" else self.default
-        return {"name": self.name, "type": self.kind, "default": default, "choices": self.allowed(),
+        choices = self.allowed()
+        return {"name": self.name, "type": self.kind, "default": default,
+                "choices": None if choices is None else list(choices),
                 "minimum": self.minimum, "maximum": self.maximum, "help": self.help, "many": self.many,
                 "flag": self.flag}
 
@@ -130,7 +141,8 @@ class Param:
         if hi is not None and lo is None and value > hi:
             raise KvlensError(f"{where} must be at most {hi}; got {value!r}.")
 
-    def _parse_one(self, text: str, owner: str):
+    def parse_item(self, text: str, owner: str = ""):
+        """One item of the kind from text, unchecked (a `many` flag's single occurrence)."""
         kind = self.kind
         try:
             if kind in ("choice", "text", "policy"):
@@ -150,11 +162,10 @@ class Param:
     def _what(self, plural: bool = False) -> str:
         if self.kind in ("choice", "policy"):
             what = f"one of {', '.join(map(str, self.allowed() or ()))}"
-        elif self.kind == "numbers":
-            what = f"{len(self.default)} comma-separated numbers"
-        else:
-            what = _WHAT[self.kind]
-        return f"a list of {what}" if plural else what
+            return f"comma-separated values, each {what}" if plural else what
+        if self.kind == "numbers":
+            return f"{len(self.default)} comma-separated numbers"
+        return f"comma-separated {_MANY[self.kind]}" if plural else _WHAT[self.kind]
 
     def _where(self, owner: str) -> str:
         return f"{self.name} of {owner}" if owner else self.name
@@ -191,7 +202,8 @@ def parse_budget(text) -> int | float | None:
     text = str(text).strip()
     for kind in (int, float):
         try:
-            return check_budget(kind(text))
+            value = kind(text)
         except ValueError:
             continue
+        return check_budget(value)
     return check_budget(text)

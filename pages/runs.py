@@ -2,7 +2,7 @@
 tick rows to overlay their per-step curves, open one in the browse pages, download, delete or import a run."""
 import streamlit as st
 
-from kvlens.runs.index import filter_table
+from kvlens.figures.run_table import filter_table
 from kvlens.ui import runs_table as rt
 from kvlens.ui.page import page_top
 from kvlens.ui.state import all_runs, cached_runs_dir, user_runs_dir

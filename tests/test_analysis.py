@@ -344,9 +344,9 @@ def test_unknown_or_unfitting_requests_are_one_sentence(tmp_path, capsys):
     r = tiny_run()
     with pytest.raises(KvlensError, match="'adjacency' has no parameter 'layer'; it takes none"):
         r.figure("adjacency", layer=1)
-    with pytest.raises(KvlensError, match="layer takes an integer; got 'x'"):
+    with pytest.raises(KvlensError, match="layer must be an integer; got 'x'"):
         r.figure("similarity", layer="x")
-    with pytest.raises(KvlensError, match="sigma takes a list of a number"):
+    with pytest.raises(KvlensError, match="sigma must be comma-separated numbers"):
         r.figure("gaussian", sigma=2.0)
     with pytest.raises(KvlensError, match="rule takes mean_distance or eq7; got 'mean'"):
         r.figure("gaussian", rule=["mean"])
@@ -381,7 +381,7 @@ def test_a_registered_analysis_reaches_the_cli_and_run_figure(tmp_path, capsys):
         name = "test-norms"
         paper = "none"
         level = RecordLevel.STATES
-        params = (registry.Param("layer", int, 0, "layer"),)
+        params = (registry.Param("layer", 0, "layer"),)
 
         def compute(self, run, layer):
             return run.tensor(f"prefill/k/{layer}").float().norm(dim=-1).mean(0)  # (T,)

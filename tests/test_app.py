@@ -215,7 +215,7 @@ def test_policy_widgets_are_generated_and_bad_budgets_explained(app):
     from kvlens.policies import parameters
 
     at.selectbox(key="run_policy").set_value("cam").run()
-    specs = {p["name"]: p for p in parameters("cam")}
+    specs = {p.name: p.describe() for p in parameters("cam")}
     assert at.selectbox(key="run_cam_base").options == specs["base"]["choices"] and "h2o" in specs["base"]["choices"]
     assert at.number_input(key="run_cam_span").value == specs["span"]["default"]
     assert at.text_input(key="run_cam_clamp").value == ",".join(map(str, specs["clamp"]["default"]))
@@ -401,7 +401,7 @@ def test_a_bad_budget_or_parameter_says_why_under_its_field_and_disables_compare
     at.text_input(key="cmp1_h2o_budget").set_value("0.5").run()
     assert not at.error and not at.button(key="cmp_go").disabled
     at.number_input(key="cmp0_streaming_llm_sink").set_value(-1).run()  # below the registry's bound
-    assert [e.value for e in at.error] == ["sink of streaming_llm must be >= 0; got -1."]
+    assert [e.value for e in at.error] == ["sink of streaming_llm must be at least 0; got -1."]
     assert at.button(key="cmp_go").disabled
     at.number_input(key="cmp0_streaming_llm_sink").set_value(4).run()
     at.text_input(key="cmp0_streaming_llm_budget").set_value("3").run()  # fewer slots than the sinks it keeps
@@ -416,11 +416,11 @@ def test_every_policy_parameter_widget_has_the_registrys_help(app):
     for name in policy_names():
         at.selectbox(key="run_policy").set_value(name).run()
         for spec in parameters(name):
-            if spec["type"] == "policy":
+            if spec.kind == "policy":
                 continue
             widget = next(w for kind in ("number_input", "text_input", "selectbox", "checkbox") for w in at.get(kind)
-                          if w.key == f"run_{name}_{spec['name']}")
-            assert spec["help"] and widget.help == spec["help"], (name, spec["name"])
+                          if w.key == f"run_{name}_{spec.name}")
+            assert spec.help and widget.help == spec.help, (name, spec.name)
 
 
 @pytest.mark.slow

@@ -78,10 +78,10 @@ def test_evicted_positions_never_come_back_and_the_log_names_exactly_what_left(n
 def test_every_parameter_round_trips_through_set(name):
     default = make_policy(name)
     for spec in parameters(name):
-        value = spec["default"]
+        value = spec.describe()["default"]
         text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
-        parsed = parse_settings(name, [f"{spec['name']}={text}"])
-        assert parsed == {spec["name"]: value}
+        parsed = parse_settings(name, [f"{spec.name}={text}"])
+        assert parsed == {spec.name: value}
         assert make_policy(name, parsed).params() == default.params()
     assert make_policy(name, default.params()) == default  # run.json's params rebuild the same policy
 
@@ -108,7 +108,7 @@ def test_policies_are_immutable_configuration_with_help_for_every_parameter(name
     for f in dataclasses.fields(policy):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(policy, f.name, getattr(policy, f.name))
-    assert all(spec["help"] for spec in parameters(name)), "every parameter needs help text (param(..., help))"
+    assert all(spec.help for spec in parameters(name)), "every parameter needs help text (param(..., help))"
     assert REGISTRY[name].description
 
 

@@ -1,4 +1,4 @@
-"""The runs table (kvlens.runs.index), zip export/import/delete (kvlens.runs.archive), the `steps` overlay
+"""The runs table (kvlens.figures.run_table), zip export/import/delete (kvlens.runs.archive), the `steps` overlay
 analysis and the Runs page under AppTest."""
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from streamlit.testing.v1 import AppTest
 from kvlens import load_run
 from kvlens.analysis.registry import analysis_figure
 from kvlens.errors import KvlensError
+from kvlens.figures.run_table import filter_table, run_table
 from kvlens.runs.archive import delete_run, export_run, import_run
-from kvlens.runs.index import filter_table, run_table
 from kvlens.runs.run import MAX_JSON_BYTES
 
 ROOT = Path(__file__).resolve().parent.parent

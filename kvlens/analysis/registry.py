@@ -10,56 +10,21 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from kvlens.errors import KvlensError
 from kvlens.levels import RecordLevel
+from kvlens.params import Param
 from kvlens.runs.run import Run
 
 INPUTS = ("run", "runs", "model")  # one recorded run, several, or a loaded model (the analysis runs it)
 _REGISTRY: dict[str, type[Analysis]] = {}
 
 
-@dataclass(frozen=True)
-class Param:
-    """One parameter: `type` parses it on the command line (int, float or str); `many` makes it a list
-    (a repeatable flag); a `None` default is worked out from the run (the help says how); a number
-    below `minimum` is refused."""
-
-    name: str
-    type: type
-    default: Any
-    help: str
-    many: bool = False
-    cli: str = ""  # the command-line flag, when not `--name` with dashes
-    minimum: float | None = None
-
-    @property
-    def flag(self) -> str:
-        return self.cli or "--" + self.name.replace("_", "-")
-
-    def check(self, value) -> Any:
-        """`value` as this parameter takes it (a list if `many`), or one sentence saying what it should be."""
-        items = value if self.many and isinstance(value, (list, tuple)) else [value]
-        if self.many and not isinstance(value, (list, tuple)) or not all(map(self._fits, items)):
-            want = {int: "an integer", float: "a number", str: "text"}[self.type]
-            raise KvlensError(f"{self.name} takes {'a list of ' if self.many else ''}{want}; got {value!r}.")
-        low = [v for v in items if self.minimum is not None and v is not None and v < self.minimum]
-        if low:
-            raise KvlensError(f"{self.name} must be at least {self.minimum}; got {low[0]}.")
-        return list(value) if self.many else value
-
-    def _fits(self, v) -> bool:
-        if v is None:
-            return self.default is None
-        return not isinstance(v, bool) and (isinstance(v, self.type) or self.type is float and isinstance(v, int))
-
-
 # parameters several analyses share
-LAYER = Param("layer", int, None, "layer (default: the middle recorded layer)")
-THRESHOLD = Param("threshold", float, 0.75, "cosine-similarity threshold of the merging sets")
-TEXTS = Param("texts", int, 4, "how many bundled texts", minimum=1)
+LAYER = Param("layer", None, "layer (default: the middle recorded layer)", kind="int", optional=True)
+THRESHOLD = Param("threshold", 0.75, "cosine-similarity threshold of the merging sets")
+TEXTS = Param("texts", 4, "how many bundled texts", minimum=1)
 
 
 class Analysis:
@@ -89,8 +54,7 @@ class Analysis:
         """Name, paper figure, inputs, level and parameters, for `kvlens analyze --list`."""
         return {"name": cls.name, "paper": cls.paper, "inputs": cls.inputs,
                 "level": None if cls.inputs == "model" else cls.level, "measured": cls.measured,
-                "params": [{"name": p.name, "flag": p.flag, "type": p.type.__name__, "default": p.default,
-                            "help": p.help, "many": p.many, "minimum": p.minimum} for p in cls.params]}
+                "params": [p.describe() for p in cls.params]}
 
 
 def register_analysis(cls: type[Analysis]) -> type[Analysis]:

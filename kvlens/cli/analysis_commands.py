@@ -42,8 +42,8 @@ def _add_kind(kinds, name: str, cls, command: str) -> None:
                        help="recorded run" + ("; repeat for several" if cls.inputs == "runs" else ""))
     for prm in cls.params:
         shown = "" if prm.default in (None, ()) else f" (default {prm.default})"
-        k.add_argument(prm.flag, dest=f"param_{prm.name}", metavar=prm.name.upper(), type=prm.type,
-                       default=argparse.SUPPRESS,
+        k.add_argument(prm.flag, dest=f"param_{prm.name}", metavar=prm.name.upper(), default=argparse.SUPPRESS,
+                       type=_flag_type(prm),
                        action="append" if prm.many else "store", help=prm.help + shown)
     if cls.inputs == "model":
         add_model_args(k)
@@ -53,6 +53,16 @@ def _add_kind(kinds, name: str, cls, command: str) -> None:
         k.add_argument("--out", required=True,
                        help="FILE.png, .svg or .pdf (FILE.csv and FILE.json are written beside it)")
         k.add_argument("--scale", type=float, default=2.0, help="PNG pixel scale")
+
+
+def _flag_type(prm):
+    """argparse's `type` for a parameter's flag: one item of its kind (checked with the others before loading)."""
+    def parse(text: str):
+        try:
+            return prm.parse_item(text)
+        except KvlensError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return parse
 
 
 def _source(args, inputs: str):

@@ -102,7 +102,8 @@ def cmd_policies(args) -> int:
 
     rows = [{"name": name, "family": family(REGISTRY[name]), "description": REGISTRY[name].description,
              "paper": REGISTRY[name].paper, "budget_free": REGISTRY[name].budget_free,
-             "merges": REGISTRY[name].merges, "parameters": parameters(name), "presets": presets(name)}
+             "merges": REGISTRY[name].merges, "parameters": [p.describe() for p in parameters(name)],
+             "presets": presets(name)}
             for name in policy_names()]
     if args.json:
         print_json(rows)

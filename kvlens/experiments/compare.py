@@ -47,9 +47,8 @@ from kvlens.engine.models import LoadedModel
 from kvlens.engine.perturbation import PerturbationMeter, kl_per_step, summary
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import encode, generate
-from kvlens.policies import make_policy
+from kvlens.policies import changed_params, make_policy
 from kvlens.runs.run import Run
-from kvlens.ui.labels import changed_params
 
 MAX_POLICIES = 4
 FULL = "full"

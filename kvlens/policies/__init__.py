@@ -10,20 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import math
 import pkgutil
 
 from kvlens.errors import KvlensError
-from kvlens.policies.base import (
-    REGISTRY,
-    Policy,
-    ScoredEviction,
-    choices_of,
-    field_default,
-    param,
-    register,
-    scored_eviction_names,
-)
+from kvlens.params import Param, parse_budget
+from kvlens.policies.base import REGISTRY, Policy, ScoredEviction, param, register, scored_eviction_names
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base":
@@ -50,29 +41,31 @@ def policy_class(name: str) -> type[Policy]:
     return REGISTRY[name]
 
 
-def parameters(name: str, values: dict | None = None) -> list[dict]:
-    """Each hyperparameter of a policy: name, type, default, choices, minimum, maximum, help.
+def parameters(name: str, values: dict | None = None) -> list[Param]:
+    """Each declared hyperparameter of a policy (`kvlens.params.Param`).
 
-    A nested policy field (CaM's `base`) is listed with type `policy`, followed by the parameters
-    of the chosen nested policy (`values[field]`, else the default) as `field.PARAM`.
+    A nested policy (CaM's `base`, kind `policy`) is followed by the parameters of the chosen nested
+    policy (`values[field]`, else the default) named `field.PARAM`.
     """
     out = []
-    for f in dataclasses.fields(policy_class(name)):
-        default = field_default(f)
-        meta = f.metadata
-        if isinstance(default, Policy):
-            chosen = (values or {}).get(f.name, default.name)
-            chosen = chosen.name if isinstance(chosen, Policy) else chosen
-            out.append({"name": f.name, "type": "policy", "default": default.name, "choices": list(choices_of(f)),
-                        "minimum": None, "maximum": None, "help": meta.get("help", "")})
+    for p in policy_class(name).declared():
+        out.append(p)
+        if p.kind == "policy":
+            chosen = (values or {}).get(p.name, p.default)
+            chosen = getattr(chosen, "name", chosen)
             if chosen in REGISTRY:
-                out += [{**p, "name": f"{f.name}.{p['name']}"} for p in parameters(chosen)]
-            continue
-        choices = choices_of(f)
-        kind = "choice" if choices is not None else type(default).__name__
-        out.append({"name": f.name, "type": kind, "default": default, "choices": list(choices) if choices else None,
-                    "minimum": meta.get("minimum"), "maximum": meta.get("maximum"), "help": meta.get("help", "")})
+                out += [dataclasses.replace(q, name=f"{p.name}.{q.name}") for q in parameters(chosen)]
     return out
+
+
+def changed_params(policy: str, params: dict) -> dict:
+    """The parameters that differ from the policy's defaults (all of them for an unknown policy)."""
+    try:
+        defaults = {p.name: p.describe()["default"] for p in parameters(policy, params)}
+    except KvlensError:
+        return dict(params)
+    plain = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731 (run.json stores tuples as lists)
+    return {k: v for k, v in params.items() if k not in defaults or plain(defaults[k]) != plain(v)}
 
 
 def presets(name: str) -> dict[str, dict]:
@@ -96,27 +89,25 @@ def make_policy(name: str, params: dict | None = None) -> Policy:
     """Build a validated policy. Nested policies: `{"base": "h2o", "base.recent_ratio": 0.3}`;
     `{"preset": NAME}` applies a named setting first."""
     cls = policy_class(name)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    declared = {p.name: p for p in cls.declared()}
     own, nested = {}, {}
     for key, value in with_preset(name, params).items():
         head, dot, sub = key.partition(".")
-        if dot and head in fields and isinstance(field_default(fields[head]), Policy):
+        if dot and head in declared and declared[head].kind == "policy":
             nested.setdefault(head, {})[sub] = value
-        elif key in fields:
+        elif key in declared:
             own[key] = value
         else:
             raise _unknown(name, key, params)
-    for head, f in fields.items():
-        if not isinstance(field_default(f), Policy):
+    for head, p in declared.items():
+        if p.kind != "policy":
             continue
-        inner = own.get(head, field_default(f))
+        inner = own.get(head, p.default)
         if isinstance(inner, Policy):
             inner_name, inner_params = inner.name, {**inner.params(), **nested.get(head, {})}
         else:
             inner_name, inner_params = inner, nested.get(head, {})
-        choices = choices_of(f)
-        if choices is not None and inner_name not in choices:
-            raise KvlensError(f"{head} of {name} must be one of {', '.join(choices)}; got {inner_name!r}.")
+        p.parse(inner_name, owner=name)  # a name among the allowed ones, or one sentence
         own[head] = make_policy(inner_name, inner_params)
     try:
         return cls(**own)
@@ -125,45 +116,17 @@ def make_policy(name: str, params: dict | None = None) -> Policy:
 
 
 def _unknown(policy: str, key: str, values: dict | None) -> KvlensError:
-    names = [p["name"] for p in parameters(policy, values)] + (["preset"] if presets(policy) else [])
+    names = [p.name for p in parameters(policy, values)] + (["preset"] if presets(policy) else [])
     allowed = ", ".join(names) or "none"
     return KvlensError(f"Policy {policy} has no parameter '{key}' (its parameters: {allowed}).")
 
 
-_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "tuple": "comma-separated numbers"}
-
-
 def parse_value(policy: str, key: str, text: str, values: dict | None = None):
-    """Turn a `--set KEY=VALUE` string into the parameter's type (int, float, bool, choice, tuple)."""
-    spec = next((p for p in parameters(policy, values) if p["name"] == key), None)
+    """Turn a `--set KEY=VALUE` string into the parameter's value (its `Param.parse`)."""
+    spec = next((p for p in parameters(policy, values) if p.name == key), None)
     if spec is None:
         raise _unknown(policy, key, values)
-    default, text = spec["default"], text.strip()
-    try:
-        if spec["choices"] is not None:
-            if text not in spec["choices"]:
-                raise ValueError
-            return text
-        if isinstance(default, bool):
-            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError
-            return text.lower() in ("true", "1", "yes")
-        if isinstance(default, int):
-            return int(text)
-        if isinstance(default, float):
-            value = float(text)
-            if not math.isfinite(value):
-                raise ValueError
-            return value
-        if isinstance(default, tuple):
-            parts = tuple(float(x) for x in text.split(","))
-            if len(parts) != len(default) or not all(math.isfinite(x) for x in parts):
-                raise ValueError
-            return parts
-        return text
-    except ValueError:
-        kind = f"one of {', '.join(spec['choices'])}" if spec["choices"] else _KINDS.get(spec["type"], "text")
-        raise KvlensError(f"Parameter {key} of {policy} must be {kind}; got '{text}'.") from None
+    return spec.parse(text, owner=policy)
 
 
 def parse_settings(policy: str, settings: list[str] | None) -> dict:
@@ -181,25 +144,6 @@ def parse_settings(policy: str, settings: list[str] | None) -> dict:
     return params
 
 
-def parse_budget(text: str | None) -> int | float | None:
-    """'64' -> 64 slots, '0.5' -> half the prompt; None stays None."""
-    if text is None:
-        return None
-    text = str(text).strip()
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        value = float(text)
-    except ValueError:
-        raise KvlensError(f"The budget must be a number of slots (e.g. 64) or a share of the prompt "
-                          f"in (0, 1] (e.g. 0.5); got '{text}'.") from None
-    if not (0 < value <= 1):
-        raise KvlensError(f"A fractional budget must be in (0, 1]; got {text}.")
-    return value
-
-
-__all__ = ["REGISTRY", "Policy", "ScoredEviction", "family", "make_policy", "param", "parameters", "parse_budget",
-           "parse_settings", "parse_value", "policy_class", "policy_names", "presets", "register",
-           "scored_eviction_names", "with_preset"]
+__all__ = ["REGISTRY", "Param", "Policy", "ScoredEviction", "changed_params", "family", "make_policy", "param",
+           "parameters", "parse_budget", "parse_settings", "parse_value", "policy_class", "policy_names", "presets",
+           "register", "scored_eviction_names", "with_preset"]

@@ -10,15 +10,15 @@ to the `DecisionLog` they are given.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import ClassVar
 
 import torch
 
 from kvlens.engine.cache import LayerCache
 from kvlens.errors import KvlensError
+from kvlens.params import Param, check_budget
 from kvlens.runs.decisions import DecisionLog
 
 REGISTRY: dict[str, type[Policy]] = {}
@@ -34,61 +34,20 @@ def register(cls: type[Policy]) -> type[Policy]:
 
 def param(default, help: str, *, minimum: float | None = None, maximum: float | None = None,
           choices: tuple | Callable[[], tuple] | None = None):
-    """A hyperparameter: a dataclass field carrying its help text, bounds and allowed choices.
+    """A hyperparameter: a dataclass field declaring its `kvlens.params.Param` (help, bounds, choices).
 
     `choices` may be a callable (resolved when validating), e.g. the registered names of a kind.
     A field whose default is a policy instance is a nested policy (CaM's `base`), set as
     `base=NAME` and `base.PARAM=VALUE`.
     """
     meta = {"help": help, "minimum": minimum, "maximum": maximum, "choices": choices}
-    return field(default=default, metadata=meta)
-
-
-def choices_of(f: Field) -> tuple | None:
-    c = f.metadata.get("choices")
-    return tuple(c()) if callable(c) else (tuple(c) if c is not None else None)
+    return field(default=default, metadata={"param": meta})
 
 
 def check(condition: bool, message: str) -> None:
-    """Raise the one-sentence error of a bad parameter."""
+    """Raise the one-sentence error of a bad combination of parameters."""
     if not condition:
         raise KvlensError(message)
-
-
-def _check_field(policy: str, f: Field, value):
-    """Validate one field's value against its default's type, bounds and choices; returns it normalised."""
-    default, meta = f.default, f.metadata
-    where = f"{f.name} of {policy}"
-    choices = choices_of(f)
-    if isinstance(default, Policy):
-        check(isinstance(value, Policy) and (choices is None or value.name in choices),
-              f"{where} must be one of {', '.join(choices or ())}; got {getattr(value, 'name', value)!r}.")
-        return value
-    if choices is not None:
-        check(value in choices, f"{where} must be one of {', '.join(map(str, choices))}; got {value!r}.")
-        return value
-    if isinstance(default, bool):
-        check(isinstance(value, bool), f"{where} must be true or false; got {value!r}.")
-        return value
-    if isinstance(default, tuple):
-        ok = isinstance(value, (tuple, list)) and len(value) == len(default) and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value)
-        check(ok, f"{where} must be {len(default)} comma-separated numbers; got {value!r}.")
-        return tuple(float(x) for x in value)
-    if isinstance(default, (int, float)):
-        is_int = isinstance(default, int)
-        ok = isinstance(value, int) if is_int else isinstance(value, (int, float)) and math.isfinite(value)
-        kind = "an integer" if is_int else "a number"
-        check(ok and not isinstance(value, bool), f"{where} must be {kind}; got {value!r}.")
-        lo, hi = meta.get("minimum"), meta.get("maximum")
-        if lo is not None and hi is not None:
-            check(lo <= value <= hi, f"{where} must be in [{lo}, {hi}]; got {value!r}.")
-        elif lo is not None:
-            check(value >= lo, f"{where} must be >= {lo}; got {value!r}.")
-        elif hi is not None:
-            check(value <= hi, f"{where} must be <= {hi}; got {value!r}.")
-        return value if is_int else float(value)
-    return value
 
 
 @dataclass(frozen=True)
@@ -105,9 +64,19 @@ class Policy:
     presets: ClassVar[dict[str, dict]] = {}  # named settings, `preset=NAME` (explicit parameters override)
 
     def __post_init__(self):
-        for f in fields(self):
-            object.__setattr__(self, f.name, _check_field(self.name, f, getattr(self, f.name)))
+        for p in self.declared():
+            object.__setattr__(self, p.name, p.check(getattr(self, p.name), owner=self.name))
         self.validate()
+
+    @classmethod
+    def declared(cls) -> list[Param]:
+        """The policy's parameters as declared by its `param()` fields."""
+        out = []
+        for f in fields(cls):
+            default = f.default if f.default is not MISSING else f.default_factory()
+            kind = "policy" if isinstance(default, Policy) else ""
+            out.append(Param(f.name, default, kind=kind, **f.metadata["param"]))
+        return out
 
     def validate(self) -> None:
         """Checks across several parameters (single fields are checked from their `param()`)."""
@@ -141,15 +110,14 @@ class Policy:
         if self.budget_free:
             return None
         check(budget is not None, f"Policy {self.name} needs a --budget (slots, or a share of the prompt in (0, 1]).")
-        if isinstance(budget, float):
-            check(0 < budget <= 1, f"A fractional budget must be in (0, 1]; got {budget}.")
-            slots = max(1, round(budget * prompt_len))
-        else:
-            check(budget > 0, f"The budget must be a positive number of slots; got {budget}.")
-            slots = int(budget)
+        budget = check_budget(budget)
+        return self.check_slots(max(1, round(budget * prompt_len)) if isinstance(budget, float) else budget, total_len)
+
+    def check_slots(self, slots: int, total_len: int | None = None) -> int:
+        """`slots` if the policy can compress to it (and, given `total_len`, would ever compress)."""
         check(slots >= self.min_budget(),
               f"Budget {slots} is below the {self.min_budget()} slots that {self.name} always keeps.")
-        check(slots < total_len,
+        check(total_len is None or slots < total_len,
               f"Budget {slots} is not below the sequence length {total_len}, so {self.name} would never "
               f"compress; use a smaller budget or the full policy.")
         return slots
@@ -262,6 +230,3 @@ def group_mean(probs: torch.Tensor) -> torch.Tensor:
     """A KV head's attention is the mean of its query heads': `(Hkv, G, ...)` -> `(Hkv, ...)`."""
     return probs.mean(1)
 
-
-def field_default(f: Field):
-    return f.default if f.default is not MISSING else f.default_factory()

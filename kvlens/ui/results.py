@@ -16,8 +16,8 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from kvlens.figures.plots import line_style
+from kvlens.policies import changed_params
 from kvlens.ui.charts import chart
-from kvlens.ui.labels import changed_params
 from kvlens.ui.state import ROOT
 
 MAX_BYTES = 32 << 20

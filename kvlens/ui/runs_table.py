@@ -1,7 +1,7 @@
 """The Runs page's Streamlit pieces (keys prefixed `runs_`): the cached table, the overlay of the
 picked runs, opening one in the browse pages, the delete dialog, zip download and upload.
 
-The table and the archive logic live in `kvlens.runs.index` and `kvlens.runs.archive`; the runs are
+The table and the archive logic live in `kvlens.figures.run_table` and `kvlens.runs.archive`; the runs are
 those of the sidebar's picker (`kvlens.ui.state.all_runs`), so both always agree on what a run is.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import streamlit as st
 
 from kvlens.analysis.registry import analysis_figure
 from kvlens.errors import KvlensError
+from kvlens.figures.run_table import run_table
 from kvlens.runs.archive import delete_run, export_run, import_run
-from kvlens.runs.index import run_table
 from kvlens.runs.run import RUN_JSON
 from kvlens.ui import session
 from kvlens.ui.charts import chart

@@ -5,8 +5,8 @@ import html
 
 import streamlit as st
 
+from kvlens.policies import changed_params
 from kvlens.runs.run import Run
-from kvlens.ui.labels import changed_params
 
 
 def _budget(run: Run) -> str:

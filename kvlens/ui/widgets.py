@@ -4,47 +4,36 @@ from __future__ import annotations
 import streamlit as st
 
 from kvlens.errors import KvlensError
-from kvlens.policies import (
-    REGISTRY,
-    make_policy,
-    parameters,
-    parse_budget,
-    parse_value,
-    policy_names,
-    presets,
-    with_preset,
-)
+from kvlens.params import check_budget as check_budget_value
+from kvlens.policies import REGISTRY, make_policy, parameters, parse_budget, policy_names, presets, with_preset
+from kvlens.ui.params import param_widget
 
 DEFAULTS = "(defaults)"
 
 
 def parameter_widgets(policy: str, prefix: str) -> dict:
-    """One widget per hyperparameter of `policy` (keys `{prefix}_{policy}_{name}`); returns the values.
-
-    Bools are checkboxes, choices (and nested policies such as CaM's base) select boxes, ints and
-    floats number inputs, tuples text fields parsed like the CLI's `--set`. Help texts come from the
-    policy's `param()` declarations. A bad value shows its sentence under its field and raises
+    """One widget per hyperparameter of `policy` (keys `{prefix}_{policy}_{name}`, `kvlens.ui.params`); returns
+    the values. The widgets start from the chosen preset's settings; nested policies come first, since their
+    choice decides the parameters shown. A bad value shows its sentence under its field and raises
     `BadSetting`; a bad combination raises KvlensError (the caller shows it).
     """
     values, slots = {}, {}
-    start, prefix = _preset_picker(policy, prefix)  # the widgets start from the chosen preset's settings
-    for spec in parameters(policy):  # nested policies first: their choice decides the parameters shown
-        if spec["type"] == "policy":
-            default = start.get(spec["name"], spec["default"])
-            values[spec["name"]] = st.selectbox(spec["name"], spec["choices"], index=spec["choices"].index(default),
-                                                key=f"{prefix}_{policy}_{spec['name']}", help=spec["help"] or None)
-    specs = [s for s in parameters(policy, values) if s["type"] != "policy"]
+    start, prefix = _preset_picker(policy, prefix)
+    for p in parameters(policy):
+        if p.kind == "policy":
+            values[p.name] = param_widget(p, start.get(p.name, p.default), f"{prefix}_{policy}_{p.name}", owner=policy)
+    specs = [p for p in parameters(policy, values) if p.kind != "policy"]
     cols = st.columns(min(3, max(1, len(specs))))
     bad = None
-    for i, spec in enumerate(specs):
+    for i, p in enumerate(specs):
         with cols[i % len(cols)]:
             try:
-                values[spec["name"]] = _field(policy, spec, start.get(spec["name"], spec["default"]),
-                                              f"{prefix}_{policy}_{spec['name']}", values)
+                values[p.name] = param_widget(p, start.get(p.name, p.default), f"{prefix}_{policy}_{p.name}",
+                                              owner=policy)
             except KvlensError as err:
                 bad = bad or err
                 st.error(str(err))
-            slots[spec["name"].rpartition(".")[2]] = st.empty()
+            slots[p.name.rpartition(".")[2]] = st.empty()
     if bad is not None:
         raise BadSetting(str(bad))
     try:
@@ -56,22 +45,6 @@ def parameter_widgets(policy: str, prefix: str) -> dict:
         slot.error(str(err))
         raise BadSetting(str(err)) from None
     return values
-
-
-def _field(policy: str, spec: dict, default, key: str, values: dict):
-    """The widget of one parameter (no bounds of its own: a value out of bounds gets the policy's sentence)."""
-    name, help_ = spec["name"], spec["help"] or None
-    if spec["choices"] is not None:
-        return st.selectbox(name, spec["choices"], index=spec["choices"].index(default), key=key, help=help_)
-    if isinstance(default, bool):
-        return st.checkbox(name, value=default, key=key, help=help_)
-    if isinstance(default, int):
-        return int(st.number_input(name, value=default, step=1, key=key, help=help_))
-    if isinstance(default, float):
-        return float(st.number_input(name, value=default, step=0.05, format="%.3g", key=key, help=help_))
-    shown = "none" if default is None else ",".join(str(x) for x in default) \
-        if isinstance(default, tuple) else str(default)
-    return parse_value(policy, name, st.text_input(name, value=shown, key=key, help=help_), values)
 
 
 class BadSetting(KvlensError):
@@ -139,6 +112,5 @@ def policy_picker(prefix: str, default: str = "h2o", label: str = "Policy", budg
 
 def check_budget(policy, budget) -> None:
     """Refuse a slot budget of 0 or below what the policy always keeps, before anything runs."""
-    if isinstance(budget, int) and budget < max(1, policy.min_budget()):
-        raise KvlensError(f"The budget must be a positive number of slots; got {budget}." if budget < 1 else
-                          f"Budget {budget} is below the {policy.min_budget()} slots that {policy.name} always keeps.")
+    if budget is not None and isinstance(check_budget_value(budget), int):
+        policy.check_slots(budget)

@@ -8,10 +8,12 @@ class Attention(Analysis):
     name = "attention"
     paper = "CaM Fig. 1 (a)-(c)"
     level = RecordLevel.ATTENTION
-    params = (Param("layer", int, None, "layer (default: the middle layer with attention rows)"),
-              Param("head", int, 0, "query head"),
-              Param("step", int, None, "query row marked by a guide line (default: none)"),
-              Param("max_cells", int, 512, "at most this many cells per side (longer runs are block-pooled)",
+    params = (Param("layer", None, kind="int", optional=True,
+                    help="layer (default: the middle layer with attention rows)"),
+              Param("head", 0, kind="int", help="query head"),
+              Param("step", None, kind="int", optional=True, help="query row marked by a guide line (default: none)"),
+              Param("max_cells", 512, kind="int",
+                    help="at most this many cells per side (longer runs are block-pooled)",
                     minimum=1))
 
     def compute(self, run, layer, head, max_cells, **params):

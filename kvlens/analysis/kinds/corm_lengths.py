@@ -10,8 +10,9 @@ class CormLengths(Analysis):
     paper = "CORM Fig. 4"
     inputs = "model"
     params = (TEXTS,
-              Param("lengths", str, "256,512,1024,2048", "comma-separated sequence lengths"),
-              Param("settings", str, (), "a corm parameter, KEY=VALUE (e.g. window=64); repeat for several",
+              Param("lengths", "256,512,1024,2048", kind="text", help="comma-separated sequence lengths"),
+              Param("settings", (), kind="text",
+                    help="a corm parameter, KEY=VALUE (e.g. window=64); repeat for several",
                     many=True, cli="--set"))
 
     def compute(self, model, texts, lengths, settings):

@@ -6,7 +6,7 @@ from kvlens.analysis.registry import Analysis, Param, register_analysis
 class Decisions(Analysis):
     name = "decisions"
     paper = "the decision log (every compressing policy)"
-    params = (Param("layer", int, 0, "layer"), Param("kv_head", int, 0, "KV head"))
+    params = (Param("layer", 0, kind="int", help="layer"), Param("kv_head", 0, kind="int", help="KV head"))
 
     def compute(self, run, layer, kv_head):
         d = run.decisions

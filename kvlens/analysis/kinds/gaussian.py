@@ -17,12 +17,15 @@ class Gaussian(Analysis):
     paper = "KVMerger Fig. 3d"
     level = RecordLevel.STATES
     params = (LAYER,
-              Param("head", int, 0, "KV head"),
+              Param("head", 0, kind="int", help="KV head"),
               THRESHOLD,
-              Param("token", int, None, "show the merging set holding this token (default: the largest set)"),
-              Param("rule", str, RULES, "sigma rules drawn: mean_distance (§6.3, the kvmerger policy's default) "
+              Param("token", None, kind="int", optional=True,
+                    help="show the merging set holding this token (default: the largest set)"),
+              Param("rule", RULES, kind="text",
+                    help="sigma rules drawn: mean_distance (§6.3, the kvmerger policy's default) "
                     "and eq7 (Eq. 7, §5.2); repeat the flag", many=True),
-              Param("sigma", float, (), "fixed sigma values drawn besides the rules (repeat the flag)", many=True))
+              Param("sigma", (), kind="float",
+                    help="fixed sigma values drawn besides the rules (repeat the flag)", many=True))
 
     def _args(self, run, layer, head, threshold, token, rule, sigma):
         unknown = [r for r in rule if r not in RULES]

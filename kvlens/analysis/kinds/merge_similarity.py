@@ -9,8 +9,8 @@ class MergeSimilarity(Analysis):
     name = "merge-similarity"
     paper = "WeightedKV Fig. 2"
     level = RecordLevel.STATES
-    params = (Param("step", int, 100, "the query row at which one token is merged"),
-              Param("horizon", int, 800, "how many later rows are compared", minimum=1))
+    params = (Param("step", 100, kind="int", help="the query row at which one token is merged"),
+              Param("horizon", 800, kind="int", help="how many later rows are compared", minimum=1))
 
     def compute(self, run, step, horizon):
         return an.merge_future_similarity(run, step, horizon)

@@ -9,7 +9,7 @@ class MergingRatio(Analysis):
     paper = "KVMerger Fig. 3b"
     inputs = "model"
     params = (TEXTS,
-              Param("tokens", int, 1024, "tokens of each text", minimum=2),
+              Param("tokens", 1024, kind="int", help="tokens of each text", minimum=2),
               THRESHOLD)
 
     def compute(self, model, texts, tokens, threshold):

@@ -15,7 +15,8 @@ class Perplexity(Analysis):
     paper = "WeightedKV Fig. 4"
     inputs = "runs"
     level = RecordLevel.SUMMARY
-    params = (Param("label", str, (), "legend label of each run, in order (default: its policy)", many=True),)
+    params = (Param("label", (), kind="text",
+                    help="legend label of each run, in order (default: its policy)", many=True),)
 
     def compute(self, runs, label):
         return [an.log_perplexity_curve(r, lab) for r, lab in zip(runs, _labels(runs, label), strict=True)]

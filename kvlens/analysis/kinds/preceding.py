@@ -11,9 +11,9 @@ class Preceding(Analysis):
     paper = "KVMerger Fig. 3a"
     level = RecordLevel.STATES
     params = (LAYER,
-              Param("token", int, None, "token t (default: the last prompt token)"),
-              Param("window", int, 32, "how many tokens before t", minimum=1),
-              Param("state", str, "key", "query, key or value"))
+              Param("token", None, kind="int", optional=True, help="token t (default: the last prompt token)"),
+              Param("window", 32, kind="int", help="how many tokens before t", minimum=1),
+              Param("state", "key", kind="text", help="query, key or value"))
 
     def _args(self, run, layer, token, window, state):
         token = len(run.meta["prompt_tokens"]) - 1 if token is None else token

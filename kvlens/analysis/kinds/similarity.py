@@ -11,10 +11,12 @@ class Similarity(Analysis):
     paper = "KVMerger Fig. 2, CORM Fig. 3"
     level = RecordLevel.STATES
     params = (LAYER,
-              Param("head", int, 0, "KV head (a query head for queries)"),
-              Param("state", str, "key", "query, key or value; a figure also takes several, comma-separated "
+              Param("head", 0, kind="int", help="KV head (a query head for queries)"),
+              Param("state", "key", kind="text",
+                    help="query, key or value; a figure also takes several, comma-separated "
                                          "(key,value: panels on one colour scale)"),
-              Param("max_size", int, 512, "at most this many cells per side (longer prompts are block-averaged)",
+              Param("max_size", 512, kind="int",
+                    help="at most this many cells per side (longer prompts are block-averaged)",
                     minimum=1))
 
     def compute(self, run, layer, head, state, max_size):

@@ -9,7 +9,7 @@ class Spectrum(Analysis):
     name = "spectrum"
     paper = "WeightedKV Fig. 1"
     level = RecordLevel.STATES
-    params = (Param("components", int, 64, "singular values kept per head", minimum=1),)
+    params = (Param("components", 64, kind="int", help="singular values kept per head", minimum=1),)
 
     def compute(self, run, components):
         return {kind: an.spectrum(run, kind, components) for kind in ("key", "value")}

@@ -21,7 +21,8 @@ class Steps(Analysis):
     name = "steps"
     paper = "per-step NLL, kept slots and perturbation of several runs, overlaid (every policy)"
     inputs = "runs"
-    params = (Param("label", str, (), "legend label of each run, in order (default: its folder name)", many=True),)
+    params = (Param("label", (), kind="text",
+                    help="legend label of each run, in order (default: its folder name)", many=True),)
 
     def compute(self, runs, label):
         """Per run: its label, the NLL of each new token, mean kept slots per KV head after each step, and the

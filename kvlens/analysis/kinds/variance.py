@@ -11,8 +11,9 @@ class Variance(Analysis):
     paper = "CaM Fig. 2"
     level = RecordLevel.STATES
     params = (LAYER,
-              Param("head", int, None, "query head (default: the mean over the layer's heads)"),
-              Param("group", int, 64, "tokens per group (CaM's m)", minimum=1))
+              Param("head", None, kind="int", optional=True,
+                    help="query head (default: the mean over the layer's heads)"),
+              Param("group", 64, kind="int", help="tokens per group (CaM's m)", minimum=1))
 
     def compute(self, run, layer, head, group):
         return an.attention_variance(run, layer_or_middle(run, layer), head, group)

@@ -92,7 +92,7 @@ class PeakRSS:
 
 def label(row: dict) -> str:
     """A row's policy as benchmarks name it: `cam` or `cam:base=h2o` (the parameters that differ from the defaults)."""
-    from kvlens.ui.labels import changed_params
+    from kvlens.policies import changed_params
 
     changed = changed_params(row["policy"], row.get("params") or {})
     return row["policy"] + (":" + ",".join(f"{k}={v}" for k, v in changed.items()) if changed else "")

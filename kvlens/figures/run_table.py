@@ -16,8 +16,8 @@ import pandas as pd
 
 from kvlens.errors import KvlensError
 from kvlens.figures.plots import model_label
+from kvlens.policies import changed_params
 from kvlens.runs.run import RUN_JSON, read_meta
-from kvlens.ui.labels import changed_params
 
 COLUMNS = ["name", "source", "policy", "params", "budget", "model", "mode", "prompt tokens", "new tokens", "ppl",
            "KL", "perturbation", "peak KV (MiB)", "level", "saved", "path"]

@@ -1,0 +1,31 @@
+"""The one widget builder: a Streamlit widget from a declared `kvlens.params.Param` (policies and analyses).
+
+Choices and nested policies are select boxes, booleans checkboxes, integers and numbers number
+inputs (empty when the default is worked out from the input), tuples, lists and text text fields
+read by `Param.parse`. The widget carries the declaration's help as its tooltip and no bounds of
+its own: a value out of bounds gets the declaration's one sentence, shown by the caller.
+"""
+from __future__ import annotations
+
+import streamlit as st
+
+from kvlens.params import Param
+
+
+def param_widget(p: Param, value, key: str, where=st, owner: str = ""):
+    """The widget of `p` starting at `value` (keyed `key`); the value entered (text kinds parsed)."""
+    help_ = p.help or None
+    if p.kind in ("choice", "policy") and not p.many:
+        options = list(p.allowed())
+        start = getattr(value, "name", value)
+        return where.selectbox(p.name, options, index=options.index(start) if start in options else 0, key=key,
+                               help=help_)
+    if p.kind == "bool" and not p.many:
+        return where.checkbox(p.name, value=bool(value), key=key, help=help_)
+    if p.kind in ("int", "float") and not p.many:
+        number = where.number_input(p.name, value=value, step=1 if p.kind == "int" else 0.05, key=key, help=help_,
+                                    format=None if p.kind == "int" else "%.3g", placeholder="default")
+        return None if number is None else (int(number) if p.kind == "int" else float(number))
+    shown = "" if value is None else ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+    text = where.text_input(p.name, value=shown, key=key, help=(help_ or "") + (" (comma-separated)" if p.many else ""))
+    return p.parse(text, owner=owner)
