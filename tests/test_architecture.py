@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from kvlens.engine.cache import CacheRows, KVCache
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvlens"
 LAYERS = [  # bottom first; a module belongs to the layer of its longest matching prefix
@@ -107,25 +105,30 @@ def test_no_policy_touches_a_private_attribute_of_the_cache():
         assert not private, private
 
 
-def test_both_views_of_the_cache_implement_the_row_contract(tiny):
+def test_both_views_of_the_cache_implement_the_row_contract(tiny, monkeypatch):
+    """The per-layer and the all-layer view a policy is handed both implement the protocol."""
+    from kvlens.engine.cache import CacheRows
     from kvlens.engine.loop import RunOptions, run
     from kvlens.policies import make_policy
 
-    seen = []
-    policy = make_policy("h2o")
+    policy, seen = make_policy("h2o"), []
     original = type(policy).compress
+    monkeypatch.setattr(type(policy), "compress",
+                        lambda self, rows, step: seen.append(rows) or original(self, rows, step))
+    run(tiny, policy, list(b"The quick brown fox jumps over the lazy dog. " * 3), prefill=60, steps=3, teacher=True,
+        opts=RunOptions(budget=10))
+    assert {len(rows.layers) for rows in seen} == {1, tiny.shape()["layers"]}
+    assert all(isinstance(rows, CacheRows) for rows in seen) and not isinstance(object(), CacheRows)
 
-    def compress(self, rows, step):
-        seen.append(rows)
-        return original(self, rows, step)
 
-    type(policy).compress = compress
-    try:
-        run(tiny, policy, list(b"The quick brown fox jumps over the lazy dog. " * 3), prefill=60, steps=6,
-            teacher=True, opts=RunOptions(budget=16))
-    finally:
-        type(policy).compress = original
-    assert {len(r.layers) for r in seen} == {1, tiny.shape()["layers"]}  # per layer at step 0, all layers later
-    for rows in seen:
-        assert isinstance(rows, CacheRows)
-    assert isinstance(KVCache(2).layers[0], CacheRows)
+def test_every_policy_hook_is_annotated_with_the_row_contract():
+    import typing
+
+    from kvlens.engine.cache import CacheRows, Step
+    from kvlens.policies import REGISTRY
+
+    for cls in REGISTRY.values():
+        for hook in ("compress", "observe", "observe_prefill"):
+            hints = typing.get_type_hints(getattr(cls, hook))
+            assert hints.get("rows") is CacheRows, (cls.name, hook)
+        assert typing.get_type_hints(cls.compress)["step"] is Step

@@ -56,18 +56,18 @@ def test_eviction_really_shrinks_tensors(tiny):
 
 
 def test_the_prompt_is_released_and_steps_write_into_the_same_buffers(tiny):
-    """After step 0 the cache lives in budget + 1 slots; later steps reuse them. The one move after the
-    first decode step puts every layer's slots into the buffers of one `LayerStack`."""
+    """After step 0 the cache lives in budget + 1 slots (for h2o, which declares `cross_layer`, the rows of
+    the one all-layer store the cache allocates); every decode step writes into those same buffers."""
     seen = []
 
     class Spy(Observer):
         def on_decode(self, layer, query, probs, out, spec):
-            if layer.layer == 0:
+            if layer.layers[0] == 0:
                 seen.append((layer.keys.data_ptr(), layer.capacity, layer.n_slots))
 
     run(tiny, make_policy("h2o"), IDS, prefill=50, steps=12, teacher=True, opts=RunOptions(budget=10),
         observers=[Spy()])
-    assert len(seen) == 11 and len({ptr for ptr, _, _ in seen[1:]}) == 1 and {(c, n) for _, c, n in seen} == {(11, 11)}
+    assert len(seen) == 11 and len({ptr for ptr, _, _ in seen}) == 1 and {(c, n) for _, c, n in seen} == {(11, 11)}
 
 
 def test_new_tokens_get_true_positions(tiny):
@@ -210,24 +210,25 @@ def test_full_perplexity_equals_model_loss(smol, long_text):
     assert abs(r.metrics["nll"] - float(loss)) / float(loss) < 1e-3
 
 
-@pytest.mark.parametrize("name,stacks", [("streaming_llm", True), ("h2o", True), ("cam", True), ("tova", False),
-                                         ("cam", False)])
-def test_cross_layer_policies_evict_on_the_layer_stack_from_the_second_decode_step(tiny, name, stacks):
-    """The stack is built once every layer holds budget + 1 slots; policies without `cross_layer` (or
-    CaM with per-slot extras, score=decode) keep the per-layer path."""
-    seen = []
-
-    class Spy(Observer):
-        needs_rows = True
-
-        def on_decode(self, layer, query, probs, out, spec):
-            seen.append(layer.stacked)
-
-    params = {"score": "decode"} if name == "cam" and not stacks else {}
-    run(tiny, make_policy(name, params), IDS, prefill=40, steps=8, teacher=True, opts=RunOptions(budget=10),
-        observers=[Spy()])
-    layers = tiny.shape()["layers"]
-    assert seen[:layers] == [False] * layers and set(seen[layers:]) == {stacks}
+@pytest.mark.parametrize("name,params,together", [("streaming_llm", {}, True), ("h2o", {}, True), ("cam", {}, True),
+                                                  ("cam", {"score": "decode"}, True), ("tova", {}, False),
+                                                  ("cam", {"base": "tova"}, False)])
+def test_cross_layer_policies_compress_every_layer_at_once_at_decode_steps(tiny, monkeypatch, name, params,
+                                                                           together):
+    """The engine picks all-layer or per-layer once, from the policy's `cross_layer`: the prompt's
+    compression is per layer, each decode step's then one call on every layer's rows (per-slot extras
+    such as CaM's decode attention travel with them); other policies stay per layer."""
+    policy = make_policy(name, params)
+    calls = []
+    original = type(policy).compress
+    monkeypatch.setattr(type(policy), "compress",
+                        lambda self, rows, step: calls.append((step.index, rows.layers)) or original(self, rows, step))
+    run(tiny, policy, IDS, prefill=40, steps=8, teacher=True, opts=RunOptions(budget=10))
+    layers = tuple(range(tiny.shape()["layers"]))
+    assert [c for c in calls if c[0] == 0] == [(0, (i,)) for i in layers]
+    decode = [c for c in calls if c[0] > 0]
+    per_layer = [(i, (j,)) for i in range(1, 8) for j in layers]
+    assert decode == ([(i, layers) for i in range(1, 8)] if together else per_layer)
 
 
 def test_run_steps_yields_each_step_and_returns_the_same_run_as_run(tiny):

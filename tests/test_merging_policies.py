@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlens.engine.cache import LayerCache
+from kvlens.engine.cache import SlotRows
 from kvlens.engine.loop import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.figures.provenance import replay
@@ -18,36 +18,34 @@ from kvlens.policies.corm import CORM, MESSAGE, MESSAGES_SEEN
 from kvlens.policies.kvmerger import gaussian_weights, merging_sets
 from kvlens.policies.scissorhands import HISTORY
 from kvlens.runs.decisions import DecisionLog
-from tests.conftest import examples
+from tests.conftest import examples, layer_rows, shrink
 
 HKV, G, D = 2, 2, 8
 IDS = list(b"Attention sinks and heavy hitters keep the cache small. " * 3)
 
 
-def random_layer(seed: int, slots: int, prefill: bool = False) -> LayerCache:
-    """A layer of `slots` slots with random states; `prefill=True` marks it as just after prefill (step 0)."""
+def random_layer(seed: int, slots: int) -> SlotRows:
+    """A layer of `slots` slots with random states."""
     gen = torch.Generator().manual_seed(seed)
-    layer = LayerCache(layer=0)
+    layer = layer_rows()
     layer.append(torch.randn(1, HKV, slots, D, generator=gen), torch.randn(1, HKV, slots, D, generator=gen),
                  torch.arange(slots))
     layer.abar = torch.rand(HKV, slots, generator=gen) * 5
     layer.nobs = torch.randint(1, 20, (HKV, slots), generator=gen).float()
     layer.last_attn = torch.softmax(torch.randn(HKV * G, slots, generator=gen), -1)
-    if prefill:
-        layer.prefill_rows = layer.last_attn[:, None, :]
     return layer
 
 
-def slot_of(layer: LayerCache, head: int, position: int) -> int:
+def slot_of(layer: SlotRows, head: int, position: int) -> int:
     return int((layer.pos[head] == position).nonzero())
 
 
 # ---------------------------------------------------------------- CaM
 
 
-def hand_layer() -> LayerCache:
+def hand_layer() -> SlotRows:
     """One KV head, one query head, a decode step of 7 slots (positions 0-6) with round statistics."""
-    layer = LayerCache(layer=0)
+    layer = layer_rows()
     values = torch.arange(7 * 2, dtype=torch.float32).view(1, 1, 7, 2)
     layer.append(torch.ones(1, 1, 7, 2), values, torch.arange(7))
     layer.abar = torch.tensor([[10.0, 4.0, 8.0, 6.0, 4.0, 2.0, 1.0]])
@@ -75,11 +73,11 @@ def test_cam_preset_on_a_hand_computed_step(preset):
     log = DecisionLog()
     policy = make_policy("cam", {"preset": preset, "base.sink": 1, "mask": "always"})  # explicit values win
     assert policy.params() == {**policy.params(), **CaM.presets[preset], "mask": "always"}
-    policy.compress(layer, 6, log)
+    shrink(policy, layer, 6, log)
     row = log.frame().iloc[0]
     assert len(log.frame()) == 1 and row.action == "merge" and row.position == 1
     assert row.prob == pytest.approx(p) and row.targets == [2, 3, 4, 5, 6] and row.weights == pytest.approx([w] * 5)
-    kept = layer.ordered()
+    kept = layer.in_position_order()
     assert kept.pos[0].tolist() == [0, 2, 3, 4, 5, 6]
     expected = values[0, 0, [0, 2, 3, 4, 5, 6]].clone()
     expected[1:] += w * values[0, 0, 1]
@@ -95,14 +93,14 @@ def test_cam_divides_by_m_or_by_the_targets_found_and_pools_local_or_kept_slots(
         layer = hand_layer()
         layer.abar = torch.tensor([[10.0, 1.0, 8.0, 9.0, 4.0, 2.0, 1.0]])
         log = DecisionLog()
-        make_policy("cam", {**params, "targets": pool, "divide": divide, "span": 4}).compress(layer, 6, log)
+        shrink(make_policy("cam", {**params, "targets": pool, "divide": divide, "span": 4}), layer, 6, log)
         frames[pool] = log.frame().iloc[0]
     assert frames["kept"].targets == [2, 3, 4, 5] and frames["kept"].weights == pytest.approx([1 / 4] * 4)
     assert frames["local"].targets == [4, 5, 6] and frames["local"].weights == pytest.approx([1 / 4] * 3)
     assert frames["local"].prob == pytest.approx(1 / ((4 + 2 + 1) / 3))
     layer, plain = hand_layer(), hand_layer()  # no local window at all: nothing to merge into, the base's eviction
-    make_policy("cam", {**params, "base.recent_ratio": 0.0, "span": 0, "targets": "local"}).compress(layer, 6, None)
-    make_policy("h2o", {"recent_ratio": 0.0}).compress(plain, 6, None)
+    shrink(make_policy("cam", {**params, "base.recent_ratio": 0.0, "span": 0, "targets": "local"}), layer, 6)
+    shrink(make_policy("h2o", {"recent_ratio": 0.0}), plain, 6)
     assert torch.equal(layer.values, plain.values) and torch.equal(layer.pos, plain.pos)
 
 
@@ -112,10 +110,10 @@ def test_cam_bernoulli_probability_is_clamped_attention_ratio():
     layer.abar[0, 4], layer.abar[1, 4] = 0.0, 0.5  # p = 0 and p = 0.25
     values = layer.values.clone()
     log = DecisionLog()
-    make_policy("cam", {"preset": "paper", "seed": 3}).compress(layer, 16, log)
+    shrink(make_policy("cam", {"preset": "paper", "seed": 3}), layer, 16, log)
     frame = log.frame()
     assert frame.prob.tolist() == pytest.approx([0.0, 0.25])
-    kept = layer.ordered().values[0, 0]
+    kept = layer.in_position_order().values[0, 0]
     assert frame.draw.iloc[0] == 0 and torch.equal(kept, values[0, 0, [p for p in range(17) if p != 4]])
     with pytest.raises(KvlensError, match="Policy cam has no preset 'qa' \\(its presets: paper, official-qa"):
         make_policy("cam", {"preset": "qa"})
@@ -123,7 +121,7 @@ def test_cam_bernoulli_probability_is_clamped_attention_ratio():
         parse_settings("h2o", ["preset=paper"])
 
 
-def sequential_step0_merge(policy: CaM, layer: LayerCache, budget: int):
+def sequential_step0_merge(policy: CaM, layer: SlotRows, budget: int):
     """CaM's step-0 merge written plainly (the official loop: one evicted slot at a time, in position
     order, head by head, Python numbers); returns the merged values `(Hkv, S, D)` and the merge rows."""
     keep, evicted = policy.base.select(layer, budget)
@@ -131,7 +129,7 @@ def sequential_step0_merge(policy: CaM, layer: LayerCache, budget: int):
     pool = local if policy.targets == "local" else b
     m = policy.span or pool
     score, pos, values = policy.attention(layer).tolist(), layer.pos.tolist(), layer.values[0].clone()
-    gen = torch.Generator().manual_seed(policy.seed * 1_000_003 + layer.layer)
+    gen = torch.Generator().manual_seed(policy.seed * 1_000_003 + layer.layers[0])
     cands = [sorted(keep[h, b - pool:].tolist() + evicted[h].tolist(), key=lambda x, h=h: pos[h][x])
              for h in range(HKV)]
     outside = [keep[h, : b - pool].tolist() for h in range(HKV)]
@@ -159,24 +157,25 @@ def sequential_step0_merge(policy: CaM, layer: LayerCache, budget: int):
     return values, rows
 
 
+@pytest.mark.parametrize("budget", [12, 39])  # the prompt's bulk merge (28 evictions per head), a decode step's one
 @pytest.mark.parametrize("params", [{}, {"preset": "official-summarization", "span": 6, "prefill": "merge"},
                                     {"preset": "kvpress", "prefill": "merge"}, {"preset": "paper", "prefill": "merge"},
                                     {"base": "h2o", "denominator": "window_mean", "span": 2},
                                     {"base": "h2o", "preset": "official-ppl", "span": 3, "mask": "always"}])
-def test_cam_step0_merge_in_tensor_form_equals_the_sequential_loop(params):
+def test_cam_merge_in_tensor_form_equals_the_sequential_loop(params, budget):
     policy = make_policy("cam", {**params, "seed": 4})
-    layer, reference = random_layer(11, 40, prefill=True), random_layer(11, 40, prefill=True)
+    layer, reference = random_layer(11, 40), random_layer(11, 40)
     decode_attn = torch.rand(HKV, 40, generator=torch.Generator().manual_seed(1))  # score=decode (kvpress)
     layer.extra[DECODE_ATTN], reference.extra[DECODE_ATTN] = decode_attn, decode_attn.clone()
-    values, rows = sequential_step0_merge(policy, reference, 12)
+    values, rows = sequential_step0_merge(policy, reference, budget)
     log = DecisionLog()
-    policy.compress(layer, 12, log)
+    shrink(policy, layer, budget, log, prompt=budget == 12)
     merges = log.frame().query("action == 'merge'")
-    assert len(merges) == len(rows) and sum(r[3] for r in rows) > 0
+    assert len(merges) == len(rows) and (sum(r[3] for r in rows) > 0 or budget == 39)
     assert [(int(r.kv_head), int(r.position), list(r.targets), int(r.draw)) for r in merges.itertuples()] == \
         [(h, i, t, d) for h, i, t, d, _, _ in rows]
     assert merges.prob.tolist() == pytest.approx([r[5] for r in rows], rel=1e-5)
-    kept = layer.ordered()
+    kept = layer.in_position_order()
     for h in range(HKV):
         slots = [int((reference.pos[h] == q).nonzero()) for q in kept.pos[h].tolist()]
         torch.testing.assert_close(kept.values[0, h], values[h, slots])
@@ -185,14 +184,14 @@ def test_cam_step0_merge_in_tensor_form_equals_the_sequential_loop(params):
 @pytest.mark.parametrize("params", [{"preset": "official-ppl", "span": 5}, {"preset": "kvpress"},
                                     {"preset": "paper", "span": 3, "mask": "always"}])
 def test_cam_bulk_step0_merge_equals_the_same_evictions_one_at_a_time(params):
-    bulk, single = random_layer(9, 40, prefill=True), random_layer(9, 40, prefill=True)
+    bulk, single = random_layer(9, 40), random_layer(9, 40)
     bulk.extra[DECODE_ATTN] = single.extra[DECODE_ATTN] = torch.rand(HKV, 40)
     policy = make_policy("cam", {**params, "prefill": "merge"})
     log_bulk, log_single = DecisionLog(), DecisionLog()
-    policy.compress(bulk, 12, log_bulk)  # streaming_llm: positions 4..31 leave at once
+    shrink(policy, bulk, 12, log_bulk, prompt=True)  # streaming_llm: positions 4..31 leave at once
     for budget in range(39, 11, -1):  # the same positions leave one per call, oldest first
-        policy.compress(single, budget, log_single)
-    bulk, single = bulk.ordered(), single.ordered()
+        shrink(policy, single, budget, log_single, prompt=True)
+    bulk, single = bulk.in_position_order(), single.in_position_order()
     assert bulk.pos.equal(single.pos) and bulk.pos[0].tolist() == [0, 1, 2, 3, *range(32, 40)]
     torch.testing.assert_close(bulk.values, single.values)
     columns = ["kv_head", "position", "targets", "weights", "draw"]
@@ -236,8 +235,8 @@ def test_weightedkv_merges_least_attended_value_into_right_neighbour_on_the_segm
     layer = random_layer(4, 21)
     avg = layer.abar / layer.nobs
     keys, values = layer.keys.clone(), layer.values.clone()
-    make_policy("weightedkv").compress(layer, 20, DecisionLog())  # protected: 4 sinks + 10 - 4 = 6 recent
-    layer = layer.ordered()
+    shrink(make_policy("weightedkv"), layer, 20, DecisionLog())  # protected: 4 sinks + 10 - 4 = 6 recent
+    layer = layer.in_position_order()
     for h in range(HKV):
         j = 4 + int(avg[h, 4:15].argmin())
         kept = [p for p in range(21) if p != j]
@@ -255,12 +254,12 @@ def test_weightedkv_merges_least_attended_value_into_right_neighbour_on_the_segm
 
 
 def test_weightedkv_eviction_ablation_keeps_values():
-    layer = random_layer(5, 30, prefill=True)
+    layer = random_layer(5, 30)
     values = layer.values.clone()
     log = DecisionLog()
-    make_policy("weightedkv", {"merge": False}).compress(layer, 12, log)
+    shrink(make_policy("weightedkv", {"merge": False}), layer, 12, log, prompt=True)
     assert layer.n_kept == 12 and (log.frame().action == "evict").all()
-    kept = layer.ordered()
+    kept = layer.in_position_order()
     for h in range(HKV):
         assert torch.equal(kept.values[0, h], values[0, h, kept.pos[h]])
 
@@ -309,12 +308,12 @@ def test_gaussian_weights_paper_sigmas_and_explicit_sigma():
 
 
 def test_kvmerger_merges_each_set_at_its_pivot_with_gaussian_weights():
-    layer = random_layer(6, 24, prefill=True)
+    layer = random_layer(6, 24)
     layer.keys[0, :, 6:12] = layer.keys[0, :, 6:7] + 0.05 * torch.randn(HKV, 6, D)  # a similar run
     keys, values, abar = layer.keys.clone(), layer.values.clone(), layer.abar.clone()
     log = DecisionLog()
     policy = make_policy("kvmerger", {"recent_ratio": 0.25, "keep_ratio": 0.0})
-    policy.compress(layer, None, log)
+    shrink(policy, layer, None, log, prompt=True)
     frame = log.frame()
     assert len(frame) and (frame.action == "merge").all()
     for (h, target), rows in frame.groupby(["kv_head", frame.targets.map(lambda t: t[0])]):
@@ -329,7 +328,7 @@ def test_kvmerger_merges_each_set_at_its_pivot_with_gaussian_weights():
         torch.testing.assert_close(layer.values[0, h, s], w @ values[0, h, members])
         assert all(p not in layer.pos[h][layer.valid[h]].tolist() for p in rows.position)
     # heads keep different counts: padded to the longest, padding invalid
-    assert layer.n_slots == int(layer.kept().max())
+    assert layer.n_slots == int(layer.kept_per_row().max())
 
 
 # ---------------------------------------------------------------- CORM
@@ -342,17 +341,17 @@ class SpyCORM(CORM):
         super().__post_init__()
         object.__setattr__(self, "checks", [])  # test-side record on a frozen policy
 
-    def compress(self, layer, budget, log):
-        if layer.state.get(MESSAGES_SEEN, 0) >= self.window:
-            must = layer.extra[MESSAGE].any(-1) & layer.valid
-            s = layer.n_slots
-            must[:, max(0, s - self.recent):] = layer.valid[:, max(0, s - self.recent):]
-            self.checks.append([set(layer.pos[h][must[h]].tolist()) for h in range(must.shape[0])])
-            super().compress(layer, budget, log)
-            self.checks[-1] = [(need, set(layer.pos[h][layer.valid[h]].tolist())) for h, need in
+    def compress(self, rows, step):
+        if rows.states[0].get(MESSAGES_SEEN, 0) >= self.window:
+            must = rows.extra[MESSAGE].any(-1) & rows.valid
+            s = rows.n_slots
+            must[:, max(0, s - self.recent):] = rows.valid[:, max(0, s - self.recent):]
+            self.checks.append([set(rows.pos[h][must[h]].tolist()) for h in range(must.shape[0])])
+            super().compress(rows, step)
+            self.checks[-1] = [(need, set(rows.pos[h][rows.valid[h]].tolist())) for h, need in
                                enumerate(self.checks[-1])]
         else:
-            super().compress(layer, budget, log)
+            super().compress(rows, step)
 
 
 def test_corm_never_drops_an_important_or_recent_key(tiny):
@@ -371,10 +370,10 @@ def test_corm_messages_follow_gqa_rule_minor_for_every_query_head():
     rows = torch.zeros(HKV * G, 2, 10)
     rows[0, :, 3] = 1.0  # only query head 0 (group of KV head 0) attends to key 3
     policy.observe_prefill(layer, rows)
-    policy.compress(layer, None, DecisionLog())
+    shrink(policy, layer, None, DecisionLog())
     assert layer.pos[0][layer.valid[0]].tolist() == [3, 9]
     assert layer.pos[1][layer.valid[1]].tolist() == [9]
-    assert layer.n_slots == 2 and layer.kept().tolist() == [2, 1]
+    assert layer.n_slots == 2 and layer.kept_per_row().tolist() == [2, 1]
 
 
 # ---------------------------------------------------------------- provenance
@@ -383,11 +382,11 @@ def test_corm_messages_follow_gqa_rule_minor_for_every_query_head():
 @pytest.mark.parametrize("name,params", [("cam", {"mask": "always", "prefill": "merge"}), ("weightedkv", {}),
                                          ("kvmerger", {"threshold": 0.0, "keep_ratio": 0.0})])
 def test_provenance_replay_rebuilds_every_value(name, params):
-    layer = random_layer(8, 40, prefill=True)
+    layer = random_layer(8, 40)
     original = layer.values.clone()
     log = DecisionLog()
     policy = make_policy(name, params)
-    policy.compress(layer, None if policy.budget_free else 12, log)
+    shrink(policy, layer, None if policy.budget_free else 12, log, prompt=True)
     prov = replay(log.frame(), type(policy).merge_rule)
     assert prov
     for h in range(HKV):
@@ -403,21 +402,21 @@ def test_provenance_replay_rebuilds_every_value(name, params):
 
 @pytest.mark.parametrize("count,kept", [("unimportant", [0, 3, 4, 5]), ("important", [0, 1, 2, 5])])
 def test_scissorhands_counts_unimportant_steps_like_the_paper_or_important_ones(count, kept):
-    layer = LayerCache(layer=0)
+    layer = layer_rows()
     layer.append(torch.randn(1, 1, 6, 2), torch.randn(1, 1, 6, 2), torch.arange(6))
     layer.abar = torch.tensor([[9.0, 5.0, 4.0, 3.0, 1.0, 1.0]])  # slot 3 < slot 2: the important count's tie
     # per slot, the last 4 steps: 0 not yet in the cache, 1 below the average attention, 2 at or above it
     layer.extra[HISTORY] = torch.tensor([[[2, 2, 2, 2], [1, 1, 2, 2], [1, 1, 1, 2], [0, 0, 2, 1], [0, 0, 0, 1],
                                           [0, 0, 0, 2]]], dtype=torch.int8)
     policy = make_policy("scissorhands", {"history": 4, "recent_ratio": 0.25, "count": count})
-    policy.compress(layer, 4, DecisionLog())  # recent window: slot 5; two of slots 0-4 go
+    shrink(policy, layer, 4, DecisionLog())  # recent window: slot 5; two of slots 0-4 go
     # unimportant counts 0, 2, 3, 1, 1: slots 2 and 1 go; the young slots 3 and 4 stay (seen only 2 and 1 times)
     # important counts 4, 2, 1, 1, 0: slot 4 goes, then slot 3 (tie with 2, smaller Abar)
-    assert layer.ordered().pos[0].tolist() == kept
+    assert layer.in_position_order().pos[0].tolist() == kept
 
 
 def test_scissorhands_prefill_history_marks_unseen_slots_and_drop_compresses_m_at_once(tiny):
-    layer = LayerCache(layer=0)
+    layer = layer_rows()
     layer.append(torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2), torch.arange(3))
     rows = torch.tensor([[[0.6, 0.4, 0.0], [0.2, 0.3, 0.5]]])  # queries 1 and 2 (one query head)
     make_policy("scissorhands", {"history": 3}).observe_prefill(layer, rows)
@@ -450,10 +449,10 @@ def test_merges_in_tensor_form_give_the_rows_of_one_merge_call_each():
     targets = torch.tensor([[[6, 7, -1], [-1, -1, -1]], [[7, 9, 10], [9, -1, -1]]])  # (Hkv, E, K)
     weight, prob = torch.tensor([[0.5, 0.0], [0.25, 1.0]]), torch.tensor([[0.9, 0.0], [0.3, 1.0]])
     draw = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
-    tensor_log.merges(2, source, targets, weight, prob, draw)
+    tensor_log.merges(3, 2, source, targets, weight, prob, draw)  # step 3, layer 2
     for e, h in [(0, 0), (0, 1), (1, 1)]:  # source by source, head by head; head 0's second has no target
         found = [int(t) for t in targets[h, e] if t >= 0]
-        row_log.merge(2, h, int(source[h, e]), found, [float(weight[h, e])] * len(found), prob=float(prob[h, e]),
+        row_log.merge(3, 2, h, int(source[h, e]), found, [float(weight[h, e])] * len(found), prob=float(prob[h, e]),
                       draw=int(draw[h, e]))
     assert len(tensor_log) == len(row_log) == 3
     assert tensor_log.frame().equals(row_log.frame())

@@ -6,23 +6,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlens.engine.cache import LayerCache
+from kvlens.engine.cache import SlotRows
 from kvlens.engine.loop import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy, parse_budget, parse_settings
-from kvlens.policies.base import newest_cut
+from kvlens.policies.base import newest_cut, select_lowest
 from kvlens.policies.cam import DECODE_ATTN
 from kvlens.policies.scissorhands import HISTORY
 from kvlens.runs.decisions import DecisionLog
-from tests.conftest import examples
+from tests.conftest import examples, layer_rows, shrink
 
 HKV, G, D = 2, 2, 4
 
 
-def random_layer(seed: int, slots: int, first_pos: int = 0) -> LayerCache:
+def random_layer(seed: int, slots: int, first_pos: int = 0) -> SlotRows:
     """A layer cache of `slots` slots with random states and statistics, positions ascending."""
     gen = torch.Generator().manual_seed(seed)
-    layer = LayerCache(layer=0)
+    layer = layer_rows()
     keys = torch.randn(1, HKV, slots, D, generator=gen)
     values = torch.randn(1, HKV, slots, D, generator=gen)
     layer.append(keys, values, torch.arange(first_pos, first_pos + slots))
@@ -32,11 +32,16 @@ def random_layer(seed: int, slots: int, first_pos: int = 0) -> LayerCache:
     return layer
 
 
+def kept_positions(layer) -> list[list[int]]:
+    """Each row's kept positions, oldest first."""
+    return layer.in_position_order().pos.tolist()
+
+
 def compress(policy, layer, budget):
     log = DecisionLog()
     before = layer.pos.clone()
-    layer.limit = budget + 1  # as in a run: compressing the prompt moves the kept slots into budget + 1 slots
-    policy.compress(layer, budget, log)
+    layer.owner.limit = budget + 1  # as in a run: compressing the prompt moves the kept slots into budget + 1 slots
+    shrink(policy, layer, budget, log, prompt=True)
     return before, log
 
 
@@ -51,7 +56,7 @@ def test_streaming_llm_keeps_sinks_and_most_recent(case):
     before, log = compress(make_policy("streaming_llm", {"sink": 4}), layer, budget)
     want = list(range(4)) + list(range(max(4, slots - (budget - 4)), slots)) if slots > budget else list(range(slots))
     for h in range(HKV):
-        assert layer.pos[h].tolist() == want
+        assert kept_positions(layer)[h] == want
     assert len(log) == HKV * max(0, slots - budget)
 
 
@@ -68,12 +73,13 @@ def test_h2o_keeps_recent_window_and_heaviest_hitters(case, ratio):
         return
     recent = int(budget * ratio)
     for h in range(HKV):
-        kept = set(layer.pos[h].tolist())
+        kept = set(kept_positions(layer)[h])
         assert set(range(slots - recent, slots)) <= kept  # recent window never dropped
         others = [j for j in range(slots - recent)]
         heavy = sorted(others, key=lambda j: -abar[h, j].item())[: budget - recent]
         assert kept - set(range(slots - recent, slots)) == set(heavy)
-    assert layer.keys.shape[2] == budget and torch.equal(layer.pos, layer.pos.sort(-1).values)
+    # the prompt's memory is released: budget kept slots and one free slot for the next token
+    assert layer.n_kept == budget and layer.capacity == budget + 1 and not bool(layer.valid[:, budget:].any())
 
 
 @settings(max_examples=examples(40))
@@ -90,7 +96,7 @@ def test_scissorhands_drops_least_persistent_then_smaller_abar(case):
         return
     recent = int(budget * 0.25)
     for h in range(HKV):
-        kept = set(layer.pos[h].tolist())
+        kept = set(kept_positions(layer)[h])
         assert set(range(slots - recent, slots)) <= kept
         dropped = set(range(slots)) - kept
         for d in dropped:
@@ -108,7 +114,7 @@ def test_tova_keeps_top_current_attention_same_set_per_layer(case):
     if slots <= budget:
         return
     want = sorted(torch.topk(score, budget).indices.tolist())
-    assert layer.pos[0].tolist() == want and torch.equal(layer.pos[0], layer.pos[1])
+    assert kept_positions(layer)[0] == want and kept_positions(layer)[1] == want
 
 
 def test_full_keeps_everything(tiny):
@@ -140,10 +146,10 @@ def test_parameters_are_validated_with_one_sentence():
             parse_budget(bad)
 
 
-def shuffled(layer: LayerCache, seed: int) -> LayerCache:
+def shuffled(layer: SlotRows, seed: int) -> SlotRows:
     """The same slots as `layer`, stored in a random slot order (as a cache that reuses freed slots holds them)."""
     perm = torch.randperm(layer.n_slots, generator=torch.Generator().manual_seed(seed))
-    out = LayerCache(layer=0)
+    out = layer_rows()
     out.append(layer.keys[:, :, perm].clone(), layer.values[:, :, perm].clone(), layer.pos[0, perm])
     out.abar, out.nobs, out.last_attn = layer.abar[:, perm], layer.nobs[:, perm], layer.last_attn[:, perm].clone()
     out.extra = {name: t[:, perm].clone() for name, t in layer.extra.items()}
@@ -173,51 +179,31 @@ def test_decisions_do_not_depend_on_which_slot_holds_which_position(case, perm_s
     _, log = compress(policy, layer, budget)
     _, other_log = compress(policy, other, budget)
     assert log.frame().equals(other_log.frame())
-    a, b = layer.ordered(), other.ordered()
+    a, b = layer.in_position_order(), other.in_position_order()
     assert torch.equal(a.pos, b.pos) and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 @settings(max_examples=examples(30))
-@given(cases, st.integers(1, 10_000), st.sampled_from(["streaming_llm", "h2o", "tova", "scissorhands"]))
-def test_a_single_eviction_without_sorting_picks_the_slot_the_sort_would(case, perm_seed, name):
+@given(cases, st.integers(1, 10_000), st.sampled_from(["streaming_llm", "h2o", "tova", "scissorhands"]),
+       st.integers(1, 4))
+def test_selection_keeps_the_highest_scores_and_the_older_of_equal_ones(case, perm_seed, name, leaving):
+    """`select_lowest`, with (one leaving: no sort) or without its fast path, against the rule written plainly."""
     seed, slots, _ = case
     policy = make_policy(name)
-    budget = max(slots - 1, policy.min_budget())
-    layer = random_layer(seed, budget + 1)
+    budget = max(slots - leaving, policy.min_budget())
+    layer = random_layer(seed, budget + leaving)
     gen = torch.Generator().manual_seed(seed + 2)
-    layer.abar = torch.randint(0, 3, (HKV, budget + 1), generator=gen).float()  # ties
-    layer.last_attn = torch.randint(0, 3, (HKV * G, budget + 1), generator=gen).float()
-    layer.extra = {HISTORY: torch.randint(0, 3, (HKV, budget + 1, 8), generator=gen, dtype=torch.int8)}
+    layer.abar = torch.randint(0, 3, (HKV, budget + leaving), generator=gen).float()  # ties
+    layer.last_attn = torch.randint(0, 3, (HKV * G, budget + leaving), generator=gen).float()
+    layer.extra = {HISTORY: torch.randint(0, 3, (HKV, budget + leaving, 8), generator=gen, dtype=torch.int8)}
     layer = shuffled(layer, perm_seed)
-    assert torch.equal(policy.lowest(layer, budget), policy.select(layer, budget)[1])
-
-
-CAM_SETTINGS = [{}, {"preset": "paper"}, {"preset": "kvpress"}, {"preset": "official-ppl", "span": 3},
-                {"preset": "official-summarization"}, {"base": "h2o", "targets": "kept", "divide": "found"},
-                {"base": "tova", "denominator": "window_mean", "mask": "always"}]
-
-
-@settings(max_examples=examples(30))
-@given(cases, st.integers(1, 10_000), st.sampled_from(range(len(CAM_SETTINGS))))
-def test_cam_single_merge_without_sorting_equals_the_general_merge(case, perm_seed, which):
-    seed, slots, _ = case
-    policy = make_policy("cam", CAM_SETTINGS[which])
-    budget = max(slots - 1, policy.min_budget())
-    layer = random_layer(seed, budget + 1)
-    gen = torch.Generator().manual_seed(seed + 2)
-    layer.abar = torch.randint(0, 3, (HKV, budget + 1), generator=gen).float()
-    layer.extra = {DECODE_ATTN: torch.rand(HKV, budget + 1, generator=gen)}
-    fast, general = shuffled(layer, perm_seed), shuffled(layer, perm_seed)
-    fast_log, general_log = DecisionLog(), DecisionLog()
-    policy.compress(fast, budget, fast_log)  # one slot per head leaves: the sort-free path
-    keep, evicted = policy.base.select(general, budget)
-    policy._merge(general, keep, evicted, budget, general_log)
-    general.free(evicted)
-    a, b = fast_log.frame(), general_log.frame()
-    assert a.drop(columns=["prob", "weights"]).equals(b.drop(columns=["prob", "weights"]))
-    assert a.prob.fillna(-1).tolist() == pytest.approx(b.prob.fillna(-1).tolist(), rel=1e-6)
-    assert [list(w) for w in a.weights] == [pytest.approx(list(w)) for w in b.weights]
-    torch.testing.assert_close(fast.ordered().values, general.ordered().values)
+    score, protected = policy.score(layer).float(), policy.protected(layer, budget)
+    keep, evicted = select_lowest(layer, score, protected, budget)
+    for h in range(HKV):
+        ranked = sorted(range(layer.n_slots), key=lambda s, h=h: (
+            -(float("inf") if protected is not None and protected[h, s] else float(score[h, s])), int(layer.pos[h, s])))
+        by_pos = lambda slots, h=h: sorted(slots, key=lambda s: int(layer.pos[h, s]))  # noqa: E731
+        assert keep[h].tolist() == by_pos(ranked[:budget]) and evicted[h].tolist() == by_pos(ranked[budget:])
 
 
 @settings(max_examples=examples(40))

@@ -28,7 +28,7 @@ class KeptSets(Observer):
     def on_decode(self, layer, query, probs, out, spec):
         for h in range(layer.pos.shape[0]):
             kept = set(layer.pos[h][layer.valid[h]].tolist())
-            self.seen.setdefault((layer.layer, h), []).append(kept)
+            self.seen.setdefault((layer.layers[0], h), []).append(kept)
 
 
 def go(policy, observers=()):

@@ -1,80 +1,227 @@
-"""Per-layer compressed KV cache with per-slot bookkeeping, in preallocated buffers that reuse freed slots.
+"""The KV cache of a run, and `CacheRows`: the contract every policy is written against.
 
-Keys and values are stored after RoPE, `(1, Hkv, S, D)`. Attention over a cache is order-free once
-RoPE is applied and every slot carries its original position, so slots are *not* kept in arrival
-order: a slot freed by an eviction (`free`) receives the next token (`append`), with no per-step
-concatenation and no whole-layer gather. Every slot carries (per KV head, `(Hkv, S)`): its original
-position `pos` (-1 for a free slot), the attention it has accumulated `abar` (summed over every
-query that saw it, prefill rows included, each KV head's score being the mean of its query heads),
-the number of queries `nobs` that observed it, and a `valid` flag (False for free slots and for the
-padding of heads that keep fewer slots). Policies may keep extra per-slot statistics in `extra`
-(first dims `(Hkv, S)`); they travel with their slots. Per-layer run state of a policy (counters,
-random generators) lives in `state`, so policy objects stay immutable configuration.
+Storage. A `SlotStore` holds R rows (KV heads) x C slots: keys and values `(1, R, C, D)` after
+RoPE, and per slot `pos` (original position, -1 when free), `abar` (attention accumulated over
+every query that saw the slot, prefill rows included; a KV head's is the mean of its query
+heads'), `nobs` (queries that observed it) and `valid` (False for free slots and for the padding
+of heads that keep fewer slots), all `(R, C)`, plus policy statistics `extra` `(R, C, ...)` that
+travel with their slots. Attention over a cache is order-free once RoPE is applied and every slot
+carries its position, so slots are *not* kept in arrival order: a slot freed by an eviction
+(`free`) receives the next token (`append`), with no per-step concatenation and no whole-layer
+gather. Slots past the ones in use and freed slots hold zero `abar` and `nobs`.
 
-Memory: the prompt's cache is the prefill's own tensors; the first compression below `limit` slots
-copies the kept slots into new buffers of exactly `limit` slots (budget + the one token of a
-step), so the prompt's memory is really freed; later steps write into those buffers in place.
-Caches that grow (full, budget-free policies) grow by chunks up to `limit` (the run's length).
-`nbytes` is what is allocated. Slots past `n_slots` and freed slots hold zero `abar` and `nobs`, so
-a token written there starts with empty statistics without clearing them again. `keep` gathers an
-explicit layout (policies whose decisions depend on slot order, e.g. CORM's and KVMerger's padding,
-use it and get the layout they ask for).
+Views. `SlotRows` is a view of a row range of a store, with the bookkeeping of the layers whose
+rows they are (`LayerBook`: kept count, freed slots to reuse, run state, latest attention): one
+layer's KV heads (`KVCache.layers[i]`, what the model's forward writes) or every layer's
+(`KVCache.all_layers()`, `(L * Hkv, S)` at once). Both are the same class, so both implement all
+of `CacheRows`, the protocol listing exactly what a policy may read and change; policies never
+touch a store.
+
+Memory. The prompt's cache is the prefill's own tensors; the first compression below `limit`
+slots moves the kept slots into buffers of exactly `limit` slots (budget + the one token of a
+step), so the prompt's memory is really freed; later steps write into them in place. Caches that
+grow (full, budget-free policies) grow by chunks up to `limit` (the run's length). In all-layer
+mode (a budgeted policy that declares `cross_layer`) those buffers are one store of L * Hkv rows
+that the cache allocates itself when the first layer compresses, and each layer becomes a view of
+its rows: a decode step's one eviction per head then runs once for all layers. `nbytes` is what
+is allocated.
+
+Steps. `Step` tells a policy which compression it performs: its index (0 = the prompt's, t = after
+the forward that produced token t), its phase, the budget and the decision log.
 """
 from __future__ import annotations
 
+import enum
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from kvlens.runs.decisions import DecisionLog
+
 GROWTH = 32  # minimum slots added when a growing cache runs out of room
-STAT_BUFFERS = {"valid": False, "pos": -1, "abar": 0.0, "nobs": 0.0}  # per-slot statistics, and a free slot's
+STATS = {"valid": False, "pos": -1, "abar": 0.0, "nobs": 0.0}  # per-slot statistics, and a free slot's
+STATES = ("keys", "values")  # (1, R, C, D); every other buffer is (R, C, ...)
+
+
+class Phase(enum.Enum):
+    """Which compression a policy performs: the prompt's (step 0), or a decode step's."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One compression: `index` (0 = after the prompt, t = after the forward that produced token t), `phase`,
+    the `budget` (slots per KV head; None for budget-free policies) and the run's decision log (None: off)."""
+
+    index: int
+    phase: Phase
+    budget: int | None
+    log: DecisionLog | None = None
+
+    @property
+    def prompt(self) -> bool:
+        return self.phase is Phase.PREFILL
 
 
 class Slots(NamedTuple):
-    """A layer's slots in position order (oldest first; free and padding slots last, position -1)."""
+    """Rows' kept slots in position order (oldest first; free and padding slots last, position -1)."""
 
-    pos: torch.Tensor  # (Hkv, S)
-    keys: torch.Tensor  # (1, Hkv, S, D)
-    values: torch.Tensor  # (1, Hkv, S, D)
-    valid: torch.Tensor  # (Hkv, S)
+    pos: torch.Tensor  # (R, S)
+    keys: torch.Tensor  # (1, R, S, D)
+    values: torch.Tensor  # (1, R, S, D)
+    valid: torch.Tensor  # (R, S)
+
+
+@runtime_checkable
+class CacheRows(Protocol):
+    """What a policy may read and change: the slots of some rows (KV heads) of the cache.
+
+    Rows come in blocks of `kv_heads`, one block per layer in `layers`; `states` holds each
+    layer's run state (counters, random generators), so policies stay immutable configuration.
+    Tensors are views `[:, :n_slots]` of the rows' buffers; assigning one copies into them.
+    """
+
+    layers: tuple[int, ...]  # the model layers whose rows these are, in row order
+    kv_heads: int  # rows per layer
+    keys: torch.Tensor  # (1, R, S, D) after RoPE
+    values: torch.Tensor  # (1, R, S, D)
+    pos: torch.Tensor  # (R, S) long, -1 for a free slot
+    valid: torch.Tensor  # (R, S) bool
+    abar: torch.Tensor  # (R, S) float32, accumulated attention
+    nobs: torch.Tensor  # (R, S) float32, queries that observed each slot
+    extra: MutableMapping[str, torch.Tensor]  # name -> (R, S, ...) per-slot policy statistics
+    last_attn: torch.Tensor | None  # (R * G, S) float32, the latest query's attention (G query heads per row)
+    states: list[dict]  # per layer in `layers`: the policy's run state
+    n_slots: int  # slots in use per row (free slots and padding included)
+    n_kept: int  # valid slots of the fullest row
+    padded: bool  # some row has a free or padding slot among its n_slots
+
+    def kept_per_row(self) -> torch.Tensor: ...  # (R,) valid slots per row
+    def position_order(self) -> torch.Tensor: ...  # (R, S) slot indices oldest first, free/padding last
+    def in_position_order(self) -> Slots: ...  # the kept slots in position order (a copy, n_kept per row)
+    def one_to_evict(self, budget: int) -> bool: ...  # budget + 1 slots per row, none free: one leaves
+    def free(self, index: torch.Tensor) -> None: ...  # evict slots (R, E); later tokens reuse them
+    def retain(self, index: torch.Tensor, valid: torch.Tensor | None = None) -> None: ...  # keep (R, S') only
+    def per_layer(self, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]: ...  # (R, ...) -> [(layer, rows)]
 
 
 @dataclass
-class LayerCache:
-    """One layer's compressed cache: slot-indexed views `[:n_slots]` of preallocated buffers."""
+class LayerBook:
+    """One layer's bookkeeping beside its rows' buffers."""
 
     layer: int
-    limit: int | None = None  # most slots this layer will ever need (None = unknown)
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # (Hkv, S, ...) policy statistics
-    state: dict[str, object] = field(default_factory=dict)  # the policy's per-layer run state (counters, RNGs)
-    last_attn: torch.Tensor | None = None  # (Hq, S) float32, attention of the latest query
-    prefill_rows: torch.Tensor | None = None  # (Hq, L, T) last L prefill rows, dropped after compression
-    _written: torch.Tensor | range | None = None  # the slots the latest `append` wrote (a range: at the end)
+    state: dict = field(default_factory=dict)  # the policy's run state for this layer
     n_kept: int = 0  # valid slots of the fullest KV head
-    _n: int = 0  # slots in use, free ones included
-    _holes: torch.Tensor | None = None  # (Hkv, E) slots freed by `free`, to be reused first
-    _pad: bool = False  # `keep` left padding (heads keeping different counts); never reused
-    _buf: dict[str, torch.Tensor] = field(default_factory=dict)  # keys, values (1, Hkv, C, D); pos ... (Hkv, C)
-    _views: dict[str, torch.Tensor] = field(default_factory=dict)  # `[:n]` of each buffer (made once per layout)
-    _flat: torch.Tensor | None = None  # (Hkv,) offset of each head's first slot in a flattened buffer
-    stacked: bool = False  # the buffers are this layer's rows of a `LayerStack`'s (set by the stack)
+    holes: torch.Tensor | None = None  # (Hkv, E) slots freed by `free`, to be reused first
+    pad: bool = False  # `retain` left padding (heads keeping different counts); never reused
+    written: torch.Tensor | None = None  # (Hkv, q) the slots the latest `append` wrote
+    last_attn: torch.Tensor | None = None  # (Hq, S) the latest query's attention
 
-    # -- views -------------------------------------------------------------------------------------
+
+class SlotStore:
+    """Buffers of R rows x C slots (see the module docstring) and the count of slots in use."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor], n: int):
+        self.buffers = buffers  # keys/values (1, R, C, D), pos/abar/nobs/valid (R, C)
+        self.extra: dict[str, torch.Tensor] = {}  # name -> (R, C, ...)
+        self.n = n
+        self.order: torch.Tensor | None = None  # (R, n) slots in position order, when known
+
+    @classmethod
+    def empty(cls, like: dict[str, torch.Tensor], rows: int, capacity: int) -> SlotStore:
+        """Buffers of `rows` x `capacity` free slots shaped like `like`'s (none in use)."""
+        new = {name: t.new_full((1, rows, capacity, t.shape[-1]) if name in STATES else (rows, capacity),
+                                STATS.get(name, 0)) for name, t in like.items()}
+        return cls(new, 0)
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers["pos"].shape[1]
+
+    @property
+    def rows(self) -> int:
+        return self.buffers["pos"].shape[0]
+
+    def resize(self, capacity: int) -> None:
+        """Reallocate every buffer to `capacity` slots, keeping the slots in use."""
+        n = self.n
+        for group in (self.buffers, self.extra):
+            for name, t in group.items():
+                axis = 2 if name in STATES and group is self.buffers else 1
+                shape = list(t.shape)
+                shape[axis] = capacity
+                new = t.new_zeros(shape)
+                new.narrow(axis, 0, n).copy_(t.narrow(axis, 0, n))
+                group[name] = new
+
+    def nbytes(self, rows: slice) -> int:
+        """Bytes allocated for the keys and values of `rows`."""
+        count = len(range(*rows.indices(self.rows)))
+        return sum(t.numel() // t.shape[1] * count * t.element_size() for n, t in self.buffers.items() if n in STATES)
+
+
+class ExtraView(MutableMapping):
+    """`SlotRows.extra`: each per-slot statistic as a `(R, S, ...)` view; assigning copies into the store."""
+
+    def __init__(self, rows: SlotRows):
+        self._rows = rows
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        store = self._rows.store
+        if store is None or name not in store.extra:
+            raise KeyError(name)
+        return store.extra[name][self._rows.rows, : store.n]
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        store, rows = self._rows.store, self._rows.rows
+        if name not in store.extra or store.extra[name].shape[2:] != value.shape[2:] \
+                or store.extra[name].dtype != value.dtype:
+            store.extra[name] = value.new_zeros((store.rows, store.capacity, *value.shape[2:]))
+        store.extra[name][rows, : store.n] = value
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("a per-slot statistic stays for the whole run")
+
+    def __iter__(self) -> Iterator[str]:
+        store = self._rows.store
+        return iter(() if store is None else store.extra)
+
+    def __len__(self) -> int:
+        store = self._rows.store
+        return 0 if store is None else len(store.extra)
+
+
+class SlotRows:
+    """A view of rows `rows` of `store`, for the layers in `books` (one, or all): implements `CacheRows`."""
+
+    def __init__(self, books: list[LayerBook], store: SlotStore | None = None, rows: slice = slice(0, 0),
+                 owner=None):
+        self.books = books
+        self.store = store
+        self.rows = rows
+        self.owner = owner  # the KVCache: its `limit`, and (view, capacity) -> (store, rows) for a compressed layout
+
+    # -- the contract: reading ---------------------------------------------------------------------
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(b.layer for b in self.books)
+
+    @property
+    def kv_heads(self) -> int:
+        return self._n_rows() // len(self.books)
+
+    def _n_rows(self) -> int:
+        return len(range(*self.rows.indices(self.store.rows)))
+
     def _view(self, name: str) -> torch.Tensor | None:
-        view = self._views.get(name)
-        if view is None and name in self._buf:  # made on first use: a growing cache changes n every step
-            t, n = self._buf[name], self._n
-            view = self._views[name] = t[:, :, :n] if name in ("keys", "values") else t[:, :n]
-        return view
-
-    def _set_layout(self, buffers: dict[str, torch.Tensor], n: int) -> None:
-        """New buffers and/or slot count: remake the views (a decode step's cache keeps its layout)."""
-        if buffers is not self._buf:
-            hkv, cap = buffers["pos"].shape
-            self._flat = torch.arange(0, hkv * cap, cap, device=buffers["pos"].device)
-            self.stacked = False
-        self._buf, self._n, self._views = buffers, n, {}
+        if self.store is None:
+            return None
+        t, n = self.store.buffers[name], self.store.n
+        return t[:, self.rows, :n] if name in STATES else t[self.rows, :n]
 
     def _assign(self, name: str, value: torch.Tensor) -> None:
         view = self._view(name)
@@ -82,212 +229,264 @@ class LayerCache:
             raise ValueError(f"{name} must keep the cache's shape {None if view is None else tuple(view.shape)}")
         if view.data_ptr() != value.data_ptr():
             view.copy_(value)
+        if name in ("pos", "valid"):
+            self.store.order = None
 
-    keys = property(lambda self: self._view("keys"), lambda self, v: self._assign("keys", v))  # (1, Hkv, S, D)
+    keys = property(lambda self: self._view("keys"), lambda self, v: self._assign("keys", v))
     values = property(lambda self: self._view("values"), lambda self, v: self._assign("values", v))
-    pos = property(lambda self: self._view("pos"), lambda self, v: self._assign("pos", v))  # (Hkv, S) long
-    abar = property(lambda self: self._view("abar"), lambda self, v: self._assign("abar", v))  # (Hkv, S) f32
-    nobs = property(lambda self: self._view("nobs"), lambda self, v: self._assign("nobs", v))  # (Hkv, S) f32
-    valid = property(lambda self: self._view("valid"), lambda self, v: self._assign("valid", v))  # (Hkv, S) bool
+    pos = property(lambda self: self._view("pos"), lambda self, v: self._assign("pos", v))
+    abar = property(lambda self: self._view("abar"), lambda self, v: self._assign("abar", v))
+    nobs = property(lambda self: self._view("nobs"), lambda self, v: self._assign("nobs", v))
+    valid = property(lambda self: self._view("valid"), lambda self, v: self._assign("valid", v))
 
     @property
-    def written(self) -> torch.Tensor | None:
-        """`(Hkv, q)` the slots the latest `append` wrote."""
-        if isinstance(self._written, range):
-            hkv, span = self._buf["pos"].shape[0], self._written
-            self._written = torch.arange(span.start, span.stop, device=self._buf["pos"].device).expand(hkv, len(span))
-        return self._written
+    def extra(self) -> ExtraView:
+        return ExtraView(self)
+
+    @extra.setter
+    def extra(self, values: dict[str, torch.Tensor]) -> None:
+        for name, t in values.items():
+            self.extra[name] = t
+
+    @property
+    def last_attn(self) -> torch.Tensor | None:
+        rows = [b.last_attn for b in self.books]
+        return None if any(r is None for r in rows) else rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    @last_attn.setter
+    def last_attn(self, value: torch.Tensor | None) -> None:
+        parts = [None] * len(self.books) if value is None else value.chunk(len(self.books))
+        for book, part in zip(self.books, parts, strict=True):
+            book.last_attn = part
+
+    @property
+    def states(self) -> list[dict]:
+        return [b.state for b in self.books]
 
     @property
     def n_slots(self) -> int:
-        """Slots in use per KV head (free slots and padding included)."""
-        return self._n
+        return 0 if self.store is None else self.store.n
+
+    @property
+    def n_kept(self) -> int:
+        return max(b.n_kept for b in self.books)
+
+    @property
+    def padded(self) -> bool:
+        return any(b.holes is not None or b.pad for b in self.books)
 
     @property
     def capacity(self) -> int:
-        return 0 if "keys" not in self._buf else self._buf["keys"].shape[2]
+        return 0 if self.store is None else self.store.capacity
+
+    @property
+    def written(self) -> torch.Tensor | None:
+        """`(R, q)` the slots the latest `append` wrote."""
+        parts = [b.written for b in self.books]
+        return None if any(p is None for p in parts) else parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for these rows' keys and values (spare capacity included)."""
+        return 0 if self.store is None else self.store.nbytes(self.rows)
+
+    def kept_per_row(self) -> torch.Tensor:
+        return self.valid.sum(-1)
 
     def position_order(self) -> torch.Tensor:
-        """`(Hkv, S)` slot indices sorted by position, oldest first, free and padding slots last."""
-        return torch.argsort(self.pos.masked_fill(~self.valid, torch.iinfo(self.pos.dtype).max), dim=-1, stable=True)
+        """`(R, S)` slot indices sorted by position, oldest first, free and padding slots last."""
+        store = self.store
+        if store.order is not None and store.order.shape[1] == store.n and self._whole_store():
+            return store.order
+        order = torch.argsort(self.pos.masked_fill(~self.valid, torch.iinfo(self.pos.dtype).max), dim=-1,
+                              stable=True)
+        if self._whole_store():
+            store.order = order
+        return order
 
-    def one_to_evict(self, budget: int) -> bool:
-        """A decode step's compression: each head holds budget + 1 slots, none free, so exactly one leaves."""
-        return self.n_kept == budget + 1 and not self.padded
-
-    def ordered(self) -> Slots:
-        """The kept slots in position order (a copy, `n_kept` per head): what an append-only cache would hold."""
+    def in_position_order(self) -> Slots:
+        """The kept slots in position order (a copy, `n_kept` per row): what an append-only cache would hold."""
         order = self.position_order()[:, : self.n_kept]
         idx = order[None, :, :, None].expand(1, -1, -1, self.keys.shape[-1])
         return Slots(self.pos.masked_fill(~self.valid, -1).gather(1, order), self.keys.gather(2, idx),
                      self.values.gather(2, idx), self.valid.gather(1, order))
 
-    def parts(self) -> list[LayerCache]:
-        """The layers whose heads these rows are (a `LayerStack` has several)."""
-        return [self]
+    def one_to_evict(self, budget: int) -> bool:
+        """A decode step's compression: each row holds budget + 1 slots, none free, so exactly one leaves."""
+        return all(b.n_kept == budget + 1 and b.holes is None and not b.pad for b in self.books)
 
-    def split(self, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """`(Hkv, ...)` rows -> `[(layer index, rows)]` (a `LayerStack` splits its rows by layer)."""
-        return [(self.layer, t)]
+    def per_layer(self, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """`(R, ...)` -> each layer's index and its `(Hkv, ...)` rows."""
+        return list(zip(self.layers, t.chunk(len(self.books)), strict=True))
 
-    def kept(self) -> torch.Tensor:
-        """Valid slots per KV head, `(Hkv,)`."""
-        return self.valid.sum(-1)
+    def _whole_store(self) -> bool:
+        return self._n_rows() == self.store.rows
 
-    @property
-    def padded(self) -> bool:
-        """Some head has a free or padding slot among `[0, n_slots)` (attention must mask it)."""
-        return self._holes is not None or self._pad
+    # -- the contract: changing --------------------------------------------------------------------
+    def free(self, index: torch.Tensor) -> None:
+        """Evict slots `index` `(R, E)` (the same count per row); later tokens reuse them.
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated for keys and values (spare capacity included)."""
-        return sum(self._buf[n].numel() * self._buf[n].element_size() for n in ("keys", "values") if n in self._buf)
+        When the slots in use exceed a layer's `limit` (the prompt's cache after its first
+        compression), the kept slots move into buffers of `limit` slots and the old ones are released.
+        """
+        store = self.store
+        for name, fill in STATS.items():
+            store.buffers[name][self.rows].scatter_(1, index, fill)
+        if store.order is not None and self._whole_store() and not self.padded:  # freed slots go last, in order
+            gone = torch.zeros(store.order.shape, dtype=torch.bool, device=index.device).scatter_(1, index, True)
+            left = torch.gather(gone, 1, store.order)
+            store.order = torch.cat([store.order[~left].view(left.shape[0], -1), index], dim=1)
+        else:
+            store.order = None
+        for book, part in zip(self.books, index.chunk(len(self.books)), strict=True):
+            book.holes = part if book.holes is None else torch.cat([book.holes, part], dim=1)
+            book.n_kept -= part.shape[1]
+        limit = self.owner.limit if self.owner is not None else None
+        if len(self.books) == 1 and limit is not None and store.n > limit and not self.books[0].pad:
+            kept = self.valid.nonzero()[:, 1].view(self.valid.shape[0], self.books[0].n_kept)
+            self.retain(kept, capacity=limit)
 
-    # -- writing -----------------------------------------------------------------------------------
+    def retain(self, index: torch.Tensor, valid: torch.Tensor | None = None, capacity: int | None = None) -> None:
+        """Keep slots `index` `(R, S')`, in that slot order, and free the rest (new buffers, or the rows the cache
+        allocates for a compressed layout). `valid` `(R, S')` marks padding when rows keep different counts."""
+        s = index.shape[1]
+        capacity = max(s, capacity or s)
+        d = self.keys.shape[-1]
+        idx4 = index[None, :, :, None].expand(1, -1, -1, d)
+        kept = {name: torch.gather(self._view(name), 2, idx4) if name in STATES else torch.gather(self._view(name), 1,
+                                                                                                   index)
+                for name in self.store.buffers}
+        extras = {}
+        for name, t in self.store.extra.items():
+            view = t[self.rows, : self.store.n]
+            ix = index.view(*index.shape, *([1] * (view.dim() - 2))).expand(-1, -1, *view.shape[2:])
+            extras[name] = torch.gather(view, 1, ix)
+        if valid is not None:
+            kept["valid"] &= valid
+        if self.last_attn is not None:  # per query head: map each query head to its KV head's index
+            group = self.last_attn.shape[0] // index.shape[0]
+            self.last_attn = torch.gather(self.last_attn, 1, index.repeat_interleave(group, 0))
+        self.store, self.rows = self.owner(self, capacity) if self.owner is not None else \
+            (SlotStore.empty(self.store.buffers, index.shape[0], capacity), slice(0, index.shape[0]))
+        store = self.store
+        store.n = capacity  # the spare slots are free ones, which the next tokens fill
+        for name, t in kept.items():
+            view = self._view(name)
+            (view[:, :, :s] if name in STATES else view[:, :s]).copy_(t)
+        for name, t in extras.items():
+            self.extra[name] = torch.cat([t, t.new_zeros((t.shape[0], capacity - s, *t.shape[2:]))], dim=1)
+        store.order = None
+        counts = self.valid.sum(-1)
+        spare = torch.arange(s, capacity, device=index.device).expand(index.shape[0], capacity - s)
+        for book, part, free in zip(self.books, counts.chunk(len(self.books)), spare.chunk(len(self.books)),
+                                    strict=True):
+            book.n_kept, book.pad = int(part.max()), int(part.min()) < s
+            book.holes = free if capacity > s else None
+
     def append(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
-        """Add new tokens `(1, Hkv, q, D)` at true `positions` `(q,)` with empty statistics.
+        """One layer's new tokens `(1, Hkv, q, D)` at true `positions` `(q,)`, with empty statistics.
 
-        One token goes into a slot freed by `free` (one per head; `keep`'s layout is never
+        One token goes into a slot freed by `free` (one per head; a `retain`ed layout is never
         reordered); otherwise the tokens go after the slots in use (growing the buffers if needed).
         """
+        (book,) = self.books
         q = key.shape[2]
         positions = positions.to(key.device)
-        if not self._buf:
+        if self.store is None:
             self._adopt(key, value, positions)
-        elif q == 1 and self._holes is not None:
+        elif q == 1 and book.holes is not None:
             self._fill_free(key, value, positions)
         else:
             self._write_end(key, value, positions)
-        self.n_kept += q
+        book.n_kept += q
+        book.last_attn = None  # the slots changed: the next query's attention replaces it
 
     def _adopt(self, key, value, positions) -> None:
-        """The prefill's tensors become the buffers (no copy)."""
+        """The prefill's tensors become a store of this layer's own (no copy)."""
         hkv, q = key.shape[1], key.shape[2]
         dev = key.device
-        self._set_layout({"keys": key.contiguous(), "values": value.contiguous(),
-                          "pos": positions.view(1, q).expand(hkv, q).clone(),
-                          "abar": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
-                          "nobs": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
-                          "valid": torch.ones(hkv, q, dtype=torch.bool, device=dev)}, q)
-        self._written = range(q)
+        self.store = SlotStore({"keys": key.contiguous(), "values": value.contiguous(),
+                                "pos": positions.view(1, q).expand(hkv, q).clone(),
+                                "abar": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
+                                "nobs": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
+                                "valid": torch.ones(hkv, q, dtype=torch.bool, device=dev)}, q)
+        slots = torch.arange(q, device=dev).expand(hkv, q)
+        self.store.order = slots if q == 1 or bool((positions[1:] > positions[:-1]).all()) else None
+        self.rows = slice(0, hkv)
+        self.books[0].written = slots
 
     def _fill_free(self, key, value, positions) -> None:
-        """Write one token into each head's oldest freed slot (flat `index_copy_`, no reallocation)."""
-        hkv, d = key.shape[1], key.shape[3]
-        slot = self._holes[:, 0]  # (Hkv,)
-        self._holes = self._holes[:, 1:] if self._holes.shape[1] > 1 else None
-        b = self._buf
-        flat = slot + self._flat  # (Hkv,) into (Hkv * C)
-        b["keys"].view(-1, d).index_copy_(0, flat, key[0, :, 0])
-        b["values"].view(-1, d).index_copy_(0, flat, value[0, :, 0])
-        b["pos"].view(-1).index_fill_(0, flat, positions[0])
-        b["valid"].view(-1).index_fill_(0, flat, True)  # `free` already zeroed abar and nobs
-        if self.extra:
-            heads = torch.arange(hkv, device=slot.device)
-            for t in self.extra.values():
-                t[heads, slot] = 0
-        self.last_attn = None  # the slots changed: the next query's attention replaces it
-        self._written = slot[:, None]
+        """Write one token into each head's oldest freed slot (the oldest freed slot is already the first
+        free one in position order, so the order stays valid)."""
+        book, store = self.books[0], self.store
+        slot = book.holes[:, 0]  # (Hkv,)
+        book.holes = book.holes[:, 1:] if book.holes.shape[1] > 1 else None
+        heads = torch.arange(slot.shape[0], device=slot.device) + self.rows.start
+        store.buffers["keys"][0, heads, slot] = key[0, :, 0]
+        store.buffers["values"][0, heads, slot] = value[0, :, 0]
+        store.buffers["pos"][heads, slot] = positions[0]
+        store.buffers["valid"][heads, slot] = True  # `free` already zeroed abar and nobs
+        for t in store.extra.values():
+            t[heads, slot] = 0
+        book.written = slot[:, None]
 
     def _write_end(self, key, value, positions) -> None:
+        store, book = self.store, self.books[0]
+        if not self._whole_store():
+            raise RuntimeError("kvlens: a layer of the all-layer store cannot grow (its slots are the budget's)")
         hkv, q = key.shape[1], key.shape[2]
-        n, need = self._n, self._n + q
-        if need > self.capacity:
+        n, need = store.n, store.n + q
+        if need > store.capacity:
             grow = max(need, n + max(GROWTH, n // 16))
-            self._resize(min(grow, self.limit) if self.limit is not None and self.limit >= need else grow)
-        b = self._buf
+            limit = self.owner.limit if self.owner is not None else None
+            store.resize(min(grow, limit) if limit is not None and limit >= need else grow)
+        b = store.buffers
         b["keys"][:, :, n:need] = key
         b["values"][:, :, n:need] = value
         b["pos"][:, n:need] = positions
-        b["valid"][:, n:need] = True  # abar and nobs past the slots in use are zero
-        for name, t in self.extra.items():
-            self.extra[name] = torch.cat([t, t.new_zeros((hkv, q, *t.shape[2:]))], dim=1)
-        self.last_attn = None
-        self._set_layout(self._buf, need)
-        self._written = range(n, need)
-
-    def _resize(self, capacity: int) -> None:
-        """Reallocate every buffer to `capacity` slots, keeping `[0, n)`."""
-        n, new = self._n, {}
-        for name, t in self._buf.items():
-            shape = (*t.shape[:-2], capacity, t.shape[-1]) if name in ("keys", "values") else (t.shape[0], capacity)
-            new[name] = t.new_zeros(shape)
-            if name in ("keys", "values"):
-                new[name][:, :, :n] = t[:, :, :n]
-            else:
-                new[name][:, :n] = t[:, :n]
-        self._set_layout(new, n)
-
-    def free(self, index: torch.Tensor) -> None:
-        """Evict slots `index` `(Hkv, E)` (the same count per head); later tokens reuse them.
-
-        When the slots in use exceed `limit` (the prompt's cache after its first compression), the
-        kept slots move into new buffers of `limit` slots and the old ones are released.
-        """
-        for name, fill in STAT_BUFFERS.items():
-            self._buf[name].scatter_(1, index, fill)
-        self.queue_freed(index)
-        if self.limit is not None and self._n > self.limit and not self._pad:
-            kept = self.valid.nonzero()[:, 1].view(self.valid.shape[0], self.n_kept)
-            self.keep(kept, capacity=self.limit)
-
-    def queue_freed(self, index: torch.Tensor) -> None:
-        """Slots `index` `(Hkv, E)` whose statistics were cleared (`STAT_BUFFERS`) leave the kept count and
-        receive the next tokens (`free` does both; a `LayerStack` clears all layers at once, then calls this)."""
-        self._holes = index if self._holes is None else torch.cat([self._holes, index], dim=1)
-        self.n_kept -= index.shape[1]
-
-    def share_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
-        """Live in `buffers`, this layer's row blocks of a `LayerStack`'s shared buffers (same slots)."""
-        self._set_layout(buffers, self._n)
-        self.stacked = True
-
-    def keep(self, index: torch.Tensor, valid: torch.Tensor | None = None, capacity: int | None = None) -> None:
-        """Keep slots `index` `(Hkv, S')`, in that slot order, and free the rest (new buffers).
-
-        `valid` `(Hkv, S')` marks padding when heads keep different counts.
-        """
-        s = index.shape[1]
-        capacity = max(s, capacity or s)
-        d = self._buf["keys"].shape[-1]
-        idx4 = index[None, :, :, None].expand(1, -1, -1, d)
-        new = {}
-        for name in self._buf:
-            view = self._view(name)
-            kept = torch.gather(view, 2, idx4) if name in ("keys", "values") else torch.gather(view, 1, index)
-            if capacity > s:  # spare slots for the tokens to come
-                spare = list(kept.shape)
-                spare[-2 if name in ("keys", "values") else -1] = capacity - s
-                kept = torch.cat([kept, kept.new_zeros(spare)], dim=-2 if name in ("keys", "values") else -1)
-            new[name] = kept
-        if valid is not None:
-            new["valid"][:, :s] &= valid
-        self._set_layout(new, s)
-        for name, t in self.extra.items():
-            ix = index.view(*index.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:])
-            self.extra[name] = torch.gather(t, 1, ix)
-        if self.last_attn is not None:
-            # last_attn is per query head; map each query head to its KV head's index.
-            group = self.last_attn.shape[0] // index.shape[0]
-            self.last_attn = torch.gather(self.last_attn, 1, index.repeat_interleave(group, 0))
-        counts = self.valid.sum(-1)
-        self.n_kept = int(counts.max())
-        self._holes, self._pad = None, int(counts.min()) < s
-        self.prefill_rows = None
+        b["valid"][:, n:need] = True  # abar, nobs and extras past the slots in use are zero
+        new = torch.arange(n, need, device=key.device).expand(hkv, q)
+        store.order = torch.cat([store.order, new], dim=1) if store.order is not None and not self.padded else None
+        store.n = need
+        book.written = new
 
 
 class KVCache:
-    """The cache handed to the model as `past_key_values`: one `LayerCache` per layer.
+    """The cache handed to the model as `past_key_values`: one `SlotRows` view per layer.
 
     The engine sets `positions` (true token positions of the tokens being fed) before each
     forward; `update` writes them and returns the layer's slots in use (views, no copy). `limit`:
     the most slots a layer will need (budget + 1, or the run's length for growing caches).
+    `all_layers=True` (a budgeted policy declaring `cross_layer`): a compressed layer's slots go
+    into the rows of one store for every layer (see the module docstring).
     """
 
-    def __init__(self, n_layers: int, limit: int | None = None):
-        self.layers = [LayerCache(layer=i, limit=limit) for i in range(n_layers)]
+    def __init__(self, n_layers: int, limit: int | None = None, all_layers: bool = False):
+        self.limit = limit
+        self.all_layer_mode = all_layers
+        self.shared: SlotStore | None = None
+        self.books = [LayerBook(layer=i) for i in range(n_layers)]
+        self.layers = [SlotRows([book], owner=self) for book in self.books]
         self.positions: torch.Tensor | None = None
+        self._everywhere: SlotRows | None = None
+
+    def __call__(self, view: SlotRows, capacity: int) -> tuple[SlotStore, slice]:
+        """Where a layer's compressed layout goes: its rows of the all-layer store, or a store of its own."""
+        hkv = view.keys.shape[1]
+        if not self.all_layer_mode or len(view.books) != 1 or capacity != self.limit:
+            return SlotStore.empty(view.store.buffers, hkv, capacity), slice(0, hkv)
+        if self.shared is None:
+            self.shared = SlotStore.empty(view.store.buffers, hkv * len(self.layers), capacity)
+        i = view.books[0].layer
+        return self.shared, slice(i * hkv, (i + 1) * hkv)
+
+    def all_layers(self) -> SlotRows | None:
+        """Every layer's rows as one view, once every layer lives in the all-layer store (else None)."""
+        if self.shared is None or any(view.store is not self.shared for view in self.layers):
+            return None
+        if self._everywhere is None:
+            self._everywhere = SlotRows(self.books, self.shared, slice(0, self.shared.rows), owner=self)
+        return self._everywhere
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer = self.layers[layer_idx]
@@ -299,10 +498,13 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        """Bytes allocated for keys and values (each store once)."""
+        stores = {id(v.store): v.store for v in self.layers if v.store is not None}
+        return sum(s.nbytes(slice(0, s.rows)) for s in stores.values())
 
-    def kept_slots(self) -> torch.Tensor:
+    def kept_counts(self) -> torch.Tensor:
         """Valid slots per layer and KV head, `(L, Hkv)` (without padding every head keeps `n_kept`)."""
-        if not any(layer._pad for layer in self.layers):
-            return torch.tensor([[layer.n_kept] * layer.pos.shape[0] for layer in self.layers])
-        return torch.stack([layer.kept() for layer in self.layers]).cpu()
+        if not any(book.pad for book in self.books):
+            return torch.tensor([[book.n_kept] * layer.kv_heads for book, layer in zip(self.books, self.layers,
+                                                                                        strict=True)])
+        return torch.stack([layer.kept_per_row() for layer in self.layers]).cpu()

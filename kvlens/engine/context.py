@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvlens.engine.attention import AttentionSpec, decode_rows, last_rows, prefill_stats, sdpa
-from kvlens.engine.cache import KVCache, LayerCache
-from kvlens.engine.layer_stack import LayerStack
+from kvlens.engine.cache import KVCache, SlotRows
 from kvlens.policies.base import Policy, group_mean
 
 
@@ -22,10 +21,10 @@ class Observer:
     prefill_rows = 0  # last prefill rows wanted
     needs_prefill_stats = False  # the prompt's accumulated attention (`layer.abar`) must be computed
 
-    def on_prefill(self, layer: LayerCache, query, key, value, last_rows) -> None:
+    def on_prefill(self, layer: SlotRows, query, key, value, last_rows) -> None:
         """query `(1, Hq, T, D)`, key/value `(1, Hkv, T, D)` after RoPE, last_rows `(Hq, L, T)` or None."""
 
-    def on_decode(self, layer: LayerCache, query, probs, out, spec: AttentionSpec) -> None:
+    def on_decode(self, layer: SlotRows, query, probs, out, spec: AttentionSpec) -> None:
         """query `(1, Hq, 1, D)`, probs `(Hkv, G, S)` over `layer`'s slots, out `(1, 1, Hq, D)`; `spec`
         is how the layer attends (scaling, soft-capping, sliding window). `layer.abar` and `nobs` take
         this step's attention after the forward (`RunContext.accumulate`), not yet here."""
@@ -34,15 +33,16 @@ class Observer:
 class RunContext:
     """Routes one run's attention calls: statistics to the cache, rows to policy and observers."""
 
-    def __init__(self, cache: KVCache, policy: Policy, observers: list[Observer] = ()):
+    def __init__(self, cache: KVCache, policy: Policy, observers: list[Observer] = (), windowed: bool = False):
         self.cache = cache
+        self.windowed = windowed  # some layer slides: its queries see only part of the slots
         self.policy = policy
         self.observers = list(observers)
         self.needs_rows = policy.needs_attention or any(o.needs_rows for o in self.observers)
         # the prompt's column sums cost a chunked pass over T x T; computed only when someone reads them
         self.column_sums = policy.prefill_column_sums() or any(o.needs_prefill_stats for o in self.observers)
         self.prefill_rows = max([policy.prefill_rows()] + [o.prefill_rows for o in self.observers])
-        self._observed: list[tuple[LayerCache, torch.Tensor, torch.Tensor | None]] = []  # this step's rows
+        self._observed: list[tuple[SlotRows, torch.Tensor, torch.Tensor | None]] = []  # this step's rows
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         """One layer's attention in this run; a sliding window hides the slots outside it (see `attention`)."""
@@ -62,21 +62,21 @@ class RunContext:
             obs.on_decode(layer, query, probs, out, spec)
         return out
 
-    def accumulate(self, stack: LayerStack | None = None) -> None:
+    def accumulate(self) -> None:
         """After a decode step's forward, before compression: add its attention to every slot's `abar`
-        and its query to `nobs`. With a live `LayerStack` whose layers all saw every slot, once for all layers."""
+        and its query to `nobs`; once for all layers when they share one store and no layer slides."""
         observed, self._observed = self._observed, []
-        if stack is not None and stack.valid_now and len(observed) == len(stack.layers) and all(
-                layer is mine and seen is None for (layer, _, seen), mine in zip(observed, stack.layers, strict=True)):
+        everywhere = self.cache.all_layers() if observed and not self.windowed else None
+        if everywhere is not None:
             probs = torch.stack([p for _, p, _ in observed])  # (L, Hkv, G, S)
-            stack.abar.add_(group_mean(probs.flatten(0, 1)))
-            stack.nobs.add_(1)
+            everywhere.abar.add_(group_mean(probs.flatten(0, 1)))
+            everywhere.nobs.add_(1)
             return
         for layer, probs, seen in observed:
             layer.abar += group_mean(probs)
             layer.nobs += 1 if seen is None else seen
 
-    def _prefill(self, layer: LayerCache, query, key, value, spec: AttentionSpec) -> torch.Tensor:
+    def _prefill(self, layer: SlotRows, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         t = query.shape[2]
         if key.shape[2] != t:
             raise RuntimeError("kvlens feeds several tokens at once only as the first (prefill) call of a run.")
@@ -94,7 +94,6 @@ class RunContext:
         seen_by = t - torch.arange(t, device=key.device, dtype=torch.float32)  # queries at or after each slot
         layer.nobs = seen_by.clamp(max=spec.window or t).expand(hkv, t).clone()
         layer.last_attn = last[:, -1] if last.shape[1] else None
-        layer.prefill_rows = last
         self.policy.observe_prefill(layer, last)
         for obs in self.observers:
             obs.on_prefill(layer, query, key, value, last)

@@ -19,9 +19,8 @@ import torch
 
 from kvlens.engine.architectures import inspect_model
 from kvlens.engine.attention import CONTEXT_KWARG
-from kvlens.engine.cache import KVCache
+from kvlens.engine.cache import KVCache, Phase, Step
 from kvlens.engine.context import Observer, RunContext
-from kvlens.engine.layer_stack import LayerStack
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.record import Recorder
 from kvlens.errors import Cancelled, KvlensError
@@ -88,14 +87,15 @@ class _Loop:
         self.model, self.policy, self.opts = model, policy, opts
         self.recorder = Recorder(opts.record, opts.record_layers)
         # a compressed layer never holds more than budget + the step's token; others grow up to the run's length
-        self.cache = KVCache(model.shape()["layers"], limit=length if budget is None else budget + 1)
+        # all layers' rows in one store when the policy's decode steps may run on them at once (chosen here, once)
+        self.cache = KVCache(model.shape()["layers"], limit=length if budget is None else budget + 1,
+                             all_layers=budget is not None and policy.cross_layer)
         self.log = DecisionLog() if opts.log_decisions else None
-        self.ctx = RunContext(self.cache, policy, [self.recorder, *observers])
-        self.budget: int | None = None
+        self.ctx = RunContext(self.cache, policy, [self.recorder, *observers], windowed=bool(model.support.sliding))
+        self.budget = budget
         self.kept: list[torch.Tensor] = []  # (L, Hkv) per step
         self.peak_bytes = 0  # largest cache after compression
         self.prefill_bytes = 0  # the uncompressed prompt's cache
-        self.stack: LayerStack | None = None  # every layer as one, for cross-layer decode steps
 
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
         dev = self.model.device
@@ -105,33 +105,19 @@ class _Loop:
             input_ids=torch.tensor([ids], device=dev), position_ids=positions[None],
             past_key_values=self.cache, use_cache=True, logits_to_keep=1, **{CONTEXT_KWARG: self.ctx},
         )
-        self.ctx.accumulate(self.stack)
+        self.ctx.accumulate()
         return out.logits[0, -1]
 
-    def compress(self, step: int) -> None:
-        if step == 0:
+    def compress(self, index: int) -> None:
+        """Compression `index` (0: the prompt's), on every layer's rows at once once they share one store."""
+        if index == 0:
             self.prefill_bytes = self.cache.nbytes
-        if self.log is not None:
-            self.log.step = step
-        stack = self.layer_stack() if step else None
-        if stack is not None:
-            self.policy.compress(stack, self.budget, self.log)
-        else:
-            for layer in self.cache.layers:
-                self.policy.compress(layer, self.budget, self.log)
-                layer.prefill_rows = None
-        self.kept.append(self.cache.kept_slots())
+        step = Step(index, Phase.PREFILL if index == 0 else Phase.DECODE, self.budget, self.log)
+        everywhere = self.cache.all_layers() if step.phase is Phase.DECODE else None
+        for rows in [everywhere] if everywhere is not None else self.cache.layers:
+            self.policy.compress(rows, step)
+        self.kept.append(self.cache.kept_counts())
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes)
-
-    def layer_stack(self) -> LayerStack | None:
-        """All layers as one when this decode step evicts one slot per head everywhere and the policy's
-        rule allows it (`cross_layer`); built once the layers reach their fixed capacity."""
-        if self.budget is None or not self.policy.cross_layer:
-            return None
-        layers = self.cache.layers
-        if self.stack is None or not self.stack.valid_now:
-            self.stack = LayerStack(layers) if LayerStack.eligible(layers) else None
-        return self.stack if self.stack is not None and self.stack.one_to_evict(self.budget) else None
 
     def event(self, step, token, nll, ms, logits) -> StepEvent:
         last = self.cache.layers[-1]
@@ -203,9 +189,7 @@ def _prepare(model: LoadedModel, policy: Policy, ids, prefill, steps, teacher, o
         model.support = inspect_model(model.model)
     model.support.require()  # never run a model kvlens would only approximate
     budget = policy.resolve_budget(opts.budget, prefill, prefill + steps)
-    loop = _Loop(model, policy, opts, list(observers), budget, prefill + steps - 1)  # the last token is never fed
-    loop.budget = budget
-    return loop
+    return _Loop(model, policy, opts, list(observers), budget, prefill + steps - 1)  # the last token is never fed
 
 
 def _is_oom(err: BaseException) -> bool:

@@ -54,11 +54,11 @@ class PerturbationMeter(Observer):
         self.full_norm: dict[int, list[torch.Tensor]] = {}
 
     def on_prefill(self, layer, query, key, value, last_rows) -> None:
-        self.shadow_k[layer.layer] = key[0].detach().clone()
-        self.shadow_v[layer.layer] = value[0].detach().clone()
+        self.shadow_k[layer.layers[0]] = key[0].detach().clone()
+        self.shadow_v[layer.layers[0]] = value[0].detach().clone()
 
     def on_decode(self, layer, query, probs, out, spec: AttentionSpec) -> None:
-        i = layer.layer
+        i = layer.layers[0]
         # the token just fed is in the slots the cache wrote last (compression runs after the forward)
         new = layer.written[..., None].expand(-1, -1, layer.keys.shape[-1])  # (Hkv, 1, D)
         self.shadow_k[i] = torch.cat([self.shadow_k[i], torch.gather(layer.keys[0], 1, new)], dim=1)

@@ -110,7 +110,7 @@ def inspect_token(run: Run, step: int, layer: int, head: int) -> TokenRow:
 def slot_provenance(run: Run, layer: int, kv_head: int, step: int) -> dict[int, dict[int, float]]:
     """{slot: {source position: weight}} of the slots holding merged values when step `step` attended
     (decisions of steps before it); sources a Bernoulli draw of 0 added with weight 0 are left out."""
-    rule = getattr(policy_class(run.meta["policy"]["name"]), "merge_rule", None)
+    rule = policy_class(run.meta["policy"]["name"]).merge_rule
     d = run.decisions
     if rule is None or d is None or not len(d):
         return {}

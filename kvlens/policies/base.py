@@ -3,10 +3,13 @@
 A policy is a frozen dataclass registered with `@register`. Its fields are hyperparameters
 declared with `param()` (default, help text, bounds, choices), validated here once for all
 policies; its capabilities are class attributes (`budget_free`, `merges`, `needs_attention`).
-It holds no run state: what changes during a run lives in the `LayerCache` it is handed
-(`layer.extra` per slot, `layer.state` per layer), so one instance serves any number of runs
-and threads with identical decisions. Policies never record or plot: they report what they did
-to the `DecisionLog` they are given.
+It holds no run state: what changes during a run lives in the `CacheRows` it is handed
+(`rows.extra` per slot, `rows.states` per layer), so one instance serves any number of runs
+and threads with identical decisions. Every hook takes `CacheRows` (`kvlens.engine.cache`):
+one layer's KV heads, or, for a policy that declares `cross_layer`, every layer's at a decode
+step; a policy's arithmetic is per row, so it is the same code either way. `compress` is told
+its `Step` (index, phase, budget, decision log) explicitly. Policies never record or plot: they
+report what they did to the step's `DecisionLog`.
 """
 from __future__ import annotations
 
@@ -16,10 +19,9 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.engine.cache import LayerCache
+from kvlens.engine.cache import CacheRows, Step
 from kvlens.errors import KvlensError
 from kvlens.params import Param, check_budget
-from kvlens.runs.decisions import DecisionLog
 
 REGISTRY: dict[str, type[Policy]] = {}
 
@@ -60,7 +62,8 @@ class Policy:
     needs_attention: ClassVar[bool] = True  # needs attention rows at decode steps
     budget_free: ClassVar[bool] = False  # decides its own size (reports the size it reached)
     merges: ClassVar[bool] = False  # merges evicted entries into kept ones (Merges page, provenance)
-    cross_layer: ClassVar[bool] = False  # its one-eviction decode step may run on all layers at once (`LayerStack`)
+    cross_layer: ClassVar[bool] = False  # its decode steps may run on every layer's rows at once (all-layer store)
+    merge_rule: ClassVar[str | None] = None  # how provenance replays its merges: "add", "convex" or "set"
     presets: ClassVar[dict[str, dict]] = {}  # named settings, `preset=NAME` (explicit parameters override)
 
     def __post_init__(self):
@@ -122,14 +125,15 @@ class Policy:
               f"compress; use a smaller budget or the full policy.")
         return slots
 
-    def observe_prefill(self, layer: LayerCache, rows: torch.Tensor) -> None:
-        """Initialise statistics from the last prefill rows `(Hq, L, T)` (`abar`, `nobs` are already set)."""
+    def observe_prefill(self, rows: CacheRows, last: torch.Tensor) -> None:
+        """Initialise statistics from the last prefill attention rows `last` `(R * G, L, T)` (`abar`, `nobs`
+        are already set)."""
 
-    def observe(self, layer: LayerCache, probs: torch.Tensor) -> None:
-        """Update statistics after a decode step's attention `probs` `(Hkv, G, S)`."""
+    def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
+        """Update statistics after a decode step's attention `probs` `(R, G, S)`."""
 
-    def compress(self, layer: LayerCache, budget: int | None, log: DecisionLog | None) -> None:
-        """Shrink the layer to `budget` slots per KV head."""
+    def compress(self, rows: CacheRows, step: Step) -> None:
+        """Shrink the rows to `step.budget` slots each."""
         raise NotImplementedError
 
 
@@ -141,58 +145,71 @@ class ScoredEviction(Policy):
     (recent) window, `local_window(budget)`.
     """
 
-    def score(self, layer: LayerCache) -> torch.Tensor:
-        """`(Hkv, S)` keep-scores: higher is kept."""
+    def score(self, rows: CacheRows) -> torch.Tensor:
+        """`(R, S)` keep-scores: higher is kept."""
         raise NotImplementedError
 
-    def protected(self, layer: LayerCache, budget: int) -> torch.Tensor | None:
-        """`(Hkv, S)` bool of slots that must stay, or None."""
+    def protected(self, rows: CacheRows, budget: int) -> torch.Tensor | None:
+        """`(R, S)` bool of slots that must stay, or None."""
         return None
 
     def local_window(self, budget: int) -> int:
         """How many of the newest kept slots form the policy's local window (all of them by default)."""
         return budget
 
-    def compress(self, layer: LayerCache, budget: int | None, log: DecisionLog | None) -> None:
-        if budget is None or layer.n_kept <= budget:
+    def compress(self, rows: CacheRows, step: Step) -> None:
+        if step.budget is None or rows.n_kept <= step.budget:
             return
-        if layer.one_to_evict(budget):
-            evicted = self.lowest(layer, budget)
-        else:
-            _, evicted = self.select(layer, budget)
-        if log is not None:
-            log_evictions(log, layer, torch.gather(layer.pos, 1, evicted))
-        layer.free(evicted)
+        _, evicted = self.select(rows, step.budget)
+        log_evictions(step, rows, rows.pos.gather(1, evicted))
+        rows.free(evicted)
 
-    def lowest(self, layer: LayerCache, budget: int) -> torch.Tensor:
-        """`(Hkv, 1)` the slot `select` would evict when exactly one must go (no sort): the lowest
-        score, and among equal lowest scores the newest position. The cache has no free slot."""
-        score = self.score(layer).float()
-        protected = self.protected(layer, budget)
-        if protected is not None:
-            score = score.masked_fill(protected, float("inf"))
-        low = score == score.min(-1, keepdim=True).values
-        return torch.where(low, layer.pos, -1).argmax(-1, keepdim=True)
-
-    def select(self, layer: LayerCache, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots to keep `(Hkv, budget)` and to evict `(Hkv, n_kept - budget)`, each in position order.
-
-        Highest score first; among equal scores the older position stays. Free slots never count.
-        """
-        score = self.score(layer).float().masked_fill(~layer.valid, float("-inf"))
-        protected = self.protected(layer, budget)
-        if protected is not None:
-            score = score.masked_fill(protected & layer.valid, float("inf"))
-        by_pos = layer.position_order()
-        order = by_pos.gather(1, torch.argsort(score.gather(1, by_pos), dim=-1, descending=True, stable=True))
-        keep, evicted = order[:, :budget], order[:, budget:layer.n_kept]
-        return by_position(layer, keep), by_position(layer, evicted)
+    def select(self, rows: CacheRows, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots to keep `(R, budget)` and to evict `(R, n_kept - budget)`, each in position order
+        (`select_lowest` on this policy's score and protection)."""
+        return select_lowest(rows, self.score(rows), self.protected(rows, budget), budget)
 
 
-def log_evictions(log: DecisionLog, layer: LayerCache, positions: torch.Tensor) -> None:
-    """Log evicted `positions` `(Hkv, n)` (-1 = none) of a layer or of a `LayerStack`'s layers."""
-    for index, rows in layer.split(positions):
-        log.evict(index, rows)
+def select_lowest(rows: CacheRows, score: torch.Tensor, protected: torch.Tensor | None,
+                  budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection rule of every scored eviction: keep the `budget` highest scores of each row, the
+    protected slots first; among equal scores the older position stays. Returns the kept `(R, budget)` and the
+    evicted `(R, n_kept - budget)` slots, each in position order. Free slots never count.
+
+    When exactly one slot per row leaves (a decode step), the lowest score is found without a sort: the
+    newest position among the lowest; otherwise a stable sort by score over the position order.
+    """
+    order = rows.position_order()  # (R, S): the positions' order, kept in step by the cache
+    s = score.float().masked_fill(~rows.valid, float("-inf"))
+    if protected is not None:
+        s = s.masked_fill(protected & rows.valid, float("inf"))
+    s = s.gather(1, order)  # by position
+    n = rows.n_kept
+    if rows.one_to_evict(budget):
+        lowest = s[:, :n] == s[:, :n].min(-1, keepdim=True).values
+        last = n - 1 - lowest.flip(-1).int().argmax(-1, keepdim=True)  # the newest of the lowest
+        leaves = torch.zeros(lowest.shape, dtype=torch.bool, device=s.device).scatter_(1, last, True)
+        return order[:, :n][~leaves].view(s.shape[0], n - 1), order.gather(1, last)
+    rank = torch.argsort(s, dim=-1, descending=True, stable=True)
+    keep, evicted = rank[:, :budget].sort(-1).values, rank[:, budget:n].sort(-1).values
+    return order.gather(1, keep), order.gather(1, evicted)
+
+
+def log_evictions(step: Step, rows: CacheRows, positions: torch.Tensor) -> None:
+    """Log evicted `positions` `(R, n)` (-1 = none) at `step`, layer by layer."""
+    if step.log is not None:
+        for layer, part in rows.per_layer(positions):
+            step.log.evict(step.index, layer, part)
+
+
+def log_merges(step: Step, rows: CacheRows, source, targets, weight, prob, draw) -> None:
+    """`DecisionLog.merges` at `step`, layer by layer: `source` `(R, E)` positions, `targets` `(R, E, K)`
+    (ascending, -1 pads), `weight`, `prob`, `draw` `(R, E)`."""
+    if step.log is None:
+        return
+    parts = [rows.per_layer(x) for x in (source, targets, weight, prob, draw)]
+    for (layer, s), (_, t), (_, w), (_, p), (_, d) in zip(*parts, strict=True):
+        step.log.merges(step.index, layer, s, t, w, p, d)
 
 
 def scored_eviction_names() -> tuple[str, ...]:
@@ -200,21 +217,16 @@ def scored_eviction_names() -> tuple[str, ...]:
     return tuple(n for n, c in REGISTRY.items() if issubclass(c, ScoredEviction))
 
 
-def by_position(layer: LayerCache, slots: torch.Tensor) -> torch.Tensor:
-    """Valid `slots` `(Hkv, n)` reordered so that their positions ascend."""
-    return slots.gather(1, layer.pos.gather(1, slots).argsort(-1))
-
-
-def recent_mask(layer: LayerCache, recent: int) -> torch.Tensor:
-    """`(Hkv, S)` True for each head's `recent` valid slots with the newest positions."""
+def recent_mask(rows: CacheRows, recent: int) -> torch.Tensor:
+    """`(R, S)` True for each row's `recent` valid slots with the newest positions."""
     if recent <= 0:
-        return torch.zeros(layer.pos.shape, dtype=torch.bool, device=layer.pos.device)
-    return layer.valid & (layer.pos >= newest_cut(layer.pos, layer.valid, recent))
+        return torch.zeros(rows.pos.shape, dtype=torch.bool, device=rows.pos.device)
+    return rows.valid & (rows.pos >= newest_cut(rows.pos, rows.valid, recent))
 
 
 def newest_cut(pos: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
-    """`(Hkv, 1)` a cut such that `mask & (pos >= cut)` are each head's k newest slots of `mask`
-    (all of them when it has fewer). Positions are distinct within a head.
+    """`(R, 1)` a cut such that `mask & (pos >= cut)` are each row's k newest slots of `mask`
+    (all of them when it has fewer). Positions are distinct within a row.
 
     Windows that a policy protects hold consecutive positions, so the cut is tried as the newest
     position minus k - 1 and checked by counting (O(S)); a sort (`topk`) only when the check fails.
@@ -227,6 +239,5 @@ def newest_cut(pos: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def group_mean(probs: torch.Tensor) -> torch.Tensor:
-    """A KV head's attention is the mean of its query heads': `(Hkv, G, ...)` -> `(Hkv, ...)`."""
+    """A KV head's attention is the mean of its query heads': `(R, G, ...)` -> `(R, ...)`."""
     return probs.mean(1)
-

@@ -46,13 +46,14 @@ from typing import ClassVar
 
 import torch
 
+from kvlens.engine.cache import CacheRows, Step
 from kvlens.policies.base import (
     Policy,
     ScoredEviction,
     check,
     group_mean,
     log_evictions,
-    newest_cut,
+    log_merges,
     param,
     register,
     scored_eviction_names,
@@ -60,6 +61,7 @@ from kvlens.policies.base import (
 from kvlens.policies.streaming_llm import StreamingLLM
 
 GENERATOR = "cam_generator"  # per layer: the run's Bernoulli generator
+CHUNK_ELEMENTS = 1 << 24  # rows solved at once in a step-0 merge: their E x E systems hold at most this many
 DECODE_ATTN = "cam_decode_attn"  # per slot: attention summed over decode steps only (score="decode")
 
 # settings of each source; every other parameter keeps its default
@@ -116,7 +118,7 @@ class CaM(Policy):
     description = "Merge the values its base eviction policy drops into the following slots (Bernoulli mask)."
     paper = "https://proceedings.mlr.press/v235/zhang24n.html"
     merges = True
-    merge_rule: ClassVar[str] = "add"  # provenance: targets keep their own value and add w * V_i
+    merge_rule = "add"  # provenance: targets keep their own value and add w * V_i
     presets: ClassVar[dict[str, dict]] = PRESETS
 
     def validate(self):
@@ -142,95 +144,102 @@ class CaM(Policy):
     def min_budget(self) -> int:
         return self.base.min_budget()
 
-    def observe_prefill(self, layer, rows):
-        self.base.observe_prefill(layer, rows)
+    def observe_prefill(self, rows: CacheRows, last: torch.Tensor) -> None:
+        self.base.observe_prefill(rows, last)
 
-    def observe(self, layer, probs):
-        self.base.observe(layer, probs)
+    def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
+        self.base.observe(rows, probs)
         if self.score == "decode":
-            att = group_mean(probs)  # (Hkv, S)
-            layer.extra[DECODE_ATTN] = layer.extra.get(DECODE_ATTN, torch.zeros_like(att)) + att
+            att = group_mean(probs)  # (R, S)
+            rows.extra[DECODE_ATTN] = rows.extra.get(DECODE_ATTN, torch.zeros_like(att)) + att
 
-    def generator(self, layer) -> torch.Generator:
-        """The layer's Bernoulli generator for this run (created on first use)."""
-        if GENERATOR not in layer.state:
-            layer.state[GENERATOR] = torch.Generator().manual_seed(self.seed * 1_000_003 + layer.layer)
-        return layer.state[GENERATOR]
+    def generator(self, state: dict, layer: int) -> torch.Generator:
+        """A layer's Bernoulli generator for this run (created in its run state on first use)."""
+        if GENERATOR not in state:
+            state[GENERATOR] = torch.Generator().manual_seed(self.seed * 1_000_003 + layer)
+        return state[GENERATOR]
 
-    def compress(self, layer, budget, log):
-        if budget is None or layer.n_kept <= budget:
+    def compress(self, rows: CacheRows, step: Step) -> None:
+        if step.budget is None or rows.n_kept <= step.budget:
             return
-        step0 = layer.prefill_rows is not None
-        merging = self.mask != "never" and not (step0 and self.prefill == "evict")
-        if merging and layer.one_to_evict(budget):
-            evicted = self.base.lowest(layer, budget)
-            self._merge_one(layer, evicted, budget, log)
-            layer.free(evicted)
-            return
-        keep, evicted = self.base.select(layer, budget)  # (Hkv, B), (Hkv, E) slots, in position order
-        if merging:
-            self._merge(layer, keep, evicted, budget, log)
-        elif log is not None:
-            log_evictions(log, layer, torch.gather(layer.pos, 1, evicted))
-        layer.free(evicted)
+        keep, evicted = self.base.select(rows, step.budget)  # (R, B), (R, E) slots, in position order
+        if self.mask != "never" and not (step.prompt and self.prefill == "evict"):
+            self._merge(rows, keep, evicted, step)
+        else:
+            log_evictions(step, rows, rows.pos.gather(1, evicted))
+        rows.free(evicted)
 
-    def attention(self, layer) -> torch.Tensor:
-        """`(Hkv, S)` the attention A that p compares, per `score`."""
+    def attention(self, rows: CacheRows) -> torch.Tensor:
+        """`(R, S)` the attention A that p compares, per `score`."""
         if self.score == "accumulated":
-            return layer.abar
+            return rows.abar
         if self.score == "decode":
-            return layer.extra.get(DECODE_ATTN, torch.zeros_like(layer.abar))
-        return layer.last_attn.view(layer.pos.shape[0], -1, layer.n_slots).mean(1)
+            return rows.extra.get(DECODE_ATTN, torch.zeros_like(rows.abar))
+        return rows.last_attn.view(rows.pos.shape[0], -1, rows.n_slots).mean(1)
 
-    def _merge(self, layer, keep, evicted, budget, log):
-        """Merge the evicted slots one at a time in position order, each carrying what earlier ones sent
-        it, in tensor form (no loop over slots).
+    def _merge(self, rows, keep, evicted, step):
+        """Merge the evicted slots one at a time in position order, each carrying what earlier ones sent it,
+        in tensor form (no loop over slots); a decode step's one eviction is the case E = 1.
 
-        Per head, the candidates C are the pool (the newest `pool` kept slots) and the evicted slots,
-        in position order; evicted slot i sends `w_i * V_i` to the first `found_i` candidates after
-        it (its window: the first `reach`). Which candidates, p and the draws depend only on the
-        scores, so they are computed for every i at once (draws in the same generator order as one
-        at a time); the values then solve `V = V0 + W V` over C, W strictly lower triangular
-        (`W[x, i] = w_i` for the targets x of i), by forward substitution.
+        Per row, the candidates C are the pool (the newest `pool` kept slots) and the evicted slots, in
+        position order (both are sorted, so they interleave by a search, not a sort); evicted slot i sends
+        `w_i * V_i` to the first `found_i` candidates after it (its window: the first `reach`). Which
+        candidates, p and the draws depend only on the scores, so they are computed for every i at once
+        (draws in the same generator order as one at a time). An evicted slot receives from the evicted ones
+        before it, so their values solve `(I - W_EE) V_E = V0_E` (E x E, unit lower triangular); each kept
+        candidate then adds its senders' `w_i V_i`, a range sum over its place (a difference array).
         """
-        hkv, b, n_ev = layer.pos.shape[0], keep.shape[1], evicted.shape[1]
-        local, pool, m = self._sizes(budget)
-        members = torch.cat([keep[:, b - pool:], evicted], dim=1)  # slots (Hkv, C)
-        order = layer.pos.gather(1, members).argsort(-1)
-        members, is_evicted = members.gather(1, order), order >= pool
-        n_c = members.shape[1]
+        r, b, n_ev = rows.pos.shape[0], keep.shape[1], evicted.shape[1]
+        local, pool, m = self._sizes(step.budget)
+        pool_slots = keep[:, b - pool:]  # (R, P)
+        pos_pool, pos_ev = rows.pos.gather(1, pool_slots).contiguous(), rows.pos.gather(1, evicted).contiguous()
+        ar = lambda n: torch.arange(n, device=keep.device)  # noqa: E731
+        c = torch.searchsorted(pos_pool, pos_ev) + ar(n_ev)  # (R, E) each evicted slot's place in C, ascending
+        at_pool = torch.searchsorted(pos_ev, pos_pool) + ar(pool)  # (R, P)
+        n_c = pool + n_ev
+        members = torch.empty(r, n_c, dtype=keep.dtype, device=keep.device)
+        members.scatter_(1, c, evicted).scatter_(1, at_pool, pool_slots)  # (R, C) slots in position order
         reach = min(local if self.targets == "local" else n_c, n_c)
-        c = is_evicted.nonzero()[:, 1].view(hkv, n_ev)  # each evicted slot's place in C, ascending
         after = n_c - 1 - c
         found, window = after.clamp(max=min(m, reach)), after.clamp(max=reach)
-        all_scores = self.attention(layer).float()
-        score = all_scores.gather(1, members)  # (Hkv, C)
+        all_scores = self.attention(rows).float()
+        score = all_scores.gather(1, members)  # (R, C)
         p = self._probabilities(score, c, found, window, all_scores.gather(1, keep[:, : b - pool]), reach)
-        draw, w = self._draw(layer, p, found, m)  # (Hkv, E)
-        values = layer.values[0]  # (Hkv, S, D), merged in place
-        sent = torch.zeros(hkv, n_c, dtype=torch.float32, device=w.device).scatter_(1, c, w)
-        reach_of = torch.zeros(hkv, n_c, dtype=torch.long, device=c.device).scatter_(1, c, found)
-        target, source = torch.arange(n_c, device=c.device)[:, None], torch.arange(n_c, device=c.device)[None, :]
-        for h in range(hkv):  # one C x C system per head keeps the memory at C^2
-            receives = (target > source) & (target <= source + reach_of[h][None, :])
-            weights = torch.where(receives, sent[h][None, :], 0.0)
-            v0 = values[h, members[h]].float()
-            merged = torch.linalg.solve_triangular(-weights, v0, upper=False, unitriangular=True)
-            kept = members[h, ~is_evicted[h]]
-            values[h, kept] = merged[~is_evicted[h]].to(values.dtype)
-        if log is not None:
-            pos = layer.pos.gather(1, members)  # (Hkv, C)
-            k = torch.arange(max(int(found.max()), 1), device=c.device)  # target j of i is candidate c + 1 + j
-            places = (c[..., None] + 1 + k).clamp(max=n_c - 1)  # (Hkv, E, K)
-            targets = pos.gather(1, places.flatten(1)).view_as(places).masked_fill(k >= found[..., None], -1)
-            log_merges(log, layer, pos.gather(1, c), targets, w, p, draw)
-            log_evictions(log, layer, layer.pos.gather(1, evicted).masked_fill(found > 0, -1))
+        draw, w = self._draw(rows, p, found, m)  # (R, E)
+        self._add_values(rows, evicted, c, at_pool, pool_slots, found, w)
+        pos = rows.pos.gather(1, members)  # (R, C)
+        k = ar(max(int(found.max()), 1))  # target j of i is candidate c + 1 + j
+        places = (c[..., None] + 1 + k).clamp(max=n_c - 1)  # (R, E, K)
+        targets = pos.gather(1, places.flatten(1)).view_as(places).masked_fill(k >= found[..., None], -1)
+        log_merges(step, rows, pos_ev, targets, w, p, draw)
+        log_evictions(step, rows, pos_ev.masked_fill(found > 0, -1))
+
+    def _add_values(self, rows, evicted, c, at_pool, pool_slots, found, w) -> None:
+        """The merged values of the pool's slots, written in place (see `_merge`)."""
+        values = rows.values[0]  # (R, S, D)
+        r, n_ev, d = c.shape[0], c.shape[1], values.shape[-1]
+        v_ev = values.gather(1, evicted[..., None].expand(-1, -1, d)).double()  # (R, E, D)
+        if n_ev > 1:  # chains: evicted j receives from evicted i when c_i < c_j <= c_i + found_i
+            for lo in range(0, r, max(1, CHUNK_ELEMENTS // (n_ev * n_ev))):
+                hi = min(r, lo + max(1, CHUNK_ELEMENTS // (n_ev * n_ev)))
+                cj, ci = c[lo:hi, :, None], c[lo:hi, None, :]  # (r, E, 1), (r, 1, E)
+                sends = (cj > ci) & (cj <= ci + found[lo:hi, None, :])
+                system = torch.where(sends, -w[lo:hi, None, :].double(), 0.0)
+                v_ev[lo:hi] = torch.linalg.solve_triangular(system, v_ev[lo:hi], upper=False, unitriangular=True)
+        sent = w[..., None].double() * v_ev  # (R, E, D): what each evicted slot sends to each of its targets
+        diff = torch.zeros(r, n_ev + pool_slots.shape[1] + 1, d, dtype=torch.float64, device=values.device)
+        diff.scatter_add_(1, (c + 1)[..., None].expand(-1, -1, d), sent)
+        diff.scatter_add_(1, (c + 1 + found)[..., None].expand(-1, -1, d), -sent)
+        received = diff.cumsum(1).gather(1, at_pool[..., None].expand(-1, -1, d))  # (R, P, D)
+        index = pool_slots[..., None].expand(-1, -1, d)
+        merged = values.gather(1, index).double() + received
+        values.scatter_(1, index, merged.to(values.dtype))
 
     def _probabilities(self, score, c, found, window, outside, reach) -> torch.Tensor:
-        """`(Hkv, E)` p = clamp(A_i / A_ref, lo, hi) of every evicted slot at C places `c`, 0 without a target.
+        """`(R, E)` p = clamp(A_i / A_ref, lo, hi) of every evicted slot at C places `c`, 0 without a target.
 
-        score `(Hkv, C)` over the candidates in position order; outside `(Hkv, O)` the kept slots
-        outside the pool (the `max` reference's sinks and heavy hitters)."""
+        score `(R, C)` over the candidates in position order; outside `(R, O)` the kept slots outside the
+        pool (the `max` reference's sinks and heavy hitters)."""
         a_i = score.gather(1, c)
         if self.denominator == "max":
             ref = torch.maximum(window_max(score, reach + 1).gather(1, c),
@@ -243,74 +252,23 @@ class CaM(Policy):
         p = (a_i / ref.clamp(min=1e-30)).clamp(self.clamp[0], self.clamp[1])
         return torch.where(found > 0, p, torch.zeros_like(p))
 
-    def _merge_one(self, layer, e, budget, log):
-        """`_merge` for one evicted slot per head `e` `(Hkv, 1)`, in slot space without sorting.
-
-        The pool is the newest `pool` kept slots; what follows i in it is both the window (it
-        spans the whole pool) and, up to the first m by position, the targets.
-        """
-        _, pool, m = self._sizes(budget)
-        pos, valid = layer.pos, layer.valid
-        kept = valid.scatter(1, e, False)
-        in_pool = kept & (pos >= newest_cut(pos, kept, pool)) if pool > 0 else torch.zeros_like(kept)
-        window = in_pool & (pos > pos.gather(1, e))  # (Hkv, S): the pool after i
-        targets = window
-        if m < pool:  # only the first m after i
-            mth = pos.masked_fill(~window, torch.iinfo(pos.dtype).max).topk(m, dim=-1, largest=False).values[:, -1:]
-            targets = window & (pos <= mth)
-        found = targets.sum(-1)
-        score = self.attention(layer).float()
-        p = self._probability(score, e, targets, window, kept & ~in_pool, found)
-        draw, w = self._draw(layer, p, found, m)  # (Hkv,)
-        values = layer.values[0]  # (Hkv, S, D), merged in place
-        v_e = torch.gather(values, 1, e[..., None].expand(-1, -1, values.shape[-1]))  # (Hkv, 1, D)
-        values += targets[..., None].to(values.dtype) * (w[:, None, None].to(values.dtype) * v_e)
-        if log is None:
-            return
-        top = pos.masked_fill(~targets, torch.iinfo(pos.dtype).max).sort(-1).values[:, : max(int(found.max()), 1)]
-        targets_pos = top.masked_fill(top == torch.iinfo(pos.dtype).max, -1)[:, None]  # (Hkv, 1, K) ascending
-        source = pos.gather(1, e)
-        log_merges(log, layer, source, targets_pos, w[:, None], p[:, None], draw[:, None])
-        log_evictions(log, layer, source.masked_fill((found > 0)[:, None], -1))
-
     def _sizes(self, budget: int) -> tuple[int, int, int]:
         """The base's local window, the pool of merge targets and m (how many after i receive)."""
         local = self.base.local_window(budget)
         pool = local if self.targets == "local" else budget
         return local, pool, self.span or pool
 
-    def _draw(self, layer, p, found, m) -> tuple[torch.Tensor, torch.Tensor]:
-        """The merge mask and each target's weight, p's shape (`(Hkv,)` or `(Hkv, E)`): Bernoulli(p) from
-        each layer's generator (or 1 wherever a target exists), divided by m or by the targets found."""
+    def _draw(self, rows, p, found, m) -> tuple[torch.Tensor, torch.Tensor]:
+        """The merge mask and each target's weight `(R, E)`: Bernoulli(p) from each layer's generator, drawn
+        step by step (the k-th evicted slot of every row of a layer together), or 1 wherever a target exists;
+        divided by m or by the number of targets found."""
         if self.mask == "always":
             draw = (found > 0).float()
         else:
-            rows = p.shape[0] // len(layer.parts())  # drawn step by step (the k-th evicted slot of every head together)
-            u = torch.cat([torch.rand((*p.shape[1:], rows), generator=self.generator(part)).movedim(-1, 0)
-                           for part in layer.parts()])
+            u = torch.cat([torch.rand((p.shape[1], rows.kv_heads), generator=self.generator(state, layer)).T
+                           for layer, state in zip(rows.layers, rows.states, strict=True)])
             draw = (u.to(p.device) < p).float()
         return draw, draw / (found.clamp(min=1).float() if self.divide == "found" else float(max(m, 1)))
-
-    def _probability(self, score, e, targets, window, outside, found) -> torch.Tensor:
-        """`(Hkv,)` p = clamp(A_i / A_ref, lo, hi), 0 where no target follows i."""
-        a_i = torch.gather(score, 1, e)[:, 0]
-        if self.denominator == "targets_mean":
-            ref = (score * targets).sum(-1) / found.clamp(min=1)
-        elif self.denominator == "window_mean":
-            ref = (score * window).sum(-1) / window.sum(-1).clamp(min=1)
-        else:
-            pool = outside | window
-            pool.scatter_(1, e, True)
-            ref = score.masked_fill(~pool, float("-inf")).max(-1).values
-        p = (a_i / ref.clamp(min=1e-30)).clamp(self.clamp[0], self.clamp[1])
-        return torch.where(found > 0, p, torch.zeros_like(p))
-
-
-def log_merges(log, layer, source, targets, weight, prob, draw) -> None:
-    """`DecisionLog.merges` for a layer or each layer of a `LayerStack` (rows split by layer)."""
-    for (index, s), (_, t), (_, w), (_, p), (_, d) in zip(*(layer.split(x) for x in (source, targets, weight, prob,
-                                                                                     draw)), strict=True):
-        log.merges(index, s, t, w, p, d)
 
 
 def window_max(x: torch.Tensor, length: int) -> torch.Tensor:

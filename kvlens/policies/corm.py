@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.policies.base import Policy, param, register
+from kvlens.engine.cache import CacheRows, Step
+from kvlens.policies.base import Policy, log_evictions, param, register
 
 MESSAGE = "corm_message"  # (Hkv, S, w) bool, newest message last
 MESSAGES_SEEN = "corm_messages_seen"  # per layer: query messages observed so far in this run
@@ -36,12 +37,6 @@ def padded_keep(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     select = keep | (~keep & (dropped_rank <= n - counts))
     index = select.nonzero()[:, 1].view(keep.shape[0], n)
     return index, torch.gather(keep, 1, index)
-
-
-def log_dropped(layer, keep: torch.Tensor, log) -> None:
-    """Log every valid slot not in `keep` `(Hkv, S)` as evicted."""
-    if log is not None:
-        log.evict(layer.layer, layer.pos.masked_fill(~(layer.valid & ~keep), -1))
 
 
 @register
@@ -64,35 +59,37 @@ class CORM(Policy):
     def prefill_rows(self) -> int:
         return self.window
 
-    def observe_prefill(self, layer, rows):
-        hkv, t = layer.pos.shape
-        hq, length, _ = rows.shape
-        seen = torch.arange(t - length + 1, t + 1, device=rows.device, dtype=torch.float32)  # query i sees i+1 keys
-        important = (rows >= (1.0 / seen)[None, :, None]).view(hkv, hq // hkv, length, t).any(1)  # (Hkv, L, T)
-        msg = torch.zeros(hkv, t, self.window, dtype=torch.bool, device=rows.device)
+    def observe_prefill(self, rows: CacheRows, last: torch.Tensor) -> None:
+        r, t = rows.pos.shape
+        hq, length, _ = last.shape
+        seen = torch.arange(t - length + 1, t + 1, device=last.device, dtype=torch.float32)  # query i sees i+1 keys
+        important = (last >= (1.0 / seen)[None, :, None]).view(r, hq // r, length, t).any(1)  # (R, L, T)
+        msg = torch.zeros(r, t, self.window, dtype=torch.bool, device=last.device)
         msg[:, :, self.window - length:] = important.transpose(1, 2)
-        layer.extra[MESSAGE] = msg
-        layer.state[MESSAGES_SEEN] = length
+        rows.extra[MESSAGE] = msg
+        for state in rows.states:
+            state[MESSAGES_SEEN] = length
 
-    def observe(self, layer, probs):
+    def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
         if self.important == "position":
-            t = float(layer.pos.max()) + 1
+            t = float(rows.pos.max()) + 1
         else:
-            t = layer.valid.sum(-1, keepdim=True)[:, None].float()  # (Hkv, 1, 1)
-        important = (probs >= 1.0 / t).any(1) & layer.valid  # (Hkv, S)
-        msg = layer.extra[MESSAGE]
-        layer.extra[MESSAGE] = torch.cat([msg[:, :, 1:], important[:, :, None]], dim=2)
-        layer.state[MESSAGES_SEEN] = layer.state.get(MESSAGES_SEEN, 0) + 1
+            t = rows.valid.sum(-1, keepdim=True)[:, None].float()  # (R, 1, 1)
+        important = (probs >= 1.0 / t).any(1) & rows.valid  # (R, S)
+        msg = rows.extra[MESSAGE]
+        rows.extra[MESSAGE] = torch.cat([msg[:, :, 1:], important[:, :, None]], dim=2)
+        for state in rows.states:
+            state[MESSAGES_SEEN] = state.get(MESSAGES_SEEN, 0) + 1
 
-    def compress(self, layer, budget, log):
-        if layer.state.get(MESSAGES_SEEN, 0) < self.window:
+    def compress(self, rows: CacheRows, step: Step) -> None:
+        if min(state.get(MESSAGES_SEEN, 0) for state in rows.states) < self.window:
             return
-        s = layer.n_slots
-        recent = torch.zeros(s, dtype=torch.bool, device=layer.pos.device)
+        s = rows.n_slots  # slots are in position order (this cache only grows and is re-laid out by `retain`)
+        recent = torch.zeros(s, dtype=torch.bool, device=rows.pos.device)
         recent[max(0, s - self.recent):] = True
-        keep = (layer.extra[MESSAGE].any(-1) | recent[None, :]) & layer.valid  # (Hkv, S)
-        if bool((keep == layer.valid).all()):
+        keep = (rows.extra[MESSAGE].any(-1) | recent[None, :]) & rows.valid  # (R, S)
+        if bool((keep == rows.valid).all()):
             return
-        log_dropped(layer, keep, log)
+        log_evictions(step, rows, rows.pos.masked_fill(~(rows.valid & ~keep), -1))
         index, valid = padded_keep(keep)
-        layer.keep(index, valid)
+        rows.retain(index, valid)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvlens.engine.cache import CacheRows, Step
 from kvlens.policies.base import Policy, register
 
 
@@ -17,5 +18,5 @@ class Full(Policy):
     needs_attention = False
     budget_free = True
 
-    def compress(self, layer, budget, log) -> None:
+    def compress(self, rows: CacheRows, step: Step) -> None:
         return None

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from kvlens.engine.cache import CacheRows
 from kvlens.policies.base import ScoredEviction, param, recent_mask, register
 
 
@@ -27,8 +30,8 @@ class H2O(ScoredEviction):
     def local_window(self, budget: int) -> int:
         return int(budget * self.recent_ratio)
 
-    def score(self, layer):
-        return layer.abar
+    def score(self, rows: CacheRows) -> torch.Tensor:
+        return rows.abar
 
-    def protected(self, layer, budget):
-        return recent_mask(layer, self.local_window(budget))
+    def protected(self, rows: CacheRows, budget: int) -> torch.Tensor | None:
+        return recent_mask(rows, self.local_window(budget))

@@ -24,6 +24,7 @@ from typing import ClassVar
 
 import torch
 
+from kvlens.engine.cache import CacheRows, Step
 from kvlens.errors import KvlensError
 from kvlens.policies.base import Policy, param, register
 from kvlens.policies.corm import padded_keep
@@ -130,35 +131,38 @@ class KVMerger(Policy):
     presets: ClassVar[dict[str, dict]] = {"budget50": {"recent_ratio": 0.17, "keep_ratio": 0.12},
                                           "budget35": {"recent_ratio": 0.08, "keep_ratio": 0.02}}
 
-    def compress(self, layer, budget, log):
-        step = layer.state.get(COMPRESSIONS, 0)
-        layer.state[COMPRESSIONS] = step + 1
-        if step and not (self.remerge_every and step % self.remerge_every == 0):
+    def compress(self, rows: CacheRows, step: Step) -> None:
+        count = rows.states[0].get(COMPRESSIONS, 0)
+        for state in rows.states:
+            state[COMPRESSIONS] = count + 1
+        if count and not (self.remerge_every and count % self.remerge_every == 0):
             return
-        hkv = layer.pos.shape[0]
-        keys, values = layer.keys[0].clone(), layer.values[0].clone()  # (Hkv, S, D)
-        keep = layer.valid.clone()  # (Hkv, S)
-        for h in range(hkv):
-            for members in self._head_sets(layer, h):
-                pivot = members[int(torch.argmax(layer.abar[h, members]))]
-                w = gaussian_weights(layer.keys[0, h, members], members.index(pivot), self.sigma or self.sigma_rule)
+        r = rows.pos.shape[0]
+        keys, values = rows.keys[0].clone(), rows.values[0].clone()  # (R, S, D)
+        keep = rows.valid.clone()  # (R, S)
+        for h in range(r):
+            layer, head = rows.layers[h // rows.kv_heads], h % rows.kv_heads
+            for members in self._head_sets(rows, h):
+                pivot = members[int(torch.argmax(rows.abar[h, members]))]
+                w = gaussian_weights(rows.keys[0, h, members], members.index(pivot), self.sigma or self.sigma_rule)
                 w = w.to(keys.dtype)  # (n,)
-                keys[h, pivot] = w @ layer.keys[0, h, members]
-                values[h, pivot] = w @ layer.values[0, h, members]
+                keys[h, pivot] = w @ rows.keys[0, h, members]
+                values[h, pivot] = w @ rows.values[0, h, members]
                 keep[h, [m for m in members if m != pivot]] = False
-                if log is not None:
+                if step.log is not None:
                     for m, wm in zip(members, w.tolist()):
                         if m != pivot:
-                            log.merge(layer.layer, h, int(layer.pos[h, m]), [int(layer.pos[h, pivot])], [wm])
-        if bool((keep == layer.valid).all()):
+                            step.log.merge(step.index, layer, head, int(rows.pos[h, m]), [int(rows.pos[h, pivot])],
+                                           [wm])
+        if bool((keep == rows.valid).all()):
             return
-        layer.keys, layer.values = keys[None], values[None]
+        rows.keys, rows.values = keys[None], values[None]
         index, valid = padded_keep(keep)
-        layer.keep(index, valid)
+        rows.retain(index, valid)
 
-    def _head_sets(self, layer, h: int) -> list[list[int]]:
-        """Merging sets of two or more slots of KV head h (slot indices, ascending)."""
-        valid = layer.valid[h]  # (S,)
+    def _head_sets(self, rows, h: int) -> list[list[int]]:
+        """Merging sets of two or more slots of row h (slot indices, ascending)."""
+        valid = rows.valid[h]  # (S,)
         n = int(valid.sum())
         order = torch.nonzero(valid).flatten()  # valid slots, oldest first
         candidates = valid.clone()
@@ -167,6 +171,6 @@ class KVMerger(Policy):
             candidates[order[n - n_recent:]] = False
         n_top = int(n * self.keep_ratio)
         if n_top:
-            score = layer.abar[h].masked_fill(~candidates, float("-inf"))
+            score = rows.abar[h].masked_fill(~candidates, float("-inf"))
             candidates[torch.topk(score, min(n_top, int(candidates.sum()))).indices] = False
-        return [m for m in merging_sets(layer.keys[0, h], self.threshold, candidates) if len(m) > 1]
+        return [m for m in merging_sets(rows.keys[0, h], self.threshold, candidates) if len(m) > 1]

@@ -17,10 +17,12 @@ scissorhands runs on its own.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from kvlens.engine.cache import CacheRows, Step
 from kvlens.policies.base import ScoredEviction, group_mean, param, recent_mask, register
 
 HISTORY = "scissorhands_history"  # (Hkv, S, history) int8, newest step last: 0 unseen, 1 unimportant, 2 important
@@ -49,38 +51,38 @@ class Scissorhands(ScoredEviction):
     def min_budget(self) -> int:
         return self.drop
 
-    def observe_prefill(self, layer, rows):
-        hkv, s = layer.pos.shape
-        g = rows.shape[0] // hkv
-        length = rows.shape[1]
-        kv_rows = rows.view(hkv, g, length, -1).mean(1)  # (Hkv, L, T)
-        query = torch.arange(s - length, s, device=rows.device)  # query i sees slots 0..i
-        seen = torch.arange(s, device=rows.device)[None, :] <= query[:, None]  # (L, T)
+    def observe_prefill(self, rows: CacheRows, last: torch.Tensor) -> None:
+        r, s = rows.pos.shape
+        g = last.shape[0] // r
+        length = last.shape[1]
+        kv_rows = last.view(r, g, length, -1).mean(1)  # (R, L, T)
+        query = torch.arange(s - length, s, device=last.device)  # query i sees slots 0..i
+        seen = torch.arange(s, device=last.device)[None, :] <= query[:, None]  # (L, T)
         important = kv_rows >= (1.0 / (query + 1).float())[None, :, None]
         state = torch.where(seen[None], UNIMPORTANT + important.to(torch.int8), UNSEEN).to(torch.int8)
-        hist = torch.zeros(hkv, s, self.history, dtype=torch.int8, device=rows.device)
+        hist = torch.zeros(r, s, self.history, dtype=torch.int8, device=last.device)
         hist[:, :, self.history - length:] = state.transpose(1, 2)
-        layer.extra[HISTORY] = hist
+        rows.extra[HISTORY] = hist
 
-    def observe(self, layer, probs):
-        att = group_mean(probs)  # (Hkv, S)
-        n_slots = layer.valid.sum(-1, keepdim=True).float()
-        state = torch.where(layer.valid, UNIMPORTANT + (att >= 1.0 / n_slots).to(torch.int8), UNSEEN)
-        hist = layer.extra[HISTORY]
-        layer.extra[HISTORY] = torch.cat([hist[:, :, 1:], state.to(torch.int8)[:, :, None]], dim=2)
+    def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
+        att = group_mean(probs)  # (R, S)
+        n_slots = rows.valid.sum(-1, keepdim=True).float()
+        state = torch.where(rows.valid, UNIMPORTANT + (att >= 1.0 / n_slots).to(torch.int8), UNSEEN)
+        hist = rows.extra[HISTORY]
+        rows.extra[HISTORY] = torch.cat([hist[:, :, 1:], state.to(torch.int8)[:, :, None]], dim=2)
 
-    def score(self, layer):
-        hist = layer.extra[HISTORY]
+    def score(self, rows: CacheRows) -> torch.Tensor:
+        hist = rows.extra[HISTORY]
         counted = (hist == IMPORTANT).sum(-1) if self.count == "important" else -(hist == UNIMPORTANT).sum(-1)
-        tie = layer.abar / (layer.abar.max() + 1.0)  # in [0, 1): breaks ties only
+        tie = rows.abar / (rows.abar.max() + 1.0)  # in [0, 1): breaks ties only
         return counted.float() + tie
 
     def local_window(self, budget: int) -> int:
         return int(budget * self.recent_ratio)
 
-    def protected(self, layer, budget):
-        return recent_mask(layer, self.local_window(budget))
+    def protected(self, rows: CacheRows, budget: int) -> torch.Tensor | None:
+        return recent_mask(rows, self.local_window(budget))
 
-    def compress(self, layer, budget, log):
-        if budget is not None and layer.n_kept > budget:
-            super().compress(layer, budget + 1 - self.drop, log)
+    def compress(self, rows: CacheRows, step: Step) -> None:
+        if step.budget is not None and rows.n_kept > step.budget:
+            super().compress(rows, dataclasses.replace(step, budget=step.budget + 1 - self.drop))

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from kvlens.engine.cache import CacheRows
 from kvlens.policies.base import ScoredEviction, param, register
 
 
@@ -30,8 +33,8 @@ class StreamingLLM(ScoredEviction):
     def local_window(self, budget: int) -> int:
         return budget - self.sink
 
-    def score(self, layer):
-        return layer.pos.float()  # newest first
+    def score(self, rows: CacheRows) -> torch.Tensor:
+        return rows.pos.float()  # newest first
 
-    def protected(self, layer, budget):
-        return layer.pos < self.sink
+    def protected(self, rows: CacheRows, budget: int) -> torch.Tensor | None:
+        return rows.pos < self.sink

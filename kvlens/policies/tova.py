@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from kvlens.engine.cache import CacheRows
 from kvlens.policies.base import ScoredEviction, register
 
 
@@ -24,6 +27,8 @@ class TOVA(ScoredEviction):
     def prefill_column_sums(self) -> bool:
         return False  # reads only the last prefill rows
 
-    def score(self, layer):
-        # mean over all query heads of the layer; identical for every KV head
-        return layer.last_attn.mean(0, keepdim=True).expand(layer.pos.shape[0], -1)
+    def score(self, rows: CacheRows) -> torch.Tensor:
+        # mean over all query heads of each layer; identical for every KV head of the layer
+        attn = rows.last_attn  # (L * Hq, S)
+        per_layer = attn.view(len(rows.layers), -1, attn.shape[-1]).mean(1)  # (L, S)
+        return per_layer.repeat_interleave(rows.kv_heads, dim=0)

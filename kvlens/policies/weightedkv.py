@@ -17,7 +17,8 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.policies.base import Policy, param, register
+from kvlens.engine.cache import CacheRows, Step
+from kvlens.policies.base import Policy, log_evictions, log_merges, param, register
 
 
 @register
@@ -41,19 +42,20 @@ class WeightedKV(Policy):
     def recent(self, budget: int) -> int:
         return max(1, int(budget * self.recent_ratio) - self.sink)
 
-    def compress(self, layer, budget, log):
-        if budget is None or layer.n_kept <= budget:
+    def compress(self, rows: CacheRows, step: Step) -> None:
+        budget = step.budget
+        if budget is None or rows.n_kept <= budget:
             return
-        hkv, s = layer.pos.shape
-        n = layer.n_kept
-        perm = layer.position_order()  # (Hkv, S) rank -> slot; "right" and "recent" count in position order
-        pos = layer.pos.gather(1, perm)
+        r, s = rows.pos.shape
+        n = rows.n_kept
+        perm = rows.position_order()  # (R, S) rank -> slot; "right" and "recent" count in position order
+        pos = rows.pos.gather(1, perm)
         rank = torch.arange(s, device=pos.device)
-        protected = (pos < self.sink) | (rank >= n - self.recent(budget))[None, :]  # (Hkv, S) by rank
-        avg = (layer.abar / layer.nobs.clamp(min=1)).gather(1, perm)  # (Hkv, S) by rank
-        alive = (rank < n)[None, :].expand(hkv, s).clone()
-        values = layer.values[0]  # (Hkv, S, D) by slot, a view of the cache: merged in place
-        heads = torch.arange(hkv, device=pos.device)
+        protected = (pos < self.sink) | (rank >= n - self.recent(budget))[None, :]  # (R, S) by rank
+        avg = (rows.abar / rows.nobs.clamp(min=1)).gather(1, perm)  # (R, S) by rank
+        alive = (rank < n)[None, :].expand(r, s).clone()
+        values = rows.values[0]  # (R, S, D) by slot, a view of the cache: merged in place
+        heads = torch.arange(r, device=pos.device)
         for _ in range(n - budget):
             score = avg.masked_fill(protected | ~alive, float("inf"))
             j = score.argmin(-1)  # (Hkv,)
@@ -66,14 +68,14 @@ class WeightedKV(Policy):
                 merged = w[:, None] * values[heads, slot_j] + (1 - w[:, None]) * values[heads, slot_r]
                 values[heads, slot_r] = merged.to(values.dtype)
             alive[heads, j] = False
-            if log is not None:
-                self._log(layer.layer, log, pos[heads, j], pos[heads, right], w)
-        dropped = (~alive[:, :n]).nonzero()[:, 1].view(hkv, n - budget)
-        layer.free(perm.gather(1, dropped))
+            self._log(step, rows, pos[heads, j], pos[heads, right], w)
+        dropped = (~alive[:, :n]).nonzero()[:, 1].view(r, n - budget)
+        rows.free(perm.gather(1, dropped))
 
-    def _log(self, layer: int, log, pos_j, pos_right, w):
+    def _log(self, step, rows, pos_j, pos_right, w):
+        """One decision per row: `pos_j` `(R,)` left; merged into `pos_right` with weight `w` (or evicted)."""
         if not self.merge:
-            log.evict(layer, pos_j[:, None])
+            log_evictions(step, rows, pos_j[:, None])
             return
-        for h, (p, t, wt) in enumerate(zip(pos_j.tolist(), pos_right.tolist(), w.tolist())):
-            log.merge(layer, h, p, [t], [wt])
+        nan, none = torch.full_like(w, float("nan")), torch.full_like(pos_j, -1)
+        log_merges(step, rows, pos_j[:, None], pos_right[:, None, None], w[:, None], nan[:, None], none[:, None])

@@ -35,27 +35,26 @@ class _Merges:
 
 
 class DecisionLog:
-    """Collects decisions of one run. Policies call `evict` / `merge`; the engine sets `step`."""
+    """Collects decisions of one run. Policies call `evict` / `merge` / `merges` with the step they act at."""
 
     def __init__(self):
-        self.step = 0
         self._chunks: list[tuple[int, int, torch.Tensor] | tuple] = []  # evict chunks and merge rows, in order
 
-    def evict(self, layer: int, evicted_pos: torch.Tensor) -> None:
-        """`evicted_pos` `(Hkv, n)` original positions dropped per KV head (-1 entries ignored)."""
-        self._chunks.append((self.step, layer, evicted_pos.detach()))
+    def evict(self, step: int, layer: int, evicted_pos: torch.Tensor) -> None:
+        """`evicted_pos` `(Hkv, n)` original positions dropped per KV head at `step` (-1 entries ignored)."""
+        self._chunks.append((step, layer, evicted_pos.detach()))
 
-    def merge(self, layer: int, head: int, position: int, targets: list[int], weights: list[float],
+    def merge(self, step: int, layer: int, head: int, position: int, targets: list[int], weights: list[float],
               prob: float = math.nan, draw: int = -1) -> None:
-        self._chunks.append((self.step, layer, head, "merge", int(position), list(targets),
+        self._chunks.append((step, layer, head, "merge", int(position), list(targets),
                              [float(w) for w in weights], float(prob), int(draw)))
 
-    def merges(self, layer: int, source: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+    def merges(self, step: int, layer: int, source: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
                prob: torch.Tensor, draw: torch.Tensor) -> None:
         """Merges in tensor form: `source` `(Hkv, E)` positions merged, `targets` `(Hkv, E, K)` the positions
         each sent its value to (ascending, -1 pads), `weight`, `prob`, `draw` `(Hkv, E)`. One row per
         source with a target, the E sources in turn, head by head within each."""
-        self._chunks.append(_Merges(self.step, layer, *(t.detach() for t in (source, targets, weight, prob, draw))))
+        self._chunks.append(_Merges(step, layer, *(t.detach() for t in (source, targets, weight, prob, draw))))
 
     def __len__(self) -> int:
         return sum(int((c[-1] >= 0).sum()) if _is_evict(c) else
