@@ -111,18 +111,27 @@ def visible(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch
     return ok & (diff < window) if window is not None else ok
 
 
+def softmax_weights(scores: torch.Tensor, spec: AttentionSpec, hidden: torch.Tensor | None = None,
+                    scaled: bool = False) -> torch.Tensor:
+    """The one attention pipeline: float32 logits `(..., q, S)` -> weights, in place. The layer's scale (unless
+    `scaled`: it was applied to the queries), tanh soft-capping (`softcap * tanh(s / softcap)`), -inf where
+    `hidden` (bool, broadcasting to `(..., q, k)` over the last k keys; None: every key seen), softmax."""
+    if not scaled:
+        scores.mul_(spec.scaling)
+    if spec.softcap is not None:
+        scores.div_(spec.softcap).tanh_().mul_(spec.softcap)
+    if hidden is not None:
+        scores[..., scores.shape[-1] - hidden.shape[-1]:].masked_fill_(hidden, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
 def attention_probs(qg, key, spec: AttentionSpec, allowed: torch.Tensor | None) -> torch.Tensor:
     """Softmax attention of grouped queries: qg `(..., Hkv, G, q, D)`, key `(..., Hkv, S, D)`.
 
-    `allowed` broadcasts to `(..., Hkv, G, q, S)` (None = every key). Scores are scaled, soft-capped
-    (`softcap * tanh(s / softcap)`) and masked before the softmax. Returns float32 `(..., Hkv, G, q, S)`.
+    `allowed` broadcasts to `(..., Hkv, G, q, S)` (None = every key). Returns float32 `(..., Hkv, G, q, S)`.
     """
-    scores = torch.matmul(qg, key.unsqueeze(-3).transpose(-1, -2)).float() * spec.scaling
-    if spec.softcap is not None:
-        scores = torch.tanh(scores / spec.softcap) * spec.softcap
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(scores, dim=-1)
+    scores = torch.matmul(qg, key.unsqueeze(-3).transpose(-1, -2)).float()
+    return softmax_weights(scores, spec, None if allowed is None else ~allowed)
 
 
 def dense(query, key, value, spec: AttentionSpec) -> torch.Tensor:
@@ -160,12 +169,8 @@ def decode_rows(query, key, value, valid, spec: AttentionSpec):
     hkv = key.shape[1]
     qg = query[0, :, 0].reshape(hkv, hq // hkv, d)
     # batched over KV heads, the group's queries as rows: no broadcast copy of K (`attention_probs`'s layout)
-    scores = torch.bmm(qg, key[0].transpose(1, 2)).float().mul_(spec.scaling)  # (Hkv, G, S)
-    if spec.softcap is not None:
-        scores = torch.tanh(scores / spec.softcap) * spec.softcap
-    if valid is not None:
-        scores.masked_fill_(~valid[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    scores = torch.bmm(qg, key[0].transpose(1, 2)).float()  # (Hkv, G, S)
+    probs = softmax_weights(scores, spec, None if valid is None else ~valid[:, None, :])
     out = torch.bmm(probs.to(value.dtype), value[0])  # (Hkv, G, D)
     return out.reshape(1, 1, hq, d), probs
 
@@ -199,9 +204,9 @@ def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
     qg = query[0].view(hkv, g, t, d)
     k, v = key[0], value[0]
     chunk = max(1, min(CHUNK_ELEMENTS // (hq * t), max(64, t // 8)))  # >= 8 chunks: the causal triangle is skipped
-    scale = spec.scaling
-    if spec.plain and math.frexp(scale)[0] == 0.5:  # a power of two scales exactly: once on Q, not on every score
-        qg, scale = qg * scale, 1.0
+    scaled = spec.plain and math.frexp(spec.scaling)[0] == 0.5  # a power of two scales exactly: once on Q
+    if scaled:
+        qg = qg * spec.scaling
     future = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).triu(1)  # a diagonal block's masked keys
     out = torch.empty(hkv, g, t, d, dtype=value.dtype, device=value.device)
     colsum = torch.zeros(hkv, t, dtype=torch.float32, device=key.device)
@@ -214,10 +219,7 @@ def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
             # batched over KV heads with the group's rows stacked: K is read as is, never copied per query head
             rows = qg[:, :, a:b].reshape(hkv, g * (b - a), d)
             scores = torch.bmm(rows, k[:, :b].transpose(1, 2)).float().view(hkv, g, b - a, b)
-            if scale != 1.0:
-                scores.mul_(scale)
-            scores[..., a:].masked_fill_(future[: b - a, : b - a], float("-inf"))
-            probs = torch.softmax(scores, dim=-1)  # (Hkv, G, q, b)
+            probs = softmax_weights(scores, spec, future[: b - a, : b - a], scaled=scaled)  # (Hkv, G, q, b)
             out[:, :, a:b] = torch.bmm(probs.to(v.dtype).view(hkv, g * (b - a), b), v[:, :b]).view(hkv, g, b - a, d)
         else:
             probs = attention_probs(qg[:, :, a:b], k, spec, visible(cols[a:b], cols, spec.window))  # (Hkv, G, q, T)
