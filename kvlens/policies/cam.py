@@ -207,6 +207,8 @@ class CaM(Policy):
         p = self._probabilities(score, c, found, window, all_scores.gather(1, keep[:, : b - pool]), reach)
         draw, w = self._draw(rows, p, found, m)  # (R, E)
         self._add_values(rows, evicted, c, at_pool, pool_slots, found, w)
+        if step.log is None:
+            return
         pos = rows.pos.gather(1, members)  # (R, C)
         k = ar(max(int(found.max()), 1))  # target j of i is candidate c + 1 + j
         places = (c[..., None] + 1 + k).clamp(max=n_c - 1)  # (R, E, K)
@@ -215,25 +217,29 @@ class CaM(Policy):
         log_evictions(step, rows, pos_ev.masked_fill(found > 0, -1))
 
     def _add_values(self, rows, evicted, c, at_pool, pool_slots, found, w) -> None:
-        """The merged values of the pool's slots, written in place (see `_merge`)."""
+        """Add to each pool slot's value what its senders send, in place (see `_merge`); rows and evicted slots
+        in chunks of at most `CHUNK_ELEMENTS` mask entries."""
         values = rows.values[0]  # (R, S, D)
-        r, n_ev, d = c.shape[0], c.shape[1], values.shape[-1]
-        v_ev = values.gather(1, evicted[..., None].expand(-1, -1, d)).double()  # (R, E, D)
+        r, n_ev = c.shape
+        heads = torch.arange(r, device=c.device)[:, None]
+        exact = torch.float64 if n_ev > 1 else values.dtype  # one sender per row: no rounding to accumulate
+        sent = values[heads, evicted].to(exact)  # (R, E, D), merged below
         if n_ev > 1:  # chains: evicted j receives from evicted i when c_i < c_j <= c_i + found_i
-            for lo in range(0, r, max(1, CHUNK_ELEMENTS // (n_ev * n_ev))):
-                hi = min(r, lo + max(1, CHUNK_ELEMENTS // (n_ev * n_ev)))
-                cj, ci = c[lo:hi, :, None], c[lo:hi, None, :]  # (r, E, 1), (r, 1, E)
-                sends = (cj > ci) & (cj <= ci + found[lo:hi, None, :])
-                system = torch.where(sends, -w[lo:hi, None, :].double(), 0.0)
-                v_ev[lo:hi] = torch.linalg.solve_triangular(system, v_ev[lo:hi], upper=False, unitriangular=True)
-        sent = w[..., None].double() * v_ev  # (R, E, D): what each evicted slot sends to each of its targets
-        diff = torch.zeros(r, n_ev + pool_slots.shape[1] + 1, d, dtype=torch.float64, device=values.device)
-        diff.scatter_add_(1, (c + 1)[..., None].expand(-1, -1, d), sent)
-        diff.scatter_add_(1, (c + 1 + found)[..., None].expand(-1, -1, d), -sent)
-        received = diff.cumsum(1).gather(1, at_pool[..., None].expand(-1, -1, d))  # (R, P, D)
-        index = pool_slots[..., None].expand(-1, -1, d)
-        merged = values.gather(1, index).double() + received
-        values.scatter_(1, index, merged.to(values.dtype))
+            step = max(1, CHUNK_ELEMENTS // (n_ev * n_ev))
+            for lo in range(0, r, step):
+                hi = min(r, lo + step)
+                system = torch.where(receives(c[lo:hi], c[lo:hi], found[lo:hi]), -w[lo:hi, None, :].to(exact), 0.0)
+                sent[lo:hi] = torch.linalg.solve_triangular(system, sent[lo:hi], upper=False, unitriangular=True)
+        sent *= w[..., None].to(exact)  # what each evicted slot sends to each of its targets
+        place = torch.full(values.shape[:2], -1, dtype=c.dtype, device=c.device).scatter_(1, pool_slots, at_pool)
+        step = max(1, CHUNK_ELEMENTS // max(1, r * values.shape[1]))  # each slot's place in C (-1: none)
+        for lo in range(0, n_ev, step):
+            hi = min(n_ev, lo + step)
+            gets = receives(place, c[:, lo:hi], found[:, lo:hi]).to(exact)  # (R, S, e)
+            if exact == values.dtype:
+                values.baddbmm_(gets, sent[:, lo:hi])
+            else:
+                values.add_(torch.bmm(gets, sent[:, lo:hi]).to(values.dtype))
 
     def _probabilities(self, score, c, found, window, outside, reach) -> torch.Tensor:
         """`(R, E)` p = clamp(A_i / A_ref, lo, hi) of every evicted slot at C places `c`, 0 without a target.
@@ -269,6 +275,13 @@ class CaM(Policy):
                            for layer, state in zip(rows.layers, rows.states, strict=True)])
             draw = (u.to(p.device) < p).float()
         return draw, draw / (found.clamp(min=1).float() if self.divide == "found" else float(max(m, 1)))
+
+
+def receives(place: torch.Tensor, c: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
+    """`(R, X, E)` whether the candidate at `place` `(R, X)` receives from the evicted slot at `c` `(R, E)`, which
+    sends to the `found` `(R, E)` candidates after it."""
+    x, ci = place[:, :, None], c[:, None, :]
+    return (x > ci) & (x <= ci + found[:, None, :])
 
 
 def window_max(x: torch.Tensor, length: int) -> torch.Tensor:
