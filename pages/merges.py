@@ -1,7 +1,7 @@
 """Merges: the decision timeline, each merged slot's provenance, and the Gaussian weights of a KVMerger set."""
 import streamlit as st
 
-from kvlens.analysis import recorded_layers
+from kvlens.analysis.states import recorded_layers
 from kvlens.figures import provenance
 from kvlens.figures.attention import provenance_figure
 from kvlens.ui.charts import chart

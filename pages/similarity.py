@@ -2,7 +2,7 @@
 adjacent-token similarity across layers and heads (KVMerger Fig. 3a)."""
 import streamlit as st
 
-from kvlens.analysis import recorded_layers
+from kvlens.analysis.states import recorded_layers
 from kvlens.ui.charts import chart
 from kvlens.ui.page import analysis_need, browse_page
 from kvlens.ui.state import run_figure

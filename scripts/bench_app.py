@@ -24,8 +24,8 @@ CASES = [("attention", "streaming_llm-attention"), ("similarity", "full-states")
 
 def builder_seconds(page: str, run_name: str) -> float:
     from kvlens import load_run
+    from kvlens.analysis.kinds.similarity import similarity_figure
     from kvlens.figures.attention import attention_grid, attention_map_figure
-    from kvlens.figures.plots import similarity_figure
 
     t = time.perf_counter()
     run = load_run(ROOT / "cached_runs" / run_name)

@@ -9,9 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-import kvlens.analysis as an
-from kvlens.analysis.spectrum import singular_values
-from kvlens.analysis.sweeps import prefix_ids, record_states
+from kvlens.analysis.kinds.adjacency import adjacency
+from kvlens.analysis.kinds.corm_lengths import corm_over_lengths
+from kvlens.analysis.kinds.gaussian import gaussian_set
+from kvlens.analysis.kinds.merge_similarity import merge_future_similarity
+from kvlens.analysis.kinds.merging_ratio import merging_ratio, merging_ratio_over_texts, record_states
+from kvlens.analysis.kinds.perplexity import log_perplexity_curve
+from kvlens.analysis.kinds.preceding import preceding_similarity
+from kvlens.analysis.kinds.similarity import block_edges, similarity_map
+from kvlens.analysis.kinds.sparsity import corm_sparsity
+from kvlens.analysis.kinds.spectrum import singular_values, spectrum
+from kvlens.analysis.kinds.variance import attention_variance
+from kvlens.analysis.states import aggregated_attention
 from kvlens.cli import main
 from kvlens.engine.loop import RunOptions
 from kvlens.engine.loop import run as engine_run
@@ -19,6 +28,7 @@ from kvlens.errors import KvlensError
 from kvlens.levels import RecordLevel
 from kvlens.policies import make_policy
 from kvlens.policies.kvmerger import merging_sets
+from kvlens.texts import prefix_ids
 from tests.conftest import TEXTS, tiny_model
 
 T = 160
@@ -63,7 +73,7 @@ def np_attention(q, k):
 def test_similarity_map_is_the_cosine_matrix(run, kind, code, head):
     x = np_unit(np_states(run, code, 1)[head])
     full = x @ x.T
-    m = an.similarity_map(run, 1, head, kind, max_size=512)
+    m = similarity_map(run, 1, head, kind, max_size=512)
     assert m.block == 1 and m.matrix.shape == (T, T)
     lower = np.tril(np.ones((T, T), bool))
     np.testing.assert_allclose(m.matrix.numpy()[lower], full[lower], atol=1e-5)
@@ -73,7 +83,7 @@ def test_similarity_map_is_the_cosine_matrix(run, kind, code, head):
 def test_block_averaging_preserves_the_mean_and_each_block(run):
     x = np_unit(np_states(run, "k", 2)[0])
     full = x @ x.T
-    m = an.similarity_map(run, 2, 0, "key", max_size=7, lower=False)
+    m = similarity_map(run, 2, 0, "key", max_size=7, lower=False)
     edges = m.edges.tolist()
     assert m.matrix.shape == (7, 7) and edges[0] == 0 and edges[-1] == T
     sizes = np.diff(edges)
@@ -86,12 +96,12 @@ def test_block_averaging_preserves_the_mean_and_each_block(run):
 
 def test_block_edges_never_exceed_max_size():
     for t in (1, 5, 511, 512, 513, 1075, 4096):
-        e = an.block_edges(t, 512)
+        e = block_edges(t, 512)
         assert len(e) - 1 <= 512 and int(e[-1]) == t and bool((e[1:] > e[:-1]).all())
 
 
 def test_adjacency_matches_numpy(run):
-    adj = an.adjacency(run)
+    adj = adjacency(run)
     assert adj.layers == [0, 1, 2]
     for name, code in (("query", "q"), ("key", "k"), ("value", "v")):
         for layer in adj.layers:
@@ -103,15 +113,15 @@ def test_adjacency_matches_numpy(run):
 
 def test_preceding_similarity_matches_numpy_and_pads_before_token_zero(run):
     x = np_unit(np_states(run, "k", 0))
-    sims = an.preceding_similarity(run, 0, 100, window=5, kind="key").numpy()
+    sims = preceding_similarity(run, 0, 100, window=5, kind="key").numpy()
     for j in range(1, 6):
         np.testing.assert_allclose(sims[:, j - 1], (x[:, 100] * x[:, 100 - j]).sum(-1), atol=1e-5)
-    early = an.preceding_similarity(run, 0, 2, window=5).numpy()
+    early = preceding_similarity(run, 0, 2, window=5).numpy()
     assert np.isfinite(early[:, :2]).all() and np.isnan(early[:, 2:]).all()
 
 
 def test_spectrum_matches_numpy_svd(run):
-    spec = an.spectrum(run, "value", components=64, top=8)
+    spec = spectrum(run, "value", components=64, top=8)
     for layer in spec.layers:
         for head, x in enumerate(np_states(run, "v", layer)):
             s = np.linalg.svd(x, compute_uv=False)
@@ -132,7 +142,7 @@ def test_randomized_svd_path_for_large_matrices():
 
 
 def test_corm_sparsity_matches_numpy(run):
-    sp = an.corm_sparsity(run)
+    sp = corm_sparsity(run)
     for layer in sp.layers:
         a = np_attention(np_states(run, "q", layer), np_states(run, "k", layer))  # (Hq, T, T)
         seen = np.arange(1, T + 1)
@@ -142,7 +152,7 @@ def test_corm_sparsity_matches_numpy(run):
 
 
 def test_attention_variance_matches_numpy(run):
-    res = an.attention_variance(run, 1, head=2, group=16, rows=60)
+    res = attention_variance(run, 1, head=2, group=16, rows=60)
     a = np_attention(np_states(run, "q", 1), np_states(run, "k", 1))[2, T - 60:, :96]  # (rows, 6 groups * 16)
     np.testing.assert_allclose(res.token_var.numpy().ravel(), a.var(0), rtol=1e-3, atol=1e-9)
     np.testing.assert_allclose(res.group_var.numpy(), a.reshape(60, 6, 16).mean(-1).var(0), rtol=1e-3, atol=1e-9)
@@ -151,7 +161,7 @@ def test_attention_variance_matches_numpy(run):
 
 def test_merge_future_similarity_matches_an_explicit_renormalised_softmax(run):
     step, horizon = 50, 30
-    res = an.merge_future_similarity(run, step, horizon, sink=4, layers=[2])
+    res = merge_future_similarity(run, step, horizon, sink=4, layers=[2])
     q, k = np_states(run, "q", 2), np_states(run, "k", 2)
     a = np_attention(q, k)  # (Hq, T, T)
     kv_mean = a.reshape(2, 2, T, T).mean(1)  # (Hkv, T, T)
@@ -176,23 +186,23 @@ def test_aggregated_attention_recomputed_equals_the_engine_statistic(tiny):
                    opts=RunOptions(budget=48, max_new_tokens=1, record="states"))
     recorded = r.tensor("prefill/abar/1")
     del r.tensors["prefill/abar/1"]
-    np.testing.assert_allclose(an.aggregated_attention(r, 1).numpy(), recorded.numpy(), rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(aggregated_attention(r, 1).numpy(), recorded.numpy(), rtol=1e-3, atol=1e-4)
 
 
 def test_merging_ratio_and_gaussian_set_use_the_policy_functions(run):
-    mr = an.merging_ratio(run, threshold=0.5)
+    mr = merging_ratio(run, threshold=0.5)
     keys = run.tensor("prefill/k/1")[0]
     assert float(mr.ratio[1, 0]) == pytest.approx(1 - len(merging_sets(keys, 0.5)) / T)
-    gs = an.gaussian_set(run, 1, 0, threshold=0.5, sigmas=("mean_distance", "eq7", 0.5))
+    gs = gaussian_set(run, 1, 0, threshold=0.5, sigmas=("mean_distance", "eq7", 0.5))
     assert gs.positions == max(merging_sets(keys, 0.5), key=len)
-    abar = an.aggregated_attention(run, 1)[0]
+    abar = aggregated_attention(run, 1)[0]
     assert gs.pivot == gs.positions[int(abar[gs.positions].argmax())]
     for w in gs.weights.values():
         assert float(w.sum()) == pytest.approx(1) and int(w.argmax()) == gs.positions.index(gs.pivot)
 
 
 def test_gaussian_weights_follow_both_sigma_rules_of_the_paper_policy_default_first(run):
-    gs = an.gaussian_set(run, 1, 0, threshold=0.5)
+    gs = gaussian_set(run, 1, 0, threshold=0.5)
     assert set(gs.weights) == {"mean_distance", "eq7"}
     assert next(iter(gs.weights)) == make_policy("kvmerger").sigma_rule  # the policy's default first
     k = np_states(run, "k", 1)[0][gs.positions]  # (n, D)
@@ -214,7 +224,7 @@ def test_gaussian_weights_follow_both_sigma_rules_of_the_paper_policy_default_fi
 
 
 def test_log_perplexity_curve_is_the_running_mean_nll(run):
-    c = an.log_perplexity_curve(run, "full")
+    c = log_perplexity_curve(run, "full")
     nll = run.tensor("steps/nll").double().numpy()
     np.testing.assert_allclose(c.log_ppl.numpy(), np.cumsum(nll) / np.arange(1, len(nll) + 1), rtol=1e-6)
     assert c.positions.tolist() == list(range(T, T + len(nll)))
@@ -222,13 +232,13 @@ def test_log_perplexity_curve_is_the_running_mean_nll(run):
 
 def test_bad_input_is_one_sentence(run, tiny):
     with pytest.raises(KvlensError, match="out of range"):
-        an.similarity_map(run, 3, 0)
+        similarity_map(run, 3, 0)
     with pytest.raises(KvlensError, match="KV heads 0 to 1"):
-        an.similarity_map(run, 0, 2, "key")
+        similarity_map(run, 0, 2, "key")
     r = engine_run(tiny, make_policy("full"), list(range(40, 60)), prefill=20, steps=1, teacher=False,
                    opts=RunOptions(max_new_tokens=1))
     with pytest.raises(KvlensError, match="--record states"):
-        an.adjacency(r)
+        adjacency(r)
 
 
 def test_cli_json_contracts(tmp_path, capsys):
@@ -236,7 +246,7 @@ def test_cli_json_contracts(tmp_path, capsys):
     assert main(["analyze", "adjacency", "--run", str(tmp_path / "run"), "--json"]) == 0
     adj = json.loads(capsys.readouterr().out)
     assert set(adj) == {"layers", "query", "key", "value"} and adj["layers"] == 3
-    assert adj["key"] == pytest.approx(an.adjacency(tiny_run()).per_layer("key"), abs=1e-6)
+    assert adj["key"] == pytest.approx(adjacency(tiny_run()).per_layer("key"), abs=1e-6)
     assert main(["analyze", "spectrum", "--run", str(tmp_path / "run"), "--json"]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert set(spec) == {"layers", "key", "value"} and set(spec["value"]) == {"singular_values", "energy_top8"}
@@ -259,28 +269,26 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
 def test_embedded_model_states_match_numpy(smol):
     ids = prefix_ids(smol, (TEXTS / "1961-Kennedy.txt").read_text(), 300)
     r = record_states(smol, ids, layers=[0, 15])
-    adj = an.adjacency(r)
+    adj = adjacency(r)
     for i, layer in enumerate(adj.layers):
         x = np_unit(np_states(r, "k", layer))
         np.testing.assert_allclose(adj.values["key"][i].numpy(), (x[:, 1:] * x[:, :-1]).sum(-1).mean(-1), atol=1e-5)
     x = np_unit(np_states(r, "q", 15)[4])
-    m = an.similarity_map(r, 15, 4, "query", max_size=100, lower=False)
+    m = similarity_map(r, 15, 4, "query", max_size=100, lower=False)
     sizes = np.diff(m.edges.numpy())
     assert (m.matrix.numpy() * np.outer(sizes, sizes)).sum() / 300 ** 2 == pytest.approx((x @ x.T).mean(), abs=1e-5)
-    spec = an.spectrum(r, "key")
+    spec = spectrum(r, "key")
     s = np.linalg.svd(np_states(r, "k", 15)[1], compute_uv=False)
     np.testing.assert_allclose(spec.values[1, 1].numpy(), s / s[0], rtol=1e-4, atol=1e-6)
 
 
 def test_sweeps_over_texts_and_lengths(tiny):
-    from kvlens.analysis import sweeps
-
     texts = {"a": (TEXTS / "1953-Eisenhower.txt").read_text(), "b": (TEXTS / "1986-Reagan.txt").read_text()}
-    ratios = sweeps.merging_ratio_over_texts(tiny, texts, tokens=64, threshold=0.5)
+    ratios = merging_ratio_over_texts(tiny, texts, tokens=64, threshold=0.5)
     assert list(ratios) == ["a", "b"]
     keys = record_states(tiny, prefix_ids(tiny, texts["b"], 64)).tensor("prefill/k/2")[1]
     assert float(ratios["b"].ratio[2, 1]) == pytest.approx(1 - len(merging_sets(keys, 0.5)) / 64)
-    res = sweeps.corm_over_lengths(tiny, texts, [48, 96], {"window": 8, "recent": 8})
+    res = corm_over_lengths(tiny, texts, [48, 96], {"window": 8, "recent": 8})
     assert res.ratio.shape == (2, 2) and res.params["window"] == 8
     r = engine_run(tiny, make_policy("corm", {"window": 8, "recent": 8}), prefix_ids(tiny, texts["a"], 96),
                    prefill=96, steps=1, teacher=False, opts=RunOptions(max_new_tokens=1))
@@ -288,7 +296,7 @@ def test_sweeps_over_texts_and_lengths(tiny):
     assert float(res.ratio[0, 1]) == pytest.approx(1 - float(kept) / 96)
     assert 0 < float(res.ratio[0, 1]) < 1  # corm drops some keys of a 96-token prompt, keeps the recent 8
     with pytest.raises(KvlensError, match="fewer than"):
-        sweeps.prefix_ids(tiny, "short", 64)
+        prefix_ids(tiny, "short", 64)
 
 
 SMALL = {"similarity": {"max_size": 40}, "preceding": {"window": 8}, "variance": {"group": 16},
@@ -429,7 +437,7 @@ def test_aggregated_attention_is_recorded_and_recomputed_for_older_runs_that_rec
     np.testing.assert_allclose(run.tensor("prefill/abar/1").numpy(), want, rtol=1e-3, atol=1e-4)
     older = dataclasses.replace(run, tensors={**run.tensors, "prefill/abar/1": torch.zeros_like(
         run.tensor("prefill/abar/1"))})  # runs of policies without attention recorded zeros before
-    np.testing.assert_allclose(an.aggregated_attention(older, 1).numpy(), want, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(aggregated_attention(older, 1).numpy(), want, rtol=1e-3, atol=1e-4)
 
 
 def test_readme_analysis_example_is_listed_analyzed_drawn_and_reaches_run_figure(tmp_path):

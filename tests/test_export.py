@@ -7,9 +7,11 @@ import os
 
 import pytest
 
+from kvlens.analysis.kinds.adjacency import adjacency_figure
+from kvlens.analysis.kinds.similarity import similarity_figure
 from kvlens.cli import main
 from kvlens.errors import KvlensError
-from kvlens.figures import export, plots
+from kvlens.figures import export
 from tests.test_analysis import tiny_run
 
 CHROMIUM = os.path.exists("/usr/bin/chromium")
@@ -21,7 +23,7 @@ MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "pdf": b"%PDF-"}
 
 @pytest.fixture(scope="module")
 def fig():
-    return plots.adjacency_figure(tiny_run())
+    return adjacency_figure(tiny_run())
 
 
 @needs_chromium
@@ -50,7 +52,7 @@ def test_csv_holds_every_trace_point(fig, tmp_path):
 
 
 def test_heatmap_csv_is_long_form(tmp_path):
-    fig = plots.similarity_figure(tiny_run(), 0, 0, "key", max_size=10)
+    fig = similarity_figure(tiny_run(), 0, 0, "key", max_size=10)
     rows = export.figure_rows(fig)
     assert len(rows) == 55 and {r["trace"] for r in rows} == {"key"}  # lower triangle: empty cells left out
     assert (rows[1]["x"], rows[1]["y"]) == (fig.data[0].x[0], fig.data[0].y[1])

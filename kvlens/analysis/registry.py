@@ -4,7 +4,8 @@
 An analysis is one file in `kvlens/analysis/kinds/`: a subclass of `Analysis` decorated with
 `@register_analysis`, naming the paper figure it reproduces, what it reads (`inputs`: one run,
 several runs, or the model itself), the record level its runs need, and its parameters; it
-provides `compute`, `to_json` and `figure`. Files in that folder are found by themselves.
+provides `compute`, `to_json` and `figure`, and the file holds the computation and the figure
+code too. Files in that folder are found by themselves.
 """
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ _REGISTRY: dict[str, type[Analysis]] = {}
 LAYER = Param("layer", None, "layer (default: the middle recorded layer)", kind="int", optional=True)
 THRESHOLD = Param("threshold", 0.75, "cosine-similarity threshold of the merging sets")
 TEXTS = Param("texts", 4, "how many bundled texts", minimum=1)
+
+
+def check_threshold(threshold: float) -> None:
+    """THRESHOLD's range, checked by the functions of the analyses that take it (also when called directly)."""
+    if not -1 <= threshold <= 1:
+        raise KvlensError(f"The cosine-similarity threshold must lie in [-1, 1]; got {threshold}.")
 
 
 class Analysis:

@@ -1,8 +1,11 @@
-"""Access to a run's recorded prefill states, and chunked causal attention recomputed from them.
+"""A run's recorded prefill states, and what the analyses recompute from them (unit rows, attention).
 
 Every analysis takes a loaded `Run` (`kvlens.load_run`). States are stored as float16
 `prefill/q/{layer}` `(Hq, T, D)` and `prefill/k|v/{layer}` `(Hkv, T, D)` after RoPE; they are
 read back as float32. A missing tensor or an out-of-range layer/head is one `KvlensError` sentence.
+Attention is the model's causal softmax `softmax(q k^T / sqrt(head_dim))` per query head (GQA:
+query head h reads KV head h // group), recomputed in row chunks (`attention_chunks`), so it needs
+`--record states` and never the full T x T for all heads at once.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from kvlens.errors import KvlensError
 from kvlens.runs.run import Run
 
 KINDS = {"query": "q", "key": "k", "value": "v"}
+NAMES = {code: name for name, code in KINDS.items()}  # "q" -> "query"
 CHUNK_ELEMENTS = 1 << 22  # float32 scores per attention chunk (~16 MB)
 
 
@@ -23,6 +27,16 @@ def kind_code(kind: str) -> str:
     if code not in KINDS.values():
         raise KvlensError(f"Unknown state kind '{kind}'; choose query, key or value.")
     return code
+
+
+def kind_name(kind: str) -> str:
+    """'q'/'k'/'v' (or 'query'/'key'/'value') -> the state's name."""
+    return NAMES[kind_code(kind)]
+
+
+def unit(x: torch.Tensor) -> torch.Tensor:
+    """Rows scaled to unit length `(..., T, D)`; zero rows stay zero (cosine similarity is their dot product)."""
+    return torch.nn.functional.normalize(x.float(), dim=-1)
 
 
 def recorded_layers(run: Run, kind: str = "key") -> list[int]:
@@ -80,6 +94,22 @@ def attention_chunks(q: torch.Tensor, k: torch.Tensor, start: int = 0, stop: int
         scores = torch.einsum("hqd,hsd->hqs", q[:, a:b], kk) * scale  # (Hq, q, T)
         future = cols[None, :] > torch.arange(a, b)[:, None]  # (q, T)
         yield a, b, torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+
+
+def aggregated_attention(run: Run, layer: int) -> torch.Tensor:
+    """Accumulated prefill attention per KV head `(Hkv, T)`: column sums of the mean over the
+    group's query heads (H2O's score; KVMerger's pivot choice). The recorded `prefill/abar/{layer}`
+    when the policy computed it, else recomputed (a policy that needs no attention records zeros)."""
+    name = f"prefill/abar/{layer}"
+    if run.has(name) and bool(run.tensor(name).any()):
+        return run.tensor(name).float()
+    check_layer(run, layer)
+    q, k = states(run, "q", layer), states(run, "k", layer)
+    hkv = k.shape[0]
+    total = torch.zeros(hkv, q.shape[1], dtype=torch.float64)
+    for _, _, probs in attention_chunks(q, k):
+        total += probs.view(hkv, -1, *probs.shape[1:]).mean(1).sum(1).double()
+    return total.float()
 
 
 def layer_or_middle(run: Run, layer: int | None, kind: str = "key") -> int:

@@ -1,6 +1,5 @@
-"""What the cache held over a run: attention maps (CaM Fig. 1 a-c style), occupancy, the decision
-timeline and merge provenance, and the measured perturbation (CaM Fig. 1d over steps and layers).
-The app's views of a single run that `kvlens.figures.plots` does not build.
+"""What the cache held over a run: attention maps (CaM Fig. 1 a-c style) and merge provenance, which
+the app's Attention and Merges pages and the token inspector draw (the `attention` analysis too).
 
 `attention_grid` turns a `--record attention` run's per-step rows (`attn/{layer}` `(R, Hq, Smax)`,
 `attn_pos/{layer}` `(R, Hkv, Smax)`; row 0 = the last prompt token's query, row r >= 1 = the
@@ -17,7 +16,6 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 import torch
-from plotly.subplots import make_subplots
 
 from kvlens.errors import KvlensError
 from kvlens.runs.run import Run
@@ -193,61 +191,6 @@ def attention_row_figure(grid: AttentionGrid, row: int) -> go.Figure:
     return fig
 
 
-def occupancy_figure(run: Run) -> go.Figure:
-    """Kept slots per KV head after each step's compression (mean, min and max over layers and heads)."""
-    kept = run.tensor("steps/kv_slots").float()  # (steps + 1, L, Hkv)
-    flat = kept.flatten(1)
-    steps = list(range(kept.shape[0]))
-    prompt_len = len(run.meta["prompt_tokens"])
-    fig = go.Figure()
-    fig.add_trace(go.Scatter(x=steps, y=[prompt_len + s for s in steps], mode="lines", name="tokens seen",
-                             line=dict(color="#888", dash="dot")))
-    fig.add_trace(go.Scatter(x=steps + steps[::-1], y=flat.amax(1).tolist() + flat.amin(1).tolist()[::-1],
-                             fill="toself", mode="none", fillcolor="rgba(0,114,178,0.15)", name="min-max over heads"))
-    fig.add_trace(go.Scatter(x=steps, y=flat.mean(1).tolist(), mode="lines", name="kept slots (mean)",
-                             line=dict(color="#0072B2", width=2)))
-    budget = (run.meta.get("budget") or {}).get("slots")
-    if budget:
-        fig.add_hline(y=budget, line=dict(color="#D55E00", dash="dash", width=1),
-                      annotation_text=f"budget {budget}", annotation_position="top left")
-    fig.update_xaxes(title_text="step (0 = right after the prompt)")
-    fig.update_yaxes(title_text="slots per KV head", rangemode="tozero")
-    fig.update_layout(title=dict(text="Cache occupancy"), height=340, legend=dict(orientation="h", y=1.12),
-                      meta={"analysis": "occupancy", "run": str(run.path) if run.path else None})
-    return fig
-
-
-def decision_timeline_figure(run: Run, layer: int, kv_head: int, max_points: int = 20000) -> go.Figure:
-    """Every eviction and merge of one layer and KV head: step x original position; merges show their
-    targets, weights and Bernoulli draw on hover (draw 0 = the mask merged nothing: hollow marker)."""
-    d = run.decisions
-    d = d[(d["layer"] == layer) & (d["kv_head"] == kv_head)].head(max_points)
-    fig = go.Figure()
-    styles = {"evict": dict(color="#888888", symbol="x-thin-open", size=7),
-              "merge": dict(color="#D55E00", symbol="circle", size=8)}
-    for action, style in styles.items():
-        rows = d[d["action"] == action]
-        if not len(rows):
-            continue
-        hover = [f"{action} position {p} at step {s}" + (
-            f"<br>into {list(map(int, t))}<br>weights {[round(float(x), 3) for x in w]}"
-            + ("" if pr != pr else f"<br>p = {pr:.3f}, draw {dr}") if action == "merge" else "")
-                 for s, p, t, w, pr, dr in zip(rows["step"], rows["position"], rows["targets"], rows["weights"],
-                                               rows["prob"], rows["draw"], strict=True)]
-        marker = dict(style)
-        if action == "merge":
-            marker["symbol"] = ["circle-open" if dr == 0 else "circle" for dr in rows["draw"]]
-        fig.add_trace(go.Scatter(x=rows["step"].tolist(), y=rows["position"].tolist(), mode="markers", name=action,
-                                 marker=marker, hovertext=hover, hoverinfo="text"))
-    fig.update_xaxes(title_text="step (0 = compression right after the prompt)")
-    fig.update_yaxes(title_text="original token position")
-    fig.update_layout(title=dict(text=f"Decisions of layer {layer}, KV head {kv_head} ({len(d)} shown)"),
-                      height=420, legend=dict(orientation="h", y=1.08),
-                      meta={"analysis": "decisions", "params": {"layer": layer, "kv_head": kv_head},
-                            "run": str(run.path) if run.path else None})
-    return fig
-
-
 def provenance_figure(table, layer: int, kv_head: int, max_slots: int = 512) -> go.Figure:
     """Heatmap of which original positions (x) each merged slot (y) holds, and with what weight."""
     t = table[(table["layer"] == layer) & (table["kv_head"] == kv_head)]
@@ -264,54 +207,4 @@ def provenance_figure(table, layer: int, kv_head: int, max_slots: int = 512) -> 
     fig.update_yaxes(title_text="slot (its own position)")
     fig.update_layout(title=dict(text=f"Provenance of merged slots, layer {layer}, KV head {kv_head}"), height=420,
                       showlegend=False, meta={"analysis": "provenance", "params": {"layer": layer, "kv_head": kv_head}})
-    return fig
-
-
-def perturbation_steps_figure(run: Run) -> go.Figure:
-    """CaM Fig. 1(d) over time: relative output error of the cache used vs evicting the same slots,
-    attention loss (means over layers and query heads) and KL to the full cache, per decode step."""
-    used, evict, loss = (run.tensor(f"perturbation/{k}").float() for k in ("used", "evict", "attention_loss"))
-    kl = run.tensor("perturbation/kl").float()
-    steps = list(range(1, used.shape[0] + 1))
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1,
-                        subplot_titles=["output perturbation ‖O − O_full‖ / ‖O_full‖", "KL(p_full ‖ p_policy)"])
-    merging = bool((used - evict).abs().max() > 0) if used.numel() else False
-    series = [("this policy's cache", used, "#D55E00", "solid")]
-    if merging:
-        series.append(("same evictions, no merging", evict, "#0072B2", "dash"))
-    series.append(("attention loss", loss, "#777777", "dot"))
-    for name, t, color, dash in series:
-        fig.add_trace(go.Scatter(x=steps, y=t.mean(dim=(1, 2)).tolist(), mode="lines", name=name,
-                                 line=dict(color=color, dash=dash, width=2)), row=1, col=1)
-    fig.add_trace(go.Scatter(x=list(range(len(kl))), y=kl.tolist(), mode="lines", name="KL",
-                             line=dict(color="#000000", width=2)), row=1, col=2)
-    fig.update_xaxes(title_text="step", row=1, col=1)
-    fig.update_xaxes(title_text="new token", row=1, col=2)
-    fig.update_yaxes(rangemode="tozero", row=1, col=1)
-    fig.update_yaxes(rangemode="tozero", row=1, col=2)
-    fig.update_layout(title=dict(text="Perturbation over steps (means over layers and heads)"), height=380,
-                      legend=dict(orientation="h", y=-0.2),
-                      meta={"analysis": "perturbation", "run": str(run.path) if run.path else None})
-    return fig
-
-
-def perturbation_layers_figure(run: Run) -> go.Figure:
-    """Mean output perturbation per layer (over steps and heads), merging vs evicting, and its step x layer map."""
-    used, evict = (run.tensor(f"perturbation/{k}").float() for k in ("used", "evict"))
-    layers = list(range(used.shape[1]))
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, column_widths=[0.45, 0.55],
-                        subplot_titles=["per layer (mean over steps and heads)", "step x layer (mean over heads)"])
-    fig.add_trace(go.Scatter(x=layers, y=used.mean(dim=(0, 2)).tolist(), mode="lines+markers", name="cache used",
-                             line=dict(color="#D55E00")), row=1, col=1)
-    fig.add_trace(go.Scatter(x=layers, y=evict.mean(dim=(0, 2)).tolist(), mode="lines+markers",
-                             name="evict only", line=dict(color="#0072B2", dash="dash")), row=1, col=1)
-    grid = used.mean(2)[:512, :512]  # (steps, L)
-    fig.add_trace(go.Heatmap(z=grid.T.tolist(), x=list(range(1, grid.shape[0] + 1)), y=layers, colorscale="Viridis",
-                             colorbar=dict(title=dict(text="perturbation"), thickness=14), name="map",
-                             hovertemplate="step %{x}, layer %{y}<br>%{z:.3f}<extra></extra>"), row=1, col=2)
-    fig.update_xaxes(title_text="layer", row=1, col=1)
-    fig.update_xaxes(title_text="step", row=1, col=2)
-    fig.update_yaxes(title_text="layer", row=1, col=2)
-    fig.update_layout(title=dict(text="Perturbation across layers"), height=400, legend=dict(orientation="h", y=-0.2),
-                      meta={"analysis": "perturbation-layers", "run": str(run.path) if run.path else None})
     return fig

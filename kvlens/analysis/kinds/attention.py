@@ -1,10 +1,17 @@
-"""The query-row x position attention map of one layer and head, kept/evicted/merged/sink marked (CaM Fig. 1a-c)."""
+"""The query-row x position attention map of one layer and head, kept/evicted/merged/sink marked (CaM Fig. 1a-c).
+
+Reads a `--record attention` run's per-step rows (`attn/{layer}` `(R, Hq, Smax)`, `attn_pos/{layer}`
+`(R, Hkv, Smax)`) through `kvlens.figures.attention.attention_grid` (which the app's Attention page
+and token inspector use too): `weights` and `status` `(R', P')`, block-pooled to at most
+`max_cells` per side.
+"""
 from kvlens.analysis.registry import Analysis, Param, nan_to_none, register_analysis
+from kvlens.figures.attention import STATUS, attention_grid, attention_map_figure, recorded_attention_layers
 from kvlens.levels import RecordLevel
 
 
 @register_analysis
-class Attention(Analysis):
+class AttentionAnalysis(Analysis):
     name = "attention"
     paper = "CaM Fig. 1 (a)-(c)"
     level = RecordLevel.ATTENTION
@@ -17,19 +24,13 @@ class Attention(Analysis):
                     minimum=1))
 
     def compute(self, run, layer, head, max_cells, **params):
-        from kvlens.figures.attention import attention_grid, recorded_attention_layers
-
         layers = recorded_attention_layers(run)
         return attention_grid(run, layers[len(layers) // 2] if layer is None else layer, head, max_cells)
 
     def to_json(self, grid, **params) -> dict:
-        from kvlens.figures.attention import STATUS
-
         return {"layer": grid.layer, "head": grid.head, "prompt_tokens": grid.prompt_len, "rows": grid.rows,
                 "cols": grid.cols, "block": list(grid.block), "weights": nan_to_none(grid.weights),
                 "status": grid.status.tolist(), "status_codes": {code: name for code, (name, _) in STATUS.items()}}
 
     def figure(self, run, step, **params):
-        from kvlens.figures.attention import attention_map_figure
-
         return attention_map_figure(run, self.compute(run, **params), step)

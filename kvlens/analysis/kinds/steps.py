@@ -1,5 +1,9 @@
 """Per-step curves of one or more runs overlaid: each new token's NLL, kept slots, and the output
-perturbation of the runs measured with --measure (the Runs page's overlay)."""
+perturbation of the runs measured with --measure (the Runs page's overlay; no paper figure).
+
+Reads each run's `steps/nll` `(N,)`, `steps/kv_slots` `(steps + 1, L, Hkv)` (mean per step) and,
+when measured, `perturbation/used` `(decode steps, L, Hq)` (mean per step).
+"""
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -17,7 +21,7 @@ def _labels(runs: list, label: list) -> list[str]:
 
 
 @register_analysis
-class Steps(Analysis):
+class StepsAnalysis(Analysis):
     name = "steps"
     paper = "per-step NLL, kept slots and perturbation of several runs, overlaid (every policy)"
     inputs = "runs"
