@@ -1,8 +1,11 @@
 """kvlens: see what KV-cache compression does to a language model.
 
 The public entry: `kvlens.load_run(path)`. This module is the package's top layer: importing it also
-registers every analysis kind, so `load_run(path).figure(KIND)` works in a notebook.
+imports the analysis registry (`kvlens.analysis.registry`), which installs itself behind
+`Run.figure` and `Run.analyze` (the kinds in `kvlens/analysis/kinds/` register on first use), so
+`load_run(path).figure(KIND)` works in a notebook.
 """
+import kvlens.analysis.registry  # noqa: F401  (installs the analyses behind Run.figure and Run.analyze)
 from kvlens.version import __version__
 
 

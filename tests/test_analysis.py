@@ -412,6 +412,25 @@ def test_a_registered_analysis_reaches_the_cli_and_run_figure(tmp_path, capsys):
         del registry._REGISTRY["test-norms"]
 
 
+def test_the_run_format_reaches_the_analyses_only_through_the_installed_dispatcher(monkeypatch):
+    """`kvlens.runs.run` names no analysis module: importing it alone (which imports `kvlens`) installs the
+    registry behind Run.figure; with no dispatcher installed, Run.figure is one sentence."""
+    import subprocess
+    import sys
+
+    from kvlens.runs import run as run_format
+
+    code = ("import kvlens.runs.run as r, sys; "
+            "print(sorted(r._ANALYSES), 'kvlens.analysis.kinds.adjacency' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["['analyze',", "'figure']", "False"]  # installed; the kinds register on first use
+    monkeypatch.setattr(run_format, "_ANALYSES", {})
+    with pytest.raises(KvlensError, match=r"^No analyses are installed for Run.figure and Run.analyze; import kvlens"):
+        tiny_run().figure("adjacency")
+    with pytest.raises(KvlensError, match="No analyses are installed"):
+        tiny_run().analyze("adjacency")
+
+
 def test_the_model_analyses_run_through_the_registry(tiny):
     from kvlens.analysis.registry import analysis_figure, analysis_json
 

@@ -6,6 +6,10 @@ An analysis is one file in `kvlens/analysis/kinds/`: a subclass of `Analysis` de
 several runs, or the model itself), the record level its runs need, and its parameters; it
 provides `compute`, `to_json` and `figure`, and the file holds the computation and the figure
 code too. Files in that folder are found by themselves.
+
+Importing this module installs its dispatcher behind `Run.figure` and `Run.analyze`
+(`kvlens.runs.run.set_analyses`: the run format sits below the analyses and names none of them);
+`import kvlens` imports it.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from typing import ClassVar
 from kvlens.errors import KvlensError
 from kvlens.levels import RecordLevel
 from kvlens.params import Param
-from kvlens.runs.run import Run
+from kvlens.runs.run import Run, set_analyses
 
 INPUTS = ("run", "runs", "model")  # one recorded run, several, or a loaded model (the analysis runs it)
 _REGISTRY: dict[str, type[Analysis]] = {}
@@ -144,3 +148,6 @@ def analysis_figure(name: str, source, **params):
     """`kvlens figure NAME` on `source`: the plotly figure."""
     analysis, p = get_analysis(name), checked_params(name, **params)
     return analysis.figure(_checked_source(analysis, source), **p)
+
+
+set_analyses(figure=analysis_figure, analyze=analysis_json)

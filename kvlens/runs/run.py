@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,24 @@ RUN_JSON, TENSORS, DECISIONS = "run.json", "tensors.safetensors", "decisions.par
 MAX_JSON_BYTES = 64 << 20
 MAX_TENSOR_BYTES = 8 << 30
 TENSOR_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}(/[A-Za-z0-9_.-]{1,64}){0,4}")
+
+
+# What `Run.figure` and `Run.analyze` call: the analyses sit above the run format, so this module names
+# none of them; `kvlens.analysis.registry` installs its dispatcher here when imported (`import kvlens` does).
+_ANALYSES: dict[str, Callable] = {}
+
+
+def set_analyses(figure: Callable, analyze: Callable) -> None:
+    """Install the analysis dispatcher: `figure(kind, run, **params)` -> a plotly figure and
+    `analyze(kind, run, **params)` -> a JSON-able dict (`kvlens.analysis.registry` installs its own)."""
+    _ANALYSES.update(figure=figure, analyze=analyze)
+
+
+def _analyses(what: str) -> Callable:
+    if what not in _ANALYSES:
+        raise KvlensError("No analyses are installed for Run.figure and Run.analyze; import kvlens (which "
+                          "installs its analysis registry) first.")
+    return _ANALYSES[what]
 
 
 @dataclass
@@ -61,15 +80,11 @@ class Run:
 
     def figure(self, kind: str, **params):
         """The plotly figure of the analysis `kind` on this run: the one `kvlens figure KIND` and the app draw."""
-        from kvlens.analysis.registry import analysis_figure
-
-        return analysis_figure(kind, self, **params)
+        return _analyses("figure")(kind, self, **params)
 
     def analyze(self, kind: str, **params) -> dict:
         """The analysis `kind` on this run as a dict: what `kvlens analyze KIND --json` prints."""
-        from kvlens.analysis.registry import analysis_json
-
-        return analysis_json(kind, self, **params)
+        return _analyses("analyze")(kind, self, **params)
 
     def save(self, path: str | Path) -> Path:
         """Write the run atomically; an existing run directory at `path` is replaced, anything else refused."""
