@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlens.engine.cache import SlotRows
+from kvlens.engine.cache import Phase, Prompt, SlotRows, Step
 from kvlens.engine.loop import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.figures.provenance import replay
@@ -124,7 +124,7 @@ def test_cam_bernoulli_probability_is_clamped_attention_ratio():
 def sequential_step0_merge(policy: CaM, layer: SlotRows, budget: int):
     """CaM's step-0 merge written plainly (the official loop: one evicted slot at a time, in position
     order, head by head, Python numbers); returns the merged values `(Hkv, S, D)` and the merge rows."""
-    keep, evicted = policy.base.select(layer, budget)
+    keep, evicted = policy.base.select(layer, Step(1, Phase.DECODE, budget))
     b, local = keep.shape[1], policy.base.local_window(budget)
     pool = local if policy.targets == "local" else b
     m = policy.span or pool
@@ -369,7 +369,7 @@ def test_corm_messages_follow_gqa_rule_minor_for_every_query_head():
     policy = CORM(window=2, recent=1)
     rows = torch.zeros(HKV * G, 2, 10)
     rows[0, :, 3] = 1.0  # only query head 0 (group of KV head 0) attends to key 3
-    policy.observe_prefill(layer, rows)
+    policy.observe_prefill(layer, Prompt(rows))
     shrink(policy, layer, None, DecisionLog())
     assert layer.pos[0][layer.valid[0]].tolist() == [3, 9]
     assert layer.pos[1][layer.valid[1]].tolist() == [9]
@@ -419,7 +419,7 @@ def test_scissorhands_prefill_history_marks_unseen_slots_and_drop_compresses_m_a
     layer = layer_rows()
     layer.append(torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2), torch.arange(3))
     rows = torch.tensor([[[0.6, 0.4, 0.0], [0.2, 0.3, 0.5]]])  # queries 1 and 2 (one query head)
-    make_policy("scissorhands", {"history": 3}).observe_prefill(layer, rows)
+    make_policy("scissorhands", {"history": 3}).observe_prefill(layer, Prompt(rows))
     # query 1 sees 2 slots (average 1/2), query 2 sees 3 (1/3); slot 2 is unseen by query 1
     assert layer.extra[HISTORY][0].tolist() == [[0, 2, 1], [0, 1, 1], [0, 0, 2]]
     r = run(tiny, make_policy("scissorhands", {"drop": 3}), IDS, prefill=80, steps=8, teacher=True,
@@ -436,11 +436,12 @@ def test_scissorhands_prefill_history_marks_unseen_slots_and_drop_compresses_m_a
 @pytest.mark.parametrize("name,preset", [(n, p) for n in REGISTRY for p in REGISTRY[n].presets])
 def test_every_preset_runs_and_is_recorded_resolved(tiny, name, preset):
     policy = make_policy(name, parse_settings(name, [f"preset={preset}"]))
-    r = run(tiny, policy, IDS, prefill=80, steps=8, teacher=True,
-            opts=RunOptions(budget=None if policy.budget_free else 20))
+    budget = None if policy.budget_free else max(20, policy.min_budget())
+    r = run(tiny, policy, IDS, prefill=80, steps=8, teacher=True, opts=RunOptions(budget=budget))
     assert r.meta["policy"]["params"] == {**r.meta["policy"]["params"], **REGISTRY[name].presets[preset]}
     assert "preset" not in r.meta["policy"]["params"] and math.isfinite(r.metrics["ppl"])
-    assert policy.budget_free or r.metrics["kv_slots_max"] == 20
+    grows = policy.params().get("decoding") == "once"  # compressed once, then one slot per token
+    assert policy.budget_free or r.metrics["kv_slots_max"] == budget + (7 if grows else 0)
 
 
 def test_merges_in_tensor_form_give_the_rows_of_one_merge_call_each():

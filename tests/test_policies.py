@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlens.engine.cache import SlotRows
+from kvlens.engine.cache import Phase, SlotRows, Step
 from kvlens.engine.loop import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy, parse_budget, parse_settings
@@ -197,7 +197,7 @@ def test_selection_keeps_the_highest_scores_and_the_older_of_equal_ones(case, pe
     layer.last_attn = torch.randint(0, 3, (HKV * G, budget + leaving), generator=gen).float()
     layer.extra = {HISTORY: torch.randint(0, 3, (HKV, budget + leaving, 8), generator=gen, dtype=torch.int8)}
     layer = shuffled(layer, perm_seed)
-    score, protected = policy.score(layer).float(), policy.protected(layer, budget)
+    score, protected = policy.score(layer, Step(1, Phase.DECODE, budget)).float(), policy.protected(layer, budget)
     keep, evicted = select_lowest(layer, score, protected, budget)
     for h in range(HKV):
         ranked = sorted(range(layer.n_slots), key=lambda s, h=h: (

@@ -65,6 +65,22 @@ def _positions(model: torch.nn.Module) -> str:
     return "rotary" if share >= 1.0 else f"rotary on {share:.0%} of each head"
 
 
+def rotary_of(model: torch.nn.Module, support: Support):
+    """`positions (n,) -> (cos, sin)` `(n, D)` of the model's one rotary embedding on every layer (what
+    `Prompt.rotary` hands policies that reason about future queries), or None: no RoPE, partial RoPE, or
+    several rotary embeddings (e.g. Gemma 3's local and global ones)."""
+    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if support.positions != "rotary" or len(rotaries) != 1:
+        return None
+    rope = rotaries[0]
+
+    def cos_sin(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
+        cos, sin = rope(probe, positions[None])
+        return cos[0], sin[0]
+    return cos_sin
+
+
 def _config_refusal(config) -> str | None:
     """Features an attention call does not reveal, named by their generic config fields."""
     for i, kind in enumerate(getattr(config, "layer_types", None) or []):

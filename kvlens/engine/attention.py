@@ -182,6 +182,8 @@ def last_rows(query, key, spec: AttentionSpec, keep_rows: int) -> torch.Tensor:
     """
     _, hq, t, d = query.shape
     hkv = key.shape[1]
+    if keep_rows == 0:
+        return torch.zeros(hq, 0, t, dtype=torch.float32, device=key.device)
     cols = torch.arange(t, device=key.device)
     rows = cols[t - keep_rows:]
     qg = query[0, :, t - keep_rows:].view(hkv, hq // hkv, keep_rows, d)

@@ -32,7 +32,7 @@ the forward that produced token t), its phase, the budget and the decision log.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -65,6 +65,18 @@ class Step:
     @property
     def prompt(self) -> bool:
         return self.phase is Phase.PREFILL
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What a policy may read of one layer's prompt while it is prefilled (`Policy.observe_prefill`), besides
+    the rows' own statistics (`abar`, `nobs`, `last_attn`)."""
+
+    last: torch.Tensor  # (Hq, L, T) attention rows of the last L queries (L: the most any reader asked for)
+    queries: torch.Tensor | None = None  # (Hq, T, D) the prompt's queries after RoPE
+    positions: torch.Tensor | None = None  # (T,) their positions
+    scaling: float = 1.0  # the layer's logit scale
+    rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None  # positions -> (cos, sin)
 
 
 class Slots(NamedTuple):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvlens.engine.attention import AttentionSpec, decode_rows, last_rows, prefill_stats, sdpa
-from kvlens.engine.cache import KVCache, SlotRows
+from kvlens.engine.cache import KVCache, Prompt, SlotRows
 from kvlens.policies.base import Policy, group_mean
 
 
@@ -33,9 +33,11 @@ class Observer:
 class RunContext:
     """Routes one run's attention calls: statistics to the cache, rows to policy and observers."""
 
-    def __init__(self, cache: KVCache, policy: Policy, observers: list[Observer] = (), windowed: bool = False):
+    def __init__(self, cache: KVCache, policy: Policy, observers: list[Observer] = (), windowed: bool = False,
+                 rotary=None):
         self.cache = cache
         self.windowed = windowed  # some layer slides: its queries see only part of the slots
+        self.rotary = rotary  # positions -> (cos, sin) of the model's RoPE (`Prompt.rotary`), None without one
         self.policy = policy
         self.observers = list(observers)
         self.needs_rows = policy.needs_attention or any(o.needs_rows for o in self.observers)
@@ -81,20 +83,17 @@ class RunContext:
         if key.shape[2] != t:
             raise RuntimeError("kvlens feeds several tokens at once only as the first (prefill) call of a run.")
         keep = min(self.prefill_rows, t)
+        rows = self.needs_rows or self.column_sums
         if self.column_sums or not spec.plain:  # chunked rows: never T x T scores at once
             out, layer.abar, last = prefill_stats(query, key, value, spec, keep)
         else:  # SDPA's output, plus only the last rows a policy reads
             out = sdpa(query, key, value, spec.scaling)
             last = last_rows(query, key, spec, keep)
-        if not (self.needs_rows or self.column_sums):
-            for obs in self.observers:
-                obs.on_prefill(layer, query, key, value, None)
-            return out
-        hkv = key.shape[1]
-        seen_by = t - torch.arange(t, device=key.device, dtype=torch.float32)  # queries at or after each slot
-        layer.nobs = seen_by.clamp(max=spec.window or t).expand(hkv, t).clone()
-        layer.last_attn = last[:, -1] if last.shape[1] else None
-        self.policy.observe_prefill(layer, last)
+        if rows:
+            seen_by = t - torch.arange(t, device=key.device, dtype=torch.float32)  # queries at or after each slot
+            layer.nobs = seen_by.clamp(max=spec.window or t).expand(key.shape[1], t).clone()
+            layer.last_attn = last[:, -1] if last.shape[1] else None
+        self.policy.observe_prefill(layer, Prompt(last, query[0], self.cache.positions, spec.scaling, self.rotary))
         for obs in self.observers:
-            obs.on_prefill(layer, query, key, value, last)
+            obs.on_prefill(layer, query, key, value, last if rows else None)
         return out

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlens.engine.architectures import inspect_model
+from kvlens.engine.architectures import inspect_model, rotary_of
 from kvlens.engine.attention import CONTEXT_KWARG
 from kvlens.engine.cache import KVCache, Phase, Step
 from kvlens.engine.context import Observer, RunContext
@@ -91,7 +91,8 @@ class _Loop:
         self.cache = KVCache(model.shape()["layers"], limit=length if budget is None else budget + 1,
                              all_layers=budget is not None and policy.cross_layer)
         self.log = DecisionLog() if opts.log_decisions else None
-        self.ctx = RunContext(self.cache, policy, [self.recorder, *observers], windowed=bool(model.support.sliding))
+        self.ctx = RunContext(self.cache, policy, [self.recorder, *observers], windowed=bool(model.support.sliding),
+                              rotary=rotary_of(model.model, model.support))
         self.budget = budget
         self.kept: list[torch.Tensor] = []  # (L, Hkv) per step
         self.peak_bytes = 0  # largest cache after compression

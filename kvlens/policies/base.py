@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.engine.cache import CacheRows, Step
+from kvlens.engine.cache import CacheRows, Prompt, Step
 from kvlens.errors import KvlensError
 from kvlens.params import Param, check_budget
 
@@ -97,7 +97,7 @@ class Policy:
         return out
 
     def prefill_rows(self) -> int:
-        """How many of the last prefill attention rows `observe_prefill` needs."""
+        """How many of the last prefill attention rows `observe_prefill` needs (`prompt.last`)."""
         return 1 if self.needs_attention else 0
 
     def prefill_column_sums(self) -> bool:
@@ -125,9 +125,9 @@ class Policy:
               f"compress; use a smaller budget or the full policy.")
         return slots
 
-    def observe_prefill(self, rows: CacheRows, last: torch.Tensor) -> None:
-        """Initialise statistics from the last prefill attention rows `last` `(R * G, L, T)` (`abar`, `nobs`
-        are already set)."""
+    def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
+        """Initialise statistics from the prompt of the rows' layer: its last attention rows `prompt.last`
+        `(R * G, L, T)`, queries, positions (`abar` and `nobs` are already set)."""
 
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
         """Update statistics after a decode step's attention `probs` `(R, G, S)`."""
@@ -145,8 +145,9 @@ class ScoredEviction(Policy):
     (recent) window, `local_window(budget)`.
     """
 
-    def score(self, rows: CacheRows) -> torch.Tensor:
-        """`(R, S)` keep-scores: higher is kept."""
+    def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
+        """`(R, S)` keep-scores at `step` (its phase tells the prompt's compression from a decode step's):
+        higher is kept."""
         raise NotImplementedError
 
     def protected(self, rows: CacheRows, budget: int) -> torch.Tensor | None:
@@ -160,14 +161,14 @@ class ScoredEviction(Policy):
     def compress(self, rows: CacheRows, step: Step) -> None:
         if step.budget is None or rows.n_kept <= step.budget:
             return
-        _, evicted = self.select(rows, step.budget)
+        _, evicted = self.select(rows, step)
         log_evictions(step, rows, rows.pos.gather(1, evicted))
         rows.free(evicted)
 
-    def select(self, rows: CacheRows, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots to keep `(R, budget)` and to evict `(R, n_kept - budget)`, each in position order
+    def select(self, rows: CacheRows, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots to keep `(R, budget)` and to evict `(R, n_kept - budget)` at `step`, each in position order
         (`select_lowest` on this policy's score and protection)."""
-        return select_lowest(rows, self.score(rows), self.protected(rows, budget), budget)
+        return select_lowest(rows, self.score(rows, step), self.protected(rows, step.budget), step.budget)
 
 
 def select_lowest(rows: CacheRows, score: torch.Tensor, protected: torch.Tensor | None,

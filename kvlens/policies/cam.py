@@ -46,7 +46,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.engine.cache import CacheRows, Step
+from kvlens.engine.cache import CacheRows, Prompt, Step
 from kvlens.policies.base import (
     Policy,
     ScoredEviction,
@@ -144,8 +144,8 @@ class CaM(Policy):
     def min_budget(self) -> int:
         return self.base.min_budget()
 
-    def observe_prefill(self, rows: CacheRows, last: torch.Tensor) -> None:
-        self.base.observe_prefill(rows, last)
+    def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
+        self.base.observe_prefill(rows, prompt)
 
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
         self.base.observe(rows, probs)
@@ -162,7 +162,7 @@ class CaM(Policy):
     def compress(self, rows: CacheRows, step: Step) -> None:
         if step.budget is None or rows.n_kept <= step.budget:
             return
-        keep, evicted = self.base.select(rows, step.budget)  # (R, B), (R, E) slots, in position order
+        keep, evicted = self.base.select(rows, step)  # (R, B), (R, E) slots, in position order
         if self.mask != "never" and not (step.prompt and self.prefill == "evict"):
             self._merge(rows, keep, evicted, step)
         else:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.engine.cache import CacheRows, Step
+from kvlens.engine.cache import CacheRows, Prompt, Step
 from kvlens.policies.base import Policy, log_evictions, param, register
 
 MESSAGE = "corm_message"  # (Hkv, S, w) bool, newest message last
@@ -59,7 +59,8 @@ class CORM(Policy):
     def prefill_rows(self) -> int:
         return self.window
 
-    def observe_prefill(self, rows: CacheRows, last: torch.Tensor) -> None:
+    def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
+        last = prompt.last  # (Hq, L, T)
         r, t = rows.pos.shape
         hq, length, _ = last.shape
         seen = torch.arange(t - length + 1, t + 1, device=last.device, dtype=torch.float32)  # query i sees i+1 keys

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.engine.cache import CacheRows
+from kvlens.engine.cache import CacheRows, Step
 from kvlens.policies.base import ScoredEviction, param, recent_mask, register
 
 
@@ -30,7 +30,7 @@ class H2O(ScoredEviction):
     def local_window(self, budget: int) -> int:
         return int(budget * self.recent_ratio)
 
-    def score(self, rows: CacheRows) -> torch.Tensor:
+    def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         return rows.abar
 
     def protected(self, rows: CacheRows, budget: int) -> torch.Tensor | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.engine.cache import CacheRows, Step
+from kvlens.engine.cache import CacheRows, Prompt, Step
 from kvlens.policies.base import ScoredEviction, group_mean, param, recent_mask, register
 
 HISTORY = "scissorhands_history"  # (Hkv, S, history) int8, newest step last: 0 unseen, 1 unimportant, 2 important
@@ -51,7 +51,8 @@ class Scissorhands(ScoredEviction):
     def min_budget(self) -> int:
         return self.drop
 
-    def observe_prefill(self, rows: CacheRows, last: torch.Tensor) -> None:
+    def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
+        last = prompt.last  # (Hq, L, T)
         r, s = rows.pos.shape
         g = last.shape[0] // r
         length = last.shape[1]
@@ -71,7 +72,7 @@ class Scissorhands(ScoredEviction):
         hist = rows.extra[HISTORY]
         rows.extra[HISTORY] = torch.cat([hist[:, :, 1:], state.to(torch.int8)[:, :, None]], dim=2)
 
-    def score(self, rows: CacheRows) -> torch.Tensor:
+    def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         hist = rows.extra[HISTORY]
         counted = (hist == IMPORTANT).sum(-1) if self.count == "important" else -(hist == UNIMPORTANT).sum(-1)
         tie = rows.abar / (rows.abar.max() + 1.0)  # in [0, 1): breaks ties only

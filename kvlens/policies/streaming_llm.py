@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.engine.cache import CacheRows
+from kvlens.engine.cache import CacheRows, Step
 from kvlens.policies.base import ScoredEviction, param, register
 
 
@@ -33,7 +33,7 @@ class StreamingLLM(ScoredEviction):
     def local_window(self, budget: int) -> int:
         return budget - self.sink
 
-    def score(self, rows: CacheRows) -> torch.Tensor:
+    def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         return rows.pos.float()  # newest first
 
     def protected(self, rows: CacheRows, budget: int) -> torch.Tensor | None:

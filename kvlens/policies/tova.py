@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.engine.cache import CacheRows
+from kvlens.engine.cache import CacheRows, Step
 from kvlens.policies.base import ScoredEviction, register
 
 
@@ -27,7 +27,7 @@ class TOVA(ScoredEviction):
     def prefill_column_sums(self) -> bool:
         return False  # reads only the last prefill rows
 
-    def score(self, rows: CacheRows) -> torch.Tensor:
+    def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         # mean over all query heads of each layer; identical for every KV head of the layer
         attn = rows.last_attn  # (L * Hq, S)
         per_layer = attn.view(len(rows.layers), -1, attn.shape[-1]).mean(1)  # (L, S)

@@ -1,0 +1,35 @@
+"""`random`: evict uniformly random slots (the floor any policy must beat).
+
+Scores are uniform draws from one generator per layer and run, seeded by `seed` and the layer, so
+a run is reproducible and layers differ. kvpress's `RandomPress` reseeds at every call, so all its
+layers draw the same numbers; it keeps no window either, as here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlens.engine.cache import CacheRows, Step
+from kvlens.policies.base import ScoredEviction, param, register
+
+GENERATOR = "random_generator"  # per layer: the run's generator
+
+
+@register
+@dataclass(frozen=True)
+class Random(ScoredEviction):
+    seed: int = param(0, "Seed of the uniform scores (one generator per layer and run).", minimum=0)
+
+    name = "random"
+    description = "Evict uniformly random slots (a seeded floor)."
+    paper = ""
+    needs_attention = False
+    cross_layer = True
+
+    def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
+        draws = []
+        for layer, state in zip(rows.layers, rows.states, strict=True):
+            gen = state.setdefault(GENERATOR, torch.Generator().manual_seed(self.seed * 1_000_003 + layer))
+            draws.append(torch.rand((rows.kv_heads, rows.n_slots), generator=gen))
+        return torch.cat(draws).to(rows.pos.device)
