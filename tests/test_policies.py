@@ -40,7 +40,7 @@ def kept_positions(layer) -> list[list[int]]:
 def compress(policy, layer, budget):
     log = DecisionLog()
     before = layer.pos.clone()
-    layer.owner.limit = budget + 1  # as in a run: compressing the prompt moves the kept slots into budget + 1 slots
+    layer.books[0].limit = budget + 1  # as in a run: compressing the prompt moves the kept slots into budget + 1 slots
     shrink(policy, layer, budget, log, prompt=True)
     return before, log
 

@@ -126,6 +126,7 @@ class LayerBook:
     """One layer's bookkeeping beside its rows' buffers."""
 
     layer: int
+    limit: int | None = None  # most slots this layer will need (its budget + 1, or the run's length)
     state: dict = field(default_factory=dict)  # the policy's run state for this layer
     n_kept: int = 0  # valid slots of the fullest KV head
     holes: torch.Tensor | None = None  # (Hkv, E) slots freed by `free`, to be reused first
@@ -215,7 +216,7 @@ class SlotRows:
         self.books = books
         self.store = store
         self.rows = rows
-        self.owner = owner  # the KVCache: its `limit`, and (view, capacity) -> (store, rows) for a compressed layout
+        self.owner = owner  # the KVCache: (view, capacity) -> (store, rows) for a compressed layout
 
     # -- the contract: reading ---------------------------------------------------------------------
     @property
@@ -336,27 +337,39 @@ class SlotRows:
 
     # -- the contract: changing --------------------------------------------------------------------
     def free(self, index: torch.Tensor) -> None:
-        """Evict slots `index` `(R, E)` (the same count per row); later tokens reuse them.
+        """Evict slots `index` `(R, E)`; -1 entries pad rows that free fewer (heads keeping different counts).
+        Later tokens reuse the freed slots.
 
         When the slots in use exceed a layer's `limit` (the prompt's cache after its first
         compression), the kept slots move into buffers of `limit` slots and the old ones are released.
         """
         store = self.store
-        for name, fill in STATS.items():
-            store.buffers[name][self.rows].scatter_(1, index, fill)
-        if store.order is not None and self._whole_store() and not self.padded:  # freed slots go last, in order
+        uneven = bool((index < 0).any())
+        if uneven:
+            gone = torch.zeros(index.shape[0], store.n + 1, dtype=torch.bool, device=index.device)
+            gone = gone.scatter_(1, index.masked_fill(index < 0, store.n), True)[:, : store.n]
+            for name, fill in STATS.items():
+                store.buffers[name][self.rows, : store.n].masked_fill_(gone, fill)
+        else:
+            for name, fill in STATS.items():
+                store.buffers[name][self.rows].scatter_(1, index, fill)
+        if store.order is not None and self._whole_store() and not self.padded and not uneven:
             gone = torch.zeros(store.order.shape, dtype=torch.bool, device=index.device).scatter_(1, index, True)
-            left = torch.gather(gone, 1, store.order)
+            left = torch.gather(gone, 1, store.order)  # freed slots go last, in the order they were freed
             store.order = torch.cat([store.order[~left].view(left.shape[0], -1), index], dim=1)
         else:
             store.order = None
-        for book, part in zip(self.books, index.chunk(len(self.books)), strict=True):
-            book.holes = part if book.holes is None else torch.cat([book.holes, part], dim=1)
-            book.n_kept -= part.shape[1]
-        limit = self.owner.limit if self.owner is not None else None
-        if len(self.books) == 1 and limit is not None and store.n > limit and not self.books[0].pad:
-            kept = self.valid.nonzero()[:, 1].view(self.valid.shape[0], self.books[0].n_kept)
-            self.retain(kept, capacity=limit)
+        counts = self.valid.sum(-1).chunk(len(self.books)) if uneven else None
+        for i, (book, part) in enumerate(zip(self.books, index.chunk(len(self.books)), strict=True)):
+            book.holes = first_valid(part if book.holes is None else torch.cat([book.holes, part], dim=1))
+            if uneven:
+                book.n_kept, book.pad = int(counts[i].max()), book.pad or bool((counts[i] != counts[i][0]).any())
+            else:
+                book.n_kept -= part.shape[1]
+        limit = self.books[0].limit
+        if len(self.books) == 1 and limit is not None and store.n > limit:
+            kept, valid = padded_index(self.valid)
+            self.retain(kept, valid if bool((~valid).any()) else None, capacity=limit)
 
     def retain(self, index: torch.Tensor, valid: torch.Tensor | None = None, capacity: int | None = None) -> None:
         """Keep slots `index` `(R, S')`, in that slot order, and free the rest (new buffers, or the rows the cache
@@ -429,10 +442,19 @@ class SlotRows:
 
     def _fill_free(self, key, value, positions) -> None:
         """Write one token into each head's oldest freed slot (the oldest freed slot is already the first
-        free one in position order, so the order stays valid)."""
+        free one in position order, so the order stays valid). When some head has none (heads keeping
+        different counts), every head gets one more slot at the end: a freed one for the heads that had theirs."""
         book, store = self.books[0], self.store
-        slot = book.holes[:, 0]  # (Hkv,)
-        book.holes = book.holes[:, 1:] if book.holes.shape[1] > 1 else None
+        slot, rest = book.holes[:, 0], book.holes[:, 1:]  # (Hkv,): -1 where a head has no freed slot
+        if bool((slot < 0).any()):
+            end = store.n
+            if end == store.capacity:
+                store.resize(end + GROWTH)
+            store.n = end + 1
+            rest = torch.cat([rest, torch.where(slot < 0, -1, end)[:, None]], dim=1)
+            slot = torch.where(slot < 0, end, slot)
+            store.order = None
+        book.holes = first_valid(rest) if rest.shape[1] else None
         heads = torch.arange(slot.shape[0], device=slot.device) + self.rows.start
         store.buffers["keys"][0, heads, slot] = key[0, :, 0]
         store.buffers["values"][0, heads, slot] = value[0, :, 0]
@@ -450,7 +472,7 @@ class SlotRows:
         n, need = store.n, store.n + q
         if need > store.capacity:
             grow = max(need, n + max(GROWTH, n // 16))
-            limit = self.owner.limit if self.owner is not None else None
+            limit = book.limit
             store.resize(min(grow, limit) if limit is not None and limit >= need else grow)
         b = store.buffers
         b["keys"][:, :, n:need] = key
@@ -463,21 +485,41 @@ class SlotRows:
         book.written = new
 
 
+def first_valid(holes: torch.Tensor) -> torch.Tensor | None:
+    """Freed slots `(Hkv, E)` with each row's real ones (not -1) first, in order; columns of -1 dropped."""
+    if not bool((holes < 0).any()):
+        return holes
+    holes = holes.gather(1, torch.sort((holes < 0).int(), dim=1, stable=True).indices)
+    width = int((holes >= 0).sum(-1).max())
+    return holes[:, :width] if width else None
+
+
+def padded_index(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`keep` `(R, S)` bool -> ascending slot index `(R, n)` and valid `(R, n)`, n = the largest count:
+    rows that keep fewer are padded with their oldest dropped slots, marked invalid (for `retain`)."""
+    counts = keep.sum(-1, keepdim=True)  # (R, 1)
+    n = int(counts.max())
+    dropped_rank = (~keep).long().cumsum(-1)
+    select = keep | (~keep & (dropped_rank <= n - counts))
+    index = select.nonzero()[:, 1].view(keep.shape[0], n)
+    return index, torch.gather(keep, 1, index)
+
+
 class KVCache:
     """The cache handed to the model as `past_key_values`: one `SlotRows` view per layer.
 
     The engine sets `positions` (true token positions of the tokens being fed) before each
     forward; `update` writes them and returns the layer's slots in use (views, no copy). `limit`:
-    the most slots a layer will need (budget + 1, or the run's length for growing caches).
+    the most slots a layer will need (budget + 1, or the run's length for growing caches; per layer
+    after `set_budgets`).
     `all_layers=True` (a budgeted policy declaring `cross_layer`): a compressed layer's slots go
     into the rows of one store for every layer (see the module docstring).
     """
 
     def __init__(self, n_layers: int, limit: int | None = None, all_layers: bool = False):
-        self.limit = limit
         self.all_layer_mode = all_layers
         self.shared: SlotStore | None = None
-        self.books = [LayerBook(layer=i) for i in range(n_layers)]
+        self.books = [LayerBook(layer=i, limit=limit) for i in range(n_layers)]
         self.layers = [SlotRows([book], owner=self) for book in self.books]
         self.positions: torch.Tensor | None = None
         self._everywhere: SlotRows | None = None
@@ -485,12 +527,17 @@ class KVCache:
     def __call__(self, view: SlotRows, capacity: int) -> tuple[SlotStore, slice]:
         """Where a layer's compressed layout goes: its rows of the all-layer store, or a store of its own."""
         hkv = view.keys.shape[1]
-        if not self.all_layer_mode or len(view.books) != 1 or capacity != self.limit:
+        if not self.all_layer_mode or len(view.books) != 1 or capacity != view.books[0].limit:
             return SlotStore.empty(view.store.buffers, hkv, capacity), slice(0, hkv)
         if self.shared is None:
             self.shared = SlotStore.empty(view.store.buffers, hkv * len(self.layers), capacity)
         i = view.books[0].layer
         return self.shared, slice(i * hkv, (i + 1) * hkv)
+
+    def set_budgets(self, budgets: list[int]) -> None:
+        """Each layer's own budget (an allocating policy's): its limit becomes that budget + 1."""
+        for book, budget in zip(self.books, budgets, strict=True):
+            book.limit = budget + 1
 
     def all_layers(self) -> SlotRows | None:
         """Every layer's rows as one view, once every layer lives in the all-layer store (else None)."""

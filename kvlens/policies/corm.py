@@ -19,24 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.engine.cache import CacheRows, Prompt, Step
+from kvlens.engine.cache import CacheRows, Prompt, Step, padded_index
 from kvlens.policies.base import Policy, log_evictions, param, register
 
 MESSAGE = "corm_message"  # (Hkv, S, w) bool, newest message last
 MESSAGES_SEEN = "corm_messages_seen"  # per layer: query messages observed so far in this run
-
-
-def padded_keep(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`keep` `(Hkv, S)` bool -> ascending index `(Hkv, n)` and valid `(Hkv, n)`, n = the largest count.
-
-    Heads with fewer kept slots are padded with their oldest dropped slots, marked invalid.
-    """
-    counts = keep.sum(-1, keepdim=True)  # (Hkv, 1)
-    n = int(counts.max())
-    dropped_rank = (~keep).long().cumsum(-1)
-    select = keep | (~keep & (dropped_rank <= n - counts))
-    index = select.nonzero()[:, 1].view(keep.shape[0], n)
-    return index, torch.gather(keep, 1, index)
 
 
 @register
@@ -92,5 +79,5 @@ class CORM(Policy):
         if bool((keep == rows.valid).all()):
             return
         log_evictions(step, rows, rows.pos.masked_fill(~(rows.valid & ~keep), -1))
-        index, valid = padded_keep(keep)
+        index, valid = padded_index(keep)
         rows.retain(index, valid)

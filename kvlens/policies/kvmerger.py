@@ -24,10 +24,9 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.engine.cache import CacheRows, Step
+from kvlens.engine.cache import CacheRows, Step, padded_index
 from kvlens.errors import KvlensError
 from kvlens.policies.base import Policy, param, register
-from kvlens.policies.corm import padded_keep
 
 
 def merging_sets(keys: torch.Tensor, threshold: float, candidates: torch.Tensor | None = None) -> list[list[int]]:
@@ -157,7 +156,7 @@ class KVMerger(Policy):
         if bool((keep == rows.valid).all()):
             return
         rows.keys, rows.values = keys[None], values[None]
-        index, valid = padded_keep(keep)
+        index, valid = padded_index(keep)
         rows.retain(index, valid)
 
     def _head_sets(self, rows, h: int) -> list[list[int]]:
