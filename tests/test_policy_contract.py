@@ -55,7 +55,10 @@ def test_budget_is_respected_or_the_policy_is_budget_free(name):
         assert r.meta["budget"]["slots"] is None
         assert 0 < r.metrics["kv_slots_final_mean"] <= PREFILL + STEPS
     else:
-        assert r.meta["budget"]["slots"] == budget_of(policy) and r.metrics["kv_slots_max"] == budget_of(policy)
+        budget = budget_of(policy)
+        assert r.meta["budget"]["slots"] == budget and r.metrics["kv_entries_max"] == r.metrics["kv_entries_budget"]
+        assert r.metrics["kv_entries_budget"] == budget * TINY.shape()["layers"] * TINY.shape()["kv_heads"]
+        assert policy.reallocates or r.metrics["kv_slots_max"] == budget  # else every layer and head keeps it
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -126,4 +129,5 @@ def test_every_policy_on_the_embedded_model(smol, long_text, name):
     ids = encode(smol, long_text)[: budget + 52]
     r = run(smol, policy, ids, prefill=budget + 36, steps=4, teacher=True, opts=RunOptions(budget=budget))
     assert r.tensors["steps/nll"].isfinite().all()
-    assert policy.budget_free or r.metrics["kv_slots_max"] <= budget
+    assert policy.budget_free or r.metrics["kv_entries_max"] <= r.metrics["kv_entries_budget"]
+    assert policy.budget_free or policy.reallocates or r.metrics["kv_slots_max"] <= budget

@@ -190,7 +190,8 @@ def cmd_ppl(args) -> int:
     m = run.metrics
     result = {"policy": args.policy, "params": run.meta["policy"]["params"], "budget": run.meta["budget"]["slots"],
               "budget_requested": opts.budget, "prefill": args.prefill, "tokens": args.tokens, "nll": m["nll"],
-              "ppl": m["ppl"], "kv_slots_max": m["kv_slots_max"], "kv_bytes_peak": m["kv_bytes_peak"],
+              "ppl": m["ppl"], "kv_slots_max": m["kv_slots_max"], "kv_entries_max": m["kv_entries_max"],
+              "kv_entries_budget": m["kv_entries_budget"], "kv_bytes_peak": m["kv_bytes_peak"],
               "ms_per_token": m["ms_per_token"]}
     if args.measure:
         # MEASURED, and base_* (the separate run of a merging policy's base eviction policy)

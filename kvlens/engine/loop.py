@@ -94,6 +94,7 @@ class _Loop:
         self.ctx = RunContext(self.cache, policy, [self.recorder, *observers], windowed=bool(model.support.sliding),
                               rotary=rotary_of(model.model, model.support))
         self.budget = budget
+        self.budgets: list[int | None] = [budget] * model.shape()["layers"]  # each layer's (`Policy.allocate`)
         self.kept: list[torch.Tensor] = []  # (L, Hkv) per step
         self.peak_bytes = 0  # largest cache after compression
         self.prefill_bytes = 0  # the uncompressed prompt's cache
@@ -110,13 +111,20 @@ class _Loop:
         return out.logits[0, -1]
 
     def compress(self, index: int) -> None:
-        """Compression `index` (0: the prompt's), on every layer's rows at once once they share one store."""
+        """Compression `index` (0: the prompt's), on every layer's rows at once once they share one store. Before
+        the prompt's, the policy allocates each layer's budget (the same everywhere unless it allocates)."""
+        phase = Phase.PREFILL if index == 0 else Phase.DECODE
         if index == 0:
             self.prefill_bytes = self.cache.nbytes
-        step = Step(index, Phase.PREFILL if index == 0 else Phase.DECODE, self.budget, self.log)
-        everywhere = self.cache.all_layers() if step.phase is Phase.DECODE else None
-        for rows in [everywhere] if everywhere is not None else self.cache.layers:
-            self.policy.compress(rows, step)
+            if self.budget is not None:
+                self.budgets = self.policy.allocate(self.budget, self.cache.layers)
+                self.cache.set_budgets(self.budgets)
+        everywhere = self.cache.all_layers() if phase is Phase.DECODE else None
+        if everywhere is not None:
+            self.policy.compress(everywhere, Step(index, phase, self.budget, self.log))
+        else:
+            for rows, budget in zip(self.cache.layers, self.budgets, strict=True):
+                self.policy.compress(rows, Step(index, phase, budget, self.log))
         self.kept.append(self.cache.kept_counts())
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes)
 
@@ -245,6 +253,8 @@ def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, tota
     policy, opts = loop.policy, loop.opts
     metrics = {
         "nll": nll, "ppl": math.exp(nll), "kv_slots_max": int(kept.max()),
+        "kv_entries_max": int(kept.sum((1, 2)).max()),
+        "kv_entries_budget": None if loop.budget is None else loop.budget * kept.shape[1] * kept.shape[2],
         "kv_slots_final_mean": float(kept[-1].float().mean()),
         "kv_bytes_final": loop.cache.nbytes, "kv_bytes_peak": loop.peak_bytes, "kv_bytes_prefill": loop.prefill_bytes,
         "ms_per_token": (sum(ms) / len(ms)) if ms else None, "prefill_ms": prefill_ms, "total_s": total_s,

@@ -64,6 +64,7 @@ class Policy:
     merges: ClassVar[bool] = False  # merges evicted entries into kept ones (Merges page, provenance)
     cross_layer: ClassVar[bool] = False  # its decode steps may run on every layer's rows at once (all-layer store)
     merge_rule: ClassVar[str | None] = None  # how provenance replays its merges: "add", "convex" or "set"
+    reallocates: ClassVar[bool] = False  # layers or heads keep different counts (their total is the budget's)
     presets: ClassVar[dict[str, dict]] = {}  # named settings, `preset=NAME` (explicit parameters override)
 
     def __post_init__(self):
@@ -125,6 +126,12 @@ class Policy:
               f"compress; use a smaller budget or the full policy.")
         return slots
 
+    def allocate(self, budget: int, layers: list[CacheRows]) -> list[int]:
+        """Each layer's budget, decided once the prompt is prefilled, before its compression (`layers`: every
+        layer's rows, with the prompt's statistics). The same `budget` everywhere unless the policy allocates
+        (PyramidKV, D2O); an allocation keeps the total, `budget` x layers."""
+        return [budget] * len(layers)
+
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
         """Initialise statistics from the prompt of the rows' layer: its last attention rows `prompt.last`
         `(R * G, L, T)`, queries, positions (`abar` and `nobs` are already set)."""
@@ -169,6 +176,31 @@ class ScoredEviction(Policy):
         """Slots to keep `(R, budget)` and to evict `(R, n_kept - budget)` at `step`, each in position order
         (`select_lowest` on this policy's score and protection)."""
         return select_lowest(rows, self.score(rows, step), self.protected(rows, step.budget), step.budget)
+
+
+@dataclass(frozen=True)
+class Wrapper(Policy):
+    """A policy built on a scored eviction policy `base` (CaM, PyramidKV, Ada-KV): the base's statistics and
+    needs unless it says otherwise. A subclass declares the `base` field with its default and help."""
+
+    @property
+    def needs_attention(self) -> bool:
+        return self.base.needs_attention
+
+    def prefill_rows(self) -> int:
+        return self.base.prefill_rows()
+
+    def prefill_column_sums(self) -> bool:
+        return self.base.prefill_column_sums()
+
+    def min_budget(self) -> int:
+        return self.base.min_budget()
+
+    def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
+        self.base.observe_prefill(rows, prompt)
+
+    def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
+        self.base.observe(rows, probs)
 
 
 def select_lowest(rows: CacheRows, score: torch.Tensor, protected: torch.Tensor | None,

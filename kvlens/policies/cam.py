@@ -46,10 +46,10 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.engine.cache import CacheRows, Prompt, Step
+from kvlens.engine.cache import CacheRows, Step
 from kvlens.policies.base import (
-    Policy,
     ScoredEviction,
+    Wrapper,
     check,
     group_mean,
     log_evictions,
@@ -86,7 +86,7 @@ PRESETS: dict[str, dict] = {
 
 @register
 @dataclass(frozen=True)
-class CaM(Policy):
+class CaM(Wrapper):
     """Defaults = the `official-qa` preset: the authors' code behind the paper's main results (Table
     1, accuracy on lm-eval QA tasks, `cam_hf/utils_lm_eval`), so what "CaM" means in the numbers
     the paper reports. `kvpress` is reproduced exactly but is a third party's extension (bulk
@@ -141,14 +141,8 @@ class CaM(Policy):
     def prefill_rows(self) -> int:
         return self.base.prefill_rows() if self.mask == "never" else max(1, self.base.prefill_rows())
 
-    def min_budget(self) -> int:
-        return self.base.min_budget()
-
-    def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
-        self.base.observe_prefill(rows, prompt)
-
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
-        self.base.observe(rows, probs)
+        super().observe(rows, probs)
         if self.score == "decode":
             att = group_mean(probs)  # (R, S)
             rows.extra[DECODE_ATTN] = rows.extra.get(DECODE_ATTN, torch.zeros_like(att)) + att

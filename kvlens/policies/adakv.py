@@ -1,0 +1,64 @@
+"""`adakv`: one budget per layer, shared across its KV heads by their scores, with a floor per head.
+
+Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient
+LLM Inference", 2024, https://arxiv.org/abs/2407.11550. A layer keeps Hkv x B slots in all: each
+head's `alpha` x B best slots (by the `base` policy's score; at least one) are safe, the base's
+protected slots too, and of the rest the layer's lowest scores leave, whichever head they belong
+to (kvpress's `AdaKVPress`, alpha = 0.2 as in the authors' GQA experiments; the official code
+blends each head's count with the floor, (1 - alpha) n_h + alpha B, a different rule). Ties
+leave the newest position first, then the lower head. At a decode step the layer holds one new
+slot per head, so Hkv slots leave, chosen the same way.
+
+Heads keep different counts, so each layer's buffers are padded to its fullest head and the
+padding is masked: `kv_entries_max` counts the kept entries (L x Hkv x B), `kv_bytes_*` the
+allocated, padded buffers, which are what is really held. kvpress's AdaKV frees nothing: it keeps
+every key and masks the evicted ones with fake keys.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlens.engine.cache import CacheRows, Step
+from kvlens.policies.base import ScoredEviction, Wrapper, log_evictions, param, register, scored_eviction_names
+from kvlens.policies.snapkv import SnapKV
+
+
+@register
+@dataclass(frozen=True)
+class AdaKV(Wrapper):
+    base: ScoredEviction = param(SnapKV(), "Policy whose scores the heads of a layer compete with (any scored "
+                                 "eviction policy; set its parameters as base.NAME).", choices=scored_eviction_names)
+    alpha: float = param(0.2, "Floor: each head keeps at least alpha x budget of its best slots (kvpress and the "
+                         "authors' GQA runs: 0.2).", minimum=0.0, maximum=1.0)
+
+    name = "adakv"
+    description = "A layer's budget shared across its heads by a top-k over all their scores (per-head floor)."
+    paper = "https://arxiv.org/abs/2407.11550"
+    reallocates = True
+
+    def compress(self, rows: CacheRows, step: Step) -> None:
+        budget = step.budget
+        valid = rows.valid
+        r, s = valid.shape
+        leaving = int(valid.sum()) - budget * r
+        if budget is None or leaving <= 0:
+            return
+        score = self.base.score(rows, step).float().masked_fill(~valid, float("inf"))
+        protected = self.base.protected(rows, budget)
+        if protected is not None:
+            score = score.masked_fill(protected, float("inf"))
+        safe = max(1, int(budget * self.alpha)) if self.alpha > 0 else 0
+        if safe:
+            score = score.scatter(1, score.masked_fill(~valid, float("-inf")).topk(min(safe, s), dim=-1).indices,
+                                  float("inf"))
+        # the lowest scores leave; among equal ones the newest position first, then the lower row
+        by_age = torch.argsort(-rows.pos.flatten(), stable=True)
+        lowest = by_age[torch.argsort(score.flatten()[by_age], stable=True)[:leaving]]
+        gone = torch.zeros(r * s, dtype=torch.bool, device=valid.device).scatter_(0, lowest, True).view(r, s)
+        width = int(gone.sum(-1).max())
+        slots = torch.where(gone, torch.arange(s, device=valid.device), s).sort(-1).values[:, :width]
+        slots = slots.masked_fill(slots == s, -1)  # (R, E) each row's leaving slots, -1 padded
+        log_evictions(step, rows, rows.pos.gather(1, slots.clamp(min=0)).masked_fill(slots < 0, -1))
+        rows.free(slots)
