@@ -22,6 +22,13 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_check_model)
 
+    p = sub.add_parser("qfilters", help="compute (once) and cache the model's Q-Filters from the bundled texts "
+                                        "(the qfilter policy reads them)")
+    add_model_args(p)
+    p.add_argument("--fresh", action="store_true", help="recompute even when cached")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_qfilters)
+
     p = sub.add_parser("policies", help="list every policy with its parameters")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_policies)
@@ -70,6 +77,30 @@ def cmd_model_path(args) -> int:
 
 def _per_layer(values: dict) -> str:
     return "; ".join(f"layer {i}: {v}" for i, v in values.items()) or "none"
+
+
+def cmd_qfilters(args) -> int:
+    import sys
+
+    from tqdm import tqdm
+
+    from kvlens.engine import qfilters
+
+    model = load(args)
+    path = qfilters.path_for(model)
+    bar = tqdm(total=qfilters.TEXTS, desc="Q-Filters", unit="text", file=sys.stderr, leave=False,
+               disable=not sys.stderr.isatty())
+    filters = qfilters.filters_for(model, fresh=args.fresh, progress=lambda done, _: bar.update(done - bar.n))
+    bar.close()
+    report = {"model": args.model, "path": str(path), "layers": filters.shape[0], "kv_heads": filters.shape[1],
+              "head_dim": filters.shape[2], "texts": qfilters.TEXTS, "tokens": qfilters.TOKENS,
+              "samples": qfilters.SAMPLES, "fingerprint": qfilters.fingerprint(model)}
+    if args.json:
+        print_json(report)
+    else:
+        print(f"Q-Filters of {args.model}: {filters.shape[0]} layers x {filters.shape[1]} KV heads x "
+              f"{filters.shape[2]}, from {qfilters.TEXTS} bundled texts of {qfilters.TOKENS} tokens -> {path}")
+    return 0
 
 
 def cmd_check_model(args) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlens.engine import qfilters
 from kvlens.engine.architectures import inspect_model, rotary_of
 from kvlens.engine.attention import CONTEXT_KWARG
 from kvlens.engine.cache import KVCache, Phase, Step
@@ -79,6 +80,9 @@ def _choose(logits: torch.Tensor, opts: RunOptions, gen: torch.Generator) -> int
     return int(torch.multinomial(probs.cpu(), 1, generator=gen))
 
 
+MODEL_DATA = {"qfilters": qfilters.filters_for}  # what `Policy.model_data` may name: model -> per-layer tensors
+
+
 class _Loop:
     """State of one run; `run()` drives it."""
 
@@ -93,6 +97,9 @@ class _Loop:
         self.log = DecisionLog() if opts.log_decisions else None
         self.ctx = RunContext(self.cache, policy, [self.recorder, *observers], windowed=bool(model.support.sliding),
                               rotary=rotary_of(model.model, model.support))
+        for name in policy.model_data:  # e.g. the model's Q-Filters, one entry per layer, in the layers' run state
+            for book, part in zip(self.cache.books, MODEL_DATA[name](model), strict=True):
+                book.state[name] = part
         self.budget = budget
         self.budgets: list[int | None] = [budget] * model.shape()["layers"]  # each layer's (`Policy.allocate`)
         self.kept: list[torch.Tensor] = []  # (L, Hkv) per step

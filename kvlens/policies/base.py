@@ -65,6 +65,7 @@ class Policy:
     cross_layer: ClassVar[bool] = False  # its decode steps may run on every layer's rows at once (all-layer store)
     merge_rule: ClassVar[str | None] = None  # how provenance replays its merges: "add", "convex" or "set"
     reallocates: ClassVar[bool] = False  # layers or heads keep different counts (their total is the budget's)
+    model_data: ClassVar[tuple[str, ...]] = ()  # per-layer data of the model the engine puts in the run state
     presets: ClassVar[dict[str, dict]] = {}  # named settings, `preset=NAME` (explicit parameters override)
 
     def __post_init__(self):
@@ -195,6 +196,10 @@ class Wrapper(Policy):
 
     def min_budget(self) -> int:
         return self.base.min_budget()
+
+    @property
+    def model_data(self) -> tuple[str, ...]:
+        return self.base.model_data
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
         self.base.observe_prefill(rows, prompt)

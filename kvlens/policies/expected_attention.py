@@ -1,0 +1,130 @@
+"""`expected_attention`: keep the keys that future queries are expected to attend to.
+
+Devoto, Jeblick and Jégou, "Expected Attention: KV Cache Compression by Estimating Attention from
+Future Queries Distribution", 2025, https://arxiv.org/abs/2510.00636 (kvpress's
+`ExpectedAttentionPress`, the authors' reference implementation). The prompt's queries before
+RoPE (positions `n_sink` on) give a mean mu and, with `covariance`, a covariance Sigma per query
+head; averaging RoPE's rotation over the `n_future` positions after the prompt, R, moves them to
+mu' = R mu and Sigma' = R Sigma R^T. For a Gaussian query, E[exp(s q.k)] = exp(s mu'.k + s^2 k^T
+Sigma' k / 2) (s the layer's logit scale, 1/sqrt(d) for Llama, as kvpress hard-codes); the
+softmax of that expected logit over the keys, averaged over a KV head's query heads and, with
+`vnorm`, times (score + `epsilon`) x ||v||, is the score; the first `n_sink` positions are always
+kept. kvlens recovers the queries before RoPE from the rotated ones (the inverse rotation, with
+the model's own cos/sin), so it needs one rotary embedding on every layer (refused otherwise, in
+one sentence). At a decode step the new key is scored with the prompt's statistics (each slot's
+expected logits are kept with it); kvpress's `DecodingPress` would re-estimate them from the
+recent queries. kvpress's evaluation registers this method as Ada-KV over it with epsilon 0.01
+(`--policy adakv --set base=expected_attention --set base.epsilon=0.01`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlens.engine.cache import CacheRows, Prompt, Step
+from kvlens.policies.base import ScoredEviction, check, param, register
+
+FUTURE = "expected_attention_future"  # per layer: mu' (Hq, D) and Sigma' (Hq, D, D) or None
+LOGIT = "expected_attention_logit"  # per slot (R, S, G): the expected logit of each query head of the row
+SCORED = "expected_attention_scored"  # per slot (R, S): its logits are computed (a new token arrives unscored)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """RoPE's pairing of the two halves of the head dimension: `(-x2, x1)`."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+@register
+@dataclass(frozen=True)
+class ExpectedAttention(ScoredEviction):
+    n_future: int = param(512, "Future positions RoPE's rotation is averaged over (kvpress: 512).", minimum=1)
+    n_sink: int = param(4, "First positions always kept and left out of the query statistics (kvpress: 4).",
+                        minimum=0)
+    covariance: bool = param(True, "Use the queries' covariance, not only their mean (kvpress: true).")
+    vnorm: bool = param(True, "Multiply the score by the value's L2 norm (kvpress: true).")
+    epsilon: float = param(0.0, "Added to the score before the value norm multiplies it (kvpress 0; its evaluation "
+                           "0.01).", minimum=0.0)
+
+    name = "expected_attention"
+    description = "Keep the keys future queries are expected to attend to (query statistics moved by RoPE)."
+    paper = "https://arxiv.org/abs/2510.00636"
+    needs_attention = False
+    cross_layer = True
+
+    def min_budget(self) -> int:
+        return self.n_sink + 1
+
+    def prefill_column_sums(self) -> bool:
+        return False
+
+    def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
+        check(prompt.rotary is not None, "expected_attention needs a model with one rotary embedding (RoPE) on "
+                                          "every layer, whose queries it moves to future positions.")
+        q = prompt.queries.float()  # (Hq, T, D) after RoPE
+        cos, sin = (x.float() for x in prompt.rotary(prompt.positions))  # (T, D)
+        before = (q * cos - rotate_half(q) * sin) / (cos * cos + sin * sin)  # the inverse rotation
+        h = before[:, self.n_sink:]
+        mean = h.mean(1)  # (Hq, D)
+        cov = None
+        if self.covariance:
+            centred = h - mean[:, None]
+            cov = torch.einsum("hsi,hsj->hij", centred, centred) / h.shape[1]
+        t, d = q.shape[1], q.shape[2]
+        cos_f, sin_f = (x.float() for x in prompt.rotary(torch.arange(t, t + self.n_future,
+                                                                       device=q.device)))  # (n, D)
+        swap = torch.zeros(d, d, device=q.device)
+        swap[d // 2:, : d // 2], swap[: d // 2, d // 2:] = torch.eye(d // 2), -torch.eye(d // 2)
+        rotation = (cos_f[:, None, :] * torch.eye(d, device=q.device) + sin_f[:, None, :] * swap).mean(0)  # (D, D)
+        future = (mean @ rotation.T, None if cov is None else rotation @ cov @ rotation.T)
+        rows.states[0][FUTURE] = (*future, prompt.scaling)
+        rows.extra[LOGIT] = self._logits(rows.keys[0].float(), *rows.states[0][FUTURE])
+        rows.extra[SCORED] = torch.ones(rows.pos.shape, dtype=torch.bool, device=q.device)
+
+    def _logits(self, keys: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Expected logits `(Hkv, S, G)` of keys `(Hkv, S, D)` under one layer's future query statistics."""
+        hkv = keys.shape[0]
+        m = mean.view(hkv, -1, mean.shape[-1])  # (Hkv, G, D)
+        logits = torch.einsum("hsd,hgd->hsg", keys, m) * scale
+        if cov is not None:
+            c = cov.view(hkv, -1, *cov.shape[-2:])  # (Hkv, G, D, D)
+            logits += torch.einsum("hsi,hgij,hsj->hsg", keys, c, keys) * (scale * scale / 2)
+        return logits
+
+    def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
+        todo = rows.valid & ~rows.extra[SCORED]
+        if bool(todo.any()):  # new tokens since the last compression: their logits, with their layer's statistics
+            logits = rows.extra[LOGIT]
+            for (layer_todo, keys, layer_logits), state in zip(
+                    zip(todo.chunk(len(rows.layers)), rows.keys[0].chunk(len(rows.layers)),
+                        logits.chunk(len(rows.layers)), strict=True), rows.states, strict=True):
+                heads, slots = layer_todo.nonzero(as_tuple=True)
+                if heads.numel():
+                    new = self._logits(keys[heads, slots][:, None].float(), *_rows_of(state[FUTURE], heads,
+                                                                                          rows.kv_heads))
+                    layer_logits[heads, slots] = new[:, 0]
+            rows.extra[LOGIT] = logits
+            rows.extra[SCORED] = rows.extra[SCORED] | todo
+        sink = rows.pos < self.n_sink
+        hidden = (sink | ~rows.valid)[..., None]
+        probs = torch.softmax(rows.extra[LOGIT].masked_fill(hidden, float("-inf")), dim=1).mean(-1)  # (R, S)
+        probs = torch.nan_to_num(probs, nan=0.0)
+        if self.vnorm:
+            probs = (probs + self.epsilon) * rows.values[0].float().norm(dim=-1)
+        return probs
+
+    def protected(self, rows: CacheRows, budget: int) -> torch.Tensor:
+        return rows.pos < self.n_sink
+
+
+def _rows_of(future: tuple, heads: torch.Tensor, kv_heads: int) -> tuple:
+    """The statistics of the query heads of KV heads `heads` `(n,)`: mean `(n x G, D)`, covariance, scale."""
+    mean, cov, scale = future
+    g = mean.shape[0] // kv_heads
+    return _group(mean, heads, g), None if cov is None else _group(cov, heads, g), scale
+
+
+def _group(x: torch.Tensor, heads: torch.Tensor, g: int) -> torch.Tensor:
+    """`(Hq, ...)` -> `(n, G, ...)`: the query heads of each KV head in `heads`."""
+    return x.view(-1, g, *x.shape[1:])[heads].flatten(0, 1)

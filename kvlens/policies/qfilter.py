@@ -1,0 +1,37 @@
+"""`qfilter`: keep the keys aligned with the main direction of the queries.
+
+Godey et al., "Q-Filters: Leveraging QK Geometry for Efficient KV Cache Compression", 2025,
+https://arxiv.org/abs/2503.02812: queries concentrate along one direction per head, so a key's
+expected attention follows its projection on it. Each KV head has a filter f (`kvlens qfilters
+--model SPEC` computes them once from the bundled texts and caches them; `kvlens.engine.qfilters`
+says how) and a slot scores -<f, k> with its key after RoPE (kvpress's `QFilterPress`, which
+downloads the authors' filters from the hub instead). No attention needed; as kvpress, no window.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvlens.engine.cache import CacheRows, Step
+from kvlens.policies.base import ScoredEviction, register
+
+FILTERS = "qfilters"  # per layer (Hkv, D), put in the run state by the engine (`Policy.model_data`)
+
+
+@register
+@dataclass(frozen=True)
+class QFilter(ScoredEviction):
+    """No hyperparameters: the model's filters decide."""
+
+    name = "qfilter"
+    description = "Keep the keys most aligned with the queries' main direction (the model's Q-Filters)."
+    paper = "https://arxiv.org/abs/2503.02812"
+    needs_attention = False
+    cross_layer = True
+    model_data: ClassVar[tuple[str, ...]] = (FILTERS,)
+
+    def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
+        filters = torch.cat([state[FILTERS] for state in rows.states]).float()  # (R, D)
+        return -(rows.keys[0].float() * filters[:, None, :]).sum(-1)

@@ -1,0 +1,188 @@
+"""The methods the field compares against (SnapKV, PyramidKV, Ada-KV, Expected Attention, KNorm, KeyDiff,
+Q-Filters, random): each rule against the same rule written plainly here, on hand-made or random rows."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlens import texts
+from kvlens.engine.cache import Phase, Prompt, Step
+from kvlens.engine.loop import RunOptions, run
+from kvlens.policies import make_policy
+from kvlens.policies.expected_attention import rotate_half
+from kvlens.runs.decisions import DecisionLog
+from tests.conftest import examples, layer_rows, shrink
+
+HKV, G, D = 2, 2, 8
+IDS = list(b"Observation windows, pyramids and filters: which keys does each method keep? " * 3)
+
+
+def random_layer(seed: int, slots: int):
+    gen = torch.Generator().manual_seed(seed)
+    layer = layer_rows()
+    layer.append(torch.randn(1, HKV, slots, D, generator=gen), torch.randn(1, HKV, slots, D, generator=gen),
+                 torch.arange(slots))
+    return layer
+
+
+def kept(layer) -> list[list[int]]:
+    return layer.in_position_order().pos.tolist()
+
+
+@settings(max_examples=examples(25))
+@given(st.integers(0, 10_000), st.integers(12, 40), st.integers(3, 10))
+def test_knorm_and_keydiff_keep_the_lowest_norms_and_the_least_typical_keys(seed, slots, budget):
+    for name in ("knorm", "keydiff"):
+        layer = random_layer(seed, slots)
+        keys = layer.keys[0].clone()
+        shrink(make_policy(name), layer, budget, prompt=True)
+        for h in range(HKV):
+            if name == "knorm":
+                score = -keys[h].norm(dim=-1)
+            else:
+                anchor = F.normalize(keys[h], dim=-1).mean(0)
+                score = -F.cosine_similarity(keys[h], anchor[None], dim=-1)
+            assert kept(layer)[h] == sorted(score.topk(budget).indices.tolist()), (name, h)
+
+
+def test_snapkv_keeps_its_window_and_the_pooled_window_attention_top():
+    t, w, budget = 30, 6, 14
+    layer = random_layer(3, t)
+    gen = torch.Generator().manual_seed(4)
+    last = torch.softmax(torch.randn(HKV * G, w, t, generator=gen), -1)  # the window's rows (softmax over keys)
+    policy = make_policy("snapkv", {"window": w, "kernel": 3})
+    policy.observe_prefill(layer, Prompt(last))
+    shrink(policy, layer, budget, prompt=True)
+    pooled = F.avg_pool1d(last[:, :, : t - w].mean(1)[:, None], 3, padding=1, stride=1)[:, 0]  # per query head
+    score = pooled.view(HKV, G, t - w).mean(1)
+    for h in range(HKV):
+        want = sorted(score[h].topk(budget - w).indices.tolist()) + list(range(t - w, t))
+        assert kept(layer)[h] == want
+
+
+def test_pyramidkv_schedules_keep_the_total_and_fall_with_depth(tiny):
+    layers = [layer_rows() for _ in range(30)]
+    for layer in layers:
+        layer.append(torch.zeros(1, 1, 2048, 2), torch.zeros(1, 1, 2048, 2), torch.arange(2048))
+    paper = make_policy("pyramidkv").allocate(512, layers)
+    assert sum(paper) == 30 * 512 and paper == sorted(paper, reverse=True) and paper[0] > paper[-1] >= 64
+    official = make_policy("pyramidkv", {"schedule": "official"}).allocate(512, layers)
+    assert official[0] == paper[0] and 0 <= sum(official) - 30 * 512 < 30 * 29 // 2  # the integer floors' excess
+    # kvpress: the window inside the share, and uniform unless min = B / beta reaches the window (B >= 1280)
+    assert make_policy("pyramidkv", {"schedule": "kvpress"}).allocate(512, layers) == [512] * 30
+    assert sum(make_policy("pyramidkv", {"schedule": "kvpress"}).allocate(1400, layers)) == 30 * 1400
+    r = run(tiny, make_policy("pyramidkv", {"base.window": 8, "window": 8, "beta": 4}), IDS, prefill=120, steps=6,
+            teacher=True, opts=RunOptions(budget=40))
+    per_layer = r.tensors["steps/kv_slots"][0, :, 0].tolist()  # after the prompt's compression
+    assert per_layer[0] > per_layer[-1] and r.metrics["kv_entries_max"] == r.metrics["kv_entries_budget"]
+
+
+@settings(max_examples=examples(25))
+@given(st.integers(0, 10_000), st.integers(12, 40), st.integers(2, 10), st.floats(0.0, 1.0))
+def test_adakv_shares_the_layer_budget_by_score_with_a_floor_per_head(seed, slots, budget, alpha):
+    layer = random_layer(seed, slots)
+    policy = make_policy("adakv", {"base": "knorm", "alpha": alpha})
+    score = -layer.keys[0].norm(dim=-1)  # (Hkv, S)
+    shrink(policy, layer, budget, prompt=True)
+    counts = layer.kept_per_row().tolist()
+    if slots <= budget:
+        return
+    assert sum(counts) == HKV * budget and min(counts) >= min(max(1, int(budget * alpha)) if alpha else 0, slots)
+    safe = max(1, int(budget * alpha)) if alpha > 0 else 0
+    boosted = score.clone()
+    if safe:
+        boosted.scatter_(1, score.topk(min(safe, slots), dim=-1).indices, float("inf"))
+    flat = boosted.flatten()
+    want = set(flat.topk(HKV * budget).indices.tolist())  # no ties in random scores
+    got = {h * slots + p for h, row in enumerate(kept(layer)) for p in row if p >= 0}  # -1: padding
+    assert got == want
+
+
+def test_adakv_keeps_the_total_at_every_decode_step_and_pads_the_heads(tiny):
+    r = run(tiny, make_policy("adakv", {"base": "knorm", "alpha": 0.1}), IDS, prefill=120, steps=12, teacher=True,
+            opts=RunOptions(budget=30))
+    slots = r.tensors["steps/kv_slots"]  # (steps, L, Hkv)
+    assert (slots.sum((1, 2)) == 30 * slots.shape[1] * slots.shape[2]).all()
+    assert (slots.amax(-1) != slots.amin(-1)).any()  # heads really keep different counts
+
+
+def test_expected_attention_recovers_the_queries_before_rope_and_scores_as_the_formula(tiny):
+    from kvlens.engine.architectures import rotary_of
+
+    rope = rotary_of(tiny.model, tiny.support)
+    gen = torch.Generator().manual_seed(5)
+    t, d = 24, 16
+    before = torch.randn(HKV * G, t, d, generator=gen)
+    cos, sin = rope(torch.arange(t))
+    after = before * cos + rotate_half(before) * sin  # RoPE as Llama applies it
+    layer = layer_rows()
+    layer.append(torch.randn(1, HKV, t, d, generator=gen), torch.randn(1, HKV, t, d, generator=gen), torch.arange(t))
+    policy = make_policy("expected_attention", {"n_future": 8, "n_sink": 2})
+    policy.observe_prefill(layer, Prompt(torch.zeros(HKV * G, 0, t), after, torch.arange(t), 0.25, rope))
+    got = policy.score(layer, Step(0, Phase.PREFILL, 10))
+    # the formula, written plainly: statistics of the queries before RoPE, RoPE averaged over 8 future positions
+    h = before[:, 2:]
+    mu, cov = h.mean(1), torch.stack([(x - x.mean(0)).T @ (x - x.mean(0)) / x.shape[0] for x in h])
+    cf, sf = rope(torch.arange(t, t + 8))
+    swap = torch.zeros(d, d)
+    swap[d // 2:, : d // 2], swap[: d // 2, d // 2:] = torch.eye(d // 2), -torch.eye(d // 2)
+    rot = torch.stack([c[None, :] * torch.eye(d) + s[None, :] * swap for c, s in zip(cf, sf, strict=True)]).mean(0)
+    mu, cov = mu @ rot.T, rot @ cov @ rot.T
+    keys, values = layer.keys[0], layer.values[0]
+    for kv in range(HKV):
+        probs = []
+        for g in range(G):
+            q = kv * G + g
+            z = 0.25 * keys[kv] @ mu[q] + 0.25 ** 2 / 2 * torch.einsum("si,ij,sj->s", keys[kv], cov[q], keys[kv])
+            probs.append(torch.softmax(z[2:], 0))
+        want = torch.stack(probs).mean(0) * values[kv, 2:].norm(dim=-1)
+        torch.testing.assert_close(got[kv, 2:], want, rtol=1e-4, atol=1e-6)
+
+
+def test_qfilters_are_the_main_right_singular_vector_of_the_queries(smol):
+    from kvlens.engine import qfilters
+
+    computed = qfilters.compute(smol, count=2, tokens=128, samples=200, seed=3)  # (L, Hkv, D)
+    tap = qfilters.QueryTap()
+    taken = []
+    for text in texts.bundled().values():
+        ids = list(smol.tokenizer(text).input_ids)
+        if len(ids) >= 128:
+            with torch.inference_mode():
+                smol.model(input_ids=torch.tensor([ids[:128]]), use_cache=False, logits_to_keep=1,
+                           kvlens_context=tap)
+            taken.append(tap.queries[7])
+        if len(taken) == 2:
+            break
+    gen = torch.Generator().manual_seed(3)
+    picks = [torch.randperm(256, generator=gen)[:200] for _ in range(8)]  # one draw per layer, in layer order
+    q = torch.cat(taken, dim=1)[:, picks[7]]
+    head = q[0]  # query head 0 of layer 7, the first of KV head 0's group
+    u, _, vh = torch.linalg.svd(head, full_matrices=False)
+    sign = 1.0 if (u[:, 0] > 0).float().mean() > 0.5 else -1.0
+    g = smol.shape()["heads"] // smol.shape()["kv_heads"]
+    group = []
+    for i in range(g):
+        ui, _, vi = torch.linalg.svd(q[i], full_matrices=False)
+        si = 1.0 if (ui[:, 0] > 0).float().mean() > 0.5 else -1.0
+        group.append(-si * vi[0])
+    torch.testing.assert_close(computed[7, 0], torch.stack(group).mean(0), rtol=1e-4, atol=1e-5)
+    assert float((-sign * vh[0]) @ group[0]) > 0.999  # head 0's own filter, the SVD done here
+
+
+def test_random_is_seeded_per_layer_and_run():
+    a, b, c = (random_layer(1, 20) for _ in range(3))
+    log_a, log_b, log_c = DecisionLog(), DecisionLog(), DecisionLog()
+    shrink(make_policy("random"), a, 8, log_a, prompt=True)
+    shrink(make_policy("random"), b, 8, log_b, prompt=True)
+    shrink(make_policy("random", {"seed": 1}), c, 8, log_c, prompt=True)
+    assert log_a.frame().equals(log_b.frame()) and not log_a.frame().equals(log_c.frame())
+
+
+def test_a_run_of_every_field_method_keeps_its_budget(tiny):
+    for name in ("snapkv", "knorm", "keydiff", "expected_attention", "qfilter", "random"):
+        policy = make_policy(name, {"window": 16} if name == "snapkv" else {})
+        r = run(tiny, policy, IDS, prefill=120, steps=8, teacher=True, opts=RunOptions(budget=40))
+        assert r.metrics["kv_slots_max"] == 40 and torch.isfinite(r.tensors["steps/nll"]).all(), name
