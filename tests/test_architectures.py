@@ -193,15 +193,30 @@ def test_ppl_command_equals_the_models_own_loss(name, tiny_dir, long_text, tmp_p
     assert abs(nll - loss) / loss <= TOLERANCE
 
 
+# windows that fit the matrix's 40-token prompts (their defaults, 64, need longer ones)
+SMALL_PROMPT = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4, "base.window": 4}, "adakv": {"base.window": 4}}
+
+
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_every_policy_runs_within_its_budget(name, loaded, ids):
+    """Every registered policy runs on every architecture; a policy that needs what a model lacks (Expected
+    Attention: one RoPE on every layer) is refused in one sentence. Each keeps its budget: every layer and head,
+    or, for a policy that reallocates, the total over layers and heads."""
     lm = loaded(name)
+    shape = lm.shape()
     for policy, cls in REGISTRY.items():
         budget = None if cls.budget_free else BUDGET
-        r = run(lm, make_policy(policy), ids, prefill=PREFILL, steps=6, teacher=True, opts=RunOptions(budget=budget))
+        try:
+            r = run(lm, make_policy(policy, SMALL_PROMPT.get(policy, {})), ids, prefill=PREFILL, steps=6,
+                    teacher=True, opts=RunOptions(budget=budget))
+        except KvlensError as err:
+            assert policy == "expected_attention" and "rotary embedding" in str(err), (policy, str(err))
+            assert name in ("gpt2", "gpt_neox", "gemma3"), f"{policy} refused {name}: {err}"  # no RoPE, partial, two
+            continue
         assert math.isfinite(r.metrics["nll"]), policy
         if budget is not None:
-            assert int(r.tensors["steps/kv_slots"].max()) <= budget, policy
+            assert r.metrics["kv_entries_max"] <= budget * shape["layers"] * shape["kv_heads"], policy
+            assert cls.reallocates or int(r.tensors["steps/kv_slots"].max()) <= budget, policy
 
 
 def test_sliding_layer_attends_only_its_window(loaded, ids):

@@ -10,6 +10,7 @@ two models that pass the same arguments are treated the same.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -70,7 +71,8 @@ def rotary_of(model: torch.nn.Module, support: Support):
     `Prompt.rotary` hands policies that reason about future queries), or None: no RoPE, partial RoPE, or
     several rotary embeddings (e.g. Gemma 3's local and global ones)."""
     rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    if support.positions != "rotary" or len(rotaries) != 1:
+    if support.positions != "rotary" or len(rotaries) != 1 or "layer_type" in inspect.signature(
+            rotaries[0].forward).parameters:  # one module serving several layer types (Gemma 3) is several
         return None
     rope = rotaries[0]
 

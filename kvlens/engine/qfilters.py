@@ -64,7 +64,8 @@ def path_for(model: LoadedModel) -> Path:
 
 def compute(model: LoadedModel, count: int = TEXTS, tokens: int = TOKENS, samples: int = SAMPLES, seed: int = 0,
             progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
-    """The filters `(L, Hkv, D)` from `count` bundled texts of `tokens` tokens each."""
+    """The filters `(L, Hkv, D)` from `count` bundled texts of `tokens` tokens each (at most the model's context)."""
+    tokens = min(tokens, model.shape()["context"] or tokens)
     chosen = {i: t for i, t in texts.bundled().items() if len(model.tokenizer(t).input_ids) >= tokens}
     if len(chosen) < count:
         raise KvlensError(f"Only {len(chosen)} bundled texts have {tokens} tokens for this tokenizer; ask for fewer "
