@@ -1,55 +1,105 @@
 """`scissorhands`: persistence of importance.
 
 Liu et al., "Scissorhands: Exploiting the Persistence of Importance Hypothesis for LLM KV Cache
-Compression at Test Time", NeurIPS 2023, https://arxiv.org/abs/2305.17118 (§4, Algorithms 1-2).
-Over the last `history` queries, a slot is important at a step if its attention reaches the
-average `1/t` over the t slots that query saw (a KV head's attention being the mean of its query
-heads'), unimportant if below. The paper counts the unimportant steps and drops the non-recent
-slots with the largest count (`count="unimportant"`); it compresses only when the cache is full,
-dropping `m` slots at once (`drop`). kvlens used to keep the slots with the most important steps
+Compression at Test Time", NeurIPS 2023, https://arxiv.org/abs/2305.17118 (§3, §4.1, Algorithms
+1-2). Over the last `history` queries (the paper's w), a slot is important at a step if its
+attention (a KV head's being the mean of its query heads') reaches the step's threshold,
+unimportant if below. The paper counts the unimportant steps and drops the non-recent slots with
+the largest count (`count="unimportant"`); it compresses only when the cache is over budget,
+dropping m slots at once. kvlens used to keep the slots with the most important steps
 (`count="important"`): the two rankings differ only for slots that entered during the window
 (they were observed fewer times, so they have fewer of both counts: the paper keeps them, the
-important count drops them). Ties are broken by smaller accumulated attention `Abar`. With
-`drop` > 1 the recent window is `recent_ratio` of the size compressed to.
+important count drops them). Ties are broken by smaller accumulated attention `Abar`.
 
-As CaM's base only `select()` is used (one slot per decode step), so `drop` applies when
-scissorhands runs on its own.
+Each choice is a parameter; `preset=paper` sets the paper's (§4.1: "We use r=10 and w=400 in all
+our experiments", "we use m=0.5B"; the threshold 1/t of §3.1 and Algorithm 2):
+- `threshold`: at a decode step, `position` is the paper's `1/t`, t the tokens the query attends
+  to in the uncompressed stream, i.e. its position + 1 ("the attention score from the position t
+  over all the words that come before it ... 1/t indicates an averaging mixing score", §3.1);
+  `slots` (default, kvlens's earlier rule) is `1/n_slots`, the slots it attends to in the
+  compressed cache. Prompt rows see every earlier token, so there both rules are `1/(i + 1)` for
+  row i. Each step is judged against its own t as it happens (the paper's "maintaining the
+  importance record during generation steps", §4.1); Algorithm 2 as printed judges the whole
+  window at the compression step t against one `1/t`, which would need the window's attention
+  kept, not only its marks.
+- the recent window (r): `recent` slots when > 0 (paper: 10), else `recent_ratio` of the size
+  compressed to (default, H2O's even split).
+- m: `drop` slots, or with `drop_ratio` > 0 `max(1, floor(drop_ratio * budget))` (paper: 0.5B);
+  the cache then ranges over budget + 1 - m ... budget.
+Not expressed: the paper's per-layer budgets ("allocate more budget to later layers", §4.1, from
+its Fig. 2; kvlens gives every layer the same) and the streamed prompt (kvlens prefills with full
+attention, then compresses once with the last `history` prompt rows, as for every policy).
+
+As CaM's base only `select()` is used (one slot per decode step), so `drop` and `drop_ratio`
+apply when scissorhands runs on its own.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvlens.engine.cache import CacheRows, Prompt, Step
-from kvlens.policies.base import ScoredEviction, group_mean, param, recent_mask, register
+from kvlens.policies.base import ScoredEviction, check, group_mean, param, recent_mask, register
 
 HISTORY = "scissorhands_history"  # (Hkv, S, history) int8, newest step last: 0 unseen, 1 unimportant, 2 important
 UNSEEN, UNIMPORTANT, IMPORTANT = 0, 1, 2
+
+# the paper's settings (§4.1: r = 10, w = 400, m = 0.5B; the threshold 1/t of §3.1 and Algorithm 2)
+PRESETS: dict[str, dict] = {
+    "paper": {"threshold": "position", "recent": 10, "history": 400, "drop_ratio": 0.5, "count": "unimportant"},
+}
 
 
 @register
 @dataclass(frozen=True)
 class Scissorhands(ScoredEviction):
-    history: int = param(64, "Window of the last queries over which a slot's importance is counted.", minimum=1)
-    recent_ratio: float = param(0.5, "Share of the budget kept as the most recent slots (never dropped).",
+    history: int = param(64, "w, the last queries over which a slot's importance is counted (paper §4.1: w = 400; "
+                         "64 scales it to prompts of a few hundred tokens).", minimum=1)
+    recent: int = param(0, "r, the newest slots never dropped (paper §4.1: r = 10); 0 = use recent_ratio.",
+                        minimum=0)
+    recent_ratio: float = param(0.5, "With recent=0: share of the size compressed to kept as the most recent slots "
+                                "(kvlens's default, H2O's even split; the paper gives a count, r).",
                                 minimum=0.0, maximum=1.0)
-    count: str = param("unimportant", "Statistic over the window: drop the slots most often below the average "
-                       "attention (the paper), or keep those most often at or above it.",
-                       choices=("unimportant", "important"))
-    drop: int = param(1, "m, slots dropped at once when the cache exceeds the budget (the paper drops m when full; "
-                      "1 = compress at every step).", minimum=1)
+    threshold: str = param("slots", "Importance threshold at a decode step: 1/n_slots, the slots the query attends "
+                           "to (kvlens's earlier rule), or 1/t with t its position + 1, the tokens it would attend "
+                           "to uncompressed (paper §3.1, Algorithm 2). Prompt rows: 1/(i + 1) under both.",
+                           choices=("slots", "position"))
+    count: str = param("unimportant", "Statistic over the window: drop the slots most often below the threshold "
+                       "(paper Algorithm 2, \"Mark low score cache\"), or keep those most often at or above it "
+                       "(kvlens's earlier rule).", choices=("unimportant", "important"))
+    drop: int = param(1, "m, slots dropped at once when the cache exceeds the budget (paper Algorithm 2's drop "
+                      "amount; 1 = compress at every step, as its §4.2 analysis).", minimum=1)
+    drop_ratio: float = param(0.0, "m as a share of the budget, max(1, floor(drop_ratio x budget)) (paper §4.1: "
+                              "m = 0.5B); 0 = use drop.", minimum=0.0, maximum=1.0)
 
     name = "scissorhands"
     description = "Keep a recent window; drop the slots most often unimportant over the last `history` queries."
     paper = "https://arxiv.org/abs/2305.17118"
+    presets: ClassVar[dict[str, dict]] = PRESETS
+
+    def validate(self) -> None:
+        check(not (self.recent and self.drop_ratio >= 1.0),
+              f"drop_ratio=1 of scissorhands drops the whole budget, leaving no room for its recent={self.recent} "
+              f"slots; use a drop_ratio below 1 or recent=0.")
+
+    def dropped(self, budget: int) -> int:
+        """m, the slots dropped at once when the cache exceeds `budget`."""
+        return max(1, int(self.drop_ratio * budget)) if self.drop_ratio else self.drop
 
     def prefill_rows(self) -> int:
         return self.history
 
     def min_budget(self) -> int:
-        return self.drop
+        if not self.recent:
+            return 1 if self.drop_ratio else self.drop
+        # the least budget that, m dropped, still keeps the recent window and one slot chosen by importance
+        budget = self.recent + 1
+        while budget + 1 - self.dropped(budget) < self.recent + 1:
+            budget += 1
+        return budget
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
         last = prompt.last  # (Hq, L, T)
@@ -59,7 +109,7 @@ class Scissorhands(ScoredEviction):
         kv_rows = last.view(r, g, length, -1).mean(1)  # (R, L, T)
         query = torch.arange(s - length, s, device=last.device)  # query i sees slots 0..i
         seen = torch.arange(s, device=last.device)[None, :] <= query[:, None]  # (L, T)
-        important = kv_rows >= (1.0 / (query + 1).float())[None, :, None]
+        important = kv_rows >= (1.0 / (query + 1).float())[None, :, None]  # i + 1 tokens = slots: both thresholds
         state = torch.where(seen[None], UNIMPORTANT + important.to(torch.int8), UNSEEN).to(torch.int8)
         hist = torch.zeros(r, s, self.history, dtype=torch.int8, device=last.device)
         hist[:, :, self.history - length:] = state.transpose(1, 2)
@@ -67,8 +117,11 @@ class Scissorhands(ScoredEviction):
 
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
         att = group_mean(probs)  # (R, S)
-        n_slots = rows.valid.sum(-1, keepdim=True).float()
-        state = torch.where(rows.valid, UNIMPORTANT + (att >= 1.0 / n_slots).to(torch.int8), UNSEEN)
+        if self.threshold == "position":  # t: the tokens the query attends to uncompressed, its position + 1
+            t = rows.pos.max(-1, keepdim=True).values.float() + 1.0
+        else:  # the slots it attends to
+            t = rows.valid.sum(-1, keepdim=True).float()
+        state = torch.where(rows.valid, UNIMPORTANT + (att >= 1.0 / t).to(torch.int8), UNSEEN)
         hist = rows.extra[HISTORY]
         rows.extra[HISTORY] = torch.cat([hist[:, :, 1:], state.to(torch.int8)[:, :, None]], dim=2)
 
@@ -79,11 +132,11 @@ class Scissorhands(ScoredEviction):
         return counted.float() + tie
 
     def local_window(self, budget: int) -> int:
-        return int(budget * self.recent_ratio)
+        return min(self.recent, budget) if self.recent else int(budget * self.recent_ratio)
 
     def protected(self, rows: CacheRows, budget: int) -> torch.Tensor | None:
         return recent_mask(rows, self.local_window(budget))
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         if step.budget is not None and rows.n_kept > step.budget:
-            super().compress(rows, dataclasses.replace(step, budget=step.budget + 1 - self.drop))
+            super().compress(rows, dataclasses.replace(step, budget=step.budget + 1 - self.dropped(step.budget)))
