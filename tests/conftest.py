@@ -44,6 +44,9 @@ class ByteTokenizer:
     def __call__(self, text):
         return type("Enc", (), {"input_ids": list(text.encode("utf-8"))})()
 
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode("utf-8"))
+
     def decode(self, ids):
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 

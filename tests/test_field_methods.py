@@ -186,3 +186,87 @@ def test_a_run_of_every_field_method_keeps_its_budget(tiny):
         policy = make_policy(name, {"window": 16} if name == "snapkv" else {})
         r = run(tiny, policy, IDS, prefill=120, steps=8, teacher=True, opts=RunOptions(budget=40))
         assert r.metrics["kv_slots_max"] == 40 and torch.isfinite(r.tensors["steps/nll"]).all(), name
+
+
+def test_kvzip_asks_to_repeat_each_chunk_quoting_the_previous_one(tiny):
+    prompt = list(range(100, 150))
+    passes = make_policy("kvzip", {"chunk": 20}).replay_passes(tiny.tokenizer, prompt)
+    first, later = list(b"\n\nRepeat the previous context exactly."), list(
+        b"\n\nRepeat the part of the previous context exactly, starting with")
+    assert [(a, b) for a, b, _ in passes] == [(0, 20), (20, 40), (40, 50)]
+    assert passes[0][2] == first + list(b"\n") + prompt[:20]  # no chat template: "\n" ends the turn
+    assert passes[1][2] == later + prompt[12:20] + list(b"\n") + prompt[20:40]  # the previous chunk's last 8
+    assert passes[2][2] == later + prompt[32:40] + list(b"\n") + prompt[40:50]
+
+
+@settings(max_examples=examples(10))
+@given(st.integers(0, 10_000), st.integers(0, 6), st.integers(1, 5))
+def test_kvzip_scores_each_slot_by_the_largest_weight_of_the_repeating_queries(seed, start, sinks):
+    from kvlens.engine.cache import Replay
+
+    t, q, end = 16, 5, min(16, start + 7)
+    layer = random_layer(seed, t)
+    gen = torch.Generator().manual_seed(seed + 1)
+    queries, own = torch.randn(HKV * G, q, D, generator=gen), torch.randn(HKV, q, D, generator=gen)
+    make_policy("kvzip", {"n_sink": sinks}).observe_replay(layer, Replay(start, end, queries, own, 0.5))
+    got = layer.states[0]["kvzip_score"]
+    keys = layer.keys[0]
+    s = min(sinks, start)
+    for kv in range(HKV):
+        seen = torch.cat([keys[kv, :s], keys[kv, start:end], own[kv]])  # sinks, the chunk, the pass itself
+        best = torch.zeros(end - start)
+        for g in range(G):
+            for i in range(q):
+                logits = 0.5 * seen @ queries[kv * G + g, i]
+                logits[s + end - start + i + 1:] = float("-inf")  # causal among the pass's own keys
+                best = torch.maximum(best, torch.softmax(logits, 0)[s:s + end - start])
+        torch.testing.assert_close(got[kv, start:end], best, rtol=1e-5, atol=1e-7)
+        assert (got[kv, :start] == 0).all() and (got[kv, end:] == 0).all()  # other chunks: other passes
+
+
+@settings(max_examples=examples(10))
+@given(st.integers(0, 10_000), st.integers(5, 14), st.booleans())
+def test_kvzip_evicts_the_lowest_scores_over_every_layer_and_head_and_never_the_sinks(seed, budget, layerwise):
+    from kvlens.engine.cache import KVCache
+
+    t, n = 16, 3
+    gen = torch.Generator().manual_seed(seed)
+    layers = KVCache(n).layers
+    scores = torch.rand(n, HKV, t, generator=gen)
+    for rows, score in zip(layers, scores, strict=True):
+        rows.append(torch.randn(1, HKV, t, D, generator=gen), torch.randn(1, HKV, t, D, generator=gen),
+                    torch.arange(t))
+        rows.states[0]["kvzip_score"] = score.clone()
+    policy = make_policy("kvzip", {"n_sink": 2, "layerwise": layerwise})
+    widths = policy.allocate(budget, layers)
+    for rows, width in zip(layers, widths, strict=True):
+        policy.compress(rows, Step(0, Phase.PREFILL, width, None))
+    scores[..., :2] = float("inf")
+    if layerwise:  # each layer keeps its HKV x budget best, shared by its heads
+        want = [set(layer.flatten().topk(HKV * budget).indices.tolist()) for layer in scores]
+    else:
+        best = set(scores.flatten().topk(n * HKV * budget).indices.tolist())
+        want = [{i - k * HKV * t for i in best if k * HKV * t <= i < (k + 1) * HKV * t} for k in range(n)]
+    for rows, width, wanted in zip(layers, widths, want, strict=True):
+        got = {h * t + int(p) for h in range(HKV) for p in rows.pos[h][rows.valid[h]].tolist()}
+        assert got == wanted and {0, 1, t, t + 1} <= got
+        assert width == int(rows.valid.sum(-1).max())
+    assert sum(int(rows.valid.sum()) for rows in layers) == n * HKV * budget
+
+
+def test_kvzip_replays_leave_the_prompts_cache_as_it_was_and_keep_the_total_while_decoding(tiny):
+    steps, budget = 10, 30
+    full = run(tiny, make_policy("full"), IDS, prefill=100, steps=steps, teacher=True, opts=RunOptions())
+    for decoding in ("rolling", "once"):
+        r = run(tiny, make_policy("kvzip", {"chunk": 40, "decoding": decoding}), IDS, prefill=100, steps=steps,
+                teacher=True, opts=RunOptions(budget=budget))
+        assert r.metrics["replay_passes"] == 3 and r.metrics["replay_ms"] > 0
+        assert r.tensors["steps/nll"][0] == full.tensors["steps/nll"][0]  # the prompt's logits: no replay in them
+        total = r.tensors["steps/kv_slots"].sum((1, 2))  # (steps,) kept entries after each compression
+        entries = budget * 3 * HKV
+        assert total[0] == entries
+        assert (total == entries).all() if decoding == "rolling" else total.tolist() == [entries + HKV * 3 * i
+                                                                                        for i in range(steps)]
+        log = r.decisions
+        assert set(log.step) == ({0} if decoding == "once" else set(range(steps))) and (log.position >= 4).all()
+        assert (log[log.step > 0].position < 100).all()  # the least reconstructed prompt slots leave first

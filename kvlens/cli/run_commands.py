@@ -223,7 +223,9 @@ def cmd_ppl(args) -> int:
               "budget_requested": opts.budget, "prefill": args.prefill, "tokens": args.tokens, "nll": m["nll"],
               "ppl": m["ppl"], "kv_slots_max": m["kv_slots_max"], "kv_entries_max": m["kv_entries_max"],
               "kv_entries_budget": m["kv_entries_budget"], "kv_bytes_peak": m["kv_bytes_peak"],
-              "ms_per_token": m["ms_per_token"]}
+              "ms_per_token": m["ms_per_token"], "prefill_ms": m["prefill_ms"]}
+    if m.get("replay_passes"):  # a policy's extra passes over the prompt (KVzip), part of prefill_ms
+        result.update({"replay_passes": m["replay_passes"], "replay_ms": m["replay_ms"]})
     if args.measure:
         # MEASURED, and base_* (the separate run of a merging policy's base eviction policy)
         result.update({k: v for k, v in m.items() if k in MEASURED or k.startswith("base_")})

@@ -147,6 +147,20 @@ def dense(query, key, value, spec: AttentionSpec) -> torch.Tensor:
     return out.reshape(b, hq, q, d).transpose(1, 2).contiguous()
 
 
+def replayed(query, key, value, spec: AttentionSpec) -> torch.Tensor:
+    """The q queries of a pass fed after S - q cached slots (all visible), causal among themselves: SDPA with a
+    `(q, S)` mask, or `dense` when the layer soft-caps. query `(1, Hq, q, D)`, key/value `(1, Hkv, S, D)` ->
+    `(1, q, Hq, D)`."""
+    if not spec.plain:
+        return dense(query, key, value, spec)
+    q, s = query.shape[2], key.shape[2]
+    cols = torch.arange(s, device=key.device)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=visible(cols[s - q:], cols,
+                                                                                                None),
+                                                           scale=spec.scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
+
+
 def sdpa(query, key, value, scaling: float) -> torch.Tensor:
     """Plain causal SDPA with GQA, `(1, Hq, q, D)` x `(1, Hkv, S, D)` -> `(1, q, Hq, D)`.
 

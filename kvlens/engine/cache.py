@@ -79,6 +79,19 @@ class Prompt:
     rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None  # positions -> (cos, sin)
 
 
+@dataclass(frozen=True)
+class Replay:
+    """One replay pass of one layer (`Policy.replay_passes`, KVzip's reconstruction): tokens fed after the prompt,
+    before its compression, whose keys are never cached; what `Policy.observe_replay` may read beside the rows."""
+
+    start: int  # the prompt's positions start..end - 1 are what this pass reconstructs
+    end: int
+    queries: torch.Tensor  # (Hq, q, D) the pass's queries after RoPE
+    keys: torch.Tensor  # (Hkv, q, D) its own keys after RoPE (causal among themselves)
+    scaling: float  # the layer's logit scale
+    softcap: float | None = None  # its tanh soft-capping
+
+
 class Slots(NamedTuple):
     """Rows' kept slots in position order (oldest first; free and padding slots last, position -1)."""
 
@@ -509,7 +522,8 @@ class KVCache:
     """The cache handed to the model as `past_key_values`: one `SlotRows` view per layer.
 
     The engine sets `positions` (true token positions of the tokens being fed) before each
-    forward; `update` writes them and returns the layer's slots in use (views, no copy). `limit`:
+    forward; `update` writes them and returns the layer's slots in use (views, no copy); while `replaying`
+    it writes nothing and returns the slots in use followed by the pass's own keys and values. `limit`:
     the most slots a layer will need (budget + 1, or the run's length for growing caches; per layer
     after `set_budgets`).
     `all_layers=True` (a budgeted policy declaring `cross_layer`): a compressed layer's slots go
@@ -522,6 +536,7 @@ class KVCache:
         self.books = [LayerBook(layer=i, limit=limit) for i in range(n_layers)]
         self.layers = [SlotRows([book], owner=self) for book in self.books]
         self.positions: torch.Tensor | None = None
+        self.replaying = False  # a replay pass is being fed: `update` caches nothing
         self._everywhere: SlotRows | None = None
 
     def __call__(self, view: SlotRows, capacity: int) -> tuple[SlotStore, slice]:
@@ -549,6 +564,8 @@ class KVCache:
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer = self.layers[layer_idx]
+        if self.replaying:  # a replay pass attends to the cache and to itself, and leaves nothing behind
+            return torch.cat([layer.keys, key_states], 2), torch.cat([layer.values, value_states], 2)
         layer.append(key_states, value_states, self.positions)
         return layer.keys, layer.values
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.engine.attention import AttentionSpec, decode_rows, last_rows, prefill_stats, sdpa
-from kvlens.engine.cache import KVCache, Prompt, SlotRows
+from kvlens.engine.attention import AttentionSpec, decode_rows, last_rows, prefill_stats, replayed, sdpa
+from kvlens.engine.cache import KVCache, Prompt, Replay, SlotRows
+from kvlens.errors import KvlensError
 from kvlens.policies.base import Policy, group_mean
 
 
@@ -45,10 +46,13 @@ class RunContext:
         self.column_sums = policy.prefill_column_sums() or any(o.needs_prefill_stats for o in self.observers)
         self.prefill_rows = max([policy.prefill_rows()] + [o.prefill_rows for o in self.observers])
         self._observed: list[tuple[SlotRows, torch.Tensor, torch.Tensor | None]] = []  # this step's rows
+        self.replay: tuple[int, int] | None = None  # the prompt span a replay pass being fed reconstructs
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         """One layer's attention in this run; a sliding window hides the slots outside it (see `attention`)."""
         layer = self.cache.layers[layer_idx]
+        if self.replay is not None:
+            return self._replay(layer, query, key, value, spec)
         if query.shape[2] > 1:
             return self._prefill(layer, query, key, value, spec)
         if not self.needs_rows and spec.plain and not layer.padded:
@@ -97,3 +101,14 @@ class RunContext:
         for obs in self.observers:
             obs.on_prefill(layer, query, key, value, last if rows else None)
         return out
+
+    def _replay(self, layer: SlotRows, query, key, value, spec: AttentionSpec) -> torch.Tensor:
+        """A replay pass: its q queries attend to the prompt's slots and causally to its own keys (the last q of
+        `key`); the policy reads them (`observe_replay`); the cache keeps nothing of it."""
+        if spec.window is not None:
+            raise KvlensError(f"{self.policy.name}'s replay pass cannot run on sliding-window layers (layer "
+                              f"{layer.layers[0]}): the pass would not see the whole prompt it reconstructs.")
+        q = query.shape[2]
+        start, end = self.replay
+        self.policy.observe_replay(layer, Replay(start, end, query[0], key[0, :, -q:], spec.scaling, spec.softcap))
+        return replayed(query, key, value, spec)

@@ -104,6 +104,7 @@ class _Loop:
         self.budgets: list[int | None] = [budget] * model.shape()["layers"]  # each layer's (`Policy.allocate`)
         self.kept: list[torch.Tensor] = []  # (L, Hkv) per step
         self.peak_bytes = 0  # largest cache after compression
+        self.replay_ms, self.replay_passes = 0.0, 0  # the policy's replay passes (KVzip), part of the prefill
         self.prefill_bytes = 0  # the uncompressed prompt's cache
 
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
@@ -116,6 +117,19 @@ class _Loop:
         )
         self.ctx.accumulate()
         return out.logits[0, -1]
+
+    def replay(self, prompt: list[int]) -> None:
+        """The policy's replay passes over the prompt's cache (`Policy.replay_passes`), before its compression."""
+        t = time.perf_counter()
+        passes = self.policy.replay_passes(self.model.tokenizer, prompt)
+        for start, end, ids in passes:
+            self.ctx.replay, self.cache.replaying = (start, end), True
+            try:
+                self.forward(ids, len(prompt))
+            finally:
+                self.ctx.replay, self.cache.replaying = None, False
+        self.replay_passes = len(passes)
+        self.replay_ms = (time.perf_counter() - t) * 1000 if passes else 0.0
 
     def compress(self, index: int) -> None:
         """Compression `index` (0: the prompt's), on every layer's rows at once once they share one store. Before
@@ -223,6 +237,7 @@ def _steps(loop: _Loop, ids, prefill, steps, teacher, meta) -> Generator[StepEve
     suspended = 0.0  # time spent between a yield and the next step
     with torch.inference_mode():
         logits = loop.forward(ids[:prefill], 0)
+        loop.replay(ids[:prefill])
         loop.compress(0)
     prefill_ms = (time.perf_counter() - t0) * 1000
     step_ms = prefill_ms
@@ -265,6 +280,7 @@ def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, tota
         "kv_slots_final_mean": float(kept[-1].float().mean()),
         "kv_bytes_final": loop.cache.nbytes, "kv_bytes_peak": loop.peak_bytes, "kv_bytes_prefill": loop.prefill_bytes,
         "ms_per_token": (sum(ms) / len(ms)) if ms else None, "prefill_ms": prefill_ms, "total_s": total_s,
+        "replay_passes": loop.replay_passes, "replay_ms": loop.replay_ms,
     }
     info = {
         "mode": "teacher" if teacher else "generate",

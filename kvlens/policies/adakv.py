@@ -18,10 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kvlens.engine.cache import CacheRows, Step
-from kvlens.policies.base import ScoredEviction, Wrapper, log_evictions, param, register, scored_eviction_names
+from kvlens.policies.base import (
+    ScoredEviction,
+    Wrapper,
+    free_logged,
+    lowest_of_all_rows,
+    param,
+    register,
+    scored_eviction_names,
+)
 from kvlens.policies.snapkv import SnapKV
 
 
@@ -53,12 +59,4 @@ class AdaKV(Wrapper):
         if safe:
             score = score.scatter(1, score.masked_fill(~valid, float("-inf")).topk(min(safe, s), dim=-1).indices,
                                   float("inf"))
-        # the lowest scores leave; among equal ones the newest position first, then the lower row
-        by_age = torch.argsort(-rows.pos.flatten(), stable=True)
-        lowest = by_age[torch.argsort(score.flatten()[by_age], stable=True)[:leaving]]
-        gone = torch.zeros(r * s, dtype=torch.bool, device=valid.device).scatter_(0, lowest, True).view(r, s)
-        width = int(gone.sum(-1).max())
-        slots = torch.where(gone, torch.arange(s, device=valid.device), s).sort(-1).values[:, :width]
-        slots = slots.masked_fill(slots == s, -1)  # (R, E) each row's leaving slots, -1 padded
-        log_evictions(step, rows, rows.pos.gather(1, slots.clamp(min=0)).masked_fill(slots < 0, -1))
-        rows.free(slots)
+        free_logged(step, rows, lowest_of_all_rows(rows, score, leaving))

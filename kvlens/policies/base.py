@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.engine.cache import CacheRows, Prompt, Step
+from kvlens.engine.cache import CacheRows, Prompt, Replay, Step
 from kvlens.errors import KvlensError
 from kvlens.params import Param, check_budget
 
@@ -137,6 +137,14 @@ class Policy:
         """Initialise statistics from the prompt of the rows' layer: its last attention rows `prompt.last`
         `(R * G, L, T)`, queries, positions (`abar` and `nobs` are already set)."""
 
+    def replay_passes(self, tokenizer, prompt: list[int]) -> list[tuple[int, int, list[int]]]:
+        """Extra passes the engine feeds after the prompt, before its compression, each `(start, end, ids)`: `ids`
+        reconstruct the prompt's positions start..end - 1 (KVzip). Their keys are never cached. None by default."""
+        return []
+
+    def observe_replay(self, rows: CacheRows, replay: Replay) -> None:
+        """Read one replay pass on the rows' layer: its queries over the prompt's slots and its own keys."""
+
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
         """Update statistics after a decode step's attention `probs` `(R, G, S)`."""
 
@@ -231,6 +239,27 @@ def select_lowest(rows: CacheRows, score: torch.Tensor, protected: torch.Tensor 
     rank = torch.argsort(s, dim=-1, descending=True, stable=True)
     keep, evicted = rank[:, :budget].sort(-1).values, rank[:, budget:n].sort(-1).values
     return order.gather(1, keep), order.gather(1, evicted)
+
+
+def lowest_of_all_rows(rows: CacheRows, score: torch.Tensor, leaving: int) -> torch.Tensor:
+    """The `leaving` lowest scores over all the rows together (heads then keep different counts), for policies
+    that share a budget across heads (Ada-KV, KVzip): ties leave the newest position first, then the lower row;
+    free slots never count. Returns each row's leaving slots `(R, E)`, ascending, -1 padded (for `free`)."""
+    valid = rows.valid
+    r, s = valid.shape
+    score = score.float().masked_fill(~valid, float("inf"))
+    by_age = torch.argsort(-rows.pos.flatten(), stable=True)
+    lowest = by_age[torch.argsort(score.flatten()[by_age], stable=True)[:leaving]]
+    gone = torch.zeros(r * s, dtype=torch.bool, device=valid.device).scatter_(0, lowest, True).view(r, s)
+    width = int(gone.sum(-1).max())
+    slots = torch.where(gone, torch.arange(s, device=valid.device), s).sort(-1).values[:, :width]
+    return slots.masked_fill(slots == s, -1)
+
+
+def free_logged(step: Step, rows: CacheRows, slots: torch.Tensor) -> None:
+    """Evict `slots` `(R, E)` (-1 pads) and log their positions."""
+    log_evictions(step, rows, rows.pos.gather(1, slots.clamp(min=0)).masked_fill(slots < 0, -1))
+    rows.free(slots)
 
 
 def log_evictions(step: Step, rows: CacheRows, positions: torch.Tensor) -> None:

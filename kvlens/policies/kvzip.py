@@ -1,0 +1,143 @@
+"""`kvzip`: query-agnostic scores from a pass in which the model repeats the prompt.
+
+Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", 2025,
+https://arxiv.org/abs/2505.23416 (kvpress's `KVzipPress`, which the authors contributed). After the
+prompt is prefilled, the engine feeds replay passes (`Policy.replay_passes`): for each chunk of
+`chunk` prompt tokens, "Repeat the previous context exactly." (later chunks: "Repeat the part of the
+previous context exactly, starting with" and the previous chunk's last 8 tokens), the chat template's
+turn suffix, then the chunk itself, at the positions after the prompt; the pass's keys are never
+cached. A prompt slot's score is the largest attention it receives from any of the pass's queries
+and any query head of its KV head, the softmax taken over the first `n_sink` positions, the chunk
+and the pass's own keys (causal). The lowest scores leave, over every layer and KV head at once
+(`layerwise=false`, the paper's non-uniform budgets; `true`: the same count per layer, shared by its
+heads); the first `n_sink` positions never leave. kvlens reconstructs the whole prompt (kvpress
+skips a chat template's prefix, whose slots then score 0). The passes cost about twice the
+prompt's prefill; a run reports them as `replay_passes` and `replay_ms` (part of `prefill_ms`).
+
+Decoding (`decoding`): `once` compresses the prompt only, as the paper and kvpress do, and the cache
+then grows by one slot per generated token; `rolling` (kvlens's, the default, so that the budget
+holds at every step as for every other policy) evicts, at each decode step, the layer's lowest
+score over its heads, generated tokens scoring above every prompt slot (older ones lower), so
+the least reconstructed prompt slots leave first.
+
+Heads and layers keep different counts: buffers are padded to a layer's fullest head and the
+padding masked; `kv_entries_max` counts the kept entries (L x Hkv x budget), `kv_bytes_*` the
+allocated buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlens.engine.attention import AttentionSpec, softmax_weights
+from kvlens.engine.cache import CacheRows, Replay, Step
+from kvlens.policies.base import Policy, free_logged, lowest_of_all_rows, param, register
+
+SCORE = "kvzip_score"  # per layer until the budgets are allocated: (Hkv, T) by prompt position; then per slot (R, S)
+TOTAL = "kvzip_total"  # per layer: the entries the layer keeps, over its heads
+PROMPT = "kvzip_prompt"  # per layer: the prompt's length (positions from it on are generated tokens)
+FIRST = "\n\nRepeat the previous context exactly."  # the first chunk's instruction (kvpress's words)
+LATER = "\n\nRepeat the part of the previous context exactly, starting with"  # a later chunk's
+OVERLAP = 8  # tokens of the previous chunk quoted by a later chunk's instruction (kvpress `prev_postfix_size`)
+
+
+@register
+@dataclass(frozen=True)
+class KVzip(Policy):
+    n_sink: int = param(4, "First positions never evicted, also in every pass's softmax (kvpress: 4).", minimum=0)
+    chunk: int = param(2048, "Prompt tokens each replay pass reconstructs (kvpress: 2048).", minimum=1)
+    layerwise: bool = param(False, "Same count in every layer (kvpress layerwise=true); false: the lowest scores "
+                            "over all layers and heads leave (the paper's default).")
+    decoding: str = param("rolling", "During decoding: keep the budget, evicting the least reconstructed prompt slot "
+                          "of each layer (kvlens), or compress the prompt once and let the cache grow (the paper, "
+                          "kvpress).", choices=("rolling", "once"))
+
+    name = "kvzip"
+    description = "Keep the prompt slots the model attends to most while repeating the prompt (query-agnostic)."
+    paper = "https://arxiv.org/abs/2505.23416"
+    needs_attention = False
+    reallocates = True
+
+    def prefill_rows(self) -> int:
+        return 0
+
+    def prefill_column_sums(self) -> bool:
+        return False
+
+    def min_budget(self) -> int:
+        return self.n_sink + 1
+
+    def replay_passes(self, tokenizer, prompt: list[int]) -> list[tuple[int, int, list[int]]]:
+        suffix = tokenizer.encode(turn_suffix(tokenizer), add_special_tokens=False)
+        passes = []
+        for start in range(0, len(prompt), self.chunk):
+            end = min(start + self.chunk, len(prompt))
+            ask = tokenizer.encode(FIRST if start == 0 else LATER, add_special_tokens=False)
+            quote = prompt[max(0, start - OVERLAP):start]
+            passes.append((start, end, ask + quote + suffix + prompt[start:end]))
+        return passes
+
+    def observe_replay(self, rows: CacheRows, replay: Replay) -> None:
+        """Scores `(Hkv, T)`: each slot of the chunk, the largest weight any query of the pass gives it."""
+        keys = rows.keys[0]  # (Hkv, T, D): before the prompt's compression slot i holds position i
+        hkv, t, d = keys.shape
+        sink = min(self.n_sink, replay.start)
+        seen = torch.cat([keys[:, :sink], keys[:, replay.start:replay.end], replay.keys], dim=1)  # (Hkv, K, D)
+        q = replay.queries.shape[1]
+        logits = torch.matmul(replay.queries.view(hkv, -1, q, d), seen[:, None].transpose(-1, -2)).float()
+        own = torch.ones(q, q, dtype=torch.bool, device=keys.device).triu(1)
+        probs = softmax_weights(logits, AttentionSpec(replay.scaling, replay.softcap), own)  # (Hkv, G, q, K)
+        state = rows.states[0]
+        score = state.setdefault(SCORE, torch.zeros(hkv, t, dtype=torch.float32, device=keys.device))
+        score[:, replay.start:replay.end] = probs[..., sink:sink + replay.end - replay.start].amax(dim=(1, 2))
+
+    def allocate(self, budget: int, layers: list[CacheRows]) -> list[int]:
+        """Which entries leave, over every layer and head (or per layer): each layer's kept total, and as its
+        budget the count of its fullest head (the width of its buffers)."""
+        score = torch.stack([self._scores(rows) for rows in layers])  # (L, Hkv, T)
+        n, hkv, t = score.shape
+        pos = torch.stack([rows.pos for rows in layers])
+        if self.layerwise:
+            leaving = [hkv * (t - budget)] * n
+        else:  # the lowest over everything; ties as within a layer (newest first, then the lower layer and head)
+            flat = score.flatten()
+            by_age = torch.argsort(-pos.flatten(), stable=True)
+            lowest = by_age[torch.argsort(flat[by_age], stable=True)[: flat.numel() - budget * n * hkv]]
+            leaving = torch.bincount(lowest // (hkv * t), minlength=n).tolist()
+        widths = []
+        for rows, layer_score, gone in zip(layers, score, leaving, strict=True):
+            rows.extra[SCORE] = layer_score
+            state = rows.states[0]
+            state[TOTAL], state[PROMPT] = hkv * t - gone, t
+            left = (lowest_of_all_rows(rows, layer_score, gone) >= 0).sum(-1) if gone else torch.zeros(hkv)
+            widths.append(t - int(left.min()))
+        return widths
+
+    def _scores(self, rows: CacheRows) -> torch.Tensor:
+        """One layer's replay scores `(Hkv, T)`, the first `n_sink` positions above every other."""
+        score = rows.states[0].pop(SCORE)
+        return score.masked_fill(rows.pos < self.n_sink, float("inf"))
+
+    def compress(self, rows: CacheRows, step: Step) -> None:
+        if not step.prompt and self.decoding == "once":
+            return
+        state = rows.states[0]
+        leaving = int(rows.valid.sum()) - state[TOTAL]
+        if leaving <= 0:
+            return
+        generated = rows.pos >= state[PROMPT]  # above every prompt slot (scores are weights <= 1), older lower
+        score = torch.where(generated, 2.0 + rows.pos.float() / 2 ** 24, rows.extra[SCORE])
+        free_logged(step, rows, lowest_of_all_rows(rows, score, leaving))
+
+
+def turn_suffix(tokenizer) -> str:
+    """What the chat template puts between a user's message and the assistant's answer ("\\n" without one), as
+    kvpress derives it: a dummy message with a separator, split at the separator."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return "\n"
+    dummy = "dummy context"
+    separator = "\n" + "#" * len(dummy)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}], add_generation_prompt=True,
+                                         tokenize=False, enable_thinking=False)
+    return text.split(separator)[1]
