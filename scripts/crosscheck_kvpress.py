@@ -24,6 +24,17 @@ teacher-forced decode steps, each compressing back to BUDGET.
 - `tova`: kvpress `TOVAPress` without its pin of the newest token (it scores the last query's
   attention to every slot but its own, then gives the newest slot max + 1; TOVA and kvlens score
   all slots, the newest included).
+
+The methods kvpress compresses the prompt with only (`prompt_cases`): on two bundled texts of
+PROMPT_LEN tokens at compression ratios RATIOS (kvpress's share removed; kvlens's budget is the
+rest), the positions each layer and KV head lost in the prompt's compression, and the NLL of the
+next two tokens (the prompt's logits, then one decode step over the compressed cache). kvpress's
+press as shipped, with the same parameters: `SnapKVPress` (window 16, kernel 5), `PyramidKVPress`
+(window 16, beta 4, so that the pyramid is not kvpress's uniform fallback at these lengths),
+`AdaKVPress` over SnapKV and over `ExpectedAttentionPress`, `ExpectedAttentionPress`,
+`KnormPress`, `KeyDiffPress` and `KVzipPress` (chunks of 128 tokens; made to reconstruct the whole
+prompt, which has no chat template's prefix to skip). AdaKV and KVzip keep every key and mask the
+evicted ones (fake keys); their removed positions are the masked ones.
 """
 from __future__ import annotations
 
@@ -41,6 +52,18 @@ VENV = Path.home() / ".cache" / "kvlens" / "kvpress-venv"
 PINS = ["kvpress==0.5.5", "torch==2.13.0", "transformers>=4.56,<5.3"]
 TEXT = ROOT / "kvlens" / "data" / "state_union" / "1946-Truman.txt"
 PREFILL, STEPS, BUDGET, SINK, RECENT_RATIO = 64, 12, 24, 4, 0.5
+PROMPT_TEXTS = ("1946-Truman.txt", "1961-Kennedy.txt")
+PROMPT_LEN, RATIOS, WINDOW, PROMPT_STEPS = 256, (0.5, 0.75), 16, 2
+# prompt case -> the kvlens policy and parameters that define the same thing as kvpress's press
+PROMPT_CASES = {"snapkv": ("snapkv", {"window": WINDOW, "kernel": 5, "pooling": "avg"}),
+                "pyramidkv": ("pyramidkv", {"schedule": "kvpress", "window": WINDOW, "beta": 4.0,
+                                            "base.window": WINDOW, "base.kernel": 5}),
+                "adakv_snapkv": ("adakv", {"base": "snapkv", "base.window": WINDOW, "alpha": 0.2}),
+                "adakv_expected_attention": ("adakv", {"base": "expected_attention", "alpha": 0.2}),
+                "expected_attention": ("expected_attention", {}),
+                "knorm": ("knorm", {}),
+                "keydiff": ("keydiff", {}),
+                "kvzip": ("kvzip", {"chunk": 128, "decoding": "once"})}
 # case -> the kvlens policy and parameters that define the same thing
 CASES = {"streaming_llm": ("streaming_llm", {"sink": SINK}),
          "cam": ("cam", {"preset": "kvpress", "mask": "always", "base.sink": SINK}),
@@ -158,17 +181,104 @@ def reference(model_dir: str) -> int:
             mock.patch("torch.bernoulli", lambda p, *a, **k: torch.ones_like(p)), torch.no_grad():
         for case, press in presses.items():
             nll[case], removed[case] = score(model, press, ids, torch)
+    prompt_cases = prompt_references(model_dir, tok, torch)
     result = {"command": "python scripts/crosscheck_kvpress.py", "text": TEXT.relative_to(ROOT).as_posix(),
               "ids": ids, "prefill": PREFILL, "steps": STEPS, "budget": BUDGET,
               "versions": {p: version(p) for p in ("kvpress", "torch", "transformers")},
               "cases": {case: {"policy": CASES[case][0], "params": CASES[case][1], "nll": nll[case],
                                "removed": removed[case]}
-                        for case in presses}}
+                        for case in presses},
+              "prompt": {"texts": [f"kvlens/data/state_union/{t}" for t in PROMPT_TEXTS], "prefill": PROMPT_LEN,
+                         "steps": PROMPT_STEPS, "ratios": list(RATIOS)},
+              "prompt_cases": prompt_cases}
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    head = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in result.items() if k != "cases"]
-    cases = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in result["cases"].items()]  # one line per case
-    OUT.write_text("{\n" + "\n".join(head) + '\n "cases": {\n' + ",\n".join(cases) + "\n }\n}\n", encoding="utf-8")
+    blocks = ("cases", "prompt_cases")
+    head = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in result.items() if k not in blocks]
+    body = [f' {json.dumps(b)}: {{\n' + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in result[b].items())
+            + "\n }" for b in blocks]  # one line per case
+    OUT.write_text("{\n" + "\n".join(head) + "\n" + ",\n".join(body) + "\n}\n", encoding="utf-8")
     return 0
+
+
+def prompt_references(model_dir: str, tok, torch) -> dict:
+    """Inside the kvpress virtualenv: every prompt case on every text and ratio (see the module docstring)."""
+    from kvpress import (
+        AdaKVPress,
+        ExpectedAttentionPress,
+        KeyDiffPress,
+        KnormPress,
+        KVzipPress,
+        PyramidKVPress,
+        SnapKVPress,
+    )
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    class WholePromptKVzip(KVzipPress):
+        """`KVzipPress` reconstructing the whole prompt: it has no chat template's prefix to skip."""
+
+        def _perform_kvzip_compression(self, model, tokenizer):
+            self.prefix_length = 0
+            super()._perform_kvzip_compression(model, tokenizer)
+
+    presses = {"snapkv": lambda r: SnapKVPress(r, window_size=WINDOW, kernel_size=5),
+               "pyramidkv": lambda r: PyramidKVPress(r, window_size=WINDOW, kernel_size=5, beta=4),
+               "adakv_snapkv": lambda r: AdaKVPress(SnapKVPress(r, window_size=WINDOW, kernel_size=5), 0.2),
+               "adakv_expected_attention": lambda r: AdaKVPress(ExpectedAttentionPress(r), 0.2),
+               "expected_attention": lambda r: ExpectedAttentionPress(r),
+               "knorm": lambda r: KnormPress(r),
+               "keydiff": lambda r: KeyDiffPress(r),
+               "kvzip": lambda r: WholePromptKVzip(r, chunk_size=128)}
+    assert set(presses) == set(PROMPT_CASES)
+    # AdaKV and KVzip refuse eager attention (they mask keys inside SDPA)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    layers = [layer.self_attn for layer in model.model.layers]
+    out = {}
+    for case, make in presses.items():
+        policy, params = PROMPT_CASES[case]
+        runs = []
+        for name in PROMPT_TEXTS:
+            ids = tok((ROOT / "kvlens" / "data" / "state_union" / name).read_text(encoding="utf-8"))["input_ids"]
+            ids = ids[:PROMPT_LEN + PROMPT_STEPS]
+            prompt = torch.tensor([ids[:PROMPT_LEN]])
+            with torch.no_grad():
+                full = DynamicCache()
+                model(input_ids=prompt, past_key_values=full)
+                for ratio in RATIOS:
+                    cache = DynamicCache()
+                    with make(ratio)(model):
+                        logits = model(input_ids=prompt, past_key_values=cache).logits[0, -1]
+                    removed = [removed_from(full.layers[i].keys[0], cache.layers[i].keys[0],
+                                            getattr(layers[i], "masked_key_indices", None), torch)
+                               for i in range(len(layers))]
+                    nll = [float(-torch.log_softmax(logits.float(), -1)[ids[PROMPT_LEN]])]
+                    logits = model(input_ids=torch.tensor([[ids[PROMPT_LEN]]]), past_key_values=cache,
+                                   position_ids=torch.tensor([[PROMPT_LEN]])).logits[0, -1]
+                    nll.append(float(-torch.log_softmax(logits.float(), -1)[ids[PROMPT_LEN + 1]]))
+                    for module in layers:
+                        module.masked_key_indices = None
+                    runs.append({"text": name, "ratio": ratio, "budget": int(PROMPT_LEN * (1 - ratio)),
+                                 "nll": nll, "removed": removed})
+        out[case] = {"policy": policy, "params": params, "runs": runs}
+        print(f"{case}: done")
+    return out
+
+
+def removed_from(before, after, masked, torch) -> list[list[int]]:
+    """Per KV head, the sorted positions a compression removed: the prompt's keys `before` `(Hkv, T, D)` the kept
+    keys `after` `(Hkv, S, D)` do not match (keys are never merged, so each kept key is one of them exactly), and
+    the masked ones (`masked_key_indices`: batch, head and position indices, fake-key compression)."""
+    hkv, t = before.shape[:2]
+    gone = [set(range(t)) for _ in range(hkv)]
+    match = (after[:, :, None, :] == before[:, None, :, :]).all(-1)  # (Hkv, S, T)
+    assert bool((match.sum(-1) == 1).all()), "every kept key is exactly one of the prompt's keys"
+    for h in range(hkv):
+        gone[h] -= set(match[h].float().argmax(-1).tolist())
+    if masked is not None:
+        _, heads, positions = masked
+        for h, p in zip(heads.tolist(), positions.tolist(), strict=True):
+            gone[h].add(p)
+    return [sorted(g) for g in gone]
 
 
 def score(model, press, ids, torch) -> tuple[list[float], list[list[list[list[int]]]]]:
