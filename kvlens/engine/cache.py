@@ -31,6 +31,7 @@ the forward that produced token t), its phase, the budget and the decision log.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
@@ -568,6 +569,22 @@ class KVCache:
             return torch.cat([layer.keys, key_states], 2), torch.cat([layer.values, value_states], 2)
         layer.append(key_states, value_states, self.positions)
         return layer.keys, layer.values
+
+    def mark(self) -> list[tuple]:
+        """What `rewind` needs to bring a cache that since only grew (no compression) back to now: each layer's
+        slots in use, their positions and validity (appends may fill freed slots) and its bookkeeping."""
+        return [(view.store.n, view.store.order, view.pos.clone(), view.valid.clone(), dataclasses.replace(book))
+                for view, book in zip(self.layers, self.books, strict=True)]
+
+    def rewind(self, mark: list[tuple]) -> None:
+        """Forget every token appended since `mark` (e.g. one question and its answer, before the next question
+        on the same compressed context)."""
+        with torch.inference_mode():  # the buffers are inference tensors when the run made them
+            for view, book, (n, order, pos, valid, saved) in zip(self.layers, self.books, mark, strict=True):
+                view.store.n = n
+                view.pos, view.valid = pos, valid
+                view.store.order = order
+                vars(book).update(vars(saved))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].n_slots

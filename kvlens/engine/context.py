@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.engine.attention import AttentionSpec, decode_rows, last_rows, prefill_stats, replayed, sdpa
+from kvlens.engine.attention import (
+    AttentionSpec,
+    attention_probs,
+    decode_rows,
+    last_rows,
+    prefill_stats,
+    replayed,
+    sdpa,
+    visible,
+)
 from kvlens.engine.cache import KVCache, Prompt, Replay, SlotRows
 from kvlens.errors import KvlensError
 from kvlens.policies.base import Policy, group_mean
@@ -47,6 +56,7 @@ class RunContext:
         self.prefill_rows = max([policy.prefill_rows()] + [o.prefill_rows for o in self.observers])
         self._observed: list[tuple[SlotRows, torch.Tensor, torch.Tensor | None]] = []  # this step's rows
         self.replay: tuple[int, int] | None = None  # the prompt span a replay pass being fed reconstructs
+        self.frozen = False  # compressed once for good (the task protocol): no statistics, no policy, chunks allowed
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         """One layer's attention in this run; a sliding window hides the slots outside it (see `attention`)."""
@@ -55,6 +65,12 @@ class RunContext:
             return self._replay(layer, query, key, value, spec)
         if query.shape[2] > 1:
             return self._prefill(layer, query, key, value, spec)
+        if self.frozen:  # compressed for good: attend, tell nobody
+            if spec.plain and not layer.padded:
+                return sdpa(query, key, value, spec.scaling)
+            seen = layer.valid if spec.window is None else \
+                layer.valid & (self.cache.positions[-1] - layer.pos < spec.window)
+            return decode_rows(query, key, value, seen, spec)[0]
         if not self.needs_rows and spec.plain and not layer.padded:
             return sdpa(query, key, value, spec.scaling)
         seen = layer.valid if layer.padded else None  # None: every slot holds a token
@@ -85,14 +101,23 @@ class RunContext:
     def _prefill(self, layer: SlotRows, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         t = query.shape[2]
         if key.shape[2] != t:
-            raise RuntimeError("kvlens feeds several tokens at once only as the first (prefill) call of a run.")
+            return self._extend(layer, query, key, value, spec)
         keep = min(self.prefill_rows, t)
-        rows = self.needs_rows or self.column_sums
         if self.column_sums or not spec.plain:  # chunked rows: never T x T scores at once
-            out, layer.abar, last = prefill_stats(query, key, value, spec, keep)
+            out, abar, last = prefill_stats(query, key, value, spec, keep)
         else:  # SDPA's output, plus only the last rows a policy reads
-            out = sdpa(query, key, value, spec.scaling)
+            out, abar = sdpa(query, key, value, spec.scaling), None
             last = last_rows(query, key, spec, keep)
+        self.observe_prompt(layer, query, key, value, spec, abar, last)
+        return out
+
+    def observe_prompt(self, layer: SlotRows, query, key, value, spec: AttentionSpec, abar, last) -> None:
+        """The prompt's statistics into the layer and to the policy and observers: abar `(Hkv, T)` or None (not
+        computed), last `(Hq, L, T)` the last L attention rows (`kvlens.engine.shared_prefill` calls this too)."""
+        t = query.shape[2]
+        rows = self.needs_rows or self.column_sums
+        if abar is not None:
+            layer.abar = abar
         if rows:
             seen_by = t - torch.arange(t, device=key.device, dtype=torch.float32)  # queries at or after each slot
             layer.nobs = seen_by.clamp(max=spec.window or t).expand(key.shape[1], t).clone()
@@ -100,7 +125,18 @@ class RunContext:
         self.policy.observe_prefill(layer, Prompt(last, query[0], self.cache.positions, spec.scaling, self.rotary))
         for obs in self.observers:
             obs.on_prefill(layer, query, key, value, last if rows else None)
-        return out
+
+    def _extend(self, layer: SlotRows, query, key, value, spec: AttentionSpec) -> torch.Tensor:
+        """q tokens fed at once after the prompt's compression (a question appended to a compressed context):
+        each sees the kept slots and, causally, the chunk's own; only once the cache is `frozen`."""
+        if not self.frozen:
+            raise RuntimeError("kvlens feeds several tokens at once after the prompt only to a frozen cache.")
+        hq, q, d = query.shape[1:]
+        hkv = key.shape[1]
+        allowed = visible(self.cache.positions, layer.pos, spec.window) & layer.valid[:, None, :]  # (Hkv, q, S)
+        probs = attention_probs(query[0].view(hkv, hq // hkv, q, d), key[0], spec, allowed[:, None])
+        out = torch.matmul(probs.to(value.dtype), value[0].unsqueeze(1))  # (Hkv, G, q, D)
+        return out.reshape(1, hq, q, d).transpose(1, 2).contiguous()
 
     def _replay(self, layer: SlotRows, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         """A replay pass: its q queries attend to the prompt's slots and causally to its own keys (the last q of

@@ -80,6 +80,17 @@ def _choose(logits: torch.Tensor, opts: RunOptions, gen: torch.Generator) -> int
     return int(torch.multinomial(probs.cpu(), 1, generator=gen))
 
 
+def feed(model: LoadedModel, cache: KVCache, ctx: RunContext, ids: list[int], start: int) -> torch.Tensor:
+    """One forward of `ids` at positions start.. through the run's cache and context; the last token's logits."""
+    dev = model.device
+    positions = torch.arange(start, start + len(ids), device=dev)
+    cache.positions = positions
+    out = model.model(input_ids=torch.tensor([ids], device=dev), position_ids=positions[None],
+                      past_key_values=cache, use_cache=True, logits_to_keep=1, **{CONTEXT_KWARG: ctx})
+    ctx.accumulate()
+    return out.logits[0, -1]
+
+
 MODEL_DATA = {"qfilters": qfilters.filters_for}  # what `Policy.model_data` may name: model -> per-layer tensors
 
 
@@ -87,13 +98,14 @@ class _Loop:
     """State of one run; `run()` drives it."""
 
     def __init__(self, model: LoadedModel, policy: Policy, opts: RunOptions, observers: list[Observer],
-                 budget: int | None, length: int):
+                 budget: int | None, length: int, once: bool = False):
         self.model, self.policy, self.opts = model, policy, opts
         self.recorder = Recorder(opts.record, opts.record_layers)
         # a compressed layer never holds more than budget + the step's token; others grow up to the run's length
-        # all layers' rows in one store when the policy's decode steps may run on them at once (chosen here, once)
+        # all layers' rows in one store when the policy's decode steps may run on them at once (chosen here, once);
+        # `once`: compressed after the prompt only (`freeze`), later tokens are appended, so each layer its own store
         self.cache = KVCache(model.shape()["layers"], limit=length if budget is None else budget + 1,
-                             all_layers=budget is not None and policy.cross_layer)
+                             all_layers=budget is not None and policy.cross_layer and not once)
         self.log = DecisionLog() if opts.log_decisions else None
         self.ctx = RunContext(self.cache, policy, [self.recorder, *observers], windowed=bool(model.support.sliding),
                               rotary=rotary_of(model.model, model.support))
@@ -108,15 +120,12 @@ class _Loop:
         self.prefill_bytes = 0  # the uncompressed prompt's cache
 
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
-        dev = self.model.device
-        positions = torch.arange(start, start + len(ids), device=dev)
-        self.cache.positions = positions
-        out = self.model.model(
-            input_ids=torch.tensor([ids], device=dev), position_ids=positions[None],
-            past_key_values=self.cache, use_cache=True, logits_to_keep=1, **{CONTEXT_KWARG: self.ctx},
-        )
-        self.ctx.accumulate()
-        return out.logits[0, -1]
+        return feed(self.model, self.cache, self.ctx, ids, start)
+
+    def freeze(self) -> None:
+        """No compression after this: later tokens (one, or a chunk such as a question) attend to the kept slots
+        and are appended; the policy sees nothing more (the task protocol's compress-once)."""
+        self.ctx.frozen = True
 
     def replay(self, prompt: list[int]) -> None:
         """The policy's replay passes over the prompt's cache (`Policy.replay_passes`), before its compression."""

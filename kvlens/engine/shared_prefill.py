@@ -1,0 +1,144 @@
+"""Compress once, then answer: the task protocol, with one prefill of a context shared by every policy and budget.
+
+The field's task benchmarks (kvpress's `evaluation/`, RULER, LongBench) compress a context once, right after
+its prefill, then append the question uncompressed and generate the answer. `prepare` sets a policy up that way
+(prefill, its replay passes, its step-0 compression, then `freeze`), and `answer` feeds a question as one chunk
+and generates greedily; `KVCache.mark`/`rewind` ask several questions of one compressed context.
+
+The prefill is most of the cost, and it is the same for every policy: `SharedPrefill` runs it once per prefill
+kernel the policies use (SDPA for those that read no column sums, the eager statistics pass for those that
+do; each gives its policies exactly the keys and values of their own runs) and keeps every layer's queries,
+keys, values, column sums and last attention rows. `prepare(..., shared=...)` then rebuilds what a policy's
+own prefill would have left (cache, `abar`, `nobs`, the last rows it reads, its `observe_prefill`) without
+running the model: decisions are those of its own run, bit for bit (tested).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlens.engine.architectures import inspect_model, rotary_of
+from kvlens.engine.attention import AttentionSpec, last_rows
+from kvlens.engine.cache import KVCache
+from kvlens.engine.context import RunContext
+from kvlens.engine.loop import RunOptions, _check_length, _Loop, feed
+from kvlens.engine.models import LoadedModel
+from kvlens.policies import Policy, make_policy
+
+QUIET = RunOptions(record="summary", log_decisions=False)
+
+
+@dataclass
+class _Layer:
+    """One layer's prompt as the attention function saw it: query `(1, Hq, T, D)`, key/value `(1, Hkv, T, D)`,
+    column sums `(Hkv, T)` (None: SDPA ran) and the last `rows` attention rows `(Hq, rows, T)`."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    spec: AttentionSpec
+    abar: torch.Tensor | None
+    last: torch.Tensor
+    by_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # SDPA layers: last rows recomputed, by count
+
+    def last_for(self, rows: int) -> torch.Tensor:
+        """The last `rows` attention rows exactly as a policy's own prefill computes them."""
+        if self.abar is not None:  # the eager pass: the same rows whatever the count kept
+            return self.last[:, self.last.shape[1] - rows:]
+        if rows not in self.by_rows:
+            self.by_rows[rows] = last_rows(self.query, self.key, self.spec, rows)
+        return self.by_rows[rows]
+
+
+class _Capture(RunContext):
+    """A run context that computes the prompt's statistics for a group of policies and keeps them per layer."""
+
+    def __init__(self, cache: KVCache, column_sums: bool, rows: int, windowed: bool, rotary):
+        super().__init__(cache, make_policy("full"), windowed=windowed, rotary=rotary)
+        self.column_sums, self.prefill_rows = column_sums, rows
+        self.layers: list[_Layer] = []
+
+    def observe_prompt(self, layer, query, key, value, spec, abar, last) -> None:
+        self.layers.append(_Layer(query, key, value, spec, abar, last))
+
+
+class SharedPrefill:
+    """One context's prefill, kept for every policy in `policies` (at most two forwards: SDPA and eager)."""
+
+    def __init__(self, model: LoadedModel, ids: list[int], policies: list[Policy]):
+        if model.support is None:
+            model.support = inspect_model(model.model)
+        model.support.require()
+        _check_length(model, len(ids))
+        self.ids, self.groups, self.logits = list(ids), {}, {}
+        t = time.perf_counter()
+        for sums in sorted({_ctx_of(model, p).column_sums for p in policies}):
+            rows = max(_ctx_of(model, p).prefill_rows for p in policies if _ctx_of(model, p).column_sums == sums)
+            cache = KVCache(model.shape()["layers"], limit=len(ids))
+            ctx = _Capture(cache, sums, min(rows, len(ids)), bool(model.support.sliding),
+                           rotary_of(model.model, model.support))
+            with torch.inference_mode():
+                self.logits[sums] = feed(model, cache, ctx, self.ids, 0)
+            self.groups[sums] = ctx.layers
+        self.ms = (time.perf_counter() - t) * 1000
+
+    def restore(self, loop: _Loop) -> torch.Tensor:
+        """Put into `loop`'s fresh cache what its own prefill would have left; the prompt's last logits."""
+        ctx, cache = loop.ctx, loop.cache
+        keep = min(ctx.prefill_rows, len(self.ids))
+        cache.positions = torch.arange(len(self.ids), device=loop.model.device)
+        for view, kept in zip(cache.layers, self.groups[ctx.column_sums], strict=True):
+            view.append(kept.key.clone(), kept.value.clone(), cache.positions)
+            ctx.observe_prompt(view, kept.query, view.keys, view.values, kept.spec, kept.abar, kept.last_for(keep))
+        return self.logits[ctx.column_sums]
+
+
+def _ctx_of(model: LoadedModel, policy: Policy) -> RunContext:
+    """What a policy's own run would compute in its prefill (its context, without a cache)."""
+    return RunContext(None, policy, windowed=bool(model.support.sliding))
+
+
+def prepare(model: LoadedModel, policy: Policy, context: list[int], budget: int | None, extra: int,
+            shared: SharedPrefill | None = None, opts: RunOptions = QUIET) -> tuple[_Loop, torch.Tensor]:
+    """`policy` compressed once to `budget` slots after the prompt `context` (its own prefill, or restored from
+    `shared`), then frozen; `extra`: the tokens that will be appended (questions and answers). Returns the loop
+    and the prompt's last logits."""
+    _check_length(model, len(context) + extra)
+    if model.support is None:
+        model.support = inspect_model(model.model)
+    loop = _Loop(model, policy, opts, [], budget, len(context) + extra, once=True)
+    with torch.inference_mode():
+        if shared is None:
+            logits = loop.forward(context, 0)
+        else:
+            if shared.ids != list(context):
+                raise ValueError("The shared prefill is of another context.")
+            logits = shared.restore(loop)
+        loop.replay(context)
+        loop.compress(0)
+    loop.freeze()
+    return loop, logits
+
+
+def answer(loop: _Loop, question: list[int], start: int, max_new_tokens: int,
+           logits: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
+    """Greedy answer after feeding `question` at positions start.. in one chunk (none: answer from `logits`, the
+    prompt's); stops at the tokenizer's end-of-sequence. Returns the tokens and each one's NLL."""
+    eos = loop.model.tokenizer.eos_token_id
+    tokens, nlls = [], []
+    with torch.inference_mode():
+        if question:
+            logits = loop.forward(question, start)
+        pos = start + len(question)
+        for _ in range(max_new_tokens):
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            token = int(torch.argmax(logits))
+            tokens.append(token)
+            nlls.append(float(-logp[token]))
+            if token == eos or len(tokens) == max_new_tokens:
+                break
+            logits = loop.forward([token], pos)
+            pos += 1
+    return tokens, nlls

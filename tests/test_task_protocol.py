@@ -1,0 +1,87 @@
+"""The task suite's compress-once protocol (`kvlens.engine.shared_prefill`): a shared prefill gives each policy
+exactly its own run's decisions and answers; a question fed as one chunk equals the model's own forward; several
+questions of one compressed context each start from it afresh."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlens import texts
+from kvlens.engine.shared_prefill import SharedPrefill, answer, prepare
+from kvlens.policies import make_policy
+
+# both prefill kernels (SDPA; the eager column-sum pass), last rows of several counts, per-head padding (Ada-KV),
+# per-layer budgets (PyramidKV), replay passes (KVzip), merging (CaM), a budget-free policy (CORM)
+POLICIES = ["full", "snapkv", "h2o", "tova", "adakv", "pyramidkv", "kvzip", "cam", "corm", "expected_attention"]
+
+
+def kept_positions(loop) -> list[torch.Tensor]:
+    """Each layer's kept positions per KV head, sorted (-1 for padding)."""
+    return [torch.sort(torch.where(v.valid, v.pos, -1), -1).values for v in loop.cache.layers]
+
+
+@pytest.fixture(scope="module")
+def prompt(smol):
+    ids = smol.tokenizer(texts.read("1961-Kennedy"), add_special_tokens=False).input_ids
+    question = smol.tokenizer("\n\nWhat did the president ask Congress for? Answer in one sentence.",
+                              add_special_tokens=False).input_ids
+    return ids[:300], question
+
+
+def test_a_shared_prefill_gives_every_policy_its_own_runs_decisions_and_answers(smol, prompt):
+    context, question = prompt
+    shared = SharedPrefill(smol, context, [make_policy(n) for n in POLICIES])
+    assert sorted(shared.groups) == [False, True]  # SDPA for some, the eager statistics pass for others
+    for name in POLICIES:
+        budget = None if make_policy(name).budget_free else 120
+        own, own_logits = prepare(smol, make_policy(name), context, budget, len(question) + 8)
+        mine, logits = prepare(smol, make_policy(name), context, budget, len(question) + 8, shared=shared)
+        for a, b in zip(kept_positions(own), kept_positions(mine), strict=True):
+            assert torch.equal(a, b), name
+        assert torch.equal(own_logits, logits), name
+        own_tokens, own_nlls = answer(own, question, len(context), 8)
+        tokens, nlls = answer(mine, question, len(context), 8)
+        assert tokens == own_tokens, name
+        assert nlls == pytest.approx(own_nlls, rel=1e-5, abs=1e-6), name
+
+
+def test_a_question_fed_as_one_chunk_equals_the_models_forward_and_token_by_token(smol, prompt):
+    """Full cache: the chunk's last logits are the model's own (transformers' SDPA, no kvlens context) within
+    float rounding, and the same as feeding the question one token at a time."""
+    context, question = prompt
+    loop, _ = prepare(smol, make_policy("full"), context, None, len(question) + 1)
+    mark = loop.cache.mark()
+    with torch.inference_mode():
+        chunk = loop.forward(question, len(context))
+        loop.cache.rewind(mark)
+        for i, token in enumerate(question):
+            single = loop.forward([token], len(context) + i)
+        reference = smol.model(torch.tensor([context + question])).logits[0, -1]
+    torch.testing.assert_close(chunk, reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(chunk, single, rtol=1e-4, atol=1e-4)
+
+
+def test_each_question_of_a_compressed_context_starts_from_it_afresh(smol, prompt):
+    """mark/rewind: the second question's answer is the one a freshly compressed cache gives, and the cache
+    holds the budget again after each rewind (per-head padding included)."""
+    context, question = prompt
+    other = smol.tokenizer("\n\nName one country the speech mentions.", add_special_tokens=False).input_ids
+    for name in ("snapkv", "adakv"):
+        loop, _ = prepare(smol, make_policy(name), context, 100, len(question) + 8)
+        before = kept_positions(loop)
+        mark = loop.cache.mark()
+        answer(loop, question, len(context), 8)
+        loop.cache.rewind(mark)
+        assert all(torch.equal(a, b) for a, b in zip(before, kept_positions(loop), strict=True))
+        second = answer(loop, other, len(context), 8)
+        fresh, _ = prepare(smol, make_policy(name), context, 100, len(question) + 8)
+        assert answer(fresh, other, len(context), 8) == second
+
+
+def test_a_frozen_cache_never_asks_the_policy_again(smol, prompt):
+    """After the prompt's compression nothing is evicted: the cache grows by exactly the tokens fed."""
+    context, question = prompt
+    loop, _ = prepare(smol, make_policy("h2o"), context, 64, len(question) + 6)
+    tokens, _ = answer(loop, question, len(context), 6)
+    fed = len(question) + len(tokens) - 1  # the last answer token is never fed
+    assert [int(v.valid.sum(-1).max()) for v in loop.cache.layers] == [64 + fed] * len(loop.cache.layers)
