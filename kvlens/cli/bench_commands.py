@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from kvlens.errors import KvlensError
 from kvlens.policies import policy_names
 
 ALL_POLICIES = ";".join(policy_names())
+DEFAULT_TASK_POLICIES = ";".join(n for n in policy_names() if n != "full")
+DEFAULT_TASKS = "niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe,fwe"
 
 
 def register(sub) -> None:
@@ -37,6 +40,30 @@ def register(sub) -> None:
     add_executor_args(p)
     p.set_defaults(func=cmd_needle)
     _quick(p, policies="full;streaming_llm;h2o", lengths="256,512", depths="0.5,1")
+
+    p = bsub.add_parser("tasks", help="task accuracy (RULER-style) under compression: policies x ratios x tasks "
+                                      "x lengths")
+    _common(p, DEFAULT_TASK_POLICIES)
+    p.add_argument("--ratios", default="0.25,0.5,0.75,0.875",
+                   help="comma-separated compression ratios: the share of the context removed (kvpress's)")
+    p.add_argument("--tasks", help=f"comma-separated tasks (default: {DEFAULT_TASKS}; all: "
+                                   "niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe,fwe)")
+    p.add_argument("--lengths", help="comma-separated context lengths in tokens (default 1024,2048,4096)")
+    p.add_argument("--count", type=int, help="samples per task and length (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated samples")
+    p.add_argument("--samples", metavar="FILE.jsonl",
+                   help='your own samples instead, one {"context", "question", "answers", "task"} per line')
+    p.add_argument("--dump-samples", metavar="FILE.jsonl", help="write the generated samples there and stop")
+    p.add_argument("--query-aware", action="store_true", help="compress context and question together (SnapKV's "
+                                                              "setting) instead of the context alone")
+    p.add_argument("--no-chat", action="store_true", help="plain text prompt instead of the chat template")
+    add_executor_args(p)
+    p.set_defaults(func=cmd_tasks)
+    # quick: 2 local workers when there are 2 CPUs (decoding a small model uses them better than 2 threads)
+    _quick(p, policies="full;streaming_llm;snapkv;cam", ratios="0.5,0.875", tasks="niah_single,vt",
+           lengths="1024", count=5, workers=2 if (os.cpu_count() or 1) >= 2 else None)
+    p.set_defaults(parser_defaults={**p.get_default("parser_defaults"), "tasks": DEFAULT_TASKS,
+                                    "lengths": "1024,2048,4096", "count": 8})
 
     p = bsub.add_parser("speed", help="prefill, ms/token, KV bytes, peak memory per policy; target ratios")
     _common(p, ALL_POLICIES)
@@ -206,3 +233,43 @@ def cmd_speed(args) -> int:
         lines.append(f"{key:<30} {value:.3f}  target {verdict['target']}: {'met' if verdict['met'] else 'NOT met'}"
                      + (f"  (CPU time: {cpu:.3f})" if cpu is not None else ""))
     return _finish(args, result, result["rows"], None, "bench_speed" + suffix, "\n".join(lines))
+
+
+def cmd_tasks(args) -> int:
+    from kvlens import texts as bundled
+    from kvlens.experiments.bench import ruler, tasks
+    from kvlens.experiments.bench.common import parse_policies
+    from kvlens.lists import parse_list
+
+    suffix = _apply_quick(args)
+    policies = parse_policies(args.policies)
+    ratios = parse_list(args.ratios, "--ratios", kind=float)
+    if args.count < 1:
+        raise KvlensError("--count must be at least 1.")
+    settings = dict(model=args.model, query_aware=args.query_aware, chat=not args.no_chat)
+    if args.samples:
+        text = ruler.read_text(args.samples)
+        samples = ruler.parse_lines(text, args.samples)
+        texts = {"samples": text}
+        cells = tasks.plan_file(samples, policies, ratios, text=text, **settings)
+        stem = "bench_tasks_" + Path(args.samples).stem
+    else:
+        names = parse_list(args.tasks, "--tasks", kind=str)
+        lengths = parse_list(args.lengths, "--lengths", minimum=1)
+        texts = {"haystack": " ".join(bundled.bundled().values())}
+        if args.dump_samples:
+            model = load(args)
+            count = lambda s: len(model.tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
+            out = [ruler.generate(t, n, i, count, texts["haystack"], seed=args.seed)
+                   for t in names for n in lengths for i in range(args.count)]
+            ruler.write_samples(out, args.dump_samples)
+            print(f"wrote {len(out)} samples to {args.dump_samples}")
+            return 0
+        cells = tasks.plan_tasks(policies, ratios, names, lengths, args.count, seed=args.seed,
+                                 source=tasks.digest(texts["haystack"]), **settings)
+        stem = "bench_tasks" + suffix + ("_query_aware" if args.query_aware else "")
+    config = {"policies": cells[0]["policies"] if cells else [], "ratios": ratios, "samples_file": args.samples,
+              "tasks": sorted({c["suite_task"] for c in cells}), "lengths": sorted({c["length"] or 0 for c in cells}),
+              "count": args.count, "seed": args.seed, **settings}
+    return _run_grid(args, cells, texts, config, stem, tasks.summarise, tasks.figure,
+                     lambda result: tasks.table(result["summary"]))

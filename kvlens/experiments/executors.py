@@ -42,6 +42,10 @@ def task(name: str) -> Callable:
         from kvlens.experiments.bench.needle import needle_cell
 
         return needle_cell
+    if name == "tasks":
+        from kvlens.experiments.bench.tasks import tasks_cell
+
+        return tasks_cell
     raise KvlensError(f"Unknown cell task '{name}'.")
 
 

@@ -154,7 +154,8 @@ def run_grid(results: Results, outcomes: Callable[[list[dict]], Iterable[tuple[d
     with bar:
         for cell, outcome in outcomes(todo):
             results.add(cell, outcome)
-            bar.set_postfix_str(f"{len(results.failed)} failed" if results.failed else cell["policy"], refresh=False)
+            bar.set_postfix_str(f"{len(results.failed)} failed" if results.failed else cell.get("policy", ""),
+                                refresh=False)
             bar.update(1)
     return results
 
@@ -164,4 +165,6 @@ def report(results: Results) -> Iterator[str]:
     path = results.path
     yield f"{len(results.rows)} of {len(results.cells)} cells done -> {path} and {path.with_suffix('.csv')}"
     for f in list(results.failed.values())[:10]:
-        yield f"failed: {f['policy']} budget {f['budget']}: {f['error']} (re-run the same command to retry)"
+        where = (f"{f['policy']} budget {f['budget']}" if "policy" in f
+                 else f"{f.get('suite_task')} sample {f.get('index')}")
+        yield f"failed: {where}: {f['error']} (re-run the same command to retry)"

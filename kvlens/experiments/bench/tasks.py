@@ -1,0 +1,232 @@
+"""Task accuracy under compression: RULER-style samples, the field's compress-once protocol, a leaderboard.
+
+Protocol (kvpress's `evaluation/`, question-agnostic by default): the chat template's user turn is the sample's
+context then its question; the context's tokens are compressed once to `len - int(len * ratio)` slots per KV
+head and layer (kvpress's compression ratio: the share removed), then the question is appended uncompressed
+and the answer generated greedily (`kvlens.engine.shared_prefill`). Several questions of one sample
+(`niah_multiquery`) are asked one after the other of the same compressed context, each from it afresh.
+`query_aware` compresses context and question together (SnapKV's setting), one prefill per question.
+
+A cell of the grid is one sample with every policy and ratio: its context is prefilled once and shared
+(`SharedPrefill`); each (policy, ratio) then costs its restore, replay passes and compression (`prepare_ms`)
+plus its answers (`answer_ms`). Scores are RULER's string match (`kvlens.experiments.bench.ruler.score`).
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+from kvlens.engine.models import LoadedModel
+from kvlens.engine.shared_prefill import SharedPrefill, answer, prepare
+from kvlens.errors import KvlensError
+from kvlens.experiments.bench import ruler
+from kvlens.experiments.bench.common import PolicySpec
+from kvlens.experiments.grid import digest
+from kvlens.policies import make_policy
+
+SLOT = "\x00question\x00"  # where the user's text goes in the chat template
+
+
+def split_prompt(model: LoadedModel, context: str, question: str, chat: bool = True) -> tuple[list[int], list[int]]:
+    """Token ids of the context part (template start + context) and of the question part (question + template
+    end, up to the assistant's turn), tokenized apart so the compressed span is exactly the context's."""
+    tok = model.tokenizer
+    head, tail = "", ""
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise KvlensError("This model's tokenizer has no chat template; use --no-chat.")
+        text = tok.apply_chat_template([{"role": "user", "content": SLOT}], add_generation_prompt=True,
+                                       tokenize=False)
+        head, tail = text.split(SLOT)
+    ids = tok(head + context, add_special_tokens=not chat).input_ids
+    return list(ids), list(tok("\n\n" + question + tail, add_special_tokens=False).input_ids)
+
+
+def slots_for(ratio: float, tokens: int) -> int:
+    """kvpress's kept count at compression ratio `ratio` (share removed) of `tokens`."""
+    return tokens - int(tokens * ratio)
+
+
+def sample_of(model: LoadedModel, texts: dict[str, str], cell: dict) -> ruler.Sample:
+    """The cell's sample: line `index` of the user's file, or generated from the seed."""
+    if "samples" in texts:
+        return ruler.parse_lines(texts["samples"])[cell["index"]]
+    return ruler.generate(cell["suite_task"], cell["length"], cell["index"],
+                          lambda s: len(model.tokenizer(s, add_special_tokens=False).input_ids),
+                          texts["haystack"], seed=cell["seed"])
+
+
+def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
+    """One sample under every policy and ratio of the cell: `{"prompt_tokens", "shared_prefill_ms", "results"}`,
+    a result per (policy, ratio) with its score, answers and costs."""
+    sample = sample_of(model, texts, cell)
+    specs = [PolicySpec.parse(s) for s in cell["policies"]]
+    parts = [split_prompt(model, sample.context, q, cell["chat"]) for q in sample.questions]
+    context = parts[0][0]
+    prompts = [(c + q, []) for c, q in parts] if cell["query_aware"] else [(context, [q for _, q in parts])]
+    n = sample.max_new_tokens
+    runs: dict[tuple[str, float | None], dict] = {}
+    shared_ms = 0.0
+    for prompt, questions in prompts:  # one prompt (questions appended), or one per question (query-aware)
+        extra = max(len(q) for q in questions or [[]]) + n
+        shared = SharedPrefill(model, prompt, [make_policy(s.name, dict(s.params)) for s in specs])
+        shared_ms += shared.ms
+        for spec in specs:
+            policy = make_policy(spec.name, dict(spec.params))
+            for ratio in [None] if policy.budget_free else cell["ratios"]:
+                budget = None if ratio is None else policy.resolve_budget(slots_for(ratio, len(prompt)), len(prompt),
+                                                                          len(prompt) + extra)
+                out = runs.setdefault((spec.label, ratio), {"outputs": [], "nlls": [], "prepare_ms": 0.0,
+                                                            "answer_ms": 0.0, "kept": []})
+                t = time.perf_counter()
+                loop, logits = prepare(model, make_policy(spec.name, dict(spec.params)), prompt, budget, extra,
+                                       shared)
+                out["prepare_ms"] += (time.perf_counter() - t) * 1000
+                kept = loop.kept[0].float().mean().item()
+                out["kept"].append(kept / len(prompt))
+                mark = loop.cache.mark()
+                for question in questions or [[]]:
+                    t = time.perf_counter()
+                    tokens, nlls = answer(loop, question, len(prompt), n, None if question else logits)
+                    out["answer_ms"] += (time.perf_counter() - t) * 1000
+                    out["outputs"].append(model.tokenizer.decode(tokens, skip_special_tokens=True))
+                    out["nlls"].extend(nlls)
+                    loop.cache.rewind(mark)
+    results = []
+    for (label, ratio), out in runs.items():
+        results.append({"policy": label, "ratio": 0.0 if label == "full" else ratio,
+                        "score": ruler.score_sample(out["outputs"], sample), "outputs": out["outputs"],
+                        "kept_share": statistics.fmean(out["kept"]), "nll": statistics.fmean(out["nlls"]),
+                        "prepare_ms": out["prepare_ms"], "answer_ms": out["answer_ms"]})
+    return {"prompt_tokens": len(context), "answers": [list(a) for a in sample.answers],
+            "shared_prefill_ms": shared_ms, "results": results}
+
+
+def plan_tasks(policies: list[PolicySpec], ratios: list[float], tasks: list[str], lengths: list[int], count: int,
+               *, model: str, seed: int, query_aware: bool, chat: bool, source: str, generated: bool = True
+               ) -> list[dict]:
+    """The grid's cells: one per sample (task x length x index), each with every policy and ratio; `source` is the
+    digest of the haystack or of the user's samples file (not `generated`: `tasks`/`lengths` are the file's)."""
+    bad = [r for r in ratios if not 0 < r < 1]
+    if bad:
+        raise KvlensError(f"A compression ratio is the share of the context removed, in (0, 1); got {bad[0]}.")
+    if not any(p.name == "full" for p in policies):
+        policies = [PolicySpec("full"), *policies]  # every leaderboard cell is read against the full cache
+    unknown = [t for t in tasks if t not in ruler.TASKS]
+    if unknown and generated:
+        raise KvlensError(f"Unknown task '{unknown[0]}'; the tasks are {', '.join(ruler.TASKS)}.")
+    return [{"task": "tasks", "model": model, "suite_task": task, "length": length, "index": i, "seed": seed,
+             "policies": [p.label for p in policies], "ratios": ratios, "query_aware": query_aware, "chat": chat,
+             "source": source} for task in tasks for length in lengths for i in range(count)]
+
+
+def plan_file(samples: list[ruler.Sample], policies, ratios, *, model: str, query_aware: bool, chat: bool,
+              text: str) -> list[dict]:
+    """Cells for a user's samples: one per line, the line's index naming it."""
+    cells = []
+    for i, s in enumerate(samples):
+        cells += plan_tasks(policies, ratios, [s.task], [None], 1, model=model, seed=0, query_aware=query_aware,
+                            chat=chat, source=digest(text), generated=False)
+        cells[-1]["index"] = i
+    return cells
+
+
+def flatten(rows: list[dict]) -> list[dict]:
+    """One record per (sample, policy, ratio), from the cells' rows."""
+    return [{"task": r["suite_task"], "length": r["length"], "index": r["index"], **res,
+             "shared_prefill_ms": r["shared_prefill_ms"]} for r in rows for res in r["results"]]
+
+
+def bootstrap(groups: list[list[float]], seed: int = 0, draws: int = 1000) -> tuple[float, float]:
+    """95 % interval of the mean of the groups' means, resampling samples within each group."""
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(statistics.fmean(rng.choices(g, k=len(g))) for g in groups)
+                   for _ in range(draws))
+    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Leaderboard cells: per (policy, ratio, task, length) and averaged over tasks and lengths ("all"), the mean
+    score, the samples, a bootstrap 95 % interval and the full cache's score on the same samples."""
+    records = flatten(rows)
+    cells: dict[tuple, dict[tuple, list[float]]] = {}
+    for r in records:
+        for task, length in [(r["task"], r["length"]), ("all", "all")]:
+            cells.setdefault((r["policy"], r["ratio"], task, length), {}).setdefault(
+                (r["task"], r["length"]), []).append(r["score"])
+    full = {key[2:]: statistics.fmean(statistics.fmean(g) for g in groups.values())
+            for key, groups in cells.items() if key[0] == "full"}
+    out = []
+    for (policy, ratio, task, length), groups in cells.items():
+        low, high = bootstrap(list(groups.values()))
+        mine = [r for r in records if r["policy"] == policy and r["ratio"] == ratio
+                and (task == "all" or (r["task"], r["length"]) == (task, length))]
+        out.append({"policy": policy, "ratio": ratio, "task": task, "length": length,
+                    "score": statistics.fmean(statistics.fmean(g) for g in groups.values()),
+                    "ci_low": low, "ci_high": high, "samples": sum(len(g) for g in groups.values()),
+                    "full_score": full.get((task, length)),
+                    "kept_share": statistics.fmean(r["kept_share"] for r in mine),
+                    "cost_vs_answer": statistics.median((r["prepare_ms"] + r["answer_ms"]) / r["answer_ms"]
+                                                        for r in mine)})
+    return sorted(out, key=lambda s: (s["task"] != "all", str(s["task"]), str(s["length"]), s["ratio"] or 0,
+                                      -s["score"]))
+
+
+def table(summary: list[dict]) -> str:
+    """The averaged leaderboard as a terminal table: a row per policy, a column per ratio."""
+    avg = [s for s in summary if s["task"] == "all"]
+    ratios = sorted({s["ratio"] for s in avg if s["policy"] != "full"})
+    full = next((s for s in avg if s["policy"] == "full"), None)
+    lines = [f"{'policy':<24}" + "".join(f"{f'r={r:g}':>20}" for r in ratios)]
+    if full:
+        lines.append(f"{'full (r=0)':<24}{full['score']:>8.1%} [{full['ci_low']:.0%}, {full['ci_high']:.0%}]")
+    for policy in dict.fromkeys(s["policy"] for s in avg if s["policy"] != "full"):
+        by = {s["ratio"]: s for s in avg if s["policy"] == policy}
+        lines.append(f"{policy:<24}" + "".join(
+            f"{by[r]['score']:>8.1%} [{by[r]['ci_low']:.0%}, {by[r]['ci_high']:.0%}]".rjust(20) if r in by
+            else f"{'':>20}" for r in ratios))
+    return "\n".join(lines)
+
+
+def figure(result: dict):
+    """Score against compression ratio, one line per method (kvpress's leaderboard plot): averaged over tasks,
+    then one panel per task; bars are bootstrap 95 % intervals over samples."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    import kvlens.figures.plots  # noqa: F401  registers the "kvlens" paper template
+
+    summary = result["summary"]
+    panels = ["all", *sorted({s["task"] for s in summary if s["task"] != "all"})]
+    fig = make_subplots(rows=1, cols=len(panels), shared_yaxes=True, horizontal_spacing=0.03,
+                        subplot_titles=["average over tasks" if p == "all" else p for p in panels])
+    policies = list(dict.fromkeys(s["policy"] for s in summary))
+    palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974",
+               "#64B5CD", "#1B9E77", "#D95F02", "#7570B3", "#E7298A", "#66A61E", "#E6AB02", "#A6761D", "#666666"]
+    for col, panel in enumerate(panels, 1):
+        for i, policy in enumerate(policies):
+            pts = {}  # ratio -> mean over the panel's lengths
+            for s in summary:
+                if s["policy"] == policy and s["task"] == panel and (panel != "all" or s["length"] == "all"):
+                    pts.setdefault(s["ratio"], []).append(s)
+            xs = sorted(pts)
+            if not xs:
+                continue
+            ys = [statistics.fmean(s["score"] for s in pts[x]) for x in xs]
+            lo = [y - statistics.fmean(s["ci_low"] for s in pts[x]) for x, y in zip(xs, ys, strict=True)]
+            hi = [statistics.fmean(s["ci_high"] for s in pts[x]) - y for x, y in zip(xs, ys, strict=True)]
+            mode = "markers" if policy == "full" else "lines+markers"
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode=mode, name=policy, legendgroup=policy, showlegend=col == 1,
+                                     line={"color": palette[i % len(palette)]},
+                                     marker={"symbol": "star", "size": 12} if policy == "full" else {"size": 6},
+                                     error_y={"type": "data", "symmetric": False, "array": hi, "arrayminus": lo,
+                                              "thickness": 1}), 1, col)
+        fig.update_xaxes(title_text="compression ratio (share removed)", range=[-0.05, 0.95], row=1, col=col)
+    fig.update_yaxes(title_text="score (share of expected strings found)", range=[-0.02, 1.02], row=1, col=1)
+    cfg = result.get("config", {})
+    protocol = "query-aware" if cfg.get("query_aware") else "question-agnostic"
+    fig.update_layout(title=f"Task accuracy under compression ({protocol}, "
+                            f"{result.get('environment', {}).get('model', 'model')})",
+                      width=max(700, 330 * len(panels)), height=480, template="kvlens")
+    return fig

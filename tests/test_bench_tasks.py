@@ -1,0 +1,97 @@
+"""`kvlens bench tasks`: a user's samples file through the CLI (resumable, scored from the answers), the
+leaderboard's summary and intervals, a generated needle found by the full cache, bad input in one sentence."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvlens.cli import main
+from kvlens.experiments.bench import ruler, tasks
+from kvlens.experiments.bench.common import parse_policies
+from kvlens.texts import bundled
+from tests.test_sweep import tiny_dir  # noqa: F401  (a fixture)
+
+LINES = [
+    {"context": "The code word is amber. " * 20, "question": "What is the code word?", "answers": ["amber"],
+     "task": "mine", "max_new_tokens": 6},
+    {"context": "Paris is in France. Rome is in Italy. " * 10, "question": ["Where is Paris?", "Where is Rome?"],
+     "answers": [["France"], ["Italy"]], "task": "mine", "max_new_tokens": 5},
+]
+
+
+def test_a_users_samples_file_is_scored_for_every_policy_and_ratio(tiny_dir, tmp_path, capsys):  # noqa: F811
+    samples = tmp_path / "mine.jsonl"
+    samples.write_text("".join(json.dumps(line) + "\n" for line in LINES))
+    argv = ["bench", "tasks", "--samples", str(samples), "--policies", "streaming_llm;h2o", "--ratios", "0.5,0.75",
+            "--model", str(tiny_dir), "--no-chat", "--out-dir", str(tmp_path), "--no-figure", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    data = json.loads((tmp_path / "bench_tasks_mine.json").read_text())
+    assert data["status"] == "done" and data["cells_total"] == 2
+    for row, line in zip(data["rows"], LINES, strict=True):
+        labels = [(r["policy"], r["ratio"]) for r in row["results"]]
+        assert labels == [("full", 0.0), ("streaming_llm", 0.5), ("streaming_llm", 0.75), ("h2o", 0.5), ("h2o", 0.75)]
+        sample = ruler.Sample.from_json(line, 1)
+        for r in row["results"]:
+            assert len(r["outputs"]) == len(sample.questions)
+            assert r["score"] == ruler.score_sample(r["outputs"], sample)
+            assert r["kept_share"] == pytest.approx(1 - r["ratio"], abs=0.01)  # kvpress's count: len - int(len * r)
+    cells = {(s["policy"], s["ratio"], s["task"]): s for s in result["summary"]}
+    assert set(cells) >= {("full", 0.0, "all"), ("h2o", 0.75, "mine"), ("streaming_llm", 0.5, "all")}
+    for s in result["summary"]:
+        assert s["samples"] == 2 and s["ci_low"] <= s["score"] <= s["ci_high"]
+        assert s["full_score"] == cells[("full", 0.0, s["task"])]["score"]
+    assert main(argv) == 0  # resumed: nothing left to run, the same rows
+    assert json.loads((tmp_path / "bench_tasks_mine.json").read_text())["rows"] == data["rows"]
+
+
+def _rows(scores: dict[tuple[str, float], list[float]], task: str, length: int) -> list[dict]:
+    """Cell rows of one (task, length), a sample per position of each score list."""
+    n = len(next(iter(scores.values())))
+    return [{"suite_task": task, "length": length, "index": i, "shared_prefill_ms": 1.0,
+             "results": [{"policy": p, "ratio": r, "score": s[i], "kept_share": 1 - r, "prepare_ms": 1.0,
+                          "answer_ms": 4.0} for (p, r), s in scores.items()]} for i in range(n)]
+
+
+def test_the_summary_averages_tasks_equally_and_bootstraps_within_them():
+    rows = _rows({("full", 0.0): [1, 1, 1, 1], ("h2o", 0.5): [1, 0, 1, 0]}, "a", 1024) + \
+        _rows({("full", 0.0): [0.5, 0.5], ("h2o", 0.5): [0, 0]}, "b", 1024)
+    cells = {(s["policy"], s["task"]): s for s in tasks.summarise(rows)}
+    assert cells[("h2o", "a")]["score"] == 0.5 and cells[("h2o", "b")]["score"] == 0.0
+    assert cells[("h2o", "all")]["score"] == 0.25  # the mean of the tasks' means, not of the 6 samples (1/3)
+    assert cells[("h2o", "all")]["full_score"] == 0.75 and cells[("h2o", "all")]["samples"] == 6
+    assert cells[("h2o", "b")]["ci_low"] == cells[("h2o", "b")]["ci_high"] == 0.0  # no spread, no interval
+    assert 0 <= cells[("h2o", "a")]["ci_low"] < 0.5 < cells[("h2o", "a")]["ci_high"] <= 1
+    assert cells[("h2o", "a")]["cost_vs_answer"] == 1.25
+    assert "h2o" in tasks.table(tasks.summarise(rows))
+
+
+def test_the_full_cache_finds_a_generated_needle_and_one_prefill_serves_every_policy(smol):
+    haystack = " ".join(bundled(2).values())
+    cells = tasks.plan_tasks(parse_policies("streaming_llm;snapkv"), [0.5], ["niah_single"], [512], 1, model="default",
+                             seed=0, query_aware=False, chat=True, source="x")
+    row = tasks.tasks_cell(smol, {"haystack": haystack}, cells[0])
+    by = {(r["policy"], r["ratio"]): r for r in row["results"]}
+    assert set(by) == {("full", 0.0), ("streaming_llm", 0.5), ("snapkv", 0.5)}
+    assert by[("full", 0.0)]["score"] == 1.0, by[("full", 0.0)]["outputs"]
+    assert row["answers"][0][0] in by[("full", 0.0)]["outputs"][0]
+    assert 400 < row["prompt_tokens"] <= 512
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "tasks", "--ratios", "0.5,1"], "A compression ratio is the share of the context removed, in (0, 1)"),
+    (["bench", "tasks", "--tasks", "niah_single,nope"], "Unknown task 'nope'"),
+    (["bench", "tasks", "--samples", "/nonexistent.jsonl"], "There is no samples file /nonexistent.jsonl."),
+    (["bench", "tasks", "--count", "0"], "--count must be at least 1."),
+])
+def test_bench_tasks_refuses_bad_input_in_one_sentence(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_line_in_a_samples_file_is_named(tmp_path, capsys):
+    samples = tmp_path / "bad.jsonl"
+    samples.write_text(json.dumps(LINES[0]) + "\n" + json.dumps({"context": "x", "question": "y"}) + "\n")
+    assert main(["bench", "tasks", "--samples", str(samples)]) == 2
+    assert f"The sample on line 2 of {samples} has no 'answers' field." in capsys.readouterr().err
