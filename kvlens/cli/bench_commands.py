@@ -13,7 +13,8 @@ from kvlens.policies import policy_names
 
 ALL_POLICIES = ";".join(policy_names())
 DEFAULT_TASK_POLICIES = ";".join(n for n in policy_names() if n != "full")
-DEFAULT_TASKS = "niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe,fwe"
+# vt and cwe are left out: the full cache of the embedded model scores under 20 % on them (README, "Task accuracy")
+DEFAULT_TASKS = "niah_single,niah_multikey,niah_multivalue,niah_multiquery,fwe"
 
 
 def register(sub) -> None:
