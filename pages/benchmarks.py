@@ -6,6 +6,7 @@ unfinished, both tabs re-read their file every few seconds and show the rows so 
 import streamlit as st
 
 from kvlens.ui.charts import chart
+from kvlens.ui.leaderboard import leaderboard
 from kvlens.ui.page import page_top
 from kvlens.ui.results import bench_figure, pick_results, read_results, result_files, sweep_section
 
@@ -35,6 +36,11 @@ def benchmarks():
     if picked is None:
         return
     path, settings, frame, raw = picked
+    if path.name.startswith("bench_tasks"):
+        leaderboard(path, settings, raw)
+        with st.expander("Settings of this benchmark"):
+            st.json(settings.get("config", settings), expanded=False)
+        return
     builder = bench_figure(path.name)
     if builder is not None and len(frame):
         try:

@@ -273,6 +273,29 @@ def test_benchmarks_draws_a_saved_needle_result_with_its_own_figure(app, tmp_pat
     assert maps[1]["z"][2] == [0.0, 0.0]
 
 
+def test_benchmarks_shows_a_task_leaderboard_filtered_by_task_and_policy(app, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [{"suite_task": t, "length": 1024, "index": i, "shared_prefill_ms": 1.0,
+             "results": [{"policy": p, "ratio": r, "score": float(p == "full" or (i + (t == "vt")) % 2),
+                          "kept_share": 1 - r, "prepare_ms": 1.0, "answer_ms": 2.0}
+                         for p, r in [("full", 0.0), ("h2o", 0.5), ("h2o", 0.875), ("tova", 0.5)]]}
+            for t in ("niah_single", "vt") for i in range(4)]
+    (results / "bench_tasks.json").write_text(json.dumps({"config": {}, "rows": rows, "cells_total": 10,
+                                                          "cells_done": 8, "status": "running"}))
+    at = open_page(app, "benchmarks")
+    assert not at.exception
+    fig = next(c for c in charts(at) if c["layout"]["title"]["text"].startswith("Task accuracy"))
+    assert {t["name"] for t in fig["data"]} == {"full", "h2o", "tova"}
+    table = at.dataframe[-1].value
+    assert list(table["policy"]) == ["full", "h2o", "tova", "h2o"]  # sorted by score: 1, 0.5, 0.5, 0.5
+    at.selectbox(key="tasks_task").set_value("vt").run()
+    at.multiselect(key="tasks_policies").set_value(["h2o"]).run()
+    table = at.dataframe[-1].value
+    assert list(table["policy"]) == ["h2o", "h2o"] and list(table["samples"]) == [4, 4]
+    assert "8 of 10 cells done" in " ".join(p.proto.text for p in at.get("progress"))
+
+
 def test_paper_style_toggle_shows_the_export_style(app):
     app = open_page(app, "overview")
     assert app.get("plotly_chart")[0].proto.theme == "streamlit"

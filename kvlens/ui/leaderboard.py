@@ -1,0 +1,39 @@
+"""A task benchmark's leaderboard (`results/bench_tasks*.json`): the score-vs-ratio figure and a sortable table,
+filtered by task, length and policy, summarised from the rows so far (a grid still running shows its samples
+finished until now)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from kvlens.ui.charts import chart
+
+COLUMNS = ["policy", "ratio", "score", "ci_low", "ci_high", "samples", "full_score", "kept_share", "cost_vs_answer"]
+
+
+def leaderboard(path: Path, settings: dict, raw: dict) -> None:
+    from kvlens.experiments.bench import tasks
+
+    rows = [r for r in raw.get("rows", []) if isinstance(r, dict) and isinstance(r.get("results"), list)]
+    if not rows:
+        st.info(f"{path.name} has no finished sample yet.")
+        return
+    summary = tasks.summarise(rows)
+    left, middle, right = st.columns([1, 1, 2])
+    task = left.selectbox("Task", ["all", *sorted({s["task"] for s in summary} - {"all"})], key="tasks_task",
+                          format_func=lambda t: "average over tasks" if t == "all" else t)
+    lengths = sorted({s["length"] for s in summary if s["task"] == task}, key=str)
+    length = middle.selectbox("Context length", lengths, key="tasks_length",
+                              format_func=lambda n: "all lengths" if n == "all" else f"{n} tokens")
+    names = list(dict.fromkeys(s["policy"] for s in summary))
+    chosen = right.multiselect("Policies", names, default=names, key="tasks_policies")
+    shown = [s for s in summary if s["policy"] in chosen]
+    chart(tasks.figure({**raw, "summary": shown}), "tasks_fig", name=path.stem,
+          config={"results": str(path), **settings.get("config", {})}, data=pd.DataFrame(shown))
+    table = pd.DataFrame([s for s in shown if s["task"] == task and s["length"] == length], columns=COLUMNS)
+    st.caption("Score: share of the expected strings found in the answers; [ci_low, ci_high]: bootstrap 95 % "
+               "interval over samples; cost_vs_answer: (compression + answers) / answers, median over samples.")
+    st.dataframe(table.sort_values("score", ascending=False, kind="stable"), hide_index=True, width="stretch",
+                 column_config={c: st.column_config.NumberColumn(format="%.3f") for c in COLUMNS[2:5] + COLUMNS[6:]})
