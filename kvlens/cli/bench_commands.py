@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvlens.cli.common import add_model_args, command_line, load, print_json
+from kvlens.cli.common import add_model_args, add_storage_args, command_line, load, print_json
 from kvlens.cli.sweep_commands import add_executor_args, run_cells
 from kvlens.errors import KvlensError
 from kvlens.policies import policy_names
@@ -66,6 +66,25 @@ def register(sub) -> None:
     p.set_defaults(parser_defaults={**p.get_default("parser_defaults"), "tasks": DEFAULT_TASKS,
                                     "lengths": "1024,2048,4096", "count": 8})
 
+    p = bsub.add_parser("frontier", help="perplexity against KV bytes: eviction, merging, quantized storage and "
+                                         "their mixes at equal bytes")
+    p.add_argument("--byte-shares", default="0.5,0.25,0.125",
+                   help="comma-separated byte budgets, shares of the full cache's bytes (default 0.5,0.25,0.125)")
+    p.add_argument("--evict", default="h2o;tova;snapkv", help="';'-separated eviction policies ('' for none)")
+    p.add_argument("--merge", default="cam;weightedkv", help="';'-separated merging policies ('' for none)")
+    p.add_argument("--bits", default="8,4,2", help="quantization alone: every slot at these bits")
+    p.add_argument("--mix", default="h2o", help="the eviction policy of the mixes ('' for none)")
+    p.add_argument("--mix-bits", default="8,4", help="the mixes' bits")
+    add_storage_args(p, bits=False)
+    p.add_argument("--texts", type=int, default=3, help="how many bundled texts (default 3)")
+    p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=64, help="tokens scored after the prefill")
+    _common(p, None)
+    add_executor_args(p)
+    p.set_defaults(func=cmd_frontier)
+    _quick(p, byte_shares="0.25,0.125", evict="h2o", merge="cam", bits="4", mix_bits="8", texts=2, prefill=256,
+           tokens=32)
+
     p = bsub.add_parser("speed", help="prefill, ms/token, KV bytes, peak memory per policy; target ratios")
     _common(p, ALL_POLICIES)
     p.add_argument("--lengths", default="256,1024,2048", help="comma-separated prompt lengths")
@@ -87,9 +106,10 @@ def _quick(p, **settings) -> None:
     p.set_defaults(**{k: None for k in settings})
 
 
-def _common(p, policies: str) -> None:
-    p.add_argument("--policies", default=policies,
-                   help=f"';'-separated policies, each `name` or `name:key=value,...` (default: {policies})")
+def _common(p, policies: str | None) -> None:
+    if policies is not None:
+        p.add_argument("--policies", default=policies,
+                       help=f"';'-separated policies, each `name` or `name:key=value,...` (default: {policies})")
     p.add_argument("--quick", action="store_true", help="small settings (minutes); results go to *_quick files")
     p.add_argument("--out-dir", default="results", help="where JSON, CSV and PNG go (default results/)")
     p.add_argument("--no-figure", action="store_true", help="skip the PNG (needs Chromium)")
@@ -170,6 +190,36 @@ def cmd_ppl(args) -> int:
               "prefill": args.prefill, "tokens": args.tokens}
     return _run_grid(args, cells, texts, config, "bench_ppl" + suffix, ppl.summarise, ppl.figure,
                      lambda result: ppl.markdown_table(result["summary"]))
+
+
+def cmd_frontier(args) -> int:
+    from kvlens import texts as bundled
+    from kvlens.cli.common import storage
+    from kvlens.experiments.bench import frontier
+    from kvlens.experiments.bench.common import parse_policies
+    from kvlens.lists import parse_list
+
+    suffix = _apply_quick(args)
+    shares = parse_list(args.byte_shares, "--byte-shares", kind=float)
+    bits = parse_list(args.bits, "--bits", kind=int) if args.bits else []
+    mix_bits = parse_list(args.mix_bits, "--mix-bits", kind=int) if args.mix_bits else []
+    if any(b not in (2, 4, 8) for b in bits + mix_bits):
+        raise KvlensError("--bits and --mix-bits take 2, 4 and 8.")
+    if args.prefill < 1 or args.tokens < 1 or args.texts < 1:
+        raise KvlensError("--prefill, --tokens and --texts must all be at least 1.")
+    specs = {name: [(p.name, dict(p.params)) for p in parse_policies(text)] if text.strip() else []
+             for name, text in (("evict", args.evict), ("merge", args.merge), ("mix", args.mix))}
+    args.kv_bits = 4  # the scheme, group and window of every quantized cell
+    texts = bundled.bundled(args.texts, min_chars=8 * (args.prefill + args.tokens))
+    cells = frontier.plan_frontier(shares, texts, prefill=args.prefill, tokens=args.tokens, model=args.model,
+                                   evictors=specs["evict"], mergers=specs["merge"], bits=bits,
+                                   mix=specs["mix"][0] if specs["mix"] else None, mix_bits=mix_bits,
+                                   storage=storage(args))
+    config = {"byte_shares": shares, "evict": args.evict, "merge": args.merge, "bits": bits, "mix": args.mix,
+              "mix_bits": mix_bits, "storage": storage(args).describe(), "texts": list(texts),
+              "prefill": args.prefill, "tokens": args.tokens}
+    return _run_grid(args, cells, texts, config, "bench_frontier" + suffix, frontier.summarise, frontier.figure,
+                     lambda result: frontier.table(result["summary"]))
 
 
 def cmd_needle(args) -> int:

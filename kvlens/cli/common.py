@@ -24,6 +24,28 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", help="slots per KV head per layer (e.g. 64) or a share of the prompt (e.g. 0.5)")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                    help="a policy parameter; repeat for several")
+    add_storage_args(p)
+
+
+def add_storage_args(p: argparse.ArgumentParser, bits: bool = True) -> None:
+    """`--kv-bits` (unless `bits` is False: a benchmark that sets the bits per cell) and the scheme's options."""
+    if bits:
+        p.add_argument("--kv-bits", type=int, choices=(2, 4, 8), help="store keys and values at this many bits "
+                       "(KIVI-style, packed; default: the model's dtype)")
+    p.add_argument("--kv-scheme", default="kivi", choices=("kivi", "token"),
+                   help="kivi: keys per channel, values per token (the paper's); token: both per token")
+    p.add_argument("--kv-group", type=int, default=64, help="quantization group size (slots or channels)")
+    p.add_argument("--kv-residual", type=int, default=0,
+                   help="newest tokens kept in full precision (KIVI's R; a multiple of --kv-group for kivi)")
+
+
+def storage(args):
+    """The run's `Storage` from `--kv-*` (the model's dtype when --kv-bits is not given)."""
+    from kvlens.engine.quantize import Storage
+
+    if getattr(args, "kv_bits", None) is None:
+        return Storage()
+    return Storage(bits=args.kv_bits, scheme=args.kv_scheme, group=args.kv_group, residual=args.kv_residual)
 
 
 def load(args):

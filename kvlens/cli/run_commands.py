@@ -1,14 +1,24 @@
 """Subcommands that resolve models, list policies, run them and show runs."""
 from __future__ import annotations
 
-from kvlens.cli.common import add_model_args, add_policy_args, command_line, load, print_json, progress, read_text
+from kvlens.cli.common import (
+    add_model_args,
+    add_policy_args,
+    command_line,
+    load,
+    print_json,
+    progress,
+    read_text,
+    storage,
+)
 from kvlens.errors import KvlensError
 from kvlens.levels import LEVELS
 
 MEASURED = ("perturbation_used", "perturbation_evict", "perturbation_used_median", "perturbation_evict_median",
             "perturbation_used_pooled", "perturbation_evict_pooled", "merge_better_share", "merge_worse_share",
             "merge_sign_per_layer", "attention_loss", "kl", "kl_steps", "perturbation_used_per_layer",
-            "perturbation_evict_per_layer")
+            "perturbation_evict_per_layer", "perturbation_stored", "perturbation_stored_median",
+            "perturbation_stored_pooled", "perturbation_stored_per_layer", "perturbation_sources")
 
 
 def register(sub) -> None:
@@ -157,7 +167,8 @@ def _options(args, **extra):
         raise KvlensError("--record-layers needs --record states or --record attention.")
     if getattr(args, "record_layers", None):
         layers = parse_list(args.record_layers, "--record-layers", minimum=0)
-    return RunOptions(budget=parse_budget(args.budget), record=args.record, record_layers=layers, **extra)
+    return RunOptions(budget=parse_budget(args.budget), record=args.record, record_layers=layers,
+                      storage=storage(args), **extra)
 
 
 def _policy(args):
@@ -223,7 +234,7 @@ def cmd_ppl(args) -> int:
               "budget_requested": opts.budget, "prefill": args.prefill, "tokens": args.tokens, "nll": m["nll"],
               "ppl": m["ppl"], "kv_slots_max": m["kv_slots_max"], "kv_entries_max": m["kv_entries_max"],
               "kv_entries_budget": m["kv_entries_budget"], "kv_bytes_peak": m["kv_bytes_peak"],
-              "ms_per_token": m["ms_per_token"], "prefill_ms": m["prefill_ms"]}
+              "ms_per_token": m["ms_per_token"], "prefill_ms": m["prefill_ms"], "storage": opts.storage.describe()}
     if m.get("replay_passes"):  # a policy's extra passes over the prompt (KVzip), part of prefill_ms
         result.update({"replay_passes": m["replay_passes"], "replay_ms": m["replay_ms"]})
     if args.measure:

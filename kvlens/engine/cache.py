@@ -39,6 +39,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from kvlens.engine.quantize import QuantizedStates, Storage, seal
 from kvlens.runs.decisions import DecisionLog
 
 GROWTH = 32  # minimum slots added when a growing cache runs out of room
@@ -146,24 +147,63 @@ class LayerBook:
     holes: torch.Tensor | None = None  # (Hkv, E) slots freed by `free`, to be reused first
     pad: bool = False  # `retain` left padding (heads keeping different counts); never reused
     written: torch.Tensor | None = None  # (Hkv, q) the slots the latest `append` wrote
+    fresh: tuple | None = None  # quantized storage: the latest `append`'s keys and values (Hkv, q, D) as fed
     last_attn: torch.Tensor | None = None  # (Hq, S) the latest query's attention
 
 
 class SlotStore:
-    """Buffers of R rows x C slots (see the module docstring) and the count of slots in use."""
+    """Buffers of R rows x C slots (see the module docstring) and the count of slots in use.
+
+    Quantized storage (`quantize`): keys and values leave `buffers` for `packed` (`kvlens.engine.quantize`); reading
+    them dequantizes the rows asked for into a working copy (`working`, what the model's attention and the policy
+    see), and `commit` stores back the slots a policy changed in it (merges), then drops the copy.
+    """
 
     def __init__(self, buffers: dict[str, torch.Tensor], n: int):
-        self.buffers = buffers  # keys/values (1, R, C, D), pos/abar/nobs/valid (R, C)
+        self.buffers = buffers  # keys/values (1, R, C, D) unless packed, pos/abar/nobs/valid (R, C)
         self.extra: dict[str, torch.Tensor] = {}  # name -> (R, C, ...)
         self.n = n
         self.order: torch.Tensor | None = None  # (R, n) slots in position order, when known
+        self.packed: dict[str, QuantizedStates] | None = None  # keys/values when quantized
+        self.working: dict[tuple[str, int, int], torch.Tensor] = {}  # (name, first row, end row) -> (1, R', n, D)
 
-    @classmethod
-    def empty(cls, like: dict[str, torch.Tensor], rows: int, capacity: int) -> SlotStore:
-        """Buffers of `rows` x `capacity` free slots shaped like `like`'s (none in use)."""
-        new = {name: t.new_full((1, rows, capacity, t.shape[-1]) if name in STATES else (rows, capacity),
-                                STATS.get(name, 0)) for name, t in like.items()}
-        return cls(new, 0)
+    def empty_like(self, rows: int, capacity: int) -> SlotStore:
+        """A store of `rows` x `capacity` free slots with this one's buffers and storage (none in use)."""
+        new = SlotStore({name: t.new_full((1, rows, capacity, t.shape[-1]) if name in STATES else (rows, capacity),
+                                          STATS.get(name, 0)) for name, t in self.buffers.items()}, 0)
+        if self.packed is not None:
+            new.packed = {name: QuantizedStates(q.storage, name, rows, capacity, q.dim, q.dtype, q.codes.device)
+                          for name, q in self.packed.items()}
+        return new
+
+    def states(self, name: str, rows: slice) -> torch.Tensor:
+        """Keys or values `(1, R', n, D)` of `rows`: a view of the buffer, or (quantized) the rows' working copy."""
+        if self.packed is None:
+            return self.buffers[name][:, rows, : self.n]
+        start, stop, _ = rows.indices(self.rows)
+        key = (name, start, stop)
+        if key not in self.working:
+            self.commit(name)
+            self.working[key] = self.packed[name].read(slice(start, stop), self.n)[None]
+        return self.working[key]
+
+    def commit(self, name: str | None = None) -> None:
+        """Store the slots changed in the working copies (of `name`, or both) and drop the copies."""
+        for key in [k for k in self.working if name is None or k[0] == name]:
+            copy = self.working.pop(key)
+            rows = slice(key[1], key[2])
+            if copy.shape[2] != self.n:
+                continue  # the slots in use changed since (a rewind): nothing a policy wrote
+            stored = self.packed[key[0]].read(rows, self.n)
+            changed = (copy[0] != stored).any(-1)
+            if bool(changed.any()):
+                self.packed[key[0]].write(rows, copy[0], changed, self.buffers["valid"][rows, : self.n])
+
+    def quantize(self, storage: Storage) -> None:
+        """Keys and values into quantized storage (after the prompt's compression)."""
+        valid, pos = self.buffers["valid"][:, : self.n], self.buffers["pos"][:, : self.n]
+        self.packed = {name: seal(storage, name, self.buffers.pop(name)[0, :, : self.n], pos, valid, self.capacity)
+                       for name in STATES}
 
     @property
     def capacity(self) -> int:
@@ -176,6 +216,8 @@ class SlotStore:
     def resize(self, capacity: int) -> None:
         """Reallocate every buffer to `capacity` slots, keeping the slots in use."""
         n = self.n
+        for q in (self.packed or {}).values():
+            q.resize(capacity)
         for group in (self.buffers, self.extra):
             for name, t in group.items():
                 axis = 2 if name in STATES and group is self.buffers else 1
@@ -188,6 +230,8 @@ class SlotStore:
     def nbytes(self, rows: slice) -> int:
         """Bytes allocated for the keys and values of `rows`."""
         count = len(range(*rows.indices(self.rows)))
+        if self.packed is not None:
+            return sum(q.nbytes(count) for q in self.packed.values())
         return sum(t.numel() // t.shape[1] * count * t.element_size() for n, t in self.buffers.items() if n in STATES)
 
 
@@ -247,8 +291,9 @@ class SlotRows:
     def _view(self, name: str) -> torch.Tensor | None:
         if self.store is None:
             return None
-        t, n = self.store.buffers[name], self.store.n
-        return t[:, self.rows, :n] if name in STATES else t[self.rows, :n]
+        if name in STATES:
+            return self.store.states(name, self.rows)
+        return self.store.buffers[name][self.rows, : self.store.n]
 
     def _assign(self, name: str, value: torch.Tensor) -> None:
         view = self._view(name)
@@ -359,6 +404,11 @@ class SlotRows:
         """
         store = self.store
         uneven = bool((index < 0).any())
+        if store.packed is not None:
+            gone = torch.zeros(index.shape[0], store.n + 1, dtype=torch.bool, device=index.device)
+            gone = gone.scatter_(1, index.masked_fill(index < 0, store.n), True)[:, : store.n]
+            for q in store.packed.values():
+                q.forget(self.rows, gone)
         if uneven:
             gone = torch.zeros(index.shape[0], store.n + 1, dtype=torch.bool, device=index.device)
             gone = gone.scatter_(1, index.masked_fill(index < 0, store.n), True)[:, : store.n]
@@ -392,9 +442,11 @@ class SlotRows:
         capacity = max(s, capacity or s)
         d = self.keys.shape[-1]
         idx4 = index[None, :, :, None].expand(1, -1, -1, d)
+        old, old_rows = self.store, self.rows
+        names = list(old.buffers) + (list(STATES) if old.packed is not None else [])
         kept = {name: torch.gather(self._view(name), 2, idx4) if name in STATES else torch.gather(self._view(name), 1,
                                                                                                    index)
-                for name in self.store.buffers}
+                for name in names}
         extras = {}
         for name, t in self.store.extra.items():
             view = t[self.rows, : self.store.n]
@@ -406,12 +458,18 @@ class SlotRows:
             group = self.last_attn.shape[0] // index.shape[0]
             self.last_attn = torch.gather(self.last_attn, 1, index.repeat_interleave(group, 0))
         self.store, self.rows = self.owner(self, capacity) if self.owner is not None else \
-            (SlotStore.empty(self.store.buffers, index.shape[0], capacity), slice(0, index.shape[0]))
+            (self.store.empty_like(index.shape[0], capacity), slice(0, index.shape[0]))
         store = self.store
         store.n = capacity  # the spare slots are free ones, which the next tokens fill
         for name, t in kept.items():
+            if name in STATES and store.packed is not None:
+                continue
             view = self._view(name)
             (view[:, :, :s] if name in STATES else view[:, :s]).copy_(t)
+        if store.packed is not None:  # the kept slots' window entries follow them; the rest is quantized again
+            valid = self.valid
+            for name in STATES:
+                store.packed[name].take(self.rows, old.packed[name], old_rows, index, kept[name][0], valid)
         for name, t in extras.items():
             self.extra[name] = torch.cat([t, t.new_zeros((t.shape[0], capacity - s, *t.shape[2:]))], dim=1)
         store.order = None
@@ -470,10 +528,13 @@ class SlotRows:
             store.order = None
         book.holes = first_valid(rest) if rest.shape[1] else None
         heads = torch.arange(slot.shape[0], device=slot.device) + self.rows.start
-        store.buffers["keys"][0, heads, slot] = key[0, :, 0]
-        store.buffers["values"][0, heads, slot] = value[0, :, 0]
         store.buffers["pos"][heads, slot] = positions[0]
         store.buffers["valid"][heads, slot] = True  # `free` already zeroed abar and nobs
+        if store.packed is not None:
+            self._append_packed(slot[:, None], key, value, positions)
+        else:
+            store.buffers["keys"][0, heads, slot] = key[0, :, 0]
+            store.buffers["values"][0, heads, slot] = value[0, :, 0]
         for t in store.extra.values():
             t[heads, slot] = 0
         book.written = slot[:, None]
@@ -489,14 +550,27 @@ class SlotRows:
             limit = book.limit
             store.resize(min(grow, limit) if limit is not None and limit >= need else grow)
         b = store.buffers
-        b["keys"][:, :, n:need] = key
-        b["values"][:, :, n:need] = value
         b["pos"][:, n:need] = positions
         b["valid"][:, n:need] = True  # abar, nobs and extras past the slots in use are zero
         new = torch.arange(n, need, device=key.device).expand(hkv, q)
         store.order = torch.cat([store.order, new], dim=1) if store.order is not None and not self.padded else None
-        store.n = need
+        if store.packed is not None:
+            store.n = need
+            self._append_packed(new, key, value, positions)
+        else:
+            b["keys"][:, :, n:need] = key
+            b["values"][:, :, n:need] = value
+            store.n = need
         book.written = new
+
+    def _append_packed(self, slots: torch.Tensor, key, value, positions) -> None:
+        """Quantized storage: new tokens `(1, Hkv, q, D)` in `slots` `(Hkv, q)` go to the full-precision window."""
+        store = self.store
+        store.commit()
+        valid = store.buffers["valid"][self.rows, : store.n]
+        for name, x in (("keys", key), ("values", value)):
+            store.packed[name].append(self.rows, slots, x[0], positions, valid)
+        self.books[0].fresh = (key[0], value[0])
 
 
 def first_valid(holes: torch.Tensor) -> torch.Tensor | None:
@@ -544,9 +618,9 @@ class KVCache:
         """Where a layer's compressed layout goes: its rows of the all-layer store, or a store of its own."""
         hkv = view.keys.shape[1]
         if not self.all_layer_mode or len(view.books) != 1 or capacity != view.books[0].limit:
-            return SlotStore.empty(view.store.buffers, hkv, capacity), slice(0, hkv)
+            return view.store.empty_like(hkv, capacity), slice(0, hkv)
         if self.shared is None:
-            self.shared = SlotStore.empty(view.store.buffers, hkv * len(self.layers), capacity)
+            self.shared = view.store.empty_like(hkv * len(self.layers), capacity)
         i = view.books[0].layer
         return self.shared, slice(i * hkv, (i + 1) * hkv)
 
@@ -570,17 +644,39 @@ class KVCache:
         layer.append(key_states, value_states, self.positions)
         return layer.keys, layer.values
 
+    def stores(self) -> list[SlotStore]:
+        """Every store in use, once each."""
+        return list({id(v.store): v.store for v in self.layers if v.store is not None}.values())
+
+    def quantize(self, storage: Storage) -> None:
+        """Keys and values into `storage` (after the prompt's compression); nothing for the model's dtype."""
+        if storage.quantized:
+            for store in self.stores():
+                store.quantize(storage)
+
+    def commit(self) -> None:
+        """Quantized storage: store what a policy changed in the working copies (see `SlotStore`)."""
+        for store in self.stores():
+            store.commit()
+
     def mark(self) -> list[tuple]:
         """What `rewind` needs to bring a cache that since only grew (no compression) back to now: each layer's
-        slots in use, their positions and validity (appends may fill freed slots) and its bookkeeping."""
-        return [(view.store.n, view.store.order, view.pos.clone(), view.valid.clone(), dataclasses.replace(book))
+        slots in use, their positions and validity (appends may fill freed slots), its bookkeeping and its
+        quantized storage (a flush quantizes tokens for good)."""
+        self.commit()
+        return [(view.store.n, view.store.order, view.pos.clone(), view.valid.clone(), dataclasses.replace(book),
+                 None if view.store.packed is None else {k: q.clone() for k, q in view.store.packed.items()})
                 for view, book in zip(self.layers, self.books, strict=True)]
 
     def rewind(self, mark: list[tuple]) -> None:
         """Forget every token appended since `mark` (e.g. one question and its answer, before the next question
         on the same compressed context)."""
         with torch.inference_mode():  # the buffers are inference tensors when the run made them
-            for view, book, (n, order, pos, valid, saved) in zip(self.layers, self.books, mark, strict=True):
+            for view, book, (n, order, pos, valid, saved, packed) in zip(self.layers, self.books, mark, strict=True):
+                view.store.working.clear()
+                view.store.packed = packed if packed is None else {k: q.clone() for k, q in packed.items()}
+                for q in (view.store.packed or {}).values():
+                    q.resize(view.store.capacity)  # the buffers may have grown since the mark
                 view.store.n = n
                 view.pos, view.valid = pos, valid
                 view.store.order = order
@@ -592,8 +688,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes allocated for keys and values (each store once)."""
-        stores = {id(v.store): v.store for v in self.layers if v.store is not None}
-        return sum(s.nbytes(slice(0, s.rows)) for s in stores.values())
+        return sum(s.nbytes(slice(0, s.rows)) for s in self.stores())
 
     def kept_counts(self) -> torch.Tensor:
         """Valid slots per layer and KV head, `(L, Hkv)` (without padding every head keeps `n_kept`)."""

@@ -31,6 +31,9 @@ class Observer:
     prefill_rows = 0  # last prefill rows wanted
     needs_prefill_stats = False  # the prompt's accumulated attention (`layer.abar`) must be computed
 
+    def on_start(self, policy: Policy) -> None:
+        """The run's policy, before its prefill."""
+
     def on_prefill(self, layer: SlotRows, query, key, value, last_rows) -> None:
         """query `(1, Hq, T, D)`, key/value `(1, Hkv, T, D)` after RoPE, last_rows `(Hq, L, T)` or None."""
 
@@ -50,6 +53,8 @@ class RunContext:
         self.rotary = rotary  # positions -> (cos, sin) of the model's RoPE (`Prompt.rotary`), None without one
         self.policy = policy
         self.observers = list(observers)
+        for obs in self.observers:
+            obs.on_start(policy)
         self.needs_rows = policy.needs_attention or any(o.needs_rows for o in self.observers)
         # the prompt's column sums cost a chunked pass over T x T; computed only when someone reads them
         self.column_sums = policy.prefill_column_sums() or any(o.needs_prefill_stats for o in self.observers)

@@ -23,6 +23,7 @@ from kvlens.engine.attention import CONTEXT_KWARG
 from kvlens.engine.cache import KVCache, Phase, Step
 from kvlens.engine.context import Observer, RunContext
 from kvlens.engine.models import LoadedModel
+from kvlens.engine.quantize import Storage
 from kvlens.engine.record import Recorder
 from kvlens.errors import Cancelled, KvlensError
 from kvlens.policies import Policy
@@ -59,6 +60,7 @@ class RunOptions:
     record: str = "summary"
     record_layers: list[int] | None = None
     log_decisions: bool = True
+    storage: Storage = Storage()  # keys and values in the model's dtype, or quantized (`--kv-bits`)
 
 
 def _check_length(model: LoadedModel, n: int) -> None:
@@ -149,12 +151,16 @@ class _Loop:
             if self.budget is not None:
                 self.budgets = self.policy.allocate(self.budget, self.cache.layers)
                 self.cache.set_budgets(self.budgets)
+        self.cache.commit()
         everywhere = self.cache.all_layers() if phase is Phase.DECODE else None
         if everywhere is not None:
             self.policy.compress(everywhere, Step(index, phase, self.budget, self.log))
         else:
             for rows, budget in zip(self.cache.layers, self.budgets, strict=True):
                 self.policy.compress(rows, Step(index, phase, budget, self.log))
+        self.cache.commit()  # quantized storage: what the policy merged is quantized again
+        if index == 0:
+            self.cache.quantize(self.opts.storage)  # the policy chose from the prompt in full precision
         self.kept.append(self.cache.kept_counts())
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes)
 
@@ -296,6 +302,7 @@ def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, tota
         "model": {"spec": model.spec, "shape": model.shape(), "device": str(model.device),
                   "dtype": str(model.dtype).removeprefix("torch.")},
         "policy": {"name": policy.name, "params": policy.params()},
+        "storage": opts.storage.describe(),
         "budget": {"requested": opts.budget, "slots": loop.budget},
         "seed": opts.seed, "temperature": opts.temperature, "top_p": opts.top_p,
         "prompt": tok.decode(prompt_ids), "prompt_tokens": list(prompt_ids),

@@ -7,12 +7,17 @@ step's own query `q` `(Hq, D)`:
 - `O_used` = the run's own output over its compressed (possibly merged) cache,
 - `O_evict` = attention over the original keys and values of the positions the cache still holds
   (same decisions, no merging),
+- `O_stored` = the same with those keys and values as the run's storage holds them: with quantized storage
+  (`kvlens.engine.quantize`) `O_used` itself for a policy that never merges, else the original keys and values
+  quantized and dequantized in the cache's current layout; `O_evict` without quantization,
 and it stores per (step, layer, query head) `||O_used - O_full|| / ||O_full||`, the same for
 `O_evict`, and the attention loss `1 - sum_{kept j} A_full[j]`. End to end, `kl_per_step` gives
 KL(p_full || p_policy) of the next-token distributions, p_full from one full-cache forward over
 the same tokens (teacher forced).
 
-Tensor names saved in a run: `perturbation/used`, `perturbation/evict`,
+So `evict` is the error of the choice of positions, `stored - evict` what quantized storage adds to it, and
+`used - stored` what merging adds. Tensor names saved in a run: `perturbation/used`, `perturbation/evict`,
+`perturbation/stored`,
 `perturbation/attention_loss`, `perturbation/full_norm` (`||O_full||`) `(steps - 1, L, Hq)` float32
 (row k = the decode forward that fed token k and produced the logits of token k + 1), and
 `perturbation/kl` `(steps,)` (entry 0 is the prefill's logits, identical for every policy, so 0).
@@ -50,6 +55,11 @@ class PerturbationMeter(Observer):
         self.shadow_v: dict[int, torch.Tensor] = {}
         self.used: dict[int, list[torch.Tensor]] = {}  # layer -> [(Hq,)] per step
         self.evict: dict[int, list[torch.Tensor]] = {}
+        self.stored: dict[int, list[torch.Tensor]] = {}
+        self.merges = True  # the run's policy may change kept slots (`on_start`)
+
+    def on_start(self, policy) -> None:
+        self.merges = policy.merges
         self.loss: dict[int, list[torch.Tensor]] = {}
         self.full_norm: dict[int, list[torch.Tensor]] = {}
 
@@ -60,9 +70,14 @@ class PerturbationMeter(Observer):
     def on_decode(self, layer, query, probs, out, spec: AttentionSpec) -> None:
         i = layer.layers[0]
         # the token just fed is in the slots the cache wrote last (compression runs after the forward)
-        new = layer.written[..., None].expand(-1, -1, layer.keys.shape[-1])  # (Hkv, 1, D)
-        self.shadow_k[i] = torch.cat([self.shadow_k[i], torch.gather(layer.keys[0], 1, new)], dim=1)
-        self.shadow_v[i] = torch.cat([self.shadow_v[i], torch.gather(layer.values[0], 1, new)], dim=1)
+        book = layer.books[0]
+        if book.fresh is not None:  # quantized storage: the token as fed, not as stored
+            key, value = book.fresh
+        else:
+            new = layer.written[..., None].expand(-1, -1, layer.keys.shape[-1])  # (Hkv, 1, D)
+            key, value = torch.gather(layer.keys[0], 1, new), torch.gather(layer.values[0], 1, new)
+        self.shadow_k[i] = torch.cat([self.shadow_k[i], key], dim=1)
+        self.shadow_v[i] = torch.cat([self.shadow_v[i], value], dim=1)
         k_full, v_full = self.shadow_k[i], self.shadow_v[i]  # (Hkv, T, D); slot index = position
         hkv, t, d = k_full.shape
         hq = query.shape[1]
@@ -78,11 +93,19 @@ class PerturbationMeter(Observer):
         # the run's own kernel over the same slots: where nothing was merged, O_evict is O_used exactly
         o_evict = decode_rows(query, k_kept[None], v_kept[None], kept_seen, spec)[0][0, 0].view(hkv, -1, d).float()
         o_used = out[0, 0].view(hkv, hq // hkv, d).float()
+        o_stored = o_evict
+        if layer.store.packed is not None and not self.merges:  # nothing merged: the run's own output
+            o_stored = o_used
+        elif layer.store.packed is not None:
+            k_q, v_q = (layer.store.packed[name].roundtrip(layer.rows, t, layer.valid)
+                        for name, t in (("keys", k_kept), ("values", v_kept)))
+            o_stored = decode_rows(query, k_q[None], v_q[None], kept_seen, spec)[0][0, 0].view(hkv, -1, d).float()
         full_norm = o_full.norm(dim=-1)
         norm = full_norm.clamp(min=1e-30)
         kept = torch.zeros(hkv, t + 1, device=pos.device).scatter_(1, pos.masked_fill(~layer.valid, t), 1.0)[:, :t]
         self.used.setdefault(i, []).append(((o_used - o_full).norm(dim=-1) / norm).flatten().cpu())
         self.evict.setdefault(i, []).append(((o_evict - o_full).norm(dim=-1) / norm).flatten().cpu())
+        self.stored.setdefault(i, []).append(((o_stored - o_full).norm(dim=-1) / norm).flatten().cpu())
         self.loss.setdefault(i, []).append((1 - (a_full * kept[:, None, :]).sum(-1)).flatten().cpu())
         self.full_norm.setdefault(i, []).append(full_norm.flatten().cpu())
 
@@ -91,7 +114,8 @@ class PerturbationMeter(Observer):
         if not self.used:
             return {}
         return {name: float(torch.stack([rows[-1] for rows in d.values()]).mean())
-                for name, d in (("perturbation_used", self.used), ("perturbation_evict", self.evict))}
+                for name, d in (("perturbation_used", self.used), ("perturbation_evict", self.evict),
+                                ("perturbation_stored", self.stored))}
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """`perturbation/used|evict|attention_loss|full_norm` `(steps - 1, L, Hq)`; empty if no decode step ran."""
@@ -101,6 +125,7 @@ class PerturbationMeter(Observer):
             return torch.stack([torch.stack(d[i]) for i in layers], dim=1) if layers else torch.zeros(0, 0, 0)
 
         return {"perturbation/used": stack(self.used), "perturbation/evict": stack(self.evict),
+                "perturbation/stored": stack(self.stored),
                 "perturbation/attention_loss": stack(self.loss), "perturbation/full_norm": stack(self.full_norm)}
 
 
@@ -156,8 +181,14 @@ def summary(tensors: dict[str, torch.Tensor]) -> dict:
     alone moves an eviction-only run's cells both ways); `merge_sign_per_layer`: per layer, +1 if the
     pooled `used` is below the pooled `evict`, -1 above, 0 within `TIE`; `attention_loss`;
     `kl`: mean KL over steps 1.. (`kl_steps` of them; step 0 is the prefill's logits, shared).
+    With quantized storage the merge shares and signs compare `used` with `stored` (same storage, no merging),
+    `perturbation_stored*` are reported as `evict`'s are, and `perturbation_sources` splits the pooled error:
+    `selection` (pooled evict), `storage` (pooled stored - evict), `merging` (pooled used - stored).
     """
     used, evict, loss = (tensors[f"perturbation/{k}"] for k in ("used", "evict", "attention_loss"))
+    stored = tensors.get("perturbation/stored")
+    quantized = stored is not None and stored.shape == evict.shape and not torch.equal(stored, evict)
+    versus = stored if quantized else evict  # merging's counterfactual: the same choice, stored the same way
     norm = tensors.get("perturbation/full_norm")
     kl = tensors["perturbation/kl"][1:]
     some = bool(used.numel())
@@ -178,14 +209,22 @@ def summary(tensors: dict[str, torch.Tensor]) -> dict:
            "perturbation_used_median": float(used.median()) if some else None,
            "perturbation_evict_median": float(evict.median()) if some else None,
            "perturbation_used_pooled": _float(pooled(used)), "perturbation_evict_pooled": _float(pooled(evict)),
-           "merge_better_share": mean((used < evict - TIE * evict).float()),
-           "merge_worse_share": mean((used > evict + TIE * evict).float()),
+           "merge_better_share": mean((used < versus - TIE * versus).float()),
+           "merge_worse_share": mean((used > versus + TIE * versus).float()),
            "merge_sign_per_layer": [], "attention_loss": mean(loss), "kl": mean(kl), "kl_steps": int(kl.numel()),
            "perturbation_used_per_layer": per_layer(used), "perturbation_evict_per_layer": per_layer(evict)}
     if some and norm is not None:
-        gain = pooled(evict, (0, 2)) - pooled(used, (0, 2))
-        out["merge_sign_per_layer"] = torch.where(gain.abs() <= TIE * pooled(evict, (0, 2)), 0,
+        gain = pooled(versus, (0, 2)) - pooled(used, (0, 2))
+        out["merge_sign_per_layer"] = torch.where(gain.abs() <= TIE * pooled(versus, (0, 2)), 0,
                                                   torch.sign(gain)).int().tolist()
+    if quantized:
+        out.update({"perturbation_stored": mean(stored),
+                    "perturbation_stored_median": float(stored.median()) if some else None,
+                    "perturbation_stored_pooled": _float(pooled(stored)),
+                    "perturbation_stored_per_layer": per_layer(stored)})
+        if some and norm is not None:
+            e, q, u = (float(pooled(t)) for t in (evict, stored, used))
+            out["perturbation_sources"] = {"selection": e, "storage": q - e, "merging": u - q}
     return out
 
 

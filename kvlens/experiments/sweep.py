@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from kvlens.engine.loop import RunOptions
 from kvlens.engine.perturbation import summary
+from kvlens.engine.quantize import Storage
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import perplexity
 from kvlens.experiments.grid import digest, plan
@@ -36,10 +37,12 @@ def plan_ppl(policies: list[tuple[str, dict]], budgets: list, texts: dict[str, s
 
 def ppl_cell(model, texts: dict[str, str], cell: dict) -> dict:
     """The metrics of one `ppl` cell: perplexity, what the cache kept (slots, bytes, shares), speed, and
-    (measured cells) the perturbation summary."""
+    (measured cells) the perturbation summary. A cell's `storage` (`Storage.describe()`, optional) quantizes."""
     prefill, tokens = cell["prefill"], cell["tokens"]
+    described = {k: v for k, v in (cell.get("storage") or {}).items() if k in ("bits", "scheme", "group", "residual")}
     run = perplexity(model, texts[cell["text"]], cell["policy"], cell["params"], prefill=prefill, tokens=tokens,
-                     opts=RunOptions(budget=cell["budget"], seed=cell["seed"], log_decisions=False),
+                     opts=RunOptions(budget=cell["budget"], seed=cell["seed"], log_decisions=False,
+                                     storage=Storage(**described)),
                      measure=cell["measure"])
     m = run.metrics
     cached = prefill + tokens - 1  # tokens in a full cache at the last step
