@@ -31,7 +31,10 @@ What optimum-quanto 0.2.7 does, read from its source (`tensor/optimizers/max_opt
   min and scale as float16 always; its codes are computed from the float16-rounded min and scale (so x^ is
   consistent with what is stored). For float32 input this is the only difference: codes may differ by one
   where (x - min) / scale lies near a rounding boundary, and x^ by the float16 rounding of min and scale (under
-  2^-11 relative each, so at most about 0.12 step at 8 bits).
+  2^-11 relative each, so at most about 0.12 step at 8 bits). Where |min| is large against the group's range,
+  kvlens's float16 min shifts the covered range [min16, min16 + top * scale16] off [min, max] and the group's
+  extreme values clamp: a group spanning 100.03..101.03 at 8 bits stores min 100.0 and its maximum comes back
+  7.7 steps low (quanto in float32 is exact there; in float16 or bfloat16 states it rounds its shift too).
 - Grouping. quanto's `group(t, axis, group_size)` works on the flattened tensor. axis=0: `t.reshape(-1,
   group_size)`, min/max over each row: groups of `group_size` consecutive elements in memory, i.e. for a
   contiguous `(..., T, D)` state, consecutive channels of one token, and for group_size > D a group spans
