@@ -15,7 +15,7 @@ PACKAGE = ROOT / "kvlens"
 LAYERS = [  # bottom first; a module belongs to the layer of its longest matching prefix
     ("base", ["kvlens.version", "kvlens.errors", "kvlens.lists", "kvlens.levels", "kvlens.params", "kvlens.texts"]),
     ("runs", ["kvlens.runs"]),
-    ("cache", ["kvlens.engine.attention", "kvlens.engine.cache"]),
+    ("cache", ["kvlens.engine.attention", "kvlens.engine.cache", "kvlens.engine.quantize"]),
     ("policies", ["kvlens.policies"]),
     ("engine", ["kvlens.engine"]),
     ("figures", ["kvlens.figures"]),
