@@ -114,6 +114,24 @@ def test_bad_storage_settings_get_one_sentence(kwargs, words):
         Storage(**kwargs)
 
 
+@pytest.mark.parametrize("along", ["slots", "channels"])
+@pytest.mark.parametrize("base", [0.0, 100.03, -3001.3])
+def test_a_narrow_group_far_from_zero_is_within_half_a_stored_step(base, along):
+    """The float16 zero point rounds down and the scale up, so the grid covers the group's range: every value is
+    within half a step (rounding both to nearest put 8-bit values near 100 up to 7.9 steps off)."""
+    x = base + torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(1))
+    for bits in (2, 8):
+        codes, lo, scale = quantize(x, bits, 32, along)
+        err = (dequantize(codes, lo, scale, 32, along, torch.float32) - x).abs()
+        step = scale.float().repeat_interleave(32, dim=1 if along == "slots" else 2)
+        assert (err <= step / 2 + 4 * torch.finfo(torch.float32).eps * x.abs()).all()  # + x's own rounding
+
+
+def test_a_group_that_does_not_tile_the_head_is_refused_before_the_run(smol):
+    with pytest.raises(KvlensError, match=r"--kv-group 48 does not divide the model's head size \(64\)"):
+        perplexity(smol, "word " * 80, "full", prefill=40, tokens=4, opts=RunOptions(storage=Storage(4, group=48)))
+
+
 @pytest.fixture(scope="module")
 def kennedy():
     return texts.read("1961-Kennedy")

@@ -233,6 +233,7 @@ def _prepare(model: LoadedModel, policy: Policy, ids, prefill, steps, teacher, o
     if model.support is None:  # a model built by hand, not through `load_model`: probe it once
         model.support = inspect_model(model.model)
     model.support.require()  # never run a model kvlens would only approximate
+    opts.storage.check(model.shape()["head_dim"])
     budget = policy.resolve_budget(opts.budget, prefill, prefill + steps)
     return _Loop(model, policy, opts, list(observers), budget, prefill + steps - 1)  # the last token is never fed
 

@@ -55,6 +55,14 @@ class Storage:
     def quantized(self) -> bool:
         return self.bits is not None
 
+    def check(self, head_dim: int) -> None:
+        """Refuse, in one sentence, a group that does not tile a head's `head_dim` channels (groups of channels:
+        KIVI's values, both for the token scheme); a group of `head_dim` or more is one group per token."""
+        if self.quantized and head_dim % min(self.group, head_dim):
+            fits = ", ".join(str(g) for g in (8, 16, 32, 64, 128) if g <= head_dim and head_dim % g == 0)
+            raise KvlensError(f"--kv-group {self.group} does not divide the model's head size ({head_dim}): groups "
+                              f"of channels must tile it; pick {fits or head_dim}.")
+
     def along(self, name: str) -> str:
         """How `name` ("keys"/"values") is grouped: "slots" (per channel, groups of slots) or "channels"."""
         return "slots" if self.scheme == "kivi" and name == "keys" else "channels"
@@ -69,6 +77,20 @@ class Storage:
             return {"bits": None}
         return {"bits": self.bits, "scheme": self.scheme, "group": self.group, "residual": self.residual,
                 "scale_dtype": "float16"}
+
+
+def _grid16(lo: torch.Tensor, hi: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float16 zero point and scale of groups with float32 range [lo, hi] whose grid lo16 + k * scale16,
+    k = 0..top, still covers [lo, hi]: lo16 rounds down and scale16 up (rounding both to nearest loses up to
+    |lo| * 2^-11, many steps of a narrow group far from zero, e.g. values 100.0-101.0 at 8 bits). A constant
+    group keeps the nearest float16 and scale 0."""
+    spread = hi > lo
+    lo16 = lo.half()
+    lo16 = torch.where(spread & (lo16.float() > lo), torch.nextafter(lo16, torch.full_like(lo16, float("-inf"))),
+                       lo16)
+    scale16 = torch.where(spread, (hi - lo16.float()) / top, 0).half()
+    short = lo16.float() + scale16.float() * top < hi
+    return lo16, torch.where(short, torch.nextafter(scale16, torch.full_like(scale16, float("inf"))), scale16)
 
 
 def quantize(x: torch.Tensor, bits: int, group: int, along: str, valid: torch.Tensor | None = None):
@@ -88,13 +110,13 @@ def quantize(x: torch.Tensor, bits: int, group: int, along: str, valid: torch.Te
             hi = g.masked_fill(~m, float("-inf")).amax(2)
             empty = ~m.any(2)
             lo, hi = lo.masked_fill(empty, 0), hi.masked_fill(empty, 0)
-        lo16, scale16 = lo.half(), ((hi - lo) / top).half()
+        lo16, scale16 = _grid16(lo, hi, top)
         lo_x, sc_x = lo16.float()[:, :, None], scale16.float()[:, :, None]
     else:
         width = min(group, d)
         g = xf.view(r, n, d // width, width)
         lo, hi = g.amin(-1), g.amax(-1)
-        lo16, scale16 = lo.half(), ((hi - lo) / top).half()
+        lo16, scale16 = _grid16(lo, hi, top)
         lo_x, sc_x = lo16.float()[..., None], scale16.float()[..., None]
     codes = torch.where(sc_x > 0, ((g - lo_x) / sc_x.clamp(min=1e-30)).round(), 0).clamp_(0, top)
     return codes.to(torch.uint8).view(r, n, d), lo16, scale16
