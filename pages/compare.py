@@ -4,8 +4,9 @@ import streamlit as st
 from kvlens.experiments.compare import Entry, compare, entries_with_reference
 from kvlens.ui.compare import result_cache, show_results, show_text
 from kvlens.ui.jobs import PageJob
+from kvlens.ui.live import check_storage
 from kvlens.ui.page import page_top
-from kvlens.ui.widgets import policy_picker
+from kvlens.ui.widgets import policy_picker, storage_picker
 
 DEFAULTS = ["streaming_llm", "h2o", "tova", "cam"]
 
@@ -27,7 +28,9 @@ cols = st.columns(int(count))
 picks = []
 for i, col in enumerate(cols):
     with col, st.container(border=True):
-        picks.append(policy_picker(f"cmp{i}", default=DEFAULTS[i], label=f"Policy {i + 1}"))
+        policy = policy_picker(f"cmp{i}", default=DEFAULTS[i], label=f"Policy {i + 1}")
+        storage = storage_picker(f"cmp{i}")
+        picks.append(None if policy is None or storage is None else (*policy, storage))
 b1, b2, _ = st.columns([1, 1, 3])
 go_clicked = b1.button("Compare", type="primary", icon=":material/play_arrow:", key="cmp_go", width="stretch",
                        disabled=any(p is None for p in picks),
@@ -62,6 +65,8 @@ if go_clicked and all(p is not None for p in picks):
         def on_step(put):
             return lambda entry, event: put((entry.label, model.tokenizer.decode([int(event.logits.argmax())]),
                                              event))
+        for e in entries:
+            check_storage(e.storage, model)
         cache = result_cache()
         return lambda put, cancel: compare(model, prompt, entries, new_tokens, on_step(put), cancel, cache)
 
@@ -72,6 +77,7 @@ if go_clicked and all(p is not None for p in picks):
 
 results = st.session_state.get("cmp_result")
 if not results:
-    st.info("Pick the policies and press **Compare**. The full cache is always run too, as the reference.")
+    st.info("Pick the policies and press **Compare**. The full cache is always run too, as the reference (in the "
+            "model's dtype; pick `full` with quantized storage to see what quantization alone does).")
 else:
     show_results(results)

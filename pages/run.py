@@ -11,7 +11,7 @@ from kvlens.ui.jobs import PageJob
 from kvlens.ui.live import Live, RunSettings, parse_layers
 from kvlens.ui.page import page_top
 from kvlens.ui.state import list_runs, open_run, user_runs_dir
-from kvlens.ui.widgets import policy_picker
+from kvlens.ui.widgets import policy_picker, storage_picker
 
 page_top("Run", "Run a policy on a prompt, watch it work, and save the run for the other pages.")
 url_state.share_link()  # the policy, preset and budget below are in the link
@@ -39,6 +39,7 @@ with left:
     url_state.bind_policy("run")
     picked = policy_picker("run")
     url_state.publish_policy("run")
+    storage = storage_picker("run")
     c1, c2 = st.columns(2)
     if teacher:
         prefill = c1.number_input("Prefill tokens", 8, 4096, 256, step=32, key="run_prefill")
@@ -62,7 +63,7 @@ with left:
                           help="Keeps an uncompressed shadow cache (slower); fills the Perturbation page.")
     b1, b2 = st.columns(2)
     go_clicked = b1.button("Run", type="primary", icon=":material/play_arrow:", width="stretch", key="run_go",
-                           disabled=picked is None)
+                           disabled=picked is None or storage is None)
     job.stop_button(b2, help="Cancel the running run; nothing is saved.")
 
 with right:
@@ -75,15 +76,15 @@ with right:
             st.subheader("Token inspector of your last run")
             token_inspector(open_run(st.session_state.run_last), "run_insp")
 
-if go_clicked and picked is not None:
+if go_clicked and picked is not None and storage is not None:
     policy, params, budget = picked
-    live = Live()
+    live = Live(quantized=storage.quantized)
     frame = [0]
 
     def work(model):
         layers = None if record == RecordLevel.SUMMARY else parse_layers(layers_text, model.shape()["layers"])
         return RunSettings(policy, params, budget, text, teacher, int(new_tokens), int(prefill), record, layers,
-                           measure).work(model)
+                           measure, storage=storage).work(model)
 
     def draw(events):
         live.add(events)
@@ -96,7 +97,8 @@ if go_clicked and picked is not None:
     with st.spinner("Running…"):
         run = job.run(work, draw, status)
     if run is not None:
-        path = run.save(user_runs_dir() / f"{policy}-{time.strftime('%Y%m%d-%H%M%S')}")
+        kv = f"-kv{storage.bits}" if storage.quantized else ""
+        path = run.save(user_runs_dir() / f"{policy}{kv}-{time.strftime('%Y%m%d-%H%M%S')}")
         list_runs.clear()
         st.session_state[session.RUN_REQUEST] = str(path)
         st.session_state.run_saved = path.name

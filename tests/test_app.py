@@ -471,3 +471,106 @@ def test_compare_page_shows_the_table_kvlens_compare_computes(app, smol):
         "h2o @0.5"
     assert len(drawn) >= 3, "the inspector draws one row per policy"
 
+
+
+def test_kv_storage_picker_says_why_a_setting_is_bad_on_run_and_compare(app):
+    from kvlens.engine.quantize import Storage
+    from kvlens.errors import KvlensError
+
+    with pytest.raises(KvlensError) as err:
+        Storage(4, "kivi", 64, 32)
+    at = open_page(app, "run")
+    bits = at.selectbox(key="run_kv_bits")
+    assert bits.options == ["model dtype (no quantization)", "8 bits (quantized)", "4 bits (quantized)",
+                            "2 bits (quantized)"] and bits.value == 0
+    assert not [w for w in at.number_input if w.key == "run_kv_group"]  # the settings only once quantized
+    bits.set_value(4).run()
+    assert at.selectbox(key="run_kv_scheme").options == ["kivi", "token"]
+    at.number_input(key="run_kv_residual").set_value(32).run()
+    assert not at.exception and [e.value for e in at.error] == [str(err.value)]  # the engine's sentence
+    assert at.button(key="run_go").disabled
+    at.number_input(key="run_kv_residual").set_value(64).run()
+    assert not at.error and not at.button(key="run_go").disabled
+    at = open_page(at, "compare")  # the same widget under each policy
+    at.selectbox(key="cmp1_kv_bits").set_value(2).run()
+    at.number_input(key="cmp1_kv_residual").set_value(32).run()
+    assert [e.value for e in at.error] == [str(err.value)] and at.button(key="cmp_go").disabled
+
+
+def run_from_page(at: AppTest, policy: str, bits: int, measure: bool = False, **storage) -> AppTest:
+    """Run `policy` @0.5 on the start of a bundled text from the Run page, 4 new tokens, with `bits` (and the
+    `run_kv_*` settings in `storage`; 0: the model's dtype); the saved run is then the sidebar's."""
+    at = open_page(at, "run")
+    at.radio(key="run_source").set_value("Bundled text").run()
+    at.selectbox(key="run_policy").set_value(policy).run()
+    at.number_input(key="run_new").set_value(4)
+    at.selectbox(key="run_record").set_value(RecordLevel.SUMMARY)
+    at.checkbox(key="run_measure").check() if measure else at.checkbox(key="run_measure").uncheck()
+    at.selectbox(key="run_kv_bits").set_value(bits).run()
+    for name, value in storage.items():
+        (at.selectbox if name == "scheme" else at.number_input)(key=f"run_kv_{name}").set_value(value)
+    at.button(key="run_go").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.exception] + [e.value for e in at.error]
+    return at
+
+
+@pytest.mark.slow
+def test_run_page_stores_the_kv_cache_as_chosen(app, tmp_path):
+    at = run_from_page(app, "h2o", 0)
+    plain = load_run(at.sidebar.selectbox(key="app_run").value)
+    at = run_from_page(at, "h2o", 4, scheme="token", group=32)
+    packed = load_run(at.sidebar.selectbox(key="app_run").value)
+    assert plain.meta["storage"] == {"bits": None}
+    assert packed.meta["storage"] == {"bits": 4, "scheme": "token", "group": 32, "residual": 0,
+                                      "scale_dtype": "float16"}
+    assert "--kv-bits 4 --kv-scheme token --kv-group 32" in packed.meta["command"]
+    assert packed.meta["prompt_tokens"] == plain.meta["prompt_tokens"]
+    # float32 -> 4-bit codes + a float16 zero point and scale per 32 channels: 40 of 256 bytes a row
+    assert packed.metrics["kv_bytes_peak"] < 0.2 * plain.metrics["kv_bytes_peak"]
+    at = open_page(at, "overview", str(packed.path))
+    assert any("KV 4-bit token, group 32" in md.value for md in at.markdown)  # the run's header line
+
+
+@pytest.mark.slow
+def test_perturbation_page_splits_the_error_of_a_quantized_measured_run(app):
+    at = run_from_page(app, "cam", 2, measure=True)
+    run = load_run(at.sidebar.selectbox(key="app_run").value)
+    sources = run.metrics["perturbation_sources"]
+    at = open_page(at, "perturbation", str(run.path))
+    assert "Where the output error comes from" in [h.value for h in at.subheader]
+    shown = {m.label: m.value for m in at.metric}
+    for label, key in (("Choice of positions", "selection"), ("Quantized storage", "storage"),
+                       ("Merging", "merging")):
+        assert shown[label] == f"{sources[key]:+.4f}"
+    assert float(shown["Cache used (pooled)"]) == pytest.approx(run.metrics["perturbation_used_pooled"], abs=1e-4)
+    split = charts(at)[0]
+    bars = traces(split, "bar")
+    assert [b["y"][0] for b in bars] == pytest.approx([*sources.values(), sum(sources.values())])
+    assert [b["base"][0] for b in bars[1:3]] == pytest.approx([sources["selection"],
+                                                              sources["selection"] + sources["storage"]])
+    curves = {t["name"]: t["y"] for t in traces(split, "scatter")}
+    assert set(curves) == {"same positions, full precision", "same positions, quantized", "cache used"}
+    assert all(len(y) == run.shape["layers"] for y in curves.values())
+    assert sources["storage"] > 0.1 * sources["selection"]  # 2 bits: quantization is a visible part
+    at = open_page(at, "perturbation", "cam-attention")  # unquantized: the page as before
+    assert "Where the output error comes from" not in [h.value for h in at.subheader]
+    assert not traces(charts(at)[0], "bar")
+
+
+@pytest.mark.slow
+def test_compare_page_passes_each_policys_kv_storage(app):
+    at = open_page(app, "compare")
+    at.slider(key="cmp_tokens").set_value(4)
+    at.selectbox(key="cmp0_policy").set_value("full").run()
+    at.selectbox(key="cmp0_kv_bits").set_value(2).run()
+    at.selectbox(key="cmp1_kv_bits").set_value(4).run()
+    at.button(key="cmp_go").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.exception] + [e.value for e in at.error]
+    results = at.session_state.cmp_result
+    assert [r.entry.label for r in results] == ["full", "full · 2-bit", "h2o @0.5 · 4-bit"]
+    assert [r.run.meta["storage"]["bits"] for r in results] == [None, 2, 4]  # the reference: the model's dtype
+    shown = at.dataframe[0].value
+    assert list(shown["policy"]) == ["full", "full · 2-bit", "h2o @0.5 · 4-bit"]
+    peak = list(shown["peak KV bytes"])
+    assert peak[1] < 0.3 * peak[0] and peak[2] < peak[1]
+    assert results[0].run.metrics["perturbation_used"] < 1e-5 < results[1].run.metrics["perturbation_used"]

@@ -23,8 +23,11 @@ The design (what each number means, and why it costs one pass per policy):
   The previous design (a measured generation, then an unmeasured teacher-forced pass per policy)
   adds up to about 2.4x generating with every policy; this one measured 1.25-1.45x (`kvlens
   compare` prints both times).
+- Each policy has its own KV storage (`Entry.storage`: the model's dtype, or quantized,
+  `kvlens.engine.quantize`); the reference always keeps the model's dtype, so a quantized `full` entry is
+  a row of its own (quantization alone).
 - Results are reused for identical inputs (`ResultCache`, keyed on model, prompt, policy, its
-  resolved parameters, budget and new tokens): a second identical comparison, or one where a
+  resolved parameters, budget, storage and new tokens): a second identical comparison, or one where a
   single policy changed, runs only what changed.
 
 `compare` is shared by `kvlens compare` and the Compare page, so both show the same `table`.
@@ -45,6 +48,7 @@ import torch
 from kvlens.engine.loop import RunOptions, StepEvent, run
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.perturbation import PerturbationMeter, kl_per_step, summary
+from kvlens.engine.quantize import Storage
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import encode, generate
 from kvlens.policies import changed_params, make_policy
@@ -56,17 +60,21 @@ FULL = "full"
 
 @dataclass(frozen=True)
 class Entry:
-    """One policy of a comparison: name, parameters, budget (None for budget-free policies)."""
+    """One policy of a comparison: name, parameters, budget (None for budget-free policies), KV storage."""
 
     policy: str
     params: dict
     budget: int | float | None
+    storage: Storage = Storage()
 
     @property
     def label(self) -> str:
+        from kvlens.figures.plots import storage_label
+
         extra = ", ".join(f"{k}={v}" for k, v in changed_params(self.policy, self.params).items())
         budget = "" if self.budget is None else f" @{self.budget:g}"
-        return f"{self.policy}{budget}" + (f" ({extra})" if extra else "")
+        kv = f" · {storage_label(self.storage.describe(), short=True)}" if self.storage.quantized else ""
+        return f"{self.policy}{budget}" + (f" ({extra})" if extra else "") + kv
 
 
 @dataclass
@@ -92,7 +100,8 @@ class Result:
                 "first_divergence": self.first_diff, "top1_agreement": self.agreement,
                 "ppl": m["ppl"], "kl": m["kl"], "perturbation": m["perturbation_used"],
                 "attention_loss": m["attention_loss"], "kv_slots_max": m["kv_slots_max"],
-                "kv_bytes_peak": m["kv_bytes_peak"], "ms_per_token": m["ms_per_token"]}
+                "kv_bytes_peak": m["kv_bytes_peak"], "ms_per_token": m["ms_per_token"],
+                "storage": self.entry.storage.describe()}
 
 
 def first_difference(reference: list[int], tokens: list[int]) -> int | None:
@@ -116,7 +125,7 @@ class ResultCache:
     def key(model: LoadedModel, prompt: str, entry: Entry, new_tokens: int) -> tuple:
         params = json.dumps(make_policy(entry.policy, entry.params).params(), sort_keys=True, default=str)
         return (model.spec, str(model.path), str(model.device), str(model.dtype), prompt, entry.policy, params,
-                repr(entry.budget), new_tokens)
+                repr(entry.budget), repr(entry.storage), new_tokens)
 
     def get(self, key: tuple) -> Result | None:
         with self._lock:
@@ -133,13 +142,13 @@ class ResultCache:
 
 
 def entries_with_reference(entries: list[Entry]) -> list[Entry]:
-    """The full cache first, then each policy once (in order; `full` itself only as the reference)."""
+    """The full cache first, then each policy once (in order; `full` in the model's dtype only as the reference)."""
     if not 1 <= len(entries) <= MAX_POLICIES:
         raise KvlensError(f"Compare takes 1 to {MAX_POLICIES} policies besides the full cache; got {len(entries)}.")
     out = [Entry(FULL, {}, None)]
     for e in entries:
         make_policy(e.policy, e.params)  # a bad setting is one sentence before anything runs
-        if e.policy != FULL and e not in out:
+        if (e.policy != FULL or e.storage.quantized) and e not in out:
             out.append(e)
     return out
 
@@ -180,7 +189,7 @@ def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, canc
         if on_step is not None:
             on_step(e, event)
 
-    opts = dataclasses.replace(opts, budget=e.budget)
+    opts = dataclasses.replace(opts, budget=e.budget, storage=e.storage)
     if reference is None:
         out = run(model, make_policy(e.policy, e.params), ids, prefill=len(ids), steps=opts.max_new_tokens,
                   teacher=False, opts=opts, observers=[meter], on_step=step, cancel=cancel)
@@ -211,7 +220,8 @@ def plain_generation_seconds(model: LoadedModel, prompt: str, entries: list[Entr
     the baseline `kvlens compare` reports as `generate_s`."""
     total = 0.0
     for e in entries_with_reference(entries):
-        opts = RunOptions(budget=e.budget, max_new_tokens=new_tokens, stop_at_eos=False, log_decisions=False)
+        opts = RunOptions(budget=e.budget, max_new_tokens=new_tokens, stop_at_eos=False, log_decisions=False,
+                          storage=e.storage)
         t = time.perf_counter()
         generate(model, prompt, e.policy, e.params, opts=opts)
         total += time.perf_counter() - t

@@ -53,6 +53,21 @@ def model_label(spec: str) -> str:
     return "SmolLM2-135M-Instruct" if spec == "default" else spec.rstrip("/").split("/")[-1]
 
 
+def storage_label(storage: dict | None, short: bool = False) -> str:
+    """A run's KV storage (run.json's `storage`, `Storage.describe()`) in words: "model dtype" for none (older
+    runs too), else e.g. "4-bit kivi, group 64" (+ ", last 32 in full precision"); `short`: "4-bit" with only the
+    settings that differ from the defaults (kivi, group 64, no window)."""
+    if not storage or storage.get("bits") is None:
+        return "model dtype"
+    bits, scheme, group, residual = (storage.get(k) for k in ("bits", "scheme", "group", "residual"))
+    if short:
+        extra = [scheme] if scheme not in (None, "kivi") else []
+        extra += [f"group {group}"] if group not in (None, 64) else []
+        extra += [f"window {residual}"] if residual else []
+        return f"{bits}-bit" + (f" ({', '.join(extra)})" if extra else "")
+    return f"{bits}-bit {scheme}, group {group}" + (f", last {residual} in full precision" if residual else "")
+
+
 def run_model(run: Run) -> str:
     """The model a run was recorded with, as a figure title shows it (`model_label` of its spec)."""
     return model_label(str(run.meta["model"].get("spec", "model")))

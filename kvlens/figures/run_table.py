@@ -1,6 +1,6 @@
 """The runs table: one row per run directory, read from its run.json alone (no tensors are loaded).
 
-`run_table([(path, source), ...])` gives a DataFrame (policy, parameters, budget, model, tokens,
+`run_table([(path, source), ...])` gives a DataFrame (policy, parameters, budget, KV storage, model, tokens,
 perplexity, KL, perturbation, peak KV, saved date, path) and the sentences of the folders it could
 not read; `filter_table(frame, text, policies)` narrows it. In a notebook:
 
@@ -15,13 +15,14 @@ from pathlib import Path
 import pandas as pd
 
 from kvlens.errors import KvlensError
-from kvlens.figures.plots import model_label
+from kvlens.figures.plots import model_label, storage_label
 from kvlens.policies import changed_params
 from kvlens.runs.run import RUN_JSON, read_meta
 
-COLUMNS = ["name", "source", "policy", "params", "budget", "model", "mode", "prompt tokens", "new tokens", "ppl",
-           "KL", "perturbation", "peak KV (MiB)", "level", "saved", "path"]
-SEARCHED = ["name", "source", "policy", "params", "budget", "model", "mode", "level"]  # what the text filter reads
+COLUMNS = ["name", "source", "policy", "params", "budget", "storage", "model", "mode", "prompt tokens", "new tokens",
+           "ppl", "KL", "perturbation", "peak KV (MiB)", "level", "saved", "path"]
+SEARCHED = ["name", "source", "policy", "params", "budget", "storage", "model", "mode",
+            "level"]  # what the text filter reads
 
 
 def _budget(meta: dict) -> str:
@@ -43,6 +44,7 @@ def run_row(path: str | Path, source: str) -> dict:
     peak = metrics.get("kv_bytes_peak")
     return {"name": path.name, "source": source, "policy": name,
             "params": ", ".join(f"{k}={v}" for k, v in params.items()), "budget": _budget(meta),
+            "storage": storage_label(meta.get("storage"), short=True),
             "model": model_label(str(meta["model"].get("spec", "?"))), "mode": str(meta.get("mode", "generate")),
             "prompt tokens": len(meta["prompt_tokens"]), "new tokens": len(meta["tokens"]),
             "ppl": metrics.get("ppl"), "KL": metrics.get("kl"), "perturbation": metrics.get("perturbation_used"),

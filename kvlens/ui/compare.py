@@ -57,8 +57,8 @@ def show_results(results: list[Result]) -> None:
     show_table(results)
     chart(compare_figure(results), "cmp_fig", name="compare",
           config={"prompt": results[0].run.meta["prompt"], "new_tokens": len(reference),
-                  "policies": [{"policy": r.entry.policy, "params": r.entry.params, "budget": r.entry.budget}
-                               for r in results]})
+                  "policies": [{"policy": r.entry.policy, "params": r.entry.params, "budget": r.entry.budget,
+                                "storage": r.entry.storage.describe()} for r in results]})
     show_pair(results)
 
 

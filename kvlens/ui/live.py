@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlens.engine.loop import RunOptions, StepEvent
+from kvlens.engine.quantize import Storage
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import generate, perplexity
 from kvlens.lists import parse_list
@@ -31,10 +32,11 @@ class RunSettings:
     record_layers: list[int] | None = None
     measure: bool = False
     seed: int = 0
+    storage: Storage = Storage()  # the model's dtype, or quantized (`kvlens.ui.widgets.storage_picker`)
 
     def options(self) -> RunOptions:
         return RunOptions(budget=self.budget, max_new_tokens=self.new_tokens, seed=self.seed, record=self.record,
-                          record_layers=self.record_layers)
+                          record_layers=self.record_layers, storage=self.storage)
 
     def command(self) -> str:
         """The equivalent CLI command (the prompt itself is not repeated)."""
@@ -47,6 +49,10 @@ class RunSettings:
             parts += ["--text-file", "TEXT", "--prefill", str(self.prefill), "--tokens", str(self.new_tokens)]
         else:
             parts += ["--prompt", "PROMPT", "--max-new-tokens", str(self.new_tokens)]
+        if self.storage.quantized:
+            s = self.storage
+            parts += ["--kv-bits", str(s.bits), "--kv-scheme", s.scheme, "--kv-group", str(s.group),
+                      "--kv-residual", str(s.residual)]
         parts += ["--record", self.record]
         if self.record_layers:
             parts += ["--record-layers", ",".join(map(str, self.record_layers))]
@@ -56,6 +62,7 @@ class RunSettings:
 
     def work(self, model):
         """`(on_step, cancel) -> Run` for a `Job`."""
+        check_storage(self.storage, model)
         meta = {"command": self.command(), "made_in": "app"}
 
         def go(on_step, cancel):
@@ -66,6 +73,11 @@ class RunSettings:
             return generate(model, self.text, self.policy, self.params, opts=self.options(), on_step=on_step,
                             cancel=cancel, meta=meta, measure=self.measure)
         return go
+
+
+def check_storage(storage: Storage, model) -> None:
+    """Refuse a quantization group that does not tile the model's head size, before anything runs."""
+    storage.check(model.shape()["head_dim"])
 
 
 def parse_layers(text: str, n_layers: int) -> list[int] | None:
@@ -91,6 +103,7 @@ class Live:
     text: str = ""
     attention: dict | None = None
     perturbation: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # measured runs only
+    quantized: bool = False  # quantized storage: the meter's `perturbation_stored` is drawn too
 
     def add(self, events: list[StepEvent]) -> None:
         for e in events:
@@ -99,7 +112,7 @@ class Live:
             self.slots.append(max(e.kv_slots))
             self.text += e.text
             self.attention = e.attention or self.attention
-            for name in ("perturbation_used", "perturbation_evict"):
+            for name in ("perturbation_used", "perturbation_evict") + ("perturbation_stored",) * self.quantized:
                 if name in e.extra:
                     self.perturbation.setdefault(name, []).append((e.step, e.extra[name]))
 
@@ -120,7 +133,9 @@ class Live:
         fig.add_trace(go.Scatter(x=self.steps, y=self.slots, mode="lines", name="kept slots", showlegend=False,
                                  line=dict(color="#009E73")), row=1, col=2)
         styles = {"perturbation_used": ("cache used (merged)", "#D55E00", "solid"),
-                  "perturbation_evict": ("same evictions, no merge", "#0072B2", "dash")}
+                  "perturbation_evict": ("same evictions, no merge" + ", full precision" * self.quantized,
+                                         "#0072B2", "dash"),
+                  "perturbation_stored": ("same evictions, no merge, quantized", "#009E73", "dot")}
         for name, points in self.perturbation.items():
             label, color, dash = styles[name]
             fig.add_trace(go.Scatter(x=[s for s, _ in points], y=[v for _, v in points], mode="lines", name=label,

@@ -25,7 +25,7 @@ PENDING = "runs_pending_delete"  # the runs whose Delete was pressed, until the 
 VERSION = "runs_version"  # bumped after a delete: the table's selection starts afresh
 IMPORTED = "runs_imported"  # uploaded file id -> the sentence its import gave (each upload is imported once)
 
-ORDER = ["name", "source", "policy", "params", "budget", "ppl", "KL", "perturbation", "peak KV (MiB)",
+ORDER = ["name", "source", "policy", "params", "budget", "storage", "ppl", "KL", "perturbation", "peak KV (MiB)",
          "prompt tokens", "new tokens", "mode", "level", "model", "saved"]  # what tells runs apart first
 COLUMN_CONFIG = {
     "name": st.column_config.TextColumn("name", width="medium", pinned=True),
@@ -33,6 +33,9 @@ COLUMN_CONFIG = {
     "params": st.column_config.TextColumn("params", width=130, help="Parameters that differ from their defaults"),
     "budget": st.column_config.TextColumn("budget", help="Slots per KV head per layer (none: the policy keeps "
                                                          "what it decides, e.g. full, KVMerger, CORM)"),
+    "storage": st.column_config.TextColumn("KV storage", width=100,
+                                           help="How keys and values were stored: the model's dtype, or quantized "
+                                                "to this many bits (--kv-bits)"),
     "ppl": st.column_config.NumberColumn("ppl", format="%.3f", width="small", help="Perplexity of the new tokens"),
     "KL": st.column_config.NumberColumn("KL", format="%.4f", width="small",
                                         help="Mean KL(p_full ‖ p_policy) per step (runs made with --measure)"),

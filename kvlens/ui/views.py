@@ -5,6 +5,7 @@ import html
 
 import streamlit as st
 
+from kvlens.figures.plots import storage_label
 from kvlens.policies import changed_params
 from kvlens.runs.run import Run
 
@@ -17,13 +18,19 @@ def _budget(run: Run) -> str:
     return f"budget {b['slots']} slots" + (f" ({req:g} of the prompt)" if isinstance(req, float) else "")
 
 
+def _storage(run: Run) -> str:
+    """" · KV 4-bit kivi, group 64" for quantized storage; nothing for the model's dtype (and older runs)."""
+    storage = run.meta.get("storage")
+    return f" · KV {storage_label(storage)}" if storage and storage.get("bits") is not None else ""
+
+
 def run_header(run: Run) -> None:
-    """One line naming the run: policy, parameters, budget, mode, model, level."""
+    """One line naming the run: policy, parameters, budget, KV storage (when quantized), mode, model, level."""
     pol = run.meta["policy"]
     params = ", ".join(f"{k}={v}" for k, v in changed_params(pol["name"], pol.get("params") or {}).items())
     rec = run.meta.get("record") or {}
     layers = rec.get("layers")
-    st.markdown(f"**{pol['name']}**" + (f" ({params})" if params else "") + f" · {_budget(run)} · "
+    st.markdown(f"**{pol['name']}**" + (f" ({params})" if params else "") + f" · {_budget(run)}{_storage(run)} · "
                 f"{run.meta.get('mode', 'generate')} · {len(run.meta['prompt_tokens'])} prompt + "
                 f"{len(run.meta['tokens'])} new tokens · recorded `{rec.get('level', 'summary')}`"
                 + (f" (layers {', '.join(map(str, layers))})" if layers else "")
@@ -35,8 +42,8 @@ def metric_row(run: Run) -> None:
     cols = st.columns(5)
     cols[0].metric("Perplexity", f"{m['ppl']:.2f}", help="exp(mean NLL) of the produced tokens under this run")
     cols[1].metric("Peak KV cache", f"{m['kv_bytes_peak'] / 2**20:.2f} MiB",
-                   help=f"Allocated bytes after compression; the uncompressed prompt took "
-                        f"{m.get('kv_bytes_prefill', 0) / 2**20:.2f} MiB")
+                   help=f"Allocated bytes after compression, stored as {storage_label(run.meta.get('storage'))}; "
+                        f"the uncompressed prompt took {m.get('kv_bytes_prefill', 0) / 2**20:.2f} MiB")
     cols[2].metric("Max slots / head", m["kv_slots_max"])
     ms = m.get("ms_per_token")
     cols[3].metric("ms / token", f"{ms:.0f}" if ms else "n/a",

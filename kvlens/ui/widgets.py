@@ -1,8 +1,9 @@
-"""Policy widgets generated from the policy dataclasses (`kvlens.policies.parameters`)."""
+"""Policy widgets generated from the policy dataclasses (`kvlens.policies.parameters`), and the KV storage picker."""
 from __future__ import annotations
 
 import streamlit as st
 
+from kvlens.engine.quantize import BITS, SCHEMES, Storage
 from kvlens.errors import KvlensError
 from kvlens.params import check_budget as check_budget_value
 from kvlens.policies import REGISTRY, make_policy, parameters, parse_budget, policy_names, presets, with_preset
@@ -114,3 +115,45 @@ def check_budget(policy, budget) -> None:
     """Refuse a slot budget of 0 or below what the policy always keeps, before anything runs."""
     if budget is not None and isinstance(check_budget_value(budget), int):
         policy.check_slots(budget)
+
+
+DTYPE = 0  # the "KV storage" option of the model's dtype (None would draw the select box with a clear button)
+
+
+def storage_option(bits: int) -> str:
+    return "model dtype (no quantization)" if bits == DTYPE else f"{bits} bits (quantized)"
+
+
+def storage_picker(prefix: str) -> Storage | None:
+    """The "KV storage" select box (the model's dtype, or keys and values quantized to 8, 4 or 2 bits) and, when
+    quantized, the scheme, group size and full-precision window in an expander (keys `{prefix}_kv_bits`,
+    `{prefix}_kv_scheme|group|residual`; `kvlens.engine.quantize`, the CLI's `--kv-*`). The select box's values
+    are the bits, `DTYPE` (0) for the model's dtype.
+
+    Returns the `Storage`, or None after showing the sentence of a bad combination (the caller then disables
+    its button).
+    """
+    bits = st.selectbox("KV storage", [DTYPE, *sorted(BITS, reverse=True)], key=f"{prefix}_kv_bits",
+                        format_func=storage_option,
+                        help="How the cache holds keys and values (`--kv-bits`). Quantized: packed codes with a "
+                             "zero point and scale per group (KIVI, Liu et al. 2024), independent of the policy, "
+                             "which still chooses from the prompt in full precision.")
+    if bits == DTYPE:
+        return Storage()
+    with st.expander(f"{bits}-bit storage settings", expanded=False):
+        scheme = st.selectbox("Scheme", SCHEMES, key=f"{prefix}_kv_scheme",
+                              help="kivi: keys per channel (groups of slots), values per token, as in the paper. "
+                                   "token: keys and values both per token (groups of channels). `--kv-scheme`")
+        c1, c2 = st.columns(2)
+        group = c1.number_input("Group size", 1, 4096, Storage.group, step=16, key=f"{prefix}_kv_group",
+                                help="Values sharing one zero point and scale: slots (kivi's keys) or channels "
+                                     "(a divisor of the model's head size). `--kv-group`")
+        residual = c2.number_input("Full-precision window", 0, 65536, Storage.residual, step=32,
+                                   key=f"{prefix}_kv_residual",
+                                   help="The newest tokens kept unquantized (KIVI's R; for kivi a multiple of the "
+                                        "group size). `--kv-residual`")
+    try:
+        return Storage(bits, scheme, int(group), int(residual))
+    except KvlensError as err:
+        st.error(str(err))
+        return None
