@@ -28,13 +28,14 @@ What optimum-quanto 0.2.7 does, read from its source (`tensor/optimizers/max_opt
   integer uint8 zero point). kvlens's is a float too, +min.
 - Precision of scale and zero point: quanto keeps them in x's dtype (float32 here; float16/bfloat16 for a model's
   states) and does all the arithmetic in that dtype, x + shift included. kvlens computes in float32 and stores
-  min and scale as float16 always; its codes are computed from the float16-rounded min and scale (so x^ is
-  consistent with what is stored). For float32 input this is the only difference: codes may differ by one
-  where (x - min) / scale lies near a rounding boundary, and x^ by the float16 rounding of min and scale (under
-  2^-11 relative each, so at most about 0.12 step at 8 bits). Where |min| is large against the group's range,
-  kvlens's float16 min shifts the covered range [min16, min16 + top * scale16] off [min, max] and the group's
-  extreme values clamp: a group spanning 100.03..101.03 at 8 bits stores min 100.0 and its maximum comes back
-  7.7 steps low (quanto in float32 is exact there; in float16 or bfloat16 states it rounds its shift too).
+  min and scale as float16 always, min rounded down and scale up so that [min16, min16 + top * scale16] still
+  covers [min, max]; its codes are computed from those float16 values (so x^ is consistent with what is
+  stored). For float32 input this is the only difference: codes may differ by one where (x - min) / scale lies
+  near a rounding boundary, and x^ by the float16 rounding of min and scale (under 2^-11 relative each, so at
+  most about 0.12 step at 8 bits). Where |min| is large against the group's range, float16 cannot hold min
+  finely: every value stays within half a stored step, but that step grows (at 8 bits every value of a group
+  spanning -3001.3..-3000.3 comes back within 0.87 of a step of its range, (max - min) / 255; rounding min to
+  nearest put some 220 steps off). quanto in float32 is exact there; in float16 or bfloat16 states it rounds its shift too.
 - Grouping. quanto's `group(t, axis, group_size)` works on the flattened tensor. axis=0: `t.reshape(-1,
   group_size)`, min/max over each row: groups of `group_size` consecutive elements in memory, i.e. for a
   contiguous `(..., T, D)` state, consecutive channels of one token, and for group_size > D a group spans
