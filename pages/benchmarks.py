@@ -8,7 +8,7 @@ import streamlit as st
 from kvlens.ui.charts import chart
 from kvlens.ui.leaderboard import leaderboard
 from kvlens.ui.page import page_top
-from kvlens.ui.results import bench_figure, pick_results, read_results, result_files, sweep_section
+from kvlens.ui.results import bench_figure, frontier_table, pick_results, read_results, result_files, sweep_section
 
 REFRESH_S = 5
 
@@ -47,7 +47,12 @@ def benchmarks():
             chart(builder(raw), "bench_fig", name=path.stem, config={"results": str(path), **settings}, data=frame)
         except (KeyError, TypeError, ValueError) as err:
             st.error(f"{path.name} does not have the layout its benchmark writes ({type(err).__name__}: {err}).")
-    st.dataframe(frame, hide_index=True, width="stretch")
+    if path.name.startswith("bench_frontier") and isinstance(raw.get("summary"), list):
+        st.dataframe(frontier_table(raw["summary"]), hide_index=True, width="stretch")
+        with st.expander(f"Every cell ({len(frame)})"):
+            st.dataframe(frame, hide_index=True, width="stretch")
+    else:
+        st.dataframe(frame, hide_index=True, width="stretch")
     for key in ("ratios", "targets", "growth"):
         if isinstance(raw.get(key), dict):
             st.markdown(f"**{key}**")

@@ -141,10 +141,22 @@ def sweep_section(prefix: str, charts: list[tuple[str, list[str]]]) -> None:
 
 def bench_figure(name: str):
     """The figure builder of a `results/bench_*.json` file (its benchmark's own), or None (table only)."""
-    from kvlens.experiments.bench import needle, ppl
+    from kvlens.experiments.bench import frontier, needle, ppl
 
+    if name.startswith("bench_frontier"):
+        return frontier.figure
     if name.startswith("bench_needle"):
         return needle.figure
     if name.startswith("bench_ppl"):
         return ppl.figure
     return None
+
+
+def frontier_table(summary: list[dict]) -> pd.DataFrame:
+    """The bytes-quality frontier's summary as the Benchmarks page shows it: a row per configuration and measure."""
+    rows = [{"family": s["family"], "configuration": s["config"], "measure": "perplexity" if s["metric"] == "ppl"
+             else "task score", "bytes share": s["bytes_share"], "value": s[s["metric"]],
+             "low": s["ppl_min" if s["metric"] == "ppl" else "ci_low"],
+             "high": s["ppl_max" if s["metric"] == "ppl" else "ci_high"],
+             "over": f"{s['texts']} texts" if s["metric"] == "ppl" else f"{s['samples']} samples"} for s in summary]
+    return pd.DataFrame(rows)
