@@ -201,3 +201,36 @@ def test_the_frontier_plans_every_family_at_each_byte_budget_and_summarises_agai
     with pytest.raises(KvlensError, match="byte-shares"):
         frontier.plan_frontier([1.5], {"a": "x"}, prefill=10, tokens=2, model="default", evictors=[], mergers=[],
                                bits=[], mix=None, mix_bits=[], storage=Storage(bits=4))
+
+
+def test_the_frontiers_task_cells_give_each_family_its_ratio_and_storage_and_score_against_the_full_cache():
+    from kvlens.experiments.bench import frontier
+
+    cells = frontier.plan_frontier_tasks([0.25, 0.125], tasks=["niah_single"], lengths=[512], count=2, seed=0,
+                                         source="s", model="default", evictors=[("h2o", {})],
+                                         mergers=[("cam", {})], bits=[4], mix=("h2o", {}), mix_bits=[8],
+                                         storage=Storage(bits=4))
+    plan = {((c["storage"] or {}).get("bits"), tuple(c["policies"]), tuple(round(r, 4) for r in c["ratios"]))
+            for c in cells}
+    # model dtype: ratio 1 - b; 8 bits: the mix at 1 - b / (8 / 32 + 1 / 64) where that keeps under all slots
+    assert plan == {(None, ("full", "h2o", "cam"), (0.75, 0.875)), (8, ("full", "h2o"), (0.0588, 0.5294)),
+                    (4, ("full",), ())}
+    assert len(cells) == 6  # two samples of each
+
+    def result(policy, ratio, score, kv_bytes):
+        return {"policy": policy, "ratio": ratio, "score": score, "kv_bytes": kv_bytes}
+
+    rows = []
+    for c in cells:
+        bits = (c["storage"] or {}).get("bits")
+        full = result("full", 0.0, 1.0, {None: 1000, 8: 266, 4: 141}[bits])
+        rest = [result(p, r, float(c["index"]), 1000 * (1 - r) * (0.265625 if bits else 1))
+                for p in c["policies"][1:] for r in c["ratios"]]
+        rows.append({**c, "results": [full, *rest]})
+    summary = {(s["family"], s["config"]): s for s in frontier.summarise(rows)}
+    assert summary[("reference", "full")]["bytes_share"] == 1.0
+    assert summary[("quantization", "all slots @ 4 bits")]["bytes_share"] == pytest.approx(0.141)
+    assert summary[("merging", "cam r=0.75")]["target"] == 0.25
+    mix = summary[("mix", "h2o r=0.0588 @ 8 bits")]
+    assert mix["target"] == 0.25 and mix["bytes_share"] == pytest.approx(0.25) and mix["score"] == 0.5
+    assert mix["samples"] == 2 and mix["full_score"] == 1.0 and mix["metric"] == "score"

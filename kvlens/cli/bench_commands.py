@@ -79,11 +79,16 @@ def register(sub) -> None:
     p.add_argument("--texts", type=int, default=3, help="how many bundled texts (default 3)")
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--tokens", type=int, default=64, help="tokens scored after the prefill")
+    p.add_argument("--task-count", type=int, default=2,
+                   help="task samples per task and length, scored as `bench tasks` does (0: perplexity only)")
+    p.add_argument("--tasks", default="niah_single,niah_multikey", help="comma-separated tasks of the task cells")
+    p.add_argument("--task-lengths", default="1024", help="comma-separated context lengths of the task cells")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated task samples")
     _common(p, None)
     add_executor_args(p)
     p.set_defaults(func=cmd_frontier)
     _quick(p, byte_shares="0.25,0.125", evict="h2o", merge="cam", bits="4", mix_bits="8", texts=2, prefill=256,
-           tokens=32)
+           tokens=32, task_count=0)
 
     p = bsub.add_parser("speed", help="prefill, ms/token, KV bytes, peak memory per policy; target ratios")
     _common(p, ALL_POLICIES)
@@ -195,7 +200,7 @@ def cmd_ppl(args) -> int:
 def cmd_frontier(args) -> int:
     from kvlens import texts as bundled
     from kvlens.cli.common import storage
-    from kvlens.experiments.bench import frontier
+    from kvlens.experiments.bench import frontier, tasks
     from kvlens.experiments.bench.common import parse_policies
     from kvlens.lists import parse_list
 
@@ -210,14 +215,25 @@ def cmd_frontier(args) -> int:
     specs = {name: [(p.name, dict(p.params)) for p in parse_policies(text)] if text.strip() else []
              for name, text in (("evict", args.evict), ("merge", args.merge), ("mix", args.mix))}
     args.kv_bits = 4  # the scheme, group and window of every quantized cell
+    if args.task_count < 0:
+        raise KvlensError("--task-count must be 0 (perplexity only) or more.")
     texts = bundled.bundled(args.texts, min_chars=8 * (args.prefill + args.tokens))
+    families = dict(evictors=specs["evict"], mergers=specs["merge"], bits=bits,
+                    mix=specs["mix"][0] if specs["mix"] else None, mix_bits=mix_bits, storage=storage(args))
     cells = frontier.plan_frontier(shares, texts, prefill=args.prefill, tokens=args.tokens, model=args.model,
-                                   evictors=specs["evict"], mergers=specs["merge"], bits=bits,
-                                   mix=specs["mix"][0] if specs["mix"] else None, mix_bits=mix_bits,
-                                   storage=storage(args))
+                                   **families)
+    names = parse_list(args.tasks, "--tasks", kind=str) if args.task_count else []
+    lengths = parse_list(args.task_lengths, "--task-lengths", minimum=1) if args.task_count else []
+    haystack = {"haystack": " ".join(bundled.bundled().values())} if args.task_count else {}
+    if args.task_count:
+        cells += frontier.plan_frontier_tasks(shares, tasks=names, lengths=lengths, count=args.task_count,
+                                              seed=args.seed, source=tasks.digest(haystack["haystack"]),
+                                              model=args.model, **families)
     config = {"byte_shares": shares, "evict": args.evict, "merge": args.merge, "bits": bits, "mix": args.mix,
               "mix_bits": mix_bits, "storage": storage(args).describe(), "texts": list(texts),
-              "prefill": args.prefill, "tokens": args.tokens}
+              "prefill": args.prefill, "tokens": args.tokens, "tasks": names, "task_lengths": lengths,
+              "task_count": args.task_count, "seed": args.seed}
+    texts = {**texts, **haystack}
     return _run_grid(args, cells, texts, config, "bench_frontier" + suffix, frontier.summarise, frontier.figure,
                      lambda result: frontier.table(result["summary"]))
 

@@ -71,6 +71,11 @@ class Storage:
         """How `name` leaves the full-precision window: "block" (all at once, KIVI's keys) or "slide" (oldest)."""
         return "block" if self.along(name) == "slots" else "slide"
 
+    @classmethod
+    def of(cls, described: dict | None) -> Storage:
+        """The storage a run.json or a grid cell recorded (`describe()`'s dict; None: the model's dtype)."""
+        return cls(**{k: v for k, v in (described or {}).items() if k in ("bits", "scheme", "group", "residual")})
+
     def describe(self) -> dict:
         """What run.json records: `{"bits": None}` for the model's dtype."""
         if not self.quantized:

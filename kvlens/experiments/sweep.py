@@ -39,10 +39,9 @@ def ppl_cell(model, texts: dict[str, str], cell: dict) -> dict:
     """The metrics of one `ppl` cell: perplexity, what the cache kept (slots, bytes, shares), speed, and
     (measured cells) the perturbation summary. A cell's `storage` (`Storage.describe()`, optional) quantizes."""
     prefill, tokens = cell["prefill"], cell["tokens"]
-    described = {k: v for k, v in (cell.get("storage") or {}).items() if k in ("bits", "scheme", "group", "residual")}
     run = perplexity(model, texts[cell["text"]], cell["policy"], cell["params"], prefill=prefill, tokens=tokens,
                      opts=RunOptions(budget=cell["budget"], seed=cell["seed"], log_decisions=False,
-                                     storage=Storage(**described)),
+                                     storage=Storage.of(cell.get("storage"))),
                      measure=cell["measure"])
     m = run.metrics
     cached = prefill + tokens - 1  # tokens in a full cache at the last step

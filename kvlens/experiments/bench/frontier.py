@@ -8,12 +8,20 @@ makes `ppl` cells (`kvlens.experiments.sweep.ppl_cell`, teacher-forced perplexit
   1 (q(bits) = bits / model bits + the zero points' and scales' share, `slot_cost`);
 plus the full cache itself once per text (the reference every share and ratio is taken against). Each row's
 `bytes_share` is measured: its `kv_bytes_peak` over the full cache's on the same text.
+
+`plan_frontier_tasks` adds the same configurations as task cells (`kvlens.experiments.bench.tasks`: RULER-style
+samples, the context compressed once, the question appended; one shared prefill per sample and storage), at
+compression ratio 1 - b (mixes: 1 - b / q(bits)); their `bytes_share` is the compressed context's physical bytes
+over the full cache's on the same sample, and their quality the task score.
 """
 from __future__ import annotations
 
+import statistics
+
 from kvlens.engine.quantize import Storage
 from kvlens.errors import KvlensError
-from kvlens.experiments.bench.common import spread
+from kvlens.experiments.bench import tasks as task_suite
+from kvlens.experiments.bench.common import PolicySpec, spread
 from kvlens.experiments.sweep import plan_ppl
 
 FAMILIES = ("eviction", "merging", "quantization", "mix")
@@ -55,6 +63,81 @@ def plan_frontier(byte_shares: list[float], texts: dict[str, str], *, prefill: i
     return plan
 
 
+def plan_frontier_tasks(byte_shares: list[float], *, tasks: list[str], lengths: list[int], count: int, seed: int,
+                        source: str, model: str, evictors: list[tuple[str, dict]], mergers: list[tuple[str, dict]],
+                        bits: list[int], mix: tuple[str, dict] | None, mix_bits: list[int], storage: Storage
+                        ) -> list[dict]:
+    """The frontier's task cells (see the module docstring): per sample, one cell in the model's dtype (eviction
+    and merging) and one per bits (the full cache, quantization alone, and the mix); the full cache in the model's
+    dtype is in the first, as the reference."""
+    def spec(name: str, params: dict) -> PolicySpec:
+        return PolicySpec(name, tuple(sorted(params.items())))
+
+    mergers_ = [spec(*p).label for p in mergers]
+
+    def cells(policies, ratios, bits_):
+        described = Storage(bits_, storage.scheme, storage.group, storage.residual).describe() if bits_ else None
+        out = task_suite.plan_tasks(policies, ratios, tasks, lengths, count, model=model, seed=seed,
+                                    query_aware=False, chat=True, source=source)
+        return [{**c, "storage": described, "mergers": mergers_} for c in out]
+
+    plan = cells([spec(*p) for p in evictors + mergers], [1 - b for b in byte_shares], None)
+    for k in sorted(set(bits) | set(mix_bits if mix else []), reverse=True):
+        cost = slot_cost(Storage(k, storage.scheme, storage.group, storage.residual))
+        ratios = [1 - b / cost for b in byte_shares if b / cost < 1] if mix and k in mix_bits else []
+        plan += cells([spec(*mix)] if ratios else [], ratios, k)  # the full cache at k bits is always in a cell
+    return plan
+
+
+def _task_records(rows: list[dict]) -> list[dict]:
+    """One record per (sample, policy, ratio, bits) of the task cells, with its family, byte budget and bytes share
+    (over the full cache's in the model's dtype on the same sample)."""
+    records = []
+    for row in rows:
+        storage = Storage.of(row.get("storage"))
+        for res in row["results"]:
+            if res["policy"] == "full":
+                family = "quantization" if storage.quantized else "reference"
+            else:
+                family = "mix" if storage.quantized else "merging" if res["policy"] in row["mergers"] else "eviction"
+            records.append({**res, "family": family, "bits": storage.bits, "cost": slot_cost(storage) if
+                            storage.quantized else 1.0, "sample": (row["suite_task"], row["length"], row["index"])})
+    full = {r["sample"]: r["kv_bytes"] for r in records if r["family"] == "reference"}
+    for r in records:
+        r["bytes_share"] = r["kv_bytes"] / full[r["sample"]] if r["sample"] in full else None
+        kept = 1 - (r["ratio"] or 0)
+        r["target"] = None if r["family"] in ("reference", "quantization") else round(kept * r["cost"], 4)
+    return [r for r in records if r["bytes_share"] is not None]
+
+
+def summarise_tasks(rows: list[dict]) -> list[dict]:
+    """Per configuration over the task samples: bytes share (mean), the score (mean over tasks and lengths) with a
+    bootstrap 95 % interval over samples, and the full cache's score on the same samples."""
+    records = _task_records(rows)
+    groups: dict[tuple, dict[tuple, list[dict]]] = {}
+    for r in records:
+        config = r["policy"] if r["family"] in ("reference", "quantization") else f"{r['policy']} r={r['ratio']:.3g}"
+        config = ("all slots" if r["family"] == "quantization" else config) + (f" @ {r['bits']} bits" if r["bits"]
+                                                                                else "")
+        groups.setdefault((r["family"], config, r["target"]), {}).setdefault(r["sample"][:2], []).append(r)
+    full = statistics.fmean(r["score"] for r in records if r["family"] == "reference") if records else None
+    out = []
+    for (family, config, target), by_task in groups.items():
+        scores = [[r["score"] for r in g] for g in by_task.values()]
+        low, high = task_suite.bootstrap(scores)
+        every = [r for g in by_task.values() for r in g]
+        out.append({"family": family, "config": config, "target": target, "metric": "score",
+                    "bytes_share": statistics.fmean(r["bytes_share"] for r in every),
+                    "score": statistics.fmean(statistics.fmean(g) for g in scores), "ci_low": low, "ci_high": high,
+                    "samples": len(every), "full_score": full})
+    return _ordered(out)
+
+
+def _ordered(summary: list[dict]) -> list[dict]:
+    return sorted(summary, key=lambda s: (FAMILIES.index(s["family"]) if s["family"] in FAMILIES else -1,
+                                          -s["bytes_share"]))
+
+
 def _config(row: dict) -> str:
     bits = (row.get("storage") or {}).get("bits")
     name = row["policy"] if row["policy"] != "full" or not bits else "all slots"
@@ -64,6 +147,12 @@ def _config(row: dict) -> str:
 
 
 def summarise(rows: list[dict]) -> list[dict]:
+    """The perplexity cells' summary (`summarise_ppl`), then the task cells' (`summarise_tasks`), if any."""
+    scored = [r for r in rows if r.get("task") == "tasks"]
+    return summarise_ppl([r for r in rows if r.get("task") != "tasks"]) + (summarise_tasks(scored) if scored else [])
+
+
+def summarise_ppl(rows: list[dict]) -> list[dict]:
     """Per configuration: bytes share (mean over texts), perplexity mean/std/min/max over texts, and the mean
     perplexity ratio to the full cache on the same texts."""
     full = {r["text"]: r for r in rows if r.get("family") == "reference"}
@@ -76,47 +165,64 @@ def summarise(rows: list[dict]) -> list[dict]:
         p = spread(r["ppl"] for r in group)
         share = spread(r["kv_bytes_peak"] / full[r["text"]]["kv_bytes_peak"] for r in group)
         ratio = spread(r["ppl"] / full[r["text"]]["ppl"] for r in group)
-        out.append({"family": family, "config": config, "target": target, "bytes_share": share["mean"],
+        out.append({"family": family, "config": config, "target": target, "metric": "ppl", "bytes_share": share["mean"],
                     "ppl": p["mean"], "ppl_std": p["std"], "ppl_min": p["min"], "ppl_max": p["max"],
                     "ppl_vs_full": ratio["mean"], "ppl_vs_full_min": ratio["min"], "ppl_vs_full_max": ratio["max"],
                     "texts": p["n"]})
-    return sorted(out, key=lambda s: (FAMILIES.index(s["family"]) if s["family"] in FAMILIES else -1,
-                                      -s["bytes_share"]))
+    return _ordered(out)
 
 
 def table(summary: list[dict]) -> str:
+    """The summary as Markdown tables: perplexity, then task score (when the frontier has task cells)."""
     lines = ["| family | configuration | bytes (share of full) | perplexity (mean, min-max over texts) | vs full |",
              "|---|---|---|---|---|"]
     for s in summary:
-        lines.append(f"| {s['family']} | {s['config']} | {s['bytes_share']:.3f} | {s['ppl']:.2f} "
-                     f"({s['ppl_min']:.2f}-{s['ppl_max']:.2f}) | {s['ppl_vs_full']:.3f} |")
+        if s["metric"] == "ppl":
+            lines.append(f"| {s['family']} | {s['config']} | {s['bytes_share']:.3f} | {s['ppl']:.2f} "
+                         f"({s['ppl_min']:.2f}-{s['ppl_max']:.2f}) | {s['ppl_vs_full']:.3f} |")
+    scored = [s for s in summary if s["metric"] == "score"]
+    if scored:
+        lines += ["", "| family | configuration | bytes (share of full) | task score [95 % interval] | samples |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {s['family']} | {s['config']} | {s['bytes_share']:.3f} | {s['score']:.1%} "
+                  f"[{s['ci_low']:.0%}, {s['ci_high']:.0%}] | {s['samples']} |" for s in scored]
     return "\n".join(lines)
 
 
 def figure(result: dict):
-    """Perplexity against physical bytes (log scale), one line per family; error bars: min-max over texts."""
+    """Quality against physical bytes (log scale), one line per family: perplexity (error bars: min-max over
+    texts) and, with task cells, the task score (bootstrap 95 % intervals over samples) beside it."""
     import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
 
     from kvlens.figures.plots import line_style  # also registers the "kvlens" paper template
 
     summary = result.get("summary") or summarise(result["rows"])
-    fig = go.Figure()
-    full = [s for s in summary if s["family"] == "reference"]
-    for i, family in enumerate(FAMILIES):
-        points = sorted((s for s in summary if s["family"] == family), key=lambda s: s["bytes_share"])
-        if not points:
-            continue
-        fig.add_trace(go.Scatter(
-            x=[s["bytes_share"] for s in points], y=[s["ppl"] for s in points], name=family,
-            mode="lines+markers", text=[s["config"] for s in points], hovertemplate="%{text}<br>bytes %{x:.3f}"
-            "<br>ppl %{y:.2f}<extra>" + family + "</extra>",
-            error_y={"type": "data", "symmetric": False, "array": [s["ppl_max"] - s["ppl"] for s in points],
-                     "arrayminus": [s["ppl"] - s["ppl_min"] for s in points]}, **line_style(i)))
-    if full:
-        fig.add_hline(y=full[0]["ppl"], line_dash="dot", annotation_text="full cache", line_color="#555")
+    panels = [m for m in ("ppl", "score") if any(s["metric"] == m for s in summary)]
     c = result["config"]
-    fig.update_layout(title=f"Perplexity against KV bytes ({c['prefill']} prompt + {c['tokens']} scored tokens, "
-                            f"{len(c['texts'])} texts; bars: min-max over texts)",
-                      xaxis={"title": "KV cache bytes, share of the full cache", "type": "log"},
-                      yaxis_title="perplexity", width=900, height=520, template="kvlens")
+    titles = {"ppl": f"perplexity ({c['prefill']} prompt + {c['tokens']} tokens, {len(c['texts'])} texts; "
+                     f"bars: min-max)",
+              "score": f"task score ({', '.join(c.get('tasks') or [])}; bars: 95 % interval)"}
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[titles[m] for m in panels],
+                        horizontal_spacing=0.1)
+    for col, metric in enumerate(panels, 1):
+        rows = [s for s in summary if s["metric"] == metric]
+        low, high = ("ppl_min", "ppl_max") if metric == "ppl" else ("ci_low", "ci_high")
+        for i, family in enumerate(FAMILIES):
+            points = sorted((s for s in rows if s["family"] == family), key=lambda s: s["bytes_share"])
+            if points:
+                fig.add_trace(go.Scatter(
+                    x=[s["bytes_share"] for s in points], y=[s[metric] for s in points], name=family,
+                    legendgroup=family, showlegend=col == 1, mode="lines+markers", text=[s["config"] for s in points],
+                    hovertemplate="%{text}<br>bytes %{x:.3f}<br>" + metric + " %{y:.3g}<extra>" + family + "</extra>",
+                    error_y={"type": "data", "symmetric": False, "array": [s[high] - s[metric] for s in points],
+                             "arrayminus": [s[metric] - s[low] for s in points]}, **line_style(i)), 1, col)
+        full = [s for s in rows if s["family"] == "reference"]
+        if full:
+            fig.add_hline(y=full[0][metric], line_dash="dot", annotation_text="full cache", line_color="#555",
+                          row=1, col=col)
+        fig.update_xaxes(title_text="KV cache bytes, share of the full cache", type="log", row=1, col=col)
+        fig.update_yaxes(title_text="perplexity" if metric == "ppl" else "score", row=1, col=col)
+    fig.update_layout(title="Quality against KV bytes: eviction, merging, quantized storage and mixes",
+                      width=900 * len(panels) - 200 * (len(panels) - 1), height=520, template="kvlens")
     return fig

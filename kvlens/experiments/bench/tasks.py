@@ -10,15 +10,20 @@ and the answer generated greedily (`kvlens.engine.shared_prefill`). Several ques
 A cell of the grid is one sample with every policy and ratio: its context is prefilled once and shared
 (`SharedPrefill`); each (policy, ratio) then costs its restore, replay passes and compression (`prepare_ms`)
 plus its answers (`answer_ms`). Scores are RULER's string match (`kvlens.experiments.bench.ruler.score`).
+A cell's optional `storage` (`Storage.describe()`) quantizes every policy's compressed context and what follows
+(the bytes-quality frontier, `kvlens.experiments.bench.frontier`); each result reports the compressed context's
+physical `kv_bytes`.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
 
 from kvlens.engine.models import LoadedModel
-from kvlens.engine.shared_prefill import SharedPrefill, answer, prepare
+from kvlens.engine.quantize import Storage
+from kvlens.engine.shared_prefill import QUIET, SharedPrefill, answer, prepare
 from kvlens.errors import KvlensError
 from kvlens.experiments.bench import ruler
 from kvlens.experiments.bench.common import PolicySpec
@@ -66,6 +71,7 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
     context = parts[0][0]
     prompts = [(c + q, []) for c, q in parts] if cell["query_aware"] else [(context, [q for _, q in parts])]
     n = sample.max_new_tokens
+    opts = dataclasses.replace(QUIET, storage=Storage.of(cell.get("storage")))
     runs: dict[tuple[str, float | None], dict] = {}
     shared_ms = 0.0
     for prompt, questions in prompts:  # one prompt (questions appended), or one per question (query-aware)
@@ -78,13 +84,14 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
                 budget = None if ratio is None else policy.resolve_budget(slots_for(ratio, len(prompt)), len(prompt),
                                                                           len(prompt) + extra)
                 out = runs.setdefault((spec.label, ratio), {"outputs": [], "nlls": [], "prepare_ms": 0.0,
-                                                            "answer_ms": 0.0, "kept": []})
+                                                            "answer_ms": 0.0, "kept": [], "bytes": []})
                 t = time.perf_counter()
                 loop, logits = prepare(model, make_policy(spec.name, dict(spec.params)), prompt, budget, extra,
-                                       shared)
+                                       shared, opts)
                 out["prepare_ms"] += (time.perf_counter() - t) * 1000
                 kept = loop.kept[0].float().mean().item()
                 out["kept"].append(kept / len(prompt))
+                out["bytes"].append(loop.cache.nbytes)
                 mark = loop.cache.mark()
                 for question in questions or [[]]:
                     t = time.perf_counter()
@@ -97,7 +104,8 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
     for (label, ratio), out in runs.items():
         results.append({"policy": label, "ratio": 0.0 if label == "full" else ratio,
                         "score": ruler.score_sample(out["outputs"], sample), "outputs": out["outputs"],
-                        "kept_share": statistics.fmean(out["kept"]), "nll": statistics.fmean(out["nlls"]),
+                        "kept_share": statistics.fmean(out["kept"]), "kv_bytes": statistics.fmean(out["bytes"]),
+                        "nll": statistics.fmean(out["nlls"]),
                         "prepare_ms": out["prepare_ms"], "answer_ms": out["answer_ms"]})
     return {"prompt_tokens": len(context), "answers": [list(a) for a in sample.answers],
             "shared_prefill_ms": shared_ms, "results": results}
