@@ -35,7 +35,8 @@ What optimum-quanto 0.2.7 does, read from its source (`tensor/optimizers/max_opt
   most about 0.12 step at 8 bits). Where |min| is large against the group's range, float16 cannot hold min
   finely: every value stays within half a stored step, but that step grows (at 8 bits every value of a group
   spanning -3001.3..-3000.3 comes back within 0.87 of a step of its range, (max - min) / 255; rounding min to
-  nearest put some 220 steps off). quanto in float32 is exact there; in float16 or bfloat16 states it rounds its shift too.
+  nearest put some 220 steps off). quanto in float32 is exact there; in float16 or bfloat16 states it rounds
+  its shift too.
 - Grouping. quanto's `group(t, axis, group_size)` works on the flattened tensor. axis=0: `t.reshape(-1,
   group_size)`, min/max over each row: groups of `group_size` consecutive elements in memory, i.e. for a
   contiguous `(..., T, D)` state, consecutive channels of one token, and for group_size > D a group spans
