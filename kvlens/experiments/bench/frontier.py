@@ -119,14 +119,15 @@ def summarise_tasks(rows: list[dict]) -> list[dict]:
         config = r["policy"] if r["family"] in ("reference", "quantization") else f"{r['policy']} r={r['ratio']:.3g}"
         config = ("all slots" if r["family"] == "quantization" else config) + (f" @ {r['bits']} bits" if r["bits"]
                                                                                 else "")
-        groups.setdefault((r["family"], config, r["target"]), {}).setdefault(r["sample"][:2], []).append(r)
+        groups.setdefault((r["family"], config, r["target"], _series(r["family"], r["policy"], r["bits"])),
+                          {}).setdefault(r["sample"][:2], []).append(r)
     full = statistics.fmean(r["score"] for r in records if r["family"] == "reference") if records else None
     out = []
-    for (family, config, target), by_task in groups.items():
+    for (family, config, target, series), by_task in groups.items():
         scores = [[r["score"] for r in g] for g in by_task.values()]
         low, high = task_suite.bootstrap(scores)
         every = [r for g in by_task.values() for r in g]
-        out.append({"family": family, "config": config, "target": target, "metric": "score",
+        out.append({"family": family, "config": config, "series": series, "target": target, "metric": "score",
                     "bytes_share": statistics.fmean(r["bytes_share"] for r in every),
                     "score": statistics.fmean(statistics.fmean(g) for g in scores), "ci_low": low, "ci_high": high,
                     "samples": len(every), "full_score": full})
@@ -136,6 +137,11 @@ def summarise_tasks(rows: list[dict]) -> list[dict]:
 def _ordered(summary: list[dict]) -> list[dict]:
     return sorted(summary, key=lambda s: (FAMILIES.index(s["family"]) if s["family"] in FAMILIES else -1,
                                           -s["bytes_share"]))
+
+
+def _series(family: str, policy: str, bits: int | None) -> str:
+    """The line a configuration belongs to in the figure: its policy (a mix: and its bits) across byte budgets."""
+    return "all slots" if family == "quantization" else f"{policy} @ {bits} bits" if family == "mix" else policy
 
 
 def _config(row: dict) -> str:
@@ -159,13 +165,15 @@ def summarise_ppl(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         if row["text"] in full:
-            groups.setdefault((row.get("family"), _config(row), row.get("target")), []).append(row)
+            series = _series(row.get("family"), row["policy"], (row.get("storage") or {}).get("bits"))
+            groups.setdefault((row.get("family"), _config(row), row.get("target"), series), []).append(row)
     out = []
-    for (family, config, target), group in groups.items():
+    for (family, config, target, series), group in groups.items():
         p = spread(r["ppl"] for r in group)
         share = spread(r["kv_bytes_peak"] / full[r["text"]]["kv_bytes_peak"] for r in group)
         ratio = spread(r["ppl"] / full[r["text"]]["ppl"] for r in group)
-        out.append({"family": family, "config": config, "target": target, "metric": "ppl", "bytes_share": share["mean"],
+        out.append({"family": family, "config": config, "series": series, "target": target, "metric": "ppl",
+                    "bytes_share": share["mean"],
                     "ppl": p["mean"], "ppl_std": p["std"], "ppl_min": p["min"], "ppl_max": p["max"],
                     "ppl_vs_full": ratio["mean"], "ppl_vs_full_min": ratio["min"], "ppl_vs_full_max": ratio["max"],
                     "texts": p["n"]})
@@ -190,39 +198,45 @@ def table(summary: list[dict]) -> str:
 
 
 def figure(result: dict):
-    """Quality against physical bytes (log scale), one line per family: perplexity (error bars: min-max over
-    texts) and, with task cells, the task score (bootstrap 95 % intervals over samples) beside it."""
+    """Quality against physical bytes (log scale), a line per policy (colour: its family): perplexity over the full
+    cache's on the same text (bars: min-max over texts) and, with task cells, the task score (bars: bootstrap 95 %
+    intervals over samples) beside it."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from kvlens.figures.plots import line_style  # also registers the "kvlens" paper template
+    from kvlens.figures.plots import DASHES, SYMBOLS  # also registers the "kvlens" paper template
 
     summary = result.get("summary") or summarise(result["rows"])
     panels = [m for m in ("ppl", "score") if any(s["metric"] == m for s in summary)]
     c = result["config"]
-    titles = {"ppl": f"perplexity ({c['prefill']} prompt + {c['tokens']} tokens, {len(c['texts'])} texts; "
-                     f"bars: min-max)",
-              "score": f"task score ({', '.join(c.get('tasks') or [])}; bars: 95 % interval)"}
+    titles = {"ppl": f"perplexity / the full cache's ({c['prefill']} prompt + {c['tokens']} tokens, "
+                     f"{len(c['texts'])} texts)",
+              "score": f"task score ({', '.join(c.get('tasks') or [])}, {c.get('task_count')} samples each)"}
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[titles[m] for m in panels],
-                        horizontal_spacing=0.1)
+                        horizontal_spacing=0.08)
+    colors = dict(zip(FAMILIES, ["#222222", "#0072B2", "#D55E00", "#009E73"], strict=True))
     for col, metric in enumerate(panels, 1):
+        y, low, high = ("ppl_vs_full", "ppl_vs_full_min", "ppl_vs_full_max") if metric == "ppl" else \
+            ("score", "ci_low", "ci_high")
         rows = [s for s in summary if s["metric"] == metric]
-        low, high = ("ppl_min", "ppl_max") if metric == "ppl" else ("ci_low", "ci_high")
-        for i, family in enumerate(FAMILIES):
-            points = sorted((s for s in rows if s["family"] == family), key=lambda s: s["bytes_share"])
-            if points:
+        for family in FAMILIES:
+            lines = list(dict.fromkeys(s.get("series", s["config"]) for s in rows if s["family"] == family))
+            for j, series in enumerate(lines):
+                points = sorted((s for s in rows if s["family"] == family and s.get("series", s["config"]) == series),
+                                key=lambda s: s["bytes_share"])
+                name = f"{series} ({family})"
                 fig.add_trace(go.Scatter(
-                    x=[s["bytes_share"] for s in points], y=[s[metric] for s in points], name=family,
-                    legendgroup=family, showlegend=col == 1, mode="lines+markers", text=[s["config"] for s in points],
-                    hovertemplate="%{text}<br>bytes %{x:.3f}<br>" + metric + " %{y:.3g}<extra>" + family + "</extra>",
-                    error_y={"type": "data", "symmetric": False, "array": [s[high] - s[metric] for s in points],
-                             "arrayminus": [s[metric] - s[low] for s in points]}, **line_style(i)), 1, col)
-        full = [s for s in rows if s["family"] == "reference"]
-        if full:
-            fig.add_hline(y=full[0][metric], line_dash="dot", annotation_text="full cache", line_color="#555",
-                          row=1, col=col)
+                    x=[s["bytes_share"] for s in points], y=[s[y] for s in points], name=name, legendgroup=name,
+                    showlegend=col == 1, mode="lines+markers", text=[s["config"] for s in points],
+                    hovertemplate="%{text}<br>bytes %{x:.3f}<br>%{y:.3f}<extra>" + family + "</extra>",
+                    line=dict(color=colors[family], dash=DASHES[j % len(DASHES)], width=2),
+                    marker=dict(color=colors[family], symbol=SYMBOLS[j % len(SYMBOLS)], size=7),
+                    error_y={"type": "data", "symmetric": False, "array": [s[high] - s[y] for s in points],
+                             "arrayminus": [s[y] - s[low] for s in points], "thickness": 1}), 1, col)
+        fig.add_hline(y=1.0, line_dash="dot", line_color="#555", annotation_text="full cache", row=1, col=col)
         fig.update_xaxes(title_text="KV cache bytes, share of the full cache", type="log", row=1, col=col)
-        fig.update_yaxes(title_text="perplexity" if metric == "ppl" else "score", row=1, col=col)
-    fig.update_layout(title="Quality against KV bytes: eviction, merging, quantized storage and mixes",
-                      width=900 * len(panels) - 200 * (len(panels) - 1), height=520, template="kvlens")
+        fig.update_yaxes(title_text="perplexity / full" if metric == "ppl" else "score", row=1, col=col)
+    fig.update_layout(title="Quality against KV bytes: eviction, merging, quantized storage and their mixes "
+                            "(bars: min-max over texts; 95 % intervals over samples)",
+                      width=760 * len(panels) + 240, height=540, template="kvlens")
     return fig
