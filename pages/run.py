@@ -40,6 +40,10 @@ with left:
     picked = policy_picker("run")
     url_state.publish_policy("run")
     storage = storage_picker("run")
+    chunk = st.number_input("Prefill chunk (0: the whole prompt at once)", 0, 65536, 0, step=128, key="run_chunk",
+                            help="Feed the prompt this many tokens at a time and compress after each chunk, so that "
+                                 "no layer holds more than budget + chunk slots (`--prefill-chunk`; full, "
+                                 "streaming_llm, h2o, tova). Such runs record the summary only, unmeasured.")
     c1, c2 = st.columns(2)
     if teacher:
         prefill = c1.number_input("Prefill tokens", 8, 4096, 256, step=32, key="run_prefill")
@@ -52,7 +56,7 @@ with left:
                                     help="Use the start of the bundled text as the prompt.")
             text = text[:chars]
     c3, c4 = st.columns(2)
-    record = c3.selectbox("Record", LEVELS[::-1], key="run_record",
+    record = c3.selectbox("Record", LEVELS[::-1], key="run_record", disabled=bool(chunk),
                           help=f"{RecordLevel.SUMMARY}: tokens, metrics, decisions. {RecordLevel.STATES}: + prompt "
                                f"q/k/v (Similarity, Spectra). {RecordLevel.ATTENTION}: + attention rows of every "
                                "step (Attention).")
@@ -60,7 +64,10 @@ with left:
                                 disabled=record == RecordLevel.SUMMARY,
                                 help="'all' or comma-separated layers; fewer layers keep the run small.")
     measure = st.checkbox("Measure perturbation and KL to the full cache", value=True, key="run_measure",
+                          disabled=bool(chunk),
                           help="Keeps an uncompressed shadow cache (slower); fills the Perturbation page.")
+    if chunk:  # a chunked prefill records the summary only, unmeasured (`kvlens.engine.loop`)
+        record, measure = RecordLevel.SUMMARY, False
     b1, b2 = st.columns(2)
     go_clicked = b1.button("Run", type="primary", icon=":material/play_arrow:", width="stretch", key="run_go",
                            disabled=picked is None or storage is None)
@@ -84,7 +91,7 @@ if go_clicked and picked is not None and storage is not None:
     def work(model):
         layers = None if record == RecordLevel.SUMMARY else parse_layers(layers_text, model.shape()["layers"])
         return RunSettings(policy, params, budget, text, teacher, int(new_tokens), int(prefill), record, layers,
-                           measure, storage=storage).work(model)
+                           measure, storage=storage, prefill_chunk=int(chunk) or None).work(model)
 
     def draw(events):
         live.add(events)

@@ -296,6 +296,37 @@ def test_benchmarks_shows_a_task_leaderboard_filtered_by_task_and_policy(app, tm
     assert "8 of 10 cells done" in " ".join(p.proto.text for p in at.get("progress"))
 
 
+def test_benchmarks_draws_the_bytes_quality_frontier_with_perplexity_and_task_score(app, tmp_path):
+    from kvlens.engine.quantize import Storage
+    from kvlens.experiments.bench import frontier
+
+    results = tmp_path / "results"
+    results.mkdir()
+    families = dict(evictors=[("h2o", {})], mergers=[("cam", {})], bits=[4], mix=("h2o", {}), mix_bits=[8],
+                    storage=Storage(bits=4))
+    rows = [{**c, "budget_slots": c["budget"], "ppl": 10.0 + (c["family"] != "reference"),
+             "kv_bytes_peak": 1000 if c["family"] == "reference" else 250}
+            for c in frontier.plan_frontier([0.25], {"a": "x"}, prefill=100, tokens=29, model="default", **families)]
+    for c in frontier.plan_frontier_tasks([0.25], tasks=["niah_single"], lengths=[512], count=1, seed=0,
+                                          source="s", model="default", **families):
+        share = 0.25 if c["storage"] else 1.0
+        rows.append({**c, "results": [{"policy": p, "ratio": 0.0 if p == "full" else r, "score": float(p == "full"),
+                                       "kv_bytes": 1000 * (share if p != "full" or c["storage"] else 1)}
+                                      for p in c["policies"] for r in (c["ratios"] if p != "full" else [0.0])]})
+    config = {"prefill": 100, "tokens": 29, "texts": ["a"], "tasks": ["niah_single"]}
+    (results / "bench_frontier.json").write_text(json.dumps({"config": config, "rows": rows,
+                                                             "summary": frontier.summarise(rows)}))
+    at = open_page(app, "benchmarks")
+    assert not at.exception
+    fig = next(c for c in charts(at) if c["layout"]["title"]["text"].startswith("Quality against KV bytes"))
+    assert {t["name"] for t in fig["data"]} == {"h2o (eviction)", "cam (merging)", "all slots (quantization)",
+                                                "h2o @ 8 bits (mix)"}
+    assert {t["xaxis"] for t in fig["data"]} == {"x", "x2"}  # perplexity and task score side by side
+    table = at.dataframe[0].value
+    assert set(table["measure"]) == {"perplexity", "task score"}
+    assert set(table[table["measure"] == "task score"]["family"]) == {"reference", *frontier.FAMILIES}
+
+
 def test_paper_style_toggle_shows_the_export_style(app):
     app = open_page(app, "overview")
     assert app.get("plotly_chart")[0].proto.theme == "streamlit"
@@ -497,9 +528,10 @@ def test_kv_storage_picker_says_why_a_setting_is_bad_on_run_and_compare(app):
     assert [e.value for e in at.error] == [str(err.value)] and at.button(key="cmp_go").disabled
 
 
-def run_from_page(at: AppTest, policy: str, bits: int, measure: bool = False, **storage) -> AppTest:
+def run_from_page(at: AppTest, policy: str, bits: int, measure: bool = False, chunk: int = 0, **storage) -> AppTest:
     """Run `policy` @0.5 on the start of a bundled text from the Run page, 4 new tokens, with `bits` (and the
-    `run_kv_*` settings in `storage`; 0: the model's dtype); the saved run is then the sidebar's."""
+    `run_kv_*` settings in `storage`; 0: the model's dtype) and a prefill `chunk` (0: none); the saved run is then
+    the sidebar's."""
     at = open_page(at, "run")
     at.radio(key="run_source").set_value("Bundled text").run()
     at.selectbox(key="run_policy").set_value(policy).run()
@@ -509,6 +541,7 @@ def run_from_page(at: AppTest, policy: str, bits: int, measure: bool = False, **
     at.selectbox(key="run_kv_bits").set_value(bits).run()
     for name, value in storage.items():
         (at.selectbox if name == "scheme" else at.number_input)(key=f"run_kv_{name}").set_value(value)
+    at.number_input(key="run_chunk").set_value(chunk).run()
     at.button(key="run_go").click().run()
     assert not at.exception and not at.error, [e.value for e in at.exception] + [e.value for e in at.error]
     return at
@@ -529,6 +562,19 @@ def test_run_page_stores_the_kv_cache_as_chosen(app, tmp_path):
     assert packed.metrics["kv_bytes_peak"] < 0.2 * plain.metrics["kv_bytes_peak"]
     at = open_page(at, "overview", str(packed.path))
     assert any("KV 4-bit token, group 32" in md.value for md in at.markdown)  # the run's header line
+
+
+@pytest.mark.slow
+def test_run_page_prefills_in_chunks_with_the_summary_only(app):
+    at = run_from_page(app, "h2o", 0, measure=True, chunk=64)
+    assert at.selectbox(key="run_record").disabled and at.checkbox(key="run_measure").disabled
+    run = load_run(at.sidebar.selectbox(key="app_run").value)
+    assert run.meta["prefill_chunk"] == 64 and "--prefill-chunk 64" in run.meta["command"]
+    assert run.meta["record"]["level"] == "summary" and "perturbation/kl" not in run.tensors
+    budget = run.meta["budget"]["slots"]
+    assert len(run.meta["prompt_tokens"]) > budget + 64  # the prompt never sat in the cache whole
+    assert run.metrics["kv_bytes_prefill"] <= run.metrics["kv_bytes_prompt"] * (budget + 64) / len(
+        run.meta["prompt_tokens"])
 
 
 @pytest.mark.slow

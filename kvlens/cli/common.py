@@ -24,6 +24,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", help="slots per KV head per layer (e.g. 64) or a share of the prompt (e.g. 0.5)")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                    help="a policy parameter; repeat for several")
+    p.add_argument("--prefill-chunk", type=int, metavar="N",
+                   help="feed the prompt N tokens at a time and compress after each chunk, so that no layer holds "
+                        "more than budget + N slots (full, streaming_llm, h2o, tova)")
     add_storage_args(p)
 
 

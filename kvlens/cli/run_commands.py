@@ -168,7 +168,7 @@ def _options(args, **extra):
     if getattr(args, "record_layers", None):
         layers = parse_list(args.record_layers, "--record-layers", minimum=0)
     return RunOptions(budget=parse_budget(args.budget), record=args.record, record_layers=layers,
-                      storage=storage(args), **extra)
+                      storage=storage(args), prefill_chunk=args.prefill_chunk, **extra)
 
 
 def _policy(args):
@@ -214,6 +214,7 @@ def cmd_generate(args) -> int:
 def cmd_ppl(args) -> int:
     from kvlens.engine.perturbation import base_baseline
     from kvlens.experiments.api import perplexity
+    from kvlens.experiments.bench.common import PeakRSS
     from kvlens.policies import make_policy
 
     params = _policy(args)
@@ -221,9 +222,10 @@ def cmd_ppl(args) -> int:
     opts = _options(args)
     model = load(args)
     bar, on_step = progress(args.tokens, f"{args.policy} ppl")
-    with bar:
+    with bar, PeakRSS() as rss:
         run = perplexity(model, text, args.policy, params, prefill=args.prefill, tokens=args.tokens, opts=opts,
                          on_step=on_step, meta={"command": command_line()}, measure=args.measure)
+    run.meta["metrics"].update({"rss_peak": rss.peak, "rss_growth": rss.peak - rss.start})
     if args.measure:
         run.meta["metrics"].update(base_baseline(make_policy(args.policy, params), lambda name, base: perplexity(
             model, text, name, base, prefill=args.prefill, tokens=args.tokens, opts=opts, measure=True)))
@@ -234,7 +236,9 @@ def cmd_ppl(args) -> int:
               "budget_requested": opts.budget, "prefill": args.prefill, "tokens": args.tokens, "nll": m["nll"],
               "ppl": m["ppl"], "kv_slots_max": m["kv_slots_max"], "kv_entries_max": m["kv_entries_max"],
               "kv_entries_budget": m["kv_entries_budget"], "kv_bytes_peak": m["kv_bytes_peak"],
-              "ms_per_token": m["ms_per_token"], "prefill_ms": m["prefill_ms"], "storage": opts.storage.describe()}
+              "kv_bytes_prefill": m["kv_bytes_prefill"], "rss_peak": m["rss_peak"], "rss_growth": m["rss_growth"],
+              "ms_per_token": m["ms_per_token"], "prefill_ms": m["prefill_ms"], "storage": opts.storage.describe(),
+              "prefill_chunk": opts.prefill_chunk}
     if m.get("replay_passes"):  # a policy's extra passes over the prompt (KVzip), part of prefill_ms
         result.update({"replay_passes": m["replay_passes"], "replay_ms": m["replay_ms"]})
     if args.measure:

@@ -22,6 +22,8 @@ def register(sub) -> None:
     p.add_argument("--seeds", help="comma-separated seeds (a row per seed): the run's seed and the `seed` "
                                    "parameter of policies that have one (CaM's draws)")
     p.add_argument("--measure", action="store_true", help="also measure output perturbation and KL to the full cache")
+    p.add_argument("--prefill-chunk", type=int, metavar="N", help="feed each prompt N tokens at a time, compressing "
+                                                                  "after each chunk (see `kvlens ppl --help`)")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="POLICY.KEY=VALUE",
                    help="a parameter of one policy of the sweep, e.g. cam.base=h2o; repeat for several")
     p.add_argument("--out", required=True, help="JSON file to write (the CSV goes beside it); re-running the "
@@ -108,7 +110,7 @@ def cmd_sweep(args) -> int:
     texts = sweep_texts(args.text_file, args.texts)
     cells = plan_ppl([(n, {**given, **settings.get(n, {})}) for n, given in policies], budgets, texts,
                      parse_list(args.prefill, "--prefill", minimum=1), tokens=args.tokens, model=args.model,
-                     measure=args.measure, seeds=seeds)
+                     measure=args.measure, seeds=seeds, prefill_chunk=args.prefill_chunk)
     results = run_cells(args, args.out, cells, texts, {"command": command_line(), "model": args.model}, "sweep")
     if args.json:
         print_json(results.ordered())

@@ -484,7 +484,9 @@ class SlotRows:
         """One layer's new tokens `(1, Hkv, q, D)` at true `positions` `(q,)`, with empty statistics.
 
         One token goes into a slot freed by `free` (one per head; a `retain`ed layout is never
-        reordered); otherwise the tokens go after the slots in use (growing the buffers if needed).
+        reordered); otherwise the tokens go after the slots in use (growing the buffers if needed). In a
+        chunked prefill (`KVCache.chunked`) a chunk fills the freed slots first, so a layer never outgrows its
+        budget + the chunk.
         """
         (book,) = self.books
         q = key.shape[2]
@@ -493,6 +495,8 @@ class SlotRows:
             self._adopt(key, value, positions)
         elif q == 1 and book.holes is not None:
             self._fill_free(key, value, positions)
+        elif book.holes is not None and self.owner is not None and self.owner.chunked:
+            self._fill_chunk(key, value, positions)
         else:
             self._write_end(key, value, positions)
         book.n_kept += q
@@ -538,6 +542,28 @@ class SlotRows:
         for t in store.extra.values():
             t[heads, slot] = 0
         book.written = slot[:, None]
+
+    def _fill_chunk(self, key, value, positions) -> None:
+        """A chunk of q tokens: the first k into the k freed slots every head has, the rest after the slots in use."""
+        book, store = self.books[0], self.store
+        k = min(key.shape[2], int((book.holes >= 0).sum(-1).min()))
+        slots, rest = book.holes[:, :k], book.holes[:, k:]
+        book.holes = first_valid(rest) if rest.shape[1] else None
+        heads = torch.arange(slots.shape[0], device=slots.device)[:, None] + self.rows.start
+        store.buffers["pos"][heads, slots] = positions[:k]
+        store.buffers["valid"][heads, slots] = True  # `free` already zeroed abar and nobs
+        if store.packed is not None:
+            self._append_packed(slots, key[:, :, :k], value[:, :, :k], positions[:k])
+        else:
+            store.buffers["keys"][0, heads, slots] = key[0, :, :k]
+            store.buffers["values"][0, heads, slots] = value[0, :, :k]
+        for t in store.extra.values():
+            t[heads, slots] = 0
+        store.order = None
+        if k < key.shape[2]:
+            self._write_end(key[:, :, k:], value[:, :, k:], positions[k:])
+            slots = torch.cat([slots, book.written], dim=1)
+        book.written = slots
 
     def _write_end(self, key, value, positions) -> None:
         store, book = self.store, self.books[0]
@@ -612,6 +638,7 @@ class KVCache:
         self.layers = [SlotRows([book], owner=self) for book in self.books]
         self.positions: torch.Tensor | None = None
         self.replaying = False  # a replay pass is being fed: `update` caches nothing
+        self.chunked = False  # a chunked prefill: chunks fill freed slots first (`SlotRows.append`)
         self._everywhere: SlotRows | None = None
 
     def __call__(self, view: SlotRows, capacity: int) -> tuple[SlotStore, slice]:
@@ -624,10 +651,11 @@ class KVCache:
         i = view.books[0].layer
         return self.shared, slice(i * hkv, (i + 1) * hkv)
 
-    def set_budgets(self, budgets: list[int]) -> None:
-        """Each layer's own budget (an allocating policy's): its limit becomes that budget + 1."""
+    def set_budgets(self, budgets: list[int], extra: int = 1) -> None:
+        """Each layer's own budget (an allocating policy's): its limit becomes that budget + `extra` (the one token
+        of a decode step, or a prefill chunk)."""
         for book, budget in zip(self.books, budgets, strict=True):
-            book.limit = budget + 1
+            book.limit = budget + extra
 
     def all_layers(self) -> SlotRows | None:
         """Every layer's rows as one view, once every layer lives in the all-layer store (else None)."""

@@ -8,6 +8,7 @@ One `StepEvent` per produced token goes to `on_step`, so callers can plot live; 
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import threading
@@ -26,7 +27,7 @@ from kvlens.engine.models import LoadedModel
 from kvlens.engine.quantize import Storage
 from kvlens.engine.record import Recorder
 from kvlens.errors import Cancelled, KvlensError
-from kvlens.policies import Policy
+from kvlens.policies import REGISTRY, Policy
 from kvlens.runs.decisions import DecisionLog
 from kvlens.runs.run import Run
 
@@ -61,6 +62,7 @@ class RunOptions:
     record_layers: list[int] | None = None
     log_decisions: bool = True
     storage: Storage = Storage()  # keys and values in the model's dtype, or quantized (`--kv-bits`)
+    prefill_chunk: int | None = None  # feed the prompt this many tokens at a time, compressing after each
 
 
 def _check_length(model: LoadedModel, n: int) -> None:
@@ -106,11 +108,14 @@ class _Loop:
         # a compressed layer never holds more than budget + the step's token; others grow up to the run's length
         # all layers' rows in one store when the policy's decode steps may run on them at once (chosen here, once);
         # `once`: compressed after the prompt only (`freeze`), later tokens are appended, so each layer its own store
-        self.cache = KVCache(model.shape()["layers"], limit=length if budget is None else budget + 1,
+        self.chunk = opts.prefill_chunk  # a chunked prefill: compressed layers hold up to budget + chunk slots
+        self.cache = KVCache(model.shape()["layers"],
+                             limit=length if budget is None else budget + max(1, self.chunk or 1),
                              all_layers=budget is not None and policy.cross_layer and not once)
         self.log = DecisionLog() if opts.log_decisions else None
         self.ctx = RunContext(self.cache, policy, [self.recorder, *observers], windowed=bool(model.support.sliding),
                               rotary=rotary_of(model.model, model.support))
+        self.ctx.chunked = self.cache.chunked = bool(self.chunk)
         for name in policy.model_data:  # e.g. the model's Q-Filters, one entry per layer, in the layers' run state
             for book, part in zip(self.cache.books, MODEL_DATA[name](model), strict=True):
                 book.state[name] = part
@@ -119,7 +124,8 @@ class _Loop:
         self.kept: list[torch.Tensor] = []  # (L, Hkv) per step
         self.peak_bytes = 0  # largest cache after compression
         self.replay_ms, self.replay_passes = 0.0, 0  # the policy's replay passes (KVzip), part of the prefill
-        self.prefill_bytes = 0  # the uncompressed prompt's cache
+        self.prefill_bytes = 0  # the largest cache of the prefill, before compression (the whole prompt unchunked)
+        self.token_bytes = 0.0  # one prompt token's keys and values in the model's dtype, all layers
 
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
         return feed(self.model, self.cache, self.ctx, ids, start)
@@ -142,15 +148,29 @@ class _Loop:
         self.replay_passes = len(passes)
         self.replay_ms = (time.perf_counter() - t) * 1000 if passes else 0.0
 
-    def compress(self, index: int) -> None:
+    def prefill(self, prompt: list[int]) -> torch.Tensor:
+        """Feed the prompt, in chunks of `prefill_chunk` tokens if set, and compress it: after each chunk, all
+        of them step 0's compressions (one chunk: exactly the unchunked run). The last token's logits."""
+        size = self.chunk or len(prompt)
+        logits = self.forward(prompt[:size], 0)
+        self.token_bytes = self.cache.nbytes / size
+        self.replay(prompt[:size])
+        self.compress(0, last=size >= len(prompt))
+        for start in range(size, len(prompt), size):
+            logits = self.forward(prompt[start:start + size], start)
+            self.compress(0, first=False, last=start + size >= len(prompt))
+        return logits
+
+    def compress(self, index: int, first: bool = True, last: bool = True) -> None:
         """Compression `index` (0: the prompt's), on every layer's rows at once once they share one store. Before
-        the prompt's, the policy allocates each layer's budget (the same everywhere unless it allocates)."""
+        the prompt's, the policy allocates each layer's budget (the same everywhere unless it allocates). A
+        chunked prefill compresses after each chunk (`first`: after the first chunk, `last`: after the last)."""
         phase = Phase.PREFILL if index == 0 else Phase.DECODE
         if index == 0:
-            self.prefill_bytes = self.cache.nbytes
-            if self.budget is not None:
+            self.prefill_bytes = max(self.prefill_bytes, self.cache.nbytes)
+            if self.budget is not None and first:
                 self.budgets = self.policy.allocate(self.budget, self.cache.layers)
-                self.cache.set_budgets(self.budgets)
+                self.cache.set_budgets(self.budgets, max(1, self.chunk or 1))
         self.cache.commit()
         everywhere = self.cache.all_layers() if phase is Phase.DECODE else None
         if everywhere is not None:
@@ -159,9 +179,10 @@ class _Loop:
             for rows, budget in zip(self.cache.layers, self.budgets, strict=True):
                 self.policy.compress(rows, Step(index, phase, budget, self.log))
         self.cache.commit()  # quantized storage: what the policy merged is quantized again
-        if index == 0:
+        if index == 0 and first:
             self.cache.quantize(self.opts.storage)  # the policy chose from the prompt in full precision
-        self.kept.append(self.cache.kept_counts())
+        if last:
+            self.kept.append(self.cache.kept_counts())
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes)
 
     def event(self, step, token, nll, ms, logits) -> StepEvent:
@@ -221,6 +242,19 @@ def run_steps(model: LoadedModel, policy: Policy, ids: list[int], *, prefill: in
     return (yield from _steps(loop, ids, prefill, steps, teacher, meta))
 
 
+def _check_chunk(policy: Policy, opts: RunOptions, observers) -> None:
+    """Refuse, in one sentence, a chunked prefill the run cannot do as asked."""
+    if opts.prefill_chunk < 1:
+        raise KvlensError("--prefill-chunk must be at least 1 token.")
+    if not policy.chunked_prefill:
+        names = ", ".join(n for n, cls in REGISTRY.items() if cls.chunked_prefill)
+        raise KvlensError(f"{policy.name} cannot compress a prompt chunk by chunk (it needs the whole prompt's "
+                          f"statistics at once); --prefill-chunk works with {names}.")
+    if opts.record != "summary" or observers:
+        raise KvlensError("A chunked prefill records the summary only and cannot --measure: recorders and the "
+                          "perturbation meter see a prompt in one piece.")
+
+
 def _prepare(model: LoadedModel, policy: Policy, ids, prefill, steps, teacher, opts, observers) -> _Loop:
     """Check the request and set up the run's state (budget, cache, context)."""
     if prefill < 1:
@@ -234,6 +268,10 @@ def _prepare(model: LoadedModel, policy: Policy, ids, prefill, steps, teacher, o
         model.support = inspect_model(model.model)
     model.support.require()  # never run a model kvlens would only approximate
     opts.storage.check(model.shape()["head_dim"])
+    if opts.prefill_chunk is not None:
+        _check_chunk(policy, opts, observers)
+        if opts.prefill_chunk >= prefill:  # one chunk: the unchunked run
+            opts = dataclasses.replace(opts, prefill_chunk=None)
     budget = policy.resolve_budget(opts.budget, prefill, prefill + steps)
     return _Loop(model, policy, opts, list(observers), budget, prefill + steps - 1)  # the last token is never fed
 
@@ -252,9 +290,7 @@ def _steps(loop: _Loop, ids, prefill, steps, teacher, meta) -> Generator[StepEve
     t0 = time.perf_counter()
     suspended = 0.0  # time spent between a yield and the next step
     with torch.inference_mode():
-        logits = loop.forward(ids[:prefill], 0)
-        loop.replay(ids[:prefill])
-        loop.compress(0)
+        logits = loop.prefill(ids[:prefill])
     prefill_ms = (time.perf_counter() - t0) * 1000
     step_ms = prefill_ms
     for i in range(steps):
@@ -295,6 +331,7 @@ def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, tota
         "kv_entries_budget": None if loop.budget is None else loop.budget * kept.shape[1] * kept.shape[2],
         "kv_slots_final_mean": float(kept[-1].float().mean()),
         "kv_bytes_final": loop.cache.nbytes, "kv_bytes_peak": loop.peak_bytes, "kv_bytes_prefill": loop.prefill_bytes,
+        "kv_bytes_prompt": round(loop.token_bytes * len(prompt_ids)),
         "ms_per_token": (sum(ms) / len(ms)) if ms else None, "prefill_ms": prefill_ms, "total_s": total_s,
         "replay_passes": loop.replay_passes, "replay_ms": loop.replay_ms,
     }
@@ -304,6 +341,7 @@ def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, tota
                   "dtype": str(model.dtype).removeprefix("torch.")},
         "policy": {"name": policy.name, "params": policy.params()},
         "storage": opts.storage.describe(),
+        "prefill_chunk": opts.prefill_chunk,
         "budget": {"requested": opts.budget, "slots": loop.budget},
         "seed": opts.seed, "temperature": opts.temperature, "top_p": opts.top_p,
         "prompt": tok.decode(prompt_ids), "prompt_tokens": list(prompt_ids),

@@ -65,6 +65,7 @@ class Policy:
     cross_layer: ClassVar[bool] = False  # its decode steps may run on every layer's rows at once (all-layer store)
     merge_rule: ClassVar[str | None] = None  # how provenance replays its merges: "add", "convex" or "set"
     reallocates: ClassVar[bool] = False  # layers or heads keep different counts (their total is the budget's)
+    chunked_prefill: ClassVar[bool] = False  # can compress the prompt chunk by chunk (`--prefill-chunk`)
     model_data: ClassVar[tuple[str, ...]] = ()  # per-layer data of the model the engine puts in the run state
     presets: ClassVar[dict[str, dict]] = {}  # named settings, `preset=NAME` (explicit parameters override)
 

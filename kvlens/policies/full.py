@@ -13,6 +13,7 @@ class Full(Policy):
     """Keeps every slot; its logits equal the model's own forward pass."""
 
     name = "full"
+    chunked_prefill = True  # never compresses (`--prefill-chunk`)
     description = "Keep every key and value (the uncompressed reference)."
     paper = ""
     needs_attention = False

@@ -23,6 +23,7 @@ class H2O(ScoredEviction):
                                 "heavy hitters (the paper splits the budget evenly).", minimum=0.0, maximum=1.0)
 
     name = "h2o"
+    chunked_prefill = True  # its score, the attention each slot received, accumulates chunk by chunk
     description = "Keep a recent window plus the heavy hitters with the largest accumulated attention."
     paper = "https://arxiv.org/abs/2306.14048"
     cross_layer = True

@@ -22,6 +22,7 @@ class StreamingLLM(ScoredEviction):
                       minimum=0)
 
     name = "streaming_llm"
+    chunked_prefill = True  # its score is the position (`--prefill-chunk`)
     description = "Keep the first `sink` tokens (attention sinks) and a window of the most recent ones."
     paper = "https://arxiv.org/abs/2309.17453"
     needs_attention = False

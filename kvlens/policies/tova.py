@@ -21,6 +21,7 @@ class TOVA(ScoredEviction):
     """No hyperparameters: the current query's attention decides."""
 
     name = "tova"
+    chunked_prefill = True  # its score is the newest query's attention over the slots (`--prefill-chunk`)
     description = "Keep the slots with the highest attention from the current query (mean over the layer's heads)."
     paper = "https://arxiv.org/abs/2401.06104"
 

@@ -33,10 +33,11 @@ class RunSettings:
     measure: bool = False
     seed: int = 0
     storage: Storage = Storage()  # the model's dtype, or quantized (`kvlens.ui.widgets.storage_picker`)
+    prefill_chunk: int | None = None  # feed the prompt in chunks (`--prefill-chunk`)
 
     def options(self) -> RunOptions:
         return RunOptions(budget=self.budget, max_new_tokens=self.new_tokens, seed=self.seed, record=self.record,
-                          record_layers=self.record_layers, storage=self.storage)
+                          record_layers=self.record_layers, storage=self.storage, prefill_chunk=self.prefill_chunk)
 
     def command(self) -> str:
         """The equivalent CLI command (the prompt itself is not repeated)."""
@@ -53,6 +54,8 @@ class RunSettings:
             s = self.storage
             parts += ["--kv-bits", str(s.bits), "--kv-scheme", s.scheme, "--kv-group", str(s.group),
                       "--kv-residual", str(s.residual)]
+        if self.prefill_chunk:
+            parts += ["--prefill-chunk", str(self.prefill_chunk)]
         parts += ["--record", self.record]
         if self.record_layers:
             parts += ["--record-layers", ",".join(map(str, self.record_layers))]
