@@ -148,7 +148,7 @@ class RunContext:
         if self.chunked and not self.frozen and (self.needs_rows or self.column_sums):
             layer.abar += group_mean(probs.sum(2))
             layer.nobs += allowed.sum(1)
-            layer.last_attn = probs[:, :, -1].reshape(hq, -1)
+            layer.last_attn = probs[:, :, -1].reshape(hq, -1).clone()  # a view would keep the chunk's probs alive
         return out.reshape(1, hq, q, d).transpose(1, 2).contiguous()
 
     def _replay(self, layer: SlotRows, query, key, value, spec: AttentionSpec) -> torch.Tensor:
