@@ -182,6 +182,7 @@ def _policy(args):
 def cmd_generate(args) -> int:
     from kvlens.engine.perturbation import base_baseline
     from kvlens.experiments.api import generate
+    from kvlens.experiments.bench.common import PeakRSS
     from kvlens.policies import make_policy
 
     params = _policy(args)
@@ -196,9 +197,10 @@ def cmd_generate(args) -> int:
                     top_p=args.top_p)
     model = load(args)
     bar, on_step = progress(args.max_new_tokens, f"{args.policy}")
-    with bar:
+    with bar, PeakRSS() as rss:
         run = generate(model, prompt, args.policy, params, opts=opts, chat=args.chat, on_step=on_step,
                        meta={"command": command_line()}, measure=args.measure)
+    run.meta["metrics"].update({"rss_peak": rss.peak, "rss_growth": rss.peak - rss.start})
     if args.measure:
         run.meta["metrics"].update(base_baseline(make_policy(args.policy, params), lambda name, base: generate(
             model, prompt, name, base, opts=opts, chat=args.chat, measure=True)))
