@@ -47,14 +47,14 @@ def test_compare_two_policies_in_chromium(browser_page):
     slider.focus()
     slider.press("Home")  # fewest new tokens (4): keeps the test short
     page.get_by_role("button", name="Compare", exact=True).click()
-    page.get_by_text("Generated texts").wait_for(timeout=240_000)
+    page.get_by_text("What each one writes").wait_for(timeout=240_000)
     main = page.locator("[data-testid='stMain']")
     main.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
     labels = [main.get_by_text(name, exact=False).first for name in ("full", "streaming_llm", "h2o")]
     assert all(label.is_visible() for label in labels)
     captions = main.get_by_text("The reference.").count() + main.get_by_text("Same as the full cache").count() + \
         main.get_by_text("Diverges from the full cache").count()
-    assert captions == 3  # one text per run: the reference and the two policies
+    assert captions == 6  # the reference and the two policies, their own texts and their choices on full's
     assert page.locator(".js-plotly-plot").count() >= 1
     table = main.locator("[data-testid='stDataFrame']").first  # the metrics table (drawn on a canvas)
     table.wait_for(timeout=60_000)

@@ -46,6 +46,19 @@ def test_the_divergence_read_from_the_scored_pass_is_that_of_the_policys_own_gen
         assert r.picks[:r.first_diff + 1] == own.meta["tokens"][:r.first_diff + 1]
 
 
+def test_each_ones_own_text_is_what_generate_writes_and_its_divergence_is_from_the_full_caches(tiny):
+    out = compare(tiny, PROMPT, ENTRIES, 8)
+    for r, row in zip(out, table(out), strict=True):
+        own = generate(tiny, PROMPT, r.entry.policy, r.entry.params,
+                       opts=RunOptions(budget=r.entry.budget, max_new_tokens=8))
+        assert r.own.meta["tokens"] == own.meta["tokens"] and row["generated"] == own.meta["text"]
+        assert r.generate_s > 0
+        full = out[0].own.meta["tokens"]
+        assert row["generated_divergence"] == (None if r is out[0] else first_difference(full, own.meta["tokens"]))
+    assert any(row["generated_divergence"] is not None for row in table(out)[1:])  # the tiny model does diverge
+    assert all(r.own is None for r in compare(tiny, PROMPT, ENTRIES, 8, own_text=False))
+
+
 def test_identical_inputs_reuse_results_and_run_only_what_changed(tiny, monkeypatch):
     passes = []
     engine_run = cmp.run
@@ -58,15 +71,16 @@ def test_identical_inputs_reuse_results_and_run_only_what_changed(tiny, monkeypa
     monkeypatch.setattr("kvlens.experiments.api.run", counted)
     cache = ResultCache()
     first = compare(tiny, PROMPT, ENTRIES, 6, cache=cache)
-    assert passes == ["full", "streaming_llm", "tova"]  # one pass each
+    twice = ["full", "full", "streaming_llm", "streaming_llm", "tova", "tova"]
+    assert passes == twice  # a measured pass and its own generation each
     events = []
     again = compare(tiny, PROMPT, ENTRIES, 6, on_step=lambda e, ev: events.append(e), cache=cache)
-    assert passes == ["full", "streaming_llm", "tova"] and not events  # the engine did not run again
-    assert [r.run for r in again] == [r.run for r in first]
+    assert passes == twice and not events  # the engine did not run again
+    assert [r.run for r in again] == [r.run for r in first] and [r.own for r in again] == [r.own for r in first]
     compare(tiny, PROMPT, [ENTRIES[0], Entry("tova", {}, 10)], 6, cache=cache)
-    assert passes[3:] == ["tova"]  # only the changed budget runs
-    compare(tiny, PROMPT, [Entry("streaming_llm", {"sink": 2}, 16)], 7, cache=cache)
-    assert passes[4:] == ["full", "streaming_llm"]  # another length is another reference
+    assert passes[6:] == ["tova", "tova"]  # only the changed budget runs
+    compare(tiny, PROMPT, [Entry("streaming_llm", {"sink": 2}, 16)], 7, cache=cache, own_text=False)
+    assert passes[8:] == ["full", "streaming_llm"]  # another length is another reference; no own texts asked
 
 
 @pytest.mark.slow
@@ -100,9 +114,11 @@ def test_compare_json_rows_agree_with_generate_and_ppl(smol, tmp_path):
     own = kvlens("generate", "--policy", "streaming_llm", "--budget", "16", "--set", "sink=2", "--prompt", prompt,
                  "--max-new-tokens", str(n), "--out", str(tmp_path / "run"))
     assert own.returncode == 0, own.stderr
-    tokens = json.loads((tmp_path / "run" / "run.json").read_text())["tokens"]
+    own_run = json.loads((tmp_path / "run" / "run.json").read_text())
+    tokens = own_run["tokens"]
     reference = smol.tokenizer(text).input_ids[len(ids):]
     assert stream["first_divergence"] == first_difference(reference, tokens)
+    assert stream["generated"] == own_run["text"]  # its own text is `kvlens generate`'s
 
 
 @pytest.mark.parametrize("args, words", [

@@ -18,8 +18,8 @@ def register(sub) -> None:
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
     p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--no-baseline", action="store_true",
-                   help="skip the plain generations timed for `generate_s` (they double the command's time)")
+    p.add_argument("--no-generate", action="store_true",
+                   help="skip each policy's own plain generation (the rows' `generated`, and `generate_s`)")
     p.add_argument("--json", action="store_true")
     add_model_args(p)
     p.set_defaults(func=cmd_compare)
@@ -45,7 +45,7 @@ def policy_entries(text: str, budget: str):
 def cmd_compare(args) -> int:
     from kvlens.engine.loop import RunOptions
     from kvlens.experiments.api import generate
-    from kvlens.experiments.compare import compare, entries_with_reference, plain_generation_seconds, table
+    from kvlens.experiments.compare import compare, entries_with_reference, table
 
     entries = policy_entries(args.policies, args.budget)
     entries_with_reference(entries)  # the count and every setting checked before the model loads
@@ -57,10 +57,10 @@ def cmd_compare(args) -> int:
     bar, on_step = progress(args.max_new_tokens * len(entries_with_reference(entries)), "compare")
     t = time.perf_counter()
     with bar:
-        results = compare(model, prompt, entries, args.max_new_tokens, lambda entry, event: on_step(event))
+        results = compare(model, prompt, entries, args.max_new_tokens, lambda entry, event: on_step(event),
+                          own_text=not args.no_generate)
     wall = time.perf_counter() - t
-    generate_s = None if args.no_baseline else plain_generation_seconds(model, prompt, entries,
-                                                                        args.max_new_tokens)
+    generate_s = None if args.no_generate else sum(r.generate_s for r in results)
     rows = table(results)
     reference = results[0].run.meta
     out = {"command": command_line(), "model": args.model, "prompt_tokens": len(reference["prompt_tokens"]),
@@ -77,7 +77,13 @@ def cmd_compare(args) -> int:
                                              ("perturbation", ".3f"), ("kv_bytes_peak", "mib"),
                                              ("ms_per_token", ".0f"))]
         print(f"{r['policy']:<28}{div:>9}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (7, 9, 9, 9, 8, 8))))
-    base = "" if generate_s is None else f"; plain generation of each: {generate_s:.1f} s"
+    if generate_s is not None:
+        print("\nEach one's own text:")
+        for r in rows[1:]:
+            where = "same as the full cache's" if r["generated_divergence"] is None else \
+                f"leaves the full cache's at token {r['generated_divergence']}"
+            print(f"{r['policy']:<28}{where}: {r['generated']!r}")
+    base = "" if generate_s is None else f", of which its own plain generation of each {generate_s:.1f} s"
     print(f"\ncompared in {wall:.1f} s{base}")
     return 0
 

@@ -10,10 +10,13 @@ The design (what each number means, and why it costs one pass per policy):
   cache, kept slots and peak KV bytes, ms per token (of this measured pass, meter included) and the
   policy's greedy choice at each step. Greedy generation under the policy feeds exactly the same
   tokens until its choice first differs from full's, so the first step whose choice differs *is*
-  the first divergence of the policy's own text: no free generation is needed for the table. Its
-  own text past that point would cost one more generation per policy; the pages show instead its
-  choice at each step of full's text and the share of steps where it agrees with full
-  (`top1_agreement`).
+  the first divergence of the policy's own text (up to float rounding between the measured and the
+  plain path). The pages show its choice at each step of full's text and the share of steps where it
+  agrees with full (`top1_agreement`).
+- Then each entry generates its own text plainly (`own_text`): greedy, up to `new_tokens` or the
+  end-of-sequence token, no meter, exactly `kvlens generate` with the same settings (`generated`,
+  and `generate_s`, its seconds). That is one more generation per policy, the price of reading
+  what a policy really writes after it diverges.
 - p_full for the KL is the reference's own step distributions (what `measured`'s extra one-shot
   full-cache forward would compute again), so the reference's KL is 0 by construction.
 - Cost, measured on the 2-core reference machine with one torch thread (SmolLM2, 68-token prompt,
@@ -87,6 +90,10 @@ class Result:
     first_diff: int | None  # first step whose choice differs from full's token (None: never)
     pieces: list[str]  # each pick decoded on its own, for the texts
     logprobs: torch.Tensor | None = None  # the full cache's: its next-token log-probs per step (steps, V)
+    own: Run | None = None  # its own greedy generation, as `kvlens generate` runs it (`own_text`)
+    own_pieces: list[str] | None = None  # its tokens decoded one by one
+    generate_s: float | None = None  # seconds of that generation
+    own_diff: int | None = None  # first token where that text differs from the full cache's own (None: never)
 
     @property
     def agreement(self) -> float:
@@ -101,7 +108,9 @@ class Result:
                 "ppl": m["ppl"], "kl": m["kl"], "perturbation": m["perturbation_used"],
                 "attention_loss": m["attention_loss"], "kv_slots_max": m["kv_slots_max"],
                 "kv_bytes_peak": m["kv_bytes_peak"], "ms_per_token": m["ms_per_token"],
-                "storage": self.entry.storage.describe()}
+                "storage": self.entry.storage.describe(),
+                "generated": None if self.own is None else self.own.meta["text"],
+                "generated_divergence": self.own_diff}
 
 
 def first_difference(reference: list[int], tokens: list[int]) -> int | None:
@@ -155,9 +164,10 @@ def entries_with_reference(entries: list[Entry]) -> list[Entry]:
 
 def compare(model: LoadedModel, prompt: str, entries: list[Entry], new_tokens: int,
             on_step: Callable[[Entry, StepEvent], None] | None = None, cancel: threading.Event | None = None,
-            cache: ResultCache | None = None) -> list[Result]:
-    """The full cache's measured generation, then each policy's measured teacher-forced pass on its text
-    (module docstring). `on_step(entry, event)` follows every pass; reused results send no events."""
+            cache: ResultCache | None = None, own_text: bool = True) -> list[Result]:
+    """The full cache's measured generation, then each policy's measured teacher-forced pass on its text, and
+    (`own_text`) each one's plain generation (module docstring). `on_step(entry, event)` follows every measured
+    pass; reused results send no events."""
     if new_tokens < 1:
         raise KvlensError("Ask for at least one new token.")
     ids = encode(model, prompt)
@@ -169,10 +179,25 @@ def compare(model: LoadedModel, prompt: str, entries: list[Entry], new_tokens: i
         result = cache.get(key) if cache is not None else None
         if result is None:
             result = _measure(model, ids, e, results[0] if results else None, opts, on_step, cancel)
-            if cache is not None:
-                cache.put(key, result)
+        if own_text and result.own is None:
+            result = _own_text(model, prompt, e, new_tokens, result, results[0] if results else None, cancel)
+        if cache is not None:
+            cache.put(key, result)
         results.append(result)
     return results
+
+
+def _own_text(model, prompt: str, e: Entry, new_tokens: int, result: Result, reference: Result | None,
+              cancel) -> Result:
+    """`result` with the entry's own greedy generation (`kvlens generate` with the same settings, timed) and where
+    it leaves the full cache's own (`reference`'s; None for the reference itself)."""
+    opts = RunOptions(budget=e.budget, max_new_tokens=new_tokens, storage=e.storage)
+    t = time.perf_counter()
+    own = generate(model, prompt, e.policy, e.params, opts=opts, cancel=cancel)
+    seconds = time.perf_counter() - t
+    diff = None if reference is None else first_difference(reference.own.meta["tokens"], own.meta["tokens"])
+    return dataclasses.replace(result, own=own, own_pieces=_pieces(model, own.meta["tokens"]), generate_s=seconds,
+                               own_diff=diff)
 
 
 def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, cancel) -> Result:
@@ -213,16 +238,3 @@ def _pieces(model: LoadedModel, tokens: list[int]) -> list[str]:
 def table(results: list[Result]) -> list[dict]:
     """One row per result (the full cache first): what `kvlens compare --json` prints and the page shows."""
     return [r.row() for r in results]
-
-
-def plain_generation_seconds(model: LoadedModel, prompt: str, entries: list[Entry], new_tokens: int) -> float:
-    """Seconds to generate `new_tokens` with the full cache and each policy, plainly (no meter, no scoring):
-    the baseline `kvlens compare` reports as `generate_s`."""
-    total = 0.0
-    for e in entries_with_reference(entries):
-        opts = RunOptions(budget=e.budget, max_new_tokens=new_tokens, stop_at_eos=False, log_decisions=False,
-                          storage=e.storage)
-        t = time.perf_counter()
-        generate(model, prompt, e.policy, e.params, opts=opts)
-        total += time.perf_counter() - t
-    return total

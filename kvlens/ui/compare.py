@@ -1,6 +1,8 @@
 """The Compare page's views of `kvlens.experiments.compare` results: the table, the texts, the aligned charts."""
 from __future__ import annotations
 
+import html
+
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
@@ -45,10 +47,35 @@ def show_text(label: str, pieces: list[str], first_diff: int | None, reference: 
                    + (f"; it agrees at {agree} of {len(pieces)} steps." if agree is not None else "."))
 
 
+def show_own_text(r: Result, reference: Result) -> None:
+    """A policy's own greedy text (`Result.own`), from where it leaves the full cache's own text highlighted, and
+    the full cache's text from that token, highlighted too: the divergence marked in both."""
+    st.markdown(f"**{r.entry.label}**")
+    if r is reference:
+        diverging_text(r.own_pieces, None, reference=True)
+        return
+    diverging_text(r.own_pieces, r.own_diff)
+    if r.own_diff is not None:
+        same = html.escape("".join(reference.own_pieces[max(0, r.own_diff - 6): r.own_diff]))
+        rest = html.escape("".join(reference.own_pieces[r.own_diff:]))
+        st.markdown(f"<div style='white-space:pre-wrap;font-size:0.85em;color:#555'>full cache: …{same}<span "
+                    f"style='background:#cfe3f7' title='the full cache from the same token'>{rest}</span></div>",
+                    unsafe_allow_html=True)
+
+
 def show_results(results: list[Result]) -> None:
     """The texts side by side, the table and the aligned charts of a finished comparison."""
-    st.subheader("Generated texts")
     reference = results[0].pieces
+    if all(r.own is not None for r in results):
+        st.subheader("What each one writes")
+        st.caption("Each policy's own greedy text (`kvlens generate` with the same settings), orange from where it "
+                   "leaves the full cache's; below it, blue, the full cache's text from that token.")
+        for col, r in zip(st.columns(len(results)), results):
+            with col, st.container(border=True):
+                show_own_text(r, results[0])
+    st.subheader("Scored on the full cache's text")
+    st.caption("Each policy teacher-forced on the full cache's text: its choice at each step (the metrics below "
+               "come from this pass).")
     for col, r in zip(st.columns(len(results)), results):
         with col, st.container(border=True):
             show_text(r.entry.label, r.pieces, r.first_diff, None if r is results[0] else reference,
