@@ -9,19 +9,16 @@ from kvlens.figures.attention import (
 )
 from kvlens.levels import RecordLevel
 from kvlens.ui.charts import chart
-from kvlens.ui.page import browse_page, level_need
+from kvlens.ui.page import browse_page, level_need, pick_head, pick_layer, pick_step
 from kvlens.ui.state import run_figure
 
 run = browse_page("Attention", need=level_need(RecordLevel.ATTENTION, "The attention map"))
-layers = recorded_attention_layers(run)
-heads = run.shape["heads"]
 c1, c2, c3 = st.columns([1, 1, 3])
-layer = c1.selectbox("Layer", layers, index=len(layers) // 2, key="attn_layer")
-head = c2.selectbox("Query head", list(range(heads)), key="attn_head",
-                    help=f"KV head = query head // {heads // run.shape['kv_heads']} (GQA)")
+layer = pick_layer(recorded_attention_layers(run), "attn_layer", c1)  # layer, head and row live in the URL
+head = pick_head(run, "attn_head", c2)
 grid = attention_grid(run, layer, head)
 last = grid.rows[-1]
-step = c3.slider("Query row", 0, last, last, key="attn_step",
+step = pick_step("Query row", last, "attn_step", c3,
                  help="Row 0 is the last prompt token's query; row r fed generated token r - 1.") if last else 0
 cfg = {"run": str(run.path), "layer": layer, "head": head}
 chart(attention_map_figure(run, grid, step), "attn_map", name=f"attention-L{layer}-H{head}", config=cfg)

@@ -5,7 +5,7 @@ from kvlens.analysis.states import recorded_layers
 from kvlens.figures import provenance
 from kvlens.figures.attention import provenance_figure
 from kvlens.ui.charts import chart
-from kvlens.ui.page import analysis_need, browse_page, fits, offer_runs
+from kvlens.ui.page import analysis_need, browse_page, fits, offer_runs, pick_head, pick_layer
 from kvlens.ui.state import run_figure
 
 run = browse_page("Merges", "Which slot went where: evictions and merges per step, what each merged slot now holds, "
@@ -16,8 +16,9 @@ if d is None or not len(d):
     offer_runs(lambda e: e.merging, "merge_offer")
 else:
     c1, c2, _ = st.columns([1, 1, 2])
-    layer = c1.selectbox("Layer", sorted(d["layer"].unique().tolist()), key="merge_layer")
-    head = c2.selectbox("KV head", list(range(run.shape["kv_heads"])), key="merge_head")
+    layers = sorted(d["layer"].unique().tolist())
+    layer = pick_layer(layers, "merge_layer", c1, default=layers[0])  # in the URL, as the Gaussian's below
+    head = pick_head(run, "merge_head", c2, kv=True)
     merges = d[d["action"] == "merge"]
     n_draw0 = int((merges["draw"] == 0).sum())
     st.markdown(f"{(d['action'] == 'evict').sum()} evictions and {len(merges)} merges in all layers"
@@ -46,8 +47,9 @@ else:
 if fits(analysis_need("gaussian")):
     st.subheader("Gaussian weights of a KVMerger merging set")
     c1, c2, c3 = st.columns(3)
-    g_layer = c1.selectbox("Layer", recorded_layers(run), key="merge_glayer")
-    g_head = c2.selectbox("KV head", list(range(run.shape["kv_heads"])), key="merge_ghead")
+    g_layers = recorded_layers(run)
+    g_layer = pick_layer(g_layers, "merge_glayer", c1, default=g_layers[0], param="glayer")
+    g_head = pick_head(run, "merge_ghead", c2, kv=True, param="ghead")
     threshold = c3.slider("Similarity threshold", 0.3, 0.95, 0.75, step=0.05, key="merge_thr")
     chart(run_figure(run, "gaussian", layer=g_layer, head=g_head, threshold=threshold), "merge_gauss",
           name=f"gaussian-L{g_layer}-H{g_head}",

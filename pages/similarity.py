@@ -4,18 +4,17 @@ import streamlit as st
 
 from kvlens.analysis.states import recorded_layers
 from kvlens.ui.charts import chart
-from kvlens.ui.page import analysis_need, browse_page
+from kvlens.ui.page import analysis_need, browse_page, pick_head, pick_layer, pick_step
 from kvlens.ui.state import run_figure
 
 run = browse_page("Similarity", "Cosine similarity of the prompt's query, key and value states after RoPE. Keys of "
                                 "neighbouring tokens are alike (KVMerger's premise); values much less so.",
                   analysis_need("similarity"))
-layers = recorded_layers(run)
 c1, c2, c3 = st.columns([1, 1, 2])
-layer = c1.selectbox("Layer", layers, index=len(layers) // 2, key="sim_layer")
+layer = pick_layer(recorded_layers(run), "sim_layer", c1)  # layer, head and token live in the URL
+head = pick_head(run, "sim_head", c2, kv=True, help="Queries are shown for the first query head of this KV head's "
+                                                    "group.")
 kv_heads = run.shape["kv_heads"]
-head = c2.selectbox("KV head", list(range(kv_heads)), key="sim_head",
-                    help="Queries are shown for the first query head of this KV head's group.")
 kinds = c3.multiselect("States", ["query", "key", "value"], default=["query", "key", "value"], key="sim_kinds")
 if not kinds:
     st.info("Pick at least one of query, key, value.")
@@ -33,7 +32,7 @@ with left:
     chart(run_figure(run, "adjacency"), "sim_adj", name="adjacency", config={"run": str(run.path)})
 with right:
     n = len(run.meta["prompt_tokens"])
-    token = st.slider("Token t", 1, n - 1, n - 1, key="sim_token",
+    token = pick_step("Token t", n - 1, "sim_token", first=1, param="token",
                       help="Similarity of this token's key to the 32 keys before it, per KV head.")
     chart(run_figure(run, "preceding", layer=layer, token=token, window=32, state="key"), "sim_prec",
           name=f"preceding-L{layer}-t{token}", config={"run": str(run.path), "layer": layer, "token": token})

@@ -35,6 +35,23 @@ ROOT = Path(__file__).resolve().parent.parent
 TEXTS = texts.DIR
 
 
+@pytest.fixture(scope="module")
+def external_requests() -> list[str]:
+    """The URLs outside 127.0.0.1 that a browser test module's pages asked for (refused by
+    `kvlens.ui.browser.refuse_external`, which the module's browser fixture installs with this list)."""
+    return []
+
+
+@pytest.fixture
+def offline(external_requests):
+    """Fail the browser test during which (or before which, in the module's setup) a page requested
+    anything from a host other than 127.0.0.1: the app must work without internet."""
+    yield
+    seen = sorted(set(external_requests))
+    external_requests.clear()
+    assert not seen, f"the app requested {len(seen)} URL(s) outside 127.0.0.1 (it must work offline): {seen}"
+
+
 class ByteTokenizer:
     """A byte-level tokenizer for the tiny model: token id = byte value, 255 = eos."""
 

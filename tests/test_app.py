@@ -620,3 +620,40 @@ def test_compare_page_passes_each_policys_kv_storage(app):
     peak = list(shown["peak KV bytes"])
     assert peak[1] < 0.3 * peak[0] and peak[2] < peak[1]
     assert results[0].run.metrics["perturbation_used"] < 1e-5 < results[1].run.metrics["perturbation_used"]
+
+
+def linked(app: AppTest, page: str, **params) -> AppTest:
+    """`pages/{page}.py` opened by a link with the query parameters `params` (`?layer=...`), on the default run
+    cam-attention (AppTest draws a switched-to page's sidebar anew, so the link's run would not stay picked)."""
+    app.query_params.update(params)
+    app.switch_page(f"pages/{page}.py").run()
+    assert app.sidebar.selectbox(key="app_run").value == str(CACHED / "cam-attention")
+    assert not app.exception and not app.warning, [e.value for e in [*app.exception, *app.warning]]
+    return app
+
+
+def test_a_link_sets_the_attention_pages_layer_head_and_row_and_a_change_goes_back_into_it(app):
+    at = linked(app, "attention", layer="29", head="4", step="3")
+    assert (at.selectbox(key="attn_layer").value, at.selectbox(key="attn_head").value,
+            at.slider(key="attn_step").value) == (29, 4, 3)
+    assert charts(at)[0]["layout"]["title"]["text"].startswith("Attention of layer 29, head 4 ")
+    assert charts(at)[1]["layout"]["title"]["text"].endswith("query row 3")
+    at.selectbox(key="attn_head").set_value(2).run()
+    at.slider(key="attn_step").set_value(7).run()
+    assert (at.query_params["layer"], at.query_params["head"], at.query_params["step"]) == ("29", "2", "7")
+
+
+def test_similarity_keeps_its_layer_kv_head_and_token_in_the_link(app):
+    at = linked(app, "similarity", layer="29", head="2", token="40")
+    assert (at.selectbox(key="sim_layer").value, at.selectbox(key="sim_head").value,
+            at.slider(key="sim_token").value) == (29, 2, 40)
+    assert charts(at)[0]["layout"]["title"]["text"] == "layer 29, query head 6"  # KV head 2's first query head
+    at.selectbox(key="sim_layer").set_value(0).run()
+    assert (at.query_params["layer"], at.query_params["head"], at.query_params["token"]) == ("0", "2", "40")
+
+
+def test_merges_keeps_its_layer_and_kv_head_in_the_link(app):
+    at = linked(app, "merges", layer="29", head="1")
+    assert (at.selectbox(key="merge_layer").value, at.selectbox(key="merge_head").value) == (29, 1)
+    at.selectbox(key="merge_head").set_value(2).run()
+    assert (at.query_params["layer"], at.query_params["head"]) == ("29", "2")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, streamlit_server, wait_idle
+from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, refuse_external, streamlit_server, wait_idle
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.usefixtures("offline")]
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def runs_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def browser_page(runs_dir):
+def browser_page(runs_dir, external_requests):
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium package (make test does so when run as root)")
     from playwright.sync_api import sync_playwright
@@ -30,6 +30,7 @@ def browser_page(runs_dir):
     with streamlit_server(env={**os.environ, "KVLENS_RUNS": str(runs_dir)}) as url, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        refuse_external(page, external_requests)  # any request off 127.0.0.1 fails the test (`offline`)
         page.goto(url)
         wait_idle(page, "kvlens")
         yield page

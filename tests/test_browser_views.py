@@ -11,10 +11,10 @@ import pytest
 
 from kvlens import load_run
 from kvlens.figures.inspect_token import token_strings
-from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, streamlit_server, wait_idle
+from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, refuse_external, streamlit_server, wait_idle
 from kvlens.ui.inspector import label
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.usefixtures("offline")]
 ROOT = Path(__file__).resolve().parent.parent
 RAW = {"app", "overview", "attention", "similarity", "spectra", "merges", "perturbation", "analyses", "run",
        "compare", "benchmarks"}  # Streamlit's own list of pages/: lower-case file names and `app`
@@ -28,7 +28,7 @@ new MutationObserver(() => {
 
 
 @pytest.fixture(scope="module")
-def browser(tmp_path_factory):
+def browser(tmp_path_factory, external_requests):
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium package (make test does so when run as root)")
     from playwright.sync_api import sync_playwright
@@ -36,18 +36,21 @@ def browser(tmp_path_factory):
     env = {**os.environ, "KVLENS_RUNS": str(tmp_path_factory.mktemp("runs"))}
     with streamlit_server(env=env) as url, sync_playwright() as pw:
         chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium, url
+        yield chromium, url, external_requests
         chromium.close()
 
 
-def new_page(chromium):
-    """A page in a new browser context: no cookies, no session."""
-    return chromium.new_context(viewport={"width": 1500, "height": 1000}).new_page()
+def new_page(browser):
+    """A page in a new browser context: no cookies, no session, no request off 127.0.0.1 (`offline` fails on one)."""
+    chromium, _, seen = browser
+    context = chromium.new_context(viewport={"width": 1500, "height": 1000})
+    refuse_external(context, seen)
+    return context.new_page()
 
 
 def test_first_paint_of_a_page_url_never_shows_the_raw_page_list(browser):
-    chromium, url = browser
-    page = new_page(chromium)
+    url = browser[1]
+    page = new_page(browser)
     page.add_init_script(RECORD_LINKS)  # every link text the sidebar ever shows, from the first paint on
     page.goto(f"{url}/attention", wait_until="commit")
     page.locator("[data-testid='stMain'] h1", has_text="Attention").wait_for(timeout=120_000)
@@ -88,9 +91,9 @@ def _title(page, text: str) -> None:
 def test_inspector_row_of_a_clicked_token_and_a_copied_link_reopens_it(browser):
     from playwright.sync_api import expect
 
-    chromium, url = browser
+    url = browser[1]
     run = load_run(ROOT / "cached_runs" / "h2o-attention")
-    page = new_page(chromium)
+    page = new_page(browser)
     page.goto(f"{url}/?run=h2o-attention")
     wait_idle(page, "kvlens")
     step, text = _pick_token(page, run)
@@ -116,7 +119,7 @@ def test_inspector_row_of_a_clicked_token_and_a_copied_link_reopens_it(browser):
         page.screenshot(path=os.environ["KVLENS_SCREENSHOTS"])
     page.context.close()
 
-    other = new_page(chromium)  # only the link carries the view
+    other = new_page(browser)  # only the link carries the view
     other.goto(copied)
     wait_idle(other, "kvlens")
     _title(other, want)
@@ -127,3 +130,29 @@ def test_inspector_row_of_a_clicked_token_and_a_copied_link_reopens_it(browser):
         == ["29", "4"]
     assert main.get_by_role("radio", name=text, exact=True).first.is_checked()
     other.context.close()
+
+
+
+PAGES = {"": "kvlens", "runs": "Runs", "attention": "Attention", "similarity": "Similarity", "spectra": "Spectra",
+         "merges": "Merges", "perturbation": "Perturbation", "analyses": "Analyses", "run": "Run",
+         "compare": "Compare", "benchmarks": "Benchmarks"}  # URL path: title (app.py's NAVIGATION)
+
+
+def test_every_page_draws_offline_and_a_link_sets_the_attention_pages_layer_head_and_row(browser):
+    """Each page of the navigation, opened by its URL, draws its title (`offline` fails the test on any request
+    off 127.0.0.1); the Attention page takes its layer, head and query row from the link."""
+    from playwright.sync_api import expect
+
+    url = browser[1]
+    page = new_page(browser)
+    for path, title in PAGES.items():
+        page.goto(f"{url}/{path}?run=full-states")
+        wait_idle(page, title)
+    page.goto(f"{url}/attention?run=h2o-attention&layer=29&head=4&step=3")
+    wait_idle(page, "Attention")
+    _title(page, "Attention of layer 29, head 4")
+    main = page.locator("[data-testid='stMain']")
+    assert [main.get_by_role("combobox", name=n, exact=True).input_value() for n in ("Layer", "Query head")] \
+        == ["29", "4"]
+    expect(main.get_by_test_id("stSliderThumbValue")).to_have_text("3")  # the query row
+    page.context.close()

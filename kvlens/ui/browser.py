@@ -1,6 +1,7 @@
 """Drive the app in a real browser: `streamlit run app.py` on a free 127.0.0.1 port and Debian's Chromium.
 
-Used by the browser test and `scripts/app_screenshots.py`.
+Used by the browser test and `scripts/app_screenshots.py`. The app works offline: `refuse_external` aborts
+(and records) any request a page makes to another host, and the browser tests fail on one.
 """
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlparse
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
+LOCAL_HOSTS = ("127.0.0.1", "localhost")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 
@@ -47,6 +50,20 @@ def streamlit_server(env: dict | None = None):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def refuse_external(target, seen: list[str]) -> None:
+    """Abort every request of `target` (a Playwright page or browser context) to a host other than 127.0.0.1
+    or localhost, appending its URL to `seen`: nothing the app shows may come from outside the machine."""
+    def handle(route):
+        url = route.request.url
+        if urlparse(url).hostname in LOCAL_HOSTS:
+            route.continue_()
+        else:
+            seen.append(url)
+            route.abort("blockedbyclient")
+
+    target.route("**/*", handle)
 
 
 def wait_idle(page, title: str | None = None, timeout_ms: int = 120000) -> None:

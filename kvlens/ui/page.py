@@ -1,8 +1,8 @@
 """The scaffold of a browse page: `run = browse_page(title, caption, need)` draws the shell, the title,
 the run picked in the sidebar, its header and a link to the view, checks what the page needs of the run,
 and stops the page (`st.stop()`) when there is no run or the run lacks it, after saying why and offering
-runs that have it. `pick_layer` and `pick_head` keep a page's layer and head in the URL (`?layer=`,
-`?head=`; the sidebar keeps `?run=`), so a copied link reopens the same view.
+runs that have it. `pick_layer`, `pick_head` and `pick_step` keep a page's layer, head and step in the URL
+(`?layer=`, `?head=`, `?step=`; the sidebar keeps `?run=`), so a copied link reopens the same view.
 """
 from __future__ import annotations
 
@@ -69,18 +69,30 @@ def browse_page(title: str, caption: str = "", need: Need | None = None) -> Run:
     return run
 
 
-def pick_layer(layers: list[int], key: str, where=st, default: int | None = None) -> int:
-    """A layer select box kept in the URL (`?layer=`); starts at `default` (else the middle layer)."""
+def pick_layer(layers: list[int], key: str, where=st, default: int | None = None, param: str = "layer") -> int:
+    """A layer select box kept in the URL (`?layer=`, or `param` for a page's second one); starts at `default`
+    (else the middle layer)."""
     start = default if default in layers else layers[len(layers) // 2]
-    return url_state.bound(lambda **kw: where.selectbox("Layer", layers, **kw), "layer", key, layers, "layer", start)
+    return url_state.bound(lambda **kw: where.selectbox("Layer", layers, **kw), param, key, layers, "layer", start)
 
 
-def pick_head(run: Run, key: str, where=st) -> int:
-    """A query-head select box kept in the URL (`?head=`); the help names its KV head."""
-    heads = list(range(run.shape["heads"]))
-    group = run.shape["heads"] // run.shape["kv_heads"]
-    return url_state.bound(lambda **kw: where.selectbox("Query head", heads, help=f"KV head = query head // {group} "
-                                                        "(GQA)", **kw), "head", key, heads, "query head", 0)
+def pick_head(run: Run, key: str, where=st, kv: bool = False, help: str | None = None, param: str = "head") -> int:
+    """A query-head select box (a KV-head one when `kv`) kept in the URL (`?head=`, or `param`); a query head's
+    help names its KV head."""
+    heads = list(range(run.shape["kv_heads" if kv else "heads"]))
+    what = "KV head" if kv else "Query head"
+    if help is None and not kv:
+        help = f"KV head = query head // {run.shape['heads'] // run.shape['kv_heads']} (GQA)"
+    return url_state.bound(lambda **kw: where.selectbox(what, heads, help=help, **kw), param, key, heads,
+                           what.lower(), 0)
+
+
+def pick_step(label: str, last: int, key: str, where=st, help: str | None = None, param: str = "step",
+              first: int = 0) -> int:
+    """A slider over steps `first`..`last` kept in the URL (`?step=`, or `param`); starts at `last`."""
+    steps = list(range(first, last + 1))
+    return url_state.bound(lambda **kw: where.slider(label, first, last, help=help, **kw), param, key, steps,
+                           label.lower(), last)
 
 
 def fits(need: Need) -> bool:
