@@ -56,12 +56,12 @@ class PerturbationMeter(Observer):
         self.used: dict[int, list[torch.Tensor]] = {}  # layer -> [(Hq,)] per step
         self.evict: dict[int, list[torch.Tensor]] = {}
         self.stored: dict[int, list[torch.Tensor]] = {}
+        self.loss: dict[int, list[torch.Tensor]] = {}
+        self.full_norm: dict[int, list[torch.Tensor]] = {}
         self.merges = True  # the run's policy may change kept slots (`on_start`)
 
     def on_start(self, policy) -> None:
         self.merges = policy.merges
-        self.loss: dict[int, list[torch.Tensor]] = {}
-        self.full_norm: dict[int, list[torch.Tensor]] = {}
 
     def on_prefill(self, layer, query, key, value, last_rows) -> None:
         self.shadow_k[layer.layers[0]] = key[0].detach().clone()
