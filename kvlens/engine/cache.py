@@ -404,14 +404,12 @@ class SlotRows:
         """
         store = self.store
         uneven = bool((index < 0).any())
-        if store.packed is not None:
+        if store.packed is not None or uneven:  # the freed slots as a mask `(R, n)`
             gone = torch.zeros(index.shape[0], store.n + 1, dtype=torch.bool, device=index.device)
             gone = gone.scatter_(1, index.masked_fill(index < 0, store.n), True)[:, : store.n]
-            for q in store.packed.values():
-                q.forget(self.rows, gone)
+        for q in (store.packed or {}).values():
+            q.forget(self.rows, gone)
         if uneven:
-            gone = torch.zeros(index.shape[0], store.n + 1, dtype=torch.bool, device=index.device)
-            gone = gone.scatter_(1, index.masked_fill(index < 0, store.n), True)[:, : store.n]
             for name, fill in STATS.items():
                 store.buffers[name][self.rows, : store.n].masked_fill_(gone, fill)
         else:
@@ -531,16 +529,7 @@ class SlotRows:
             slot = torch.where(slot < 0, end, slot)
             store.order = None
         book.holes = first_valid(rest) if rest.shape[1] else None
-        heads = torch.arange(slot.shape[0], device=slot.device) + self.rows.start
-        store.buffers["pos"][heads, slot] = positions[0]
-        store.buffers["valid"][heads, slot] = True  # `free` already zeroed abar and nobs
-        if store.packed is not None:
-            self._append_packed(slot[:, None], key, value, positions)
-        else:
-            store.buffers["keys"][0, heads, slot] = key[0, :, 0]
-            store.buffers["values"][0, heads, slot] = value[0, :, 0]
-        for t in store.extra.values():
-            t[heads, slot] = 0
+        self._write_into(slot[:, None], key, value, positions)
         book.written = slot[:, None]
 
     def _fill_chunk(self, key, value, positions) -> None:
@@ -549,21 +538,27 @@ class SlotRows:
         k = min(key.shape[2], int((book.holes >= 0).sum(-1).min()))
         slots, rest = book.holes[:, :k], book.holes[:, k:]
         book.holes = first_valid(rest) if rest.shape[1] else None
-        heads = torch.arange(slots.shape[0], device=slots.device)[:, None] + self.rows.start
-        store.buffers["pos"][heads, slots] = positions[:k]
-        store.buffers["valid"][heads, slots] = True  # `free` already zeroed abar and nobs
-        if store.packed is not None:
-            self._append_packed(slots, key[:, :, :k], value[:, :, :k], positions[:k])
-        else:
-            store.buffers["keys"][0, heads, slots] = key[0, :, :k]
-            store.buffers["values"][0, heads, slots] = value[0, :, :k]
-        for t in store.extra.values():
-            t[heads, slots] = 0
+        self._write_into(slots, key[:, :, :k], value[:, :, :k], positions[:k])
         store.order = None
         if k < key.shape[2]:
             self._write_end(key[:, :, k:], value[:, :, k:], positions[k:])
             slots = torch.cat([slots, book.written], dim=1)
         book.written = slots
+
+    def _write_into(self, slots: torch.Tensor, key, value, positions) -> None:
+        """New tokens `(1, Hkv, k, D)` at `positions` `(k,)` into freed `slots` `(Hkv, k)` (`free` already zeroed
+        their abar and nobs)."""
+        store = self.store
+        heads = torch.arange(slots.shape[0], device=slots.device)[:, None] + self.rows.start
+        store.buffers["pos"][heads, slots] = positions
+        store.buffers["valid"][heads, slots] = True
+        if store.packed is not None:
+            self._append_packed(slots, key, value, positions)
+        else:
+            store.buffers["keys"][0, heads, slots] = key[0]
+            store.buffers["values"][0, heads, slots] = value[0]
+        for t in store.extra.values():
+            t[heads, slots] = 0
 
     def _write_end(self, key, value, positions) -> None:
         store, book = self.store, self.books[0]

@@ -62,7 +62,6 @@ class RunContext:
         self._observed: list[tuple[SlotRows, torch.Tensor, torch.Tensor | None]] = []  # this step's rows
         self.replay: tuple[int, int] | None = None  # the prompt span a replay pass being fed reconstructs
         self.frozen = False  # compressed once for good (the task protocol): no statistics, no policy, chunks allowed
-        self.chunked = False  # a chunked prefill (`RunOptions.prefill_chunk`): later chunks add to the statistics
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         """One layer's attention in this run; a sliding window hides the slots outside it (see `attention`)."""
@@ -134,10 +133,11 @@ class RunContext:
 
     def _extend(self, layer: SlotRows, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         """q tokens fed at once after the prompt's compression: each sees the kept slots and, causally, the chunk's
-        own. Either a question appended to a `frozen` cache (no statistics), or the next chunk of a `chunked`
-        prefill: its attention adds to every slot's `abar` (column sums) and `nobs` (queries that saw it), and its
-        last row is the layer's `last_attn`, as a decode step's would (observers see none of it)."""
-        if not (self.frozen or self.chunked):
+        own. Either a question appended to a `frozen` cache (no statistics), or the next chunk of a chunked prefill
+        (`KVCache.chunked`): its attention adds to every slot's `abar` (column sums) and `nobs` (queries that saw
+        it), and its last row is the layer's `last_attn`, as a decode step's would (observers see none of it)."""
+        chunk = self.cache.chunked and not self.frozen
+        if not (self.frozen or chunk):
             raise RuntimeError("kvlens feeds several tokens at once after the prompt only to a frozen cache or in "
                                "a chunked prefill.")
         hq, q, d = query.shape[1:]
@@ -145,7 +145,7 @@ class RunContext:
         allowed = visible(self.cache.positions, layer.pos, spec.window) & layer.valid[:, None, :]  # (Hkv, q, S)
         probs = attention_probs(query[0].view(hkv, hq // hkv, q, d), key[0], spec, allowed[:, None])
         out = torch.matmul(probs.to(value.dtype), value[0].unsqueeze(1))  # (Hkv, G, q, D)
-        if self.chunked and not self.frozen and (self.needs_rows or self.column_sums):
+        if chunk and (self.needs_rows or self.column_sums):
             layer.abar += group_mean(probs.sum(2))
             layer.nobs += allowed.sum(1)
             layer.last_attn = probs[:, :, -1].reshape(hq, -1).clone()  # a view would keep the chunk's probs alive

@@ -109,13 +109,13 @@ class _Loop:
         # all layers' rows in one store when the policy's decode steps may run on them at once (chosen here, once);
         # `once`: compressed after the prompt only (`freeze`), later tokens are appended, so each layer its own store
         self.chunk = opts.prefill_chunk  # a chunked prefill: compressed layers hold up to budget + chunk slots
-        self.cache = KVCache(model.shape()["layers"],
-                             limit=length if budget is None else budget + max(1, self.chunk or 1),
+        self.headroom = self.chunk or 1  # slots past the budget: a decode step's token, or a prefill chunk
+        self.cache = KVCache(model.shape()["layers"], limit=length if budget is None else budget + self.headroom,
                              all_layers=budget is not None and policy.cross_layer and not once)
         self.log = DecisionLog() if opts.log_decisions else None
         self.ctx = RunContext(self.cache, policy, [self.recorder, *observers], windowed=bool(model.support.sliding),
                               rotary=rotary_of(model.model, model.support))
-        self.ctx.chunked = self.cache.chunked = bool(self.chunk)
+        self.cache.chunked = bool(self.chunk)
         for name in policy.model_data:  # e.g. the model's Q-Filters, one entry per layer, in the layers' run state
             for book, part in zip(self.cache.books, MODEL_DATA[name](model), strict=True):
                 book.state[name] = part
@@ -170,7 +170,7 @@ class _Loop:
             self.prefill_bytes = max(self.prefill_bytes, self.cache.nbytes)
             if self.budget is not None and first:
                 self.budgets = self.policy.allocate(self.budget, self.cache.layers)
-                self.cache.set_budgets(self.budgets, max(1, self.chunk or 1))
+                self.cache.set_budgets(self.budgets, self.headroom)
         self.cache.commit()
         everywhere = self.cache.all_layers() if phase is Phase.DECODE else None
         if everywhere is not None:
