@@ -366,18 +366,18 @@ class QuantizedStates:
         """Window entries `leaving` `(R', W)` bool are quantized into their slots and leave the window."""
         slot = self.window_slot[rows]
         leaving = leaving & (slot >= 0)
-        if self.along == "channels":
-            r, e = leaving.nonzero(as_tuple=True)
-            self._store_tokens(r + (rows.start or 0), slot[r, e], self.window[rows][r, e])
-        else:
-            values = self.read(rows, valid.shape[1])  # the window's slots still in full precision
-            changed = torch.zeros(values.shape[:2], dtype=torch.bool, device=values.device)
-            r, e = leaving.nonzero(as_tuple=True)
-            changed[r, slot[r, e]] = True
-            self.window_slot[rows] = slot.masked_fill(leaving, -1)
-            self.write(rows, values, changed, valid)
-        self.window_slot[rows] = self.window_slot[rows].masked_fill(leaving, -1)
+        r, e = leaving.nonzero(as_tuple=True)
+        slots = slot[r, e]  # a copy: `slot` is a view of the window, cleared below
+        values = self.read(rows, valid.shape[1]) if self.along == "slots" else None  # the leaving ones as they are
+        self.window_slot[rows] = slot.masked_fill(leaving, -1)  # out of the window, so that they are stored
         self.window_pos[rows] = self.window_pos[rows].masked_fill(leaving, -1)
+        if self.along == "channels":
+            self._store_tokens(r + (rows.start or 0), slots, self.window[rows][r, e])
+        else:
+            changed = torch.zeros(values.shape[:2], dtype=torch.bool, device=values.device)
+            changed[r, slots] = True
+            self.write(rows, values, changed, valid)
+
 
 def seal(storage: Storage, name: str, x: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
          capacity: int) -> QuantizedStates:
