@@ -16,6 +16,7 @@ over the full cache's on the same sample, and their quality the task score.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from kvlens.engine.quantize import Storage
@@ -47,7 +48,7 @@ def plan_frontier(byte_shares: list[float], texts: dict[str, str], *, prefill: i
 
     def cells(family, policies, budgets, bits_=None, target=None):
         out = plan_ppl(policies, budgets, texts, [prefill], tokens=tokens, model=model)
-        described = Storage(bits_, storage.scheme, storage.group, storage.residual).describe() if bits_ else None
+        described = dataclasses.replace(storage, bits=bits_).describe() if bits_ else None
         return [{**c, "family": family, "storage": described, "target": target} for c in out]
 
     plan = cells("reference", [("full", {})], [None])
@@ -55,7 +56,7 @@ def plan_frontier(byte_shares: list[float], texts: dict[str, str], *, prefill: i
         plan += cells("eviction", evictors, [slots(b)], target=b) if evictors else []
         plan += cells("merging", mergers, [slots(b)], target=b) if mergers else []
         for k in mix_bits if mix else []:
-            share = b / slot_cost(Storage(k, storage.scheme, storage.group, storage.residual))
+            share = b / slot_cost(dataclasses.replace(storage, bits=k))
             if share < 1:
                 plan += cells("mix", [mix], [slots(share)], k, target=b)
     for k in bits:
@@ -76,14 +77,14 @@ def plan_frontier_tasks(byte_shares: list[float], *, tasks: list[str], lengths: 
     mergers_ = [spec(*p).label for p in mergers]
 
     def cells(policies, ratios, bits_):
-        described = Storage(bits_, storage.scheme, storage.group, storage.residual).describe() if bits_ else None
+        described = dataclasses.replace(storage, bits=bits_).describe() if bits_ else None
         out = task_suite.plan_tasks(policies, ratios, tasks, lengths, count, model=model, seed=seed,
                                     query_aware=False, chat=True, source=source)
         return [{**c, "storage": described, "mergers": mergers_} for c in out]
 
     plan = cells([spec(*p) for p in evictors + mergers], [1 - b for b in byte_shares], None)
     for k in sorted(set(bits) | set(mix_bits if mix else []), reverse=True):
-        cost = slot_cost(Storage(k, storage.scheme, storage.group, storage.residual))
+        cost = slot_cost(dataclasses.replace(storage, bits=k))
         ratios = [1 - b / cost for b in byte_shares if b / cost < 1] if mix and k in mix_bits else []
         plan += cells([spec(*mix)] if ratios else [], ratios, k)  # the full cache at k bits is always in a cell
     return plan
