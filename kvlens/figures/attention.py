@@ -1,12 +1,13 @@
 """What the cache held over a run: attention maps (CaM Fig. 1 a-c style) and merge provenance, which
 the app's Attention and Merges pages and the token inspector draw (the `attention` analysis too).
 
-`attention_grid` turns a `--record attention` run's per-step rows (`attn/{layer}` `(R, Hq, Smax)`,
+`layer_cache` turns a `--record attention` run's per-step rows (`attn/{layer}` `(R, Hq, Smax)`,
 `attn_pos/{layer}` `(R, Hkv, Smax)`; row 0 = the last prompt token's query, row r >= 1 = the
 decode forward that fed generated token r - 1) into a query-step x position grid: the attention
 each cached position received, and each cell's status (not yet seen, evicted, merged away, kept,
-holding merged values, sink). Cache state at row r reflects the decisions of steps < r.
-Long runs are block-pooled to at most `max_cells` per axis (attention: mean over the block's
+holding merged values, sink), for every head of a layer at once; `attention_grid` is one head's, and the
+head grid reads all of them. Cache state at row r reflects the decisions of steps < r.
+`attention_grid`'s long runs are block-pooled to at most `max_cells` per axis (attention: mean over the block's
 cached cells; status: the highest code in the block).
 """
 from __future__ import annotations
@@ -49,20 +50,36 @@ def recorded_attention_layers(run: Run) -> list[int]:
     return layers
 
 
-def _merges(run: Run, layer: int, kv_head: int):
-    """(step, position merged away, target positions) of this layer and KV head, from the decision log."""
+def _merge_steps(run: Run, layer: int, kv_heads: int, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(merged_at, holds_from)` `(Hkv, P)` of `layer`: the first step at which each position was merged away, and
+    the first at which it received merged values (a large number where never), from the decision log."""
+    never = 1 << 30
+    merged_at = torch.full((kv_heads, n_pos), never, dtype=torch.long)
+    holds_from = torch.full((kv_heads, n_pos), never, dtype=torch.long)
     d = run.decisions
     if d is None or not len(d):
-        return []
-    d = d[(d["action"] == "merge") & (d["layer"] == layer) & (d["kv_head"] == kv_head)]
+        return merged_at, holds_from
+    d = d[(d["action"] == "merge") & (d["layer"] == layer)]
     if "draw" in d:
         d = d[d["draw"] != 0]  # a Bernoulli draw of 0 merged nothing
-    return [(int(s), int(p), [int(t) for t in ts])
-            for s, p, ts in zip(d["step"], d["position"], d["targets"], strict=True)]
+    if not len(d):
+        return merged_at, holds_from
+    step = torch.tensor(d["step"].to_numpy(dtype="int64"))
+    kv = torch.tensor(d["kv_head"].to_numpy(dtype="int64"))
+    pos = torch.tensor(d["position"].to_numpy(dtype="int64"))
+    ok = (pos >= 0) & (pos < n_pos)
+    merged_at.view(-1).scatter_reduce_(0, (kv * n_pos + pos)[ok], step[ok], reduce="amin")
+    counts = torch.tensor([len(t) for t in d["targets"]])
+    t_pos = torch.tensor([int(t) for ts in d["targets"] for t in ts], dtype=torch.long)
+    t_kv, t_step = kv.repeat_interleave(counts), step.repeat_interleave(counts)
+    ok = (t_pos >= 0) & (t_pos < n_pos)
+    holds_from.view(-1).scatter_reduce_(0, (t_kv * n_pos + t_pos)[ok], t_step[ok], reduce="amin")
+    return merged_at, holds_from
 
 
-def attention_grid(run: Run, layer: int, head: int, max_cells: int = 512) -> AttentionGrid:
-    """The step x position attention grid of query head `head` in `layer` (see module docstring)."""
+def layer_cache(run: Run, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every head of `layer` at every recorded row: `weights` `(R, Hq, P)` (the attention each position received,
+    NaN where it was not cached) and `status` `(R, Hkv, P)` codes (see module docstring), P = every position."""
     layers = recorded_attention_layers(run)
     if layer not in layers:
         raise KvlensError(f"Layer {layer} has no recorded attention rows; recorded layers: "
@@ -70,34 +87,37 @@ def attention_grid(run: Run, layer: int, head: int, max_cells: int = 512) -> Att
     attn = run.tensor(f"attn/{layer}").float()  # (R, Hq, Smax)
     pos = run.tensor(f"attn_pos/{layer}").long()  # (R, Hkv, Smax)
     n_rows, hq, _ = attn.shape
-    if not 0 <= head < hq:
-        raise KvlensError(f"Head {head} is out of range: the model has query heads 0 to {hq - 1}.")
-    kv = head // (hq // pos.shape[1])
+    hkv = pos.shape[1]
     prompt_len = len(run.meta["prompt_tokens"])
     n_pos = prompt_len + n_rows - 1
-    weights = torch.full((n_rows, n_pos), float("nan"))
-    present = torch.zeros(n_rows, n_pos, dtype=torch.bool)
-    p = pos[:, kv]  # (R, Smax)
-    valid = p >= 0
-    r_idx = torch.arange(n_rows)[:, None].expand_as(p)
-    weights[r_idx[valid], p[valid]] = attn[:, head][valid]
-    present[r_idx[valid], p[valid]] = True
-    seen = torch.arange(n_pos)[None, :] <= (prompt_len - 1 + torch.arange(n_rows))[:, None]  # (R, P)
-    status = torch.full((n_rows, n_pos), FUTURE, dtype=torch.int8)
-    status[seen] = EVICTED
-    for step, position, targets in _merges(run, layer, kv):
-        later = slice(step + 1, None)
-        status[later, position] = torch.where(present[later, position], status[later, position],
-                                              torch.tensor(MERGED_AWAY, dtype=torch.int8))
-        for t in targets:
-            if 0 <= t < n_pos:
-                status[later, t] = HOLDS_MERGE
-    status[present & (status != HOLDS_MERGE)] = KEPT
+    valid = (pos >= 0) & (pos < n_pos)
+    slot = torch.where(valid, pos, n_pos)  # column n_pos collects the empty slots, dropped below
+    present = torch.zeros(n_rows, hkv, n_pos + 1, dtype=torch.bool).scatter_(2, slot, valid)[..., :n_pos]
+    weights = torch.full((n_rows, hq, n_pos + 1), float("nan"))
+    weights.scatter_(2, slot.repeat_interleave(hq // hkv, dim=1), attn)
+    weights = weights[..., :n_pos]
+    rows = torch.arange(n_rows)[:, None, None]
+    seen = torch.arange(n_pos)[None, None, :] <= prompt_len - 1 + rows  # (R, 1, P)
+    merged_at, holds_from = _merge_steps(run, layer, hkv, n_pos)
+    status = torch.full((n_rows, hkv, n_pos), FUTURE, dtype=torch.int8)
+    status[seen.expand_as(status)] = EVICTED
+    status[~present & (rows > merged_at)] = MERGED_AWAY
+    status[present] = KEPT
+    status[present & (rows > holds_from)] = HOLDS_MERGE
     sink = int(run.meta["policy"].get("params", {}).get("sink", 0) or 0)
     if sink:
-        status[:, :sink][present[:, :sink]] = SINK
-    status[~present & (status >= KEPT)] = EVICTED  # a merge target that was evicted later
-    return _pool(layer, head, weights, status, max_cells, prompt_len)
+        status[..., :sink][present[..., :sink]] = SINK
+    return weights, status
+
+
+def attention_grid(run: Run, layer: int, head: int, max_cells: int = 512) -> AttentionGrid:
+    """The step x position attention grid of query head `head` in `layer` (see module docstring)."""
+    weights, status = layer_cache(run, layer)
+    hq, hkv = weights.shape[1], status.shape[1]
+    if not 0 <= head < hq:
+        raise KvlensError(f"Head {head} is out of range: the model has query heads 0 to {hq - 1}.")
+    prompt_len = len(run.meta["prompt_tokens"])
+    return _pool(layer, head, weights[:, head], status[:, head // (hq // hkv)], max_cells, prompt_len)
 
 
 def _pool(layer, head, weights, status, max_cells, prompt_len) -> AttentionGrid:
