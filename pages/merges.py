@@ -4,6 +4,7 @@ import streamlit as st
 from kvlens.analysis.states import recorded_layers
 from kvlens.figures import provenance
 from kvlens.figures.attention import provenance_figure
+from kvlens.ui import url_state
 from kvlens.ui.charts import chart
 from kvlens.ui.page import analysis_need, browse_page, fits, offer_runs, pick_head, pick_layer
 from kvlens.ui.state import run_figure
@@ -50,7 +51,10 @@ if fits(analysis_need("gaussian")):
     g_layers = recorded_layers(run)
     g_layer = pick_layer(g_layers, "merge_glayer", c1, default=g_layers[0], param="glayer")
     g_head = pick_head(run, "merge_ghead", c2, kv=True, param="ghead")
-    threshold = c3.slider("Similarity threshold", 0.3, 0.95, 0.75, step=0.05, key="merge_thr")
+    thresholds = [round(0.3 + 0.05 * i, 2) for i in range(14)]  # the slider's stops, 0.3 to 0.95
+    threshold = url_state.bound(lambda **kw: c3.slider("Similarity threshold", 0.3, 0.95, step=0.05, **kw),
+                                "threshold", "merge_thr", thresholds, "similarity threshold", 0.75,
+                                show=lambda t: f"{t:g}")
     chart(run_figure(run, "gaussian", layer=g_layer, head=g_head, threshold=threshold), "merge_gauss",
           name=f"gaussian-L{g_layer}-H{g_head}",
           config={"run": str(run.path), "layer": g_layer, "head": g_head, "threshold": threshold})

@@ -4,6 +4,7 @@ import streamlit as st
 
 from kvlens.figures.run_table import filter_table
 from kvlens.ui import runs_table as rt
+from kvlens.ui import url_state
 from kvlens.ui.page import page_top
 from kvlens.ui.state import all_runs, cached_runs_dir, user_runs_dir
 
@@ -13,11 +14,14 @@ c1, c2, c3 = st.columns([3, 2, 1], vertical_alignment="bottom")
 with c3.popover("Import .zip", icon=":material/upload:", width="stretch"):
     imported = rt.upload()
 frame, skipped = rt.runs_frame(all_runs())
-text = c1.text_input("Filter", key="runs_filter", placeholder="words from the name, policy, parameters, model …",
-                     help="Keeps the runs whose name, source, policy, parameters, budget, model, mode or level "
-                          "hold every word typed here.")
-policies = c2.multiselect("Policies", sorted(frame["policy"].unique()), key="runs_policies",
-                          placeholder="all policies")
+text = url_state.bound(
+    lambda **kw: c1.text_input("Filter", placeholder="words from the name, policy, parameters, model …",
+                               help="Keeps the runs whose name, source, policy, parameters, budget, model, mode or "
+                                    "level hold every word typed here.", **kw),
+    "filter", "runs_filter", None, "filter", "")  # the filter and the policies live in the URL
+names = sorted(frame["policy"].unique())
+policies = url_state.bound_many(lambda **kw: c2.multiselect("Policies", names, placeholder="all policies", **kw),
+                                "policies", "runs_policies", names, "choice of policies", [])
 shown = filter_table(frame, text, policies)
 key = rt.table_key(st.session_state.get(rt.VERSION, 0), text, policies)
 event = st.dataframe(shown, column_config=rt.COLUMN_CONFIG, column_order=rt.ORDER, hide_index=True, placeholder="–",

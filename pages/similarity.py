@@ -3,6 +3,7 @@ adjacent-token similarity across layers and heads (KVMerger Fig. 3a)."""
 import streamlit as st
 
 from kvlens.analysis.states import recorded_layers
+from kvlens.ui import url_state
 from kvlens.ui.charts import chart
 from kvlens.ui.page import analysis_need, browse_page, pick_head, pick_layer, pick_step
 from kvlens.ui.state import run_figure
@@ -11,11 +12,13 @@ run = browse_page("Similarity", "Cosine similarity of the prompt's query, key an
                                 "neighbouring tokens are alike (KVMerger's premise); values much less so.",
                   analysis_need("similarity"))
 c1, c2, c3 = st.columns([1, 1, 2])
-layer = pick_layer(recorded_layers(run), "sim_layer", c1)  # layer, head and token live in the URL
+layer = pick_layer(recorded_layers(run), "sim_layer", c1)  # layer, head, states and token live in the URL
 head = pick_head(run, "sim_head", c2, kv=True, help="Queries are shown for the first query head of this KV head's "
                                                     "group.")
 kv_heads = run.shape["kv_heads"]
-kinds = c3.multiselect("States", ["query", "key", "value"], default=["query", "key", "value"], key="sim_kinds")
+states = ["query", "key", "value"]
+kinds = url_state.bound_many(lambda **kw: c3.multiselect("States", states, **kw), "states", "sim_kinds", states,
+                             "choice of states", states)
 if not kinds:
     st.info("Pick at least one of query, key, value.")
 group = run.shape["heads"] // kv_heads

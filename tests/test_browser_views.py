@@ -156,3 +156,22 @@ def test_every_page_draws_offline_and_a_link_sets_the_attention_pages_layer_head
         == ["29", "4"]
     expect(main.get_by_test_id("stSliderThumbValue")).to_have_text("3")  # the query row
     page.context.close()
+
+
+def test_a_link_opens_the_analyses_page_and_another_analysis_leaves_its_parameters_behind(browser):
+    """The Analyses page takes its analysis and parameters from the link; choosing another analysis rewrites the
+    address bar with that one's parameters only."""
+    from kvlens.analysis.registry import analyses
+
+    url = browser[1]
+    page = new_page(browser)
+    page.goto(f"{url}/analyses?run=h2o-attention&analysis=embedding&layer=15&head=2&method=tsne")
+    wait_idle(page, "Analyses")
+    _title(page, "Queries and keys, layer 15, KV head 2 (t-SNE")
+    _choose(page, "Analysis", f"gaussian ({analyses()['gaussian'].paper})")
+    page.wait_for_function("() => new URL(window.location.href).searchParams.get('threshold') === '0.75'")
+    wait_idle(page, "Analyses")
+    params = page.evaluate("() => Object.fromEntries(new URL(window.location.href).searchParams)")
+    assert params == {"run": "h2o-attention", "analysis": "gaussian", "head": "0", "threshold": "0.75",
+                      "rule": "mean_distance,eq7", "sigma": ""}
+    page.context.close()

@@ -11,18 +11,28 @@ import streamlit as st
 
 from kvlens.params import Param
 
+WIDGETS = {"choice": "select", "policy": "select", "bool": "check", "int": "number", "float": "number"}
+
+
+def widget_of(p: Param) -> str:
+    """The widget `param_widget` draws for `p`: "select", "check", "number" or (lists and the other kinds) "text"."""
+    return "text" if p.many else WIDGETS.get(p.kind, "text")
+
 
 def param_widget(p: Param, value, key: str, where=st, owner: str = ""):
     """The widget of `p` starting at `value` (keyed `key`); the value entered (text kinds parsed)."""
     help_ = p.help or None
-    if p.kind in ("choice", "policy") and not p.many:
+    widget = widget_of(p)
+    if key in st.session_state:  # the link or the user set it: no default beside it (Streamlit would warn)
+        value = None
+    if widget == "select":
         options = list(p.allowed())
         start = getattr(value, "name", value)
         return where.selectbox(p.name, options, index=options.index(start) if start in options else 0, key=key,
                                help=help_)
-    if p.kind == "bool" and not p.many:
+    if widget == "check":
         return where.checkbox(p.name, value=bool(value), key=key, help=help_)
-    if p.kind in ("int", "float") and not p.many:
+    if widget == "number":
         number = where.number_input(p.name, value=value, step=1 if p.kind == "int" else 0.05, key=key, help=help_,
                                     format=None if p.kind == "int" else "%.3g", placeholder="default")
         return None if number is None else (int(number) if p.kind == "int" else float(number))

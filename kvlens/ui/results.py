@@ -17,6 +17,7 @@ import streamlit as st
 
 from kvlens.figures.plots import line_style
 from kvlens.policies import changed_params
+from kvlens.ui import url_state
 from kvlens.ui.charts import chart
 from kvlens.ui.state import ROOT
 
@@ -63,8 +64,9 @@ def _usable(path: Path, want: tuple[str, ...]) -> bool:
 
 
 def pick_results(prefix: str, kind: str, label: str, want: tuple[str, ...] = ()):
-    """A select box over `results/{kind}_*.json` (newest first, files holding the `want` columns
-    before the others); returns (path, settings, frame, whole object) or None (after saying why)."""
+    """A select box over `results/{kind}_*.json` (newest first, files holding the `want` columns before the
+    others; the file's name kept in the URL as `?{kind}=`); returns (path, settings, frame, whole object) or
+    None (after saying why)."""
     files = result_files(kind)
     files.sort(key=lambda p: not _usable(p, want))  # stable: keeps newest first within each group
     if not files:
@@ -72,7 +74,8 @@ def pick_results(prefix: str, kind: str, label: str, want: tuple[str, ...] = ())
                 + ("Make one with `kvlens sweep ... --out results/sweep_NAME.json`." if kind == "sweep" else
                    "Make one with the benchmark commands (see the README), which write `results/bench_*.json`."))
         return None
-    path = st.selectbox(f"Saved {label}", files, format_func=lambda p: p.name, key=f"{prefix}_{kind}_file")
+    path = url_state.bound(lambda **kw: st.selectbox(f"Saved {label}", files, format_func=lambda p: p.name, **kw),
+                           kind, f"{prefix}_{kind}_file", files, f"saved {label}", files[0], show=lambda p: p.name)
     got = read_results(str(path), path.stat().st_mtime)
     if isinstance(got, str):
         st.error(got)

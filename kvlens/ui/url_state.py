@@ -3,7 +3,9 @@
 `bind(key, param, options)` goes right before the widget keyed `key`: on the session's first render of
 that widget it takes the value of `?param=` when it names one of `options` (an unknown value is ignored
 with one sentence); `publish(param, value)` right after the widget writes the value back, so the address
-bar always holds the view. `share_link()` shows that address with a button that copies it.
+bar always holds the view; `bound(widget, ...)` does the three. `bound_many` keeps a multiselect, and
+`bind_param`/`publish_param` a widget generated from a declared parameter (`kvlens.ui.params`), under the
+parameter's name. `share_link()` shows that address with a button that copies it.
 """
 from __future__ import annotations
 
@@ -12,16 +14,21 @@ from typing import Any
 
 import streamlit as st
 
+from kvlens.errors import KvlensError
+from kvlens.params import Param
 from kvlens.policies import policy_names, presets
+from kvlens.ui.params import widget_of
 from kvlens.ui.widgets import DEFAULTS
 
 READ = "url_read"  # session key: the widget keys already set from the URL in this session
 MAX_TEXT = 200  # longest free-text value taken from a link
 
 
-def bind(key: str, param: str, options: Sequence | None, what: str, show: Callable[[Any], str] = str) -> None:
+def bind(key: str, param: str, options: Sequence | None, what: str, show: Callable[[Any], str] = str,
+         parse: Callable[[str], Any] | None = None) -> None:
     """Set `st.session_state[key]` from `?param=` once per session: to the option `o` with `show(o)` equal
-    to the parameter (any text up to `MAX_TEXT` characters when `options` is None); otherwise warn once."""
+    to the parameter; when `options` is None, to `parse(text)` (which raises KvlensError with the sentence of
+    a bad text), or without `parse` to any text up to `MAX_TEXT` characters. Otherwise warn once."""
     done = st.session_state.setdefault(READ, set())
     if key in done:
         return
@@ -30,10 +37,13 @@ def bind(key: str, param: str, options: Sequence | None, what: str, show: Callab
     if text is None:
         return
     if options is None:
-        if len(text) <= MAX_TEXT and text.isprintable():
-            st.session_state[key] = text
+        if len(text) > MAX_TEXT or not text.isprintable():
+            st.warning(f"The link's {what} is not a short line of text; it was ignored.")
             return
-        st.warning(f"The link's {what} is not a short line of text; it was ignored.")
+        try:
+            st.session_state[key] = text if parse is None else parse(text)
+        except KvlensError as err:
+            st.warning(f"The link's {what} was ignored: {err}")
         return
     by_text = {show(o): o for o in options}
     if text in by_text:
@@ -41,6 +51,12 @@ def bind(key: str, param: str, options: Sequence | None, what: str, show: Callab
         return
     shown = ", ".join(list(by_text)[:12]) + (", …" if len(by_text) > 12 else "")
     st.warning(f"The link's {what} {_quote(text)} is not one of {shown}; it was ignored.")
+
+
+def reread(*keys: str) -> None:
+    """Let the widgets keyed `keys` take their value from the link again on their next render (a page that
+    sends the user to another with `st.switch_page(..., query_params=...)` calls this first)."""
+    st.session_state[READ] = st.session_state.get(READ, set()) - set(keys)
 
 
 def publish(param: str, value: Any, show: Callable[[Any], str] = str) -> None:
@@ -55,14 +71,43 @@ def publish(param: str, value: Any, show: Callable[[Any], str] = str) -> None:
 
 
 def bound(widget: Callable[..., Any], param: str, key: str, options: Sequence | None, what: str, default: Any,
-          show: Callable[[Any], str] = str) -> Any:
+          show: Callable[[Any], str] = str, parse: Callable[[str], Any] | None = None) -> Any:
     """`bind`, then `widget(key=key)` starting at `default` unless the link or the user set it, then `publish`:
     the widget's value, kept in the URL. `widget` must not pass a default of its own (Session State holds it)."""
-    bind(key, param, options, what, show)
+    bind(key, param, options, what, show, parse)
     st.session_state.setdefault(key, default)
     value = widget(key=key)
     publish(param, value, show)
     return value
+
+
+def bound_many(widget: Callable[..., Any], param: str, key: str, options: Sequence[str], what: str,
+               default: Sequence[str]) -> list[str]:
+    """`bound` for a multiselect over `options` (texts without commas): `?param=a,b`, `?param=` for none."""
+    spec = Param(param, tuple(default), "", choices=tuple(options), many=True)
+    return bound(widget, param, key, None, what, list(default), show=",".join,
+                 parse=lambda text: list(dict.fromkeys(spec.parse(text))))
+
+
+def bind_param(p: Param, key: str, owner: str) -> None:
+    """Before `kvlens.ui.params.param_widget(p, ..., key)`: its value from `?{p.name}=`, an option of its select
+    box, true or false, or text that `p.parse` accepts (a number, or what a text field would hold)."""
+    widget = widget_of(p)
+    if widget == "select":
+        bind(key, p.name, p.allowed(), p.name)
+    elif widget == "check":
+        bind(key, p.name, [True, False], p.name, show=_flag)
+    else:
+        def parse(text: str) -> Any:
+            value = p.parse(text, owner)
+            return value if widget == "number" else text  # a text field holds the text itself
+
+        bind(key, p.name, None, p.name, parse=parse)
+
+
+def publish_param(p: Param, key: str) -> None:
+    """After `param_widget(p, ..., key)`: its value (a text field's text) into the URL; none for an empty number."""
+    publish(p.name, st.session_state.get(key), _flag if widget_of(p) == "check" else str)
 
 
 def bind_policy(prefix: str) -> None:
@@ -82,6 +127,10 @@ def publish_policy(prefix: str) -> None:
     preset = st.session_state.get(f"{prefix}_{policy}_preset")
     publish("preset", None if preset == DEFAULTS else preset)
     publish("budget", st.session_state.get(f"{prefix}_{policy}_budget"))
+
+
+def _flag(value: bool) -> str:
+    return str(value).lower()
 
 
 def _quote(text: str) -> str:
