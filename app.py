@@ -16,7 +16,7 @@ page_config()
 
 NAVIGATION = {  # section: (file in pages/, title, icon); any other file in pages/ joins Browse under its own name
     "Browse": [("overview", "Overview", ":material/description:"), ("runs", "Runs", ":material/table_rows:"),
-               ("attention", "Attention", ":material/grid_on:"),
+               ("heads", "Head grid", ":material/apps:"), ("attention", "Attention", ":material/grid_on:"),
                ("similarity", "Similarity", ":material/compare_arrows:"),
                ("spectra", "Spectra", ":material/show_chart:"), ("merges", "Merges", ":material/call_merge:"),
                ("perturbation", "Perturbation", ":material/ssid_chart:"),

@@ -1,4 +1,5 @@
-"""Attention: the step x position attention map of a layer and head, kept/evicted/merged/sink marked (CaM Fig. 1a-c)."""
+"""Attention: the step x position attention map of a layer and head, kept/evicted/merged/sink marked (CaM Fig. 1a-c),
+and the token inspector of the chosen row (open when the Head grid sent the user here: `?inspect=1`)."""
 import streamlit as st
 
 from kvlens.figures.attention import (
@@ -9,6 +10,7 @@ from kvlens.figures.attention import (
 )
 from kvlens.levels import RecordLevel
 from kvlens.ui.charts import chart
+from kvlens.ui.inspector import token_view
 from kvlens.ui.page import browse_page, level_need, pick_head, pick_layer, pick_step
 from kvlens.ui.state import run_figure
 
@@ -28,3 +30,6 @@ with left:
           config={**cfg, "row": step})
 with right:
     chart(run_figure(run, "occupancy"), "attn_occ", name="occupancy", config={"run": str(run.path)})
+with st.expander(f"Token inspector: row {step}, layer {layer}, head {head}", icon=":material/search:",
+                 expanded=st.query_params.get("inspect") == "1"):
+    token_view(run, "attn_insp", step, layer, head)

@@ -2,7 +2,8 @@
 
 Each run is made by the real CLI (`kvlens generate`), so its `run.json` carries the exact
 command that produced it. Prompts are short excerpts of the bundled State of the Union texts and
-only a few layers are recorded (`--record-layers`) to keep the folder at a few MB.
+only a few layers are recorded (`--record-layers`) to keep the folder small; `adakv-heads` records all 30,
+so that the Head grid shows a whole model (Ada-KV gives each head its own share of the budget).
 
     .venv/bin/python scripts/make_cached_runs.py            # all runs
     .venv/bin/python scripts/make_cached_runs.py h2o-attention   # only some
@@ -40,6 +41,8 @@ RUNS: dict[str, list[str]] = {
     "tova-summary": ["--policy", "tova", "--budget", "32", "--prompt", SHORT, "--max-new-tokens", "40"],
     "cam-attention": ["--policy", "cam", "--budget", "48", "--set", "base=h2o", "--prompt", SHORT,
                       "--max-new-tokens", "40", "--record", "attention", "--record-layers", "0,15,29", "--measure"],
+    "adakv-heads": ["--policy", "adakv", "--budget", "48", "--set", "base.window=16", "--prompt", SHORT,
+                    "--max-new-tokens", "24", "--record", "attention"],  # every layer: the Head grid page's
     "kvmerger-attention": ["--policy", "kvmerger", "--prompt", SHORT, "--max-new-tokens", "24", "--record",
                            "attention", "--record-layers", "0,15,29", "--measure"],
 }

@@ -123,17 +123,34 @@ def attention_grid(run: Run, layer: int, head: int, max_cells: int = 512) -> Att
 def _pool(layer, head, weights, status, max_cells, prompt_len) -> AttentionGrid:
     br = math.ceil(weights.shape[0] / max_cells)
     bc = math.ceil(weights.shape[1] / max_cells)
-    if br > 1 or bc > 1:
-        pr, pc = (-weights.shape[0]) % br, (-weights.shape[1]) % bc
-        w = torch.nn.functional.pad(weights, (0, pc, 0, pr), value=float("nan"))
-        s = torch.nn.functional.pad(status, (0, pc, 0, pr), value=FUTURE)
-        r, c = w.shape[0] // br, w.shape[1] // bc
-        w = w.view(r, br, c, bc).permute(0, 2, 1, 3).reshape(r, c, br * bc)
-        weights = w.nansum(-1) / (~w.isnan()).sum(-1)  # NaN where the block holds no cached cell
-        status = s.view(r, br, c, bc).permute(0, 2, 1, 3).reshape(r, c, -1).amax(-1)
+    weights, status = pool_blocks(weights, status, br, bc)
     rows = list(range(0, br * weights.shape[0], br))
     cols = list(range(0, bc * weights.shape[1], bc))
     return AttentionGrid(layer, head, weights, status, rows, cols, (br, bc), prompt_len)
+
+
+def pool_blocks(weights: torch.Tensor, status: torch.Tensor, br: int, bc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weights` and `status` `(R, P)` pooled in blocks of `br` x `bc` cells: the mean attention over the block's
+    cached cells (NaN where none is cached) and the highest status code."""
+    if br == 1 and bc == 1:
+        return weights, status
+    pr, pc = (-weights.shape[0]) % br, (-weights.shape[1]) % bc
+    w = torch.nn.functional.pad(weights, (0, pc, 0, pr), value=float("nan"))
+    s = torch.nn.functional.pad(status, (0, pc, 0, pr), value=FUTURE)
+    r, c = w.shape[0] // br, w.shape[1] // bc
+    w = w.view(r, br, c, bc).permute(0, 2, 1, 3).reshape(r, c, br * bc)
+    pooled = w.nansum(-1) / (~w.isnan()).sum(-1)  # NaN where the block holds no cached cell
+    return pooled, s.view(r, br, c, bc).permute(0, 2, 1, 3).reshape(r, c, -1).amax(-1)
+
+
+def status_scale(colors: dict[int, str] | None = None) -> list:
+    """A plotly colour scale mapping each status code (`zmin=-0.5`, `zmax=len(STATUS) - 0.5`) to its colour
+    (`colors` overrides some)."""
+    scale = []
+    for i, code in enumerate(sorted(STATUS)):
+        color = (colors or {}).get(code, STATUS[code][1])
+        scale += [[i / len(STATUS), color], [(i + 1) / len(STATUS), color]]
+    return scale
 
 
 def attention_map_figure(run: Run, grid: AttentionGrid, step: int | None = None, max_dots: int = 20000) -> go.Figure:
@@ -142,10 +159,7 @@ def attention_map_figure(run: Run, grid: AttentionGrid, step: int | None = None,
     above their column; `step` draws a guide line."""
     fig = go.Figure()
     codes = sorted(STATUS)
-    scale = []
-    for i, code in enumerate(codes):  # a discrete colour scale over the codes
-        lo, hi = i / len(codes), (i + 1) / len(codes)
-        scale += [[lo, STATUS[code][1]], [hi, STATUS[code][1]]]
+    scale = status_scale()
     names = [[STATUS[int(c)][0] for c in row] for row in grid.status.tolist()]
     fig.add_trace(go.Heatmap(z=grid.status.tolist(), x=grid.cols, y=grid.rows, zmin=-0.5, zmax=len(codes) - 0.5,
                              colorscale=scale, showscale=False, customdata=names, name="status",

@@ -33,15 +33,17 @@ def _slug(text: str) -> str:
 
 
 def chart(fig: go.Figure, key: str, *, name: str, config: dict, data: pd.DataFrame | None = None,
-          height: int | None = None) -> None:
+          height: int | None = None, clicked: bool = False) -> dict | None:
     """Show `fig` with its export row. `config` is what reproduces it (run, layer, head, ...);
-    `data` the figure's numbers as a table (default: the traces' x/y/z)."""
+    `data` the figure's numbers as a table (default: the traces' x/y/z). With `clicked`, returns the first
+    clicked point (plotly's point dict: `customdata`, `x`, `y`, ...) or None."""
     if not fig.layout.template or not fig.layout.template.layout.font.family:  # the app's own figures
         fig.update_layout(template="kvlens")
     if height:
         fig.update_layout(height=height)
-    st.plotly_chart(fig, key=f"{key}_chart", theme=None if paper_mode() else "streamlit",
-                    config={"displaylogo": False, "toImageButtonOptions": {"filename": _slug(name)}})
+    event = st.plotly_chart(fig, key=f"{key}_chart", theme=None if paper_mode() else "streamlit",
+                            config={"displaylogo": False, "toImageButtonOptions": {"filename": _slug(name)}},
+                            **({"on_select": "rerun", "selection_mode": "points"} if clicked else {}))
     stem = _slug(name)
     full_config = {**export.figure_config(fig), **config}
     with st.popover("Export", icon=":material/download:", help="PNG, SVG, PDF (paper style), CSV data, JSON config"):
@@ -54,6 +56,8 @@ def chart(fig: go.Figure, key: str, *, name: str, config: dict, data: pd.DataFra
         st.download_button("JSON config", data=lambda: json.dumps(full_config, indent=1, default=str),
                            file_name=f"{stem}.json", mime=MIME["json"], key=f"{key}_json", on_click="ignore",
                            width="stretch", help="The settings that reproduce this figure")
+    points = event.selection.points if clicked and event else []
+    return points[0] if points else None
 
 
 def _image(fig: go.Figure, fmt: str) -> bytes:

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from kvlens.figures.attention import HOLDS_MERGE, KEPT, SINK, STATUS, recorded_attention_layers
+from kvlens.figures.attention import HOLDS_MERGE, KEPT, SINK, STATUS, recorded_attention_layers, status_scale
 from kvlens.figures.inspect_token import TokenRow, has_rows, inspect_token, token_strings
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
@@ -81,6 +81,12 @@ def token_inspector(run: Run, key: str) -> None:
     c1, c2, _ = st.columns([1, 1, 3])
     layer = pick_layer(recorded_attention_layers(run), f"{key}_layer", c1)
     head = pick_head(run, f"{key}_head", c2)
+    token_view(run, key, step, layer, head)
+
+
+def token_view(run: Run, key: str, step: int, layer: int, head: int) -> None:
+    """Token `step`'s context, a sentence on its query, its attention row in `layer` and `head`, and what the
+    merged slots hold (the inspector without its pickers: the Attention page passes its own)."""
     row = inspect_token(run, step, layer, head)
     st.markdown(_context(row), unsafe_allow_html=True)
     st.markdown(summary(row))
@@ -172,10 +178,7 @@ def token_row_figure(row: TokenRow, policy: str, height: int = 460) -> go.Figure
                                  name=name, marker=dict(color=color), hovertext=[hover[i] for i in idx],
                                  hoverinfo="text"), row=1, col=1)
     codes = sorted(STATUS)
-    scale = []
-    for i, code in enumerate(codes):  # the strip's colours: the bars' where there are bars
-        color = BAR_COLORS.get(STATUS[code][0], STATUS[code][1])
-        scale += [[i / len(codes), color], [(i + 1) / len(codes), color]]
+    scale = status_scale({CODES[name]: color for name, color in BAR_COLORS.items()})  # the bars' colours
     fig.add_trace(go.Heatmap(z=[[CODES[s] for s in row.status]], x=row.positions, y=["status"], zmin=-0.5,
                              zmax=len(codes) - 0.5, colorscale=scale, showscale=False, hovertext=[hover],
                              hoverinfo="text", name="status"), row=2, col=1)

@@ -135,3 +135,17 @@ def run_figure(run: Run, kind: str, **params):
     per run and parameters."""
     manifest = Path(run.path) / RUN_JSON
     return _figure(kind, str(run.path), manifest.stat().st_mtime, tuple(sorted(params.items())))
+
+
+@st.cache_resource(max_entries=4, show_spinner="Reading every layer's attention rows…")
+def _head_grid(path: str, mtime: float):
+    from kvlens.figures.head_grid import head_grid
+
+    return head_grid(_open_run(path, mtime))
+
+
+def run_head_grid(run: Run):
+    """`kvlens.figures.head_grid.head_grid(run)`, computed once per run and shared read-only (scrubbing the step
+    then only slices it)."""
+    manifest = Path(run.path) / RUN_JSON
+    return _head_grid(str(run.path), manifest.stat().st_mtime)

@@ -1,0 +1,183 @@
+"""Every recorded layer and head of a run at one step (the app's Head grid; bertviz's model view as small multiples).
+
+`head_grid(run)` stacks `kvlens.figures.attention.layer_cache` of every recorded layer once: `weights`
+`(L, R, Hq, P)` and `status` `(L, R, Hkv, P)`. At a step (row r: the cache row r attended to, see
+`attention_grid`) `rows_figure` draws each head's attention row as one strip, layers down and heads across,
+on the status colours (evicted grey, merged away orange, ...), and `summary_figure` one number per head
+(`METRICS`: the share of seen positions it keeps, the attention its merged slots receive, the entropy of its
+row, and on a measured run the attention mass lost and the output perturbation). Both carry one invisible
+marker per head whose `customdata` is `[layer, head]`: the app opens the clicked head on the Attention page.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+import torch
+
+from kvlens.errors import KvlensError
+from kvlens.figures.attention import (
+    EVICTED,
+    FUTURE,
+    HOLDS_MERGE,
+    MERGED_AWAY,
+    SINK,
+    STATUS,
+    layer_cache,
+    pool_blocks,
+    recorded_attention_layers,
+    status_scale,
+)
+from kvlens.runs.run import Run
+
+METRICS = {  # name: (description, measured run only)
+    "kept share": ("share of the positions seen so far that the head's cache holds", False),
+    "attention on merged slots": ("share of the head's attention that went to slots holding merged values", False),
+    "attention entropy": ("entropy of the head's attention row over its cache, / log(cached slots)", False),
+    "attention mass lost": ("1 - the full cache's attention on the positions kept (--measure)", True),
+    "output perturbation": ("||O_used - O_full|| / ||O_full|| of the head's output (--measure)", True),
+}
+MAX_STRIP = 160  # positions per strip before pooling
+
+
+@dataclass(frozen=True)
+class HeadGrid:
+    """`weights` `(L, R, Hq, P)` (NaN where not cached), `status` `(L, R, Hkv, P)` of the recorded `layers`;
+    `measured` `{metric: (R - 1, L, Hq)}` for the measured metrics (row k = attention row k + 1)."""
+
+    layers: list[int]
+    weights: torch.Tensor
+    status: torch.Tensor
+    prompt_len: int
+    policy: str
+    measured: dict[str, torch.Tensor]
+
+    @property
+    def steps(self) -> int:
+        return self.weights.shape[1]
+
+    @property
+    def heads(self) -> int:
+        return self.weights.shape[2]
+
+    def head_status(self, step: int) -> torch.Tensor:
+        """`(L, Hq, P)` status codes of every query head (its KV head's) at `step`."""
+        group = self.heads // self.status.shape[2]
+        return self.status[:, step].repeat_interleave(group, dim=1)
+
+    def metrics(self, step: int) -> dict[str, torch.Tensor]:
+        """`{metric: (L, Hq)}` at `step`; the measured ones NaN at step 0 (no decode step measured yet)."""
+        self.check(step)
+        w, st = self.weights[:, step], self.head_status(step)
+        seen = (st != FUTURE).sum(-1)
+        cached = ~w.isnan()
+        p = w.nan_to_num(0.0)
+        entropy = -(p * p.clamp(min=1e-30).log()).sum(-1) / cached.sum(-1).clamp(min=2).log()
+        out = {"kept share": cached.sum(-1) / seen, "attention on merged slots": (p * (st == HOLDS_MERGE)).sum(-1),
+               "attention entropy": entropy}
+        for name, rows in self.measured.items():
+            out[name] = rows[step - 1] if step >= 1 else torch.full_like(entropy, float("nan"))
+        return out
+
+    def check(self, step: int) -> None:
+        if not 0 <= step < self.steps:
+            raise KvlensError(f"Step {step} is out of range: this run recorded steps 0 to {self.steps - 1}.")
+
+
+def head_grid(run: Run) -> HeadGrid:
+    """Every recorded layer's `layer_cache`, stacked (see module docstring)."""
+    layers = recorded_attention_layers(run)
+    caches = [layer_cache(run, layer) for layer in layers]
+    measured = {}
+    for name, tensor in (("attention mass lost", "perturbation/attention_loss"),
+                         ("output perturbation", "perturbation/used")):
+        if run.has(tensor):
+            measured[name] = run.tensor(tensor).float()[:, layers]
+    return HeadGrid(layers, torch.stack([w for w, _ in caches]), torch.stack([s for _, s in caches]),
+                    len(run.meta["prompt_tokens"]), run.meta["policy"]["name"], measured)
+
+
+def _targets(fig: go.Figure, x: list[float], y: list[float], layers: list[int], heads: list[int],
+             text: list[str]) -> None:
+    """The invisible click targets: one marker per head, `customdata` `[layer, head]`, hover `text`."""
+    fig.add_trace(go.Scatter(x=x, y=y, mode="markers", name="heads", showlegend=False, text=text,
+                             customdata=[[la, h] for la, h in zip(layers, heads, strict=True)],
+                             hovertemplate="%{text}<extra></extra>",
+                             marker=dict(size=14, color="rgba(0,0,0,0)"),  # transparent, yet hovered and clicked
+                             selected=dict(marker=dict(color="rgba(0,0,0,0)")),
+                             unselected=dict(marker=dict(color="rgba(0,0,0,0)"))))
+    fig.update_layout(hovermode="closest", hoverdistance=-1)
+
+
+def _hover(grid: HeadGrid, values: dict[str, torch.Tensor], li: int, h: int) -> str:
+    parts = [f"<b>layer {grid.layers[li]}, head {h}</b>"]
+    parts += [f"{name}: {v[li, h]:.3f}" for name, v in values.items() if not math.isnan(float(v[li, h]))]
+    return "<br>".join(parts + ["click to open it on the Attention page"])
+
+
+def rows_figure(grid: HeadGrid, step: int, gap: int = 3) -> go.Figure:
+    """Each head's attention row at `step` as a strip (log10 attention on its status colours), layers down,
+    heads across; positions pooled to at most `MAX_STRIP` per strip."""
+    grid.check(step)
+    n_pos = grid.prompt_len + step  # the positions seen by row `step`'s query
+    block = math.ceil(n_pos / MAX_STRIP)
+    w = grid.weights[:, step, :, :n_pos].reshape(-1, n_pos)  # (L * Hq, P)
+    st = grid.head_status(step)[..., :n_pos].reshape(-1, n_pos)
+    w, st = pool_blocks(w, st, 1, block)
+    n_layers, width = len(grid.layers), w.shape[1]
+    pad = lambda t, v: torch.nn.functional.pad(t.view(n_layers, grid.heads, width), (0, gap), value=v)  # noqa: E731
+    w_img = pad(w, float("nan")).reshape(n_layers, -1)[:, :-gap]
+    st_img = pad(st.float(), float("nan")).reshape(n_layers, -1)[:, :-gap]
+    y = [f"L{la}" for la in grid.layers]
+    fig = go.Figure()
+    fig.add_trace(go.Heatmap(z=st_img.numpy(), y=y, zmin=-0.5, zmax=len(STATUS) - 0.5, colorscale=status_scale(),
+                             showscale=False, hoverinfo="skip", name="status"))
+    fig.add_trace(go.Heatmap(z=torch.log10(w_img.clamp(min=1e-6)).numpy(), y=y, zmin=-4, zmax=0,
+                             colorscale="Viridis", hoverinfo="skip", name="attention",
+                             colorbar=dict(title=dict(text="attention"), tickvals=[-4, -3, -2, -1, 0],
+                                           ticktext=["≤1e-4", "1e-3", "0.01", "0.1", "1"], thickness=12)))
+    for code in (EVICTED, MERGED_AWAY, SINK):
+        if bool((st == code).any()):
+            fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=STATUS[code][0],
+                                     marker=dict(symbol="square", size=12, color=STATUS[code][1],
+                                                 line=dict(color="#555", width=1))))
+    values = grid.metrics(step)
+    centers = [h * (width + gap) + (width - 1) / 2 for h in range(grid.heads)]
+    cells = [(li, h) for li in range(n_layers) for h in range(grid.heads)]
+    _targets(fig, [centers[h] for _, h in cells], [y[li] for li, _ in cells], [grid.layers[li] for li, _ in cells],
+             [h for _, h in cells], [_hover(grid, values, li, h) for li, h in cells])
+    fig.update_xaxes(tickvals=centers, ticktext=[f"head {h}" for h in range(grid.heads)], side="top", showgrid=False,
+                     zeroline=False, range=[-0.5, grid.heads * (width + gap) - gap - 0.5])
+    fig.update_yaxes(autorange="reversed", showgrid=False, title_text="layer")
+    pooled = f", positions in blocks of {block}" if block > 1 else ""
+    fig.update_layout(title=dict(text=f"Attention of every head at step {step} under {grid.policy} "
+                                      f"(a strip = one head's row over positions 0-{n_pos - 1}{pooled})"),
+                      height=max(320, 90 + 24 * n_layers), legend=dict(orientation="h", y=-0.02, yanchor="top"),
+                      margin=dict(t=110), meta={"analysis": "head-grid", "params": {"step": step, "view": "rows"}})
+    return fig
+
+
+def summary_figure(grid: HeadGrid, step: int, metric: str = "kept share") -> go.Figure:
+    """One `metric` (`METRICS`) per layer (rows) and head (columns) at `step`, as a heatmap."""
+    if metric not in METRICS:
+        raise KvlensError(f"Unknown head metric '{metric}'; choose from: {', '.join(METRICS)}.")
+    values = grid.metrics(step)
+    if metric not in values:
+        raise KvlensError(f"'{metric}' needs a measured run (record it with --measure).")
+    z = values[metric]
+    y = [f"L{la}" for la in grid.layers]
+    fig = go.Figure(go.Heatmap(z=z.tolist(), x=list(range(grid.heads)), y=y, colorscale="Viridis",
+                               zmin=0, zmax=1 if metric != "output perturbation" else None, hoverinfo="skip",
+                               text=[[f"{v:.2f}" for v in row] for row in z.tolist()],
+                               texttemplate="%{text}" if z.numel() <= 400 else None, textfont=dict(size=10),
+                               colorbar=dict(title=dict(text=metric), thickness=12)))
+    cells = [(li, h) for li in range(len(grid.layers)) for h in range(grid.heads)]
+    _targets(fig, [h for _, h in cells], [y[li] for li, _ in cells], [grid.layers[li] for li, _ in cells],
+             [h for _, h in cells], [_hover(grid, values, li, h) for li, h in cells])
+    fig.update_xaxes(title_text="query head", side="top", dtick=1, showgrid=False)
+    fig.update_yaxes(autorange="reversed", showgrid=False, title_text="layer")
+    fig.update_layout(title=dict(text=f"{metric.capitalize()} of every head at step {step} under {grid.policy}"),
+                      height=max(320, 110 + 24 * len(grid.layers)), margin=dict(t=110),
+                      meta={"analysis": "head-grid", "params": {"step": step, "view": "summary", "metric": metric}})
+    return fig

@@ -1,0 +1,80 @@
+"""The Head grid in a real browser: scrub the step, click a head, land on the Attention page with the inspector open.
+
+One fresh `streamlit run app.py` for the module, on the shipped run that records all 30 layers (`adakv-heads`).
+The step change's redraw time is measured and printed (never asserted: these machines are noisy).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+
+from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, refuse_external, streamlit_server, wait_idle
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.usefixtures("offline")]
+RUN = "adakv-heads"
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory, external_requests):
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium package (make test does so when run as root)")
+    from playwright.sync_api import sync_playwright
+
+    env = {**os.environ, "KVLENS_RUNS": str(tmp_path_factory.mktemp("runs"))}
+    with streamlit_server(env=env) as url, sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        context = chromium.new_context(viewport={"width": 1500, "height": 1100})
+        refuse_external(context, external_requests)  # any request off 127.0.0.1 fails the test (`offline`)
+        page = context.new_page()
+        page.goto(f"{url}/heads?run={RUN}")
+        wait_idle(page, "Head grid")
+        yield page
+        chromium.close()
+
+
+def _title(page) -> str:
+    return page.locator("[data-testid='stMain'] .js-plotly-plot .gtitle").first.text_content()
+
+
+def _click_head(page, layer: int, head: int) -> None:
+    """Click the middle of `layer`'s strip of `head`, where plotly's own axes put it."""
+    plot = page.locator("[data-testid='stMain'] .js-plotly-plot").first
+    x, y = plot.evaluate(
+        """(g, [layer, head]) => {
+             const t = g._fullData.find(d => d.name === 'heads');
+             const i = t.customdata.findIndex(c => c[0] === layer && c[1] === head);
+             const L = g._fullLayout, r = g.getBoundingClientRect();
+             return [r.left + L._size.l + L.xaxis.d2p(t.x[i]), r.top + L._size.t + L.yaxis.d2p(t.y[i])];
+           }""", [layer, head])
+    page.mouse.move(x, y)
+    page.mouse.click(x, y)
+
+
+def test_scrubbing_the_step_redraws_every_head_and_a_click_opens_it_with_the_inspector(page):
+    last = 23  # the run's 24 tokens: steps 0-23
+    assert f"at step {last} " in _title(page)
+    strips = page.evaluate("() => document.querySelector('[data-testid=stMain] .js-plotly-plot')._fullData"
+                           ".find(d => d.name === 'heads').customdata.length")
+    assert strips == 30 * 9  # every layer and head of the model
+    slider = page.get_by_role("slider").first
+    times = []
+    for step in (last - 1, last - 2, last - 3):
+        slider.focus()
+        start = time.perf_counter()
+        page.keyboard.press("ArrowLeft")
+        page.locator("[data-testid='stMain'] .gtitle", has_text=f"at step {step} ").wait_for(timeout=60_000)
+        times.append(time.perf_counter() - start)
+    print(f"\nHead grid: a step change redrew 30 layers x 9 heads in {statistics.median(times):.2f} s "
+          f"(median of {[round(t, 2) for t in times]})")
+    assert "step=20" in page.url
+    _click_head(page, 15, 4)
+    wait_idle(page, "Attention")
+    page.get_by_text("Token inspector: row 20, layer 15, head 4").wait_for(timeout=60_000)
+    assert all(p in page.url for p in (f"run={RUN}", "layer=15", "head=4", "step=20", "inspect=1"))
+    inspector = page.locator("[data-testid='stExpander']", has_text="Token inspector")
+    inspector.locator(".gtitle", has_text="layer 15, head 4").wait_for(timeout=60_000)  # open: its chart drew
+    assert inspector.get_by_text("came from the query of").is_visible()
