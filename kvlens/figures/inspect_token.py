@@ -92,11 +92,6 @@ def inspect_token(run: Run, step: int, layer: int, head: int) -> TokenRow:
     kv_head = head // (run.shape["heads"] // run.shape["kv_heads"])
     seen = [i for i, code in enumerate(grid.status[step].tolist()) if code != FUTURE]
     prov = slot_provenance(run, layer, kv_head, step)
-    merged_into: dict[int, list[int]] = {}
-    for slot, sources in prov.items():
-        for source in sources:
-            if source != slot:
-                merged_into.setdefault(source, []).append(slot)
     return TokenRow(step=step, layer=layer, head=head, kv_head=kv_head,
                     token=strings[step] if step < len(strings) else "",
                     query=context[query_position] if query_position < len(context) else "",
@@ -104,7 +99,7 @@ def inspect_token(run: Run, step: int, layer: int, head: int) -> TokenRow:
                     texts=[context[i] if i < len(context) else "" for i in seen],
                     weights=[float(grid.weights[step, i]) for i in seen],
                     status=[STATUS[int(grid.status[step, i])][0] for i in seen],
-                    provenance=prov, merged_into={p: sorted(s) for p, s in sorted(merged_into.items())})
+                    provenance=prov, merged_into=merged_into(prov))
 
 
 def slot_provenance(run: Run, layer: int, kv_head: int, step: int) -> dict[int, dict[int, float]]:
@@ -118,3 +113,13 @@ def slot_provenance(run: Run, layer: int, kv_head: int, step: int) -> dict[int, 
     slots = provenance.replay(d, rule).get((layer, kv_head), {})
     out = {slot: {p: w for p, w in sorted(src.items()) if w > 0} for slot, src in sorted(slots.items())}
     return {slot: src for slot, src in out.items() if set(src) != {slot}}
+
+
+def merged_into(provenance: dict[int, dict[int, float]]) -> dict[int, list[int]]:
+    """{position: the slots holding its merged values} of a `slot_provenance` (a slot's own position left out)."""
+    into: dict[int, list[int]] = {}
+    for slot, sources in provenance.items():
+        for source in sources:
+            if source != slot:
+                into.setdefault(source, []).append(slot)
+    return {p: sorted(slots) for p, slots in sorted(into.items())}
