@@ -9,7 +9,7 @@ from kvlens.ui import session, url_state
 from kvlens.ui.inspector import token_inspector
 from kvlens.ui.jobs import PageJob
 from kvlens.ui.live import Live, RunSettings, parse_layers
-from kvlens.ui.page import page_top
+from kvlens.ui.page import page_top, report_button
 from kvlens.ui.state import list_runs, open_run, user_runs_dir
 from kvlens.ui.widgets import policy_picker, storage_picker
 
@@ -79,9 +79,12 @@ with right:
     live_text = st.empty()
     if not go_clicked:
         status.info("Set up a run on the left and press **Run**. Plots appear here while it runs.")
-        if st.session_state.get("run_last"):  # the run this page saved last: inspect its tokens here
-            st.subheader("Token inspector of your last run")
-            token_inspector(open_run(st.session_state.run_last), "run_insp")
+        if st.session_state.get("run_last"):  # the run this page saved last: its report, and its tokens inspected
+            last = open_run(st.session_state.run_last)
+            head, report = st.columns([4, 1], vertical_alignment="bottom")
+            head.subheader("Token inspector of your last run")
+            report_button([last], "run_report", report)
+            token_inspector(last, "run_insp")
 
 if go_clicked and picked is not None and storage is not None:
     policy, params, budget = picked

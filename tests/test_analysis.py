@@ -488,6 +488,7 @@ def test_readme_analysis_example_is_listed_analyzed_drawn_and_reaches_run_figure
         print(kvlens.load_run({run!r}).figure("key-norms").layout.meta["analysis"])
         from streamlit.testing.v1 import AppTest
         at = AppTest.from_file("app.py", default_timeout=120).run()
+        at.query_params.clear()  # a page link leaves the last page's ?layer= behind; AppTest's switch_page keeps it
         at.switch_page("pages/analyses.py").run()
         at.sidebar.selectbox(key="app_run").set_value({run!r}).run()
         at.selectbox(key="an_kind").set_value("key-norms").run()

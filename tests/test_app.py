@@ -32,7 +32,9 @@ def app(tmp_path, monkeypatch):
 
 
 def open_page(at: AppTest, page: str, run: str | None = None) -> AppTest:
-    """Switch to `pages/{page}.py`, then pick `run` in the sidebar (which the page draws itself under AppTest)."""
+    """Switch to `pages/{page}.py` as a page link does (leaving the last page's query parameters behind, which
+    AppTest's `switch_page` keeps), then pick `run` in the sidebar (which the page draws itself under AppTest)."""
+    at.query_params.clear()
     at.switch_page(f"pages/{page}.py")
     at.run()
     if run is not None:
@@ -501,6 +503,8 @@ def test_compare_page_shows_the_table_kvlens_compare_computes(app, smol):
     assert at.selectbox(key="cmp_pair_a").value == "streaming_llm @0.5" and at.selectbox(key="cmp_pair_b").value == \
         "h2o @0.5"
     assert len(drawn) >= 3, "the inspector draws one row per policy"
+    report = next(b for b in at.get("download_button") if b.label == "Report")  # the measured passes' report
+    assert report.proto.url or report.proto.deferred_file_id is not None
 
 
 
@@ -622,18 +626,26 @@ def test_compare_page_passes_each_policys_kv_storage(app):
     assert results[0].run.metrics["perturbation_used"] < 1e-5 < results[1].run.metrics["perturbation_used"]
 
 
-def linked(app: AppTest, page: str, **params) -> AppTest:
-    """`pages/{page}.py` opened by a link with the query parameters `params` (`?layer=...`), on the default run
-    cam-attention (AppTest draws a switched-to page's sidebar anew, so the link's run would not stay picked)."""
-    app.query_params.update(params)
-    app.switch_page(f"pages/{page}.py").run()
-    assert app.sidebar.selectbox(key="app_run").value == str(CACHED / "cam-attention")
-    assert not app.exception and not app.warning, [e.value for e in [*app.exception, *app.warning]]
-    return app
+@pytest.fixture
+def link(tmp_path, monkeypatch):
+    """`link(page, **params)`: a new session opening `pages/{page}.py` by a link with the query parameters `params`
+    (`?run=h2o-attention&layer=15`), the user's runs and results in empty temporary folders."""
+    monkeypatch.setenv("KVLENS_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("KVLENS_RESULTS", str(tmp_path / "results"))
+
+    def open_link(page: str, **params) -> AppTest:
+        at = AppTest.from_file(str(ROOT / "pages" / f"{page}.py"), default_timeout=TIMEOUT)
+        at.query_params.update(params)
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+        return at
+
+    return open_link
 
 
-def test_a_link_sets_the_attention_pages_layer_head_and_row_and_a_change_goes_back_into_it(app):
-    at = linked(app, "attention", layer="29", head="4", step="3")
+def test_a_link_sets_the_attention_pages_layer_head_and_row_and_a_change_goes_back_into_it(link):
+    at = link("attention", run="cam-attention", layer="29", head="4", step="3")
+    assert not at.warning, [w.value for w in at.warning]
     assert (at.selectbox(key="attn_layer").value, at.selectbox(key="attn_head").value,
             at.slider(key="attn_step").value) == (29, 4, 3)
     assert charts(at)[0]["layout"]["title"]["text"].startswith("Attention of layer 29, head 4 ")
@@ -643,8 +655,9 @@ def test_a_link_sets_the_attention_pages_layer_head_and_row_and_a_change_goes_ba
     assert (at.query_params["layer"], at.query_params["head"], at.query_params["step"]) == ("29", "2", "7")
 
 
-def test_similarity_keeps_its_layer_kv_head_and_token_in_the_link(app):
-    at = linked(app, "similarity", layer="29", head="2", token="40")
+def test_similarity_keeps_its_layer_kv_head_and_token_in_the_link(link):
+    at = link("similarity", run="cam-attention", layer="29", head="2", token="40")
+    assert not at.warning, [w.value for w in at.warning]
     assert (at.selectbox(key="sim_layer").value, at.selectbox(key="sim_head").value,
             at.slider(key="sim_token").value) == (29, 2, 40)
     assert charts(at)[0]["layout"]["title"]["text"] == "layer 29, query head 6"  # KV head 2's first query head
@@ -652,8 +665,113 @@ def test_similarity_keeps_its_layer_kv_head_and_token_in_the_link(app):
     assert (at.query_params["layer"], at.query_params["head"], at.query_params["token"]) == ("0", "2", "40")
 
 
-def test_merges_keeps_its_layer_and_kv_head_in_the_link(app):
-    at = linked(app, "merges", layer="29", head="1")
+def test_merges_keeps_its_layer_and_kv_head_in_the_link(link):
+    at = link("merges", run="cam-attention", layer="29", head="1")
+    assert not at.warning, [w.value for w in at.warning]
     assert (at.selectbox(key="merge_layer").value, at.selectbox(key="merge_head").value) == (29, 1)
     at.selectbox(key="merge_head").set_value(2).run()
     assert (at.query_params["layer"], at.query_params["head"]) == ("29", "2")
+
+
+
+def test_a_link_opens_the_analyses_page_on_its_analysis_and_parameters_which_changes_write_back(link):
+    at = link("analyses", run="h2o-attention", analysis="embedding", layer="15", head="0")
+    assert not at.warning, [w.value for w in at.warning]
+    assert at.sidebar.selectbox(key="app_run").value == str(CACHED / "h2o-attention")
+    assert at.selectbox(key="an_kind").value == "embedding"  # not the first analysis, the default
+    assert (at.number_input(key="an_embedding_layer").value, at.number_input(key="an_embedding_head").value) == (15, 0)
+    want = load_run(CACHED / "h2o-attention").figure("embedding", layer=15, head=0)
+    assert charts(at)[0]["data"] == json.loads(want.to_json())["data"]
+    at.selectbox(key="an_embedding_method").set_value("tsne").run()
+    at.number_input(key="an_embedding_head").set_value(2).run()
+    assert not at.exception and charts(at)[0]["layout"]["meta"]["params"]["method"] == "tsne"
+    assert dict(at.query_params) == {"run": "h2o-attention", "analysis": "embedding", "layer": "15", "head": "2",
+                                     "method": "tsne"}  # the empty query_head and step fields: not in it
+    # another analysis: the URL loses embedding's parameters, and gaussian's own layer and head take none of them
+    at.selectbox(key="an_kind").set_value("gaussian").run()
+    assert not at.exception and not at.warning
+    assert at.number_input(key="an_gaussian_layer").value is None and at.number_input(key="an_gaussian_head").value == 0
+    assert dict(at.query_params) == {"run": "h2o-attention", "analysis": "gaussian", "head": "0", "threshold": "0.75",
+                                     "rule": "mean_distance,eq7", "sigma": ""}
+    at.text_input(key="an_gaussian_sigma").set_value("2,4").run()
+    assert at.query_params["sigma"] == "2,4"
+    at.selectbox(key="an_kind").set_value("spectrum").run()
+    assert dict(at.query_params) == {"run": "h2o-attention", "analysis": "spectrum", "components": "64"}
+
+
+def test_a_bad_analysis_parameter_in_a_link_is_ignored_with_one_sentence(link):
+    at = link("analyses", run="h2o-attention", analysis="embedding", layer="x", head="-1", method="umap")
+    assert [w.value for w in at.warning] == [
+        "The link's layer was ignored: layer of embedding must be an integer; got 'x'.",
+        "The link's head was ignored: head of embedding must be at least 0; got -1.",
+        "The link's method 'umap' is not one of pca, tsne; it was ignored."]
+    assert (at.number_input(key="an_embedding_layer").value, at.number_input(key="an_embedding_head").value,
+            at.selectbox(key="an_embedding_method").value) == (None, 0, "pca")
+    assert charts(at) and dict(at.query_params) == {"run": "h2o-attention", "analysis": "embedding", "head": "0",
+                                                    "method": "pca"}
+    at = link("analyses", run="h2o-attention", analysis="embeddings")
+    assert len(at.warning) == 1 and at.warning[0].value.startswith("The link's analysis 'embeddings' is not one of ")
+    assert at.selectbox(key="an_kind").value == at.selectbox(key="an_kind").options[0].split(" (")[0]
+
+
+def test_a_link_sets_the_merges_similarity_threshold_and_a_bad_one_is_one_sentence(link):
+    at = link("merges", run="cam-attention", threshold="0.6")
+    assert not at.warning and at.slider(key="merge_thr").value == pytest.approx(0.6)
+    gaussian = next(c for c in charts(at) if c["layout"]["meta"].get("analysis") == "gaussian")
+    assert gaussian["layout"]["meta"]["params"]["threshold"] == pytest.approx(0.6)
+    at.slider(key="merge_thr").set_value(0.85).run()
+    assert at.query_params["threshold"] == "0.85"
+    at = link("merges", run="cam-attention", threshold="0.62")
+    assert [w.value for w in at.warning] == ["The link's similarity threshold '0.62' is not one of 0.3, 0.35, 0.4, "
+                                             "0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, …; it was ignored."]
+    assert at.slider(key="merge_thr").value == 0.75 and at.query_params["threshold"] == "0.75"
+
+
+def test_the_runs_filter_and_policies_and_the_similarity_states_are_in_the_link(link):
+    at = link("runs", filter="attention", policies="h2o,cam")
+    assert not at.warning and at.text_input(key="runs_filter").value == "attention"
+    assert at.multiselect(key="runs_policies").value == ["h2o", "cam"]
+    assert set(at.dataframe[0].value["name"]) == {"h2o-attention", "cam-attention"}
+    at.multiselect(key="runs_policies").set_value(["tova"]).run()
+    at.text_input(key="runs_filter").set_value("").run()
+    assert (at.query_params["policies"], at.query_params["filter"]) == ("tova", "")
+    at = link("similarity", run="full-states", states="key,value")
+    assert not at.warning and at.multiselect(key="sim_kinds").value == ["key", "value"]
+    assert [c["layout"]["title"]["text"] for c in charts(at)[:2]] == ["layer 17, KV head 0"] * 2
+    at.multiselect(key="sim_kinds").set_value([]).run()
+    assert at.query_params["states"] == ""  # none picked, which the link keeps
+    at = link("similarity", run="full-states", states="key,keys")
+    assert [w.value for w in at.warning] == ["The link's choice of states was ignored: states must be comma-separated "
+                                             "values, each one of query, key, value; got 'keys'."]
+    assert at.multiselect(key="sim_kinds").value == ["query", "key", "value"]
+
+
+def test_the_perturbation_pages_saved_sweep_is_in_the_link(link, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [{"policy": "h2o", "budget": b, "budget_slots": b, "perturbation_used": 0.1, "perturbation_evict": 0.2}
+            for b in (32, 64)]
+    for name in ("sweep_old.json", "sweep_new.json"):
+        (results / name).write_text(json.dumps({"rows": rows}))
+    os.utime(results / "sweep_old.json", (1, 1))  # the newest, shown first, is sweep_new
+    at = link("perturbation", run="cam-attention", sweep="sweep_old.json")
+    assert not at.warning and at.selectbox(key="pert_sweep_file").value == results / "sweep_old.json"
+    assert "sweep_old.json" in charts(at)[-1]["layout"]["title"]["text"]
+    at.selectbox(key="pert_sweep_file").set_value(results / "sweep_new.json").run()
+    assert at.query_params["sweep"] == "sweep_new.json"
+
+
+def test_browse_pages_and_the_run_page_offer_the_report_built_only_when_clicked(app, monkeypatch):
+    """Beside the share link (the Run page: beside its last run's inspector), a Report download; rendering a page
+    never builds the report (Streamlit calls the button's data when it is clicked)."""
+    built = []
+    monkeypatch.setattr("kvlens.ui.page.report_html", lambda runs: built.append(runs) or "")
+    for page in ("overview", "attention", "perturbation"):
+        at = open_page(app, page, "h2o-attention")  # Perturbation stops on an unmeasured run: after the button
+        assert [b.label for b in at.get("download_button") if b.label == "Report"] == ["Report"], page
+    at = open_page(app, "run")
+    assert "Report" not in [b.label for b in at.get("download_button")]  # no run saved yet
+    at.session_state["run_last"] = str(CACHED / "cam-attention")
+    at.run()
+    assert not at.exception and "Report" in [b.label for b in at.get("download_button")]
+    assert not built

@@ -128,13 +128,20 @@ def _checked_source(analysis: Analysis, source):
     if analysis.inputs != "model" and (not runs or analysis.inputs == "run" and len(runs) > 1):
         raise KvlensError(f"The analysis '{analysis.name}' reads {'one run' if analysis.inputs == 'run' else 'runs'}.")
     for run in runs:
-        if analysis.measured and not run.has("perturbation/used"):
-            raise KvlensError(f"The analysis '{analysis.name}' needs a run made with --measure; "
-                              f"{run.path.name if run.path else 'this run'} was not measured.")
-        if not run_level(run).includes(analysis.level):
-            raise KvlensError(f"The analysis '{analysis.name}' needs a run recorded with --record {analysis.level}; "
-                              f"{run.path.name if run.path else 'this run'} was recorded at {run_level(run)}.")
+        if why := lacks(analysis, run):
+            raise KvlensError(why)
     return runs if analysis.inputs == "runs" else source
+
+
+def lacks(analysis: Analysis, run: Run) -> str | None:
+    """The sentence saying what `run` lacks for `analysis` (the tensors of --measure, a record level), or None."""
+    name = run.path.name if run.path else "this run"
+    if analysis.measured and not run.has("perturbation/used"):
+        return f"The analysis '{analysis.name}' needs a run made with --measure; {name} was not measured."
+    if not run_level(run).includes(analysis.level):
+        return (f"The analysis '{analysis.name}' needs a run recorded with --record {analysis.level}; "
+                f"{name} was recorded at {run_level(run)}.")
+    return None
 
 
 def analysis_json(name: str, source, **params) -> dict:

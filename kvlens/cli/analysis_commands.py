@@ -1,5 +1,6 @@
 """`kvlens analyze KIND` (numbers, or JSON with --json), `kvlens figure KIND --out FILE` (image + CSV + JSON)
-and `kvlens analyze --list`, all derived from the analysis registry (`kvlens.analysis.registry`).
+and `kvlens analyze --list`, all derived from the analysis registry (`kvlens.analysis.registry`), and
+`kvlens report --run DIR ... --out FILE.html` (`kvlens.analysis.report`: runs, their metrics and figures in one file).
 
 Each KIND is a subcommand with its own parameters (`kvlens analyze similarity --help`).
 """
@@ -30,6 +31,12 @@ def register(sub) -> None:
         for name, cls in known.items():
             _add_kind(kinds, name, cls, command)
         p.set_defaults(func=func)
+    helptext = "write one self-contained HTML report of runs: settings, command, metrics, figures, kept text"
+    p = sub.add_parser("report", help=helptext, description=helptext + "; it opens offline (plotly.js inlined).")
+    p.add_argument("--run", action="append", required=True, metavar="DIR",
+                   help="recorded run; repeat for several (compared side by side first)")
+    p.add_argument("--out", required=True, metavar="FILE.html", help="the report to write")
+    p.set_defaults(func=cmd_report)
 
 
 def _add_kind(kinds, name: str, cls, command: str) -> None:
@@ -158,4 +165,13 @@ def cmd_figure(args) -> int:
     fig = _call(args, analysis_figure)
     for path in export_figure(fig, args.out, args.scale, command_line()):
         print(path)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from kvlens.analysis.report import checked_out, write_report
+    from kvlens.runs.run import load_run
+
+    out = checked_out(args.out)  # before the runs are loaded: a bad --out fails at once
+    print(write_report([load_run(path) for path in args.run], out))
     return 0

@@ -1,7 +1,7 @@
 """Drive the app in a real browser: `streamlit run app.py` on a free 127.0.0.1 port and Debian's Chromium.
 
-Used by the browser test and `scripts/app_screenshots.py`. The app works offline: `refuse_external` aborts
-(and records) any request a page makes to another host, and the browser tests fail on one.
+Used by the browser tests and `scripts/app_screenshots.py`. The app and its reports work offline:
+`refuse_external` aborts (and records) any request a page makes to another host, and the browser tests fail on one.
 """
 from __future__ import annotations
 
@@ -52,12 +52,13 @@ def streamlit_server(env: dict | None = None):
         proc.wait(timeout=20)
 
 
-def refuse_external(target, seen: list[str]) -> None:
-    """Abort every request of `target` (a Playwright page or browser context) to a host other than 127.0.0.1
-    or localhost, appending its URL to `seen`: nothing the app shows may come from outside the machine."""
+def refuse_external(target, seen: list[str], hosts: tuple[str, ...] = LOCAL_HOSTS) -> None:
+    """Abort every request of `target` (a Playwright page or browser context) to a host not in `hosts` (the app's:
+    127.0.0.1 or localhost; none for a file opened from disk), appending its URL to `seen`: nothing the app or a
+    report shows may come from outside the machine. Reads of file:// URLs always pass."""
     def handle(route):
         url = route.request.url
-        if urlparse(url).hostname in LOCAL_HOSTS:
+        if urlparse(url).scheme == "file" or urlparse(url).hostname in hosts:
             route.continue_()
         else:
             seen.append(url)

@@ -12,6 +12,7 @@ from kvlens.experiments.compare import Result, ResultCache, table
 from kvlens.figures.plots import line_style
 from kvlens.ui.charts import chart
 from kvlens.ui.inspector import inspect_pair
+from kvlens.ui.page import report_button
 from kvlens.ui.views import diverging_text
 
 # `kvlens compare --json` row keys -> the page's column names and number formats
@@ -66,6 +67,7 @@ def show_own_text(r: Result, reference: Result) -> None:
 def show_results(results: list[Result]) -> None:
     """The texts side by side, the table and the aligned charts of a finished comparison."""
     reference = results[0].pieces
+    report_button([r.run for r in results], "cmp_report", st.columns([7, 1])[1])  # the measured passes' report
     if all(r.own is not None for r in results):
         st.subheader("What each one writes")
         st.caption("Each policy's own greedy text (`kvlens generate` with the same settings), orange from where it "

@@ -1,5 +1,6 @@
 """The scaffold of a browse page: `run = browse_page(title, caption, need)` draws the shell, the title,
-the run picked in the sidebar, its header and a link to the view, checks what the page needs of the run,
+the run picked in the sidebar, its header, a link to the view and a Report download (`report_button`: the
+`kvlens report` HTML file, built only when clicked), checks what the page needs of the run,
 and stops the page (`st.stop()`) when there is no run or the run lacks it, after saying why and offering
 runs that have it. `pick_layer`, `pick_head` and `pick_step` keep a page's layer, head and step in the URL
 (`?layer=`, `?head=`, `?step=`; the sidebar keeps `?run=`), so a copied link reopens the same view.
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import streamlit as st
 
 from kvlens.analysis.registry import get_analysis
+from kvlens.analysis.report import report_html
 from kvlens.errors import KvlensError
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
@@ -63,10 +65,22 @@ def browse_page(title: str, caption: str = "", need: Need | None = None) -> Run:
     if run is None:
         st.stop()
     run_header(run)
-    url_state.share_link()
+    link, report = st.columns([7, 1], vertical_alignment="center")
+    with link:
+        url_state.share_link()
+    report_button([run], "page_report", report)
     if need is not None and not meets(need, "req"):
         st.stop()
     return run
+
+
+def report_button(runs: list[Run], key: str, where=st) -> None:
+    """A download of the runs' report (what `kvlens report` writes), built only when the button is clicked."""
+    stem = "-".join(run.path.name if run.path else run.meta["policy"]["name"] for run in runs)[:80]
+    where.download_button("Report", data=lambda: report_html(runs), file_name=f"{stem}-report.html",
+                          mime="text/html", key=key, on_click="ignore", icon=":material/download:", width="stretch",
+                          help="One HTML file with the settings, command, metrics, figures and kept text; it opens "
+                               "offline (built when clicked, a few seconds)")
 
 
 def pick_layer(layers: list[int], key: str, where=st, default: int | None = None, param: str = "layer") -> int:
