@@ -16,7 +16,7 @@ from kvlens.ui.inspector import label
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.usefixtures("offline")]
 ROOT = Path(__file__).resolve().parent.parent
-RAW = {"app", "overview", "attention", "similarity", "spectra", "merges", "perturbation", "analyses", "run",
+RAW = {"app", "overview", "heads", "attention", "similarity", "spectra", "merges", "perturbation", "analyses", "run",
        "compare", "benchmarks"}  # Streamlit's own list of pages/: lower-case file names and `app`
 RECORD_LINKS = """
 window.__links = new Set();
@@ -133,8 +133,8 @@ def test_inspector_row_of_a_clicked_token_and_a_copied_link_reopens_it(browser):
 
 
 
-PAGES = {"": "kvlens", "runs": "Runs", "attention": "Attention", "similarity": "Similarity", "spectra": "Spectra",
-         "merges": "Merges", "perturbation": "Perturbation", "analyses": "Analyses", "run": "Run",
+PAGES = {"": "kvlens", "runs": "Runs", "heads": "Head grid", "attention": "Attention", "similarity": "Similarity",
+         "spectra": "Spectra", "merges": "Merges", "perturbation": "Perturbation", "analyses": "Analyses", "run": "Run",
          "compare": "Compare", "benchmarks": "Benchmarks"}  # URL path: title (app.py's NAVIGATION)
 
 

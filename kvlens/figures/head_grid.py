@@ -175,7 +175,8 @@ def summary_figure(grid: HeadGrid, step: int, metric: str = "kept share") -> go.
     cells = [(li, h) for li in range(len(grid.layers)) for h in range(grid.heads)]
     _targets(fig, [h for _, h in cells], [y[li] for li, _ in cells], [grid.layers[li] for li, _ in cells],
              [h for _, h in cells], [_hover(grid, values, li, h) for li, h in cells])
-    fig.update_xaxes(title_text="query head", side="top", dtick=1, showgrid=False)
+    fig.update_xaxes(side="top", tickvals=list(range(grid.heads)), ticktext=[f"head {h}" for h in range(grid.heads)],
+                     showgrid=False)
     fig.update_yaxes(autorange="reversed", showgrid=False, title_text="layer")
     fig.update_layout(title=dict(text=f"{metric.capitalize()} of every head at step {step} under {grid.policy}"),
                       height=max(320, 110 + 24 * len(grid.layers)), margin=dict(t=110),
