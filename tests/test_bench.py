@@ -211,3 +211,26 @@ def test_lockstep_advances_every_side_one_step_in_turn():
     assert list(res) == ["b", "a"]
     assert res["b"]["prefill_ms"] == 100.0 and res["b"]["ms_per_token"] == 4.0 and res["b"]["tokens"] == ["b"]
     assert res["a"]["prefill_ms"] == 200.0 and res["a"]["ms_per_token"] == 1.5
+
+
+def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, texts):
+    from kvlens.policies import policy_names
+
+    every = [n for n in policy_names() if n != "full"]
+    ticks = []
+    result = speed.bench_speed(tiny, parse_policies("full"), [32], text=texts["1946-Truman"], steps=3, budget=0.5,
+                               repeats=1, ratio_length=64, evict_lengths=[160], every=every,
+                               tick=lambda: ticks.append(1))
+    assert len(ticks) == speed.ticks(1, [32], 1, [160], every) == 1 + 6 + len(every) + 1  # + full in the lockstep
+    details = result["ratio_details"]["evict_half_vs_full_at_160"]
+    assert set(details["ms_per_token"]) == {"full", *every}
+    for kind, part in (("half", "decode"), ("prefill", "prefill")):
+        key = f"every_policy_{kind}_vs_full_at_160"
+        named = result["ratio_details"][key]
+        per = named["per_policy"]
+        assert set(per) == set(every) and named["worst"] == max(per, key=per.get)
+        assert result["ratios"][key] == per[named["worst"]]
+        full = details[f"{'ms_per_token' if kind == 'half' else 'prefill_ms'}"]
+        name = named["worst"]
+        assert per[name] == pytest.approx(full[name][0] / full["full"][0])  # one repeat: the ratio itself
+    assert "every_policy_half_vs_full_at_160" not in result["targets"]  # targets at 1024, 4096 and 8160 only

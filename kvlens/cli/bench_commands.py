@@ -99,6 +99,9 @@ def register(sub) -> None:
     p.add_argument("--ratio-length", type=int, default=1024, help="prompt length the ratios are measured at")
     p.add_argument("--evict-lengths", default="1024,4096,8192",
                    help="prompt lengths of the evict_half_vs_full ratios (capped at the context minus --steps)")
+    p.add_argument("--lockstep", default="all",
+                   help="policies measured against full in the evict lockstep for the every_policy_* ratios: 'all' "
+                        "(every registered policy), a comma-separated list, or 'none'")
     p.set_defaults(func=cmd_speed)
     _quick(p, policies="full;streaming_llm;h2o;cam", lengths="256,1024", steps=16, repeats=3, ratio_length=512,
            evict_lengths="1024,4096")
@@ -280,7 +283,8 @@ def cmd_speed(args) -> int:
         raise KvlensError("--budget must be in (0, 1], --repeats at least 1 and --steps at least 2.")
     model = load(args)
     text = bundled.read(bundled.ids()[0])  # the longest-running address (1946 Truman, ~40k tokens)
-    bar = _bar(speed.ticks(len(policies), lengths, args.repeats, evict_lengths), "bench speed")
+    every = _lockstep(args.lockstep)
+    bar = _bar(speed.ticks(len(policies), lengths, args.repeats, evict_lengths, every), "bench speed")
     rows_file = Path(args.out_dir) / f"bench_speed{suffix}.rows.jsonl"  # each row as soon as it is measured
     rows_file.parent.mkdir(parents=True, exist_ok=True)
     rows_file.write_text("", encoding="utf-8")
@@ -292,14 +296,31 @@ def cmd_speed(args) -> int:
     with bar:
         result = speed.bench_speed(model, policies, lengths, text=text, steps=args.steps, budget=args.budget,
                                    repeats=args.repeats, ratio_length=args.ratio_length, evict_lengths=evict_lengths,
-                                   tick=lambda: bar.update(1), on_row=on_row)
+                                   every=every, tick=lambda: bar.update(1), on_row=on_row)
     lines = [speed.markdown_table(result), ""]
     for key, value in result["ratios"].items():
-        verdict = result["targets"][key]
+        verdict = result["targets"].get(key)
         cpu = result["ratios_cpu"].get(key)
-        lines.append(f"{key:<30} {value:.3f}  target {verdict['target']}: {'met' if verdict['met'] else 'NOT met'}"
+        worst = result["ratio_details"].get(key, {}).get("worst")
+        lines.append(f"{key:<38} {value:.3f}"
+                     + (f"  target {verdict['target']}: {'met' if verdict['met'] else 'NOT met'}" if verdict else "")
+                     + (f"  (worst: {worst})" if worst else "")
                      + (f"  (CPU time: {cpu:.3f})" if cpu is not None else ""))
     return _finish(args, result, result["rows"], None, "bench_speed" + suffix, "\n".join(lines))
+
+
+def _lockstep(text: str) -> list[str]:
+    """`--lockstep`: every registered policy but full for 'all', none for 'none', else the named ones."""
+    from kvlens.policies import policy_names
+
+    known = [name for name in policy_names() if name != "full"]
+    if text.strip() in ("all", "none"):
+        return known if text.strip() == "all" else []
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise KvlensError(f"--lockstep takes 'all', 'none' or policies among {', '.join(known)}; got '{text}'.")
+    return names
 
 
 def cmd_tasks(args) -> int:

@@ -20,6 +20,9 @@ step, which a machine shared with other processes disturbs less than wall time.
   two; full, streaming_llm, h2o and tova in lockstep, the order rotating each repeat.
 - prefill_stats_vs_full: prefill + step-0 compression ms of `h2o` (column sums) and of `tova`
   (last rows) over `full`'s prefill, at the first evict length, the worse of the two.
+- every_policy_half_vs_full_at_N, every_policy_prefill_vs_full_at_N: the same two measurements for every
+  policy in the lockstep (`every`: by default every registered policy, budget-free ones at their own size), the
+  worst policy's ratio; `ratio_details` names it and lists each policy's.
 """
 from __future__ import annotations
 
@@ -37,7 +40,9 @@ from kvlens.texts import prefix_ids
 
 TARGETS = {"engine_vs_model_loop": 1.03, "cam_vs_streaming_llm": 1.10, "record_full_vs_none": 1.5,
            "evict_half_vs_full_at_1024": 0.98, "evict_half_vs_full_at_4096": 0.90,
-           "evict_half_vs_full_at_8192": 0.85, "prefill_stats_vs_full": 1.30}
+           "evict_half_vs_full_at_8192": 0.85, "prefill_stats_vs_full": 1.30,
+           "every_policy_half_vs_full_at_1024": 1.00, "every_policy_half_vs_full_at_4096": 0.90,
+           "every_policy_prefill_vs_full_at_1024": 1.30, "every_policy_prefill_vs_full_at_8160": 1.50}
 EVICTING = ("streaming_llm", "h2o")  # the evict ratios: the worse of these over full
 STATS = ("h2o", "tova")  # the prefill ratio: the worse of these over full
 
@@ -151,38 +156,49 @@ def evict_repeats(repeats: int, n: int) -> int:
     return min(repeats, max(1, repeats * 1024 // n))
 
 
+def lockstep_names(every: list[str]) -> list[str]:
+    """The sides of the evict ratios: full, the evicting and statistics policies, then `every` other policy."""
+    return list(dict.fromkeys(("full", *EVICTING, *STATS, *every)))
+
+
 def evict_ratios(model: LoadedModel, text: str, n: int, steps: int, budget: float, repeats: int,
-                 tick: Callable[[], None]) -> dict:
-    """full, streaming_llm, h2o and tova on one n-token prompt, rotated: decode and prefill ratios over full."""
+                 tick: Callable[[], None], every: list[str] = ()) -> dict:
+    """full, streaming_llm, h2o, tova and `every` other policy on one n-token prompt, rotated: decode and
+    prefill (+ step-0 compression) ratios over full, per policy; the worst of `every` named."""
     n = min(n, (model.shape()["context"] or n + steps) - steps)
     ids = prefix_ids(model, text, n, "The text")
     sides = rotated({name: (lambda name=name: engine_steps(model, PolicySpec(name), ids, steps, budget))
-                     for name in ("full", *EVICTING, *STATS[1:])}, evict_repeats(repeats, n), tick)
+                     for name in lockstep_names(every)}, evict_repeats(repeats, n), tick)
 
     def ratio(name, key):
         return median(a[key] / b[key] for a, b in zip(sides[name], sides["full"], strict=True))
-    decode = {name: ratio(name, "ms_per_token") for name in EVICTING}
-    prefill = {name: ratio(name, "prefill_ms") for name in STATS}
-    return {"prompt_tokens": n, "decode": decode, "prefill": prefill, "ratio": max(decode.values()),
-            "prefill_ratio": max(prefill.values()),
-            "ms_per_token": {k: [x["ms_per_token"] for x in v] for k, v in sides.items()},
-            "prefill_ms": {k: [x["prefill_ms"] for x in v] for k, v in sides.items()}}
+    others = [name for name in sides if name != "full"]
+    decode = {name: ratio(name, "ms_per_token") for name in others}
+    prefill = {name: ratio(name, "prefill_ms") for name in others}
+    out = {"prompt_tokens": n, "decode": decode, "prefill": prefill,
+           "ratio": max(decode[name] for name in EVICTING), "prefill_ratio": max(prefill[name] for name in STATS),
+           "ms_per_token": {k: [x["ms_per_token"] for x in v] for k, v in sides.items()},
+           "prefill_ms": {k: [x["prefill_ms"] for x in v] for k, v in sides.items()}}
+    if every:
+        out["worst_decode"] = max(every, key=decode.__getitem__)
+        out["worst_prefill"] = max(every, key=prefill.__getitem__)
+    return out
 
 
-def ticks(n_policies: int, lengths: list[int], repeats: int, evict_lengths: list[int]) -> int:
+def ticks(n_policies: int, lengths: list[int], repeats: int, evict_lengths: list[int], every: list[str] = ()) -> int:
     """How many times `bench_speed` calls `tick`."""
-    return n_policies * len(lengths) + 6 * repeats + 4 * sum(evict_repeats(repeats, n) for n in evict_lengths)
+    sides = len(lockstep_names(list(every)))
+    return n_policies * len(lengths) + 6 * repeats + sides * sum(evict_repeats(repeats, n) for n in evict_lengths)
 
 
 def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[int], *, text: str, steps: int,
-                budget: float, repeats: int, ratio_length: int, evict_lengths: list[int],
+                budget: float, repeats: int, ratio_length: int, evict_lengths: list[int], every: list[str] = (),
                 tick: Callable[[], None] = lambda: None, on_row: Callable[[dict], None] = lambda row: None) -> dict:
     """The policy table (one run per policy and length, each row handed to `on_row` when measured),
-    the ratios at `ratio_length` and the evict ratios at each of `evict_lengths`.
+    the ratios at `ratio_length` and the evict ratios at each of `evict_lengths`, every policy of `every` in
+    their lockstep (the `every_policy_*` ratios).
 
-    `tick` is called after every engine or loop run (progress bars): the total is
-    `len(policies) * len(lengths) + 6 * repeats + 4 * sum(evict_repeats(repeats, n) for n in evict_lengths)`
-    (see `ticks`).
+    `tick` is called after every engine or loop run (progress bars): `ticks(...)` gives the total.
     """
     if repeats < 1 or steps < 2:
         raise KvlensError("Speed needs at least one repeat and two generated tokens.")
@@ -197,7 +213,7 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
             rows.append({"policy": spec.label, "prompt_tokens": n, "steps": steps, **res})
             on_row(rows[-1])
             tick()
-    evict = {n: evict_ratios(model, text, n, steps, 0.5, repeats, tick) for n in evict_lengths}
+    evict = {n: evict_ratios(model, text, n, steps, 0.5, repeats, tick, list(every)) for n in evict_lengths}
     ids = prefix_ids(model, text, ratio_length, "The text")
     full, sl, cam = PolicySpec("full"), PolicySpec("streaming_llm"), PolicySpec("cam")
     engine = lambda: engine_steps(model, full, ids, steps, budget)  # noqa: E731
@@ -213,6 +229,11 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
               **{f"evict_half_vs_full_at_{n}": e["ratio"] for n, e in evict.items()}}
     if evict:
         ratios["prefill_stats_vs_full"] = evict[evict_lengths[0]]["prefill_ratio"]
+    if every:
+        for e in evict.values():
+            m = e["prompt_tokens"]  # 8192 is capped at the context minus the steps
+            ratios[f"every_policy_half_vs_full_at_{m}"] = e["decode"][e["worst_decode"]]
+            ratios[f"every_policy_prefill_vs_full_at_{m}"] = e["prefill"][e["worst_prefill"]]
     ratios_cpu = {k: d["cpu_ratio"] for k, d in (("engine_vs_model_loop", loop), ("cam_vs_streaming_llm", cam_pair),
                                                   ("record_full_vs_none", record))}
     return {"config": {"policies": [p.label for p in policies], "lengths": lengths, "steps": steps, "budget": budget,
@@ -221,6 +242,10 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
             "ratio_details": {"engine_vs_model_loop": loop,
                               "cam_vs_streaming_llm": cam_pair, "record_full_vs_none": record,
                               **{f"evict_half_vs_full_at_{n}": e for n, e in evict.items()},
+                              **{f"every_policy_{kind}_vs_full_at_{e['prompt_tokens']}": {
+                                  "worst": e[f"worst_{part}"], "per_policy": e[part]}
+                                 for e in evict.values() if every
+                                 for kind, part in (("half", "decode"), ("prefill", "prefill"))},
                               "kv_bytes_half_budget_vs_full": {
                                   "half_bytes": half["kv_bytes_peak"], "full_prompt_bytes": whole["kv_bytes_prefill"],
                                   "slot_share": (half["kv_slots_max"] + 1) / ratio_length}},
