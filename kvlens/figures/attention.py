@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import plotly.graph_objects as go
 import torch
 
@@ -123,24 +124,27 @@ def attention_grid(run: Run, layer: int, head: int, max_cells: int = 512) -> Att
 def _pool(layer, head, weights, status, max_cells, prompt_len) -> AttentionGrid:
     br = math.ceil(weights.shape[0] / max_cells)
     bc = math.ceil(weights.shape[1] / max_cells)
-    weights, status = pool_blocks(weights, status, br, bc)
-    rows = list(range(0, br * weights.shape[0], br))
-    cols = list(range(0, bc * weights.shape[1], bc))
-    return AttentionGrid(layer, head, weights, status, rows, cols, (br, bc), prompt_len)
+    w, s = pool_blocks(weights.numpy(), status.numpy(), br, bc)
+    rows = list(range(0, br * w.shape[0], br))
+    cols = list(range(0, bc * w.shape[1], bc))
+    return AttentionGrid(layer, head, torch.from_numpy(w), torch.from_numpy(s), rows, cols, (br, bc), prompt_len)
 
 
-def pool_blocks(weights: torch.Tensor, status: torch.Tensor, br: int, bc: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pool_blocks(weights: np.ndarray, status: np.ndarray, br: int, bc: int) -> tuple[np.ndarray, np.ndarray]:
     """`weights` and `status` `(R, P)` pooled in blocks of `br` x `bc` cells: the mean attention over the block's
-    cached cells (NaN where none is cached) and the highest status code."""
+    cached cells (NaN where none is cached) and the highest status code. Numpy: on arrays this small, torch's
+    thread pool costs more than the work."""
     if br == 1 and bc == 1:
         return weights, status
     pr, pc = (-weights.shape[0]) % br, (-weights.shape[1]) % bc
-    w = torch.nn.functional.pad(weights, (0, pc, 0, pr), value=float("nan"))
-    s = torch.nn.functional.pad(status, (0, pc, 0, pr), value=FUTURE)
+    w = np.pad(weights, ((0, pr), (0, pc)), constant_values=np.nan)
+    s = np.pad(status, ((0, pr), (0, pc)), constant_values=FUTURE)
     r, c = w.shape[0] // br, w.shape[1] // bc
-    w = w.view(r, br, c, bc).permute(0, 2, 1, 3).reshape(r, c, br * bc)
-    pooled = w.nansum(-1) / (~w.isnan()).sum(-1)  # NaN where the block holds no cached cell
-    return pooled, s.view(r, br, c, bc).permute(0, 2, 1, 3).reshape(r, c, -1).amax(-1)
+    w = w.reshape(r, br, c, bc).transpose(0, 2, 1, 3).reshape(r, c, br * bc)
+    cached = (~np.isnan(w)).sum(-1)
+    with np.errstate(invalid="ignore"):
+        pooled = np.nansum(w, -1) / cached  # NaN where the block holds no cached cell
+    return pooled.astype(weights.dtype), s.reshape(r, br, c, bc).transpose(0, 2, 1, 3).reshape(r, c, -1).max(-1)
 
 
 def status_scale(colors: dict[int, str] | None = None) -> list:

@@ -1,7 +1,8 @@
 """Every recorded layer and head of a run at one step (the app's Head grid; bertviz's model view as small multiples).
 
-`head_grid(run)` stacks `kvlens.figures.attention.layer_cache` of every recorded layer once: `weights`
-`(L, R, Hq, P)` and `status` `(L, R, Hkv, P)`. At a step (row r: the cache row r attended to, see
+`head_grid(run)` stacks `kvlens.figures.attention.layer_cache` of every recorded layer once, as numpy arrays
+step first (a step is one contiguous block; torch's thread pool costs more than these small per-step sums):
+`weights` `(R, L, Hq, P)` and `status` `(R, L, Hkv, P)`. At a step (row r: the cache row r attended to, see
 `attention_grid`) `rows_figure` draws each head's attention row as one strip, layers down and heads across,
 on the status colours (evicted grey, merged away orange, ...), and `summary_figure` one number per head
 (`METRICS`: the share of seen positions it keeps, the attention its merged slots receive, the entropy of its
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import plotly.graph_objects as go
 import torch
 
@@ -43,41 +45,40 @@ MAX_STRIP = 160  # positions per strip before pooling
 
 @dataclass(frozen=True)
 class HeadGrid:
-    """`weights` `(L, R, Hq, P)` (NaN where not cached), `status` `(L, R, Hkv, P)` of the recorded `layers`;
+    """`weights` `(R, L, Hq, P)` (NaN where not cached), `status` `(R, L, Hkv, P)` of the recorded `layers`;
     `measured` `{metric: (R - 1, L, Hq)}` for the measured metrics (row k = attention row k + 1)."""
 
     layers: list[int]
-    weights: torch.Tensor
-    status: torch.Tensor
+    weights: np.ndarray
+    status: np.ndarray
     prompt_len: int
     policy: str
-    measured: dict[str, torch.Tensor]
+    measured: dict[str, np.ndarray]
 
     @property
     def steps(self) -> int:
-        return self.weights.shape[1]
+        return self.weights.shape[0]
 
     @property
     def heads(self) -> int:
         return self.weights.shape[2]
 
-    def head_status(self, step: int) -> torch.Tensor:
+    def head_status(self, step: int) -> np.ndarray:
         """`(L, Hq, P)` status codes of every query head (its KV head's) at `step`."""
-        group = self.heads // self.status.shape[2]
-        return self.status[:, step].repeat_interleave(group, dim=1)
+        return np.repeat(self.status[step], self.heads // self.status.shape[2], axis=1)
 
-    def metrics(self, step: int) -> dict[str, torch.Tensor]:
+    def metrics(self, step: int) -> dict[str, np.ndarray]:
         """`{metric: (L, Hq)}` at `step`; the measured ones NaN at step 0 (no decode step measured yet)."""
         self.check(step)
-        w, st = self.weights[:, step], self.head_status(step)
+        w, st = self.weights[step], self.head_status(step)
         seen = (st != FUTURE).sum(-1)
-        cached = ~w.isnan()
-        p = w.nan_to_num(0.0)
-        entropy = -(p * p.clamp(min=1e-30).log()).sum(-1) / cached.sum(-1).clamp(min=2).log()
+        cached = ~np.isnan(w)
+        p = np.nan_to_num(w, nan=0.0)
+        entropy = -(p * np.log(np.maximum(p, 1e-30))).sum(-1) / np.log(np.maximum(cached.sum(-1), 2))
         out = {"kept share": cached.sum(-1) / seen, "attention on merged slots": (p * (st == HOLDS_MERGE)).sum(-1),
                "attention entropy": entropy}
         for name, rows in self.measured.items():
-            out[name] = rows[step - 1] if step >= 1 else torch.full_like(entropy, float("nan"))
+            out[name] = rows[step - 1] if step >= 1 else np.full_like(entropy, np.nan)
         return out
 
     def check(self, step: int) -> None:
@@ -93,9 +94,10 @@ def head_grid(run: Run) -> HeadGrid:
     for name, tensor in (("attention mass lost", "perturbation/attention_loss"),
                          ("output perturbation", "perturbation/used")):
         if run.has(tensor):
-            measured[name] = run.tensor(tensor).float()[:, layers]
-    return HeadGrid(layers, torch.stack([w for w, _ in caches]), torch.stack([s for _, s in caches]),
-                    len(run.meta["prompt_tokens"]), run.meta["policy"]["name"], measured)
+            measured[name] = run.tensor(tensor).float()[:, layers].numpy()
+    return HeadGrid(layers, torch.stack([w for w, _ in caches], dim=1).numpy(),
+                    torch.stack([s for _, s in caches], dim=1).numpy(), len(run.meta["prompt_tokens"]),
+                    run.meta["policy"]["name"], measured)
 
 
 def _targets(fig: go.Figure, x: list[float], y: list[float], layers: list[int], heads: list[int],
@@ -110,7 +112,7 @@ def _targets(fig: go.Figure, x: list[float], y: list[float], layers: list[int], 
     fig.update_layout(hovermode="closest", hoverdistance=-1)
 
 
-def _hover(grid: HeadGrid, values: dict[str, torch.Tensor], li: int, h: int) -> str:
+def _hover(grid: HeadGrid, values: dict[str, np.ndarray], li: int, h: int) -> str:
     parts = [f"<b>layer {grid.layers[li]}, head {h}</b>"]
     parts += [f"{name}: {v[li, h]:.3f}" for name, v in values.items() if not math.isnan(float(v[li, h]))]
     return "<br>".join(parts + ["click to open it on the Attention page"])
@@ -122,18 +124,21 @@ def rows_figure(grid: HeadGrid, step: int, gap: int = 3) -> go.Figure:
     grid.check(step)
     n_pos = grid.prompt_len + step  # the positions seen by row `step`'s query
     block = math.ceil(n_pos / MAX_STRIP)
-    w = grid.weights[:, step, :, :n_pos].reshape(-1, n_pos)  # (L * Hq, P)
+    w = grid.weights[step, :, :, :n_pos].reshape(-1, n_pos)  # (L * Hq, P)
     st = grid.head_status(step)[..., :n_pos].reshape(-1, n_pos)
     w, st = pool_blocks(w, st, 1, block)
     n_layers, width = len(grid.layers), w.shape[1]
-    pad = lambda t, v: torch.nn.functional.pad(t.view(n_layers, grid.heads, width), (0, gap), value=v)  # noqa: E731
-    w_img = pad(w, float("nan")).reshape(n_layers, -1)[:, :-gap]
-    st_img = pad(st.float(), float("nan")).reshape(n_layers, -1)[:, :-gap]
+
+    def image(t: np.ndarray) -> np.ndarray:  # (L * Hq, width) -> (L, Hq * (width + gap) - gap), NaN between strips
+        t = np.pad(t.astype(np.float32).reshape(n_layers, grid.heads, width), ((0, 0), (0, 0), (0, gap)),
+                   constant_values=np.nan)
+        return t.reshape(n_layers, -1)[:, :-gap]
+    w_img, st_img = image(w), image(st)
     y = [f"L{la}" for la in grid.layers]
     fig = go.Figure()
-    fig.add_trace(go.Heatmap(z=st_img.numpy(), y=y, zmin=-0.5, zmax=len(STATUS) - 0.5, colorscale=status_scale(),
+    fig.add_trace(go.Heatmap(z=st_img, y=y, zmin=-0.5, zmax=len(STATUS) - 0.5, colorscale=status_scale(),
                              showscale=False, hoverinfo="skip", name="status"))
-    fig.add_trace(go.Heatmap(z=torch.log10(w_img.clamp(min=1e-6)).numpy(), y=y, zmin=-4, zmax=0,
+    fig.add_trace(go.Heatmap(z=np.log10(np.maximum(w_img, 1e-6)), y=y, zmin=-4, zmax=0,
                              colorscale="Viridis", hoverinfo="skip", name="attention",
                              colorbar=dict(title=dict(text="attention"), tickvals=[-4, -3, -2, -1, 0],
                                            ticktext=["≤1e-4", "1e-3", "0.01", "0.1", "1"], thickness=12)))
@@ -170,7 +175,7 @@ def summary_figure(grid: HeadGrid, step: int, metric: str = "kept share") -> go.
     fig = go.Figure(go.Heatmap(z=z.tolist(), x=list(range(grid.heads)), y=y, colorscale="Viridis",
                                zmin=0, zmax=1 if metric != "output perturbation" else None, hoverinfo="skip",
                                text=[[f"{v:.2f}" for v in row] for row in z.tolist()],
-                               texttemplate="%{text}" if z.numel() <= 400 else None, textfont=dict(size=10),
+                               texttemplate="%{text}" if z.size <= 400 else None, textfont=dict(size=10),
                                colorbar=dict(title=dict(text=metric), thickness=12)))
     cells = [(li, h) for li in range(len(grid.layers)) for h in range(grid.heads)]
     _targets(fig, [h for _, h in cells], [y[li] for li, _ in cells], [grid.layers[li] for li, _ in cells],
