@@ -79,6 +79,7 @@ class Scissorhands(ScoredEviction):
     description = "Keep a recent window; drop the slots most often unimportant over the last `history` queries."
     paper = "https://arxiv.org/abs/2305.17118"
     presets: ClassVar[dict[str, dict]] = PRESETS
+    cross_layer = True  # per-row rule (the tie-break divides by each layer's own largest Abar)
 
     def validate(self) -> None:
         check(not (self.recent and self.drop_ratio >= 1.0),
@@ -127,8 +128,10 @@ class Scissorhands(ScoredEviction):
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         hist = rows.extra[HISTORY]
-        counted = (hist == IMPORTANT).sum(-1) if self.count == "important" else -(hist == UNIMPORTANT).sum(-1)
-        tie = rows.abar / (rows.abar.max() + 1.0)  # in [0, 1): breaks ties only
+        count = (hist == (IMPORTANT if self.count == "important" else UNIMPORTANT)).sum(-1, dtype=torch.int32)
+        counted = count if self.count == "important" else -count  # int32 sums: half the time of int64's
+        largest = rows.abar.unflatten(0, (len(rows.layers), -1)).amax((1, 2))  # (L,) each layer's
+        tie = rows.abar / (largest.repeat_interleave(rows.kv_heads)[:, None] + 1.0)  # in [0, 1): breaks ties only
         return counted.float() + tie
 
     def local_window(self, budget: int) -> int:

@@ -7,7 +7,8 @@ attention `abar = Abar / n`: `j = argmin abar` among unprotected slots,
 dropped (the right neighbour keeps its own). Protected: the first `sink` positions and a recent
 window of `int(budget * recent_ratio) - sink` slots (paper: 4 sinks and budget/2 - 4 recent).
 When the prompt is compressed after prefill, the single-step rule is applied repeatedly until
-the budget is reached (the paper's online algorithm, run over the prompt's slots).
+the budget is reached (the paper's online algorithm, run over the prompt's slots), in tensor form
+with the one-at-a-time loop's decisions and arithmetic (`first_above`, `merge_in_turn`).
 `merge=False` is the paper's eviction ablation (key and value dropped).
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ class WeightedKV(Policy):
     paper = "https://arxiv.org/abs/2503.01330"
     merges = True
     merge_rule: ClassVar[str] = "convex"  # provenance: target <- (1 - w) target + w source, row by row
+    cross_layer = True  # one merge per row at a decode step: every layer's rows at once
 
     def min_budget(self) -> int:
         return self.sink + 1
@@ -43,6 +45,9 @@ class WeightedKV(Policy):
         return max(1, int(budget * self.recent_ratio) - self.sink)
 
     def compress(self, rows: CacheRows, step: Step) -> None:
+        """The single-step rule `n - budget` times, in tensor form: the averages never change, so the keys leave
+        in the order of their averages (ties: the older first), each into the first rank still there at its turn
+        (`first_above`); the values then merge in that order (`merge_in_turn`)."""
         budget = step.budget
         if budget is None or rows.n_kept <= budget:
             return
@@ -53,29 +58,64 @@ class WeightedKV(Policy):
         rank = torch.arange(s, device=pos.device)
         protected = (pos < self.sink) | (rank >= n - self.recent(budget))[None, :]  # (R, S) by rank
         avg = (rows.abar / rows.nobs.clamp(min=1)).gather(1, perm)  # (R, S) by rank
-        alive = (rank < n)[None, :].expand(r, s).clone()
-        values = rows.values[0]  # (R, S, D) by slot, a view of the cache: merged in place
-        heads = torch.arange(r, device=pos.device)
-        for _ in range(n - budget):
-            score = avg.masked_fill(protected | ~alive, float("inf"))
-            j = score.argmin(-1)  # (Hkv,)
-            right = (alive & (rank[None, :] > j[:, None])).float().argmax(-1)  # first alive rank after j
-            a_j, a_r = avg[heads, j], avg[heads, right]
-            total = a_j + a_r
-            w = torch.where(total > 0, a_j / total.clamp(min=1e-30), torch.full_like(total, 0.5))  # (Hkv,)
-            if self.merge:
-                slot_j, slot_r = perm[heads, j], perm[heads, right]
-                merged = w[:, None] * values[heads, slot_j] + (1 - w[:, None]) * values[heads, slot_r]
-                values[heads, slot_r] = merged.to(values.dtype)
-            alive[heads, j] = False
-            self._log(step, rows, pos[heads, j], pos[heads, right], w)
-        dropped = (~alive[:, :n]).nonzero()[:, 1].view(r, n - budget)
-        rows.free(perm.gather(1, dropped))
+        alive = (rank < n)[None, :].expand(r, s)
+        leaving = n - budget
+        turns = torch.arange(leaving, device=pos.device).expand(r, -1)  # (R, E)
+        score = avg.masked_fill(protected | ~alive, float("inf"))
+        j = score.argmin(-1, keepdim=True) if leaving == 1 else score.sort(stable=True).indices[:, :leaving]
+        turn = torch.full((r, s), leaving, device=pos.device).scatter_(1, j, turns)  # each rank's turn (E: never)
+        right = first_above(turn.masked_fill(~alive, -1), j + 1, turns, leaving)  # (R, E) ranks
+        a_j, a_r = avg.gather(1, j), avg.gather(1, right)
+        total = a_j + a_r
+        w = torch.where(total > 0, a_j / total.clamp(min=1e-30), torch.full_like(total, 0.5))  # (R, E)
+        if self.merge:
+            merge_in_turn(rows.values[0], perm.gather(1, j), perm.gather(1, right), w)
+        self._log(step, rows, pos.gather(1, j), pos.gather(1, right), w)
+        rows.free(perm.gather(1, j.sort(-1).values))
 
     def _log(self, step, rows, pos_j, pos_right, w):
-        """One decision per row: `pos_j` `(R,)` left; merged into `pos_right` with weight `w` (or evicted)."""
+        """Each row's decisions in turn: `pos_j` `(R, E)` left; merged into `pos_right` with weight `w` (or
+        evicted)."""
         if not self.merge:
-            log_evictions(step, rows, pos_j[:, None])
+            log_evictions(step, rows, pos_j)
             return
         nan, none = torch.full_like(w, float("nan")), torch.full_like(pos_j, -1)
-        log_merges(step, rows, pos_j[:, None], pos_right[:, None, None], w[:, None], nan[:, None], none[:, None])
+        log_merges(step, rows, pos_j, pos_right[..., None], w, nan, none)
+
+
+def first_above(key: torch.Tensor, start: torch.Tensor, threshold: torch.Tensor, reach: int) -> torch.Tensor:
+    """`(R, E)` the first index i >= `start` with `key[i] > threshold` (`key` `(R, S)`), known to lie at most
+    `reach` after `start`: binary lifting over a table of window maxima (log2 reach gathers)."""
+    r, s = key.shape
+    top = torch.iinfo(key.dtype).max
+    levels = [torch.cat([key, key.new_full((r, 1), top)], 1)]  # levels[k][i]: the max of key[i : i + 2^k]
+    while 1 << len(levels) <= reach:
+        span = 1 << (len(levels) - 1)
+        last = levels[-1]
+        levels.append(torch.maximum(last, torch.cat([last[:, span:], last.new_full((r, span), top)], 1)))
+    at = start
+    for k in range(len(levels) - 1, -1, -1):
+        at = at + (levels[k].gather(1, at) <= threshold) * (1 << k)  # skip 2^k keys, all at or below
+    return at
+
+
+def merge_in_turn(values: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, w: torch.Tensor) -> None:
+    """`values[dst] <- w values[src] + (1 - w) values[dst]` for each row's merges `(R, E)` in turn, in place
+    (`values` `(R, S, D)`). Merges run in rounds, each round every merge whose source has received all it will
+    and whose target has received the merges before it, so each reads what the one-at-a-time loop would read."""
+    r, e = src.shape
+    turns = torch.arange(e, device=src.device).expand(r, -1)
+    by_target = torch.argsort(dst * e + turns, dim=-1)  # (R, E) the merges grouped by target, in turn
+    grouped = dst.gather(1, by_target)
+    earlier = torch.where(grouped[:, 1:] == grouped[:, :-1], by_target[:, :-1], e)
+    before = torch.full_like(src, e).scatter_(1, by_target[:, 1:], earlier)  # the previous merge into dst (E: none)
+    last = torch.full((r, values.shape[1]), e, dtype=src.dtype, device=src.device)
+    feeds = last.scatter_reduce(1, dst, turns, "amax", include_self=False).gather(1, src)  # the last merge into src
+    done = torch.zeros(r, e + 1, dtype=torch.bool, device=src.device)
+    done[:, e] = True
+    while not bool(done[:, :e].all()):
+        ready = ~done[:, :e] & done.gather(1, before) & done.gather(1, feeds)
+        h, k = ready.nonzero(as_tuple=True)
+        a, b, wk = src[h, k], dst[h, k], w[h, k, None]
+        values[h, b] = (wk * values[h, a] + (1 - wk) * values[h, b]).to(values.dtype)
+        done[:, :e] |= ready
