@@ -211,8 +211,8 @@ def test_full_perplexity_equals_model_loss(smol, long_text):
 
 
 @pytest.mark.parametrize("name,params,together", [("streaming_llm", {}, True), ("h2o", {}, True), ("cam", {}, True),
-                                                  ("cam", {"score": "decode"}, True), ("tova", {}, False),
-                                                  ("cam", {"base": "tova"}, False)])
+                                                  ("cam", {"score": "decode"}, True), ("tova", {}, True),
+                                                  ("cam", {"base": "tova"}, True), ("kvmerger", {}, False)])
 def test_cross_layer_policies_compress_every_layer_at_once_at_decode_steps(tiny, monkeypatch, name, params,
                                                                            together):
     """The engine picks all-layer or per-layer once, from the policy's `cross_layer`: the prompt's

@@ -702,6 +702,8 @@ class KVCache:
                     q.resize(view.store.capacity)  # the buffers may have grown since the mark
                 view.store.n = n
                 view.pos, view.valid = pos, valid
+                for name, fill in STATS.items():  # the slots past `n` are free again (appends since wrote them)
+                    view.store.buffers[name][view.rows, n:] = fill
                 view.store.order = order
                 vars(book).update(vars(saved))
 

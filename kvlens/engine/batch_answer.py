@@ -1,0 +1,129 @@
+"""Answer from many compressed caches at once: one batched forward per token for every (policy, budget).
+
+The task protocol (`kvlens.engine.shared_prefill`) compresses a context once per policy and budget, then
+generates each answer greedily from the frozen cache. One token of a small model is bound by reading its
+weights, so answering the caches one after the other reads the weights once per cache and token; `answer_many`
+stacks the caches as a batch instead and reads them once per token for all of them.
+
+Each cache's kept slots are copied, per layer, into a batch buffer `(B, Hkv, S, D)` padded to the longest
+(`valid` marks the slots that hold a token, `pos` their positions); the question and the answer's tokens are
+appended behind them. A query sees the valid slots at or before its position (and inside the layer's sliding
+window), as the frozen cache's own attention does, so each row's answer is its cache's own up to float rounding
+(tested). The caches themselves are not touched. Rows that stop (end of sequence, the length limit, or `done`)
+leave the batch once a quarter of it has stopped.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvlens.engine.attention import CONTEXT_KWARG, AttentionSpec, attention_probs
+
+COMPACT_SHARE = 0.25  # stopped rows are dropped from the batch once they are this share of it
+
+
+class _BatchLayer:
+    """One layer's slots for B caches: keys/values `(B, Hkv, S, D)`, valid `(B, Hkv, S)`, pos `(B, Hkv, S)`."""
+
+    def __init__(self, views: Sequence, room: int):
+        n = max(v.n_slots for v in views)
+        first = views[0].keys
+        b, hkv, d = len(views), first.shape[1], first.shape[-1]
+        self.keys = first.new_zeros(b, hkv, n + room, d)
+        self.values = first.new_zeros(b, hkv, n + room, d)
+        self.valid = torch.zeros(b, hkv, n + room, dtype=torch.bool, device=first.device)
+        self.pos = torch.zeros(b, hkv, n + room, dtype=torch.long, device=first.device)
+        for i, view in enumerate(views):
+            s = view.n_slots
+            self.keys[i, :, :s], self.values[i, :, :s] = view.keys[0], view.values[0]
+            self.valid[i, :, :s], self.pos[i, :, :s] = view.valid, view.pos
+        self.n = n
+
+    def keep(self, rows: torch.Tensor) -> None:
+        for name in ("keys", "values", "valid", "pos"):
+            setattr(self, name, getattr(self, name).index_select(0, rows))
+
+
+class _BatchContext:
+    """The run context of a batched forward (`kvlens_attention` calls `attend`): appends the new tokens' keys and
+    values to each layer's batch buffer and attends over it."""
+
+    def __init__(self, loops: Sequence, room: int):
+        self.layers = [_BatchLayer([loop.cache.layers[i] for loop in loops], room)
+                       for i in range(len(loops[0].cache.layers))]
+        self.positions = torch.zeros(0, dtype=torch.long)
+
+    def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
+        """query `(B, Hq, q, D)`, key/value `(B, Hkv, q, D)` of the new tokens -> out `(B, q, Hq, D)`."""
+        layer = self.layers[layer_idx]
+        b, hq, q, d = query.shape
+        hkv, at = key.shape[1], layer.n
+        layer.keys[:, :, at:at + q], layer.values[:, :, at:at + q] = key, value
+        layer.valid[:, :, at:at + q] = True
+        layer.pos[:, :, at:at + q] = self.positions
+        layer.n = at + q
+        diff = self.positions[:, None] - layer.pos[:, :, None, : at + q]  # (B, Hkv, q, S)
+        allowed = layer.valid[:, :, None, : at + q] & (diff >= 0)
+        if spec.window is not None:
+            allowed &= diff < spec.window
+        probs = attention_probs(query.view(b, hkv, hq // hkv, q, d), layer.keys[:, :, : at + q], spec,
+                                allowed[:, :, None])  # (B, Hkv, G, q, S)
+        out = torch.matmul(probs.to(value.dtype), layer.values[:, :, None, : at + q])  # (B, Hkv, G, q, D)
+        return out.view(b, hq, q, d).transpose(1, 2).contiguous()
+
+    def keep(self, rows: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.keep(rows)
+
+
+def _forward(model, ctx: _BatchContext, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """ids `(B, q)` at positions start.. -> the last token's logits `(B, V)`."""
+    ctx.positions = torch.arange(start, start + ids.shape[1], device=ids.device)
+    out = model.model(input_ids=ids, position_ids=ctx.positions[None].expand(ids.shape[0], -1), use_cache=False,
+                      logits_to_keep=1, **{CONTEXT_KWARG: ctx})
+    return out.logits[:, -1]
+
+
+def answer_many(loops: Sequence, question: list[int], start: int, max_new_tokens: int,
+                logits: Sequence[torch.Tensor] | None = None,
+                done: Callable[[int, list[int]], bool] | None = None) -> list[tuple[list[int], list[float]]]:
+    """Greedy answers of frozen loops (`shared_prefill.prepare`), one batched forward per token: `question` fed at
+    positions start.. (empty: answer from `logits`, each prompt's last logits). A row stops at the end-of-sequence
+    token, after `max_new_tokens`, or once `done(row, tokens)`. Returns each row's tokens and their NLLs."""
+    model = loops[0].model
+    eos = model.tokenizer.eos_token_id
+    results: list[tuple[list[int], list[float]]] = [([], []) for _ in loops]
+    with torch.inference_mode():
+        ctx = _BatchContext(loops, len(question) + max_new_tokens)
+        if question:
+            ids = torch.tensor([question] * len(loops), device=model.device)
+            logits = _forward(model, ctx, ids, start)
+        else:
+            logits = torch.stack(list(logits))
+        rows = list(range(len(loops)))  # the batch's rows, by loop index
+        live = [True] * len(loops)
+        pos = start + len(question)
+        for _ in range(max_new_tokens):
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            chosen = torch.argmax(logits, dim=-1)
+            for k, row in enumerate(rows):
+                if not live[row]:
+                    continue
+                token = int(chosen[k])
+                tokens, nlls = results[row]
+                tokens.append(token)
+                nlls.append(float(-logp[k, token]))
+                if token == eos or len(tokens) == max_new_tokens or (done is not None and done(row, tokens)):
+                    live[row] = False
+            if not any(live):
+                break
+            stopped = sum(not live[row] for row in rows)
+            if stopped >= COMPACT_SHARE * len(rows):
+                keep = [k for k, row in enumerate(rows) if live[row]]
+                index = torch.tensor(keep, device=chosen.device)
+                ctx.keep(index)
+                rows, chosen = [rows[k] for k in keep], chosen.index_select(0, index)
+            logits = _forward(model, ctx, chosen[:, None], pos)
+            pos += 1
+    return results
