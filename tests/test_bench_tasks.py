@@ -64,6 +64,7 @@ def test_the_summary_averages_tasks_equally_and_bootstraps_within_them():
     assert cells[("h2o", "b")]["ci_low"] == cells[("h2o", "b")]["ci_high"] == 0.0  # no spread, no interval
     assert 0 <= cells[("h2o", "a")]["ci_low"] < 0.5 < cells[("h2o", "a")]["ci_high"] <= 1
     assert cells[("h2o", "a")]["cost_vs_answer"] == 1.25
+    assert cells[("h2o", "a")]["cell_ms"] == 0.5 + 1.0 + 4.0  # its half of the shared prefill, compression, answers
     assert "h2o" in tasks.table(tasks.summarise(rows))
 
 

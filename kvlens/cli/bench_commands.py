@@ -58,6 +58,12 @@ def register(sub) -> None:
     p.add_argument("--query-aware", action="store_true", help="compress context and question together (SnapKV's "
                                                               "setting) instead of the context alone")
     p.add_argument("--no-chat", action="store_true", help="plain text prompt instead of the chat template")
+    p.add_argument("--full-answers", action="store_true",
+                   help="generate every answer to the task's length limit (default: stop once every expected "
+                        "string is in it, which leaves the score unchanged)")
+    p.add_argument("--one-by-one", action="store_true",
+                   help="answer from each compressed cache in turn (default: all of a sample's caches in one batch "
+                        "per token; the same answers up to float rounding, several times faster)")
     add_executor_args(p)
     p.set_defaults(func=cmd_tasks)
     # quick: 2 local workers when there are 2 CPUs (decoding a small model uses them better than 2 threads)
@@ -334,7 +340,8 @@ def cmd_tasks(args) -> int:
     ratios = parse_list(args.ratios, "--ratios", kind=float)
     if args.count < 1:
         raise KvlensError("--count must be at least 1.")
-    settings = dict(model=args.model, query_aware=args.query_aware, chat=not args.no_chat)
+    settings = dict(model=args.model, query_aware=args.query_aware, chat=not args.no_chat,
+                    stop_when_found=not args.full_answers, batch=not args.one_by_one)
     if args.samples:
         text = ruler.read_text(args.samples)
         samples = ruler.parse_lines(text, args.samples)

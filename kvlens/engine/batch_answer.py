@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvlens.engine.attention import CONTEXT_KWARG, AttentionSpec, attention_probs
+from kvlens.engine.attention import CONTEXT_KWARG, AttentionSpec, softmax_weights
 
 COMPACT_SHARE = 0.25  # stopped rows are dropped from the batch once they are this share of it
 
@@ -67,9 +67,12 @@ class _BatchContext:
         allowed = layer.valid[:, :, None, : at + q] & (diff >= 0)
         if spec.window is not None:
             allowed &= diff < spec.window
-        probs = attention_probs(query.view(b, hkv, hq // hkv, q, d), layer.keys[:, :, : at + q], spec,
-                                allowed[:, :, None])  # (B, Hkv, G, q, S)
-        out = torch.matmul(probs.to(value.dtype), layer.values[:, :, None, : at + q])  # (B, Hkv, G, q, D)
+        g = hq // hkv
+        # the group's queries as rows of one (B * Hkv) batched product: no broadcast copy of the keys or values
+        scores = torch.matmul(query.reshape(b, hkv, g * q, d), layer.keys[:, :, : at + q].transpose(-1, -2)).float()
+        hidden = ~allowed[:, :, None].expand(b, hkv, g, q, at + q).reshape(b, hkv, g * q, at + q)
+        probs = softmax_weights(scores, spec, hidden)  # (B, Hkv, G * q, S)
+        out = torch.matmul(probs.to(value.dtype), layer.values[:, :, : at + q])  # (B, Hkv, G * q, D)
         return out.view(b, hq, q, d).transpose(1, 2).contiguous()
 
     def keep(self, rows: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ running the model: decisions are those of its own run, bit for bit (tested).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -123,9 +124,11 @@ def prepare(model: LoadedModel, policy: Policy, context: list[int], budget: int 
 
 
 def answer(loop: _Loop, question: list[int], start: int, max_new_tokens: int,
-           logits: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
+           logits: torch.Tensor | None = None,
+           done: Callable[[list[int]], bool] | None = None) -> tuple[list[int], list[float]]:
     """Greedy answer after feeding `question` at positions start.. in one chunk (none: answer from `logits`, the
-    prompt's); stops at the tokenizer's end-of-sequence. Returns the tokens and each one's NLL."""
+    prompt's); stops at the tokenizer's end-of-sequence or once `done(tokens)`. Returns the tokens and each one's
+    NLL. (`kvlens.engine.batch_answer.answer_many` answers many loops at once.)"""
     eos = loop.model.tokenizer.eos_token_id
     tokens, nlls = [], []
     with torch.inference_mode():
@@ -137,7 +140,7 @@ def answer(loop: _Loop, question: list[int], start: int, max_new_tokens: int,
             token = int(torch.argmax(logits))
             tokens.append(token)
             nlls.append(float(-logp[token]))
-            if token == eos or len(tokens) == max_new_tokens:
+            if token == eos or len(tokens) == max_new_tokens or (done is not None and done(tokens)):
                 break
             logits = loop.forward([token], pos)
             pos += 1

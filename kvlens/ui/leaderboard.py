@@ -10,7 +10,8 @@ import streamlit as st
 
 from kvlens.ui.charts import chart
 
-COLUMNS = ["policy", "ratio", "score", "ci_low", "ci_high", "samples", "full_score", "kept_share", "cost_vs_answer"]
+COLUMNS = ["policy", "ratio", "score", "ci_low", "ci_high", "samples", "full_score", "kept_share", "cost_vs_answer",
+           "cell_ms"]
 
 
 def leaderboard(path: Path, settings: dict, raw: dict) -> None:
@@ -34,6 +35,8 @@ def leaderboard(path: Path, settings: dict, raw: dict) -> None:
           config={"results": str(path), **settings.get("config", {})}, data=pd.DataFrame(shown))
     table = pd.DataFrame([s for s in shown if s["task"] == task and s["length"] == length], columns=COLUMNS)
     st.caption("Score: share of the expected strings found in the answers; [ci_low, ci_high]: bootstrap 95 % "
-               "interval over samples; cost_vs_answer: (compression + answers) / answers, median over samples.")
+               "interval over samples; cost_vs_answer: (compression + answers) / answers, median over samples; "
+               "cell_ms: a sample's cost for this policy and ratio (its share of the shared prefill, its compression, "
+               "its share of the batched answers), median over samples.")
     st.dataframe(table.sort_values("score", ascending=False, kind="stable"), hide_index=True, width="stretch",
                  column_config={c: st.column_config.NumberColumn(format="%.3f") for c in COLUMNS[2:5] + COLUMNS[6:]})

@@ -21,6 +21,7 @@ import random
 import statistics
 import time
 
+from kvlens.engine.batch_answer import answer_many
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.quantize import Storage
 from kvlens.engine.shared_prefill import QUIET, SharedPrefill, answer, prepare
@@ -31,6 +32,7 @@ from kvlens.experiments.grid import digest
 from kvlens.policies import make_policy
 
 SLOT = "\x00question\x00"  # where the user's text goes in the chat template
+ANSWER_BATCH_BYTES = 3 << 29  # the prepared caches answered together hold at most about this much (plus one)
 
 
 def split_prompt(model: LoadedModel, context: str, question: str, chat: bool = True) -> tuple[list[int], list[int]]:
@@ -69,41 +71,38 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
     specs = [PolicySpec.parse(s) for s in cell["policies"]]
     parts = [split_prompt(model, sample.context, q, cell["chat"]) for q in sample.questions]
     context = parts[0][0]
-    prompts = [(c + q, []) for c, q in parts] if cell["query_aware"] else [(context, [q for _, q in parts])]
-    n = sample.max_new_tokens
+    prompts = [(c + q, [i]) for i, (c, q) in enumerate(parts)] if cell["query_aware"] else \
+        [(context, list(range(len(parts))))]
     opts = dataclasses.replace(QUIET, storage=Storage.of(cell.get("storage")))
     runs: dict[tuple[str, float | None], dict] = {}
     shared_ms = 0.0
-    for prompt, questions in prompts:  # one prompt (questions appended), or one per question (query-aware)
-        extra = max(len(q) for q in questions or [[]]) + n
+    for prompt, asked in prompts:  # one prompt (questions appended), or one per question (query-aware)
+        questions = [[] if cell["query_aware"] else parts[i][1] for i in asked]
+        extra = max(len(q) for q in questions) + sample.max_new_tokens
         shared = SharedPrefill(model, prompt, [make_policy(s.name, dict(s.params)) for s in specs])
         shared_ms += shared.ms
+        batch = _Batch(model, sample, prompt, asked, questions, cell.get("stop_when_found", True),
+                       batched=cell.get("batch", True) and not opts.storage.quantized)
         for spec in specs:
             policy = make_policy(spec.name, dict(spec.params))
             for ratio in [None] if policy.budget_free else cell["ratios"]:
                 budget = None if ratio is None else policy.resolve_budget(slots_for(ratio, len(prompt)), len(prompt),
                                                                           len(prompt) + extra)
-                out = runs.setdefault((spec.label, ratio), {"outputs": [], "nlls": [], "prepare_ms": 0.0,
+                out = runs.setdefault((spec.label, ratio), {"outputs": {}, "nlls": [], "prepare_ms": 0.0,
                                                             "answer_ms": 0.0, "kept": [], "bytes": []})
                 t = time.perf_counter()
                 loop, logits = prepare(model, make_policy(spec.name, dict(spec.params)), prompt, budget, extra,
                                        shared, opts)
                 out["prepare_ms"] += (time.perf_counter() - t) * 1000
-                kept = loop.kept[0].float().mean().item()
-                out["kept"].append(kept / len(prompt))
+                out["kept"].append(loop.kept[0].float().mean().item() / len(prompt))
                 out["bytes"].append(loop.cache.nbytes)
-                mark = loop.cache.mark()
-                for question in questions or [[]]:
-                    t = time.perf_counter()
-                    tokens, nlls = answer(loop, question, len(prompt), n, None if question else logits)
-                    out["answer_ms"] += (time.perf_counter() - t) * 1000
-                    out["outputs"].append(model.tokenizer.decode(tokens, skip_special_tokens=True))
-                    out["nlls"].extend(nlls)
-                    loop.cache.rewind(mark)
+                batch.add(out, loop, logits)
+        batch.flush()
     results = []
     for (label, ratio), out in runs.items():
+        outputs = [out["outputs"][i] for i in range(len(parts))]
         results.append({"policy": label, "ratio": 0.0 if label == "full" else ratio,
-                        "score": ruler.score_sample(out["outputs"], sample), "outputs": out["outputs"],
+                        "score": ruler.score_sample(outputs, sample), "outputs": outputs,
                         "kept_share": statistics.fmean(out["kept"]), "kv_bytes": statistics.fmean(out["bytes"]),
                         "nll": statistics.fmean(out["nlls"]),
                         "prepare_ms": out["prepare_ms"], "answer_ms": out["answer_ms"]})
@@ -111,11 +110,60 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
             "shared_prefill_ms": shared_ms, "results": results}
 
 
+class _Batch:
+    """Prepared (policy, ratio) caches of one prompt, answered together (`answer_many`) once they hold
+    `ANSWER_BATCH_BYTES` of keys and values, or one by one (`batched=False`: quantized storage, whose appended
+    tokens the batch would not quantize). A result's `answer_ms` is its share of the batch's time, by tokens
+    generated. `stop`: a row stops once every expected string of its question is in its answer (the score, a
+    share of strings found, cannot change after that; False: always RULER's answer-length limit)."""
+
+    def __init__(self, model, sample, prompt, asked, questions, stop: bool, batched: bool):
+        self.model, self.sample, self.start, self.asked, self.questions = model, sample, len(prompt), asked, questions
+        self.stop, self.batched = stop, batched
+        self.pending: list[tuple[dict, object, object]] = []
+
+    def add(self, out: dict, loop, logits) -> None:
+        self.pending.append((out, loop, logits))
+        if not self.batched or sum(loop.cache.nbytes for _, loop, _ in self.pending) >= ANSWER_BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        decode = self.model.tokenizer.decode
+        for i, question in zip(self.asked, self.questions, strict=True):
+            expected = [e.lower() for e in self.sample.answers[i]]
+
+            def done(_row, tokens, expected=expected):
+                return self.stop and all(e in decode(tokens, skip_special_tokens=True).lower() for e in expected)
+
+            t = time.perf_counter()
+            if self.batched:
+                answers = answer_many([loop for _, loop, _ in pending], question, self.start,
+                                      self.sample.max_new_tokens, None if question else [lg for _, _, lg in pending],
+                                      done)
+            else:
+                answers = []
+                for _, loop, logits in pending:
+                    mark = loop.cache.mark()
+                    answers.append(answer(loop, question, self.start, self.sample.max_new_tokens,
+                                          None if question else logits, lambda tokens: done(0, tokens)))
+                    loop.cache.rewind(mark)
+            elapsed = (time.perf_counter() - t) * 1000
+            total = sum(len(tokens) for tokens, _ in answers)
+            for (out, _, _), (tokens, nlls) in zip(pending, answers, strict=True):
+                out["answer_ms"] += elapsed * len(tokens) / total
+                out["outputs"][i] = decode(tokens, skip_special_tokens=True)
+                out["nlls"].extend(nlls)
+
+
 def plan_tasks(policies: list[PolicySpec], ratios: list[float], tasks: list[str], lengths: list[int], count: int,
-               *, model: str, seed: int, query_aware: bool, chat: bool, source: str, generated: bool = True
-               ) -> list[dict]:
+               *, model: str, seed: int, query_aware: bool, chat: bool, source: str, generated: bool = True,
+               stop_when_found: bool = True, batch: bool = True) -> list[dict]:
     """The grid's cells: one per sample (task x length x index), each with every policy and ratio; `source` is the
-    digest of the haystack or of the user's samples file (not `generated`: `tasks`/`lengths` are the file's)."""
+    digest of the haystack or of the user's samples file (not `generated`: `tasks`/`lengths` are the file's).
+    `stop_when_found` and `batch`: how answers are generated (`_Batch`)."""
     bad = [r for r in ratios if not 0 < r < 1]
     if bad:
         raise KvlensError(f"A compression ratio is the share of the context removed, in (0, 1); got {bad[0]}.")
@@ -126,16 +174,17 @@ def plan_tasks(policies: list[PolicySpec], ratios: list[float], tasks: list[str]
         raise KvlensError(f"Unknown task '{unknown[0]}'; the tasks are {', '.join(ruler.TASKS)}.")
     return [{"task": "tasks", "model": model, "suite_task": task, "length": length, "index": i, "seed": seed,
              "policies": [p.label for p in policies], "ratios": ratios, "query_aware": query_aware, "chat": chat,
-             "source": source} for task in tasks for length in lengths for i in range(count)]
+             "stop_when_found": stop_when_found, "batch": batch, "source": source}
+            for task in tasks for length in lengths for i in range(count)]
 
 
 def plan_file(samples: list[ruler.Sample], policies, ratios, *, model: str, query_aware: bool, chat: bool,
-              text: str) -> list[dict]:
-    """Cells for a user's samples: one per line, the line's index naming it."""
+              text: str, **answers) -> list[dict]:
+    """Cells for a user's samples: one per line, the line's index naming it (`answers`: as `plan_tasks`)."""
     cells = []
     for i, s in enumerate(samples):
         cells += plan_tasks(policies, ratios, [s.task], [None], 1, model=model, seed=0, query_aware=query_aware,
-                            chat=chat, source=digest(text), generated=False)
+                            chat=chat, source=digest(text), generated=False, **answers)
         cells[-1]["index"] = i
     return cells
 
@@ -143,7 +192,9 @@ def plan_file(samples: list[ruler.Sample], policies, ratios, *, model: str, quer
 def flatten(rows: list[dict]) -> list[dict]:
     """One record per (sample, policy, ratio), from the cells' rows."""
     return [{"task": r["suite_task"], "length": r["length"], "index": r["index"], **res,
-             "shared_prefill_ms": r["shared_prefill_ms"]} for r in rows for res in r["results"]]
+             "shared_prefill_ms": r["shared_prefill_ms"],
+             "cell_ms": r["shared_prefill_ms"] / len(r["results"]) + res["prepare_ms"] + res["answer_ms"]}
+            for r in rows for res in r["results"]]
 
 
 def bootstrap(groups: list[list[float]], seed: int = 0, draws: int = 1000) -> tuple[float, float]:
@@ -176,7 +227,8 @@ def summarise(rows: list[dict]) -> list[dict]:
                     "full_score": full.get((task, length)),
                     "kept_share": statistics.fmean(r["kept_share"] for r in mine),
                     "cost_vs_answer": statistics.median((r["prepare_ms"] + r["answer_ms"]) / r["answer_ms"]
-                                                        for r in mine)})
+                                                        for r in mine),
+                    "cell_ms": statistics.median(r["cell_ms"] for r in mine)})
     return sorted(out, key=lambda s: (s["task"] != "all", str(s["task"]), str(s["length"]), s["ratio"] or 0,
                                       -s["score"]))
 
