@@ -5,8 +5,8 @@ Dai et al., "CORM: Cache Optimization with Recent Message for Large Language Mod
 leaves a message `1[A_t[j] >= 1/t]` per key; with a window of the last `w` messages, a key
 minor in all of them is dropped, except the `r` most recent. Under GQA a key is minor only if
 minor for every query head of its group. Nothing happens until `w` messages exist (the last
-prefill rows count as messages). Heads keep different counts: the layer is padded to the
-longest head (`valid=False`), so kept entries and allocated bytes both get reported.
+prefill rows count as messages). Heads keep different counts: a dropped key's slot is freed in
+place (`valid=False`) and later tokens fill it, so kept entries and allocated bytes both get reported.
 
 `important="position"` (default) uses the paper's `1/t`, t the number of tokens seen so far;
 `important="slots"` uses `1/n_slots` (the keys actually attended).
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.engine.cache import CacheRows, Prompt, Step, padded_index
+from kvlens.engine.cache import CacheRows, Prompt, Step
 from kvlens.policies.base import Policy, log_evictions, param, register
 
 MESSAGE = "corm_message"  # (Hkv, S, w) bool, newest message last
@@ -70,14 +70,17 @@ class CORM(Policy):
             state[MESSAGES_SEEN] = state.get(MESSAGES_SEEN, 0) + 1
 
     def compress(self, rows: CacheRows, step: Step) -> None:
+        """Free, in place, each head's keys minor in all of the last `window` messages and older than the `recent`
+        newest positions (later tokens fill the freed slots: no re-layout of the layer at each step)."""
         if min(state.get(MESSAGES_SEEN, 0) for state in rows.states) < self.window:
             return
-        s = rows.n_slots  # slots are in position order (this cache only grows and is re-laid out by `retain`)
-        recent = torch.zeros(s, dtype=torch.bool, device=rows.pos.device)
-        recent[max(0, s - self.recent):] = True
-        keep = (rows.extra[MESSAGE].any(-1) | recent[None, :]) & rows.valid  # (R, S)
-        if bool((keep == rows.valid).all()):
+        recent = rows.pos > rows.pos.max() - self.recent  # (R, S) the newest positions (a token each)
+        drop = rows.valid & ~(rows.extra[MESSAGE].any(-1) | recent)  # (R, S)
+        leaving = int(drop.sum(-1).max())
+        if leaving == 0:
             return
-        log_evictions(step, rows, rows.pos.masked_fill(~(rows.valid & ~keep), -1))
-        index, valid = padded_index(keep)
-        rows.retain(index, valid)
+        log_evictions(step, rows, rows.pos.masked_fill(~drop, -1))
+        s = drop.shape[1]
+        slots = torch.arange(s, device=drop.device).expand_as(drop)
+        index = torch.where(drop, slots, s).sort(-1).values[:, :leaving]
+        rows.free(index.masked_fill(index == s, -1))  # (R, E), -1 pads heads that free fewer
