@@ -32,7 +32,7 @@ from kvlens.experiments.grid import digest
 from kvlens.policies import make_policy
 
 SLOT = "\x00question\x00"  # where the user's text goes in the chat template
-ANSWER_BATCH_BYTES = 3 << 29  # the prepared caches answered together hold at most about this much (plus one)
+ANSWER_BATCH_BYTES = 1 << 30  # the prepared caches answered together hold at most about this much (plus one)
 
 
 def split_prompt(model: LoadedModel, context: str, question: str, chat: bool = True) -> tuple[list[int], list[int]]:
