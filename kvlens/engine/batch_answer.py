@@ -23,21 +23,36 @@ from kvlens.engine.attention import CONTEXT_KWARG, AttentionSpec, softmax_weight
 COMPACT_SHARE = 0.25  # stopped rows are dropped from the batch once they are this share of it
 
 
+class Kept:
+    """A frozen cache's kept slots, per layer `(keys, values, valid, pos)` of shapes `(Hkv, n, D)` twice and
+    `(Hkv, n)` twice: what a batch needs of a prepared loop, without its statistics, extras and spare capacity
+    (so the loop can be dropped before the batch is built)."""
+
+    def __init__(self, loop):
+        self.model = loop.model
+        self.layers = [(v.keys[0].clone(), v.values[0].clone(), v.valid.clone(), v.pos.clone())
+                       for v in loop.cache.layers]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for layer in self.layers for t in layer)
+
+
 class _BatchLayer:
     """One layer's slots for B caches: keys/values `(B, Hkv, S, D)`, valid `(B, Hkv, S)`, pos `(B, Hkv, S)`."""
 
-    def __init__(self, views: Sequence, room: int):
-        n = max(v.n_slots for v in views)
-        first = views[0].keys
-        b, hkv, d = len(views), first.shape[1], first.shape[-1]
+    def __init__(self, parts: Sequence[tuple], room: int):
+        n = max(k.shape[1] for k, _, _, _ in parts)
+        first = parts[0][0]
+        b, hkv, d = len(parts), first.shape[0], first.shape[-1]
         self.keys = first.new_zeros(b, hkv, n + room, d)
         self.values = first.new_zeros(b, hkv, n + room, d)
         self.valid = torch.zeros(b, hkv, n + room, dtype=torch.bool, device=first.device)
         self.pos = torch.zeros(b, hkv, n + room, dtype=torch.long, device=first.device)
-        for i, view in enumerate(views):
-            s = view.n_slots
-            self.keys[i, :, :s], self.values[i, :, :s] = view.keys[0], view.values[0]
-            self.valid[i, :, :s], self.pos[i, :, :s] = view.valid, view.pos
+        for i, (keys, values, valid, pos) in enumerate(parts):
+            s = keys.shape[1]
+            self.keys[i, :, :s], self.values[i, :, :s], self.valid[i, :, :s], self.pos[i, :, :s] = \
+                keys, values, valid, pos
         self.n = n
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -47,11 +62,16 @@ class _BatchLayer:
 
 class _BatchContext:
     """The run context of a batched forward (`kvlens_attention` calls `attend`): appends the new tokens' keys and
-    values to each layer's batch buffer and attends over it."""
+    values to each layer's batch buffer and attends over it. `release`: each cache's layer is dropped from its
+    `Kept` once copied (the last use of those caches), so the copies never all exist twice."""
 
-    def __init__(self, loops: Sequence, room: int):
-        self.layers = [_BatchLayer([loop.cache.layers[i] for loop in loops], room)
-                       for i in range(len(loops[0].cache.layers))]
+    def __init__(self, caches: Sequence[Kept], room: int, release: bool = False):
+        self.layers = []
+        for i in range(len(caches[0].layers)):
+            self.layers.append(_BatchLayer([c.layers[i] for c in caches], room))
+            if release:
+                for c in caches:
+                    c.layers[i] = None
         self.positions = torch.zeros(0, dtype=torch.long)
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
@@ -88,24 +108,27 @@ def _forward(model, ctx: _BatchContext, ids: torch.Tensor, start: int) -> torch.
     return out.logits[:, -1]
 
 
-def answer_many(loops: Sequence, question: list[int], start: int, max_new_tokens: int,
+def answer_many(caches: Sequence, question: list[int], start: int, max_new_tokens: int,
                 logits: Sequence[torch.Tensor] | None = None,
-                done: Callable[[int, list[int]], bool] | None = None) -> list[tuple[list[int], list[float]]]:
-    """Greedy answers of frozen loops (`shared_prefill.prepare`), one batched forward per token: `question` fed at
-    positions start.. (empty: answer from `logits`, each prompt's last logits). A row stops at the end-of-sequence
-    token, after `max_new_tokens`, or once `done(row, tokens)`. Returns each row's tokens and their NLLs."""
-    model = loops[0].model
+                done: Callable[[int, list[int]], bool] | None = None,
+                release: bool = False) -> list[tuple[list[int], list[float]]]:
+    """Greedy answers of frozen caches (`Kept` of loops from `shared_prefill.prepare`, or the loops), one batched
+    forward per token: `question` fed at positions start.. (empty: answer from `logits`, each prompt's last
+    logits). A row stops at the end-of-sequence token, after `max_new_tokens`, or once `done(row, tokens)`.
+    `release`: the caches' `Kept` slots are freed as the batch copies them. Returns each row's tokens and NLLs."""
+    kept = [c if isinstance(c, Kept) else Kept(c) for c in caches]
+    model = kept[0].model
     eos = model.tokenizer.eos_token_id
-    results: list[tuple[list[int], list[float]]] = [([], []) for _ in loops]
+    results: list[tuple[list[int], list[float]]] = [([], []) for _ in kept]
     with torch.inference_mode():
-        ctx = _BatchContext(loops, len(question) + max_new_tokens)
+        ctx = _BatchContext(kept, len(question) + max_new_tokens, release)
         if question:
-            ids = torch.tensor([question] * len(loops), device=model.device)
+            ids = torch.tensor([question] * len(kept), device=model.device)
             logits = _forward(model, ctx, ids, start)
         else:
             logits = torch.stack(list(logits))
-        rows = list(range(len(loops)))  # the batch's rows, by loop index
-        live = [True] * len(loops)
+        rows = list(range(len(kept)))  # the batch's rows, by cache index
+        live = [True] * len(kept)
         pos = start + len(question)
         for _ in range(max_new_tokens):
             logp = torch.log_softmax(logits.float(), dim=-1)

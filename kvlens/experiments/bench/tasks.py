@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 
-from kvlens.engine.batch_answer import answer_many
+from kvlens.engine.batch_answer import Kept, answer_many
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.quantize import Storage
 from kvlens.engine.shared_prefill import QUIET, SharedPrefill, answer, prepare
@@ -32,7 +32,7 @@ from kvlens.experiments.grid import digest
 from kvlens.policies import make_policy
 
 SLOT = "\x00question\x00"  # where the user's text goes in the chat template
-ANSWER_BATCH_BYTES = 1 << 30  # the prepared caches answered together hold at most about this much (plus one)
+ANSWER_BATCH_BYTES = 1 << 30  # the kept slots of the caches answered together: at most about this (plus one)
 
 
 def split_prompt(model: LoadedModel, context: str, question: str, chat: bool = True) -> tuple[list[int], list[int]]:
@@ -111,8 +111,8 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
 
 
 class _Batch:
-    """Prepared (policy, ratio) caches of one prompt, answered together (`answer_many`) once they hold
-    `ANSWER_BATCH_BYTES` of keys and values, or one by one (`batched=False`: quantized storage, whose appended
+    """Prepared (policy, ratio) caches of one prompt, answered together (`answer_many`) once their kept slots
+    hold `ANSWER_BATCH_BYTES`, or one by one (`batched=False`: quantized storage, whose appended
     tokens the batch would not quantize). A result's `answer_ms` is its share of the batch's time, by tokens
     generated. `stop`: a row stops once every expected string of its question is in its answer (the score, a
     share of strings found, cannot change after that; False: always RULER's answer-length limit)."""
@@ -123,8 +123,9 @@ class _Batch:
         self.pending: list[tuple[dict, object, object]] = []
 
     def add(self, out: dict, loop, logits) -> None:
-        self.pending.append((out, loop, logits))
-        if not self.batched or sum(loop.cache.nbytes for _, loop, _ in self.pending) >= ANSWER_BATCH_BYTES:
+        """A prepared cache; batched, only its kept slots stay (`Kept`) and the loop is dropped."""
+        self.pending.append((out, Kept(loop) if self.batched else loop, logits))
+        if not self.batched or sum(kept.nbytes for _, kept, _ in self.pending) >= ANSWER_BATCH_BYTES:
             self.flush()
 
     def flush(self) -> None:
@@ -132,7 +133,7 @@ class _Batch:
         if not pending:
             return
         decode = self.model.tokenizer.decode
-        for i, question in zip(self.asked, self.questions, strict=True):
+        for turn, (i, question) in enumerate(zip(self.asked, self.questions, strict=True)):
             expected = [e.lower() for e in self.sample.answers[i]]
 
             def done(_row, tokens, expected=expected):
@@ -140,9 +141,9 @@ class _Batch:
 
             t = time.perf_counter()
             if self.batched:
-                answers = answer_many([loop for _, loop, _ in pending], question, self.start,
+                answers = answer_many([kept for _, kept, _ in pending], question, self.start,
                                       self.sample.max_new_tokens, None if question else [lg for _, _, lg in pending],
-                                      done)
+                                      done, release=turn == len(self.asked) - 1)
             else:
                 answers = []
                 for _, loop, logits in pending:
