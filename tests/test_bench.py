@@ -33,6 +33,8 @@ def test_policy_specs_parse_and_validate():
     assert [s.label for s in specs] == ["full", "cam:base=h2o,span=8", "corm"]
     assert specs[1].params == (("base", "h2o"), ("span", 8))
     assert specs[0].budget_free and specs[2].budget_free and not specs[1].budget_free
+    assert [s.label for s in parse_policies("full,streaming_llm, cam:span=8,base=h2o,tova")] == \
+        ["full", "streaming_llm", "cam:base=h2o,span=8", "tova"]  # ',' between names, as kvpress users write it
     with pytest.raises(KvlensError, match="no parameter"):
         PolicySpec.parse("h2o:window=3")
     with pytest.raises(KvlensError, match="Unknown policy"):

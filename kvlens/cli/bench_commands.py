@@ -123,7 +123,8 @@ def _quick(p, **settings) -> None:
 def _common(p, policies: str | None) -> None:
     if policies is not None:
         p.add_argument("--policies", default=policies,
-                       help=f"';'-separated policies, each `name` or `name:key=value,...` (default: {policies})")
+                       help=f"policies separated by ';' (or ',' between them), each `name` or `name:key=value,...` "
+                            f"(default: {policies})")
     p.add_argument("--quick", action="store_true", help="small settings (minutes); results go to *_quick files")
     p.add_argument("--out-dir", default="results", help="where JSON, CSV and PNG go (default results/)")
     p.add_argument("--no-figure", action="store_true", help="skip the PNG (needs Chromium)")

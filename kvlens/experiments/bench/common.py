@@ -45,8 +45,18 @@ class PolicySpec:
 
 
 def parse_policies(text: str) -> list[PolicySpec]:
-    """A ';'-separated list of policy specs (';' because parameters use ',')."""
-    specs = [PolicySpec.parse(s) for s in text.split(";") if s.strip()]
+    """A list of policy specs separated by ';', or by ',' where the next part is a name rather than a parameter
+    (parameters are always `key=value`, a policy `name` or `name:key=value`): `full,h2o` and
+    `cam:base=h2o,span=8;tova` both read as expected."""
+    specs = []
+    for chunk in text.split(";"):
+        group: list[str] = []
+        for piece in chunk.split(","):
+            if group and "=" in piece and ":" not in piece.partition("=")[0]:
+                group[-1] += "," + piece  # `key=value`: a parameter of the policy before it
+            else:
+                group.append(piece)
+        specs += [PolicySpec.parse(g) for g in group if g.strip()]
     if not specs:
         raise KvlensError("Give at least one policy.")
     return specs
