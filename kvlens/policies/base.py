@@ -251,9 +251,13 @@ def lowest_of_all_rows(rows: CacheRows, score: torch.Tensor, leaving: int) -> to
     score = score.float().masked_fill(~valid, float("inf"))
     by_age = torch.argsort(-rows.pos.flatten(), stable=True)
     lowest = by_age[torch.argsort(score.flatten()[by_age], stable=True)[:leaving]]
-    gone = torch.zeros(r * s, dtype=torch.bool, device=valid.device).scatter_(0, lowest, True).view(r, s)
-    width = int(gone.sum(-1).max())
-    slots = torch.where(gone, torch.arange(s, device=valid.device), s).sort(-1).values[:, :width]
+    return padded_slots(torch.zeros(r * s, dtype=torch.bool, device=valid.device).scatter_(0, lowest, True).view(r, s))
+
+
+def padded_slots(gone: torch.Tensor) -> torch.Tensor:
+    """`gone` `(R, S)` bool -> each row's marked slots `(R, E)`, ascending, -1 padded (for `free`)."""
+    s = gone.shape[1]
+    slots = torch.where(gone, torch.arange(s, device=gone.device), s).sort(-1).values[:, : int(gone.sum(-1).max())]
     return slots.masked_fill(slots == s, -1)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.engine.cache import CacheRows, Prompt, Step
-from kvlens.policies.base import Policy, log_evictions, param, register
+from kvlens.policies.base import Policy, free_logged, padded_slots, param, recent_mask, register
 
 MESSAGE = "corm_message"  # (Hkv, S, w) bool, newest message last
 MESSAGES_SEEN = "corm_messages_seen"  # per layer: query messages observed so far in this run
@@ -74,13 +74,6 @@ class CORM(Policy):
         newest positions (later tokens fill the freed slots: no re-layout of the layer at each step)."""
         if min(state.get(MESSAGES_SEEN, 0) for state in rows.states) < self.window:
             return
-        recent = rows.pos > rows.pos.max() - self.recent  # (R, S) the newest positions (a token each)
-        drop = rows.valid & ~(rows.extra[MESSAGE].any(-1) | recent)  # (R, S)
-        leaving = int(drop.sum(-1).max())
-        if leaving == 0:
-            return
-        log_evictions(step, rows, rows.pos.masked_fill(~drop, -1))
-        s = drop.shape[1]
-        slots = torch.arange(s, device=drop.device).expand_as(drop)
-        index = torch.where(drop, slots, s).sort(-1).values[:, :leaving]
-        rows.free(index.masked_fill(index == s, -1))  # (R, E), -1 pads heads that free fewer
+        drop = rows.valid & ~(rows.extra[MESSAGE].any(-1) | recent_mask(rows, self.recent))  # (R, S)
+        if bool(drop.any()):
+            free_logged(step, rows, padded_slots(drop))  # (R, E), -1 pads heads that free fewer
