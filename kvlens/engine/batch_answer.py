@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvlens.engine.attention import CONTEXT_KWARG, AttentionSpec, softmax_weights
+from kvlens.engine.attention import CONTEXT_KWARG, AttentionSpec, softmax_weights, visible
 
 COMPACT_SHARE = 0.25  # stopped rows are dropped from the batch once they are this share of it
 
@@ -83,10 +83,7 @@ class _BatchContext:
         layer.valid[:, :, at:at + q] = True
         layer.pos[:, :, at:at + q] = self.positions
         layer.n = at + q
-        diff = self.positions[:, None] - layer.pos[:, :, None, : at + q]  # (B, Hkv, q, S)
-        allowed = layer.valid[:, :, None, : at + q] & (diff >= 0)
-        if spec.window is not None:
-            allowed &= diff < spec.window
+        allowed = visible(self.positions, layer.pos[:, :, : at + q], spec.window) & layer.valid[:, :, None, : at + q]
         g = hq // hkv
         # the group's queries as rows of one (B * Hkv) batched product: no broadcast copy of the keys or values
         scores = torch.matmul(query.reshape(b, hkv, g * q, d), layer.keys[:, :, : at + q].transpose(-1, -2)).float()
