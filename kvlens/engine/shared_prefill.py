@@ -10,7 +10,9 @@ kernel the policies use (SDPA for those that read no column sums, the eager stat
 do; each gives its policies exactly the keys and values of their own runs) and keeps every layer's queries,
 keys, values, column sums and last attention rows. `prepare(..., shared=...)` then rebuilds what a policy's
 own prefill would have left (cache, `abar`, `nobs`, the last rows it reads, its `observe_prefill`) without
-running the model: decisions are those of its own run, bit for bit (tested).
+running the model: decisions are those of its own run, bit for bit (tested). A policy's replay passes (KVzip's
+reconstruction) read the prompt's cache alone, not the budget: they run for the first of equal policies and what
+they leave in each layer's run state is copied into the others (`SharedPrefill.replay`).
 """
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ class SharedPrefill:
         model.support.require()
         _check_length(model, len(ids))
         self.ids, self.groups, self.logits = list(ids), {}, {}
+        self.replays: dict[Policy, tuple[int, list[dict]]] = {}  # per policy: its passes, what they left per layer
         t = time.perf_counter()
         for sums in sorted({_ctx_of(model, p).column_sums for p in policies}):
             rows = max(_ctx_of(model, p).prefill_rows for p in policies if _ctx_of(model, p).column_sums == sums)
@@ -94,6 +97,20 @@ class SharedPrefill:
             view.append(kept.key.clone(), kept.value.clone(), cache.positions)
             ctx.observe_prompt(view, kept.query, view.keys, view.values, kept.spec, kept.abar, kept.last_for(keep))
         return self.logits[ctx.column_sums]
+
+    def replay(self, loop: _Loop) -> None:
+        """`loop`'s replay passes, or what an equal policy's left in each layer's run state (copied, also for the
+        first: the stored state is never the one a compression then changes)."""
+        books = loop.cache.books
+        if loop.policy not in self.replays:
+            before = [dict(book.state) for book in books]
+            loop.replay(self.ids)
+            left = [{k: v for k, v in book.state.items() if before_k.get(k) is not v}
+                    for book, before_k in zip(books, before, strict=True)]
+            self.replays[loop.policy] = (loop.replay_passes, left)
+        loop.replay_passes, left = self.replays[loop.policy]
+        for book, state in zip(books, left, strict=True):
+            book.state.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
 
 
 def _ctx_of(model: LoadedModel, policy: Policy) -> RunContext:
@@ -117,7 +134,10 @@ def prepare(model: LoadedModel, policy: Policy, context: list[int], budget: int 
             if shared.ids != list(context):
                 raise ValueError("The shared prefill is of another context.")
             logits = shared.restore(loop)
-        loop.replay(context)
+        if shared is None:
+            loop.replay(context)
+        else:
+            shared.replay(loop)
         loop.compress(0)
     loop.freeze()
     return loop, logits
