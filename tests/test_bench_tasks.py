@@ -50,7 +50,7 @@ def _rows(scores: dict[tuple[str, float], list[float]], task: str, length: int) 
     """Cell rows of one (task, length), a sample per position of each score list."""
     n = len(next(iter(scores.values())))
     return [{"suite_task": task, "length": length, "index": i, "shared_prefill_ms": 1.0,
-             "results": [{"policy": p, "ratio": r, "score": s[i], "kept_share": 1 - r, "prepare_ms": 1.0,
+             "results": [{"policy": p, "ratio": r, "score": s[i], "kept_share": 1 - (r or 0), "prepare_ms": 1.0,
                           "answer_ms": 4.0} for (p, r), s in scores.items()]} for i in range(n)]
 
 
@@ -66,6 +66,19 @@ def test_the_summary_averages_tasks_equally_and_bootstraps_within_them():
     assert cells[("h2o", "a")]["cost_vs_answer"] == 1.25
     assert cells[("h2o", "a")]["cell_ms"] == 0.5 + 1.0 + 4.0  # its half of the shared prefill, compression, answers
     assert "h2o" in tasks.table(tasks.summarise(rows))
+
+
+def test_a_budget_free_policy_is_shown_at_the_share_its_own_rule_removed():
+    rows = _rows({("full", 0.0): [1, 1], ("h2o", 0.5): [1, 0], ("corm", None): [0, 1]}, "a", 1024)
+    for row in rows:
+        row["results"][-1]["kept_share"] = 0.6
+    summary = tasks.summarise(rows)
+    line = next(x for x in tasks.table(summary).splitlines() if x.startswith("corm"))
+    assert "50.0% [0%, 100%] keeps 60%" in line
+    fig = tasks.figure({"summary": summary})
+    corm = [t for t in fig.data if t.name == "corm"]
+    assert [t.marker.symbol for t in corm] == ["diamond", "diamond"]  # the average panel and the task's
+    assert corm[0].x[0] == pytest.approx(0.4, abs=0.02) and corm[0].y == (0.5,)
 
 
 def test_the_full_cache_finds_a_generated_needle_and_one_prefill_serves_every_policy(smol):

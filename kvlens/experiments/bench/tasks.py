@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 
-from kvlens.engine.batch_answer import Kept, answer_many
+from kvlens.engine.batch_answer import Kept, answer_many, size_groups
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.quantize import Storage
 from kvlens.engine.shared_prefill import QUIET, SharedPrefill, answer, prepare
@@ -111,11 +111,12 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
 
 
 class _Batch:
-    """Prepared (policy, ratio) caches of one prompt, answered together (`answer_many`) once their kept slots
-    hold `ANSWER_BATCH_BYTES`, or one by one (`batched=False`: quantized storage, whose appended
-    tokens the batch would not quantize). A result's `answer_ms` is its share of the batch's time, by tokens
-    generated. `stop`: a row stops once every expected string of its question is in its answer (the score, a
-    share of strings found, cannot change after that; False: always RULER's answer-length limit)."""
+    """Prepared (policy, ratio) caches of one prompt, answered together (`answer_many`, in batches of similar
+    sizes: `size_groups`) once their kept slots hold `ANSWER_BATCH_BYTES`, or one by one (`batched=False`:
+    quantized storage, whose appended tokens the batch would not quantize). A result's `answer_ms` is its share
+    of its batch's time, by tokens generated. `stop`: a row stops once every expected string of its question is
+    in its answer (the score, a share of strings found, cannot change after that; False: always RULER's
+    answer-length limit)."""
 
     def __init__(self, model, sample, prompt, asked, questions, stop: bool, batched: bool):
         self.model, self.sample, self.start, self.asked, self.questions = model, sample, len(prompt), asked, questions
@@ -133,30 +134,33 @@ class _Batch:
         if not pending:
             return
         decode = self.model.tokenizer.decode
+        groups = size_groups([kept for _, kept, _ in pending]) if self.batched else [[j] for j in range(len(pending))]
         for turn, (i, question) in enumerate(zip(self.asked, self.questions, strict=True)):
             expected = [e.lower() for e in self.sample.answers[i]]
 
             def done(_row, tokens, expected=expected):
                 return self.stop and all(e in decode(tokens, skip_special_tokens=True).lower() for e in expected)
 
-            t = time.perf_counter()
-            if self.batched:
-                answers = answer_many([kept for _, kept, _ in pending], question, self.start,
-                                      self.sample.max_new_tokens, None if question else [lg for _, _, lg in pending],
-                                      done, release=turn == len(self.asked) - 1)
-            else:
-                answers = []
-                for _, loop, logits in pending:
+            for group in groups:
+                t = time.perf_counter()
+                if self.batched:
+                    answers = answer_many([pending[j][1] for j in group], question, self.start,
+                                          self.sample.max_new_tokens,
+                                          None if question else [pending[j][2] for j in group], done,
+                                          release=turn == len(self.asked) - 1)
+                else:
+                    _, loop, logits = pending[group[0]]
                     mark = loop.cache.mark()
-                    answers.append(answer(loop, question, self.start, self.sample.max_new_tokens,
-                                          None if question else logits, lambda tokens: done(0, tokens)))
+                    answers = [answer(loop, question, self.start, self.sample.max_new_tokens,
+                                      None if question else logits, lambda tokens: done(0, tokens))]
                     loop.cache.rewind(mark)
-            elapsed = (time.perf_counter() - t) * 1000
-            total = sum(len(tokens) for tokens, _ in answers)
-            for (out, _, _), (tokens, nlls) in zip(pending, answers, strict=True):
-                out["answer_ms"] += elapsed * len(tokens) / total
-                out["outputs"][i] = decode(tokens, skip_special_tokens=True)
-                out["nlls"].extend(nlls)
+                elapsed = (time.perf_counter() - t) * 1000
+                total = sum(len(tokens) for tokens, _ in answers)
+                for j, (tokens, nlls) in zip(group, answers, strict=True):
+                    out = pending[j][0]
+                    out["answer_ms"] += elapsed * len(tokens) / total
+                    out["outputs"][i] = decode(tokens, skip_special_tokens=True)
+                    out["nlls"].extend(nlls)
 
 
 def plan_tasks(policies: list[PolicySpec], ratios: list[float], tasks: list[str], lengths: list[int], count: int,
@@ -235,25 +239,30 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def table(summary: list[dict]) -> str:
-    """The averaged leaderboard as a terminal table: a row per policy, a column per ratio."""
+    """The averaged leaderboard as a terminal table: a row per policy, a column per ratio; a budget-free policy
+    (ratio None: it keeps what its own rule keeps) has its score in a column of its own, with its kept share."""
     avg = [s for s in summary if s["task"] == "all"]
-    ratios = sorted({s["ratio"] for s in avg if s["policy"] != "full"})
+    ratios = sorted({s["ratio"] for s in avg if s["policy"] != "full" and s["ratio"] is not None})
     full = next((s for s in avg if s["policy"] == "full"), None)
-    lines = [f"{'policy':<24}" + "".join(f"{f'r={r:g}':>20}" for r in ratios)]
+    lines = [f"{'policy':<24}" + "".join(f"{f'r={r:g}':>20}" for r in ratios) + f"{'own budget':>20}"]
     if full:
         lines.append(f"{'full (r=0)':<24}{full['score']:>8.1%} [{full['ci_low']:.0%}, {full['ci_high']:.0%}]")
     for policy in dict.fromkeys(s["policy"] for s in avg if s["policy"] != "full"):
         by = {s["ratio"]: s for s in avg if s["policy"] == policy}
+        own = by.get(None)
         lines.append(f"{policy:<24}" + "".join(
             f"{by[r]['score']:>8.1%} [{by[r]['ci_low']:.0%}, {by[r]['ci_high']:.0%}]".rjust(20) if r in by
-            else f"{'':>20}" for r in ratios))
+            else f"{'':>20}" for r in ratios) + (f"{own['score']:>8.1%} [{own['ci_low']:.0%}, {own['ci_high']:.0%}]"
+                                                 f" keeps {own['kept_share']:.0%}" if own else ""))
     return "\n".join(lines)
 
 
 def figure(result: dict):
     """Score against compression ratio, one line per method (kvpress's leaderboard plot): averaged over tasks,
     then one panel per task; bars are bootstrap 95 % intervals over samples, points of one ratio are set
-    slightly apart so that ties stay visible; the full cache is the star at ratio 0."""
+    slightly apart so that ties stay visible; the full cache is the star at ratio 0, a budget-free policy a diamond
+    at the share its own rule removed (1 - kept share)."""
+    import plotly.colors
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -264,33 +273,38 @@ def figure(result: dict):
     fig = make_subplots(rows=1, cols=len(panels), shared_yaxes=True, horizontal_spacing=0.03,
                         subplot_titles=["average over tasks" if p == "all" else p for p in panels])
     policies = list(dict.fromkeys(s["policy"] for s in summary))
-    palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974",
-               "#64B5CD", "#1B9E77", "#D95F02", "#7570B3", "#E7298A", "#66A61E", "#E6AB02", "#A6761D", "#666666"]
+    palette = plotly.colors.qualitative.Dark24  # 24 distinct colours: every registered policy its own
     for col, panel in enumerate(panels, 1):
         for i, policy in enumerate(policies):
             pts = {}  # ratio -> mean over the panel's lengths
             for s in summary:
                 if s["policy"] == policy and s["task"] == panel and (panel != "all" or s["length"] == "all"):
                     pts.setdefault(s["ratio"], []).append(s)
+            free = pts.pop(None, None)  # a budget-free policy: at the share it removed
+            if free:
+                pts[round(1 - statistics.fmean(s["kept_share"] for s in free), 4)] = free
             xs = sorted(pts)
             if not xs:
                 continue
             ys = [statistics.fmean(s["score"] for s in pts[x]) for x in xs]
             lo = [y - statistics.fmean(s["ci_low"] for s in pts[x]) for x, y in zip(xs, ys, strict=True)]
             hi = [statistics.fmean(s["ci_high"] for s in pts[x]) - y for x, y in zip(xs, ys, strict=True)]
-            mode = "markers" if policy == "full" else "lines+markers"
-            dodge = 0.012 * (i - len(policies) / 2)  # policies that tie stay visible side by side
+            mode = "markers" if policy == "full" or free else "lines+markers"
+            symbol = "star" if policy == "full" else "diamond" if free else "circle"
+            dodge = 0.08 * (i / max(1, len(policies) - 1) - 0.5)  # ties stay visible side by side
             fig.add_trace(go.Scatter(x=[x + dodge * (policy != "full") for x in xs], y=ys, mode=mode, name=policy,
                                      legendgroup=policy, showlegend=col == 1,
                                      line={"color": palette[i % len(palette)]},
-                                     marker={"symbol": "star", "size": 12} if policy == "full" else {"size": 6},
+                                     marker={"symbol": symbol, "size": 6 if symbol == "circle" else 11},
                                      error_y={"type": "data", "symmetric": False, "array": hi, "arrayminus": lo,
                                               "thickness": 1}), 1, col)
-        fig.update_xaxes(title_text="compression ratio (share removed)", range=[-0.05, 0.95], row=1, col=col)
+        fig.update_xaxes(title_text="compression ratio (share removed)" if col == 1 else None, range=[-0.06, 0.98],
+                         row=1, col=col)
     fig.update_yaxes(title_text="score (share of expected strings found)", range=[-0.02, 1.02], row=1, col=1)
     cfg = result.get("config", {})
     protocol = "query-aware" if cfg.get("query_aware") else "question-agnostic"
     fig.update_layout(title=f"Task accuracy under compression ({protocol}, "
                             f"{result.get('environment', {}).get('model', 'model')})",
-                      width=max(700, 330 * len(panels)), height=480, template="kvlens")
+                      width=max(800, 330 * len(panels) + 220), height=max(480, 26 * len(policies) + 160),
+                      legend={"tracegroupgap": 0}, template="kvlens")
     return fig
