@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 
-from kvlens.engine.batch_answer import Kept, answer_many, size_groups
+from kvlens.engine.batch_answer import Kept, answer_many
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.quantize import Storage
 from kvlens.engine.shared_prefill import QUIET, SharedPrefill, answer, prepare
@@ -111,12 +111,11 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
 
 
 class _Batch:
-    """Prepared (policy, ratio) caches of one prompt, answered together (`answer_many`, in batches of similar
-    sizes: `size_groups`) once their kept slots hold `ANSWER_BATCH_BYTES`, or one by one (`batched=False`:
-    quantized storage, whose appended tokens the batch would not quantize). A result's `answer_ms` is its share
-    of its batch's time, by tokens generated. `stop`: a row stops once every expected string of its question is
-    in its answer (the score, a share of strings found, cannot change after that; False: always RULER's
-    answer-length limit)."""
+    """Prepared (policy, ratio) caches of one prompt, answered together (`answer_many`) once their kept slots
+    hold `ANSWER_BATCH_BYTES`, or one by one (`batched=False`: quantized storage, whose appended
+    tokens the batch would not quantize). A result's `answer_ms` is its share of the batch's time, by tokens
+    generated. `stop`: a row stops once every expected string of its question is in its answer (the score, a
+    share of strings found, cannot change after that; False: always RULER's answer-length limit)."""
 
     def __init__(self, model, sample, prompt, asked, questions, stop: bool, batched: bool):
         self.model, self.sample, self.start, self.asked, self.questions = model, sample, len(prompt), asked, questions
@@ -134,33 +133,30 @@ class _Batch:
         if not pending:
             return
         decode = self.model.tokenizer.decode
-        groups = size_groups([kept for _, kept, _ in pending]) if self.batched else [[j] for j in range(len(pending))]
         for turn, (i, question) in enumerate(zip(self.asked, self.questions, strict=True)):
             expected = [e.lower() for e in self.sample.answers[i]]
 
             def done(_row, tokens, expected=expected):
                 return self.stop and all(e in decode(tokens, skip_special_tokens=True).lower() for e in expected)
 
-            for group in groups:
-                t = time.perf_counter()
-                if self.batched:
-                    answers = answer_many([pending[j][1] for j in group], question, self.start,
-                                          self.sample.max_new_tokens,
-                                          None if question else [pending[j][2] for j in group], done,
-                                          release=turn == len(self.asked) - 1)
-                else:
-                    _, loop, logits = pending[group[0]]
+            t = time.perf_counter()
+            if self.batched:
+                answers = answer_many([kept for _, kept, _ in pending], question, self.start,
+                                      self.sample.max_new_tokens, None if question else [lg for _, _, lg in pending],
+                                      done, release=turn == len(self.asked) - 1)
+            else:
+                answers = []
+                for _, loop, logits in pending:
                     mark = loop.cache.mark()
-                    answers = [answer(loop, question, self.start, self.sample.max_new_tokens,
-                                      None if question else logits, lambda tokens: done(0, tokens))]
+                    answers.append(answer(loop, question, self.start, self.sample.max_new_tokens,
+                                          None if question else logits, lambda tokens: done(0, tokens)))
                     loop.cache.rewind(mark)
-                elapsed = (time.perf_counter() - t) * 1000
-                total = sum(len(tokens) for tokens, _ in answers)
-                for j, (tokens, nlls) in zip(group, answers, strict=True):
-                    out = pending[j][0]
-                    out["answer_ms"] += elapsed * len(tokens) / total
-                    out["outputs"][i] = decode(tokens, skip_special_tokens=True)
-                    out["nlls"].extend(nlls)
+            elapsed = (time.perf_counter() - t) * 1000
+            total = sum(len(tokens) for tokens, _ in answers)
+            for (out, _, _), (tokens, nlls) in zip(pending, answers, strict=True):
+                out["answer_ms"] += elapsed * len(tokens) / total
+                out["outputs"][i] = decode(tokens, skip_special_tokens=True)
+                out["nlls"].extend(nlls)
 
 
 def plan_tasks(policies: list[PolicySpec], ratios: list[float], tasks: list[str], lengths: list[int], count: int,
