@@ -109,3 +109,17 @@ def test_a_bad_line_in_a_samples_file_is_named(tmp_path, capsys):
     samples.write_text(json.dumps(LINES[0]) + "\n" + json.dumps({"context": "x", "question": "y"}) + "\n")
     assert main(["bench", "tasks", "--samples", str(samples)]) == 2
     assert f"The sample on line 2 of {samples} has no 'answers' field." in capsys.readouterr().err
+
+
+def test_kvzips_replay_runs_once_for_all_its_ratios(smol, monkeypatch):
+    from kvlens.engine.loop import _Loop
+
+    calls, replay = [], _Loop.replay
+    monkeypatch.setattr(_Loop, "replay", lambda loop, prompt: calls.append(loop.policy.name) or replay(loop, prompt))
+    haystack = " ".join(bundled(2).values())
+    cells = tasks.plan_tasks(parse_policies("kvzip"), [0.5, 0.75], ["niah_single"], [256], 1, model="default",
+                             seed=0, query_aware=False, chat=True, source="x")
+    row = tasks.tasks_cell(smol, {"haystack": haystack}, cells[0])
+    assert calls.count("kvzip") == 1
+    kept = {r["ratio"]: r["kept_share"] for r in row["results"]}
+    assert kept[0.0] == 1 and kept[0.5] > kept[0.75] > 0  # the copied scores served a second budget
