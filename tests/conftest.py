@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,34 @@ def offline(external_requests):
     seen = sorted(set(external_requests))
     external_requests.clear()
     assert not seen, f"the app requested {len(seen)} URL(s) outside 127.0.0.1 (it must work offline): {seen}"
+
+
+@contextmanager
+def chromium_app(runs_dir: Path):
+    """`streamlit run app.py` on the runs folder `runs_dir` and a headless Chromium: yields (chromium, url). Skips
+    the module when Debian's chromium is missing."""
+    from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, streamlit_server
+
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium package (make test does so when run as root)")
+    from playwright.sync_api import sync_playwright
+
+    with streamlit_server(env={**os.environ, "KVLENS_RUNS": str(runs_dir)}) as url, sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield chromium, url
+        finally:
+            chromium.close()
+
+
+def offline_page(chromium, external_requests: list[str], width: int = 1500, height: int = 1000):
+    """A page in a new browser context (no cookies, no session) whose requests off 127.0.0.1 are refused and
+    recorded in `external_requests` (the `offline` fixture then fails the test)."""
+    from kvlens.ui.browser import refuse_external
+
+    context = chromium.new_context(viewport={"width": width, "height": height})
+    refuse_external(context, external_requests)
+    return context.new_page()
 
 
 class ByteTokenizer:

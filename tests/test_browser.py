@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, refuse_external, streamlit_server, wait_idle
+from kvlens.ui.browser import wait_idle
+from tests.conftest import chromium_app, offline_page
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.usefixtures("offline")]
 
@@ -23,18 +24,11 @@ def runs_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser_page(runs_dir, external_requests):
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium package (make test does so when run as root)")
-    from playwright.sync_api import sync_playwright
-
-    with streamlit_server(env={**os.environ, "KVLENS_RUNS": str(runs_dir)}) as url, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        refuse_external(page, external_requests)  # any request off 127.0.0.1 fails the test (`offline`)
+    with chromium_app(runs_dir) as (chromium, url):
+        page = offline_page(chromium, external_requests, 1400, 1000)
         page.goto(url)
         wait_idle(page, "kvlens")
         yield page
-        browser.close()
 
 
 def test_compare_two_policies_in_chromium(browser_page):

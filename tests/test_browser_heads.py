@@ -5,14 +5,13 @@ The step change's redraw time is measured and printed (never asserted: these mac
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
-from pathlib import Path
 
 import pytest
 
-from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, refuse_external, streamlit_server, wait_idle
+from kvlens.ui.browser import wait_idle
+from tests.conftest import chromium_app, offline_page
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.usefixtures("offline")]
 RUN = "adakv-heads"
@@ -20,20 +19,11 @@ RUN = "adakv-heads"
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory, external_requests):
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium package (make test does so when run as root)")
-    from playwright.sync_api import sync_playwright
-
-    env = {**os.environ, "KVLENS_RUNS": str(tmp_path_factory.mktemp("runs"))}
-    with streamlit_server(env=env) as url, sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        context = chromium.new_context(viewport={"width": 1500, "height": 1100})
-        refuse_external(context, external_requests)  # any request off 127.0.0.1 fails the test (`offline`)
-        page = context.new_page()
+    with chromium_app(tmp_path_factory.mktemp("runs")) as (chromium, url):
+        page = offline_page(chromium, external_requests, 1500, 1100)
         page.goto(f"{url}/heads?run={RUN}")
         wait_idle(page, "Head grid")
         yield page
-        chromium.close()
 
 
 def _title(page) -> str:

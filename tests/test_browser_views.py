@@ -11,8 +11,9 @@ import pytest
 
 from kvlens import load_run
 from kvlens.figures.inspect_token import token_strings
-from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, refuse_external, streamlit_server, wait_idle
+from kvlens.ui.browser import wait_idle
 from kvlens.ui.inspector import label
+from tests.conftest import chromium_app, offline_page
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.usefixtures("offline")]
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,23 +30,14 @@ new MutationObserver(() => {
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory, external_requests):
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium package (make test does so when run as root)")
-    from playwright.sync_api import sync_playwright
-
-    env = {**os.environ, "KVLENS_RUNS": str(tmp_path_factory.mktemp("runs"))}
-    with streamlit_server(env=env) as url, sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with chromium_app(tmp_path_factory.mktemp("runs")) as (chromium, url):
         yield chromium, url, external_requests
-        chromium.close()
 
 
 def new_page(browser):
     """A page in a new browser context: no cookies, no session, no request off 127.0.0.1 (`offline` fails on one)."""
     chromium, _, seen = browser
-    context = chromium.new_context(viewport={"width": 1500, "height": 1000})
-    refuse_external(context, seen)
-    return context.new_page()
+    return offline_page(chromium, seen)
 
 
 def test_first_paint_of_a_page_url_never_shows_the_raw_page_list(browser):
