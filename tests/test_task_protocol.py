@@ -92,7 +92,8 @@ def test_answers_from_many_caches_at_once_equal_each_caches_own(smol, prompt):
     """`answer_many` stacks every policy's compressed cache (per-head padding, per-layer budgets, merged values,
     the full prompt) as one batch: each row's greedy tokens are its cache's own and their NLLs equal within float
     rounding, with a question chunk and without one (the prompt's logits), and with rows leaving the batch early
-    (`done` stops one row after 3 tokens; compaction then drops it)."""
+    (`done` stops the three widest caches after 3 tokens; compaction then drops them, and the padding that only
+    they needed)."""
     from kvlens.engine.batch_answer import answer_many
 
     context, question = prompt
@@ -103,12 +104,37 @@ def test_answers_from_many_caches_at_once_equal_each_caches_own(smol, prompt):
         loop, last = prepare(smol, make_policy(name), context, budget, len(question) + 12, shared=shared)
         loops.append(loop)
         logits.append(last)
+    widths = [max(layer.n_slots for layer in loop.cache.layers) for loop in loops]
+    wide = sorted(range(len(loops)), key=lambda i: -widths[i])[:3]
+    assert widths[wide[2]] > sorted(widths)[-4]  # so dropping them shortens the batch
     for q, start_logits in [(question, None), ([], logits)]:
-        got = answer_many(loops, q, len(context), 12, start_logits, done=lambda row, tokens: row == 1 and
+        got = answer_many(loops, q, len(context), 12, start_logits, done=lambda row, tokens: row in wide and
                           len(tokens) == 3)
         for i, (name, loop) in enumerate(zip(POLICIES, loops, strict=True)):
             mark = loop.cache.mark()
-            tokens, nlls = answer(loop, q, len(context), 3 if i == 1 else 12, None if q else logits[i])
+            tokens, nlls = answer(loop, q, len(context), 3 if i in wide else 12, None if q else logits[i])
             loop.cache.rewind(mark)
             assert got[i][0] == tokens, name
             assert got[i][1] == pytest.approx(nlls, rel=1e-4, abs=1e-5), name
+
+
+def test_a_compacted_batch_drops_the_padding_only_the_dropped_caches_needed():
+    """`_BatchLayer.keep`: dropping the widest cache moves the fed tokens up behind the longest remaining one; each
+    remaining row still holds exactly its own slots and the fed tokens, nothing stale where they were."""
+    from kvlens.engine.batch_answer import _BatchLayer
+
+    def part(n):  # one cache's layer: 1 KV head, n slots holding positions 0..n-1, key = position
+        pos = torch.arange(n)[None]
+        return pos[..., None].float(), pos[..., None].float(), torch.ones(1, n, dtype=torch.bool), pos
+
+    layer = _BatchLayer([part(9), part(3), part(5)], room=8)
+    for step, position in enumerate((20, 21)):  # two fed tokens, as `attend` appends them
+        at = layer.n
+        layer.keys[:, :, at], layer.valid[:, :, at], layer.pos[:, :, at] = 100 + step, True, position
+        layer.n = at + 1
+    layer.keep(torch.tensor([1, 2]))
+    assert (layer.base, layer.n, layer.keys.shape[2]) == (5, 7, 5 + 8)
+    for row, own in enumerate((3, 5)):
+        kept = layer.valid[row, 0]
+        assert layer.pos[row, 0][kept].tolist() == [*range(own), 20, 21]
+        assert layer.keys[row, 0, 5:7, 0].tolist() == [100, 101] and not kept[7:].any()

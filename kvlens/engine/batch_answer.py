@@ -39,7 +39,8 @@ class Kept:
 
 
 class _BatchLayer:
-    """One layer's slots for B caches: keys/values `(B, Hkv, S, D)`, valid `(B, Hkv, S)`, pos `(B, Hkv, S)`."""
+    """One layer's slots for B caches: keys/values `(B, Hkv, S, D)`, valid `(B, Hkv, S)`, pos `(B, Hkv, S)`. Each
+    cache's own slots come first (`own[i]` of them), padded to `base`; the tokens fed since sit at `base..n`."""
 
     def __init__(self, parts: Sequence[tuple], room: int):
         n = max(k.shape[1] for k, _, _, _ in parts)
@@ -53,11 +54,24 @@ class _BatchLayer:
             s = keys.shape[1]
             self.keys[i, :, :s], self.values[i, :, :s], self.valid[i, :, :s], self.pos[i, :, :s] = \
                 keys, values, valid, pos
-        self.n = n
+        self.own = [k.shape[1] for k, _, _, _ in parts]
+        self.base = self.n = n
 
     def keep(self, rows: torch.Tensor) -> None:
+        """Only batch rows `rows` stay; the padding that only the dropped caches needed goes with them (the fed
+        tokens move up behind the longest remaining cache: attention reads slots by `pos` and `valid`)."""
+        self.own = [self.own[i] for i in rows.tolist()]
+        shift = self.base - max(self.own)
+        n = self.n - shift
         for name in ("keys", "values", "valid", "pos"):
-            setattr(self, name, getattr(self, name).index_select(0, rows))
+            t = getattr(self, name).index_select(0, rows)
+            if shift:
+                t[:, :, self.base - shift:n] = t[:, :, self.base:self.n].clone()
+                t = t[:, :, : t.shape[2] - shift]
+                if name == "valid":
+                    t[:, :, n:] = False  # where the fed tokens were
+            setattr(self, name, t)
+        self.base, self.n = self.base - shift, n
 
 
 class _BatchContext:
