@@ -157,12 +157,14 @@ def sequential_step0_merge(policy: CaM, layer: SlotRows, budget: int):
     return values, rows
 
 
+@pytest.mark.parametrize("block", [1, 256])  # the chain solve in blocks of its longest link, or in one block
 @pytest.mark.parametrize("budget", [12, 39])  # the prompt's bulk merge (28 evictions per head), a decode step's one
 @pytest.mark.parametrize("params", [{}, {"preset": "official-summarization", "span": 6, "prefill": "merge"},
                                     {"preset": "kvpress", "prefill": "merge"}, {"preset": "paper", "prefill": "merge"},
                                     {"base": "h2o", "denominator": "window_mean", "span": 2},
                                     {"base": "h2o", "preset": "official-ppl", "span": 3, "mask": "always"}])
-def test_cam_merge_in_tensor_form_equals_the_sequential_loop(params, budget):
+def test_cam_merge_in_tensor_form_equals_the_sequential_loop(params, budget, block, monkeypatch):
+    monkeypatch.setattr("kvlens.policies.cam.SOLVE_BLOCK", block)
     policy = make_policy("cam", {**params, "seed": 4})
     layer, reference = random_layer(11, 40), random_layer(11, 40)
     decode_attn = torch.rand(HKV, 40, generator=torch.Generator().manual_seed(1))  # score=decode (kvpress)

@@ -61,7 +61,8 @@ from kvlens.policies.base import (
 from kvlens.policies.streaming_llm import StreamingLLM
 
 GENERATOR = "cam_generator"  # per layer: the run's Bernoulli generator
-CHUNK_ELEMENTS = 1 << 24  # rows solved at once in a step-0 merge: their E x E systems hold at most this many
+CHUNK_ELEMENTS = 1 << 24  # rows solved at once in a step-0 merge: their blocks' systems hold at most this many
+SOLVE_BLOCK = 256  # evicted slots per block of a step-0 merge's chain solve (at least the longest chain link)
 DECODE_ATTN = "cam_decode_attn"  # per slot: attention summed over decode steps only (score="decode")
 
 # settings of each source; every other parameter keeps its default
@@ -211,29 +212,34 @@ class CaM(Wrapper):
         log_evictions(step, rows, pos_ev.masked_fill(found > 0, -1))
 
     def _add_values(self, rows, evicted, c, at_pool, pool_slots, found, w) -> None:
-        """Add to each pool slot's value what its senders send, in place (see `_merge`); rows and evicted slots
-        in chunks of at most `CHUNK_ELEMENTS` mask entries."""
+        """Add to each pool slot's value what its senders send, in place (see `_merge`): the evicted slots' chains
+        solved block by block (forward substitution over blocks of `SOLVE_BLOCK` slots or more, each a triangular
+        solve; rows in chunks of at most `CHUNK_ELEMENTS` system entries), then each candidate's senders summed
+        as a difference array over the candidates (one scatter, one cumulative sum)."""
         values = rows.values[0]  # (R, S, D)
         r, n_ev = c.shape
         heads = torch.arange(r, device=c.device)[:, None]
         exact = torch.float64 if n_ev > 1 else values.dtype  # one sender per row: no rounding to accumulate
         sent = values[heads, evicted].to(exact)  # (R, E, D), merged below
-        if n_ev > 1:  # chains: evicted j receives from evicted i when c_i < c_j <= c_i + found_i
-            step = max(1, CHUNK_ELEMENTS // (n_ev * n_ev))
-            for lo in range(0, r, step):
-                hi = min(r, lo + step)
-                system = torch.where(receives(c[lo:hi], c[lo:hi], found[lo:hi]), -w[lo:hi, None, :].to(exact), 0.0)
-                sent[lo:hi] = torch.linalg.solve_triangular(system, sent[lo:hi], upper=False, unitriangular=True)
+        if n_ev > 1:  # chains: evicted j receives from evicted i when c_i < c_j <= c_i + found_i, so j - i <= found_i
+            size = max(SOLVE_BLOCK, int(found.max()))  # a block receives from itself and the block before only
+            wx = w.to(exact)
+            for r0 in range(0, r, max(1, CHUNK_ELEMENTS // (size * size))):
+                h = slice(r0, r0 + max(1, CHUNK_ELEMENTS // (size * size)))
+                for lo in range(0, n_ev, size):
+                    at, before = slice(lo, lo + size), slice(max(0, lo - size), lo)
+                    if lo:  # what the solved block before sends into this one
+                        into = torch.where(receives(c[h, at], c[h, before], found[h, before]), wx[h, None, before], 0.0)
+                        sent[h, at] += into @ sent[h, before]
+                    system = torch.where(receives(c[h, at], c[h, at], found[h, at]), -wx[h, None, at], 0.0)
+                    sent[h, at] = torch.linalg.solve_triangular(system, sent[h, at], upper=False, unitriangular=True)
         sent *= w[..., None].to(exact)  # what each evicted slot sends to each of its targets
-        place = torch.full(values.shape[:2], -1, dtype=c.dtype, device=c.device).scatter_(1, pool_slots, at_pool)
-        step = max(1, CHUNK_ELEMENTS // max(1, r * values.shape[1]))  # each slot's place in C (-1: none)
-        for lo in range(0, n_ev, step):
-            hi = min(n_ev, lo + step)
-            gets = receives(place, c[:, lo:hi], found[:, lo:hi]).to(exact)  # (R, S, e)
-            if exact == values.dtype:
-                values.baddbmm_(gets, sent[:, lo:hi])
-            else:
-                values.add_(torch.bmm(gets, sent[:, lo:hi]).to(values.dtype))
+        # candidate x receives from i when c_i < x <= c_i + found_i: +sent at c_i + 1, -sent after the range, summed
+        ends = torch.cat([c + 1, c + 1 + found], dim=1)[..., None].expand(-1, -1, sent.shape[-1])
+        received = sent.new_zeros(r, c.shape[1] + at_pool.shape[1] + 1, sent.shape[-1])
+        received.scatter_add_(1, ends, torch.cat([sent, -sent], dim=1)).cumsum_(1)
+        got = received.gather(1, at_pool[..., None].expand(-1, -1, sent.shape[-1]))  # (R, P, D)
+        values[heads, pool_slots] += got.to(values.dtype)
 
     def _probabilities(self, score, c, found, window, outside, reach) -> torch.Tensor:
         """`(R, E)` p = clamp(A_i / A_ref, lo, hi) of every evicted slot at C places `c`, 0 without a target.
