@@ -32,7 +32,7 @@ from kvlens.experiments.grid import digest
 from kvlens.policies import make_policy
 
 SLOT = "\x00question\x00"  # where the user's text goes in the chat template
-ANSWER_BATCH_BYTES = 1 << 30  # the kept slots of the caches answered together: at most about this (plus one)
+ANSWER_BATCH_BYTES = 1 << 30  # a batch's slots, each cache padded to the longest: about this at most (plus one cache)
 
 
 def split_prompt(model: LoadedModel, context: str, question: str, chat: bool = True) -> tuple[list[int], list[int]]:
@@ -55,6 +55,18 @@ def slots_for(ratio: float, tokens: int) -> int:
     return tokens - int(tokens * ratio)
 
 
+def _policy_major(specs: list[PolicySpec], ratios: list[float]) -> list[tuple[PolicySpec, float | None]]:
+    """Every (policy, ratio) of a cell, a budget-free policy once (ratio None), policy by policy."""
+    return [(spec, ratio) for spec in specs
+            for ratio in ([None] if make_policy(spec.name, dict(spec.params)).budget_free else ratios)]
+
+
+def _ratio_major(specs: list[PolicySpec], ratios: list[float]) -> list[tuple[PolicySpec, float | None]]:
+    """The same pairs, the budget-free ones first, then by ratio, least compressed first: caches of one batch keep
+    about as many slots (a batch pads every cache to its longest)."""
+    return sorted(_policy_major(specs, ratios), key=lambda pair: -1 if pair[1] is None else pair[1])
+
+
 def sample_of(model: LoadedModel, texts: dict[str, str], cell: dict) -> ruler.Sample:
     """The cell's sample: line `index` of the user's file, or generated from the seed."""
     if "samples" in texts:
@@ -74,7 +86,8 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
     prompts = [(c + q, [i]) for i, (c, q) in enumerate(parts)] if cell["query_aware"] else \
         [(context, list(range(len(parts))))]
     opts = dataclasses.replace(QUIET, storage=Storage.of(cell.get("storage")))
-    runs: dict[tuple[str, float | None], dict] = {}
+    runs = {pair: {"outputs": {}, "nlls": [], "prepare_ms": 0.0, "answer_ms": 0.0, "kept": [], "bytes": []}
+            for pair in [(spec.label, ratio) for spec, ratio in _policy_major(specs, cell["ratios"])]}
     shared_ms = 0.0
     for prompt, asked in prompts:  # one prompt (questions appended), or one per question (query-aware)
         questions = [[] if cell["query_aware"] else parts[i][1] for i in asked]
@@ -83,23 +96,20 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
         shared_ms += shared.ms
         batch = _Batch(model, sample, prompt, asked, questions, cell.get("stop_when_found", True),
                        batched=cell.get("batch", True) and not opts.storage.quantized)
-        for spec in specs:
+        replay_ms: dict[str, float] = {}  # a policy's replay passes (KVzip), run for its first ratio, shared by all
+        for spec, ratio in _ratio_major(specs, cell["ratios"]):
             policy = make_policy(spec.name, dict(spec.params))
-            ratios = [None] if policy.budget_free else cell["ratios"]
-            replay_ms = 0.0  # the policy's replay passes (KVzip), run for its first ratio, shared by all of them
-            for ratio in ratios:
-                budget = None if ratio is None else policy.resolve_budget(slots_for(ratio, len(prompt)), len(prompt),
-                                                                          len(prompt) + extra)
-                out = runs.setdefault((spec.label, ratio), {"outputs": {}, "nlls": [], "prepare_ms": 0.0,
-                                                            "answer_ms": 0.0, "kept": [], "bytes": []})
-                t = time.perf_counter()
-                loop, logits = prepare(model, make_policy(spec.name, dict(spec.params)), prompt, budget, extra,
-                                       shared, opts)
-                replay_ms = replay_ms or loop.replay_ms
-                out["prepare_ms"] += (time.perf_counter() - t) * 1000 - loop.replay_ms + replay_ms / len(ratios)
-                out["kept"].append(loop.kept[0].float().mean().item() / len(prompt))
-                out["bytes"].append(loop.cache.nbytes)
-                batch.add(out, loop, logits)
+            share = 1 if ratio is None else len(cell["ratios"])
+            budget = None if ratio is None else policy.resolve_budget(slots_for(ratio, len(prompt)), len(prompt),
+                                                                      len(prompt) + extra)
+            out = runs[(spec.label, ratio)]
+            t = time.perf_counter()
+            loop, logits = prepare(model, policy, prompt, budget, extra, shared, opts)
+            replay_ms[spec.label] = replay_ms.get(spec.label) or loop.replay_ms
+            out["prepare_ms"] += (time.perf_counter() - t) * 1000 - loop.replay_ms + replay_ms[spec.label] / share
+            out["kept"].append(loop.kept[0].float().mean().item() / len(prompt))
+            out["bytes"].append(loop.cache.nbytes)
+            batch.add(out, loop, logits)
         batch.flush()
     results = []
     for (label, ratio), out in runs.items():
@@ -114,8 +124,8 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
 
 
 class _Batch:
-    """Prepared (policy, ratio) caches of one prompt, answered together (`answer_many`) once their kept slots
-    hold `ANSWER_BATCH_BYTES`, or one by one (`batched=False`: quantized storage, whose appended
+    """Prepared (policy, ratio) caches of one prompt, answered together (`answer_many`) once the batch, each cache
+    padded to the longest, holds `ANSWER_BATCH_BYTES`, or one by one (`batched=False`: quantized storage, whose appended
     tokens the batch would not quantize). A result's `answer_ms` is its share of the batch's time, by tokens
     generated. `stop`: a row stops once every expected string of its question is in its answer (the score, a
     share of strings found, cannot change after that; False: always RULER's answer-length limit)."""
@@ -128,7 +138,7 @@ class _Batch:
     def add(self, out: dict, loop, logits) -> None:
         """A prepared cache; batched, only its kept slots stay (`Kept`) and the loop is dropped."""
         self.pending.append((out, Kept(loop) if self.batched else loop, logits))
-        if not self.batched or sum(kept.nbytes for _, kept, _ in self.pending) >= ANSWER_BATCH_BYTES:
+        if not self.batched or len(self.pending) * max(k.nbytes for _, k, _ in self.pending) >= ANSWER_BATCH_BYTES:
             self.flush()
 
     def flush(self) -> None:
