@@ -125,7 +125,7 @@ def test_one_list_parser_one_sentence(text, kwargs, message):
     assert parse_list(" 3, 1,2 ", "--n") == [3, 1, 2]
 
 
-def test_results_keep_finished_cells_retry_failed_ones_and_start_over_when_fresh(tmp_path):
+def test_results_keep_finished_cells_and_other_grids_rows_retry_failed_ones_start_over_when_fresh(tmp_path):
     cells = plan("ppl", [("full", {}), ("h2o", {})], [0.5, 8], {}, {"model": "m"})
     out = tmp_path / "r.json"
     results = Results(out, cells, {"command": "x"})
@@ -138,6 +138,11 @@ def test_results_keep_finished_cells_retry_failed_ones_and_start_over_when_fresh
     assert data["failed"][0]["error"] == "It broke." and data["rows"][0]["kvlens_version"]
     again.add(cells[2], {"row": {"ppl": 3.0}})
     assert not json.loads(out.read_text())["failed"]
+    smaller = Results(out, cells[1:], {})  # another grid in the same file: the first cell's row is kept aside
+    smaller.add(cells[1], {"row": {"ppl": 4.0}})
+    data = json.loads(out.read_text())
+    assert [r["ppl"] for r in data["other_rows"]] == [2.0] and [r["ppl"] for r in data["rows"]] == [4.0, 3.0]
+    assert Results(out, cells, {}).todo() == []  # ... and counts again for the grid that plans it
     assert Results(out, cells, {}, fresh=True).todo() == cells
     out.write_text("not json")
     with pytest.raises(KvlensError, match="--fresh"):

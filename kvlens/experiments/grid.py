@@ -8,7 +8,9 @@ the same cell gives the same row wherever it runs (`kvlens.experiments.executors
 `Results` is the results file of a grid: `{**settings, "cells_total", "cells_done",
 "cells_failed", "status", "rows", "failed"}`. Every finished cell rewrites it atomically
 (temporary file, fsync, rename), so a killed sweep leaves only whole cells; re-running the same
-grid skips the cells that already have a row and retries the failed ones.
+grid skips the cells that already have a row and retries the failed ones. Finished cells of another grid found
+in the file (other policies, lengths or settings) stay in it as `other_rows`, untouched, and count as done for
+a later grid that plans them again: two grids can share an out-dir without either losing a row.
 """
 from __future__ import annotations
 
@@ -91,6 +93,7 @@ class Results:
             raise KvlensError("The grid names the same cell twice; give each value once.")
         self.rows: dict[str, dict] = {}
         self.failed: dict[str, dict] = {}
+        self.other: list[dict] = []  # finished cells of another grid found in the file: kept as they were
         if self.path.is_file() and not fresh:
             self._read()
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,10 +105,13 @@ class Results:
         except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
             raise KvlensError(f"{self.path} exists but is not a results file; use --fresh to replace it.") from None
         fields = list(self.cells[0]) if self.cells else []
-        for entry, into in [(r, self.rows) for r in rows] + [(f, self.failed) for f in failed]:
+        for entry, into in [(r, self.rows) for r in rows + old.get("other_rows", [])] + \
+                [(f, self.failed) for f in failed]:
             k = key({f: entry.get(f) for f in fields})
             if k in self.order:
                 into[k] = entry
+            elif into is self.rows:
+                self.other.append(entry)
 
     def todo(self) -> list[dict]:
         """The planned cells without a row yet (failed ones included), in plan order."""
@@ -131,7 +137,8 @@ class Results:
         done = len(rows) == len(self.cells)
         obj = {**self.settings, **(extra or {}), "cells_total": len(self.cells), "cells_done": len(rows),
                "cells_failed": len(self.failed), "status": "done" if done else "running", "rows": rows,
-               "failed": [self.failed[k] for k in sorted(self.failed, key=self.order.get)]}
+               "failed": [self.failed[k] for k in sorted(self.failed, key=self.order.get)],
+               **({"other_rows": self.other} if self.other else {})}
         _write_atomic(self.path, lambda f: f.write(json.dumps(obj, indent=1, default=str)))
         columns = list(dict.fromkeys(c for r in rows for c in r if c not in CSV_SKIP))
 
@@ -164,6 +171,8 @@ def report(results: Results) -> Iterator[str]:
     """Lines for the terminal: how many cells ran, and each failure's reason."""
     path = results.path
     yield f"{len(results.rows)} of {len(results.cells)} cells done -> {path} and {path.with_suffix('.csv')}"
+    if results.other:
+        yield f"kept {len(results.other)} finished cells of another grid in {path.name} (other_rows)"
     for f in list(results.failed.values())[:10]:
         where = (f"{f['policy']} budget {f['budget']}" if "policy" in f
                  else f"{f.get('suite_task')} sample {f.get('index')}")
