@@ -93,9 +93,10 @@ def _give_back_memory() -> None:
     import gc
 
     gc.collect()
-    libc = ctypes.util.find_library("c")
-    if libc and hasattr(ctypes.CDLL(libc), "malloc_trim"):
-        ctypes.CDLL(libc).malloc_trim(0)
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None  # glibc only
+    if trim is not None:
+        trim(0)
 
 
 def processes(job: Job, workers: int) -> Callable[[list[dict]], Iterator[tuple[dict, dict]]]:

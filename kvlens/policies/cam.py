@@ -223,9 +223,9 @@ class CaM(Wrapper):
         sent = values[heads, evicted].to(exact)  # (R, E, D), merged below
         if n_ev > 1:  # chains: evicted j receives from evicted i when c_i < c_j <= c_i + found_i, so j - i <= found_i
             size = max(SOLVE_BLOCK, int(found.max()))  # a block receives from itself and the block before only
-            wx = w.to(exact)
-            for r0 in range(0, r, max(1, CHUNK_ELEMENTS // (size * size))):
-                h = slice(r0, r0 + max(1, CHUNK_ELEMENTS // (size * size)))
+            wx, rows_at_once = w.to(exact), max(1, CHUNK_ELEMENTS // (size * size))
+            for r0 in range(0, r, rows_at_once):
+                h = slice(r0, r0 + rows_at_once)
                 for lo in range(0, n_ev, size):
                     at, before = slice(lo, lo + size), slice(max(0, lo - size), lo)
                     if lo:  # what the solved block before sends into this one

@@ -61,10 +61,10 @@ def _policy_major(specs: list[PolicySpec], ratios: list[float]) -> list[tuple[Po
             for ratio in ([None] if make_policy(spec.name, dict(spec.params)).budget_free else ratios)]
 
 
-def _ratio_major(specs: list[PolicySpec], ratios: list[float]) -> list[tuple[PolicySpec, float | None]]:
+def _ratio_major(pairs: list[tuple[PolicySpec, float | None]]) -> list[tuple[PolicySpec, float | None]]:
     """The same pairs, the budget-free ones first, then by ratio, least compressed first: caches of one batch keep
     about as many slots (a batch pads every cache to its longest)."""
-    return sorted(_policy_major(specs, ratios), key=lambda pair: -1 if pair[1] is None else pair[1])
+    return sorted(pairs, key=lambda pair: -1 if pair[1] is None else pair[1])
 
 
 def sample_of(model: LoadedModel, texts: dict[str, str], cell: dict) -> ruler.Sample:
@@ -86,8 +86,9 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
     prompts = [(c + q, [i]) for i, (c, q) in enumerate(parts)] if cell["query_aware"] else \
         [(context, list(range(len(parts))))]
     opts = dataclasses.replace(QUIET, storage=Storage.of(cell.get("storage")))
-    runs = {pair: {"outputs": {}, "nlls": [], "prepare_ms": 0.0, "answer_ms": 0.0, "kept": [], "bytes": []}
-            for pair in [(spec.label, ratio) for spec, ratio in _policy_major(specs, cell["ratios"])]}
+    pairs = _policy_major(specs, cell["ratios"])
+    runs = {(spec.label, ratio): {"outputs": {}, "nlls": [], "prepare_ms": 0.0, "answer_ms": 0.0, "kept": [],
+                                  "bytes": []} for spec, ratio in pairs}
     shared_ms = 0.0
     for prompt, asked in prompts:  # one prompt (questions appended), or one per question (query-aware)
         questions = [[] if cell["query_aware"] else parts[i][1] for i in asked]
@@ -97,7 +98,7 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
         batch = _Batch(model, sample, prompt, asked, questions, cell.get("stop_when_found", True),
                        batched=cell.get("batch", True) and not opts.storage.quantized)
         replay_ms: dict[str, float] = {}  # a policy's replay passes (KVzip), run for its first ratio, shared by all
-        for spec, ratio in _ratio_major(specs, cell["ratios"]):
+        for spec, ratio in _ratio_major(pairs):
             policy = make_policy(spec.name, dict(spec.params))
             share = 1 if ratio is None else len(cell["ratios"])
             budget = None if ratio is None else policy.resolve_budget(slots_for(ratio, len(prompt)), len(prompt),
