@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvlens-installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run test test-fast test-portable fuzz lint setup model browser clean-venv
+.PHONY: run test test-fast test-portable test-cuda fuzz lint setup model browser clean-venv
 
 setup: $(STAMP)
 
@@ -55,6 +55,14 @@ test-portable: model
 		env $$setting $(PY) -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS) || exit 1; \
 		env $$setting $(PY) -m pytest -q -p no:cacheprovider -m property || exit 1; \
 	done
+
+# On a CUDA GPU: the embedded model on the GPU against the CPU (fp32 decisions, bf16 against transformers, every
+# policy in bf16), then the engine's, policies' and task protocol's tests with their models on the GPU.
+CUDA_TESTS := tests/test_architectures.py tests/test_engine.py tests/test_task_protocol.py tests/test_field_methods.py \
+	tests/test_chunked_prefill.py tests/test_quantized_storage.py tests/test_policies.py tests/test_merging_policies.py
+test-cuda: model
+	$(PY) -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py
+	KVLENS_TEST_DEVICE=cuda $(PY) -m pytest -q -p no:cacheprovider -m "not slow and not browser" $(CUDA_TESTS)
 
 # Property tests with random seeds and 20x the examples (CI runs them derandomized).
 fuzz: model

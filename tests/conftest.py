@@ -26,14 +26,27 @@ def examples(n: int) -> int:
     return n * 20 if FUZZ else n
 
 
-def pytest_collection_modifyitems(items):
-    """Mark every Hypothesis test `property`, so `make fuzz` can select them."""
+def pytest_collection_modifyitems(config, items):
+    """Mark every Hypothesis test `property`, so `make fuzz` can select them; deselect the `cuda` tests where torch
+    sees no CUDA GPU (`make test-cuda` runs them on one)."""
     for item in items:
         if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
             item.add_marker(pytest.mark.property)
+    if not torch.cuda.is_available():
+        gpu = [item for item in items if item.get_closest_marker("cuda")]
+        if gpu:
+            config.hook.pytest_deselected(items=gpu)
+            items[:] = [item for item in items if not item.get_closest_marker("cuda")]
+
+
+def pytest_report_header(config):
+    return "cuda tests: " + ("run (" + torch.cuda.get_device_name() + ")" if torch.cuda.is_available()
+                             else "deselected (torch sees no CUDA GPU; make test-cuda runs them on one)")
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = texts.DIR
+# `make test-cuda` runs the engine's tests with their models on a GPU: KVLENS_TEST_DEVICE=cuda (fp32, as on CPU).
+DEVICE = torch.device(os.environ.get("KVLENS_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +122,9 @@ def tiny_model(layers: int = 3, seed: int = 0) -> LoadedModel:
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                          rope_theta=10000.0, attn_implementation=ATTENTION_NAME)
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval().to(DEVICE)
     return LoadedModel(model=model, tokenizer=ByteTokenizer(), spec="tiny", path=Path("."),
-                       device=torch.device("cpu"), dtype=torch.float32)
+                       device=DEVICE, dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")
@@ -123,7 +136,7 @@ def tiny():
 def smol():
     from kvlens.engine.models import load_model
 
-    return load_model("default")
+    return load_model("default", device=str(DEVICE), dtype="float32")
 
 
 @pytest.fixture(scope="session")

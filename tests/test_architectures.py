@@ -26,6 +26,7 @@ from kvlens.engine.loop import RunOptions, run
 from kvlens.engine.models import load_model
 from kvlens.errors import KvlensError
 from kvlens.policies import REGISTRY, make_policy
+from tests.conftest import DEVICE
 
 PREFILL, STEPS = 40, 40  # 80 tokens: five times the sliding windows below
 WINDOW = 16
@@ -132,12 +133,13 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(tiny_dir):
-    """`loaded(name)`: the MATRIX model through `load_model` (fp32, CPU), loaded once per module."""
+    """`loaded(name)`: the MATRIX model through `load_model` (fp32, on the test device: CPU unless
+    KVLENS_TEST_DEVICE), loaded once per module."""
     cache = {}
 
     def get(name: str):
         if name not in cache:
-            cache[name] = load_model(str(tiny_dir(name)), device="cpu", dtype="float32")
+            cache[name] = load_model(str(tiny_dir(name)), device=str(DEVICE), dtype="float32")
         return cache[name]
     return get
 
@@ -150,7 +152,7 @@ def ids(loaded, long_text):
 def _engine(lm, ids, policy="full", **opts):
     logits = []
     r = run(lm, make_policy(policy), ids, prefill=PREFILL, steps=STEPS, teacher=True, opts=RunOptions(**opts),
-            on_step=lambda e: logits.append(e.logits.float()))
+            on_step=lambda e: logits.append(e.logits.float().cpu()))
     return r, torch.stack(logits)
 
 
@@ -160,10 +162,10 @@ def test_full_is_the_models_own_forward(name, loaded, tiny_dir, ids):
     for key, want in MATRIX[name][2].items():
         assert getattr(lm.support, key) == want, key  # the probe read the layer's arguments
     eager = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir(name), dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+                                                              attn_implementation="eager").eval().to(DEVICE)
     with torch.no_grad():
-        want = eager(torch.tensor([ids])).logits[0].float()
-        plain = lm.model(torch.tensor([ids])).logits[0].float()  # kvlens' function without a run context
+        want = eager(torch.tensor([ids], device=DEVICE)).logits[0].float().cpu()
+        plain = lm.model(torch.tensor([ids], device=DEVICE)).logits[0].float().cpu()  # kvlens' function alone
     scored = want[PREFILL - 1:PREFILL + STEPS - 1]
     loss = float(torch.nn.functional.cross_entropy(scored, torch.tensor(ids[PREFILL:])))
     scale = float(want.abs().max())

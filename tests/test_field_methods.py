@@ -151,9 +151,9 @@ def test_qfilters_are_the_main_right_singular_vector_of_the_queries(smol):
         ids = list(smol.tokenizer(text).input_ids)
         if len(ids) >= 128:
             with torch.inference_mode():
-                smol.model(input_ids=torch.tensor([ids[:128]]), use_cache=False, logits_to_keep=1,
+                smol.model(input_ids=torch.tensor([ids[:128]], device=smol.device), use_cache=False, logits_to_keep=1,
                            kvlens_context=tap)
-            taken.append(tap.queries[7])
+            taken.append(tap.queries[7].cpu())
         if len(taken) == 2:
             break
     gen = torch.Generator().manual_seed(3)
@@ -168,7 +168,7 @@ def test_qfilters_are_the_main_right_singular_vector_of_the_queries(smol):
         ui, _, vi = torch.linalg.svd(q[i], full_matrices=False)
         si = 1.0 if (ui[:, 0] > 0).float().mean() > 0.5 else -1.0
         group.append(-si * vi[0])
-    torch.testing.assert_close(computed[7, 0], torch.stack(group).mean(0), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(computed[7, 0].cpu(), torch.stack(group).mean(0), rtol=1e-4, atol=1e-5)
     assert float((-sign * vh[0]) @ group[0]) > 0.999  # head 0's own filter, the SVD done here
 
 

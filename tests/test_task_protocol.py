@@ -56,7 +56,7 @@ def test_a_question_fed_as_one_chunk_equals_the_models_forward_and_token_by_toke
         loop.cache.rewind(mark)
         for i, token in enumerate(question):
             single = loop.forward([token], len(context) + i)
-        reference = smol.model(torch.tensor([context + question])).logits[0, -1]
+        reference = smol.model(torch.tensor([context + question], device=smol.device)).logits[0, -1]
     torch.testing.assert_close(chunk, reference, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(chunk, single, rtol=1e-4, atol=1e-4)
 

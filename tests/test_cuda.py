@@ -1,0 +1,100 @@
+"""On a CUDA GPU (`make test-cuda`; deselected elsewhere): the embedded model on the GPU is the CPU's model.
+
+fp32 on the GPU must take the CPU's decisions and match its numbers within float rounding; bf16 (the GPU
+default, `--dtype auto`) must reproduce transformers' own bf16 forward within bf16 rounding and run every
+registered policy within its budget, with keys and values stored in 2 bytes. The rest of the engine's tests
+run on the GPU too, with KVLENS_TEST_DEVICE=cuda (see the Makefile).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlens.engine.loop import RunOptions, run
+from kvlens.engine.models import load_model
+from kvlens.policies import make_policy, policy_names
+
+pytestmark = pytest.mark.cuda  # deselected where torch sees no CUDA GPU (tests/conftest.py)
+
+PREFILL, STEPS, BUDGET = 384, 64, 96
+DECIDING = ["streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "expected_attention", "cam"]
+
+
+@pytest.fixture(scope="module")
+def ids(long_text):
+    return load_model("default", device="cpu", dtype="float32").tokenizer(long_text).input_ids[:PREFILL + STEPS]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The embedded model three times: CPU fp32, CUDA fp32, CUDA bf16."""
+    return {(dev, dt): load_model("default", device=dev, dtype=dt)
+            for dev, dt in [("cpu", "float32"), ("cuda", "float32"), ("cuda", "bfloat16")]}
+
+
+def _teacher(model, name, ids, budget=BUDGET):
+    logits = []
+    r = run(model, make_policy(name), ids, prefill=PREFILL, steps=STEPS, teacher=True,
+            opts=RunOptions(budget=None if name == "full" else budget),
+            on_step=lambda e: logits.append(e.logits.float().cpu()))
+    return r, torch.stack(logits)
+
+
+def _removed(r) -> set[tuple]:
+    """(step, layer, KV head, position) of every slot that left the cache: evicted, or merged away (CaM)."""
+    d = r.decisions
+    d = d[d["action"].isin(["evict", "merge"])]
+    return set(zip(d["step"], d["layer"], d["kv_head"], d["position"]))
+
+
+def _forward(model, ids):
+    with torch.no_grad():
+        return model.model(torch.tensor([ids], device=model.device)).logits[0].float().cpu()
+
+
+def test_fp32_on_the_gpu_is_the_cpus_model(models, ids):
+    cpu, gpu = models["cpu", "float32"], models["cuda", "float32"]
+    want = _forward(cpu, ids)
+    assert (_forward(gpu, ids) - want).abs().max() <= 1e-3 * want.abs().max()
+    r_cpu, l_cpu = _teacher(cpu, "full", ids)
+    r_gpu, l_gpu = _teacher(gpu, "full", ids)
+    assert (l_gpu - l_cpu).abs().max() <= 1e-3 * l_cpu.abs().max()
+    assert abs(r_gpu.metrics["nll"] - r_cpu.metrics["nll"]) <= 1e-4 * r_cpu.metrics["nll"]
+
+
+@pytest.mark.parametrize("name", DECIDING)
+def test_fp32_on_the_gpu_takes_the_cpus_decisions(models, ids, name):
+    r_cpu, l_cpu = _teacher(models["cpu", "float32"], name, ids)
+    r_gpu, l_gpu = _teacher(models["cuda", "float32"], name, ids)
+    cpu, gpu = _removed(r_cpu), _removed(r_gpu)
+    assert cpu, "the policy removed nothing"
+    assert len(cpu ^ gpu) <= 0.001 * len(cpu), f"{len(cpu ^ gpu)} of {len(cpu)} removals differ"
+    assert abs(r_gpu.metrics["nll"] - r_cpu.metrics["nll"]) <= 1e-3 * r_cpu.metrics["nll"]
+
+
+def test_bf16_full_is_transformers_own_bf16_forward(models, ids):
+    bf16 = models["cuda", "bfloat16"]
+    from transformers import AutoModelForCausalLM
+
+    eager = AutoModelForCausalLM.from_pretrained(bf16.path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    with torch.no_grad():
+        want = eager.to("cuda").eval()(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
+    want = want[PREFILL - 1:PREFILL + STEPS - 1]
+    r, got = _teacher(bf16, "full", ids)
+    fp32 = _teacher(models["cpu", "float32"], "full", ids)[0].metrics["nll"]
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+    assert abs(r.metrics["nll"] - fp32) <= 0.02 * fp32  # bf16's perplexity is the fp32 model's within 2 %
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_every_policy_runs_in_bf16_within_its_budget(models, ids, name):
+    bf16 = models["cuda", "bfloat16"]
+    policy = make_policy(name)
+    budget = max(BUDGET, policy.min_budget())
+    r = run(bf16, policy, ids, prefill=PREFILL, steps=STEPS, teacher=True, opts=RunOptions(budget=budget))
+    assert torch.isfinite(torch.tensor(r.metrics["nll"]))
+    shape = bf16.shape()
+    if not policy.budget_free:
+        assert r.metrics["kv_entries_max"] == budget * shape["layers"] * shape["kv_heads"]
+    per_slot = 2 * shape["kv_heads"] * shape["head_dim"] * 2  # K and V in bf16
+    assert r.metrics["kv_bytes_prefill"] == shape["layers"] * PREFILL * per_slot
