@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(config, items):
         gpu = [item for item in items if item.get_closest_marker("cuda")]
         if gpu:
             config.hook.pytest_deselected(items=gpu)
-            items[:] = [item for item in items if not item.get_closest_marker("cuda")]
+            items[:] = [item for item in items if item not in gpu]
 
 
 def pytest_report_header(config):
@@ -137,6 +137,12 @@ def smol():
     from kvlens.engine.models import load_model
 
     return load_model("default", device=str(DEVICE), dtype="float32")
+
+
+def model_logits(model: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """`(T, vocab)` float logits of the model's own forward over `ids` (no kvlens run), on the model's device."""
+    with torch.no_grad():
+        return model.model(torch.tensor([ids], device=model.device)).logits[0].float()
 
 
 @pytest.fixture(scope="session")

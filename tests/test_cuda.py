@@ -13,6 +13,7 @@ import torch
 from kvlens.engine.loop import RunOptions, run
 from kvlens.engine.models import load_model
 from kvlens.policies import make_policy, policy_names
+from tests.conftest import model_logits
 
 pytestmark = pytest.mark.cuda  # deselected where torch sees no CUDA GPU (tests/conftest.py)
 
@@ -21,15 +22,15 @@ DECIDING = ["streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "exp
 
 
 @pytest.fixture(scope="module")
-def ids(long_text):
-    return load_model("default", device="cpu", dtype="float32").tokenizer(long_text).input_ids[:PREFILL + STEPS]
-
-
-@pytest.fixture(scope="module")
 def models():
     """The embedded model three times: CPU fp32, CUDA fp32, CUDA bf16."""
     return {(dev, dt): load_model("default", device=dev, dtype=dt)
             for dev, dt in [("cpu", "float32"), ("cuda", "float32"), ("cuda", "bfloat16")]}
+
+
+@pytest.fixture(scope="module")
+def ids(models, long_text):
+    return models["cpu", "float32"].tokenizer(long_text).input_ids[:PREFILL + STEPS]
 
 
 def _teacher(model, name, ids, budget=BUDGET):
@@ -47,15 +48,10 @@ def _removed(r) -> set[tuple]:
     return set(zip(d["step"], d["layer"], d["kv_head"], d["position"]))
 
 
-def _forward(model, ids):
-    with torch.no_grad():
-        return model.model(torch.tensor([ids], device=model.device)).logits[0].float().cpu()
-
-
 def test_fp32_on_the_gpu_is_the_cpus_model(models, ids):
     cpu, gpu = models["cpu", "float32"], models["cuda", "float32"]
-    want = _forward(cpu, ids)
-    assert (_forward(gpu, ids) - want).abs().max() <= 1e-3 * want.abs().max()
+    want = model_logits(cpu, ids)
+    assert (model_logits(gpu, ids).cpu() - want).abs().max() <= 1e-3 * want.abs().max()
     r_cpu, l_cpu = _teacher(cpu, "full", ids)
     r_gpu, l_gpu = _teacher(gpu, "full", ids)
     assert (l_gpu - l_cpu).abs().max() <= 1e-3 * l_cpu.abs().max()

@@ -11,6 +11,7 @@ from kvlens.engine.context import Observer
 from kvlens.engine.loop import RunOptions, run, run_steps
 from kvlens.errors import Cancelled, KvlensError
 from kvlens.policies import make_policy
+from tests.conftest import model_logits
 
 IDS = list(b"The quick brown fox jumps over the lazy dog. " * 6)
 
@@ -22,15 +23,10 @@ def _teacher(model, policy, ids, prefill, steps, **opts):
     return r, torch.stack(logits)
 
 
-def _model_logits(model, ids):
-    with torch.no_grad():
-        return model.model(torch.tensor([ids], device=model.device)).logits[0].float()
-
-
 def test_full_reproduces_model_logits_tiny(tiny):
     prefill, steps = 40, 30
     r, got = _teacher(tiny, "full", IDS, prefill, steps)
-    want = _model_logits(tiny, IDS[: prefill + steps])[prefill - 1: prefill + steps - 1]
+    want = model_logits(tiny, IDS[: prefill + steps])[prefill - 1: prefill + steps - 1]
     assert (got - want).abs().max() < 1e-4
     assert r.decisions.empty and r.metrics["kv_slots_max"] == prefill + steps - 1
 
@@ -194,10 +190,10 @@ def test_decode_rows_match_repeated_kv_and_mask_padding():
 
 
 @pytest.mark.slow
-def test_full_reproduces_embedded_model_logits(smol, long_text):
+def test_full_reproduces_embeddedmodel_logits(smol, long_text):
     ids = smol.tokenizer(long_text).input_ids[:300]
     _, got = _teacher(smol, "full", ids, 200, 100)
-    want = _model_logits(smol, ids)[199:299]
+    want = model_logits(smol, ids)[199:299]
     assert (got - want).abs().max() <= 1e-3
 
 
@@ -205,7 +201,7 @@ def test_full_reproduces_embedded_model_logits(smol, long_text):
 def test_full_perplexity_equals_model_loss(smol, long_text):
     ids = smol.tokenizer(long_text).input_ids[:400]
     r, _ = _teacher(smol, "full", ids, 256, 144)
-    logits = _model_logits(smol, ids)
+    logits = model_logits(smol, ids)
     loss = torch.nn.functional.cross_entropy(logits[255:399], torch.tensor(ids[256:400]))
     assert abs(r.metrics["nll"] - float(loss)) / float(loss) < 1e-3
 
