@@ -102,7 +102,7 @@ class _Loop:
     """State of one run; `run()` drives it."""
 
     def __init__(self, model: LoadedModel, policy: Policy, opts: RunOptions, observers: list[Observer],
-                 budget: int | None, length: int, once: bool = False):
+                 budget: int | None, length: int | None, once: bool = False):
         self.model, self.policy, self.opts = model, policy, opts
         self.recorder = Recorder(opts.record, opts.record_layers)
         # a compressed layer never holds more than budget + the step's token; others grow up to the run's length
@@ -153,13 +153,18 @@ class _Loop:
         of them step 0's compressions (one chunk: exactly the unchunked run). The last token's logits."""
         size = self.chunk or len(prompt)
         logits = self.forward(prompt[:size], 0)
-        self.token_bytes = self.cache.nbytes / size
-        self.replay(prompt[:size])
-        self.compress(0, last=size >= len(prompt))
+        self.after_prompt(prompt[:size], last=size >= len(prompt))
         for start in range(size, len(prompt), size):
             logits = self.forward(prompt[start:start + size], start)
             self.compress(0, first=False, last=start + size >= len(prompt))
         return logits
+
+    def after_prompt(self, prompt: list[int], last: bool = True) -> None:
+        """What follows the forward of the prompt (or of its first chunk): the policy's replay passes, then step 0's
+        compression (`last`: no chunk follows)."""
+        self.token_bytes = self.cache.nbytes / len(prompt)
+        self.replay(prompt)
+        self.compress(0, last=last)
 
     def compress(self, index: int, first: bool = True, last: bool = True) -> None:
         """Compression `index` (0: the prompt's), on every layer's rows at once once they share one store. Before
@@ -264,6 +269,13 @@ def _prepare(model: LoadedModel, policy: Policy, ids, prefill, steps, teacher, o
     if teacher and len(ids) < prefill + steps:
         raise KvlensError(f"The text has {len(ids)} tokens, fewer than prefill + tokens = {prefill + steps}.")
     _check_length(model, prefill + steps)
+    return new_loop(model, policy, opts, observers, prefill, prefill + steps)
+
+
+def new_loop(model: LoadedModel, policy: Policy, opts: RunOptions, observers, prefill: int,
+             total: int | None) -> _Loop:
+    """A run's state over a prompt of `prefill` tokens once the model, the storage and the chunking pass their
+    checks, with the budget resolved; `total`: the run's length (None: not known, inside `model.generate`)."""
     if model.support is None:  # a model built by hand, not through `load_model`: probe it once
         model.support = inspect_model(model.model)
     model.support.require()  # never run a model kvlens would only approximate
@@ -272,8 +284,9 @@ def _prepare(model: LoadedModel, policy: Policy, ids, prefill, steps, teacher, o
         _check_chunk(policy, opts, observers)
         if opts.prefill_chunk >= prefill:  # one chunk: the unchunked run
             opts = dataclasses.replace(opts, prefill_chunk=None)
-    budget = policy.resolve_budget(opts.budget, prefill, prefill + steps)
-    return _Loop(model, policy, opts, list(observers), budget, prefill + steps - 1)  # the last token is never fed
+    budget = policy.resolve_budget(opts.budget, prefill, total)
+    length = None if total is None else total - 1  # the last token is never fed
+    return _Loop(model, policy, opts, list(observers), budget, length)
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -319,7 +332,7 @@ def _steps(loop: _Loop, ids, prefill, steps, teacher, meta) -> Generator[StepEve
 
 def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, total_s, teacher, meta) -> Run:
     tok = model.tokenizer
-    kept = torch.stack(loop.kept)  # (steps + 1, L, Hkv): after prefill compression, then each step
+    kept = torch.stack(loop.kept[:len(tokens)])  # (tokens, L, Hkv): after the prompt's compression, then each step's
     nll = sum(nlls) / len(nlls)
     tensors = loop.recorder.finish()
     tensors["steps/nll"] = torch.tensor(nlls, dtype=torch.float32)

@@ -111,7 +111,7 @@ class Policy:
         """Slots the policy always protects; a smaller budget is refused."""
         return 1
 
-    def resolve_budget(self, budget: int | float | None, prompt_len: int, total_len: int) -> int | None:
+    def resolve_budget(self, budget: int | float | None, prompt_len: int, total_len: int | None) -> int | None:
         """Budget as slots per KV head per layer: an int is slots, a float in (0, 1] a share of the prompt."""
         if self.budget_free:
             return None
