@@ -11,6 +11,8 @@ step, which a machine shared with other processes disturbs less than wall time.
 - engine_vs_model_loop: engine `full`, summary recording (the least there is), vs the model's
   own greedy decode loop over a transformers `DynamicCache` with plain SDPA (the `kvlens`
   attention falls back to SDPA without a run context). Same prompt, same greedy tokens.
+- hf_generate_vs_engine: transformers' own `model.generate` with `kvlens.cache(model, "full")` vs the engine's
+  `full`, same prompt, same greedy tokens: what running inside the caller's transformers code costs.
 - cam_vs_streaming_llm: `cam` (base streaming_llm) vs `streaming_llm`, both at the same budget.
 - record_full_vs_none: engine `full` with `record="attention"` vs `record="summary"`.
 - kv_bytes_half_budget_vs_full: KV bytes allocated by `streaming_llm` at half the prompt vs the
@@ -26,6 +28,8 @@ step, which a machine shared with other processes disturbs less than wall time.
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable, Generator
 
@@ -38,7 +42,8 @@ from kvlens.experiments.bench.common import PeakRSS, PolicySpec, environment, me
 from kvlens.policies import make_policy
 from kvlens.texts import prefix_ids
 
-TARGETS = {"engine_vs_model_loop": 1.03, "cam_vs_streaming_llm": 1.10, "record_full_vs_none": 1.5,
+TARGETS = {"engine_vs_model_loop": 1.03, "hf_generate_vs_engine": 1.10, "cam_vs_streaming_llm": 1.10,
+           "record_full_vs_none": 1.5,
            "evict_half_vs_full_at_1024": 0.98, "evict_half_vs_full_at_4096": 0.90,
            "evict_half_vs_full_at_8192": 0.85, "prefill_stats_vs_full": 1.30,
            "every_policy_half_vs_full_at_1024": 1.00, "every_policy_half_vs_full_at_4096": 0.90,
@@ -87,6 +92,62 @@ def model_loop_steps(model: LoadedModel, ids: list[int], steps: int) -> Generato
             out = model.model(input_ids=torch.tensor([[token]], device=dev), past_key_values=cache, use_cache=True)
         yield (time.perf_counter() - t) * 1000
     return {"tokens": tokens}
+
+
+def hf_generate_steps(model: LoadedModel, ids: list[int], steps: int) -> Generator[float, None, dict]:
+    """transformers' `model.generate` with a `kvlens.cache(model, "full")`, one step per `next`: generate runs in a
+    thread that a streamer holds after each token until the next `next`. Yields the prefill ms (prompt to first
+    token), then each decode step's ms; returns the tokens."""
+    from kvlens.hf import cache
+
+    gate = _Gate()
+    kv = cache(model.model, "full", tokenizer=model.tokenizer)
+    prompt = torch.tensor([ids], device=model.device)
+    worker = threading.Thread(target=gate.run, args=(lambda: model.model.generate(
+        prompt, past_key_values=kv, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, streamer=gate),))
+    worker.start()
+    try:
+        for ms in iter(gate.times.get, None):
+            yield ms
+            gate.go.put(True)
+    finally:
+        worker.join()
+    if gate.error is not None:
+        raise gate.error
+    return {"tokens": gate.tokens}
+
+
+class _Gate:
+    """A `generate` streamer that reports each token's time (from the previous release) and waits to be released."""
+
+    def __init__(self):
+        self.times: queue.Queue = queue.Queue()
+        self.go: queue.Queue = queue.Queue()
+        self.tokens: list[int] = []
+        self.error: BaseException | None = None
+        self._t = 0.0
+        self._prompt = True
+
+    def run(self, generate: Callable[[], object]) -> None:
+        try:
+            generate()
+        except BaseException as err:  # noqa: BLE001 - handed to the bench's thread
+            self.error = err
+        finally:
+            self.times.put(None)
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._prompt:  # generate streams the prompt first
+            self._prompt = False
+            self._t = time.perf_counter()
+            return
+        self.times.put((time.perf_counter() - self._t) * 1000)
+        self.tokens.append(int(value.reshape(-1)[0]))
+        self.go.get()
+        self._t = time.perf_counter()
+
+    def end(self) -> None:
+        """Nothing to flush."""
 
 
 def lockstep(sides: dict[str, Callable[[], Generator[float, None, dict]]]) -> dict[str, dict]:
@@ -188,7 +249,7 @@ def evict_ratios(model: LoadedModel, text: str, n: int, steps: int, budget: floa
 def ticks(n_policies: int, lengths: list[int], repeats: int, evict_lengths: list[int], every: list[str] = ()) -> int:
     """How many times `bench_speed` calls `tick`."""
     sides = len(lockstep_names(list(every)))
-    return n_policies * len(lengths) + 6 * repeats + sides * sum(evict_repeats(repeats, n) for n in evict_lengths)
+    return n_policies * len(lengths) + 8 * repeats + sides * sum(evict_repeats(repeats, n) for n in evict_lengths)
 
 
 def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[int], *, text: str, steps: int,
@@ -218,12 +279,14 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
     full, sl, cam = PolicySpec("full"), PolicySpec("streaming_llm"), PolicySpec("cam")
     engine = lambda: engine_steps(model, full, ids, steps, budget)  # noqa: E731
     loop = paired(engine, lambda: model_loop_steps(model, ids, steps), repeats, tick)
+    hf = paired(lambda: hf_generate_steps(model, ids, steps), engine, repeats, tick)
     cam_pair = paired(lambda: engine_steps(model, cam, ids, steps, budget),
                       lambda: engine_steps(model, sl, ids, steps, budget), repeats, tick)
     record = paired(lambda: engine_steps(model, full, ids, steps, budget, record="attention"), engine, repeats, tick)
     half = engine_once(model, sl, ids, steps, 0.5)
     whole = engine_once(model, full, ids, steps, None)
-    ratios = {"engine_vs_model_loop": loop["ratio"], "cam_vs_streaming_llm": cam_pair["ratio"],
+    ratios = {"engine_vs_model_loop": loop["ratio"], "hf_generate_vs_engine": hf["ratio"],
+              "cam_vs_streaming_llm": cam_pair["ratio"],
               "record_full_vs_none": record["ratio"],
               "kv_bytes_half_budget_vs_full": half["kv_bytes_peak"] / whole["kv_bytes_prefill"],
               **{f"evict_half_vs_full_at_{n}": e["ratio"] for n, e in evict.items()}}
@@ -234,12 +297,13 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
             m = e["prompt_tokens"]  # 8192 is capped at the context minus the steps
             ratios[f"every_policy_half_vs_full_at_{m}"] = e["decode"][e["worst_decode"]]
             ratios[f"every_policy_prefill_vs_full_at_{m}"] = e["prefill"][e["worst_prefill"]]
-    ratios_cpu = {k: d["cpu_ratio"] for k, d in (("engine_vs_model_loop", loop), ("cam_vs_streaming_llm", cam_pair),
+    ratios_cpu = {k: d["cpu_ratio"] for k, d in (("engine_vs_model_loop", loop), ("hf_generate_vs_engine", hf),
+                                                  ("cam_vs_streaming_llm", cam_pair),
                                                   ("record_full_vs_none", record))}
     return {"config": {"policies": [p.label for p in policies], "lengths": lengths, "steps": steps, "budget": budget,
                        "repeats": repeats, "ratio_length": ratio_length, "evict_lengths": evict_lengths},
             "environment": environment(model), "rows": rows, "ratios": ratios, "ratios_cpu": ratios_cpu,
-            "ratio_details": {"engine_vs_model_loop": loop,
+            "ratio_details": {"engine_vs_model_loop": loop, "hf_generate_vs_engine": hf,
                               "cam_vs_streaming_llm": cam_pair, "record_full_vs_none": record,
                               **{f"evict_half_vs_full_at_{n}": e for n, e in evict.items()},
                               **{f"every_policy_{kind}_vs_full_at_{e['prompt_tokens']}": {
