@@ -146,7 +146,7 @@ def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
     result = speed.bench_speed(tiny, parse_policies("full;streaming_llm;cam;corm"), [32, 64], text=texts["1946-Truman"],
                                steps=4, budget=0.5, repeats=2, ratio_length=64, evict_lengths=[48],
                                tick=lambda: ticks.append(1), on_row=lambda row: streamed.append(row["policy"]))
-    assert len(ticks) == 4 * 2 + 6 * 2 + 4 * 2 == speed.ticks(4, [32, 64], 2, [48])  # 48 tokens: 2 rotations
+    assert len(ticks) == 4 * 2 + 8 * 2 + 4 * 2 == speed.ticks(4, [32, 64], 2, [48])  # 48 tokens: 2 rotations
     rows = result["rows"]
     assert [(r["policy"], r["prompt_tokens"]) for r in rows[:4]] == [
         ("full", 32), ("streaming_llm", 32), ("cam", 32), ("corm", 32)]
@@ -160,16 +160,16 @@ def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
     assert by[("full", 64)]["kv_bytes_peak"] == (64 + 3) * 3 * 2 * 16 * 2 * 4
     assert by[("streaming_llm", 64)]["kv_bytes_peak"] == (32 + 1) * 3 * 2 * 16 * 2 * 4  # + the step's token
     ratios, details = result["ratios"], result["ratio_details"]
-    assert set(ratios) >= {"engine_vs_model_loop", "cam_vs_streaming_llm", "record_full_vs_none",
-                           "kv_bytes_half_budget_vs_full"}
-    for key in ("engine_vs_model_loop", "cam_vs_streaming_llm", "record_full_vs_none"):
+    assert set(ratios) >= {"engine_vs_model_loop", "hf_generate_vs_engine", "cam_vs_streaming_llm",
+                           "record_full_vs_none", "kv_bytes_half_budget_vs_full"}
+    for key in ("engine_vs_model_loop", "hf_generate_vs_engine", "cam_vs_streaming_llm", "record_full_vs_none"):
         d = details[key]
         per_repeat = [a / b for a, b in zip(d["a_ms_per_token"], d["b_ms_per_token"], strict=True)]
         assert d["ratios"] == pytest.approx(per_repeat) and len(per_repeat) == 2
         assert ratios[key] == pytest.approx(sum(per_repeat) / 2)  # median of two
         assert set(result["targets"][key]) == {"target", "met"}
         assert result["ratios_cpu"][key] == pytest.approx(sum(d["cpu_ratios"]) / 2) and len(d["cpu_ratios"]) == 2
-    assert details["engine_vs_model_loop"]["same_tokens"]
+    assert details["engine_vs_model_loop"]["same_tokens"] and details["hf_generate_vs_engine"]["same_tokens"]
     assert ratios["kv_bytes_half_budget_vs_full"] == pytest.approx(33 / 64)
     assert result["targets"]["kv_bytes_half_budget_vs_full"]["met"]  # 33 of 64 slots allocated: budget + 1
     evict = details["evict_half_vs_full_at_48"]
@@ -223,7 +223,7 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
     result = speed.bench_speed(tiny, parse_policies("full"), [32], text=texts["1946-Truman"], steps=3, budget=0.5,
                                repeats=1, ratio_length=64, evict_lengths=[160], every=every,
                                tick=lambda: ticks.append(1))
-    assert len(ticks) == speed.ticks(1, [32], 1, [160], every) == 1 + 6 + len(every) + 1  # + full in the lockstep
+    assert len(ticks) == speed.ticks(1, [32], 1, [160], every) == 1 + 8 + len(every) + 1  # + full in the lockstep
     details = result["ratio_details"]["evict_half_vs_full_at_160"]
     assert set(details["ms_per_token"]) == {"full", *every}
     for kind, column in (("half", "ms_per_token"), ("prefill", "prefill_ms")):
