@@ -71,16 +71,32 @@ def test_identical_inputs_reuse_results_and_run_only_what_changed(tiny, monkeypa
     monkeypatch.setattr("kvlens.experiments.api.run", counted)
     cache = ResultCache()
     first = compare(tiny, PROMPT, ENTRIES, 6, cache=cache)
-    twice = ["full", "full", "streaming_llm", "streaming_llm", "tova", "tova"]
-    assert passes == twice  # a measured pass and its own generation each
+    once = ["full", "streaming_llm", "tova"]
+    assert passes == once  # one measured pass each: its own text resumes from it
     events = []
     again = compare(tiny, PROMPT, ENTRIES, 6, on_step=lambda e, ev: events.append(e), cache=cache)
-    assert passes == twice and not events  # the engine did not run again
+    assert passes == once and not events  # the engine did not run again
     assert [r.run for r in again] == [r.run for r in first] and [r.own for r in again] == [r.own for r in first]
     compare(tiny, PROMPT, [ENTRIES[0], Entry("tova", {}, 10)], 6, cache=cache)
-    assert passes[6:] == ["tova", "tova"]  # only the changed budget runs
+    assert passes[3:] == ["tova"]  # only the changed budget runs
     compare(tiny, PROMPT, [Entry("streaming_llm", {"sink": 2}, 16)], 7, cache=cache, own_text=False)
-    assert passes[8:] == ["full", "streaming_llm"]  # another length is another reference; no own texts asked
+    assert passes[4:] == ["full", "streaming_llm"]  # another length is another reference; no own texts asked
+    compare(tiny, PROMPT, [Entry("streaming_llm", {"sink": 2}, 16)], 7, cache=cache)
+    assert passes[6:] == ["full", "streaming_llm"]  # measured without own texts: generated afresh, from the prompt
+
+
+def test_own_texts_resume_from_the_divergence_and_generate_only_what_follows(tiny):
+    """Each own text is generated from the step where it leaves the measured text: the first divergence of a
+    policy (its earlier tokens are full's), the end of the text, or its last step; the row says how many steps."""
+    out = compare(tiny, PROMPT, ENTRIES, 8)
+    rows = table(out)
+    assert out[0].own_from == 7 and rows[0]["generated_steps"] == 1  # full: its own text is its measured one
+    for r, row in zip(out[1:], rows[1:], strict=True):
+        start = 7 if r.first_diff is None else r.first_diff
+        assert r.own_from == start and row["generated_steps"] == len(r.own.meta["tokens"]) - start
+        assert r.own.meta["tokens"][:start] == out[0].run.meta["tokens"][:start]
+        assert r.own.decisions["step"].max() == len(r.own.meta["tokens"]) - 1  # its log goes on past the fork
+    assert any(r.first_diff is not None and r.first_diff < 7 for r in out[1:])  # something was resumed
 
 
 @pytest.mark.slow

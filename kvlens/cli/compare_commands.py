@@ -19,7 +19,8 @@ def register(sub) -> None:
     src.add_argument("--prompt-file")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--no-generate", action="store_true",
-                   help="skip each policy's own plain generation (the rows' `generated`, and `generate_s`)")
+                   help="skip each policy's own text (the rows' `generated`, resumed from its divergence, and "
+                        "`generate_s`)")
     p.add_argument("--json", action="store_true")
     add_model_args(p)
     p.set_defaults(func=cmd_compare)
@@ -83,7 +84,7 @@ def cmd_compare(args) -> int:
             where = "same as the full cache's" if r["generated_divergence"] is None else \
                 f"leaves the full cache's at token {r['generated_divergence']}"
             print(f"{r['policy']:<28}{where}: {r['generated']!r}")
-    base = "" if generate_s is None else f", of which its own plain generation of each {generate_s:.1f} s"
+    base = "" if generate_s is None else f", of which each one's own text after its divergence {generate_s:.1f} s"
     print(f"\ncompared in {wall:.1f} s{base}")
     return 0
 

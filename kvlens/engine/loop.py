@@ -14,6 +14,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Generator
+from copy import deepcopy
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,7 @@ class StepEvent:
     attention: dict | None = None  # last layer's current row: {"positions": [...], "weights": [...]}
     extra: dict = field(default_factory=dict)  # observers' per-step numbers (e.g. perturbation)
     logits: torch.Tensor | None = None  # (V,) the logits this step's token was chosen or scored from
+    fork: Callable[[], Fork] | None = None  # a copy of the run before this step's token (while paused here)
 
 
 @dataclass
@@ -295,18 +297,38 @@ def _is_oom(err: BaseException) -> bool:
 
 
 def _steps(loop: _Loop, ids, prefill, steps, teacher, meta) -> Generator[StepEvent, None, Run]:
-    """The prefill + decode loop proper, one yield per produced token (each step in inference mode)."""
-    model, opts = loop.model, loop.opts
-    gen = torch.Generator().manual_seed(opts.seed)
-    eos = model.tokenizer.eos_token_id
-    tokens, nlls, ms = [], [], []
+    """The prefill, then the decode loop (`_decode`), one yield per produced token (each step in inference mode)."""
     t0 = time.perf_counter()
-    suspended = 0.0  # time spent between a yield and the next step
     with torch.inference_mode():
         logits = loop.prefill(ids[:prefill])
     prefill_ms = (time.perf_counter() - t0) * 1000
-    step_ms = prefill_ms
-    for i in range(steps):
+    done = _Progress(ids[:prefill], 0, logits, [], [], [], prefill_ms, prefill_ms)
+    return (yield from _decode(loop, done, ids, steps, teacher, meta, t0))
+
+
+@dataclass
+class _Progress:
+    """Where a run stands before choosing the token of `step`: the logits it chooses from, what it produced."""
+
+    prompt: list[int]
+    step: int
+    logits: torch.Tensor  # (V,)
+    tokens: list[int]
+    nlls: list[float]
+    ms: list[float]  # each decode step's ms so far
+    prefill_ms: float
+    step_ms: float  # ms of the forward that produced `logits`
+
+
+def _decode(loop: _Loop, done: _Progress, ids, steps, teacher, meta, t0: float) -> Generator[StepEvent, None, Run]:
+    """Choose (or score) a token, yield its event, feed it and compress, from `done.step` to `steps`."""
+    model, opts = loop.model, loop.opts
+    gen = torch.Generator().manual_seed(opts.seed)
+    eos = model.tokenizer.eos_token_id
+    prefill, logits, step_ms = len(done.prompt), done.logits, done.step_ms
+    tokens, nlls, ms = done.tokens, done.nlls, done.ms
+    suspended = 0.0  # time spent between a yield and the next step
+    for i in range(done.step, steps):
         with torch.inference_mode():
             logp = torch.log_softmax(logits.float(), dim=-1)
             token = ids[prefill + i] if teacher else _choose(logits, opts, gen)
@@ -316,6 +338,8 @@ def _steps(loop: _Loop, ids, prefill, steps, teacher, meta) -> Generator[StepEve
             if i:
                 ms.append(step_ms)
             event = loop.event(i, token, nll, step_ms, logits)
+        event.fork = lambda i=i, logits=logits, step_ms=step_ms: fork(loop, _Progress(  # ms holds steps 1..i
+            done.prompt, i, logits, tokens[:i], nlls[:i], ms[:i], done.prefill_ms, step_ms))
         paused = time.perf_counter()
         yield event
         suspended += time.perf_counter() - paused
@@ -327,7 +351,48 @@ def _steps(loop: _Loop, ids, prefill, steps, teacher, meta) -> Generator[StepEve
             loop.compress(i + 1)
         step_ms = (time.perf_counter() - t) * 1000
     total_s = time.perf_counter() - t0 - suspended
-    return _make_run(loop, model, ids[:prefill], tokens, nlls, ms, prefill_ms, total_s, teacher, meta)
+    return _make_run(loop, model, done.prompt, tokens, nlls, ms, done.prefill_ms, total_s, teacher, meta)
+
+
+@dataclass
+class Fork:
+    """A run's state before it chose the token of `progress.step` (`StepEvent.fork`): a copy of its cache, the
+    policy's run state and its decision log, sharing the model; `resume` generates on from there."""
+
+    loop: _Loop
+    progress: _Progress
+
+
+def fork(loop: _Loop, progress: _Progress) -> Fork:
+    """Copy `loop` as it stands (only while its run is paused at a step), without its observers, recording the
+    summary only."""
+    ctx = loop.ctx
+    kept = ctx.observers, loop.recorder
+    ctx.observers, loop.recorder = [], Recorder()
+    try:
+        with torch.inference_mode():
+            copy = deepcopy(loop, {id(loop.model): loop.model})
+    finally:
+        ctx.observers, loop.recorder = kept
+    copy.ctx.observers = [copy.recorder]
+    copy.ctx.needs_rows = copy.policy.needs_attention
+    return Fork(copy, progress)
+
+
+def resume(point: Fork, steps: int, meta: dict | None = None) -> Run:
+    """Greedy generation from a fork up to `steps` tokens in all, or the end-of-sequence token: the run `kvlens
+    generate` would make if its choices before the fork's step were the tokens the fork had. Its `total_s` counts
+    what the fork had done before (prefill and steps) and the steps generated here."""
+    loop, done = point.loop, point.progress
+    loop.opts = dataclasses.replace(loop.opts, temperature=0.0, stop_at_eos=True)
+    before = (done.prefill_ms + sum(done.ms)) / 1000
+    progress = dataclasses.replace(done, tokens=list(done.tokens), nlls=list(done.nlls), ms=list(done.ms))
+    events = _decode(loop, progress, done.prompt, steps, False, meta, time.perf_counter() - before)
+    while True:
+        try:
+            next(events)
+        except StopIteration as finished:
+            return finished.value
 
 
 def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, total_s, teacher, meta) -> Run:

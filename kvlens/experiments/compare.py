@@ -13,19 +13,17 @@ The design (what each number means, and why it costs one pass per policy):
   the first divergence of the policy's own text (up to float rounding between the measured and the
   plain path). The pages show its choice at each step of full's text and the share of steps where it
   agrees with full (`top1_agreement`).
-- Then each entry generates its own text plainly (`own_text`): greedy, up to `new_tokens` or the
-  end-of-sequence token, no meter, exactly `kvlens generate` with the same settings (`generated`,
-  and `generate_s`, its seconds). That is one more generation per policy, the price of reading
-  what a policy really writes after it diverges.
+- Each entry's own text (`own_text`) is what `kvlens generate` writes with the same settings (greedy, up to
+  `new_tokens` or the end-of-sequence token), and it needs no generation from the prompt: up to the first step
+  where the measured pass's greedy choice differs from the token it was fed (or that token ends the text), the
+  own text *is* the measured text, so the measured pass is forked there (`kvlens.engine.loop.fork`: a copy of its
+  cache, the policy's state and its decisions) and greedy generation resumes from the fork (`resume`), without
+  the meter. Only the steps after the fork are generated (`generated_steps`, timed in `generate_s`); a result
+  measured without its own text and asked for it later generates it from the prompt.
 - p_full for the KL is the reference's own step distributions (what `measured`'s extra one-shot
   full-cache forward would compute again), so the reference's KL is 0 by construction.
-- Cost, measured on the 2-core reference machine with one torch thread (SmolLM2, 68-token prompt,
-  24 new tokens, CPU seconds, medians of 3): a plain generation takes 1.9-2.6 s per policy, a
-  measured teacher-forced pass 2.4-3.4 s (the meter's shadow attention and, for policies that
-  otherwise run on SDPA, the per-head attention rows), the one-shot forward saved above 0.3 s.
-  The previous design (a measured generation, then an unmeasured teacher-forced pass per policy)
-  adds up to about 2.4x generating with every policy; this one measured 1.25-1.45x (`kvlens
-  compare` prints both times).
+- Cost: one measured pass per policy, plus the steps of each own text after its divergence
+  (`kvlens compare` prints both times).
 - Each policy has its own KV storage (`Entry.storage`: the model's dtype, or quantized,
   `kvlens.engine.quantize`); the reference always keeps the model's dtype, so a quantized `full` entry is
   a row of its own (quantization alone).
@@ -48,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.engine.loop import RunOptions, StepEvent, run
+from kvlens.engine.loop import Fork, RunOptions, StepEvent, resume, run
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.perturbation import PerturbationMeter, kl_per_step, summary
 from kvlens.engine.quantize import Storage
@@ -94,6 +92,7 @@ class Result:
     own_pieces: list[str] | None = None  # its tokens decoded one by one
     generate_s: float | None = None  # seconds of that generation
     own_diff: int | None = None  # first token where that text differs from the full cache's own (None: never)
+    own_from: int | None = None  # the step its generation resumed from (tokens before it: the measured pass's)
 
     @property
     def agreement(self) -> float:
@@ -110,7 +109,8 @@ class Result:
                 "kv_bytes_peak": m["kv_bytes_peak"], "ms_per_token": m["ms_per_token"],
                 "storage": self.entry.storage.describe(),
                 "generated": None if self.own is None else self.own.meta["text"],
-                "generated_divergence": self.own_diff}
+                "generated_divergence": self.own_diff,
+                "generated_steps": None if self.own is None else len(self.own.meta["tokens"]) - self.own_from}
 
 
 def first_difference(reference: list[int], tokens: list[int]) -> int | None:
@@ -166,8 +166,8 @@ def compare(model: LoadedModel, prompt: str, entries: list[Entry], new_tokens: i
             on_step: Callable[[Entry, StepEvent], None] | None = None, cancel: threading.Event | None = None,
             cache: ResultCache | None = None, own_text: bool = True) -> list[Result]:
     """The full cache's measured generation, then each policy's measured teacher-forced pass on its text, and
-    (`own_text`) each one's plain generation (module docstring). `on_step(entry, event)` follows every measured
-    pass; reused results send no events."""
+    (`own_text`) each one's own greedy text, resumed from where it leaves full's text (module docstring).
+    `on_step(entry, event)` follows every measured pass; reused results send no events."""
     if new_tokens < 1:
         raise KvlensError("Ask for at least one new token.")
     ids = encode(model, prompt)
@@ -178,8 +178,8 @@ def compare(model: LoadedModel, prompt: str, entries: list[Entry], new_tokens: i
         key = ResultCache.key(model, prompt, e, new_tokens)
         result = cache.get(key) if cache is not None else None
         if result is None:
-            result = _measure(model, ids, e, results[0] if results else None, opts, on_step, cancel)
-        if own_text and result.own is None:
+            result = _measure(model, ids, e, results[0] if results else None, opts, on_step, cancel, own_text)
+        elif own_text and result.own is None:  # measured earlier without its own text: generate it afresh
             result = _own_text(model, prompt, e, new_tokens, result, results[0] if results else None, cancel)
         if cache is not None:
             cache.put(key, result)
@@ -189,28 +189,41 @@ def compare(model: LoadedModel, prompt: str, entries: list[Entry], new_tokens: i
 
 def _own_text(model, prompt: str, e: Entry, new_tokens: int, result: Result, reference: Result | None,
               cancel) -> Result:
-    """`result` with the entry's own greedy generation (`kvlens generate` with the same settings, timed) and where
-    it leaves the full cache's own (`reference`'s; None for the reference itself)."""
+    """`result` with the entry's own greedy generation from the prompt (`kvlens generate` with the same settings,
+    timed), for a result measured without its own text."""
     opts = RunOptions(budget=e.budget, max_new_tokens=new_tokens, storage=e.storage)
     t = time.perf_counter()
     own = generate(model, prompt, e.policy, e.params, opts=opts, cancel=cancel)
-    seconds = time.perf_counter() - t
+    return _with_own(model, result, own, time.perf_counter() - t, 0, reference)
+
+
+def _with_own(model, result: Result, own: Run, seconds: float, start: int, reference: Result | None) -> Result:
+    """`result` with its own text `own` (`seconds` to generate it from token `start` on) and where that text leaves
+    the full cache's own (`reference`'s; None for the reference itself)."""
     diff = None if reference is None else first_difference(reference.own.meta["tokens"], own.meta["tokens"])
     return dataclasses.replace(result, own=own, own_pieces=_pieces(model, own.meta["tokens"]), generate_s=seconds,
-                               own_diff=diff)
+                               own_diff=diff, own_from=start)
 
 
-def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, cancel) -> Result:
+def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, cancel, own_text: bool) -> Result:
     """The full cache's generation (`reference` None) or a policy teacher-forced on the reference's tokens,
     with the perturbation meter on (`kvlens.engine.perturbation.measured`, except that p_full is the reference's own
-    step distributions: the one-shot full-cache forward `measured` would add gives them again)."""
+    step distributions: the one-shot full-cache forward `measured` would add gives them again). With `own_text`,
+    the run is forked at the first step where its own greedy text can leave the measured one (its choice differs
+    from the token fed, the token fed ends the text, or the last step), and resumed from there."""
     picks: list[int] = []
     logits: list[torch.Tensor] = []
     meter = PerturbationMeter()
+    tokens = None if reference is None else reference.run.meta["tokens"]
+    eos = model.tokenizer.eos_token_id
+    forks: list[Fork] = []
 
     def step(event: StepEvent):
         picks.append(int(torch.argmax(event.logits)))
         logits.append(event.logits.detach().float().cpu())
+        fed = event.token
+        if own_text and not forks and (picks[-1] != fed or fed == eos or event.step == opts.max_new_tokens - 1):
+            forks.append(event.fork())
         if on_step is not None:
             on_step(e, event)
 
@@ -219,7 +232,6 @@ def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, canc
         out = run(model, make_policy(e.policy, e.params), ids, prefill=len(ids), steps=opts.max_new_tokens,
                   teacher=False, opts=opts, observers=[meter], on_step=step, cancel=cancel)
     else:
-        tokens = reference.run.meta["tokens"]
         out = run(model, make_policy(e.policy, e.params), ids + tokens, prefill=len(ids), steps=len(tokens),
                   teacher=True, opts=opts, observers=[meter], on_step=step, cancel=cancel)
     logprobs = torch.log_softmax(torch.stack(logits), dim=-1)
@@ -227,8 +239,14 @@ def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, canc
     out.tensors["perturbation/kl"] = kl_per_step(logprobs if reference is None else reference.logprobs, logits)
     out.meta["metrics"].update(summary(out.tensors))
     if reference is None:
-        return Result(e, out, picks, None, _pieces(model, picks), logprobs)
-    return Result(e, out, picks, first_difference(reference.run.meta["tokens"], picks), _pieces(model, picks))
+        result = Result(e, out, picks, None, _pieces(model, picks), logprobs)
+    else:
+        result = Result(e, out, picks, first_difference(tokens, picks), _pieces(model, picks))
+    if not forks:
+        return result
+    t = time.perf_counter()
+    own = resume(forks[0], opts.max_new_tokens)
+    return _with_own(model, result, own, time.perf_counter() - t, forks[0].progress.step, reference)
 
 
 def _pieces(model: LoadedModel, tokens: list[int]) -> list[str]:
