@@ -13,6 +13,7 @@ from kvlens.experiments.bench.common import PolicySpec, label, parse_policies
 from kvlens.experiments.executors import Job, in_process
 from kvlens.experiments.grid import Results, run_grid
 from kvlens.experiments.sweep import plan_ppl
+from kvlens.policies import make_policy
 from kvlens.texts import bundled
 from tests.test_sweep import tiny_dir  # noqa: F401  (a fixture)
 
@@ -152,7 +153,7 @@ def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
         ("full", 32), ("streaming_llm", 32), ("cam", 32), ("corm", 32)]
     fields = {"policy", "prompt_tokens", "steps", "prefill_ms", "ms_per_token", "cpu_ms_per_token", "kv_bytes_peak",
               "kv_bytes_prefill",
-              "kv_slots_max", "peak_rss", "rss_growth"}
+              "kv_slots_max", "replay_passes", "replay_ms", "peak_rss", "rss_growth"}
     assert all(set(r) == fields and r["ms_per_token"] > 0 and r["peak_rss"] > 0 for r in rows)
     by = {(r["policy"], r["prompt_tokens"]): r for r in rows}
     # tiny model: 3 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes per slot
@@ -226,12 +227,22 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
     assert len(ticks) == speed.ticks(1, [32], 1, [160], every) == 1 + 8 + len(every) + 1  # + full in the lockstep
     details = result["ratio_details"]["evict_half_vs_full_at_160"]
     assert set(details["ms_per_token"]) == {"full", *every}
+    replay = result["ratio_details"]["replay_vs_full_prefill_at_160"]
+    assert set(replay["per_policy"]) == {"kvzip"}  # the one method whose algorithm is an extra forward
+    assert result["ratios"]["replay_vs_full_prefill_at_160"] == replay["per_policy"]["kvzip"]
     for kind, column in (("half", "ms_per_token"), ("prefill", "prefill_ms")):
         key = f"every_policy_{kind}_vs_full_at_160"
         named = result["ratio_details"][key]
         per = named["per_policy"]
-        assert set(per) == set(every) and named["worst"] == max(per, key=per.get)
+        ranked = {k: v for k, v in per.items() if kind == "half" or k not in replay["per_policy"]}
+        assert set(per) == set(every) and named["worst"] == max(ranked, key=ranked.get)
         assert result["ratios"][key] == per[named["worst"]]
         measured, name = details[column], named["worst"]
         assert per[name] == pytest.approx(measured[name][0] / measured["full"][0])  # one repeat: the ratio itself
+    assert per["kvzip"] == pytest.approx(replay["per_policy"]["kvzip"])
+    sizes = result["ratio_details"]["every_policy_bytes_half_vs_full_at_160"]
+    budgeted = {n for n in every if not make_policy(n).budget_free}
+    assert set(sizes["per_policy"]) == budgeted and sizes["worst"] == max(sizes["per_policy"],
+                                                                           key=sizes["per_policy"].get)
+    assert sizes["per_policy"]["streaming_llm"] == pytest.approx(81 / 160)  # 80 slots kept + the step's token
     assert "every_policy_half_vs_full_at_160" not in result["targets"]  # targets at 1024, 4096 and 8160 only

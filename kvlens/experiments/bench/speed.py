@@ -24,7 +24,11 @@ step, which a machine shared with other processes disturbs less than wall time.
   (last rows) over `full`'s prefill, at the first evict length, the worse of the two.
 - every_policy_half_vs_full_at_N, every_policy_prefill_vs_full_at_N: the same two measurements for every
   policy in the lockstep (`every`: by default every registered policy, budget-free ones at their own size), the
-  worst policy's ratio; `ratio_details` names it and lists each policy's.
+  worst policy's ratio; `ratio_details` names it and lists each policy's. The prefill family leaves out the
+  methods whose algorithm is an extra forward over the prompt (replay passes: KVzip's reconstruction), which
+  `replay_vs_full_prefill_at_N` measures against their own target.
+- every_policy_bytes_half_vs_full_at_N: KV bytes allocated (peak) by every budgeted policy at half the prompt
+  over the full prompt's cache, the worst policy's (per-head budgets padded to a layer's largest head show here).
 """
 from __future__ import annotations
 
@@ -47,7 +51,9 @@ TARGETS = {"engine_vs_model_loop": 1.03, "hf_generate_vs_engine": 1.10, "cam_vs_
            "evict_half_vs_full_at_1024": 0.98, "evict_half_vs_full_at_4096": 0.90,
            "evict_half_vs_full_at_8192": 0.85, "prefill_stats_vs_full": 1.30,
            "every_policy_half_vs_full_at_1024": 1.00, "every_policy_half_vs_full_at_4096": 0.90,
-           "every_policy_prefill_vs_full_at_1024": 1.30, "every_policy_prefill_vs_full_at_8160": 1.50}
+           "every_policy_prefill_vs_full_at_1024": 1.30, "every_policy_prefill_vs_full_at_8160": 1.50,
+           "replay_vs_full_prefill_at_1024": 2.5, **{f"every_policy_bytes_half_vs_full_at_{n}": 0.52
+                                                     for n in (1024, 4096, 8160)}}
 EVICTING = ("streaming_llm", "h2o")  # the evict ratios: the worse of these over full
 STATS = ("h2o", "tova")  # the prefill ratio: the worse of these over full
 
@@ -66,7 +72,8 @@ def engine_steps(model: LoadedModel, spec: PolicySpec, ids: list[int], steps: in
         except StopIteration as done:
             m = done.value.metrics
             return {"kv_bytes_peak": m["kv_bytes_peak"], "kv_bytes_prefill": m["kv_bytes_prefill"],
-                    "kv_slots_max": m["kv_slots_max"], "tokens": done.value.meta["tokens"]}
+                    "kv_slots_max": m["kv_slots_max"], "replay_passes": m["replay_passes"], "replay_ms": m["replay_ms"],
+                    "tokens": done.value.meta["tokens"]}
         yield event.ms
 
 
@@ -236,13 +243,19 @@ def evict_ratios(model: LoadedModel, text: str, n: int, steps: int, budget: floa
     others = [name for name in sides if name != "full"]
     decode = {name: ratio(name, "ms_per_token") for name in others}
     prefill = {name: ratio(name, "prefill_ms") for name in others}
-    out = {"prompt_tokens": n, "decode": decode, "prefill": prefill,
+    whole = median(x["kv_bytes_prefill"] for x in sides["full"])  # the full prompt's cache
+    nbytes = {name: median(x["kv_bytes_peak"] for x in sides[name]) / whole for name in others
+              if not PolicySpec(name).budget_free}
+    replays = [name for name in others if sides[name][0]["replay_passes"]]  # their prefill is the method's pass
+    out = {"prompt_tokens": n, "decode": decode, "prefill": prefill, "bytes": nbytes,
+           "replay": {name: prefill[name] for name in replays},
            "ratio": max(decode[name] for name in EVICTING), "prefill_ratio": max(prefill[name] for name in STATS),
            "ms_per_token": {k: [x["ms_per_token"] for x in v] for k, v in sides.items()},
            "prefill_ms": {k: [x["prefill_ms"] for x in v] for k, v in sides.items()}}
     if every:
         out["worst_decode"] = max(every, key=decode.__getitem__)
-        out["worst_prefill"] = max(every, key=prefill.__getitem__)
+        out["worst_prefill"] = max((name for name in every if name not in replays), key=prefill.__getitem__)
+        out["worst_bytes"] = max((name for name in every if name in nbytes), key=nbytes.__getitem__)
     return out
 
 
@@ -297,6 +310,9 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
             m = e["prompt_tokens"]  # 8192 is capped at the context minus the steps
             ratios[f"every_policy_half_vs_full_at_{m}"] = e["decode"][e["worst_decode"]]
             ratios[f"every_policy_prefill_vs_full_at_{m}"] = e["prefill"][e["worst_prefill"]]
+            ratios[f"every_policy_bytes_half_vs_full_at_{m}"] = e["bytes"][e["worst_bytes"]]
+            if e["replay"]:
+                ratios[f"replay_vs_full_prefill_at_{m}"] = max(e["replay"].values())
     ratios_cpu = {k: d["cpu_ratio"] for k, d in (("engine_vs_model_loop", loop), ("hf_generate_vs_engine", hf),
                                                   ("cam_vs_streaming_llm", cam_pair),
                                                   ("record_full_vs_none", record))}
@@ -309,7 +325,11 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
                               **{f"every_policy_{kind}_vs_full_at_{e['prompt_tokens']}": {
                                   "worst": e[f"worst_{part}"], "per_policy": e[part]}
                                  for e in evict.values() if every
-                                 for kind, part in (("half", "decode"), ("prefill", "prefill"))},
+                                 for kind, part in (("half", "decode"), ("prefill", "prefill"),
+                                                    ("bytes_half", "bytes"))},
+                              **{f"replay_vs_full_prefill_at_{e['prompt_tokens']}": {
+                                  "worst": max(e["replay"], key=e["replay"].__getitem__), "per_policy": e["replay"]}
+                                 for e in evict.values() if every and e["replay"]},
                               "kv_bytes_half_budget_vs_full": {
                                   "half_bytes": half["kv_bytes_peak"], "full_prompt_bytes": whole["kv_bytes_prefill"],
                                   "slot_share": (half["kv_slots_max"] + 1) / ratio_length}},
