@@ -49,9 +49,28 @@ def test_a_users_samples_file_is_scored_for_every_policy_and_ratio(tiny_dir, tmp
 def _rows(scores: dict[tuple[str, float], list[float]], task: str, length: int) -> list[dict]:
     """Cell rows of one (task, length), a sample per position of each score list."""
     n = len(next(iter(scores.values())))
-    return [{"suite_task": task, "length": length, "index": i, "shared_prefill_ms": 1.0,
-             "results": [{"policy": p, "ratio": r, "score": s[i], "kept_share": 1 - (r or 0), "prepare_ms": 1.0,
-                          "answer_ms": 4.0} for (p, r), s in scores.items()]} for i in range(n)]
+    return [{"suite_task": task, "length": length, "index": i, "shared_prefill_ms": 1.0, "answers": [["42"]],
+             "results": [{"policy": p, "ratio": r, "score": s[i], "outputs": ["42" if s[i] else "no"],
+                          "kept_share": 1 - (r or 0), "prepare_ms": 1.0, "answer_ms": 4.0}
+                         for (p, r), s in scores.items()]} for i in range(n)]
+
+
+def test_a_task_asking_several_questions_of_one_context_has_each_turns_score():
+    """niah_multiquery's questions share one compressed cache: the summary scores each turn, with its interval."""
+    rows = _rows({("full", 0.0): [1, 1, 1, 1], ("h2o", 0.5): [1, 1, 1, 0]}, "multi", 1024)
+    for row in rows:
+        row["answers"] = [["7"], ["8"], ["9"]]
+        for res in row["results"]:  # h2o answers the first question of every sample, the last of none
+            found = [True, True, True] if res["policy"] == "full" else [True, row["index"] < 2, False]
+            res["outputs"] = [f"it is {a[0]}" if f else "no idea" for a, f in zip(row["answers"], found)]
+    cells = {(s["policy"], s["task"]): s for s in tasks.summarise(rows)}
+    assert [t["score"] for t in cells[("h2o", "multi")]["turns"]] == [1.0, 0.5, 0.0]
+    assert [t["score"] for t in cells[("full", "multi")]["turns"]] == [1.0, 1.0, 1.0]
+    middle = cells[("h2o", "multi")]["turns"][1]
+    assert 0 <= middle["ci_low"] < 0.5 < middle["ci_high"] <= 1
+    assert cells[("h2o", "all")]["turns"] is None  # turns are per task
+    single = {(s["policy"], s["task"]): s for s in tasks.summarise(_rows({("full", 0.0): [1]}, "one", 1024))}
+    assert single[("full", "one")]["turns"] is None
 
 
 def test_the_summary_averages_tasks_equally_and_bootstraps_within_them():

@@ -11,7 +11,12 @@ import streamlit as st
 from kvlens.ui.charts import chart
 
 COLUMNS = ["policy", "ratio", "score", "ci_low", "ci_high", "samples", "full_score", "kept_share", "cost_vs_answer",
-           "cell_ms"]
+           "cell_ms", "turns"]
+
+
+def _turns(turns: list[dict] | None) -> str:
+    """Each question's score in turn, e.g. "100% · 88% · 75%" (a task that asks several of one context)."""
+    return "" if not turns else " · ".join(f"{t['score']:.0%}" for t in turns)
 
 
 def leaderboard(path: Path, settings: dict, raw: dict) -> None:
@@ -34,9 +39,11 @@ def leaderboard(path: Path, settings: dict, raw: dict) -> None:
     chart(tasks.figure({**raw, "summary": shown}), "tasks_fig", name=path.stem,
           config={"results": str(path), **settings.get("config", {})}, data=pd.DataFrame(shown))
     table = pd.DataFrame([s for s in shown if s["task"] == task and s["length"] == length], columns=COLUMNS)
+    table["turns"] = table["turns"].map(_turns)
     st.caption("Score: share of the expected strings found in the answers; [ci_low, ci_high]: bootstrap 95 % "
                "interval over samples; cost_vs_answer: (compression + answers) / answers, median over samples; "
                "cell_ms: a sample's cost for this policy and ratio (its share of the shared prefill, its compression, "
-               "its share of the batched answers), median over samples.")
+               "its share of the batched answers), median over samples; turns: each question's score in turn, for "
+               "a task that asks several questions of one compressed context.")
     st.dataframe(table.sort_values("score", ascending=False, kind="stable"), hide_index=True, width="stretch",
-                 column_config={c: st.column_config.NumberColumn(format="%.3f") for c in COLUMNS[2:5] + COLUMNS[6:]})
+                 column_config={c: st.column_config.NumberColumn(format="%.3f") for c in COLUMNS[2:5] + COLUMNS[6:-1]})

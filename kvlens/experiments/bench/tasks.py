@@ -206,7 +206,7 @@ def plan_file(samples: list[ruler.Sample], policies, ratios, *, model: str, quer
 
 def flatten(rows: list[dict]) -> list[dict]:
     """One record per (sample, policy, ratio), from the cells' rows."""
-    return [{"task": r["suite_task"], "length": r["length"], "index": r["index"], **res,
+    return [{"task": r["suite_task"], "length": r["length"], "index": r["index"], **res, "answers": r["answers"],
              "shared_prefill_ms": r["shared_prefill_ms"],
              "cell_ms": r["shared_prefill_ms"] / len(r["results"]) + res["prepare_ms"] + res["answer_ms"]}
             for r in rows for res in r["results"]]
@@ -220,9 +220,25 @@ def bootstrap(groups: list[list[float]], seed: int = 0, draws: int = 1000) -> tu
     return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
 
 
+def turns(records: list[dict]) -> list[dict] | None:
+    """Each question in turn (question 1, 2, ...) over `records` whose samples ask several of one compressed context
+    (niah_multiquery: does a question-agnostic cache degrade as questions go on?): its mean score and bootstrap
+    95 % interval over the samples; None when a record asks one question or the records ask different numbers."""
+    counts = {len(r["outputs"]) for r in records}
+    if len(counts) != 1 or counts == {1}:
+        return None
+    out = []
+    for k in range(counts.pop()):
+        scores = [ruler.score(r["outputs"][k], r["answers"][k]) for r in records]
+        low, high = bootstrap([scores])
+        out.append({"score": statistics.fmean(scores), "ci_low": low, "ci_high": high})
+    return out
+
+
 def summarise(rows: list[dict]) -> list[dict]:
     """Leaderboard cells: per (policy, ratio, task, length) and averaged over tasks and lengths ("all"), the mean
-    score, the samples, a bootstrap 95 % interval and the full cache's score on the same samples."""
+    score, the samples, a bootstrap 95 % interval, the full cache's score on the same samples and, for a task that
+    asks several questions of one context, each turn's score (`turns`)."""
     records = flatten(rows)
     cells: dict[tuple, dict[tuple, list[float]]] = {}
     for r in records:
@@ -243,7 +259,8 @@ def summarise(rows: list[dict]) -> list[dict]:
                     "kept_share": statistics.fmean(r["kept_share"] for r in mine),
                     "cost_vs_answer": statistics.median((r["prepare_ms"] + r["answer_ms"]) / r["answer_ms"]
                                                         for r in mine),
-                    "cell_ms": statistics.median(r["cell_ms"] for r in mine)})
+                    "cell_ms": statistics.median(r["cell_ms"] for r in mine),
+                    "turns": None if task == "all" else turns(mine)})
     return sorted(out, key=lambda s: (s["task"] != "all", str(s["task"]), str(s["length"]), s["ratio"] or 0,
                                       -s["score"]))
 
