@@ -88,7 +88,7 @@ with right:
 
 if go_clicked and picked is not None and storage is not None:
     policy, params, budget = picked
-    live = Live(quantized=storage.quantized)
+    live = Live(quantized=storage.packed)
     frame = [0]
 
     def work(model):

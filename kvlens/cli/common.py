@@ -40,15 +40,21 @@ def add_storage_args(p: argparse.ArgumentParser, bits: bool = True) -> None:
     p.add_argument("--kv-group", type=int, default=64, help="quantization group size (slots or channels)")
     p.add_argument("--kv-residual", type=int, default=0,
                    help="newest tokens kept in full precision (KIVI's R; a multiple of --kv-group for kivi)")
+    rank = p.add_mutually_exclusive_group()
+    rank.add_argument("--kv-rank", type=int, metavar="R",
+                      help="low-rank storage: each KV head's keys and values as rank-R coefficients over a basis "
+                           "from an SVD of the prompt's kept rows (later tokens projected onto it)")
+    rank.add_argument("--kv-rank-share", type=float, metavar="F", help="low-rank storage at rank F x the head size")
 
 
 def storage(args):
     """The run's `Storage` from `--kv-*` (the model's dtype when --kv-bits is not given)."""
     from kvlens.engine.quantize import Storage
 
+    rank = {"rank": getattr(args, "kv_rank", None), "rank_share": getattr(args, "kv_rank_share", None)}
     if getattr(args, "kv_bits", None) is None:
-        return Storage()
-    return Storage(bits=args.kv_bits, scheme=args.kv_scheme, group=args.kv_group, residual=args.kv_residual)
+        return Storage(**rank)
+    return Storage(bits=args.kv_bits, scheme=args.kv_scheme, group=args.kv_group, residual=args.kv_residual, **rank)
 
 
 def load(args):

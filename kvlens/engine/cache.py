@@ -39,6 +39,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from kvlens.engine.lowrank import LowRankStates
 from kvlens.engine.quantize import QuantizedStates, Storage, seal
 from kvlens.runs.decisions import DecisionLog
 
@@ -164,7 +165,7 @@ class SlotStore:
         self.extra: dict[str, torch.Tensor] = {}  # name -> (R, C, ...)
         self.n = n
         self.order: torch.Tensor | None = None  # (R, n) slots in position order, when known
-        self.packed: dict[str, QuantizedStates] | None = None  # keys/values when quantized
+        self.packed: dict[str, QuantizedStates | LowRankStates] | None = None  # keys/values, quantized or low-rank
         self.working: dict[tuple[str, int, int], torch.Tensor] = {}  # (name, first row, end row) -> (1, R', n, D)
 
     def empty_like(self, rows: int, capacity: int) -> SlotStore:
@@ -172,8 +173,7 @@ class SlotStore:
         new = SlotStore({name: t.new_full((1, rows, capacity, t.shape[-1]) if name in STATES else (rows, capacity),
                                           STATS.get(name, 0)) for name, t in self.buffers.items()}, 0)
         if self.packed is not None:
-            new.packed = {name: QuantizedStates(q.storage, name, rows, capacity, q.dim, q.dtype, q.codes.device)
-                          for name, q in self.packed.items()}
+            new.packed = {name: q.empty(rows, capacity) for name, q in self.packed.items()}
         return new
 
     def states(self, name: str, rows: slice) -> torch.Tensor:
@@ -673,7 +673,7 @@ class KVCache:
 
     def quantize(self, storage: Storage) -> None:
         """Keys and values into `storage` (after the prompt's compression); nothing for the model's dtype."""
-        if storage.quantized:
+        if storage.packed:
             for store in self.stores():
                 store.quantize(storage)
 

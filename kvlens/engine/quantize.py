@@ -39,8 +39,18 @@ class Storage:
     scheme: str = "kivi"
     group: int = 64  # transformers' QuantizedCache default (q_group_size=64); KIVI's paper mostly 32
     residual: int = 0  # KIVI's R (32-128 in the paper): off by default, see the README's "Quantized storage"
+    rank: int | None = None  # low-rank storage (`kvlens.engine.lowrank`): coefficients per slot, at this rank
+    rank_share: float | None = None  # ... or at this share of the head size (rounded, at least 1)
 
     def __post_init__(self):
+        if self.rank is not None and self.rank_share is not None:
+            raise KvlensError("Give --kv-rank or --kv-rank-share, not both.")
+        if self.rank is not None and self.rank < 1:
+            raise KvlensError(f"--kv-rank must be at least 1 (got {self.rank}).")
+        if self.rank_share is not None and not 0 < self.rank_share <= 1:
+            raise KvlensError(f"--kv-rank-share must be in (0, 1], a share of the head size (got {self.rank_share}).")
+        if self.low_rank and self.bits is not None:
+            raise KvlensError("Low-rank storage does not combine with --kv-bits yet: choose one of them.")
         if self.bits is not None and self.bits not in BITS:
             raise KvlensError(f"--kv-bits must be one of {', '.join(map(str, BITS))} (got {self.bits}).")
         if self.scheme not in SCHEMES:
@@ -55,9 +65,26 @@ class Storage:
     def quantized(self) -> bool:
         return self.bits is not None
 
+    @property
+    def low_rank(self) -> bool:
+        return self.rank is not None or self.rank_share is not None
+
+    @property
+    def packed(self) -> bool:
+        """Keys and values leave the model's dtype buffers (quantized or low-rank)."""
+        return self.quantized or self.low_rank
+
+    def rank_for(self, head_dim: int) -> int:
+        """The rank of low-rank storage for heads of `head_dim` channels."""
+        return self.rank if self.rank is not None else max(1, round(self.rank_share * head_dim))
+
     def check(self, head_dim: int) -> None:
-        """Refuse, in one sentence, a group that does not tile a head's `head_dim` channels (groups of channels:
-        KIVI's values, both for the token scheme); a group of `head_dim` or more is one group per token."""
+        """Refuse, in one sentence, a rank above the head size, or a group that does not tile a head's `head_dim`
+        channels (groups of channels: KIVI's values, both for the token scheme); a group of `head_dim` or more is one
+        group per token."""
+        if self.rank is not None and self.rank > head_dim:
+            raise KvlensError(f"--kv-rank {self.rank} is above the model's head size ({head_dim}); a rank of "
+                              f"{head_dim} stores every channel.")
         if self.quantized and head_dim % min(self.group, head_dim):
             fits = ", ".join(str(g) for g in (8, 16, 32, 64, 128) if g <= head_dim and head_dim % g == 0)
             raise KvlensError(f"--kv-group {self.group} does not divide the model's head size ({head_dim}): groups "
@@ -74,10 +101,13 @@ class Storage:
     @classmethod
     def of(cls, described: dict | None) -> Storage:
         """The storage a run.json or a grid cell recorded (`describe()`'s dict; None: the model's dtype)."""
-        return cls(**{k: v for k, v in (described or {}).items() if k in ("bits", "scheme", "group", "residual")})
+        return cls(**{k: v for k, v in (described or {}).items()
+                      if k in ("bits", "scheme", "group", "residual", "rank", "rank_share")})
 
     def describe(self) -> dict:
-        """What run.json records: `{"bits": None}` for the model's dtype."""
+        """What run.json records: `{"bits": None}` for the model's dtype, with the rank for low-rank storage."""
+        if self.low_rank:
+            return {"bits": None, "rank": self.rank, "rank_share": self.rank_share}
         if not self.quantized:
             return {"bits": None}
         return {"bits": self.bits, "scheme": self.scheme, "group": self.group, "residual": self.residual,
@@ -168,7 +198,7 @@ class QuantizedStates:
 
     def __init__(self, storage: Storage, name: str, rows: int, capacity: int, dim: int, dtype: torch.dtype,
                  device: torch.device):
-        self.storage, self.dtype = storage, dtype
+        self.storage, self.name, self.dtype = storage, name, dtype
         self.bits, self.group = storage.bits, storage.group
         self.along, self.mode = storage.along(name), storage.window(name)
         self.dim = dim
@@ -207,6 +237,10 @@ class QuantizedStates:
         """Bytes of `rows` rows: packed codes, zero points and scales, and the full-precision window."""
         per_row = sum(t[0].numel() * t.element_size() for t in (self.codes, self.lo, self.scale, self.window))
         return per_row * rows
+
+    def empty(self, rows: int, capacity: int) -> QuantizedStates:
+        """Storage of the same kind for `rows` rows of `capacity` free slots."""
+        return QuantizedStates(self.storage, self.name, rows, capacity, self.dim, self.dtype, self.codes.device)
 
     def clone(self) -> QuantizedStates:
         new = object.__new__(QuantizedStates)
@@ -379,12 +413,15 @@ class QuantizedStates:
             self.write(rows, values, changed, valid)
 
 
-def seal(storage: Storage, name: str, x: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
-         capacity: int) -> QuantizedStates:
-    """A prompt's compressed keys or values `x` `(R, n, D)` (positions and validity `(R, n)`) into quantized storage:
-    the window takes each row's newest valid tokens (KIVI's prefill: the last `n mod R` keys, the last `R` values),
-    the rest is quantized."""
+def seal(storage: Storage, name: str, x: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, capacity: int):
+    """A prompt's compressed keys or values `x` `(R, n, D)` (positions and validity `(R, n)`) into packed storage:
+    low-rank (`kvlens.engine.lowrank`), or quantized, where the window takes each row's newest valid tokens (KIVI's
+    prefill: the last `n mod R` keys, the last `R` values) and the rest is quantized."""
     r, n, d = x.shape
+    if storage.low_rank:
+        from kvlens.engine.lowrank import seal_low_rank
+
+        return seal_low_rank(storage.rank_for(d), x, valid, capacity)
     states = QuantizedStates(storage, name, r, capacity, d, x.dtype, x.device)
     count = valid.sum(-1)  # (R,)
     w = storage.residual

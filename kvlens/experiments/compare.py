@@ -74,7 +74,7 @@ class Entry:
 
         extra = ", ".join(f"{k}={v}" for k, v in changed_params(self.policy, self.params).items())
         budget = "" if self.budget is None else f" @{self.budget:g}"
-        kv = f" · {storage_label(self.storage.describe(), short=True)}" if self.storage.quantized else ""
+        kv = f" · {storage_label(self.storage.describe(), short=True)}" if self.storage.packed else ""
         return f"{self.policy}{budget}" + (f" ({extra})" if extra else "") + kv
 
 
@@ -157,7 +157,7 @@ def entries_with_reference(entries: list[Entry]) -> list[Entry]:
     out = [Entry(FULL, {}, None)]
     for e in entries:
         make_policy(e.policy, e.params)  # a bad setting is one sentence before anything runs
-        if (e.policy != FULL or e.storage.quantized) and e not in out:
+        if (e.policy != FULL or e.storage.packed) and e not in out:
             out.append(e)
     return out
 

@@ -57,6 +57,9 @@ def storage_label(storage: dict | None, short: bool = False) -> str:
     """A run's KV storage (run.json's `storage`, `Storage.describe()`) in words: "model dtype" for none (older
     runs too), else e.g. "4-bit kivi, group 64" (+ ", last 32 in full precision"); `short`: "4-bit" with only the
     settings that differ from the defaults (kivi, group 64, no window)."""
+    if storage and (storage.get("rank") or storage.get("rank_share")):
+        rank = storage["rank"] or f"{storage['rank_share']:g} of the head size"
+        return f"rank {rank}" if short else f"low-rank, rank {rank} per head (projected on the prompt's basis)"
     if not storage or storage.get("bits") is None:
         return "model dtype"
     bits, scheme, group, residual = (storage.get(k) for k in ("bits", "scheme", "group", "residual"))

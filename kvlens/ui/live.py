@@ -50,10 +50,12 @@ class RunSettings:
             parts += ["--text-file", "TEXT", "--prefill", str(self.prefill), "--tokens", str(self.new_tokens)]
         else:
             parts += ["--prompt", "PROMPT", "--max-new-tokens", str(self.new_tokens)]
-        if self.storage.quantized:
-            s = self.storage
+        s = self.storage
+        if s.quantized:
             parts += ["--kv-bits", str(s.bits), "--kv-scheme", s.scheme, "--kv-group", str(s.group),
                       "--kv-residual", str(s.residual)]
+        elif s.low_rank:
+            parts += ["--kv-rank", str(s.rank)] if s.rank is not None else ["--kv-rank-share", str(s.rank_share)]
         if self.prefill_chunk:
             parts += ["--prefill-chunk", str(self.prefill_chunk)]
         parts += ["--record", self.record]

@@ -96,7 +96,7 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
         shared = SharedPrefill(model, prompt, [make_policy(s.name, dict(s.params)) for s in specs])
         shared_ms += shared.ms
         batch = _Batch(model, sample, prompt, asked, questions, cell.get("stop_when_found", True),
-                       batched=cell.get("batch", True) and not opts.storage.quantized)
+                       batched=cell.get("batch", True) and not opts.storage.packed)
         replay_ms: dict[str, float] = {}  # a policy's replay passes (KVzip), run for its first ratio, shared by all
         for spec, ratio in _ratio_major(pairs):
             policy = make_policy(spec.name, dict(spec.params))
