@@ -30,7 +30,8 @@ def options(parser: argparse.ArgumentParser) -> list[list[str]]:
 
 
 def usage(parser: argparse.ArgumentParser) -> str:
-    return "```\n" + parser.format_usage().removeprefix("usage: ").strip() + "\n```\n"
+    lines = parser.format_usage().removeprefix("usage: ").rstrip().splitlines()  # later lines: indented past "usage: "
+    return "```\n" + "\n".join([lines[0], *(line[len("usage: "):] for line in lines[1:])]) + "\n```\n"
 
 
 def section(level: int, name: str, help_: str, parser: argparse.ArgumentParser, kinds_page: bool) -> str:

@@ -129,7 +129,8 @@ def readme_table() -> str:
     for name in policy_names():
         cls = policy_class(name)
         rows.append([f"`{name}`", family(cls), paper_link(cls.paper), short_params(name),
-                     f"`{cls.kvpress}`" if cls.kvpress else "—", "yes" if name in checked else "no"])
+                     f"`{cls.kvpress}`" if cls.kvpress else "—",
+                     "yes" if name in checked else "no" if cls.kvpress else "—"])
     return table(["policy", "family", "paper", "parameters (defaults)", "kvpress", "cross-checked"], rows)
 
 

@@ -7,6 +7,12 @@ from pathlib import Path
 
 from docgen.common import ROOT, banner, table
 
+NBSP, JOIN = "\u00a0", "\u2060"  # no-break space, word joiner: a narrow table column never splits a value
+
+
+def spread(value: str, low: str, high: str) -> str:
+    return f"{value}{NBSP}[{low}{JOIN}–{JOIN}{high}]"
+
 RESULTS = ROOT / "results"
 # The files the pages cite, in the order of the app's Benchmarks page, each with its section title.
 CITED = {"bench_tasks.json": "Task accuracy under compression",
@@ -40,8 +46,9 @@ def machine(env: dict | None) -> str:
 def provenance(name: str, obj: dict) -> str:
     """Command, date and machine of a results file, as the lines that open its section."""
     env = obj.get("environment")
-    date = env["time"][:10] if env and env.get("time") else "not recorded in the file"
-    out = f"`results/{name}` · made by `{obj.get('command', 'not recorded')}` · {date} · {machine(env)}"
+    when = (f"{env['time'][:10]} · {machine(env)}" if env and env.get("time")
+            else "date and machine not recorded in the file")
+    out = f"`results/{name}` · made by `{obj.get('command', 'not recorded')}` · {when}"
     model = (env or {}).get("model") or obj.get("model")
     if model:
         out += f" · model `{model}`"
@@ -74,12 +81,13 @@ def tasks_section(obj: dict) -> str:
     body = []
     for n in sorted(names, key=lambda n: key[n]):
         def fmt(s):
-            return "" if s is None else f"{s['score']:.3f} [{s['ci_low']:.3f}, {s['ci_high']:.3f}]"
+            return "" if s is None else spread(f"{s['score']:.3f}", f"{s['ci_low']:.3f}", f"{s['ci_high']:.3f}")
         own = by.get((n, None)) or by.get((n, 0.0))
         body.append([f"`{n}`", *(fmt(by.get((n, r))) for r in ratios), fmt(own), str((own or by[(n, ratios[0])])
                                                                                        ["samples"])])
-    out += table(["policy", *(f"ratio {r}" for r in ratios), "uncompressed or own size", "samples"], body)
-    return out + "\nSorted by the score at ratio 0.5. The app's Benchmarks page shows each task and length.\n\n"
+    out += table(["policy", *(f"ratio {r}" for r in ratios), "full or budget-free", "samples"], body)
+    return out + ("\nSorted by the score at ratio 0.5. The full cache and the budget-free policies (which decide their "
+                  "own size) have no ratio. The app's Benchmarks page shows each task and length.\n\n")
 
 
 def frontier_section(obj: dict) -> str:
@@ -94,10 +102,9 @@ def frontier_section(obj: dict) -> str:
     for s in sorted(obj["summary"], key=lambda s: (s["metric"], -s["bytes_share"], s["family"], s["config"])):
         ppl = s["metric"] == "ppl"
         low, high = (s["ppl_min"], s["ppl_max"]) if ppl else (s["ci_low"], s["ci_high"])
-        value = f"{s[s['metric']]:.2f}" if ppl else f"{s['score']:.3f}"
-        spread = f"[{low:.2f}, {high:.2f}]" if ppl else f"[{low:.3f}, {high:.3f}]"
+        digits = 2 if ppl else 3
         rows.append(["perplexity" if ppl else "task score", s["family"], s["config"], f"{s['bytes_share']:.3f}",
-                     f"{value} {spread}"])
+                     spread(f"{s[s['metric']]:.{digits}f}", f"{low:.{digits}f}", f"{high:.{digits}f}")])
     return out + table(["measure", "family", "configuration", "bytes share", "value [spread]"], rows) + "\n"
 
 
@@ -115,9 +122,9 @@ def speed_section(obj: dict) -> str:
     for name, value in obj["ratios"].items():
         detail = obj.get("ratio_details", {}).get(name, {})
         each = detail.get("ratios") if isinstance(detail, dict) else None
-        spread = f" [{min(each):.3f}, {max(each):.3f}]" if each else ""
+        shown = spread(f"{value:.3f}", f"{min(each):.3f}", f"{max(each):.3f}") if each else f"{value:.3f}"
         target = obj.get("targets", {}).get(name, {})
-        rows.append([f"`{name}`", f"{value:.3f}{spread}", target.get("target", ""),
+        rows.append([f"`{name}`", shown, target.get("target", ""),
                      "yes" if target.get("met") else "no"])
     return out + table(["ratio", "value", "target", "met"], rows) + "\n"
 
@@ -129,7 +136,8 @@ def ppl_section(obj: dict) -> str:
            "prompt, above 1 slots per KV head and layer. In brackets the lowest and highest text; *vs full* is the "
            "geometric-mean perplexity over the full cache's.\n\n")
     rows = [[f"`{s['policy']}`", s["budget"], f"{s['budget_slots_mean']:.0f}",
-             f"{s['ppl_mean']:.2f} [{s['ppl_min']:.2f}, {s['ppl_max']:.2f}]", f3(s["vs_full"])] for s in obj["summary"]]
+             spread(f"{s['ppl_mean']:.2f}", f"{s['ppl_min']:.2f}", f"{s['ppl_max']:.2f}"), f3(s["vs_full"])]
+            for s in obj["summary"]]
     return out + table(["policy", "budget", "slots", "perplexity", "vs full"], rows) + "\n"
 
 
@@ -145,7 +153,8 @@ def needle_section(obj: dict) -> str:
 
 
 def sweep_section(obj: dict) -> str:
-    out = (f"`{obj['rows'][0]['policy']}` with its default settings on `{obj.get('text_file')}`, "
+    params = ", ".join(f"{k}={v}" for k, v in obj["rows"][0].get("params", {}).items())
+    out = (f"`{obj['rows'][0]['policy']}` ({params}) on `{obj.get('text_file')}`, "
            f"{obj['rows'][0]['prefill']} prompt tokens then {obj.get('tokens')} scored, measured (`--measure`): the "
            "relative change of the attention output against the full cache with merging (used) and with the "
            "same decisions but no merging (evict), and KL(full ‖ policy). One text, one seed: no spread. Its "
@@ -190,7 +199,7 @@ def readme_summary() -> str:
            f"samples (`results/bench_tasks.json`, {obj['environment']['time'][:10]}; the full cache scores "
            f"{full['score']:.3f}); the five best of {len({s['policy'] for s in summary}) - 1} policies:\n\n")
     out += table(["policy", "score [95 % interval]"],
-                 [[f"`{s['policy']}`", f"{s['score']:.3f} [{s['ci_low']:.3f}, {s['ci_high']:.3f}]"] for s in half])
+                 [[f"`{s['policy']}`", f"{s['score']:.3f} [{s['ci_low']:.3f}–{s['ci_high']:.3f}]"] for s in half])
     return out
 
 
