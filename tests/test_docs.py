@@ -117,3 +117,10 @@ def test_the_site_builds_strict_and_references_nothing_outside_itself(tmp_path):
     css = " ".join(p.read_text(encoding="utf-8", errors="replace") for p in site.rglob("*.css"))
     assert "fonts.googleapis" not in css and "fonts.gstatic" not in css
     assert "load_run" in (site / "api.html").read_text(encoding="utf-8")  # mkdocstrings rendered the docstrings
+
+
+def test_the_results_page_and_the_apps_benchmarks_page_open_on_the_same_benchmarks_in_the_same_order():
+    source = (ROOT / "pages" / "benchmarks.py").read_text(encoding="utf-8")
+    lead = re.findall(r'\("(bench_\w+)", "[^"]+", "\w+", "kvlens bench \w+"\)', source)
+    assert lead == ["bench_tasks", "bench_frontier", "bench_speed"]
+    assert [p.stem for p in results_page.cited()][:3] == lead
