@@ -60,7 +60,7 @@ def value_range(d: dict) -> str:
 def properties(cls) -> str:
     from kvlens.policies import family
 
-    props = [f"family: **{family(cls)}**"]
+    props = [f"Family: **{family(cls)}**"]
     if cls.budget_free:
         props.append("budget-free (decides its own size)")
     if cls.reallocates:

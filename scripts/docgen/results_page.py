@@ -58,9 +58,18 @@ def provenance(name: str, obj: dict) -> str:
     return out + ".\n\n"
 
 
-def tasks_section(obj: dict) -> str:
-    from kvlens.experiments.bench import tasks
+def task_summary(obj: dict) -> list[dict]:
+    """The leaderboard cells averaged over tasks and lengths: the file's own summary (what the benchmark wrote
+    with its rows), or one computed from its rows if it has none."""
+    summary = obj.get("summary")
+    if not isinstance(summary, list):
+        from kvlens.experiments.bench import tasks
 
+        summary = tasks.summarise([r for r in obj["rows"] if isinstance(r.get("results"), list)])
+    return [s for s in summary if s["task"] == "all" and s["length"] == "all"]
+
+
+def tasks_section(obj: dict) -> str:
     cfg = obj["config"]
     rows = [r for r in obj["rows"] if isinstance(r.get("results"), list)]
     elsewhere = sorted({r["machine"] for r in rows if r.get("machine")})
@@ -73,7 +82,7 @@ def tasks_section(obj: dict) -> str:
         n = sum(1 for r in rows if r.get("machine"))
         out += f" {n} of the {len(rows)} samples ran on another machine ({'; '.join(elsewhere)})."
     out += "\n\n"
-    summary = [s for s in tasks.summarise(rows) if s["task"] == "all" and s["length"] == "all"]
+    summary = task_summary(obj)
     ratios = sorted({s["ratio"] for s in summary if s["ratio"]})
     by = {(s["policy"], s["ratio"]): s for s in summary}
     names = list(dict.fromkeys(s["policy"] for s in summary))
@@ -188,11 +197,8 @@ def page() -> str:
 
 def readme_summary() -> str:
     """The task leaderboard's top at ratio 0.5, for the README."""
-    from kvlens.experiments.bench import tasks
-
     obj = load("bench_tasks.json")
-    rows = [r for r in obj["rows"] if isinstance(r.get("results"), list)]
-    summary = [s for s in tasks.summarise(rows) if s["task"] == "all" and s["length"] == "all"]
+    summary = task_summary(obj)
     full = next(s for s in summary if s["policy"] == "full")
     half = sorted((s for s in summary if s["ratio"] == 0.5), key=lambda s: -s["score"])[:5]
     out = (f"Task score at compression ratio 0.5 (half the context's cache removed), over {full['samples']} "
