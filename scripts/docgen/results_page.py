@@ -201,9 +201,16 @@ def readme_summary() -> str:
     summary = task_summary(obj)
     full = next(s for s in summary if s["policy"] == "full")
     half = sorted((s for s in summary if s["ratio"] == 0.5), key=lambda s: -s["score"])[:5]
-    out = (f"Task score at compression ratio 0.5 (half the context's cache removed), over {full['samples']} "
-           f"samples (`results/bench_tasks.json`, {obj['environment']['time'][:10]}; the full cache scores "
-           f"{full['score']:.3f}); the five best of {len({s['policy'] for s in summary}) - 1} policies:\n\n")
+    env = obj["environment"]
+    done, total = obj.get("cells_done"), obj.get("cells_total")
+    unfinished = isinstance(done, int) and isinstance(total, int) and done < total
+    grid = f"; {done} of {total} cells done" if unfinished else ""
+    elsewhere = sum(1 for r in obj["rows"] if r.get("machine"))
+    grid += f"; {elsewhere} samples on another machine" if elsewhere else ""
+    out = (f"Task score at compression ratio 0.5 (half the context's cache removed), averaged over tasks and lengths, "
+           f"{full['samples']} samples (`{obj['command']}`, `results/bench_tasks.json`, {env['time'][:10]}, "
+           f"{machine(env)}{grid}). The full cache scores {full['score']:.3f}; the five best of "
+           f"{len({s['policy'] for s in summary}) - 1} policies, with bootstrap 95 % intervals:\n\n")
     out += table(["policy", "score [95 % interval]"],
                  [[f"`{s['policy']}`", f"{s['score']:.3f} [{s['ci_low']:.3f}–{s['ci_high']:.3f}]"] for s in half])
     return out
