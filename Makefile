@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvlens-installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run test test-fast test-portable test-cuda fuzz lint setup model browser clean-venv
+.PHONY: run test test-fast test-portable test-cuda fuzz lint docs docs-gen screenshots setup model browser clean-venv
 
 setup: $(STAMP)
 
@@ -38,8 +38,21 @@ run: model
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: model browser lint
+test: model browser lint docs
 	$(PY) -m pytest -q
+
+# The documentation site, built into site/ with no network (no CDN, no web fonts); --strict fails on any warning.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# The generated pages (command line, policies, analyses, results) and the README's generated tables, rewritten
+# from their sources; tests/test_docs.py fails when they are out of date.
+docs-gen: $(STAMP)
+	$(PY) scripts/gen_docs.py
+
+# The app's screenshots in docs/img/, from headless Chromium against `streamlit run app.py` on 127.0.0.1.
+screenshots: model browser
+	$(PY) scripts/app_screenshots.py
 
 # The tests that need neither the embedded model nor a browser (about a minute).
 test-fast: lint

@@ -1,7 +1,8 @@
-"""Benchmarks: saved sweeps (perplexity, memory, speed against the budget) and benchmark results, as tables and charts.
+"""Benchmarks: the task leaderboard, then quality at equal bytes, then speed and memory, then the other saved
+benchmarks and the sweeps (perplexity, memory, speed against the budget), as tables and charts.
 
 A sweep or benchmark still running writes its results file after every cell: while any is
-unfinished, both tabs re-read their file every few seconds and show the rows so far.
+unfinished, the sections re-read their file every few seconds and show the rows so far.
 """
 import streamlit as st
 
@@ -11,6 +12,10 @@ from kvlens.ui.page import page_top
 from kvlens.ui.results import bench_figure, frontier_table, pick_results, read_results, result_files, sweep_section
 
 REFRESH_S = 5
+# The benchmarks the page opens on, in this order: (results file name, title, URL key, the command that makes it)
+LEAD = [("bench_tasks", "Task leaderboard", "tasks", "kvlens bench tasks"),
+        ("bench_frontier", "Quality at equal bytes", "frontier", "kvlens bench frontier"),
+        ("bench_speed", "Speed and memory", "speed", "kvlens bench speed")]
 
 page_top("Benchmarks", "Read from saved results (`results/`); nothing is run here.")
 
@@ -23,6 +28,53 @@ def unfinished(path) -> bool:
 live = any(unfinished(p) for p in result_files("sweep") + result_files("bench"))
 
 
+def show(picked) -> None:
+    """One benchmark results file: its own figure and table, or the leaderboard of a task benchmark."""
+    path, settings, frame, raw = picked
+    if path.name.startswith("bench_tasks"):
+        leaderboard(path, settings, raw)
+    else:
+        builder = bench_figure(path.name)
+        if builder is not None and len(frame):
+            try:
+                chart(builder(raw), f"bench_fig_{path.stem}", name=path.stem, config={"results": str(path),
+                                                                                      **settings}, data=frame)
+            except (KeyError, TypeError, ValueError) as err:
+                st.error(f"{path.name} does not have the layout its benchmark writes ({type(err).__name__}: {err}).")
+        if path.name.startswith("bench_frontier") and isinstance(raw.get("summary"), list):
+            st.dataframe(frontier_table(raw["summary"]), hide_index=True, width="stretch")
+            with st.expander(f"Every cell ({len(frame)})"):
+                st.dataframe(frame, hide_index=True, width="stretch")
+        else:
+            if path.name.startswith("bench_speed"):
+                st.caption("Unmeasured runs: each row's ms per token is the median decode step of one run.")
+            st.dataframe(frame, hide_index=True, width="stretch")
+        for key in ("ratios", "targets", "growth"):
+            if isinstance(raw.get(key), dict):
+                st.markdown(f"**{key}**")
+                st.json(raw[key], expanded=True)
+    if settings.get("command"):
+        st.caption(f"Made by `{settings['command']}`.")
+    with st.expander("Settings of this benchmark"):
+        st.json(settings.get("config", settings), expanded=False)
+
+
+@st.fragment(run_every=REFRESH_S if live else None)
+def lead_section(name: str, title: str, param: str, command: str) -> None:
+    st.subheader(title)
+    picked = pick_results(f"bench_{param}", "bench", title.lower(), only=(name,), param=param,
+                          make=f"Make one with `{command}`.")
+    if picked is not None:
+        show(picked)
+
+
+@st.fragment(run_every=REFRESH_S if live else None)
+def others():
+    picked = pick_results("bench", "bench", "benchmark results", without=tuple(n for n, *_ in LEAD))
+    if picked is not None:
+        show(picked)
+
+
 @st.fragment(run_every=REFRESH_S if live else None)
 def sweeps():
     sweep_section("bench_sweep", [("Perplexity against the budget", ["ppl"]),
@@ -30,39 +82,11 @@ def sweeps():
                                   ("Speed", ["ms_per_token"])])
 
 
-@st.fragment(run_every=REFRESH_S if live else None)
-def benchmarks():
-    picked = pick_results("bench", "bench", "benchmark results")
-    if picked is None:
-        return
-    path, settings, frame, raw = picked
-    if path.name.startswith("bench_tasks"):
-        leaderboard(path, settings, raw)
-        with st.expander("Settings of this benchmark"):
-            st.json(settings.get("config", settings), expanded=False)
-        return
-    builder = bench_figure(path.name)
-    if builder is not None and len(frame):
-        try:
-            chart(builder(raw), "bench_fig", name=path.stem, config={"results": str(path), **settings}, data=frame)
-        except (KeyError, TypeError, ValueError) as err:
-            st.error(f"{path.name} does not have the layout its benchmark writes ({type(err).__name__}: {err}).")
-    if path.name.startswith("bench_frontier") and isinstance(raw.get("summary"), list):
-        st.dataframe(frontier_table(raw["summary"]), hide_index=True, width="stretch")
-        with st.expander(f"Every cell ({len(frame)})"):
-            st.dataframe(frame, hide_index=True, width="stretch")
-    else:
-        st.dataframe(frame, hide_index=True, width="stretch")
-    for key in ("ratios", "targets", "growth"):
-        if isinstance(raw.get(key), dict):
-            st.markdown(f"**{key}**")
-            st.json(raw[key], expanded=True)
-    with st.expander("Settings of this benchmark"):
-        st.json(settings.get("config", settings), expanded=False)
-
-
-tab_sweep, tab_bench = st.tabs(["Sweeps", "Benchmarks"])
+tab_lead, tab_other, tab_sweep = st.tabs(["Leaderboard, frontier, speed", "Other benchmarks", "Sweeps"])
+with tab_lead:
+    for spec in LEAD:
+        lead_section(*spec)
+with tab_other:
+    others()
 with tab_sweep:
     sweeps()
-with tab_bench:
-    benchmarks()

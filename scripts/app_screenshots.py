@@ -1,4 +1,4 @@
-"""Screenshots of every app page from a real headless Chromium (docs/img/app-*.png).
+"""Screenshots of every app page from a real headless Chromium (docs/img/app-*.png; `make screenshots`).
 
 Starts `streamlit run app.py` on a free 127.0.0.1 port, opens each page with Playwright and
 Debian's /usr/bin/chromium, waits for the charts and saves full-page PNGs.
@@ -10,12 +10,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, ROOT, streamlit_server, wait_idle
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kvlens and app, whatever is installed
 
-PAGES = ["overview", "runs", "attention", "similarity", "spectra", "merges", "perturbation", "run", "compare",
-         "benchmarks", "inspector"]
+from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, ROOT, streamlit_server, wait_idle  # noqa: E402
+
+PAGES = ["overview", "runs", "heads", "attention", "similarity", "spectra", "merges", "perturbation", "analyses", "run",
+         "compare", "benchmarks", "inspector"]
 SIZES = {"runs": (1500, 1000), "inspector": (1500, 1000)}  # the rest are 1500 x 1800
-ADDRESS = {"overview": "", "inspector": "?run=cam-attention&step=10&layer=15&head=4"}  # the rest: /{name}
+ADDRESS = {"overview": "", "inspector": "?run=cam-attention&step=10&layer=15&head=4",  # the rest: /{name}
+           "heads": "heads?run=adakv-heads", "analyses": "analyses?run=full-states&analysis=embedding"}
 WINDOW = {"inspector"}  # shots of the window scrolled to a part of the page, not of the full page
 ROW = 35  # a table row's height in pixels (header included)
 
@@ -35,8 +38,23 @@ def scroll_to(page, heading: str) -> None:
     page.wait_for_timeout(500)
 
 
+def compare(page) -> None:
+    """Run the Compare page's default policies on its default prompt (loads the model: about a minute)."""
+    page.get_by_role("button", name="Compare", exact=True).click()
+    page.get_by_text("What each one writes").wait_for(timeout=600_000)
+    wait_idle(page, "Compare")
+    page.locator("[data-testid='stMain'] [data-testid='stDataFrame']").first.wait_for(timeout=60_000)
+    page.wait_for_timeout(1500)
+
+
+def settled(page) -> None:
+    """Wait until no element is faded as stale (a live results file reruns its section every few seconds)."""
+    page.wait_for_function("() => !document.querySelector('[data-stale=\"true\"]')", timeout=60_000)
+
+
 PREPARE = {"runs": lambda page: tick_rows(page, [0, 2, 4]),  # cam, h2o, streaming_llm: the overlay
-           "inspector": lambda page: scroll_to(page, "Token inspector")}  # CaM's merged slots in layer 15
+           "inspector": lambda page: scroll_to(page, "Token inspector"),  # CaM's merged slots in layer 15
+           "compare": compare, "benchmarks": settled}
 
 
 def main(out: Path, pages: list[str]) -> None:

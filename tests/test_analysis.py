@@ -460,7 +460,7 @@ def test_aggregated_attention_is_recorded_and_recomputed_for_older_runs_that_rec
 
 
 def test_readme_analysis_example_is_listed_analyzed_drawn_and_reaches_run_figure(tmp_path):
-    """The README's "Adding an analysis" file, saved in a copy of the repository, is all it takes: the CLI,
+    """The "Adding an analysis" file of docs/extending.md, saved in a copy of the repository, is all it takes: the CLI,
     Run.figure and the app's Analyses page offer it."""
     import os
     import shutil
@@ -468,9 +468,9 @@ def test_readme_analysis_example_is_listed_analyzed_drawn_and_reaches_run_figure
     import sys
     import textwrap
 
-    from tests.test_readme_examples import ROOT, readme_example
+    from tests.test_readme_examples import ROOT, doc_example
 
-    path, code = readme_example("Adding an analysis")
+    path, code = doc_example("Adding an analysis")
     assert path.startswith("kvlens/analysis/kinds/") and not (ROOT / path).exists()
     repo = tmp_path / "repo"
     for part in ("kvlens", "pages"):

@@ -329,6 +329,38 @@ def test_benchmarks_draws_the_bytes_quality_frontier_with_perplexity_and_task_sc
     assert set(table[table["measure"] == "task score"]["family"]) == {"reference", *frontier.FAMILIES}
 
 
+def test_benchmarks_opens_on_the_leaderboard_then_the_frontier_then_speed(app, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("bench_speed", "bench_frontier", "bench_needle", "bench_tasks"):  # the last written is the newest
+        (results / f"{name}.json").write_text(json.dumps({"config": {}, "rows": [], "command": f"kvlens {name}"}))
+    at = open_page(app, "benchmarks")
+    assert not at.exception
+    assert [h.value for h in at.subheader] == ["Task leaderboard", "Quality at equal bytes", "Speed and memory"]
+    assert at.selectbox(key="bench_tasks_bench_file").value == results / "bench_tasks.json"
+    assert at.selectbox(key="bench_speed_bench_file").value == results / "bench_speed.json"
+    assert at.selectbox(key="bench_bench_file").options == ["bench_needle.json"]  # the others, in their own tab
+    assert "Made by `kvlens bench_speed`." in [c.value for c in at.caption]
+
+
+def test_a_measured_sweep_shows_no_speed_and_says_why(app, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [{"policy": "cam", "budget": b, "budget_slots": b, "ppl": 10 + 100 / b, "bytes_share": b / 256,
+             "ms_per_token": 7000.0, "perturbation_used": 0.1} for b in (32, 64)]
+    (results / "sweep_measured.json").write_text(json.dumps({"measure": True, "rows": rows}))
+    at = open_page(app, "benchmarks")
+    titles = [c["layout"]["title"]["text"] for c in charts(at)]
+    assert titles == ["Perplexity against the budget (sweep_measured.json)",
+                      "Share of the full cache's bytes kept (sweep_measured.json)"]
+    assert any("includes the measuring passes" in i.value for i in at.info)
+    rows.append({**rows[0], "budget": 128, "budget_slots": 128, "perturbation_used": None, "ms_per_token": 60.0})
+    (results / "sweep_measured.json").write_text(json.dumps({"rows": rows}))  # one unmeasured row: its speed only
+    at = open_page(app, "benchmarks")
+    speed = charts(at)[-1]
+    assert speed["layout"]["title"]["text"].startswith("Speed") and speed["data"][0]["y"] == [60.0]
+
+
 def test_paper_style_toggle_shows_the_export_style(app):
     app = open_page(app, "overview")
     assert app.get("plotly_chart")[0].proto.theme == "streamlit"
@@ -406,10 +438,10 @@ def test_page_job_protocol_errors_results_and_stop(monkeypatch):
 
 
 def test_readme_page_example_joins_the_navigation_and_draws_its_analysis(tmp_path, monkeypatch):
-    """The README's "Adding a page" file, saved beside a copy of app.py and its pages, is all it takes."""
-    from tests.test_readme_examples import readme_example
+    """The "Adding a page" file of docs/extending.md, saved beside a copy of app.py and its pages, is all it takes."""
+    from tests.test_readme_examples import doc_example
 
-    path, code = readme_example("Adding a page")
+    path, code = doc_example("Adding a page")
     assert path.startswith("pages/") and not (ROOT / path).exists()
     shutil.copytree(ROOT / "pages", tmp_path / "pages")
     shutil.copy(ROOT / "app.py", tmp_path / "app.py")

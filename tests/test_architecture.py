@@ -1,7 +1,7 @@
 """The package's layers: a module imports only from its own layer or the layers below, and no import cycle.
 
 Every `import` and `from ... import` statement under `kvlens/` counts, inside functions too (a lazy
-import is still a dependency). The layers, bottom to top, are the README's "Architecture" section.
+import is still a dependency). The layers, bottom to top, are the "Layers" table of docs/architecture.md.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Tiny random models (2 layers, GQA where the family has it, hidden size 32) are b
 transformers config classes, saved with a byte-level tokenizer and loaded through `load_model`
 like any user model. The reference is the same directory loaded with transformers' own `eager`
 attention. With KVLENS_SUPPORT_TABLE=path the measured differences are written there as the
-README's support table (`scripts/support_table.py`).
+support table of docs/support.md (`scripts/support_table.py`).
 """
 from __future__ import annotations
 
@@ -330,7 +330,7 @@ def test_keys_of_another_width_are_refused():
 
 
 def support_table() -> str:
-    """The README's support table, from this module's results (every MATRIX and REFUSED model must have run)."""
+    """docs/support.md's table, from this module's results (every MATRIX and REFUSED model must have run)."""
     rows = ["| architecture | verdict | features exercised | max. rel. difference to the model (fp32) |",
             "|---|---|---|---|"]
     for name, (_, _, _, features) in MATRIX.items():

@@ -1,5 +1,6 @@
-"""The README's "Adding a policy" example, saved as the one new file it names in a copy of the
-repository, is listed, runs, is offered by the app with tooltips and passes the contract test."""
+"""The "Adding a policy" example of docs/extending.md, saved as the one new file it names in a copy of the
+repository, is listed, runs, is offered by the app with tooltips and passes the contract test.
+(`doc_example` also serves the analysis and page examples of that file, tested in test_analysis and test_app.)"""
 from __future__ import annotations
 
 import json
@@ -16,9 +17,12 @@ ROOT = Path(__file__).resolve().parent.parent
 COPIED = ["kvlens", "pages", "tests", "app.py", "pyproject.toml", ".streamlit"]
 
 
-def readme_example(section: str) -> tuple[str, str]:
-    """The first python block of a README section and the file name the section says to save it as."""
-    text = (ROOT / "README.md").read_text()
+EXAMPLES = ROOT / "docs" / "extending.md"
+
+
+def doc_example(section: str) -> tuple[str, str]:
+    """The first python block of a section of docs/extending.md and the file name the section says to save it as."""
+    text = EXAMPLES.read_text()
     body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
     code = re.search(r"```python\n(.*?)```", body, re.S).group(1)
     path = re.search(r"saved as `([^`]+\.py)`", body).group(1)
@@ -33,7 +37,7 @@ def sh(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def repo_with_example(tmp_path_factory) -> tuple[Path, str]:
-    """A copy of the repository with the README's policy file added, and the policy's name."""
+    """A copy of the repository with the example's policy file added, and the policy's name."""
     repo = tmp_path_factory.mktemp("repo")
     for name in COPIED:
         src = ROOT / name
@@ -41,8 +45,8 @@ def repo_with_example(tmp_path_factory) -> tuple[Path, str]:
             shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
         elif src.exists():
             shutil.copy(src, repo / name)
-    path, code = readme_example("Adding a policy")
-    assert not (ROOT / path).exists(), "the README's example must be a file the repository does not have"
+    path, code = doc_example("Adding a policy")
+    assert not (ROOT / path).exists(), "the example must be a file the repository does not have"
     (repo / path).write_text(code)
     return repo, re.search(r'name = "(\w+)"', code).group(1)
 

@@ -1,4 +1,4 @@
-"""`kvlens bench ppl|needle|speed`: paper-style tables and figures, saved under results/ for the app."""
+"""`kvlens bench tasks|frontier|speed|ppl|needle`: paper-style tables and figures, saved under results/ for the app."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,8 @@ DEFAULT_TASKS = "niah_single,niah_multikey,niah_multivalue,niah_multiquery,fwe"
 
 
 def register(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: perplexity table, needle in a haystack, speed and memory")
+    bench = sub.add_parser("bench", help="benchmarks: task accuracy, quality at equal bytes, speed and memory, "
+                                         "perplexity, needle in a haystack")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH", parser_class=type(bench))
 
     p = bsub.add_parser("ppl", help="teacher-forced perplexity, policies x budgets x bundled texts")

@@ -38,7 +38,7 @@ class Storage:
     bits: int | None = None
     scheme: str = "kivi"
     group: int = 64  # transformers' QuantizedCache default (q_group_size=64); KIVI's paper mostly 32
-    residual: int = 0  # KIVI's R (32-128 in the paper): off by default, see the README's "Quantized storage"
+    residual: int = 0  # KIVI's R (32-128 in the paper): off by default, see docs/experiments.md, "Quantized storage"
     rank: int | None = None  # low-rank storage (`kvlens.engine.lowrank`): coefficients per slot, at this rank
     rank_share: float | None = None  # ... or at this share of the head size (rounded, at least 1)
 

@@ -42,6 +42,10 @@ class AdaKV(Wrapper):
     name = "adakv"
     description = "A layer's budget shared across its heads by a top-k over all their scores (per-head floor)."
     paper = "https://arxiv.org/abs/2407.11550"
+    kvpress = "AdaKVPress"
+    kvpress_differs = ("kvpress keeps every key and masks the evicted ones, so its memory is the full cache's; "
+                       "kvlens frees them (heads padded to the layer's fullest). kvpress compresses the prompt "
+                       'only; kvlens keeps the budget at every decode step too.')
     reallocates = True
 
     def compress(self, rows: CacheRows, step: Step) -> None:

@@ -59,6 +59,8 @@ class Policy:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     paper: ClassVar[str] = ""
+    kvpress: ClassVar[str] = ""  # the NVIDIA kvpress press implementing the same method, if any
+    kvpress_differs: ClassVar[str] = ""  # where kvlens differs from that press on purpose
     needs_attention: ClassVar[bool] = True  # needs attention rows at decode steps
     budget_free: ClassVar[bool] = False  # decides its own size (reports the size it reached)
     merges: ClassVar[bool] = False  # merges evicted entries into kept ones (Merges page, provenance)

@@ -118,6 +118,9 @@ class CaM(Wrapper):
     name = "cam"
     description = "Merge the values its base eviction policy drops into the following slots (Bernoulli mask)."
     paper = "https://proceedings.mlr.press/v235/zhang24n.html"
+    kvpress = "CAMPress"
+    kvpress_differs = ('The `kvpress` preset reproduces it step for step (cross-checked with every Bernoulli draw '
+                       "1); the default is the authors' `official-qa` preset.")
     merges = True
     merge_rule = "add"  # provenance: targets keep their own value and add w * V_i
     presets: ClassVar[dict[str, dict]] = PRESETS

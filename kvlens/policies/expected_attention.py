@@ -50,6 +50,9 @@ class ExpectedAttention(ScoredEviction):
     name = "expected_attention"
     description = "Keep the keys future queries are expected to attend to (query statistics moved by RoPE)."
     paper = "https://arxiv.org/abs/2510.00636"
+    kvpress = "ExpectedAttentionPress"
+    kvpress_differs = ("A new decode token is scored with the prompt's statistics. kvpress compresses the prompt "
+                       'only; kvlens keeps the budget at every decode step too.')
     needs_attention = False
     cross_layer = True
 

@@ -26,6 +26,10 @@ class H2O(ScoredEviction):
     chunked_prefill = True  # its score, the attention each slot received, accumulates chunk by chunk
     description = "Keep a recent window plus the heavy hitters with the largest accumulated attention."
     paper = "https://arxiv.org/abs/2306.14048"
+    kvpress = "ObservedAttentionPress"
+    kvpress_differs = ("kvpress's press scores the mean, not the sum, of the attention a slot received and has no "
+                       "recent window, so it is a different policy; the cross-check runs H2O's own score in "
+                       "kvpress's hooks.")
     cross_layer = True
 
     def local_window(self, budget: int) -> int:

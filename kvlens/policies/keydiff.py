@@ -26,6 +26,8 @@ class KeyDiff(ScoredEviction):
     name = "keydiff"
     description = "Keep the keys least similar (cosine) to the mean normalised key of their head."
     paper = "https://arxiv.org/abs/2504.15364"
+    kvpress = "KeyDiffPress"
+    kvpress_differs = ('kvpress compresses the prompt only; kvlens keeps the budget at every decode step too.')
     needs_attention = False
     cross_layer = True
 

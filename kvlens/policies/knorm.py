@@ -24,6 +24,8 @@ class KNorm(ScoredEviction):
     name = "knorm"
     description = "Keep the keys with the lowest L2 norm (low-norm keys draw attention)."
     paper = "https://arxiv.org/abs/2406.11430"
+    kvpress = "KnormPress"
+    kvpress_differs = ('kvpress compresses the prompt only; kvlens keeps the budget at every decode step too.')
     needs_attention = False
     cross_layer = True
 

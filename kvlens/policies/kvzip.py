@@ -56,6 +56,10 @@ class KVzip(Policy):
     name = "kvzip"
     description = "Keep the prompt slots the model attends to most while repeating the prompt (query-agnostic)."
     paper = "https://arxiv.org/abs/2505.23416"
+    kvpress = "KVzipPress"
+    kvpress_differs = ("kvlens reconstructs the whole prompt (kvpress skips a chat template's prefix), frees what "
+                       'it evicts (kvpress masks it) and keeps the budget while decoding by default '
+                       "(`decoding=rolling`; `decoding=once` is kvpress's).")
     needs_attention = False
     reallocates = True
 

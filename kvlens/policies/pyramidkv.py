@@ -47,6 +47,10 @@ class PyramidKV(Wrapper):
     name = "pyramidkv"
     description = "Per-layer budgets shrinking with depth (same total), slots chosen by its base policy."
     paper = "https://arxiv.org/abs/2406.02069"
+    kvpress = "PyramidKVPress"
+    kvpress_differs = ("`schedule=kvpress` is kvpress's per-layer budgets; each layer's buffers hold its own "
+                       'budget. kvpress compresses the prompt only; kvlens keeps the budget at every decode step '
+                       'too.')
     reallocates = True
 
     def allocate(self, budget: int, layers: list[CacheRows]) -> list[int]:

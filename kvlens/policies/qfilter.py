@@ -28,6 +28,9 @@ class QFilter(ScoredEviction):
     name = "qfilter"
     description = "Keep the keys most aligned with the queries' main direction (the model's Q-Filters)."
     paper = "https://arxiv.org/abs/2503.02812"
+    kvpress = "QFilterPress"
+    kvpress_differs = ('kvlens computes the Q-Filters from the bundled texts (`kvlens qfilters`); kvpress '
+                       "downloads the authors', so the two are not compared.")
     needs_attention = False
     cross_layer = True
     model_data: ClassVar[tuple[str, ...]] = (FILTERS,)

@@ -24,6 +24,8 @@ class Random(ScoredEviction):
     name = "random"
     description = "Evict uniformly random slots (a seeded floor)."
     paper = ""
+    kvpress = "RandomPress"
+    kvpress_differs = ('kvpress reseeds at every call, so all layers draw alike; kvlens draws per layer.')
     needs_attention = False
     cross_layer = True
 

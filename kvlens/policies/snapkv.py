@@ -50,6 +50,9 @@ class SnapKV(ScoredEviction):
     name = "snapkv"
     description = "Keep the keys the last window of prompt queries attends to (pooled), plus that window."
     paper = "https://arxiv.org/abs/2404.14469"
+    kvpress = "SnapKVPress"
+    kvpress_differs = ('kvpress compresses the prompt only; kvlens keeps the budget at every decode step by '
+                       "default (`decoding=rolling`; `decoding=once` is the paper's and kvpress's).")
     presets: ClassVar[dict[str, dict]] = {"kvpress": {"window": 64, "kernel": 5, "pooling": "avg"},
                                           "paper": {"window": 32, "kernel": 7, "pooling": "max", "decoding": "once"}}
 

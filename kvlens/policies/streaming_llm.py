@@ -25,6 +25,9 @@ class StreamingLLM(ScoredEviction):
     chunked_prefill = True  # its score is the position (`--prefill-chunk`)
     description = "Keep the first `sink` tokens (attention sinks) and a window of the most recent ones."
     paper = "https://arxiv.org/abs/2309.17453"
+    kvpress = "StreamingLLMPress"
+    kvpress_differs = ('kvpress compresses the prompt only; kvlens keeps the budget at every decode step too. The '
+                       "cross-check wraps the press in kvpress's `DecodingPress`.")
     needs_attention = False
     cross_layer = True
 

@@ -24,6 +24,8 @@ class TOVA(ScoredEviction):
     chunked_prefill = True  # its score is the newest query's attention over the slots (`--prefill-chunk`)
     description = "Keep the slots with the highest attention from the current query (mean over the layer's heads)."
     paper = "https://arxiv.org/abs/2401.06104"
+    kvpress = "TOVAPress"
+    kvpress_differs = ("kvpress's press always keeps the newest token; the cross-check removes that pin.")
     cross_layer = True  # the layer-mean score works on every layer's rows at once
 
     def prefill_column_sums(self) -> bool:

@@ -55,6 +55,11 @@ def result_files(kind: str) -> list[Path]:
     return sorted(folder.glob(f"{kind}_*.json"), key=lambda p: -p.stat().st_mtime) if folder.is_dir() else []
 
 
+def of_benchmark(path: Path, names: tuple[str, ...]) -> bool:
+    """Whether a results file is one of these benchmarks' (`bench_tasks.json`, `bench_tasks_quick.json`, ...)."""
+    return any(path.stem == n or path.stem.startswith(n + "_") for n in names)
+
+
 def _usable(path: Path, want: tuple[str, ...]) -> bool:
     got = read_results(str(path), path.stat().st_mtime)
     if isinstance(got, str):
@@ -63,19 +68,24 @@ def _usable(path: Path, want: tuple[str, ...]) -> bool:
     return all(c in frame.columns and frame[c].notna().any() for c in want)
 
 
-def pick_results(prefix: str, kind: str, label: str, want: tuple[str, ...] = ()):
+def pick_results(prefix: str, kind: str, label: str, want: tuple[str, ...] = (), only: tuple[str, ...] = (),
+                 without: tuple[str, ...] = (), param: str | None = None, make: str = ""):
     """A select box over `results/{kind}_*.json` (newest first, files holding the `want` columns before the
-    others; the file's name kept in the URL as `?{kind}=`); returns (path, settings, frame, whole object) or
-    None (after saying why)."""
-    files = result_files(kind)
+    others; `only`/`without`: the files of these benchmarks only, or all but theirs; the file's name kept in the
+    URL as `?{param or kind}=`); returns (path, settings, frame, whole object) or None (after saying why, with
+    `make`, the command that writes such a file, if given)."""
+    files = [p for p in result_files(kind) if (not only or of_benchmark(p, only)) and not of_benchmark(p, without)]
     files.sort(key=lambda p: not _usable(p, want))  # stable: keeps newest first within each group
     if not files:
-        st.info(f"No saved {label} yet: {results_dir()} holds no `{kind}_*.json`. "
-                + ("Make one with `kvlens sweep ... --out results/sweep_NAME.json`." if kind == "sweep" else
-                   "Make one with the benchmark commands (see the README), which write `results/bench_*.json`."))
+        pattern = " or ".join(f"`{n}*.json`" for n in only) if only else f"`{kind}_*.json`"
+        st.info(f"No saved {label} yet: {results_dir()} holds no {pattern}. "
+                + (make or "Make one with `kvlens sweep ... --out results/sweep_NAME.json`." if kind == "sweep" else
+                   make or "Make one with the benchmark commands (`kvlens bench --help`), which write "
+                   "`results/bench_*.json`."))
         return None
+    param = param or kind
     path = url_state.bound(lambda **kw: st.selectbox(f"Saved {label}", files, format_func=lambda p: p.name, **kw),
-                           kind, f"{prefix}_{kind}_file", files, f"saved {label}", files[0], show=lambda p: p.name)
+                           param, f"{prefix}_{kind}_file", files, f"saved {label}", files[0], show=lambda p: p.name)
     got = read_results(str(path), path.stat().st_mtime)
     if isinstance(got, str):
         st.error(got)
@@ -120,6 +130,16 @@ def metric_figure(frame: pd.DataFrame, x: str, ys: list[str], title: str) -> go.
     return fig
 
 
+def measured(frame: pd.DataFrame, settings: dict) -> pd.Series:
+    """Which rows of a sweep ran with the perturbation meter (`--measure`): their own flag, the file's, or the
+    perturbation they report."""
+    flag = frame["measure"].fillna(False).astype(bool) if "measure" in frame.columns else \
+        pd.Series(bool(settings.get("measure")), index=frame.index)
+    if "perturbation_used" in frame.columns:
+        flag = flag | frame["perturbation_used"].notna()
+    return flag
+
+
 def sweep_section(prefix: str, charts: list[tuple[str, list[str]]]) -> None:
     """Pick a saved sweep, then for each `(title, y columns)` its metrics against the budget, one line
     per policy (CaM Fig. 1d for perturbation, WeightedKV Table I for perplexity)."""
@@ -133,13 +153,22 @@ def sweep_section(prefix: str, charts: list[tuple[str, list[str]]]) -> None:
         st.info(f"{path.name} has no budgeted runs to plot against the budget.")
         return
     for title, ys in charts:
-        missing = [y for y in ys if y not in rows.columns or rows[y].isna().all()]
+        shown = rows
+        if "ms_per_token" in ys:  # a measured run's time includes its measuring passes: speed from the others only
+            shown = rows[~measured(rows, settings)]
+            if not len(shown):
+                st.info(f"{path.name} was run with `--measure`: its time per token includes the measuring passes, "
+                        "so no speed is shown (the speed benchmark, `kvlens bench speed`, measures speed).")
+                continue
+            if len(shown) < len(rows):
+                st.caption(f"{title}: the unmeasured rows only (a measured run's time includes its measuring passes).")
+        missing = [y for y in ys if y not in shown.columns or shown[y].isna().all()]
         if missing:
             hint = " (run the sweep with `--measure`)" if missing[0].startswith(("perturbation", "kl")) else ""
             st.info(f"{path.name} has no `{missing[0]}` column{hint}.")
             continue
-        chart(metric_figure(rows, x, ys, f"{title} ({path.name})"), f"{prefix}_{'_'.join(ys)}",
-              name=f"{path.stem}-{'-'.join(ys)}", config={"results": str(path), **settings}, data=rows)
+        chart(metric_figure(shown, x, ys, f"{title} ({path.name})"), f"{prefix}_{'_'.join(ys)}",
+              name=f"{path.stem}-{'-'.join(ys)}", config={"results": str(path), **settings}, data=shown)
 
 
 def bench_figure(name: str):

@@ -1,0 +1,220 @@
+"""docs/results.md and the README's results summary: every table from a file in `results/`, with the command,
+date and machine the file records and the spread of each number."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from docgen.common import ROOT, banner, table
+
+NBSP, JOIN = "\u00a0", "\u2060"  # no-break space, word joiner: a narrow table column never splits a value
+
+
+def spread(value: str, low: str, high: str) -> str:
+    return f"{value}{NBSP}[{low}{JOIN}–{JOIN}{high}]"
+
+RESULTS = ROOT / "results"
+# The files the pages cite, in the order of the app's Benchmarks page, each with its section title.
+CITED = {"bench_tasks.json": "Task accuracy under compression",
+         "bench_frontier.json": "Quality at equal bytes: eviction, merging, quantized storage",
+         "bench_speed.json": "Speed and memory",
+         "bench_ppl.json": "Perplexity of the eviction and merging policies",
+         "bench_needle.json": "Needle in a haystack",
+         "sweep_cam_perturbation.json": "CaM: output perturbation against the budget"}
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text(encoding="utf-8"))
+
+
+def f3(x) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def machine(env: dict | None) -> str:
+    if not env:
+        return "not recorded in the file"
+    parts = [f"{env.get('cpus')}-core {env.get('machine')} CPU" if env.get("device", "cpu") == "cpu"
+             else str(env.get("device")), f"torch {env.get('torch')}", env.get("dtype", "float32")]
+    if env.get("executor"):
+        parts.append(str(env["executor"]))
+    elif env.get("threads"):
+        parts.append(f"{env['threads']} threads")
+    return ", ".join(parts)
+
+
+def provenance(name: str, obj: dict) -> str:
+    """Command, date and machine of a results file, as the lines that open its section."""
+    env = obj.get("environment")
+    when = (f"{env['time'][:10]} · {machine(env)}" if env and env.get("time")
+            else "date and machine not recorded in the file")
+    out = f"`results/{name}` · made by `{obj.get('command', 'not recorded')}` · {when}"
+    model = (env or {}).get("model") or obj.get("model")
+    if model:
+        out += f" · model `{model}`"
+    done, total = obj.get("cells_done"), obj.get("cells_total")
+    if isinstance(done, int) and isinstance(total, int) and done < total:
+        out += f" · **{done} of {total} cells done** (the grid is not finished; rows so far)"
+    return out + ".\n\n"
+
+
+def task_summary(obj: dict) -> list[dict]:
+    """The leaderboard cells averaged over tasks and lengths: the file's own summary (what the benchmark wrote
+    with its rows), or one computed from its rows if it has none."""
+    summary = obj.get("summary")
+    if not isinstance(summary, list):
+        from kvlens.experiments.bench import tasks
+
+        summary = tasks.summarise([r for r in obj["rows"] if isinstance(r.get("results"), list)])
+    return [s for s in summary if s["task"] == "all" and s["length"] == "all"]
+
+
+def tasks_section(obj: dict) -> str:
+    cfg = obj["config"]
+    rows = [r for r in obj["rows"] if isinstance(r.get("results"), list)]
+    elsewhere = sorted({r["machine"] for r in rows if r.get("machine")})
+    out = (f"Tasks {', '.join(f'`{t}`' for t in cfg['tasks'])} at context lengths "
+           f"{', '.join(map(str, cfg['lengths']))} tokens, {cfg['count']} samples each; the context is compressed "
+           "once to the ratio (the share removed, as in kvpress), then the question is asked. Score: the share of "
+           "the expected strings found in the answers, averaged over tasks and lengths; in brackets the bootstrap "
+           "95 % interval over samples.")
+    if elsewhere:
+        n = sum(1 for r in rows if r.get("machine"))
+        out += f" {n} of the {len(rows)} samples ran on another machine ({'; '.join(elsewhere)})."
+    out += "\n\n"
+    summary = task_summary(obj)
+    ratios = sorted({s["ratio"] for s in summary if s["ratio"]})
+    by = {(s["policy"], s["ratio"]): s for s in summary}
+    names = list(dict.fromkeys(s["policy"] for s in summary))
+    key = {n: -(by.get((n, 0.5)) or by.get((n, None)) or by.get((n, 0.0)))["score"] for n in names}
+    body = []
+    for n in sorted(names, key=lambda n: key[n]):
+        def fmt(s):
+            return "" if s is None else spread(f"{s['score']:.3f}", f"{s['ci_low']:.3f}", f"{s['ci_high']:.3f}")
+        own = by.get((n, None)) or by.get((n, 0.0))
+        body.append([f"`{n}`", *(fmt(by.get((n, r))) for r in ratios), fmt(own), str((own or by[(n, ratios[0])])
+                                                                                       ["samples"])])
+    out += table(["policy", *(f"ratio {r}" for r in ratios), "full or budget-free", "samples"], body)
+    return out + ("\nSorted by the score at ratio 0.5. The full cache and the budget-free policies (which decide their "
+                  "own size) have no ratio. The app's Benchmarks page shows each task and length.\n\n")
+
+
+def frontier_section(obj: dict) -> str:
+    cfg = obj["config"]
+    out = (f"Each configuration holds the share of the full cache's bytes shown: eviction and merging keep fewer "
+           f"slots, quantized storage keeps every slot in fewer bits, mixes do both. Perplexity over "
+           f"{len(cfg['texts'])} bundled texts ({cfg['prefill']} + {cfg['tokens']} tokens; in brackets the lowest "
+           f"and highest text); task score over {cfg['task_count']} samples of "
+           f"{', '.join(f'`{t}`' for t in cfg['tasks'])} at {', '.join(map(str, cfg['task_lengths']))} tokens "
+           "(in brackets the bootstrap 95 % interval).\n\n")
+    rows = []
+    for s in sorted(obj["summary"], key=lambda s: (s["metric"], -s["bytes_share"], s["family"], s["config"])):
+        ppl = s["metric"] == "ppl"
+        low, high = (s["ppl_min"], s["ppl_max"]) if ppl else (s["ci_low"], s["ci_high"])
+        digits = 2 if ppl else 3
+        rows.append(["perplexity" if ppl else "task score", s["family"], s["config"], f"{s['bytes_share']:.3f}",
+                     spread(f"{s[s['metric']]:.{digits}f}", f"{low:.{digits}f}", f"{high:.{digits}f}")])
+    return out + table(["measure", "family", "configuration", "bytes share", "value [spread]"], rows) + "\n"
+
+
+def speed_section(obj: dict) -> str:
+    cfg = obj["config"]
+    out = (f"Unmeasured runs (no perturbation meter), {cfg['steps']} decode steps at budget {cfg['budget']}. "
+           "Each row is one run: prefill time, the median wall-clock time of a decode step, the largest KV cache "
+           "allocated and the process's peak memory.\n\n")
+    rows = [[f"`{r['policy']}`", r["prompt_tokens"], f"{r['prefill_ms']:.0f}", f"{r['ms_per_token']:.1f}",
+             f"{r['kv_bytes_peak'] / 2**20:.1f}", f"{r['peak_rss'] / 2**20:.0f}"] for r in obj["rows"]]
+    out += table(["policy", "prompt tokens", "prefill ms", "ms per token", "KV MiB (peak)", "peak RSS MiB"], rows)
+    out += (f"\nRatios of decode time, each the median over {cfg['repeats']} repeats run in lockstep "
+            "(in brackets the lowest and highest repeat where the file keeps them), against their targets:\n\n")
+    rows = []
+    for name, value in obj["ratios"].items():
+        detail = obj.get("ratio_details", {}).get(name, {})
+        each = detail.get("ratios") if isinstance(detail, dict) else None
+        shown = spread(f"{value:.3f}", f"{min(each):.3f}", f"{max(each):.3f}") if each else f"{value:.3f}"
+        target = obj.get("targets", {}).get(name, {})
+        rows.append([f"`{name}`", shown, target.get("target", ""),
+                     "yes" if target.get("met") else "no"])
+    return out + table(["ratio", "value", "target", "met"], rows) + "\n"
+
+
+def ppl_section(obj: dict) -> str:
+    cfg = obj["config"]
+    out = (f"Teacher-forced perplexity on {len(cfg['texts'])} bundled texts ({', '.join(cfg['texts'])}), "
+           f"{cfg['prefill']} prompt tokens then {cfg['tokens']} scored tokens. A budget below 1 is a share of the "
+           "prompt, above 1 slots per KV head and layer. In brackets the lowest and highest text; *vs full* is the "
+           "geometric-mean perplexity over the full cache's.\n\n")
+    rows = [[f"`{s['policy']}`", s["budget"], f"{s['budget_slots_mean']:.0f}",
+             spread(f"{s['ppl_mean']:.2f}", f"{s['ppl_min']:.2f}", f"{s['ppl_max']:.2f}"), f3(s["vs_full"])]
+            for s in obj["summary"]]
+    return out + table(["policy", "budget", "slots", "perplexity", "vs full"], rows) + "\n"
+
+
+def needle_section(obj: dict) -> str:
+    cfg = obj["config"]
+    lengths = [str(n) for n in cfg["lengths"]]
+    out = (f"A passphrase hidden at depths {', '.join(map(str, cfg['depths']))} of contexts of "
+           f"{', '.join(lengths)} tokens, budget {cfg['budget']}; the score is the share of the "
+           f"{len(cfg['depths'])} depths (per length) whose answer contains it.\n\n")
+    rows = [[f"`{s['policy']}`", f"{s['score']:.3f}", *(f"{s['by_length'][n]:.2f}" for n in lengths)]
+            for s in obj["summary"]]
+    return out + table(["policy", "score", *(f"{n} tokens" for n in lengths)], rows) + "\n"
+
+
+def sweep_section(obj: dict) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in obj["rows"][0].get("params", {}).items())
+    out = (f"`{obj['rows'][0]['policy']}` ({params}) on `{obj.get('text_file')}`, "
+           f"{obj['rows'][0]['prefill']} prompt tokens then {obj.get('tokens')} scored, measured (`--measure`): the "
+           "relative change of the attention output against the full cache with merging (used) and with the "
+           "same decisions but no merging (evict), and KL(full ‖ policy). One text, one seed: no spread. Its "
+           "time per token includes the measuring passes, so it is not shown.\n\n")
+    rows = [[r["budget"], r["budget_slots"], f"{r['ppl']:.2f}", f3(r["perturbation_used"]),
+             f3(r["perturbation_evict"]), f3(r["kl"])] for r in obj["rows"]]
+    return out + table(["budget", "slots", "perplexity", "perturbation (used)", "perturbation (evict)", "KL"], rows)
+
+
+BUILDERS = {"bench_tasks.json": tasks_section, "bench_frontier.json": frontier_section,
+            "bench_speed.json": speed_section, "bench_ppl.json": ppl_section, "bench_needle.json": needle_section,
+            "sweep_cam_perturbation.json": sweep_section}
+
+
+def page() -> str:
+    out = banner("the files in `results/`") + "# Benchmarks and results\n\n"
+    out += ("Every table below is read from one file in `results/`, which records the command that made it; the "
+            "app's Benchmarks page draws the same files. Everything ran the embedded SmolLM2-135M-Instruct on the "
+            "machine named, on the State of the Union texts bundled in `kvlens/data/`. Re-run a command to "
+            "refresh its file, then `make docs-gen`.\n\n")
+    out += ("A results file is one JSON object: `command`, `config` (the settings), `environment` (kvlens, torch, "
+            "CPUs, device, dtype, the time it finished), `rows` (one record per run or cell; `cells` for the needle "
+            "benchmark), `summary` (what the tables show) and, for a grid, `cells_done` of `cells_total`. A grid "
+            "re-run with the same command resumes where it stopped. A sweep (`kvlens sweep`) records its command "
+            "and settings but not its date and machine.\n\n")
+    for name, title in CITED.items():
+        obj = load(name)
+        out += f"## {title}\n\n" + provenance(name, obj) + BUILDERS[name](obj) + "\n"
+    return out.rstrip("\n") + "\n"
+
+
+def readme_summary() -> str:
+    """The task leaderboard's top at ratio 0.5, for the README."""
+    obj = load("bench_tasks.json")
+    summary = task_summary(obj)
+    full = next(s for s in summary if s["policy"] == "full")
+    half = sorted((s for s in summary if s["ratio"] == 0.5), key=lambda s: -s["score"])[:5]
+    env = obj["environment"]
+    done, total = obj.get("cells_done"), obj.get("cells_total")
+    unfinished = isinstance(done, int) and isinstance(total, int) and done < total
+    grid = f"; {done} of {total} cells done" if unfinished else ""
+    elsewhere = sum(1 for r in obj["rows"] if r.get("machine"))
+    grid += f"; {elsewhere} samples on another machine" if elsewhere else ""
+    out = (f"Task score at compression ratio 0.5 (half the context's cache removed), averaged over tasks and lengths, "
+           f"{full['samples']} samples (`{obj['command']}`, `results/bench_tasks.json`, {env['time'][:10]}, "
+           f"{machine(env)}{grid}). The full cache scores {full['score']:.3f}; the five best of "
+           f"{len({s['policy'] for s in summary}) - 1} policies, with bootstrap 95 % intervals:\n\n")
+    out += table(["policy", "score [95 % interval]"],
+                 [[f"`{s['policy']}`", f"{s['score']:.3f} [{s['ci_low']:.3f}–{s['ci_high']:.3f}]"] for s in half])
+    return out
+
+
+def cited() -> list[Path]:
+    return [RESULTS / name for name in CITED]
