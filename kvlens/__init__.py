@@ -2,12 +2,14 @@
 
 The public entries: `kvlens.load_run(path)`; in the caller's own transformers code `kvlens.cache`,
 `kvlens.press`, `kvlens.pipeline` and `kvlens.attach` (`kvlens.hf`, imported on first use); `kvlens.model_path()`,
-the embedded model's directory. This module is the package's top layer: importing it also
-imports the analysis registry (`kvlens.analysis.registry`), which installs itself behind
-`Run.figure` and `Run.analyze` (the kinds in `kvlens/analysis/kinds/` register on first use), so
-`load_run(path).figure(KIND)` works in a notebook.
+the embedded model's directory; `kvlens.texts`, the bundled public-domain texts.
+
+This module is the package's top layer: importing it also imports the analysis registry
+(`kvlens.analysis.registry`), which installs itself behind `Run.figure` and `Run.analyze` (the kinds in
+`kvlens/analysis/kinds/` register on first use), so `load_run(path).figure(KIND)` works in a notebook.
 """
 import kvlens.analysis.registry  # noqa: F401  (installs the analyses behind Run.figure and Run.analyze)
+from kvlens import texts
 from kvlens.version import __version__
 
 
@@ -34,4 +36,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kvlens' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "load_run", "model_path", *_INTEGRATION]
+__all__ = ["__version__", "load_run", "model_path", "texts", *_INTEGRATION]

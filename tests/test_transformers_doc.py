@@ -1,4 +1,4 @@
-"""docs/transformers.md runs: every python block, in order, in one namespace, from a scratch folder; the saved
+"""docs/transformers.md and the README's transformers block run as written, from a scratch folder; the saved
 run opens with `load_run` and the model keeps its own attention implementation."""
 from __future__ import annotations
 
@@ -26,3 +26,17 @@ def test_every_block_of_the_transformers_doc_runs_in_order(tmp_path, monkeypatch
     assert run.meta["tokens"] == namespace["out"][0, namespace["ids"].shape[1]:].tolist()
     assert "decisions in the pressed generation" in out and "'answer':" in out
     assert namespace["model"].config._attn_implementation == "sdpa"
+
+
+@pytest.mark.slow
+def test_the_readmes_transformers_example_runs_as_written(tmp_path, monkeypatch):
+    """The README's block, as a new user would paste it: the run it saves opens with `load_run`."""
+    readme = (DOC.parent.parent / "README.md").read_text()
+    section = readme.split("## In your transformers code\n", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, "README.md (transformers)", "exec"), namespace)
+    run = load_run(tmp_path / "runs" / "mine")
+    assert run.meta["tokens"] == namespace["out"][0, namespace["ids"].shape[1]:].tolist()
+    assert run.meta["policy"]["name"] == "snapkv" and len(run.decisions) > 0
