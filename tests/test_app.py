@@ -322,7 +322,7 @@ def test_benchmarks_draws_the_bytes_quality_frontier_with_perplexity_and_task_sc
     assert not at.exception
     fig = next(c for c in charts(at) if c["layout"]["title"]["text"].startswith("Quality against KV bytes"))
     assert {t["name"] for t in fig["data"]} == {"h2o (eviction)", "cam (merging)", "all slots (quantization)",
-                                                "h2o @ 8 bits (mix)"}
+                                                "h2o @ 8 bits (mix)", "all slots, low rank (low_rank)"}
     assert {t["xaxis"] for t in fig["data"]} == {"x", "x2"}  # perplexity and task score side by side
     table = at.dataframe[0].value
     assert set(table["measure"]) == {"perplexity", "task score"}

@@ -186,12 +186,14 @@ def test_the_frontier_plans_every_family_at_each_byte_budget_and_summarises_agai
     cells = frontier.plan_frontier([0.25, 0.125], {"a": "x " * 400}, prefill=100, tokens=29, model="default",
                                    evictors=[("h2o", {})], mergers=[("cam", {})], bits=[4, 2], mix=("h2o", {}),
                                    mix_bits=[8, 4], storage=Storage(bits=4))
-    by = {(c["family"], c["policy"], c["budget"], (c["storage"] or {}).get("bits")) for c in cells}
-    # 128 slots at the last step: 25 % = 32 slots, 12.5 % = 16; mixes at b / (bits / 32 + 1 / 64) of the slots
+    by = {(c["family"], c["policy"], c["budget"], (c["storage"] or {}).get("bits") or
+           (c["storage"] or {}).get("rank_share")) for c in cells}
+    # 128 slots at the last step: 25 % = 32 slots, 12.5 % = 16; mixes at b / (bits / 32 + 1 / 64) of the slots;
+    # low rank: every slot at rank b x the head size
     assert by == {("reference", "full", None, None), ("eviction", "h2o", 32, None), ("eviction", "h2o", 16, None),
                   ("merging", "cam", 32, None), ("merging", "cam", 16, None), ("quantization", "full", None, 4),
                   ("quantization", "full", None, 2), ("mix", "h2o", 120, 8), ("mix", "h2o", 60, 8),
-                  ("mix", "h2o", 114, 4)}
+                  ("mix", "h2o", 114, 4), ("low_rank", "full", None, 0.25), ("low_rank", "full", None, 0.125)}
     rows = [{**c, "budget_slots": c["budget"], "ppl": 10.0 if c["family"] == "reference" else 12.0,
              "kv_bytes_peak": 1000 if c["family"] == "reference" else 250} for c in cells]
     summary = frontier.summarise(rows)
@@ -210,20 +212,21 @@ def test_the_frontiers_task_cells_give_each_family_its_ratio_and_storage_and_sco
                                          source="s", model="default", evictors=[("h2o", {})],
                                          mergers=[("cam", {})], bits=[4], mix=("h2o", {}), mix_bits=[8],
                                          storage=Storage(bits=4))
-    plan = {((c["storage"] or {}).get("bits"), tuple(c["policies"]), tuple(round(r, 4) for r in c["ratios"]))
-            for c in cells}
-    # model dtype: ratio 1 - b; 8 bits: the mix at 1 - b / (8 / 32 + 1 / 64) where that keeps under all slots
+    plan = {((c["storage"] or {}).get("bits") or (c["storage"] or {}).get("rank_share"), tuple(c["policies"]),
+             tuple(round(r, 4) for r in c["ratios"])) for c in cells}
+    # model dtype: ratio 1 - b; 8 bits: the mix at 1 - b / (8 / 32 + 1 / 64) where that keeps under all slots;
+    # low rank: the full cache stored at rank b x the head size
     assert plan == {(None, ("full", "h2o", "cam"), (0.75, 0.875)), (8, ("full", "h2o"), (0.0588, 0.5294)),
-                    (4, ("full",), ())}
-    assert len(cells) == 6  # two samples of each
+                    (4, ("full",), ()), (0.25, ("full",), ()), (0.125, ("full",), ())}
+    assert len(cells) == 10  # two samples of each
 
     def result(policy, ratio, score, kv_bytes):
         return {"policy": policy, "ratio": ratio, "score": score, "kv_bytes": kv_bytes}
 
     rows = []
     for c in cells:
-        bits = (c["storage"] or {}).get("bits")
-        full = result("full", 0.0, 1.0, {None: 1000, 8: 266, 4: 141}[bits])
+        bits = (c["storage"] or {}).get("bits") or (c["storage"] or {}).get("rank_share")
+        full = result("full", 0.0, 1.0, {None: 1000, 8: 266, 4: 141, 0.25: 280, 0.125: 150}[bits])
         rest = [result(p, r, float(c["index"]), 1000 * (1 - r) * (0.265625 if bits else 1))
                 for p in c["policies"][1:] for r in c["ratios"]]
         rows.append({**c, "results": [full, *rest]})
@@ -231,6 +234,8 @@ def test_the_frontiers_task_cells_give_each_family_its_ratio_and_storage_and_sco
     assert summary[("reference", "full")]["bytes_share"] == 1.0
     assert summary[("quantization", "all slots @ 4 bits")]["bytes_share"] == pytest.approx(0.141)
     assert summary[("merging", "cam r=0.75")]["target"] == 0.25
+    low = summary[("low_rank", "all slots @ rank 0.25 of the head")]
+    assert low["target"] == 0.25 and low["bytes_share"] == pytest.approx(0.28) and low["score"] == 1.0
     mix = summary[("mix", "h2o r=0.0588 @ 8 bits")]
     assert mix["target"] == 0.25 and mix["bytes_share"] == pytest.approx(0.25) and mix["score"] == 0.5
     assert mix["samples"] == 2 and mix["full_score"] == 1.0 and mix["metric"] == "score"

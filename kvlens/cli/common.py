@@ -31,7 +31,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_storage_args(p: argparse.ArgumentParser, bits: bool = True) -> None:
-    """`--kv-bits` (unless `bits` is False: a benchmark that sets the bits per cell) and the scheme's options."""
+    """`--kv-bits` and `--kv-rank` (unless `bits` is False: a benchmark that sets the storage per cell) and the
+    quantization scheme's options."""
     if bits:
         p.add_argument("--kv-bits", type=int, choices=(2, 4, 8), help="store keys and values at this many bits "
                        "(KIVI-style, packed; default: the model's dtype)")
@@ -40,6 +41,8 @@ def add_storage_args(p: argparse.ArgumentParser, bits: bool = True) -> None:
     p.add_argument("--kv-group", type=int, default=64, help="quantization group size (slots or channels)")
     p.add_argument("--kv-residual", type=int, default=0,
                    help="newest tokens kept in full precision (KIVI's R; a multiple of --kv-group for kivi)")
+    if not bits:
+        return
     rank = p.add_mutually_exclusive_group()
     rank.add_argument("--kv-rank", type=int, metavar="R",
                       help="low-rank storage: each KV head's keys and values as rank-R coefficients over a basis "

@@ -1,9 +1,11 @@
-"""The bytes-quality frontier: eviction, merging and quantized storage, and their mixes, at equal physical bytes.
+"""The bytes-quality frontier: eviction, merging, quantized and low-rank storage, and mixes, at equal physical bytes.
 
 At each byte budget b (a share of the full cache's bytes in the model's dtype at the last step), `plan_frontier`
 makes `ppl` cells (`kvlens.experiments.sweep.ppl_cell`, teacher-forced perplexity on bundled texts) of:
 - eviction alone and merging alone: the policy at b of the slots, in the model's dtype;
 - quantization alone: every slot (`full`) at each of `bits` (its share is what the bits cost, not b);
+- low rank alone: every slot (`full`) stored at rank b x the head size (`kvlens.engine.lowrank`; its share is b plus
+  each head's basis);
 - mixes: the mix policy at b / q(bits) of the slots, stored at `bits`, for the bits where that share is below
   1 (q(bits) = bits / model bits + the zero points' and scales' share, `slot_cost`);
 plus the full cache itself once per text (the reference every share and ratio is taken against). Each row's
@@ -25,7 +27,7 @@ from kvlens.experiments.bench import tasks as task_suite
 from kvlens.experiments.bench.common import PolicySpec, spread
 from kvlens.experiments.sweep import plan_ppl
 
-FAMILIES = ("eviction", "merging", "quantization", "mix")
+FAMILIES = ("eviction", "merging", "quantization", "low_rank", "mix")
 
 
 def slot_cost(storage: Storage, model_bits: int = 32) -> float:
@@ -36,9 +38,10 @@ def slot_cost(storage: Storage, model_bits: int = 32) -> float:
 
 def plan_frontier(byte_shares: list[float], texts: dict[str, str], *, prefill: int, tokens: int, model: str,
                   evictors: list[tuple[str, dict]], mergers: list[tuple[str, dict]], bits: list[int],
-                  mix: tuple[str, dict] | None, mix_bits: list[int], storage: Storage) -> list[dict]:
+                  mix: tuple[str, dict] | None, mix_bits: list[int], storage: Storage, low_rank: bool = True
+                  ) -> list[dict]:
     """The frontier's cells (see the module docstring); `storage` gives the scheme, group and window of every
-    quantized cell."""
+    quantized cell; `low_rank`: the low-rank cells too."""
     if not byte_shares or min(byte_shares) <= 0 or max(byte_shares) >= 1:
         raise KvlensError("--byte-shares must be shares of the full cache between 0 and 1 (e.g. 0.5,0.25,0.125).")
     cached = prefill + tokens - 1  # slots of the full cache at the last step
@@ -46,9 +49,9 @@ def plan_frontier(byte_shares: list[float], texts: dict[str, str], *, prefill: i
     def slots(share: float) -> int:
         return max(1, round(share * cached))
 
-    def cells(family, policies, budgets, bits_=None, target=None):
+    def cells(family, policies, budgets, bits_=None, target=None, described=None):
         out = plan_ppl(policies, budgets, texts, [prefill], tokens=tokens, model=model)
-        described = dataclasses.replace(storage, bits=bits_).describe() if bits_ else None
+        described = dataclasses.replace(storage, bits=bits_).describe() if bits_ else described
         return [{**c, "family": family, "storage": described, "target": target} for c in out]
 
     plan = cells("reference", [("full", {})], [None])
@@ -59,6 +62,8 @@ def plan_frontier(byte_shares: list[float], texts: dict[str, str], *, prefill: i
             share = b / slot_cost(dataclasses.replace(storage, bits=k))
             if share < 1:
                 plan += cells("mix", [mix], [slots(share)], k, target=b)
+        if low_rank:
+            plan += cells("low_rank", [("full", {})], [None], target=b, described=Storage(rank_share=b).describe())
     for k in bits:
         plan += cells("quantization", [("full", {})], [None], k)
     return plan
@@ -66,8 +71,8 @@ def plan_frontier(byte_shares: list[float], texts: dict[str, str], *, prefill: i
 
 def plan_frontier_tasks(byte_shares: list[float], *, tasks: list[str], lengths: list[int], count: int, seed: int,
                         source: str, model: str, evictors: list[tuple[str, dict]], mergers: list[tuple[str, dict]],
-                        bits: list[int], mix: tuple[str, dict] | None, mix_bits: list[int], storage: Storage
-                        ) -> list[dict]:
+                        bits: list[int], mix: tuple[str, dict] | None, mix_bits: list[int], storage: Storage,
+                        low_rank: bool = True) -> list[dict]:
     """The frontier's task cells (see the module docstring): per sample, one cell in the model's dtype (eviction
     and merging) and one per bits (the full cache, quantization alone, and the mix); the full cache in the model's
     dtype is in the first, as the reference."""
@@ -76,8 +81,8 @@ def plan_frontier_tasks(byte_shares: list[float], *, tasks: list[str], lengths: 
 
     mergers_ = [spec(*p).label for p in mergers]
 
-    def cells(policies, ratios, bits_):
-        described = dataclasses.replace(storage, bits=bits_).describe() if bits_ else None
+    def cells(policies, ratios, bits_, described=None):
+        described = dataclasses.replace(storage, bits=bits_).describe() if bits_ else described
         out = task_suite.plan_tasks(policies, ratios, tasks, lengths, count, model=model, seed=seed,
                                     query_aware=False, chat=True, source=source)
         return [{**c, "storage": described, "mergers": mergers_} for c in out]
@@ -87,6 +92,8 @@ def plan_frontier_tasks(byte_shares: list[float], *, tasks: list[str], lengths: 
         cost = slot_cost(dataclasses.replace(storage, bits=k))
         ratios = [1 - b / cost for b in byte_shares if b / cost < 1] if mix and k in mix_bits else []
         plan += cells([spec(*mix)] if ratios else [], ratios, k)  # the full cache at k bits is always in a cell
+    for b in byte_shares if low_rank else []:  # the full cache stored at rank b x the head size
+        plan += cells([], [], None, Storage(rank_share=b).describe())
     return plan
 
 
@@ -97,18 +104,25 @@ def _task_records(rows: list[dict]) -> list[dict]:
     for row in rows:
         storage = Storage.of(row.get("storage"))
         for res in row["results"]:
-            if res["policy"] == "full":
-                family = "quantization" if storage.quantized else "reference"
-            else:
-                family = "mix" if storage.quantized else "merging" if res["policy"] in row["mergers"] else "eviction"
-            records.append({**res, "family": family, "bits": storage.bits, "cost": slot_cost(storage) if
-                            storage.quantized else 1.0, "sample": (row["suite_task"], row["length"], row["index"])})
+            records.append({**res, "family": _family(res["policy"], storage, row["mergers"]), "bits": storage.bits,
+                            "rank_share": storage.rank_share, "cost": slot_cost(storage) if storage.quantized else 1.0,
+                            "sample": (row["suite_task"], row["length"], row["index"])})
     full = {r["sample"]: r["kv_bytes"] for r in records if r["family"] == "reference"}
     for r in records:
         r["bytes_share"] = r["kv_bytes"] / full[r["sample"]] if r["sample"] in full else None
         kept = 1 - (r["ratio"] or 0)
-        r["target"] = None if r["family"] in ("reference", "quantization") else round(kept * r["cost"], 4)
+        r["target"] = None if r["family"] in ("reference", "quantization") else r["rank_share"] \
+            if r["family"] == "low_rank" else round(kept * r["cost"], 4)
     return [r for r in records if r["bytes_share"] is not None]
+
+
+def _family(policy: str, storage: Storage, mergers: list[str]) -> str:
+    """A task result's family: how its bytes were saved."""
+    if storage.low_rank:
+        return "low_rank"
+    if policy == "full":
+        return "quantization" if storage.quantized else "reference"
+    return "mix" if storage.quantized else "merging" if policy in mergers else "eviction"
 
 
 def summarise_tasks(rows: list[dict]) -> list[dict]:
@@ -120,6 +134,8 @@ def summarise_tasks(rows: list[dict]) -> list[dict]:
         config = r["policy"] if r["family"] in ("reference", "quantization") else f"{r['policy']} r={r['ratio']:.3g}"
         config = ("all slots" if r["family"] == "quantization" else config) + (f" @ {r['bits']} bits" if r["bits"]
                                                                                 else "")
+        if r["family"] == "low_rank":
+            config = f"all slots @ rank {r['rank_share']:g} of the head"
         groups.setdefault((r["family"], config, r["target"], _series(r["family"], r["policy"], r["bits"])),
                           {}).setdefault(r["sample"][:2], []).append(r)
     full = statistics.fmean(r["score"] for r in records if r["family"] == "reference") if records else None
@@ -142,10 +158,14 @@ def _ordered(summary: list[dict]) -> list[dict]:
 
 def _series(family: str, policy: str, bits: int | None) -> str:
     """The line a configuration belongs to in the figure: its policy (a mix: and its bits) across byte budgets."""
+    if family == "low_rank":
+        return "all slots, low rank"
     return "all slots" if family == "quantization" else f"{policy} @ {bits} bits" if family == "mix" else policy
 
 
 def _config(row: dict) -> str:
+    if (row.get("storage") or {}).get("rank_share"):
+        return f"all slots @ rank {row['storage']['rank_share']:g} of the head"
     bits = (row.get("storage") or {}).get("bits")
     name = row["policy"] if row["policy"] != "full" or not bits else "all slots"
     if row["budget_slots"] is not None and row["policy"] != "full":
@@ -215,7 +235,7 @@ def figure(result: dict):
               "score": f"task score ({', '.join(c.get('tasks') or [])}, {c.get('task_count')} samples each)"}
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[titles[m] for m in panels],
                         horizontal_spacing=0.08)
-    colors = dict(zip(FAMILIES, ["#222222", "#0072B2", "#D55E00", "#009E73"], strict=True))
+    colors = dict(zip(FAMILIES, ["#222222", "#0072B2", "#D55E00", "#CC79A7", "#009E73"], strict=True))
     for col, metric in enumerate(panels, 1):
         y, low, high = ("ppl_vs_full", "ppl_vs_full_min", "ppl_vs_full_max") if metric == "ppl" else \
             ("score", "ci_low", "ci_high")
@@ -237,7 +257,7 @@ def figure(result: dict):
         fig.add_hline(y=1.0, line_dash="dot", line_color="#555", annotation_text="full cache", row=1, col=col)
         fig.update_xaxes(title_text="KV cache bytes, share of the full cache", type="log", row=1, col=col)
         fig.update_yaxes(title_text="perplexity / full" if metric == "ppl" else "score", row=1, col=col)
-    fig.update_layout(title="Quality against KV bytes: eviction, merging, quantized storage and their mixes "
+    fig.update_layout(title="Quality against KV bytes: eviction, merging, quantized and low-rank storage, mixes "
                             "(bars: min-max over texts; 95 % intervals over samples)",
                       width=760 * len(panels) + 240, height=540, template="kvlens")
     return fig
