@@ -112,6 +112,18 @@ def test_spectra_has_one_line_per_recorded_layer_for_keys_and_values(app):
     assert all(abs(t["y"][0] - 1) < 1e-6 for t in lines)  # normalised by the largest
 
 
+def test_spectra_draws_what_low_rank_storage_buys_at_the_chosen_error(app):
+    at = open_page(app, "spectra", "full-states")
+    at.select_slider(key="spec_error").set_value(0.03).run()
+    rank = charts(at)[1]
+    meta = rank["layout"]["meta"]
+    assert meta["analysis"] == "rank_bytes" and meta["params"] == {"error": 0.03}
+    lines = [t for t in traces(rank, "scatter") if t.get("name", "").startswith("layer")]
+    assert len(lines) == 2 * 6 and all(max(t["x"]) < 1 for t in lines)  # only ranks cheaper than the full cache
+    marks = next(t for t in rank["data"] if t.get("name", "").startswith("a layer's rank"))
+    assert set(marks["y"]) == {0.03}
+
+
 def test_merges_timeline_and_provenance_of_a_cam_run(app):
     at = open_page(app, "merges", "cam-attention")
     run = load_run(CACHED / "cam-attention")
