@@ -206,7 +206,7 @@ def plan_file(samples: list[ruler.Sample], policies, ratios, *, model: str, quer
 
 def flatten(rows: list[dict]) -> list[dict]:
     """One record per (sample, policy, ratio), from the cells' rows."""
-    return [{"task": r["suite_task"], "length": r["length"], "index": r["index"], **res, "answers": r["answers"],
+    return [{"task": r["suite_task"], "length": r["length"], "index": r["index"], **res, "answers": r.get("answers"),
              "shared_prefill_ms": r["shared_prefill_ms"],
              "cell_ms": r["shared_prefill_ms"] / len(r["results"]) + res["prepare_ms"] + res["answer_ms"]}
             for r in rows for res in r["results"]]
@@ -223,7 +223,10 @@ def bootstrap(groups: list[list[float]], seed: int = 0, draws: int = 1000) -> tu
 def turns(records: list[dict]) -> list[dict] | None:
     """Each question in turn (question 1, 2, ...) over `records` whose samples ask several of one compressed context
     (niah_multiquery: does a question-agnostic cache degrade as questions go on?): its mean score and bootstrap
-    95 % interval over the samples; None when a record asks one question or the records ask different numbers."""
+    95 % interval over the samples; None when a record asks one question, the records ask different numbers, or
+    a row does not keep its outputs and expected answers."""
+    if any(r.get("outputs") is None or r.get("answers") is None for r in records):
+        return None
     counts = {len(r["outputs"]) for r in records}
     if len(counts) != 1 or counts == {1}:
         return None
