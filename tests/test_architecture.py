@@ -15,9 +15,10 @@ PACKAGE = ROOT / "kvlens"
 LAYERS = [  # bottom first; a module belongs to the layer of its longest matching prefix
     ("base", ["kvlens.version", "kvlens.errors", "kvlens.lists", "kvlens.levels", "kvlens.params", "kvlens.texts"]),
     ("runs", ["kvlens.runs"]),
-    ("cache", ["kvlens.engine.attention", "kvlens.engine.cache", "kvlens.engine.quantize"]),
+    ("cache", ["kvlens.engine.attention", "kvlens.engine.cache", "kvlens.engine.quantize", "kvlens.engine.lowrank"]),
     ("policies", ["kvlens.policies"]),
     ("engine", ["kvlens.engine"]),
+    ("integration", ["kvlens.hf"]),
     ("figures", ["kvlens.figures"]),
     ("analysis", ["kvlens.analysis"]),
     ("experiments", ["kvlens.experiments"]),

@@ -1,9 +1,10 @@
 """Compress once, then answer: the task protocol, with one prefill of a context shared by every policy and budget.
 
 The field's task benchmarks (kvpress's `evaluation/`, RULER, LongBench) compress a context once, right after
-its prefill, then append the question uncompressed and generate the answer. `prepare` sets a policy up that way
-(prefill, its replay passes, its step-0 compression, then `freeze`), and `answer` feeds a question as one chunk
-and generates greedily; `KVCache.mark`/`rewind` ask several questions of one compressed context.
+its prefill, then append the question uncompressed and generate the answer. `split_prompt` cuts a chat prompt
+into that context and question, `slots_for` is kvpress's kept count at a compression ratio. `prepare` sets a
+policy up that way (prefill, its replay passes, its step-0 compression, then `freeze`), and `answer` feeds a
+question as one chunk and generates greedily; `KVCache.mark`/`rewind` ask several questions of one compressed context.
 
 The prefill is most of the cost, and it is the same for every policy: `SharedPrefill` runs it once per prefill
 kernel the policies use (SDPA for those that read no column sums, the eager statistics pass for those that
@@ -28,9 +29,31 @@ from kvlens.engine.cache import KVCache
 from kvlens.engine.context import RunContext
 from kvlens.engine.loop import RunOptions, _check_length, _Loop, feed
 from kvlens.engine.models import LoadedModel
+from kvlens.errors import KvlensError
 from kvlens.policies import Policy, make_policy
 
 QUIET = RunOptions(record="summary", log_decisions=False)
+SLOT = "\x00question\x00"  # where the user's text goes in the chat template
+
+
+def split_prompt(model: LoadedModel, context: str, question: str, chat: bool = True) -> tuple[list[int], list[int]]:
+    """Token ids of the context part (template start + context) and of the question part (question + template
+    end, up to the assistant's turn), tokenized apart so the compressed span is exactly the context's."""
+    tok = model.tokenizer
+    head, tail = "", ""
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise KvlensError("This model's tokenizer has no chat template; use --no-chat.")
+        text = tok.apply_chat_template([{"role": "user", "content": SLOT}], add_generation_prompt=True,
+                                       tokenize=False)
+        head, tail = text.split(SLOT)
+    ids = tok(head + context, add_special_tokens=not chat).input_ids
+    return list(ids), list(tok("\n\n" + question + tail, add_special_tokens=False).input_ids)
+
+
+def slots_for(ratio: float, tokens: int) -> int:
+    """kvpress's kept count at compression ratio `ratio` (share removed) of `tokens`."""
+    return tokens - int(tokens * ratio)
 
 
 @dataclass

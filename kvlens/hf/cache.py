@@ -2,9 +2,12 @@
 
 The cache drives the engine's own run state (`kvlens.engine.loop._Loop`): the same prefill statistics, step-0
 compression, decode-time eviction and merging, quantized storage and decision log as `kvlens generate`, so the
-same prompt and settings give the same tokens and decisions. `transformers` owns the loop: the model's forward
-hooks (`kvlens.hf.attach`) call `before` and `after` around each forward that carries this cache. Positions are
-true positions: `get_seq_length` counts every token fed, not the slots kept, so RoPE never re-indexes.
+same prompt and settings give the same tokens and decisions. `transformers` owns the loop: two forward hooks on
+the model, installed once (`install`), act only on a forward whose `past_key_values` is a `KvlensCache`: before
+it, the cache switches the model's attention implementation to kvlens's and hands it the run's context through
+the forward's keyword arguments; after it (also when the forward raised), the cache compresses as the engine does
+and switches the implementation back. Any other forward passes through them untouched. Positions are true
+positions: `get_seq_length` counts every token fed, not the slots kept, so RoPE never re-indexes.
 
 One cache follows one sequence from its prompt: a batch of several sequences (beam search, several prompts),
 several new tokens at once after the prompt (assisted decoding) and a second, unrelated `generate` call are
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 
 import pandas as pd
 import torch
@@ -23,9 +27,9 @@ from kvlens.engine.attention import ATTENTION_NAME, CONTEXT_KWARG
 from kvlens.engine.loop import RunOptions, _Loop, _make_run, new_loop
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.quantize import Storage
+from kvlens.engine.shared_prefill import slots_for
 from kvlens.errors import KvlensError
-from kvlens.experiments.bench.tasks import slots_for
-from kvlens.hf.attach import adopt, install, switch
+from kvlens.hf.attach import adopt, switch
 from kvlens.levels import RecordLevel
 from kvlens.policies import Policy, make_policy
 from kvlens.runs.run import Run
@@ -236,6 +240,28 @@ class KvlensCache(Cache):
     def save_run(self, path, sequences: torch.Tensor | None = None):
         """Write `run(sequences)` as a run directory; returns its path."""
         return self.run(sequences).save(path)
+
+
+def _before(module, args, kwargs):
+    cache = kwargs.get("past_key_values")
+    return (args, cache.before(module, args, kwargs)) if isinstance(cache, KvlensCache) else None
+
+
+def _after(module, args, kwargs, output):
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, KvlensCache):
+        cache.after(module, output)
+
+
+# each model's two hook handles (weakly: a model that goes away takes its entry along)
+_HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
+
+
+def install(model: torch.nn.Module) -> None:
+    """The cache hooks on `model`, once (inert for every forward that carries no kvlens cache)."""
+    if model not in _HOOKS:
+        _HOOKS[model] = (model.register_forward_pre_hook(_before, with_kwargs=True),
+                         model.register_forward_hook(_after, with_kwargs=True, always_call=True))
 
 
 def cache(model: torch.nn.Module, policy: str, *, ratio: float | None = None, budget: int | float | None = None,

@@ -13,8 +13,7 @@ import dataclasses
 import torch
 
 from kvlens.engine.models import LoadedModel
-from kvlens.engine.shared_prefill import QUIET, answer, prepare
-from kvlens.experiments.bench.tasks import split_prompt
+from kvlens.engine.shared_prefill import QUIET, answer, prepare, split_prompt
 from kvlens.hf.attach import adopt, attach
 from kvlens.hf.cache import Settings
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from kvlens.hf.attach import adopt, attach
-from kvlens.hf.cache import KvlensCache, Settings
+from kvlens.hf.cache import KvlensCache, Settings, install
 
 
 @contextmanager
@@ -32,6 +32,7 @@ def press(model: torch.nn.Module, policy: str, *, ratio: float | None = None, bu
         made.append(KvlensCache(loaded, settings))
         return args, {**kwargs, "past_key_values": made[-1]}
 
+    install(model)
     with attach(model):
         handle = model.register_forward_pre_hook(fresh, with_kwargs=True, prepend=True)
         try:

@@ -24,35 +24,14 @@ import time
 from kvlens.engine.batch_answer import Kept, answer_many
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.quantize import Storage
-from kvlens.engine.shared_prefill import QUIET, SharedPrefill, answer, prepare
+from kvlens.engine.shared_prefill import QUIET, SharedPrefill, answer, prepare, slots_for, split_prompt
 from kvlens.errors import KvlensError
 from kvlens.experiments.bench import ruler
 from kvlens.experiments.bench.common import PolicySpec
 from kvlens.experiments.grid import digest
 from kvlens.policies import make_policy
 
-SLOT = "\x00question\x00"  # where the user's text goes in the chat template
 ANSWER_BATCH_BYTES = 1 << 30  # a batch's slots, each cache padded to the longest: about this at most (plus one cache)
-
-
-def split_prompt(model: LoadedModel, context: str, question: str, chat: bool = True) -> tuple[list[int], list[int]]:
-    """Token ids of the context part (template start + context) and of the question part (question + template
-    end, up to the assistant's turn), tokenized apart so the compressed span is exactly the context's."""
-    tok = model.tokenizer
-    head, tail = "", ""
-    if chat:
-        if not getattr(tok, "chat_template", None):
-            raise KvlensError("This model's tokenizer has no chat template; use --no-chat.")
-        text = tok.apply_chat_template([{"role": "user", "content": SLOT}], add_generation_prompt=True,
-                                       tokenize=False)
-        head, tail = text.split(SLOT)
-    ids = tok(head + context, add_special_tokens=not chat).input_ids
-    return list(ids), list(tok("\n\n" + question + tail, add_special_tokens=False).input_ids)
-
-
-def slots_for(ratio: float, tokens: int) -> int:
-    """kvpress's kept count at compression ratio `ratio` (share removed) of `tokens`."""
-    return tokens - int(tokens * ratio)
 
 
 def _policy_major(specs: list[PolicySpec], ratios: list[float]) -> list[tuple[PolicySpec, float | None]]:
