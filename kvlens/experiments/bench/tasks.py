@@ -39,15 +39,35 @@ def split_prompt(model: LoadedModel, context: str, question: str, chat: bool = T
     """Token ids of the context part (template start + context) and of the question part (question + template
     end, up to the assistant's turn), tokenized apart so the compressed span is exactly the context's."""
     tok = model.tokenizer
-    head, tail = "", ""
-    if chat:
-        if not getattr(tok, "chat_template", None):
-            raise KvlensError("This model's tokenizer has no chat template; use --no-chat.")
-        text = tok.apply_chat_template([{"role": "user", "content": SLOT}], add_generation_prompt=True,
-                                       tokenize=False)
-        head, tail = text.split(SLOT)
+    head, tail = _template(model, chat)
     ids = tok(head + context, add_special_tokens=not chat).input_ids
     return list(ids), list(tok("\n\n" + question + tail, add_special_tokens=False).input_ids)
+
+
+def _template(model: LoadedModel, chat: bool) -> tuple[str, str]:
+    """The chat template's text before and after the user's (empty without `chat`)."""
+    if not chat:
+        return "", ""
+    tok = model.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise KvlensError("This model's tokenizer has no chat template; use --no-chat.")
+    text = tok.apply_chat_template([{"role": "user", "content": SLOT}], add_generation_prompt=True, tokenize=False)
+    head, tail = text.split(SLOT)
+    return head, tail
+
+
+def context_token_spans(model: LoadedModel, context: str, spans: list[tuple[int, int]],
+                        chat: bool = True) -> list[tuple[int, int]]:
+    """Character spans of `context` -> the token spans `[start, end)` that cover them in `split_prompt`'s context
+    ids (the tokens overlapping each span)."""
+    head, _ = _template(model, chat)
+    offsets = model.tokenizer(head + context, add_special_tokens=not chat, return_offsets_mapping=True).offset_mapping
+    out = []
+    for start, end in spans:
+        inside = [i for i, (a, b) in enumerate(offsets) if a < end + len(head) and b > start + len(head)]
+        if inside:
+            out.append((inside[0], inside[-1] + 1))
+    return out
 
 
 def slots_for(ratio: float, tokens: int) -> int:
