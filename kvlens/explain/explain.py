@@ -6,7 +6,7 @@ import time
 import torch
 
 from kvlens.engine.shared_prefill import SharedPrefill
-from kvlens.explain.case import Case, build
+from kvlens.explain.case import Built, Case, build
 from kvlens.explain.groups import make_groups
 from kvlens.explain.search import BATCH, Scorer, find_minimal
 
@@ -18,8 +18,14 @@ def explain(case: Case, by: list[str], span: int = 32, reverse: bool = False, mi
     count, and with `reverse` the share lost when only that group is removed from the full cache), the `minimal`
     set (when `minimal_by` names a grouping) and the cost of each part. `shared`: the context's prefill, when the
     caller already has it."""
-    t0 = time.perf_counter()
-    built = build(case, shared)
+    return explain_built(build(case, shared), by, span, reverse, minimal_by, batch)
+
+
+def explain_built(built: Built, by: list[str], span: int = 32, reverse: bool = False, minimal_by: str | None = None,
+                  batch: int = BATCH) -> dict:
+    """`explain` of a case already built (its caches and answers: a caller may look at them first)."""
+    t0 = time.perf_counter() - built.seconds
+    case = built.case
     groups = make_groups(built.pair, by + ([minimal_by] if minimal_by and minimal_by not in by else []), span,
                          case.needles)
     t = time.perf_counter()

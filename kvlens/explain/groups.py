@@ -47,10 +47,14 @@ def parse_by(text: str) -> list[str]:
     return names
 
 
-def make_groups(pair: Pair, by: list[str], span: int = 32, needles: list[tuple[int, int]] = ()) -> list[Group]:
-    """The groups of `by`, in order (the needle's only when `needles`, token spans, are known)."""
+def check_span(span: int) -> None:
     if span < 1:
         raise KvlensError(f"A position span must be at least 1 token; got {span}.")
+
+
+def make_groups(pair: Pair, by: list[str], span: int = 32, needles: list[tuple[int, int]] = ()) -> list[Group]:
+    """The groups of `by`, in order (the needle's only when `needles`, token spans, are known)."""
+    check_span(span)
     removed = pair.removed
     layers, heads, tokens = removed.shape
 
