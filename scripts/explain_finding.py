@@ -49,18 +49,18 @@ def samples_file(model, out: Path) -> Path:
 
 def run_cases(model, path: Path, rows_path: Path, deadline: float) -> None:
     done = {(r["task"], r["index"], r["policy"], r["ratio"]) for r in read_rows(rows_path)}
-    for index, sample in enumerate(ruler.read_samples(path)):
-        todo = [(p, r) for p in POLICIES for r in RATIOS if (sample.task, index // 2, p, r) not in done]
+    for line, sample in enumerate(ruler.read_samples(path)):
+        index = line // 2
+        todo = [(p, r) for p in POLICIES for r in RATIOS if (sample.task, index, p, r) not in done]
         shared = None
         for policy, ratio in todo:
             if time.time() > deadline:
                 return
-            case = sample_case(model, str(path), index, policy, ratio)
+            case = sample_case(model, sample, policy, ratio, about={"index": index})
             if shared is None:
-                shared = SharedPrefill(model, case.context, [make_policy("full")] +
-                                       [make_policy(p) for p in POLICIES])
+                shared = SharedPrefill(model, case.context, [make_policy(p) for p in POLICIES])
             built = build(case, shared)
-            row = {"task": sample.task, "index": index // 2, "policy": policy, "ratio": ratio,
+            row = {"task": sample.task, "index": index, "policy": policy, "ratio": ratio,
                    "full_right": built.answers["full_right"], "compressed_right": built.answers["compressed_right"]}
             if row["full_right"] and not row["compressed_right"]:
                 result = explain_built(built, ["head"], minimal_by="head")

@@ -8,7 +8,7 @@ import torch
 from kvlens.cli import main
 from kvlens.engine.batch_answer import _BatchContext, _forward, score_many
 from kvlens.experiments.bench import ruler
-from kvlens.explain.case import build, sample_case
+from kvlens.explain.case import build, file_sample, sample_case
 from kvlens.explain.explain import explain_built
 from kvlens.explain.groups import make_groups
 from kvlens.explain.patch import patched, without
@@ -30,7 +30,7 @@ def samples(smol, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def snapkv(smol, samples):
-    return build(sample_case(smol, str(samples), 0, "snapkv", 0.75))
+    return build(sample_case(smol, file_sample(samples, 0), "snapkv", 0.75, about={"index": 0}))
 
 
 def logits_of(built, caches) -> torch.Tensor:
@@ -87,7 +87,7 @@ def test_recovered_shares_hold_at_their_ends(snapkv):
 
 @pytest.mark.parametrize("policy", ["cam", "d2o"])
 def test_a_merged_slots_restore_gives_back_its_original_key_and_value(smol, samples, policy):
-    built = build(sample_case(smol, str(samples), 1, policy, 0.5))
+    built = build(sample_case(smol, file_sample(samples, 1), policy, 0.5, about={"index": 1}))
     pair = built.pair
     targets = torch.zeros(pair.removed.numel(), dtype=torch.bool)
     targets[pair.links[1]] = True  # from provenance: the positions the decision log says received a merge

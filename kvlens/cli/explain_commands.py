@@ -37,7 +37,7 @@ def register(sub) -> None:
 
 
 def cmd_explain(args) -> int:
-    from kvlens.explain.case import run_case, sample_case
+    from kvlens.explain.case import file_sample, run_case, sample_case
     from kvlens.explain.explain import explain
     from kvlens.explain.groups import GROUPINGS, check_span, parse_by
 
@@ -56,8 +56,11 @@ def cmd_explain(args) -> int:
             raise KvlensError(f"The run at {args.run} has no decisions; explain needs a run recorded with them.")
     model = load(args)
     t = time.perf_counter()
-    case = run_case(model, args.run) if args.run else \
-        sample_case(model, args.samples, args.index, args.policy, args.ratio, chat=not args.no_chat)
+    if args.run:
+        case = run_case(model, args.run)
+    else:
+        case = sample_case(model, file_sample(args.samples, args.index), args.policy, args.ratio, not args.no_chat,
+                           {"samples": args.samples, "index": args.index})
     result = explain(case, by, args.span, args.reverse, args.minimal_by if args.find_minimal else None, args.batch)
     result["command"] = command_line()
     result["seconds"] = time.perf_counter() - t

@@ -75,7 +75,7 @@ class SharedPrefill:
             model.support = inspect_model(model.model)
         model.support.require()
         _check_length(model, len(ids))
-        self.ids, self.groups, self.logits = list(ids), {}, {}
+        self.model, self.ids, self.groups, self.logits = model, list(ids), {}, {}
         self.replays: dict[Policy, tuple[int, list[dict]]] = {}  # per policy: its passes, what they left per layer
         t = time.perf_counter()
         for sums in sorted({_ctx_of(model, p).column_sums for p in policies}):
@@ -97,6 +97,19 @@ class SharedPrefill:
             view.append(kept.key.clone(), kept.value.clone(), cache.positions)
             ctx.observe_prompt(view, kept.query, view.keys, view.values, kept.spec, kept.abar, kept.last_for(keep))
         return self.logits[ctx.column_sums]
+
+    def prompt_cache(self, policy: Policy) -> tuple[list[tuple], torch.Tensor]:
+        """The prompt's uncompressed cache as `policy`'s own prefill computed it, per layer `(keys, values, valid,
+        pos)` of shapes `(Hkv, T, D)` twice and `(Hkv, T)` twice (what `batch_answer.Kept` holds), and the prompt's
+        last logits: the reference a compressed cache of `policy` differs from by its decisions alone (the SDPA and
+        the eager prefill differ by float rounding)."""
+        sums = _ctx_of(self.model, policy).column_sums
+        layers = []
+        for kept in self.groups[sums]:
+            hkv, t = kept.key.shape[1], kept.key.shape[2]
+            pos = torch.arange(t, device=kept.key.device).expand(hkv, t)
+            layers.append((kept.key[0], kept.value[0], torch.ones(hkv, t, dtype=torch.bool, device=pos.device), pos))
+        return layers, self.logits[sums]
 
     def replay(self, loop: _Loop) -> None:
         """`loop`'s replay passes, or what an equal policy's left in each layer's run state (copied, also for the

@@ -39,24 +39,28 @@ class Case:
     max_new_tokens: int = 64
 
 
-def sample_case(model: LoadedModel, path: str, index: int, policy: str, ratio: float, chat: bool = True) -> Case:
-    """Sample `index` of a samples file (`kvlens bench tasks --dump-samples`) under `policy` at `ratio`."""
+def file_sample(path: str, index: int) -> ruler.Sample:
+    """Sample `index` of a samples file (`kvlens bench tasks --dump-samples`)."""
     samples = ruler.read_samples(path)
     if not 0 <= index < len(samples):
         raise KvlensError(f"Sample index {index} is out of range: {path} has {len(samples)} samples (0 to "
                           f"{len(samples) - 1}).")
+    return samples[index]
+
+
+def sample_case(model: LoadedModel, sample: ruler.Sample, policy: str, ratio: float, chat: bool = True,
+                about: dict | None = None) -> Case:
+    """A task sample under `policy` at compression ratio `ratio`; `about`: where the sample comes from."""
     if not 0 < ratio < 1:
         raise KvlensError(f"A compression ratio is the share of the context removed, in (0, 1); got {ratio}.")
     spec = PolicySpec.parse(policy)
-    sample = samples[index]
     context, question = tasks.split_prompt(model, sample.context, sample.questions[0], chat)
     budget = make_policy(spec.name, dict(spec.params)).resolve_budget(
         tasks.slots_for(ratio, len(context)), len(context), len(context) + len(question) + sample.max_new_tokens)
     if budget is None:
         raise KvlensError(f"Policy {spec.name} keeps what its own rule keeps; explain needs a budgeted policy.")
     needles = tasks.context_token_spans(model, sample.context, ruler.needle_spans(sample), chat)
-    about = {"source": "sample", "samples": str(path), "index": index, "task": sample.task, "policy": spec.label,
-             "ratio": ratio}
+    about = {"source": "sample", **(about or {}), "task": sample.task, "policy": spec.label, "ratio": ratio}
     return Case(model, context, question, spec, budget, about, sample, needles, None, sample.max_new_tokens)
 
 
@@ -105,21 +109,22 @@ class Built:
 
 
 def build(case: Case, shared: SharedPrefill | None = None) -> Built:
-    """Prefill the context once (or take `shared`, a prefill of it for the full cache and the case's policy),
-    compress it, and find the full cache's answer (or take the run's text)."""
+    """Prefill the context once (or take `shared`, a prefill of it for the case's policy among others), compress
+    it, and find the full cache's answer (or take the run's text). The full cache is the prompt's as the policy's
+    own prefill computed it (`SharedPrefill.prompt_cache`), so the two caches differ by the policy's decisions only."""
     t = time.perf_counter()
     model, context = case.model, case.context
     policy = make_policy(case.policy.name, dict(case.policy.params))
     extra = len(case.question) + case.max_new_tokens
-    shared = shared or SharedPrefill(model, context, [make_policy("full"), policy])
-    full, logits = prepare(model, make_policy("full"), context, None, extra, shared)
+    shared = shared or SharedPrefill(model, context, [policy])
+    layers, logits = shared.prompt_cache(policy)
     comp, _ = prepare(model, policy, context, case.budget, extra, shared, dataclasses.replace(QUIET,
                                                                                             log_decisions=True))
     frame = comp.log.frame()
     frame = frame[(frame["action"] == "merge") & (frame["step"] == 0)]
     merges = list(zip(frame["layer"].tolist(), frame["kv_head"].tolist(), frame["position"].tolist(),
                       [list(t) for t in frame["targets"]], strict=True))
-    pair = compare(Kept(full), Kept(comp), merges)
+    pair = compare(Kept.of(model, layers), Kept(comp), merges)
     decode = model.tokenizer.decode
     if case.sample is None:
         target = case.text or answer_many([pair.full], [], len(context), case.max_new_tokens, [logits])[0][0]

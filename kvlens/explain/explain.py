@@ -1,6 +1,7 @@
 """`explain`: the recovered share of every group of removals, both ways, and the smallest sufficient set."""
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -9,6 +10,7 @@ from kvlens.engine.shared_prefill import SharedPrefill
 from kvlens.explain.case import Built, Case, build
 from kvlens.explain.groups import make_groups
 from kvlens.explain.search import BATCH, Scorer, find_minimal
+from kvlens.figures.head_grid import MAX_STRIP
 
 
 def explain(case: Case, by: list[str], span: int = 32, reverse: bool = False, minimal_by: str | None = None,
@@ -57,12 +59,31 @@ def explain_built(built: Built, by: list[str], span: int = 32, reverse: bool = F
            "all_groups": {"recovered_share": float(scorer.share(ends.lp[:1])), "slots": int(removed.sum())},
            "no_groups": {"recovered_share": float(scorer.share(ends.lp[1:])), "slots": 0},
            "groups": [e for e, g in zip(entries, groups, strict=True) if g.kind in by]}
+    decode = case.model.tokenizer.decode
+    for e in out["groups"]:
+        if "start" in e:
+            e["text"] = decode(case.context[e["start"]:e["end"]])
     if minimal_by:
         pick = [i for i, g in enumerate(groups) if g.kind == minimal_by]
         out["minimal"] = {"by": minimal_by, **find_minimal(scorer, [groups[i] for i in pick],
                                                            [shares[i] for i in pick])}
+        out["strips"] = strips(removed, out["minimal"].pop("mask", torch.zeros_like(removed)))
     out["cost"] = {"prepare_s": built.seconds, "score_s": score_s, "reverse_s": reverse_s,
                    "minimal_s": out["minimal"]["seconds"] if minimal_by else None,
                    "patched_caches": scorer.caches - 2, "caches_before_minimal": patches - 2, "batch": batch,
                    "threads": torch.get_num_threads(), "total_s": time.perf_counter() - t0}
     return out
+
+
+def strips(removed: torch.Tensor, restored: torch.Tensor) -> dict:
+    """Per layer, KV head and block of positions (the Head grid's pooling, at most `MAX_STRIP` blocks): the share
+    of the block removed and the share the minimal set restores, `(L, Hkv, blocks)` as lists."""
+    tokens = removed.shape[-1]
+    block = math.ceil(tokens / MAX_STRIP)
+    pad = block * math.ceil(tokens / block) - tokens
+
+    def pooled(mask: torch.Tensor) -> list:
+        full = torch.nn.functional.pad(mask.float(), (0, pad))
+        return (full.view(*mask.shape[:2], -1, block).sum(-1) / block).tolist()
+
+    return {"block": block, "removed": pooled(removed), "restored": pooled(restored)}

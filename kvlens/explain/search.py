@@ -68,7 +68,8 @@ class Scorer:
 def find_minimal(scorer: Scorer, groups: list[Group], shares: list[float]) -> dict:
     """Add `groups` back in order of recovered share (highest first) until the case is fixed; the cumulative sets
     are scored a batch at a time, stopping at the first batch that holds a fix. Returns the groups, slots,
-    layers and recovered share of the smallest sufficient prefix, its greedy answer (a sample) and its time."""
+    layers, recovered share and restored entries (`mask`, `(L, Hkv, T)`) of the smallest sufficient prefix, its
+    greedy answer (a sample) and its time."""
     t = time.perf_counter()
     order = sorted((i for i, g in enumerate(groups) if g.slots), key=lambda i: -shares[i])
     union = torch.zeros_like(scorer.built.pair.removed)
@@ -91,7 +92,7 @@ def find_minimal(scorer: Scorer, groups: list[Group], shares: list[float]) -> di
     out = {"found": True, "groups": [g.name for g in chosen], "slots": int(mask.sum()),
            "slots_removed": int(scorer.built.pair.removed.sum()), "recovered_share": share,
            "layers": torch.nonzero(mask.any(-1).any(-1))[:, 0].tolist(),
-           "entries": torch.nonzero(mask).tolist()}
+           "mask": mask}
     b = scorer.built
     if b.case.sample is not None:
         decode = b.case.model.tokenizer.decode
