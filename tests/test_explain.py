@@ -2,6 +2,8 @@
 logits of the embedded model in float32; the recovered share of the all-groups restore within 1e-3 of 1)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -121,14 +123,26 @@ def test_patched_caches_in_a_batch_equal_each_alone(snapkv):
         assert torch.equal(greedy[0], batch_greedy[i])
 
 
-def test_find_minimal_fixes_the_answer(snapkv):
+def test_the_command_prints_json_with_the_minimal_set_and_the_report_draws_it(snapkv, samples, tmp_path, capsys):
     if snapkv.answers["compressed_right"] or not snapkv.answers["full_right"]:
         pytest.skip("this sample's compressed cache answers right")
-    result = explain_built(snapkv, ["layer"], minimal_by="layer")
+    out = tmp_path / "why.json"
+    assert main(["explain", "--samples", str(samples), "--index", "0", "--policy", "snapkv", "--ratio", "0.75",
+                 "--by", "layer,sinks,needle", "--find-minimal", "--minimal-by", "layer", "--json",
+                 "--out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert abs(result["all_groups"]["recovered_share"] - 1) < 1e-3 and result["no_groups"]["recovered_share"] == 0
+    assert [g["kind"] for g in result["groups"]] == ["layer"] * 30 + ["sinks", "needle"]
+    assert all({"kind", "name", "recovered_share", "slots"} <= set(g) for g in result["groups"])
     m = result["minimal"]
-    assert m["found"] and m["right"]
-    assert 0 < m["slots"] <= result["slots_removed"]
+    assert m["found"] and m["right"] and 0 < m["slots"] <= result["slots_removed"]
     assert m["layers"] == sorted(int(g[1:]) for g in m["groups"])
+    assert m["slots"] == sum(g["slots"] for g in result["groups"] if g["name"] in m["groups"])
+    assert json.loads(out.read_text())["minimal"] == m
+    html = tmp_path / "report.html"
+    assert main(["report", "--explain", str(out), "--out", str(html)]) == 0
+    text = html.read_text()
+    assert "Why 1." in text and "Recovered share by layer" in text and "Minimal sufficient set" in text
 
 
 def test_bad_input_is_one_sentence(samples, capsys, tmp_path):
@@ -140,6 +154,9 @@ def test_bad_input_is_one_sentence(samples, capsys, tmp_path):
              (["--samples", str(samples), "--policy", "snapkv", "--ratio", "0.75", "--by", "row"], "Unknown grouping"),
              (["--samples", str(samples), "--policy", "snapkv"], "needs --policy and --ratio"),
              (["--samples", str(tmp_path / "none.jsonl"), "--policy", "snapkv", "--ratio", "0.5"], "no samples file")]
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["report", "--explain", str(tmp_path / "bad.json"), "--out", str(tmp_path / "r.html")]) == 2
+    assert "not a kvlens explain result" in capsys.readouterr().err
     for argv, message in cases:
         assert main(["explain", *argv]) == 2
         err = capsys.readouterr().err
