@@ -14,7 +14,8 @@ from kvlens.ui.charts import chart
 from kvlens.ui.page import page_top, selected_run
 from kvlens.ui.why import explain_run, explain_sample
 
-SOURCES = ["the selected run", "a task sample"]
+RUN, SAMPLE = "the selected run", "a task sample"
+SOURCES = [RUN, SAMPLE]
 RATIOS = [0.25, 0.5, 0.75, 0.875]
 LENGTHS = [256, 512, 1024, 2048]
 BUDGETED = [p for p in policy_names() if p != "full" and not make_policy(p).budget_free]
@@ -33,7 +34,7 @@ minimal = url_state.bound(lambda **kw: c3.checkbox("Smallest sufficient set", **
 if not by:
     st.info("Pick at least one grouping.")
     st.stop()
-if source == SOURCES[0]:
+if source == SAMPLE:
     cols = st.columns(5)
     task = url_state.bound(lambda **kw: cols[0].selectbox("Task", list(TASKS), **kw), "task", "why_task",
                            list(TASKS), "task", "niah_single")
@@ -48,6 +49,11 @@ if source == SOURCES[0]:
     work = lambda: explain_sample(task, length, index, policy, ratio, tuple(by), span, minimal)  # noqa: E731
     name = f"why-{task}-{length}-{index}-{policy}-{ratio}"
     config = {"task": task, "length": length, "index": index, "policy": policy, "ratio": ratio}
+    if not st.session_state.get(f"why_asked_{name}") and not st.button(
+            "Explain this sample", help="Minutes for a 1024-token sample on a CPU; then kept for this setting"):
+        url_state.share_link()
+        st.stop()
+    st.session_state[f"why_asked_{name}"] = True
 else:
     run = selected_run()
     if run is None:

@@ -11,6 +11,7 @@ from tests.conftest import chromium_app, offline_page
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.usefixtures("offline")]
 RUN = "h2o-attention"
+PLOTS = "[data-testid=stMain] .js-plotly-plot"
 EXPLAIN_MS = 600_000  # the run's 118-token prompt: about 40 s on one thread, more on a loaded machine
 
 
@@ -27,20 +28,19 @@ def page(tmp_path_factory, external_requests):
 
 def _figures(page) -> dict[str, dict]:
     """Each drawn plotly figure's title -> {trace name: trace type}."""
-    return page.evaluate("""() => Object.fromEntries([...document.querySelectorAll('[data-testid=stMain]
-        .js-plotly-plot')].map(g => [g.layout.title.text,
-                                     Object.fromEntries(g._fullData.map(d => [d.name, d.type]))]))""")
+    return page.evaluate(f"""() => Object.fromEntries([...document.querySelectorAll('{PLOTS}')]
+        .map(g => [g.layout.title.text, Object.fromEntries(g._fullData.map(d => [d.name, d.type]))]))""")
 
 
 def test_the_why_page_draws_the_shares_and_the_minimal_set(page):
     figures = _figures(page)
     titles = list(figures)
-    assert any(t.startswith("Recovered share by layer and KV head") for t in titles), titles
-    assert any(t.startswith("Recovered share by position span") for t in titles), titles
-    minimal = next(t for t in titles if t.startswith("Minimal sufficient set"))
+    assert any("Recovered share by layer and KV head: h2o on run" in t for t in titles), titles
+    assert any("Recovered share by position span" in t for t in titles), titles
+    minimal = next(t for t in titles if "Minimal sufficient set" in t)
     assert figures[minimal]["minimal set"] == "heatmap"
-    heat = page.evaluate("""() => [...document.querySelectorAll('[data-testid=stMain] .js-plotly-plot')]
-        .find(g => g.layout.title.text.startsWith('Minimal')).data[0].z""")
+    heat = page.evaluate(f"""() => [...document.querySelectorAll('{PLOTS}')]
+        .find(g => g.layout.title.text.includes('Minimal')).data[0].z""")
     assert len(heat) == 30 and any(v == 2 for row in heat for v in row)  # restored entries drawn in red
     assert page.get_by_text("Smallest sufficient set:").count() == 1
     assert page.get_by_text("All groups restored").count() == 1
