@@ -7,6 +7,7 @@ import time
 import torch
 
 from kvlens.engine.shared_prefill import SharedPrefill
+from kvlens.errors import KvlensError
 from kvlens.explain.case import Built, Case, build
 from kvlens.explain.groups import make_groups
 from kvlens.explain.search import BATCH, Scorer, find_minimal
@@ -28,6 +29,9 @@ def explain_built(built: Built, by: list[str], span: int = 32, reverse: bool = F
     """`explain` of a case already built (its caches and answers: a caller may look at them first)."""
     t0 = time.perf_counter() - built.seconds
     case = built.case
+    if not bool(built.pair.removed.any()):
+        raise KvlensError(f"{case.policy.label} removed nothing from this {len(case.context)}-token prompt at "
+                          f"{case.budget} slots; there is nothing to explain.")
     groups = make_groups(built.pair, by + ([minimal_by] if minimal_by and minimal_by not in by else []), span,
                          case.needles)
     t = time.perf_counter()
