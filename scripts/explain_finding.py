@@ -93,12 +93,13 @@ def summarise(rows: list[dict], layers: int) -> dict:
         wrong = [r for r in rows if r["full_right"] and not r["compressed_right"]
                  and (key[0] == "all" or (r["policy"], r["ratio"]) == key)]
         slots = [r["minimal_slots"] for r in sub]
+        shares = [r["minimal_slots"] / r["slots_removed"] for r in sub]
         cells[f"{key[0]}@{key[1]}" if key[1] else "all"] = {
             "wrong_cases": len(wrong), "fixed": len(sub),
             "slots_median": statistics.median(slots) if slots else None,
             "slots_mean": statistics.fmean(slots) if slots else None, "slots_mean_ci": interval(slots),
-            "slots_share_of_removed_mean": statistics.fmean(r["minimal_slots"] / r["slots_removed"] for r in sub)
-            if sub else None,
+            "share_of_removed_mean": statistics.fmean(shares) if shares else None,
+            "share_of_removed_mean_ci": interval(shares),
             "groups_median": statistics.median(r["minimal_groups"] for r in sub) if sub else None}
     by_layer = []
     for layer in range(layers):
@@ -133,7 +134,7 @@ def figure(summary: dict, rows: list[dict]):
     fig.update_yaxes(title_text="share of sets restoring there", range=[0, 1.02], row=1, col=2)
     fig.update_xaxes(title_text="layer", row=1, col=2)
     fig.update_layout(title=f"Why the compressed cache got the needle wrong ({len(fixed)} cases)", width=1300,
-                      height=520, template="kvlens")
+                      height=560, margin={"b": 140}, template="kvlens")
     return fig
 
 
