@@ -46,9 +46,11 @@ def logits_of(built, caches) -> torch.Tensor:
 def test_the_needle_is_a_group_of_the_samples_needle_tokens(snapkv, smol):
     (start, end), = snapkv.case.needles
     assert snapkv.case.sample.answers[0][0] in smol.tokenizer.decode(snapkv.case.context[start:end])
-    groups = make_groups(snapkv.pair, ["needle", "sinks"], needles=snapkv.case.needles)
-    assert [g.kind for g in groups] == ["needle", "sinks"]
+    groups = make_groups(snapkv.pair, ["needle", "sinks", "needle-head"], needles=snapkv.case.needles)
+    assert [g.kind for g in groups[:2]] == ["needle", "sinks"] and len(groups) == 2 + 30 * 3
     assert not groups[0].mask[..., :start].any() and not groups[0].mask[..., end:].any()
+    cells = torch.stack([g.mask for g in groups[2:]])
+    assert torch.equal(cells.any(0), groups[0].mask) and int(cells.sum()) == groups[0].slots  # split, not copied
 
 
 def test_restoring_every_group_gives_the_full_cache(snapkv):

@@ -20,14 +20,15 @@ def register(sub) -> None:
     p.add_argument("--ratio", type=float, help="with --samples: the compression ratio, the share removed (0.75)")
     p.add_argument("--by", default="layer,head,span,kind,sinks,needle",
                    help="comma-separated groupings: layer, head (layer x KV head), span, kind (evicted, merged), "
-                        "sinks, needle (task samples)")
+                        "sinks, needle (task samples), needle-head (the needle within each layer x KV head)")
     p.add_argument("--span", type=int, default=32, help="tokens per position span (default 32)")
     p.add_argument("--reverse", action="store_true",
                    help="also remove each group alone from the full cache (what is necessary, not sufficient)")
     p.add_argument("--find-minimal", action="store_true",
                    help="greedy smallest sufficient set: groups back in order of recovered share until the answer "
                         "is right again (samples) or the gap closes to 10 %% (text)")
-    p.add_argument("--minimal-by", default="head", help="the grouping the search adds back (default head)")
+    p.add_argument("--minimal-by", default="head",
+                   help="the grouping the search adds back (default head; needle-head: the needle's slots only)")
     p.add_argument("--batch", type=int, default=16, help="patched caches per batched forward")
     p.add_argument("--no-chat", action="store_true", help="plain text prompt instead of the chat template")
     p.add_argument("--out", metavar="FILE.json", help="also write the result there (the Why page reads it)")

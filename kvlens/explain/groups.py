@@ -1,5 +1,5 @@
 """Groups of removals to restore together: by layer, by (layer, KV head), by position span, by decision kind
-(evicted or merged), the attention sinks, and a task sample's needle."""
+(evicted or merged), the attention sinks, a task sample's needle, and the needle within each (layer, KV head)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +9,7 @@ import torch
 from kvlens.errors import KvlensError
 from kvlens.explain.patch import Pair, close
 
-GROUPINGS = ("layer", "head", "span", "kind", "sinks", "needle")
+GROUPINGS = ("layer", "head", "span", "kind", "sinks", "needle", "needle-head")
 SINKS = 4  # the first positions, StreamingLLM's attention sinks
 
 
@@ -87,4 +87,8 @@ def make_groups(pair: Pair, by: list[str], span: int = 32, needles: list[tuple[i
             out.append(group(kind, "sinks", positions(0, SINKS), start=0, end=min(SINKS, tokens)))
         elif kind == "needle":
             out += [group(kind, f"needle {s}-{e - 1}", positions(s, e), start=s, end=e) for s, e in needles]
+        elif kind == "needle-head" and needles:
+            needle = torch.stack([positions(s, e) for s, e in needles]).any(0)
+            out += [group(kind, f"needle L{i}.H{h}", needle & cells(i, h), layer=i, head=h) for i in range(layers)
+                    for h in range(heads)]
     return out
