@@ -156,7 +156,9 @@ def main() -> int:
     total = len(TASKS) * COUNT * len(POLICIES) * len(RATIOS)
     result = {"command": "OMP_NUM_THREADS=1 python scripts/explain_finding.py " + " ".join(sys.argv[1:]),
               "config": {"tasks": TASKS, "length": LENGTH, "count": COUNT, "seed": SEED, "policies": POLICIES,
-                         "ratios": RATIOS, "by": "head", "criterion": "greedy answer right again"},
+                         "ratios": RATIOS, "by": "head", "criterion": "greedy answer right again",
+                         "rows": "results/explain.rows.jsonl, appended case by case by every invocation (resumable); "
+                                 "each row's seconds were measured on its own invocation's machine state"},
               "environment": environment(model), "threads": torch.get_num_threads(),
               "cases_total": total, "cases_done": len(rows),
               "status": "complete" if len(rows) == total else "partial", "summary": summary, "rows": rows}
