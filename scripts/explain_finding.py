@@ -32,6 +32,7 @@ POLICIES = ["streaming_llm", "h2o", "snapkv", "expected_attention", "kvzip"]
 RATIOS = [0.5, 0.75]
 TASKS, LENGTH, COUNT, SEED = ["niah_single", "niah_multikey"], 1024, 8, 0
 ROOT = Path(__file__).resolve().parent.parent
+SMALL = (1, 3, 5, 10)  # the share of cases whose minimal set has at most this many (layer, KV head) groups
 
 
 def samples_file(model, out: Path) -> Path:
@@ -100,7 +101,9 @@ def summarise(rows: list[dict], layers: int) -> dict:
             "slots_mean": statistics.fmean(slots) if slots else None, "slots_mean_ci": interval(slots),
             "share_of_removed_mean": statistics.fmean(shares) if shares else None,
             "share_of_removed_mean_ci": interval(shares),
-            "groups_median": statistics.median(r["minimal_groups"] for r in sub) if sub else None}
+            "groups_median": statistics.median(r["minimal_groups"] for r in sub) if sub else None,
+            "fixed_by_at_most": {k: {"share": statistics.fmean(at) if at else None, "ci": interval(at)}
+                                 for k in SMALL for at in [[float(r["minimal_groups"] <= k) for r in sub]]}}
     by_layer = []
     for layer in range(layers):
         hit = [float(layer in r["minimal_layers"]) for r in fixed]
