@@ -19,7 +19,7 @@ NAVIGATION = {  # section: (file in pages/, title, icon); any other file in page
                ("heads", "Head grid", ":material/apps:"), ("attention", "Attention", ":material/grid_on:"),
                ("similarity", "Similarity", ":material/compare_arrows:"),
                ("spectra", "Spectra", ":material/show_chart:"), ("merges", "Merges", ":material/call_merge:"),
-               ("perturbation", "Perturbation", ":material/ssid_chart:"),
+               ("perturbation", "Perturbation", ":material/ssid_chart:"), ("why", "Why", ":material/help:"),
                ("analyses", "Analyses", ":material/analytics:")],
     "Run": [("run", "Run", ":material/play_arrow:"), ("compare", "Compare", ":material/view_column:"),
             ("benchmarks", "Benchmarks", ":material/speed:")],

@@ -22,6 +22,7 @@ LAYERS = [  # bottom first; a module belongs to the layer of its longest matchin
     ("figures", ["kvlens.figures"]),
     ("analysis", ["kvlens.analysis"]),
     ("experiments", ["kvlens.experiments"]),
+    ("explain", ["kvlens.explain"]),  # cache patching: patches the engine's caches of the task suite's samples
     ("interfaces", ["kvlens.ui", "kvlens.cli", "kvlens.__main__", "kvlens"]),
 ]
 

@@ -18,7 +18,7 @@ from tests.conftest import chromium_app, offline_page
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.usefixtures("offline")]
 ROOT = Path(__file__).resolve().parent.parent
 RAW = {"app", "overview", "heads", "attention", "similarity", "spectra", "merges", "perturbation", "analyses", "run",
-       "compare", "benchmarks"}  # Streamlit's own list of pages/: lower-case file names and `app`
+       "compare", "benchmarks", "why"}  # Streamlit's own list of pages/: lower-case file names and `app`
 RECORD_LINKS = """
 window.__links = new Set();
 new MutationObserver(() => {
@@ -127,7 +127,7 @@ def test_inspector_row_of_a_clicked_token_and_a_copied_link_reopens_it(browser):
 
 PAGES = {"": "kvlens", "runs": "Runs", "heads": "Head grid", "attention": "Attention", "similarity": "Similarity",
          "spectra": "Spectra", "merges": "Merges", "perturbation": "Perturbation", "analyses": "Analyses", "run": "Run",
-         "compare": "Compare", "benchmarks": "Benchmarks"}  # URL path: title (app.py's NAVIGATION)
+         "compare": "Compare", "benchmarks": "Benchmarks", "why": "Why"}  # URL path: title (app.py's NAVIGATION)
 
 
 def test_every_page_draws_offline_and_a_link_sets_the_attention_pages_layer_head_and_row(browser):

@@ -49,18 +49,24 @@ padding:10px 12px;font-size:12px;margin:0}
 """
 
 
-def report_html(runs: list[Run]) -> str:
-    """The report of `runs` (at least one) as one HTML document (see module docstring)."""
-    if not runs:
-        raise KvlensError("A report needs at least one run.")
+def report_html(runs: list[Run], explained: list[dict] = ()) -> str:
+    """The report of `runs` and of `explained` (`kvlens explain` results; at least one of either) as one HTML
+    document (see module docstring)."""
+    if not runs and not explained:
+        raise KvlensError("A report needs at least one run or explain result.")
     names = [_name(run, i) for i, run in enumerate(runs)]
-    nav = "".join(f'<a href="#run-{i + 1}">{html.escape(name)}</a>' for i, name in enumerate(names))
-    body = [f"<h1>kvlens report</h1><p class=\"sub\">{len(runs)} run{'s' * (len(runs) > 1)}, written by kvlens "
-            f"{__version__}</p><nav>{nav}</nav>"]
+    whys = [f"why: {r['case']['policy']} " + (f"sample {r['case'].get('index')}" if r["case"]["source"] == "sample"
+                                               else Path(r["case"]["run"]).name) for r in explained]
+    nav = "".join(f'<a href="#run-{i + 1}">{html.escape(name)}</a>' for i, name in enumerate(names)) + \
+        "".join(f'<a href="#why-{i + 1}">{html.escape(name)}</a>' for i, name in enumerate(whys))
+    body = [f"<h1>kvlens report</h1><p class=\"sub\">{len(runs)} run{'s' * (len(runs) != 1)}"
+            + (f", {len(explained)} explained" if explained else "") + f", written by kvlens {__version__}</p>"
+            f"<nav>{nav}</nav>"]
     if len(runs) > 1:
         body.append(_comparison(runs, names))
     body += [_run_section(run, name, i + 1) for i, (run, name) in enumerate(zip(runs, names))]
-    title = html.escape("kvlens report: " + ", ".join(names))
+    body += [_why_section(result, name, i + 1) for i, (result, name) in enumerate(zip(explained, whys))]
+    title = html.escape("kvlens report: " + ", ".join(names + whys))
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
             f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style>'
             f'<script type="text/javascript">{get_plotlyjs()}</script></head>'
@@ -79,10 +85,10 @@ def checked_out(out: str | Path) -> Path:
     return out
 
 
-def write_report(runs: list[Run], out: str | Path) -> Path:
-    """Write `report_html(runs)` to `out` (checked by `checked_out`); the path written."""
+def write_report(runs: list[Run], out: str | Path, explained: list[dict] = ()) -> Path:
+    """Write `report_html(runs, explained)` to `out` (checked by `checked_out`); the path written."""
     out = checked_out(out)
-    text = report_html(runs)
+    text = report_html(runs, explained)
     try:
         out.write_text(text, encoding="utf-8")
     except OSError as err:
@@ -217,6 +223,33 @@ def _run_section(run: Run, name: str, number: int) -> str:
             f'<h3>Text and the cache at the last step</h3>{_kept_text(run)}'
             f'<h3>Evictions and merges</h3>{_decisions(run)}'
             f'<h3>Figures</h3><div class="cols">{"".join(figures)}</div></section>')
+
+
+def _why_section(result: dict, name: str, number: int) -> str:
+    """A `kvlens explain` result: its case, the log-probability gap, both ends, the minimal set and the Why page's
+    figures (`kvlens.figures.why`)."""
+    from kvlens.figures.why import figures
+
+    rows = [[html.escape(k), html.escape(str(v))] for k, v in result["case"].items()]
+    rows += [["log-probability (full, compressed)", f"{result['lp_full']:.2f}, {result['lp_compressed']:.2f}"],
+             ["entries removed", f"{result['slots_removed']:,}"],
+             ["recovered share: all groups, none", f"{result['all_groups']['recovered_share']:.3f}, "
+                                                   f"{result['no_groups']['recovered_share']:.3f}"],
+             ["cost", f"{result['cost']['patched_caches']} patched caches, {result['cost']['total_s']:.1f} s on "
+                      f"{result['cost']['threads']} thread(s)"]]
+    m = result.get("minimal")
+    if m and m["found"]:
+        rows.append(["smallest sufficient set", html.escape(
+            f"{len(m['groups'])} {m['by']} groups ({', '.join(m['groups'])}), {m['slots']:,} slots in layers "
+            f"{', '.join(map(str, m['layers']))}; recovers {m['recovered_share']:.2f} of the gap"
+            + (f"; answer {'right' if m['right'] else 'wrong'}" if "right" in m else ""))])
+    command = result.get("command")
+    plots = [_plot(fig, f"why{number}-{view}", True) if not isinstance(fig, str) else
+             f'<p class="note">{html.escape(fig)}</p>' for view, fig in figures(result).items()]
+    return (f'<section id="why-{number}"><h2>Why {number}. {html.escape(name)}</h2>'
+            f'<h3>Case and result</h3>{_table(["", "value"], rows, numeric_from=2)}'
+            + (f"<h3>Command</h3><pre>{html.escape(command)}</pre>" if command else "")
+            + f'<h3>Figures</h3><div class="cols">{"".join(plots)}</div></section>')
 
 
 def _comparison(runs: list[Run], names: list[str]) -> str:

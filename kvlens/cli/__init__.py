@@ -11,7 +11,8 @@ import sys
 from kvlens.errors import Cancelled, KvlensError, one_line
 
 COMMAND_MODULES = ["kvlens.cli.run_commands", "kvlens.cli.sweep_commands", "kvlens.cli.analysis_commands",
-                   "kvlens.cli.bench_commands", "kvlens.cli.compare_commands"]
+                   "kvlens.cli.bench_commands", "kvlens.cli.compare_commands",
+                   "kvlens.cli.explain_commands"]
 
 
 class Parser(argparse.ArgumentParser):

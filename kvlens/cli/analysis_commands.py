@@ -7,6 +7,8 @@ Each KIND is a subcommand with its own parameters (`kvlens analyze similarity --
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from kvlens.cli.common import add_model_args, command_line, load, print_json
 from kvlens.errors import KvlensError
@@ -33,8 +35,10 @@ def register(sub) -> None:
         p.set_defaults(func=func)
     helptext = "write one self-contained HTML report of runs: settings, command, metrics, figures, kept text"
     p = sub.add_parser("report", help=helptext, description=helptext + "; it opens offline (plotly.js inlined).")
-    p.add_argument("--run", action="append", required=True, metavar="DIR",
+    p.add_argument("--run", action="append", default=[], metavar="DIR",
                    help="recorded run; repeat for several (compared side by side first)")
+    p.add_argument("--explain", action="append", default=[], metavar="FILE.json",
+                   help="a `kvlens explain --out` result (the Why page's figures); repeat for several")
     p.add_argument("--out", required=True, metavar="FILE.html", help="the report to write")
     p.set_defaults(func=cmd_report)
 
@@ -168,10 +172,24 @@ def cmd_figure(args) -> int:
     return 0
 
 
+def read_explain(path: str) -> dict:
+    """A `kvlens explain --out` file, or one sentence."""
+    try:
+        result = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise KvlensError(f"{path} is not a readable kvlens explain result (JSON).") from None
+    if not isinstance(result, dict) or not {"case", "groups", "all_groups", "no_groups"} <= set(result):
+        raise KvlensError(f"{path} is not a kvlens explain result (it lacks case, groups, all_groups, no_groups).")
+    return result
+
+
 def cmd_report(args) -> int:
     from kvlens.analysis.report import checked_out, write_report
     from kvlens.runs.run import load_run
 
     out = checked_out(args.out)  # before the runs are loaded: a bad --out fails at once
-    print(write_report([load_run(path) for path in args.run], out))
+    if not args.run and not args.explain:
+        raise KvlensError("A report needs at least one --run or --explain.")
+    explained = [read_explain(path) for path in args.explain]
+    print(write_report([load_run(path) for path in args.run], out, explained))
     return 0

@@ -33,6 +33,13 @@ class Kept:
         self.layers = [(v.keys[0].clone(), v.values[0].clone(), v.valid.clone(), v.pos.clone())
                        for v in loop.cache.layers]
 
+    @classmethod
+    def of(cls, model, layers: list[tuple]) -> Kept:
+        """Kept slots given per layer (e.g. a patched cache, `kvlens.explain.patch`), of `model`."""
+        kept = cls.__new__(cls)
+        kept.model, kept.layers = model, list(layers)
+        return kept
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for layer in self.layers for t in layer)
@@ -111,12 +118,29 @@ class _BatchContext:
             layer.keep(rows)
 
 
-def _forward(model, ctx: _BatchContext, ids: torch.Tensor, start: int) -> torch.Tensor:
-    """ids `(B, q)` at positions start.. -> the last token's logits `(B, V)`."""
+def _forward(model, ctx: _BatchContext, ids: torch.Tensor, start: int, keep: int = 1) -> torch.Tensor:
+    """ids `(B, q)` at positions start.. -> the last token's logits `(B, V)` (`keep` > 1: the last `keep` tokens'
+    `(B, keep, V)`)."""
     ctx.positions = torch.arange(start, start + ids.shape[1], device=ids.device)
     out = model.model(input_ids=ids, position_ids=ctx.positions[None].expand(ids.shape[0], -1), use_cache=False,
-                      logits_to_keep=1, **{CONTEXT_KWARG: ctx})
-    return out.logits[:, -1]
+                      logits_to_keep=keep, **{CONTEXT_KWARG: ctx})
+    return out.logits[:, -1] if keep == 1 else out.logits[:, -keep:]
+
+
+def score_many(caches: Sequence, ids: list[int], start: int, scored: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced scores of frozen caches in one batched forward: `ids` fed at positions start.., each of its
+    last `scored` tokens scored from the logits before it (`scored` < len(ids)). Returns log-probabilities
+    `(B, scored)` float32 and whether each token is the greedy choice `(B, scored)` bool."""
+    kept = [c if isinstance(c, Kept) else Kept(c) for c in caches]
+    model = kept[0].model
+    with torch.inference_mode():
+        ctx = _BatchContext(kept, len(ids))
+        batch = torch.tensor([ids] * len(kept), device=model.device)
+        logits = _forward(model, ctx, batch, start, scored + 1)[:, :-1].float()  # (B, scored, V)
+        target = batch[:, -scored:, None]
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, target)[..., 0]
+        greedy = logits.argmax(-1) == target[..., 0]
+    return logp.cpu(), greedy.cpu()
 
 
 def answer_many(caches: Sequence, question: list[int], start: int, max_new_tokens: int,

@@ -40,15 +40,21 @@ def split_prompt(model: LoadedModel, context: str, question: str, chat: bool = T
     """Token ids of the context part (template start + context) and of the question part (question + template
     end, up to the assistant's turn), tokenized apart so the compressed span is exactly the context's."""
     tok = model.tokenizer
-    head, tail = "", ""
-    if chat:
-        if not getattr(tok, "chat_template", None):
-            raise KvlensError("This model's tokenizer has no chat template; use --no-chat.")
-        text = tok.apply_chat_template([{"role": "user", "content": SLOT}], add_generation_prompt=True,
-                                       tokenize=False)
-        head, tail = text.split(SLOT)
+    head, tail = template_parts(model, chat)
     ids = tok(head + context, add_special_tokens=not chat).input_ids
     return list(ids), list(tok("\n\n" + question + tail, add_special_tokens=False).input_ids)
+
+
+def template_parts(model: LoadedModel, chat: bool) -> tuple[str, str]:
+    """The chat template's text before and after the user's (empty without `chat`)."""
+    if not chat:
+        return "", ""
+    tok = model.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise KvlensError("This model's tokenizer has no chat template; use --no-chat.")
+    text = tok.apply_chat_template([{"role": "user", "content": SLOT}], add_generation_prompt=True, tokenize=False)
+    head, tail = text.split(SLOT)
+    return head, tail
 
 
 def slots_for(ratio: float, tokens: int) -> int:
@@ -98,7 +104,7 @@ class SharedPrefill:
             model.support = inspect_model(model.model)
         model.support.require()
         _check_length(model, len(ids))
-        self.ids, self.groups, self.logits = list(ids), {}, {}
+        self.model, self.ids, self.groups, self.logits = model, list(ids), {}, {}
         self.replays: dict[Policy, tuple[int, list[dict]]] = {}  # per policy: its passes, what they left per layer
         t = time.perf_counter()
         for sums in sorted({_ctx_of(model, p).column_sums for p in policies}):
@@ -120,6 +126,19 @@ class SharedPrefill:
             view.append(kept.key.clone(), kept.value.clone(), cache.positions)
             ctx.observe_prompt(view, kept.query, view.keys, view.values, kept.spec, kept.abar, kept.last_for(keep))
         return self.logits[ctx.column_sums]
+
+    def prompt_cache(self, policy: Policy) -> tuple[list[tuple], torch.Tensor]:
+        """The prompt's uncompressed cache as `policy`'s own prefill computed it, per layer `(keys, values, valid,
+        pos)` of shapes `(Hkv, T, D)` twice and `(Hkv, T)` twice (what `batch_answer.Kept` holds), and the prompt's
+        last logits: the reference a compressed cache of `policy` differs from by its decisions alone (the SDPA and
+        the eager prefill differ by float rounding)."""
+        sums = _ctx_of(self.model, policy).column_sums
+        layers = []
+        for kept in self.groups[sums]:
+            hkv, t = kept.key.shape[1], kept.key.shape[2]
+            pos = torch.arange(t, device=kept.key.device).expand(hkv, t)
+            layers.append((kept.key[0], kept.value[0], torch.ones(hkv, t, dtype=torch.bool, device=pos.device), pos))
+        return layers, self.logits[sums]
 
     def replay(self, loop: _Loop) -> None:
         """`loop`'s replay passes, or what an equal policy's left in each layer's run state (copied, also for the

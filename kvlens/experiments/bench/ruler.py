@@ -161,6 +161,17 @@ def score_sample(outputs: Sequence[str], sample: Sample) -> float:
     return sum(score(o, a) for o, a in zip(outputs, sample.answers)) / len(outputs)
 
 
+def needle_spans(sample: Sample) -> list[tuple[int, int]]:
+    """Character spans `[start, end)` of the needle sentences of the sample's expected answers in its context (the
+    niah tasks'; none for other tasks)."""
+    spans = []
+    for value in dict.fromkeys(a for answers in sample.answers for a in answers):
+        pattern = re.escape(NEEDLE).replace(re.escape("{key}"), r"[\w-]+").replace(re.escape("{value}"),
+                                                                                   re.escape(value))
+        spans += [m.span() for m in re.finditer(pattern, sample.context)]
+    return sorted(spans)
+
+
 def read_samples(path) -> list[Sample]:
     """The samples of a JSON-lines file (blank lines skipped)."""
     return parse_lines(read_text(path), path)

@@ -24,7 +24,15 @@ import time
 from kvlens.engine.batch_answer import Kept, answer_many
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.quantize import Storage
-from kvlens.engine.shared_prefill import QUIET, SharedPrefill, answer, prepare, slots_for, split_prompt
+from kvlens.engine.shared_prefill import (
+    QUIET,
+    SharedPrefill,
+    answer,
+    prepare,
+    slots_for,
+    split_prompt,
+    template_parts,
+)
 from kvlens.errors import KvlensError
 from kvlens.experiments.bench import ruler
 from kvlens.experiments.bench.common import PolicySpec
@@ -32,6 +40,20 @@ from kvlens.experiments.grid import digest
 from kvlens.policies import make_policy
 
 ANSWER_BATCH_BYTES = 1 << 30  # a batch's slots, each cache padded to the longest: about this at most (plus one cache)
+
+
+def context_token_spans(model: LoadedModel, context: str, spans: list[tuple[int, int]],
+                        chat: bool = True) -> list[tuple[int, int]]:
+    """Character spans of `context` -> the token spans `[start, end)` that cover them in `split_prompt`'s context
+    ids (the tokens overlapping each span)."""
+    head, _ = template_parts(model, chat)
+    offsets = model.tokenizer(head + context, add_special_tokens=not chat, return_offsets_mapping=True).offset_mapping
+    out = []
+    for start, end in spans:
+        inside = [i for i, (a, b) in enumerate(offsets) if a < end + len(head) and b > start + len(head)]
+        if inside:
+            out.append((inside[0], inside[-1] + 1))
+    return out
 
 
 def _policy_major(specs: list[PolicySpec], ratios: list[float]) -> list[tuple[PolicySpec, float | None]]:
