@@ -157,7 +157,7 @@ def main() -> int:
     rows = read_rows(rows_path)
     summary = summarise(rows, model.shape()["layers"])
     total = len(TASKS) * COUNT * len(POLICIES) * len(RATIOS)
-    result = {"command": "OMP_NUM_THREADS=1 python scripts/explain_finding.py " + " ".join(sys.argv[1:]),
+    result = {"command": "OMP_NUM_THREADS=1 python scripts/explain_finding.py",  # resumes: the rows so far stay
               "config": {"tasks": TASKS, "length": LENGTH, "count": COUNT, "seed": SEED, "policies": POLICIES,
                          "ratios": RATIOS, "by": "head", "criterion": "greedy answer right again",
                          "rows": "results/explain.rows.jsonl, appended case by case by every invocation (resumable); "
