@@ -90,7 +90,7 @@ class KvlensCache(Cache):
         self.ms: list[float] = []  # each decode forward's time, compression included
         self.prefill_ms = 0.0
         self.logits: torch.Tensor | None = None  # (V,) the latest forward's last logits
-        self._started = self._t = 0.0
+        self._started = self._ended = self._t = 0.0  # the generation's first and last forward, this forward's start
         self._restore: list[str | None] = []  # the attention implementation a forward replaced (none: not switched)
 
     # -- transformers' Cache interface ------------------------------------------------------------
@@ -185,7 +185,8 @@ class KvlensCache(Cache):
                 else:
                     self.loop.after_prompt(self.prompt)
             self.logits = output.logits[0, -1].detach()
-            elapsed = (time.perf_counter() - self._t) * 1000
+            self._ended = time.perf_counter()
+            elapsed = (self._ended - self._t) * 1000
             if self.tokens:
                 self.ms.append(elapsed)
             else:
@@ -207,21 +208,27 @@ class KvlensCache(Cache):
     def _choose(self, token: int) -> None:
         """The token `generate` chose from the previous forward's logits, with its NLL."""
         self.tokens.append(token)
-        self.nlls.append(float(-torch.log_softmax(self.logits.float(), dim=-1)[token]))
+        self.nlls.append(self._nll(token))
+
+    def _nll(self, token: int) -> float:
+        """-log p(token) under the latest forward's logits."""
+        return float(-torch.log_softmax(self.logits.float(), dim=-1)[token])
+
+    def _ran(self) -> _Loop:
+        if self.loop is None:
+            raise KvlensError("This kvlens cache has not run yet: pass it to model.generate first.")
+        return self.loop
 
     # -- what the run left ------------------------------------------------------------------------------
     @property
     def decisions(self) -> pd.DataFrame:
         """The decision log: one row per eviction or merge (`kvlens.runs.decisions`)."""
-        if self.loop is None:
-            raise KvlensError("This kvlens cache has not run yet: pass it to model.generate first.")
-        return self.loop.log.frame()
+        return self._ran().log.frame()
 
     def run(self, sequences: torch.Tensor | None = None) -> Run:
         """The generation as a kvlens `Run`. `sequences`: `generate`'s output `(1, T)`, whose last token the model
         never fed back (without it the run ends at the last token fed)."""
-        if self.loop is None:
-            raise KvlensError("This kvlens cache has not run yet: pass it to model.generate first.")
+        loop = self._ran()
         tokens, nlls = list(self.tokens), list(self.nlls)
         if sequences is not None:
             fed = [*self.prompt, *tokens]
@@ -229,13 +236,12 @@ class KvlensCache(Cache):
             if seq[:len(fed)] != fed or len(seq) != len(fed) + 1:
                 raise KvlensError("These sequences are not the output of the generate call that used this cache.")
             tokens.append(seq[-1])
-            nlls.append(float(-torch.log_softmax(self.logits.float(), dim=-1)[seq[-1]]))
+            nlls.append(self._nll(seq[-1]))
         if not tokens:
             raise KvlensError("The generation fed back no token; pass generate's output: cache.run(sequences).")
-        total_s = time.perf_counter() - self._started
         meta = {"command": f"model.generate with kvlens.cache({self.settings.policy.name!r})"}
-        return _make_run(self.loop, self.model, self.prompt, tokens, nlls, self.ms, self.prefill_ms, total_s, False,
-                         meta)
+        total_s = self._ended - self._started  # the first forward's start to the last one's end
+        return _make_run(loop, self.model, self.prompt, tokens, nlls, self.ms, self.prefill_ms, total_s, False, meta)
 
     def save_run(self, path, sequences: torch.Tensor | None = None):
         """Write `run(sequences)` as a run directory; returns its path."""
