@@ -39,7 +39,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: model browser lint docs
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The documentation site, built into site/ with no network (no CDN, no web fonts); --strict fails on any warning.
 docs: $(STAMP)
@@ -60,10 +60,11 @@ test-fast: lint
 
 # The float-sensitive tests under other ATen kernel sets and one thread: stored references, the engine
 # against the model, the executors and the property tests must not depend on the machine's kernels.
+# Two passes cover the three axes: AVX2 kernels, then the default (scalar) kernels on one thread.
 PORTABLE_TESTS := tests/test_golden_runs.py tests/test_kvpress_crosscheck.py tests/test_engine.py \
 	tests/test_sweep.py::test_six_cells_give_the_same_rows_in_process_with_workers_and_on_ray
 test-portable: model
-	@for setting in ATEN_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1; do \
+	@for setting in "ATEN_CPU_CAPABILITY=avx2" "ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1"; do \
 		echo "== $$setting"; \
 		env $$setting $(PY) -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS) || exit 1; \
 		env $$setting $(PY) -m pytest -q -p no:cacheprovider -m property || exit 1; \

@@ -92,6 +92,7 @@ class KvlensCache(Cache):
         self.logits: torch.Tensor | None = None  # (V,) the latest forward's last logits
         self._started = self._ended = self._t = 0.0  # the generation's first and last forward, this forward's start
         self._restore: list[str | None] = []  # the attention implementation a forward replaced (none: not switched)
+        self._mode: torch.inference_mode | None = None  # entered by `before`, left by `after`
 
     # -- transformers' Cache interface ------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -150,6 +151,8 @@ class KvlensCache(Cache):
         """Before a forward: switch the attention to kvlens's (`after` switches it back, also when this raises),
         check the input, feed its positions, hand the run's context to the attention."""
         self._restore = [switch(module, ATTENTION_NAME)]  # before the run starts: it may probe the model (Q-Filters)
+        self._mode = torch.inference_mode()  # as the engine runs its forwards; `after` leaves it
+        self._mode.__enter__()
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             raise KvlensError("A kvlens cache needs input_ids (token ids), not inputs_embeds.")
@@ -195,6 +198,9 @@ class KvlensCache(Cache):
             for name in self._restore:
                 switch(module, name)
             self._restore = []
+            if self._mode is not None:
+                self._mode.__exit__(None, None, None)
+                self._mode = None
 
     def _start(self, prompt: list[int], first: int) -> None:
         if first != 0:
