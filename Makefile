@@ -77,6 +77,7 @@ CUDA_TESTS := tests/test_architectures.py tests/test_engine.py tests/test_task_p
 test-cuda: model
 	$(PY) -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py
 	KVLENS_TEST_DEVICE=cuda $(PY) -m pytest -q -p no:cacheprovider -m "not slow and not browser" $(CUDA_TESTS)
+	KVLENS_TEST_DEVICE=cuda $(PY) -m pytest -q -p no:cacheprovider tests/test_hf_integration.py
 
 # Property tests with random seeds and 20x the examples (CI runs them derandomized).
 fuzz: model

@@ -94,3 +94,26 @@ def test_every_policy_runs_in_bf16_within_its_budget(models, ids, name):
         assert r.metrics["kv_entries_max"] == budget * shape["layers"] * shape["kv_heads"]
     per_slot = 2 * shape["kv_heads"] * shape["head_dim"] * 2  # K and V in bf16
     assert r.metrics["kv_bytes_prefill"] == shape["layers"] * PREFILL * per_slot
+
+
+@pytest.mark.parametrize("name", ["snapkv", "cam"])
+def test_the_transformers_example_runs_in_bf16(models, ids, name, tmp_path):
+    """The README's `kvlens.cache` example on the caller's own bf16 model on the GPU: the tokens and decisions of
+    `kvlens generate` on the same bf16 model, and a run directory that reloads."""
+    from transformers import AutoModelForCausalLM
+
+    import kvlens
+    from kvlens.experiments.api import generate
+    from kvlens.runs.run import load_run
+
+    bf16 = models["cuda", "bfloat16"]
+    model = AutoModelForCausalLM.from_pretrained(bf16.path, dtype=torch.bfloat16).to("cuda").eval()
+    text = bf16.tokenizer.decode(ids[:PREFILL])
+    prompt = bf16.tokenizer(text, return_tensors="pt").input_ids.to("cuda")
+    cache = kvlens.cache(model, name, budget=BUDGET, tokenizer=bf16.tokenizer)
+    out = model.generate(prompt, past_key_values=cache, max_new_tokens=32, do_sample=False)
+    ref = generate(bf16, text, name, opts=RunOptions(budget=BUDGET, max_new_tokens=32))
+    assert out[0, prompt.shape[1]:].tolist() == ref.meta["tokens"]
+    assert cache.decisions.reset_index(drop=True).equals(ref.decisions.reset_index(drop=True))
+    saved = load_run(cache.save_run(tmp_path / "mine", out))
+    assert saved.meta["tokens"] == ref.meta["tokens"]
