@@ -23,7 +23,10 @@ def parse_list(text: str, what: str, kind: Callable = int, minimum: float | None
         raise KvlensError(f"{what} takes comma-separated {_NOUNS.get(kind, 'values')}; got '{text}'.") from None
     for v in values:
         if (minimum is not None and v < minimum) or (maximum is not None and v > maximum):
-            bounds = (f"at most {maximum}" if minimum is None else f"at least {minimum}" if maximum is None
-                      else f"in [{minimum}, {maximum}]")
+            bounds = f"in [{minimum}, {maximum}]"
+            if minimum is None:
+                bounds = f"at most {maximum}"
+            elif maximum is None:
+                bounds = f"at least {minimum}"
             raise KvlensError(f"{what} takes values {bounds}; got {v}.")
     return values

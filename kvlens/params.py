@@ -62,7 +62,9 @@ class Param:
 
     def allowed(self) -> tuple | None:
         """The choices, resolved (None when any value of the kind is allowed)."""
-        return tuple(self.choices()) if callable(self.choices) else (tuple(self.choices) if self.choices else None)
+        if callable(self.choices):
+            return tuple(self.choices())
+        return tuple(self.choices) if self.choices else None
 
     def check(self, value, owner: str = "") -> Any:
         """`value` normalised (floats as float, numbers as a tuple, `many` as a list), or one sentence."""

@@ -104,7 +104,9 @@ def run_level(run: Run) -> RecordLevel:
 def nan_to_none(t) -> list:
     """A tensor as nested lists with NaN as None (valid JSON)."""
     def clean(x):
-        return [clean(v) for v in x] if isinstance(x, list) else None if x != x else x
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return None if x != x else x
     return clean(t.tolist())
 
 
@@ -121,7 +123,11 @@ def checked_params(name: str, **params) -> dict:
 
 def _checked_source(analysis: Analysis, source):
     """`source` as the analysis reads it (several runs as a list), after checking what each run recorded."""
-    runs = [source] if isinstance(source, Run) else list(source) if isinstance(source, (list, tuple)) else []
+    runs = []
+    if isinstance(source, Run):
+        runs = [source]
+    elif isinstance(source, (list, tuple)):
+        runs = list(source)
     if analysis.inputs == "model" and runs:
         raise KvlensError(f"The analysis '{analysis.name}' runs the model over the bundled texts; pass it the "
                           "loaded model, not a run.")

@@ -57,12 +57,10 @@ class DecisionLog:
         self._chunks.append(_Merges(step, layer, *(t.detach() for t in (source, targets, weight, prob, draw))))
 
     def __len__(self) -> int:
-        return sum(int((c[-1] >= 0).sum()) if _is_evict(c) else
-                   int((c.targets[..., 0] >= 0).sum()) if isinstance(c, _Merges) else 1 for c in self._chunks)
+        return sum(map(_rows_in, self._chunks))
 
     def frame(self) -> pd.DataFrame:
-        parts = [_evict_columns(*c) if _is_evict(c) else _merge_columns(c) if isinstance(c, _Merges) else
-                 _row_columns(c) for c in self._chunks]
+        parts = [_columns(c) for c in self._chunks]
         if not parts:
             return decisions_frame()
         columns = {k: np.concatenate([p[k] for p in parts]) for k in COLUMNS}
@@ -71,6 +69,23 @@ class DecisionLog:
 
 def _is_evict(chunk) -> bool:
     return isinstance(chunk, tuple) and isinstance(chunk[-1], torch.Tensor)
+
+
+def _rows_in(chunk) -> int:
+    """The decision rows a chunk holds: its evicted positions, its merges with a target, or one merge row."""
+    if _is_evict(chunk):
+        return int((chunk[-1] >= 0).sum())
+    if isinstance(chunk, _Merges):
+        return int((chunk.targets[..., 0] >= 0).sum())
+    return 1
+
+
+def _columns(chunk) -> dict[str, np.ndarray]:
+    if _is_evict(chunk):
+        return _evict_columns(*chunk)
+    if isinstance(chunk, _Merges):
+        return _merge_columns(chunk)
+    return _row_columns(chunk)
 
 
 def _row_columns(row: tuple) -> dict[str, np.ndarray]:

@@ -35,7 +35,11 @@ def param_widget(p: Param, value, key: str, where=st, owner: str = ""):
     if widget == "number":
         number = where.number_input(p.name, value=value, step=1 if p.kind == "int" else 0.05, key=key, help=help_,
                                     format=None if p.kind == "int" else "%.3g", placeholder="default")
-        return None if number is None else (int(number) if p.kind == "int" else float(number))
-    shown = "" if value is None else ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+        if number is None:
+            return None
+        return int(number) if p.kind == "int" else float(number)
+    shown = "" if value is None else str(value)
+    if isinstance(value, (tuple, list)):
+        shown = ",".join(map(str, value))
     text = where.text_input(p.name, value=shown, key=key, help=(help_ or "") + (" (comma-separated)" if p.many else ""))
     return p.parse(text, owner=owner)

@@ -54,7 +54,9 @@ def value_range(d: dict) -> str:
     low, high = d["minimum"], d["maximum"]
     if low is None and high is None:
         return ""
-    return f"≥ {low}" if high is None else f"≤ {high}" if low is None else f"{low} to {high}"
+    if high is None:
+        return f"≥ {low}"
+    return f"≤ {high}" if low is None else f"{low} to {high}"
 
 
 def properties(cls) -> str:
@@ -128,9 +130,11 @@ def readme_table() -> str:
     rows = []
     for name in policy_names():
         cls = policy_class(name)
-        rows.append([f"`{name}`", family(cls), paper_link(cls.paper), short_params(name),
-                     f"`{cls.kvpress}`" if cls.kvpress else "—",
-                     "yes" if name in checked else "no" if cls.kvpress else "—"])
+        kvpress = f"`{cls.kvpress}`" if cls.kvpress else "—"
+        crossed = "no" if cls.kvpress else "—"
+        if name in checked:
+            crossed = "yes"
+        rows.append([f"`{name}`", family(cls), paper_link(cls.paper), short_params(name), kvpress, crossed])
     return table(["policy", "family", "paper", "parameters (defaults)", "kvpress", "cross-checked"], rows)
 
 

@@ -15,7 +15,12 @@ def _labels(runs: list, label: list) -> list[str]:
     """One legend label per run: the given ones, else the run's folder name (its policy when unsaved), made unique."""
     out = []
     for i, run in enumerate(runs):
-        base = label[i] if i < len(label) else run.path.name if run.path else run.meta["policy"]["name"]
+        if i < len(label):
+            base = label[i]
+        elif run.path:
+            base = run.path.name
+        else:
+            base = run.meta["policy"]["name"]
         out.append(base if base not in out else f"{base} ({i + 1})")
     return out
 
