@@ -221,16 +221,25 @@ class CaM(Wrapper):
         merge). The senders' chains are solved block by block (forward substitution over blocks of `SOLVE_BLOCK`
         slots or more, each a triangular solve; rows in chunks of at most `CHUNK_ELEMENTS` system entries), then
         each candidate's senders are summed as a difference array over the candidates (one scatter, one
-        cumulative sum)."""
+        cumulative sum). A decode step (one evicted slot per row) adds its one sender to its range directly, and a
+        step where no slot drew a merge changes nothing."""
+        if not bool((w > 0).any()):  # no evicted slot drew a merge: no value changes
+            return
         values = rows.values[0]  # (R, S, D)
+        if c.shape[1] == 1:  # a decode step: the rows whose one evicted slot drew a merge add it to its range
+            send = (w[:, 0] > 0).nonzero()[:, 0]
+            sent = values[send[:, None], evicted[send]] * w[send, :, None].to(values.dtype)  # (N, 1, D)
+            values[send[:, None], pool_slots[send]] += torch.where(
+                receives(at_pool[send], c[send], found[send]), sent, 0.0)
+            return
         heads = torch.arange(c.shape[0], device=c.device)[:, None]
         n_c = c.shape[1] + at_pool.shape[1]  # candidates: the evicted slots and the pool
-        if c.shape[1] > 1:  # senders first: a slot that sends nothing changes no value that is kept
-            senders = w > 0
-            n_send = max(int(senders.sum(1).max()), 1)
-            first = torch.sort(senders.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :n_send]
-            evicted, c, w = evicted.gather(1, first), c.gather(1, first), w.gather(1, first)
-            found = found.gather(1, first).masked_fill(w == 0, 0)  # a row's padding (w = 0) sends to no one
+        # senders first: a slot that sends nothing changes no value that is kept
+        senders = w > 0
+        n_send = max(int(senders.sum(1).max()), 1)
+        first = torch.sort(senders.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :n_send]
+        evicted, c, w = evicted.gather(1, first), c.gather(1, first), w.gather(1, first)
+        found = found.gather(1, first).masked_fill(w == 0, 0)  # a row's padding (w = 0) sends to no one
         r, n_ev = c.shape
         exact = torch.float64 if n_ev > 1 else values.dtype  # one sender per row: no rounding to accumulate
         sent = values[heads, evicted].to(exact)  # (R, E, D), merged below
