@@ -14,9 +14,11 @@ against an uncompressed forward over the same tokens:
   storage is all of it; an evicting run's positions part is its eviction's.
 The same replay in the model's dtype (`reference`) gives the policy's own cost end to end, so what rank r adds end to
 end is its row minus the reference. Bytes are the replay's peak KV bytes (the stored tensors: coefficients and each
-head's basis) over the reference's; the reconstruction errors are `rank_bytes`' (Eckart-Young on the recorded prompt
-states, mean over layers and KV heads), and each layer's rank for `error` is marked. The ladder defaults to D/16,
-D/8, D/4, D/2 and D (D the head size); at D, storage adds nothing but float rounding.
+head's basis) over the reference's. The reconstruction errors are `rank_bytes`' (Eckart-Young on the recorded states
+of the whole prompt, mean over layers and KV heads), and each layer's rank for `error` is marked. The ladder defaults
+to D/16, D/8, D/4, D/2 and D (D the head size). At D storage adds nothing but float rounding when each head keeps at
+least D of the prompt's slots; a budget below D leaves the basis, fit on the kept slots, fewer than D dimensions, so
+the tokens that come later lose what lies outside it even at rank D (and the prompt's error above understates it).
 """
 from __future__ import annotations
 
@@ -125,8 +127,8 @@ def rank_perturbation(run: Run, model: LoadedModel, ranks: list[int] | None = No
 
 
 def _tick(row: dict) -> str:
-    rank = DTYPE if row["rank"] is None else f"rank {row['rank']}"
-    return f"{rank}<br>{row['bytes_share']:.0%} of bytes"
+    """A rank's tick: the rank (or the model dtype) over its share of the model dtype's KV bytes."""
+    return f"{'dtype' if row['rank'] is None else row['rank']}<br>{row['bytes_share']:.0%}"
 
 
 def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0.01) -> go.Figure:
@@ -143,16 +145,19 @@ def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0
                              hovertemplate=f"{label}: %{{y:+.4f}}<extra></extra>"), row=1, col=1)
     hover = [f"KL %{{y:.4f}} nats<br>top-1 agreement {r['top1_agreement']:.0%}<br>KV bytes {r['kv_bytes']:,}"
              for r in rows]
-    for key, label, color, dash in (("kl", "KL(p_full ‖ p)", "#000000", "solid"),
-                                    ("nll_change", "NLL change", "#CC79A7", "dash")):
-        fig.add_trace(go.Scatter(x=ticks, y=[r[key] for r in rows], mode="lines+markers", name=label,
-                                 line=dict(color=color, dash=dash, width=2), marker=dict(size=7),
-                                 hovertemplate=[h.replace("KL", label, 1) + "<extra></extra>" for h in hover]),
-                      row=1, col=2)
+    agree = [f"{r['top1_agreement']:.0%}" for r in rows]
+    for key, label, color, dash, text in (("kl", "KL(p_full ‖ p) (labels: top-1 agreement)", "#000000",
+                                           "solid", agree), ("nll_change", "NLL change", "#CC79A7", "dash", None)):
+        fig.add_trace(go.Scatter(x=ticks, y=[r[key] for r in rows], mode="lines+markers+text" if text else
+                                 "lines+markers", name=label, text=text, textposition="bottom left",
+                                 textfont=dict(size=10), line=dict(color=color, dash=dash, width=2),
+                                 marker=dict(size=7), cliponaxis=False,
+                                 hovertemplate=[h.replace("KL", label.split(",")[0], 1) + "<extra></extra>"
+                                                for h in hover]), row=1, col=2)
     layers = found.errors["key"].layers
     for (kind, res), symbol in zip(found.errors.items(), ("circle", "diamond-open"), strict=True):
         need = res.rank_for(error).float().mean(1)  # (L,) mean over KV heads
-        fig.add_trace(go.Scatter(x=need.tolist(), y=layers, mode="markers", name=f"{kind}s' rank for {error:g}",
+        fig.add_trace(go.Scatter(x=need.tolist(), y=layers, mode="markers", name=f"{kind}s' rank",
                                  marker=dict(symbol=symbol, size=8, color=_sample(SCALE, len(layers))),
                                  hovertemplate=f"layer %{{y}}: {kind}s need rank %{{x:.1f}}<extra></extra>"),
                       row=1, col=3)
@@ -161,7 +166,10 @@ def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0
     fig.update_yaxes(title_text="‖O − O_full‖ / ‖O_full‖", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="nats per token", row=1, col=2)
     fig.update_yaxes(title_text="layer", row=1, col=3)
-    fig.update_xaxes(type="log", title_text="rank (mean over KV heads)", range=[0, 1.02 * math.log10(found.head_dim)],
+    for col in (1, 2):
+        fig.update_xaxes(title_text="rank<br>KV bytes, share of the model dtype's", tickangle=0,
+                         range=[-0.7, len(rows) - 0.5], row=1, col=col)  # room for the labels left of the points
+    fig.update_xaxes(type="log", title_text="rank (mean over KV heads)", range=[0, 1.08 * math.log10(found.head_dim)],
                      tickvals=[r["rank"] for r in rows[:-1]], row=1, col=3)
     meta = run.meta
     budget = (meta.get("budget") or {}).get("requested")
@@ -169,8 +177,8 @@ def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0
     title = (f"What each rank costs: the run replayed with low-rank KV storage ({run_model(run)}, {policy}, "
              f"{found.steps} decode steps)")
     fig = finish(fig, title, "rank_perturbation", run, error=error, ranks=[r["rank"] for r in rows[:-1]])
-    fig.update_layout(width=1200, height=440, barmode="relative", bargap=0.3,
-                      legend=dict(orientation="h", y=-0.3, x=0), margin=dict(b=120))
+    fig.update_layout(width=1200, height=460, barmode="relative", bargap=0.3,
+                      legend=dict(orientation="h", y=-0.4, x=0, yanchor="top"), margin=dict(b=150))
     return fig
 
 
@@ -197,8 +205,9 @@ class RankPerturbationAnalysis(Analysis):
     def text(self, found: dict) -> str:
         head = (f"{'rank':>11} {'bytes':>6} {'key err':>8} {'value err':>9} {'KL':>8} {'dNLL':>8} {'top-1':>6}  "
                 f"{'positions':>9} {'storage':>8} {'merging':>8}")
-        lines = [f"Replayed over {found['steps']} decode steps; KL, NLL change (nats per token) and top-1 agreement "
-                 "against the full cache; the pooled output error by source.", head]
+        lines = [f"Replayed over {found['steps']} decode steps; bytes: KV bytes over the model dtype's; errors: the "
+                 "prompt's reconstruction error; KL, NLL change (nats per token) and top-1 agreement against the full "
+                 "cache; the pooled output error by source.", head]
         for row in found["rows"]:
             src = row["sources"]
             lines.append(f"{DTYPE if row['rank'] is None else row['rank']:>11} {row['bytes_share']:>6.1%} "
