@@ -27,13 +27,15 @@ st.subheader("What each rank does to the outputs")
 st.caption("The run's own tokens fed again through its model under its policy and budget, with keys and values stored "
            "at each rank (D/16 to D, D the head size) and in the model's dtype: the output error pooled over steps, "
            "layers and heads, split into the choice of positions, what low-rank storage adds and what merging adds; "
-           "KL and NLL change against the full cache (top-1 agreement and bytes in the hover); and each layer's rank "
-           "for the error target above. `kvlens analyze rank_perturbation` prints the same as a table.")
+           "KL (labelled with the top-1 agreement) and NLL change against the full cache; each rank's KV bytes under "
+           "it; and each layer's rank for the error target above. `kvlens analyze rank_perturbation` prints the same "
+           "as a table.")
 asked = f"spec_replayed_{run.path}"
-if not st.session_state.get(asked) and not st.button(
-        "Replay the run at each rank", key="spec_replay",
-        help="Six measured passes of the run's model: about a minute on a CPU for a shipped run; then kept"):
+if not st.session_state.get(asked):
+    if st.button("Replay the run at each rank", key="spec_replay",
+                 help="Six measured passes of the run's model: about a minute on a CPU for a shipped run; then kept"):
+        st.session_state[asked] = True
+        st.rerun()  # drawn without the button
     st.stop()
-st.session_state[asked] = True
 chart(run_figure(run, "rank_perturbation", error=error), "spec_replay_fig", name="rank_perturbation",
       config={"run": str(run.path), "error": error})

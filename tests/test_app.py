@@ -135,12 +135,13 @@ def test_spectra_replays_a_shipped_run_at_each_rank_when_asked(app):
     assert meta["analysis"] == "rank_perturbation" and meta["params"] == {"error": 0.01, "ranks": [4, 8, 16, 32, 64]}
     bars = traces(drawn, "bar")
     assert [b["name"] for b in bars] == ["choice of positions", "low-rank storage", "merging"]
-    assert all(len(b["x"]) == 6 for b in bars) and bars[0]["x"][-1].startswith("model dtype<br>100% of bytes")
+    assert all(len(b["x"]) == 6 for b in bars) and bars[0]["x"][-1] == "dtype<br>100%"  # rank, bytes share
+    assert not [b for b in at.button if b.key == "spec_replay"]  # asked once: drawn without the button
     storage = bars[1]["y"]  # a full-cache run: storage is all of the error, none at the head size
     assert storage[0] > 0.1 and abs(storage[4]) < 1e-4
     kl = next(t for t in traces(drawn, "scatter") if t["name"].startswith("KL"))
     assert kl["y"][0] > 0.01 and abs(kl["y"][4]) < 1e-5
-    marks = [t for t in traces(drawn, "scatter") if "rank for" in t["name"]]
+    marks = [t for t in traces(drawn, "scatter") if t["name"] in ("keys' rank", "values' rank")]
     assert len(marks) == 2 and all(len(t["y"]) == 6 for t in marks)  # keys and values, each recorded layer
 
 

@@ -132,8 +132,8 @@ def _tick(row: dict) -> str:
 
 
 def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0.01) -> go.Figure:
-    """Per rank (and the model's dtype): the pooled output error by source, stacked; KL and the NLL change end to
-    end, top-1 agreement in the hover; and each layer's rank for `error` reconstruction error."""
+    """Per rank (and the model's dtype), its bytes share under it: the pooled output error by source, stacked; KL
+    (labelled with the top-1 agreement) and the NLL change end to end; and each layer's rank for `error`."""
     rows = found.rows()
     ticks = [_tick(r) for r in rows]
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08, column_widths=[0.36, 0.36, 0.28],
@@ -143,17 +143,16 @@ def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0
         y = [r["sources"][key] for r in rows]
         fig.add_trace(go.Bar(x=ticks, y=y, name=label, marker_color=color, legendgroup="sources",
                              hovertemplate=f"{label}: %{{y:+.4f}}<extra></extra>"), row=1, col=1)
-    hover = [f"KL %{{y:.4f}} nats<br>top-1 agreement {r['top1_agreement']:.0%}<br>KV bytes {r['kv_bytes']:,}"
-             for r in rows]
     agree = [f"{r['top1_agreement']:.0%}" for r in rows]
-    for key, label, color, dash, text in (("kl", "KL(p_full ‖ p) (labels: top-1 agreement)", "#000000",
-                                           "solid", agree), ("nll_change", "NLL change", "#CC79A7", "dash", None)):
+    for key, short, label, color, dash, text in (
+            ("kl", "KL", "KL(p_full ‖ p) (labels: top-1 agreement)", "#000000", "solid", agree),
+            ("nll_change", "NLL change", "NLL change", "#CC79A7", "dash", None)):
+        hover = [f"{short} %{{y:.4f}} nats<br>top-1 agreement {r['top1_agreement']:.0%}<br>KV bytes "
+                 f"{r['kv_bytes']:,}<extra></extra>" for r in rows]
         fig.add_trace(go.Scatter(x=ticks, y=[r[key] for r in rows], mode="lines+markers+text" if text else
                                  "lines+markers", name=label, text=text, textposition="bottom left",
                                  textfont=dict(size=10), line=dict(color=color, dash=dash, width=2),
-                                 marker=dict(size=7), cliponaxis=False,
-                                 hovertemplate=[h.replace("KL", label.split(",")[0], 1) + "<extra></extra>"
-                                                for h in hover]), row=1, col=2)
+                                 marker=dict(size=7), cliponaxis=False, hovertemplate=hover), row=1, col=2)
     layers = found.errors["key"].layers
     for (kind, res), symbol in zip(found.errors.items(), ("circle", "diamond-open"), strict=True):
         need = res.rank_for(error).float().mean(1)  # (L,) mean over KV heads
