@@ -19,7 +19,7 @@ PAGES = ["overview", "runs", "heads", "attention", "similarity", "spectra", "mer
 SIZES = {"runs": (1500, 1000), "inspector": (1500, 1000)}  # the rest are 1500 x 1800
 ADDRESS = {"overview": "", "inspector": "?run=cam-attention&step=10&layer=15&head=4",  # the rest: /{name}
            "heads": "heads?run=adakv-heads", "analyses": "analyses?run=full-states&analysis=embedding"}
-WINDOW = {"inspector"}  # shots of the window scrolled to a part of the page, not of the full page
+WINDOW = {"inspector", "spectra"}  # shots of the window scrolled to a part of the page, not of the full page
 ROW = 35  # a table row's height in pixels (header included)
 
 
@@ -47,6 +47,15 @@ def compare(page) -> None:
     page.wait_for_timeout(1500)
 
 
+def replay(page) -> None:
+    """Replay the run at each rank on the Spectra page (loads the model: about a minute on a CPU)."""
+    page.get_by_role("button", name="Replay the run at each rank").click()
+    page.locator(".js-plotly-plot").nth(2).wait_for(timeout=600_000)
+    wait_idle(page, "Spectra", timeout_ms=600_000)
+    page.mouse.move(0, 0)  # no tooltip over the charts
+    scroll_to(page, "What the decay buys: low-rank storage")
+
+
 def settled(page) -> None:
     """Wait until no element is faded as stale (a live results file reruns its section every few seconds)."""
     page.wait_for_function("() => !document.querySelector('[data-stale=\"true\"]')", timeout=60_000)
@@ -54,6 +63,7 @@ def settled(page) -> None:
 
 PREPARE = {"runs": lambda page: tick_rows(page, [0, 2, 4]),  # cam, h2o, streaming_llm: the overlay
            "inspector": lambda page: scroll_to(page, "Token inspector"),  # CaM's merged slots in layer 15
+           "spectra": replay,  # what each rank costs, on the default run (CaM: all three sources of error)
            "compare": compare, "benchmarks": settled}
 
 

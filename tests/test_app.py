@@ -124,6 +124,27 @@ def test_spectra_draws_what_low_rank_storage_buys_at_the_chosen_error(app):
     assert set(marks["y"]) == {0.03}
 
 
+@pytest.mark.slow
+def test_spectra_replays_a_shipped_run_at_each_rank_when_asked(app):
+    at = open_page(app, "spectra", "full-states")
+    assert len(charts(at)) == 2 and at.button(key="spec_replay")  # the replay waits for the button
+    at.button(key="spec_replay").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    drawn = charts(at)[2]
+    meta = drawn["layout"]["meta"]
+    assert meta["analysis"] == "rank_perturbation" and meta["params"] == {"error": 0.01, "ranks": [4, 8, 16, 32, 64]}
+    bars = traces(drawn, "bar")
+    assert [b["name"] for b in bars] == ["choice of positions", "low-rank storage", "merging"]
+    assert all(len(b["x"]) == 6 for b in bars) and bars[0]["x"][-1] == "dtype<br>100%"  # rank, bytes share
+    assert not [b for b in at.button if b.key == "spec_replay"]  # asked once: drawn without the button
+    storage = bars[1]["y"]  # a full-cache run: storage is all of the error, none at the head size
+    assert storage[0] > 0.1 and abs(storage[4]) < 1e-4
+    kl = next(t for t in traces(drawn, "scatter") if t["name"].startswith("KL"))
+    assert kl["y"][0] > 0.01 and abs(kl["y"][4]) < 1e-5
+    marks = [t for t in traces(drawn, "scatter") if t["name"] in ("keys' rank", "values' rank")]
+    assert len(marks) == 2 and all(len(t["y"]) == 6 for t in marks)  # keys and values, each recorded layer
+
+
 def test_merges_timeline_and_provenance_of_a_cam_run(app):
     at = open_page(app, "merges", "cam-attention")
     run = load_run(CACHED / "cam-attention")

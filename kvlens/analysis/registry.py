@@ -5,7 +5,9 @@ An analysis is one file in `kvlens/analysis/kinds/`: a subclass of `Analysis` de
 `@register_analysis`, naming the paper figure it reproduces, what it reads (`inputs`: one run,
 several runs, or the model itself), the record level its runs need, and its parameters; it
 provides `compute`, `to_json` and `figure`, and the file holds the computation and the figure
-code too. Files in that folder are found by themselves.
+code too. Files in that folder are found by themselves. An analysis that `replays` a run feeds its
+tokens through the run's model again: `compute` and `figure` get the model as `model=` too (the run's
+own, loaded by `replay_model`, unless the caller passes one).
 
 Importing this module installs its dispatcher behind `Run.figure` and `Run.analyze`
 (`kvlens.runs.run.set_analyses`: the run format sits below the analyses and names none of them);
@@ -46,6 +48,8 @@ class Analysis:
     inputs: ClassVar[str] = "run"
     level: ClassVar[RecordLevel] = RecordLevel.SUMMARY  # the record level each run needs
     measured: ClassVar[bool] = False  # each run needs the perturbation tensors of --measure
+    replays: ClassVar[bool] = False  # feeds the run's tokens through its model again (`model=` in compute, figure)
+    see_also: ClassVar[str] = ""  # a sentence the command's help adds (related analyses)
     params: ClassVar[tuple[Param, ...]] = ()
 
     def compute(self, source, **params):
@@ -56,6 +60,10 @@ class Analysis:
         """The result as a JSON-able dict (what `kvlens analyze --json` prints)."""
         raise NotImplementedError
 
+    def text(self, found: dict) -> str | None:
+        """What `kvlens analyze` prints without --json, from `to_json`'s dict (None: a generic rendering)."""
+        return None
+
     def figure(self, source, **params):
         """The plotly figure (what `kvlens figure`, `Run.figure` and the app show)."""
         raise NotImplementedError
@@ -65,7 +73,7 @@ class Analysis:
         """Name, paper figure, inputs, level and parameters, for `kvlens analyze --list`."""
         return {"name": cls.name, "paper": cls.paper, "inputs": cls.inputs,
                 "level": None if cls.inputs == "model" else cls.level, "measured": cls.measured,
-                "params": [p.describe() for p in cls.params]}
+                "replays": cls.replays, "params": [p.describe() for p in cls.params]}
 
 
 def register_analysis(cls: type[Analysis]) -> type[Analysis]:
@@ -150,17 +158,34 @@ def lacks(analysis: Analysis, run: Run) -> str | None:
     return None
 
 
-def analysis_json(name: str, source, **params) -> dict:
-    """`kvlens analyze NAME --json` on `source` (a Run, a list of Runs, or a LoadedModel)."""
+def replay_model(run: Run, device: str = "auto", dtype: str | None = None):
+    """The model `run` was made with (its spec; its dtype unless `dtype`), for the analyses that replay it."""
+    from kvlens.engine.models import load_model
+
+    made = run.meta["model"]
+    return load_model(made["spec"], device=device, dtype=dtype or made.get("dtype") or "auto")
+
+
+def _with_model(analysis: Analysis, source, model, params: dict) -> dict:
+    """`params`, and the model for an analysis that replays its run (the run's own unless `model` is given)."""
+    if not analysis.replays:
+        return params
+    return {**params, "model": model if model is not None else replay_model(source)}
+
+
+def analysis_json(name: str, source, model=None, **params) -> dict:
+    """`kvlens analyze NAME --json` on `source` (a Run, a list of Runs, or a LoadedModel); `model`: the model an
+    analysis that replays its run feeds it through (default: the run's own)."""
     analysis, p = get_analysis(name), checked_params(name, **params)
     source = _checked_source(analysis, source)
-    return analysis.to_json(analysis.compute(source, **p), **p)
+    return analysis.to_json(analysis.compute(source, **_with_model(analysis, source, model, p)), **p)
 
 
-def analysis_figure(name: str, source, **params):
-    """`kvlens figure NAME` on `source`: the plotly figure."""
+def analysis_figure(name: str, source, model=None, **params):
+    """`kvlens figure NAME` on `source`: the plotly figure (`model` as for `analysis_json`)."""
     analysis, p = get_analysis(name), checked_params(name, **params)
-    return analysis.figure(_checked_source(analysis, source), **p)
+    source = _checked_source(analysis, source)
+    return analysis.figure(source, **_with_model(analysis, source, model, p))
 
 
 set_analyses(figure=analysis_figure, analyze=analysis_json)

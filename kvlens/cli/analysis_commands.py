@@ -46,8 +46,9 @@ def register(sub) -> None:
 def _add_kind(kinds, name: str, cls, command: str) -> None:
     level = "" if cls.inputs == "model" else f", recorded with --record {cls.level} or more" + \
         (" and --measure" if cls.measured else "")
-    k = kinds.add_parser(name, help=cls.paper,
-                         description=f"{name}: {cls.paper}. Reads {INPUTS[cls.inputs]}{level}.")
+    replays = "; replays the run's tokens through its model" if cls.replays else ""
+    k = kinds.add_parser(name, help=cls.paper, description=f"{name}: {cls.paper}. Reads {INPUTS[cls.inputs]}{level}"
+                                                           f"{replays}. {cls.see_also}".strip())
     if cls.inputs != "model":
         k.add_argument("--run", action="append", default=[], metavar="DIR",
                        help="recorded run" + ("; repeat for several" if cls.inputs == "runs" else ""))
@@ -58,6 +59,10 @@ def _add_kind(kinds, name: str, cls, command: str) -> None:
                        action="append" if prm.many else "store", help=prm.help + shown)
     if cls.inputs == "model":
         add_model_args(k)
+    if cls.replays:
+        k.add_argument("--device", default="auto", help="where to run the run's model: auto (CUDA, MPS, CPU), cpu, "
+                                                        "cuda, cuda:N or mps")
+        k.add_argument("--dtype", help="the model's dtype (default: the run's)")
     if command == "analyze":
         k.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
     else:
@@ -93,13 +98,19 @@ def _source(args, inputs: str):
 def _call(args, fn):
     """`fn(kind, source, **params)` with the parameters given on the command line (checked before
     anything is loaded)."""
-    from kvlens.analysis.registry import checked_params, get_analysis
+    from kvlens.analysis.registry import checked_params, get_analysis, lacks, replay_model
 
     if args.kind is None:
         raise KvlensError("Name an analysis KIND (see `kvlens analyze --list`).")
     params = {k.removeprefix("param_"): v for k, v in vars(args).items() if k.startswith("param_")}
     checked_params(args.kind, **params)
-    return fn(args.kind, _source(args, get_analysis(args.kind).inputs), **params)
+    analysis = get_analysis(args.kind)
+    source = _source(args, analysis.inputs)
+    if analysis.replays:
+        if why := lacks(analysis, source):  # before the model loads
+            raise KvlensError(why)
+        params["model"] = replay_model(source, args.device, args.dtype)
+    return fn(args.kind, source, **params)
 
 
 def _print_list(as_json: bool) -> None:
@@ -111,7 +122,7 @@ def _print_list(as_json: bool) -> None:
         return
     for d in described:
         needs = INPUTS[d["inputs"]] + (f" at --record {d['level']}" if d["level"] else "") + \
-            (", made with --measure" if d["measured"] else "")
+            (", made with --measure" if d["measured"] else "") + (", and replays it" if d["replays"] else "")
         print(f"{d['name']:<20} {d['paper']}; reads {needs}")
         for p in d["params"]:
             shown = "" if p["default"] in (None, ()) else f" (default {p['default']})"
@@ -142,14 +153,17 @@ def _print_text(result: dict) -> None:
 
 
 def cmd_analyze(args) -> int:
-    from kvlens.analysis.registry import analysis_json
+    from kvlens.analysis.registry import analysis_json, get_analysis
 
     if args.list:
         _print_list(args.json)
         return 0
     result = _call(args, analysis_json)
+    text = None if args.json else get_analysis(args.kind).text(result)
     if args.json:
         print_json(result)
+    elif text is not None:
+        print(text)
     else:
         _print_text(result)
     return 0

@@ -197,10 +197,7 @@ def summary(tensors: dict[str, torch.Tensor]) -> dict:
         return float(t.mean()) if t.numel() else None
 
     def pooled(t, dims=None):
-        if not some or norm is None:
-            return None
-        total = (t * norm).sum(dims) if dims else (t * norm).sum()
-        return total / (norm.sum(dims) if dims else norm.sum()).clamp(min=1e-30)
+        return _pooled(t, norm, dims) if some and norm is not None else None
 
     def per_layer(t):
         return t.mean(dim=(0, 2)).tolist() if t.numel() else []
@@ -223,9 +220,26 @@ def summary(tensors: dict[str, torch.Tensor]) -> dict:
                     "perturbation_stored_pooled": _float(pooled(stored)),
                     "perturbation_stored_per_layer": per_layer(stored)})
         if some and norm is not None:
-            e, q, u = (float(pooled(t)) for t in (evict, stored, used))
-            out["perturbation_sources"] = {"selection": e, "storage": q - e, "merging": u - q}
+            out["perturbation_sources"] = sources(tensors)
     return out
+
+
+def sources(tensors: dict[str, torch.Tensor]) -> dict | None:
+    """The pooled output error of the cache used split by source: `selection` (pooled evict: the choice of
+    positions), `storage` (pooled stored - evict: what quantized or low-rank storage adds) and `merging` (pooled
+    used - stored); None where no decode step ran or the tensors are missing."""
+    names = ("evict", "stored", "used", "full_norm")
+    if not all(f"perturbation/{k}" in tensors for k in names) or not tensors["perturbation/used"].numel():
+        return None
+    *parts, norm = (tensors[f"perturbation/{k}"] for k in names)
+    e, q, u = (float(_pooled(t, norm)) for t in parts)
+    return {"selection": e, "storage": q - e, "merging": u - q}
+
+
+def _pooled(t: torch.Tensor, norm: torch.Tensor, dims=None) -> torch.Tensor:
+    """`sum ||O - O_full|| / sum ||O_full||` of relative errors `t` weighted by `norm` (over `dims`, or all)."""
+    total = (t * norm).sum(dims) if dims else (t * norm).sum()
+    return total / (norm.sum(dims) if dims else norm.sum()).clamp(min=1e-30)
 
 
 def _float(t):

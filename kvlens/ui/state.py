@@ -127,12 +127,17 @@ def _load_model(spec: str, device: str):
 
 @st.cache_data(max_entries=64, show_spinner="Computing…")
 def _figure(kind: str, path: str, mtime: float, params: tuple):
-    return _open_run(path, mtime).figure(kind, **dict(params))
+    from kvlens.analysis.registry import get_analysis
+
+    run = _open_run(path, mtime)
+    if get_analysis(kind).replays:  # the app's own copy of the run's model (`get_model`: no local paths)
+        return run.figure(kind, model=get_model(run.meta["model"]["spec"], "auto"), **dict(params))
+    return run.figure(kind, **dict(params))
 
 
 def run_figure(run: Run, kind: str, **params):
     """`run.figure(kind, **params)`: the registered analysis' figure, as `kvlens figure` draws it, cached
-    per run and parameters."""
+    per run and parameters (an analysis that replays the run gets the app's copy of its model)."""
     manifest = Path(run.path) / RUN_JSON
     return _figure(kind, str(run.path), manifest.stat().st_mtime, tuple(sorted(params.items())))
 

@@ -28,7 +28,9 @@ def section(name: str, cls, shown: dict) -> str:
     out = f"## {name}\n\n**Reproduces**: {cls.paper}. **Reads**: {INPUTS[cls.inputs]}"
     if cls.inputs != "model":
         out += f", recorded with `--record {cls.level}` or more" + (" and `--measure`" if cls.measured else "")
-    out += f".\n\n{module}\n\n"
+    if cls.replays:
+        out += "; it feeds the run's tokens through the run's model again (`--device`, `--dtype`)"
+    out += f".\n\n{module}\n\n" + (f"{cls.see_also}\n\n" if cls.see_also else "")
     rows = [[f"`--{p.name.replace('_', '-')}`", f"`{p.describe()['default']}`", p.describe()["help"]]
             for p in cls.params]
     out += (table(["flag", "default", "what it sets"], rows) if rows else "No parameters.\n") + "\n"

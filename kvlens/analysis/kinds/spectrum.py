@@ -105,6 +105,9 @@ class SpectrumAnalysis(Analysis):
     name = "spectrum"
     paper = "WeightedKV Fig. 1"
     level = RecordLevel.STATES
+    see_also = ("What each rank of the spectrum costs: `kvlens analyze rank_bytes` (reconstruction error against "
+                "bytes, each layer's rank for 1 % error) and `kvlens analyze rank_perturbation` (the run replayed "
+                "at each rank: KL, NLL change, top-1 agreement, output error by source).")
     params = (Param("components", 64, kind="int", help="singular values kept per head", minimum=1),)
 
     def compute(self, run, components):
