@@ -39,6 +39,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from kvlens.engine.channels import ChannelStates, seal_channels
 from kvlens.engine.lowrank import LowRankStates
 from kvlens.engine.quantize import QuantizedStates, Storage, seal
 from kvlens.runs.decisions import DecisionLog
@@ -157,7 +158,8 @@ class SlotStore:
 
     Quantized storage (`quantize`): keys and values leave `buffers` for `packed` (`kvlens.engine.quantize`); reading
     them dequantizes the rows asked for into a working copy (`working`, what the model's attention and the policy
-    see), and `commit` stores back the slots a policy changed in it (merges), then drops the copy.
+    see), and `commit` stores back the slots a policy changed in it (merges), then drops the copy. Channel-pruned
+    keys (`prune_keys`, `kvlens.engine.channels`) are packed the same way, the values staying in `buffers`.
     """
 
     def __init__(self, buffers: dict[str, torch.Tensor], n: int):
@@ -165,7 +167,7 @@ class SlotStore:
         self.extra: dict[str, torch.Tensor] = {}  # name -> (R, C, ...)
         self.n = n
         self.order: torch.Tensor | None = None  # (R, n) slots in position order, when known
-        self.packed: dict[str, QuantizedStates | LowRankStates] | None = None  # keys/values, quantized or low-rank
+        self.packed: dict[str, QuantizedStates | LowRankStates | ChannelStates] | None = None  # keys and/or values
         self.working: dict[tuple[str, int, int], torch.Tensor] = {}  # (name, first row, end row) -> (1, R', n, D)
 
     def empty_like(self, rows: int, capacity: int) -> SlotStore:
@@ -178,7 +180,7 @@ class SlotStore:
 
     def states(self, name: str, rows: slice) -> torch.Tensor:
         """Keys or values `(1, R', n, D)` of `rows`: a view of the buffer, or (quantized) the rows' working copy."""
-        if self.packed is None:
+        if name in self.buffers:
             return self.buffers[name][:, rows, : self.n]
         start, stop, _ = rows.indices(self.rows)
         key = (name, start, stop)
@@ -205,6 +207,13 @@ class SlotStore:
         self.packed = {name: seal(storage, name, self.buffers.pop(name)[0, :, : self.n], pos, valid, self.capacity)
                        for name in STATES}
 
+    def prune_keys(self, channels: torch.Tensor, whole: torch.Tensor) -> None:
+        """Keys into channel-pruned storage: each row keeps `channels` `(R, K)`, the slots `whole` `(R, n)` every
+        channel (`kvlens.engine.channels`); values stay in the model's dtype."""
+        valid = self.buffers["valid"][:, : self.n]
+        self.packed = {"keys": seal_channels(channels, self.buffers.pop("keys")[0, :, : self.n], valid, whole,
+                                             self.capacity)}
+
     @property
     def capacity(self) -> int:
         return self.buffers["pos"].shape[1]
@@ -230,9 +239,9 @@ class SlotStore:
     def nbytes(self, rows: slice) -> int:
         """Bytes allocated for the keys and values of `rows`."""
         count = len(range(*rows.indices(self.rows)))
-        if self.packed is not None:
-            return sum(q.nbytes(count) for q in self.packed.values())
-        return sum(t.numel() // t.shape[1] * count * t.element_size() for n, t in self.buffers.items() if n in STATES)
+        packed = sum(q.nbytes(count) for q in (self.packed or {}).values())
+        return packed + sum(t.numel() // t.shape[1] * count * t.element_size() for n, t in self.buffers.items()
+                            if n in STATES)
 
 
 class ExtraView(MutableMapping):
@@ -441,7 +450,7 @@ class SlotRows:
         d = self.keys.shape[-1]
         idx4 = index[None, :, :, None].expand(1, -1, -1, d)
         old, old_rows = self.store, self.rows
-        names = list(old.buffers) + (list(STATES) if old.packed is not None else [])
+        names = list(old.buffers) + list(old.packed or {})
         kept = {name: torch.gather(self._view(name), 2, idx4) if name in STATES else torch.gather(self._view(name), 1,
                                                                                                    index)
                 for name in names}
@@ -460,14 +469,14 @@ class SlotRows:
         store = self.store
         store.n = capacity  # the spare slots are free ones, which the next tokens fill
         for name, t in kept.items():
-            if name in STATES and store.packed is not None:
+            if name in (store.packed or {}):
                 continue
             view = self._view(name)
             (view[:, :, :s] if name in STATES else view[:, :s]).copy_(t)
         if store.packed is not None:  # the kept slots' window entries follow them; the rest is quantized again
             valid = self.valid
-            for name in STATES:
-                store.packed[name].take(self.rows, old.packed[name], old_rows, index, kept[name][0], valid)
+            for name, q in store.packed.items():
+                q.take(self.rows, old.packed[name], old_rows, index, kept[name][0], valid)
         for name, t in extras.items():
             self.extra[name] = torch.cat([t, t.new_zeros((t.shape[0], capacity - s, *t.shape[2:]))], dim=1)
         store.order = None
@@ -552,11 +561,7 @@ class SlotRows:
         heads = torch.arange(slots.shape[0], device=slots.device)[:, None] + self.rows.start
         store.buffers["pos"][heads, slots] = positions
         store.buffers["valid"][heads, slots] = True
-        if store.packed is not None:
-            self._append_packed(slots, key, value, positions)
-        else:
-            store.buffers["keys"][0, heads, slots] = key[0]
-            store.buffers["values"][0, heads, slots] = value[0]
+        self._write_states(slots, key, value, positions)
         for t in store.extra.values():
             t[heads, slots] = 0
 
@@ -575,23 +580,24 @@ class SlotRows:
         b["valid"][:, n:need] = True  # abar, nobs and extras past the slots in use are zero
         new = torch.arange(n, need, device=key.device).expand(hkv, q)
         store.order = torch.cat([store.order, new], dim=1) if store.order is not None and not self.padded else None
-        if store.packed is not None:
-            store.n = need
-            self._append_packed(new, key, value, positions)
-        else:
-            b["keys"][:, :, n:need] = key
-            b["values"][:, :, n:need] = value
-            store.n = need
+        store.n = need
+        self._write_states(new, key, value, positions)
         book.written = new
 
-    def _append_packed(self, slots: torch.Tensor, key, value, positions) -> None:
-        """Quantized storage: new tokens `(1, Hkv, q, D)` in `slots` `(Hkv, q)` go to the full-precision window."""
+    def _write_states(self, slots: torch.Tensor, key, value, positions) -> None:
+        """New tokens' keys and values `(1, Hkv, q, D)` into `slots` `(Hkv, q)`: into the buffers, or into packed
+        storage (quantized: its full-precision window)."""
         store = self.store
-        store.commit()
+        heads = torch.arange(slots.shape[0], device=slots.device)[:, None] + self.rows.start
+        if store.packed is not None:
+            store.commit()
+            self.books[0].fresh = (key[0], value[0])
         valid = store.buffers["valid"][self.rows, : store.n]
         for name, x in (("keys", key), ("values", value)):
-            store.packed[name].append(self.rows, slots, x[0], positions, valid)
-        self.books[0].fresh = (key[0], value[0])
+            if name in store.buffers:
+                store.buffers[name][0, heads, slots] = x[0]
+            else:
+                store.packed[name].append(self.rows, slots, x[0], positions, valid)
 
 
 def first_valid(holes: torch.Tensor) -> torch.Tensor | None:
@@ -676,6 +682,14 @@ class KVCache:
         if storage.packed:
             for store in self.stores():
                 store.quantize(storage)
+
+    def prune_keys(self, plans: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keys into channel-pruned storage (after the prompt's compression): `plans[i]` is layer i's kept channels
+        `(Hkv, K)` and its slots that keep every channel `(Hkv, n)` bool (`SlotStore.prune_keys`)."""
+        for store in self.stores():
+            parts = sorted(((view.rows.start, plan) for view, plan in zip(self.layers, plans, strict=True)
+                            if view.store is store), key=lambda part: part[0])
+            store.prune_keys(torch.cat([c for _, (c, _) in parts]), torch.cat([w for _, (_, w) in parts]))
 
     def commit(self) -> None:
         """Quantized storage: store what a policy changed in the working copies (see `SlotStore`)."""

@@ -188,6 +188,8 @@ class _Loop:
         self.cache.commit()  # quantized storage: what the policy merged is quantized again
         if index == 0 and first:
             self.cache.quantize(self.opts.storage)  # the policy chose from the prompt in full precision
+            if self.policy.prunes_keys:  # ThinK: the key channels it keeps, from the compressed prompt
+                self.cache.prune_keys([self.policy.key_channels(rows) for rows in self.cache.layers])
         if last:
             self.kept.append(self.cache.kept_counts())
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes)
@@ -282,6 +284,9 @@ def new_loop(model: LoadedModel, policy: Policy, opts: RunOptions, observers, pr
         model.support = inspect_model(model.model)
     model.support.require()  # never run a model kvlens would only approximate
     opts.storage.check(model.shape()["head_dim"])
+    if policy.prunes_keys and opts.storage.packed:
+        raise KvlensError(f"{policy.name} stores its keys channel-pruned, which does not combine with quantized or "
+                          f"low-rank storage (--kv-bits, --kv-rank) yet: choose one of them.")
     if opts.prefill_chunk is not None:
         _check_chunk(policy, opts, observers)
         if opts.prefill_chunk >= prefill:  # one chunk: the unchunked run

@@ -70,6 +70,7 @@ class Policy:
     chunked_prefill: ClassVar[bool] = False  # can compress the prompt chunk by chunk (`--prefill-chunk`)
     model_data: ClassVar[tuple[str, ...]] = ()  # per-layer data of the model the engine puts in the run state
     presets: ClassVar[dict[str, dict]] = {}  # named settings, `preset=NAME` (explicit parameters override)
+    prunes_keys: ClassVar[bool] = False  # keeps some key channels only (`key_channels`), after the prompt's compression
 
     def __post_init__(self):
         for p in self.declared():
@@ -150,6 +151,11 @@ class Policy:
 
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
         """Update statistics after a decode step's attention `probs` `(R, G, S)`."""
+
+    def key_channels(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """A policy that `prunes_keys`, after the prompt's compression: the key channels each row keeps `(R, K)`,
+        ascending, and the slots that keep every channel `(R, S)` bool (`kvlens.engine.channels`)."""
+        raise NotImplementedError
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         """Shrink the rows to `step.budget` slots each."""
