@@ -1,12 +1,13 @@
 """Independent reference values from NVIDIA kvpress for `tests/test_kvpress_crosscheck.py`.
 
-    python scripts/crosscheck_kvpress.py [--venv DIR] [--model DIR]
+    python scripts/crosscheck_kvpress.py [--venv DIR] [--model DIR] [--only CASE ...]
 
 kvpress needs transformers < 5.3, so this script builds its own virtualenv (default
 `~/.cache/kvlens/kvpress-venv`, never inside the repository), installs the pinned kvpress, torch
 and transformers there, re-runs itself inside it and writes `tests/data/kvpress_reference.json`:
 the token ids it scored, the per-step negative log-likelihoods under each case, the versions and
-this command. CI never installs kvpress: the test compares kvlens with the stored values.
+this command. CI never installs kvpress: the test compares kvlens with the stored values. `--only`
+recomputes the named prompt cases and keeps every other stored value as it is.
 
 Where kvlens and kvpress define a policy the same way, the two must agree: the embedded
 SmolLM2-135M, a prompt of PREFILL tokens compressed to BUDGET slots right after prefill, then
@@ -34,7 +35,10 @@ press as shipped, with the same parameters: `SnapKVPress` (window 16, kernel 5),
 `AdaKVPress` over SnapKV and over `ExpectedAttentionPress`, `ExpectedAttentionPress`,
 `KnormPress`, `KeyDiffPress` and `KVzipPress` (chunks of 128 tokens; made to reconstruct the whole
 prompt, which has no chat template's prefix to skip). AdaKV and KVzip keep every key and mask the
-evicted ones (fake keys); their removed positions are the masked ones.
+evicted ones (fake keys); their removed positions are the masked ones. ThinK: `ComposedPress` of that
+SnapKV and `ThinKPress` (window 32) pruning THINK_RATIOS of the key channels, which it zeroes; the
+channels each layer and KV head kept are the ones not all zero, and the removed positions are matched on
+them.
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ TEXT = ROOT / "kvlens" / "data" / "state_union" / "1946-Truman.txt"
 PREFILL, STEPS, BUDGET, SINK, RECENT_RATIO = 64, 12, 24, 4, 0.5
 PROMPT_TEXTS = ("1946-Truman.txt", "1961-Kennedy.txt")
 PROMPT_LEN, RATIOS, WINDOW, PROMPT_STEPS = 256, (0.5, 0.75), 16, 2
+THINK_WINDOW, THINK_RATIOS = 32, {"think_snapkv": 0.5, "think_snapkv_quarter": 0.25}  # case -> channels pruned
 # prompt case -> the kvlens policy and parameters that define the same thing as kvpress's press
 PROMPT_CASES = {"snapkv": ("snapkv", {"window": WINDOW, "kernel": 5, "pooling": "avg"}),
                 "pyramidkv": ("pyramidkv", {"schedule": "kvpress", "window": WINDOW, "beta": 4.0,
@@ -63,7 +68,10 @@ PROMPT_CASES = {"snapkv": ("snapkv", {"window": WINDOW, "kernel": 5, "pooling": 
                 "expected_attention": ("expected_attention", {}),
                 "knorm": ("knorm", {}),
                 "keydiff": ("keydiff", {}),
-                "kvzip": ("kvzip", {"chunk": 128, "decoding": "once"})}
+                "kvzip": ("kvzip", {"chunk": 128, "decoding": "once"}),
+                **{case: ("think", {"ratio": ratio, "window": THINK_WINDOW, "recent": 0, "base": "snapkv",
+                                    "base.window": WINDOW, "base.kernel": 5, "base.pooling": "avg"})
+                   for case, ratio in THINK_RATIOS.items()}}
 # case -> the kvlens policy and parameters that define the same thing
 CASES = {"streaming_llm": ("streaming_llm", {"sink": SINK}),
          "cam": ("cam", {"preset": "kvpress", "mask": "always", "base.sink": SINK}),
@@ -75,10 +83,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--venv", type=Path, default=VENV, help="virtualenv for kvpress (built if missing)")
     parser.add_argument("--model", help="the embedded model's directory (default: `kvlens model-path`)")
+    parser.add_argument("--only", nargs="+", choices=sorted(PROMPT_CASES), help="recompute these prompt cases only")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inside:
-        return reference(args.model)
+        return reference(args.model, args.only)
     model = args.model or subprocess.run([str(ROOT / ".venv" / "bin" / "kvlens"), "model-path"], check=True,
                                          capture_output=True, text=True).stdout.strip()
     python = args.venv / "bin" / "python"
@@ -86,13 +95,15 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "venv", str(args.venv)], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", *PINS], check=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # kvpress's own stack only
-    subprocess.run([str(python), __file__, "--inside", "--model", model], check=True, env=env)
+    only = ["--only", *args.only] if args.only else []
+    subprocess.run([str(python), __file__, "--inside", "--model", model, *only], check=True, env=env)
     print(f"wrote {OUT.relative_to(ROOT)}")
     return 0
 
 
-def reference(model_dir: str) -> int:
-    """Inside the kvpress virtualenv: score the text under each case and write the JSON."""
+def reference(model_dir: str, only: list[str] | None = None) -> int:
+    """Inside the kvpress virtualenv: score the text under each case and write the JSON (`only`: those prompt
+    cases, the rest as stored, written by the same versions)."""
     from importlib.metadata import version
     from unittest import mock
 
@@ -105,6 +116,12 @@ def reference(model_dir: str) -> int:
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model_dir)
+    versions = {p: version(p) for p in ("kvpress", "torch", "transformers")}
+    if only:
+        result = json.loads(OUT.read_text(encoding="utf-8"))
+        assert result["versions"] == versions, f"the stored reference was written by {result['versions']}"
+        result["prompt_cases"].update(prompt_references(model_dir, tok, torch, only))
+        return write(result)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
     model.eval()
     ids = tok(TEXT.read_text(encoding="utf-8"))["input_ids"][:PREFILL + STEPS]
@@ -184,13 +201,18 @@ def reference(model_dir: str) -> int:
     prompt_cases = prompt_references(model_dir, tok, torch)
     result = {"command": "python scripts/crosscheck_kvpress.py", "text": TEXT.relative_to(ROOT).as_posix(),
               "ids": ids, "prefill": PREFILL, "steps": STEPS, "budget": BUDGET,
-              "versions": {p: version(p) for p in ("kvpress", "torch", "transformers")},
+              "versions": versions,
               "cases": {case: {"policy": CASES[case][0], "params": CASES[case][1], "nll": nll[case],
                                "removed": removed[case]}
                         for case in presses},
               "prompt": {"texts": [f"kvlens/data/state_union/{t}" for t in PROMPT_TEXTS], "prefill": PROMPT_LEN,
                          "steps": PROMPT_STEPS, "ratios": list(RATIOS)},
               "prompt_cases": prompt_cases}
+    return write(result)
+
+
+def write(result: dict) -> int:
+    """The reference JSON, one line per case."""
     OUT.parent.mkdir(parents=True, exist_ok=True)
     blocks = ("cases", "prompt_cases")
     head = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in result.items() if k not in blocks]
@@ -200,16 +222,19 @@ def reference(model_dir: str) -> int:
     return 0
 
 
-def prompt_references(model_dir: str, tok, torch) -> dict:
-    """Inside the kvpress virtualenv: every prompt case on every text and ratio (see the module docstring)."""
+def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None) -> dict:
+    """Inside the kvpress virtualenv: every prompt case (or those in `only`) on every text and ratio (see the
+    module docstring)."""
     from kvpress import (
         AdaKVPress,
+        ComposedPress,
         ExpectedAttentionPress,
         KeyDiffPress,
         KnormPress,
         KVzipPress,
         PyramidKVPress,
         SnapKVPress,
+        ThinKPress,
     )
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -227,14 +252,29 @@ def prompt_references(model_dir: str, tok, torch) -> dict:
                "expected_attention": lambda r: ExpectedAttentionPress(r),
                "knorm": lambda r: KnormPress(r),
                "keydiff": lambda r: KeyDiffPress(r),
-               "kvzip": lambda r: WholePromptKVzip(r, chunk_size=128)}
+               "kvzip": lambda r: WholePromptKVzip(r, chunk_size=128),
+               **{case: lambda r, k=k: ComposedPress([SnapKVPress(r, window_size=WINDOW, kernel_size=5),
+                                                      ThinKPress(k, window_size=THINK_WINDOW)])
+                  for case, k in THINK_RATIOS.items()}}
     assert set(presses) == set(PROMPT_CASES)
+    channels: dict[int, torch.Tensor] = {}  # layer -> (Hkv, D) bool, the channels ThinK kept
+
+    think_compress = ThinKPress.compress
+
+    def tracked(self, module, hidden_states, keys, values, attentions, kwargs):
+        keys, values = think_compress(self, module, hidden_states, keys, values, attentions, kwargs)
+        channels[module.layer_idx] = (keys[0] != 0).any(1)
+        return keys, values
+
+    ThinKPress.compress = tracked
     # AdaKV and KVzip refuse eager attention (they mask keys inside SDPA)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="sdpa")
     model.eval()
     layers = [layer.self_attn for layer in model.model.layers]
     out = {}
     for case, make in presses.items():
+        if only and case not in only:
+            continue
         policy, params = PROMPT_CASES[case]
         runs = []
         for name in PROMPT_TEXTS:
@@ -246,10 +286,15 @@ def prompt_references(model_dir: str, tok, torch) -> dict:
                 model(input_ids=prompt, past_key_values=full)
                 for ratio in RATIOS:
                     cache = DynamicCache()
+                    channels.clear()
                     with make(ratio)(model):
                         logits = model(input_ids=prompt, past_key_values=cache).logits[0, -1]
-                    removed = [removed_from(full.layers[i].keys[0], cache.layers[i].keys[0],
-                                            getattr(layers[i], "masked_key_indices", None), torch)
+                    # ThinK zeroes its pruned channels: match the keys on the kept ones
+                    kept = [channels.get(i) for i in range(len(layers))]
+                    removed = [removed_from(full.layers[i].keys[0] if kept[i] is None
+                                            else full.layers[i].keys[0] * kept[i][:, None, :],
+                                            cache.layers[i].keys[0], getattr(layers[i], "masked_key_indices", None),
+                                            torch)
                                for i in range(len(layers))]
                     nll = [float(-torch.log_softmax(logits.float(), -1)[ids[PROMPT_LEN]])]
                     logits = model(input_ids=torch.tensor([[ids[PROMPT_LEN]]]), past_key_values=cache,
@@ -257,8 +302,13 @@ def prompt_references(model_dir: str, tok, torch) -> dict:
                     nll.append(float(-torch.log_softmax(logits.float(), -1)[ids[PROMPT_LEN + 1]]))
                     for module in layers:
                         module.masked_key_indices = None
-                    runs.append({"text": name, "ratio": ratio, "budget": int(PROMPT_LEN * (1 - ratio)),
-                                 "nll": nll, "removed": removed})
+                    entry = {"text": name, "ratio": ratio, "budget": int(PROMPT_LEN * (1 - ratio)), "nll": nll,
+                           "removed": removed}
+                    if case in THINK_RATIOS:
+                        d = kept[0].shape[-1]
+                        assert all(int(k.sum(-1).min()) == d - int(d * THINK_RATIOS[case]) for k in kept)
+                        entry["channels"] = [[h.nonzero()[:, 0].tolist() for h in k] for k in kept]
+                    runs.append(entry)
         out[case] = {"policy": policy, "params": params, "runs": runs}
         print(f"{case}: done")
     return out

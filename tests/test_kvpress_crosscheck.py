@@ -5,9 +5,10 @@ the file records the versions and the command); this test needs no kvpress. Case
 CaM with every Bernoulli draw 1, H2O as a raw-sum scorer with kvlens's recent window, and TOVA
 without kvpress's newest-token pin; each compressed right after prefill and at every decode step.
 Prompt cases: the methods kvpress applies to the prompt only (SnapKV, PyramidKV, Ada-KV over SnapKV
-and over Expected Attention, Expected Attention, KNorm, KeyDiff, KVzip), as shipped, on two texts at
-two compression ratios: the positions each layer and KV head lost, and the next two tokens' NLL
-(largest deviation measured across the same kernel sets and thread counts: 2.4e-5).
+and over Expected Attention, Expected Attention, KNorm, KeyDiff, KVzip, ThinK over SnapKV at two channel
+ratios), as shipped, on two texts at two compression ratios: the positions each layer and KV head lost
+(ThinK: and the key channels each kept), and the next two tokens' NLL (largest deviation measured
+across the same kernel sets and thread counts: 2.4e-5).
 
 What is structural is exact: the positions each compression removed, per step, layer and KV
 head. The per-step NLL only guards against gross changes, within {nll_abs:.1e} absolute: ten
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvlens.engine.context import Observer
 from kvlens.engine.loop import RunOptions, run
 from kvlens.policies import make_policy
 
@@ -43,12 +45,26 @@ def test_the_reference_covers_every_policy_both_define_the_same_way():
     assert set(REFERENCE["cases"]) == {"streaming_llm", "cam", "h2o", "tova"}
     assert {case["policy"] for case in REFERENCE["cases"].values()} == {"streaming_llm", "cam", "h2o", "tova"}
     prompt = {case["policy"] for case in REFERENCE["prompt_cases"].values()}
-    assert prompt == {"snapkv", "pyramidkv", "adakv", "expected_attention", "knorm", "keydiff", "kvzip"}
+    assert prompt == {"snapkv", "pyramidkv", "adakv", "expected_attention", "knorm", "keydiff", "kvzip", "think"}
     for case in REFERENCE["prompt_cases"].values():  # two texts x two ratios, each removing what its ratio says
         assert len({(r["text"], r["ratio"]) for r in case["runs"]}) == 4
         for r in case["runs"]:
             kept = [REFERENCE["prompt"]["prefill"] - len(head) for layer in r["removed"] for head in layer]
             assert sum(kept) == r["budget"] * len(kept)
+            if case["policy"] == "think":  # the share of channels its ratio says, in every layer and head
+                d = len(r["channels"][0][0]) + int(64 * case["params"]["ratio"])
+                assert d == 64 and {len(h) for layer in r["channels"] for h in layer} == {len(r["channels"][0][0])}
+
+
+class KeptChannels(Observer):
+    """The key channels each layer's KV heads keep (channel-pruned storage), seen at the first decode step."""
+
+    def __init__(self):
+        self.channels: dict[int, list[list[int]]] = {}
+
+    def on_decode(self, layer, query, probs, out, spec):
+        stored = layer.store.packed["keys"].channels[layer.rows]
+        self.channels.setdefault(layer.layers[0], stored.tolist())
 
 
 def prompt_runs():
@@ -67,9 +83,12 @@ def test_same_positions_removed_from_the_prompt_and_next_tokens_nll_as_kvpress(s
     spec, ref = REFERENCE["prompt_cases"][case], REFERENCE["prompt_cases"][case]["runs"][index]
     prompt = REFERENCE["prompt"]
     ids = encode(smol, (texts.DIR / ref["text"]).read_text(encoding="utf-8"))[: prompt["prefill"] + prompt["steps"]]
+    think = KeptChannels() if "channels" in ref else None
     r = run(smol, make_policy(spec["policy"], spec["params"]), ids, prefill=prompt["prefill"], steps=prompt["steps"],
-            teacher=True, opts=RunOptions(budget=ref["budget"]))
+            teacher=True, opts=RunOptions(budget=ref["budget"]), observers=[think] if think else [])
     shape = smol.shape()
+    if think is not None:  # ThinK: the same key channels kept, layer by layer and head by head
+        assert [think.channels[i] for i in range(shape["layers"])] == ref["channels"]
     got = removed_by_step(r.decisions[r.decisions.step == 0], 1, shape["layers"], shape["kv_heads"])[0]
     tie_broken_otherwise = False
     for layer, (mine, theirs) in enumerate(zip(got, ref["removed"], strict=True)):
