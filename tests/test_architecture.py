@@ -15,7 +15,8 @@ PACKAGE = ROOT / "kvlens"
 LAYERS = [  # bottom first; a module belongs to the layer of its longest matching prefix
     ("base", ["kvlens.version", "kvlens.errors", "kvlens.lists", "kvlens.levels", "kvlens.params", "kvlens.texts"]),
     ("runs", ["kvlens.runs"]),
-    ("cache", ["kvlens.engine.attention", "kvlens.engine.cache", "kvlens.engine.quantize", "kvlens.engine.lowrank"]),
+    ("cache", ["kvlens.engine.attention", "kvlens.engine.cache", "kvlens.engine.quantize", "kvlens.engine.lowrank",
+               "kvlens.engine.channels"]),
     ("policies", ["kvlens.policies"]),
     ("engine", ["kvlens.engine"]),
     ("integration", ["kvlens.hf"]),

@@ -97,7 +97,8 @@ class PerturbationMeter(Observer):
         if layer.store.packed is not None and not self.merges:  # nothing merged: the run's own output
             o_stored = o_used
         elif layer.store.packed is not None:
-            k_q, v_q = (layer.store.packed[name].roundtrip(layer.rows, t, layer.valid)
+            packed = layer.store.packed  # keys and values, or keys only (channel-pruned)
+            k_q, v_q = (packed[name].roundtrip(layer.rows, t, layer.valid) if name in packed else t
                         for name, t in (("keys", k_kept), ("values", v_kept)))
             o_stored = decode_rows(query, k_q[None], v_q[None], kept_seen, spec)[0][0, 0].view(hkv, -1, d).float()
         full_norm = o_full.norm(dim=-1)

@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.engine.cache import CacheRows, Prompt
+from kvlens.engine.cache import CacheRows, Prompt, Step
 from kvlens.policies.base import (
     ScoredEviction,
     Wrapper,
@@ -77,7 +77,7 @@ class ThinK(Wrapper):
         q = prompt.queries[:, -self.window:].float().pow(2).mean(1)  # (Hq, D)
         rows.states[0][QUERIES] = q.view(rows.kv_heads, -1, q.shape[-1]).mean(1)
 
-    def compress(self, rows, step) -> None:
+    def compress(self, rows: CacheRows, step: Step) -> None:
         self.base.compress(rows, step)
 
     def key_channels(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
