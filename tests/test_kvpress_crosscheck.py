@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlens.engine.context import Observer
 from kvlens.engine.loop import RunOptions, run
 from kvlens.policies import make_policy
 
@@ -56,17 +55,6 @@ def test_the_reference_covers_every_policy_both_define_the_same_way():
                 assert d == 64 and {len(h) for layer in r["channels"] for h in layer} == {len(r["channels"][0][0])}
 
 
-class KeptChannels(Observer):
-    """The key channels each layer's KV heads keep (channel-pruned storage), seen at the first decode step."""
-
-    def __init__(self):
-        self.channels: dict[int, list[list[int]]] = {}
-
-    def on_decode(self, layer, query, probs, out, spec):
-        stored = layer.store.packed["keys"].channels[layer.rows]
-        self.channels.setdefault(layer.layers[0], stored.tolist())
-
-
 def prompt_runs():
     return [pytest.param(case, i, id=f"{case}-{r['text'].split('-')[1].removesuffix('.txt')}-{r['ratio']}")
             for case, spec in sorted(REFERENCE["prompt_cases"].items()) for i, r in enumerate(spec["runs"])]
@@ -83,12 +71,11 @@ def test_same_positions_removed_from_the_prompt_and_next_tokens_nll_as_kvpress(s
     spec, ref = REFERENCE["prompt_cases"][case], REFERENCE["prompt_cases"][case]["runs"][index]
     prompt = REFERENCE["prompt"]
     ids = encode(smol, (texts.DIR / ref["text"]).read_text(encoding="utf-8"))[: prompt["prefill"] + prompt["steps"]]
-    think = KeptChannels() if "channels" in ref else None
     r = run(smol, make_policy(spec["policy"], spec["params"]), ids, prefill=prompt["prefill"], steps=prompt["steps"],
-            teacher=True, opts=RunOptions(budget=ref["budget"]), observers=[think] if think else [])
+            teacher=True, opts=RunOptions(budget=ref["budget"]))
     shape = smol.shape()
-    if think is not None:  # ThinK: the same key channels kept, layer by layer and head by head
-        assert [think.channels[i] for i in range(shape["layers"])] == ref["channels"]
+    if "channels" in ref:  # ThinK: the same key channels kept, layer by layer and head by head
+        assert r.tensors["kv_channels"].tolist() == ref["channels"]
     got = removed_by_step(r.decisions[r.decisions.step == 0], 1, shape["layers"], shape["kv_heads"])[0]
     tie_broken_otherwise = False
     for layer, (mine, theirs) in enumerate(zip(got, ref["removed"], strict=True)):

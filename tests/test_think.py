@@ -45,6 +45,19 @@ def test_the_pruned_share_of_key_bytes_leaves_the_cache(tiny, ratio):
                            theirs.keys[0].gather(2, kept[:, None, :].expand(-1, keys.shape[1], -1)))
 
 
+def test_think_alone_prunes_the_whole_prompt_and_the_run_records_the_channels(tiny):
+    """Over `full` (kvpress's ThinKPress alone): no budget, every prompt key pruned (`recent=0`); the run's
+    `kv_channels` are the stored ones."""
+    params = {"base": "full", "window": 8, "ratio": 0.5, "recent": 0}
+    think, full = prompt_cache(tiny, "think", params), prompt_cache(tiny, "full", {})
+    shape = tiny.shape()
+    d, rows = shape["head_dim"], shape["layers"] * shape["kv_heads"]
+    assert full.nbytes - think.nbytes == rows * (PREFILL * d // 2 * 4 - d * 8)
+    r = run(tiny, make_policy("think", params), IDS, prefill=PREFILL, steps=4, teacher=True, opts=RunOptions())
+    stored = torch.stack([layer.store.packed["keys"].channels[layer.rows] for layer in think.layers])
+    assert torch.equal(r.tensors["kv_channels"], stored.int()) and r.tensors["kv_channels"].shape[2] == d // 2
+
+
 def test_the_newest_prompt_keys_and_later_tokens_keep_every_channel():
     """`recent` slots and appended tokens are read back whole; the others on their kept channels only; a freed
     slot gives its whole-key entry back."""

@@ -128,6 +128,7 @@ class _Loop:
         self.replay_ms, self.replay_passes = 0.0, 0  # the policy's replay passes (KVzip), part of the prefill
         self.prefill_bytes = 0  # the largest cache of the prefill, before compression (the whole prompt unchunked)
         self.token_bytes = 0.0  # one prompt token's keys and values in the model's dtype, all layers
+        self.channels: torch.Tensor | None = None  # (L, Hkv, K) the key channels kept (a policy that prunes keys)
 
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
         return feed(self.model, self.cache, self.ctx, ids, start)
@@ -189,7 +190,9 @@ class _Loop:
         if index == 0 and first:
             self.cache.quantize(self.opts.storage)  # the policy chose from the prompt in full precision
             if self.policy.prunes_keys:  # ThinK: the key channels it keeps, from the compressed prompt
-                self.cache.prune_keys([self.policy.key_channels(rows) for rows in self.cache.layers])
+                plans = [self.policy.key_channels(rows) for rows in self.cache.layers]
+                self.cache.prune_keys(plans)
+                self.channels = torch.stack([channels for channels, _ in plans]).cpu()
         if last:
             self.kept.append(self.cache.kept_counts())
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes)
@@ -407,6 +410,8 @@ def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, tota
     tensors = loop.recorder.finish()
     tensors["steps/nll"] = torch.tensor(nlls, dtype=torch.float32)
     tensors["steps/kv_slots"] = kept.to(torch.int32)
+    if loop.channels is not None:
+        tensors["kv_channels"] = loop.channels.to(torch.int32)  # (L, Hkv, K) each KV head's kept key channels
     policy, opts = loop.policy, loop.opts
     metrics = {
         "nll": nll, "ppl": math.exp(nll), "kv_slots_max": int(kept.max()),

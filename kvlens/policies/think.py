@@ -2,7 +2,8 @@
 
 Xu et al., "ThinK: Thinner Key Cache by Query-Driven Pruning", 2024, https://arxiv.org/abs/2407.21018 (authors'
 code: SalesforceAIResearch/ThinK, `key_pruner_query_driven`). Once the `base` policy has compressed the prompt
-(the authors run ThinK after SnapKV or H2O; kvpress composes `ThinKPress` after a press in `ComposedPress`),
+(the authors run ThinK after SnapKV or H2O; kvpress composes `ThinKPress` after a press in `ComposedPress`, or
+uses it alone: `base=full`),
 channel i of a KV head scores ||Q_i|| ||K_i||, the paper's query-driven criterion ||Q_i K_i^T||_F: Q `(w, D)`
 the last `window` prompt queries after RoPE, K the head's kept keys `(S, D)`, computed as the authors' code and
 kvpress's `ThinKPress` do, mean(Q_i^2) x mean(K_i^2) (the same order). The `ratio` x D lowest channels
@@ -27,7 +28,7 @@ import torch
 
 from kvlens.engine.cache import CacheRows, Prompt, Step
 from kvlens.policies.base import (
-    ScoredEviction,
+    Policy,
     Wrapper,
     check,
     param,
@@ -40,12 +41,23 @@ from kvlens.policies.snapkv import SnapKV
 QUERIES = "think_queries"  # per layer, until the prompt's compression: (Hkv, D) the window queries' mean squares
 
 
+class FromBase:
+    """A capability that is the `base` policy's: an instance's base, or on the class its default base."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, policy, owner):
+        base = owner.__dataclass_fields__["base"].default if policy is None else policy.base
+        return getattr(base, self.name)
+
+
 @register
 @dataclass(frozen=True)
 class ThinK(Wrapper):
-    base: ScoredEviction = param(SnapKV(), "Eviction policy that compresses the prompt first (any scored eviction "
-                                 "policy; set its parameters as base.NAME). The authors' runs: SnapKV or H2O.",
-                                 choices=scored_eviction_names)
+    base: Policy = param(SnapKV(), "Eviction policy that compresses the prompt first (any scored eviction policy, "
+                         "or full for none, kvpress's ThinKPress alone; set its parameters as base.NAME). The "
+                         "authors' runs: SnapKV or H2O.", choices=lambda: ("full", *scored_eviction_names()))
     ratio: float = param(0.4, "Share of each KV head's key channels pruned, rounded down (the authors' code: 0.4; "
                          "the paper's runs 0.4 and 0.5; kvpress's key_channel_compression_ratio).",
                          minimum=0.0, maximum=1.0)
@@ -63,14 +75,12 @@ class ThinK(Wrapper):
                        "the newest 32 whole.")
     presets: ClassVar[dict[str, dict]] = {"kvpress": {"recent": 0}, "paper": {"recent": 32}}
     prunes_keys = True
+    budget_free = FromBase()  # over full: no budget
+    cross_layer = FromBase()
 
     def validate(self):
         check(self.ratio < 1, f"ratio of think is the share of key channels pruned, below 1 (some must stay); "
                               f"got {self.ratio}.")
-
-    @property
-    def cross_layer(self) -> bool:
-        return self.base.cross_layer
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
         self.base.observe_prefill(rows, prompt)
