@@ -200,7 +200,8 @@ def test_ppl_command_equals_the_models_own_loss(name, tiny_dir, long_text, tmp_p
 REFUSALS = {**{("expected_attention", n): "rotary embedding" for n in ("gpt2", "gpt_neox", "gemma3")},
             **{("kvzip", n): "sliding-window" for n in ("mistral", "qwen2 (sliding layers)", "gemma2", "gemma3")}}
 # windows that fit the matrix's 40-token prompts (their defaults, 64, need longer ones)
-SMALL_PROMPT = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4, "base.window": 4}, "adakv": {"base.window": 4}}
+SMALL_PROMPT = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4, "base.window": 4}, "adakv": {"base.window": 4},
+                "think": {"base.window": 4, "window": 4}}
 
 
 @pytest.mark.parametrize("name", list(MATRIX))
