@@ -46,7 +46,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # The generated pages (command line, policies, analyses, results) and the README's generated tables, rewritten
-# from their sources; tests/test_docs.py fails when they are out of date.
+# from their sources; tests/docs/test_docs.py fails when they are out of date.
 docs-gen: $(STAMP)
 	$(PY) scripts/gen_docs.py
 
@@ -61,8 +61,9 @@ test-fast: lint
 # The float-sensitive tests under other ATen kernel sets and one thread: stored references, the engine
 # against the model, the executors and the property tests must not depend on the machine's kernels.
 # Two passes cover the three axes: AVX2 kernels, then the default (scalar) kernels on one thread.
-PORTABLE_TESTS := tests/test_golden_runs.py tests/test_kvpress_crosscheck.py tests/test_engine.py \
-	tests/test_sweep.py::test_six_cells_give_the_same_rows_in_process_with_workers_and_on_ray
+PORTABLE_TESTS := tests/cross_checks/test_golden_runs.py tests/cross_checks/test_kvpress_crosscheck.py \
+	tests/engine/test_engine.py \
+	tests/bench/test_sweep.py::test_six_cells_give_the_same_rows_in_process_with_workers_and_on_ray
 test-portable: model
 	@for setting in "ATEN_CPU_CAPABILITY=avx2" "ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1"; do \
 		echo "== $$setting"; \
@@ -72,12 +73,13 @@ test-portable: model
 
 # On a CUDA GPU: the embedded model on the GPU against the CPU (fp32 decisions, bf16 against transformers, every
 # policy in bf16), then the engine's, policies' and task protocol's tests with their models on the GPU.
-CUDA_TESTS := tests/test_architectures.py tests/test_engine.py tests/test_task_protocol.py tests/test_field_methods.py \
-	tests/test_chunked_prefill.py tests/test_quantized_storage.py tests/test_policies.py tests/test_merging_policies.py
+CUDA_TESTS := tests/engine/test_architectures.py tests/engine/test_engine.py tests/engine/test_task_protocol.py \
+	tests/engine/test_chunked_prefill.py tests/engine/test_quantized_storage.py tests/policies/test_field_methods.py \
+	tests/policies/test_policies.py tests/policies/test_merging_policies.py
 test-cuda: model
-	$(PY) -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py
+	$(PY) -m pytest -q -p no:cacheprovider -m cuda tests/cross_checks/test_cuda.py
 	KVLENS_TEST_DEVICE=cuda $(PY) -m pytest -q -p no:cacheprovider -m "not slow and not browser" $(CUDA_TESTS)
-	KVLENS_TEST_DEVICE=cuda $(PY) -m pytest -q -p no:cacheprovider tests/test_hf_integration.py
+	KVLENS_TEST_DEVICE=cuda $(PY) -m pytest -q -p no:cacheprovider tests/hf/test_hf_integration.py
 
 # Property tests with random seeds and 20x the examples (CI runs them derandomized).
 fuzz: model

@@ -1,4 +1,4 @@
-"""Independent reference values from NVIDIA kvpress for `tests/test_kvpress_crosscheck.py`.
+"""Independent reference values from NVIDIA kvpress for `tests/cross_checks/test_kvpress_crosscheck.py`.
 
     python scripts/crosscheck_kvpress.py [--venv DIR] [--model DIR] [--only CASE ...]
 

@@ -1,4 +1,4 @@
-"""Independent reference values from Hugging Face optimum-quanto for `tests/test_quantize_reference.py`.
+"""Independent reference values from Hugging Face optimum-quanto for `tests/cross_checks/test_quantize_reference.py`.
 
     python scripts/crosscheck_quanto.py [--venv DIR] [--torch-index URL]
 
@@ -90,10 +90,10 @@ RECIPE = ("g = torch.Generator().manual_seed(SEED); "
 
 
 def build_x(torch):
-    """The test tensor, float32 `SHAPE` (RECIPE; `tests/test_quantize_reference.py` builds the same): like keys,
-    per-channel offsets and scales (growing with the channel index, three outlier channels) and a slow drift along
-    the positions, so that consecutive tokens and neighbouring channels are alike and a group of other members
-    (strided tokens, interleaved channels) has another range."""
+    """The test tensor, float32 `SHAPE` (RECIPE; `tests/cross_checks/test_quantize_reference.py` builds the
+    same): like keys, per-channel offsets and scales (growing with the channel index, three outlier channels) and a
+    slow drift along the positions, so that consecutive tokens and neighbouring channels are alike and a group of
+    other members (strided tokens, interleaved channels) has another range."""
     r, n, d = SHAPE
     g = torch.Generator().manual_seed(SEED)
     scale = (0.25 + 1.5 * torch.arange(d) / d) * (0.75 + 0.5 * torch.rand(d, generator=g))

@@ -6,8 +6,8 @@ Each configuration (`ATEN_CPU_CAPABILITY:OMP_NUM_THREADS`) re-runs, in a fresh p
 golden case (`tests/data/golden_runs.json`) and every kvpress case
 (`tests/data/kvpress_reference.json`), and reports the largest absolute and relative deviation
 of the per-step NLL (and of the perturbation summaries) from the stored values, and whether
-every decision and kept count is identical. The tolerances of `tests/test_golden_runs.py` and
-`tests/test_kvpress_crosscheck.py` are set from this measurement (their docstrings quote it).
+every decision and kept count is identical. The tolerances of `tests/cross_checks/test_golden_runs.py` and
+`tests/cross_checks/test_kvpress_crosscheck.py` are set from this measurement (their docstrings quote it).
 A capability the CPU lacks (e.g. avx512 on an AVX2 machine) falls back silently in ATen, so
 the script prints the capability each process really used.
 """
@@ -58,7 +58,7 @@ def inside() -> dict:
         out["kvpress"][case] = {"nll": deviation(r.tensors["steps/nll"].tolist(), spec["nll"])}
     from kvlens.experiments.api import encode
     from kvlens.texts import DIR
-    from tests.test_kvpress_crosscheck import removed_by_step, same_tokens
+    from tests.cross_checks.test_kvpress_crosscheck import removed_by_step, same_tokens
 
     shape, prompt = model.shape(), ref["prompt"]
     for case, spec in ref["prompt_cases"].items():

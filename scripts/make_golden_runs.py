@@ -2,7 +2,7 @@
 
     python scripts/make_golden_runs.py [--cases a,b]   # writes tests/data/golden_runs.json + golden_decisions.parquet
 
-Structural facts are stored explicitly and compared exactly by `tests/test_golden_runs.py`:
+Structural facts are stored explicitly and compared exactly by `tests/cross_checks/test_golden_runs.py`:
 every decision row (step, layer, KV head, action, position, merge targets, Bernoulli draw) in
 `golden_decisions.parquet`, and the kept count of every step, layer and KV head in the JSON; the
 kept positions follow from them. Floats (per-step NLL, per-step sums of merge weights and

@@ -1,8 +1,12 @@
-"""Shared fixtures: a tiny random GQA Llama (seconds, no download) and the embedded SmolLM2."""
+"""Shared fixtures and helpers: a tiny random GQA Llama (seconds, no download), the embedded SmolLM2, the shipped
+runs, the `kvlens` command and the examples of docs/extending.md."""
 from __future__ import annotations
 
+import functools
 import os
-from contextlib import contextmanager
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,53 +49,10 @@ def pytest_report_header(config):
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = texts.DIR
+CACHED_RUNS = ROOT / "cached_runs"  # the runs shipped with the repository, which the app opens first
+TEST_DATA = ROOT / "tests" / "data"  # stored references: golden runs, kvpress and quanto values
 # `make test-cuda` runs the engine's tests with their models on a GPU: KVLENS_TEST_DEVICE=cuda (fp32, as on CPU).
 DEVICE = torch.device(os.environ.get("KVLENS_TEST_DEVICE", "cpu"))
-
-
-@pytest.fixture(scope="module")
-def external_requests() -> list[str]:
-    """The URLs outside 127.0.0.1 that a browser test module's pages asked for (refused by
-    `kvlens.ui.browser.refuse_external`, which the module's browser fixture installs with this list)."""
-    return []
-
-
-@pytest.fixture
-def offline(external_requests):
-    """Fail the browser test during which (or before which, in the module's setup) a page requested
-    anything from a host other than 127.0.0.1: the app must work without internet."""
-    yield
-    seen = sorted(set(external_requests))
-    external_requests.clear()
-    assert not seen, f"the app requested {len(seen)} URL(s) outside 127.0.0.1 (it must work offline): {seen}"
-
-
-@contextmanager
-def chromium_app(runs_dir: Path):
-    """`streamlit run app.py` on the runs folder `runs_dir` and a headless Chromium: yields (chromium, url). Skips
-    the module when Debian's chromium is missing."""
-    from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, streamlit_server
-
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium package (make test does so when run as root)")
-    from playwright.sync_api import sync_playwright
-
-    with streamlit_server(env={**os.environ, "KVLENS_RUNS": str(runs_dir)}) as url, sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield chromium, url
-        finally:
-            chromium.close()
-
-
-def offline_page(chromium, external_requests: list[str], width: int = 1500, height: int = 1000):
-    """A page in a new browser context (no cookies, no session) whose requests off 127.0.0.1 are refused and
-    recorded in `external_requests` (the `offline` fixture then fails the test)."""
-    from kvlens.ui.browser import refuse_external
-
-    context = chromium.new_context(viewport={"width": width, "height": height})
-    refuse_external(context, external_requests)
-    return context.new_page()
 
 
 class ByteTokenizer:
@@ -162,3 +123,52 @@ def shrink(policy, rows, budget: int | None, log=None, prompt: bool = False) -> 
     from kvlens.engine.cache import Phase, Step
 
     policy.compress(rows, Step(0 if prompt else 1, Phase.PREFILL if prompt else Phase.DECODE, budget, log))
+
+
+TINY_RUN_T = 160  # the prompt tokens of `tiny_run`
+
+
+@functools.cache
+def tiny_run(tmp_dir: str | None = None):
+    """A full-cache run of the tiny model with prefill states (TINY_RUN_T prompt tokens, 4 steps), saved if asked."""
+    from kvlens.engine.loop import RunOptions
+    from kvlens.engine.loop import run as engine_run
+    from kvlens.policies import make_policy
+    from kvlens.texts import prefix_ids
+
+    model = tiny_model()
+    text = (TEXTS / "1961-Kennedy.txt").read_text()
+    ids = prefix_ids(model, text, TINY_RUN_T)
+    opts = RunOptions(max_new_tokens=4, record="states")
+    r = engine_run(model, make_policy("full"), ids, prefill=TINY_RUN_T, steps=4, teacher=False, opts=opts)
+    if tmp_dir:
+        r.save(tmp_dir)
+    return r
+
+
+@pytest.fixture(scope="module")
+def cam():
+    """The shipped CaM run with attention rows and perturbation (`cached_runs/cam-attention`)."""
+    from kvlens import load_run
+
+    return load_run(CACHED_RUNS / "cam-attention")
+
+
+def kvlens(*args: str) -> subprocess.CompletedProcess:
+    """`python -m kvlens ARGS` in a subprocess, its output captured as text."""
+    return subprocess.run([sys.executable, "-m", "kvlens", *args], capture_output=True, text=True, timeout=600)
+
+
+def one_sentence(stderr: str) -> bool:
+    """Whether the command's error output is one `kvlens: error: ` sentence and no traceback."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return len(lines) == 1 and lines[0].startswith("kvlens: error: ") and "Traceback" not in stderr
+
+
+def doc_example(section: str) -> tuple[str, str]:
+    """The first python block of a section of docs/extending.md and the file name the section says to save it as."""
+    text = (ROOT / "docs" / "extending.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", body, re.S).group(1)
+    path = re.search(r"saved as `([^`]+\.py)`", body).group(1)
+    return path, code

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT
+
 PACKAGE = ROOT / "kvlens"
 LAYERS = [  # bottom first; a module belongs to the layer of its longest matching prefix
     ("base", ["kvlens.version", "kvlens.errors", "kvlens.lists", "kvlens.levels", "kvlens.params", "kvlens.texts"]),

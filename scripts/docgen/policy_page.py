@@ -78,7 +78,8 @@ def kvpress_line(name: str, cls, checked: dict[str, str]) -> str:
     if not cls.kvpress:
         return "**kvpress**: no equivalent press.\n\n"
     out = f"**kvpress**: `{cls.kvpress}`"
-    out += (f", cross-checked on {checked[name]} (`tests/test_kvpress_crosscheck.py`, kvpress {kvpress_version()})"
+    test = "tests/cross_checks/test_kvpress_crosscheck.py"
+    out += (f", cross-checked on {checked[name]} (`{test}`, kvpress {kvpress_version()})"
             if name in checked else ", not cross-checked")
     out += f". {cls.kvpress_differs}\n\n" if cls.kvpress_differs else ".\n\n"
     return out
