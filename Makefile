@@ -35,8 +35,10 @@ browser:
 run: model
 	$(VENV)/bin/streamlit run app.py --server.address $(HOST) --server.port $(PORT)
 
+# ruff, then mypy as configured in pyproject.toml (strict on the policies and the cache rows they are handed).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
 
 test: model browser lint docs
 	$(PY) -m pytest -q --durations=25

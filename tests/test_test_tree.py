@@ -6,7 +6,7 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.conftest import CACHED_RUNS, ROOT
 
 TESTS = ROOT / "tests"
 
@@ -57,5 +57,5 @@ def test_no_test_module_imports_another():
 def test_only_the_conftest_names_the_shipped_runs_folder():
     named = [f"{path.relative_to(ROOT)}:{node.lineno}" for path, tree in parsed().items()
              if path != TESTS / "conftest.py" for node in ast.walk(tree)
-             if isinstance(node, ast.Constant) and node.value == "cached_runs"]
+             if isinstance(node, ast.Constant) and node.value == CACHED_RUNS.name]
     assert not named, named

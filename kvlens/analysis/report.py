@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import plotly.graph_objects as go
@@ -49,7 +50,7 @@ padding:10px 12px;font-size:12px;margin:0}
 """
 
 
-def report_html(runs: list[Run], explained: list[dict] = ()) -> str:
+def report_html(runs: list[Run], explained: Sequence[dict] = ()) -> str:
     """The report of `runs` and of `explained` (`kvlens explain` results; at least one of either) as one HTML
     document (see module docstring)."""
     if not runs and not explained:
@@ -85,7 +86,7 @@ def checked_out(out: str | Path) -> Path:
     return out
 
 
-def write_report(runs: list[Run], out: str | Path, explained: list[dict] = ()) -> Path:
+def write_report(runs: list[Run], out: str | Path, explained: Sequence[dict] = ()) -> Path:
     """Write `report_html(runs, explained)` to `out` (checked by `checked_out`); the path written."""
     out = checked_out(out)
     text = report_html(runs, explained)

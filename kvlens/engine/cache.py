@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -114,8 +114,10 @@ class CacheRows(Protocol):
     Tensors are views `[:, :n_slots]` of the rows' buffers; assigning one copies into them.
     """
 
-    layers: tuple[int, ...]  # the model layers whose rows these are, in row order
-    kv_heads: int  # rows per layer
+    @property
+    def layers(self) -> tuple[int, ...]: ...  # the model layers whose rows these are, in row order
+    @property
+    def kv_heads(self) -> int: ...  # rows per layer
     keys: torch.Tensor  # (1, R, S, D) after RoPE
     values: torch.Tensor  # (1, R, S, D)
     pos: torch.Tensor  # (R, S) long, -1 for a free slot
@@ -124,10 +126,14 @@ class CacheRows(Protocol):
     nobs: torch.Tensor  # (R, S) float32, queries that observed each slot
     extra: MutableMapping[str, torch.Tensor]  # name -> (R, S, ...) per-slot policy statistics
     last_attn: torch.Tensor | None  # (R * G, S) float32, the latest query's attention (G query heads per row)
-    states: list[dict]  # per layer in `layers`: the policy's run state
-    n_slots: int  # slots in use per row (free slots and padding included)
-    n_kept: int  # valid slots of the fullest row
-    padded: bool  # some row has a free or padding slot among its n_slots
+    @property
+    def states(self) -> list[dict[str, Any]]: ...  # per layer in `layers`: the policy's run state
+    @property
+    def n_slots(self) -> int: ...  # slots in use per row (free slots and padding included)
+    @property
+    def n_kept(self) -> int: ...  # valid slots of the fullest row
+    @property
+    def padded(self) -> bool: ...  # some row has a free or padding slot among its n_slots
 
     def kept_per_row(self) -> torch.Tensor: ...  # (R,) valid slots per row
     def position_order(self) -> torch.Tensor: ...  # (R, S) slot indices oldest first, free/padding last
@@ -144,12 +150,13 @@ class LayerBook:
 
     layer: int
     limit: int | None = None  # most slots this layer will need (its budget + 1, or the run's length)
-    state: dict = field(default_factory=dict)  # the policy's run state for this layer
+    state: dict[str, Any] = field(default_factory=dict)  # the policy's run state for this layer
     n_kept: int = 0  # valid slots of the fullest KV head
     holes: torch.Tensor | None = None  # (Hkv, E) slots freed by `free`, to be reused first
     pad: bool = False  # `retain` left padding (heads keeping different counts); never reused
     written: torch.Tensor | None = None  # (Hkv, q) the slots the latest `append` wrote
-    fresh: tuple | None = None  # quantized storage: the latest `append`'s keys and values (Hkv, q, D) as fed
+    # quantized storage: the latest `append`'s keys and values (Hkv, q, D) as fed
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None
     last_attn: torch.Tensor | None = None  # (Hq, S) the latest query's attention
 
 
@@ -182,15 +189,18 @@ class SlotStore:
         """Keys or values `(1, R', n, D)` of `rows`: a view of the buffer, or (quantized) the rows' working copy."""
         if name in self.buffers:
             return self.buffers[name][:, rows, : self.n]
+        packed = self.packed or {}  # a packed name: keys and values not in the buffers
         start, stop, _ = rows.indices(self.rows)
         key = (name, start, stop)
         if key not in self.working:
             self.commit(name)
-            self.working[key] = self.packed[name].read(slice(start, stop), self.n)[None]
+            self.working[key] = packed[name].read(slice(start, stop), self.n)[None]
         return self.working[key]
 
     def commit(self, name: str | None = None) -> None:
         """Store the slots changed in the working copies (of `name`, or both) and drop the copies."""
+        if self.packed is None:
+            return  # no working copies: the buffers are what the model and the policy see
         for key in [k for k in self.working if name is None or k[0] == name]:
             copy = self.working.pop(key)
             rows = slice(key[1], key[2])
@@ -244,7 +254,7 @@ class SlotStore:
                             if n in STATES)
 
 
-class ExtraView(MutableMapping):
+class ExtraView(MutableMapping[str, torch.Tensor]):
     """`SlotRows.extra`: each per-slot statistic as a `(R, S, ...)` view; assigning copies into the store."""
 
     def __init__(self, rows: SlotRows):
@@ -257,7 +267,7 @@ class ExtraView(MutableMapping):
         return store.extra[name][self._rows.rows, : store.n]
 
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
-        store, rows = self._rows.store, self._rows.rows
+        store, rows = self._rows._live, self._rows.rows
         if name not in store.extra or store.extra[name].shape[2:] != value.shape[2:] \
                 or store.extra[name].dtype != value.dtype:
             store.extra[name] = value.new_zeros((store.rows, store.capacity, *value.shape[2:]))
@@ -275,11 +285,25 @@ class ExtraView(MutableMapping):
         return 0 if store is None else len(store.extra)
 
 
+class RowTensor:
+    """A tensor of `SlotRows` (`keys`, `pos`, ...): reading gives its view `[:, :n_slots]` of the store's
+    buffer, assigning copies into it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, rows: SlotRows, owner: type | None = None) -> torch.Tensor:
+        return rows._view(self.name)
+
+    def __set__(self, rows: SlotRows, value: torch.Tensor) -> None:
+        rows._assign(self.name, value)
+
+
 class SlotRows:
     """A view of rows `rows` of `store`, for the layers in `books` (one, or all): implements `CacheRows`."""
 
     def __init__(self, books: list[LayerBook], store: SlotStore | None = None, rows: slice = slice(0, 0),
-                 owner=None):
+                 owner: KVCache | None = None):
         self.books = books
         self.store = store
         self.rows = rows
@@ -294,54 +318,63 @@ class SlotRows:
     def kv_heads(self) -> int:
         return self._n_rows() // len(self.books)
 
-    def _n_rows(self) -> int:
-        return len(range(*self.rows.indices(self.store.rows)))
-
-    def _view(self, name: str) -> torch.Tensor | None:
+    @property
+    def _live(self) -> SlotStore:
+        """The rows' store, which the first `append` (the prompt's) makes."""
         if self.store is None:
-            return None
+            raise RuntimeError("kvlens: a layer of the cache was read before it held any token")
+        return self.store
+
+    def _n_rows(self) -> int:
+        return len(range(*self.rows.indices(self._live.rows)))
+
+    def _view(self, name: str) -> torch.Tensor:
+        store = self._live
         if name in STATES:
-            return self.store.states(name, self.rows)
-        return self.store.buffers[name][self.rows, : self.store.n]
+            return store.states(name, self.rows)
+        return store.buffers[name][self.rows, : store.n]
 
     def _assign(self, name: str, value: torch.Tensor) -> None:
         view = self._view(name)
-        if view is None or view.shape != value.shape:
-            raise ValueError(f"{name} must keep the cache's shape {None if view is None else tuple(view.shape)}")
+        if view.shape != value.shape:
+            raise ValueError(f"{name} must keep the cache's shape {tuple(view.shape)}")
         if view.data_ptr() != value.data_ptr():
             view.copy_(value)
         if name in ("pos", "valid"):
-            self.store.order = None
+            self._live.order = None
 
-    keys = property(lambda self: self._view("keys"), lambda self, v: self._assign("keys", v))
-    values = property(lambda self: self._view("values"), lambda self, v: self._assign("values", v))
-    pos = property(lambda self: self._view("pos"), lambda self, v: self._assign("pos", v))
-    abar = property(lambda self: self._view("abar"), lambda self, v: self._assign("abar", v))
-    nobs = property(lambda self: self._view("nobs"), lambda self, v: self._assign("nobs", v))
-    valid = property(lambda self: self._view("valid"), lambda self, v: self._assign("valid", v))
+    keys = RowTensor()
+    values = RowTensor()
+    pos = RowTensor()
+    abar = RowTensor()
+    nobs = RowTensor()
+    valid = RowTensor()
 
     @property
     def extra(self) -> ExtraView:
         return ExtraView(self)
 
     @extra.setter
-    def extra(self, values: dict[str, torch.Tensor]) -> None:
+    def extra(self, values: Mapping[str, torch.Tensor]) -> None:
         for name, t in values.items():
             self.extra[name] = t
 
     @property
     def last_attn(self) -> torch.Tensor | None:
-        rows = [b.last_attn for b in self.books]
-        return None if any(r is None for r in rows) else rows[0] if len(rows) == 1 else torch.cat(rows)
+        rows = [b.last_attn for b in self.books if b.last_attn is not None]
+        if len(rows) < len(self.books):
+            return None
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     @last_attn.setter
     def last_attn(self, value: torch.Tensor | None) -> None:
-        parts = [None] * len(self.books) if value is None else value.chunk(len(self.books))
+        parts: list[torch.Tensor | None] = [None] * len(self.books) if value is None else \
+            list(value.chunk(len(self.books)))
         for book, part in zip(self.books, parts, strict=True):
             book.last_attn = part
 
     @property
-    def states(self) -> list[dict]:
+    def states(self) -> list[dict[str, Any]]:
         return [b.state for b in self.books]
 
     @property
@@ -363,8 +396,10 @@ class SlotRows:
     @property
     def written(self) -> torch.Tensor | None:
         """`(R, q)` the slots the latest `append` wrote."""
-        parts = [b.written for b in self.books]
-        return None if any(p is None for p in parts) else parts[0] if len(parts) == 1 else torch.cat(parts)
+        parts = [b.written for b in self.books if b.written is not None]
+        if len(parts) < len(self.books):
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @property
     def nbytes(self) -> int:
@@ -376,7 +411,7 @@ class SlotRows:
 
     def position_order(self) -> torch.Tensor:
         """`(R, S)` slot indices sorted by position, oldest first, free and padding slots last."""
-        store = self.store
+        store = self._live
         if store.order is not None and store.order.shape[1] == store.n and self._whole_store():
             return store.order
         order = torch.argsort(self.pos.masked_fill(~self.valid, torch.iinfo(self.pos.dtype).max), dim=-1,
@@ -401,7 +436,7 @@ class SlotRows:
         return list(zip(self.layers, t.chunk(len(self.books)), strict=True))
 
     def _whole_store(self) -> bool:
-        return self._n_rows() == self.store.rows
+        return self._n_rows() == self._live.rows
 
     # -- the contract: changing --------------------------------------------------------------------
     def free(self, index: torch.Tensor) -> None:
@@ -411,7 +446,7 @@ class SlotRows:
         When the slots in use exceed a layer's `limit` (the prompt's cache after its first
         compression), the kept slots move into buffers of `limit` slots and the old ones are released.
         """
-        store = self.store
+        store = self._live
         uneven = bool((index < 0).any())
         if store.packed is not None or uneven:  # the freed slots as a mask `(R, n)`
             gone = torch.zeros(index.shape[0], store.n + 1, dtype=torch.bool, device=index.device)
@@ -430,7 +465,7 @@ class SlotRows:
             store.order = torch.cat([store.order[~left].view(left.shape[0], -1), index], dim=1)
         else:
             store.order = None
-        counts = self.valid.sum(-1).chunk(len(self.books)) if uneven else None
+        counts = self.valid.sum(-1).chunk(len(self.books)) if uneven else ()
         for i, (book, part) in enumerate(zip(self.books, index.chunk(len(self.books)), strict=True)):
             book.holes = first_valid(part if book.holes is None else torch.cat([book.holes, part], dim=1))
             if uneven:
@@ -449,14 +484,14 @@ class SlotRows:
         capacity = max(s, capacity or s)
         d = self.keys.shape[-1]
         idx4 = index[None, :, :, None].expand(1, -1, -1, d)
-        old, old_rows = self.store, self.rows
+        old, old_rows = self._live, self.rows
         names = list(old.buffers) + list(old.packed or {})
         kept = {name: torch.gather(self._view(name), 2, idx4) if name in STATES else torch.gather(self._view(name), 1,
                                                                                                    index)
                 for name in names}
         extras = {}
-        for name, t in self.store.extra.items():
-            view = t[self.rows, : self.store.n]
+        for name, t in old.extra.items():
+            view = t[self.rows, : old.n]
             ix = index.view(*index.shape, *([1] * (view.dim() - 2))).expand(-1, -1, *view.shape[2:])
             extras[name] = torch.gather(view, 1, ix)
         if valid is not None:
@@ -465,7 +500,7 @@ class SlotRows:
             group = self.last_attn.shape[0] // index.shape[0]
             self.last_attn = torch.gather(self.last_attn, 1, index.repeat_interleave(group, 0))
         self.store, self.rows = self.owner(self, capacity) if self.owner is not None else \
-            (self.store.empty_like(index.shape[0], capacity), slice(0, index.shape[0]))
+            (old.empty_like(index.shape[0], capacity), slice(0, index.shape[0]))
         store = self.store
         store.n = capacity  # the spare slots are free ones, which the next tokens fill
         for name, t in kept.items():
@@ -473,10 +508,12 @@ class SlotRows:
                 continue
             view = self._view(name)
             (view[:, :, :s] if name in STATES else view[:, :s]).copy_(t)
-        if store.packed is not None:  # the kept slots' window entries follow them; the rest is quantized again
+        if store.packed is not None and old.packed is not None:
+            # the kept slots' window entries follow them; the rest is quantized again. The new store's storage is
+            # the old one's kind (`empty_like`), which mypy cannot see.
             valid = self.valid
             for name, q in store.packed.items():
-                q.take(self.rows, old.packed[name], old_rows, index, kept[name][0], valid)
+                q.take(self.rows, old.packed[name], old_rows, index, kept[name][0], valid)  # type: ignore[arg-type]
         for name, t in extras.items():
             self.extra[name] = torch.cat([t, t.new_zeros((t.shape[0], capacity - s, *t.shape[2:]))], dim=1)
         store.order = None
@@ -501,34 +538,35 @@ class SlotRows:
         if self.store is None:
             self._adopt(key, value, positions)
         elif q == 1 and book.holes is not None:
-            self._fill_free(key, value, positions)
+            self._fill_free(book.holes, key, value, positions)
         elif book.holes is not None and self.owner is not None and self.owner.chunked:
-            self._fill_chunk(key, value, positions)
+            self._fill_chunk(book.holes, key, value, positions)
         else:
             self._write_end(key, value, positions)
         book.n_kept += q
         book.last_attn = None  # the slots changed: the next query's attention replaces it
 
-    def _adopt(self, key, value, positions) -> None:
+    def _adopt(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
         """The prefill's tensors become a store of this layer's own (no copy)."""
         hkv, q = key.shape[1], key.shape[2]
         dev = key.device
-        self.store = SlotStore({"keys": key.contiguous(), "values": value.contiguous(),
+        store = self.store = SlotStore({"keys": key.contiguous(), "values": value.contiguous(),
                                 "pos": positions.view(1, q).expand(hkv, q).clone(),
                                 "abar": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
                                 "nobs": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
                                 "valid": torch.ones(hkv, q, dtype=torch.bool, device=dev)}, q)
         slots = torch.arange(q, device=dev).expand(hkv, q)
-        self.store.order = slots if q == 1 or bool((positions[1:] > positions[:-1]).all()) else None
+        store.order = slots if q == 1 or bool((positions[1:] > positions[:-1]).all()) else None
         self.rows = slice(0, hkv)
         self.books[0].written = slots
 
-    def _fill_free(self, key, value, positions) -> None:
+    def _fill_free(self, holes: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   positions: torch.Tensor) -> None:
         """Write one token into each head's oldest freed slot (the oldest freed slot is already the first
         free one in position order, so the order stays valid). When some head has none (heads keeping
         different counts), every head gets one more slot at the end: a freed one for the heads that had theirs."""
-        book, store = self.books[0], self.store
-        slot, rest = book.holes[:, 0], book.holes[:, 1:]  # (Hkv,): -1 where a head has no freed slot
+        book, store = self.books[0], self._live
+        slot, rest = holes[:, 0], holes[:, 1:]  # (Hkv,): -1 where a head has no freed slot
         if bool((slot < 0).any()):
             end = store.n
             if end == store.capacity:
@@ -541,23 +579,24 @@ class SlotRows:
         self._write_into(slot[:, None], key, value, positions)
         book.written = slot[:, None]
 
-    def _fill_chunk(self, key, value, positions) -> None:
+    def _fill_chunk(self, holes: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    positions: torch.Tensor) -> None:
         """A chunk of q tokens: the first k into the k freed slots every head has, the rest after the slots in use."""
-        book, store = self.books[0], self.store
-        k = min(key.shape[2], int((book.holes >= 0).sum(-1).min()))
-        slots, rest = book.holes[:, :k], book.holes[:, k:]
+        book, store = self.books[0], self._live
+        k = min(key.shape[2], int((holes >= 0).sum(-1).min()))
+        slots, rest = holes[:, :k], holes[:, k:]
         book.holes = first_valid(rest) if rest.shape[1] else None
         self._write_into(slots, key[:, :, :k], value[:, :, :k], positions[:k])
         store.order = None
         if k < key.shape[2]:
-            self._write_end(key[:, :, k:], value[:, :, k:], positions[k:])
-            slots = torch.cat([slots, book.written], dim=1)
+            slots = torch.cat([slots, self._write_end(key[:, :, k:], value[:, :, k:], positions[k:])], dim=1)
         book.written = slots
 
-    def _write_into(self, slots: torch.Tensor, key, value, positions) -> None:
+    def _write_into(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    positions: torch.Tensor) -> None:
         """New tokens `(1, Hkv, k, D)` at `positions` `(k,)` into freed `slots` `(Hkv, k)` (`free` already zeroed
         their abar and nobs)."""
-        store = self.store
+        store = self._live
         heads = torch.arange(slots.shape[0], device=slots.device)[:, None] + self.rows.start
         store.buffers["pos"][heads, slots] = positions
         store.buffers["valid"][heads, slots] = True
@@ -565,8 +604,10 @@ class SlotRows:
         for t in store.extra.values():
             t[heads, slots] = 0
 
-    def _write_end(self, key, value, positions) -> None:
-        store, book = self.store, self.books[0]
+    def _write_end(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """New tokens `(1, Hkv, q, D)` after the slots in use (growing the buffers if needed); returns their
+        slots `(Hkv, q)`."""
+        store, book = self._live, self.books[0]
         if not self._whole_store():
             raise RuntimeError("kvlens: a layer of the all-layer store cannot grow (its slots are the budget's)")
         hkv, q = key.shape[1], key.shape[2]
@@ -583,21 +624,24 @@ class SlotRows:
         store.n = need
         self._write_states(new, key, value, positions)
         book.written = new
+        return new
 
-    def _write_states(self, slots: torch.Tensor, key, value, positions) -> None:
+    def _write_states(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      positions: torch.Tensor) -> None:
         """New tokens' keys and values `(1, Hkv, q, D)` into `slots` `(Hkv, q)`: into the buffers, or into packed
         storage (quantized: its full-precision window)."""
-        store = self.store
+        store = self._live
         heads = torch.arange(slots.shape[0], device=slots.device)[:, None] + self.rows.start
         if store.packed is not None:
             store.commit()
             self.books[0].fresh = (key[0], value[0])
         valid = store.buffers["valid"][self.rows, : store.n]
+        packed = store.packed or {}  # the names that are not in the buffers
         for name, x in (("keys", key), ("values", value)):
             if name in store.buffers:
                 store.buffers[name][0, heads, slots] = x[0]
             else:
-                store.packed[name].append(self.rows, slots, x[0], positions, valid)
+                packed[name].append(self.rows, slots, x[0], positions, valid)
 
 
 def first_valid(holes: torch.Tensor) -> torch.Tensor | None:
@@ -646,9 +690,9 @@ class KVCache:
         """Where a layer's compressed layout goes: its rows of the all-layer store, or a store of its own."""
         hkv = view.keys.shape[1]
         if not self.all_layer_mode or len(view.books) != 1 or capacity != view.books[0].limit:
-            return view.store.empty_like(hkv, capacity), slice(0, hkv)
+            return view._live.empty_like(hkv, capacity), slice(0, hkv)
         if self.shared is None:
-            self.shared = view.store.empty_like(hkv * len(self.layers), capacity)
+            self.shared = view._live.empty_like(hkv * len(self.layers), capacity)
         i = view.books[0].layer
         return self.shared, slice(i * hkv, (i + 1) * hkv)
 
@@ -666,10 +710,13 @@ class KVCache:
             self._everywhere = SlotRows(self.books, self.shared, slice(0, self.shared.rows), owner=self)
         return self._everywhere
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[layer_idx]
         if self.replaying:  # a replay pass attends to the cache and to itself, and leaves nothing behind
             return torch.cat([layer.keys, key_states], 2), torch.cat([layer.values, value_states], 2)
+        if self.positions is None:
+            raise RuntimeError("kvlens: the engine sets the cache's positions before each forward")
         layer.append(key_states, value_states, self.positions)
         return layer.keys, layer.values
 
@@ -696,29 +743,31 @@ class KVCache:
         for store in self.stores():
             store.commit()
 
-    def mark(self) -> list[tuple]:
+    def mark(self) -> list[tuple[Any, ...]]:
         """What `rewind` needs to bring a cache that since only grew (no compression) back to now: each layer's
         slots in use, their positions and validity (appends may fill freed slots), its bookkeeping and its
         quantized storage (a flush quantizes tokens for good)."""
         self.commit()
-        return [(view.store.n, view.store.order, view.pos.clone(), view.valid.clone(), dataclasses.replace(book),
-                 None if view.store.packed is None else {k: q.clone() for k, q in view.store.packed.items()})
-                for view, book in zip(self.layers, self.books, strict=True)]
+        stores = [view._live for view in self.layers]
+        return [(store.n, store.order, view.pos.clone(), view.valid.clone(), dataclasses.replace(book),
+                 None if store.packed is None else {k: q.clone() for k, q in store.packed.items()})
+                for view, store, book in zip(self.layers, stores, self.books, strict=True)]
 
-    def rewind(self, mark: list[tuple]) -> None:
+    def rewind(self, mark: list[tuple[Any, ...]]) -> None:
         """Forget every token appended since `mark` (e.g. one question and its answer, before the next question
         on the same compressed context)."""
         with torch.inference_mode():  # the buffers are inference tensors when the run made them
             for view, book, (n, order, pos, valid, saved, packed) in zip(self.layers, self.books, mark, strict=True):
-                view.store.working.clear()
-                view.store.packed = packed if packed is None else {k: q.clone() for k, q in packed.items()}
-                for q in (view.store.packed or {}).values():
-                    q.resize(view.store.capacity)  # the buffers may have grown since the mark
-                view.store.n = n
+                store = view._live
+                store.working.clear()
+                store.packed = packed if packed is None else {k: q.clone() for k, q in packed.items()}
+                for q in (store.packed or {}).values():
+                    q.resize(store.capacity)  # the buffers may have grown since the mark
+                store.n = n
                 view.pos, view.valid = pos, valid
                 for name, fill in STATS.items():  # the slots past `n` are free again (appends since wrote them)
-                    view.store.buffers[name][view.rows, n:] = fill
-                view.store.order = order
+                    store.buffers[name][view.rows, n:] = fill
+                store.order = order
                 vars(book).update(vars(saved))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -7,6 +7,8 @@ they see the attention of every layer and are dropped with the context when the 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvlens.engine.attention import (
@@ -46,7 +48,7 @@ class Observer:
 class RunContext:
     """Routes one run's attention calls: statistics to the cache, rows to policy and observers."""
 
-    def __init__(self, cache: KVCache, policy: Policy, observers: list[Observer] = (), windowed: bool = False,
+    def __init__(self, cache: KVCache, policy: Policy, observers: Sequence[Observer] = (), windowed: bool = False,
                  rotary=None):
         self.cache = cache
         self.windowed = windowed  # some layer slides: its queries see only part of the slots

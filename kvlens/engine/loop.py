@@ -13,14 +13,14 @@ import gc
 import math
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 
 import torch
 
 from kvlens.engine import qfilters
-from kvlens.engine.architectures import inspect_model, rotary_of
+from kvlens.engine.architectures import rotary_of
 from kvlens.engine.attention import CONTEXT_KWARG
 from kvlens.engine.cache import KVCache, Phase, Step
 from kvlens.engine.context import Observer, RunContext
@@ -103,7 +103,7 @@ MODEL_DATA = {"qfilters": qfilters.filters_for}  # what `Policy.model_data` may 
 class _Loop:
     """State of one run; `run()` drives it."""
 
-    def __init__(self, model: LoadedModel, policy: Policy, opts: RunOptions, observers: list[Observer],
+    def __init__(self, model: LoadedModel, policy: Policy, opts: RunOptions, observers: Sequence[Observer],
                  budget: int | None, length: int | None, once: bool = False):
         self.model, self.policy, self.opts = model, policy, opts
         self.recorder = Recorder(opts.record, opts.record_layers)
@@ -115,14 +115,14 @@ class _Loop:
         self.cache = KVCache(model.shape()["layers"], limit=length if budget is None else budget + self.headroom,
                              all_layers=budget is not None and policy.cross_layer and not once)
         self.log = DecisionLog() if opts.log_decisions else None
-        self.ctx = RunContext(self.cache, policy, [self.recorder, *observers], windowed=bool(model.support.sliding),
-                              rotary=rotary_of(model.model, model.support))
+        self.ctx = RunContext(self.cache, policy, [self.recorder, *observers], windowed=bool(model.supported().sliding),
+                              rotary=rotary_of(model.model, model.supported()))
         self.cache.chunked = bool(self.chunk)
         for name in policy.model_data:  # e.g. the model's Q-Filters, one entry per layer, in the layers' run state
             for book, part in zip(self.cache.books, MODEL_DATA[name](model), strict=True):
                 book.state[name] = part
         self.budget = budget
-        self.budgets: list[int | None] = [budget] * model.shape()["layers"]  # each layer's (`Policy.allocate`)
+        self.budgets: Sequence[int | None] = [budget] * model.shape()["layers"]  # each layer's (`Policy.allocate`)
         self.kept: list[torch.Tensor] = []  # (L, Hkv) per step
         self.peak_bytes = 0  # largest cache after compression
         self.replay_ms, self.replay_passes = 0.0, 0  # the policy's replay passes (KVzip), part of the prefill
@@ -177,8 +177,9 @@ class _Loop:
         if index == 0:
             self.prefill_bytes = max(self.prefill_bytes, self.cache.nbytes)
             if self.budget is not None and first:
-                self.budgets = self.policy.allocate(self.budget, self.cache.layers)
-                self.cache.set_budgets(self.budgets, self.headroom)
+                budgets = self.policy.allocate(self.budget, self.cache.layers)
+                self.cache.set_budgets(budgets, self.headroom)
+                self.budgets = budgets
         self.cache.commit()
         everywhere = self.cache.all_layers() if phase is Phase.DECODE else None
         if everywhere is not None:
@@ -203,13 +204,13 @@ class _Loop:
         if last.last_attn is not None:
             slots = last.position_order()[0, : int(last.valid[0].sum())]  # head 0's valid slots, oldest first
             attention = {"positions": last.pos[0, slots].tolist(), "weights": last.last_attn.mean(0)[slots].tolist()}
-        slots = self.kept[-1].max(-1).values.tolist()
+        kept = self.kept[-1].max(-1).values.tolist()
         return StepEvent(step=step, token=token, text=self.model.tokenizer.decode([token]), nll=nll,
-                         kv_slots=slots, kv_bytes=self.cache.nbytes, ms=ms, attention=attention, logits=logits)
+                         kv_slots=kept, kv_bytes=self.cache.nbytes, ms=ms, attention=attention, logits=logits)
 
 
 def run(model: LoadedModel, policy: Policy, ids: list[int], *, prefill: int, steps: int, teacher: bool,
-        opts: RunOptions, observers: list[Observer] = (), on_step: Callable[[StepEvent], None] | None = None,
+        opts: RunOptions, observers: Sequence[Observer] = (), on_step: Callable[[StepEvent], None] | None = None,
         cancel: threading.Event | None = None, meta: dict | None = None) -> Run:
     """Run `policy` over `ids`: prefill the first `prefill`, then produce `steps` tokens.
 
@@ -242,7 +243,7 @@ def run(model: LoadedModel, policy: Policy, ids: list[int], *, prefill: int, ste
 
 
 def run_steps(model: LoadedModel, policy: Policy, ids: list[int], *, prefill: int, steps: int, teacher: bool,
-              opts: RunOptions, observers: list[Observer] = (), meta: dict | None = None
+              opts: RunOptions, observers: Sequence[Observer] = (), meta: dict | None = None
               ) -> Generator[StepEvent, None, Run]:
     """`run` one step at a time: yields each `StepEvent` right after its step and returns the `Run`.
 
@@ -256,7 +257,7 @@ def run_steps(model: LoadedModel, policy: Policy, ids: list[int], *, prefill: in
 
 def _check_chunk(policy: Policy, opts: RunOptions, observers) -> None:
     """Refuse, in one sentence, a chunked prefill the run cannot do as asked."""
-    if opts.prefill_chunk < 1:
+    if opts.prefill_chunk is None or opts.prefill_chunk < 1:
         raise KvlensError("--prefill-chunk must be at least 1 token.")
     if not policy.chunked_prefill:
         names = ", ".join(n for n, cls in REGISTRY.items() if cls.chunked_prefill)
@@ -283,9 +284,7 @@ def new_loop(model: LoadedModel, policy: Policy, opts: RunOptions, observers, pr
              total: int | None) -> _Loop:
     """A run's state over a prompt of `prefill` tokens once the model, the storage and the chunking pass their
     checks, with the budget resolved; `total`: the run's length (None: not known, inside `model.generate`)."""
-    if model.support is None:  # a model built by hand, not through `load_model`: probe it once
-        model.support = inspect_model(model.model)
-    model.support.require()  # never run a model kvlens would only approximate
+    model.supported().require()  # never run a model kvlens would only approximate
     opts.storage.check(model.shape()["head_dim"])
     if policy.prunes_keys and opts.storage.packed:
         raise KvlensError(f"{policy.name} stores its keys channel-pruned, which does not combine with quantized or "

@@ -16,6 +16,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ class LoadedModel:
     """A causal LM loaded with kvlens' attention function, plus what runs need to know about it."""
 
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer, or anything with its calls (the tests' byte tokenizer)
     spec: str
     path: Path
     device: torch.device
@@ -42,12 +43,19 @@ class LoadedModel:
     support: Support | None = None  # set by `load_model` (`kvlens.engine.architectures`)
 
     @property
-    def config(self):
+    def config(self) -> Any:
         return self.model.config
+
+    def supported(self) -> Support:
+        """What kvlens supports of the model: `support`, probed once for a model built by hand (not through
+        `load_model`)."""
+        if self.support is None:
+            self.support = inspect_model(self.model)
+        return self.support
 
     def shape(self) -> dict:
         """Model shape as stored in run.json."""
-        c = self.model.config
+        c = self.config
         heads = getattr(c, "num_attention_heads", None)  # None for models without attention (refused)
         return {
             "layers": c.num_hidden_layers,

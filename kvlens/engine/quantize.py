@@ -76,7 +76,11 @@ class Storage:
 
     def rank_for(self, head_dim: int) -> int:
         """The rank of low-rank storage for heads of `head_dim` channels."""
-        return self.rank if self.rank is not None else max(1, round(self.rank_share * head_dim))
+        if self.rank is not None:
+            return self.rank
+        if self.rank_share is None:
+            raise ValueError("kvlens: only low-rank storage has a rank")
+        return max(1, round(self.rank_share * head_dim))
 
     def check(self, head_dim: int) -> None:
         """Refuse, in one sentence, a rank above the head size, or a group that does not tile a head's `head_dim`
@@ -128,7 +132,8 @@ def _grid16(lo: torch.Tensor, hi: torch.Tensor, top: int) -> tuple[torch.Tensor,
     return lo16, torch.where(short, torch.nextafter(scale16, torch.full_like(scale16, float("inf"))), scale16)
 
 
-def quantize(x: torch.Tensor, bits: int, group: int, along: str, valid: torch.Tensor | None = None):
+def quantize(x: torch.Tensor, bits: int, group: int, along: str,
+             valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`x` `(R, n, D)` -> codes `(R, n, D)` uint8, zero points and scales float16: `(R, n / group, D)` along "slots"
     (n a multiple of `group`; `valid` `(R, n)`: only valid slots set a group's range) or `(R, n, D / group)` along
     "channels". A group without a valid member, or constant, gets scale 0 (codes 0, x^ = its minimum)."""
@@ -198,20 +203,21 @@ class QuantizedStates:
 
     def __init__(self, storage: Storage, name: str, rows: int, capacity: int, dim: int, dtype: torch.dtype,
                  device: torch.device):
+        if storage.bits is None:
+            raise ValueError("kvlens: quantized storage needs its bits")
         self.storage, self.name, self.dtype = storage, name, dtype
         self.bits, self.group = storage.bits, storage.group
         self.along, self.mode = storage.along(name), storage.window(name)
         self.dim = dim
         self.codes = torch.zeros(rows, 0, dim * self.bits // 8, dtype=torch.uint8, device=device)
-        self.lo = self.scale = None
-        self._alloc_params(0, device)
+        self._alloc_params(0, device)  # zero points `lo` and `scale`
         self.resize(capacity)
         w = storage.residual
         self.window = torch.zeros(rows, w, dim, dtype=dtype, device=device)  # full-precision values
         self.window_slot = torch.full((rows, w), -1, dtype=torch.long, device=device)  # -1: empty entry
         self.window_pos = torch.full((rows, w), -1, dtype=torch.long, device=device)
 
-    def _alloc_params(self, capacity: int, device) -> None:
+    def _alloc_params(self, capacity: int, device: torch.device) -> None:
         rows = self.codes.shape[0]
         shape = (rows, -(-capacity // self.group), self.dim) if self.along == "slots" else \
             (rows, capacity, self.dim // min(self.group, self.dim))
@@ -405,7 +411,7 @@ class QuantizedStates:
         values = self.read(rows, valid.shape[1]) if self.along == "slots" else None  # the leaving ones as they are
         self.window_slot[rows] = slot.masked_fill(leaving, -1)  # out of the window, so that they are stored
         self.window_pos[rows] = self.window_pos[rows].masked_fill(leaving, -1)
-        if self.along == "channels":
+        if values is None:  # along channels: the leaving tokens are stored from the window
             self._store_tokens(r + (rows.start or 0), slots, self.window[rows][r, e])
         else:
             changed = torch.zeros(values.shape[:2], dtype=torch.bool, device=values.device)

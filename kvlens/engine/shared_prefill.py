@@ -100,9 +100,7 @@ class SharedPrefill:
     """One context's prefill, kept for every policy in `policies` (at most two forwards: SDPA and eager)."""
 
     def __init__(self, model: LoadedModel, ids: list[int], policies: list[Policy]):
-        if model.support is None:
-            model.support = inspect_model(model.model)
-        model.support.require()
+        model.supported().require()
         _check_length(model, len(ids))
         self.model, self.ids, self.groups, self.logits = model, list(ids), {}, {}
         self.replays: dict[Policy, tuple[int, list[dict]]] = {}  # per policy: its passes, what they left per layer
@@ -110,8 +108,8 @@ class SharedPrefill:
         for sums in sorted({_ctx_of(model, p).column_sums for p in policies}):
             rows = max(_ctx_of(model, p).prefill_rows for p in policies if _ctx_of(model, p).column_sums == sums)
             cache = KVCache(model.shape()["layers"], limit=len(ids))
-            ctx = _Capture(cache, sums, min(rows, len(ids)), bool(model.support.sliding),
-                           rotary_of(model.model, model.support))
+            ctx = _Capture(cache, sums, min(rows, len(ids)), bool(model.supported().sliding),
+                           rotary_of(model.model, model.supported()))
             with torch.inference_mode():
                 self.logits[sums] = feed(model, cache, ctx, self.ids, 0)
             self.groups[sums] = ctx.layers
@@ -157,7 +155,7 @@ class SharedPrefill:
 
 def _ctx_of(model: LoadedModel, policy: Policy) -> RunContext:
     """What a policy's own run would compute in its prefill (its context, without a cache)."""
-    return RunContext(None, policy, windowed=bool(model.support.sliding))
+    return RunContext(None, policy, windowed=bool(model.supported().sliding))
 
 
 def prepare(model: LoadedModel, policy: Policy, context: list[int], budget: int | None, extra: int,

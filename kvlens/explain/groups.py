@@ -2,6 +2,7 @@
 (evicted or merged), the attention sinks, a task sample's needle, and the needle within each (layer, KV head)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +53,7 @@ def check_span(span: int) -> None:
         raise KvlensError(f"A position span must be at least 1 token; got {span}.")
 
 
-def make_groups(pair: Pair, by: list[str], span: int = 32, needles: list[tuple[int, int]] = ()) -> list[Group]:
+def make_groups(pair: Pair, by: list[str], span: int = 32, needles: Sequence[tuple[int, int]] = ()) -> list[Group]:
     """The groups of `by`, in order (the needle's only when `needles`, token spans, are known)."""
     check_span(span)
     removed = pair.removed

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+from typing import Any
 
 from kvlens.errors import KvlensError
 from kvlens.params import Param, parse_budget
@@ -41,7 +42,7 @@ def policy_class(name: str) -> type[Policy]:
     return REGISTRY[name]
 
 
-def parameters(name: str, values: dict | None = None) -> list[Param]:
+def parameters(name: str, values: dict[str, Any] | None = None) -> list[Param]:
     """Each declared hyperparameter of a policy (`kvlens.params.Param`).
 
     A nested policy (CaM's `base`, kind `policy`) is followed by the parameters of the chosen nested
@@ -58,22 +59,25 @@ def parameters(name: str, values: dict | None = None) -> list[Param]:
     return out
 
 
-def changed_params(policy: str, params: dict) -> dict:
+def changed_params(policy: str, params: dict[str, Any]) -> dict[str, Any]:
     """The parameters that differ from the policy's defaults (all of them for an unknown policy)."""
     try:
         defaults = {p.name: p.describe()["default"] for p in parameters(policy, params)}
     except KvlensError:
         return dict(params)
-    plain = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731 (run.json stores tuples as lists)
+
+    def plain(v: Any) -> Any:  # run.json stores tuples as lists
+        return list(v) if isinstance(v, (tuple, list)) else v
+
     return {k: v for k, v in params.items() if k not in defaults or plain(defaults[k]) != plain(v)}
 
 
-def presets(name: str) -> dict[str, dict]:
+def presets(name: str) -> dict[str, dict[str, Any]]:
     """The named settings of a policy (`{}` if it has none)."""
     return dict(policy_class(name).presets)
 
 
-def with_preset(name: str, params: dict | None) -> dict:
+def with_preset(name: str, params: dict[str, Any] | None) -> dict[str, Any]:
     """`params` with `preset=NAME` replaced by the preset's settings; explicit parameters win."""
     params = dict(params or {})
     if "preset" not in params:
@@ -85,12 +89,13 @@ def with_preset(name: str, params: dict | None) -> dict:
     return {**known[chosen], **params}
 
 
-def make_policy(name: str, params: dict | None = None) -> Policy:
+def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
     """Build a validated policy. Nested policies: `{"base": "h2o", "base.recent_ratio": 0.3}`;
     `{"preset": NAME}` applies a named setting first."""
     cls = policy_class(name)
     declared = {p.name: p for p in cls.declared()}
-    own, nested = {}, {}
+    own: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
     for key, value in with_preset(name, params).items():
         head, dot, sub = key.partition(".")
         if dot and head in declared and declared[head].kind == "policy":
@@ -115,13 +120,13 @@ def make_policy(name: str, params: dict | None = None) -> Policy:
         raise KvlensError(f"Bad parameters for policy {name}: {err}.") from err
 
 
-def _unknown(policy: str, key: str, values: dict | None) -> KvlensError:
+def _unknown(policy: str, key: str, values: dict[str, Any] | None) -> KvlensError:
     names = [p.name for p in parameters(policy, values)] + (["preset"] if presets(policy) else [])
     allowed = ", ".join(names) or "none"
     return KvlensError(f"Policy {policy} has no parameter '{key}' (its parameters: {allowed}).")
 
 
-def parse_value(policy: str, key: str, text: str, values: dict | None = None):
+def parse_value(policy: str, key: str, text: str, values: dict[str, Any] | None = None) -> Any:
     """Turn a `--set KEY=VALUE` string into the parameter's value (its `Param.parse`)."""
     spec = next((p for p in parameters(policy, values) if p.name == key), None)
     if spec is None:
@@ -129,7 +134,7 @@ def parse_value(policy: str, key: str, text: str, values: dict | None = None):
     return spec.parse(text, owner=policy)
 
 
-def parse_settings(policy: str, settings: list[str] | None) -> dict:
+def parse_settings(policy: str, settings: list[str] | None) -> dict[str, Any]:
     """`["k=v", ...]` -> typed parameters of `policy`; nested policies (`base=h2o`) are read first."""
     pairs = []
     for item in settings or []:
@@ -137,7 +142,7 @@ def parse_settings(policy: str, settings: list[str] | None) -> dict:
         if not sep or not key.strip():
             raise KvlensError(f"--set takes KEY=VALUE; got '{item}'.")
         pairs.append((key.strip(), value))
-    params: dict = {}
+    params: dict[str, Any] = {}
     for key, value in sorted(pairs, key=lambda kv: "." in kv[0]):  # stable: plain keys, then dotted ones
         params[key] = value.strip() if key == "preset" else parse_value(policy, key, value, params)
     with_preset(policy, params)  # an unknown preset is refused here

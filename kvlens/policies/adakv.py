@@ -50,10 +50,12 @@ class AdaKV(Wrapper):
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         budget = step.budget
+        if budget is None:
+            return
         valid = rows.valid
         r, s = valid.shape
         leaving = int(valid.sum()) - budget * r
-        if budget is None or leaving <= 0:
+        if leaving <= 0:
             return
         score = self.base.score(rows, step).float().masked_fill(~valid, float("inf"))
         protected = self.base.protected(rows, budget)

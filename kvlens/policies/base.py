@@ -13,9 +13,9 @@ report what they did to the step's `DecisionLog`.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, fields
-from typing import ClassVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -34,8 +34,8 @@ def register(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
-def param(default, help: str, *, minimum: float | None = None, maximum: float | None = None,
-          choices: tuple | Callable[[], tuple] | None = None):
+def param(default: Any, help: str, *, minimum: float | None = None, maximum: float | None = None,
+          choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None) -> Any:
     """A hyperparameter: a dataclass field declaring its `kvlens.params.Param` (help, bounds, choices).
 
     `choices` may be a callable (resolved when validating), e.g. the registered names of a kind.
@@ -69,10 +69,11 @@ class Policy:
     reallocates: ClassVar[bool] = False  # layers or heads keep different counts (their total is the budget's)
     chunked_prefill: ClassVar[bool] = False  # can compress the prompt chunk by chunk (`--prefill-chunk`)
     model_data: ClassVar[tuple[str, ...]] = ()  # per-layer data of the model the engine puts in the run state
-    presets: ClassVar[dict[str, dict]] = {}  # named settings, `preset=NAME` (explicit parameters override)
+    # named settings, `preset=NAME` (explicit parameters override)
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}
     prunes_keys: ClassVar[bool] = False  # keeps some key channels only (`key_channels`), after the prompt's compression
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for p in self.declared():
             object.__setattr__(self, p.name, p.check(getattr(self, p.name), owner=self.name))
         self.validate()
@@ -82,7 +83,7 @@ class Policy:
         """The policy's parameters as declared by its `param()` fields."""
         out = []
         for f in fields(cls):
-            default = f.default if f.default is not MISSING else f.default_factory()
+            default = f.default_factory() if callable(f.default_factory) else f.default
             kind = "policy" if isinstance(default, Policy) else ""
             out.append(Param(f.name, default, kind=kind, **f.metadata["param"]))
         return out
@@ -90,9 +91,9 @@ class Policy:
     def validate(self) -> None:
         """Checks across several parameters (single fields are checked from their `param()`)."""
 
-    def params(self) -> dict:
+    def params(self) -> dict[str, Any]:
         """Resolved parameters, nested policies flattened as `base` + `base.PARAM`."""
-        out = {}
+        out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, Policy):
@@ -131,7 +132,7 @@ class Policy:
               f"compress; use a smaller budget or the full policy.")
         return slots
 
-    def allocate(self, budget: int, layers: list[CacheRows]) -> list[int]:
+    def allocate(self, budget: int, layers: Sequence[CacheRows]) -> list[int]:
         """Each layer's budget, decided once the prompt is prefilled, before its compression (`layers`: every
         layer's rows, with the prompt's statistics). The same `budget` everywhere unless the policy allocates
         (PyramidKV, D2O); an allocation keeps the total, `budget` x layers."""
@@ -141,7 +142,7 @@ class Policy:
         """Initialise statistics from the prompt of the rows' layer: its last attention rows `prompt.last`
         `(R * G, L, T)`, queries, positions (`abar` and `nobs` are already set)."""
 
-    def replay_passes(self, tokenizer, prompt: list[int]) -> list[tuple[int, int, list[int]]]:
+    def replay_passes(self, tokenizer: Any, prompt: list[int]) -> list[tuple[int, int, list[int]]]:
         """Extra passes the engine feeds after the prompt, before its compression, each `(start, end, ids)`: `ids`
         reconstruct the prompt's positions start..end - 1 (KVzip). Their keys are never cached. None by default."""
         return []
@@ -193,6 +194,8 @@ class ScoredEviction(Policy):
     def select(self, rows: CacheRows, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots to keep `(R, budget)` and to evict `(R, n_kept - budget)` at `step`, each in position order
         (`select_lowest` on this policy's score and protection)."""
+        if step.budget is None:
+            raise ValueError("kvlens: a scored eviction selects at a step with a budget")
         return select_lowest(rows, self.score(rows, step), self.protected(rows, step.budget), step.budget)
 
 
@@ -201,8 +204,12 @@ class Wrapper(Policy):
     """A policy built on a scored eviction policy `base` (CaM, PyramidKV, Ada-KV): the base's statistics and
     needs unless it says otherwise. A subclass declares the `base` field with its default and help."""
 
+    if TYPE_CHECKING:
+        base: ScoredEviction  # the subclass's field (declared there: it keeps its place among the parameters)
+
+    # a capability its parameters decide, over the base's ClassVar default (mypy: a read-only override)
     @property
-    def needs_attention(self) -> bool:
+    def needs_attention(self) -> bool:  # type: ignore[override]
         return self.base.needs_attention
 
     def prefill_rows(self) -> int:
@@ -214,8 +221,9 @@ class Wrapper(Policy):
     def min_budget(self) -> int:
         return self.base.min_budget()
 
+    # a capability its parameters decide, over the base's ClassVar default (mypy: a read-only override)
     @property
-    def model_data(self) -> tuple[str, ...]:
+    def model_data(self) -> tuple[str, ...]:  # type: ignore[override]
         return self.base.model_data
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
@@ -282,7 +290,8 @@ def log_evictions(step: Step, rows: CacheRows, positions: torch.Tensor) -> None:
             step.log.evict(step.index, layer, part)
 
 
-def log_merges(step: Step, rows: CacheRows, source, targets, weight, prob, draw) -> None:
+def log_merges(step: Step, rows: CacheRows, source: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+               prob: torch.Tensor, draw: torch.Tensor) -> None:
     """`DecisionLog.merges` at `step`, layer by layer: `source` `(R, E)` positions, `targets` `(R, E, K)`
     (ascending, -1 pads), `weight`, `prob`, `draw` `(R, E)`."""
     if step.log is None:

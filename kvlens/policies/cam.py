@@ -42,7 +42,7 @@ lets the base choose per head. Bernoulli draws come from a generator per layer a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -66,7 +66,7 @@ SOLVE_BLOCK = 256  # evicted slots per block of a step-0 merge's chain solve (at
 DECODE_ATTN = "cam_decode_attn"  # per slot: attention summed over decode steps only (score="decode")
 
 # settings of each source; every other parameter keeps its default
-PRESETS: dict[str, dict] = {
+PRESETS: dict[str, dict[str, Any]] = {
     # Algorithm 1 and Eq. 14-15 as written: Abar, mean over all local tokens, / m, per generation step
     "paper": {"score": "accumulated", "denominator": "targets_mean", "span": 0, "targets": "local",
               "divide": "m", "prefill": "evict"},
@@ -108,7 +108,7 @@ class CaM(Wrapper):
                          "kept slot (kvpress).", choices=("local", "kept"))
     divide: str = param("m", "Divide the merged value by m (Eq. 15) or by the number of targets found "
                         "(kvpress).", choices=("m", "found"))
-    clamp: tuple = param((0.0, 1.0), "lo,hi bounds of the merge probability p (Eq. 14).")
+    clamp: tuple[float, float] = param((0.0, 1.0), "lo,hi bounds of the merge probability p (Eq. 14).")
     mask: str = param("bernoulli", "Merge mask: Bernoulli(p) (the paper), always merge, or never (= the base).",
                       choices=("bernoulli", "always", "never"))
     seed: int = param(0, "Seed of the Bernoulli draws (one generator per layer and run).", minimum=0)
@@ -123,19 +123,21 @@ class CaM(Wrapper):
                        "1); the default is the authors' `official-qa` preset.")
     merges = True
     merge_rule = "add"  # provenance: targets keep their own value and add w * V_i
-    presets: ClassVar[dict[str, dict]] = PRESETS
+    presets: ClassVar[dict[str, dict[str, Any]]] = PRESETS
 
-    def validate(self):
+    def validate(self) -> None:
         lo, hi = self.clamp
         check(0 <= lo <= hi, f"clamp of cam must be two numbers lo <= hi with lo >= 0; got {self.clamp!r}.")
 
+    # a capability its parameters decide, over the base's ClassVar default (mypy: a read-only override)
     @property
-    def needs_attention(self) -> bool:
+    def needs_attention(self) -> bool:  # type: ignore[override]
         # merging needs attention even when the base does not; mask=never runs exactly like the base
         return self.mask != "never" or self.base.needs_attention
 
+    # a capability its parameters decide, over the base's ClassVar default (mypy: a read-only override)
     @property
-    def cross_layer(self) -> bool:
+    def cross_layer(self) -> bool:  # type: ignore[override]
         return self.base.cross_layer
 
     def prefill_column_sums(self) -> bool:
@@ -151,18 +153,19 @@ class CaM(Wrapper):
             att = group_mean(probs)  # (R, S)
             rows.extra[DECODE_ATTN] = rows.extra.get(DECODE_ATTN, torch.zeros_like(att)) + att
 
-    def generator(self, state: dict, layer: int) -> torch.Generator:
+    def generator(self, state: dict[str, Any], layer: int) -> torch.Generator:
         """A layer's Bernoulli generator for this run (created in its run state on first use)."""
         if GENERATOR not in state:
             state[GENERATOR] = torch.Generator().manual_seed(self.seed * 1_000_003 + layer)
-        return state[GENERATOR]
+        generator: torch.Generator = state[GENERATOR]
+        return generator
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         if step.budget is None or rows.n_kept <= step.budget:
             return
         keep, evicted = self.base.select(rows, step)  # (R, B), (R, E) slots, in position order
         if self.mask != "never" and not (step.prompt and self.prefill == "evict"):
-            self._merge(rows, keep, evicted, step)
+            self._merge(rows, keep, evicted, step, step.budget)
         else:
             log_evictions(step, rows, rows.pos.gather(1, evicted))
         rows.free(evicted)
@@ -173,9 +176,13 @@ class CaM(Wrapper):
             return rows.abar
         if self.score == "decode":
             return rows.extra.get(DECODE_ATTN, torch.zeros_like(rows.abar))
-        return rows.last_attn.view(rows.pos.shape[0], -1, rows.n_slots).mean(1)
+        last = rows.last_attn
+        if last is None:
+            raise ValueError("kvlens: cam's score=current reads the latest query's attention, not recorded here")
+        return last.view(rows.pos.shape[0], -1, rows.n_slots).mean(1)
 
-    def _merge(self, rows, keep, evicted, step):
+    def _merge(self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, step: Step,
+               budget: int) -> None:
         """Merge the evicted slots one at a time in position order, each carrying what earlier ones sent it,
         in tensor form (no loop over slots); a decode step's one eviction is the case E = 1.
 
@@ -188,10 +195,13 @@ class CaM(Wrapper):
         candidate then adds its senders' `w_i V_i`, a range sum over its place (a difference array).
         """
         r, b, n_ev = rows.pos.shape[0], keep.shape[1], evicted.shape[1]
-        local, pool, m = self._sizes(step.budget)
+        local, pool, m = self._sizes(budget)
         pool_slots = keep[:, b - pool:]  # (R, P)
         pos_pool, pos_ev = rows.pos.gather(1, pool_slots).contiguous(), rows.pos.gather(1, evicted).contiguous()
-        ar = lambda n: torch.arange(n, device=keep.device)  # noqa: E731
+
+        def ar(n: int) -> torch.Tensor:
+            return torch.arange(n, device=keep.device)
+
         c = torch.searchsorted(pos_pool, pos_ev) + ar(n_ev)  # (R, E) each evicted slot's place in C, ascending
         at_pool = torch.searchsorted(pos_ev, pos_pool) + ar(pool)  # (R, P)
         n_c = pool + n_ev
@@ -214,7 +224,8 @@ class CaM(Wrapper):
         log_merges(step, rows, pos_ev, targets, w, p, draw)
         log_evictions(step, rows, pos_ev.masked_fill(found > 0, -1))
 
-    def _add_values(self, rows, evicted, c, at_pool, pool_slots, found, w) -> None:
+    def _add_values(self, rows: CacheRows, evicted: torch.Tensor, c: torch.Tensor, at_pool: torch.Tensor,
+                    pool_slots: torch.Tensor, found: torch.Tensor, w: torch.Tensor) -> None:
         """Add to each pool slot's value what its senders send, in place (see `_merge`). Only the evicted slots that
         drew a merge send (w > 0), so the others leave the system first: each row's senders move to the front, in
         position order (with the default preset, about 3 % of the embedded model's evicted prompt slots drew a
@@ -263,7 +274,8 @@ class CaM(Wrapper):
         got = received.gather(1, at_pool[..., None].expand(-1, -1, sent.shape[-1]))  # (R, P, D)
         values[heads, pool_slots] += got.to(values.dtype)
 
-    def _probabilities(self, score, c, found, window, outside, reach) -> torch.Tensor:
+    def _probabilities(self, score: torch.Tensor, c: torch.Tensor, found: torch.Tensor, window: torch.Tensor,
+                       outside: torch.Tensor, reach: int) -> torch.Tensor:
         """`(R, E)` p = clamp(A_i / A_ref, lo, hi) of every evicted slot at C places `c`, 0 without a target.
 
         score `(R, C)` over the candidates in position order; outside `(R, O)` the kept slots outside the
@@ -286,7 +298,8 @@ class CaM(Wrapper):
         pool = local if self.targets == "local" else budget
         return local, pool, self.span or pool
 
-    def _draw(self, rows, p, found, m) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw(self, rows: CacheRows, p: torch.Tensor, found: torch.Tensor,
+              m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The merge mask and each target's weight `(R, E)`: Bernoulli(p) from each layer's generator, drawn
         step by step (the k-th evicted slot of every row of a layer together), or 1 wherever a target exists;
         divided by m or by the number of targets found."""

@@ -59,6 +59,7 @@ class CORM(Policy):
             state[MESSAGES_SEEN] = length
 
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
+        t: float | torch.Tensor
         if self.important == "position":
             t = float(rows.pos.max()) + 1
         else:

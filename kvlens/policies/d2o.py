@@ -45,6 +45,7 @@ kept token, `(k_c + sum u_i k_i) / (1 + n)`, not Eq. 12's weights; it decides pe
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -77,7 +78,10 @@ def bounded_shares(shares: list[float], total: int, lo: int, hi: int) -> list[in
     n = len(shares)
     if not n * lo <= total <= n * hi:
         raise ValueError(f"total {total} outside [{n * lo}, {n * hi}]")
-    clip = lambda lam: [min(hi, max(lo, lam * s)) for s in shares]  # noqa: E731
+
+    def clip(lam: float) -> list[float]:
+        return [min(hi, max(lo, lam * s)) for s in shares]
+
     low, high = 0.0, float(hi) / max(min(shares), 1e-300)
     for _ in range(200):
         mid = (low + high) / 2
@@ -137,14 +141,14 @@ class D2O(Policy):
         return int(budget * self.recent_ratio)
 
     # -- layer level ---------------------------------------------------------------------------------------------
-    def layer_scores(self, layers: list[CacheRows]) -> torch.Tensor:
+    def layer_scores(self, layers: Sequence[CacheRows]) -> torch.Tensor:
         """`(L,)` each layer's density score in [0, 1] (lower = denser = more budget), per `density`."""
         per_head = [layer_density(rows.abar, rows.valid) for rows in layers]  # L x (Hkv,)
         if self.density == "official":
             return torch.stack([minmax(v).mean() for v in per_head])
         return minmax(torch.stack([v.mean() for v in per_head]))
 
-    def allocate(self, budget: int, layers: list[CacheRows]) -> list[int]:
+    def allocate(self, budget: int, layers: Sequence[CacheRows]) -> list[int]:
         n = len(layers)
         if self.allocation == "uniform" or n == 1:
             return [budget] * n
@@ -172,8 +176,7 @@ class D2O(Policy):
         w, w_self = merge_weights(u, nearest, merged, keep.shape[1])
         for states in (rows.keys[0], rows.values[0]):  # (R, S, D) views of the cache: merged in place
             merge_into(states, keep, evicted, nearest, w, w_self)
-        if step.log is not None:
-            self._log(step, rows, pos_ev, rows.pos.gather(1, keep).gather(1, nearest), w, merged)
+        self._log(step, rows, pos_ev, rows.pos.gather(1, keep).gather(1, nearest), w, merged)
         rows.free(evicted)
 
     @staticmethod
@@ -207,9 +210,12 @@ class D2O(Policy):
             out.append(tau.expand(part.shape[0]))
         return torch.cat(out)[:, None]
 
-    def _log(self, step, rows, pos_ev, pos_target, w, merged) -> None:
+    def _log(self, step: Step, rows: CacheRows, pos_ev: torch.Tensor, pos_target: torch.Tensor, w: torch.Tensor,
+             merged: torch.Tensor) -> None:
         """Merges as rows of provenance's `set` rule (all sources of one target of one head consecutive: each head's
         merges sorted by target then source, the heads in turn), then the evictions."""
+        if step.log is None:
+            return
         r, e = pos_ev.shape
         if bool(merged.any()):
             big = int(max(pos_ev.max(), pos_target.max())) + 1
@@ -219,7 +225,10 @@ class D2O(Policy):
             tgt = pos_target.gather(1, order).masked_fill(src < 0, -1)
             wt = w.gather(1, order)
             eye = torch.eye(r, dtype=torch.bool, device=pos_ev.device)  # row h holds only its own block of columns
-            block = lambda x, fill: torch.where(eye[:, :, None], x[None, :, :], fill).reshape(r, r * e)  # noqa: E731
+
+            def block(x: torch.Tensor, fill: float) -> torch.Tensor:
+                return torch.where(eye[:, :, None], x[None, :, :], fill).reshape(r, r * e)
+
             source, target = block(src, -1), block(tgt, -1)
             weight = block(wt, 0.0)
             nan, none = torch.full_like(weight, float("nan")), torch.full_like(source, -1)

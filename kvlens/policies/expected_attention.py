@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.engine.cache import CacheRows, Prompt, Step
-from kvlens.policies.base import ScoredEviction, check, param, register
+from kvlens.errors import KvlensError
+from kvlens.policies.base import ScoredEviction, param, register
 
 FUTURE = "expected_attention_future"  # per layer: mu' (Hq, D) and Sigma' (Hq, D, D) or None
 LOGIT = "expected_attention_logit"  # per slot (R, S, G): the expected logit of each query head of the row
@@ -63,10 +64,12 @@ class ExpectedAttention(ScoredEviction):
         return False
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
-        check(prompt.rotary is not None, "expected_attention needs a model with one rotary embedding (RoPE) on "
-                                          "every layer, whose queries it moves to future positions.")
-        q = prompt.queries.float()  # (Hq, T, D) after RoPE
-        cos, sin = (x.float() for x in prompt.rotary(prompt.positions))  # (T, D)
+        rotary, queries, positions = prompt.rotary, prompt.queries, prompt.positions
+        if rotary is None or queries is None or positions is None:
+            raise KvlensError("expected_attention needs a model with one rotary embedding (RoPE) on every layer, "
+                              "whose queries it moves to future positions.")
+        q = queries.float()  # (Hq, T, D) after RoPE
+        cos, sin = (x.float() for x in rotary(positions))  # (T, D)
         before = (q * cos - rotate_half(q) * sin) / (cos * cos + sin * sin)  # the inverse rotation
         h = before[:, self.n_sink:]
         mean = h.mean(1)  # (Hq, D)
@@ -75,7 +78,7 @@ class ExpectedAttention(ScoredEviction):
             centred = h - mean[:, None]
             cov = torch.einsum("hsi,hsj->hij", centred, centred) / h.shape[1]
         t, d = q.shape[1], q.shape[2]
-        cos_f, sin_f = (x.float() for x in prompt.rotary(torch.arange(t, t + self.n_future,
+        cos_f, sin_f = (x.float() for x in rotary(torch.arange(t, t + self.n_future,
                                                                        device=q.device)))  # (n, D)
         swap = torch.zeros(d, d, device=q.device)
         swap[d // 2:, : d // 2], swap[: d // 2, d // 2:] = torch.eye(d // 2), -torch.eye(d // 2)
@@ -121,7 +124,8 @@ class ExpectedAttention(ScoredEviction):
         return rows.pos < self.n_sink
 
 
-def _rows_of(future: tuple, heads: torch.Tensor, kv_heads: int) -> tuple:
+def _rows_of(future: tuple[torch.Tensor, torch.Tensor | None, float], heads: torch.Tensor,
+             kv_heads: int) -> tuple[torch.Tensor, torch.Tensor | None, float]:
     """The statistics of the query heads of KV heads `heads` `(n,)`: mean `(n x G, D)`, covariance, scale."""
     mean, cov, scale = future
     g = mean.shape[0] // kv_heads

@@ -30,4 +30,5 @@ class KNorm(ScoredEviction):
     cross_layer = True
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
-        return -torch.linalg.vector_norm(rows.keys[0], dim=-1, dtype=torch.float32)  # (R, S)
+        norm: torch.Tensor = torch.linalg.vector_norm(rows.keys[0], dim=-1, dtype=torch.float32)  # (R, S)
+        return -norm

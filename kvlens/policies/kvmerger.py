@@ -21,7 +21,7 @@ still depends on how many keys are similar enough to merge (threshold 0.75, as i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -155,7 +155,7 @@ class KVMerger(Policy):
     budget_free = True
     merges = True
     merge_rule: ClassVar[str] = "set"  # provenance: per step, target <- w_p target + sum_i w_i source_i
-    presets: ClassVar[dict[str, dict]] = {"budget50": {"recent_ratio": 0.17, "keep_ratio": 0.12},
+    presets: ClassVar[dict[str, dict[str, Any]]] = {"budget50": {"recent_ratio": 0.17, "keep_ratio": 0.12},
                                           "budget35": {"recent_ratio": 0.08, "keep_ratio": 0.02}}
 
     def compress(self, rows: CacheRows, step: Step) -> None:
@@ -206,7 +206,8 @@ class KVMerger(Policy):
             candidates[chosen[:, None], torch.topk(score, k).indices] = False
         return candidates
 
-    def _log(self, step: Step, rows: CacheRows, row, source, target, w) -> None:
+    def _log(self, step: Step, rows: CacheRows, row: torch.Tensor, source: torch.Tensor, target: torch.Tensor,
+             w: torch.Tensor) -> None:
         """The merges, row by row, set by set, in position order: `source` `(K,)` positions merged into `target`
         with weight `w`, in rows `row`: one column per merge, filled in its row only (`DecisionLog.merges` lists
         the columns in turn)."""

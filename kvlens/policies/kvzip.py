@@ -26,7 +26,9 @@ allocated buffers.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,7 +74,7 @@ class KVzip(Policy):
     def min_budget(self) -> int:
         return self.n_sink + 1
 
-    def replay_passes(self, tokenizer, prompt: list[int]) -> list[tuple[int, int, list[int]]]:
+    def replay_passes(self, tokenizer: Any, prompt: list[int]) -> list[tuple[int, int, list[int]]]:
         suffix = tokenizer.encode(turn_suffix(tokenizer), add_special_tokens=False)
         passes = []
         for start in range(0, len(prompt), self.chunk):
@@ -96,7 +98,7 @@ class KVzip(Policy):
         score = state.setdefault(SCORE, torch.zeros(hkv, t, dtype=torch.float32, device=keys.device))
         score[:, replay.start:replay.end] = probs[..., sink:sink + replay.end - replay.start].amax(dim=(1, 2))
 
-    def allocate(self, budget: int, layers: list[CacheRows]) -> list[int]:
+    def allocate(self, budget: int, layers: Sequence[CacheRows]) -> list[int]:
         """Which entries leave, over every layer and head (or per layer): each layer's kept total, and as its
         budget the count of its fullest head (the width of its buffers)."""
         score = torch.stack([self._scores(rows) for rows in layers])  # (L, Hkv, T)
@@ -120,7 +122,7 @@ class KVzip(Policy):
 
     def _scores(self, rows: CacheRows) -> torch.Tensor:
         """One layer's replay scores `(Hkv, T)`, the first `n_sink` positions above every other."""
-        score = rows.states[0].pop(SCORE)
+        score: torch.Tensor = rows.states[0].pop(SCORE)
         return score.masked_fill(rows.pos < self.n_sink, float("inf"))
 
     def compress(self, rows: CacheRows, step: Step) -> None:
@@ -135,7 +137,7 @@ class KVzip(Policy):
         free_logged(step, rows, lowest_of_all_rows(rows, score, leaving))
 
 
-def turn_suffix(tokenizer) -> str:
+def turn_suffix(tokenizer: Any) -> str:
     """What the chat template puts between a user's message and the assistant's answer ("\\n" without one), as
     kvpress derives it: a dummy message with a separator, split at the separator."""
     if getattr(tokenizer, "chat_template", None) is None:
@@ -144,4 +146,5 @@ def turn_suffix(tokenizer) -> str:
     separator = "\n" + "#" * len(dummy)
     text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}], add_generation_prompt=True,
                                          tokenize=False, enable_thinking=False)
-    return text.split(separator)[1]
+    suffix: str = text.split(separator)[1]
+    return suffix

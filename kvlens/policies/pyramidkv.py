@@ -23,6 +23,7 @@ Each layer's own buffers hold its own budget + 1 slots, so the memory really fol
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvlens.engine.cache import CacheRows, Step
@@ -53,7 +54,7 @@ class PyramidKV(Wrapper):
                        'too.')
     reallocates = True
 
-    def allocate(self, budget: int, layers: list[CacheRows]) -> list[int]:
+    def allocate(self, budget: int, layers: Sequence[CacheRows]) -> list[int]:
         n, t, w = len(layers), layers[0].n_kept, self.window
         if self.schedule == "kvpress":
             low = budget / self.beta

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -48,7 +48,7 @@ HISTORY = "scissorhands_history"  # (Hkv, S, history) int8, newest step last: 0 
 UNSEEN, UNIMPORTANT, IMPORTANT = 0, 1, 2
 
 # the paper's settings (§4.1: r = 10, w = 400, m = 0.5B; the threshold 1/t of §3.1 and Algorithm 2)
-PRESETS: dict[str, dict] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "paper": {"threshold": "position", "recent": 10, "history": 400, "drop_ratio": 0.5, "count": "unimportant"},
 }
 
@@ -78,7 +78,7 @@ class Scissorhands(ScoredEviction):
     name = "scissorhands"
     description = "Keep a recent window; drop the slots most often unimportant over the last `history` queries."
     paper = "https://arxiv.org/abs/2305.17118"
-    presets: ClassVar[dict[str, dict]] = PRESETS
+    presets: ClassVar[dict[str, dict[str, Any]]] = PRESETS
     cross_layer = True  # per-row rule (the tie-break divides by each layer's own largest Abar)
 
     def validate(self) -> None:
@@ -130,7 +130,8 @@ class Scissorhands(ScoredEviction):
         hist = rows.extra[HISTORY]
         count = (hist == (IMPORTANT if self.count == "important" else UNIMPORTANT)).sum(-1, dtype=torch.int32)
         counted = count if self.count == "important" else -count  # int32 sums: half the time of int64's
-        largest = rows.abar.unflatten(0, (len(rows.layers), -1)).amax((1, 2))  # (L,) each layer's
+        abar = rows.abar
+        largest = abar.reshape(len(rows.layers), -1, abar.shape[1]).amax((1, 2))  # (L,) each layer's
         tie = rows.abar / (largest.repeat_interleave(rows.kv_heads)[:, None] + 1.0)  # in [0, 1): breaks ties only
         return counted.float() + tie
 

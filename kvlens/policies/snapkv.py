@@ -21,7 +21,7 @@ average pooling).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -53,14 +53,15 @@ class SnapKV(ScoredEviction):
     kvpress = "SnapKVPress"
     kvpress_differs = ('kvpress compresses the prompt only; kvlens keeps the budget at every decode step by '
                        "default (`decoding=rolling`; `decoding=once` is the paper's and kvpress's).")
-    presets: ClassVar[dict[str, dict]] = {"kvpress": {"window": 64, "kernel": 5, "pooling": "avg"},
+    presets: ClassVar[dict[str, dict[str, Any]]] = {"kvpress": {"window": 64, "kernel": 5, "pooling": "avg"},
                                           "paper": {"window": 32, "kernel": 7, "pooling": "max", "decoding": "once"}}
 
-    def validate(self):
+    def validate(self) -> None:
         check(self.kernel % 2 == 1, f"kernel of snapkv must be odd (centred on each position); got {self.kernel}.")
 
+    # a capability its parameters decide, over the base's ClassVar default (mypy: a read-only override)
     @property
-    def cross_layer(self) -> bool:
+    def cross_layer(self) -> bool:  # type: ignore[override]
         return self.decoding == "rolling"
 
     def prefill_rows(self) -> int:

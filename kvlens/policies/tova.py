@@ -34,5 +34,7 @@ class TOVA(ScoredEviction):
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         # mean over all query heads of each layer; identical for every KV head of the layer
         attn = rows.last_attn  # (L * Hq, S)
+        if attn is None:
+            raise ValueError("kvlens: tova scores the latest query's attention, which is not recorded")
         per_layer = attn.view(len(rows.layers), -1, attn.shape[-1]).mean(1)  # (L, S)
         return per_layer.repeat_interleave(rows.kv_heads, dim=0)

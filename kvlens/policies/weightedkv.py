@@ -73,7 +73,8 @@ class WeightedKV(Policy):
         self._log(step, rows, pos.gather(1, j), pos.gather(1, right), w)
         rows.free(perm.gather(1, j.sort(-1).values))
 
-    def _log(self, step, rows, pos_j, pos_right, w):
+    def _log(self, step: Step, rows: CacheRows, pos_j: torch.Tensor, pos_right: torch.Tensor,
+             w: torch.Tensor) -> None:
         """Each row's decisions in turn: `pos_j` `(R, E)` left; merged into `pos_right` with weight `w` (or
         evicted)."""
         if not self.merge:

@@ -13,7 +13,7 @@ from kvlens.figures.inspect_token import token_strings
 from kvlens.ui.browser import wait_idle
 from kvlens.ui.inspector import label
 from tests.browser.conftest import chromium_app, offline_page
-from tests.conftest import ROOT
+from tests.conftest import CACHED_RUNS
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.usefixtures("offline")]
 RAW = {"app", "overview", "heads", "attention", "similarity", "spectra", "merges", "perturbation", "analyses", "run",
@@ -83,7 +83,7 @@ def test_inspector_row_of_a_clicked_token_and_a_copied_link_reopens_it(browser):
     from playwright.sync_api import expect
 
     url = browser[1]
-    run = load_run(ROOT / "cached_runs" / "h2o-attention")
+    run = load_run(CACHED_RUNS / "h2o-attention")
     page = new_page(browser)
     page.goto(f"{url}/?run=h2o-attention")
     wait_idle(page, "kvlens")

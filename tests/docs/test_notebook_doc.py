@@ -10,7 +10,7 @@ import pytest
 from kvlens import load_run
 from kvlens.cli import main
 from kvlens.figures.export import write_csv
-from tests.conftest import ROOT
+from tests.conftest import CACHED_RUNS, ROOT
 
 DOC = ROOT / "docs" / "notebook.md"
 
@@ -39,7 +39,7 @@ def test_every_cell_of_the_notebook_doc_runs_in_order(monkeypatch, capsys):
 
 
 def test_a_notebook_figure_is_the_one_kvlens_figure_exports(tmp_path):
-    run_dir = ROOT / "cached_runs" / "cam-attention"
+    run_dir = CACHED_RUNS / "cam-attention"
     assert main(["figure", "attention", "--run", str(run_dir), "--layer", "15", "--head", "1",
                  "--out", str(tmp_path / "cli.csv")]) == 0
     write_csv(load_run(run_dir).figure("attention", layer=15, head=1), tmp_path / "notebook.csv")

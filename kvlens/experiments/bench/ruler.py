@@ -254,7 +254,7 @@ def _niah(rng: random.Random, sentences: list[str], keys: int, values: int, aske
 
 def _vt(rng: random.Random, n: int) -> tuple:
     """One chain of four hops (five variables) in `n` noise sentences."""
-    names = []
+    names: list[str] = []
     while len(names) < 5:
         name = "".join(rng.choices(string.ascii_uppercase, k=5))
         if name not in names:
@@ -296,7 +296,7 @@ def _fwe(rng: random.Random, n: int, length: int) -> tuple:
 
     N = 100 + n, which keeps the three answers (ranks 2 to 4) strictly above rank 5.
     """
-    coded = []
+    coded: list[str] = []
     while len(coded) < max(length // 50, 5) - 1:  # RULER's vocabulary size, length // 50
         word = "".join(rng.choices(string.ascii_lowercase, k=6))
         if word not in coded:
