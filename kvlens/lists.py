@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from kvlens.errors import KvlensError
 
-_NOUNS = {int: "integers", float: "numbers"}
+_NOUNS: dict[Callable[..., Any], str] = {int: "integers", float: "numbers"}
 
 
 def parse_list(text: str, what: str, kind: Callable = int, minimum: float | None = None,

@@ -111,7 +111,7 @@ class Param:
                 raise bad()
             return value
         if kind == "choice":
-            if value not in self.allowed():
+            if value not in (self.allowed() or ()):
                 raise bad()
             return value
         if kind == "bool":

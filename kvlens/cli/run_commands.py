@@ -1,6 +1,8 @@
 """Subcommands that resolve models, list policies, run them and show runs."""
 from __future__ import annotations
 
+from typing import Any
+
 from kvlens.cli.common import (
     add_model_args,
     add_policy_args,
@@ -118,7 +120,7 @@ def cmd_check_model(args) -> int:
 
     model = load_model(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
                        refuse=False)
-    sup = model.support
+    sup = model.supported()
     report = {"model": args.model, "path": str(model.path), **model.shape(), **sup.as_dict()}
     if args.json:
         print_json(report)
@@ -141,11 +143,12 @@ def cmd_check_model(args) -> int:
 def cmd_policies(args) -> int:
     from kvlens.policies import REGISTRY, family, parameters, policy_names, presets
 
-    rows = [{"name": name, "family": family(REGISTRY[name]), "description": REGISTRY[name].description,
-             "paper": REGISTRY[name].paper, "budget_free": REGISTRY[name].budget_free,
-             "merges": REGISTRY[name].merges, "parameters": [p.describe() for p in parameters(name)],
-             "presets": presets(name)}
-            for name in policy_names()]
+    rows: list[dict[str, Any]] = [
+        {"name": name, "family": family(REGISTRY[name]), "description": REGISTRY[name].description,
+         "paper": REGISTRY[name].paper, "budget_free": REGISTRY[name].budget_free,
+         "merges": REGISTRY[name].merges, "parameters": [p.describe() for p in parameters(name)],
+         "presets": presets(name)}
+        for name in policy_names()]
     if args.json:
         print_json(rows)
         return 0

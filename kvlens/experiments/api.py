@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvlens.engine.context import Observer
 from kvlens.engine.loop import RunOptions, StepEvent, run
@@ -27,7 +27,7 @@ def encode(model: LoadedModel, text: str, chat: bool = False) -> list[int]:
 
 
 def generate(model: LoadedModel, prompt: str, policy: str, params: dict | None = None, *,
-             opts: RunOptions, chat: bool = False, observers: list[Observer] = (),
+             opts: RunOptions, chat: bool = False, observers: Sequence[Observer] = (),
              on_step: Callable[[StepEvent], None] | None = None, cancel: threading.Event | None = None,
              meta: dict | None = None, measure: bool = False) -> Run:
     """Generate up to `opts.max_new_tokens` tokens after `prompt` under a policy (`measure`: perturbation too)."""
@@ -41,7 +41,7 @@ def generate(model: LoadedModel, prompt: str, policy: str, params: dict | None =
 
 
 def perplexity(model: LoadedModel, text: str, policy: str, params: dict | None = None, *, prefill: int,
-               tokens: int, opts: RunOptions, observers: list[Observer] = (),
+               tokens: int, opts: RunOptions, observers: Sequence[Observer] = (),
                on_step: Callable[[StepEvent], None] | None = None, cancel: threading.Event | None = None,
                meta: dict | None = None, measure: bool = False) -> Run:
     """Teacher-forced perplexity: prefill `prefill` tokens, then score the next `tokens` one at a time.

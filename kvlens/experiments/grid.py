@@ -129,7 +129,7 @@ class Results:
 
     def ordered(self) -> list[dict]:
         """The rows in plan order."""
-        return [self.rows[k] for k in sorted(self.rows, key=self.order.get)]
+        return [self.rows[k] for k in sorted(self.rows, key=self.order.__getitem__)]
 
     def write(self, extra: dict | None = None) -> None:
         """Write the JSON (settings, counts, rows, failures) and the CSV of the rows, each atomically."""
@@ -137,7 +137,7 @@ class Results:
         done = len(rows) == len(self.cells)
         obj = {**self.settings, **(extra or {}), "cells_total": len(self.cells), "cells_done": len(rows),
                "cells_failed": len(self.failed), "status": "done" if done else "running", "rows": rows,
-               "failed": [self.failed[k] for k in sorted(self.failed, key=self.order.get)],
+               "failed": [self.failed[k] for k in sorted(self.failed, key=self.order.__getitem__)],
                **({"other_rows": self.other} if self.other else {})}
         _write_atomic(self.path, lambda f: f.write(json.dumps(obj, indent=1, default=str)))
         columns = list(dict.fromkeys(c for r in rows for c in r if c not in CSV_SKIP))

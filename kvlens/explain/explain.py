@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ def explain_built(built: Built, by: list[str], span: int = 32, reverse: bool = F
             e.setdefault("removed_share", 0.0)
         reverse_s = time.perf_counter() - t
     patches = scorer.caches
-    out = {"case": case.about, "context_tokens": len(case.context), "budget": case.budget,
+    out: dict[str, Any] = {"case": case.about, "context_tokens": len(case.context), "budget": case.budget,
            "shape": dict(zip(("layers", "kv_heads", "positions"), removed.shape, strict=True)),
            "span": span, "by": by, "needles": [list(n) for n in case.needles], "answers": built.answers,
            "scored_tokens": built.scored, "lp_full": scorer.lp_full, "lp_compressed": scorer.lp_compressed,

@@ -33,12 +33,14 @@ class Pair:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return tuple(self.removed.shape)
+        layers, heads, positions = self.removed.shape
+        return layers, heads, positions
 
 
 def compare(full: Kept, compressed: Kept, merges: list[tuple[int, int, int, list[int]]]) -> Pair:
     """What compression removed, from the two caches and the step-0 merges `(layer, kv_head, source, targets)`."""
-    present, changed = [], []
+    present_rows: list[torch.Tensor] = []
+    changed_rows: list[torch.Tensor] = []
     for (kf, vf, _, pf), (kc, vc, ok, pc) in zip(full.layers, compressed.layers, strict=True):
         hkv, t = pf.shape
         if not bool((pf == torch.arange(t, device=pf.device)).all()):
@@ -50,9 +52,9 @@ def compare(full: Kept, compressed: Kept, merges: list[tuple[int, int, int, list
         differs = ((kc != kf.gather(1, at)) | (vc != vf.gather(1, at))).any(-1) & ok
         moved = torch.zeros_like(seen)
         moved.scatter_(1, torch.where(differs, pc, t), differs)
-        present.append(seen[:, :t])
-        changed.append(moved[:, :t])
-    present, changed = torch.stack(present).cpu(), torch.stack(changed).cpu()
+        present_rows.append(seen[:, :t])
+        changed_rows.append(moved[:, :t])
+    present, changed = torch.stack(present_rows).cpu(), torch.stack(changed_rows).cpu()
     _, hkv, t = present.shape
     sources, targets = [], []
     for layer, head, source, tos in merges:

@@ -9,6 +9,8 @@ its file in `kvlens/analysis/kinds/`.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import plotly.graph_objects as go
 import plotly.io as pio
 
@@ -39,7 +41,7 @@ def line_style(i: int) -> dict:
 def finish(fig: go.Figure, title: str, analysis: str, run: Run | None = None, **params) -> go.Figure:
     """The paper style, the title, and `layout.meta` (the analysis, its parameters and the run) that
     `kvlens.figures.export` writes as the figure's JSON config."""
-    meta = {"analysis": analysis, "params": params}
+    meta: dict[str, Any] = {"analysis": analysis, "params": params}
     if run is not None:
         meta["run"] = str(run.path) if run.path else None
         meta["run_command"] = run.meta.get("command")

@@ -26,7 +26,7 @@ def param_widget(p: Param, value, key: str, where=st, owner: str = ""):
     if key in st.session_state:  # the link or the user set it: no default beside it (Streamlit would warn)
         value = None
     if widget == "select":
-        options = list(p.allowed())
+        options = list(p.allowed() or ())
         start = getattr(value, "name", value)
         return where.selectbox(p.name, options, index=options.index(start) if start in options else 0, key=key,
                                help=help_)
