@@ -97,7 +97,7 @@ def test_every_policy_runs_in_bf16_within_its_budget(models, smol_ids, name):
 
 
 @pytest.mark.parametrize("name", ["snapkv", "cam"])
-def test_the_transformers_example_runs_in_bf16(models, ids, name, tmp_path):
+def test_the_transformers_example_runs_in_bf16(models, smol_ids, name, tmp_path):
     """The README's `kvlens.cache` example on the caller's own bf16 model on the GPU: the tokens and decisions of
     `kvlens generate` on the same bf16 model, and a run directory that reloads."""
     from transformers import AutoModelForCausalLM
@@ -108,7 +108,7 @@ def test_the_transformers_example_runs_in_bf16(models, ids, name, tmp_path):
 
     bf16 = models["cuda", "bfloat16"]
     model = AutoModelForCausalLM.from_pretrained(bf16.path, dtype=torch.bfloat16).to("cuda").eval()
-    text = bf16.tokenizer.decode(ids[:PREFILL])
+    text = bf16.tokenizer.decode(smol_ids[:PREFILL])
     prompt = bf16.tokenizer(text, return_tensors="pt").input_ids.to("cuda")
     cache = kvlens.cache(model, name, budget=BUDGET, tokenizer=bf16.tokenizer)
     out = model.generate(prompt, past_key_values=cache, max_new_tokens=32, do_sample=False)
