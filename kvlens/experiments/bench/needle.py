@@ -94,7 +94,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     out = []
     for policy in dict.fromkeys(label(r) for r in rows):
         mine = [r for r in rows if label(r) == policy]
-        by_len = {}
+        by_len: dict[int, list[float]] = {}
         for c in mine:
             by_len.setdefault(c["length"], []).append(c["score"])
         out.append({"policy": policy, "score": sum(c["score"] for c in mine) / len(mine),

@@ -32,10 +32,11 @@ step, which a machine shared with other processes disturbs less than wall time.
 """
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 
@@ -56,6 +57,7 @@ TARGETS = {"engine_vs_model_loop": 1.03, "hf_generate_vs_engine": 1.10, "cam_vs_
                                                      for n in (1024, 4096, 8160)}}
 EVICTING = ("streaming_llm", "h2o")  # the evict ratios: the worse of these over full
 STATS = ("h2o", "tova")  # the prefill ratio: the worse of these over full
+Steps = Generator[float, None, dict]  # one side of a lockstep: its step times (ms), then its results
 
 
 def engine_steps(model: LoadedModel, spec: PolicySpec, ids: list[int], steps: int, budget,
@@ -157,15 +159,15 @@ class _Gate:
         """Nothing to flush."""
 
 
-def lockstep(sides: dict[str, Callable[[], Generator[float, None, dict]]]) -> dict[str, dict]:
+def lockstep(sides: dict[str, Callable[[], Steps]]) -> dict[str, dict]:
     """Advance the sides' runs in turn, one step each, in the dict's order: prefills one after the
     other, then step 1 of each, step 2 of each, ... so that load and drift hit every side alike.
 
     Per side: prefill_ms, ms_per_token (median decode step, wall) and cpu_ms_per_token (median
     process CPU time of its steps), plus what its generator returns."""
     runs = {name: make() for name, make in sides.items()}
-    ms = {name: [] for name in runs}
-    cpu = {name: [] for name in runs}
+    ms: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
     out: dict[str, dict] = {}
     while len(out) < len(runs):
         for name, steps in runs.items():
@@ -191,9 +193,9 @@ def engine_once(model: LoadedModel, spec: PolicySpec, ids: list[int], steps: int
     return {**res, "peak_rss": mem.peak, "rss_growth": mem.peak - mem.start}
 
 
-def paired(a: Callable[[], Generator], b: Callable[[], Generator], repeats: int, tick: Callable[[], None]) -> dict:
+def paired(a: Callable[[], Steps], b: Callable[[], Steps], repeats: int, tick: Callable[[], None]) -> dict:
     """a and b in lockstep `repeats` times (which goes first flips each repeat); median of the ms/token ratios."""
-    sides = {"a": [], "b": []}
+    sides: dict[str, list[dict]] = {"a": [], "b": []}
     for r in range(repeats):
         order = "ab" if r % 2 == 0 else "ba"
         res = lockstep({side: (a if side == "a" else b) for side in order})
@@ -207,9 +209,10 @@ def paired(a: Callable[[], Generator], b: Callable[[], Generator], repeats: int,
             "same_tokens": all(x["tokens"] == y["tokens"] for x, y in zip(sides["a"], sides["b"], strict=True))}
 
 
-def rotated(runs: dict[str, Callable[[], Generator]], repeats: int, tick: Callable[[], None]) -> dict[str, list[dict]]:
+def rotated(runs: dict[str, Callable[[], Steps]], repeats: int, tick: Callable[[], None]) -> dict[str, list[dict]]:
     """Every side in lockstep once per repeat, the order rotating each repeat; results per side."""
-    names, out = list(runs), {name: [] for name in runs}
+    names = list(runs)
+    out: dict[str, list[dict]] = {name: [] for name in runs}
     for r in range(repeats):
         order = names[r % len(names):] + names[: r % len(names)]
         res = lockstep({name: runs[name] for name in order})
@@ -224,18 +227,18 @@ def evict_repeats(repeats: int, n: int) -> int:
     return min(repeats, max(1, repeats * 1024 // n))
 
 
-def lockstep_names(every: list[str]) -> list[str]:
+def lockstep_names(every: Sequence[str]) -> list[str]:
     """The sides of the evict ratios: full, the evicting and statistics policies, then `every` other policy."""
     return list(dict.fromkeys(("full", *EVICTING, *STATS, *every)))
 
 
 def evict_ratios(model: LoadedModel, text: str, n: int, steps: int, budget: float, repeats: int,
-                 tick: Callable[[], None], every: list[str] = ()) -> dict:
+                 tick: Callable[[], None], every: Sequence[str] = ()) -> dict:
     """full, streaming_llm, h2o, tova and `every` other policy on one n-token prompt, rotated: decode and
     prefill (+ step-0 compression) ratios over full, per policy; the worst of `every` named."""
     n = min(n, (model.shape()["context"] or n + steps) - steps)
     ids = prefix_ids(model, text, n, "The text")
-    sides = rotated({name: (lambda name=name: engine_steps(model, PolicySpec(name), ids, steps, budget))
+    sides = rotated({name: functools.partial(engine_steps, model, PolicySpec(name), ids, steps, budget)
                      for name in lockstep_names(every)}, evict_repeats(repeats, n), tick)
 
     def ratio(name, key):
@@ -259,14 +262,15 @@ def evict_ratios(model: LoadedModel, text: str, n: int, steps: int, budget: floa
     return out
 
 
-def ticks(n_policies: int, lengths: list[int], repeats: int, evict_lengths: list[int], every: list[str] = ()) -> int:
+def ticks(n_policies: int, lengths: list[int], repeats: int, evict_lengths: list[int],
+          every: Sequence[str] = ()) -> int:
     """How many times `bench_speed` calls `tick`."""
     sides = len(lockstep_names(list(every)))
     return n_policies * len(lengths) + 8 * repeats + sides * sum(evict_repeats(repeats, n) for n in evict_lengths)
 
 
 def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[int], *, text: str, steps: int,
-                budget: float, repeats: int, ratio_length: int, evict_lengths: list[int], every: list[str] = (),
+                budget: float, repeats: int, ratio_length: int, evict_lengths: list[int], every: Sequence[str] = (),
                 tick: Callable[[], None] = lambda: None, on_row: Callable[[dict], None] = lambda row: None) -> dict:
     """The policy table (one run per policy and length, each row handed to `on_row` when measured),
     the ratios at `ratio_length` and the evict ratios at each of `evict_lengths`, every policy of `every` in
