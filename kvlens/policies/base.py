@@ -205,7 +205,7 @@ class Wrapper(Policy):
     needs unless it says otherwise. A subclass declares the `base` field with its default and help."""
 
     if TYPE_CHECKING:
-        base: ScoredEviction  # the subclass's field (declared there: it keeps its place among the parameters)
+        base: Policy  # the subclass's field (declared there: it keeps its place among the parameters)
 
     # a capability its parameters decide, over the base's ClassVar default (mypy: a read-only override)
     @property

@@ -21,8 +21,8 @@ Divergences, each a parameter or noted here:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 import torch
 
@@ -44,11 +44,11 @@ QUERIES = "think_queries"  # per layer, until the prompt's compression: (Hkv, D)
 class FromBase:
     """A capability that is the `base` policy's: an instance's base, or on the class its default base."""
 
-    def __set_name__(self, owner, name):
+    def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, policy, owner):
-        base = owner.__dataclass_fields__["base"].default if policy is None else policy.base
+    def __get__(self, policy: Wrapper | None, owner: type[Wrapper]) -> Any:
+        base = next(f.default for f in fields(owner) if f.name == "base") if policy is None else policy.base
         return getattr(base, self.name)
 
 
@@ -73,17 +73,19 @@ class ThinK(Wrapper):
     kvpress_differs = ("kvpress zeroes the pruned channels and keeps the keys whole; kvlens stores the kept channels "
                        "only. kvpress prunes every prompt key (`recent=0`, preset kvpress); the authors' code keeps "
                        "the newest 32 whole.")
-    presets: ClassVar[dict[str, dict]] = {"kvpress": {"recent": 0}, "paper": {"recent": 32}}
+    presets: ClassVar[dict[str, dict[str, Any]]] = {"kvpress": {"recent": 0}, "paper": {"recent": 32}}
     prunes_keys = True
     budget_free = FromBase()  # over full: no budget
     cross_layer = FromBase()
 
-    def validate(self):
+    def validate(self) -> None:
         check(self.ratio < 1, f"ratio of think is the share of key channels pruned, below 1 (some must stay); "
                               f"got {self.ratio}.")
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
         self.base.observe_prefill(rows, prompt)
+        if prompt.queries is None:
+            raise ValueError("kvlens: think scores the channels with the prompt's queries, which were not passed")
         q = prompt.queries[:, -self.window:].float().pow(2).mean(1)  # (Hq, D)
         rows.states[0][QUERIES] = q.view(rows.kv_heads, -1, q.shape[-1]).mean(1)
 

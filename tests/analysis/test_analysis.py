@@ -287,7 +287,7 @@ SMALL = {"similarity": {"max_size": 40}, "preceding": {"window": 8}, "variance":
 def run_kinds():
     from kvlens.analysis.registry import analyses
 
-    # those that replay a run need its model: tests/test_rank_perturbation.py runs them on the tiny one
+    # those that replay a run need its model: tests/analysis/test_rank_perturbation.py runs them on the tiny one
     return [name for name, cls in analyses().items() if cls.inputs != "model" and not cls.replays]
 
 

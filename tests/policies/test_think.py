@@ -1,5 +1,5 @@
 """ThinK's channel-pruned keys (`kvlens.policies.think`, `kvlens.engine.channels`): what is stored, its bytes, and
-the refusals. Its channel choice against kvpress is in `tests/test_kvpress_crosscheck.py`."""
+the refusals. Its channel choice against kvpress is in `tests/cross_checks/test_kvpress_crosscheck.py`."""
 from __future__ import annotations
 
 import pytest
