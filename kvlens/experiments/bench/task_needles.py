@@ -83,7 +83,7 @@ def figure(cells: list[dict], ratio: float | None, title: str = "", columns: int
             customdata=[[0 if c is None else c["needles"] for c in line] for line in got],
             hovertemplate="%{x} tokens, depth %{y}: %{z:.0%} of %{customdata} needles<extra>" + policy + "</extra>"),
             i // columns + 1, i % columns + 1)
-    fig.update_yaxes(autorange="reversed")
+    fig.update_yaxes(autorange="reversed", type="category")
     fig.update_xaxes(type="category")
     for r in range(1, rows + 1):
         fig.update_yaxes(title_text="needle depth", row=r, col=1)
