@@ -39,6 +39,17 @@ evicted ones (fake keys); their removed positions are the masked ones. ThinK: `C
 SnapKV and `ThinKPress` (window 32) pruning THINK_RATIOS of the key channels, which it zeroes; the
 channels each layer and KV head kept are the ones not all zero, and the removed positions are matched on
 them.
+
+The task protocol (`task_cases`, `tests/data/kvpress_task_reference.json`): 4 samples of the task suite
+(`TASK_SAMPLES`, written by kvlens to `tests/data/kvpress_task_samples.jsonl`, answers of TASK_TOKENS
+tokens) through kvpress's own `KVPressTextGenerationPipeline` (the chat template's context compressed once,
+each question appended and answered greedily from it), for the full cache, `StreamingLLMPress`,
+`SnapKVPress` (window 16, kernel 5), `ExpectedAttentionPress`, TOVA (unpinned, as above), `KVzipPress` as
+shipped (it skips the chat template's head: kvlens `reconstruct=context`) and `AdaKVPress` over SnapKV, at
+TASK_RATIOS: the token ids of context and questions, the answers, and per layer a digest of the positions
+each KV head lost in the context's compression (run again outside the pipeline; kvpress's kept count,
+`int(T * (1 - ratio))`, is kvlens's `--rounding kvpress`). Each question is "\n\n" + the sample's, as
+kvlens's `split_prompt` asks it.
 """
 from __future__ import annotations
 
@@ -52,6 +63,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "data" / "kvpress_reference.json"
+TASK_OUT = ROOT / "tests" / "data" / "kvpress_task_reference.json"
+TASK_SAMPLES_FILE = ROOT / "tests" / "data" / "kvpress_task_samples.jsonl"
 VENV = Path.home() / ".cache" / "kvlens" / "kvpress-venv"
 PINS = ["kvpress==0.5.5", "torch==2.13.0", "transformers>=4.56,<5.3"]
 TEXT = ROOT / "kvlens" / "data" / "state_union" / "1946-Truman.txt"
@@ -73,6 +86,13 @@ PROMPT_CASES = {"snapkv": ("snapkv", {"window": WINDOW, "kernel": 5, "pooling": 
                                     "base.window": WINDOW, "base.kernel": 5, "base.pooling": "avg"})
                    for case, ratio in THINK_RATIOS.items()}}
 # case -> the kvlens policy and parameters that define the same thing
+TASK_SAMPLES = [("niah_single", 0), ("niah_single", 1), ("niah_multikey", 0), ("niah_multiquery", 1)]
+TASK_LENGTH, TASK_COUNT, TASK_TOKENS, TASK_RATIOS = 512, 2, 32, (0.5, 0.75)
+TASK_CASES = {"full": ("full", {}), "streaming_llm": ("streaming_llm", {"sink": SINK}),
+              "snapkv": ("snapkv", {"window": WINDOW, "kernel": 5, "pooling": "avg"}),
+              "expected_attention": ("expected_attention", {}), "tova": ("tova", {}),
+              "kvzip": ("kvzip", {"reconstruct": "context", "decoding": "once"}),
+              "adakv": ("adakv", {"base": "snapkv", "base.window": WINDOW, "alpha": 0.2})}
 CASES = {"streaming_llm": ("streaming_llm", {"sink": SINK}),
          "cam": ("cam", {"preset": "kvpress", "mask": "always", "base.sink": SINK}),
          "h2o": ("h2o", {"recent_ratio": RECENT_RATIO}),
@@ -94,11 +114,36 @@ def main() -> int:
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(args.venv)], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", *PINS], check=True)
+    dump_task_samples(model)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # kvpress's own stack only
     only = ["--only", *args.only] if args.only else []
     subprocess.run([str(python), __file__, "--inside", "--model", model, *only], check=True, env=env)
-    print(f"wrote {OUT.relative_to(ROOT)}")
+    tasks = "" if args.only else f", {TASK_SAMPLES_FILE.relative_to(ROOT)}, {TASK_OUT.relative_to(ROOT)}"
+    print(f"wrote {OUT.relative_to(ROOT)}{tasks}")
     return 0
+
+
+def dump_task_samples(model_dir: str) -> None:
+    """With kvlens: the task samples (`kvlens bench tasks --lengths 512 --count 2 --dump-samples`, answers cut
+    to TASK_TOKENS tokens)."""
+    import dataclasses
+
+    from kvlens.engine.models import load_model
+    from kvlens.experiments.bench import ruler
+    from kvlens.texts import bundled
+
+    tok = load_model(model_dir).tokenizer
+    count = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
+    haystack = " ".join(bundled().values())
+    ruler.write_samples([dataclasses.replace(ruler.generate(t, TASK_LENGTH, i, count, haystack, count=TASK_COUNT),
+                                             max_new_tokens=TASK_TOKENS) for t, i in TASK_SAMPLES], TASK_SAMPLES_FILE)
+
+
+def removed_digest(removed: list[list[int]]) -> str:
+    """A layer's removed positions per KV head, as a short digest (the test computes the same)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(removed).encode()).hexdigest()[:16]
 
 
 def reference(model_dir: str, only: list[str] | None = None) -> int:
@@ -109,7 +154,7 @@ def reference(model_dir: str, only: list[str] | None = None) -> int:
 
     import torch
     import torch.nn.functional as F
-    from kvpress import CAMPress, DecodingPress, PrefillDecodingPress, StreamingLLMPress, TOVAPress
+    from kvpress import CAMPress, DecodingPress, PrefillDecodingPress, StreamingLLMPress
     from kvpress.presses.scorer_press import ScorerPress
     from kvpress.utils import compute_n_kept
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -170,12 +215,7 @@ def reference(model_dir: str, only: list[str] | None = None) -> int:
             self.sums[module.layer_idx] = self.sums[module.layer_idx].gather(2, index)
             return gather(module, keys, values, index)
 
-    class UnpinnedTOVAPress(TOVAPress):
-        """`TOVAPress` scoring every slot, the newest included, by the last query's mean attention (no pin)."""
-
-        def score(self, module, hidden_states, keys, values, attentions, kwargs):
-            return attentions[..., -1:, :].mean(1).repeat(1, keys.shape[1], 1)
-
+    UnpinnedTOVAPress = unpinned_tova()
     def decoding(scorer_press):
         return DecodingPress(base_press=scorer_press, compression_interval=1, target_size=BUDGET)
 
@@ -199,6 +239,10 @@ def reference(model_dir: str, only: list[str] | None = None) -> int:
         for case, press in presses.items():
             nll[case], removed[case] = score(model, press, ids, torch)
     prompt_cases = prompt_references(model_dir, tok, torch)
+    task = task_references(model_dir, tok, torch)
+    TASK_OUT.write_text(json.dumps({"command": "python scripts/crosscheck_kvpress.py",
+                                    "versions": {p: version(p) for p in ("kvpress", "torch", "transformers")},
+                                    **task}, indent=1) + "\n", encoding="utf-8")
     result = {"command": "python scripts/crosscheck_kvpress.py", "text": TEXT.relative_to(ROOT).as_posix(),
               "ids": ids, "prefill": PREFILL, "steps": STEPS, "budget": BUDGET,
               "versions": versions,
@@ -220,6 +264,18 @@ def write(result: dict) -> int:
             + "\n }" for b in blocks]  # one line per case
     OUT.write_text("{\n" + "\n".join(head) + "\n" + ",\n".join(body) + "\n}\n", encoding="utf-8")
     return 0
+
+
+def unpinned_tova():
+    """Inside the kvpress virtualenv: `TOVAPress` scoring every slot, the newest included, by the last query's mean
+    attention (no pin; eager attention)."""
+    from kvpress import TOVAPress
+
+    class UnpinnedTOVAPress(TOVAPress):
+        def score(self, module, hidden_states, keys, values, attentions, kwargs):
+            return attentions[..., -1:, :].mean(1).repeat(1, keys.shape[1], 1)
+
+    return UnpinnedTOVAPress
 
 
 def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None) -> dict:
@@ -312,6 +368,62 @@ def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None)
         out[case] = {"policy": policy, "params": params, "runs": runs}
         print(f"{case}: done")
     return out
+
+
+def task_references(model_dir: str, tok, torch) -> dict:
+    """Inside the kvpress virtualenv: every task case on every sample and ratio (see the module docstring)."""
+    from kvpress import (
+        AdaKVPress,
+        ExpectedAttentionPress,
+        KVPressTextGenerationPipeline,
+        KVzipPress,
+        SnapKVPress,
+        StreamingLLMPress,
+    )
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    presses = {"full": lambda r: None, "streaming_llm": lambda r: StreamingLLMPress(r, n_sink=SINK),
+               "snapkv": lambda r: SnapKVPress(r, window_size=WINDOW, kernel_size=5),
+               "expected_attention": ExpectedAttentionPress, "tova": unpinned_tova(), "kvzip": KVzipPress,
+               "adakv": lambda r: AdaKVPress(SnapKVPress(r, window_size=WINDOW, kernel_size=5), 0.2)}
+    assert set(presses) == set(TASK_CASES)
+    models = {kind: AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32,
+                                                         attn_implementation=kind).eval() for kind in ("eager", "sdpa")}
+    samples = [json.loads(line) for line in TASK_SAMPLES_FILE.read_text(encoding="utf-8").splitlines() if line]
+    ids, cases = [], {case: {"policy": p, "params": q, "runs": []} for case, (p, q) in TASK_CASES.items()}
+    for index, sample in enumerate(samples):
+        asked = sample["question"] if isinstance(sample["question"], list) else [sample["question"]]
+        questions = ["\n\n" + q for q in asked]  # as kvlens's split_prompt asks them
+        for case, make in presses.items():
+            model = models["sdpa" if case in ("kvzip", "adakv") else "eager"]  # AdaKV, KVzip refuse eager
+            layers = [layer.self_attn for layer in model.model.layers]
+            pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok)
+            inputs = pipe.preprocess(sample["context"], questions, "", 10 ** 10)
+            context = inputs["context_ids"]
+            if case == "full":
+                ids.append({"context": context[0].tolist(), "questions": [q[0].tolist() for q in
+                                                                          inputs["questions_ids"]]})
+            with torch.no_grad():
+                full = DynamicCache()
+                model.model(input_ids=context, past_key_values=full)
+                for ratio in [0.0] if case == "full" else TASK_RATIOS:
+                    answers = pipe(sample["context"], questions=questions, press=make(ratio),
+                                   max_new_tokens=sample["max_new_tokens"])["answers"]
+                    removed = []
+                    if case != "full":
+                        cache = DynamicCache()
+                        with make(ratio)(model):
+                            model.model(input_ids=context, past_key_values=cache)
+                        removed = [removed_digest(removed_from(full.layers[i].keys[0], cache.layers[i].keys[0],
+                                                               getattr(layers[i], "masked_key_indices", None), torch))
+                                   for i in range(len(layers))]
+                    for module in layers:
+                        module.masked_key_indices = None
+                    cases[case]["runs"].append({"sample": index, "ratio": ratio, "answers": answers,
+                                                "removed": removed})
+        print(f"task sample {index}: done")
+    return {"samples": TASK_SAMPLES_FILE.relative_to(ROOT).as_posix(), "ratios": list(TASK_RATIOS), "ids": ids,
+            "cases": cases}
 
 
 def removed_from(before, after, masked, torch) -> list[list[int]]:

@@ -31,18 +31,21 @@ from kvlens.policies import make_policy
 POLICIES = ["streaming_llm", "h2o", "snapkv", "expected_attention", "kvzip"]
 RATIOS = [0.5, 0.75]
 TASKS, LENGTH, COUNT, SEED = ["niah_single", "niah_multikey"], 1024, 8, 0
+# the conventions the finding was made under (`kvlens bench tasks --depths random --rounding kvlens`)
+DEPTHS, ROUNDING = "random", "kvlens"
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = (1, 3, 5, 10)  # the share of cases whose minimal set has at most this many (layer, KV head) groups
 
 
 def samples_file(model, out: Path) -> Path:
-    """The suite's samples (`kvlens bench tasks --tasks niah_single,niah_multikey --lengths 1024 --dump-samples`),
+    """The suite's samples (`kvlens bench tasks --tasks niah_single,niah_multikey --lengths 1024 --depths random
+    --dump-samples`),
     interleaved by index so that a partial run covers both tasks."""
     from kvlens.texts import bundled
 
     count = lambda s: len(model.tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
     samples = [ruler.generate(t, LENGTH, i, count, " ".join(bundled().values()),
-                              seed=SEED) for i in range(COUNT) for t in TASKS]
+                              seed=SEED, depths=DEPTHS) for i in range(COUNT) for t in TASKS]
     path = out / "explain.samples.jsonl"
     ruler.write_samples(samples, path)
     return path
@@ -57,7 +60,7 @@ def run_cases(model, path: Path, rows_path: Path, deadline: float) -> None:
         for policy, ratio in todo:
             if time.time() > deadline:
                 return
-            case = sample_case(model, sample, policy, ratio, about={"index": index})
+            case = sample_case(model, sample, policy, ratio, about={"index": index}, rounding=ROUNDING)
             if shared is None:
                 shared = SharedPrefill(model, case.context, [make_policy(p) for p in POLICIES])
             built = build(case, shared)

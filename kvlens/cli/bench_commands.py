@@ -62,6 +62,12 @@ def register(sub) -> None:
     p.add_argument("--full-answers", action="store_true",
                    help="generate every answer to the task's length limit (default: stop once every expected "
                         "string is in it, which leaves the score unchanged)")
+    p.add_argument("--rounding", choices=("kvpress", "kvlens"), default="kvpress",
+                   help="kept slots at a ratio: kvpress's int(T * (1 - ratio)) (default), or kvlens's earlier "
+                        "T - int(T * ratio), one more when T * ratio is not whole")
+    p.add_argument("--depths", choices=("stratified", "random"), default="stratified",
+                   help="needle depths: sample i of n in the i-th n-th of the context (default), or RULER's "
+                        "uniformly random boundaries (the samples made before this option)")
     p.add_argument("--one-by-one", action="store_true",
                    help="answer from each compressed cache in turn (default: all of a sample's caches in one batch "
                         "per token; the same answers up to float rounding, several times faster)")
@@ -162,8 +168,10 @@ def _finish(args, result: dict, rows: list[dict], fig, stem: str, text: str) -> 
 
 
 def _run_grid(args, cells: list[dict], texts: dict[str, str], config: dict, stem: str, summarise, figure,
-              table) -> int:
-    """Run a benchmark's cells (resumable, on the chosen executor), then add its summary, figure and table."""
+              table, implied: dict | None = None, complete=None, figures: tuple = ()) -> int:
+    """Run a benchmark's cells (resumable, on the chosen executor), then add its summary, figure and table.
+    `implied`: what older rows lacking a cell field had (`grid.Results`); `complete(rows)`: fills in what older
+    rows lack; `figures`: more (file stem suffix, figure of the result or None) pairs."""
     from kvlens.experiments.bench.common import environment
     from kvlens.experiments.grid import report
     from kvlens.figures.export import image_bytes
@@ -171,13 +179,20 @@ def _run_grid(args, cells: list[dict], texts: dict[str, str], config: dict, stem
     executor = "ray" if args.ray is not None else f"{args.workers} processes" if args.workers else "in-process"
     settings = {"command": command_line(), "config": config,
                 "environment": {**environment(), "model": args.model, "executor": executor}}
-    results = run_cells(args, Path(args.out_dir) / f"{stem}.json", cells, texts, settings, stem)
+    results = run_cells(args, Path(args.out_dir) / f"{stem}.json", cells, texts, settings, stem, implied)
+    if complete is not None:
+        complete(results.ordered())
     result = {**settings, "rows": results.ordered(), "summary": summarise(results.ordered())}
     results.write({"summary": result["summary"]})
     paths = [results.path, results.path.with_suffix(".csv")]
     if not args.no_figure and result["rows"]:
         paths.append(results.path.with_suffix(".png"))
         paths[-1].write_bytes(image_bytes(figure(result), "png"))
+        for suffix, build in figures:
+            fig = build(result)
+            if fig is not None:
+                paths.append(results.path.with_name(f"{stem}{suffix}.png"))
+                paths[-1].write_bytes(image_bytes(fig, "png"))
     if args.json:
         print_json(result)
     else:
@@ -343,7 +358,7 @@ def cmd_tasks(args) -> int:
     if args.count < 1:
         raise KvlensError("--count must be at least 1.")
     settings = dict(model=args.model, query_aware=args.query_aware, chat=not args.no_chat,
-                    stop_when_found=not args.full_answers, batch=not args.one_by_one)
+                    stop_when_found=not args.full_answers, batch=not args.one_by_one, rounding=args.rounding)
     if args.samples:
         text = ruler.read_text(args.samples)
         samples = ruler.parse_lines(text, args.samples)
@@ -357,16 +372,37 @@ def cmd_tasks(args) -> int:
         if args.dump_samples:
             model = load(args)
             count = lambda s: len(model.tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
-            out = [ruler.generate(t, n, i, count, texts["haystack"], seed=args.seed)
-                   for t in names for n in lengths for i in range(args.count)]
+            out = [ruler.generate(t, n, i, count, texts["haystack"], seed=args.seed, depths=args.depths,
+                                  count=args.count) for t in names for n in lengths for i in range(args.count)]
             ruler.write_samples(out, args.dump_samples)
             print(f"wrote {len(out)} samples to {args.dump_samples}")
             return 0
         cells = tasks.plan_tasks(policies, ratios, names, lengths, args.count, seed=args.seed,
-                                 source=tasks.digest(texts["haystack"]), **settings)
+                                 source=tasks.digest(texts["haystack"]), depths=args.depths, **settings)
         stem = "bench_tasks" + suffix + ("_query_aware" if args.query_aware else "")
     config = {"policies": cells[0]["policies"] if cells else [], "ratios": ratios, "samples_file": args.samples,
               "tasks": sorted({c["suite_task"] for c in cells}), "lengths": sorted({c["length"] or 0 for c in cells}),
-              "count": args.count, "seed": args.seed, **settings}
+              "count": args.count, "seed": args.seed, "depths": None if args.samples else args.depths, **settings}
     return _run_grid(args, cells, texts, config, stem, tasks.summarise, tasks.figure,
-                     lambda result: tasks.table(result["summary"]))
+                     lambda result: tasks.table(result["summary"]), implied=tasks.IMPLIED,
+                     complete=lambda rows: _needle_depths(args, rows, texts),
+                     figures=(("_needles", _needle_figure),))
+
+
+def _needle_depths(args, rows: list[dict], texts: dict[str, str]) -> None:
+    """Rows written before needle depths were recorded get their samples' (the model's tokenizer loaded only then)."""
+    from kvlens.experiments.bench import task_needles
+
+    if "haystack" not in texts or all(r.get("needle_depths") is not None or not r["suite_task"].startswith("niah_")
+                                      for r in rows):
+        return
+    tokenizer = load(args).tokenizer
+    task_needles.fill_depths(rows, lambda s: len(tokenizer(s, add_special_tokens=False).input_ids), texts["haystack"])
+
+
+def _needle_figure(result: dict):
+    """The needle figure at the grid's middle ratio, None without niah rows that have depths."""
+    from kvlens.experiments.bench import task_needles
+
+    cells = task_needles.grid(result["rows"])
+    return task_needles.figure(cells, task_needles.default_ratio(cells)) if cells else None

@@ -45,13 +45,15 @@ def add_executor_args(p) -> None:
     p.add_argument("--fresh", action="store_true", help="recompute every cell instead of keeping finished ones")
 
 
-def run_cells(args, out, cells: list[dict], texts: dict[str, str], settings: dict, desc: str):
-    """Run the cells the results file `out` still lacks on the executor `args` chose; the `Results`."""
+def run_cells(args, out, cells: list[dict], texts: dict[str, str], settings: dict, desc: str,
+              implied: dict | None = None):
+    """Run the cells the results file `out` still lacks on the executor `args` chose; the `Results` (`implied`:
+    what an older row lacking a field had, `Results`)."""
     from kvlens.engine.models import model_path
     from kvlens.experiments.executors import Job, executor
     from kvlens.experiments.grid import Results, run_grid
 
-    results = Results(out, cells, settings, fresh=args.fresh)
+    results = Results(out, cells, settings, fresh=args.fresh, implied=implied)
     local_workers = args.ray == "" or (args.ray is None and args.workers)
     if results.todo() and local_workers:
         model_path(args.model)  # convert (or download) once here, not in every worker

@@ -2,7 +2,8 @@
 
 The field's task benchmarks (kvpress's `evaluation/`, RULER, LongBench) compress a context once, right after
 its prefill, then append the question uncompressed and generate the answer. `split_prompt` cuts a chat prompt
-into that context and question, `slots_for` is kvpress's kept count at a compression ratio. `prepare` sets a
+into that context and question, `slots_for` is the kept count at a compression ratio (kvpress's rounding, or
+kvlens's earlier one). `prepare` sets a
 policy up that way (prefill, its replay passes, its step-0 compression, then `freeze`), and `answer` feeds a
 question as one chunk and generates greedily; `KVCache.mark`/`rewind` ask several questions of one compressed context.
 
@@ -57,9 +58,18 @@ def template_parts(model: LoadedModel, chat: bool) -> tuple[str, str]:
     return head, tail
 
 
-def slots_for(ratio: float, tokens: int) -> int:
-    """kvpress's kept count at compression ratio `ratio` (share removed) of `tokens`."""
-    return tokens - int(tokens * ratio)
+ROUNDINGS = ("kvpress", "kvlens")
+
+
+def slots_for(ratio: float, tokens: int, rounding: str = "kvpress") -> int:
+    """The slots kept of `tokens` at compression ratio `ratio` (the share removed). `kvpress`: `int(tokens * (1 -
+    ratio))`, kvpress's `ScorerPress.compress` (`n_kept`); `kvlens`: `tokens - int(tokens * ratio)`, the rounding
+    of the results made before the option (one slot more when `tokens * ratio` is not a whole number)."""
+    if rounding == "kvpress":
+        return int(tokens * (1 - ratio))
+    if rounding == "kvlens":
+        return tokens - int(tokens * ratio)
+    raise KvlensError(f"Unknown rounding '{rounding}'; the roundings are {', '.join(ROUNDINGS)}.")
 
 
 @dataclass

@@ -85,9 +85,11 @@ def _write_atomic(path: Path, write: Callable) -> None:
 class Results:
     """The results file of a grid (JSON, with a CSV of the rows beside it), rewritten atomically after each cell."""
 
-    def __init__(self, path: str | Path, cells: list[dict], settings: dict, fresh: bool = False):
+    def __init__(self, path: str | Path, cells: list[dict], settings: dict, fresh: bool = False,
+                 implied: dict | None = None):
+        """`implied`: the value a row written before a cell field existed had for it (matched as such)."""
         self.path = Path(path)
-        self.cells, self.settings = cells, settings
+        self.cells, self.settings, self.implied = cells, settings, implied or {}
         self.order = {key(c): i for i, c in enumerate(cells)}
         if len(self.order) < len(cells):
             raise KvlensError("The grid names the same cell twice; give each value once.")
@@ -107,7 +109,7 @@ class Results:
         fields = list(self.cells[0]) if self.cells else []
         for entry, into in [(r, self.rows) for r in rows + old.get("other_rows", [])] + \
                 [(f, self.failed) for f in failed]:
-            k = key({f: entry.get(f) for f in fields})
+            k = key({f: entry.get(f, self.implied.get(f)) for f in fields})
             if k in self.order:
                 into[k] = entry
             elif into is self.rows:

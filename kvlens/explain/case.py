@@ -49,14 +49,15 @@ def file_sample(path: str, index: int) -> ruler.Sample:
 
 
 def sample_case(model: LoadedModel, sample: ruler.Sample, policy: str, ratio: float, chat: bool = True,
-                about: dict | None = None) -> Case:
-    """A task sample under `policy` at compression ratio `ratio`; `about`: where the sample comes from."""
+                about: dict | None = None, rounding: str = "kvpress") -> Case:
+    """A task sample under `policy` at compression ratio `ratio` (its kept count rounded as `rounding`,
+    `slots_for`); `about`: where the sample comes from."""
     if not 0 < ratio < 1:
         raise KvlensError(f"A compression ratio is the share of the context removed, in (0, 1); got {ratio}.")
     spec = PolicySpec.parse(policy)
     context, question = split_prompt(model, sample.context, sample.questions[0], chat)
     budget = make_policy(spec.name, dict(spec.params)).resolve_budget(
-        slots_for(ratio, len(context)), len(context), len(context) + len(question) + sample.max_new_tokens)
+        slots_for(ratio, len(context), rounding), len(context), len(context) + len(question) + sample.max_new_tokens)
     if budget is None:
         raise KvlensError(f"Policy {spec.name} keeps what its own rule keeps; explain needs a budgeted policy.")
     needles = tasks.context_token_spans(model, sample.context, ruler.needle_spans(sample), chat)

@@ -10,8 +10,11 @@ cached. A prompt slot's score is the largest attention it receives from any of t
 and any query head of its KV head, the softmax taken over the first `n_sink` positions, the chunk
 and the pass's own keys (causal). The lowest scores leave, over every layer and KV head at once
 (`layerwise=false`, the paper's non-uniform budgets; `true`: the same count per layer, shared by its
-heads); the first `n_sink` positions never leave. kvlens reconstructs the whole prompt (kvpress
-skips a chat template's prefix, whose slots then score 0). The passes cost about twice the
+heads); the first `n_sink` positions never leave. What is reconstructed (`reconstruct`): the whole
+prompt (`prompt`, kvlens's), or the context without the chat template's head (`context`, kvpress's
+`KVzipPress.prepare`, which skips `prefix_length` tokens: the template's text before the user's,
+found as kvpress finds it; those slots then score 0 and leave first, the `n_sink` first aside; a
+prompt that does not begin with the head is reconstructed whole). The passes cost about twice the
 prompt's prefill; a run reports them as `replay_passes` and `replay_ms` (part of `prefill_ms`).
 
 Decoding (`decoding`): `once` compresses the prompt only, as the paper and kvpress do, and the cache
@@ -54,14 +57,17 @@ class KVzip(Policy):
     decoding: str = param("rolling", "During decoding: keep the budget, evicting the least reconstructed prompt slot "
                           "of each layer (kvlens), or compress the prompt once and let the cache grow (the paper, "
                           "kvpress).", choices=("rolling", "once"))
+    reconstruct: str = param("prompt", "What the replay passes repeat: the whole prompt (kvlens), or the context "
+                             "without the chat template's head, whose slots then score 0 (kvpress).",
+                             choices=("prompt", "context"))
 
     name = "kvzip"
     description = "Keep the prompt slots the model attends to most while repeating the prompt (query-agnostic)."
     paper = "https://arxiv.org/abs/2505.23416"
     kvpress = "KVzipPress"
-    kvpress_differs = ("kvlens reconstructs the whole prompt (kvpress skips a chat template's prefix), frees what "
-                       'it evicts (kvpress masks it) and keeps the budget while decoding by default '
-                       "(`decoding=rolling`; `decoding=once` is kvpress's).")
+    kvpress_differs = ("kvlens reconstructs the whole prompt by default (`reconstruct=context` skips the chat "
+                       "template's head, as kvpress does), frees what it evicts (kvpress masks it) and keeps the "
+                       "budget while decoding by default (`decoding=rolling`; `decoding=once` is kvpress's).")
     needs_attention = False
     reallocates = True
 
@@ -75,12 +81,15 @@ class KVzip(Policy):
         return self.n_sink + 1
 
     def replay_passes(self, tokenizer: Any, prompt: list[int]) -> list[tuple[int, int, list[int]]]:
-        suffix = tokenizer.encode(turn_suffix(tokenizer), add_special_tokens=False)
+        head_text, suffix_text = template_around(tokenizer)
+        suffix = tokenizer.encode(suffix_text, add_special_tokens=False)
+        head = tokenizer.encode(head_text, add_special_tokens=False) if self.reconstruct == "context" else []
+        first = len(head) if prompt[:len(head)] == head else 0
         passes = []
-        for start in range(0, len(prompt), self.chunk):
+        for start in range(first, len(prompt), self.chunk):
             end = min(start + self.chunk, len(prompt))
-            ask = tokenizer.encode(FIRST if start == 0 else LATER, add_special_tokens=False)
-            quote = prompt[max(0, start - OVERLAP):start]
+            ask = tokenizer.encode(FIRST if start == first else LATER, add_special_tokens=False)
+            quote = prompt[max(first, start - OVERLAP):start]
             passes.append((start, end, ask + quote + suffix + prompt[start:end]))
         return passes
 
@@ -137,14 +146,14 @@ class KVzip(Policy):
         free_logged(step, rows, lowest_of_all_rows(rows, score, leaving))
 
 
-def turn_suffix(tokenizer: Any) -> str:
-    """What the chat template puts between a user's message and the assistant's answer ("\\n" without one), as
-    kvpress derives it: a dummy message with a separator, split at the separator."""
+def template_around(tokenizer: Any) -> tuple[str, str]:
+    """What the chat template puts before a user's message and between it and the assistant's answer (`("",
+    "\\n")` without one), as kvpress derives them: a dummy message with a separator, split at both."""
     if getattr(tokenizer, "chat_template", None) is None:
-        return "\n"
+        return "", "\n"
     dummy = "dummy context"
     separator = "\n" + "#" * len(dummy)
     text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}], add_generation_prompt=True,
                                          tokenize=False, enable_thinking=False)
-    suffix: str = text.split(separator)[1]
-    return suffix
+    before, suffix = str(text).split(separator)
+    return before.split(dummy)[0], suffix

@@ -1,6 +1,6 @@
 """A task benchmark's leaderboard (`results/bench_tasks*.json`): the score-vs-ratio figure and a sortable table,
 filtered by task, length and policy, summarised from the rows so far (a grid still running shows its samples
-finished until now)."""
+finished until now), then the needles found by depth and length."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -47,3 +47,24 @@ def leaderboard(path: Path, settings: dict, raw: dict) -> None:
                "a task that asks several questions of one compressed context.")
     st.dataframe(table.sort_values("score", ascending=False, kind="stable"), hide_index=True, width="stretch",
                  column_config={c: st.column_config.NumberColumn(format="%.3f") for c in COLUMNS[2:5] + COLUMNS[6:-1]})
+    needles(path, settings, rows, chosen)
+
+
+def needles(path: Path, settings: dict, rows: list[dict], chosen: list[str]) -> None:
+    """The needle figure (`task_needles`): each niah needle found or not, by depth and length, per policy."""
+    from kvlens.experiments.bench import task_needles
+
+    st.markdown("**Needles by depth and context length**")
+    cells = [c for c in task_needles.grid(rows) if c["policy"] in chosen]
+    if not cells:
+        st.caption("These rows record no needle depths: `kvlens bench tasks` with the command that made them adds "
+                   "them (it regenerates each sample).")
+        return
+    ratios = sorted({c["ratio"] for c in cells if c["ratio"] not in (None, 0.0)})
+    ratio = st.select_slider("Compression ratio", ratios, value=task_needles.default_ratio(cells),
+                             key="tasks_needle_ratio") if len(ratios) > 1 else task_needles.default_ratio(cells)
+    chart(task_needles.figure(cells, ratio), "tasks_needles_fig", name=f"{path.stem}_needles",
+          config={"results": str(path), "ratio": ratio, **settings.get("config", {})}, data=pd.DataFrame(cells))
+    st.caption("Each expected number of a niah sample is a needle at its depth (its sentence boundary's share of "
+               "the haystack, binned in tenths); colour: the share of the needles of that depth and length found "
+               "in the answer.")

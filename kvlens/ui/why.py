@@ -7,6 +7,7 @@ import streamlit as st
 from kvlens.ui.state import get_model, open_run
 
 SUITE_SEED = 0  # the task suite's samples (`kvlens bench tasks`): generated from this seed
+SUITE = {"depths": "random", "rounding": "kvlens"}  # the conventions of the shipped results/bench_tasks.json
 
 
 @st.cache_data(max_entries=16, show_spinner=False)
@@ -29,7 +30,8 @@ def explain_sample(task: str, length: int, index: int, policy: str, ratio: float
 
     model = get_model("default", "auto")
     count = lambda s: len(model.tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
-    sample = ruler.generate(task, length, index, count, " ".join(bundled().values()), seed=SUITE_SEED)
-    about = {"length": length, "index": index, "seed": SUITE_SEED}
-    return explain(sample_case(model, sample, policy, ratio, about=about), list(by), span,
+    sample = ruler.generate(task, length, index, count, " ".join(bundled().values()), seed=SUITE_SEED,
+                            depths=SUITE["depths"])
+    about = {"length": length, "index": index, "seed": SUITE_SEED, **SUITE}
+    return explain(sample_case(model, sample, policy, ratio, about=about, rounding=SUITE["rounding"]), list(by), span,
                    minimal_by="head" if minimal else None)

@@ -78,7 +78,7 @@ def tasks_section(obj: dict) -> str:
            f"{', '.join(map(str, cfg['lengths']))} tokens, {cfg['count']} samples each; the context is compressed "
            "once to the ratio (the share removed, as in kvpress), then the question is asked. Score: the share of "
            "the expected strings found in the answers, averaged over tasks and lengths; in brackets the bootstrap "
-           "95 % interval over samples.")
+           "95 % interval over samples. " + conventions(cfg))
     if elsewhere:
         n = sum(1 for r in rows if r.get("machine"))
         out += f" {n} of the {len(rows)} samples ran on another machine ({'; '.join(elsewhere)})."
@@ -98,6 +98,19 @@ def tasks_section(obj: dict) -> str:
     out += table(["policy", *(f"ratio {r}" for r in ratios), "full or budget-free", "samples"], body)
     return out + ("\nSorted by the score at ratio 0.5. The full cache and the budget-free policies (which decide their "
                   "own size) have no ratio. The app's Benchmarks page shows each task and length.\n\n")
+
+
+def conventions(cfg: dict) -> str:
+    """How the file counted a ratio's slots and placed its needles (a file from before the options: kvlens's
+    rounding, random depths), and the options that resume it."""
+    rounding, depths = cfg.get("rounding", "kvlens"), cfg.get("depths", "random")
+    kept = ("int(T × (1 − ratio)), kvpress's" if rounding == "kvpress"
+            else "T − int(T × ratio) (kvlens's rounding before `--rounding`)")
+    where = ("spread evenly over the samples (stratified)" if depths == "stratified"
+             else "at uniformly random sentence boundaries (RULER's)")
+    return (f"A context of T tokens keeps {kept}; needles sit {where}; `--rounding {rounding} --depths {depths}` "
+            "resumes the file. The needles found by depth and length, per policy at the grid's middle ratio: "
+            "`results/bench_tasks_needles.png`.")
 
 
 def frontier_section(obj: dict) -> str:

@@ -164,3 +164,83 @@ def test_a_batch_pads_little_when_caches_of_one_ratio_are_answered_together(tiny
     assert sorted(n for b in batches for n in b) == caches  # every cache once
     padded, kept = sum(len(b) * max(b) for b in batches), sum(n for b in batches for n in b)
     assert len(batches) > 2 and padded <= 1.25 * kept, (padded / kept, batches)
+
+
+def test_generated_rows_record_their_conventions_and_needle_depths(tiny_dir, tmp_path, capsys):  # noqa: F811
+    argv = ["bench", "tasks", "--tasks", "niah_single", "--lengths", "900", "--count", "2",
+            "--policies", "streaming_llm", "--ratios", "0.5", "--model", str(tiny_dir), "--no-chat", "--out-dir",
+            str(tmp_path), "--no-figure", "--json"]
+    code = main(argv)
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0, json.loads((tmp_path / "bench_tasks.json").read_text())["failed"]
+    assert {k: result["config"][k] for k in ("rounding", "depths", "count")} == {
+        "rounding": "kvpress", "depths": "stratified", "count": 2}
+    for row in result["rows"]:
+        assert (row["rounding"], row["depths"], row["count"]) == ("kvpress", "stratified", 2)
+        k = len(row["answers"][0])  # needles of the sample, one per expected number
+        assert sorted(d for ds in row["needle_depths"] for d in ds) == sorted(row["needle_depths"][0])
+        for j, depth in enumerate(sorted(row["needle_depths"][0])):  # needle j of k of sample i of 2
+            assert (j + row["index"] / 2) / k <= depth < (j + (row["index"] + 1) / 2) / k
+        kept = {r["policy"]: r["kept_share"] * row["prompt_tokens"] for r in row["results"]}
+        assert round(kept["streaming_llm"]) == row["prompt_tokens"] // 2  # kvpress: int(T * 0.5)
+    assert main([*argv, "--rounding", "kvlens"]) == 0  # other cells: the same file gets a second set of rows
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {r["rounding"] for r in rows} == {"kvlens"}
+    for row in rows:
+        kept = {r["policy"]: r["kept_share"] * row["prompt_tokens"] for r in row["results"]}
+        assert round(kept["streaming_llm"]) == row["prompt_tokens"] - row["prompt_tokens"] // 2
+
+
+def test_rows_from_before_the_options_resume_as_kvlens_rounding_and_random_depths(tmp_path):
+    from kvlens.experiments.grid import Results
+
+    cells = tasks.plan_tasks(parse_policies("h2o"), [0.5], ["niah_single"], [512], 2, model="m", seed=0,
+                             query_aware=False, chat=True, source="x", rounding="kvlens", depths="random")
+    old = [{k: v for k, v in c.items() if k not in ("rounding", "depths")} | {"results": []} for c in cells]
+    (tmp_path / "r.json").write_text(json.dumps({"rows": old}))
+    assert Results(tmp_path / "r.json", cells, {}, implied=tasks.IMPLIED).todo() == []
+    assert len(Results(tmp_path / "r.json", cells, {}).todo()) == 2
+    now = tasks.plan_tasks(parse_policies("h2o"), [0.5], ["niah_single"], [512], 2, model="m", seed=0,
+                           query_aware=False, chat=True, source="x")
+    assert len(Results(tmp_path / "r.json", now, {}, implied=tasks.IMPLIED).todo()) == 2  # kvpress, stratified
+
+
+def test_the_needle_grid_counts_each_needle_found_by_depth_and_length():
+    from kvlens.experiments.bench import task_needles
+
+    rows = [{"suite_task": "niah_multivalue", "length": 1024, "answers": [["11", "22", "33", "44"]],
+             "needle_depths": [[0.05, 0.3, 0.55, 0.99]],
+             "results": [{"policy": "full", "ratio": 0.0, "outputs": ["11 22 33 44"]},
+                         {"policy": "h2o", "ratio": 0.5, "outputs": ["11 and 44"]}]},
+            {"suite_task": "niah_single", "length": 2048, "answers": [["55"]], "needle_depths": [[0.31]],
+             "results": [{"policy": "full", "ratio": 0.0, "outputs": ["55"]},
+                         {"policy": "h2o", "ratio": 0.5, "outputs": ["none"]}]},
+            {"suite_task": "fwe", "length": 1024, "answers": [["a"]], "needle_depths": None,
+             "results": [{"policy": "h2o", "ratio": 0.5, "outputs": ["a"]}]}]
+    cells = {(c["policy"], c["length"], c["depth"]): (c["found"], c["needles"]) for c in task_needles.grid(rows)}
+    assert cells == {("full", 1024, 0.0): (1, 1), ("full", 1024, 0.3): (1, 1), ("full", 1024, 0.5): (1, 1),
+                     ("full", 1024, 0.9): (1, 1), ("full", 2048, 0.3): (1, 1),
+                     ("h2o", 1024, 0.0): (1, 1), ("h2o", 1024, 0.3): (0, 1), ("h2o", 1024, 0.5): (0, 1),
+                     ("h2o", 1024, 0.9): (1, 1), ("h2o", 2048, 0.3): (0, 1)}
+    grid = task_needles.grid(rows)
+    assert task_needles.default_ratio(grid) == 0.5
+    fig = task_needles.figure(grid, 0.5)
+    assert [t.name for t in fig.data] == ["full", "h2o"]
+    assert [list(line) for line in fig.data[1].z] == [[1, None], [0, 0], [0, None], [1, None]]  # depth x length
+    assert task_needles.figure(grid, 0.75).data[0].name == "full" and task_needles.figure([], 0.5) is None
+
+
+def test_rows_without_depths_get_their_regenerated_samples(tmp_path):
+    from kvlens.experiments.bench import task_needles
+    from tests.test_ruler import ESSAY, words
+
+    sample = ruler.generate("niah_multikey", 800, 3, words, ESSAY, 0, depths="random")
+    row = {"suite_task": "niah_multikey", "length": 800, "index": 3, "seed": 0,
+           "answers": [list(a) for a in sample.answers]}
+    other = {**row, "index": 4}  # its answers are not sample 4's: left without depths
+    stratified = {**row, "depths": "stratified", "count": 8,
+                  "answers": [list(a) for a in ruler.generate("niah_multikey", 800, 3, words, ESSAY, 0).answers]}
+    assert task_needles.fill_depths([row, other, stratified], words, ESSAY) == 2
+    assert row["needle_depths"] == [list(d) for d in sample.depths] and "needle_depths" not in other
+    assert stratified["needle_depths"] == [list(d) for d in ruler.generate("niah_multikey", 800, 3, words, ESSAY,
+                                                                           0).depths]

@@ -5,6 +5,7 @@ import json
 import random
 import re
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -173,3 +174,46 @@ def test_unreadable_files_are_named(tmp_path):
         read_samples(path)
     with pytest.raises(KvlensError, match="There is no samples file"):
         read_samples(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.parametrize("task", ["niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt"])
+@pytest.mark.parametrize("count", [4, 8])
+def test_stratified_depths_put_sample_i_of_n_in_its_stratum_each_needle_in_its_share(task, count):
+    """Needle j of k of sample i of n lies at depth [(j + i/n)/k, (j + (i+1)/n)/k), where the context holds it."""
+    for i in range(count):
+        sample = generate(task, 1500, i, words, ESSAY, 0, count=count)
+        assert sample == generate(task, 1500, i, words, ESSAY, 0, count=count)  # deterministic from the seed
+        assert sample.depths == generate(task, 1500, i, words, ESSAY, 0, count=count).depths
+        if task == "vt":
+            lines = [f"VAR {sample.answers[0][0]} ="] + [f"VAR {v} = VAR" for v in sample.answers[0][1:]]
+        else:
+            lines = [f"is: {v}." for answers in sample.answers for v in answers]
+        found = dict(zip(lines, (d for ds in sample.depths for d in ds), strict=True))
+        order = sorted(found, key=lambda line: sample.context.index(line))  # the needles in context order
+        assert [found[line] for line in order] == sorted(found.values())
+        k = {"niah_single": 1, "niah_multiquery": 4, "vt": 5}.get(task, 4)
+        if task == "niah_multikey":  # one key of four asked: its needle is one of the four shares
+            j = int(found[order[0]] * k)
+            assert (j + i / count) / k <= found[order[0]] < (j + (i + 1) / count) / k
+            continue
+        for j, line in enumerate(order):
+            assert (j + i / count) / k <= found[line] < (j + (i + 1) / count) / k
+    first = [generate("niah_single", 1500, i, words, ESSAY, 0).depths for i in range(8)]
+    assert first != [generate("niah_single", 1500, i, words, ESSAY, 1).depths for i in range(8)]  # jittered by seed
+
+
+def test_stratified_depths_are_checked():
+    with pytest.raises(KvlensError, match="out of range"):
+        generate("niah_single", 600, 8, words, ESSAY, 0, count=8)
+    with pytest.raises(KvlensError, match="Unknown needle depths 'even'"):
+        generate("niah_single", 600, 0, words, ESSAY, 0, depths="even")
+
+
+def test_random_depths_reproduce_the_samples_made_before_stratified_depths_byte_for_byte(tmp_path):
+    """tests/data/ruler_random_samples.jsonl: written by the generator before the `depths` option."""
+    old = (Path(__file__).parent / "data" / "ruler_random_samples.jsonl").read_text(encoding="utf-8")
+    cases = [("niah_single", 300, 0, 0), ("niah_single", 300, 1, 0), ("niah_multivalue", 300, 1, 0), ("vt", 300, 2, 1)]
+    write_samples([generate(t, n, i, words, ESSAY, s, depths="random") for t, n, i, s in cases], tmp_path / "s.jsonl")
+    assert (tmp_path / "s.jsonl").read_text(encoding="utf-8") == old
+    assert [generate(t, n, i, words, ESSAY, s, depths="random") for t, n, i, s in cases] != \
+        [generate(t, n, i, words, ESSAY, s) for t, n, i, s in cases]

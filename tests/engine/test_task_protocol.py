@@ -138,3 +138,29 @@ def test_a_compacted_batch_drops_the_padding_only_the_dropped_caches_needed():
         kept = layer.valid[row, 0]
         assert layer.pos[row, 0][kept].tolist() == [*range(own), 20, 21]
         assert layer.keys[row, 0, 5:7, 0].tolist() == [100, 101] and not kept[7:].any()
+
+
+@pytest.mark.parametrize("rounding, kept", [("kvpress", 150), ("kvlens", 151)])
+def test_a_ratio_keeps_kvpress_or_kvlens_rounded_count_on_an_odd_context(smol, prompt, rounding, kept):
+    """0.5 of 301 tokens: kvpress keeps int(301 * 0.5) = 150 (its `n_kept`), kvlens's earlier rounding 301 - 150;
+    StreamingLLM keeps its 4 sinks and the newest rest, in every layer and head."""
+    from kvlens.engine.shared_prefill import slots_for
+
+    context = prompt[0] + prompt[1][:1]  # 301 tokens
+    assert len(context) == 301 and slots_for(0.5, 301, rounding) == kept
+    loop, _ = prepare(smol, make_policy("streaming_llm", {"sink": 4}), context, slots_for(0.5, 301, rounding), 8)
+    expected = torch.tensor([0, 1, 2, 3, *range(301 - (kept - 4), 301)])
+    for layer in kept_positions(loop):
+        assert all(torch.equal(head[head >= 0], expected) for head in layer)  # -1: a buffer's padding
+
+
+def test_roundings_differ_only_where_the_kept_share_is_not_whole():
+    from kvlens.engine.shared_prefill import slots_for
+    from kvlens.errors import KvlensError
+
+    assert [slots_for(r, 1000) for r in (0.25, 0.5, 0.75, 0.875)] == [750, 500, 250, 125]
+    assert [slots_for(r, 1000, "kvlens") for r in (0.25, 0.5, 0.75, 0.875)] == [750, 500, 250, 125]
+    assert [slots_for(r, 1001) for r in (0.25, 0.5, 0.875)] == [750, 500, 125]  # int(1001 * (1 - r))
+    assert [slots_for(r, 1001, "kvlens") for r in (0.25, 0.5, 0.875)] == [751, 501, 126]  # 1001 - int(1001 * r)
+    with pytest.raises(KvlensError, match="Unknown rounding 'up'"):
+        slots_for(0.5, 10, "up")

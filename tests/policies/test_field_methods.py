@@ -199,6 +199,31 @@ def test_kvzip_asks_to_repeat_each_chunk_quoting_the_previous_one(tiny):
     assert passes[2][2] == later + prompt[32:40] + list(b"\n") + prompt[40:50]
 
 
+def test_kvzip_reconstructs_the_context_without_exactly_the_chat_templates_head(smol):
+    """`reconstruct=context` (kvpress's): the passes start after the template's head, whose slots score 0 and so
+    are the first to leave (the sinks aside); `prompt` (kvlens's) repeats the whole prompt."""
+    from kvlens.engine.shared_prefill import split_prompt, template_parts
+
+    context, _ = split_prompt(smol, next(iter(texts.bundled(1).values()))[:400], "Who wrote this?")
+    head = smol.tokenizer(template_parts(smol, True)[0], add_special_tokens=False).input_ids
+    assert context[:len(head)] == head and len(head) > 8
+    whole = make_policy("kvzip", {"chunk": 40}).replay_passes(smol.tokenizer, context)
+    passes = make_policy("kvzip", {"chunk": 40, "reconstruct": "context"}).replay_passes(smol.tokenizer, context)
+    assert whole[0][0] == 0 and passes[0][0] == len(head)
+    assert [(a, b) for a, b, _ in passes] == [(a, min(a + 40, len(context))) for a in range(len(head), len(context),
+                                                                                            40)]
+    suffix = smol.tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert passes[0][2][-40 - len(suffix):] == suffix + context[len(head):len(head) + 40]
+    quote = context[len(head) + 32:len(head) + 40]  # the previous chunk's last 8, never the template's
+    assert passes[1][2][-48 - len(suffix):] == quote + suffix + context[len(head) + 40:len(head) + 80]
+    assert make_policy("kvzip", {"reconstruct": "context"}).replay_passes(smol.tokenizer, context[2:])[0][0] == 0
+    r = run(smol, make_policy("kvzip", {"chunk": 40, "reconstruct": "context", "decoding": "once"}), context,
+            prefill=len(context), steps=1, teacher=False, opts=RunOptions(budget=len(context) - len(head)))
+    gone = r.decisions.groupby(["layer", "kv_head"]).position.apply(set)
+    assert all(set(range(4, len(head))) <= g for g in gone)  # every head slot but the 4 sinks, in every head
+    assert not (r.decisions.position < 4).any()
+
+
 @settings(max_examples=examples(10))
 @given(st.integers(0, 10_000), st.integers(0, 6), st.integers(1, 5))
 def test_kvzip_scores_each_slot_by_the_largest_weight_of_the_repeating_queries(seed, start, sinks):

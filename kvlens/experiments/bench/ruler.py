@@ -17,9 +17,15 @@ What differs from RULER:
   when a long list needs more; below 4096 tokens it uses RULER's short setting (6 and 1 repeats), and
   3/1 or 2/1 repeats when even that does not fit.
 - fwe's noise word is "...." (RULER writes '...' but its question says '....').
+- Needle depths (`depths`): RULER puts each needle at a uniformly random sentence boundary (`random`, kvlens's
+  samples before the option); `stratified` (the default) spreads the grid's `count` samples evenly over the
+  context, sample i of n at a boundary drawn from the seed within [i/n, (i+1)/n) of the haystack's sentences,
+  and the k needles (or vt's chain lines) of one sample each in their own k-th of it, so that a grid of 8 samples
+  does not leave the depth to luck. A line's depth is its boundary's index over the haystack's sentence count.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -79,6 +85,7 @@ NOUNS = ("pelican", "anchor", "badger", "beacon", "biscuit", "canyon", "castle",
          "thunder", "tiger", "tractor", "tulip", "violin", "walrus", "window", "zebra")
 KEYS = tuple(f"{a}-{n}" for a in ADJECTIVES for n in NOUNS)
 CWE_COMMON = 10  # RULER num_cw
+DEPTHS = ("stratified", "random")
 ZETA_2 = math.pi ** 2 / 6  # normalises RULER's Zipf counts at alpha = 2
 
 
@@ -94,6 +101,8 @@ class Sample:
     questions: tuple[str, ...]
     answers: tuple[tuple[str, ...], ...]
     max_new_tokens: int
+    # per expected answer, its needle's depth in a generated sample (None: no needles, or read from JSON)
+    depths: tuple[tuple[float, ...], ...] | None = dataclasses.field(default=None, compare=False)
 
     def to_json(self) -> dict:
         """`question` a string and `answers` a list for one question, lists of them for several.
@@ -230,30 +239,49 @@ def _essay(text: str, n: int) -> list[str]:
     return [units[i % len(units)] for i in range(n)]
 
 
-def _insert(rng: random.Random, sentences: list[str], lines: Sequence[str]) -> str:
-    """`sentences` joined by spaces, with `lines`, in their order, at uniformly random sentence boundaries."""
-    cuts = sorted(rng.randint(0, len(sentences)) for _ in lines)
+def _cuts(rng: random.Random, total: int, lines: int, stratum: tuple[int, int] | None) -> list[int]:
+    """Sentence boundaries (0..`total`) for `lines` lines, ascending: uniformly random (`stratum` None, RULER's),
+    or line j of sample i of n (`stratum` (i, n)) at a random boundary within [(j + i/n)/k, (j + (i+1)/n)/k) of
+    the text (k = `lines`)."""
+    if stratum is None:
+        return sorted(rng.randint(0, total) for _ in range(lines))
+    i, n = stratum
+    cuts = []
+    for j in range(lines):
+        first = math.ceil((j * n + i) * total / (n * lines))
+        last = math.ceil((j * n + i + 1) * total / (n * lines)) - 1
+        cuts.append(rng.randint(first, last) if last >= first else min(first, total))  # an empty stratum: its start
+    return cuts
+
+
+def _insert(rng: random.Random, sentences: list[str], lines: Sequence[str],
+            stratum: tuple[int, int] | None) -> tuple[str, list[float]]:
+    """`sentences` joined by spaces, with `lines`, in their order, at the boundaries `_cuts` picks; and each
+    line's depth (its boundary over the sentence count)."""
+    cuts = _cuts(rng, len(sentences), len(lines), stratum)
     out, start = [], 0
     for cut, line in zip(cuts, lines):
         out += sentences[start:cut] + [line]
         start = cut
-    return " ".join(out + sentences[start:])
+    return " ".join(out + sentences[start:]), [cut / max(len(sentences), 1) for cut in cuts]
 
 
-def _niah(rng: random.Random, sentences: list[str], keys: int, values: int, asked: int) -> tuple:
+def _niah(rng: random.Random, sentences: list[str], keys: int, values: int, asked: int,
+          stratum: tuple[int, int] | None) -> tuple:
     """Needles for `keys` keys with `values` numbers each; questions on the first `asked` keys."""
     names = rng.sample(KEYS, keys)
     numbers = [str(v) for v in rng.sample(range(1_000_000, 10_000_000), keys * values)]
     by_key = [numbers[i * values:(i + 1) * values] for i in range(keys)]
-    needles = [NEEDLE.format(key=k, value=v) for k, vs in zip(names, by_key) for v in vs]
+    needles = [(v, NEEDLE.format(key=k, value=v)) for k, vs in zip(names, by_key) for v in vs]
     rng.shuffle(needles)
-    context = NIAH_PREAMBLE + _insert(rng, sentences, needles) + "\n"
-    return (context, tuple(NIAH_QUESTION.format(key=k) for k in names[:asked]),
-            tuple(tuple(vs) for vs in by_key[:asked]))
+    text, depths = _insert(rng, sentences, [line for _, line in needles], stratum)
+    depth = {v: d for (v, _), d in zip(needles, depths, strict=True)}
+    return (NIAH_PREAMBLE + text + "\n", tuple(NIAH_QUESTION.format(key=k) for k in names[:asked]),
+            tuple(tuple(vs) for vs in by_key[:asked]), tuple(tuple(depth[v] for v in vs) for vs in by_key[:asked]))
 
 
-def _vt(rng: random.Random, n: int) -> tuple:
-    """One chain of four hops (five variables) in `n` noise sentences."""
+def _vt(rng: random.Random, n: int, stratum: tuple[int, int] | None) -> tuple:
+    """One chain of four hops (five variables) in `n` noise sentences; variable k's depth is its line's."""
     names: list[str] = []
     while len(names) < 5:
         name = "".join(rng.choices(string.ascii_uppercase, k=5))
@@ -261,8 +289,8 @@ def _vt(rng: random.Random, n: int) -> tuple:
             names.append(name)
     value = rng.randint(10_000, 99_999)
     chain = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
-    context = VT_PREAMBLE + _insert(rng, _noise(n), chain) + "\n"
-    return context, (VT_QUESTION.format(value=value),), (tuple(names),)
+    text, depths = _insert(rng, _noise(n), chain, stratum)
+    return VT_PREAMBLE + text + "\n", (VT_QUESTION.format(value=value),), (tuple(names),), (tuple(depths),)
 
 
 @functools.lru_cache(maxsize=4)
@@ -288,7 +316,7 @@ def _cwe(rng: random.Random, n: int, text: str, common: int, uncommon: int) -> t
     listing = words[:CWE_COMMON] * common + words[CWE_COMMON:] * uncommon
     rng.shuffle(listing)
     context = CWE_PREAMBLE + " ".join(f"{i}. {w}" for i, w in enumerate(listing, 1)) + "\n"
-    return context, (CWE_QUESTION,), (tuple(words[:CWE_COMMON]),)
+    return context, (CWE_QUESTION,), (tuple(words[:CWE_COMMON]),), None
 
 
 def _fwe(rng: random.Random, n: int, length: int) -> tuple:
@@ -304,19 +332,20 @@ def _fwe(rng: random.Random, n: int, length: int) -> tuple:
     vocabulary = [FWE_NOISE] + coded
     listing = [w for k, w in enumerate(vocabulary, 1) for _ in range(int((100 + n) / (k * k * ZETA_2)))]
     rng.shuffle(listing)
-    return FWE_PREAMBLE + " ".join(listing) + "\n", (FWE_QUESTION,), (tuple(coded[:3]),)
+    return FWE_PREAMBLE + " ".join(listing) + "\n", (FWE_QUESTION,), (tuple(coded[:3]),), None
 
 
-def _builders(task: str, length: int, index: int, text: str) -> list[Callable[[random.Random, int], tuple]]:
+def _builders(task: str, length: int, index: int, text: str,
+              stratum: tuple[int, int] | None) -> list[Callable[[random.Random, int], tuple]]:
     """The ways to build `task` with `n` filler units, most faithful first (only cwe has more than one)."""
     if task == "niah_single":
-        return [lambda rng, n: _niah(rng, _noise(n) if index % 2 == 0 else _essay(text, n), 1, 1, 1)]
+        return [lambda rng, n: _niah(rng, _noise(n) if index % 2 == 0 else _essay(text, n), 1, 1, 1, stratum)]
     if task.startswith("niah_"):
         keys, values, asked = {"niah_multikey": (4, 1, 1), "niah_multivalue": (1, 4, 1),
                                "niah_multiquery": (4, 1, 4)}[task]
-        return [lambda rng, n: _niah(rng, _essay(text, n), keys, values, asked)]
+        return [lambda rng, n: _niah(rng, _essay(text, n), keys, values, asked, stratum)]
     if task == "vt":
-        return [_vt]
+        return [functools.partial(_vt, stratum=stratum)]
     if task == "cwe":
         repeats = ([(30, 3)] if length >= 4096 else []) + [(6, 1), (3, 1), (2, 1)]
         return [functools.partial(_cwe, text=text, common=c, uncommon=u) for c, u in repeats]
@@ -349,15 +378,22 @@ def _fit(build: Callable[[random.Random, int], tuple], key: str, count_tokens: C
 
 
 def generate(task: str, length: int, index: int, count_tokens: Callable[[str], int], haystack_text: str,
-             seed: int = 0) -> Sample:
-    """Sample `index` of `task` at `length` tokens: context plus longest question fill `length - 64` tokens.
+             seed: int = 0, depths: str = "stratified", count: int = 8) -> Sample:
+    """Sample `index` of `count` of `task` at `length` tokens: context plus longest question fill `length - 64`
+    tokens; its needles at `depths` (see the module docstring; `random` ignores `count`).
 
-    Deterministic in (task, length, index, seed); `count_tokens` is the caller's tokenizer.
+    Deterministic in (task, length, index, seed, depths, count); `count_tokens` is the caller's tokenizer.
     """
     if task not in TASKS:
         raise KvlensError(f"Unknown RULER task '{task}'; the tasks are {', '.join(TASKS)}.")
-    for build in _builders(task, length, index, haystack_text):
+    if depths not in DEPTHS:
+        raise KvlensError(f"Unknown needle depths '{depths}'; they are {', '.join(DEPTHS)}.")
+    if depths == "stratified" and not 0 <= index < count:
+        raise KvlensError(f"Sample index {index} is out of range for stratified depths over {count} samples.")
+    stratum = (index, count) if depths == "stratified" else None
+    for build in _builders(task, length, index, haystack_text, stratum):
         found = _fit(build, f"{task}/{length}/{index}/{seed}", count_tokens, length - CHAT_ROOM)
         if found is not None:
-            return Sample(task, *found, TASKS[task].max_new_tokens)
+            context, questions, answers, depths = found
+            return Sample(task, context, questions, answers, TASKS[task].max_new_tokens, depths)
     raise KvlensError(f"A length of {length} tokens is too small for a {task} sample; use a longer length.")

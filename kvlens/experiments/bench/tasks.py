@@ -1,16 +1,19 @@
 """Task accuracy under compression: RULER-style samples, the field's compress-once protocol, a leaderboard.
 
 Protocol (kvpress's `evaluation/`, question-agnostic by default): the chat template's user turn is the sample's
-context then its question; the context's tokens are compressed once to `len - int(len * ratio)` slots per KV
-head and layer (kvpress's compression ratio: the share removed), then the question is appended uncompressed
-and the answer generated greedily (`kvlens.engine.shared_prefill`). Several questions of one sample
+context then its question; the context's tokens are compressed once to `int(len * (1 - ratio))` slots per KV
+head and layer (kvpress's compression ratio, the share removed, and its rounding; `rounding=kvlens`:
+`len - int(len * ratio)`, the results made before the option), then the question is appended uncompressed and
+the answer generated greedily (`kvlens.engine.shared_prefill`). Several questions of one sample
 (`niah_multiquery`) are asked one after the other of the same compressed context, each from it afresh.
 `query_aware` compresses context and question together (SnapKV's setting), one prefill per question.
 
 A cell of the grid is one sample with every policy and ratio: its context is prefilled once and shared
 (`SharedPrefill`); each (policy, ratio) then costs its restore, its share of the policy's replay passes (run
 once, for all its ratios) and its compression (`prepare_ms`), plus its answers (`answer_ms`). Scores are
-RULER's string match (`kvlens.experiments.bench.ruler.score`). A cell's optional `storage`
+RULER's string match (`kvlens.experiments.bench.ruler.score`); a generated sample's needles sit at stratified
+depths (`depths`, `ruler.generate`), each row records them (`needle_depths`), and `needle_grid` scores each
+needle found by depth and length (the field's needle-in-a-haystack figure, `needle_figure`). A cell's optional `storage`
 (`Storage.describe()`) quantizes every policy's compressed context and what follows (the bytes-quality frontier,
 `kvlens.experiments.bench.frontier`); each result reports the compressed context's physical `kv_bytes`.
 """
@@ -26,6 +29,7 @@ from kvlens.engine.models import LoadedModel
 from kvlens.engine.quantize import Storage
 from kvlens.engine.shared_prefill import (
     QUIET,
+    ROUNDINGS,
     SharedPrefill,
     answer,
     prepare,
@@ -39,6 +43,8 @@ from kvlens.experiments.bench.common import PolicySpec
 from kvlens.experiments.grid import digest
 from kvlens.policies import make_policy
 
+# what a row written before the `rounding` and `depths` options had (`grid.Results`)
+IMPLIED = {"rounding": "kvlens", "depths": "random"}
 ANSWER_BATCH_BYTES = 1 << 30  # a batch's slots, each cache padded to the longest: about this at most (plus one cache)
 
 
@@ -69,12 +75,14 @@ def _ratio_major(pairs: list[tuple[PolicySpec, float | None]]) -> list[tuple[Pol
 
 
 def sample_of(model: LoadedModel, texts: dict[str, str], cell: dict) -> ruler.Sample:
-    """The cell's sample: line `index` of the user's file, or generated from the seed."""
+    """The cell's sample: line `index` of the user's file, or generated from the seed (a cell without `depths`
+    was planned before the option: random depths)."""
     if "samples" in texts:
         return ruler.parse_lines(texts["samples"])[cell["index"]]
     return ruler.generate(cell["suite_task"], cell["length"], cell["index"],
                           lambda s: len(model.tokenizer(s, add_special_tokens=False).input_ids),
-                          texts["haystack"], seed=cell["seed"])
+                          texts["haystack"], seed=cell["seed"], depths=cell.get("depths") or IMPLIED["depths"],
+                          count=cell.get("count", 1))
 
 
 def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
@@ -102,8 +110,9 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
         for spec, ratio in _ratio_major(pairs):
             policy = make_policy(spec.name, dict(spec.params))
             share = 1 if ratio is None else len(cell["ratios"])
-            budget = None if ratio is None else policy.resolve_budget(slots_for(ratio, len(prompt)), len(prompt),
-                                                                      len(prompt) + extra)
+            slots = None if ratio is None else slots_for(ratio, len(prompt), cell.get("rounding",
+                                                                                     IMPLIED["rounding"]))
+            budget = None if ratio is None else policy.resolve_budget(slots, len(prompt), len(prompt) + extra)
             out = runs[(spec.label, ratio)]
             t = time.perf_counter()
             loop, logits = prepare(model, policy, prompt, budget, extra, shared, opts)
@@ -121,7 +130,8 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
                         "kept_share": statistics.fmean(out["kept"]), "kv_bytes": statistics.fmean(out["bytes"]),
                         "nll": statistics.fmean(out["nlls"]),
                         "prepare_ms": out["prepare_ms"], "answer_ms": out["answer_ms"]})
-    return {"prompt_tokens": len(context), "answers": [list(a) for a in sample.answers],
+    depths = None if sample.depths is None else [list(d) for d in sample.depths]
+    return {"prompt_tokens": len(context), "answers": [list(a) for a in sample.answers], "needle_depths": depths,
             "shared_prefill_ms": shared_ms, "results": results}
 
 
@@ -176,13 +186,19 @@ class _Batch:
 
 def plan_tasks(policies: list[PolicySpec], ratios: list[float], tasks: list[str], lengths: list[int], count: int,
                *, model: str, seed: int, query_aware: bool, chat: bool, source: str, generated: bool = True,
-               stop_when_found: bool = True, batch: bool = True) -> list[dict]:
+               stop_when_found: bool = True, batch: bool = True, rounding: str = "kvpress",
+               depths: str = "stratified") -> list[dict]:
     """The grid's cells: one per sample (task x length x index), each with every policy and ratio; `source` is the
     digest of the haystack or of the user's samples file (not `generated`: `tasks`/`lengths` are the file's).
-    `stop_when_found` and `batch`: how answers are generated (`_Batch`)."""
+    `stop_when_found` and `batch`: how answers are generated (`_Batch`); `rounding`: a ratio's kept count
+    (`slots_for`); `depths`: where generated needles sit (`ruler.generate`, over the `count` samples)."""
     bad = [r for r in ratios if not 0 < r < 1]
     if bad:
         raise KvlensError(f"A compression ratio is the share of the context removed, in (0, 1); got {bad[0]}.")
+    if rounding not in ROUNDINGS:
+        raise KvlensError(f"Unknown rounding '{rounding}'; the roundings are {', '.join(ROUNDINGS)}.")
+    if depths not in ruler.DEPTHS:
+        raise KvlensError(f"Unknown needle depths '{depths}'; they are {', '.join(ruler.DEPTHS)}.")
     if not any(p.name == "full" for p in policies):
         policies = [PolicySpec("full"), *policies]  # every leaderboard cell is read against the full cache
     unknown = [t for t in tasks if t not in ruler.TASKS]
@@ -190,8 +206,16 @@ def plan_tasks(policies: list[PolicySpec], ratios: list[float], tasks: list[str]
         raise KvlensError(f"Unknown task '{unknown[0]}'; the tasks are {', '.join(ruler.TASKS)}.")
     return [{"task": "tasks", "model": model, "suite_task": task, "length": length, "index": i, "seed": seed,
              "policies": [p.label for p in policies], "ratios": ratios, "query_aware": query_aware, "chat": chat,
-             "stop_when_found": stop_when_found, "batch": batch, "source": source}
+             "stop_when_found": stop_when_found, "batch": batch, "source": source, "rounding": rounding,
+             **_depths(generated, depths, count)}
             for task in tasks for length in lengths for i in range(count)]
+
+
+def _depths(generated: bool, depths: str, count: int) -> dict:
+    """A generated cell's depths and, when they are stratified, the count they spread over (a file's: nothing)."""
+    if not generated:
+        return {}
+    return {"depths": depths, "count": count} if depths == "stratified" else {"depths": depths}
 
 
 def plan_file(samples: list[ruler.Sample], policies, ratios, *, model: str, query_aware: bool, chat: bool,
@@ -208,7 +232,7 @@ def plan_file(samples: list[ruler.Sample], policies, ratios, *, model: str, quer
 def flatten(rows: list[dict]) -> list[dict]:
     """One record per (sample, policy, ratio), from the cells' rows."""
     return [{"task": r["suite_task"], "length": r["length"], "index": r["index"], **res, "answers": r.get("answers"),
-             "shared_prefill_ms": r["shared_prefill_ms"],
+             "needle_depths": r.get("needle_depths"), "shared_prefill_ms": r["shared_prefill_ms"],
              "cell_ms": r["shared_prefill_ms"] / len(r["results"]) + res["prepare_ms"] + res["answer_ms"]}
             for r in rows for res in r["results"]]
 
