@@ -232,7 +232,7 @@ def test_the_needle_grid_counts_each_needle_found_by_depth_and_length():
 
 def test_rows_without_depths_get_their_regenerated_samples(tmp_path):
     from kvlens.experiments.bench import task_needles
-    from tests.test_ruler import ESSAY, words
+    from tests.bench.conftest import ESSAY, words
 
     sample = ruler.generate("niah_multikey", 800, 3, words, ESSAY, 0, depths="random")
     row = {"suite_task": "niah_multikey", "length": 800, "index": 3, "seed": 0,

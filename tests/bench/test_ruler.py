@@ -5,22 +5,17 @@ import json
 import random
 import re
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from kvlens.errors import KvlensError
 from kvlens.experiments.bench import ruler
 from kvlens.experiments.bench.ruler import TASKS, Sample, generate, read_samples, score, score_sample, write_samples
+from tests.bench.conftest import ESSAY, words
+from tests.conftest import TEST_DATA
 
-ESSAY = " ".join(f"Chapter {i} tells how the miller walked to town with his {i} sacks of flour. "
-                 f"The river was high that spring! Would the bridge hold again, he asked?" for i in range(40))
 SLACK = 16  # the most whitespace words one filler unit adds (a sentence, a list entry, a few Zipf words)
 NEEDLE_RE = re.compile(r"One of the special magic numbers for (\S+) is: (\d{7})\.")
-
-
-def words(text: str) -> int:
-    return len(text.split())
 
 
 def size(sample: Sample) -> int:
@@ -211,7 +206,7 @@ def test_stratified_depths_are_checked():
 
 def test_random_depths_reproduce_the_samples_made_before_stratified_depths_byte_for_byte(tmp_path):
     """tests/data/ruler_random_samples.jsonl: written by the generator before the `depths` option."""
-    old = (Path(__file__).parent / "data" / "ruler_random_samples.jsonl").read_text(encoding="utf-8")
+    old = (TEST_DATA / "ruler_random_samples.jsonl").read_text(encoding="utf-8")
     cases = [("niah_single", 300, 0, 0), ("niah_single", 300, 1, 0), ("niah_multivalue", 300, 1, 0), ("vt", 300, 2, 1)]
     write_samples([generate(t, n, i, words, ESSAY, s, depths="random") for t, n, i, s in cases], tmp_path / "s.jsonl")
     assert (tmp_path / "s.jsonl").read_text(encoding="utf-8") == old

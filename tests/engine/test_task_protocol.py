@@ -141,12 +141,12 @@ def test_a_compacted_batch_drops_the_padding_only_the_dropped_caches_needed():
 
 
 @pytest.mark.parametrize("rounding, kept", [("kvpress", 150), ("kvlens", 151)])
-def test_a_ratio_keeps_kvpress_or_kvlens_rounded_count_on_an_odd_context(smol, prompt, rounding, kept):
+def test_a_ratio_keeps_kvpress_or_kvlens_rounded_count_on_an_odd_context(smol, context_question, rounding, kept):
     """0.5 of 301 tokens: kvpress keeps int(301 * 0.5) = 150 (its `n_kept`), kvlens's earlier rounding 301 - 150;
     StreamingLLM keeps its 4 sinks and the newest rest, in every layer and head."""
     from kvlens.engine.shared_prefill import slots_for
 
-    context = prompt[0] + prompt[1][:1]  # 301 tokens
+    context = context_question[0] + context_question[1][:1]  # 301 tokens
     assert len(context) == 301 and slots_for(0.5, 301, rounding) == kept
     loop, _ = prepare(smol, make_policy("streaming_llm", {"sink": 4}), context, slots_for(0.5, 301, rounding), 8)
     expected = torch.tensor([0, 1, 2, 3, *range(301 - (kept - 4), 301)])
