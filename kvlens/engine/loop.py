@@ -281,7 +281,7 @@ def new_loop(model: LoadedModel, policy: Policy, opts: RunOptions, observers, pr
     if model.support is None:  # a model built by hand, not through `load_model`: probe it once
         model.support = inspect_model(model.model)
     model.support.require()  # never run a model kvlens would only approximate
-    opts.storage.check(model.shape()["head_dim"])
+    opts.storage.check(model.shape()["head_dim"], model.shape()["kv_heads"])
     if opts.prefill_chunk is not None:
         _check_chunk(policy, opts, observers)
         if opts.prefill_chunk >= prefill:  # one chunk: the unchunked run
