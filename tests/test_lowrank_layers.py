@@ -138,3 +138,34 @@ def test_xkv_answers_a_task_as_the_full_cache_does_at_full_rank(tiny_dir):  # no
         rank=width, rank_layers=layers["layers"], rank_append="full").describe()})
     assert whole["results"][0]["outputs"] == plain["results"][0]["outputs"]
     assert whole["results"][0]["nll"] == pytest.approx(plain["results"][0]["nll"], abs=1e-4)
+
+
+@pytest.mark.parametrize("append", ["project", "full"])
+def test_a_chunked_prefill_carries_low_rank_slots_into_each_new_layout(tiny, append):
+    """Each chunk's compression moves the kept slots into new buffers (`take`): at full rank the run is the
+    model-dtype one, full-width slots included."""
+    def chunked(**storage):
+        return perplexity(tiny, TEXT, "h2o", prefill=PREFILL, tokens=TOKENS,
+                          opts=RunOptions(budget=32, prefill_chunk=48, storage=Storage(**storage)))
+
+    plain, whole = chunked(), chunked(rank=16, rank_append=append)
+    assert plain.decisions.equals(whole.decisions)
+    assert torch.allclose(whole.tensors["steps/nll"], plain.tensors["steps/nll"], atol=1e-4)
+
+
+def test_xkv_follows_a_chunked_prefill_that_keeps_the_same_tokens_everywhere(tiny):
+    """streaming_llm frees the same slots in every head; each chunk's tokens then join at full width."""
+    def chunked(**storage):
+        return perplexity(tiny, TEXT, "streaming_llm", prefill=PREFILL, tokens=TOKENS,
+                          opts=RunOptions(budget=32, prefill_chunk=48, storage=Storage(**storage)))
+
+    plain, whole = chunked(), chunked(rank=96, rank_layers=3, rank_append="full")
+    assert torch.allclose(whole.tensors["steps/nll"], plain.tensors["steps/nll"], atol=1e-4)
+
+
+def test_shared_coefficients_refuse_to_move_into_a_new_layout_in_one_sentence():
+    parts = seal_cross_layer(4, [keys_like(10, seed) for seed in range(2)], torch.ones(10, dtype=torch.bool))
+    fresh = parts[0].empty(3, 10)
+    with pytest.raises(KvlensError, match="cannot follow a layer's slots into a new layout"):
+        fresh.take(slice(0, 3), parts[0], slice(0, 3), torch.arange(10).expand(3, 10), torch.zeros(3, 10, 16),
+                   torch.ones(3, 10, dtype=torch.bool))

@@ -194,8 +194,9 @@ class LowRankStates:
     def in_window(self, rows: slice, n: int) -> torch.Tensor:
         """`(R', n)` bool: the slots held at full width."""
         slot = self.wide_slot[rows]
-        mask = torch.zeros(slot.shape[0], n + 1, dtype=torch.bool, device=slot.device)
-        return mask.scatter_(1, slot.masked_fill(slot < 0, n), True)[:, :n]
+        width = max(n, int(slot.max()) + 1) if slot.numel() else n  # slots past `n` are not asked for
+        mask = torch.zeros(slot.shape[0], width + 1, dtype=torch.bool, device=slot.device)
+        return mask.scatter_(1, slot.masked_fill(slot < 0, width), True)[:, :n]
 
     def roundtrip(self, rows: slice, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """`x` `(R', n, D)` as this storage would hold it: full-width slots unchanged, the rest projected onto the
