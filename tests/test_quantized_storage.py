@@ -197,7 +197,7 @@ def test_the_frontier_plans_every_family_at_each_byte_budget_and_summarises_agai
                   ("mix", "h2o", 114, 4), ("low_rank", "full", None, 0.25), ("low_rank", "full", None, 0.125),
                   ("mix", "h2o", 64, 0.5), ("mix", "h2o", 45, 0.3536), ("mix", "full", None, 4)}
     assert sorted((c["storage"]["rank_layers"] or 0, c["storage"]["rank_append"]) for c in cells
-                  if c["family"] == "low_rank") == [(0, "project")] * 2 + [(4, "full")] * 2
+                  if c["family"] == "low_rank") == [(0, "full")] * 2 + [(0, "project")] * 2 + [(4, "full")] * 2
     rows = [{**c, "budget_slots": c["budget"], "ppl": 10.0 if c["family"] == "reference" else 12.0,
              "kv_bytes_peak": 1000 if c["family"] == "reference" else 250} for c in cells]
     summary = frontier.summarise(rows)
@@ -219,12 +219,12 @@ def test_the_frontiers_task_cells_give_each_family_its_ratio_and_storage_and_sco
     plan = {((c["storage"] or {}).get("bits") or (c["storage"] or {}).get("rank_share"), tuple(c["policies"]),
              tuple(round(r, 4) for r in c["ratios"])) for c in cells}
     # model dtype: ratio 1 - b; 8 bits: the mix at 1 - b / (8 / 32 + 1 / 64) where that keeps under all slots;
-    # low rank: the full cache at byte share b (per head, xKV, 4-bit coefficients), h2o at 1 - sqrt(b) stored at
+    # low rank: the full cache at byte share b (per head twice, xKV, 4-bit coefficients), h2o at 1 - sqrt(b) at
     # rank share sqrt(b)
     assert plan == {(None, ("full", "h2o", "cam"), (0.75, 0.875)), (8, ("full", "h2o"), (0.0588, 0.5294)),
                     (4, ("full",), ()), (0.25, ("full",), ()), (0.125, ("full",), ()),
                     (0.5, ("full", "h2o"), (0.5,)), (0.3536, ("full", "h2o"), (0.6464,))}
-    assert len(cells) == 22  # two samples of each: 3 cells, and 4 per byte share
+    assert len(cells) == 26  # two samples of each: 3 cells, and 5 per byte share
 
     def result(policy, ratio, score, kv_bytes):
         return {"policy": policy, "ratio": ratio, "score": score, "kv_bytes": kv_bytes}
@@ -244,6 +244,8 @@ def test_the_frontiers_task_cells_give_each_family_its_ratio_and_storage_and_sco
     low = summary[("low_rank", "all slots, low rank per head at 0.25 of its bytes")]
     assert low["target"] == 0.25 and low["bytes_share"] == pytest.approx(0.25) and low["score"] == 1.0
     assert summary[("low_rank", "all slots, xKV low rank, 4 layers at 0.25 of its bytes")]["target"] == 0.25
+    assert summary[("low_rank", "all slots, low rank per head, full-width new tokens at 0.25 of its bytes")][
+        "target"] == 0.25
     ranked = summary[("mix", "h2o r=0.5, low rank per head at 0.5 of its bytes")]
     assert ranked["target"] == 0.25 and ranked["score"] == 0.5
     assert summary[("mix", "all slots, low rank per head at 0.125 of its bytes @ 4-bit coefficients")]["target"] \

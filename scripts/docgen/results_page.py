@@ -328,11 +328,11 @@ def cross_layer_sentence(ppl: list[dict], cfg: dict) -> str:
     """Whether xKV's cross-layer sharing beats per-head rank at equal bytes, share by share."""
     parts = []
     for share in cfg["byte_shares"]:
-        low = {("xkv" if "xKV" in s["config"] else "head"): s for s in ppl
-               if s["family"] == "low_rank" and s["target"] == share}
-        if len(low) < 2:
+        low = {s["series"]: s for s in ppl if s["family"] == "low_rank" and s["target"] == share}
+        x = next((s for name, s in low.items() if "xKV" in name), None)
+        h = next((s for name, s in low.items() if "per head, full-width" in name), None)
+        if x is None or h is None:
             continue
-        x, h = low["xkv"], low["head"]
         word = "ties with (the text ranges overlap)"
         if x["ppl_vs_full_max"] < h["ppl_vs_full_min"]:
             word = "beats"
@@ -341,8 +341,8 @@ def cross_layer_sentence(ppl: list[dict], cfg: dict) -> str:
         parts.append(f"at {share:g}, {x['ppl_vs_full']:.2f} against {h['ppl_vs_full']:.2f}: xKV {word} per-head rank")
     if not parts:
         return ""
-    return (f"Cross-layer low rank (xKV, {cfg.get('rank_layers')} layers) against per-head low rank at equal bytes: "
-            + "; ".join(parts) + ".")
+    return (f"Cross-layer low rank (xKV, {cfg.get('rank_layers')} layers) against per-head low rank at equal bytes, "
+            "both with later tokens at full width (perplexity / full, mean over texts): " + "; ".join(parts) + ".")
 
 
 def explain_summary() -> str:

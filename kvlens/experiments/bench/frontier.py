@@ -5,8 +5,9 @@ makes `ppl` cells (`kvlens.experiments.sweep.ppl_cell`, teacher-forced perplexit
 - eviction alone and merging alone: the policy at b of the slots, in the model's dtype;
 - quantization alone: every slot (`full`) at each of `bits` (its share is what the bits cost, not b);
 - low rank alone (`kvlens.engine.lowrank`, `--kv-rank-share b`: the largest rank whose bytes, bases included, fit
-  in b): every slot (`full`) per KV head, later tokens projected (Palu-style), and across groups of `rank_layers`
-  adjacent layers (xKV), later tokens at full width;
+  in b): every slot (`full`) per KV head with later tokens projected (Palu-style) or at full width, and across
+  groups of `rank_layers` adjacent layers (xKV) with later tokens at full width (so that xKV and per-head rank
+  differ only in the sharing);
 - mixes: the mix policy at b / q(bits) of the slots, stored at `bits`, for the bits where that share is below
   1 (q(bits) = bits / model bits + the zero points' and scales' share, `slot_cost`); the mix policy at sqrt(b) of
   the slots stored per head at rank share sqrt(b) (the two axes halving the bytes alike); and every slot at rank
@@ -78,7 +79,8 @@ def low_rank_cells(b: float, mix: tuple[str, dict] | None, rank_layers: int | No
                    ) -> list[tuple[str, tuple[str, dict], float, Storage]]:
     """The low-rank configurations at byte share `b`: (family, policy, share of the slots kept, storage)."""
     full = ("full", {})
-    out = [("low_rank", full, 1.0, Storage(rank_share=b))]
+    out = [("low_rank", full, 1.0, Storage(rank_share=b)), ("low_rank", full, 1.0, Storage(rank_share=b,
+                                                                                           rank_append="full"))]
     if rank_layers:
         out.append(("low_rank", full, 1.0, Storage(rank_share=b, rank_layers=rank_layers, rank_append="full")))
     if mix:
@@ -179,9 +181,10 @@ def _ordered(summary: list[dict]) -> list[dict]:
 
 
 def _rank_kind(storage: dict) -> str:
-    """Low-rank storage in words: per head, or xKV's groups of layers."""
-    layers = storage.get("rank_layers")
-    return f"xKV low rank, {layers} layers" if layers else "low rank per head"
+    """Low-rank storage in words: per head (later tokens projected, or at full width), or xKV's groups of layers."""
+    if storage.get("rank_layers"):
+        return f"xKV low rank, {storage['rank_layers']} layers"
+    return "low rank per head" + (", full-width new tokens" if storage.get("rank_append") == "full" else "")
 
 
 def _series(family: str, policy: str, storage: dict | None) -> str:
