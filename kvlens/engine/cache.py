@@ -696,10 +696,14 @@ class KVCache:
         first, n = stores[0], stores[0].n
         valid = first.buffers["valid"][:1, :n]
         pos = first.buffers["pos"][:1, :n].masked_fill(~valid, -1)
-        same = len({id(s) for s in stores}) == len(stores) and all(
-            v.rows == slice(0, s.rows) and s.n == n and torch.equal(s.buffers["valid"][:, :n], valid.expand(s.rows, -1))
-            and torch.equal(s.buffers["pos"][:, :n].masked_fill(~valid, -1), pos.expand(s.rows, -1))
-            for v, s in zip(views, stores, strict=True))
+
+        def holds_them(view: SlotRows, store: SlotStore) -> bool:
+            """The view has the store to itself, and each of its heads holds the first head's tokens."""
+            mine = store.buffers["valid"][:, :n]
+            return view.rows == slice(0, store.rows) and store.n == n and torch.equal(mine, valid.expand_as(mine)) \
+                and torch.equal(store.buffers["pos"][:, :n].masked_fill(~valid, -1), pos.expand_as(mine))
+
+        same = len({id(s) for s in stores}) == len(stores) and all(map(holds_them, views, stores))
         if not same:
             raise KvlensError("Cross-layer low rank (--kv-rank-layers) shares each token's coefficients across the "
                               "heads of adjacent layers (xKV), so every head must keep the same tokens, and this "
