@@ -264,9 +264,9 @@ def table(summary: list[dict]) -> str:
 
 
 def figure(result: dict):
-    """Quality against physical bytes (log scale), a line per policy (colour: its family): perplexity over the full
-    cache's on the same text (bars: min-max over texts) and, with task cells, the task score (bars: bootstrap 95 %
-    intervals over samples) beside it."""
+    """Quality against physical bytes (log scale), a line per policy and storage (colour: its family): perplexity
+    over the full cache's on the same text (bars: min-max over texts) and, with task cells, the task score (bars:
+    bootstrap 95 % intervals over samples) beside it."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -302,7 +302,7 @@ def figure(result: dict):
         fig.add_hline(y=1.0, line_dash="dot", line_color="#555", annotation_text="full cache", row=1, col=col)
         fig.update_xaxes(title_text="KV cache bytes, share of the full cache", type="log", row=1, col=col)
         fig.update_yaxes(title_text="perplexity / full" if metric == "ppl" else "score", row=1, col=col)
-    fig.update_layout(title="Quality against KV bytes: eviction, merging, quantized and low-rank storage, mixes "
-                            "(bars: min-max over texts; 95 % intervals over samples)",
+    fig.update_layout(title="Quality against KV bytes, a colour per family (bars: min-max over texts; 95 % "
+                            "intervals over samples)",
                       width=760 * len(panels) + 240, height=540, template="kvlens")
     return fig
