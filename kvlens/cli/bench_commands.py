@@ -79,8 +79,8 @@ def register(sub) -> None:
     p.set_defaults(parser_defaults={**p.get_default("parser_defaults"), "tasks": DEFAULT_TASKS,
                                     "lengths": "1024,2048,4096", "count": 8})
 
-    p = bsub.add_parser("frontier", help="perplexity against KV bytes: eviction, merging, quantized storage and "
-                                         "their mixes at equal bytes")
+    p = bsub.add_parser("frontier", help="perplexity and task score against KV bytes: eviction, merging, "
+                                         "quantized and low-rank storage, and their mixes at equal bytes")
     p.add_argument("--byte-shares", default="0.5,0.25,0.125",
                    help="comma-separated byte budgets, shares of the full cache's bytes (default 0.5,0.25,0.125)")
     p.add_argument("--evict", default="h2o;tova;snapkv", help="';'-separated eviction policies ('' for none)")
@@ -88,6 +88,9 @@ def register(sub) -> None:
     p.add_argument("--bits", default="8,4,2", help="quantization alone: every slot at these bits")
     p.add_argument("--mix", default="h2o", help="the eviction policy of the mixes ('' for none)")
     p.add_argument("--mix-bits", default="8,4", help="the mixes' bits")
+    p.add_argument("--rank-layers", type=int, default=4,
+                   help="the cross-layer low-rank cells' group of adjacent layers (xKV-4, the paper's largest "
+                        "group; 0: no cross-layer cells)")
     add_storage_args(p, bits=False)
     p.add_argument("--texts", type=int, default=3, help="how many bundled texts (default 3)")
     p.add_argument("--prefill", type=int, default=512)
@@ -243,9 +246,12 @@ def cmd_frontier(args) -> int:
     args.kv_bits = 4  # the scheme, group and window of every quantized cell
     if args.task_count < 0:
         raise KvlensError("--task-count must be 0 (perplexity only) or more.")
+    if args.rank_layers < 0:
+        raise KvlensError("--rank-layers must be 0 (no cross-layer low rank) or more.")
     texts = bundled.bundled(args.texts, min_chars=8 * (args.prefill + args.tokens))
     families = dict(evictors=specs["evict"], mergers=specs["merge"], bits=bits,
-                    mix=specs["mix"][0] if specs["mix"] else None, mix_bits=mix_bits, storage=storage(args))
+                    mix=specs["mix"][0] if specs["mix"] else None, mix_bits=mix_bits, storage=storage(args),
+                    rank_layers=args.rank_layers or None)
     cells = frontier.plan_frontier(shares, texts, prefill=args.prefill, tokens=args.tokens, model=args.model,
                                    **families)
     names = parse_list(args.tasks, "--tasks", kind=str) if args.task_count else []
@@ -256,7 +262,8 @@ def cmd_frontier(args) -> int:
                                               seed=args.seed, source=tasks.digest(haystack["haystack"]),
                                               model=args.model, **families)
     config = {"byte_shares": shares, "evict": args.evict, "merge": args.merge, "bits": bits, "mix": args.mix,
-              "mix_bits": mix_bits, "storage": storage(args).describe(), "texts": list(texts),
+              "mix_bits": mix_bits, "rank_layers": args.rank_layers, "storage": storage(args).describe(),
+              "texts": list(texts),
               "prefill": args.prefill, "tokens": args.tokens, "tasks": names, "task_lengths": lengths,
               "task_count": args.task_count, "seed": args.seed}
     texts = {**texts, **haystack}

@@ -46,15 +46,27 @@ def add_storage_args(p: argparse.ArgumentParser, bits: bool = True) -> None:
     rank = p.add_mutually_exclusive_group()
     rank.add_argument("--kv-rank", type=int, metavar="R",
                       help="low-rank storage: each KV head's keys and values as rank-R coefficients over a basis "
-                           "from an SVD of the prompt's kept rows (later tokens projected onto it)")
-    rank.add_argument("--kv-rank-share", type=float, metavar="F", help="low-rank storage at rank F x the head size")
+                           "from an SVD of the prompt's kept rows; with --kv-bits the coefficients are quantized")
+    rank.add_argument("--kv-rank-share", type=float, metavar="F",
+                      help="low-rank storage at the largest rank whose bytes (coefficients, bases, full-width "
+                           "tokens; codes and scales with --kv-bits) are at most F of the model-dtype cache's at the "
+                           "run's last step, so F is the byte share")
+    p.add_argument("--kv-rank-layers", type=int, metavar="G",
+                   help="xKV: one SVD per group of G adjacent layers over all their KV heads, the coefficients "
+                        "shared by the group (needs --kv-rank-append full and a policy that keeps the same tokens "
+                        "in every head; default: one basis per layer and KV head)")
+    p.add_argument("--kv-rank-append", choices=("project", "full"), default="project",
+                   help="low-rank storage's later tokens: projected onto the basis (Palu), or held at full width "
+                        "and counted in the bytes (xKV's code)")
 
 
 def storage(args):
     """The run's `Storage` from `--kv-*` (the model's dtype when --kv-bits is not given)."""
     from kvlens.engine.quantize import Storage
 
-    rank = {"rank": getattr(args, "kv_rank", None), "rank_share": getattr(args, "kv_rank_share", None)}
+    rank = {"rank": getattr(args, "kv_rank", None), "rank_share": getattr(args, "kv_rank_share", None),
+            "rank_layers": getattr(args, "kv_rank_layers", None),
+            "rank_append": getattr(args, "kv_rank_append", None) or "project"}
     if getattr(args, "kv_bits", None) is None:
         return Storage(**rank)
     return Storage(bits=args.kv_bits, scheme=args.kv_scheme, group=args.kv_group, residual=args.kv_residual, **rank)

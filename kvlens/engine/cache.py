@@ -40,8 +40,9 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import torch
 
 from kvlens.engine.channels import ChannelStates, seal_channels
-from kvlens.engine.lowrank import LowRankStates
+from kvlens.engine.lowrank import LowRankStates, fit_rank, seal_cross_layer, seal_low_rank
 from kvlens.engine.quantize import QuantizedStates, Storage, seal
+from kvlens.errors import KvlensError
 from kvlens.runs.decisions import DecisionLog
 
 GROWTH = 32  # minimum slots added when a growing cache runs out of room
@@ -211,11 +212,18 @@ class SlotStore:
             if bool(changed.any()):
                 self.packed[key[0]].write(rows, copy[0], changed, self.buffers["valid"][rows, : self.n])
 
-    def quantize(self, storage: Storage) -> None:
-        """Keys and values into quantized storage (after the prompt's compression)."""
+    def quantize(self, storage: Storage, slots: int) -> None:
+        """Keys and values into quantized or per-head low-rank storage (after the prompt's compression); `slots`:
+        the most each row will hold (low rank's byte share is of those)."""
         valid, pos = self.buffers["valid"][:, : self.n], self.buffers["pos"][:, : self.n]
-        self.packed = {name: seal(storage, name, self.buffers.pop(name)[0, :, : self.n], pos, valid, self.capacity)
-                       for name in STATES}
+        states = {name: self.buffers.pop(name)[0, :, : self.n] for name in STATES}
+        if storage.low_rank:
+            x = states["keys"]
+            rank = fit_rank(storage, x.shape[2], 1, max(slots, self.n), self.n, x.element_size())
+            self.packed = {name: seal_low_rank(rank, t, valid, self.capacity, bits=storage.bits, group=storage.group,
+                                               append=storage.rank_append) for name, t in states.items()}
+        else:
+            self.packed = {name: seal(storage, name, t, pos, valid, self.capacity) for name, t in states.items()}
 
     def prune_keys(self, channels: torch.Tensor, whole: torch.Tensor) -> None:
         """Keys into channel-pruned storage: each row keeps `channels` `(R, K)`, the slots `whole` `(R, n)` every
@@ -726,9 +734,41 @@ class KVCache:
 
     def quantize(self, storage: Storage) -> None:
         """Keys and values into `storage` (after the prompt's compression); nothing for the model's dtype."""
-        if storage.packed:
+        if storage.rank_layers:
+            for first in range(0, len(self.layers), storage.rank_layers):
+                self._seal_layers(storage, self.layers[first:first + storage.rank_layers])
+        elif storage.packed:
             for store in self.stores():
-                store.quantize(storage)
+                limits = [b.limit for v, b in zip(self.layers, self.books, strict=True) if v.store is store]
+                store.quantize(storage, max((lim or 0) for lim in limits))
+
+    def _seal_layers(self, storage: Storage, views: list[SlotRows]) -> None:
+        """xKV's cross-layer low rank (`kvlens.engine.lowrank.seal_cross_layer`) over a group of adjacent layers,
+        which must each have a store of their own holding the same tokens in the same slots."""
+        stores = [v._live for v in views]
+        first, n = stores[0], stores[0].n
+        valid = first.buffers["valid"][:1, :n]
+        pos = first.buffers["pos"][:1, :n].masked_fill(~valid, -1)
+
+        def holds_them(view: SlotRows, store: SlotStore) -> bool:
+            """The view has the store to itself, and each of its heads holds the first head's tokens."""
+            mine = store.buffers["valid"][:, :n]
+            return view.rows == slice(0, store.rows) and store.n == n and torch.equal(mine, valid.expand_as(mine)) \
+                and torch.equal(store.buffers["pos"][:, :n].masked_fill(~valid, -1), pos.expand_as(mine))
+
+        same = len({id(s) for s in stores}) == len(stores) and all(map(holds_them, views, stores))
+        if not same:
+            raise KvlensError("Cross-layer low rank (--kv-rank-layers) shares each token's coefficients across the "
+                              "heads of adjacent layers (xKV), so every head must keep the same tokens, and this "
+                              "policy keeps different ones: leave --kv-rank-layers out for per-head low rank.")
+        x = first.buffers["keys"]
+        limit = max((v.books[0].limit or 0) for v in views)
+        rank = fit_rank(storage, x.shape[-1], len(views) * x.shape[1], max(limit, n), n, x.element_size())
+        for name in STATES:
+            parts = seal_cross_layer(rank, [s.buffers.pop(name)[0, :, :n] for s in stores], valid[0],
+                                     bits=storage.bits, group=storage.group)
+            for store, part in zip(stores, parts, strict=True):
+                store.packed = {**(store.packed or {}), name: part}
 
     def prune_keys(self, plans: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Keys into channel-pruned storage (after the prompt's compression): `plans[i]` is layer i's kept channels

@@ -285,7 +285,7 @@ def new_loop(model: LoadedModel, policy: Policy, opts: RunOptions, observers, pr
     """A run's state over a prompt of `prefill` tokens once the model, the storage and the chunking pass their
     checks, with the budget resolved; `total`: the run's length (None: not known, inside `model.generate`)."""
     model.supported().require()  # never run a model kvlens would only approximate
-    opts.storage.check(model.shape()["head_dim"])
+    opts.storage.check(model.shape()["head_dim"], model.shape()["kv_heads"])
     if policy.prunes_keys and opts.storage.packed:
         raise KvlensError(f"{policy.name} stores its keys channel-pruned, which does not combine with quantized or "
                           f"low-rank storage (--kv-bits, --kv-rank) yet: choose one of them.")

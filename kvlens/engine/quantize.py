@@ -29,6 +29,7 @@ from kvlens.errors import KvlensError
 
 BITS = (2, 4, 8)
 SCHEMES = ("kivi", "token")
+APPENDS = ("project", "full")
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ class Storage:
     group: int = 64  # transformers' QuantizedCache default (q_group_size=64); KIVI's paper mostly 32
     residual: int = 0  # KIVI's R (32-128 in the paper): off by default, see docs/experiments.md, "Quantized storage"
     rank: int | None = None  # low-rank storage (`kvlens.engine.lowrank`): coefficients per slot, at this rank
-    rank_share: float | None = None  # ... or at this share of the head size (rounded, at least 1)
+    rank_share: float | None = None  # ... or the largest rank whose bytes are at most this share of the full cache's
+    rank_layers: int | None = None  # xKV: one SVD per group of this many adjacent layers (None: per KV head)
+    rank_append: str = "project"  # later tokens projected onto the basis, or held at "full" width
 
     def __post_init__(self):
         if self.rank is not None and self.rank_share is not None:
@@ -48,9 +51,22 @@ class Storage:
         if self.rank is not None and self.rank < 1:
             raise KvlensError(f"--kv-rank must be at least 1 (got {self.rank}).")
         if self.rank_share is not None and not 0 < self.rank_share <= 1:
-            raise KvlensError(f"--kv-rank-share must be in (0, 1], a share of the head size (got {self.rank_share}).")
-        if self.low_rank and self.bits is not None:
-            raise KvlensError("Low-rank storage does not combine with --kv-bits yet: choose one of them.")
+            raise KvlensError(f"--kv-rank-share must be in (0, 1], a share of the full cache's bytes "
+                              f"(got {self.rank_share}).")
+        if not self.low_rank and (self.rank_layers is not None or self.rank_append != "project"):
+            raise KvlensError("--kv-rank-layers and --kv-rank-append need low-rank storage: add --kv-rank or "
+                              "--kv-rank-share.")
+        if self.rank_layers is not None and self.rank_layers < 1:
+            raise KvlensError(f"--kv-rank-layers must be at least 1 (got {self.rank_layers}).")
+        if self.rank_append not in APPENDS:
+            raise KvlensError(f"--kv-rank-append must be one of {', '.join(APPENDS)} (got {self.rank_append!r}).")
+        if self.rank_layers is not None and self.rank_append == "project":
+            raise KvlensError("Cross-layer low rank (--kv-rank-layers) needs --kv-rank-append full: a new token's "
+                              "shared coefficients need the keys of every layer of its group, and the first layer "
+                              "attends before the last has computed its own.")
+        if self.low_rank and self.bits is not None and self.residual:
+            raise KvlensError("--kv-residual does not apply to low-rank storage, whose quantized coefficients have "
+                              "no full-precision window (use --kv-rank-append full for full-width new tokens).")
         if self.bits is not None and self.bits not in BITS:
             raise KvlensError(f"--kv-bits must be one of {', '.join(map(str, BITS))} (got {self.bits}).")
         if self.scheme not in SCHEMES:
@@ -74,22 +90,22 @@ class Storage:
         """Keys and values leave the model's dtype buffers (quantized or low-rank)."""
         return self.quantized or self.low_rank
 
-    def rank_for(self, head_dim: int) -> int:
-        """The rank of low-rank storage for heads of `head_dim` channels."""
-        if self.rank is not None:
-            return self.rank
-        if self.rank_share is None:
-            raise ValueError("kvlens: only low-rank storage has a rank")
-        return max(1, round(self.rank_share * head_dim))
-
-    def check(self, head_dim: int) -> None:
-        """Refuse, in one sentence, a rank above the head size, or a group that does not tile a head's `head_dim`
-        channels (groups of channels: KIVI's values, both for the token scheme); a group of `head_dim` or more is one
-        group per token."""
-        if self.rank is not None and self.rank > head_dim:
-            raise KvlensError(f"--kv-rank {self.rank} is above the model's head size ({head_dim}); a rank of "
-                              f"{head_dim} stores every channel.")
-        if self.quantized and head_dim % min(self.group, head_dim):
+    def check(self, head_dim: int, kv_heads: int = 1) -> None:
+        """Refuse, in one sentence, a rank above what a factor can hold (the head size, or per group of layers
+        their `kv_heads` heads' channels), quantized coefficients that do not pack or tile into groups, or a group
+        that does not tile a head's `head_dim` channels (groups of channels: KIVI's values, both for the token
+        scheme); a group of `head_dim` or more is one group per token."""
+        width = head_dim * kv_heads * self.rank_layers if self.rank_layers else head_dim
+        if self.rank is not None and self.rank > width:
+            what = f"the {self.rank_layers} layers' channels" if self.rank_layers else "the model's head size"
+            raise KvlensError(f"--kv-rank {self.rank} is above {what} ({width}); a rank of {width} stores every "
+                              f"channel.")
+        if self.rank is not None and self.quantized and not (self.rank % (8 // self.bits) == 0 and (
+                self.rank <= self.group or self.rank % self.group == 0)):
+            packs = f"a multiple of {8 // self.bits} (to pack at {self.bits} bits), " if self.bits < 8 else ""
+            raise KvlensError(f"--kv-rank {self.rank} does not fit quantized coefficients in groups of --kv-group "
+                              f"{self.group}: pick {packs}at most the group or a multiple of it.")
+        if self.quantized and not self.low_rank and head_dim % min(self.group, head_dim):
             fits = ", ".join(str(g) for g in (8, 16, 32, 64, 128) if g <= head_dim and head_dim % g == 0)
             raise KvlensError(f"--kv-group {self.group} does not divide the model's head size ({head_dim}): groups "
                               f"of channels must tile it; pick {fits or head_dim}.")
@@ -106,12 +122,16 @@ class Storage:
     def of(cls, described: dict | None) -> Storage:
         """The storage a run.json or a grid cell recorded (`describe()`'s dict; None: the model's dtype)."""
         return cls(**{k: v for k, v in (described or {}).items()
-                      if k in ("bits", "scheme", "group", "residual", "rank", "rank_share")})
+                      if k in ("bits", "scheme", "group", "residual", "rank", "rank_share", "rank_layers",
+                               "rank_append")})
 
     def describe(self) -> dict:
-        """What run.json records: `{"bits": None}` for the model's dtype, with the rank for low-rank storage."""
+        """What run.json records: `{"bits": None}` for the model's dtype, with the rank for low-rank storage (and
+        the coefficients' bits and group when quantized)."""
         if self.low_rank:
-            return {"bits": None, "rank": self.rank, "rank_share": self.rank_share}
+            return {"bits": self.bits, "rank": self.rank, "rank_share": self.rank_share,
+                    "rank_layers": self.rank_layers, "rank_append": self.rank_append,
+                    **({"group": self.group} if self.quantized else {})}
         if not self.quantized:
             return {"bits": None}
         return {"bits": self.bits, "scheme": self.scheme, "group": self.group, "residual": self.residual,
@@ -420,14 +440,10 @@ class QuantizedStates:
 
 
 def seal(storage: Storage, name: str, x: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, capacity: int):
-    """A prompt's compressed keys or values `x` `(R, n, D)` (positions and validity `(R, n)`) into packed storage:
-    low-rank (`kvlens.engine.lowrank`), or quantized, where the window takes each row's newest valid tokens (KIVI's
-    prefill: the last `n mod R` keys, the last `R` values) and the rest is quantized."""
+    """A prompt's compressed keys or values `x` `(R, n, D)` (positions and validity `(R, n)`) into quantized storage
+    (low-rank storage: `kvlens.engine.lowrank`): the window takes each row's newest valid tokens (KIVI's prefill:
+    the last `n mod R` keys, the last `R` values) and the rest is quantized."""
     r, n, d = x.shape
-    if storage.low_rank:
-        from kvlens.engine.lowrank import seal_low_rank
-
-        return seal_low_rank(storage.rank_for(d), x, valid, capacity)
     states = QuantizedStates(storage, name, r, capacity, d, x.dtype, x.device)
     count = valid.sum(-1)  # (R,)
     w = storage.residual

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlens.engine.architectures import inspect_model, rotary_of
+from kvlens.engine.architectures import rotary_of
 from kvlens.engine.attention import AttentionSpec, last_rows
 from kvlens.engine.cache import KVCache
 from kvlens.engine.context import RunContext
@@ -174,8 +174,7 @@ def prepare(model: LoadedModel, policy: Policy, context: list[int], budget: int 
     `shared`), then frozen; `extra`: the tokens that will be appended (questions and answers). Returns the loop
     and the prompt's last logits."""
     _check_length(model, len(context) + extra)
-    if model.support is None:
-        model.support = inspect_model(model.model)
+    model.supported()
     loop = _Loop(model, policy, opts, [], budget, len(context) + extra, once=True)
     with torch.inference_mode():
         if shared is None:

@@ -60,8 +60,7 @@ def storage_label(storage: dict | None, short: bool = False) -> str:
     runs too), else e.g. "4-bit kivi, group 64" (+ ", last 32 in full precision"); `short`: "4-bit" with only the
     settings that differ from the defaults (kivi, group 64, no window)."""
     if storage and (storage.get("rank") or storage.get("rank_share")):
-        rank = storage["rank"] or f"{storage['rank_share']:g} of the head size"
-        return f"rank {rank}" if short else f"low-rank, rank {rank} per head (projected on the prompt's basis)"
+        return rank_label(storage, short)
     if not storage or storage.get("bits") is None:
         return "model dtype"
     bits, scheme, group, residual = (storage.get(k) for k in ("bits", "scheme", "group", "residual"))
@@ -71,6 +70,19 @@ def storage_label(storage: dict | None, short: bool = False) -> str:
         extra += [f"window {residual}"] if residual else []
         return f"{bits}-bit" + (f" ({', '.join(extra)})" if extra else "")
     return f"{bits}-bit {scheme}, group {group}" + (f", last {residual} in full precision" if residual else "")
+
+
+def rank_label(storage: dict, short: bool = False) -> str:
+    """Low-rank storage in words, e.g. "low-rank, rank at 0.25 of the bytes per head (later tokens projected)";
+    records made before `rank_append` existed gave `rank_share` as a share of the head size."""
+    unit = "of the bytes" if "rank_append" in storage else "of the head size"
+    rank = f"rank {storage['rank']}" if storage.get("rank") else f"rank at {storage['rank_share']:g} {unit}"
+    rank += f", {storage['bits']}-bit coefficients" if storage.get("bits") else ""
+    if short:
+        return rank
+    where = f"xKV over {storage['rank_layers']} layers" if storage.get("rank_layers") else "per head"
+    later = "full width" if storage.get("rank_append") == "full" else "projected"
+    return f"low-rank, {rank}, {where} (later tokens {later})"
 
 
 def run_model(run: Run) -> str:

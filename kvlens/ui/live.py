@@ -54,8 +54,10 @@ class RunSettings:
         if s.quantized:
             parts += ["--kv-bits", str(s.bits), "--kv-scheme", s.scheme, "--kv-group", str(s.group),
                       "--kv-residual", str(s.residual)]
-        elif s.low_rank:
+        if s.low_rank:
             parts += ["--kv-rank", str(s.rank)] if s.rank is not None else ["--kv-rank-share", str(s.rank_share)]
+            parts += ["--kv-rank-layers", str(s.rank_layers)] if s.rank_layers else []
+            parts += ["--kv-rank-append", s.rank_append] if s.rank_append != "project" else []
         if self.prefill_chunk:
             parts += ["--prefill-chunk", str(self.prefill_chunk)]
         parts += ["--record", self.record]
@@ -82,7 +84,7 @@ class RunSettings:
 
 def check_storage(storage: Storage, model) -> None:
     """Refuse a quantization group that does not tile the model's head size, before anything runs."""
-    storage.check(model.shape()["head_dim"])
+    storage.check(model.shape()["head_dim"], model.shape()["kv_heads"])
 
 
 def parse_layers(text: str, n_layers: int) -> list[int] | None:

@@ -16,7 +16,7 @@ def spread(value: str, low: str, high: str) -> str:
 RESULTS = ROOT / "results"
 # The files the pages cite, in the order of the app's Benchmarks page, each with its section title.
 CITED = {"bench_tasks.json": "Task accuracy under compression",
-         "bench_frontier.json": "Quality at equal bytes: eviction, merging, quantized storage",
+         "bench_frontier.json": "Quality at equal bytes: eviction, merging, quantized and low-rank storage",
          "bench_speed.json": "Speed and memory",
          "bench_ppl.json": "Perplexity of the eviction and merging policies",
          "bench_needle.json": "Needle in a haystack",
@@ -113,16 +113,25 @@ def conventions(cfg: dict) -> str:
             "`results/bench_tasks_needles.png`.")
 
 
+def frontier_rows(obj: dict) -> list[dict]:
+    """The frontier's summary: as the file records it, or (a grid still running) from its rows so far."""
+    from kvlens.experiments.bench.frontier import summarise
+
+    return obj.get("summary") or summarise(obj["rows"])
+
+
 def frontier_section(obj: dict) -> str:
     cfg = obj["config"]
     out = (f"Each configuration holds the share of the full cache's bytes shown: eviction and merging keep fewer "
-           f"slots, quantized storage keeps every slot in fewer bits, mixes do both. Perplexity over "
+           f"slots, quantized storage keeps every slot in fewer bits, low-rank storage keeps every slot as fewer "
+           f"coefficients over a basis of the prompt's (per KV head, or xKV's shared across "
+           f"{cfg.get('rank_layers')} layers), mixes do two of these. Perplexity over "
            f"{len(cfg['texts'])} bundled texts ({cfg['prefill']} + {cfg['tokens']} tokens; in brackets the lowest "
            f"and highest text); task score over {cfg['task_count']} samples of "
            f"{', '.join(f'`{t}`' for t in cfg['tasks'])} at {', '.join(map(str, cfg['task_lengths']))} tokens "
            "(in brackets the bootstrap 95 % interval).\n\n")
     rows = []
-    for s in sorted(obj["summary"], key=lambda s: (s["metric"], -s["bytes_share"], s["family"], s["config"])):
+    for s in sorted(frontier_rows(obj), key=lambda s: (s["metric"], -s["bytes_share"], s["family"], s["config"])):
         ppl = s["metric"] == "ppl"
         low, high = (s["ppl_min"], s["ppl_max"]) if ppl else (s["ci_low"], s["ci_high"])
         digits = 2 if ppl else 3
@@ -257,7 +266,96 @@ def readme_summary() -> str:
            f"{len({s['policy'] for s in summary}) - 1} policies, with bootstrap 95 % intervals:\n\n")
     out += table(["policy", "score [95 % interval]"],
                  [[f"`{s['policy']}`", f"{s['score']:.3f} [{s['ci_low']:.3f}–{s['ci_high']:.3f}]"] for s in half])
-    return out + "\n" + explain_summary() + "\n"
+    return out + "\n" + frontier_summary() + "\n" + explain_summary() + "\n"
+
+
+FAMILY_WORDS = {"eviction": "eviction", "merging": "merging", "quantization": "quantization",
+                "low_rank": "low rank", "mix": "a mix"}
+
+
+def at_share(summary: list[dict], share: float) -> dict[str, dict]:
+    """Each family's best configuration at byte share `share`: planned for it, or (quantization alone, whose
+    bits set its bytes) measured at most 2 % above it."""
+    best: dict[str, dict] = {}
+    for s in summary:
+        fits = s["target"] == share if s["target"] is not None else s["bytes_share"] <= share * 1.02
+        better = s["family"] not in best or (s["ppl_vs_full"] < best[s["family"]]["ppl_vs_full"] if
+                                             s["metric"] == "ppl" else s["score"] > best[s["family"]]["score"])
+        if fits and s["family"] != "reference" and better:
+            best[s["family"]] = s
+    return best
+
+
+def verdict(best: dict[str, dict], value: str, low: str, high: str, lower_wins: bool) -> str:
+    """Which family wins: the best, or a tie with every family whose interval overlaps the best one's."""
+    if not best:
+        return "no configuration"
+    sign = 1 if lower_wins else -1
+    top = min(best.values(), key=lambda s: sign * s[value])
+    tied = [f for f, s in best.items() if s is not top and s[low] <= top[high] and s[high] >= top[low]]
+    if tied:
+        return "tie between " + ", ".join(FAMILY_WORDS[f] for f in [top["family"], *tied])
+    return FAMILY_WORDS[top["family"]] + " wins"
+
+
+def frontier_summary() -> str:
+    """The frontier, for the README: each family's best configuration at each byte share with its spread, which
+    family wins there (a tie where the intervals overlap), and xKV's cross-layer sharing against per-head rank."""
+    obj = load("bench_frontier.json")
+    cfg, env = obj["config"], obj["environment"]
+    done, total = obj.get("cells_done"), obj.get("cells_total")
+    grid = f"; {done} of {total} cells done" if isinstance(done, int) and isinstance(total, int) and done < total \
+        else ""
+    ppl = [s for s in frontier_rows(obj) if s["metric"] == "ppl"]
+    scored = [s for s in frontier_rows(obj) if s["metric"] == "score"]
+    out = (f"Quality at equal KV bytes (`{obj['command']}`, `results/bench_frontier.json`, {env['time'][:10]}, "
+           f"{machine(env)}{grid}): at each share of the full cache's bytes, the best configuration of each family "
+           f"(quantization alone: the bits that fit); perplexity over the full cache's on {len(cfg['texts'])} texts "
+           f"({cfg['prefill']} + {cfg['tokens']} tokens; in brackets the lowest and highest text)"
+           + (f", task score on {cfg['task_count']} samples of {', '.join(cfg['tasks'])} (bootstrap 95 % interval)"
+              if scored else "") + ":\n\n")
+    rows, said = [], []
+    for share in cfg["byte_shares"]:
+        best, best_score = at_share(ppl, share), at_share(scored, share)
+        for family in FAMILY_WORDS:
+            s, t = best.get(family), best_score.get(family)
+            if s is None and t is None:
+                continue
+            rows.append([f"{share:g}", FAMILY_WORDS[family], s["config"] if s else "—",
+                         f"{s['bytes_share']:.3f}" if s else "—",
+                         spread(f"{s['ppl_vs_full']:.3f}", f"{s['ppl_vs_full_min']:.3f}",
+                                f"{s['ppl_vs_full_max']:.3f}") if s else "—",
+                         (f"{t['config']}: " + spread(f"{t['score']:.2f}", f"{t['ci_low']:.2f}",
+                                                      f"{t['ci_high']:.2f}")) if t else "—"])
+        sentence = f"At {share:g} of the bytes: perplexity, " + verdict(best, "ppl_vs_full", "ppl_vs_full_min",
+                                                                        "ppl_vs_full_max", True)
+        if best_score:
+            sentence += "; task score, " + verdict(best_score, "score", "ci_low", "ci_high", False)
+        said.append(sentence + ".")
+    out += table(["bytes", "family", "best configuration (perplexity)", "bytes share", "perplexity / full",
+                  "best configuration (task score)"], rows)
+    return out + "\n" + " ".join(said) + " " + cross_layer_sentence(ppl, cfg) + "\n"
+
+
+def cross_layer_sentence(ppl: list[dict], cfg: dict) -> str:
+    """Whether xKV's cross-layer sharing beats per-head rank at equal bytes, share by share."""
+    parts = []
+    for share in cfg["byte_shares"]:
+        low = {s["series"]: s for s in ppl if s["family"] == "low_rank" and s["target"] == share}
+        x = next((s for name, s in low.items() if "xKV" in name), None)
+        h = next((s for name, s in low.items() if "per head, full-width" in name), None)
+        if x is None or h is None:
+            continue
+        word = "ties with (the text ranges overlap)"
+        if x["ppl_vs_full_max"] < h["ppl_vs_full_min"]:
+            word = "beats"
+        elif x["ppl_vs_full_min"] > h["ppl_vs_full_max"]:
+            word = "loses to"
+        parts.append(f"at {share:g}, {x['ppl_vs_full']:.2f} against {h['ppl_vs_full']:.2f}: xKV {word} per-head rank")
+    if not parts:
+        return ""
+    return (f"Cross-layer low rank (xKV, {cfg.get('rank_layers')} layers) against per-head low rank at equal bytes, "
+            "both with later tokens at full width (perplexity / full, mean over texts): " + "; ".join(parts) + ".")
 
 
 def explain_summary() -> str:

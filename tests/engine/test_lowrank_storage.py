@@ -13,13 +13,7 @@ from kvlens.engine.lowrank import seal_low_rank
 from kvlens.engine.quantize import Storage
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import perplexity
-
-TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun. " * 4
-
-
-def keys_like(n: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(3, n, 16, generator=g) * torch.linspace(4, 0.1, 16)  # a decaying spectrum
+from tests.engine.conftest import TEXT, keys_like
 
 
 @pytest.mark.parametrize("rank", [1, 4, 9])
@@ -50,11 +44,11 @@ def test_full_rank_is_the_uncompressed_cache_and_a_lower_rank_stores_fewer_bytes
     whole = perplexity(tiny, TEXT, "full", prefill=200, tokens=24, opts=opts(rank=16))  # head_dim 16
     quarter = perplexity(tiny, TEXT, "full", prefill=200, tokens=24, opts=opts(rank_share=0.25))
     assert torch.allclose(whole.tensors["steps/nll"], plain.tensors["steps/nll"], atol=1e-4)
-    assert whole.meta["storage"] == {"bits": None, "rank": 16, "rank_share": None}
-    per_slot = 3 * 2 * 2 * 4  # layers x KV heads x (K, V) x float32
-    basis = 3 * 2 * 2 * 16 * 4 * 4  # and each head's 16 x 4 basis
-    assert quarter.metrics["kv_bytes_peak"] == plain.metrics["kv_bytes_peak"] // 4 + basis
-    assert plain.metrics["kv_bytes_peak"] % (per_slot * 16) == 0
+    assert whole.meta["storage"] == {"bits": None, "rank": 16, "rank_share": None, "rank_layers": None,
+                                     "rank_append": "project"}
+    slots, rank = 223, 3  # the last cache; the largest rank r with r x (223 + 16) <= 0.25 x 223 x 16
+    assert plain.metrics["kv_bytes_peak"] == 3 * 2 * 2 * slots * 16 * 4  # layers x KV heads x (K, V) x float32
+    assert quarter.metrics["kv_bytes_peak"] == 3 * 2 * 2 * (slots * rank + 16 * rank) * 4  # coefficients, bases
 
 
 def test_low_rank_storage_composes_with_eviction_and_leaves_the_prompts_decisions_alone(tiny):
@@ -72,7 +66,6 @@ def test_low_rank_storage_composes_with_eviction_and_leaves_the_prompts_decision
     ({"rank_share": 0.0}, "--kv-rank-share must be in (0, 1]"),
     ({"rank_share": 1.5}, "--kv-rank-share must be in (0, 1]"),
     ({"rank": 4, "rank_share": 0.5}, "not both"),
-    ({"rank": 4, "bits": 4}, "does not combine with --kv-bits"),
 ])
 def test_a_rank_that_does_not_fit_gets_one_sentence(settings, words):
     with pytest.raises(KvlensError, match=words.replace("(", r"\(").replace("]", r"\]")):

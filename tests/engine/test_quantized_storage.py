@@ -189,11 +189,15 @@ def test_the_frontier_plans_every_family_at_each_byte_budget_and_summarises_agai
     by = {(c["family"], c["policy"], c["budget"], (c["storage"] or {}).get("bits") or
            (c["storage"] or {}).get("rank_share")) for c in cells}
     # 128 slots at the last step: 25 % = 32 slots, 12.5 % = 16; mixes at b / (bits / 32 + 1 / 64) of the slots;
-    # low rank: every slot at rank b x the head size
+    # low rank: every slot at byte share b (per head and xKV-4), h2o at sqrt(b) of the slots stored at rank share
+    # sqrt(b), and every slot at byte share b with 4-bit coefficients
     assert by == {("reference", "full", None, None), ("eviction", "h2o", 32, None), ("eviction", "h2o", 16, None),
                   ("merging", "cam", 32, None), ("merging", "cam", 16, None), ("quantization", "full", None, 4),
                   ("quantization", "full", None, 2), ("mix", "h2o", 120, 8), ("mix", "h2o", 60, 8),
-                  ("mix", "h2o", 114, 4), ("low_rank", "full", None, 0.25), ("low_rank", "full", None, 0.125)}
+                  ("mix", "h2o", 114, 4), ("low_rank", "full", None, 0.25), ("low_rank", "full", None, 0.125),
+                  ("mix", "h2o", 64, 0.5), ("mix", "h2o", 45, 0.3536), ("mix", "full", None, 4)}
+    assert sorted((c["storage"]["rank_layers"] or 0, c["storage"]["rank_append"]) for c in cells
+                  if c["family"] == "low_rank") == [(0, "full")] * 2 + [(0, "project")] * 2 + [(4, "full")] * 2
     rows = [{**c, "budget_slots": c["budget"], "ppl": 10.0 if c["family"] == "reference" else 12.0,
              "kv_bytes_peak": 1000 if c["family"] == "reference" else 250} for c in cells]
     summary = frontier.summarise(rows)
@@ -215,10 +219,12 @@ def test_the_frontiers_task_cells_give_each_family_its_ratio_and_storage_and_sco
     plan = {((c["storage"] or {}).get("bits") or (c["storage"] or {}).get("rank_share"), tuple(c["policies"]),
              tuple(round(r, 4) for r in c["ratios"])) for c in cells}
     # model dtype: ratio 1 - b; 8 bits: the mix at 1 - b / (8 / 32 + 1 / 64) where that keeps under all slots;
-    # low rank: the full cache stored at rank b x the head size
+    # low rank: the full cache at byte share b (per head twice, xKV, 4-bit coefficients), h2o at 1 - sqrt(b) at
+    # rank share sqrt(b)
     assert plan == {(None, ("full", "h2o", "cam"), (0.75, 0.875)), (8, ("full", "h2o"), (0.0588, 0.5294)),
-                    (4, ("full",), ()), (0.25, ("full",), ()), (0.125, ("full",), ())}
-    assert len(cells) == 10  # two samples of each
+                    (4, ("full",), ()), (0.25, ("full",), ()), (0.125, ("full",), ()),
+                    (0.5, ("full", "h2o"), (0.5,)), (0.3536, ("full", "h2o"), (0.6464,))}
+    assert len(cells) == 26  # two samples of each: 3 cells, and 5 per byte share
 
     def result(policy, ratio, score, kv_bytes):
         return {"policy": policy, "ratio": ratio, "score": score, "kv_bytes": kv_bytes}
@@ -226,7 +232,8 @@ def test_the_frontiers_task_cells_give_each_family_its_ratio_and_storage_and_sco
     rows = []
     for c in cells:
         bits = (c["storage"] or {}).get("bits") or (c["storage"] or {}).get("rank_share")
-        full = result("full", 0.0, 1.0, {None: 1000, 8: 266, 4: 141, 0.25: 280, 0.125: 150}[bits])
+        full = result("full", 0.0, 1.0, {None: 1000, 8: 266, 4: 141, 0.25: 250, 0.125: 125, 0.5: 500,
+                                         0.3536: 354}[bits])
         rest = [result(p, r, float(c["index"]), 1000 * (1 - r) * (0.265625 if bits else 1))
                 for p in c["policies"][1:] for r in c["ratios"]]
         rows.append({**c, "results": [full, *rest]})
@@ -234,8 +241,15 @@ def test_the_frontiers_task_cells_give_each_family_its_ratio_and_storage_and_sco
     assert summary[("reference", "full")]["bytes_share"] == 1.0
     assert summary[("quantization", "all slots @ 4 bits")]["bytes_share"] == pytest.approx(0.141)
     assert summary[("merging", "cam r=0.75")]["target"] == 0.25
-    low = summary[("low_rank", "all slots @ rank 0.25 of the head")]
-    assert low["target"] == 0.25 and low["bytes_share"] == pytest.approx(0.28) and low["score"] == 1.0
+    low = summary[("low_rank", "all slots, low rank per head at 0.25 of its bytes")]
+    assert low["target"] == 0.25 and low["bytes_share"] == pytest.approx(0.25) and low["score"] == 1.0
+    assert summary[("low_rank", "all slots, xKV low rank, 4 layers at 0.25 of its bytes")]["target"] == 0.25
+    assert summary[("low_rank", "all slots, low rank per head, full-width new tokens at 0.25 of its bytes")][
+        "target"] == 0.25
+    ranked = summary[("mix", "h2o r=0.5, low rank per head at 0.5 of its bytes")]
+    assert ranked["target"] == 0.25 and ranked["score"] == 0.5
+    assert summary[("mix", "all slots, low rank per head at 0.125 of its bytes @ 4-bit coefficients")]["target"] \
+        == 0.125
     mix = summary[("mix", "h2o r=0.0588 @ 8 bits")]
     assert mix["target"] == 0.25 and mix["bytes_share"] == pytest.approx(0.25) and mix["score"] == 0.5
     assert mix["samples"] == 2 and mix["full_score"] == 1.0 and mix["metric"] == "score"

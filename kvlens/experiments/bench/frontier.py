@@ -4,10 +4,14 @@ At each byte budget b (a share of the full cache's bytes in the model's dtype at
 makes `ppl` cells (`kvlens.experiments.sweep.ppl_cell`, teacher-forced perplexity on bundled texts) of:
 - eviction alone and merging alone: the policy at b of the slots, in the model's dtype;
 - quantization alone: every slot (`full`) at each of `bits` (its share is what the bits cost, not b);
-- low rank alone: every slot (`full`) stored at rank b x the head size (`kvlens.engine.lowrank`; its share is b plus
-  each head's basis);
+- low rank alone (`kvlens.engine.lowrank`, `--kv-rank-share b`: the largest rank whose bytes, bases included, fit
+  in b): every slot (`full`) per KV head with later tokens projected (Palu-style) or at full width, and across
+  groups of `rank_layers` adjacent layers (xKV) with later tokens at full width (so that xKV and per-head rank
+  differ only in the sharing);
 - mixes: the mix policy at b / q(bits) of the slots, stored at `bits`, for the bits where that share is below
-  1 (q(bits) = bits / model bits + the zero points' and scales' share, `slot_cost`);
+  1 (q(bits) = bits / model bits + the zero points' and scales' share, `slot_cost`); the mix policy at sqrt(b) of
+  the slots stored per head at rank share sqrt(b) (the two axes halving the bytes alike); and every slot at rank
+  share b with 4-bit coefficients (Palu's quantized latents);
 plus the full cache itself once per text (the reference every share and ratio is taken against). Each row's
 `bytes_share` is measured: its `kv_bytes_peak` over the full cache's on the same text.
 
@@ -19,6 +23,7 @@ over the full cache's on the same sample, and their quality the task score.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 
 from kvlens.engine.quantize import Storage
@@ -38,10 +43,10 @@ def slot_cost(storage: Storage, model_bits: int = 32) -> float:
 
 def plan_frontier(byte_shares: list[float], texts: dict[str, str], *, prefill: int, tokens: int, model: str,
                   evictors: list[tuple[str, dict]], mergers: list[tuple[str, dict]], bits: list[int],
-                  mix: tuple[str, dict] | None, mix_bits: list[int], storage: Storage, low_rank: bool = True
-                  ) -> list[dict]:
+                  mix: tuple[str, dict] | None, mix_bits: list[int], storage: Storage, low_rank: bool = True,
+                  rank_layers: int | None = 4) -> list[dict]:
     """The frontier's cells (see the module docstring); `storage` gives the scheme, group and window of every
-    quantized cell; `low_rank`: the low-rank cells too."""
+    quantized cell; `low_rank`: the low-rank cells too (`rank_layers`: xKV's group of layers, None: no xKV)."""
     if not byte_shares or min(byte_shares) <= 0 or max(byte_shares) >= 1:
         raise KvlensError("--byte-shares must be shares of the full cache between 0 and 1 (e.g. 0.5,0.25,0.125).")
     cached = prefill + tokens - 1  # slots of the full cache at the last step
@@ -62,17 +67,31 @@ def plan_frontier(byte_shares: list[float], texts: dict[str, str], *, prefill: i
             share = b / slot_cost(dataclasses.replace(storage, bits=k))
             if share < 1:
                 plan += cells("mix", [mix], [slots(share)], k, target=b)
-        if low_rank:
-            plan += cells("low_rank", [("full", {})], [None], target=b, described=Storage(rank_share=b).describe())
+        for family, policy, kept, ranked in low_rank_cells(b, mix, rank_layers) if low_rank else []:
+            plan += cells(family, [policy], [None if kept == 1 else slots(kept)], target=b,
+                          described=ranked.describe())
     for k in bits:
         plan += cells("quantization", [("full", {})], [None], k)
     return plan
 
 
+def low_rank_cells(b: float, mix: tuple[str, dict] | None, rank_layers: int | None
+                   ) -> list[tuple[str, tuple[str, dict], float, Storage]]:
+    """The low-rank configurations at byte share `b`: (family, policy, share of the slots kept, storage)."""
+    full = ("full", {})
+    out = [("low_rank", full, 1.0, Storage(rank_share=b)), ("low_rank", full, 1.0, Storage(rank_share=b,
+                                                                                           rank_append="full"))]
+    if rank_layers:
+        out.append(("low_rank", full, 1.0, Storage(rank_share=b, rank_layers=rank_layers, rank_append="full")))
+    if mix:
+        out.append(("mix", mix, math.sqrt(b), Storage(rank_share=round(math.sqrt(b), 4))))
+    return out + [("mix", full, 1.0, Storage(rank_share=b, bits=4))]
+
+
 def plan_frontier_tasks(byte_shares: list[float], *, tasks: list[str], lengths: list[int], count: int, seed: int,
                         source: str, model: str, evictors: list[tuple[str, dict]], mergers: list[tuple[str, dict]],
                         bits: list[int], mix: tuple[str, dict] | None, mix_bits: list[int], storage: Storage,
-                        low_rank: bool = True) -> list[dict]:
+                        low_rank: bool = True, rank_layers: int | None = 4) -> list[dict]:
     """The frontier's task cells (see the module docstring): per sample, one cell in the model's dtype (eviction
     and merging) and one per bits (the full cache, quantization alone, and the mix); the full cache in the model's
     dtype is in the first, as the reference."""
@@ -92,8 +111,10 @@ def plan_frontier_tasks(byte_shares: list[float], *, tasks: list[str], lengths: 
         cost = slot_cost(dataclasses.replace(storage, bits=k))
         ratios = [1 - b / cost for b in byte_shares if b / cost < 1] if mix and k in mix_bits else []
         plan += cells([spec(*mix)] if ratios else [], ratios, k)  # the full cache at k bits is always in a cell
-    for b in byte_shares if low_rank else []:  # the full cache stored at rank b x the head size
-        plan += cells([], [], None, Storage(rank_share=b).describe())
+    for b in byte_shares if low_rank else []:  # a cell per storage: its policy, or the full cache alone
+        for _, policy, kept, ranked in low_rank_cells(b, mix, rank_layers):
+            evicting = kept < 1
+            plan += cells([spec(*policy)] * evicting, [1 - kept] * evicting, None, ranked.describe())
     return plan
 
 
@@ -105,21 +126,27 @@ def _task_records(rows: list[dict]) -> list[dict]:
         storage = Storage.of(row.get("storage"))
         for res in row["results"]:
             records.append({**res, "family": _family(res["policy"], storage, row["mergers"]), "bits": storage.bits,
-                            "rank_share": storage.rank_share, "cost": slot_cost(storage) if storage.quantized else 1.0,
+                            "storage": row.get("storage"), "cost": _cost(storage),
                             "sample": (row["suite_task"], row["length"], row["index"])})
     full = {r["sample"]: r["kv_bytes"] for r in records if r["family"] == "reference"}
     for r in records:
         r["bytes_share"] = r["kv_bytes"] / full[r["sample"]] if r["sample"] in full else None
         kept = 1 - (r["ratio"] or 0)
-        r["target"] = None if r["family"] in ("reference", "quantization") else r["rank_share"] \
-            if r["family"] == "low_rank" else round(kept * r["cost"], 4)
+        r["target"] = None if r["family"] in ("reference", "quantization") else round(kept * r["cost"], 4)
     return [r for r in records if r["bytes_share"] is not None]
+
+
+def _cost(storage: Storage) -> float:
+    """Bytes of a kept slot over the model's dtype's, as planned: the rank share, or what quantization costs."""
+    if storage.low_rank:
+        return storage.rank_share
+    return slot_cost(storage) if storage.quantized else 1.0
 
 
 def _family(policy: str, storage: Storage, mergers: list[str]) -> str:
     """A task result's family: how its bytes were saved."""
     if storage.low_rank:
-        return "low_rank"
+        return "low_rank" if policy == "full" and not storage.quantized else "mix"
     if policy == "full":
         return "quantization" if storage.quantized else "reference"
     return "mix" if storage.quantized else "merging" if policy in mergers else "eviction"
@@ -131,12 +158,9 @@ def summarise_tasks(rows: list[dict]) -> list[dict]:
     records = _task_records(rows)
     groups: dict[tuple, dict[tuple, list[dict]]] = {}
     for r in records:
-        config = r["policy"] if r["family"] in ("reference", "quantization") else f"{r['policy']} r={r['ratio']:.3g}"
-        config = ("all slots" if r["family"] == "quantization" else config) + (f" @ {r['bits']} bits" if r["bits"]
-                                                                                else "")
-        if r["family"] == "low_rank":
-            config = f"all slots @ rank {r['rank_share']:g} of the head"
-        groups.setdefault((r["family"], config, r["target"], _series(r["family"], r["policy"], r["bits"])),
+        config = r["policy"] if r["policy"] == "full" else f"{r['policy']} r={r['ratio']:.3g}"
+        config = _stored(config, r["storage"])
+        groups.setdefault((r["family"], config, r["target"], _series(r["family"], r["policy"], r["storage"])),
                           {}).setdefault(r["sample"][:2], []).append(r)
     full = statistics.fmean(r["score"] for r in records if r["family"] == "reference") if records else None
     out = []
@@ -156,21 +180,42 @@ def _ordered(summary: list[dict]) -> list[dict]:
                                           -s["bytes_share"]))
 
 
-def _series(family: str, policy: str, bits: int | None) -> str:
-    """The line a configuration belongs to in the figure: its policy (a mix: and its bits) across byte budgets."""
-    if family == "low_rank":
-        return "all slots, low rank"
-    return "all slots" if family == "quantization" else f"{policy} @ {bits} bits" if family == "mix" else policy
+def _rank_kind(storage: dict) -> str:
+    """Low-rank storage in words: per head (later tokens projected, or at full width), or xKV's groups of layers."""
+    if storage.get("rank_layers"):
+        return f"xKV low rank, {storage['rank_layers']} layers"
+    return "low rank per head" + (", full-width new tokens" if storage.get("rank_append") == "full" else "")
+
+
+def _series(family: str, policy: str, storage: dict | None) -> str:
+    """The line a configuration belongs to in the figure: its policy and storage across byte budgets (quantization
+    alone: one line across its bits)."""
+    storage = storage or {}
+    if family == "quantization":
+        return "all slots"
+    name = "all slots" if policy == "full" and family != "reference" else policy
+    if storage.get("rank_share") is not None:
+        name += f", {_rank_kind(storage)}"
+    return name + (f" @ {storage['bits']} bits" if storage.get("bits") else "")
+
+
+def _stored(name: str, storage: dict | None) -> str:
+    """A configuration's name (`name`: its policy and budget) with its storage."""
+    storage = storage or {}
+    ranked, bits = storage.get("rank_share") is not None, storage.get("bits")
+    if name == "full" and (bits or ranked):
+        name = "all slots"
+    if ranked:
+        name += f", {_rank_kind(storage)} at {storage['rank_share']:g} of its bytes"
+        return name + (f" @ {bits}-bit coefficients" if bits else "")
+    return name + (f" @ {bits} bits" if bits else "")
 
 
 def _config(row: dict) -> str:
-    if (row.get("storage") or {}).get("rank_share"):
-        return f"all slots @ rank {row['storage']['rank_share']:g} of the head"
-    bits = (row.get("storage") or {}).get("bits")
-    name = row["policy"] if row["policy"] != "full" or not bits else "all slots"
+    name = row["policy"]
     if row["budget_slots"] is not None and row["policy"] != "full":
         name += f" {row['budget_slots']} slots"
-    return name + (f" @ {bits} bits" if bits else "")
+    return _stored(name, row.get("storage"))
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -186,7 +231,7 @@ def summarise_ppl(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         if row["text"] in full:
-            series = _series(row.get("family"), row["policy"], (row.get("storage") or {}).get("bits"))
+            series = _series(row.get("family"), row["policy"], row.get("storage"))
             groups.setdefault((row.get("family"), _config(row), row.get("target"), series), []).append(row)
     out = []
     for (family, config, target, series), group in groups.items():
@@ -219,9 +264,9 @@ def table(summary: list[dict]) -> str:
 
 
 def figure(result: dict):
-    """Quality against physical bytes (log scale), a line per policy (colour: its family): perplexity over the full
-    cache's on the same text (bars: min-max over texts) and, with task cells, the task score (bars: bootstrap 95 %
-    intervals over samples) beside it."""
+    """Quality against physical bytes (log scale), a line per policy and storage (colour: its family): perplexity
+    over the full cache's on the same text (bars: min-max over texts) and, with task cells, the task score (bars:
+    bootstrap 95 % intervals over samples) beside it."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -257,7 +302,7 @@ def figure(result: dict):
         fig.add_hline(y=1.0, line_dash="dot", line_color="#555", annotation_text="full cache", row=1, col=col)
         fig.update_xaxes(title_text="KV cache bytes, share of the full cache", type="log", row=1, col=col)
         fig.update_yaxes(title_text="perplexity / full" if metric == "ppl" else "score", row=1, col=col)
-    fig.update_layout(title="Quality against KV bytes: eviction, merging, quantized and low-rank storage, mixes "
-                            "(bars: min-max over texts; 95 % intervals over samples)",
+    fig.update_layout(title="Quality against KV bytes, a colour per family (bars: min-max over texts; 95 % "
+                            "intervals over samples)",
                       width=760 * len(panels) + 240, height=540, template="kvlens")
     return fig
