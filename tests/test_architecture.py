@@ -136,3 +136,18 @@ def test_every_policy_hook_is_annotated_with_the_row_contract():
             hints = typing.get_type_hints(getattr(cls, hook))
             assert hints.get("rows") is CacheRows, (cls.name, hook)
         assert typing.get_type_hints(cls.compress)["step"] is Step
+
+
+def chained_conditionals(source: str) -> list[int]:
+    """Lines of conditional expressions with another one as their test, value or alternative."""
+    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.IfExp)
+            and any(isinstance(part, ast.IfExp) for part in (node.test, node.body, node.orelse))]
+
+
+def test_no_conditional_expression_chains_another():
+    """`a if p else b if q else c` reads as a statement: it is written as one."""
+    found = [f"{path.relative_to(ROOT)}:{line}" for folder in ("kvlens", "pages", "scripts", "tests")
+             for path in sorted((ROOT / folder).rglob("*.py"))
+             for line in chained_conditionals(path.read_text(encoding="utf-8"))]
+    assert not found, found
+    assert chained_conditionals("x = a if p else b if q else c") == [1]

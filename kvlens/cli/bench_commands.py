@@ -179,7 +179,9 @@ def _run_grid(args, cells: list[dict], texts: dict[str, str], config: dict, stem
     from kvlens.experiments.grid import report
     from kvlens.figures.export import image_bytes
 
-    executor = "ray" if args.ray is not None else f"{args.workers} processes" if args.workers else "in-process"
+    executor = f"{args.workers} processes" if args.workers else "in-process"
+    if args.ray is not None:
+        executor = "ray"
     settings = {"command": command_line(), "config": config,
                 "environment": {**environment(), "model": args.model, "executor": executor}}
     results = run_cells(args, Path(args.out_dir) / f"{stem}.json", cells, texts, settings, stem, implied)

@@ -28,7 +28,13 @@ def plain_marks(pos: list[int], valid: list[bool], att: list[float], threshold: 
         t = max(p for p, v in zip(pos, valid, strict=True) if v) + 1
     else:
         t = sum(valid)
-    return [UNSEEN if not v else (IMPORTANT if a >= 1 / t else UNIMPORTANT) for a, v in zip(att, valid, strict=True)]
+    return [_label(a, v, t) for a, v in zip(att, valid, strict=True)]
+
+
+def _label(a: float, v: bool, t: int) -> int:
+    if not v:
+        return UNSEEN
+    return IMPORTANT if a >= 1 / t else UNIMPORTANT
 
 
 def decode_layer(positions: list[int], free: list[int] = ()):

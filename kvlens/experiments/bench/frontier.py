@@ -149,7 +149,9 @@ def _family(policy: str, storage: Storage, mergers: list[str]) -> str:
         return "low_rank" if policy == "full" and not storage.quantized else "mix"
     if policy == "full":
         return "quantization" if storage.quantized else "reference"
-    return "mix" if storage.quantized else "merging" if policy in mergers else "eviction"
+    if storage.quantized:
+        return "mix"
+    return "merging" if policy in mergers else "eviction"
 
 
 def summarise_tasks(rows: list[dict]) -> list[dict]:

@@ -345,7 +345,9 @@ def figure(result: dict):
             lo = [y - statistics.fmean(s["ci_low"] for s in pts[x]) for x, y in zip(xs, ys, strict=True)]
             hi = [statistics.fmean(s["ci_high"] for s in pts[x]) - y for x, y in zip(xs, ys, strict=True)]
             mode = "markers" if policy == "full" or free else "lines+markers"
-            symbol = "star" if policy == "full" else "diamond" if free else "circle"
+            symbol = "diamond" if free else "circle"
+            if policy == "full":
+                symbol = "star"
             dodge = 0.08 * (i / max(1, len(policies) - 1) - 0.5)  # ties stay visible side by side
             fig.add_trace(go.Scatter(x=[x + dodge * (policy != "full") for x in xs], y=ys, mode=mode, name=policy,
                                      legendgroup=policy, showlegend=col == 1,
