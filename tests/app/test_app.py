@@ -353,8 +353,11 @@ def test_benchmarks_draws_the_bytes_quality_frontier_with_perplexity_and_task_sc
     at = open_page(app, "benchmarks")
     assert not at.exception
     fig = next(c for c in charts(at) if c["layout"]["title"]["text"].startswith("Quality against KV bytes"))
-    assert {t["name"] for t in fig["data"]} == {"h2o (eviction)", "cam (merging)", "all slots (quantization)",
-                                                "h2o @ 8 bits (mix)", "all slots, low rank (low_rank)"}
+    assert {t["name"] for t in fig["data"]} == {  # one line per planned configuration, named with its family
+        "h2o (eviction)", "cam (merging)", "all slots (quantization)", "h2o @ 8 bits (mix)",
+        "all slots, low rank per head (low_rank)", "all slots, low rank per head, full-width new tokens (low_rank)",
+        "all slots, xKV low rank, 4 layers (low_rank)", "all slots, low rank per head @ 4 bits (mix)",
+        "h2o, low rank per head (mix)"}
     assert {t["xaxis"] for t in fig["data"]} == {"x", "x2"}  # perplexity and task score side by side
     table = at.dataframe[0].value
     assert set(table["measure"]) == {"perplexity", "task score"}
