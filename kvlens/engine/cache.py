@@ -41,7 +41,7 @@ import torch
 
 from kvlens.engine.channels import ChannelStates, seal_channels
 from kvlens.engine.lowrank import LowRankStates, fit_rank, seal_cross_layer, seal_low_rank
-from kvlens.engine.quantize import QuantizedStates, Storage, seal
+from kvlens.engine.quantize import QuantizedStates, Storage, seal, slot_mask
 from kvlens.errors import KvlensError
 from kvlens.runs.decisions import DecisionLog
 
@@ -457,8 +457,7 @@ class SlotRows:
         store = self._live
         uneven = bool((index < 0).any())
         if store.packed is not None or uneven:  # the freed slots as a mask `(R, n)`
-            gone = torch.zeros(index.shape[0], store.n + 1, dtype=torch.bool, device=index.device)
-            gone = gone.scatter_(1, index.masked_fill(index < 0, store.n), True)[:, : store.n]
+            gone = slot_mask(index, store.n)
         for q in (store.packed or {}).values():
             q.forget(self.rows, gone)
         if uneven:

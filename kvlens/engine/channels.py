@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from kvlens.engine.quantize import slot_mask
+
 GROWTH = 8  # whole-key entries added when every one is taken
 
 
@@ -78,9 +80,7 @@ class ChannelStates:
 
     def in_window(self, rows: slice, n: int) -> torch.Tensor:
         """`(R', n)` bool: the slots whose whole key is stored."""
-        slot = self.whole_slot[rows]
-        mask = torch.zeros(slot.shape[0], n + 1, dtype=torch.bool, device=slot.device)
-        return mask.scatter_(1, slot.masked_fill(slot < 0, n), True)[:, :n]
+        return slot_mask(self.whole_slot[rows], n)
 
     def roundtrip(self, rows: slice, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """`x` `(R', n, D)` as this storage holds it: the pruned channels zero, except for whole keys."""

@@ -138,6 +138,12 @@ class Storage:
                 "scale_dtype": "float16"}
 
 
+def slot_mask(slots: torch.Tensor, n: int) -> torch.Tensor:
+    """`(R, n)` bool: the slots named in `slots` `(R, E)` (-1 entries name none)."""
+    mask = torch.zeros(slots.shape[0], n + 1, dtype=torch.bool, device=slots.device)
+    return mask.scatter_(1, slots.masked_fill(slots < 0, n), True)[:, :n]
+
+
 def _grid16(lo: torch.Tensor, hi: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Float16 zero point and scale of groups with float32 range [lo, hi] whose grid lo16 + k * scale16,
     k = 0..top, still covers [lo, hi]: lo16 rounds down and scale16 up (rounding both to nearest loses up to
@@ -292,9 +298,7 @@ class QuantizedStates:
 
     def in_window(self, rows: slice, n: int) -> torch.Tensor:
         """`(R', n)` bool: the slots held in full precision."""
-        slot = self.window_slot[rows]
-        mask = torch.zeros(slot.shape[0], n + 1, dtype=torch.bool, device=slot.device)
-        return mask.scatter_(1, slot.masked_fill(slot < 0, n), True)[:, :n]
+        return slot_mask(self.window_slot[rows], n)
 
     def roundtrip(self, rows: slice, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """`x` `(R', n, D)` (e.g. the original values of the rows' slots) as this storage would hold them now: the
