@@ -8,6 +8,7 @@ This module is the package's top layer: importing it also imports the analysis r
 (`kvlens.analysis.registry`), which installs itself behind `Run.figure` and `Run.analyze` (the kinds in
 `kvlens/analysis/kinds/` register on first use), so `load_run(path).figure(KIND)` works in a notebook.
 """
+
 import kvlens.analysis.registry  # noqa: F401  (installs the analyses behind Run.figure and Run.analyze)
 from kvlens import texts
 from kvlens.version import __version__

@@ -1,4 +1,5 @@
 """`python -m kvlens` is the `kvlens` command."""
+
 import sys
 
 from kvlens.cli import main

@@ -1,4 +1,5 @@
 """Record levels: how much a run records (no heavy imports, so run browsers can use it)."""
+
 from __future__ import annotations
 
 from enum import StrEnum

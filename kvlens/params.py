@@ -12,6 +12,7 @@ numbers, e.g. CaM's `clamp`) and `policy` (a nested policy, e.g. CaM's `base`). 
 list of the kind (an analysis' repeatable flag); `optional` lets None stand for "worked out from
 the input" (the help says how).
 """
+
 from __future__ import annotations
 
 import math
@@ -97,10 +98,17 @@ class Param:
         """What listings show: name, kind, default, choices, bounds, help (and `many`, the flag)."""
         default = self.default.name if self.kind == "policy" else self.default
         choices = self.allowed()
-        return {"name": self.name, "type": self.kind, "default": default,
-                "choices": None if choices is None else list(choices),
-                "minimum": self.minimum, "maximum": self.maximum, "help": self.help, "many": self.many,
-                "flag": self.flag}
+        return {
+            "name": self.name,
+            "type": self.kind,
+            "default": default,
+            "choices": None if choices is None else list(choices),
+            "minimum": self.minimum,
+            "maximum": self.maximum,
+            "help": self.help,
+            "many": self.many,
+            "flag": self.flag,
+        }
 
     # -- one value -------------------------------------------------------------------------------
     def _one(self, value, owner: str, plural: bool = False):
@@ -123,12 +131,17 @@ class Param:
                 raise bad()
             return value
         if kind == "numbers":
-            ok = isinstance(value, (tuple, list)) and len(value) == len(self.default) and all(
-                _finite_number(x) for x in value)
+            ok = (
+                isinstance(value, (tuple, list))
+                and len(value) == len(self.default)
+                and all(_finite_number(x) for x in value)
+            )
             if not ok:
                 raise bad()
             return tuple(float(x) for x in value)
-        if not (isinstance(value, int) if kind == "int" else _finite_number(value)) or isinstance(value, bool):
+        if not (isinstance(value, int) if kind == "int" else _finite_number(value)) or isinstance(
+            value, bool
+        ):
             raise bad()
         self._bounds(value, owner)
         return value if kind == "int" else float(value)
@@ -186,8 +199,10 @@ def check_budget(value) -> int | float:
     """A budget as given: a positive integer is slots per KV head per layer, a float in (0, 1] a share of
     the prompt; anything else is one sentence. The one validator of a budget (CLI, app, sweeps, policies)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise KvlensError(f"The budget must be a number of slots (e.g. 64) or a share of the prompt in (0, 1] "
-                          f"(e.g. 0.5); got {value!r}.")
+        raise KvlensError(
+            f"The budget must be a number of slots (e.g. 64) or a share of the prompt in (0, 1] "
+            f"(e.g. 0.5); got {value!r}."
+        )
     if isinstance(value, int):
         if value < 1:
             raise KvlensError(f"The budget must be a positive number of slots; got {value}.")

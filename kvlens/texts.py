@@ -3,6 +3,7 @@
 A text id is the file's stem (`1961-Kennedy`). Every part of kvlens that uses the bundled
 texts (benchmarks, sweeps, multi-text analyses, the app's Run page) reads them from here.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,5 +1,6 @@
 """Attention: the step x position attention map of a layer and head, kept/evicted/merged/sink marked (CaM Fig. 1a-c),
 and the token inspector of the chosen row (open when the Head grid sent the user here: `?inspect=1`)."""
+
 import streamlit as st
 
 from kvlens.figures.attention import (
@@ -20,16 +21,32 @@ layer = pick_layer(recorded_attention_layers(run), "attn_layer", c1)  # layer, h
 head = pick_head(run, "attn_head", c2)
 grid = attention_grid(run, layer, head)
 last = grid.rows[-1]
-step = pick_step("Query row", last, "attn_step", c3,
-                 help="Row 0 is the last prompt token's query; row r fed generated token r - 1.") if last else 0
+step = (
+    pick_step(
+        "Query row",
+        last,
+        "attn_step",
+        c3,
+        help="Row 0 is the last prompt token's query; row r fed generated token r - 1.",
+    )
+    if last
+    else 0
+)
 cfg = {"run": str(run.path), "layer": layer, "head": head}
 chart(attention_map_figure(run, grid, step), "attn_map", name=f"attention-L{layer}-H{head}", config=cfg)
 left, right = st.columns(2)
 with left:
-    chart(attention_row_figure(grid, step), "attn_row", name=f"attention-row-{step}-L{layer}-H{head}",
-          config={**cfg, "row": step})
+    chart(
+        attention_row_figure(grid, step),
+        "attn_row",
+        name=f"attention-row-{step}-L{layer}-H{head}",
+        config={**cfg, "row": step},
+    )
 with right:
     chart(run_figure(run, "occupancy"), "attn_occ", name="occupancy", config={"run": str(run.path)})
-with st.expander(f"Token inspector: row {step}, layer {layer}, head {head}", icon=":material/search:",
-                 expanded=st.query_params.get("inspect") == "1"):
+with st.expander(
+    f"Token inspector: row {step}, layer {layer}, head {head}",
+    icon=":material/search:",
+    expanded=st.query_params.get("inspect") == "1",
+):
     token_view(run, "attn_insp", step, layer, head)

@@ -4,18 +4,28 @@ benchmarks and the sweeps (perplexity, memory, speed against the budget), as tab
 A sweep or benchmark still running writes its results file after every cell: while any is
 unfinished, the sections re-read their file every few seconds and show the rows so far.
 """
+
 import streamlit as st
 
 from kvlens.ui.charts import chart
 from kvlens.ui.leaderboard import leaderboard
 from kvlens.ui.page import page_top
-from kvlens.ui.results import bench_figure, frontier_table, pick_results, read_results, result_files, sweep_section
+from kvlens.ui.results import (
+    bench_figure,
+    frontier_table,
+    pick_results,
+    read_results,
+    result_files,
+    sweep_section,
+)
 
 REFRESH_S = 5
 # The benchmarks the page opens on, in this order: (results file name, title, URL key, the command that makes it)
-LEAD = [("bench_tasks", "Task leaderboard", "tasks", "kvlens bench tasks"),
-        ("bench_frontier", "Quality at equal bytes", "frontier", "kvlens bench frontier"),
-        ("bench_speed", "Speed and memory", "speed", "kvlens bench speed")]
+LEAD = [
+    ("bench_tasks", "Task leaderboard", "tasks", "kvlens bench tasks"),
+    ("bench_frontier", "Quality at equal bytes", "frontier", "kvlens bench frontier"),
+    ("bench_speed", "Speed and memory", "speed", "kvlens bench speed"),
+]
 
 page_top("Benchmarks", "Read from saved results (`results/`); nothing is run here.")
 
@@ -37,10 +47,17 @@ def show(picked) -> None:
         builder = bench_figure(path.name)
         if builder is not None and len(frame):
             try:
-                chart(builder(raw), f"bench_fig_{path.stem}", name=path.stem, config={"results": str(path),
-                                                                                      **settings}, data=frame)
+                chart(
+                    builder(raw),
+                    f"bench_fig_{path.stem}",
+                    name=path.stem,
+                    config={"results": str(path), **settings},
+                    data=frame,
+                )
             except (KeyError, TypeError, ValueError) as err:
-                st.error(f"{path.name} does not have the layout its benchmark writes ({type(err).__name__}: {err}).")
+                st.error(
+                    f"{path.name} does not have the layout its benchmark writes ({type(err).__name__}: {err})."
+                )
         if path.name.startswith("bench_frontier") and isinstance(raw.get("summary"), list):
             st.dataframe(frontier_table(raw["summary"]), hide_index=True, width="stretch")
             with st.expander(f"Every cell ({len(frame)})"):
@@ -62,8 +79,14 @@ def show(picked) -> None:
 @st.fragment(run_every=REFRESH_S if live else None)
 def lead_section(name: str, title: str, param: str, command: str) -> None:
     st.subheader(title)
-    picked = pick_results(f"bench_{param}", "bench", title.lower(), only=(name,), param=param,
-                          make=f"Make one with `{command}`.")
+    picked = pick_results(
+        f"bench_{param}",
+        "bench",
+        title.lower(),
+        only=(name,),
+        param=param,
+        make=f"Make one with `{command}`.",
+    )
     if picked is not None:
         show(picked)
 
@@ -77,9 +100,14 @@ def others():
 
 @st.fragment(run_every=REFRESH_S if live else None)
 def sweeps():
-    sweep_section("bench_sweep", [("Perplexity against the budget", ["ppl"]),
-                                  ("Share of the full cache's bytes kept", ["bytes_share"]),
-                                  ("Speed", ["ms_per_token"])])
+    sweep_section(
+        "bench_sweep",
+        [
+            ("Perplexity against the budget", ["ppl"]),
+            ("Share of the full cache's bytes kept", ["bytes_share"]),
+            ("Speed", ["ms_per_token"]),
+        ],
+    )
 
 
 tab_lead, tab_other, tab_sweep = st.tabs(["Leaderboard, frontier, speed", "Other benchmarks", "Sweeps"])

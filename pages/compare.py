@@ -1,4 +1,5 @@
 """Compare: 2-4 policies on one prompt, against the full cache: texts, divergence, metrics, aligned charts."""
+
 import streamlit as st
 
 from kvlens.experiments.compare import Entry, compare, entries_with_reference
@@ -10,17 +11,24 @@ from kvlens.ui.widgets import policy_picker, storage_picker
 
 DEFAULTS = ["streaming_llm", "h2o", "tova", "cam"]
 
-page_top("Compare", "Several policies on one prompt, each against the full cache: where its text first differs, "
-                    "perplexity on the full cache's continuation, KL and output perturbation, memory and speed. "
-                    "One measured pass per policy, teacher-forced on the full cache's text; earlier results are "
-                    "reused.")
+page_top(
+    "Compare",
+    "Several policies on one prompt, each against the full cache: where its text first differs, "
+    "perplexity on the full cache's continuation, KL and output perturbation, memory and speed. "
+    "One measured pass per policy, teacher-forced on the full cache's text; earlier results are "
+    "reused.",
+)
 
 job = PageJob("cmp", "Stopped. Nothing was compared.")
 job.begin()
-prompt = st.text_area("Prompt", key="cmp_prompt", height=100,
-                      value="The Constitution imposes upon me the obligation to give to the Congress information of "
-                            "the State of the Union. While this has traditionally been interpreted as an annual "
-                            "affair, this tradition has been broken in extraordinary times.")
+prompt = st.text_area(
+    "Prompt",
+    key="cmp_prompt",
+    height=100,
+    value="The Constitution imposes upon me the obligation to give to the Congress information of "
+    "the State of the Union. While this has traditionally been interpreted as an annual "
+    "affair, this tradition has been broken in extraordinary times.",
+)
 c1, c2 = st.columns([1, 3])
 count = c1.number_input("Policies", 2, 4, 2, key="cmp_count")
 new_tokens = c2.slider("New tokens", 4, 128, 24, step=4, key="cmp_tokens")
@@ -32,9 +40,15 @@ for i, col in enumerate(cols):
         storage = storage_picker(f"cmp{i}")
         picks.append(None if policy is None or storage is None else (*policy, storage))
 b1, b2, _ = st.columns([1, 1, 3])
-go_clicked = b1.button("Compare", type="primary", icon=":material/play_arrow:", key="cmp_go", width="stretch",
-                       disabled=any(p is None for p in picks),
-                       help="Fix the settings marked above first." if any(p is None for p in picks) else None)
+go_clicked = b1.button(
+    "Compare",
+    type="primary",
+    icon=":material/play_arrow:",
+    key="cmp_go",
+    width="stretch",
+    disabled=any(p is None for p in picks),
+    help="Fix the settings marked above first." if any(p is None for p in picks) else None,
+)
 job.stop_button(b2)
 
 if go_clicked and all(p is not None for p in picks):
@@ -44,27 +58,39 @@ if go_clicked and all(p is not None for p in picks):
     live = {}
     for e, col in zip(runs, st.columns(len(runs))):
         with col, st.container(border=True):
-            live[e.label] = {"bar": st.progress(0.0, text=f"{e.label}: waiting (or reused)"), "text": st.empty(),
-                             "pieces": [], "full": [], "diff": None}
+            live[e.label] = {
+                "bar": st.progress(0.0, text=f"{e.label}: waiting (or reused)"),
+                "text": st.empty(),
+                "pieces": [],
+                "full": [],
+                "diff": None,
+            }
 
     def draw(events):
         for label, piece, event in events:
             state = live[label]
-            if state["diff"] is None and int(event.logits.argmax()) != event.token:  # teacher-forced on full's text
+            if (
+                state["diff"] is None and int(event.logits.argmax()) != event.token
+            ):  # teacher-forced on full's text
                 state["diff"] = event.step
             state["pieces"].append(piece)
             state["full"].append(event.text)
-            state["bar"].progress((event.step + 1) / new_tokens, text=f"{label}: token {event.step + 1} of "
-                                                                       f"{new_tokens}")
+            state["bar"].progress(
+                (event.step + 1) / new_tokens, text=f"{label}: token {event.step + 1} of {new_tokens}"
+            )
         for label in {label for label, _, _ in events}:
             state = live[label]
             with state["text"].container():
-                show_text(label, state["pieces"], state["diff"], None if label == runs[0].label else state["full"])
+                show_text(
+                    label, state["pieces"], state["diff"], None if label == runs[0].label else state["full"]
+                )
 
     def work(model):
         def on_step(put):
-            return lambda entry, event: put((entry.label, model.tokenizer.decode([int(event.logits.argmax())]),
-                                             event))
+            return lambda entry, event: put(
+                (entry.label, model.tokenizer.decode([int(event.logits.argmax())]), event)
+            )
+
         for e in entries:
             check_storage(e.storage, model)
         cache = result_cache()
@@ -77,7 +103,9 @@ if go_clicked and all(p is not None for p in picks):
 
 results = st.session_state.get("cmp_result")
 if not results:
-    st.info("Pick the policies and press **Compare**. The full cache is always run too, as the reference (in the "
-            "model's dtype; pick `full` with quantized storage to see what quantization alone does).")
+    st.info(
+        "Pick the policies and press **Compare**. The full cache is always run too, as the reference (in the "
+        "model's dtype; pick `full` with quantized storage to see what quantization alone does)."
+    )
 else:
     show_results(results)

@@ -1,4 +1,5 @@
 """Merges: the decision timeline, each merged slot's provenance, and the Gaussian weights of a KVMerger set."""
+
 import streamlit as st
 
 from kvlens.analysis.states import recorded_layers
@@ -9,8 +10,11 @@ from kvlens.ui.charts import chart
 from kvlens.ui.page import analysis_need, browse_page, fits, offer_runs, pick_head, pick_layer
 from kvlens.ui.state import run_figure
 
-run = browse_page("Merges", "Which slot went where: evictions and merges per step, what each merged slot now holds, "
-                            "and how KVMerger weighs a merging set.")
+run = browse_page(
+    "Merges",
+    "Which slot went where: evictions and merges per step, what each merged slot now holds, "
+    "and how KVMerger weighs a merging set.",
+)
 d = run.decisions
 if d is None or not len(d):
     st.info("This run made no decisions (nothing was evicted or merged). Pick a run of a compressing policy.")
@@ -22,14 +26,23 @@ else:
     head = pick_head(run, "merge_head", c2, kv=True)
     merges = d[d["action"] == "merge"]
     n_draw0 = int((merges["draw"] == 0).sum())
-    st.markdown(f"{(d['action'] == 'evict').sum()} evictions and {len(merges)} merges in all layers"
-                + (f" ({n_draw0} of them drew 0 from the Bernoulli mask and merged nothing)" if n_draw0 else "") + ".")
+    st.markdown(
+        f"{(d['action'] == 'evict').sum()} evictions and {len(merges)} merges in all layers"
+        + (f" ({n_draw0} of them drew 0 from the Bernoulli mask and merged nothing)" if n_draw0 else "")
+        + "."
+    )
     cfg = {"run": str(run.path), "layer": layer, "kv_head": head}
-    chart(run_figure(run, "decisions", layer=layer, kv_head=head), "merge_timeline", name=f"decisions-L{layer}-H{head}",
-          config=cfg)
+    chart(
+        run_figure(run, "decisions", layer=layer, kv_head=head),
+        "merge_timeline",
+        name=f"decisions-L{layer}-H{head}",
+        config=cfg,
+    )
     if not len(merges):
-        st.info(f"{run.meta['policy']['name']} only evicts, so no slot holds merged values. "
-                "Open a merging run to see provenance.")
+        st.info(
+            f"{run.meta['policy']['name']} only evicts, so no slot holds merged values. "
+            "Open a merging run to see provenance."
+        )
         offer_runs(lambda e: e.merging, "merge_offer")
     else:
         table = provenance.table(run)
@@ -38,8 +51,13 @@ else:
         left, right = st.columns([3, 2])
         with left:
             if len(sub):
-                chart(provenance_figure(table, layer, head), "merge_prov", name=f"provenance-L{layer}-H{head}",
-                      config=cfg, data=sub)
+                chart(
+                    provenance_figure(table, layer, head),
+                    "merge_prov",
+                    name=f"provenance-L{layer}-H{head}",
+                    config=cfg,
+                    data=sub,
+                )
             else:
                 st.info("No slot of this layer and head holds merged values at the end of the run.")
         with right:
@@ -52,9 +70,18 @@ if fits(analysis_need("gaussian")):
     g_layer = pick_layer(g_layers, "merge_glayer", c1, default=g_layers[0], param="glayer")
     g_head = pick_head(run, "merge_ghead", c2, kv=True, param="ghead")
     thresholds = [round(0.3 + 0.05 * i, 2) for i in range(14)]  # the slider's stops, 0.3 to 0.95
-    threshold = url_state.bound(lambda **kw: c3.slider("Similarity threshold", 0.3, 0.95, step=0.05, **kw),
-                                "threshold", "merge_thr", thresholds, "similarity threshold", 0.75,
-                                show=lambda t: f"{t:g}")
-    chart(run_figure(run, "gaussian", layer=g_layer, head=g_head, threshold=threshold), "merge_gauss",
-          name=f"gaussian-L{g_layer}-H{g_head}",
-          config={"run": str(run.path), "layer": g_layer, "head": g_head, "threshold": threshold})
+    threshold = url_state.bound(
+        lambda **kw: c3.slider("Similarity threshold", 0.3, 0.95, step=0.05, **kw),
+        "threshold",
+        "merge_thr",
+        thresholds,
+        "similarity threshold",
+        0.75,
+        show=lambda t: f"{t:g}",
+    )
+    chart(
+        run_figure(run, "gaussian", layer=g_layer, head=g_head, threshold=threshold),
+        "merge_gauss",
+        name=f"gaussian-L{g_layer}-H{g_head}",
+        config={"run": str(run.path), "layer": g_layer, "head": g_head, "threshold": threshold},
+    )

@@ -5,20 +5,40 @@ Debian's /usr/bin/chromium, waits for the charts and saves full-page PNGs.
 
     .venv/bin/python scripts/app_screenshots.py [OUT_DIR] [page ...]
 """
+
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kvlens and app, whatever is installed
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # this checkout's kvlens and app, whatever is installed
 
 from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, ROOT, streamlit_server, wait_idle  # noqa: E402
 
-PAGES = ["overview", "runs", "heads", "attention", "similarity", "spectra", "merges", "perturbation", "analyses", "run",
-         "compare", "benchmarks", "inspector"]
+PAGES = [
+    "overview",
+    "runs",
+    "heads",
+    "attention",
+    "similarity",
+    "spectra",
+    "merges",
+    "perturbation",
+    "analyses",
+    "run",
+    "compare",
+    "benchmarks",
+    "inspector",
+]
 SIZES = {"runs": (1500, 1000), "inspector": (1500, 1000)}  # the rest are 1500 x 1800
-ADDRESS = {"overview": "", "inspector": "?run=cam-attention&step=10&layer=15&head=4",  # the rest: /{name}
-           "heads": "heads?run=adakv-heads", "analyses": "analyses?run=full-states&analysis=embedding"}
+ADDRESS = {
+    "overview": "",
+    "inspector": "?run=cam-attention&step=10&layer=15&head=4",  # the rest: /{name}
+    "heads": "heads?run=adakv-heads",
+    "analyses": "analyses?run=full-states&analysis=embedding",
+}
 WINDOW = {"inspector", "spectra"}  # shots of the window scrolled to a part of the page, not of the full page
 ROW = 35  # a table row's height in pixels (header included)
 
@@ -61,10 +81,13 @@ def settled(page) -> None:
     page.wait_for_function("() => !document.querySelector('[data-stale=\"true\"]')", timeout=60_000)
 
 
-PREPARE = {"runs": lambda page: tick_rows(page, [0, 2, 4]),  # cam, h2o, streaming_llm: the overlay
-           "inspector": lambda page: scroll_to(page, "Token inspector"),  # CaM's merged slots in layer 15
-           "spectra": replay,  # what each rank costs, on the default run (CaM: all three sources of error)
-           "compare": compare, "benchmarks": settled}
+PREPARE = {
+    "runs": lambda page: tick_rows(page, [0, 2, 4]),  # cam, h2o, streaming_llm: the overlay
+    "inspector": lambda page: scroll_to(page, "Token inspector"),  # CaM's merged slots in layer 15
+    "spectra": replay,  # what each rank costs, on the default run (CaM: all three sources of error)
+    "compare": compare,
+    "benchmarks": settled,
+}
 
 
 def main(out: Path, pages: list[str]) -> None:

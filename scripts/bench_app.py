@@ -8,6 +8,7 @@ Two measurements, each the median of `--repeat` tries with every Streamlit cache
 
     .venv/bin/python scripts/bench_app.py [--repeat 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,9 +63,16 @@ def main() -> None:
     for page, run_name in CASES:
         for kind, fn in (("builder", builder_seconds), ("page", page_seconds)):
             times = [fn(page, run_name) for _ in range(args.repeat)]
-            results[f"{page}/{kind}"] = {"run": run_name, "median_s": statistics.median(times), "max_s": max(times)}
-            print(f"{page:<11} {kind:<8} {run_name:<20} median {statistics.median(times):.3f} s  "
-                  f"max {max(times):.3f} s", flush=True)
+            results[f"{page}/{kind}"] = {
+                "run": run_name,
+                "median_s": statistics.median(times),
+                "max_s": max(times),
+            }
+            print(
+                f"{page:<11} {kind:<8} {run_name:<20} median {statistics.median(times):.3f} s  "
+                f"max {max(times):.3f} s",
+                flush=True,
+            )
     print(json.dumps(results, indent=1))
 
 

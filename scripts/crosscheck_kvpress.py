@@ -51,6 +51,7 @@ each KV head lost in the context's compression (run again outside the pipeline; 
 `int(T * (1 - ratio))`, is kvlens's `--rounding kvpress`). Each question is "\n\n" + the sample's, as
 kvlens's `split_prompt` asks it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,45 +72,76 @@ TEXT = ROOT / "kvlens" / "data" / "state_union" / "1946-Truman.txt"
 PREFILL, STEPS, BUDGET, SINK, RECENT_RATIO = 64, 12, 24, 4, 0.5
 PROMPT_TEXTS = ("1946-Truman.txt", "1961-Kennedy.txt")
 PROMPT_LEN, RATIOS, WINDOW, PROMPT_STEPS = 256, (0.5, 0.75), 16, 2
-THINK_WINDOW, THINK_RATIOS = 32, {"think_snapkv": 0.5, "think_snapkv_quarter": 0.25}  # case -> channels pruned
+THINK_WINDOW, THINK_RATIOS = (
+    32,
+    {"think_snapkv": 0.5, "think_snapkv_quarter": 0.25},
+)  # case -> channels pruned
 # prompt case -> the kvlens policy and parameters that define the same thing as kvpress's press
-PROMPT_CASES = {"snapkv": ("snapkv", {"window": WINDOW, "kernel": 5, "pooling": "avg"}),
-                "pyramidkv": ("pyramidkv", {"schedule": "kvpress", "window": WINDOW, "beta": 4.0,
-                                            "base.window": WINDOW, "base.kernel": 5}),
-                "adakv_snapkv": ("adakv", {"base": "snapkv", "base.window": WINDOW, "alpha": 0.2}),
-                "adakv_expected_attention": ("adakv", {"base": "expected_attention", "alpha": 0.2}),
-                "expected_attention": ("expected_attention", {}),
-                "knorm": ("knorm", {}),
-                "keydiff": ("keydiff", {}),
-                "kvzip": ("kvzip", {"chunk": 128, "decoding": "once"}),
-                **{case: ("think", {"ratio": ratio, "window": THINK_WINDOW, "recent": 0, "base": "snapkv",
-                                    "base.window": WINDOW, "base.kernel": 5, "base.pooling": "avg"})
-                   for case, ratio in THINK_RATIOS.items()}}
+PROMPT_CASES = {
+    "snapkv": ("snapkv", {"window": WINDOW, "kernel": 5, "pooling": "avg"}),
+    "pyramidkv": (
+        "pyramidkv",
+        {"schedule": "kvpress", "window": WINDOW, "beta": 4.0, "base.window": WINDOW, "base.kernel": 5},
+    ),
+    "adakv_snapkv": ("adakv", {"base": "snapkv", "base.window": WINDOW, "alpha": 0.2}),
+    "adakv_expected_attention": ("adakv", {"base": "expected_attention", "alpha": 0.2}),
+    "expected_attention": ("expected_attention", {}),
+    "knorm": ("knorm", {}),
+    "keydiff": ("keydiff", {}),
+    "kvzip": ("kvzip", {"chunk": 128, "decoding": "once"}),
+    **{
+        case: (
+            "think",
+            {
+                "ratio": ratio,
+                "window": THINK_WINDOW,
+                "recent": 0,
+                "base": "snapkv",
+                "base.window": WINDOW,
+                "base.kernel": 5,
+                "base.pooling": "avg",
+            },
+        )
+        for case, ratio in THINK_RATIOS.items()
+    },
+}
 # case -> the kvlens policy and parameters that define the same thing
 TASK_SAMPLES = [("niah_single", 0), ("niah_single", 1), ("niah_multikey", 0), ("niah_multiquery", 1)]
 TASK_LENGTH, TASK_COUNT, TASK_TOKENS, TASK_RATIOS = 512, 2, 32, (0.5, 0.75)
-TASK_CASES = {"full": ("full", {}), "streaming_llm": ("streaming_llm", {"sink": SINK}),
-              "snapkv": ("snapkv", {"window": WINDOW, "kernel": 5, "pooling": "avg"}),
-              "expected_attention": ("expected_attention", {}), "tova": ("tova", {}),
-              "kvzip": ("kvzip", {"reconstruct": "context", "decoding": "once"}),
-              "adakv": ("adakv", {"base": "snapkv", "base.window": WINDOW, "alpha": 0.2})}
-CASES = {"streaming_llm": ("streaming_llm", {"sink": SINK}),
-         "cam": ("cam", {"preset": "kvpress", "mask": "always", "base.sink": SINK}),
-         "h2o": ("h2o", {"recent_ratio": RECENT_RATIO}),
-         "tova": ("tova", {})}
+TASK_CASES = {
+    "full": ("full", {}),
+    "streaming_llm": ("streaming_llm", {"sink": SINK}),
+    "snapkv": ("snapkv", {"window": WINDOW, "kernel": 5, "pooling": "avg"}),
+    "expected_attention": ("expected_attention", {}),
+    "tova": ("tova", {}),
+    "kvzip": ("kvzip", {"reconstruct": "context", "decoding": "once"}),
+    "adakv": ("adakv", {"base": "snapkv", "base.window": WINDOW, "alpha": 0.2}),
+}
+CASES = {
+    "streaming_llm": ("streaming_llm", {"sink": SINK}),
+    "cam": ("cam", {"preset": "kvpress", "mask": "always", "base.sink": SINK}),
+    "h2o": ("h2o", {"recent_ratio": RECENT_RATIO}),
+    "tova": ("tova", {}),
+}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--venv", type=Path, default=VENV, help="virtualenv for kvpress (built if missing)")
     parser.add_argument("--model", help="the embedded model's directory (default: `kvlens model-path`)")
-    parser.add_argument("--only", nargs="+", choices=sorted(PROMPT_CASES), help="recompute these prompt cases only")
+    parser.add_argument(
+        "--only", nargs="+", choices=sorted(PROMPT_CASES), help="recompute these prompt cases only"
+    )
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inside:
         return reference(args.model, args.only)
-    model = args.model or subprocess.run([str(ROOT / ".venv" / "bin" / "kvlens"), "model-path"], check=True,
-                                         capture_output=True, text=True).stdout.strip()
+    model = (
+        args.model
+        or subprocess.run(
+            [str(ROOT / ".venv" / "bin" / "kvlens"), "model-path"], check=True, capture_output=True, text=True
+        ).stdout.strip()
+    )
     python = args.venv / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(args.venv)], check=True)
@@ -135,8 +167,16 @@ def dump_task_samples(model_dir: str) -> None:
     tok = load_model(model_dir).tokenizer
     count = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
     haystack = " ".join(bundled().values())
-    ruler.write_samples([dataclasses.replace(ruler.generate(t, TASK_LENGTH, i, count, haystack, count=TASK_COUNT),
-                                             max_new_tokens=TASK_TOKENS) for t, i in TASK_SAMPLES], TASK_SAMPLES_FILE)
+    ruler.write_samples(
+        [
+            dataclasses.replace(
+                ruler.generate(t, TASK_LENGTH, i, count, haystack, count=TASK_COUNT),
+                max_new_tokens=TASK_TOKENS,
+            )
+            for t, i in TASK_SAMPLES
+        ],
+        TASK_SAMPLES_FILE,
+    )
 
 
 def removed_digest(removed: list[list[int]]) -> str:
@@ -167,9 +207,11 @@ def reference(model_dir: str, only: list[str] | None = None) -> int:
         assert result["versions"] == versions, f"the stored reference was written by {result['versions']}"
         result["prompt_cases"].update(prompt_references(model_dir, tok, torch, only))
         return write(result)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, torch_dtype=torch.float32, attn_implementation="eager"
+    )
     model.eval()
-    ids = tok(TEXT.read_text(encoding="utf-8"))["input_ids"][:PREFILL + STEPS]
+    ids = tok(TEXT.read_text(encoding="utf-8"))["input_ids"][: PREFILL + STEPS]
     ratio = (PREFILL - BUDGET) / PREFILL
     assert int(PREFILL * (1 - ratio)) == BUDGET, "pick PREFILL and BUDGET whose ratio rounds exactly"
 
@@ -186,14 +228,18 @@ def reference(model_dir: str, only: list[str] | None = None) -> int:
         if self.compression_ratio == 0:
             return keys, values
         scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
-        return gather(module, keys, values, kept(scores, compute_n_kept(keys.shape[2], self.compression_ratio)))
+        return gather(
+            module, keys, values, kept(scores, compute_n_kept(keys.shape[2], self.compression_ratio))
+        )
 
     @dataclass
     class H2OScorer(ScorerPress):
         """H2O's score on kvpress's hooks: raw accumulated attention, the `recent` newest slots always kept."""
 
         recent: int = 0
-        sums: dict = field(default_factory=dict)  # layer -> (1, Hkv, S), shared by the prefill and decoding press
+        sums: dict = field(
+            default_factory=dict
+        )  # layer -> (1, Hkv, S), shared by the prefill and decoding press
 
         def score(self, module, hidden_states, keys, values, attentions, kwargs):
             b, hkv, s, _ = keys.shape
@@ -204,7 +250,7 @@ def reference(model_dir: str, only: list[str] | None = None) -> int:
                 received = F.pad(previous, (0, s - previous.shape[-1])) + received
             self.sums[module.layer_idx] = received
             scores = received.clone()
-            scores[..., s - self.recent:] = float("inf")
+            scores[..., s - self.recent :] = float("inf")
             return scores
 
         def compress(self, module, hidden_states, keys, values, attentions, kwargs):
@@ -216,6 +262,7 @@ def reference(model_dir: str, only: list[str] | None = None) -> int:
             return gather(module, keys, values, index)
 
     UnpinnedTOVAPress = unpinned_tova()
+
     def decoding(scorer_press):
         return DecodingPress(base_press=scorer_press, compression_interval=1, target_size=BUDGET)
 
@@ -223,35 +270,73 @@ def reference(model_dir: str, only: list[str] | None = None) -> int:
     presses = {
         "streaming_llm": PrefillDecodingPress(
             prefilling_press=StreamingLLMPress(compression_ratio=ratio, n_sink=SINK),
-            decoding_press=decoding(StreamingLLMPress(n_sink=SINK))),
+            decoding_press=decoding(StreamingLLMPress(n_sink=SINK)),
+        ),
         "cam": PrefillDecodingPress(
             prefilling_press=StreamingLLMPress(compression_ratio=ratio, n_sink=SINK),
-            decoding_press=CAMPress(base_press=StreamingLLMPress(n_sink=SINK), compression_interval=1,
-                                    target_size=BUDGET, merge_budget=32)),
-        "h2o": PrefillDecodingPress(prefilling_press=H2OScorer(compression_ratio=ratio, recent=recent, sums=sums),
-                                    decoding_press=decoding(H2OScorer(recent=recent, sums=sums))),
-        "tova": PrefillDecodingPress(prefilling_press=UnpinnedTOVAPress(compression_ratio=ratio),
-                                     decoding_press=decoding(UnpinnedTOVAPress())),
+            decoding_press=CAMPress(
+                base_press=StreamingLLMPress(n_sink=SINK),
+                compression_interval=1,
+                target_size=BUDGET,
+                merge_budget=32,
+            ),
+        ),
+        "h2o": PrefillDecodingPress(
+            prefilling_press=H2OScorer(compression_ratio=ratio, recent=recent, sums=sums),
+            decoding_press=decoding(H2OScorer(recent=recent, sums=sums)),
+        ),
+        "tova": PrefillDecodingPress(
+            prefilling_press=UnpinnedTOVAPress(compression_ratio=ratio),
+            decoding_press=decoding(UnpinnedTOVAPress()),
+        ),
     }
     nll, removed = {}, {}
-    with mock.patch.object(ScorerPress, "compress", sorted_compress), \
-            mock.patch("torch.bernoulli", lambda p, *a, **k: torch.ones_like(p)), torch.no_grad():
+    with (
+        mock.patch.object(ScorerPress, "compress", sorted_compress),
+        mock.patch("torch.bernoulli", lambda p, *a, **k: torch.ones_like(p)),
+        torch.no_grad(),
+    ):
         for case, press in presses.items():
             nll[case], removed[case] = score(model, press, ids, torch)
     prompt_cases = prompt_references(model_dir, tok, torch)
     task = task_references(model_dir, tok, torch)
-    TASK_OUT.write_text(json.dumps({"command": "python scripts/crosscheck_kvpress.py",
-                                    "versions": {p: version(p) for p in ("kvpress", "torch", "transformers")},
-                                    **task}, indent=1) + "\n", encoding="utf-8")
-    result = {"command": "python scripts/crosscheck_kvpress.py", "text": TEXT.relative_to(ROOT).as_posix(),
-              "ids": ids, "prefill": PREFILL, "steps": STEPS, "budget": BUDGET,
-              "versions": versions,
-              "cases": {case: {"policy": CASES[case][0], "params": CASES[case][1], "nll": nll[case],
-                               "removed": removed[case]}
-                        for case in presses},
-              "prompt": {"texts": [f"kvlens/data/state_union/{t}" for t in PROMPT_TEXTS], "prefill": PROMPT_LEN,
-                         "steps": PROMPT_STEPS, "ratios": list(RATIOS)},
-              "prompt_cases": prompt_cases}
+    TASK_OUT.write_text(
+        json.dumps(
+            {
+                "command": "python scripts/crosscheck_kvpress.py",
+                "versions": {p: version(p) for p in ("kvpress", "torch", "transformers")},
+                **task,
+            },
+            indent=1,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
+    result = {
+        "command": "python scripts/crosscheck_kvpress.py",
+        "text": TEXT.relative_to(ROOT).as_posix(),
+        "ids": ids,
+        "prefill": PREFILL,
+        "steps": STEPS,
+        "budget": BUDGET,
+        "versions": versions,
+        "cases": {
+            case: {
+                "policy": CASES[case][0],
+                "params": CASES[case][1],
+                "nll": nll[case],
+                "removed": removed[case],
+            }
+            for case in presses
+        },
+        "prompt": {
+            "texts": [f"kvlens/data/state_union/{t}" for t in PROMPT_TEXTS],
+            "prefill": PROMPT_LEN,
+            "steps": PROMPT_STEPS,
+            "ratios": list(RATIOS),
+        },
+        "prompt_cases": prompt_cases,
+    }
     return write(result)
 
 
@@ -260,8 +345,12 @@ def write(result: dict) -> int:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     blocks = ("cases", "prompt_cases")
     head = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in result.items() if k not in blocks]
-    body = [f' {json.dumps(b)}: {{\n' + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in result[b].items())
-            + "\n }" for b in blocks]  # one line per case
+    body = [
+        f" {json.dumps(b)}: {{\n"
+        + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in result[b].items())
+        + "\n }"
+        for b in blocks
+    ]  # one line per case
     OUT.write_text("{\n" + "\n".join(head) + "\n" + ",\n".join(body) + "\n}\n", encoding="utf-8")
     return 0
 
@@ -301,17 +390,22 @@ def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None)
             self.prefix_length = 0
             super()._perform_kvzip_compression(model, tokenizer)
 
-    presses = {"snapkv": lambda r: SnapKVPress(r, window_size=WINDOW, kernel_size=5),
-               "pyramidkv": lambda r: PyramidKVPress(r, window_size=WINDOW, kernel_size=5, beta=4),
-               "adakv_snapkv": lambda r: AdaKVPress(SnapKVPress(r, window_size=WINDOW, kernel_size=5), 0.2),
-               "adakv_expected_attention": lambda r: AdaKVPress(ExpectedAttentionPress(r), 0.2),
-               "expected_attention": lambda r: ExpectedAttentionPress(r),
-               "knorm": lambda r: KnormPress(r),
-               "keydiff": lambda r: KeyDiffPress(r),
-               "kvzip": lambda r: WholePromptKVzip(r, chunk_size=128),
-               **{case: lambda r, k=k: ComposedPress([SnapKVPress(r, window_size=WINDOW, kernel_size=5),
-                                                      ThinKPress(k, window_size=THINK_WINDOW)])
-                  for case, k in THINK_RATIOS.items()}}
+    presses = {
+        "snapkv": lambda r: SnapKVPress(r, window_size=WINDOW, kernel_size=5),
+        "pyramidkv": lambda r: PyramidKVPress(r, window_size=WINDOW, kernel_size=5, beta=4),
+        "adakv_snapkv": lambda r: AdaKVPress(SnapKVPress(r, window_size=WINDOW, kernel_size=5), 0.2),
+        "adakv_expected_attention": lambda r: AdaKVPress(ExpectedAttentionPress(r), 0.2),
+        "expected_attention": lambda r: ExpectedAttentionPress(r),
+        "knorm": lambda r: KnormPress(r),
+        "keydiff": lambda r: KeyDiffPress(r),
+        "kvzip": lambda r: WholePromptKVzip(r, chunk_size=128),
+        **{
+            case: lambda r, k=k: ComposedPress(
+                [SnapKVPress(r, window_size=WINDOW, kernel_size=5), ThinKPress(k, window_size=THINK_WINDOW)]
+            )
+            for case, k in THINK_RATIOS.items()
+        },
+    }
     assert set(presses) == set(PROMPT_CASES)
     channels: dict[int, torch.Tensor] = {}  # layer -> (Hkv, D) bool, the channels ThinK kept
 
@@ -324,7 +418,9 @@ def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None)
 
     ThinKPress.compress = tracked
     # AdaKV and KVzip refuse eager attention (they mask keys inside SDPA)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, torch_dtype=torch.float32, attn_implementation="sdpa"
+    )
     model.eval()
     layers = [layer.self_attn for layer in model.model.layers]
     out = {}
@@ -334,8 +430,10 @@ def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None)
         policy, params = PROMPT_CASES[case]
         runs = []
         for name in PROMPT_TEXTS:
-            ids = tok((ROOT / "kvlens" / "data" / "state_union" / name).read_text(encoding="utf-8"))["input_ids"]
-            ids = ids[:PROMPT_LEN + PROMPT_STEPS]
+            ids = tok((ROOT / "kvlens" / "data" / "state_union" / name).read_text(encoding="utf-8"))[
+                "input_ids"
+            ]
+            ids = ids[: PROMPT_LEN + PROMPT_STEPS]
             prompt = torch.tensor([ids[:PROMPT_LEN]])
             with torch.no_grad():
                 full = DynamicCache()
@@ -347,19 +445,33 @@ def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None)
                         logits = model(input_ids=prompt, past_key_values=cache).logits[0, -1]
                     # ThinK zeroes its pruned channels: match the keys on the kept ones
                     kept = [channels.get(i) for i in range(len(layers))]
-                    removed = [removed_from(full.layers[i].keys[0] if kept[i] is None
-                                            else full.layers[i].keys[0] * kept[i][:, None, :],
-                                            cache.layers[i].keys[0], getattr(layers[i], "masked_key_indices", None),
-                                            torch)
-                               for i in range(len(layers))]
+                    removed = [
+                        removed_from(
+                            full.layers[i].keys[0]
+                            if kept[i] is None
+                            else full.layers[i].keys[0] * kept[i][:, None, :],
+                            cache.layers[i].keys[0],
+                            getattr(layers[i], "masked_key_indices", None),
+                            torch,
+                        )
+                        for i in range(len(layers))
+                    ]
                     nll = [float(-torch.log_softmax(logits.float(), -1)[ids[PROMPT_LEN]])]
-                    logits = model(input_ids=torch.tensor([[ids[PROMPT_LEN]]]), past_key_values=cache,
-                                   position_ids=torch.tensor([[PROMPT_LEN]])).logits[0, -1]
+                    logits = model(
+                        input_ids=torch.tensor([[ids[PROMPT_LEN]]]),
+                        past_key_values=cache,
+                        position_ids=torch.tensor([[PROMPT_LEN]]),
+                    ).logits[0, -1]
                     nll.append(float(-torch.log_softmax(logits.float(), -1)[ids[PROMPT_LEN + 1]]))
                     for module in layers:
                         module.masked_key_indices = None
-                    entry = {"text": name, "ratio": ratio, "budget": int(PROMPT_LEN * (1 - ratio)), "nll": nll,
-                           "removed": removed}
+                    entry = {
+                        "text": name,
+                        "ratio": ratio,
+                        "budget": int(PROMPT_LEN * (1 - ratio)),
+                        "nll": nll,
+                        "removed": removed,
+                    }
                     if case in THINK_RATIOS:
                         d = kept[0].shape[-1]
                         assert all(int(k.sum(-1).min()) == d - int(d * THINK_RATIOS[case]) for k in kept)
@@ -382,14 +494,25 @@ def task_references(model_dir: str, tok, torch) -> dict:
     )
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    presses = {"full": lambda r: None, "streaming_llm": lambda r: StreamingLLMPress(r, n_sink=SINK),
-               "snapkv": lambda r: SnapKVPress(r, window_size=WINDOW, kernel_size=5),
-               "expected_attention": ExpectedAttentionPress, "tova": unpinned_tova(), "kvzip": KVzipPress,
-               "adakv": lambda r: AdaKVPress(SnapKVPress(r, window_size=WINDOW, kernel_size=5), 0.2)}
+    presses = {
+        "full": lambda r: None,
+        "streaming_llm": lambda r: StreamingLLMPress(r, n_sink=SINK),
+        "snapkv": lambda r: SnapKVPress(r, window_size=WINDOW, kernel_size=5),
+        "expected_attention": ExpectedAttentionPress,
+        "tova": unpinned_tova(),
+        "kvzip": KVzipPress,
+        "adakv": lambda r: AdaKVPress(SnapKVPress(r, window_size=WINDOW, kernel_size=5), 0.2),
+    }
     assert set(presses) == set(TASK_CASES)
-    models = {kind: AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32,
-                                                         attn_implementation=kind).eval() for kind in ("eager", "sdpa")}
-    samples = [json.loads(line) for line in TASK_SAMPLES_FILE.read_text(encoding="utf-8").splitlines() if line]
+    models = {
+        kind: AutoModelForCausalLM.from_pretrained(
+            model_dir, torch_dtype=torch.float32, attn_implementation=kind
+        ).eval()
+        for kind in ("eager", "sdpa")
+    }
+    samples = [
+        json.loads(line) for line in TASK_SAMPLES_FILE.read_text(encoding="utf-8").splitlines() if line
+    ]
     ids, cases = [], {case: {"policy": p, "params": q, "runs": []} for case, (p, q) in TASK_CASES.items()}
     for index, sample in enumerate(samples):
         asked = sample["question"] if isinstance(sample["question"], list) else [sample["question"]]
@@ -398,32 +521,53 @@ def task_references(model_dir: str, tok, torch) -> dict:
             model = models["sdpa" if case in ("kvzip", "adakv") else "eager"]  # AdaKV, KVzip refuse eager
             layers = [layer.self_attn for layer in model.model.layers]
             pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok)
-            inputs = pipe.preprocess(sample["context"], questions, "", 10 ** 10)
+            inputs = pipe.preprocess(sample["context"], questions, "", 10**10)
             context = inputs["context_ids"]
             if case == "full":
-                ids.append({"context": context[0].tolist(), "questions": [q[0].tolist() for q in
-                                                                          inputs["questions_ids"]]})
+                ids.append(
+                    {
+                        "context": context[0].tolist(),
+                        "questions": [q[0].tolist() for q in inputs["questions_ids"]],
+                    }
+                )
             with torch.no_grad():
                 full = DynamicCache()
                 model.model(input_ids=context, past_key_values=full)
                 for ratio in [0.0] if case == "full" else TASK_RATIOS:
-                    answers = pipe(sample["context"], questions=questions, press=make(ratio),
-                                   max_new_tokens=sample["max_new_tokens"])["answers"]
+                    answers = pipe(
+                        sample["context"],
+                        questions=questions,
+                        press=make(ratio),
+                        max_new_tokens=sample["max_new_tokens"],
+                    )["answers"]
                     removed = []
                     if case != "full":
                         cache = DynamicCache()
                         with make(ratio)(model):
                             model.model(input_ids=context, past_key_values=cache)
-                        removed = [removed_digest(removed_from(full.layers[i].keys[0], cache.layers[i].keys[0],
-                                                               getattr(layers[i], "masked_key_indices", None), torch))
-                                   for i in range(len(layers))]
+                        removed = [
+                            removed_digest(
+                                removed_from(
+                                    full.layers[i].keys[0],
+                                    cache.layers[i].keys[0],
+                                    getattr(layers[i], "masked_key_indices", None),
+                                    torch,
+                                )
+                            )
+                            for i in range(len(layers))
+                        ]
                     for module in layers:
                         module.masked_key_indices = None
-                    cases[case]["runs"].append({"sample": index, "ratio": ratio, "answers": answers,
-                                                "removed": removed})
+                    cases[case]["runs"].append(
+                        {"sample": index, "ratio": ratio, "answers": answers, "removed": removed}
+                    )
         print(f"task sample {index}: done")
-    return {"samples": TASK_SAMPLES_FILE.relative_to(ROOT).as_posix(), "ratios": list(TASK_RATIOS), "ids": ids,
-            "cases": cases}
+    return {
+        "samples": TASK_SAMPLES_FILE.relative_to(ROOT).as_posix(),
+        "ratios": list(TASK_RATIOS),
+        "ids": ids,
+        "cases": cases,
+    }
 
 
 def removed_from(before, after, masked, torch) -> list[list[int]]:
@@ -462,15 +606,20 @@ def score(model, press, ids, torch) -> tuple[list[float], list[list[list[list[in
             layer, s = module.layer_idx, keys.shape[2]
             before = positions.get(layer, torch.empty(keys.shape[1], 0, dtype=torch.long))
             start = 0 if step[0] == 0 else PREFILL + step[0] - 1  # the prompt, then one token per step
-            before = torch.cat([before, torch.arange(start, start + s - before.shape[1]).expand(keys.shape[1], -1)], 1)
+            before = torch.cat(
+                [before, torch.arange(start, start + s - before.shape[1]).expand(keys.shape[1], -1)], 1
+            )
             match = (new_keys[0][:, :, None, :] == keys[0][:, None, :, :]).all(-1)  # (Hkv, kept, S)
             assert bool((match.sum(-1) == 1).all()), "every kept key is exactly one of the keys given"
             kept = before.gather(1, match.float().argmax(-1))
             positions[layer] = kept
             while len(removed) <= step[0]:
                 removed.append([[] for _ in range(layers)])
-            removed[step[0]][layer] = [sorted(set(b.tolist()) - set(k.tolist())) for b, k in zip(before, kept)]
+            removed[step[0]][layer] = [
+                sorted(set(b.tolist()) - set(k.tolist())) for b, k in zip(before, kept)
+            ]
             return new_keys, new_values
+
         return wrapper
 
     inner = [press.prefilling_press, press.decoding_press]
@@ -485,8 +634,11 @@ def score(model, press, ids, torch) -> tuple[list[float], list[list[list[list[in
             if i == STEPS - 1:
                 break
             step[0] = i + 1
-            logits = model(input_ids=torch.tensor([[ids[PREFILL + i]]]), past_key_values=cache,
-                           position_ids=torch.tensor([[PREFILL + i]])).logits[0, -1]
+            logits = model(
+                input_ids=torch.tensor([[ids[PREFILL + i]]]),
+                past_key_values=cache,
+                position_ids=torch.tensor([[PREFILL + i]]),
+            ).logits[0, -1]
     for p in inner:
         del p.compress
     return out, removed

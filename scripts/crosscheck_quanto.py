@@ -64,6 +64,7 @@ What optimum-quanto 0.2.7 does, read from its source (`tensor/optimizers/max_opt
 - transformers' `QuantizedLayer` re-quantizes the whole dequantized cache at every flush of its residual window
   (a KV state is quantized again and again); kvlens re-quantizes only groups whose members changed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,11 +83,13 @@ BITS, GROUPS, DTYPES = (2, 4, 8), (32, 64), ("float32", "float16")
 AXIS = {"slots": -1, "channels": 0}  # kvlens `along` -> quanto axis
 # the slice of x^ stored per case: rows x tokens x channels, across group boundaries and outlier channels
 SLICE = {"rows": [0, 2], "tokens": [0, 31, 32, 63, 64, 127], "channels": [0, 3, 31, 32, 40, 63]}
-RECIPE = ("g = torch.Generator().manual_seed(SEED); "
-          "scale = (0.25 + 1.5 * torch.arange(D) / D) * (0.75 + 0.5 * torch.rand(D, generator=g)); "
-          "scale[OUTLIERS] *= 10; bias = torch.randn(D, generator=g); slope = 2 * torch.randn(D, generator=g); "
-          "x = torch.randn(R, n, D, generator=g) * scale + bias + torch.linspace(-1, 1, n)[:, None] * slope  "
-          "(float32; the float16 cases: x.half())")
+RECIPE = (
+    "g = torch.Generator().manual_seed(SEED); "
+    "scale = (0.25 + 1.5 * torch.arange(D) / D) * (0.75 + 0.5 * torch.rand(D, generator=g)); "
+    "scale[OUTLIERS] *= 10; bias = torch.randn(D, generator=g); slope = 2 * torch.randn(D, generator=g); "
+    "x = torch.randn(R, n, D, generator=g) * scale + bias + torch.linspace(-1, 1, n)[:, None] * slope  "
+    "(float32; the float16 cases: x.half())"
+)
 
 
 def build_x(torch):
@@ -105,7 +108,9 @@ def build_x(torch):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--venv", type=Path, default=VENV, help="virtualenv for optimum-quanto (built if missing)")
+    parser.add_argument(
+        "--venv", type=Path, default=VENV, help="virtualenv for optimum-quanto (built if missing)"
+    )
     parser.add_argument("--torch-index", help="pip --index-url for torch (e.g. the CPU wheels' index)")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -133,7 +138,9 @@ def roundtrip(x, bits: int, group: int, axis: int):
 
     qtype = {2: qint2, 4: qint4, 8: qint8}[bits]
     scale, shift = MaxOptimizer()(x, qtype, axis, group)
-    codes = torch.ops.quanto.quantize_affine(x, bits=bits, axis=axis, group_size=group, scale=scale, shift=shift)
+    codes = torch.ops.quanto.quantize_affine(
+        x, bits=bits, axis=axis, group_size=group, scale=scale, shift=shift
+    )
     y = ungroup(scale * codes - shift, axis=axis, orig_shape=x.shape)  # `QBitsDequantizer` with a float shift
     step = ungroup(scale.expand(codes.shape), axis=axis, orig_shape=x.shape)
     if bits in (2, 4):
@@ -159,25 +166,45 @@ def reference() -> int:
             for bits in BITS:
                 for group in GROUPS:
                     y, step, codes = roundtrip(x, bits, group, axis)
-                    err = (y.double() - x.double())
+                    err = y.double() - x.double()
                     cases[f"{along}-{bits}bit-g{group}-{dtype}"] = {
-                        "along": along, "quanto_axis": axis, "bits": bits, "group": group, "dtype": dtype,
-                        "rel_error": float(err.norm() / x.double().norm()), "max_abs_error": float(err.abs().max()),
+                        "along": along,
+                        "quanto_axis": axis,
+                        "bits": bits,
+                        "group": group,
+                        "dtype": dtype,
+                        "rel_error": float(err.norm() / x.double().norm()),
+                        "max_abs_error": float(err.abs().max()),
                         "max_code": int(codes.max()),
-                        "slice": y[idx].tolist(), "step": step[idx].tolist()}
+                        "slice": y[idx].tolist(),
+                        "step": step[idx].tolist(),
+                    }
     const = torch.full((1, 64, 64), 1.3)  # one value: every group constant
     const_y, _, const_codes = roundtrip(const, 2, 32, -1)
-    result = {"command": "python scripts/crosscheck_quanto.py",
-              "versions": {p: version(p) for p in ("optimum-quanto", "torch")},
-              "x": {"shape": list(SHAPE), "seed": SEED, "outliers": list(OUTLIERS), "recipe": RECIPE,
-                    "sum": float(x32.double().sum()), "abs_sum": float(x32.double().abs().sum()),
-                    "first": x32[0, 0, :4].tolist()},
-              "slice": SLICE,
-              "error": "rel_error = ||x^ - x||_F / ||x||_F, max_abs_error = max |x^ - x|, in float64 from x's dtype",
-              "constant_group": {"value": 1.3, "bits": 2, "group": 32, "axis": -1,
-                                 "exact": bool(torch.equal(const_y, const)),
-                                 "codes": sorted(set(const_codes.flatten().tolist()))},
-              "cases": cases}
+    result = {
+        "command": "python scripts/crosscheck_quanto.py",
+        "versions": {p: version(p) for p in ("optimum-quanto", "torch")},
+        "x": {
+            "shape": list(SHAPE),
+            "seed": SEED,
+            "outliers": list(OUTLIERS),
+            "recipe": RECIPE,
+            "sum": float(x32.double().sum()),
+            "abs_sum": float(x32.double().abs().sum()),
+            "first": x32[0, 0, :4].tolist(),
+        },
+        "slice": SLICE,
+        "error": "rel_error = ||x^ - x||_F / ||x||_F, max_abs_error = max |x^ - x|, in float64 from x's dtype",
+        "constant_group": {
+            "value": 1.3,
+            "bits": 2,
+            "group": 32,
+            "axis": -1,
+            "exact": bool(torch.equal(const_y, const)),
+            "codes": sorted(set(const_codes.flatten().tolist())),
+        },
+        "cases": cases,
+    }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     head = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in result.items() if k != "cases"]
     body = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in cases.items())  # one line per case

@@ -11,6 +11,7 @@ every decision and kept count is identical. The tolerances of `tests/cross_check
 A capability the CPU lacks (e.g. avx512 on an AVX2 machine) falls back silently in ATen, so
 the script prints the capability each process really used.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,10 @@ DATA = ROOT / "tests" / "data"
 
 def deviation(got: list[float], want: list[float]) -> dict:
     pairs = list(zip(got, want, strict=True))
-    return {"abs": max(abs(a - b) for a, b in pairs),
-            "rel": max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)}
+    return {
+        "abs": max(abs(a - b) for a, b in pairs),
+        "rel": max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs),
+    }
 
 
 def inside() -> dict:
@@ -41,20 +44,36 @@ def inside() -> dict:
 
     model = load_model("default")
     golden = json.loads((DATA / "golden_runs.json").read_text(encoding="utf-8"))
-    out = {"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-           "golden": {}, "kvpress": {}, "kvpress_prompt": {}}
+    out = {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "golden": {},
+        "kvpress": {},
+        "kvpress_prompt": {},
+    }
     for case, want in golden["cases"].items():
         got = one(model, golden["ids"], want["policy"], want["params"], measure=case.endswith(":measured"))
-        entry = {"nll": deviation(got["nll"], want["nll"]), "weights": deviation(got["weights"], want["weights"]),
-                 "structural_equal": check_case(got, want, stored_rows(case)) is None}
+        entry = {
+            "nll": deviation(got["nll"], want["nll"]),
+            "weights": deviation(got["weights"], want["weights"]),
+            "structural_equal": check_case(got, want, stored_rows(case)) is None,
+        }
         if "perturbation" in want:
-            entry["perturbation"] = {k: deviation([got["perturbation"][k]], [v])
-                                     for k, v in want["perturbation"].items()}
+            entry["perturbation"] = {
+                k: deviation([got["perturbation"][k]], [v]) for k, v in want["perturbation"].items()
+            }
         out["golden"][case] = entry
     ref = json.loads((DATA / "kvpress_reference.json").read_text(encoding="utf-8"))
     for case, spec in ref["cases"].items():
-        r = run(model, make_policy(spec["policy"], spec["params"]), ref["ids"], prefill=ref["prefill"],
-                steps=ref["steps"], teacher=True, opts=RunOptions(budget=ref["budget"]))
+        r = run(
+            model,
+            make_policy(spec["policy"], spec["params"]),
+            ref["ids"],
+            prefill=ref["prefill"],
+            steps=ref["steps"],
+            teacher=True,
+            opts=RunOptions(budget=ref["budget"]),
+        )
         out["kvpress"][case] = {"nll": deviation(r.tensors["steps/nll"].tolist(), spec["nll"])}
     from kvlens.experiments.api import encode
     from kvlens.texts import DIR
@@ -63,13 +82,28 @@ def inside() -> dict:
     shape, prompt = model.shape(), ref["prompt"]
     for case, spec in ref["prompt_cases"].items():
         for i, want in enumerate(spec["runs"]):
-            ids = encode(model, (DIR / want["text"]).read_text(encoding="utf-8"))[: prompt["prefill"] + prompt["steps"]]
-            r = run(model, make_policy(spec["policy"], spec["params"]), ids, prefill=prompt["prefill"],
-                    steps=prompt["steps"], teacher=True, opts=RunOptions(budget=want["budget"]))
-            got = removed_by_step(r.decisions[r.decisions.step == 0], 1, shape["layers"], shape["kv_heads"])[0]
+            ids = encode(model, (DIR / want["text"]).read_text(encoding="utf-8"))[
+                : prompt["prefill"] + prompt["steps"]
+            ]
+            r = run(
+                model,
+                make_policy(spec["policy"], spec["params"]),
+                ids,
+                prefill=prompt["prefill"],
+                steps=prompt["steps"],
+                teacher=True,
+                opts=RunOptions(budget=want["budget"]),
+            )
+            got = removed_by_step(r.decisions[r.decisions.step == 0], 1, shape["layers"], shape["kv_heads"])[
+                0
+            ]
             same = got == want["removed"]
-            tie = not same and spec["policy"] == "knorm" and got[1:] == want["removed"][1:] and same_tokens(
-                got[0], ids) == same_tokens(want["removed"][0], ids)  # copies of a token in layer 0 (the test's rule)
+            tie = (
+                not same
+                and spec["policy"] == "knorm"
+                and got[1:] == want["removed"][1:]
+                and same_tokens(got[0], ids) == same_tokens(want["removed"][0], ids)
+            )  # copies of a token in layer 0 (the test's rule)
             entry = {"structural_equal": same or tie, "tie_broken_otherwise": tie}
             if same:  # a tie broken the other way removes other positions: another NLL
                 entry["nll"] = deviation(r.tensors["steps/nll"].tolist(), want["nll"])
@@ -108,13 +142,30 @@ def main() -> int:
     results = {}
     for config in args.configs.split(","):
         capability, threads = config.split(":")
-        env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": threads,
-               "PYTHONPATH": str(ROOT)}
-        done = subprocess.run([sys.executable, __file__, "--inside"], env=env, capture_output=True, text=True,
-                              check=True, cwd=ROOT)
+        env = {
+            **os.environ,
+            "ATEN_CPU_CAPABILITY": capability,
+            "OMP_NUM_THREADS": threads,
+            "PYTHONPATH": str(ROOT),
+        }
+        done = subprocess.run(
+            [sys.executable, __file__, "--inside"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
         results[config] = json.loads(done.stdout.strip().splitlines()[-1])
-        print(config, "ran as", results[config]["capability"], results[config]["threads"], "threads:",
-              json.dumps(summary({config: results[config]})), flush=True)
+        print(
+            config,
+            "ran as",
+            results[config]["capability"],
+            results[config]["threads"],
+            "threads:",
+            json.dumps(summary({config: results[config]})),
+            flush=True,
+        )
     report = {"configs": results, "worst": summary(results)}
     print(json.dumps(report["worst"], indent=1))
     if args.out:

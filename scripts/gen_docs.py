@@ -6,6 +6,7 @@
 Sources: the command line's parsers, the policy and analysis registries, `results/*.json` and the kvpress
 cross-check's reference file. Nothing here is typed by hand: edit the source, then regenerate.
 """
+
 from __future__ import annotations
 
 import sys
@@ -16,8 +17,12 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from docgen import analysis_page, cli_page, policy_page, results_page  # noqa: E402
 from docgen.common import ROOT, replace_block  # noqa: E402
 
-PAGES = {"docs/cli.md": cli_page.page, "docs/policies.md": policy_page.page,
-         "docs/analyses.md": analysis_page.page, "docs/results.md": results_page.page}
+PAGES = {
+    "docs/cli.md": cli_page.page,
+    "docs/policies.md": policy_page.page,
+    "docs/analyses.md": analysis_page.page,
+    "docs/results.md": results_page.page,
+}
 README_BLOCKS = {"policies": policy_page.readme_table, "results": results_page.readme_summary}
 
 

@@ -8,6 +8,7 @@ so that the Head grid shows a whole model (Ada-KV gives each head its own share 
     .venv/bin/python scripts/make_cached_runs.py            # all runs
     .venv/bin/python scripts/make_cached_runs.py h2o-attention   # only some
 """
+
 from __future__ import annotations
 
 import json
@@ -32,19 +33,91 @@ MEDIUM = excerpt("1962-Kennedy", 800)  # ~160 tokens
 
 # name -> arguments of `kvlens generate` (without --out)
 RUNS: dict[str, list[str]] = {
-    "full-states": ["--policy", "full", "--prompt", MEDIUM, "--max-new-tokens", "16", "--record", "states",
-                    "--record-layers", "0,5,11,17,23,29"],
-    "streaming_llm-attention": ["--policy", "streaming_llm", "--budget", "48", "--prompt", SHORT,
-                                "--max-new-tokens", "40", "--record", "attention", "--record-layers", "0,15,29"],
-    "h2o-attention": ["--policy", "h2o", "--budget", "48", "--prompt", SHORT, "--max-new-tokens", "40",
-                      "--record", "attention", "--record-layers", "0,15,29"],
+    "full-states": [
+        "--policy",
+        "full",
+        "--prompt",
+        MEDIUM,
+        "--max-new-tokens",
+        "16",
+        "--record",
+        "states",
+        "--record-layers",
+        "0,5,11,17,23,29",
+    ],
+    "streaming_llm-attention": [
+        "--policy",
+        "streaming_llm",
+        "--budget",
+        "48",
+        "--prompt",
+        SHORT,
+        "--max-new-tokens",
+        "40",
+        "--record",
+        "attention",
+        "--record-layers",
+        "0,15,29",
+    ],
+    "h2o-attention": [
+        "--policy",
+        "h2o",
+        "--budget",
+        "48",
+        "--prompt",
+        SHORT,
+        "--max-new-tokens",
+        "40",
+        "--record",
+        "attention",
+        "--record-layers",
+        "0,15,29",
+    ],
     "tova-summary": ["--policy", "tova", "--budget", "32", "--prompt", SHORT, "--max-new-tokens", "40"],
-    "cam-attention": ["--policy", "cam", "--budget", "48", "--set", "base=h2o", "--prompt", SHORT,
-                      "--max-new-tokens", "40", "--record", "attention", "--record-layers", "0,15,29", "--measure"],
-    "adakv-heads": ["--policy", "adakv", "--budget", "48", "--set", "base.window=16", "--prompt", SHORT,
-                    "--max-new-tokens", "24", "--record", "attention"],  # every layer: the Head grid page's
-    "kvmerger-attention": ["--policy", "kvmerger", "--prompt", SHORT, "--max-new-tokens", "24", "--record",
-                           "attention", "--record-layers", "0,15,29", "--measure"],
+    "cam-attention": [
+        "--policy",
+        "cam",
+        "--budget",
+        "48",
+        "--set",
+        "base=h2o",
+        "--prompt",
+        SHORT,
+        "--max-new-tokens",
+        "40",
+        "--record",
+        "attention",
+        "--record-layers",
+        "0,15,29",
+        "--measure",
+    ],
+    "adakv-heads": [
+        "--policy",
+        "adakv",
+        "--budget",
+        "48",
+        "--set",
+        "base.window=16",
+        "--prompt",
+        SHORT,
+        "--max-new-tokens",
+        "24",
+        "--record",
+        "attention",
+    ],  # every layer: the Head grid page's
+    "kvmerger-attention": [
+        "--policy",
+        "kvmerger",
+        "--prompt",
+        SHORT,
+        "--max-new-tokens",
+        "24",
+        "--record",
+        "attention",
+        "--record-layers",
+        "0,15,29",
+        "--measure",
+    ],
 }
 
 

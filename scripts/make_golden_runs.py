@@ -12,6 +12,7 @@ before the slot-reusing cache replaced the append-and-gather one, so a layout th
 decision fails. Regenerate only for an intended change of a policy's behaviour (`--cases`
 rewrites only those cases).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,18 +50,26 @@ def cases() -> dict[str, tuple[str, dict]]:
 
 def structure(decisions: pd.DataFrame) -> pd.DataFrame:
     """The decision rows' structural columns, sorted, with plain Python-comparable types."""
-    rows = pd.DataFrame({"step": decisions.step.astype("int64"), "layer": decisions.layer.astype("int64"),
-                         "kv_head": decisions.kv_head.astype("int64"), "action": decisions.action.astype(str),
-                         "position": decisions.position.astype("int64"),
-                         "targets": [tuple(int(t) for t in ts) for ts in decisions.targets],
-                         "draw": decisions.draw.astype("int64")})
+    rows = pd.DataFrame(
+        {
+            "step": decisions.step.astype("int64"),
+            "layer": decisions.layer.astype("int64"),
+            "kv_head": decisions.kv_head.astype("int64"),
+            "action": decisions.action.astype(str),
+            "position": decisions.position.astype("int64"),
+            "targets": [tuple(int(t) for t in ts) for ts in decisions.targets],
+            "draw": decisions.draw.astype("int64"),
+        }
+    )
     return rows.sort_values(STRUCTURE).reset_index(drop=True)
 
 
 def step_weights(decisions) -> list[float]:
     """Per step, the sum of every merge weight and Bernoulli probability (floats: compared with a tolerance)."""
-    return [float(sum(sum(w) for w in rows.weights) + rows.prob.fillna(0).sum())
-            for rows in (decisions[decisions.step == step] for step in range(STEPS + 1))]
+    return [
+        float(sum(sum(w) for w in rows.weights) + rows.prob.fillna(0).sum())
+        for rows in (decisions[decisions.step == step] for step in range(STEPS + 1))
+    ]
 
 
 def one(model, ids, policy: str, params: dict, measure: bool) -> dict:
@@ -69,15 +78,32 @@ def one(model, ids, policy: str, params: dict, measure: bool) -> dict:
     budget = None if pol.budget_free else BUDGET
 
     def go(observers, on_step):
-        return run(model, pol, ids, prefill=PREFILL, steps=STEPS, teacher=True,
-                   opts=RunOptions(budget=budget), observers=observers, on_step=on_step)
+        return run(
+            model,
+            pol,
+            ids,
+            prefill=PREFILL,
+            steps=STEPS,
+            teacher=True,
+            opts=RunOptions(budget=budget),
+            observers=observers,
+            on_step=on_step,
+        )
+
     r = measured(model, go, [], None) if measure else go([], None)
-    out = {"policy": policy, "params": params, "nll": r.tensors["steps/nll"].tolist(),
-           "kv_slots": r.tensors["steps/kv_slots"].tolist(), "weights": step_weights(r.decisions),
-           "rows": structure(r.decisions)}
+    out = {
+        "policy": policy,
+        "params": params,
+        "nll": r.tensors["steps/nll"].tolist(),
+        "kv_slots": r.tensors["steps/kv_slots"].tolist(),
+        "weights": step_weights(r.decisions),
+        "rows": structure(r.decisions),
+    }
     if measure:
-        out["perturbation"] = {k: r.metrics[k] for k in ("perturbation_used_pooled", "perturbation_evict_pooled",
-                                                          "kl", "merge_better_share")}
+        out["perturbation"] = {
+            k: r.metrics[k]
+            for k in ("perturbation_used_pooled", "perturbation_evict_pooled", "kl", "merge_better_share")
+        }
     return out
 
 
@@ -114,7 +140,9 @@ def write_json(result: dict) -> None:
     head = {k: v for k, v in result.items() if k != "cases"}
     lines = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
     cases_ = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in result["cases"].items()]
-    OUT.write_text("{\n" + "\n".join(lines) + '\n "cases": {\n' + ",\n".join(cases_) + "\n }\n}\n", encoding="utf-8")
+    OUT.write_text(
+        "{\n" + "\n".join(lines) + '\n "cases": {\n' + ",\n".join(cases_) + "\n }\n}\n", encoding="utf-8"
+    )
 
 
 def main() -> None:
@@ -122,8 +150,10 @@ def main() -> None:
     parser.add_argument("--cases", help="comma-separated case names to rewrite (default: all)")
     args = parser.parse_args()
     model = load_model("default")
-    ids = list(model.tokenizer(Path(TEXT).read_text(encoding="utf-8")).input_ids)[:PREFILL + STEPS]
-    names = [f"{n}:measured" if m else n for n in cases() for m in ((False, True) if n in MEASURED else (False,))]
+    ids = list(model.tokenizer(Path(TEXT).read_text(encoding="utf-8")).input_ids)[: PREFILL + STEPS]
+    names = [
+        f"{n}:measured" if m else n for n in cases() for m in ((False, True) if n in MEASURED else (False,))
+    ]
     chosen = args.cases.split(",") if args.cases else names
     old = json.loads(OUT.read_text(encoding="utf-8")) if args.cases else {"cases": {}}
     results = {}
@@ -135,9 +165,17 @@ def main() -> None:
         results[name] = one(model, ids, policy, params, measure=name.endswith(":measured"))
         print(name, len(results[name]["rows"]), "decisions")
     write_rows(results)
-    write_json({"command": "python scripts/make_golden_runs.py", "text": TEXT, "ids": ids, "prefill": PREFILL,
-                "steps": STEPS, "budget": BUDGET,
-                "cases": {n: {k: v for k, v in r.items() if k != "rows"} for n, r in results.items()}})
+    write_json(
+        {
+            "command": "python scripts/make_golden_runs.py",
+            "text": TEXT,
+            "ids": ids,
+            "prefill": PREFILL,
+            "steps": STEPS,
+            "budget": BUDGET,
+            "cases": {n: {k: v for k, v in r.items() if k != "rows"} for n, r in results.items()},
+        }
+    )
 
 
 if __name__ == "__main__":

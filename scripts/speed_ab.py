@@ -10,6 +10,7 @@ regressions before it lands. Bench arguments default to `--quick`; anything afte
 `-- --quick --lockstep none`). Run it on a quiet machine: the ratios are measured in lockstep inside each run,
 but two runs of the same revision still differ by their spread.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,14 @@ def bench(tree: Path, args: list[str]) -> dict[str, float]:
     """One `kvlens bench speed --json` run importing `tree`'s kvlens: its ratios."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     with tempfile.TemporaryDirectory() as out:
-        done = subprocess.run([sys.executable, "-m", "kvlens", "bench", "speed", *args, "--json", "--out-dir", out],
-                              cwd=tree, env=env, capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            [sys.executable, "-m", "kvlens", "bench", "speed", *args, "--json", "--out-dir", out],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     if done.returncode != 0:
         sys.exit(f"speed_ab: the bench failed in {tree}: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout)["ratios"]
@@ -41,7 +48,9 @@ def cell(values: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, ["--quick"])
+    own, extra = (
+        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, ["--quick"])
+    )
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rev", help="the revision to compare against (a commit, branch or tag)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternated (default 2)")
@@ -50,8 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be at least 1")
     with tempfile.TemporaryDirectory() as tmp:
         other = Path(tmp) / "rev"
-        made = subprocess.run(["git", "worktree", "add", "--detach", str(other), args.rev], cwd=ROOT,
-                              capture_output=True, text=True, check=False)
+        made = subprocess.run(
+            ["git", "worktree", "add", "--detach", str(other), args.rev],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if made.returncode != 0:
             sys.exit(f"speed_ab: no worktree of {args.rev}: {made.stderr.strip()}")
         try:
@@ -68,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(k) for k in keys)
     print(f"{'ratio':<{width}}  {args.rev:>26}  {'this checkout':>26}  (median [min, max] of {args.rounds})")
     for k in keys:
-        print(f"{k:<{width}}  " + "  ".join(f"{cell([run[k] for run in runs]):>26}" for runs in sides.values()))
+        print(
+            f"{k:<{width}}  " + "  ".join(f"{cell([run[k] for run in runs]):>26}" for runs in sides.values())
+        )
     return 0
 
 

@@ -3,6 +3,7 @@
 Runs `tests/engine/test_architectures.py` with KVLENS_SUPPORT_TABLE set (the test writes the table only
 when every model of the matrix ran), then writes docs/support.md. Usage: `.venv/bin/python scripts/support_table.py`.
 """
+
 from __future__ import annotations
 
 import os
@@ -58,10 +59,24 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         table = Path(tmp) / "support.md"
         env = dict(os.environ, KVLENS_SUPPORT_TABLE=str(table))
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "tests/engine/test_architectures.py"], cwd=ROOT, env=env, check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "tests/engine/test_architectures.py",
+            ],
+            cwd=ROOT,
+            env=env,
+            check=True,
+        )
         rows = table.read_text()
-    intro = INTRO.format(transformers=transformers.__version__, torch=torch.__version__, steps=STEPS, prefill=PREFILL)
+    intro = INTRO.format(
+        transformers=transformers.__version__, torch=torch.__version__, steps=STEPS, prefill=PREFILL
+    )
     DOC.write_text(intro + rows + SEMANTICS)
     print(f"wrote {DOC.relative_to(ROOT)}")
     return 0

@@ -1,5 +1,6 @@
 """Shared fixtures and helpers: a tiny random GQA Llama (seconds, no download), the embedded SmolLM2, the shipped
 runs, the `kvlens` command and the examples of docs/extending.md."""
+
 from __future__ import annotations
 
 import functools
@@ -44,8 +45,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    return "cuda tests: " + ("run (" + torch.cuda.get_device_name() + ")" if torch.cuda.is_available()
-                             else "deselected (torch sees no CUDA GPU; make test-cuda runs them on one)")
+    return "cuda tests: " + (
+        "run (" + torch.cuda.get_device_name() + ")"
+        if torch.cuda.is_available()
+        else "deselected (torch sees no CUDA GPU; make test-cuda runs them on one)"
+    )
+
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = texts.DIR
@@ -80,12 +85,27 @@ def tiny_model(layers: int = 3, seed: int = 0) -> LoadedModel:
 
     register_attention()
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                         rope_theta=10000.0, attn_implementation=ATTENTION_NAME)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        attn_implementation=ATTENTION_NAME,
+    )
     model = LlamaForCausalLM(config).eval().to(DEVICE)
-    return LoadedModel(model=model, tokenizer=ByteTokenizer(), spec="tiny", path=Path("."),
-                       device=DEVICE, dtype=torch.float32)
+    return LoadedModel(
+        model=model,
+        tokenizer=ByteTokenizer(),
+        spec="tiny",
+        path=Path("."),
+        device=DEVICE,
+        dtype=torch.float32,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -156,7 +176,9 @@ def cam():
 
 def kvlens(*args: str) -> subprocess.CompletedProcess:
     """`python -m kvlens ARGS` in a subprocess, its output captured as text."""
-    return subprocess.run([sys.executable, "-m", "kvlens", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "kvlens", *args], capture_output=True, text=True, timeout=600
+    )
 
 
 def one_sentence(stderr: str) -> bool:

@@ -3,6 +3,7 @@
 Every `import` and `from ... import` statement under `kvlens/` counts, inside functions too (a lazy
 import is still a dependency). The layers, bottom to top, are the "Layers" table of docs/architecture.md.
 """
+
 from __future__ import annotations
 
 import ast
@@ -14,17 +15,31 @@ from tests.conftest import ROOT
 
 PACKAGE = ROOT / "kvlens"
 LAYERS = [  # bottom first; a module belongs to the layer of its longest matching prefix
-    ("base", ["kvlens.version", "kvlens.errors", "kvlens.lists", "kvlens.levels", "kvlens.params", "kvlens.texts"]),
+    (
+        "base",
+        ["kvlens.version", "kvlens.errors", "kvlens.lists", "kvlens.levels", "kvlens.params", "kvlens.texts"],
+    ),
     ("runs", ["kvlens.runs"]),
-    ("cache", ["kvlens.engine.attention", "kvlens.engine.cache", "kvlens.engine.quantize", "kvlens.engine.lowrank",
-               "kvlens.engine.channels"]),
+    (
+        "cache",
+        [
+            "kvlens.engine.attention",
+            "kvlens.engine.cache",
+            "kvlens.engine.quantize",
+            "kvlens.engine.lowrank",
+            "kvlens.engine.channels",
+        ],
+    ),
     ("policies", ["kvlens.policies"]),
     ("engine", ["kvlens.engine"]),
     ("integration", ["kvlens.hf"]),
     ("figures", ["kvlens.figures"]),
     ("analysis", ["kvlens.analysis"]),
     ("experiments", ["kvlens.experiments"]),
-    ("explain", ["kvlens.explain"]),  # cache patching: patches the engine's caches of the task suite's samples
+    (
+        "explain",
+        ["kvlens.explain"],
+    ),  # cache patching: patches the engine's caches of the task suite's samples
     ("interfaces", ["kvlens.ui", "kvlens.cli", "kvlens.__main__", "kvlens"]),
 ]
 
@@ -35,8 +50,15 @@ def module_name(path: Path) -> str:
 
 
 def layer(module: str) -> int:
-    best = max(((len(p), rank) for rank, (_, prefixes) in enumerate(LAYERS) for p in prefixes
-                if module == p or module.startswith(p + ".")), default=None)
+    best = max(
+        (
+            (len(p), rank)
+            for rank, (_, prefixes) in enumerate(LAYERS)
+            for p in prefixes
+            if module == p or module.startswith(p + ".")
+        ),
+        default=None,
+    )
     assert best is not None, f"{module} is in no layer"
     return best[1]
 
@@ -48,12 +70,20 @@ def imports(path: Path) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == "kvlens"}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "kvlens" \
-                and node.level == 0:
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] == "kvlens"
+            and node.level == 0
+        ):
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
-                found.add(sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists()
-                          or (PACKAGE.parent / sub.replace(".", "/")).is_dir() else node.module)
+                found.add(
+                    sub
+                    if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists()
+                    or (PACKAGE.parent / sub.replace(".", "/")).is_dir()
+                    else node.module
+                )
     return found
 
 
@@ -61,14 +91,21 @@ GRAPH = {module_name(p): imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def test_no_module_imports_from_a_layer_above_its_own():
-    upward = [f"{m} ({LAYERS[layer(m)][0]}) imports {d} ({LAYERS[layer(d)][0]})"
-              for m, deps in GRAPH.items() for d in sorted(deps) if layer(d) > layer(m)]
+    upward = [
+        f"{m} ({LAYERS[layer(m)][0]}) imports {d} ({LAYERS[layer(d)][0]})"
+        for m, deps in GRAPH.items()
+        for d in sorted(deps)
+        if layer(d) > layer(m)
+    ]
     assert not upward, "\n".join(upward)
 
 
 def test_only_the_interfaces_import_the_app():
-    offenders = [m for m, deps in GRAPH.items() if any(d.startswith("kvlens.ui") for d in deps)
-                 and not m.startswith(("kvlens.ui", "kvlens.cli"))]
+    offenders = [
+        m
+        for m, deps in GRAPH.items()
+        if any(d.startswith("kvlens.ui") for d in deps) and not m.startswith(("kvlens.ui", "kvlens.cli"))
+    ]
     assert not offenders
 
 
@@ -90,7 +127,7 @@ def test_no_import_cycle():
 
     for module in GRAPH:
         if module not in state and (cycle := visit(module, [])):
-            pytest.fail(" -> ".join(cycle[cycle.index(cycle[-1]):]))
+            pytest.fail(" -> ".join(cycle[cycle.index(cycle[-1]) :]))
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):
@@ -103,9 +140,14 @@ def test_the_checker_sees_an_upward_import(tmp_path):
 def test_no_policy_touches_a_private_attribute_of_the_cache():
     for path in sorted((PACKAGE / "policies").glob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        private = [f"{path.name}:{n.lineno} .{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-                   and n.attr.startswith("_") and not n.attr.startswith("__")
-                   and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+        private = [
+            f"{path.name}:{n.lineno} .{n.attr}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute)
+            and n.attr.startswith("_")
+            and not n.attr.startswith("__")
+            and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))
+        ]
         assert not private, private
 
 
@@ -117,10 +159,18 @@ def test_both_views_of_the_cache_implement_the_row_contract(tiny, monkeypatch):
 
     policy, seen = make_policy("h2o"), []
     original = type(policy).compress
-    monkeypatch.setattr(type(policy), "compress",
-                        lambda self, rows, step: seen.append(rows) or original(self, rows, step))
-    run(tiny, policy, list(b"The quick brown fox jumps over the lazy dog. " * 3), prefill=60, steps=3, teacher=True,
-        opts=RunOptions(budget=10))
+    monkeypatch.setattr(
+        type(policy), "compress", lambda self, rows, step: seen.append(rows) or original(self, rows, step)
+    )
+    run(
+        tiny,
+        policy,
+        list(b"The quick brown fox jumps over the lazy dog. " * 3),
+        prefill=60,
+        steps=3,
+        teacher=True,
+        opts=RunOptions(budget=10),
+    )
     assert {len(rows.layers) for rows in seen} == {1, tiny.shape()["layers"]}
     assert all(isinstance(rows, CacheRows) for rows in seen) and not isinstance(object(), CacheRows)
 
@@ -140,14 +190,21 @@ def test_every_policy_hook_is_annotated_with_the_row_contract():
 
 def chained_conditionals(source: str) -> list[int]:
     """Lines of conditional expressions with another one as their test, value or alternative."""
-    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.IfExp)
-            and any(isinstance(part, ast.IfExp) for part in (node.test, node.body, node.orelse))]
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.IfExp)
+        and any(isinstance(part, ast.IfExp) for part in (node.test, node.body, node.orelse))
+    ]
 
 
 def test_no_conditional_expression_chains_another():
     """`a if p else b if q else c` reads as a statement: it is written as one."""
-    found = [f"{path.relative_to(ROOT)}:{line}" for folder in ("kvlens", "pages", "scripts", "tests")
-             for path in sorted((ROOT / folder).rglob("*.py"))
-             for line in chained_conditionals(path.read_text(encoding="utf-8"))]
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for folder in ("kvlens", "pages", "scripts", "tests")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for line in chained_conditionals(path.read_text(encoding="utf-8"))
+    ]
     assert not found, found
     assert chained_conditionals("x = a if p else b if q else c") == [1]

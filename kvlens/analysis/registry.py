@@ -13,6 +13,7 @@ Importing this module installs its dispatcher behind `Run.figure` and `Run.analy
 (`kvlens.runs.run.set_analyses`: the run format sits below the analyses and names none of them);
 `import kvlens` imports it.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -48,7 +49,9 @@ class Analysis:
     inputs: ClassVar[str] = "run"
     level: ClassVar[RecordLevel] = RecordLevel.SUMMARY  # the record level each run needs
     measured: ClassVar[bool] = False  # each run needs the perturbation tensors of --measure
-    replays: ClassVar[bool] = False  # feeds the run's tokens through its model again (`model=` in compute, figure)
+    replays: ClassVar[bool] = (
+        False  # feeds the run's tokens through its model again (`model=` in compute, figure)
+    )
     see_also: ClassVar[str] = ""  # a sentence the command's help adds (related analyses)
     params: ClassVar[tuple[Param, ...]] = ()
 
@@ -71,9 +74,15 @@ class Analysis:
     @classmethod
     def describe(cls) -> dict:
         """Name, paper figure, inputs, level and parameters, for `kvlens analyze --list`."""
-        return {"name": cls.name, "paper": cls.paper, "inputs": cls.inputs,
-                "level": None if cls.inputs == "model" else cls.level, "measured": cls.measured,
-                "replays": cls.replays, "params": [p.describe() for p in cls.params]}
+        return {
+            "name": cls.name,
+            "paper": cls.paper,
+            "inputs": cls.inputs,
+            "level": None if cls.inputs == "model" else cls.level,
+            "measured": cls.measured,
+            "replays": cls.replays,
+            "params": [p.describe() for p in cls.params],
+        }
 
 
 def register_analysis(cls: type[Analysis]) -> type[Analysis]:
@@ -111,10 +120,12 @@ def run_level(run: Run) -> RecordLevel:
 
 def nan_to_none(t) -> list:
     """A tensor as nested lists with NaN as None (valid JSON)."""
+
     def clean(x):
         if isinstance(x, list):
             return [clean(v) for v in x]
         return None if x != x else x
+
     return clean(t.tolist())
 
 
@@ -137,10 +148,14 @@ def _checked_source(analysis: Analysis, source):
     elif isinstance(source, (list, tuple)):
         runs = list(source)
     if analysis.inputs == "model" and runs:
-        raise KvlensError(f"The analysis '{analysis.name}' runs the model over the bundled texts; pass it the "
-                          "loaded model, not a run.")
+        raise KvlensError(
+            f"The analysis '{analysis.name}' runs the model over the bundled texts; pass it the "
+            "loaded model, not a run."
+        )
     if analysis.inputs != "model" and (not runs or analysis.inputs == "run" and len(runs) > 1):
-        raise KvlensError(f"The analysis '{analysis.name}' reads {'one run' if analysis.inputs == 'run' else 'runs'}.")
+        raise KvlensError(
+            f"The analysis '{analysis.name}' reads {'one run' if analysis.inputs == 'run' else 'runs'}."
+        )
     for run in runs:
         if why := lacks(analysis, run):
             raise KvlensError(why)
@@ -153,8 +168,10 @@ def lacks(analysis: Analysis, run: Run) -> str | None:
     if analysis.measured and not run.has("perturbation/used"):
         return f"The analysis '{analysis.name}' needs a run made with --measure; {name} was not measured."
     if not run_level(run).includes(analysis.level):
-        return (f"The analysis '{analysis.name}' needs a run recorded with --record {analysis.level}; "
-                f"{name} was recorded at {run_level(run)}.")
+        return (
+            f"The analysis '{analysis.name}' needs a run recorded with --record {analysis.level}; "
+            f"{name} was recorded at {run_level(run)}."
+        )
     return None
 
 

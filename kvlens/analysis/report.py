@@ -7,6 +7,7 @@ two runs or more, a first section sets their settings and metrics side by side a
 (the `steps` analysis). plotly.js is inlined once and every figure drawn from it, so opening the file fetches
 nothing: no external script, font or style sheet.
 """
+
 from __future__ import annotations
 
 import html
@@ -25,16 +26,38 @@ from kvlens.figures.plots import model_label, storage_label
 from kvlens.runs.run import Run
 from kvlens.version import __version__
 
-FIGURES = ("attention", "occupancy", "similarity", "perturbation", "perturbation-layers", "adjacency", "spectrum")
-WIDE = {"attention", "perturbation", "perturbation-layers", "steps"}  # drawn across the page, not in a half of it
+FIGURES = (
+    "attention",
+    "occupancy",
+    "similarity",
+    "perturbation",
+    "perturbation-layers",
+    "adjacency",
+    "spectrum",
+)
+WIDE = {
+    "attention",
+    "perturbation",
+    "perturbation-layers",
+    "steps",
+}  # drawn across the page, not in a half of it
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
 METRICS = {  # run.json `metrics` keys the report names in words (any other scalar shows under its key)
-    "ppl": "perplexity", "nll": "mean NLL (nats)", "kl": "KL(p_full ‖ p_policy), mean per step",
-    "perturbation_used": "output perturbation (mean)", "perturbation_evict": "perturbation had it evicted (mean)",
-    "attention_loss": "attention loss", "kv_slots_max": "most slots kept by a KV head",
-    "kv_slots_final_mean": "slots per KV head at the end (mean)", "kv_bytes_peak": "peak KV cache",
-    "kv_bytes_final": "KV cache at the end", "kv_bytes_prefill": "KV cache of the whole prompt",
-    "ms_per_token": "ms per token", "prefill_ms": "prefill (ms)", "total_s": "wall time (s)"}
+    "ppl": "perplexity",
+    "nll": "mean NLL (nats)",
+    "kl": "KL(p_full ‖ p_policy), mean per step",
+    "perturbation_used": "output perturbation (mean)",
+    "perturbation_evict": "perturbation had it evicted (mean)",
+    "attention_loss": "attention loss",
+    "kv_slots_max": "most slots kept by a KV head",
+    "kv_slots_final_mean": "slots per KV head at the end (mean)",
+    "kv_bytes_peak": "peak KV cache",
+    "kv_bytes_final": "KV cache at the end",
+    "kv_bytes_prefill": "KV cache of the whole prompt",
+    "ms_per_token": "ms per token",
+    "prefill_ms": "prefill (ms)",
+    "total_s": "wall time (s)",
+}
 STYLE = """
 body{margin:0;background:#f6f7f9;color:#111;font:14px/1.5 -apple-system,'Segoe UI',Helvetica,Arial,sans-serif}
 main{max-width:1320px;margin:0 auto;padding:24px 28px 60px}
@@ -56,22 +79,35 @@ def report_html(runs: list[Run], explained: Sequence[dict] = ()) -> str:
     if not runs and not explained:
         raise KvlensError("A report needs at least one run or explain result.")
     names = [_name(run, i) for i, run in enumerate(runs)]
-    whys = [f"why: {r['case']['policy']} " + (f"sample {r['case'].get('index')}" if r["case"]["source"] == "sample"
-                                               else Path(r["case"]["run"]).name) for r in explained]
-    nav = "".join(f'<a href="#run-{i + 1}">{html.escape(name)}</a>' for i, name in enumerate(names)) + \
-        "".join(f'<a href="#why-{i + 1}">{html.escape(name)}</a>' for i, name in enumerate(whys))
-    body = [f"<h1>kvlens report</h1><p class=\"sub\">{len(runs)} run{'s' * (len(runs) != 1)}"
-            + (f", {len(explained)} explained" if explained else "") + f", written by kvlens {__version__}</p>"
-            f"<nav>{nav}</nav>"]
+    whys = [
+        f"why: {r['case']['policy']} "
+        + (
+            f"sample {r['case'].get('index')}"
+            if r["case"]["source"] == "sample"
+            else Path(r["case"]["run"]).name
+        )
+        for r in explained
+    ]
+    nav = "".join(
+        f'<a href="#run-{i + 1}">{html.escape(name)}</a>' for i, name in enumerate(names)
+    ) + "".join(f'<a href="#why-{i + 1}">{html.escape(name)}</a>' for i, name in enumerate(whys))
+    body = [
+        f'<h1>kvlens report</h1><p class="sub">{len(runs)} run{"s" * (len(runs) != 1)}'
+        + (f", {len(explained)} explained" if explained else "")
+        + f", written by kvlens {__version__}</p>"
+        f"<nav>{nav}</nav>"
+    ]
     if len(runs) > 1:
         body.append(_comparison(runs, names))
     body += [_run_section(run, name, i + 1) for i, (run, name) in enumerate(zip(runs, names))]
     body += [_why_section(result, name, i + 1) for i, (result, name) in enumerate(zip(explained, whys))]
     title = html.escape("kvlens report: " + ", ".join(names + whys))
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style>'
-            f'<script type="text/javascript">{get_plotlyjs()}</script></head>'
-            f"<body><main>{''.join(body)}</main></body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style>'
+        f'<script type="text/javascript">{get_plotlyjs()}</script></head>'
+        f"<body><main>{''.join(body)}</main></body></html>\n"
+    )
 
 
 def checked_out(out: str | Path) -> Path:
@@ -109,21 +145,32 @@ def _settings(run: Run) -> dict[str, str]:
     requested = budget.get("requested")
     rec = meta.get("record") or {}
     shape = meta["model"].get("shape") or {}
-    rows = {"policy": meta["policy"]["name"],
-            "parameters": ", ".join(f"{k}={v}" for k, v in params.items()) or "none",
-            "budget": "no budget" if budget.get("slots") is None else f"{budget['slots']} slots per KV head" + (
-                f" ({requested:g} of the prompt)" if isinstance(requested, float) else "")}
+    rows = {
+        "policy": meta["policy"]["name"],
+        "parameters": ", ".join(f"{k}={v}" for k, v in params.items()) or "none",
+        "budget": "no budget"
+        if budget.get("slots") is None
+        else f"{budget['slots']} slots per KV head"
+        + (f" ({requested:g} of the prompt)" if isinstance(requested, float) else ""),
+    }
     if (meta.get("storage") or {}).get("bits") is not None:
         rows["KV storage"] = storage_label(meta["storage"])
-    rows["model"] = (f"{model_label(str(meta['model'].get('spec', '?')))} ({shape.get('layers')} layers, "
-                     f"{shape.get('heads')} query heads, {shape.get('kv_heads')} KV heads), "
-                     f"{meta['model'].get('dtype', '?')} on {meta['model'].get('device', '?')}")
-    rows["tokens"] = (f"{meta.get('mode', 'generate')}: {len(meta['prompt_tokens'])} prompt + "
-                      f"{len(meta['tokens'])} new")
-    rows["recorded"] = str(rec.get("level", "summary")) + (
-        f" (layers {', '.join(map(str, rec['layers']))})" if rec.get("layers") else "") + (
-        ", measured (--measure)" if run.has("perturbation/used") else "")
-    rows["sampling"] = f"seed {meta.get('seed')}, temperature {meta.get('temperature')}, top-p {meta.get('top_p')}"
+    rows["model"] = (
+        f"{model_label(str(meta['model'].get('spec', '?')))} ({shape.get('layers')} layers, "
+        f"{shape.get('heads')} query heads, {shape.get('kv_heads')} KV heads), "
+        f"{meta['model'].get('dtype', '?')} on {meta['model'].get('device', '?')}"
+    )
+    rows["tokens"] = (
+        f"{meta.get('mode', 'generate')}: {len(meta['prompt_tokens'])} prompt + {len(meta['tokens'])} new"
+    )
+    rows["recorded"] = (
+        str(rec.get("level", "summary"))
+        + (f" (layers {', '.join(map(str, rec['layers']))})" if rec.get("layers") else "")
+        + (", measured (--measure)" if run.has("perturbation/used") else "")
+    )
+    rows["sampling"] = (
+        f"seed {meta.get('seed')}, temperature {meta.get('temperature')}, top-p {meta.get('top_p')}"
+    )
     rows["kvlens"] = str(meta.get("kvlens_version", "?"))
     return rows
 
@@ -145,8 +192,10 @@ def _scalars(run: Run) -> dict:
 
 def _table(header: list[str], rows: list[list[str]], numeric_from: int = 1) -> str:
     """An HTML table; cells are HTML already (escape them first); columns from `numeric_from` on align right."""
+
     def cell(tag, i, text):
         return f'<{tag} class="num">{text}</{tag}>' if i >= numeric_from else f"<{tag}>{text}</{tag}>"
+
     head = "".join(cell("th", i, h) for i, h in enumerate(header))
     body = "".join("<tr>" + "".join(cell("td", i, c) for i, c in enumerate(row)) + "</tr>" for row in rows)
     return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
@@ -166,11 +215,19 @@ def _figure(kind: str, source, div_id: str) -> str:
 
 
 def _plot(fig: go.Figure, div_id: str, wide: bool) -> str:
-    if not fig.layout.template or not fig.layout.template.layout.font.family:  # the analyses' own unstyled figures
+    if (
+        not fig.layout.template or not fig.layout.template.layout.font.family
+    ):  # the analyses' own unstyled figures
         fig.update_layout(template="kvlens")
     fig.update_layout(width=None, template_layout_width=None, autosize=True)  # as wide as its column
-    div = fig.to_html(full_html=False, include_plotlyjs=False, include_mathjax=False, div_id=div_id,
-                      config=PLOTLY_CONFIG, default_width="100%")
+    div = fig.to_html(
+        full_html=False,
+        include_plotlyjs=False,
+        include_mathjax=False,
+        div_id=div_id,
+        config=PLOTLY_CONFIG,
+        default_width="100%",
+    )
     return f'<div class="{"wide" if wide else "cell"}">{div}</div>'
 
 
@@ -178,24 +235,30 @@ def _decisions(run: Run) -> str:
     """Evictions and merges per layer (summed over KV heads and steps) as a small table."""
     d = run.decisions
     if d is None or not len(d):
-        return "<p class=\"sub\">No evictions or merges: the cache was never compressed.</p>"
+        return '<p class="sub">No evictions or merges: the cache was never compressed.</p>'
     layers = list(range(int(run.shape["layers"])))
     kinds = {"evictions": d[d["action"] == "evict"], "merges": d[(d["action"] == "merge") & (d["draw"] != 0)]}
     if bool(((d["action"] == "merge") & (d["draw"] == 0)).any()):
-        kinds["merges that merged nothing (a Bernoulli draw of 0)"] = d[(d["action"] == "merge") & (d["draw"] == 0)]
+        kinds["merges that merged nothing (a Bernoulli draw of 0)"] = d[
+            (d["action"] == "merge") & (d["draw"] == 0)
+        ]
     rows = []
     for label, rows_of in kinds.items():
         per_layer = rows_of.groupby("layer").size()
         rows.append([label, *(f"{int(per_layer.get(n, 0)):,}" for n in layers), f"{len(rows_of):,}"])
-    return ("<p class=\"sub\">Decisions per layer, summed over KV heads and steps (a merge folds one position into "
-            "others).</p>" + _table(["layer", *map(str, layers), "total"], rows))
+    return (
+        '<p class="sub">Decisions per layer, summed over KV heads and steps (a merge folds one position into '
+        "others).</p>" + _table(["layer", *map(str, layers), "total"], rows)
+    )
 
 
 def _text(run: Run) -> str:
     """The prompt (grey) and the generated text, for runs without attention rows."""
-    return (f'<div style="white-space:pre-wrap;line-height:1.6"><span style="color:#777">'
-            f'{html.escape(run.meta.get("prompt", ""))}</span><span style="background:#e8f0fe">'
-            f'{html.escape(run.meta.get("text", ""))}</span></div>')
+    return (
+        f'<div style="white-space:pre-wrap;line-height:1.6"><span style="color:#777">'
+        f'{html.escape(run.meta.get("prompt", ""))}</span><span style="background:#e8f0fe">'
+        f"{html.escape(run.meta.get('text', ''))}</span></div>"
+    )
 
 
 def _kept_text(run: Run) -> str:
@@ -212,18 +275,27 @@ def _run_section(run: Run, name: str, number: int) -> str:
     rows = [[html.escape(k), html.escape(v)] for k, v in settings.items()]
     command = run.meta.get("command")
     metrics = [[_metric_label(k), html.escape(_value(k, v))] for k, v in _scalars(run).items()]
-    figures = [_figure(kind, run, f"run{number}-{kind}") for kind in FIGURES
-               if lacks(get_analysis(kind), run) is None]
-    return (f'<section id="run-{number}"><h2>{number}. {html.escape(name)}</h2>'
-            f'<p class="sub">{html.escape(settings["policy"])} · {html.escape(settings["budget"])} · '
-            f'{html.escape(settings["tokens"])} tokens</p>'
-            f'<h3>Settings</h3>{_table(["setting", "value"], rows, numeric_from=2)}'
-            "<h3>Command</h3>" + (f"<pre>{html.escape(command)}</pre>" if command else
-                                  '<p class="sub">run.json records no command.</p>') +
-            f'<h3>Metrics</h3>{_table(["metric", "value"], metrics) if metrics else "<p>No metrics.</p>"}'
-            f'<h3>Text and the cache at the last step</h3>{_kept_text(run)}'
-            f'<h3>Evictions and merges</h3>{_decisions(run)}'
-            f'<h3>Figures</h3><div class="cols">{"".join(figures)}</div></section>')
+    figures = [
+        _figure(kind, run, f"run{number}-{kind}")
+        for kind in FIGURES
+        if lacks(get_analysis(kind), run) is None
+    ]
+    return (
+        f'<section id="run-{number}"><h2>{number}. {html.escape(name)}</h2>'
+        f'<p class="sub">{html.escape(settings["policy"])} · {html.escape(settings["budget"])} · '
+        f"{html.escape(settings['tokens'])} tokens</p>"
+        f"<h3>Settings</h3>{_table(['setting', 'value'], rows, numeric_from=2)}"
+        "<h3>Command</h3>"
+        + (
+            f"<pre>{html.escape(command)}</pre>"
+            if command
+            else '<p class="sub">run.json records no command.</p>'
+        )
+        + f"<h3>Metrics</h3>{_table(['metric', 'value'], metrics) if metrics else '<p>No metrics.</p>'}"
+        f"<h3>Text and the cache at the last step</h3>{_kept_text(run)}"
+        f"<h3>Evictions and merges</h3>{_decisions(run)}"
+        f'<h3>Figures</h3><div class="cols">{"".join(figures)}</div></section>'
+    )
 
 
 def _why_section(result: dict, name: str, number: int) -> str:
@@ -232,25 +304,44 @@ def _why_section(result: dict, name: str, number: int) -> str:
     from kvlens.figures.why import figures
 
     rows = [[html.escape(k), html.escape(str(v))] for k, v in result["case"].items()]
-    rows += [["log-probability (full, compressed)", f"{result['lp_full']:.2f}, {result['lp_compressed']:.2f}"],
-             ["entries removed", f"{result['slots_removed']:,}"],
-             ["recovered share: all groups, none", f"{result['all_groups']['recovered_share']:.3f}, "
-                                                   f"{result['no_groups']['recovered_share']:.3f}"],
-             ["cost", f"{result['cost']['patched_caches']} patched caches, {result['cost']['total_s']:.1f} s on "
-                      f"{result['cost']['threads']} thread(s)"]]
+    rows += [
+        ["log-probability (full, compressed)", f"{result['lp_full']:.2f}, {result['lp_compressed']:.2f}"],
+        ["entries removed", f"{result['slots_removed']:,}"],
+        [
+            "recovered share: all groups, none",
+            f"{result['all_groups']['recovered_share']:.3f}, {result['no_groups']['recovered_share']:.3f}",
+        ],
+        [
+            "cost",
+            f"{result['cost']['patched_caches']} patched caches, {result['cost']['total_s']:.1f} s on "
+            f"{result['cost']['threads']} thread(s)",
+        ],
+    ]
     m = result.get("minimal")
     if m and m["found"]:
-        rows.append(["smallest sufficient set", html.escape(
-            f"{len(m['groups'])} {m['by']} groups ({', '.join(m['groups'])}), {m['slots']:,} slots in layers "
-            f"{', '.join(map(str, m['layers']))}; recovers {m['recovered_share']:.2f} of the gap"
-            + (f"; answer {'right' if m['right'] else 'wrong'}" if "right" in m else ""))])
+        rows.append(
+            [
+                "smallest sufficient set",
+                html.escape(
+                    f"{len(m['groups'])} {m['by']} groups ({', '.join(m['groups'])}), {m['slots']:,} slots in layers "
+                    f"{', '.join(map(str, m['layers']))}; recovers {m['recovered_share']:.2f} of the gap"
+                    + (f"; answer {'right' if m['right'] else 'wrong'}" if "right" in m else "")
+                ),
+            ]
+        )
     command = result.get("command")
-    plots = [_plot(fig, f"why{number}-{view}", True) if not isinstance(fig, str) else
-             f'<p class="note">{html.escape(fig)}</p>' for view, fig in figures(result).items()]
-    return (f'<section id="why-{number}"><h2>Why {number}. {html.escape(name)}</h2>'
-            f'<h3>Case and result</h3>{_table(["", "value"], rows, numeric_from=2)}'
-            + (f"<h3>Command</h3><pre>{html.escape(command)}</pre>" if command else "")
-            + f'<h3>Figures</h3><div class="cols">{"".join(plots)}</div></section>')
+    plots = [
+        _plot(fig, f"why{number}-{view}", True)
+        if not isinstance(fig, str)
+        else f'<p class="note">{html.escape(fig)}</p>'
+        for view, fig in figures(result).items()
+    ]
+    return (
+        f'<section id="why-{number}"><h2>Why {number}. {html.escape(name)}</h2>'
+        f"<h3>Case and result</h3>{_table(['', 'value'], rows, numeric_from=2)}"
+        + (f"<h3>Command</h3><pre>{html.escape(command)}</pre>" if command else "")
+        + f'<h3>Figures</h3><div class="cols">{"".join(plots)}</div></section>'
+    )
 
 
 def _comparison(runs: list[Run], names: list[str]) -> str:
@@ -260,10 +351,14 @@ def _comparison(runs: list[Run], names: list[str]) -> str:
     rows = [[html.escape(k), *(html.escape(s.get(k, "")) for s in settings)] for k in keys]
     scalars = [_scalars(run) for run in runs]
     metrics = list(dict.fromkeys(k for s in scalars for k in s))
-    values = [[_metric_label(k), *(html.escape(_value(k, s[k])) if k in s else "–" for s in scalars)]
-              for k in metrics]
+    values = [
+        [_metric_label(k), *(html.escape(_value(k, s[k])) if k in s else "–" for s in scalars)]
+        for k in metrics
+    ]
     header = [f'<a href="#run-{i + 1}">{html.escape(n)}</a>' for i, n in enumerate(names)]
-    return (f'<section id="comparison"><h2>The {len(runs)} runs side by side</h2>'
-            f'<h3>Settings</h3>{_table(["setting", *header], rows, numeric_from=len(runs) + 1)}'
-            f'<h3>Metrics</h3>{_table(["metric", *header], values)}'
-            f'<h3>Per step</h3><div class="cols">{_figure("steps", runs, "comparison-steps")}</div></section>')
+    return (
+        f'<section id="comparison"><h2>The {len(runs)} runs side by side</h2>'
+        f"<h3>Settings</h3>{_table(['setting', *header], rows, numeric_from=len(runs) + 1)}"
+        f"<h3>Metrics</h3>{_table(['metric', *header], values)}"
+        f'<h3>Per step</h3><div class="cols">{_figure("steps", runs, "comparison-steps")}</div></section>'
+    )

@@ -7,6 +7,7 @@ Attention is the model's causal softmax `softmax(q k^T / sqrt(head_dim))` per qu
 query head h reads KV head h // group), recomputed in row chunks (`attention_chunks`), so it needs
 `--record states` and never the full T x T for all heads at once.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -42,9 +43,11 @@ def unit(x: torch.Tensor) -> torch.Tensor:
 def recorded_layers(run: Run, kind: str = "key") -> list[int]:
     """Layers whose prefill states of `kind` were recorded, ascending."""
     prefix = f"prefill/{kind_code(kind)}/"
-    layers = sorted(int(n[len(prefix):]) for n in run.tensors if n.startswith(prefix))
+    layers = sorted(int(n[len(prefix) :]) for n in run.tensors if n.startswith(prefix))
     if not layers:
-        raise KvlensError("This run has no recorded prefill states; record it with --record states (or full).")
+        raise KvlensError(
+            "This run has no recorded prefill states; record it with --record states (or full)."
+        )
     return layers
 
 
@@ -53,8 +56,9 @@ def check_layer(run: Run, layer: int, kind: str = "key") -> None:
     if layer not in layers:
         total = run.shape.get("layers", len(layers))
         if 0 <= layer < total:
-            raise KvlensError(f"Layer {layer} was not recorded in this run; recorded layers: "
-                              f"{', '.join(map(str, layers))}.")
+            raise KvlensError(
+                f"Layer {layer} was not recorded in this run; recorded layers: {', '.join(map(str, layers))}."
+            )
         raise KvlensError(f"Layer {layer} is out of range: the model has layers 0 to {total - 1}.")
 
 
@@ -69,12 +73,15 @@ def head_states(run: Run, kind: str, layer: int, head: int) -> torch.Tensor:
     x = states(run, kind, layer)
     if not 0 <= head < x.shape[0]:
         what = "query" if kind_code(kind) == "q" else "KV"
-        raise KvlensError(f"Head {head} is out of range: layer {layer} has {what} heads 0 to {x.shape[0] - 1}.")
+        raise KvlensError(
+            f"Head {head} is out of range: layer {layer} has {what} heads 0 to {x.shape[0] - 1}."
+        )
     return x[head]
 
 
-def attention_chunks(q: torch.Tensor, k: torch.Tensor, start: int = 0, stop: int | None = None,
-                     scale: float | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
+def attention_chunks(
+    q: torch.Tensor, k: torch.Tensor, start: int = 0, stop: int | None = None, scale: float | None = None
+) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Causal softmax attention of query rows `[start, stop)`, a chunk of rows at a time.
 
     q `(Hq, T, D)`, k `(Hkv, T, D)` with Hq a multiple of Hkv (GQA: query head h reads KV head
@@ -124,7 +131,9 @@ def parse_states(text: str, many: bool = True) -> list[str]:
     """'key' or 'key,value' -> the state kinds; one sentence for anything else (or for several when not `many`)."""
     states = [x.strip() for x in text.split(",") if x.strip()]
     if not states or any(x not in KINDS for x in states):
-        raise KvlensError(f"--state takes query, key or value (comma-separated for a similarity figure); got '{text}'.")
+        raise KvlensError(
+            f"--state takes query, key or value (comma-separated for a similarity figure); got '{text}'."
+        )
     if len(states) > 1 and not many:
         raise KvlensError(f"This analysis takes one --state; got '{text}'.")
     return states

@@ -2,6 +2,7 @@
 
 Bad input exits with code 2 and one sentence on stderr, never a traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -10,9 +11,14 @@ import sys
 
 from kvlens.errors import Cancelled, KvlensError, one_line
 
-COMMAND_MODULES = ["kvlens.cli.run_commands", "kvlens.cli.sweep_commands", "kvlens.cli.analysis_commands",
-                   "kvlens.cli.bench_commands", "kvlens.cli.compare_commands",
-                   "kvlens.cli.explain_commands"]
+COMMAND_MODULES = [
+    "kvlens.cli.run_commands",
+    "kvlens.cli.sweep_commands",
+    "kvlens.cli.analysis_commands",
+    "kvlens.cli.bench_commands",
+    "kvlens.cli.compare_commands",
+    "kvlens.cli.explain_commands",
+]
 
 
 class Parser(argparse.ArgumentParser):
@@ -44,12 +50,18 @@ def main(argv: list[str] | None = None) -> int:
         print("kvlens: stopped; nothing was saved.", file=sys.stderr)
         return 130
     except MemoryError:
-        print("kvlens: error: out of memory; try a shorter text, fewer tokens or a smaller model.", file=sys.stderr)
+        print(
+            "kvlens: error: out of memory; try a shorter text, fewer tokens or a smaller model.",
+            file=sys.stderr,
+        )
         return 2
     except RuntimeError as err:
         if "out of memory" in str(err).lower():
-            print(f"kvlens: error: out of memory ({str(err).splitlines()[0][:160]}); "
-                  "try a shorter text or a smaller model.", file=sys.stderr)
+            print(
+                f"kvlens: error: out of memory ({str(err).splitlines()[0][:160]}); "
+                "try a shorter text or a smaller model.",
+                file=sys.stderr,
+            )
             return 2
         raise
 

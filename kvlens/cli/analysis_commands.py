@@ -4,6 +4,7 @@ and `kvlens analyze --list`, all derived from the analysis registry (`kvlens.ana
 
 Each KIND is a subcommand with its own parameters (`kvlens analyze similarity --help`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,11 @@ from pathlib import Path
 from kvlens.cli.common import add_model_args, command_line, load, print_json
 from kvlens.errors import KvlensError
 
-INPUTS = {"run": "a run (--run DIR)", "runs": "several runs (--run DIR, repeated)",
-          "model": "the model, over the bundled texts"}
+INPUTS = {
+    "run": "a run (--run DIR)",
+    "runs": "several runs (--run DIR, repeated)",
+    "model": "the model, over the bundled texts",
+}
 
 
 def register(sub) -> None:
@@ -22,62 +26,110 @@ def register(sub) -> None:
 
     known = analyses()
     for command, helptext, func in (
-            ("analyze", "compute a paper's analysis and print it (--list: the analyses)", cmd_analyze),
-            ("figure", "export a paper-style figure (.png/.svg/.pdf) with its data (.csv) and config (.json)",
-             cmd_figure)):
+        ("analyze", "compute a paper's analysis and print it (--list: the analyses)", cmd_analyze),
+        (
+            "figure",
+            "export a paper-style figure (.png/.svg/.pdf) with its data (.csv) and config (.json)",
+            cmd_figure,
+        ),
+    ):
         p = sub.add_parser(command, help=helptext, description=helptext)
-        p.add_argument("--list", action="store_true", help="list the analyses, their paper figures and parameters")
+        p.add_argument(
+            "--list", action="store_true", help="list the analyses, their paper figures and parameters"
+        )
         p.add_argument("--json", action="store_true", help="print JSON (with --list: the list)")
-        kinds = p.add_subparsers(dest="kind", metavar="KIND", parser_class=type(p),
-                                 help=", ".join(f"{name} ({cls.paper})" for name, cls in known.items()))
+        kinds = p.add_subparsers(
+            dest="kind",
+            metavar="KIND",
+            parser_class=type(p),
+            help=", ".join(f"{name} ({cls.paper})" for name, cls in known.items()),
+        )
         for name, cls in known.items():
             _add_kind(kinds, name, cls, command)
         p.set_defaults(func=func)
     helptext = "write one self-contained HTML report of runs: settings, command, metrics, figures, kept text"
-    p = sub.add_parser("report", help=helptext, description=helptext + "; it opens offline (plotly.js inlined).")
-    p.add_argument("--run", action="append", default=[], metavar="DIR",
-                   help="recorded run; repeat for several (compared side by side first)")
-    p.add_argument("--explain", action="append", default=[], metavar="FILE.json",
-                   help="a `kvlens explain --out` result (the Why page's figures); repeat for several")
+    p = sub.add_parser(
+        "report", help=helptext, description=helptext + "; it opens offline (plotly.js inlined)."
+    )
+    p.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="recorded run; repeat for several (compared side by side first)",
+    )
+    p.add_argument(
+        "--explain",
+        action="append",
+        default=[],
+        metavar="FILE.json",
+        help="a `kvlens explain --out` result (the Why page's figures); repeat for several",
+    )
     p.add_argument("--out", required=True, metavar="FILE.html", help="the report to write")
     p.set_defaults(func=cmd_report)
 
 
 def _add_kind(kinds, name: str, cls, command: str) -> None:
-    level = "" if cls.inputs == "model" else f", recorded with --record {cls.level} or more" + \
-        (" and --measure" if cls.measured else "")
+    level = (
+        ""
+        if cls.inputs == "model"
+        else f", recorded with --record {cls.level} or more" + (" and --measure" if cls.measured else "")
+    )
     replays = "; replays the run's tokens through its model" if cls.replays else ""
-    k = kinds.add_parser(name, help=cls.paper, description=f"{name}: {cls.paper}. Reads {INPUTS[cls.inputs]}{level}"
-                                                           f"{replays}. {cls.see_also}".strip())
+    k = kinds.add_parser(
+        name,
+        help=cls.paper,
+        description=f"{name}: {cls.paper}. Reads {INPUTS[cls.inputs]}{level}"
+        f"{replays}. {cls.see_also}".strip(),
+    )
     if cls.inputs != "model":
-        k.add_argument("--run", action="append", default=[], metavar="DIR",
-                       help="recorded run" + ("; repeat for several" if cls.inputs == "runs" else ""))
+        k.add_argument(
+            "--run",
+            action="append",
+            default=[],
+            metavar="DIR",
+            help="recorded run" + ("; repeat for several" if cls.inputs == "runs" else ""),
+        )
     for prm in cls.params:
         shown = "" if prm.default in (None, ()) else f" (default {prm.default})"
-        k.add_argument(prm.flag, dest=f"param_{prm.name}", metavar=prm.name.upper(), default=argparse.SUPPRESS,
-                       type=_flag_type(prm),
-                       action="append" if prm.many else "store", help=prm.help + shown)
+        k.add_argument(
+            prm.flag,
+            dest=f"param_{prm.name}",
+            metavar=prm.name.upper(),
+            default=argparse.SUPPRESS,
+            type=_flag_type(prm),
+            action="append" if prm.many else "store",
+            help=prm.help + shown,
+        )
     if cls.inputs == "model":
         add_model_args(k)
     if cls.replays:
-        k.add_argument("--device", default="auto", help="where to run the run's model: auto (CUDA, MPS, CPU), cpu, "
-                                                        "cuda, cuda:N or mps")
+        k.add_argument(
+            "--device",
+            default="auto",
+            help="where to run the run's model: auto (CUDA, MPS, CPU), cpu, cuda, cuda:N or mps",
+        )
         k.add_argument("--dtype", help="the model's dtype (default: the run's)")
     if command == "analyze":
         k.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
     else:
-        k.add_argument("--out", required=True,
-                       help="FILE.png, .svg or .pdf (FILE.csv and FILE.json are written beside it)")
+        k.add_argument(
+            "--out",
+            required=True,
+            help="FILE.png, .svg or .pdf (FILE.csv and FILE.json are written beside it)",
+        )
         k.add_argument("--scale", type=float, default=2.0, help="PNG pixel scale")
 
 
 def _flag_type(prm):
     """argparse's `type` for a parameter's flag: one item of its kind (checked with the others before loading)."""
+
     def parse(text: str):
         try:
             return prm.parse_item(text)
         except KvlensError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
+
     return parse
 
 
@@ -121,8 +173,12 @@ def _print_list(as_json: bool) -> None:
         print_json(described)
         return
     for d in described:
-        needs = INPUTS[d["inputs"]] + (f" at --record {d['level']}" if d["level"] else "") + \
-            (", made with --measure" if d["measured"] else "") + (", and replays it" if d["replays"] else "")
+        needs = (
+            INPUTS[d["inputs"]]
+            + (f" at --record {d['level']}" if d["level"] else "")
+            + (", made with --measure" if d["measured"] else "")
+            + (", and replays it" if d["replays"] else "")
+        )
         print(f"{d['name']:<20} {d['paper']}; reads {needs}")
         for p in d["params"]:
             shown = "" if p["default"] in (None, ()) else f" (default {p['default']})"
@@ -131,6 +187,7 @@ def _print_list(as_json: bool) -> None:
 
 def _print_text(result: dict) -> None:
     """A compact human rendering: scalars as they are, number lists rounded."""
+
     def fmt(v):
         if isinstance(v, float):
             return f"{v:.4g}"
@@ -178,8 +235,16 @@ def cmd_figure(args) -> int:
     if args.list:
         _print_list(args.json)
         return 0
-    if args.kind is not None and Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf", ".csv", ".json"):
-        raise KvlensError(f"--out must end in .png, .svg or .pdf (or .csv/.json for data only); got '{args.out}'.")
+    if args.kind is not None and Path(args.out).suffix.lower() not in (
+        ".png",
+        ".svg",
+        ".pdf",
+        ".csv",
+        ".json",
+    ):
+        raise KvlensError(
+            f"--out must end in .png, .svg or .pdf (or .csv/.json for data only); got '{args.out}'."
+        )
     fig = _call(args, analysis_figure)
     for path in export_figure(fig, args.out, args.scale, command_line()):
         print(path)
@@ -193,7 +258,9 @@ def read_explain(path: str) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         raise KvlensError(f"{path} is not a readable kvlens explain result (JSON).") from None
     if not isinstance(result, dict) or not {"case", "groups", "all_groups", "no_groups"} <= set(result):
-        raise KvlensError(f"{path} is not a kvlens explain result (it lacks case, groups, all_groups, no_groups).")
+        raise KvlensError(
+            f"{path} is not a kvlens explain result (it lacks case, groups, all_groups, no_groups)."
+        )
     return result
 
 

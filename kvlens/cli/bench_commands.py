@@ -1,4 +1,5 @@
 """`kvlens bench tasks|frontier|speed|ppl|needle`: paper-style tables and figures, saved under results/ for the app."""
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,18 @@ DEFAULT_TASKS = "niah_single,niah_multikey,niah_multivalue,niah_multiquery,fwe"
 
 
 def register(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: task accuracy, quality at equal bytes, speed and memory, "
-                                         "perplexity, needle in a haystack")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: task accuracy, quality at equal bytes, speed and memory, "
+        "perplexity, needle in a haystack",
+    )
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH", parser_class=type(bench))
 
     p = bsub.add_parser("ppl", help="teacher-forced perplexity, policies x budgets x bundled texts")
     _common(p, ALL_POLICIES)
-    p.add_argument("--budgets", default="0.5,0.25,64", help="comma-separated slots (64) or prompt shares (0.5)")
+    p.add_argument(
+        "--budgets", default="0.5,0.25,64", help="comma-separated slots (64) or prompt shares (0.5)"
+    )
     p.add_argument("--texts", type=int, default=3, help="how many bundled texts (default 3)")
     p.add_argument("--prefill", type=int, default=384)
     p.add_argument("--tokens", type=int, default=96, help="tokens scored after the prefill")
@@ -43,84 +49,165 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_needle)
     _quick(p, policies="full;streaming_llm;h2o", lengths="256,512", depths="0.5,1")
 
-    p = bsub.add_parser("tasks", help="task accuracy (RULER-style) under compression: policies x ratios x tasks "
-                                      "x lengths")
+    p = bsub.add_parser(
+        "tasks", help="task accuracy (RULER-style) under compression: policies x ratios x tasks x lengths"
+    )
     _common(p, DEFAULT_TASK_POLICIES)
-    p.add_argument("--ratios", default="0.25,0.5,0.75,0.875",
-                   help="comma-separated compression ratios: the share of the context removed (kvpress's)")
-    p.add_argument("--tasks", help=f"comma-separated tasks (default: {DEFAULT_TASKS}; all: "
-                                   "niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe,fwe)")
+    p.add_argument(
+        "--ratios",
+        default="0.25,0.5,0.75,0.875",
+        help="comma-separated compression ratios: the share of the context removed (kvpress's)",
+    )
+    p.add_argument(
+        "--tasks",
+        help=f"comma-separated tasks (default: {DEFAULT_TASKS}; all: "
+        "niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe,fwe)",
+    )
     p.add_argument("--lengths", help="comma-separated context lengths in tokens (default 1024,2048,4096)")
     p.add_argument("--count", type=int, help="samples per task and length (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated samples")
-    p.add_argument("--samples", metavar="FILE.jsonl",
-                   help='your own samples instead, one {"context", "question", "answers", "task"} per line')
+    p.add_argument(
+        "--samples",
+        metavar="FILE.jsonl",
+        help='your own samples instead, one {"context", "question", "answers", "task"} per line',
+    )
     p.add_argument("--dump-samples", metavar="FILE.jsonl", help="write the generated samples there and stop")
-    p.add_argument("--query-aware", action="store_true", help="compress context and question together (SnapKV's "
-                                                              "setting) instead of the context alone")
+    p.add_argument(
+        "--query-aware",
+        action="store_true",
+        help="compress context and question together (SnapKV's setting) instead of the context alone",
+    )
     p.add_argument("--no-chat", action="store_true", help="plain text prompt instead of the chat template")
-    p.add_argument("--full-answers", action="store_true",
-                   help="generate every answer to the task's length limit (default: stop once every expected "
-                        "string is in it, which leaves the score unchanged)")
-    p.add_argument("--rounding", choices=("kvpress", "kvlens"), default="kvpress",
-                   help="kept slots at a ratio: kvpress's int(T * (1 - ratio)) (default), or kvlens's earlier "
-                        "T - int(T * ratio), one more when T * ratio is not whole")
-    p.add_argument("--depths", choices=("stratified", "random"), default="stratified",
-                   help="needle depths: sample i of n in the i-th n-th of the context (default), or RULER's "
-                        "uniformly random boundaries (the samples made before this option)")
-    p.add_argument("--one-by-one", action="store_true",
-                   help="answer from each compressed cache in turn (default: all of a sample's caches in one batch "
-                        "per token; the same answers up to float rounding, several times faster)")
+    p.add_argument(
+        "--full-answers",
+        action="store_true",
+        help="generate every answer to the task's length limit (default: stop once every expected "
+        "string is in it, which leaves the score unchanged)",
+    )
+    p.add_argument(
+        "--rounding",
+        choices=("kvpress", "kvlens"),
+        default="kvpress",
+        help="kept slots at a ratio: kvpress's int(T * (1 - ratio)) (default), or kvlens's earlier "
+        "T - int(T * ratio), one more when T * ratio is not whole",
+    )
+    p.add_argument(
+        "--depths",
+        choices=("stratified", "random"),
+        default="stratified",
+        help="needle depths: sample i of n in the i-th n-th of the context (default), or RULER's "
+        "uniformly random boundaries (the samples made before this option)",
+    )
+    p.add_argument(
+        "--one-by-one",
+        action="store_true",
+        help="answer from each compressed cache in turn (default: all of a sample's caches in one batch "
+        "per token; the same answers up to float rounding, several times faster)",
+    )
     add_executor_args(p)
     p.set_defaults(func=cmd_tasks)
     # quick: 2 local workers when there are 2 CPUs (decoding a small model uses them better than 2 threads)
-    _quick(p, policies="full;streaming_llm;snapkv;cam", ratios="0.5,0.875", tasks="niah_single,vt",
-           lengths="1024", count=5, workers=2 if (os.cpu_count() or 1) >= 2 else None)
-    p.set_defaults(parser_defaults={**p.get_default("parser_defaults"), "tasks": DEFAULT_TASKS,
-                                    "lengths": "1024,2048,4096", "count": 8})
+    _quick(
+        p,
+        policies="full;streaming_llm;snapkv;cam",
+        ratios="0.5,0.875",
+        tasks="niah_single,vt",
+        lengths="1024",
+        count=5,
+        workers=2 if (os.cpu_count() or 1) >= 2 else None,
+    )
+    p.set_defaults(
+        parser_defaults={
+            **p.get_default("parser_defaults"),
+            "tasks": DEFAULT_TASKS,
+            "lengths": "1024,2048,4096",
+            "count": 8,
+        }
+    )
 
-    p = bsub.add_parser("frontier", help="perplexity and task score against KV bytes: eviction, merging, "
-                                         "quantized and low-rank storage, and their mixes at equal bytes")
-    p.add_argument("--byte-shares", default="0.5,0.25,0.125",
-                   help="comma-separated byte budgets, shares of the full cache's bytes (default 0.5,0.25,0.125)")
+    p = bsub.add_parser(
+        "frontier",
+        help="perplexity and task score against KV bytes: eviction, merging, "
+        "quantized and low-rank storage, and their mixes at equal bytes",
+    )
+    p.add_argument(
+        "--byte-shares",
+        default="0.5,0.25,0.125",
+        help="comma-separated byte budgets, shares of the full cache's bytes (default 0.5,0.25,0.125)",
+    )
     p.add_argument("--evict", default="h2o;tova;snapkv", help="';'-separated eviction policies ('' for none)")
     p.add_argument("--merge", default="cam;weightedkv", help="';'-separated merging policies ('' for none)")
     p.add_argument("--bits", default="8,4,2", help="quantization alone: every slot at these bits")
     p.add_argument("--mix", default="h2o", help="the eviction policy of the mixes ('' for none)")
     p.add_argument("--mix-bits", default="8,4", help="the mixes' bits")
-    p.add_argument("--rank-layers", type=int, default=4,
-                   help="the cross-layer low-rank cells' group of adjacent layers (xKV-4, the paper's largest "
-                        "group; 0: no cross-layer cells)")
+    p.add_argument(
+        "--rank-layers",
+        type=int,
+        default=4,
+        help="the cross-layer low-rank cells' group of adjacent layers (xKV-4, the paper's largest "
+        "group; 0: no cross-layer cells)",
+    )
     add_storage_args(p, bits=False)
     p.add_argument("--texts", type=int, default=3, help="how many bundled texts (default 3)")
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--tokens", type=int, default=64, help="tokens scored after the prefill")
-    p.add_argument("--task-count", type=int, default=2,
-                   help="task samples per task and length, scored as `bench tasks` does (0: perplexity only)")
-    p.add_argument("--tasks", default="niah_single,niah_multikey", help="comma-separated tasks of the task cells")
+    p.add_argument(
+        "--task-count",
+        type=int,
+        default=2,
+        help="task samples per task and length, scored as `bench tasks` does (0: perplexity only)",
+    )
+    p.add_argument(
+        "--tasks", default="niah_single,niah_multikey", help="comma-separated tasks of the task cells"
+    )
     p.add_argument("--task-lengths", default="1024", help="comma-separated context lengths of the task cells")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated task samples")
     _common(p, None)
     add_executor_args(p)
     p.set_defaults(func=cmd_frontier)
-    _quick(p, byte_shares="0.25,0.125", evict="h2o", merge="cam", bits="4", mix_bits="8", texts=2, prefill=256,
-           tokens=32, task_count=0)
+    _quick(
+        p,
+        byte_shares="0.25,0.125",
+        evict="h2o",
+        merge="cam",
+        bits="4",
+        mix_bits="8",
+        texts=2,
+        prefill=256,
+        tokens=32,
+        task_count=0,
+    )
 
     p = bsub.add_parser("speed", help="prefill, ms/token, KV bytes, peak memory per policy; target ratios")
     _common(p, ALL_POLICIES)
     p.add_argument("--lengths", default="256,1024,2048", help="comma-separated prompt lengths")
     p.add_argument("--steps", type=int, default=32, help="generated tokens per run")
-    p.add_argument("--budget", type=float, default=0.5, help="share of the prompt kept by compressing policies")
+    p.add_argument(
+        "--budget", type=float, default=0.5, help="share of the prompt kept by compressing policies"
+    )
     p.add_argument("--repeats", type=int, default=3, help="repeats of each side of each ratio")
     p.add_argument("--ratio-length", type=int, default=1024, help="prompt length the ratios are measured at")
-    p.add_argument("--evict-lengths", default="1024,4096,8192",
-                   help="prompt lengths of the evict_half_vs_full ratios (capped at the context minus --steps)")
-    p.add_argument("--lockstep", default="all",
-                   help="policies measured against full in the evict lockstep for the every_policy_* ratios: 'all' "
-                        "(every registered policy), a comma-separated list, or 'none'")
+    p.add_argument(
+        "--evict-lengths",
+        default="1024,4096,8192",
+        help="prompt lengths of the evict_half_vs_full ratios (capped at the context minus --steps)",
+    )
+    p.add_argument(
+        "--lockstep",
+        default="all",
+        help="policies measured against full in the evict lockstep for the every_policy_* ratios: 'all' "
+        "(every registered policy), a comma-separated list, or 'none'",
+    )
     p.set_defaults(func=cmd_speed)
-    _quick(p, policies="full;streaming_llm;h2o;cam", lengths="256,1024", steps=16, repeats=3, ratio_length=512,
-           evict_lengths="1024,4096")
+    _quick(
+        p,
+        policies="full;streaming_llm;h2o;cam",
+        lengths="256,1024",
+        steps=16,
+        repeats=3,
+        ratio_length=512,
+        evict_lengths="1024,4096",
+    )
 
 
 def _quick(p, **settings) -> None:
@@ -132,10 +219,15 @@ def _quick(p, **settings) -> None:
 
 def _common(p, policies: str | None) -> None:
     if policies is not None:
-        p.add_argument("--policies", default=policies,
-                       help=f"policies separated by ';' (or ',' between them), each `name` or `name:key=value,...` "
-                            f"(default: {policies})")
-    p.add_argument("--quick", action="store_true", help="small settings (minutes); results go to *_quick files")
+        p.add_argument(
+            "--policies",
+            default=policies,
+            help=f"policies separated by ';' (or ',' between them), each `name` or `name:key=value,...` "
+            f"(default: {policies})",
+        )
+    p.add_argument(
+        "--quick", action="store_true", help="small settings (minutes); results go to *_quick files"
+    )
     p.add_argument("--out-dir", default="results", help="where JSON, CSV and PNG go (default results/)")
     p.add_argument("--no-figure", action="store_true", help="skip the PNG (needs Chromium)")
     p.add_argument("--json", action="store_true", help="print the whole result as JSON")
@@ -170,8 +262,19 @@ def _finish(args, result: dict, rows: list[dict], fig, stem: str, text: str) -> 
     return 0
 
 
-def _run_grid(args, cells: list[dict], texts: dict[str, str], config: dict, stem: str, summarise, figure,
-              table, implied: dict | None = None, complete=None, figures: tuple = ()) -> int:
+def _run_grid(
+    args,
+    cells: list[dict],
+    texts: dict[str, str],
+    config: dict,
+    stem: str,
+    summarise,
+    figure,
+    table,
+    implied: dict | None = None,
+    complete=None,
+    figures: tuple = (),
+) -> int:
     """Run a benchmark's cells (resumable, on the chosen executor), then add its summary, figure and table.
     `implied`: what older rows lacking a cell field had (`grid.Results`); `complete(rows)`: fills in what older
     rows lack; `figures`: more (file stem suffix, figure of the result or None) pairs."""
@@ -182,8 +285,11 @@ def _run_grid(args, cells: list[dict], texts: dict[str, str], config: dict, stem
     executor = f"{args.workers} processes" if args.workers else "in-process"
     if args.ray is not None:
         executor = "ray"
-    settings = {"command": command_line(), "config": config,
-                "environment": {**environment(), "model": args.model, "executor": executor}}
+    settings = {
+        "command": command_line(),
+        "config": config,
+        "environment": {**environment(), "model": args.model, "executor": executor},
+    }
     results = run_cells(args, Path(args.out_dir) / f"{stem}.json", cells, texts, settings, stem, implied)
     if complete is not None:
         complete(results.ordered())
@@ -220,12 +326,31 @@ def cmd_ppl(args) -> int:
     if args.prefill < 1 or args.tokens < 1 or args.texts < 1:
         raise KvlensError("--prefill, --tokens and --texts must all be at least 1.")
     texts = bundled.bundled(args.texts, min_chars=8 * (args.prefill + args.tokens))
-    cells = plan_ppl([(p.name, dict(p.params)) for p in policies], budgets, texts, [args.prefill],
-                     tokens=args.tokens, model=args.model)
-    config = {"policies": [p.label for p in policies], "budgets": budgets, "texts": list(texts),
-              "prefill": args.prefill, "tokens": args.tokens}
-    return _run_grid(args, cells, texts, config, "bench_ppl" + suffix, ppl.summarise, ppl.figure,
-                     lambda result: ppl.markdown_table(result["summary"]))
+    cells = plan_ppl(
+        [(p.name, dict(p.params)) for p in policies],
+        budgets,
+        texts,
+        [args.prefill],
+        tokens=args.tokens,
+        model=args.model,
+    )
+    config = {
+        "policies": [p.label for p in policies],
+        "budgets": budgets,
+        "texts": list(texts),
+        "prefill": args.prefill,
+        "tokens": args.tokens,
+    }
+    return _run_grid(
+        args,
+        cells,
+        texts,
+        config,
+        "bench_ppl" + suffix,
+        ppl.summarise,
+        ppl.figure,
+        lambda result: ppl.markdown_table(result["summary"]),
+    )
 
 
 def cmd_frontier(args) -> int:
@@ -243,34 +368,70 @@ def cmd_frontier(args) -> int:
         raise KvlensError("--bits and --mix-bits take 2, 4 and 8.")
     if args.prefill < 1 or args.tokens < 1 or args.texts < 1:
         raise KvlensError("--prefill, --tokens and --texts must all be at least 1.")
-    specs = {name: [(p.name, dict(p.params)) for p in parse_policies(text)] if text.strip() else []
-             for name, text in (("evict", args.evict), ("merge", args.merge), ("mix", args.mix))}
+    specs = {
+        name: [(p.name, dict(p.params)) for p in parse_policies(text)] if text.strip() else []
+        for name, text in (("evict", args.evict), ("merge", args.merge), ("mix", args.mix))
+    }
     args.kv_bits = 4  # the scheme, group and window of every quantized cell
     if args.task_count < 0:
         raise KvlensError("--task-count must be 0 (perplexity only) or more.")
     if args.rank_layers < 0:
         raise KvlensError("--rank-layers must be 0 (no cross-layer low rank) or more.")
     texts = bundled.bundled(args.texts, min_chars=8 * (args.prefill + args.tokens))
-    families = dict(evictors=specs["evict"], mergers=specs["merge"], bits=bits,
-                    mix=specs["mix"][0] if specs["mix"] else None, mix_bits=mix_bits, storage=storage(args),
-                    rank_layers=args.rank_layers or None)
-    cells = frontier.plan_frontier(shares, texts, prefill=args.prefill, tokens=args.tokens, model=args.model,
-                                   **families)
+    families = dict(
+        evictors=specs["evict"],
+        mergers=specs["merge"],
+        bits=bits,
+        mix=specs["mix"][0] if specs["mix"] else None,
+        mix_bits=mix_bits,
+        storage=storage(args),
+        rank_layers=args.rank_layers or None,
+    )
+    cells = frontier.plan_frontier(
+        shares, texts, prefill=args.prefill, tokens=args.tokens, model=args.model, **families
+    )
     names = parse_list(args.tasks, "--tasks", kind=str) if args.task_count else []
     lengths = parse_list(args.task_lengths, "--task-lengths", minimum=1) if args.task_count else []
     haystack = {"haystack": " ".join(bundled.bundled().values())} if args.task_count else {}
     if args.task_count:
-        cells += frontier.plan_frontier_tasks(shares, tasks=names, lengths=lengths, count=args.task_count,
-                                              seed=args.seed, source=tasks.digest(haystack["haystack"]),
-                                              model=args.model, **families)
-    config = {"byte_shares": shares, "evict": args.evict, "merge": args.merge, "bits": bits, "mix": args.mix,
-              "mix_bits": mix_bits, "rank_layers": args.rank_layers, "storage": storage(args).describe(),
-              "texts": list(texts),
-              "prefill": args.prefill, "tokens": args.tokens, "tasks": names, "task_lengths": lengths,
-              "task_count": args.task_count, "seed": args.seed}
+        cells += frontier.plan_frontier_tasks(
+            shares,
+            tasks=names,
+            lengths=lengths,
+            count=args.task_count,
+            seed=args.seed,
+            source=tasks.digest(haystack["haystack"]),
+            model=args.model,
+            **families,
+        )
+    config = {
+        "byte_shares": shares,
+        "evict": args.evict,
+        "merge": args.merge,
+        "bits": bits,
+        "mix": args.mix,
+        "mix_bits": mix_bits,
+        "rank_layers": args.rank_layers,
+        "storage": storage(args).describe(),
+        "texts": list(texts),
+        "prefill": args.prefill,
+        "tokens": args.tokens,
+        "tasks": names,
+        "task_lengths": lengths,
+        "task_count": args.task_count,
+        "seed": args.seed,
+    }
     texts = {**texts, **haystack}
-    return _run_grid(args, cells, texts, config, "bench_frontier" + suffix, frontier.summarise, frontier.figure,
-                     lambda result: frontier.table(result["summary"]))
+    return _run_grid(
+        args,
+        cells,
+        texts,
+        config,
+        "bench_frontier" + suffix,
+        frontier.summarise,
+        frontier.figure,
+        lambda result: frontier.table(result["summary"]),
+    )
 
 
 def cmd_needle(args) -> int:
@@ -288,17 +449,38 @@ def cmd_needle(args) -> int:
         raise KvlensError("--max-new-tokens must be at least 1.")
     texts = {"haystack": " ".join(bundled.bundled().values())}
     budget = parse_budget(args.budget)
-    cells = needle.plan_needle([(p.name, dict(p.params)) for p in policies], lengths, depths, budget=budget,
-                               filler_text=texts["haystack"], model=args.model, max_new_tokens=args.max_new_tokens,
-                               chat=not args.no_chat)
-    config = {"policies": [p.label for p in policies], "lengths": lengths, "depths": depths, "budget": budget,
-              "needle": needle.NEEDLE, "question": needle.QUESTION, "answer": needle.ANSWER, "chat": not args.no_chat,
-              "max_new_tokens": args.max_new_tokens}
+    cells = needle.plan_needle(
+        [(p.name, dict(p.params)) for p in policies],
+        lengths,
+        depths,
+        budget=budget,
+        filler_text=texts["haystack"],
+        model=args.model,
+        max_new_tokens=args.max_new_tokens,
+        chat=not args.no_chat,
+    )
+    config = {
+        "policies": [p.label for p in policies],
+        "lengths": lengths,
+        "depths": depths,
+        "budget": budget,
+        "needle": needle.NEEDLE,
+        "question": needle.QUESTION,
+        "answer": needle.ANSWER,
+        "chat": not args.no_chat,
+        "max_new_tokens": args.max_new_tokens,
+    }
 
     def table(result):
-        return "\n".join(f"{s['policy']:<16} found {s['score']:.0%}  by length "
-                         + ", ".join(f"{n}: {v:.0%}" for n, v in s["by_length"].items()) for s in result["summary"])
-    return _run_grid(args, cells, texts, config, "bench_needle" + suffix, needle.summarise, needle.figure, table)
+        return "\n".join(
+            f"{s['policy']:<16} found {s['score']:.0%}  by length "
+            + ", ".join(f"{n}: {v:.0%}" for n, v in s["by_length"].items())
+            for s in result["summary"]
+        )
+
+    return _run_grid(
+        args, cells, texts, config, "bench_needle" + suffix, needle.summarise, needle.figure, table
+    )
 
 
 def cmd_speed(args) -> int:
@@ -326,18 +508,31 @@ def cmd_speed(args) -> int:
             f.write(json.dumps(row) + "\n")
 
     with bar:
-        result = speed.bench_speed(model, policies, lengths, text=text, steps=args.steps, budget=args.budget,
-                                   repeats=args.repeats, ratio_length=args.ratio_length, evict_lengths=evict_lengths,
-                                   every=every, tick=lambda: bar.update(1), on_row=on_row)
+        result = speed.bench_speed(
+            model,
+            policies,
+            lengths,
+            text=text,
+            steps=args.steps,
+            budget=args.budget,
+            repeats=args.repeats,
+            ratio_length=args.ratio_length,
+            evict_lengths=evict_lengths,
+            every=every,
+            tick=lambda: bar.update(1),
+            on_row=on_row,
+        )
     lines = [speed.markdown_table(result), ""]
     for key, value in result["ratios"].items():
         verdict = result["targets"].get(key)
         cpu = result["ratios_cpu"].get(key)
         worst = result["ratio_details"].get(key, {}).get("worst")
-        lines.append(f"{key:<38} {value:.3f}"
-                     + (f"  target {verdict['target']}: {'met' if verdict['met'] else 'NOT met'}" if verdict else "")
-                     + (f"  (worst: {worst})" if worst else "")
-                     + (f"  (CPU time: {cpu:.3f})" if cpu is not None else ""))
+        lines.append(
+            f"{key:<38} {value:.3f}"
+            + (f"  target {verdict['target']}: {'met' if verdict['met'] else 'NOT met'}" if verdict else "")
+            + (f"  (worst: {worst})" if worst else "")
+            + (f"  (CPU time: {cpu:.3f})" if cpu is not None else "")
+        )
     return _finish(args, result, result["rows"], None, "bench_speed" + suffix, "\n".join(lines))
 
 
@@ -351,7 +546,9 @@ def _lockstep(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise KvlensError(f"--lockstep takes 'all', 'none' or policies among {', '.join(known)}; got '{text}'.")
+        raise KvlensError(
+            f"--lockstep takes 'all', 'none' or policies among {', '.join(known)}; got '{text}'."
+        )
     return names
 
 
@@ -366,8 +563,14 @@ def cmd_tasks(args) -> int:
     ratios = parse_list(args.ratios, "--ratios", kind=float)
     if args.count < 1:
         raise KvlensError("--count must be at least 1.")
-    settings = dict(model=args.model, query_aware=args.query_aware, chat=not args.no_chat,
-                    stop_when_found=not args.full_answers, batch=not args.one_by_one, rounding=args.rounding)
+    settings = dict(
+        model=args.model,
+        query_aware=args.query_aware,
+        chat=not args.no_chat,
+        stop_when_found=not args.full_answers,
+        batch=not args.one_by_one,
+        rounding=args.rounding,
+    )
     if args.samples:
         text = ruler.read_text(args.samples)
         samples = ruler.parse_lines(text, args.samples)
@@ -381,32 +584,67 @@ def cmd_tasks(args) -> int:
         if args.dump_samples:
             model = load(args)
             count = lambda s: len(model.tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
-            out = [ruler.generate(t, n, i, count, texts["haystack"], seed=args.seed, depths=args.depths,
-                                  count=args.count) for t in names for n in lengths for i in range(args.count)]
+            out = [
+                ruler.generate(
+                    t, n, i, count, texts["haystack"], seed=args.seed, depths=args.depths, count=args.count
+                )
+                for t in names
+                for n in lengths
+                for i in range(args.count)
+            ]
             ruler.write_samples(out, args.dump_samples)
             print(f"wrote {len(out)} samples to {args.dump_samples}")
             return 0
-        cells = tasks.plan_tasks(policies, ratios, names, lengths, args.count, seed=args.seed,
-                                 source=tasks.digest(texts["haystack"]), depths=args.depths, **settings)
+        cells = tasks.plan_tasks(
+            policies,
+            ratios,
+            names,
+            lengths,
+            args.count,
+            seed=args.seed,
+            source=tasks.digest(texts["haystack"]),
+            depths=args.depths,
+            **settings,
+        )
         stem = "bench_tasks" + suffix + ("_query_aware" if args.query_aware else "")
-    config = {"policies": cells[0]["policies"] if cells else [], "ratios": ratios, "samples_file": args.samples,
-              "tasks": sorted({c["suite_task"] for c in cells}), "lengths": sorted({c["length"] or 0 for c in cells}),
-              "count": args.count, "seed": args.seed, "depths": None if args.samples else args.depths, **settings}
-    return _run_grid(args, cells, texts, config, stem, tasks.summarise, tasks.figure,
-                     lambda result: tasks.table(result["summary"]), implied=tasks.IMPLIED,
-                     complete=lambda rows: _needle_depths(args, rows, texts),
-                     figures=(("_needles", _needle_figure),))
+    config = {
+        "policies": cells[0]["policies"] if cells else [],
+        "ratios": ratios,
+        "samples_file": args.samples,
+        "tasks": sorted({c["suite_task"] for c in cells}),
+        "lengths": sorted({c["length"] or 0 for c in cells}),
+        "count": args.count,
+        "seed": args.seed,
+        "depths": None if args.samples else args.depths,
+        **settings,
+    }
+    return _run_grid(
+        args,
+        cells,
+        texts,
+        config,
+        stem,
+        tasks.summarise,
+        tasks.figure,
+        lambda result: tasks.table(result["summary"]),
+        implied=tasks.IMPLIED,
+        complete=lambda rows: _needle_depths(args, rows, texts),
+        figures=(("_needles", _needle_figure),),
+    )
 
 
 def _needle_depths(args, rows: list[dict], texts: dict[str, str]) -> None:
     """Rows written before needle depths were recorded get their samples' (the model's tokenizer loaded only then)."""
     from kvlens.experiments.bench import task_needles
 
-    if "haystack" not in texts or all(r.get("needle_depths") is not None or not r["suite_task"].startswith("niah_")
-                                      for r in rows):
+    if "haystack" not in texts or all(
+        r.get("needle_depths") is not None or not r["suite_task"].startswith("niah_") for r in rows
+    ):
         return
     tokenizer = load(args).tokenizer
-    task_needles.fill_depths(rows, lambda s: len(tokenizer(s, add_special_tokens=False).input_ids), texts["haystack"])
+    task_needles.fill_depths(
+        rows, lambda s: len(tokenizer(s, add_special_tokens=False).input_ids), texts["haystack"]
+    )
 
 
 def _needle_figure(result: dict):

@@ -1,4 +1,5 @@
 """`kvlens compare`: the Compare page's table on the command line (`kvlens.experiments.compare`)."""
+
 from __future__ import annotations
 
 import time
@@ -8,19 +9,31 @@ from kvlens.errors import KvlensError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("compare", help="policies against the full cache on one prompt: divergence, perplexity on "
-                                       "the full cache's text, KL, perturbation, memory, speed")
-    p.add_argument("--policies", required=True,
-                   help="comma-separated policy names, or ';'-separated `name:key=value,...` specs (1 to 4)")
-    p.add_argument("--budget", default="0.5",
-                   help="budget of every compressing policy: slots per KV head (64) or a share of the prompt (0.5)")
+    p = sub.add_parser(
+        "compare",
+        help="policies against the full cache on one prompt: divergence, perplexity on "
+        "the full cache's text, KL, perturbation, memory, speed",
+    )
+    p.add_argument(
+        "--policies",
+        required=True,
+        help="comma-separated policy names, or ';'-separated `name:key=value,...` specs (1 to 4)",
+    )
+    p.add_argument(
+        "--budget",
+        default="0.5",
+        help="budget of every compressing policy: slots per KV head (64) or a share of the prompt (0.5)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
     p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--no-generate", action="store_true",
-                   help="skip each policy's own text (the rows' `generated`, resumed from its divergence, and "
-                        "`generate_s`)")
+    p.add_argument(
+        "--no-generate",
+        action="store_true",
+        help="skip each policy's own text (the rows' `generated`, resumed from its divergence, and "
+        "`generate_s`)",
+    )
     p.add_argument("--json", action="store_true")
     add_model_args(p)
     p.set_defaults(func=cmd_compare)
@@ -40,7 +53,10 @@ def policy_entries(text: str, budget: str):
     slots = parse_budget(budget)
     if isinstance(slots, int) and slots < 1:
         raise KvlensError(f"The budget must be a positive number of slots; got {slots}.")
-    return [Entry(name, params, None if make_policy(name, params).budget_free else slots) for name, params in specs]
+    return [
+        Entry(name, params, None if make_policy(name, params).budget_free else slots)
+        for name, params in specs
+    ]
 
 
 def cmd_compare(args) -> int:
@@ -58,33 +74,63 @@ def cmd_compare(args) -> int:
     bar, on_step = progress(args.max_new_tokens * len(entries_with_reference(entries)), "compare")
     t = time.perf_counter()
     with bar:
-        results = compare(model, prompt, entries, args.max_new_tokens, lambda entry, event: on_step(event),
-                          own_text=not args.no_generate)
+        results = compare(
+            model,
+            prompt,
+            entries,
+            args.max_new_tokens,
+            lambda entry, event: on_step(event),
+            own_text=not args.no_generate,
+        )
     wall = time.perf_counter() - t
     generate_s = None if args.no_generate else sum(r.generate_s for r in results)
     rows = table(results)
     reference = results[0].run.meta
-    out = {"command": command_line(), "model": args.model, "prompt_tokens": len(reference["prompt_tokens"]),
-           "new_tokens": args.max_new_tokens, "reference_text": reference["text"], "rows": rows,
-           "wall_s": wall, "generate_s": generate_s}
+    out = {
+        "command": command_line(),
+        "model": args.model,
+        "prompt_tokens": len(reference["prompt_tokens"]),
+        "new_tokens": args.max_new_tokens,
+        "reference_text": reference["text"],
+        "rows": rows,
+        "wall_s": wall,
+        "generate_s": generate_s,
+    }
     if args.json:
         print_json(out)
         return 0
     print(f"full cache: {reference['text']!r}\n")
-    print(f"{'policy':<28}{'diverges':>9}{'agree':>7}{'ppl':>9}{'KL':>9}{'perturb.':>9}{'KV MiB':>8}{'ms/tok':>8}")
+    print(
+        f"{'policy':<28}{'diverges':>9}{'agree':>7}{'ppl':>9}{'KL':>9}{'perturb.':>9}{'KV MiB':>8}{'ms/tok':>8}"
+    )
     for r in rows:
         div = "-" if r["first_divergence"] is None else str(r["first_divergence"])
-        cells = [_fmt(r[k], f) for k, f in (("top1_agreement", ".0%"), ("ppl", ".3f"), ("kl", ".4f"),
-                                             ("perturbation", ".3f"), ("kv_bytes_peak", "mib"),
-                                             ("ms_per_token", ".0f"))]
+        cells = [
+            _fmt(r[k], f)
+            for k, f in (
+                ("top1_agreement", ".0%"),
+                ("ppl", ".3f"),
+                ("kl", ".4f"),
+                ("perturbation", ".3f"),
+                ("kv_bytes_peak", "mib"),
+                ("ms_per_token", ".0f"),
+            )
+        ]
         print(f"{r['policy']:<28}{div:>9}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (7, 9, 9, 9, 8, 8))))
     if generate_s is not None:
         print("\nEach one's own text:")
         for r in rows[1:]:
-            where = "same as the full cache's" if r["generated_divergence"] is None else \
-                f"leaves the full cache's at token {r['generated_divergence']}"
+            where = (
+                "same as the full cache's"
+                if r["generated_divergence"] is None
+                else f"leaves the full cache's at token {r['generated_divergence']}"
+            )
             print(f"{r['policy']:<28}{where}: {r['generated']!r}")
-    base = "" if generate_s is None else f", of which each one's own text after its divergence {generate_s:.1f} s"
+    base = (
+        ""
+        if generate_s is None
+        else f", of which each one's own text after its divergence {generate_s:.1f} s"
+    )
     print(f"\ncompared in {wall:.1f} s{base}")
     return 0
 

@@ -1,4 +1,5 @@
 """Subcommands that resolve models, list policies, run them and show runs."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -16,11 +17,27 @@ from kvlens.cli.common import (
 from kvlens.errors import KvlensError
 from kvlens.levels import LEVELS
 
-MEASURED = ("perturbation_used", "perturbation_evict", "perturbation_used_median", "perturbation_evict_median",
-            "perturbation_used_pooled", "perturbation_evict_pooled", "merge_better_share", "merge_worse_share",
-            "merge_sign_per_layer", "attention_loss", "kl", "kl_steps", "perturbation_used_per_layer",
-            "perturbation_evict_per_layer", "perturbation_stored", "perturbation_stored_median",
-            "perturbation_stored_pooled", "perturbation_stored_per_layer", "perturbation_sources")
+MEASURED = (
+    "perturbation_used",
+    "perturbation_evict",
+    "perturbation_used_median",
+    "perturbation_evict_median",
+    "perturbation_used_pooled",
+    "perturbation_evict_pooled",
+    "merge_better_share",
+    "merge_worse_share",
+    "merge_sign_per_layer",
+    "attention_loss",
+    "kl",
+    "kl_steps",
+    "perturbation_used_per_layer",
+    "perturbation_evict_per_layer",
+    "perturbation_stored",
+    "perturbation_stored_median",
+    "perturbation_stored_pooled",
+    "perturbation_stored_per_layer",
+    "perturbation_sources",
+)
 
 
 def register(sub) -> None:
@@ -28,14 +45,19 @@ def register(sub) -> None:
     p.add_argument("--model", default="default")
     p.set_defaults(func=cmd_model_path)
 
-    p = sub.add_parser("check-model", help="what kvlens supports of a model: exact, or refused with the reason "
-                                           "(exit 0 exact, 1 refused)")
+    p = sub.add_parser(
+        "check-model",
+        help="what kvlens supports of a model: exact, or refused with the reason (exit 0 exact, 1 refused)",
+    )
     add_model_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_check_model)
 
-    p = sub.add_parser("qfilters", help="compute (once) and cache the model's Q-Filters from the bundled texts "
-                                        "(the qfilter policy reads them)")
+    p = sub.add_parser(
+        "qfilters",
+        help="compute (once) and cache the model's Q-Filters from the bundled texts "
+        "(the qfilter policy reads them)",
+    )
     add_model_args(p)
     p.add_argument("--fresh", action="store_true", help="recompute even when cached")
     p.add_argument("--json", action="store_true")
@@ -52,10 +74,14 @@ def register(sub) -> None:
     src.add_argument("--prompt-file")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples with --seed")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples with --seed"
+    )
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--measure", action="store_true", help="also measure output perturbation and KL to the full cache")
+    p.add_argument(
+        "--measure", action="store_true", help="also measure output perturbation and KL to the full cache"
+    )
     p.add_argument("--record", default="summary", choices=list(LEVELS))
     p.add_argument("--record-layers", help="comma-separated layers to record states/rows for (default: all)")
     p.add_argument("--out", required=True, help="run directory to write")
@@ -70,7 +96,9 @@ def register(sub) -> None:
     p.add_argument("--record", default="summary", choices=list(LEVELS))
     p.add_argument("--out", help="also save the run here")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--measure", action="store_true", help="also measure output perturbation and KL to the full cache")
+    p.add_argument(
+        "--measure", action="store_true", help="also measure output perturbation and KL to the full cache"
+    )
     add_model_args(p)
     p.set_defaults(func=cmd_ppl)
 
@@ -100,41 +128,67 @@ def cmd_qfilters(args) -> int:
 
     model = load(args)
     path = qfilters.path_for(model)
-    bar = tqdm(total=qfilters.TEXTS, desc="Q-Filters", unit="text", file=sys.stderr, leave=False,
-               disable=not sys.stderr.isatty())
+    bar = tqdm(
+        total=qfilters.TEXTS,
+        desc="Q-Filters",
+        unit="text",
+        file=sys.stderr,
+        leave=False,
+        disable=not sys.stderr.isatty(),
+    )
     filters = qfilters.filters_for(model, fresh=args.fresh, progress=lambda done, _: bar.update(done - bar.n))
     bar.close()
-    report = {"model": args.model, "path": str(path), "layers": filters.shape[0], "kv_heads": filters.shape[1],
-              "head_dim": filters.shape[2], "texts": qfilters.TEXTS, "tokens": qfilters.TOKENS,
-              "samples": qfilters.SAMPLES, "fingerprint": qfilters.fingerprint(model)}
+    report = {
+        "model": args.model,
+        "path": str(path),
+        "layers": filters.shape[0],
+        "kv_heads": filters.shape[1],
+        "head_dim": filters.shape[2],
+        "texts": qfilters.TEXTS,
+        "tokens": qfilters.TOKENS,
+        "samples": qfilters.SAMPLES,
+        "fingerprint": qfilters.fingerprint(model),
+    }
     if args.json:
         print_json(report)
     else:
-        print(f"Q-Filters of {args.model}: {filters.shape[0]} layers x {filters.shape[1]} KV heads x "
-              f"{filters.shape[2]}, from {qfilters.TEXTS} bundled texts of {qfilters.TOKENS} tokens -> {path}")
+        print(
+            f"Q-Filters of {args.model}: {filters.shape[0]} layers x {filters.shape[1]} KV heads x "
+            f"{filters.shape[2]}, from {qfilters.TEXTS} bundled texts of {qfilters.TOKENS} tokens -> {path}"
+        )
     return 0
 
 
 def cmd_check_model(args) -> int:
     from kvlens.engine.models import load_model
 
-    model = load_model(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
-                       refuse=False)
+    model = load_model(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+        refuse=False,
+    )
     sup = model.supported()
     report = {"model": args.model, "path": str(model.path), **model.shape(), **sup.as_dict()}
     if args.json:
         print_json(report)
         return 0 if sup.refusal is None else 1
-    rows = [("model", f"{args.model} ({model.path})"),
-            ("architecture", f"{report['architecture']} ({sup.model_class})"),
-            ("shape", f"{report['layers']} layers, {report['heads']} query heads over {report['kv_heads']} KV heads, "
-                      f"head_dim {report['head_dim']}"),
-            ("tokenizer", type(model.tokenizer).__name__),
-            ("positions", sup.positions),
-            ("scaling", ", ".join(f"{x:.6g}" for x in sorted(set(sup.scaling))) or "n/a"),
-            ("sliding", _per_layer(sup.sliding)),
-            ("softcap", _per_layer(sup.softcap)),
-            ("verdict", sup.verdict + (f": {sup.refusal}" if sup.refusal else ""))]
+    rows = [
+        ("model", f"{args.model} ({model.path})"),
+        ("architecture", f"{report['architecture']} ({sup.model_class})"),
+        (
+            "shape",
+            f"{report['layers']} layers, {report['heads']} query heads over {report['kv_heads']} KV heads, "
+            f"head_dim {report['head_dim']}",
+        ),
+        ("tokenizer", type(model.tokenizer).__name__),
+        ("positions", sup.positions),
+        ("scaling", ", ".join(f"{x:.6g}" for x in sorted(set(sup.scaling))) or "n/a"),
+        ("sliding", _per_layer(sup.sliding)),
+        ("softcap", _per_layer(sup.softcap)),
+        ("verdict", sup.verdict + (f": {sup.refusal}" if sup.refusal else "")),
+    ]
     for label, value in rows:
         print(f"{label:<13}{value}")
     return 0 if sup.refusal is None else 1
@@ -144,11 +198,18 @@ def cmd_policies(args) -> int:
     from kvlens.policies import REGISTRY, family, parameters, policy_names, presets
 
     rows: list[dict[str, Any]] = [
-        {"name": name, "family": family(REGISTRY[name]), "description": REGISTRY[name].description,
-         "paper": REGISTRY[name].paper, "budget_free": REGISTRY[name].budget_free,
-         "merges": REGISTRY[name].merges, "parameters": [p.describe() for p in parameters(name)],
-         "presets": presets(name)}
-        for name in policy_names()]
+        {
+            "name": name,
+            "family": family(REGISTRY[name]),
+            "description": REGISTRY[name].description,
+            "paper": REGISTRY[name].paper,
+            "budget_free": REGISTRY[name].budget_free,
+            "merges": REGISTRY[name].merges,
+            "parameters": [p.describe() for p in parameters(name)],
+            "presets": presets(name),
+        }
+        for name in policy_names()
+    ]
     if args.json:
         print_json(rows)
         return 0
@@ -170,8 +231,14 @@ def _options(args, **extra):
         raise KvlensError("--record-layers needs --record states or --record attention.")
     if getattr(args, "record_layers", None):
         layers = parse_list(args.record_layers, "--record-layers", minimum=0)
-    return RunOptions(budget=parse_budget(args.budget), record=args.record, record_layers=layers,
-                      storage=storage(args), prefill_chunk=args.prefill_chunk, **extra)
+    return RunOptions(
+        budget=parse_budget(args.budget),
+        record=args.record,
+        record_layers=layers,
+        storage=storage(args),
+        prefill_chunk=args.prefill_chunk,
+        **extra,
+    )
 
 
 def _policy(args):
@@ -196,23 +263,45 @@ def cmd_generate(args) -> int:
         raise KvlensError("--max-new-tokens must be at least 1.")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise KvlensError("--temperature must be >= 0 and --top-p in (0, 1].")
-    opts = _options(args, max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature,
-                    top_p=args.top_p)
+    opts = _options(
+        args,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        temperature=args.temperature,
+        top_p=args.top_p,
+    )
     model = load(args)
     bar, on_step = progress(args.max_new_tokens, f"{args.policy}")
     with bar, PeakRSS() as rss:
-        run = generate(model, prompt, args.policy, params, opts=opts, chat=args.chat, on_step=on_step,
-                       meta={"command": command_line()}, measure=args.measure)
+        run = generate(
+            model,
+            prompt,
+            args.policy,
+            params,
+            opts=opts,
+            chat=args.chat,
+            on_step=on_step,
+            meta={"command": command_line()},
+            measure=args.measure,
+        )
     run.meta["metrics"].update({"rss_peak": rss.peak, "rss_growth": rss.peak - rss.start})
     if args.measure:
-        run.meta["metrics"].update(base_baseline(make_policy(args.policy, params), lambda name, base: generate(
-            model, prompt, name, base, opts=opts, chat=args.chat, measure=True)))
+        run.meta["metrics"].update(
+            base_baseline(
+                make_policy(args.policy, params),
+                lambda name, base: generate(
+                    model, prompt, name, base, opts=opts, chat=args.chat, measure=True
+                ),
+            )
+        )
     path = run.save(args.out)
     m = run.metrics
     print(run.meta["text"])
     ms = f"{m['ms_per_token']:.1f} ms/token" if m["ms_per_token"] else "one token"
-    print(f"\n[{args.policy}] {len(run.meta['tokens'])} tokens, {ms}, kv slots max {m['kv_slots_max']}, "
-          f"{len(run.decisions)} decisions -> {path}")
+    print(
+        f"\n[{args.policy}] {len(run.meta['tokens'])} tokens, {ms}, kv slots max {m['kv_slots_max']}, "
+        f"{len(run.decisions)} decisions -> {path}"
+    )
     return 0
 
 
@@ -228,22 +317,52 @@ def cmd_ppl(args) -> int:
     model = load(args)
     bar, on_step = progress(args.tokens, f"{args.policy} ppl")
     with bar, PeakRSS() as rss:
-        run = perplexity(model, text, args.policy, params, prefill=args.prefill, tokens=args.tokens, opts=opts,
-                         on_step=on_step, meta={"command": command_line()}, measure=args.measure)
+        run = perplexity(
+            model,
+            text,
+            args.policy,
+            params,
+            prefill=args.prefill,
+            tokens=args.tokens,
+            opts=opts,
+            on_step=on_step,
+            meta={"command": command_line()},
+            measure=args.measure,
+        )
     run.meta["metrics"].update({"rss_peak": rss.peak, "rss_growth": rss.peak - rss.start})
     if args.measure:
-        run.meta["metrics"].update(base_baseline(make_policy(args.policy, params), lambda name, base: perplexity(
-            model, text, name, base, prefill=args.prefill, tokens=args.tokens, opts=opts, measure=True)))
+        run.meta["metrics"].update(
+            base_baseline(
+                make_policy(args.policy, params),
+                lambda name, base: perplexity(
+                    model, text, name, base, prefill=args.prefill, tokens=args.tokens, opts=opts, measure=True
+                ),
+            )
+        )
     if args.out:
         run.save(args.out)
     m = run.metrics
-    result = {"policy": args.policy, "params": run.meta["policy"]["params"], "budget": run.meta["budget"]["slots"],
-              "budget_requested": opts.budget, "prefill": args.prefill, "tokens": args.tokens, "nll": m["nll"],
-              "ppl": m["ppl"], "kv_slots_max": m["kv_slots_max"], "kv_entries_max": m["kv_entries_max"],
-              "kv_entries_budget": m["kv_entries_budget"], "kv_bytes_peak": m["kv_bytes_peak"],
-              "kv_bytes_prefill": m["kv_bytes_prefill"], "rss_peak": m["rss_peak"], "rss_growth": m["rss_growth"],
-              "ms_per_token": m["ms_per_token"], "prefill_ms": m["prefill_ms"], "storage": opts.storage.describe(),
-              "prefill_chunk": opts.prefill_chunk}
+    result = {
+        "policy": args.policy,
+        "params": run.meta["policy"]["params"],
+        "budget": run.meta["budget"]["slots"],
+        "budget_requested": opts.budget,
+        "prefill": args.prefill,
+        "tokens": args.tokens,
+        "nll": m["nll"],
+        "ppl": m["ppl"],
+        "kv_slots_max": m["kv_slots_max"],
+        "kv_entries_max": m["kv_entries_max"],
+        "kv_entries_budget": m["kv_entries_budget"],
+        "kv_bytes_peak": m["kv_bytes_peak"],
+        "kv_bytes_prefill": m["kv_bytes_prefill"],
+        "rss_peak": m["rss_peak"],
+        "rss_growth": m["rss_growth"],
+        "ms_per_token": m["ms_per_token"],
+        "prefill_ms": m["prefill_ms"],
+        "storage": opts.storage.describe(),
+        "prefill_chunk": opts.prefill_chunk,
+    }
     if m.get("replay_passes"):  # a policy's extra passes over the prompt (KVzip), part of prefill_ms
         result.update({"replay_passes": m["replay_passes"], "replay_ms": m["replay_ms"]})
     if args.measure:
@@ -252,8 +371,10 @@ def cmd_ppl(args) -> int:
     if args.json:
         print_json(result)
     else:
-        print(f"{args.policy}: ppl {m['ppl']:.3f} (nll {m['nll']:.4f}) over {args.tokens} tokens after "
-              f"{args.prefill}; kv slots max {m['kv_slots_max']}, {m['kv_bytes_peak'] / 2**20:.2f} MiB")
+        print(
+            f"{args.policy}: ppl {m['ppl']:.3f} (nll {m['nll']:.4f}) over {args.tokens} tokens after "
+            f"{args.prefill}; kv slots max {m['kv_slots_max']}, {m['kv_bytes_peak'] / 2**20:.2f} MiB"
+        )
     return 0
 
 
@@ -262,10 +383,19 @@ def cmd_show(args) -> int:
 
     run = load_run(args.run)
     meta = run.meta
-    summary = {"model": meta["model"], "policy": meta["policy"], "budget": meta.get("budget"), "mode": meta.get("mode"),
-               "prompt": meta.get("prompt"), "text": meta.get("text"), "metrics": meta.get("metrics"),
-               "decisions": len(run.decisions), "record": meta.get("record"), "command": meta.get("command"),
-               "tensors": {k: list(v.shape) for k, v in sorted(run.tensors.items())}}
+    summary = {
+        "model": meta["model"],
+        "policy": meta["policy"],
+        "budget": meta.get("budget"),
+        "mode": meta.get("mode"),
+        "prompt": meta.get("prompt"),
+        "text": meta.get("text"),
+        "metrics": meta.get("metrics"),
+        "decisions": len(run.decisions),
+        "record": meta.get("record"),
+        "command": meta.get("command"),
+        "tensors": {k: list(v.shape) for k, v in sorted(run.tensors.items())},
+    }
     if args.json:
         print_json(summary)
         return 0

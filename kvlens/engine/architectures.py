@@ -8,6 +8,7 @@ every layer must attend through the function exactly once with its own KV cache,
 that `config.layer_types` calls sliding must pass its window. Nothing is keyed on model names:
 two models that pass the same arguments are treated the same.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -20,7 +21,10 @@ from kvlens.engine.cache import KVCache
 from kvlens.errors import KvlensError
 
 PROBE_TOKENS = 2
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # `config.layer_types` entries kvlens computes
+ATTENTION_LAYER_TYPES = (
+    "full_attention",
+    "sliding_attention",
+)  # `config.layer_types` entries kvlens computes
 
 
 @dataclass
@@ -71,8 +75,11 @@ def rotary_of(model: torch.nn.Module, support: Support):
     `Prompt.rotary` hands policies that reason about future queries), or None: no RoPE, partial RoPE, or
     several rotary embeddings (e.g. Gemma 3's local and global ones)."""
     rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    if support.positions != "rotary" or len(rotaries) != 1 or "layer_type" in inspect.signature(
-            rotaries[0].forward).parameters:  # one module serving several layer types (Gemma 3) is several
+    if (
+        support.positions != "rotary"
+        or len(rotaries) != 1
+        or "layer_type" in inspect.signature(rotaries[0].forward).parameters
+    ):  # one module serving several layer types (Gemma 3) is several
         return None
     rope = rotaries[0]
 
@@ -80,6 +87,7 @@ def rotary_of(model: torch.nn.Module, support: Support):
         probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
         cos, sin = rope(probe, positions[None])
         return cos[0], sin[0]
+
     return cos_sin
 
 
@@ -87,14 +95,20 @@ def _config_refusal(config) -> str | None:
     """Features an attention call does not reveal, named by their generic config fields."""
     for i, kind in enumerate(getattr(config, "layer_types", None) or []):
         if kind not in ATTENTION_LAYER_TYPES:
-            return (f"Layer {i} is a {kind.replace('_', ' ')} layer, which kvlens does not support (it computes "
-                    f"full and sliding-window softmax attention only).")
+            return (
+                f"Layer {i} is a {kind.replace('_', ' ')} layer, which kvlens does not support (it computes "
+                f"full and sliding-window softmax attention only)."
+            )
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
-        return ("The model has cross-attention layers (encoder-decoder or add_cross_attention), which kvlens "
-                "does not support.")
+        return (
+            "The model has cross-attention layers (encoder-decoder or add_cross_attention), which kvlens "
+            "does not support."
+        )
     if getattr(config, "kv_lora_rank", None):
-        return (f"The model uses multi-latent attention (kv_lora_rank={config.kv_lora_rank}): its cache is a latent, "
-                f"not per-head keys and values, which kvlens does not support.")
+        return (
+            f"The model uses multi-latent attention (kv_lora_rank={config.kv_lora_rank}): its cache is a latent, "
+            f"not per-head keys and values, which kvlens does not support."
+        )
     return None
 
 
@@ -105,8 +119,14 @@ def _probe(model: torch.nn.Module, layers: int) -> tuple[dict[int, list[Attentio
     dev = next(model.parameters()).device
     cache.positions = torch.arange(PROBE_TOKENS, device=dev)
     with torch.inference_mode():
-        model(input_ids=torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=dev), position_ids=cache.positions[None],
-              past_key_values=cache, use_cache=True, logits_to_keep=1, **{CONTEXT_KWARG: probe})
+        model(
+            input_ids=torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=dev),
+            position_ids=cache.positions[None],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **{CONTEXT_KWARG: probe},
+        )
     return probe.specs, cache
 
 
@@ -114,21 +134,31 @@ def _probe_refusal(config, layers: int, specs: dict[int, list[AttentionSpec]], c
     """What the probe forward showed that kvlens cannot follow: the first such layer's sentence, or None."""
     missing = [i for i in range(layers) if i not in specs]
     if missing:
-        return (f"Layer {missing[0]}'s attention never reaches kvlens with its run context (the layer bypasses "
-                f"transformers' attention interface, drops its keyword arguments, or is not an attention layer), "
-                f"so kvlens cannot run this model.")
+        return (
+            f"Layer {missing[0]}'s attention never reaches kvlens with its run context (the layer bypasses "
+            f"transformers' attention interface, drops its keyword arguments, or is not an attention layer), "
+            f"so kvlens cannot run this model."
+        )
     twice = [i for i, s in specs.items() if len(s) != 1]
     if twice:
-        return f"Layer {twice[0]} attends {len(specs[twice[0]])} times per token, which kvlens does not support."
+        return (
+            f"Layer {twice[0]} attends {len(specs[twice[0]])} times per token, which kvlens does not support."
+        )
     shared = [i for i in range(layers) if cache.layers[i].n_slots != PROBE_TOKENS]
     if shared:
-        return (f"Layer {shared[0]} does not keep its own keys and values in the KV cache (shared or no KV cache), "
-                f"which kvlens does not support.")
+        return (
+            f"Layer {shared[0]} does not keep its own keys and values in the KV cache (shared or no KV cache), "
+            f"which kvlens does not support."
+        )
     types = getattr(config, "layer_types", None) or []
-    unwindowed = [i for i, kind in enumerate(types) if kind == "sliding_attention" and specs[i][0].window is None]
+    unwindowed = [
+        i for i, kind in enumerate(types) if kind == "sliding_attention" and specs[i][0].window is None
+    ]
     if unwindowed:
-        return (f"Layer {unwindowed[0]} is a sliding-window layer that passes no window to its attention function "
-                f"(only to its mask), so kvlens cannot apply it.")
+        return (
+            f"Layer {unwindowed[0]} is a sliding-window layer that passes no window to its attention function "
+            f"(only to its mask), so kvlens cannot apply it."
+        )
     return None
 
 
@@ -145,8 +175,10 @@ def inspect_model(model: torch.nn.Module) -> Support:
         support.refusal = str(err)
         return support
     except Exception as err:  # noqa: BLE001 - any failure of the probe is a refusal, said in one sentence
-        support.refusal = (f"The model's forward fails with kvlens' KV cache ({type(err).__name__}: "
-                           f"{str(err).splitlines()[0][:160] if str(err) else 'no message'}), so kvlens cannot run it.")
+        support.refusal = (
+            f"The model's forward fails with kvlens' KV cache ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:160] if str(err) else 'no message'}), so kvlens cannot run it."
+        )
         return support
     support.refusal = _probe_refusal(model.config, layers, specs, cache)
     if support.refusal is not None:

@@ -15,6 +15,7 @@ positions before anything else: slots of the compressed cache outside the window
 attention and are not counted as observed (`nobs`); the policy still decides which slots the
 cache keeps, and its budget counts every kept slot, in the window or not.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,9 @@ ATTENTION_NAME = "kvlens"
 CONTEXT_KWARG = "kvlens_context"
 CHUNK_ELEMENTS = 1 << 23  # ~32 MB of float32 scores per prefill chunk
 # Keyword arguments transformers forwards to every attention call that do not change what a layer computes.
-BOOKKEEPING = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions", "output_router_logits"})
+BOOKKEEPING = frozenset(
+    {"position_ids", "use_cache", "cache_position", "output_attentions", "output_router_logits"}
+)
 NAMED_FEATURES = {"s_aux": "learned attention sinks (`s_aux`)"}
 
 
@@ -48,8 +51,19 @@ class AttentionSpec:
         return self.softcap is None and self.window is None
 
 
-def read_call(module, query, key, value, attention_mask, scaling, dropout, softcap, sliding_window,
-              kwargs: dict, in_run: bool) -> AttentionSpec:
+def read_call(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling,
+    dropout,
+    softcap,
+    sliding_window,
+    kwargs: dict,
+    in_run: bool,
+) -> AttentionSpec:
     """Check one attention call and return its spec; raise `KvlensError` on what kvlens cannot do exactly.
 
     query `(B, Hq, q, D)`, key/value `(B, Hkv, S, D)`. `in_run`: called inside a kvlens run,
@@ -61,37 +75,70 @@ def read_call(module, query, key, value, attention_mask, scaling, dropout, softc
         if name in BOOKKEEPING or val is None or (name == "is_causal" and val is True):
             continue
         if name == "is_causal":
-            raise KvlensError(f"The attention of {where} is not causal (e.g. cross-attention or an encoder), "
-                              f"which kvlens does not support.")
+            raise KvlensError(
+                f"The attention of {where} is not causal (e.g. cross-attention or an encoder), "
+                f"which kvlens does not support."
+            )
         feature = NAMED_FEATURES.get(name, f"the attention argument `{name}`")
-        raise KvlensError(f"The attention of {where} uses {feature}, which kvlens does not support, so it refuses "
-                          f"rather than approximate.")
+        raise KvlensError(
+            f"The attention of {where} uses {feature}, which kvlens does not support, so it refuses "
+            f"rather than approximate."
+        )
     if not isinstance(layer, int):
         raise KvlensError(f"The {where} has no layer index, so it has no KV cache kvlens can compress.")
     if dropout:
         raise KvlensError(f"The attention of {where} applies dropout {dropout}; put the model in eval mode.")
     if key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:
-        raise KvlensError(f"The attention of {where} has queries, keys and values of different widths "
-                          f"({query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]}; e.g. multi-latent attention), "
-                          f"which kvlens does not support.")
+        raise KvlensError(
+            f"The attention of {where} has queries, keys and values of different widths "
+            f"({query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]}; e.g. multi-latent attention), "
+            f"which kvlens does not support."
+        )
     if attention_mask is not None and in_run:
-        raise KvlensError(f"The attention of {where} receives an attention mask or bias (e.g. ALiBi), which kvlens "
-                          f"cannot apply to a compressed cache.")
-    spec = AttentionSpec(scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
-                         softcap=float(softcap) if softcap else None,
-                         window=int(sliding_window) if sliding_window else None)
+        raise KvlensError(
+            f"The attention of {where} receives an attention mask or bias (e.g. ALiBi), which kvlens "
+            f"cannot apply to a compressed cache."
+        )
+    spec = AttentionSpec(
+        scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        softcap=float(softcap) if softcap else None,
+        window=int(sliding_window) if sliding_window else None,
+    )
     if attention_mask is not None and not spec.plain:
-        raise KvlensError(f"The attention of {where} combines an attention mask with soft-capping or a sliding "
-                          f"window, which kvlens does not support.")
+        raise KvlensError(
+            f"The attention of {where} combines an attention mask with soft-capping or a sliding "
+            f"window, which kvlens does not support."
+        )
     return spec
 
 
-def kvlens_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
-                     sliding_window=None, **kwargs):
+def kvlens_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    softcap=None,
+    sliding_window=None,
+    **kwargs,
+):
     """AttentionInterface entry point. Returns `(out (B, q, Hq, D), None)`."""
     ctx = kwargs.pop(CONTEXT_KWARG, None)
-    spec = read_call(module, query, key, value, attention_mask, scaling, dropout, softcap, sliding_window, kwargs,
-                     in_run=ctx is not None)
+    spec = read_call(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling,
+        dropout,
+        softcap,
+        sliding_window,
+        kwargs,
+        in_run=ctx is not None,
+    )
     if ctx is not None:
         return ctx.attend(module.layer_idx, query, key, value, spec), None
     if spec.plain:
@@ -111,8 +158,9 @@ def visible(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch
     return ok & (diff < window) if window is not None else ok
 
 
-def softmax_weights(scores: torch.Tensor, spec: AttentionSpec, hidden: torch.Tensor | None = None,
-                    scaled: bool = False) -> torch.Tensor:
+def softmax_weights(
+    scores: torch.Tensor, spec: AttentionSpec, hidden: torch.Tensor | None = None, scaled: bool = False
+) -> torch.Tensor:
     """The one attention pipeline: float32 logits `(..., q, S)` -> weights, in place. The layer's scale (unless
     `scaled`: it was applied to the queries), tanh soft-capping (`softcap * tanh(s / softcap)`), -inf where
     `hidden` (bool, broadcasting to `(..., q, k)` over the last k keys; None: every key seen), softmax."""
@@ -121,7 +169,7 @@ def softmax_weights(scores: torch.Tensor, spec: AttentionSpec, hidden: torch.Ten
     if spec.softcap is not None:
         scores.div_(spec.softcap).tanh_().mul_(spec.softcap)
     if hidden is not None:
-        scores[..., scores.shape[-1] - hidden.shape[-1]:].masked_fill_(hidden, float("-inf"))
+        scores[..., scores.shape[-1] - hidden.shape[-1] :].masked_fill_(hidden, float("-inf"))
     return torch.softmax(scores, dim=-1)
 
 
@@ -142,7 +190,9 @@ def dense(query, key, value, spec: AttentionSpec) -> torch.Tensor:
     b, hq, q, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
     kpos = torch.arange(s, device=key.device)
-    probs = attention_probs(query.view(b, hkv, hq // hkv, q, d), key, spec, visible(kpos[s - q:], kpos, spec.window))
+    probs = attention_probs(
+        query.view(b, hkv, hq // hkv, q, d), key, spec, visible(kpos[s - q :], kpos, spec.window)
+    )
     out = torch.matmul(probs.to(value.dtype), value.unsqueeze(2))  # (B, Hkv, G, q, D)
     return out.reshape(b, hq, q, d).transpose(1, 2).contiguous()
 
@@ -155,9 +205,9 @@ def replayed(query, key, value, spec: AttentionSpec) -> torch.Tensor:
         return dense(query, key, value, spec)
     q, s = query.shape[2], key.shape[2]
     cols = torch.arange(s, device=key.device)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=visible(cols[s - q:], cols,
-                                                                                                None),
-                                                           scale=spec.scaling, enable_gqa=True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=visible(cols[s - q :], cols, None), scale=spec.scaling, enable_gqa=True
+    )
     return out.transpose(1, 2).contiguous()
 
 
@@ -199,8 +249,8 @@ def last_rows(query, key, spec: AttentionSpec, keep_rows: int) -> torch.Tensor:
     if keep_rows == 0:
         return torch.zeros(hq, 0, t, dtype=torch.float32, device=key.device)
     cols = torch.arange(t, device=key.device)
-    rows = cols[t - keep_rows:]
-    qg = query[0, :, t - keep_rows:].view(hkv, hq // hkv, keep_rows, d)
+    rows = cols[t - keep_rows :]
+    qg = query[0, :, t - keep_rows :].view(hkv, hq // hkv, keep_rows, d)
     return attention_probs(qg, key[0], spec, visible(rows, cols, spec.window)).reshape(hq, keep_rows, t)
 
 
@@ -219,11 +269,15 @@ def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
     g = hq // hkv
     qg = query[0].view(hkv, g, t, d)
     k, v = key[0], value[0]
-    chunk = max(1, min(CHUNK_ELEMENTS // (hq * t), max(64, t // 8)))  # >= 8 chunks: the causal triangle is skipped
+    chunk = max(
+        1, min(CHUNK_ELEMENTS // (hq * t), max(64, t // 8))
+    )  # >= 8 chunks: the causal triangle is skipped
     scaled = spec.plain and math.frexp(spec.scaling)[0] == 0.5  # a power of two scales exactly: once on Q
     if scaled:
         qg = qg * spec.scaling
-    future = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).triu(1)  # a diagonal block's masked keys
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).triu(
+        1
+    )  # a diagonal block's masked keys
     out = torch.empty(hkv, g, t, d, dtype=value.dtype, device=value.device)
     colsum = torch.zeros(hkv, t, dtype=torch.float32, device=key.device)
     first_kept = t - keep_rows
@@ -236,13 +290,19 @@ def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
             rows = qg[:, :, a:b].reshape(hkv, g * (b - a), d)
             scores = torch.bmm(rows, k[:, :b].transpose(1, 2)).float().view(hkv, g, b - a, b)
             probs = softmax_weights(scores, spec, future[: b - a, : b - a], scaled=scaled)  # (Hkv, G, q, b)
-            out[:, :, a:b] = torch.bmm(probs.to(v.dtype).view(hkv, g * (b - a), b), v[:, :b]).view(hkv, g, b - a, d)
+            out[:, :, a:b] = torch.bmm(probs.to(v.dtype).view(hkv, g * (b - a), b), v[:, :b]).view(
+                hkv, g, b - a, d
+            )
         else:
-            probs = attention_probs(qg[:, :, a:b], k, spec, visible(cols[a:b], cols, spec.window))  # (Hkv, G, q, T)
+            probs = attention_probs(
+                qg[:, :, a:b], k, spec, visible(cols[a:b], cols, spec.window)
+            )  # (Hkv, G, q, T)
             out[:, :, a:b] = torch.einsum("hgqs,hsd->hgqd", probs.to(v.dtype), v)
         width = probs.shape[-1]
         colsum[:, :width] += probs.sum((1, 2)) / g
         if b > first_kept and keep_rows > 0:
             lo = max(a, first_kept)
-            last[:, lo - first_kept:b - first_kept, :width] = probs[:, :, lo - a:].reshape(hq, b - lo, width)
+            last[:, lo - first_kept : b - first_kept, :width] = probs[:, :, lo - a :].reshape(
+                hq, b - lo, width
+            )
     return out.reshape(hq, t, d).transpose(0, 1).unsqueeze(0), colsum, last

@@ -12,6 +12,7 @@ window), as the frozen cache's own attention does, so each row's answer is its c
 (tested). The caches themselves are not touched. Rows that stop (end of sequence, the length limit, or `done`)
 leave the batch once a quarter of it has stopped.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -30,8 +31,10 @@ class Kept:
 
     def __init__(self, loop):
         self.model = loop.model
-        self.layers = [(v.keys[0].clone(), v.values[0].clone(), v.valid.clone(), v.pos.clone())
-                       for v in loop.cache.layers]
+        self.layers = [
+            (v.keys[0].clone(), v.values[0].clone(), v.valid.clone(), v.pos.clone())
+            for v in loop.cache.layers
+        ]
 
     @classmethod
     def of(cls, model, layers: list[tuple]) -> Kept:
@@ -59,8 +62,12 @@ class _BatchLayer:
         self.pos = torch.zeros(b, hkv, n + room, dtype=torch.long, device=first.device)
         for i, (keys, values, valid, pos) in enumerate(parts):
             s = keys.shape[1]
-            self.keys[i, :, :s], self.values[i, :, :s], self.valid[i, :, :s], self.pos[i, :, :s] = \
-                keys, values, valid, pos
+            self.keys[i, :, :s], self.values[i, :, :s], self.valid[i, :, :s], self.pos[i, :, :s] = (
+                keys,
+                values,
+                valid,
+                pos,
+            )
         self.own = [k.shape[1] for k, _, _, _ in parts]
         self.base = self.n = n
 
@@ -73,7 +80,7 @@ class _BatchLayer:
         for name in ("keys", "values", "valid", "pos"):
             t = getattr(self, name).index_select(0, rows)
             if shift:
-                t[:, :, self.base - shift:n] = t[:, :, self.base:self.n].clone()
+                t[:, :, self.base - shift : n] = t[:, :, self.base : self.n].clone()
                 t = t[:, :, : t.shape[2] - shift]
                 if name == "valid":
                     t[:, :, n:] = False  # where the fed tokens were
@@ -100,14 +107,19 @@ class _BatchContext:
         layer = self.layers[layer_idx]
         b, hq, q, d = query.shape
         hkv, at = key.shape[1], layer.n
-        layer.keys[:, :, at:at + q], layer.values[:, :, at:at + q] = key, value
-        layer.valid[:, :, at:at + q] = True
-        layer.pos[:, :, at:at + q] = self.positions
+        layer.keys[:, :, at : at + q], layer.values[:, :, at : at + q] = key, value
+        layer.valid[:, :, at : at + q] = True
+        layer.pos[:, :, at : at + q] = self.positions
         layer.n = at + q
-        allowed = visible(self.positions, layer.pos[:, :, : at + q], spec.window) & layer.valid[:, :, None, : at + q]
+        allowed = (
+            visible(self.positions, layer.pos[:, :, : at + q], spec.window)
+            & layer.valid[:, :, None, : at + q]
+        )
         g = hq // hkv
         # the group's queries as rows of one (B * Hkv) batched product: no broadcast copy of the keys or values
-        scores = torch.matmul(query.reshape(b, hkv, g * q, d), layer.keys[:, :, : at + q].transpose(-1, -2)).float()
+        scores = torch.matmul(
+            query.reshape(b, hkv, g * q, d), layer.keys[:, :, : at + q].transpose(-1, -2)
+        ).float()
         hidden = ~allowed[:, :, None].expand(b, hkv, g, q, at + q).reshape(b, hkv, g * q, at + q)
         probs = softmax_weights(scores, spec, hidden)  # (B, Hkv, G * q, S)
         out = torch.matmul(probs.to(value.dtype), layer.values[:, :, : at + q])  # (B, Hkv, G * q, D)
@@ -122,12 +134,19 @@ def _forward(model, ctx: _BatchContext, ids: torch.Tensor, start: int, keep: int
     """ids `(B, q)` at positions start.. -> the last token's logits `(B, V)` (`keep` > 1: the last `keep` tokens'
     `(B, keep, V)`)."""
     ctx.positions = torch.arange(start, start + ids.shape[1], device=ids.device)
-    out = model.model(input_ids=ids, position_ids=ctx.positions[None].expand(ids.shape[0], -1), use_cache=False,
-                      logits_to_keep=keep, **{CONTEXT_KWARG: ctx})
+    out = model.model(
+        input_ids=ids,
+        position_ids=ctx.positions[None].expand(ids.shape[0], -1),
+        use_cache=False,
+        logits_to_keep=keep,
+        **{CONTEXT_KWARG: ctx},
+    )
     return out.logits[:, -1] if keep == 1 else out.logits[:, -keep:]
 
 
-def score_many(caches: Sequence, ids: list[int], start: int, scored: int) -> tuple[torch.Tensor, torch.Tensor]:
+def score_many(
+    caches: Sequence, ids: list[int], start: int, scored: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced scores of frozen caches in one batched forward: `ids` fed at positions start.., each of its
     last `scored` tokens scored from the logits before it (`scored` < len(ids)). Returns log-probabilities
     `(B, scored)` float32 and whether each token is the greedy choice `(B, scored)` bool."""
@@ -143,10 +162,15 @@ def score_many(caches: Sequence, ids: list[int], start: int, scored: int) -> tup
     return logp.cpu(), greedy.cpu()
 
 
-def answer_many(caches: Sequence, question: list[int], start: int, max_new_tokens: int,
-                logits: Sequence[torch.Tensor] | None = None,
-                done: Callable[[int, list[int]], bool] | None = None,
-                release: bool = False) -> list[tuple[list[int], list[float]]]:
+def answer_many(
+    caches: Sequence,
+    question: list[int],
+    start: int,
+    max_new_tokens: int,
+    logits: Sequence[torch.Tensor] | None = None,
+    done: Callable[[int, list[int]], bool] | None = None,
+    release: bool = False,
+) -> list[tuple[list[int], list[float]]]:
     """Greedy answers of frozen caches (`Kept` of loops from `shared_prefill.prepare`, or the loops), one batched
     forward per token: `question` fed at positions start.. (empty: answer from `logits`, each prompt's last
     logits). A row stops at the end-of-sequence token, after `max_new_tokens`, or once `done(row, tokens)`.

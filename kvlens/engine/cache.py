@@ -29,6 +29,7 @@ is allocated.
 Steps. `Step` tells a policy which compression it performs: its index (0 = the prompt's, t = after
 the forward that produced token t), its phase, the budget and the decision log.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -81,7 +82,9 @@ class Prompt:
     queries: torch.Tensor | None = None  # (Hq, T, D) the prompt's queries after RoPE
     positions: torch.Tensor | None = None  # (T,) their positions
     scaling: float = 1.0  # the layer's logit scale
-    rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None  # positions -> (cos, sin)
+    rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = (
+        None  # positions -> (cos, sin)
+    )
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class CacheRows(Protocol):
     def layers(self) -> tuple[int, ...]: ...  # the model layers whose rows these are, in row order
     @property
     def kv_heads(self) -> int: ...  # rows per layer
+
     keys: torch.Tensor  # (1, R, S, D) after RoPE
     values: torch.Tensor  # (1, R, S, D)
     pos: torch.Tensor  # (R, S) long, -1 for a free slot
@@ -127,6 +131,7 @@ class CacheRows(Protocol):
     nobs: torch.Tensor  # (R, S) float32, queries that observed each slot
     extra: MutableMapping[str, torch.Tensor]  # name -> (R, S, ...) per-slot policy statistics
     last_attn: torch.Tensor | None  # (R * G, S) float32, the latest query's attention (G query heads per row)
+
     @property
     def states(self) -> list[dict[str, Any]]: ...  # per layer in `layers`: the policy's run state
     @property
@@ -175,13 +180,25 @@ class SlotStore:
         self.extra: dict[str, torch.Tensor] = {}  # name -> (R, C, ...)
         self.n = n
         self.order: torch.Tensor | None = None  # (R, n) slots in position order, when known
-        self.packed: dict[str, QuantizedStates | LowRankStates | ChannelStates] | None = None  # keys and/or values
-        self.working: dict[tuple[str, int, int], torch.Tensor] = {}  # (name, first row, end row) -> (1, R', n, D)
+        self.packed: dict[str, QuantizedStates | LowRankStates | ChannelStates] | None = (
+            None  # keys and/or values
+        )
+        self.working: dict[
+            tuple[str, int, int], torch.Tensor
+        ] = {}  # (name, first row, end row) -> (1, R', n, D)
 
     def empty_like(self, rows: int, capacity: int) -> SlotStore:
         """A store of `rows` x `capacity` free slots with this one's buffers and storage (none in use)."""
-        new = SlotStore({name: t.new_full((1, rows, capacity, t.shape[-1]) if name in STATES else (rows, capacity),
-                                          STATS.get(name, 0)) for name, t in self.buffers.items()}, 0)
+        new = SlotStore(
+            {
+                name: t.new_full(
+                    (1, rows, capacity, t.shape[-1]) if name in STATES else (rows, capacity),
+                    STATS.get(name, 0),
+                )
+                for name, t in self.buffers.items()
+            },
+            0,
+        )
         if self.packed is not None:
             new.packed = {name: q.empty(rows, capacity) for name, q in self.packed.items()}
         return new
@@ -220,17 +237,32 @@ class SlotStore:
         if storage.low_rank:
             x = states["keys"]
             rank = fit_rank(storage, x.shape[2], 1, max(slots, self.n), self.n, x.element_size())
-            self.packed = {name: seal_low_rank(rank, t, valid, self.capacity, bits=storage.bits, group=storage.group,
-                                               append=storage.rank_append) for name, t in states.items()}
+            self.packed = {
+                name: seal_low_rank(
+                    rank,
+                    t,
+                    valid,
+                    self.capacity,
+                    bits=storage.bits,
+                    group=storage.group,
+                    append=storage.rank_append,
+                )
+                for name, t in states.items()
+            }
         else:
-            self.packed = {name: seal(storage, name, t, pos, valid, self.capacity) for name, t in states.items()}
+            self.packed = {
+                name: seal(storage, name, t, pos, valid, self.capacity) for name, t in states.items()
+            }
 
     def prune_keys(self, channels: torch.Tensor, whole: torch.Tensor) -> None:
         """Keys into channel-pruned storage: each row keeps `channels` `(R, K)`, the slots `whole` `(R, n)` every
         channel (`kvlens.engine.channels`); values stay in the model's dtype."""
         valid = self.buffers["valid"][:, : self.n]
-        self.packed = {"keys": seal_channels(channels, self.buffers.pop("keys")[0, :, : self.n], valid, whole,
-                                             self.capacity)}
+        self.packed = {
+            "keys": seal_channels(
+                channels, self.buffers.pop("keys")[0, :, : self.n], valid, whole, self.capacity
+            )
+        }
 
     @property
     def capacity(self) -> int:
@@ -258,8 +290,9 @@ class SlotStore:
         """Bytes allocated for the keys and values of `rows`."""
         count = len(range(*rows.indices(self.rows)))
         packed = sum(q.nbytes(count) for q in (self.packed or {}).values())
-        return packed + sum(t.numel() // t.shape[1] * count * t.element_size() for n, t in self.buffers.items()
-                            if n in STATES)
+        return packed + sum(
+            t.numel() // t.shape[1] * count * t.element_size() for n, t in self.buffers.items() if n in STATES
+        )
 
 
 class ExtraView(MutableMapping[str, torch.Tensor]):
@@ -276,8 +309,11 @@ class ExtraView(MutableMapping[str, torch.Tensor]):
 
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         store, rows = self._rows._live, self._rows.rows
-        if name not in store.extra or store.extra[name].shape[2:] != value.shape[2:] \
-                or store.extra[name].dtype != value.dtype:
+        if (
+            name not in store.extra
+            or store.extra[name].shape[2:] != value.shape[2:]
+            or store.extra[name].dtype != value.dtype
+        ):
             store.extra[name] = value.new_zeros((store.rows, store.capacity, *value.shape[2:]))
         store.extra[name][rows, : store.n] = value
 
@@ -310,8 +346,13 @@ class RowTensor:
 class SlotRows:
     """A view of rows `rows` of `store`, for the layers in `books` (one, or all): implements `CacheRows`."""
 
-    def __init__(self, books: list[LayerBook], store: SlotStore | None = None, rows: slice = slice(0, 0),
-                 owner: KVCache | None = None):
+    def __init__(
+        self,
+        books: list[LayerBook],
+        store: SlotStore | None = None,
+        rows: slice = slice(0, 0),
+        owner: KVCache | None = None,
+    ):
         self.books = books
         self.store = store
         self.rows = rows
@@ -376,8 +417,9 @@ class SlotRows:
 
     @last_attn.setter
     def last_attn(self, value: torch.Tensor | None) -> None:
-        parts: list[torch.Tensor | None] = [None] * len(self.books) if value is None else \
-            list(value.chunk(len(self.books)))
+        parts: list[torch.Tensor | None] = (
+            [None] * len(self.books) if value is None else list(value.chunk(len(self.books)))
+        )
         for book, part in zip(self.books, parts, strict=True):
             book.last_attn = part
 
@@ -422,8 +464,9 @@ class SlotRows:
         store = self._live
         if store.order is not None and store.order.shape[1] == store.n and self._whole_store():
             return store.order
-        order = torch.argsort(self.pos.masked_fill(~self.valid, torch.iinfo(self.pos.dtype).max), dim=-1,
-                              stable=True)
+        order = torch.argsort(
+            self.pos.masked_fill(~self.valid, torch.iinfo(self.pos.dtype).max), dim=-1, stable=True
+        )
         if self._whole_store():
             store.order = order
         return order
@@ -432,8 +475,12 @@ class SlotRows:
         """The kept slots in position order (a copy, `n_kept` per row): what an append-only cache would hold."""
         order = self.position_order()[:, : self.n_kept]
         idx = order[None, :, :, None].expand(1, -1, -1, self.keys.shape[-1])
-        return Slots(self.pos.masked_fill(~self.valid, -1).gather(1, order), self.keys.gather(2, idx),
-                     self.values.gather(2, idx), self.valid.gather(1, order))
+        return Slots(
+            self.pos.masked_fill(~self.valid, -1).gather(1, order),
+            self.keys.gather(2, idx),
+            self.values.gather(2, idx),
+            self.valid.gather(1, order),
+        )
 
     def one_to_evict(self, budget: int) -> bool:
         """A decode step's compression: each row holds budget + 1 slots, none free, so exactly one leaves."""
@@ -467,7 +514,9 @@ class SlotRows:
             for name, fill in STATS.items():
                 store.buffers[name][self.rows].scatter_(1, index, fill)
         if store.order is not None and self._whole_store() and not self.padded and not uneven:
-            gone = torch.zeros(store.order.shape, dtype=torch.bool, device=index.device).scatter_(1, index, True)
+            gone = torch.zeros(store.order.shape, dtype=torch.bool, device=index.device).scatter_(
+                1, index, True
+            )
             left = torch.gather(gone, 1, store.order)  # freed slots go last, in the order they were freed
             store.order = torch.cat([store.order[~left].view(left.shape[0], -1), index], dim=1)
         else:
@@ -476,7 +525,10 @@ class SlotRows:
         for i, (book, part) in enumerate(zip(self.books, index.chunk(len(self.books)), strict=True)):
             book.holes = first_valid(part if book.holes is None else torch.cat([book.holes, part], dim=1))
             if uneven:
-                book.n_kept, book.pad = int(counts[i].max()), book.pad or bool((counts[i] != counts[i][0]).any())
+                book.n_kept, book.pad = (
+                    int(counts[i].max()),
+                    book.pad or bool((counts[i] != counts[i][0]).any()),
+                )
             else:
                 book.n_kept -= part.shape[1]
         limit = self.books[0].limit
@@ -484,7 +536,9 @@ class SlotRows:
             kept, valid = padded_index(self.valid)
             self.retain(kept, valid if bool((~valid).any()) else None, capacity=limit)
 
-    def retain(self, index: torch.Tensor, valid: torch.Tensor | None = None, capacity: int | None = None) -> None:
+    def retain(
+        self, index: torch.Tensor, valid: torch.Tensor | None = None, capacity: int | None = None
+    ) -> None:
         """Keep slots `index` `(R, S')`, in that slot order, and free the rest (new buffers, or the rows the cache
         allocates for a compressed layout). `valid` `(R, S')` marks padding when rows keep different counts."""
         s = index.shape[1]
@@ -493,9 +547,12 @@ class SlotRows:
         idx4 = index[None, :, :, None].expand(1, -1, -1, d)
         old, old_rows = self._live, self.rows
         names = list(old.buffers) + list(old.packed or {})
-        kept = {name: torch.gather(self._view(name), 2, idx4) if name in STATES else torch.gather(self._view(name), 1,
-                                                                                                   index)
-                for name in names}
+        kept = {
+            name: torch.gather(self._view(name), 2, idx4)
+            if name in STATES
+            else torch.gather(self._view(name), 1, index)
+            for name in names
+        }
         extras = {}
         for name, t in old.extra.items():
             view = t[self.rows, : old.n]
@@ -506,8 +563,11 @@ class SlotRows:
         if self.last_attn is not None:  # per query head: map each query head to its KV head's index
             group = self.last_attn.shape[0] // index.shape[0]
             self.last_attn = torch.gather(self.last_attn, 1, index.repeat_interleave(group, 0))
-        self.store, self.rows = self.owner(self, capacity) if self.owner is not None else \
-            (old.empty_like(index.shape[0], capacity), slice(0, index.shape[0]))
+        self.store, self.rows = (
+            self.owner(self, capacity)
+            if self.owner is not None
+            else (old.empty_like(index.shape[0], capacity), slice(0, index.shape[0]))
+        )
         store = self.store
         store.n = capacity  # the spare slots are free ones, which the next tokens fill
         for name, t in kept.items():
@@ -526,8 +586,9 @@ class SlotRows:
         store.order = None
         counts = self.valid.sum(-1)
         spare = torch.arange(s, capacity, device=index.device).expand(index.shape[0], capacity - s)
-        for book, part, free in zip(self.books, counts.chunk(len(self.books)), spare.chunk(len(self.books)),
-                                    strict=True):
+        for book, part, free in zip(
+            self.books, counts.chunk(len(self.books)), spare.chunk(len(self.books)), strict=True
+        ):
             book.n_kept, book.pad = int(part.max()), int(part.min()) < s
             book.holes = free if capacity > s else None
 
@@ -557,18 +618,25 @@ class SlotRows:
         """The prefill's tensors become a store of this layer's own (no copy)."""
         hkv, q = key.shape[1], key.shape[2]
         dev = key.device
-        store = self.store = SlotStore({"keys": key.contiguous(), "values": value.contiguous(),
-                                "pos": positions.view(1, q).expand(hkv, q).clone(),
-                                "abar": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
-                                "nobs": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
-                                "valid": torch.ones(hkv, q, dtype=torch.bool, device=dev)}, q)
+        store = self.store = SlotStore(
+            {
+                "keys": key.contiguous(),
+                "values": value.contiguous(),
+                "pos": positions.view(1, q).expand(hkv, q).clone(),
+                "abar": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
+                "nobs": torch.zeros(hkv, q, dtype=torch.float32, device=dev),
+                "valid": torch.ones(hkv, q, dtype=torch.bool, device=dev),
+            },
+            q,
+        )
         slots = torch.arange(q, device=dev).expand(hkv, q)
         store.order = slots if q == 1 or bool((positions[1:] > positions[:-1]).all()) else None
         self.rows = slice(0, hkv)
         self.books[0].written = slots
 
-    def _fill_free(self, holes: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   positions: torch.Tensor) -> None:
+    def _fill_free(
+        self, holes: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
+    ) -> None:
         """Write one token into each head's oldest freed slot (the oldest freed slot is already the first
         free one in position order, so the order stays valid). When some head has none (heads keeping
         different counts), every head gets one more slot at the end: a freed one for the heads that had theirs."""
@@ -586,8 +654,9 @@ class SlotRows:
         self._write_into(slot[:, None], key, value, positions)
         book.written = slot[:, None]
 
-    def _fill_chunk(self, holes: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    positions: torch.Tensor) -> None:
+    def _fill_chunk(
+        self, holes: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
+    ) -> None:
         """A chunk of q tokens: the first k into the k freed slots every head has, the rest after the slots in use."""
         book, store = self.books[0], self._live
         k = min(key.shape[2], int((holes >= 0).sum(-1).min()))
@@ -599,8 +668,9 @@ class SlotRows:
             slots = torch.cat([slots, self._write_end(key[:, :, k:], value[:, :, k:], positions[k:])], dim=1)
         book.written = slots
 
-    def _write_into(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    positions: torch.Tensor) -> None:
+    def _write_into(
+        self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
+    ) -> None:
         """New tokens `(1, Hkv, k, D)` at `positions` `(k,)` into freed `slots` `(Hkv, k)` (`free` already zeroed
         their abar and nobs)."""
         store = self._live
@@ -616,7 +686,9 @@ class SlotRows:
         slots `(Hkv, q)`."""
         store, book = self._live, self.books[0]
         if not self._whole_store():
-            raise RuntimeError("kvlens: a layer of the all-layer store cannot grow (its slots are the budget's)")
+            raise RuntimeError(
+                "kvlens: a layer of the all-layer store cannot grow (its slots are the budget's)"
+            )
         hkv, q = key.shape[1], key.shape[2]
         n, need = store.n, store.n + q
         if need > store.capacity:
@@ -627,14 +699,17 @@ class SlotRows:
         b["pos"][:, n:need] = positions
         b["valid"][:, n:need] = True  # abar, nobs and extras past the slots in use are zero
         new = torch.arange(n, need, device=key.device).expand(hkv, q)
-        store.order = torch.cat([store.order, new], dim=1) if store.order is not None and not self.padded else None
+        store.order = (
+            torch.cat([store.order, new], dim=1) if store.order is not None and not self.padded else None
+        )
         store.n = need
         self._write_states(new, key, value, positions)
         book.written = new
         return new
 
-    def _write_states(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      positions: torch.Tensor) -> None:
+    def _write_states(
+        self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
+    ) -> None:
         """New tokens' keys and values `(1, Hkv, q, D)` into `slots` `(Hkv, q)`: into the buffers, or into packed
         storage (quantized: its full-precision window)."""
         store = self._live
@@ -717,8 +792,9 @@ class KVCache:
             self._everywhere = SlotRows(self.books, self.shared, slice(0, self.shared.rows), owner=self)
         return self._everywhere
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[layer_idx]
         if self.replaying:  # a replay pass attends to the cache and to itself, and leaves nothing behind
             return torch.cat([layer.keys, key_states], 2), torch.cat([layer.values, value_states], 2)
@@ -735,7 +811,7 @@ class KVCache:
         """Keys and values into `storage` (after the prompt's compression); nothing for the model's dtype."""
         if storage.rank_layers:
             for first in range(0, len(self.layers), storage.rank_layers):
-                self._seal_layers(storage, self.layers[first:first + storage.rank_layers])
+                self._seal_layers(storage, self.layers[first : first + storage.rank_layers])
         elif storage.packed:
             for store in self.stores():
                 limits = [b.limit for v, b in zip(self.layers, self.books, strict=True) if v.store is store]
@@ -752,20 +828,31 @@ class KVCache:
         def holds_them(view: SlotRows, store: SlotStore) -> bool:
             """The view has the store to itself, and each of its heads holds the first head's tokens."""
             mine = store.buffers["valid"][:, :n]
-            return view.rows == slice(0, store.rows) and store.n == n and torch.equal(mine, valid.expand_as(mine)) \
+            return (
+                view.rows == slice(0, store.rows)
+                and store.n == n
+                and torch.equal(mine, valid.expand_as(mine))
                 and torch.equal(store.buffers["pos"][:, :n].masked_fill(~valid, -1), pos.expand_as(mine))
+            )
 
         same = len({id(s) for s in stores}) == len(stores) and all(map(holds_them, views, stores))
         if not same:
-            raise KvlensError("Cross-layer low rank (--kv-rank-layers) shares each token's coefficients across the "
-                              "heads of adjacent layers (xKV), so every head must keep the same tokens, and this "
-                              "policy keeps different ones: leave --kv-rank-layers out for per-head low rank.")
+            raise KvlensError(
+                "Cross-layer low rank (--kv-rank-layers) shares each token's coefficients across the "
+                "heads of adjacent layers (xKV), so every head must keep the same tokens, and this "
+                "policy keeps different ones: leave --kv-rank-layers out for per-head low rank."
+            )
         x = first.buffers["keys"]
         limit = max((v.books[0].limit or 0) for v in views)
         rank = fit_rank(storage, x.shape[-1], len(views) * x.shape[1], max(limit, n), n, x.element_size())
         for name in STATES:
-            parts = seal_cross_layer(rank, [s.buffers.pop(name)[0, :, :n] for s in stores], valid[0],
-                                     bits=storage.bits, group=storage.group)
+            parts = seal_cross_layer(
+                rank,
+                [s.buffers.pop(name)[0, :, :n] for s in stores],
+                valid[0],
+                bits=storage.bits,
+                group=storage.group,
+            )
             for store, part in zip(stores, parts, strict=True):
                 store.packed = {**(store.packed or {}), name: part}
 
@@ -773,8 +860,14 @@ class KVCache:
         """Keys into channel-pruned storage (after the prompt's compression): `plans[i]` is layer i's kept channels
         `(Hkv, K)` and its slots that keep every channel `(Hkv, n)` bool (`SlotStore.prune_keys`)."""
         for store in self.stores():
-            parts = sorted(((view.rows.start, plan) for view, plan in zip(self.layers, plans, strict=True)
-                            if view.store is store), key=lambda part: part[0])
+            parts = sorted(
+                (
+                    (view.rows.start, plan)
+                    for view, plan in zip(self.layers, plans, strict=True)
+                    if view.store is store
+                ),
+                key=lambda part: part[0],
+            )
             store.prune_keys(torch.cat([c for _, (c, _) in parts]), torch.cat([w for _, (_, w) in parts]))
 
     def commit(self) -> None:
@@ -788,15 +881,25 @@ class KVCache:
         quantized storage (a flush quantizes tokens for good)."""
         self.commit()
         stores = [view._live for view in self.layers]
-        return [(store.n, store.order, view.pos.clone(), view.valid.clone(), dataclasses.replace(book),
-                 None if store.packed is None else {k: q.clone() for k, q in store.packed.items()})
-                for view, store, book in zip(self.layers, stores, self.books, strict=True)]
+        return [
+            (
+                store.n,
+                store.order,
+                view.pos.clone(),
+                view.valid.clone(),
+                dataclasses.replace(book),
+                None if store.packed is None else {k: q.clone() for k, q in store.packed.items()},
+            )
+            for view, store, book in zip(self.layers, stores, self.books, strict=True)
+        ]
 
     def rewind(self, mark: list[tuple[Any, ...]]) -> None:
         """Forget every token appended since `mark` (e.g. one question and its answer, before the next question
         on the same compressed context)."""
         with torch.inference_mode():  # the buffers are inference tensors when the run made them
-            for view, book, (n, order, pos, valid, saved, packed) in zip(self.layers, self.books, mark, strict=True):
+            for view, book, (n, order, pos, valid, saved, packed) in zip(
+                self.layers, self.books, mark, strict=True
+            ):
                 store = view._live
                 store.working.clear()
                 store.packed = packed if packed is None else {k: q.clone() for k, q in packed.items()}
@@ -804,7 +907,10 @@ class KVCache:
                     q.resize(store.capacity)  # the buffers may have grown since the mark
                 store.n = n
                 view.pos, view.valid = pos, valid
-                for name, fill in STATS.items():  # the slots past `n` are free again (appends since wrote them)
+                for (
+                    name,
+                    fill,
+                ) in STATS.items():  # the slots past `n` are free again (appends since wrote them)
                     store.buffers[name][view.rows, n:] = fill
                 store.order = order
                 vars(book).update(vars(saved))
@@ -820,6 +926,7 @@ class KVCache:
     def kept_counts(self) -> torch.Tensor:
         """Valid slots per layer and KV head, `(L, Hkv)` (without padding every head keeps `n_kept`)."""
         if not any(book.pad for book in self.books):
-            return torch.tensor([[book.n_kept] * layer.kv_heads for book, layer in zip(self.books, self.layers,
-                                                                                        strict=True)])
+            return torch.tensor(
+                [[book.n_kept] * layer.kv_heads for book, layer in zip(self.books, self.layers, strict=True)]
+            )
         return torch.stack([layer.kept_per_row() for layer in self.layers]).cpu()

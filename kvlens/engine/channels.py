@@ -14,6 +14,7 @@ pruned channels of whole keys `(R, W, D - K)` with their slots `(R, W)` (-1: an 
 tokens arrive). It has the interface of `kvlens.engine.quantize.QuantizedStates`,
 so the cache treats it like the other packed storages (`SlotStore.packed`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -66,7 +67,7 @@ class ChannelStates:
     def _index(self, rows: slice, n: int, kept: bool = True) -> torch.Tensor:
         """`(R', n, K)` the rows' kept channels for n slots each (`kept=False`: the pruned ones, `(R', n, D - K)`)."""
         order = self.order[rows]
-        return (order[:, : self.k] if kept else order[:, self.k:])[:, None, :].expand(-1, n, -1)
+        return (order[:, : self.k] if kept else order[:, self.k :])[:, None, :].expand(-1, n, -1)
 
     # -- the storage interface (`kvlens.engine.quantize.QuantizedStates`'s) --------------------------------
     def read(self, rows: slice, n: int) -> torch.Tensor:
@@ -75,7 +76,7 @@ class ChannelStates:
         out = kept.new_zeros(kept.shape[0], n, self.dim).scatter_(2, self._index(rows, n), kept)
         slot = self.whole_slot[rows]
         r, e = (slot >= 0).nonzero(as_tuple=True)
-        out[r[:, None], slot[r, e][:, None], self.order[rows][r, self.k:]] = self.whole[rows][r, e]
+        out[r[:, None], slot[r, e][:, None], self.order[rows][r, self.k :]] = self.whole[rows][r, e]
         return out
 
     def in_window(self, rows: slice, n: int) -> torch.Tensor:
@@ -96,14 +97,24 @@ class ChannelStates:
         if slot.numel():
             safe = slot.clamp(min=0, max=n - 1)
             hit = (slot >= 0) & torch.gather(changed, 1, safe)
-            pruned = torch.gather(torch.gather(x, 1, safe[..., None].expand(-1, -1, self.dim)), 2,
-                                  self._index(rows, slot.shape[1], kept=False))
+            pruned = torch.gather(
+                torch.gather(x, 1, safe[..., None].expand(-1, -1, self.dim)),
+                2,
+                self._index(rows, slot.shape[1], kept=False),
+            )
             self.whole[rows] = torch.where(hit[..., None], pruned.to(self.dtype), self.whole[rows])
         kept = torch.gather(x, 2, self._index(rows, n)).to(self.dtype)
         self.kept[rows, :n] = torch.where(changed[..., None], kept, self.kept[rows, :n])
 
-    def take(self, rows: slice, other: ChannelStates, other_rows: slice, index: torch.Tensor, x: torch.Tensor,
-             valid: torch.Tensor) -> None:
+    def take(
+        self,
+        rows: slice,
+        other: ChannelStates,
+        other_rows: slice,
+        index: torch.Tensor,
+        x: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> None:
         """Fill `rows` (empty) with `other`'s slots `index` `(R', S)` of `other_rows`, whose keys are `x`
         `(R', S, D)`: the rows keep their channels, whole keys follow their slots."""
         self.order[rows] = other.order[other_rows]
@@ -125,8 +136,9 @@ class ChannelStates:
             out = (slot >= 0) & torch.gather(gone, 1, slot.clamp(min=0, max=gone.shape[1] - 1))
             self.whole_slot[rows] = slot.masked_fill(out, -1)
 
-    def append(self, rows: slice, slots: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
-               valid: torch.Tensor) -> None:
+    def append(
+        self, rows: slice, slots: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
+    ) -> None:
         """New tokens `x` `(R', q, D)` into `slots` `(R', q)`, with their whole keys (positions unused)."""
         heads = torch.arange(slots.shape[0], device=slots.device)[:, None] + (rows.start or 0)
         self.kept[heads, slots] = torch.gather(x, 2, self._index(rows, x.shape[1])).to(self.dtype)
@@ -151,14 +163,17 @@ class ChannelStates:
         """At least `width` whole-key entries per row."""
         w = self.whole_slot.shape[1]
         if width > w:
-            self.whole = torch.cat([self.whole, self.whole.new_zeros(self.whole.shape[0], width - w,
-                                                                     self.dim - self.k)], 1)
-            self.whole_slot = torch.cat([self.whole_slot, self.whole_slot.new_full(
-                (self.whole_slot.shape[0], width - w), -1)], 1)
+            self.whole = torch.cat(
+                [self.whole, self.whole.new_zeros(self.whole.shape[0], width - w, self.dim - self.k)], 1
+            )
+            self.whole_slot = torch.cat(
+                [self.whole_slot, self.whole_slot.new_full((self.whole_slot.shape[0], width - w), -1)], 1
+            )
 
 
-def seal_channels(channels: torch.Tensor, x: torch.Tensor, valid: torch.Tensor, whole: torch.Tensor,
-                  capacity: int) -> ChannelStates:
+def seal_channels(
+    channels: torch.Tensor, x: torch.Tensor, valid: torch.Tensor, whole: torch.Tensor, capacity: int
+) -> ChannelStates:
     """A prompt's compressed keys `x` `(R, n, D)` (validity `(R, n)`) with each row's `channels` `(R, K)` kept
     (ascending); the slots of `whole` `(R, n)` bool keep every channel."""
     r, n, d = x.shape
@@ -170,5 +185,7 @@ def seal_channels(channels: torch.Tensor, x: torch.Tensor, valid: torch.Tensor, 
     if width:
         slots = torch.where(whole, torch.arange(n, device=x.device), n).sort(-1).values[:, :width]
         slots = slots.masked_fill(slots == n, -1)
-        states.keep_whole(slice(0, r), slots, torch.gather(x, 1, slots.clamp(min=0)[..., None].expand(-1, -1, d)))
+        states.keep_whole(
+            slice(0, r), slots, torch.gather(x, 1, slots.clamp(min=0)[..., None].expand(-1, -1, d))
+        )
     return states

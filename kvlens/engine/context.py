@@ -5,6 +5,7 @@ Everything a run accumulates lives here or in its `KVCache`, never in module glo
 Observers (recorder, perturbation meter) are named capture points in the TransformerLens sense:
 they see the attention of every layer and are dropped with the context when the run ends.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -48,11 +49,19 @@ class Observer:
 class RunContext:
     """Routes one run's attention calls: statistics to the cache, rows to policy and observers."""
 
-    def __init__(self, cache: KVCache, policy: Policy, observers: Sequence[Observer] = (), windowed: bool = False,
-                 rotary=None):
+    def __init__(
+        self,
+        cache: KVCache,
+        policy: Policy,
+        observers: Sequence[Observer] = (),
+        windowed: bool = False,
+        rotary=None,
+    ):
         self.cache = cache
         self.windowed = windowed  # some layer slides: its queries see only part of the slots
-        self.rotary = rotary  # positions -> (cos, sin) of the model's RoPE (`Prompt.rotary`), None without one
+        self.rotary = (
+            rotary  # positions -> (cos, sin) of the model's RoPE (`Prompt.rotary`), None without one
+        )
         self.policy = policy
         self.observers = list(observers)
         for obs in self.observers:
@@ -63,7 +72,9 @@ class RunContext:
         self.prefill_rows = max([policy.prefill_rows()] + [o.prefill_rows for o in self.observers])
         self._observed: list[tuple[SlotRows, torch.Tensor, torch.Tensor | None]] = []  # this step's rows
         self.replay: tuple[int, int] | None = None  # the prompt span a replay pass being fed reconstructs
-        self.frozen = False  # compressed once for good (the task protocol): no statistics, no policy, chunks allowed
+        self.frozen = (
+            False  # compressed once for good (the task protocol): no statistics, no policy, chunks allowed
+        )
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         """One layer's attention in this run; a sliding window hides the slots outside it (see `attention`)."""
@@ -75,8 +86,11 @@ class RunContext:
         if self.frozen:  # compressed for good: attend, tell nobody
             if spec.plain and not layer.padded:
                 return sdpa(query, key, value, spec.scaling)
-            seen = layer.valid if spec.window is None else \
-                layer.valid & (self.cache.positions[-1] - layer.pos < spec.window)
+            seen = (
+                layer.valid
+                if spec.window is None
+                else layer.valid & (self.cache.positions[-1] - layer.pos < spec.window)
+            )
             return decode_rows(query, key, value, seen, spec)[0]
         if not self.needs_rows and spec.plain and not layer.padded:
             return sdpa(query, key, value, spec.scaling)
@@ -126,10 +140,14 @@ class RunContext:
         if abar is not None:
             layer.abar = abar
         if rows:
-            seen_by = t - torch.arange(t, device=key.device, dtype=torch.float32)  # queries at or after each slot
+            seen_by = t - torch.arange(
+                t, device=key.device, dtype=torch.float32
+            )  # queries at or after each slot
             layer.nobs = seen_by.clamp(max=spec.window or t).expand(key.shape[1], t).clone()
             layer.last_attn = last[:, -1] if last.shape[1] else None
-        self.policy.observe_prefill(layer, Prompt(last, query[0], self.cache.positions, spec.scaling, self.rotary))
+        self.policy.observe_prefill(
+            layer, Prompt(last, query[0], self.cache.positions, spec.scaling, self.rotary)
+        )
         for obs in self.observers:
             obs.on_prefill(layer, query, key, value, last if rows else None)
 
@@ -140,26 +158,36 @@ class RunContext:
         it), and its last row is the layer's `last_attn`, as a decode step's would (observers see none of it)."""
         chunk = self.cache.chunked and not self.frozen
         if not (self.frozen or chunk):
-            raise RuntimeError("kvlens feeds several tokens at once after the prompt only to a frozen cache or in "
-                               "a chunked prefill.")
+            raise RuntimeError(
+                "kvlens feeds several tokens at once after the prompt only to a frozen cache or in "
+                "a chunked prefill."
+            )
         hq, q, d = query.shape[1:]
         hkv = key.shape[1]
-        allowed = visible(self.cache.positions, layer.pos, spec.window) & layer.valid[:, None, :]  # (Hkv, q, S)
+        allowed = (
+            visible(self.cache.positions, layer.pos, spec.window) & layer.valid[:, None, :]
+        )  # (Hkv, q, S)
         probs = attention_probs(query[0].view(hkv, hq // hkv, q, d), key[0], spec, allowed[:, None])
         out = torch.matmul(probs.to(value.dtype), value[0].unsqueeze(1))  # (Hkv, G, q, D)
         if chunk and (self.needs_rows or self.column_sums):
             layer.abar += group_mean(probs.sum(2))
             layer.nobs += allowed.sum(1)
-            layer.last_attn = probs[:, :, -1].reshape(hq, -1).clone()  # a view would keep the chunk's probs alive
+            layer.last_attn = (
+                probs[:, :, -1].reshape(hq, -1).clone()
+            )  # a view would keep the chunk's probs alive
         return out.reshape(1, hq, q, d).transpose(1, 2).contiguous()
 
     def _replay(self, layer: SlotRows, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         """A replay pass: its q queries attend to the prompt's slots and causally to its own keys (the last q of
         `key`); the policy reads them (`observe_replay`); the cache keeps nothing of it."""
         if spec.window is not None:
-            raise KvlensError(f"{self.policy.name}'s replay pass cannot run on sliding-window layers (layer "
-                              f"{layer.layers[0]}): the pass would not see the whole prompt it reconstructs.")
+            raise KvlensError(
+                f"{self.policy.name}'s replay pass cannot run on sliding-window layers (layer "
+                f"{layer.layers[0]}): the pass would not see the whole prompt it reconstructs."
+            )
         q = query.shape[2]
         start, end = self.replay
-        self.policy.observe_replay(layer, Replay(start, end, query[0], key[0, :, -q:], spec.scaling, spec.softcap))
+        self.policy.observe_replay(
+            layer, Replay(start, end, query[0], key[0, :, -q:], spec.scaling, spec.softcap)
+        )
         return replayed(query, key, value, spec)

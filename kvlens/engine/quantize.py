@@ -19,6 +19,7 @@ eviction the groups are KIVI's exactly. Re-quantizing a group whose range did no
 zero points and scales `(R, ceil(C / group), D)` (per channel) or `(R, C, D / group)` (per token) float16, and the
 full-precision window: values `(R, W, D)` in the model's dtype, their slots and positions `(R, W)` (slot -1: empty).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,9 +40,13 @@ class Storage:
     bits: int | None = None
     scheme: str = "kivi"
     group: int = 64  # transformers' QuantizedCache default (q_group_size=64); KIVI's paper mostly 32
-    residual: int = 0  # KIVI's R (32-128 in the paper): off by default, see docs/experiments.md, "Quantized storage"
+    residual: int = (
+        0  # KIVI's R (32-128 in the paper): off by default, see docs/experiments.md, "Quantized storage"
+    )
     rank: int | None = None  # low-rank storage (`kvlens.engine.lowrank`): coefficients per slot, at this rank
-    rank_share: float | None = None  # ... or the largest rank whose bytes are at most this share of the full cache's
+    rank_share: float | None = (
+        None  # ... or the largest rank whose bytes are at most this share of the full cache's
+    )
     rank_layers: int | None = None  # xKV: one SVD per group of this many adjacent layers (None: per KV head)
     rank_append: str = "project"  # later tokens projected onto the basis, or held at "full" width
 
@@ -51,22 +56,32 @@ class Storage:
         if self.rank is not None and self.rank < 1:
             raise KvlensError(f"--kv-rank must be at least 1 (got {self.rank}).")
         if self.rank_share is not None and not 0 < self.rank_share <= 1:
-            raise KvlensError(f"--kv-rank-share must be in (0, 1], a share of the full cache's bytes "
-                              f"(got {self.rank_share}).")
+            raise KvlensError(
+                f"--kv-rank-share must be in (0, 1], a share of the full cache's bytes "
+                f"(got {self.rank_share})."
+            )
         if not self.low_rank and (self.rank_layers is not None or self.rank_append != "project"):
-            raise KvlensError("--kv-rank-layers and --kv-rank-append need low-rank storage: add --kv-rank or "
-                              "--kv-rank-share.")
+            raise KvlensError(
+                "--kv-rank-layers and --kv-rank-append need low-rank storage: add --kv-rank or "
+                "--kv-rank-share."
+            )
         if self.rank_layers is not None and self.rank_layers < 1:
             raise KvlensError(f"--kv-rank-layers must be at least 1 (got {self.rank_layers}).")
         if self.rank_append not in APPENDS:
-            raise KvlensError(f"--kv-rank-append must be one of {', '.join(APPENDS)} (got {self.rank_append!r}).")
+            raise KvlensError(
+                f"--kv-rank-append must be one of {', '.join(APPENDS)} (got {self.rank_append!r})."
+            )
         if self.rank_layers is not None and self.rank_append == "project":
-            raise KvlensError("Cross-layer low rank (--kv-rank-layers) needs --kv-rank-append full: a new token's "
-                              "shared coefficients need the keys of every layer of its group, and the first layer "
-                              "attends before the last has computed its own.")
+            raise KvlensError(
+                "Cross-layer low rank (--kv-rank-layers) needs --kv-rank-append full: a new token's "
+                "shared coefficients need the keys of every layer of its group, and the first layer "
+                "attends before the last has computed its own."
+            )
         if self.low_rank and self.bits is not None and self.residual:
-            raise KvlensError("--kv-residual does not apply to low-rank storage, whose quantized coefficients have "
-                              "no full-precision window (use --kv-rank-append full for full-width new tokens).")
+            raise KvlensError(
+                "--kv-residual does not apply to low-rank storage, whose quantized coefficients have "
+                "no full-precision window (use --kv-rank-append full for full-width new tokens)."
+            )
         if self.bits is not None and self.bits not in BITS:
             raise KvlensError(f"--kv-bits must be one of {', '.join(map(str, BITS))} (got {self.bits}).")
         if self.scheme not in SCHEMES:
@@ -74,8 +89,10 @@ class Storage:
         if self.group < 1 or self.residual < 0:
             raise KvlensError("--kv-group must be at least 1 and --kv-residual at least 0.")
         if self.scheme == "kivi" and self.residual % self.group:
-            raise KvlensError(f"KIVI's full-precision window (--kv-residual {self.residual}) must be a multiple of "
-                              f"its group size (--kv-group {self.group}): keys leave it a whole group at a time.")
+            raise KvlensError(
+                f"KIVI's full-precision window (--kv-residual {self.residual}) must be a multiple of "
+                f"its group size (--kv-group {self.group}): keys leave it a whole group at a time."
+            )
 
     @property
     def quantized(self) -> bool:
@@ -98,17 +115,27 @@ class Storage:
         width = head_dim * kv_heads * self.rank_layers if self.rank_layers else head_dim
         if self.rank is not None and self.rank > width:
             what = f"the {self.rank_layers} layers' channels" if self.rank_layers else "the model's head size"
-            raise KvlensError(f"--kv-rank {self.rank} is above {what} ({width}); a rank of {width} stores every "
-                              f"channel.")
-        if self.rank is not None and self.quantized and not (self.rank % (8 // self.bits) == 0 and (
-                self.rank <= self.group or self.rank % self.group == 0)):
+            raise KvlensError(
+                f"--kv-rank {self.rank} is above {what} ({width}); a rank of {width} stores every channel."
+            )
+        if (
+            self.rank is not None
+            and self.quantized
+            and not (
+                self.rank % (8 // self.bits) == 0 and (self.rank <= self.group or self.rank % self.group == 0)
+            )
+        ):
             packs = f"a multiple of {8 // self.bits} (to pack at {self.bits} bits), " if self.bits < 8 else ""
-            raise KvlensError(f"--kv-rank {self.rank} does not fit quantized coefficients in groups of --kv-group "
-                              f"{self.group}: pick {packs}at most the group or a multiple of it.")
+            raise KvlensError(
+                f"--kv-rank {self.rank} does not fit quantized coefficients in groups of --kv-group "
+                f"{self.group}: pick {packs}at most the group or a multiple of it."
+            )
         if self.quantized and not self.low_rank and head_dim % min(self.group, head_dim):
             fits = ", ".join(str(g) for g in (8, 16, 32, 64, 128) if g <= head_dim and head_dim % g == 0)
-            raise KvlensError(f"--kv-group {self.group} does not divide the model's head size ({head_dim}): groups "
-                              f"of channels must tile it; pick {fits or head_dim}.")
+            raise KvlensError(
+                f"--kv-group {self.group} does not divide the model's head size ({head_dim}): groups "
+                f"of channels must tile it; pick {fits or head_dim}."
+            )
 
     def along(self, name: str) -> str:
         """How `name` ("keys"/"values") is grouped: "slots" (per channel, groups of slots) or "channels"."""
@@ -121,21 +148,36 @@ class Storage:
     @classmethod
     def of(cls, described: dict | None) -> Storage:
         """The storage a run.json or a grid cell recorded (`describe()`'s dict; None: the model's dtype)."""
-        return cls(**{k: v for k, v in (described or {}).items()
-                      if k in ("bits", "scheme", "group", "residual", "rank", "rank_share", "rank_layers",
-                               "rank_append")})
+        return cls(
+            **{
+                k: v
+                for k, v in (described or {}).items()
+                if k
+                in ("bits", "scheme", "group", "residual", "rank", "rank_share", "rank_layers", "rank_append")
+            }
+        )
 
     def describe(self) -> dict:
         """What run.json records: `{"bits": None}` for the model's dtype, with the rank for low-rank storage (and
         the coefficients' bits and group when quantized)."""
         if self.low_rank:
-            return {"bits": self.bits, "rank": self.rank, "rank_share": self.rank_share,
-                    "rank_layers": self.rank_layers, "rank_append": self.rank_append,
-                    **({"group": self.group} if self.quantized else {})}
+            return {
+                "bits": self.bits,
+                "rank": self.rank,
+                "rank_share": self.rank_share,
+                "rank_layers": self.rank_layers,
+                "rank_append": self.rank_append,
+                **({"group": self.group} if self.quantized else {}),
+            }
         if not self.quantized:
             return {"bits": None}
-        return {"bits": self.bits, "scheme": self.scheme, "group": self.group, "residual": self.residual,
-                "scale_dtype": "float16"}
+        return {
+            "bits": self.bits,
+            "scheme": self.scheme,
+            "group": self.group,
+            "residual": self.residual,
+            "scale_dtype": "float16",
+        }
 
 
 def slot_mask(slots: torch.Tensor, n: int) -> torch.Tensor:
@@ -151,20 +193,22 @@ def _grid16(lo: torch.Tensor, hi: torch.Tensor, top: int) -> tuple[torch.Tensor,
     group keeps the nearest float16 and scale 0."""
     spread = hi > lo
     lo16 = lo.half()
-    lo16 = torch.where(spread & (lo16.float() > lo), torch.nextafter(lo16, torch.full_like(lo16, float("-inf"))),
-                       lo16)
+    lo16 = torch.where(
+        spread & (lo16.float() > lo), torch.nextafter(lo16, torch.full_like(lo16, float("-inf"))), lo16
+    )
     scale16 = torch.where(spread, (hi - lo16.float()) / top, 0).half()
     short = lo16.float() + scale16.float() * top < hi
     return lo16, torch.where(short, torch.nextafter(scale16, torch.full_like(scale16, float("inf"))), scale16)
 
 
-def quantize(x: torch.Tensor, bits: int, group: int, along: str,
-             valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor, bits: int, group: int, along: str, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`x` `(R, n, D)` -> codes `(R, n, D)` uint8, zero points and scales float16: `(R, n / group, D)` along "slots"
     (n a multiple of `group`; `valid` `(R, n)`: only valid slots set a group's range) or `(R, n, D / group)` along
     "channels". A group without a valid member, or constant, gets scale 0 (codes 0, x^ = its minimum)."""
     r, n, d = x.shape
-    top = 2 ** bits - 1
+    top = 2**bits - 1
     xf = x.float()
     if along == "slots":
         g = xf.view(r, n // group, group, d)
@@ -188,8 +232,9 @@ def quantize(x: torch.Tensor, bits: int, group: int, along: str,
     return codes.to(torch.uint8).view(r, n, d), lo16, scale16
 
 
-def dequantize(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, group: int, along: str,
-               dtype: torch.dtype) -> torch.Tensor:
+def dequantize(
+    codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, group: int, along: str, dtype: torch.dtype
+) -> torch.Tensor:
     """Codes `(R, n, D)` and their group's zero points and scales (see `quantize`) -> `(R, n, D)` in `dtype`."""
     r, n, d = codes.shape
     c = codes.float()
@@ -217,7 +262,7 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if per == 1:
         return packed
     shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
-    return ((packed[..., None] >> shifts) & (2 ** bits - 1)).flatten(-2)
+    return ((packed[..., None] >> shifts) & (2**bits - 1)).flatten(-2)
 
 
 class QuantizedStates:
@@ -227,8 +272,16 @@ class QuantizedStates:
     (flushing it as the scheme says), `forget` drops freed slots from the window.
     """
 
-    def __init__(self, storage: Storage, name: str, rows: int, capacity: int, dim: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(
+        self,
+        storage: Storage,
+        name: str,
+        rows: int,
+        capacity: int,
+        dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         if storage.bits is None:
             raise ValueError("kvlens: quantized storage needs its bits")
         self.storage, self.name, self.dtype = storage, name, dtype
@@ -245,8 +298,11 @@ class QuantizedStates:
 
     def _alloc_params(self, capacity: int, device: torch.device) -> None:
         rows = self.codes.shape[0]
-        shape = (rows, -(-capacity // self.group), self.dim) if self.along == "slots" else \
-            (rows, capacity, self.dim // min(self.group, self.dim))
+        shape = (
+            (rows, -(-capacity // self.group), self.dim)
+            if self.along == "slots"
+            else (rows, capacity, self.dim // min(self.group, self.dim))
+        )
         self.lo = torch.zeros(shape, dtype=torch.float16, device=device)
         self.scale = torch.zeros(shape, dtype=torch.float16, device=device)
 
@@ -272,7 +328,9 @@ class QuantizedStates:
 
     def empty(self, rows: int, capacity: int) -> QuantizedStates:
         """Storage of the same kind for `rows` rows of `capacity` free slots."""
-        return QuantizedStates(self.storage, self.name, rows, capacity, self.dim, self.dtype, self.codes.device)
+        return QuantizedStates(
+            self.storage, self.name, rows, capacity, self.dim, self.dtype, self.codes.device
+        )
 
     def clone(self) -> QuantizedStates:
         new = object.__new__(QuantizedStates)
@@ -312,7 +370,9 @@ class QuantizedStates:
             pad = -(-n // self.group) * self.group - n
             members = torch.nn.functional.pad(valid & ~window, (0, pad))
             xs = torch.nn.functional.pad(x, (0, 0, 0, pad))
-            y = dequantize(*quantize(xs, self.bits, self.group, "slots", members), self.group, "slots", x.dtype)[:, :n]
+            y = dequantize(
+                *quantize(xs, self.bits, self.group, "slots", members), self.group, "slots", x.dtype
+            )[:, :n]
         return torch.where(window[..., None], x, y)
 
     # -- writing ---------------------------------------------------------------------------------------------
@@ -326,8 +386,11 @@ class QuantizedStates:
             safe = slot.clamp(min=0)
             hit = live & torch.gather(changed, 1, safe)
             if bool(hit.any()):
-                self.window[rows] = torch.where(hit[..., None], torch.gather(x, 1, safe[..., None].expand(
-                    -1, -1, self.dim)), self.window[rows])
+                self.window[rows] = torch.where(
+                    hit[..., None],
+                    torch.gather(x, 1, safe[..., None].expand(-1, -1, self.dim)),
+                    self.window[rows],
+                )
             changed = changed & ~self.in_window(rows, n)
         if not bool(changed.any()):
             return
@@ -346,12 +409,22 @@ class QuantizedStates:
         old_codes = unpack(self.codes[rows, :n], self.bits)
         keep = touched[:, :, None].expand(-1, -1, self.group).reshape(x.shape[0], end)[:, :n]
         self.codes[rows, :n] = pack(torch.where(keep[..., None], codes[:, :n], old_codes), self.bits)
-        self.lo[rows, : end // self.group] = torch.where(touched[..., None], lo, self.lo[rows, : end // self.group])
-        self.scale[rows, : end // self.group] = torch.where(touched[..., None], scale,
-                                                            self.scale[rows, : end // self.group])
+        self.lo[rows, : end // self.group] = torch.where(
+            touched[..., None], lo, self.lo[rows, : end // self.group]
+        )
+        self.scale[rows, : end // self.group] = torch.where(
+            touched[..., None], scale, self.scale[rows, : end // self.group]
+        )
 
-    def take(self, rows: slice, other: QuantizedStates, other_rows: slice, index: torch.Tensor, x: torch.Tensor,
-             valid: torch.Tensor) -> None:
+    def take(
+        self,
+        rows: slice,
+        other: QuantizedStates,
+        other_rows: slice,
+        index: torch.Tensor,
+        x: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> None:
         """Fill `rows` (empty) with `other`'s slots `index` `(R', S)` of `other_rows`, whose current values are `x`
         `(R', S, D)`: window entries follow their slots, the other kept slots are quantized again in their new
         groups; `valid` `(R', >= S)` of the new slots."""
@@ -385,8 +458,9 @@ class QuantizedStates:
         self.codes[r, s] = pack(codes[0], self.bits)
         self.lo[r, s], self.scale[r, s] = lo[0], scale[0]
 
-    def append(self, rows: slice, slots: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
-               valid: torch.Tensor) -> None:
+    def append(
+        self, rows: slice, slots: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
+    ) -> None:
         """New tokens: slots `(R', q)`, values `(R', q, D)`, positions `(q,)`, one at a time into the window, which
         flushes as the scheme says; `valid` `(R', n)` (the new slots included) for the per-channel groups' ranges."""
         for j in range(slots.shape[1]):
@@ -432,7 +506,9 @@ class QuantizedStates:
         leaving = leaving & (slot >= 0)
         r, e = leaving.nonzero(as_tuple=True)
         slots = slot[r, e]  # a copy: `slot` is a view of the window, cleared below
-        values = self.read(rows, valid.shape[1]) if self.along == "slots" else None  # the leaving ones as they are
+        values = (
+            self.read(rows, valid.shape[1]) if self.along == "slots" else None
+        )  # the leaving ones as they are
         self.window_slot[rows] = slot.masked_fill(leaving, -1)  # out of the window, so that they are stored
         self.window_pos[rows] = self.window_pos[rows].masked_fill(leaving, -1)
         if values is None:  # along channels: the leaving tokens are stored from the window

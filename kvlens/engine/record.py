@@ -10,6 +10,7 @@ Levels (each includes the one before):
 A `layers` filter limits states and rows to some layers; tensors are stored as `dtype` (default
 float16) on the CPU.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,12 @@ from kvlens.levels import RecordLevel
 class Recorder(Observer):
     """Collects named CPU tensors for a `Run`."""
 
-    def __init__(self, level: str = RecordLevel.SUMMARY, layers: list[int] | None = None,
-                 dtype: torch.dtype = torch.float16):
+    def __init__(
+        self,
+        level: str = RecordLevel.SUMMARY,
+        layers: list[int] | None = None,
+        dtype: torch.dtype = torch.float16,
+    ):
         self.level = RecordLevel.parse(level)
         self.layers = None if layers is None else set(layers)
         self.dtype = dtype
@@ -45,7 +50,9 @@ class Recorder(Observer):
         if layer.abar is not None and layer.abar.shape[-1] == key.shape[2]:
             self.tensors[f"prefill/abar/{i}"] = layer.abar.detach().to("cpu", torch.float32, copy=True)
         if self.needs_rows and last_rows is not None and last_rows.shape[1]:
-            self._rows.setdefault(i, []).append((last_rows[:, -1].detach().clone(), layer.pos.detach().clone()))
+            self._rows.setdefault(i, []).append(
+                (last_rows[:, -1].detach().clone(), layer.pos.detach().clone())
+            )
 
     def on_decode(self, layer, query, probs, out, spec) -> None:
         if not self.needs_rows or not self.wants(layer.layers[0]):

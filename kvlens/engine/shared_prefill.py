@@ -16,6 +16,7 @@ running the model: decisions are those of its own run, bit for bit (tested). A p
 reconstruction) read the prompt's cache alone, not the budget: they run for the first of equal policies and what
 they leave in each layer's run state is copied into the others (`SharedPrefill.replay`).
 """
+
 from __future__ import annotations
 
 import time
@@ -37,7 +38,9 @@ QUIET = RunOptions(record="summary", log_decisions=False)
 SLOT = "\x00question\x00"  # where the user's text goes in the chat template
 
 
-def split_prompt(model: LoadedModel, context: str, question: str, chat: bool = True) -> tuple[list[int], list[int]]:
+def split_prompt(
+    model: LoadedModel, context: str, question: str, chat: bool = True
+) -> tuple[list[int], list[int]]:
     """Token ids of the context part (template start + context) and of the question part (question + template
     end, up to the assistant's turn), tokenized apart so the compressed span is exactly the context's."""
     tok = model.tokenizer
@@ -53,7 +56,9 @@ def template_parts(model: LoadedModel, chat: bool) -> tuple[str, str]:
     tok = model.tokenizer
     if not getattr(tok, "chat_template", None):
         raise KvlensError("This model's tokenizer has no chat template; use --no-chat.")
-    text = tok.apply_chat_template([{"role": "user", "content": SLOT}], add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": SLOT}], add_generation_prompt=True, tokenize=False
+    )
     head, tail = text.split(SLOT)
     return head, tail
 
@@ -83,12 +88,14 @@ class _Layer:
     spec: AttentionSpec
     abar: torch.Tensor | None
     last: torch.Tensor
-    by_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # SDPA layers: last rows recomputed, by count
+    by_rows: dict[int, torch.Tensor] = field(
+        default_factory=dict
+    )  # SDPA layers: last rows recomputed, by count
 
     def last_for(self, rows: int) -> torch.Tensor:
         """The last `rows` attention rows exactly as a policy's own prefill computes them."""
         if self.abar is not None:  # the eager pass: the same rows whatever the count kept
-            return self.last[:, self.last.shape[1] - rows:]
+            return self.last[:, self.last.shape[1] - rows :]
         if rows not in self.by_rows:
             self.by_rows[rows] = last_rows(self.query, self.key, self.spec, rows)
         return self.by_rows[rows]
@@ -113,13 +120,22 @@ class SharedPrefill:
         model.supported().require()
         _check_length(model, len(ids))
         self.model, self.ids, self.groups, self.logits = model, list(ids), {}, {}
-        self.replays: dict[Policy, tuple[int, list[dict]]] = {}  # per policy: its passes, what they left per layer
+        self.replays: dict[
+            Policy, tuple[int, list[dict]]
+        ] = {}  # per policy: its passes, what they left per layer
         t = time.perf_counter()
         for sums in sorted({_ctx_of(model, p).column_sums for p in policies}):
-            rows = max(_ctx_of(model, p).prefill_rows for p in policies if _ctx_of(model, p).column_sums == sums)
+            rows = max(
+                _ctx_of(model, p).prefill_rows for p in policies if _ctx_of(model, p).column_sums == sums
+            )
             cache = KVCache(model.shape()["layers"], limit=len(ids))
-            ctx = _Capture(cache, sums, min(rows, len(ids)), bool(model.supported().sliding),
-                           rotary_of(model.model, model.supported()))
+            ctx = _Capture(
+                cache,
+                sums,
+                min(rows, len(ids)),
+                bool(model.supported().sliding),
+                rotary_of(model.model, model.supported()),
+            )
             with torch.inference_mode():
                 self.logits[sums] = feed(model, cache, ctx, self.ids, 0)
             self.groups[sums] = ctx.layers
@@ -132,7 +148,9 @@ class SharedPrefill:
         cache.positions = torch.arange(len(self.ids), device=loop.model.device)
         for view, kept in zip(cache.layers, self.groups[ctx.column_sums], strict=True):
             view.append(kept.key.clone(), kept.value.clone(), cache.positions)
-            ctx.observe_prompt(view, kept.query, view.keys, view.values, kept.spec, kept.abar, kept.last_for(keep))
+            ctx.observe_prompt(
+                view, kept.query, view.keys, view.values, kept.spec, kept.abar, kept.last_for(keep)
+            )
         return self.logits[ctx.column_sums]
 
     def prompt_cache(self, policy: Policy) -> tuple[list[tuple], torch.Tensor]:
@@ -145,7 +163,9 @@ class SharedPrefill:
         for kept in self.groups[sums]:
             hkv, t = kept.key.shape[1], kept.key.shape[2]
             pos = torch.arange(t, device=kept.key.device).expand(hkv, t)
-            layers.append((kept.key[0], kept.value[0], torch.ones(hkv, t, dtype=torch.bool, device=pos.device), pos))
+            layers.append(
+                (kept.key[0], kept.value[0], torch.ones(hkv, t, dtype=torch.bool, device=pos.device), pos)
+            )
         return layers, self.logits[sums]
 
     def replay(self, loop: _Loop) -> None:
@@ -155,8 +175,10 @@ class SharedPrefill:
         if loop.policy not in self.replays:
             before = [dict(book.state) for book in books]
             loop.replay(self.ids)
-            left = [{k: v for k, v in book.state.items() if before_k.get(k) is not v}
-                    for book, before_k in zip(books, before, strict=True)]
+            left = [
+                {k: v for k, v in book.state.items() if before_k.get(k) is not v}
+                for book, before_k in zip(books, before, strict=True)
+            ]
             self.replays[loop.policy] = (loop.replay_passes, left)
         loop.replay_passes, left = self.replays[loop.policy]
         for book, state in zip(books, left, strict=True):
@@ -168,8 +190,15 @@ def _ctx_of(model: LoadedModel, policy: Policy) -> RunContext:
     return RunContext(None, policy, windowed=bool(model.supported().sliding))
 
 
-def prepare(model: LoadedModel, policy: Policy, context: list[int], budget: int | None, extra: int,
-            shared: SharedPrefill | None = None, opts: RunOptions = QUIET) -> tuple[_Loop, torch.Tensor]:
+def prepare(
+    model: LoadedModel,
+    policy: Policy,
+    context: list[int],
+    budget: int | None,
+    extra: int,
+    shared: SharedPrefill | None = None,
+    opts: RunOptions = QUIET,
+) -> tuple[_Loop, torch.Tensor]:
     """`policy` compressed once to `budget` slots after the prompt `context` (its own prefill, or restored from
     `shared`), then frozen; `extra`: the tokens that will be appended (questions and answers). Returns the loop
     and the prompt's last logits."""
@@ -192,9 +221,14 @@ def prepare(model: LoadedModel, policy: Policy, context: list[int], budget: int 
     return loop, logits
 
 
-def answer(loop: _Loop, question: list[int], start: int, max_new_tokens: int,
-           logits: torch.Tensor | None = None,
-           done: Callable[[list[int]], bool] | None = None) -> tuple[list[int], list[float]]:
+def answer(
+    loop: _Loop,
+    question: list[int],
+    start: int,
+    max_new_tokens: int,
+    logits: torch.Tensor | None = None,
+    done: Callable[[list[int]], bool] | None = None,
+) -> tuple[list[int], list[float]]:
     """Greedy answer after feeding `question` at positions start.. in one chunk (none: answer from `logits`, the
     prompt's); stops at the tokenizer's end-of-sequence or once `done(tokens)`. Returns the tokens and each one's
     NLL. (`kvlens.engine.batch_answer.answer_many` answers many loops at once.)"""

@@ -1,4 +1,5 @@
 """High-level entry points shared by the CLI and the app: text in, `Run` out."""
+
 from __future__ import annotations
 
 import threading
@@ -21,29 +22,68 @@ def encode(model: LoadedModel, text: str, chat: bool = False) -> list[int]:
     if chat:
         if not getattr(tok, "chat_template", None):
             raise KvlensError("This model's tokenizer has no chat template; turn chat mode off.")
-        return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False))
+        return list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": text}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
     return list(tok(text).input_ids)
 
 
-def generate(model: LoadedModel, prompt: str, policy: str, params: dict | None = None, *,
-             opts: RunOptions, chat: bool = False, observers: Sequence[Observer] = (),
-             on_step: Callable[[StepEvent], None] | None = None, cancel: threading.Event | None = None,
-             meta: dict | None = None, measure: bool = False) -> Run:
+def generate(
+    model: LoadedModel,
+    prompt: str,
+    policy: str,
+    params: dict | None = None,
+    *,
+    opts: RunOptions,
+    chat: bool = False,
+    observers: Sequence[Observer] = (),
+    on_step: Callable[[StepEvent], None] | None = None,
+    cancel: threading.Event | None = None,
+    meta: dict | None = None,
+    measure: bool = False,
+) -> Run:
     """Generate up to `opts.max_new_tokens` tokens after `prompt` under a policy (`measure`: perturbation too)."""
     pol = make_policy(policy, params)
     ids = encode(model, prompt, chat)
 
     def go(obs, cb):
-        return run(model, pol, ids, prefill=len(ids), steps=opts.max_new_tokens, teacher=False, opts=opts,
-                   observers=obs, on_step=cb, cancel=cancel, meta=meta)
+        return run(
+            model,
+            pol,
+            ids,
+            prefill=len(ids),
+            steps=opts.max_new_tokens,
+            teacher=False,
+            opts=opts,
+            observers=obs,
+            on_step=cb,
+            cancel=cancel,
+            meta=meta,
+        )
+
     return measured(model, go, observers, on_step) if measure else go(observers, on_step)
 
 
-def perplexity(model: LoadedModel, text: str, policy: str, params: dict | None = None, *, prefill: int,
-               tokens: int, opts: RunOptions, observers: Sequence[Observer] = (),
-               on_step: Callable[[StepEvent], None] | None = None, cancel: threading.Event | None = None,
-               meta: dict | None = None, measure: bool = False) -> Run:
+def perplexity(
+    model: LoadedModel,
+    text: str,
+    policy: str,
+    params: dict | None = None,
+    *,
+    prefill: int,
+    tokens: int,
+    opts: RunOptions,
+    observers: Sequence[Observer] = (),
+    on_step: Callable[[StepEvent], None] | None = None,
+    cancel: threading.Event | None = None,
+    meta: dict | None = None,
+    measure: bool = False,
+) -> Run:
     """Teacher-forced perplexity: prefill `prefill` tokens, then score the next `tokens` one at a time.
 
     `measure` adds the output perturbation and the KL to the full cache (`kvlens.engine.perturbation`)."""
@@ -53,6 +93,18 @@ def perplexity(model: LoadedModel, text: str, policy: str, params: dict | None =
         raise KvlensError("--prefill and --tokens must both be at least 1.")
 
     def go(obs, cb):
-        return run(model, pol, ids, prefill=prefill, steps=tokens, teacher=True, opts=opts,
-                   observers=obs, on_step=cb, cancel=cancel, meta=meta)
+        return run(
+            model,
+            pol,
+            ids,
+            prefill=prefill,
+            steps=tokens,
+            teacher=True,
+            opts=opts,
+            observers=obs,
+            on_step=cb,
+            cancel=cancel,
+            meta=meta,
+        )
+
     return measured(model, go, observers, on_step) if measure else go(observers, on_step)

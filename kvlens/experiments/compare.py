@@ -34,6 +34,7 @@ The design (what each number means, and why it costs one pass per policy):
 `compare` is shared by `kvlens compare` and the Compare page, so both show the same `table`.
 No Streamlit here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -92,7 +93,9 @@ class Result:
     own_pieces: list[str] | None = None  # its tokens decoded one by one
     generate_s: float | None = None  # seconds of that generation
     own_diff: int | None = None  # first token where that text differs from the full cache's own (None: never)
-    own_from: int | None = None  # the step its generation resumed from (tokens before it: the measured pass's)
+    own_from: int | None = (
+        None  # the step its generation resumed from (tokens before it: the measured pass's)
+    )
 
     @property
     def agreement(self) -> float:
@@ -101,16 +104,26 @@ class Result:
 
     def row(self) -> dict:
         m = self.run.metrics
-        return {"policy": self.entry.label, "name": self.entry.policy, "params": self.run.meta["policy"]["params"],
-                "budget": self.entry.budget, "budget_slots": self.run.meta["budget"]["slots"],
-                "first_divergence": self.first_diff, "top1_agreement": self.agreement,
-                "ppl": m["ppl"], "kl": m["kl"], "perturbation": m["perturbation_used"],
-                "attention_loss": m["attention_loss"], "kv_slots_max": m["kv_slots_max"],
-                "kv_bytes_peak": m["kv_bytes_peak"], "ms_per_token": m["ms_per_token"],
-                "storage": self.entry.storage.describe(),
-                "generated": None if self.own is None else self.own.meta["text"],
-                "generated_divergence": self.own_diff,
-                "generated_steps": None if self.own is None else len(self.own.meta["tokens"]) - self.own_from}
+        return {
+            "policy": self.entry.label,
+            "name": self.entry.policy,
+            "params": self.run.meta["policy"]["params"],
+            "budget": self.entry.budget,
+            "budget_slots": self.run.meta["budget"]["slots"],
+            "first_divergence": self.first_diff,
+            "top1_agreement": self.agreement,
+            "ppl": m["ppl"],
+            "kl": m["kl"],
+            "perturbation": m["perturbation_used"],
+            "attention_loss": m["attention_loss"],
+            "kv_slots_max": m["kv_slots_max"],
+            "kv_bytes_peak": m["kv_bytes_peak"],
+            "ms_per_token": m["ms_per_token"],
+            "storage": self.entry.storage.describe(),
+            "generated": None if self.own is None else self.own.meta["text"],
+            "generated_divergence": self.own_diff,
+            "generated_steps": None if self.own is None else len(self.own.meta["tokens"]) - self.own_from,
+        }
 
 
 def first_difference(reference: list[int], tokens: list[int]) -> int | None:
@@ -133,8 +146,18 @@ class ResultCache:
     @staticmethod
     def key(model: LoadedModel, prompt: str, entry: Entry, new_tokens: int) -> tuple:
         params = json.dumps(make_policy(entry.policy, entry.params).params(), sort_keys=True, default=str)
-        return (model.spec, str(model.path), str(model.device), str(model.dtype), prompt, entry.policy, params,
-                repr(entry.budget), repr(entry.storage), new_tokens)
+        return (
+            model.spec,
+            str(model.path),
+            str(model.device),
+            str(model.dtype),
+            prompt,
+            entry.policy,
+            params,
+            repr(entry.budget),
+            repr(entry.storage),
+            new_tokens,
+        )
 
     def get(self, key: tuple) -> Result | None:
         with self._lock:
@@ -153,7 +176,9 @@ class ResultCache:
 def entries_with_reference(entries: list[Entry]) -> list[Entry]:
     """The full cache first, then each policy once (in order; `full` in the model's dtype only as the reference)."""
     if not 1 <= len(entries) <= MAX_POLICIES:
-        raise KvlensError(f"Compare takes 1 to {MAX_POLICIES} policies besides the full cache; got {len(entries)}.")
+        raise KvlensError(
+            f"Compare takes 1 to {MAX_POLICIES} policies besides the full cache; got {len(entries)}."
+        )
     out = [Entry(FULL, {}, None)]
     for e in entries:
         make_policy(e.policy, e.params)  # a bad setting is one sentence before anything runs
@@ -162,9 +187,16 @@ def entries_with_reference(entries: list[Entry]) -> list[Entry]:
     return out
 
 
-def compare(model: LoadedModel, prompt: str, entries: list[Entry], new_tokens: int,
-            on_step: Callable[[Entry, StepEvent], None] | None = None, cancel: threading.Event | None = None,
-            cache: ResultCache | None = None, own_text: bool = True) -> list[Result]:
+def compare(
+    model: LoadedModel,
+    prompt: str,
+    entries: list[Entry],
+    new_tokens: int,
+    on_step: Callable[[Entry, StepEvent], None] | None = None,
+    cancel: threading.Event | None = None,
+    cache: ResultCache | None = None,
+    own_text: bool = True,
+) -> list[Result]:
     """The full cache's measured generation, then each policy's measured teacher-forced pass on its text, and
     (`own_text`) each one's own greedy text, resumed from where it leaves full's text (module docstring).
     `on_step(entry, event)` follows every measured pass; reused results send no events."""
@@ -187,8 +219,9 @@ def compare(model: LoadedModel, prompt: str, entries: list[Entry], new_tokens: i
     return results
 
 
-def _own_text(model, prompt: str, e: Entry, new_tokens: int, result: Result, reference: Result | None,
-              cancel) -> Result:
+def _own_text(
+    model, prompt: str, e: Entry, new_tokens: int, result: Result, reference: Result | None, cancel
+) -> Result:
     """`result` with the entry's own greedy generation from the prompt (`kvlens generate` with the same settings,
     timed), for a result measured without its own text."""
     opts = RunOptions(budget=e.budget, max_new_tokens=new_tokens, storage=e.storage)
@@ -197,12 +230,20 @@ def _own_text(model, prompt: str, e: Entry, new_tokens: int, result: Result, ref
     return _with_own(model, result, own, time.perf_counter() - t, 0, reference)
 
 
-def _with_own(model, result: Result, own: Run, seconds: float, start: int, reference: Result | None) -> Result:
+def _with_own(
+    model, result: Result, own: Run, seconds: float, start: int, reference: Result | None
+) -> Result:
     """`result` with its own text `own` (`seconds` to generate it from token `start` on) and where that text leaves
     the full cache's own (`reference`'s; None for the reference itself)."""
     diff = None if reference is None else first_difference(reference.own.meta["tokens"], own.meta["tokens"])
-    return dataclasses.replace(result, own=own, own_pieces=_pieces(model, own.meta["tokens"]), generate_s=seconds,
-                               own_diff=diff, own_from=start)
+    return dataclasses.replace(
+        result,
+        own=own,
+        own_pieces=_pieces(model, own.meta["tokens"]),
+        generate_s=seconds,
+        own_diff=diff,
+        own_from=start,
+    )
 
 
 def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, cancel, own_text: bool) -> Result:
@@ -222,21 +263,47 @@ def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, canc
         picks.append(int(torch.argmax(event.logits)))
         logits.append(event.logits.detach().float().cpu())
         fed = event.token
-        if own_text and not forks and (picks[-1] != fed or fed == eos or event.step == opts.max_new_tokens - 1):
+        if (
+            own_text
+            and not forks
+            and (picks[-1] != fed or fed == eos or event.step == opts.max_new_tokens - 1)
+        ):
             forks.append(event.fork())
         if on_step is not None:
             on_step(e, event)
 
     opts = dataclasses.replace(opts, budget=e.budget, storage=e.storage)
     if reference is None:
-        out = run(model, make_policy(e.policy, e.params), ids, prefill=len(ids), steps=opts.max_new_tokens,
-                  teacher=False, opts=opts, observers=[meter], on_step=step, cancel=cancel)
+        out = run(
+            model,
+            make_policy(e.policy, e.params),
+            ids,
+            prefill=len(ids),
+            steps=opts.max_new_tokens,
+            teacher=False,
+            opts=opts,
+            observers=[meter],
+            on_step=step,
+            cancel=cancel,
+        )
     else:
-        out = run(model, make_policy(e.policy, e.params), ids + tokens, prefill=len(ids), steps=len(tokens),
-                  teacher=True, opts=opts, observers=[meter], on_step=step, cancel=cancel)
+        out = run(
+            model,
+            make_policy(e.policy, e.params),
+            ids + tokens,
+            prefill=len(ids),
+            steps=len(tokens),
+            teacher=True,
+            opts=opts,
+            observers=[meter],
+            on_step=step,
+            cancel=cancel,
+        )
     logprobs = torch.log_softmax(torch.stack(logits), dim=-1)
     out.tensors.update(meter.tensors())
-    out.tensors["perturbation/kl"] = kl_per_step(logprobs if reference is None else reference.logprobs, logits)
+    out.tensors["perturbation/kl"] = kl_per_step(
+        logprobs if reference is None else reference.logprobs, logits
+    )
     out.meta["metrics"].update(summary(out.tensors))
     if reference is None:
         result = Result(e, out, picks, None, _pieces(model, picks), logprobs)

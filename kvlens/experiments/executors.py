@@ -4,6 +4,7 @@ A worker loads the model once (`Job.load`) and then runs cells (`outcome`); each
 back to the caller, which alone writes the results file (`kvlens.experiments.grid.Results`). The two
 engines are the standard library's `ProcessPoolExecutor` and Ray actors (`ray.util.ActorPool`).
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -29,7 +30,9 @@ class Job:
     def load(self):
         from kvlens.engine.models import load_model
 
-        return load_model(self.model, device=self.device, dtype=self.dtype, trust_remote_code=self.trust_remote_code)
+        return load_model(
+            self.model, device=self.device, dtype=self.dtype, trust_remote_code=self.trust_remote_code
+        )
 
 
 def task(name: str) -> Callable:
@@ -56,15 +59,21 @@ def outcome(model, texts: dict[str, str], cell: dict) -> dict:
     except KvlensError as err:
         return {"error": str(err)}
     except Exception as err:  # a cell that fails for any reason is recorded and retried next time
-        return {"error": one_line(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no message'}")}
+        return {
+            "error": one_line(
+                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no message'}"
+            )
+        }
 
 
 def in_process(model_loader: Callable, job: Job) -> Callable[[list[dict]], Iterator[tuple[dict, dict]]]:
     """Run cells one after another in this process, on `model_loader()` (called once, if any cell is left)."""
+
     def outcomes(cells):
         model, texts = model_loader() if cells else None, dict(job.texts)
         for cell in cells:
             yield cell, outcome(model, texts, cell)
+
     return outcomes
 
 
@@ -101,20 +110,28 @@ def _give_back_memory() -> None:
 
 def processes(job: Job, workers: int) -> Callable[[list[dict]], Iterator[tuple[dict, dict]]]:
     """Run cells on `workers` local processes (spawned, each loading the model once and using its share of the CPUs)."""
+
     def outcomes(cells):
         if not cells:
             return
         threads = max(1, (os.cpu_count() or 1) // workers)
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_start_worker, initargs=(job, threads))
+        pool = ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_worker,
+            initargs=(job, threads),
+        )
         try:
             futures = {pool.submit(_run_in_worker, cell): cell for cell in cells}
             for future in as_completed(futures):
                 yield futures[future], future.result()
         except BrokenProcessPool:
-            raise KvlensError("A worker process died (could it load the model? see its error above).") from None
+            raise KvlensError(
+                "A worker process died (could it load the model? see its error above)."
+            ) from None
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
     return outcomes
 
 
@@ -128,13 +145,15 @@ class _RayWorker:
         return cell, _run_in_worker(cell)
 
 
-def ray_cluster(job: Job, workers: int | None, address: str | None,
-                object_store_bytes: int = 100 << 20) -> Callable[[list[dict]], Iterator[tuple[dict, dict]]]:
+def ray_cluster(
+    job: Job, workers: int | None, address: str | None, object_store_bytes: int = 100 << 20
+) -> Callable[[list[dict]], Iterator[tuple[dict, dict]]]:
     """Run cells on Ray actors: on the cluster at `address`, or on a local Ray started here (and stopped after).
 
     One actor per worker, each holding a GPU when the cluster has GPUs and the device is not `cpu`
     (default: one per GPU, else one per CPU; more actors share them); each loads the model once.
     """
+
     def outcomes(cells):
         if not cells:
             return
@@ -150,23 +169,31 @@ def ray_cluster(job: Job, workers: int | None, address: str | None,
                 reason = str(err).splitlines()[0]
                 raise KvlensError(f"Could not reach the Ray cluster at '{address}': {reason}") from None
         else:
-            ray.init(num_cpus=workers or os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                     object_store_memory=object_store_bytes)
+            ray.init(
+                num_cpus=workers or os.cpu_count(),
+                include_dashboard=False,
+                log_to_driver=False,
+                object_store_memory=object_store_bytes,
+            )
         try:
             resources = ray.cluster_resources()
             gpus = int(resources.get("GPU", 0)) if job.device != "cpu" else 0
             cpus = int(resources.get("CPU", 1))
             n = workers or gpus or cpus
             # more actors than GPUs (or CPUs) share them, rather than waiting for a free one forever
-            share = {"num_gpus": min(1.0, gpus / n), "num_cpus": 0} if gpus else {"num_cpus": min(1.0, cpus / n)}
+            share = (
+                {"num_gpus": min(1.0, gpus / n), "num_cpus": 0} if gpus else {"num_cpus": min(1.0, cpus / n)}
+            )
             actor = ray.remote(**share)(_RayWorker)
             pool = ActorPool([actor.remote(job, 1) for _ in range(n)])
             yield from pool.map_unordered(lambda a, cell: a.run.remote(cell), cells)
         except ray.exceptions.RayActorError as err:
-            raise KvlensError(f"A Ray worker died (could it load model '{job.model}'?): "
-                              f"{str(err).splitlines()[0]}") from None
+            raise KvlensError(
+                f"A Ray worker died (could it load model '{job.model}'?): {str(err).splitlines()[0]}"
+            ) from None
         finally:
             ray.shutdown()
+
     return outcomes
 
 

@@ -12,6 +12,7 @@ grid skips the cells that already have a row and retries the failed ones. Finish
 in the file (other policies, lengths or settings) stay in it as `other_rows`, untouched, and count as done for
 a later grid that plans them again: two grids can share an out-dir without either losing a row.
 """
+
 from __future__ import annotations
 
 import csv
@@ -39,8 +40,14 @@ def digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
 
 
-def plan(task: str, policies: list[tuple[str, dict]], budgets: list, axes: dict[str, list],
-         fixed: dict, seeds: list[int] | None = None) -> list[dict]:
+def plan(
+    task: str,
+    policies: list[tuple[str, dict]],
+    budgets: list,
+    axes: dict[str, list],
+    fixed: dict,
+    seeds: list[int] | None = None,
+) -> list[dict]:
     """Every `(policy, params)` x budget x the product of `axes` (x seed), as cells, checked before any model work.
 
     Budget-free policies (`full`, CORM) get one `None` budget. `fixed` goes into every cell.
@@ -56,11 +63,21 @@ def plan(task: str, policies: list[tuple[str, dict]], budgets: list, axes: dict[
             raise KvlensError(f"Policy {name} needs a budget; give --budgets.")
         if seeds is not None and "seed" in given:
             raise KvlensError(f"Give {name}'s seed either with --seeds or as its parameter, not both.")
-        for budget, values, seed in itertools.product([None] if policy.budget_free else budgets,
-                                                      itertools.product(*axes.values()), seeds or [0]):
+        for budget, values, seed in itertools.product(
+            [None] if policy.budget_free else budgets, itertools.product(*axes.values()), seeds or [0]
+        ):
             params = {**given, "seed": seed} if seeds is not None and "seed" in policy.params() else given
-            cells.append({"task": task, **fixed, "policy": name, "params": make_policy(name, params).params(),
-                          "budget": budget, **dict(zip(axes, values, strict=True)), "seed": seed})
+            cells.append(
+                {
+                    "task": task,
+                    **fixed,
+                    "policy": name,
+                    "params": make_policy(name, params).params(),
+                    "budget": budget,
+                    **dict(zip(axes, values, strict=True)),
+                    "seed": seed,
+                }
+            )
     return json.loads(json.dumps(cells))  # tuples as lists, as they read back from the results file
 
 
@@ -85,8 +102,14 @@ def _write_atomic(path: Path, write: Callable) -> None:
 class Results:
     """The results file of a grid (JSON, with a CSV of the rows beside it), rewritten atomically after each cell."""
 
-    def __init__(self, path: str | Path, cells: list[dict], settings: dict, fresh: bool = False,
-                 implied: dict | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        cells: list[dict],
+        settings: dict,
+        fresh: bool = False,
+        implied: dict | None = None,
+    ):
         """`implied`: the value a row written before a cell field existed had for it (matched as such)."""
         self.path = Path(path)
         self.cells, self.settings, self.implied = cells, settings, implied or {}
@@ -105,10 +128,13 @@ class Results:
             old = json.loads(self.path.read_text(encoding="utf-8"))
             rows, failed = old.get("rows", []), old.get("failed", [])
         except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-            raise KvlensError(f"{self.path} exists but is not a results file; use --fresh to replace it.") from None
+            raise KvlensError(
+                f"{self.path} exists but is not a results file; use --fresh to replace it."
+            ) from None
         fields = list(self.cells[0]) if self.cells else []
-        for entry, into in [(r, self.rows) for r in rows + old.get("other_rows", [])] + \
-                [(f, self.failed) for f in failed]:
+        for entry, into in [(r, self.rows) for r in rows + old.get("other_rows", [])] + [
+            (f, self.failed) for f in failed
+        ]:
             k = key({f: entry.get(f, self.implied.get(f)) for f in fields})
             if k in self.order:
                 into[k] = entry
@@ -137,10 +163,17 @@ class Results:
         """Write the JSON (settings, counts, rows, failures) and the CSV of the rows, each atomically."""
         rows = self.ordered()
         done = len(rows) == len(self.cells)
-        obj = {**self.settings, **(extra or {}), "cells_total": len(self.cells), "cells_done": len(rows),
-               "cells_failed": len(self.failed), "status": "done" if done else "running", "rows": rows,
-               "failed": [self.failed[k] for k in sorted(self.failed, key=self.order.__getitem__)],
-               **({"other_rows": self.other} if self.other else {})}
+        obj = {
+            **self.settings,
+            **(extra or {}),
+            "cells_total": len(self.cells),
+            "cells_done": len(rows),
+            "cells_failed": len(self.failed),
+            "status": "done" if done else "running",
+            "rows": rows,
+            "failed": [self.failed[k] for k in sorted(self.failed, key=self.order.__getitem__)],
+            **({"other_rows": self.other} if self.other else {}),
+        }
         _write_atomic(self.path, lambda f: f.write(json.dumps(obj, indent=1, default=str)))
         columns = list(dict.fromkeys(c for r in rows for c in r if c not in CSV_SKIP))
 
@@ -148,23 +181,34 @@ class Results:
             writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
+
         _write_atomic(self.path.with_suffix(".csv"), write_csv)
 
 
-def run_grid(results: Results, outcomes: Callable[[list[dict]], Iterable[tuple[dict, dict]]], desc: str) -> Results:
+def run_grid(
+    results: Results, outcomes: Callable[[list[dict]], Iterable[tuple[dict, dict]]], desc: str
+) -> Results:
     """Run the cells `results` still lacks through an executor's `outcomes(cells)`, recording each as it
     finishes, with a progress bar (ETA) over the whole grid."""
     from tqdm import tqdm
 
     todo = results.todo()
     results.write()
-    bar = tqdm(total=len(results.cells), initial=len(results.cells) - len(todo), desc=desc, unit="cell",
-               file=sys.stderr, disable=not sys.stderr.isatty(), dynamic_ncols=True)
+    bar = tqdm(
+        total=len(results.cells),
+        initial=len(results.cells) - len(todo),
+        desc=desc,
+        unit="cell",
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+        dynamic_ncols=True,
+    )
     with bar:
         for cell, outcome in outcomes(todo):
             results.add(cell, outcome)
-            bar.set_postfix_str(f"{len(results.failed)} failed" if results.failed else cell.get("policy", ""),
-                                refresh=False)
+            bar.set_postfix_str(
+                f"{len(results.failed)} failed" if results.failed else cell.get("policy", ""), refresh=False
+            )
             bar.update(1)
     return results
 
@@ -176,6 +220,9 @@ def report(results: Results) -> Iterator[str]:
     if results.other:
         yield f"kept {len(results.other)} finished cells of another grid in {path.name} (other_rows)"
     for f in list(results.failed.values())[:10]:
-        where = (f"{f['policy']} budget {f['budget']}" if "policy" in f
-                 else f"{f.get('suite_task')} sample {f.get('index')}")
+        where = (
+            f"{f['policy']} budget {f['budget']}"
+            if "policy" in f
+            else f"{f.get('suite_task')} sample {f.get('index')}"
+        )
         yield f"failed: {where}: {f['error']} (re-run the same command to retry)"

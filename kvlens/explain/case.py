@@ -5,6 +5,7 @@ question is appended, and what is scored is the full cache's own greedy answer. 
 once by the run's policy at the run's budget (its step-0 compression); what is scored is the run's text when it
 was teacher-forced, else the full cache's own greedy continuation of the same length.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,13 +44,22 @@ def file_sample(path: str, index: int) -> ruler.Sample:
     """Sample `index` of a samples file (`kvlens bench tasks --dump-samples`)."""
     samples = ruler.read_samples(path)
     if not 0 <= index < len(samples):
-        raise KvlensError(f"Sample index {index} is out of range: {path} has {len(samples)} samples (0 to "
-                          f"{len(samples) - 1}).")
+        raise KvlensError(
+            f"Sample index {index} is out of range: {path} has {len(samples)} samples (0 to "
+            f"{len(samples) - 1})."
+        )
     return samples[index]
 
 
-def sample_case(model: LoadedModel, sample: ruler.Sample, policy: str, ratio: float, chat: bool = True,
-                about: dict | None = None, rounding: str = "kvpress") -> Case:
+def sample_case(
+    model: LoadedModel,
+    sample: ruler.Sample,
+    policy: str,
+    ratio: float,
+    chat: bool = True,
+    about: dict | None = None,
+    rounding: str = "kvpress",
+) -> Case:
     """A task sample under `policy` at compression ratio `ratio` (its kept count rounded as `rounding`,
     `slots_for`); `about`: where the sample comes from."""
     if not 0 < ratio < 1:
@@ -57,9 +67,14 @@ def sample_case(model: LoadedModel, sample: ruler.Sample, policy: str, ratio: fl
     spec = PolicySpec.parse(policy)
     context, question = split_prompt(model, sample.context, sample.questions[0], chat)
     budget = make_policy(spec.name, dict(spec.params)).resolve_budget(
-        slots_for(ratio, len(context), rounding), len(context), len(context) + len(question) + sample.max_new_tokens)
+        slots_for(ratio, len(context), rounding),
+        len(context),
+        len(context) + len(question) + sample.max_new_tokens,
+    )
     if budget is None:
-        raise KvlensError(f"Policy {spec.name} keeps what its own rule keeps; explain needs a budgeted policy.")
+        raise KvlensError(
+            f"Policy {spec.name} keeps what its own rule keeps; explain needs a budgeted policy."
+        )
     needles = tasks.context_token_spans(model, sample.context, ruler.needle_spans(sample), chat)
     about = {"source": "sample", **(about or {}), "task": sample.task, "policy": spec.label, "ratio": ratio}
     return Case(model, context, question, spec, budget, about, sample, needles, None, sample.max_new_tokens)
@@ -69,19 +84,37 @@ def run_case(model: LoadedModel, directory: str) -> Case:
     """A recorded run's prompt under its policy and budget (the run must have its decision log)."""
     run = load_run(directory)
     if run.decisions.empty:
-        raise KvlensError(f"The run at {directory} has no decisions (recorded without a decision log, or its policy "
-                          "removed nothing); explain needs them.")
+        raise KvlensError(
+            f"The run at {directory} has no decisions (recorded without a decision log, or its policy "
+            "removed nothing); explain needs them."
+        )
     meta = run.meta
     budget = meta.get("budget", {}).get("slots")
     if budget is None:
         raise KvlensError(f"The run at {directory} ran without a budget; explain needs a budgeted policy.")
     tokens = list(meta["tokens"])
     if len(tokens) < 2:
-        raise KvlensError(f"The run at {directory} has fewer than 2 tokens after its prompt; nothing to score.")
+        raise KvlensError(
+            f"The run at {directory} has fewer than 2 tokens after its prompt; nothing to score."
+        )
     spec = PolicySpec(meta["policy"]["name"], tuple(sorted(meta["policy"]["params"].items())))
-    about = {"source": "run", "run": str(directory), "policy": spec.name, "budget": budget, "mode": meta["mode"]}
-    return Case(model, list(meta["prompt_tokens"]), [], spec, budget, about,
-                text=tokens if meta["mode"] == "teacher" else None, max_new_tokens=len(tokens))
+    about = {
+        "source": "run",
+        "run": str(directory),
+        "policy": spec.name,
+        "budget": budget,
+        "mode": meta["mode"],
+    }
+    return Case(
+        model,
+        list(meta["prompt_tokens"]),
+        [],
+        spec,
+        budget,
+        about,
+        text=tokens if meta["mode"] == "teacher" else None,
+        max_new_tokens=len(tokens),
+    )
 
 
 def answered(case: Case):
@@ -119,27 +152,48 @@ def build(case: Case, shared: SharedPrefill | None = None) -> Built:
     extra = len(case.question) + case.max_new_tokens
     shared = shared or SharedPrefill(model, context, [policy])
     layers, logits = shared.prompt_cache(policy)
-    comp, _ = prepare(model, policy, context, case.budget, extra, shared, dataclasses.replace(QUIET,
-                                                                                            log_decisions=True))
+    comp, _ = prepare(
+        model, policy, context, case.budget, extra, shared, dataclasses.replace(QUIET, log_decisions=True)
+    )
     frame = comp.log.frame()
     frame = frame[(frame["action"] == "merge") & (frame["step"] == 0)]
-    merges = list(zip(frame["layer"].tolist(), frame["kv_head"].tolist(), frame["position"].tolist(),
-                      [list(t) for t in frame["targets"]], strict=True))
+    merges = list(
+        zip(
+            frame["layer"].tolist(),
+            frame["kv_head"].tolist(),
+            frame["position"].tolist(),
+            [list(t) for t in frame["targets"]],
+            strict=True,
+        )
+    )
     pair = compare(Kept.of(model, layers), Kept(comp), merges)
     decode = model.tokenizer.decode
     if case.sample is None:
         target = case.text or answer_many([pair.full], [], len(context), case.max_new_tokens, [logits])[0][0]
         if len(target) < 2:
             raise KvlensError("The full cache's continuation is one token; nothing to score after it.")
-        return Built(case, pair, target, len(target) - 1, None, {"full": decode(target)},
-                     time.perf_counter() - t)
+        return Built(
+            case, pair, target, len(target) - 1, None, {"full": decode(target)}, time.perf_counter() - t
+        )
     found = answered(case)
 
-    (full_answer, _), (comp_answer, _) = answer_many([pair.full, pair.compressed], case.question, len(context),
-                                                     case.max_new_tokens, done=found)
+    (full_answer, _), (comp_answer, _) = answer_many(
+        [pair.full, pair.compressed], case.question, len(context), case.max_new_tokens, done=found
+    )
     right_upto = next((k for k in range(1, len(full_answer) + 1) if found(0, full_answer[:k])), None)
-    answers = {"expected": list(case.sample.answers[0]), "full": decode(full_answer, skip_special_tokens=True),
-               "compressed": decode(comp_answer, skip_special_tokens=True), "full_right": right_upto is not None,
-               "compressed_right": found(0, comp_answer)}
-    return Built(case, pair, case.question + full_answer, len(full_answer), right_upto, answers,
-                 time.perf_counter() - t)
+    answers = {
+        "expected": list(case.sample.answers[0]),
+        "full": decode(full_answer, skip_special_tokens=True),
+        "compressed": decode(comp_answer, skip_special_tokens=True),
+        "full_right": right_upto is not None,
+        "compressed_right": found(0, comp_answer),
+    }
+    return Built(
+        case,
+        pair,
+        case.question + full_answer,
+        len(full_answer),
+        right_upto,
+        answers,
+        time.perf_counter() - t,
+    )

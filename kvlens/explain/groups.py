@@ -1,5 +1,6 @@
 """Groups of removals to restore together: by layer, by (layer, KV head), by position span, by decision kind
 (evicted or merged), the attention sinks, a task sample's needle, and the needle within each (layer, KV head)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -33,9 +34,15 @@ class Group:
 
     def describe(self) -> dict:
         """JSON-able: kind, name, slots, where it sits, and the layers it touches."""
-        out = {"kind": self.kind, "name": self.name, "slots": self.slots,
-               "layers": torch.nonzero(self.mask.any(-1).any(-1))[:, 0].tolist()}
-        out.update({k: getattr(self, k) for k in ("layer", "head", "start", "end") if getattr(self, k) is not None})
+        out = {
+            "kind": self.kind,
+            "name": self.name,
+            "slots": self.slots,
+            "layers": torch.nonzero(self.mask.any(-1).any(-1))[:, 0].tolist(),
+        }
+        out.update(
+            {k: getattr(self, k) for k in ("layer", "head", "start", "end") if getattr(self, k) is not None}
+        )
         return out
 
 
@@ -44,7 +51,9 @@ def parse_by(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in GROUPINGS]
     if bad or not names:
-        raise KvlensError(f"Unknown grouping '{bad[0] if bad else text}'; the groupings are {', '.join(GROUPINGS)}.")
+        raise KvlensError(
+            f"Unknown grouping '{bad[0] if bad else text}'; the groupings are {', '.join(GROUPINGS)}."
+        )
     return names
 
 
@@ -53,7 +62,9 @@ def check_span(span: int) -> None:
         raise KvlensError(f"A position span must be at least 1 token; got {span}.")
 
 
-def make_groups(pair: Pair, by: list[str], span: int = 32, needles: Sequence[tuple[int, int]] = ()) -> list[Group]:
+def make_groups(
+    pair: Pair, by: list[str], span: int = 32, needles: Sequence[tuple[int, int]] = ()
+) -> list[Group]:
     """The groups of `by`, in order (the needle's only when `needles`, token spans, are known)."""
     check_span(span)
     removed = pair.removed
@@ -77,11 +88,22 @@ def make_groups(pair: Pair, by: list[str], span: int = 32, needles: Sequence[tup
         if kind == "layer":
             out += [group(kind, f"L{i}", cells(i), layer=i) for i in range(layers)]
         elif kind == "head":
-            out += [group(kind, f"L{i}.H{h}", cells(i, h), layer=i, head=h) for i in range(layers)
-                    for h in range(heads)]
+            out += [
+                group(kind, f"L{i}.H{h}", cells(i, h), layer=i, head=h)
+                for i in range(layers)
+                for h in range(heads)
+            ]
         elif kind == "span":
-            out += [group(kind, f"{s}-{min(s + span, tokens) - 1}", positions(s, s + span), start=s,
-                          end=min(s + span, tokens)) for s in range(0, tokens, span)]
+            out += [
+                group(
+                    kind,
+                    f"{s}-{min(s + span, tokens) - 1}",
+                    positions(s, s + span),
+                    start=s,
+                    end=min(s + span, tokens),
+                )
+                for s in range(0, tokens, span)
+            ]
         elif kind == "kind":
             out += [group(kind, "evicted", ~pair.merged), group(kind, "merged", pair.merged)]
         elif kind == "sinks":
@@ -90,6 +112,9 @@ def make_groups(pair: Pair, by: list[str], span: int = 32, needles: Sequence[tup
             out += [group(kind, f"needle {s}-{e - 1}", positions(s, e), start=s, end=e) for s, e in needles]
         elif kind == "needle-head" and needles:
             needle = torch.stack([positions(s, e) for s, e in needles]).any(0)
-            out += [group(kind, f"needle L{i}.H{h}", needle & cells(i, h), layer=i, head=h) for i in range(layers)
-                    for h in range(heads)]
+            out += [
+                group(kind, f"needle L{i}.H{h}", needle & cells(i, h), layer=i, head=h)
+                for i in range(layers)
+                for h in range(heads)
+            ]
     return out

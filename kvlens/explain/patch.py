@@ -8,6 +8,7 @@ full cache's entries `restore` `(L, Hkv, T)` put back: the compressed slot of a 
 full one comes in. Restoring every removed entry gives the full cache's slots (in another order, which attention
 ignores); restoring none gives the compressed cache itself.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,7 +72,9 @@ def close(pair: Pair, restore: torch.Tensor) -> torch.Tensor:
     """`restore` `(L, Hkv, T)` with the targets of every merge source in it added, within the removed entries."""
     flat = restore.reshape(-1).clone()
     if pair.links.shape[1]:
-        flat = flat.to(torch.uint8).scatter_reduce(0, pair.links[1], flat[pair.links[0]].to(torch.uint8), "amax")
+        flat = flat.to(torch.uint8).scatter_reduce(
+            0, pair.links[1], flat[pair.links[0]].to(torch.uint8), "amax"
+        )
     return flat.bool().view(pair.shape) & pair.removed
 
 
@@ -88,8 +91,14 @@ def patched(pair: Pair, restore: torch.Tensor) -> Kept:
         stays = ok & ~back.gather(1, pc.clamp(min=0))
         index, valid = padded_index(torch.cat([stays, back], 1))
         take = index[..., None].expand(-1, -1, kc.shape[-1])
-        layers.append((torch.cat([kc, kf], 1).gather(1, take), torch.cat([vc, vf], 1).gather(1, take), valid,
-                       torch.cat([pc, pf], 1).gather(1, index)))
+        layers.append(
+            (
+                torch.cat([kc, kf], 1).gather(1, take),
+                torch.cat([vc, vf], 1).gather(1, take),
+                valid,
+                torch.cat([pc, pf], 1).gather(1, index),
+            )
+        )
     return Kept.of(pair.compressed.model, layers)
 
 

@@ -6,6 +6,7 @@ whether the cache reproduces the answer greedily up to its last expected string 
 answer's start, so it is right). The recovered share of a patch is `(lp - lp_compressed) / (lp_full -
 lp_compressed)`.
 """
+
 from __future__ import annotations
 
 import time
@@ -26,7 +27,9 @@ TEXT_GAP = 0.1  # text: a set suffices once the gap left is at most this share
 @dataclass
 class Scores:
     lp: torch.Tensor  # (N,) log-probability of the scored tokens
-    right: torch.Tensor  # (N,) bool: reproduces the answer up to its last expected string (False: no such answer)
+    right: (
+        torch.Tensor
+    )  # (N,) bool: reproduces the answer up to its last expected string (False: no such answer)
 
 
 class Scorer:
@@ -42,7 +45,9 @@ class Scorer:
         b = self.built
         logp, greedy = score_many(caches, b.ids, b.start, b.scored)
         self.caches += len(caches)
-        right = greedy[:, : b.right_upto].all(1) if b.right_upto else torch.zeros(len(caches), dtype=torch.bool)
+        right = (
+            greedy[:, : b.right_upto].all(1) if b.right_upto else torch.zeros(len(caches), dtype=torch.bool)
+        )
         return Scores(logp.sum(1), right)
 
     def score(self, masks: list[torch.Tensor], reverse: bool = False) -> Scores:
@@ -50,7 +55,7 @@ class Scorer:
         parts = []
         for i in range(0, len(masks), self.batch):
             make = without if reverse else patched
-            parts.append(self._score([make(self.built.pair, m) for m in masks[i:i + self.batch]]))
+            parts.append(self._score([make(self.built.pair, m) for m in masks[i : i + self.batch]]))
         return Scores(torch.cat([p.lp for p in parts]), torch.cat([p.right for p in parts]))
 
     def share(self, lp: torch.Tensor) -> torch.Tensor:
@@ -79,7 +84,7 @@ def find_minimal(scorer: Scorer, groups: list[Group], shares: list[float]) -> di
         sets.append(union)
     found, share = None, None
     for start in range(0, len(sets), scorer.batch):
-        scores = scorer.score(sets[start:start + scorer.batch])
+        scores = scorer.score(sets[start : start + scorer.batch])
         fixed = torch.nonzero(scorer.sufficient(scores))[:, 0]
         if len(fixed):
             found = start + int(fixed[0])
@@ -89,15 +94,21 @@ def find_minimal(scorer: Scorer, groups: list[Group], shares: list[float]) -> di
         return {"found": False, "groups": [], "slots": 0, "seconds": time.perf_counter() - t}
     chosen = [groups[i] for i in order[: found + 1]]
     mask = sets[found]
-    out = {"found": True, "groups": [g.name for g in chosen], "slots": int(mask.sum()),
-           "slots_removed": int(scorer.built.pair.removed.sum()), "recovered_share": share,
-           "layers": torch.nonzero(mask.any(-1).any(-1))[:, 0].tolist(),
-           "mask": mask}
+    out = {
+        "found": True,
+        "groups": [g.name for g in chosen],
+        "slots": int(mask.sum()),
+        "slots_removed": int(scorer.built.pair.removed.sum()),
+        "recovered_share": share,
+        "layers": torch.nonzero(mask.any(-1).any(-1))[:, 0].tolist(),
+        "mask": mask,
+    }
     b = scorer.built
     if b.case.sample is not None:
         decode = b.case.model.tokenizer.decode
-        ((tokens, _),) = answer_many([patched(b.pair, mask)], b.case.question, b.start, b.case.max_new_tokens,
-                                     done=answered(b.case))
+        ((tokens, _),) = answer_many(
+            [patched(b.pair, mask)], b.case.question, b.start, b.case.max_new_tokens, done=answered(b.case)
+        )
         out["answer"] = decode(tokens, skip_special_tokens=True)
         out["right"] = ruler.score(out["answer"], b.case.sample.answers[0]) == 1
     out["seconds"] = time.perf_counter() - t

@@ -10,6 +10,7 @@ head grid reads all of them. Cache state at row r reflects the decisions of step
 `attention_grid`'s long runs are block-pooled to at most `max_cells` per axis (attention: mean over the block's
 cached cells; status: the highest code in the block).
 """
+
 from __future__ import annotations
 
 import math
@@ -24,9 +25,14 @@ from kvlens.runs.run import Run
 
 # status codes, in pooling priority (higher wins when blocks are pooled)
 FUTURE, EVICTED, MERGED_AWAY, KEPT, HOLDS_MERGE, SINK = range(6)
-STATUS = {FUTURE: ("not yet seen", "#ffffff"), EVICTED: ("evicted", "#c8c8c8"),
-          MERGED_AWAY: ("merged away", "#f2b37a"), KEPT: ("kept", "#dde8f5"),
-          HOLDS_MERGE: ("holds merged values", "#d62728"), SINK: ("sink", "#111111")}
+STATUS = {
+    FUTURE: ("not yet seen", "#ffffff"),
+    EVICTED: ("evicted", "#c8c8c8"),
+    MERGED_AWAY: ("merged away", "#f2b37a"),
+    KEPT: ("kept", "#dde8f5"),
+    HOLDS_MERGE: ("holds merged values", "#d62728"),
+    SINK: ("sink", "#111111"),
+}
 
 
 @dataclass
@@ -83,8 +89,9 @@ def layer_cache(run: Run, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     NaN where it was not cached) and `status` `(R, Hkv, P)` codes (see module docstring), P = every position."""
     layers = recorded_attention_layers(run)
     if layer not in layers:
-        raise KvlensError(f"Layer {layer} has no recorded attention rows; recorded layers: "
-                          f"{', '.join(map(str, layers))}.")
+        raise KvlensError(
+            f"Layer {layer} has no recorded attention rows; recorded layers: {', '.join(map(str, layers))}."
+        )
     attn = run.tensor(f"attn/{layer}").float()  # (R, Hq, Smax)
     pos = run.tensor(f"attn_pos/{layer}").long()  # (R, Hkv, Smax)
     n_rows, hq, _ = attn.shape
@@ -127,7 +134,9 @@ def _pool(layer, head, weights, status, max_cells, prompt_len) -> AttentionGrid:
     w, s = pool_blocks(weights.numpy(), status.numpy(), br, bc)
     rows = list(range(0, br * w.shape[0], br))
     cols = list(range(0, bc * w.shape[1], bc))
-    return AttentionGrid(layer, head, torch.from_numpy(w), torch.from_numpy(s), rows, cols, (br, bc), prompt_len)
+    return AttentionGrid(
+        layer, head, torch.from_numpy(w), torch.from_numpy(s), rows, cols, (br, bc), prompt_len
+    )
 
 
 def pool_blocks(weights: np.ndarray, status: np.ndarray, br: int, bc: int) -> tuple[np.ndarray, np.ndarray]:
@@ -144,7 +153,9 @@ def pool_blocks(weights: np.ndarray, status: np.ndarray, br: int, bc: int) -> tu
     cached = (~np.isnan(w)).sum(-1)
     with np.errstate(invalid="ignore"):
         pooled = np.nansum(w, -1) / cached  # NaN where the block holds no cached cell
-    return pooled.astype(weights.dtype), s.reshape(r, br, c, bc).transpose(0, 2, 1, 3).reshape(r, c, -1).max(-1)
+    return pooled.astype(weights.dtype), s.reshape(r, br, c, bc).transpose(0, 2, 1, 3).reshape(r, c, -1).max(
+        -1
+    )
 
 
 def status_scale(colors: dict[int, str] | None = None) -> list:
@@ -157,7 +168,9 @@ def status_scale(colors: dict[int, str] | None = None) -> list:
     return scale
 
 
-def attention_map_figure(run: Run, grid: AttentionGrid, step: int | None = None, max_dots: int = 20000) -> go.Figure:
+def attention_map_figure(
+    run: Run, grid: AttentionGrid, step: int | None = None, max_dots: int = 20000
+) -> go.Figure:
     """Heatmap of log10 attention over kept cells on a status background (evicted grey, merged away
     orange); slots holding merged values get red dots (at most `max_dots`), sinks a black triangle
     above their column; `step` draws a guide line."""
@@ -165,34 +178,80 @@ def attention_map_figure(run: Run, grid: AttentionGrid, step: int | None = None,
     codes = sorted(STATUS)
     scale = status_scale()
     names = [[STATUS[int(c)][0] for c in row] for row in grid.status.tolist()]
-    fig.add_trace(go.Heatmap(z=grid.status.tolist(), x=grid.cols, y=grid.rows, zmin=-0.5, zmax=len(codes) - 0.5,
-                             colorscale=scale, showscale=False, customdata=names, name="status",
-                             hovertemplate="position %{x}, query row %{y}: %{customdata}<extra></extra>"))
+    fig.add_trace(
+        go.Heatmap(
+            z=grid.status.tolist(),
+            x=grid.cols,
+            y=grid.rows,
+            zmin=-0.5,
+            zmax=len(codes) - 0.5,
+            colorscale=scale,
+            showscale=False,
+            customdata=names,
+            name="status",
+            hovertemplate="position %{x}, query row %{y}: %{customdata}<extra></extra>",
+        )
+    )
     logw = torch.log10(grid.weights.clamp(min=1e-6))
-    fig.add_trace(go.Heatmap(z=logw.tolist(), x=grid.cols, y=grid.rows, zmin=-4, zmax=0, colorscale="Viridis",
-                             customdata=names, name="attention",
-                             colorbar=dict(title=dict(text="attention"), tickvals=[-4, -3, -2, -1, 0],
-                                           ticktext=["≤1e-4", "1e-3", "0.01", "0.1", "1"], thickness=14),
-                             hovertemplate="position %{x}, query row %{y}<br>attention 10^%{z:.2f}"
-                                           "<br>%{customdata}<extra></extra>"))
+    fig.add_trace(
+        go.Heatmap(
+            z=logw.tolist(),
+            x=grid.cols,
+            y=grid.rows,
+            zmin=-4,
+            zmax=0,
+            colorscale="Viridis",
+            customdata=names,
+            name="attention",
+            colorbar=dict(
+                title=dict(text="attention"),
+                tickvals=[-4, -3, -2, -1, 0],
+                ticktext=["≤1e-4", "1e-3", "0.01", "0.1", "1"],
+                thickness=14,
+            ),
+            hovertemplate="position %{x}, query row %{y}<br>attention 10^%{z:.2f}"
+            "<br>%{customdata}<extra></extra>",
+        )
+    )
     for code in (EVICTED, MERGED_AWAY):
         if bool((grid.status == code).any()):
-            fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=STATUS[code][0],
-                                     marker=dict(symbol="square", size=12, color=STATUS[code][1],
-                                                 line=dict(color="#555", width=1))))
+            fig.add_trace(
+                go.Scatter(
+                    x=[None],
+                    y=[None],
+                    mode="markers",
+                    name=STATUS[code][0],
+                    marker=dict(
+                        symbol="square", size=12, color=STATUS[code][1], line=dict(color="#555", width=1)
+                    ),
+                )
+            )
     holds = (grid.status == HOLDS_MERGE).nonzero()  # (n, 2) cells drawn over the attention as dots
     if len(holds):
         holds = holds[:: max(1, len(holds) // max_dots)]
-        fig.add_trace(go.Scatter(x=[grid.cols[c] for c in holds[:, 1].tolist()],
-                                 y=[grid.rows[r] for r in holds[:, 0].tolist()], mode="markers",
-                                 name=STATUS[HOLDS_MERGE][0], hoverinfo="skip",
-                                 marker=dict(symbol="circle", size=3, color=STATUS[HOLDS_MERGE][1])))
+        fig.add_trace(
+            go.Scatter(
+                x=[grid.cols[c] for c in holds[:, 1].tolist()],
+                y=[grid.rows[r] for r in holds[:, 0].tolist()],
+                mode="markers",
+                name=STATUS[HOLDS_MERGE][0],
+                hoverinfo="skip",
+                marker=dict(symbol="circle", size=3, color=STATUS[HOLDS_MERGE][1]),
+            )
+        )
     sinks = sorted({grid.cols[c] for c in (grid.status == SINK).any(0).nonzero().flatten().tolist()})
     if sinks:
-        fig.add_trace(go.Scatter(x=sinks, y=[grid.rows[0] - max(1, grid.block[0]) * 1.2] * len(sinks),
-                                 mode="markers", name="sink", cliponaxis=False,
-                                 marker=dict(symbol="triangle-down", size=9, color=STATUS[SINK][1]),
-                                 hovertemplate="sink position %{x}<extra></extra>"))
+        fig.add_trace(
+            go.Scatter(
+                x=sinks,
+                y=[grid.rows[0] - max(1, grid.block[0]) * 1.2] * len(sinks),
+                mode="markers",
+                name="sink",
+                cliponaxis=False,
+                marker=dict(symbol="triangle-down", size=9, color=STATUS[SINK][1]),
+                hovertemplate="sink position %{x}<extra></extra>",
+            )
+        )
     fig.add_vline(x=grid.prompt_len - 0.5, line=dict(color="#444", dash="dot", width=1))
     if step is not None:
         fig.add_hline(y=step, line=dict(color="#d62728", width=1))
@@ -202,11 +261,19 @@ def attention_map_figure(run: Run, grid: AttentionGrid, step: int | None = None,
     fig.update_xaxes(title_text=xlabel, range=[-0.5, grid.cols[-1] + grid.block[1] - 0.5])
     fig.update_yaxes(title_text=ylabel, autorange="reversed")
     pol = run.meta["policy"]["name"]
-    fig.update_layout(title=dict(text=f"Attention of layer {grid.layer}, head {grid.head} under {pol} "
-                                      f"(dotted: end of prompt)"),
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0), height=520,
-                      meta={"analysis": "attention", "params": {"layer": grid.layer, "head": grid.head, "step": step},
-                            "run": str(run.path) if run.path else None, "run_command": run.meta.get("command")})
+    fig.update_layout(
+        title=dict(
+            text=f"Attention of layer {grid.layer}, head {grid.head} under {pol} (dotted: end of prompt)"
+        ),
+        legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0),
+        height=520,
+        meta={
+            "analysis": "attention",
+            "params": {"layer": grid.layer, "head": grid.head, "step": step},
+            "run": str(run.path) if run.path else None,
+            "run_command": run.meta.get("command"),
+        },
+    )
     return fig
 
 
@@ -220,12 +287,23 @@ def attention_row_figure(grid: AttentionGrid, row: int) -> go.Figure:
         mask = (st == code) & ~w.isnan()
         if bool(mask.any()):
             xs = [grid.cols[i] for i in mask.nonzero().flatten().tolist()]
-            fig.add_trace(go.Bar(x=xs, y=w[mask].tolist(), name=STATUS[code][0],
-                                 marker=dict(color="#1f77b4" if code == KEPT else STATUS[code][1])))
+            fig.add_trace(
+                go.Bar(
+                    x=xs,
+                    y=w[mask].tolist(),
+                    name=STATUS[code][0],
+                    marker=dict(color="#1f77b4" if code == KEPT else STATUS[code][1]),
+                )
+            )
     fig.update_xaxes(title_text="token position")
     fig.update_yaxes(title_text="attention", type="log")
-    fig.update_layout(title=dict(text=f"Attention row at query row {grid.rows[r]}"), barmode="overlay", height=300,
-                      bargap=0, legend=dict(orientation="h", y=1.1))
+    fig.update_layout(
+        title=dict(text=f"Attention row at query row {grid.rows[r]}"),
+        barmode="overlay",
+        height=300,
+        bargap=0,
+        legend=dict(orientation="h", y=1.1),
+    )
     return fig
 
 
@@ -234,15 +312,39 @@ def provenance_figure(table, layer: int, kv_head: int, max_slots: int = 512) -> 
     t = table[(table["layer"] == layer) & (table["kv_head"] == kv_head)]
     slots = sorted(t["slot"].unique().tolist())[:max_slots]
     t = t[t["slot"].isin(slots)]
-    fig = go.Figure(go.Scatter(x=t["source"].tolist(), y=t["slot"].tolist(), mode="markers", name="weight",
-                               marker=dict(color=t["weight"].tolist(), colorscale="Viridis", size=9, symbol="square",
-                                           colorbar=dict(title=dict(text="weight"), thickness=14), showscale=True),
-                               hovertemplate="slot %{y} holds position %{x}<br>weight %{marker.color:.3f}"
-                                             "<extra></extra>"))
-    fig.add_trace(go.Scatter(x=slots, y=slots, mode="lines", line=dict(color="#bbb", dash="dot", width=1),
-                             hoverinfo="skip", showlegend=False))
+    fig = go.Figure(
+        go.Scatter(
+            x=t["source"].tolist(),
+            y=t["slot"].tolist(),
+            mode="markers",
+            name="weight",
+            marker=dict(
+                color=t["weight"].tolist(),
+                colorscale="Viridis",
+                size=9,
+                symbol="square",
+                colorbar=dict(title=dict(text="weight"), thickness=14),
+                showscale=True,
+            ),
+            hovertemplate="slot %{y} holds position %{x}<br>weight %{marker.color:.3f}<extra></extra>",
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=slots,
+            y=slots,
+            mode="lines",
+            line=dict(color="#bbb", dash="dot", width=1),
+            hoverinfo="skip",
+            showlegend=False,
+        )
+    )
     fig.update_xaxes(title_text="original token position it holds")
     fig.update_yaxes(title_text="slot (its own position)")
-    fig.update_layout(title=dict(text=f"Provenance of merged slots, layer {layer}, KV head {kv_head}"), height=420,
-                      showlegend=False, meta={"analysis": "provenance", "params": {"layer": layer, "kv_head": kv_head}})
+    fig.update_layout(
+        title=dict(text=f"Provenance of merged slots, layer {layer}, KV head {kv_head}"),
+        height=420,
+        showlegend=False,
+        meta={"analysis": "provenance", "params": {"layer": layer, "kv_head": kv_head}},
+    )
     return fig

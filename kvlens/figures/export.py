@@ -5,6 +5,7 @@ long form: trace, x, y, z, error) and `out/fig.json` (the analysis, its paramete
 command that recorded it, kvlens version). Image export needs Chromium: `/usr/bin/chromium`
 (Debian's `chromium` package) or a Chrome/Chromium on PATH; without one, a clear `KvlensError`.
 """
+
 from __future__ import annotations
 
 import csv
@@ -19,7 +20,13 @@ from kvlens.errors import KvlensError
 from kvlens.version import __version__
 
 FORMATS = ("png", "svg", "pdf")
-CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+CHROMIUM_CANDIDATES = (
+    "/usr/bin/chromium",
+    "chromium",
+    "chromium-browser",
+    "google-chrome",
+    "google-chrome-stable",
+)
 
 
 def find_chromium() -> str:
@@ -28,8 +35,10 @@ def find_chromium() -> str:
         path = name and (name if os.path.isfile(name) and os.access(name, os.X_OK) else shutil.which(name))
         if path:
             return path
-    raise KvlensError("Image export needs Chromium and none was found; install it (Debian: apt-get install chromium) "
-                      "or set BROWSER_PATH, or export only the data with a .csv or .json --out.")
+    raise KvlensError(
+        "Image export needs Chromium and none was found; install it (Debian: apt-get install chromium) "
+        "or set BROWSER_PATH, or export only the data with a .csv or .json --out."
+    )
 
 
 def image_bytes(fig: go.Figure, fmt: str, scale: float = 2.0) -> bytes:
@@ -49,16 +58,26 @@ def figure_rows(fig: go.Figure) -> list[dict]:
             z = tr.z or []
             xs = list(tr.x) if tr.x is not None else list(range(len(z[0]) if z else 0))
             ys = list(tr.y) if tr.y is not None else list(range(len(z)))
-            rows += [{"trace": name, "x": xs[c], "y": ys[r], "z": v, "error": None}
-                     for r, zr in enumerate(z) for c, v in enumerate(zr) if v is not None and v == v]
+            rows += [
+                {"trace": name, "x": xs[c], "y": ys[r], "z": v, "error": None}
+                for r, zr in enumerate(z)
+                for c, v in enumerate(zr)
+                if v is not None and v == v
+            ]
             continue
         xs, ys = tr.x, tr.y
         if ys is None or all(v is None for v in ys):
             continue
         xs = list(xs) if xs is not None else list(range(len(ys)))
-        err = list(tr.error_y.array) if getattr(tr, "error_y", None) is not None and tr.error_y.array is not None \
+        err = (
+            list(tr.error_y.array)
+            if getattr(tr, "error_y", None) is not None and tr.error_y.array is not None
             else [None] * len(ys)
-        rows += [{"trace": name, "x": x, "y": y, "z": None, "error": e} for x, y, e in zip(xs, ys, err, strict=False)]
+        )
+        rows += [
+            {"trace": name, "x": x, "y": y, "z": None, "error": e}
+            for x, y, e in zip(xs, ys, err, strict=False)
+        ]
     return rows
 
 
@@ -78,7 +97,9 @@ def figure_config(fig: go.Figure) -> dict:
     return {"kvlens_version": __version__, "title": fig.layout.title.text, **meta}
 
 
-def export_figure(fig: go.Figure, out: str | Path, scale: float = 2.0, command: str | None = None) -> list[Path]:
+def export_figure(
+    fig: go.Figure, out: str | Path, scale: float = 2.0, command: str | None = None
+) -> list[Path]:
     """Write `out` (.png/.svg/.pdf image, or .csv/.json only) and the CSV + JSON beside it; returns the paths."""
     out = Path(out)
     fmt = out.suffix.lower().lstrip(".")

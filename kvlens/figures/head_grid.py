@@ -9,6 +9,7 @@ on the status colours (evicted grey, merged away orange, ...), and `summary_figu
 row, and on a measured run the attention mass lost and the output perturbation). Both carry one invisible
 marker per head whose `customdata` is `[layer, head]`: the app opens the clicked head on the Attention page.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,10 @@ from kvlens.runs.run import Run
 
 METRICS = {  # name: (description, measured run only)
     "kept share": ("share of the positions seen so far that the head's cache holds", False),
-    "attention on merged slots": ("share of the head's attention that went to slots holding merged values", False),
+    "attention on merged slots": (
+        "share of the head's attention that went to slots holding merged values",
+        False,
+    ),
     "attention entropy": ("entropy of the head's attention row over its cache, / log(cached slots)", False),
     "attention mass lost": ("1 - the full cache's attention on the positions kept (--measure)", True),
     "output perturbation": ("||O_used - O_full|| / ||O_full|| of the head's output (--measure)", True),
@@ -75,8 +79,11 @@ class HeadGrid:
         cached = ~np.isnan(w)
         p = np.nan_to_num(w, nan=0.0)
         entropy = -(p * np.log(np.maximum(p, 1e-30))).sum(-1) / np.log(np.maximum(cached.sum(-1), 2))
-        out = {"kept share": cached.sum(-1) / seen, "attention on merged slots": (p * (st == HOLDS_MERGE)).sum(-1),
-               "attention entropy": entropy}
+        out = {
+            "kept share": cached.sum(-1) / seen,
+            "attention on merged slots": (p * (st == HOLDS_MERGE)).sum(-1),
+            "attention entropy": entropy,
+        }
         for name, rows in self.measured.items():
             out[name] = rows[step - 1] if step >= 1 else np.full_like(entropy, np.nan)
         return out
@@ -91,24 +98,41 @@ def head_grid(run: Run) -> HeadGrid:
     layers = recorded_attention_layers(run)
     caches = [layer_cache(run, layer) for layer in layers]
     measured = {}
-    for name, tensor in (("attention mass lost", "perturbation/attention_loss"),
-                         ("output perturbation", "perturbation/used")):
+    for name, tensor in (
+        ("attention mass lost", "perturbation/attention_loss"),
+        ("output perturbation", "perturbation/used"),
+    ):
         if run.has(tensor):
             measured[name] = run.tensor(tensor).float()[:, layers].numpy()
-    return HeadGrid(layers, torch.stack([w for w, _ in caches], dim=1).numpy(),
-                    torch.stack([s for _, s in caches], dim=1).numpy(), len(run.meta["prompt_tokens"]),
-                    run.meta["policy"]["name"], measured)
+    return HeadGrid(
+        layers,
+        torch.stack([w for w, _ in caches], dim=1).numpy(),
+        torch.stack([s for _, s in caches], dim=1).numpy(),
+        len(run.meta["prompt_tokens"]),
+        run.meta["policy"]["name"],
+        measured,
+    )
 
 
-def _targets(fig: go.Figure, x: list[float], y: list[float], layers: list[int], heads: list[int],
-             text: list[str]) -> None:
+def _targets(
+    fig: go.Figure, x: list[float], y: list[float], layers: list[int], heads: list[int], text: list[str]
+) -> None:
     """The invisible click targets: one marker per head, `customdata` `[layer, head]`, hover `text`."""
-    fig.add_trace(go.Scatter(x=x, y=y, mode="markers", name="heads", showlegend=False, text=text,
-                             customdata=[[la, h] for la, h in zip(layers, heads, strict=True)],
-                             hovertemplate="%{text}<extra></extra>",
-                             marker=dict(size=14, color="rgba(0,0,0,0)"),  # transparent, yet hovered and clicked
-                             selected=dict(marker=dict(color="rgba(0,0,0,0)")),
-                             unselected=dict(marker=dict(color="rgba(0,0,0,0)"))))
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=y,
+            mode="markers",
+            name="heads",
+            showlegend=False,
+            text=text,
+            customdata=[[la, h] for la, h in zip(layers, heads, strict=True)],
+            hovertemplate="%{text}<extra></extra>",
+            marker=dict(size=14, color="rgba(0,0,0,0)"),  # transparent, yet hovered and clicked
+            selected=dict(marker=dict(color="rgba(0,0,0,0)")),
+            unselected=dict(marker=dict(color="rgba(0,0,0,0)")),
+        )
+    )
     fig.update_layout(hovermode="closest", hoverdistance=-1)
 
 
@@ -129,37 +153,92 @@ def rows_figure(grid: HeadGrid, step: int, gap: int = 3) -> go.Figure:
     w, st = pool_blocks(w, st, 1, block)
     n_layers, width = len(grid.layers), w.shape[1]
 
-    def image(t: np.ndarray) -> np.ndarray:  # (L * Hq, width) -> (L, Hq * (width + gap) - gap), NaN between strips
-        t = np.pad(t.astype(np.float32).reshape(n_layers, grid.heads, width), ((0, 0), (0, 0), (0, gap)),
-                   constant_values=np.nan)
+    def image(
+        t: np.ndarray,
+    ) -> np.ndarray:  # (L * Hq, width) -> (L, Hq * (width + gap) - gap), NaN between strips
+        t = np.pad(
+            t.astype(np.float32).reshape(n_layers, grid.heads, width),
+            ((0, 0), (0, 0), (0, gap)),
+            constant_values=np.nan,
+        )
         return t.reshape(n_layers, -1)[:, :-gap]
+
     w_img, st_img = image(w), image(st)
     y = [f"L{la}" for la in grid.layers]
     fig = go.Figure()
-    fig.add_trace(go.Heatmap(z=st_img, y=y, zmin=-0.5, zmax=len(STATUS) - 0.5, colorscale=status_scale(),
-                             showscale=False, hoverinfo="skip", name="status"))
-    fig.add_trace(go.Heatmap(z=np.log10(np.maximum(w_img, 1e-6)), y=y, zmin=-4, zmax=0,
-                             colorscale="Viridis", hoverinfo="skip", name="attention",
-                             colorbar=dict(title=dict(text="attention"), tickvals=[-4, -3, -2, -1, 0],
-                                           ticktext=["≤1e-4", "1e-3", "0.01", "0.1", "1"], thickness=12)))
+    fig.add_trace(
+        go.Heatmap(
+            z=st_img,
+            y=y,
+            zmin=-0.5,
+            zmax=len(STATUS) - 0.5,
+            colorscale=status_scale(),
+            showscale=False,
+            hoverinfo="skip",
+            name="status",
+        )
+    )
+    fig.add_trace(
+        go.Heatmap(
+            z=np.log10(np.maximum(w_img, 1e-6)),
+            y=y,
+            zmin=-4,
+            zmax=0,
+            colorscale="Viridis",
+            hoverinfo="skip",
+            name="attention",
+            colorbar=dict(
+                title=dict(text="attention"),
+                tickvals=[-4, -3, -2, -1, 0],
+                ticktext=["≤1e-4", "1e-3", "0.01", "0.1", "1"],
+                thickness=12,
+            ),
+        )
+    )
     for code in (EVICTED, MERGED_AWAY, SINK):
         if bool((st == code).any()):
-            fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=STATUS[code][0],
-                                     marker=dict(symbol="square", size=12, color=STATUS[code][1],
-                                                 line=dict(color="#555", width=1))))
+            fig.add_trace(
+                go.Scatter(
+                    x=[None],
+                    y=[None],
+                    mode="markers",
+                    name=STATUS[code][0],
+                    marker=dict(
+                        symbol="square", size=12, color=STATUS[code][1], line=dict(color="#555", width=1)
+                    ),
+                )
+            )
     values = grid.metrics(step)
     centers = [h * (width + gap) + (width - 1) / 2 for h in range(grid.heads)]
     cells = [(li, h) for li in range(n_layers) for h in range(grid.heads)]
-    _targets(fig, [centers[h] for _, h in cells], [y[li] for li, _ in cells], [grid.layers[li] for li, _ in cells],
-             [h for _, h in cells], [_hover(grid, values, li, h) for li, h in cells])
-    fig.update_xaxes(tickvals=centers, ticktext=[f"head {h}" for h in range(grid.heads)], side="top", showgrid=False,
-                     zeroline=False, range=[-0.5, grid.heads * (width + gap) - gap - 0.5])
+    _targets(
+        fig,
+        [centers[h] for _, h in cells],
+        [y[li] for li, _ in cells],
+        [grid.layers[li] for li, _ in cells],
+        [h for _, h in cells],
+        [_hover(grid, values, li, h) for li, h in cells],
+    )
+    fig.update_xaxes(
+        tickvals=centers,
+        ticktext=[f"head {h}" for h in range(grid.heads)],
+        side="top",
+        showgrid=False,
+        zeroline=False,
+        range=[-0.5, grid.heads * (width + gap) - gap - 0.5],
+    )
     fig.update_yaxes(autorange="reversed", showgrid=False, title_text="layer")
     pooled = f", positions in blocks of {block}" if block > 1 else ""
-    fig.update_layout(title=dict(text=f"Attention of every head at step {step} under {grid.policy} "
-                                      f"(a strip = one head's row over positions 0-{n_pos - 1}{pooled})"),
-                      height=max(320, 90 + 24 * n_layers), legend=dict(orientation="h", y=-0.02, yanchor="top"),
-                      margin=dict(t=110), meta={"analysis": "head-grid", "params": {"step": step, "view": "rows"}})
+    fig.update_layout(
+        title=dict(
+            text=f"Attention of every head at step {step} under {grid.policy} "
+            f"(a strip = one head's row over positions 0-{n_pos - 1}{pooled})"
+        ),
+        height=max(320, 90 + 24 * n_layers),
+        legend=dict(orientation="h", y=-0.02, yanchor="top"),
+        margin=dict(t=110),
+        meta={"analysis": "head-grid", "params": {"step": step, "view": "rows"}},
+    )
     return fig
 
 
@@ -172,18 +251,41 @@ def summary_figure(grid: HeadGrid, step: int, metric: str = "kept share") -> go.
         raise KvlensError(f"'{metric}' needs a measured run (record it with --measure).")
     z = values[metric]
     y = [f"L{la}" for la in grid.layers]
-    fig = go.Figure(go.Heatmap(z=z.tolist(), x=list(range(grid.heads)), y=y, colorscale="Viridis",
-                               zmin=0, zmax=1 if metric != "output perturbation" else None, hoverinfo="skip",
-                               text=[[f"{v:.2f}" for v in row] for row in z.tolist()],
-                               texttemplate="%{text}" if z.size <= 400 else None, textfont=dict(size=10),
-                               colorbar=dict(title=dict(text=metric), thickness=12)))
+    fig = go.Figure(
+        go.Heatmap(
+            z=z.tolist(),
+            x=list(range(grid.heads)),
+            y=y,
+            colorscale="Viridis",
+            zmin=0,
+            zmax=1 if metric != "output perturbation" else None,
+            hoverinfo="skip",
+            text=[[f"{v:.2f}" for v in row] for row in z.tolist()],
+            texttemplate="%{text}" if z.size <= 400 else None,
+            textfont=dict(size=10),
+            colorbar=dict(title=dict(text=metric), thickness=12),
+        )
+    )
     cells = [(li, h) for li in range(len(grid.layers)) for h in range(grid.heads)]
-    _targets(fig, [h for _, h in cells], [y[li] for li, _ in cells], [grid.layers[li] for li, _ in cells],
-             [h for _, h in cells], [_hover(grid, values, li, h) for li, h in cells])
-    fig.update_xaxes(side="top", tickvals=list(range(grid.heads)), ticktext=[f"head {h}" for h in range(grid.heads)],
-                     showgrid=False)
+    _targets(
+        fig,
+        [h for _, h in cells],
+        [y[li] for li, _ in cells],
+        [grid.layers[li] for li, _ in cells],
+        [h for _, h in cells],
+        [_hover(grid, values, li, h) for li, h in cells],
+    )
+    fig.update_xaxes(
+        side="top",
+        tickvals=list(range(grid.heads)),
+        ticktext=[f"head {h}" for h in range(grid.heads)],
+        showgrid=False,
+    )
     fig.update_yaxes(autorange="reversed", showgrid=False, title_text="layer")
-    fig.update_layout(title=dict(text=f"{metric.capitalize()} of every head at step {step} under {grid.policy}"),
-                      height=max(320, 110 + 24 * len(grid.layers)), margin=dict(t=110),
-                      meta={"analysis": "head-grid", "params": {"step": step, "view": "summary", "metric": metric}})
+    fig.update_layout(
+        title=dict(text=f"{metric.capitalize()} of every head at step {step} under {grid.policy}"),
+        height=max(320, 110 + 24 * len(grid.layers)),
+        margin=dict(t=110),
+        meta={"analysis": "head-grid", "params": {"step": step, "view": "summary", "metric": metric}},
+    )
     return fig

@@ -6,6 +6,7 @@ decisions of steps < k (`kvlens.figures.attention.attention_grid`, read unpooled
 far gets a status (kept, sink, holds merged values, merged away, evicted) and merged slots their
 provenance, replayed from the decision log up to that step (`kvlens.figures.provenance.replay`).
 """
+
 from __future__ import annotations
 
 import math
@@ -72,19 +73,24 @@ def has_rows(run: Run) -> bool:
     """Whether the run kept attention rows (`--record attention`)."""
     level = (run.meta.get("record") or {}).get("level", RecordLevel.SUMMARY)
     return RecordLevel.parse(str(level)).includes(RecordLevel.ATTENTION) and any(
-        n.startswith("attn/") for n in run.tensors)
+        n.startswith("attn/") for n in run.tensors
+    )
 
 
 def inspect_token(run: Run, step: int, layer: int, head: int) -> TokenRow:
     """The attention row of generated token `step` in `layer` and query head `head` (see module docstring)."""
     if not has_rows(run):
         level = (run.meta.get("record") or {}).get("level", RecordLevel.SUMMARY)
-        raise KvlensError(f"This run was recorded at '{level}', which keeps no attention rows; record it with "
-                          f"--record {RecordLevel.ATTENTION} to inspect tokens.")
+        raise KvlensError(
+            f"This run was recorded at '{level}', which keeps no attention rows; record it with "
+            f"--record {RecordLevel.ATTENTION} to inspect tokens."
+        )
     strings = token_strings(run)
     n_rows = run.tensor(f"attn/{recorded_attention_layers(run)[0]}").shape[0]
     if not 0 <= step < n_rows:
-        raise KvlensError(f"Step {step} is out of range: this run recorded rows for tokens 0 to {n_rows - 1}.")
+        raise KvlensError(
+            f"Step {step} is out of range: this run recorded rows for tokens 0 to {n_rows - 1}."
+        )
     grid = attention_grid(run, layer, head, max_cells=1 << 30)  # one cell per position and row: no pooling
     prompt = [display_text(str(s)) for s in run.meta.get("prompt_token_strings") or []]
     query_position = grid.prompt_len - 1 + step
@@ -92,14 +98,21 @@ def inspect_token(run: Run, step: int, layer: int, head: int) -> TokenRow:
     kv_head = head // (run.shape["heads"] // run.shape["kv_heads"])
     seen = [i for i, code in enumerate(grid.status[step].tolist()) if code != FUTURE]
     prov = slot_provenance(run, layer, kv_head, step)
-    return TokenRow(step=step, layer=layer, head=head, kv_head=kv_head,
-                    token=strings[step] if step < len(strings) else "",
-                    query=context[query_position] if query_position < len(context) else "",
-                    query_position=query_position, positions=seen,
-                    texts=[context[i] if i < len(context) else "" for i in seen],
-                    weights=[float(grid.weights[step, i]) for i in seen],
-                    status=[STATUS[int(grid.status[step, i])][0] for i in seen],
-                    provenance=prov, merged_into=merged_into(prov))
+    return TokenRow(
+        step=step,
+        layer=layer,
+        head=head,
+        kv_head=kv_head,
+        token=strings[step] if step < len(strings) else "",
+        query=context[query_position] if query_position < len(context) else "",
+        query_position=query_position,
+        positions=seen,
+        texts=[context[i] if i < len(context) else "" for i in seen],
+        weights=[float(grid.weights[step, i]) for i in seen],
+        status=[STATUS[int(grid.status[step, i])][0] for i in seen],
+        provenance=prov,
+        merged_into=merged_into(prov),
+    )
 
 
 def slot_provenance(run: Run, layer: int, kv_head: int, step: int) -> dict[int, dict[int, float]]:

@@ -8,6 +8,7 @@ recorded layer (`weights` `(R, Hq, P)`, `status` `(R, Hkv, P)`): step k is gener
 token at position prompt length - 1 + k, and the cache it attends to holds the decisions of steps < k.
 `kept_text_html(view)` draws the view as a self-contained HTML fragment (inline styles, a tooltip per token).
 """
+
 from __future__ import annotations
 
 import html
@@ -69,8 +70,10 @@ def kept_text(run: Run, step: int, layer: int | None = None, head: int | None = 
     """The view of step `step`: counts over every recorded head, or query head `head` of `layer` (see above)."""
     layers = recorded_attention_layers(run)
     if (layer is None) != (head is None):
-        raise KvlensError("Give both a layer and a query head (that head's cache), or neither (how many recorded "
-                          "heads keep each token).")
+        raise KvlensError(
+            "Give both a layer and a query head (that head's cache), or neither (how many recorded "
+            "heads keep each token)."
+        )
     chosen = None if layer is None else layer_cache(run, layer)  # one sentence if that layer was not recorded
     caches = [chosen if n == layer else layer_cache(run, n) for n in layers]
     weights = torch.stack([w for w, _ in caches])  # (L, R, Hq, P)
@@ -87,19 +90,39 @@ def kept_text(run: Run, step: int, layer: int | None = None, head: int | None = 
     kept = torch.isin(status[:, step], torch.tensor(CACHED, dtype=status.dtype)).sum((0, 1))  # (P,)
     texts = [display_text(str(s)) for s in run.meta.get("prompt_token_strings") or []] + token_strings(run)
     texts = (texts + [""] * n_tokens)[:n_tokens]
-    common = dict(policy=run.meta["policy"]["name"], step=step, layers=layers, layer=layer, head=head,
-                  prompt_len=prompt_len, texts=texts, kept=kept.tolist() + [0] * pad, pairs=len(layers) * hkv)
+    common = dict(
+        policy=run.meta["policy"]["name"],
+        step=step,
+        layers=layers,
+        layer=layer,
+        head=head,
+        prompt_len=prompt_len,
+        texts=texts,
+        kept=kept.tolist() + [0] * pad,
+        pairs=len(layers) * hkv,
+    )
     if head is None:
         row = weights[:, step].flatten(0, 1)  # (L * Hq, P)
         mean = row.nan_to_num(0.0).mean(0).masked_fill(kept == 0, float("nan"))
-        return KeptText(**common, kv_head=None, attention=mean.tolist() + [math.nan] * pad, status=None,
-                        merged_into={}, holds={})
+        return KeptText(
+            **common,
+            kv_head=None,
+            attention=mean.tolist() + [math.nan] * pad,
+            status=None,
+            merged_into={},
+            holds={},
+        )
     index = layers.index(layer)
     kv_head = head // (hq // hkv)
     holds = slot_provenance(run, layer, kv_head, step)
-    return KeptText(**common, kv_head=kv_head, attention=weights[index, step, head].tolist() + [math.nan] * pad,
-                    status=status[index, step, kv_head].tolist() + [FUTURE] * pad, merged_into=merged_into(holds),
-                    holds=holds)
+    return KeptText(
+        **common,
+        kv_head=kv_head,
+        attention=weights[index, step, head].tolist() + [math.nan] * pad,
+        status=status[index, step, kv_head].tolist() + [FUTURE] * pad,
+        merged_into=merged_into(holds),
+        holds=holds,
+    )
 
 
 def _hex(rgb) -> str:
@@ -113,7 +136,7 @@ def _count_colour(kept: int, pairs: int) -> str:
 
 def _ink(background: str) -> str:
     """Dark text on a light background, white on a dark one."""
-    r, g, b = (int(background[i:i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (int(background[i : i + 2], 16) for i in (1, 3, 5))
     return "#111111" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "#ffffff"
 
 
@@ -130,11 +153,16 @@ def _tooltip(view: KeptText, p: int) -> str:
     if p == view.query_position:
         lines.append(f"the query of step {view.step}")
     if view.status is not None:
-        lines.append(f"layer {view.layer}, head {view.head} (KV head {view.kv_head}): {STATUS[view.status[p]][0]}")
+        lines.append(
+            f"layer {view.layer}, head {view.head} (KV head {view.kv_head}): {STATUS[view.status[p]][0]}"
+        )
     weight = view.attention[p]
     whose = f"head {view.head}" if view.head is not None else "mean over the recorded query heads"
-    lines.append(f"attention at step {view.step}: " + ("not cached" if math.isnan(weight) else f"{weight:.4f}")
-                 + f" ({whose})")
+    lines.append(
+        f"attention at step {view.step}: "
+        + ("not cached" if math.isnan(weight) else f"{weight:.4f}")
+        + f" ({whose})"
+    )
     lines.append(f"kept by {view.kept[p]} of {view.pairs} recorded (layer, KV head) pairs")
     if p in view.merged_into:
         lines.append("merged into slots " + ", ".join(map(str, view.merged_into[p])))
@@ -153,33 +181,44 @@ def _token(view: KeptText, p: int) -> str:
     if not seen:
         style.append("color:#9a9a9a")
     else:
-        background = STATUS[view.status[p]][1] if view.status is not None else _count_colour(view.kept[p],
-                                                                                              view.pairs)
+        background = (
+            STATUS[view.status[p]][1] if view.status is not None else _count_colour(view.kept[p], view.pairs)
+        )
         style += [f"background:{background}", f"color:{_ink(background)}", "box-shadow:inset -1px 0 #ffffff"]
     if p == view.query_position:
         style += [f"outline:{QUERY_OUTLINE}", "outline-offset:1px"]
     if p >= view.prompt_len:
         style += ["text-decoration:underline", "text-decoration-color:#777777", "text-underline-offset:4px"]
-    return (f'<span style="{";".join(style)}" title="{html.escape(_tooltip(view, p))}">'
-            f"{html.escape(view.texts[p])}</span>")
+    return (
+        f'<span style="{";".join(style)}" title="{html.escape(_tooltip(view, p))}">'
+        f"{html.escape(view.texts[p])}</span>"
+    )
 
 
 def _swatch(background: str, label: str) -> str:
-    return (f'<span style="display:inline-block;width:12px;height:12px;background:{background};'
-            f'border:1px solid #999;vertical-align:-2px;margin:0 4px 0 10px"></span>{html.escape(label)}')
+    return (
+        f'<span style="display:inline-block;width:12px;height:12px;background:{background};'
+        f'border:1px solid #999;vertical-align:-2px;margin:0 4px 0 10px"></span>{html.escape(label)}'
+    )
 
 
 def _legend(view: KeptText) -> str:
     if view.status is None:
-        colours = "".join(_swatch(_count_colour(k, view.pairs), str(k))
-                          for k in sorted({0, view.pairs // 3, 2 * view.pairs // 3, view.pairs}))
+        colours = "".join(
+            _swatch(_count_colour(k, view.pairs), str(k))
+            for k in sorted({0, view.pairs // 3, 2 * view.pairs // 3, view.pairs})
+        )
         colours = f"kept by how many of the {view.pairs} recorded (layer, KV head) pairs:{colours}"
     else:
-        colours = "".join(_swatch(STATUS[code][1], STATUS[code][0]) for code in sorted(STATUS) if code != FUTURE)
-    rest = ('<span style="color:#9a9a9a;margin-left:10px">grey text: not yet seen</span>'
-            f'<span style="outline:{QUERY_OUTLINE};margin-left:12px;padding:0 3px">outlined</span>: the query'
-            '<span style="text-decoration:underline;text-underline-offset:3px;margin-left:12px">underlined</span>: '
-            "generated")
+        colours = "".join(
+            _swatch(STATUS[code][1], STATUS[code][0]) for code in sorted(STATUS) if code != FUTURE
+        )
+    rest = (
+        '<span style="color:#9a9a9a;margin-left:10px">grey text: not yet seen</span>'
+        f'<span style="outline:{QUERY_OUTLINE};margin-left:12px;padding:0 3px">outlined</span>: the query'
+        '<span style="text-decoration:underline;text-underline-offset:3px;margin-left:12px">underlined</span>: '
+        "generated"
+    )
     return f'<div style="font-size:12px;color:#444;margin:4px 0 8px">{colours}{rest}</div>'
 
 
@@ -189,13 +228,20 @@ def kept_text_html(view: KeptText) -> str:
     query = _quoted(view.texts[q]) if q < len(view.texts) else "?"
     produced = view.prompt_len + view.step
     made = f"; it produced {_quoted(view.texts[produced])}" if produced < len(view.texts) else ""
-    whose = (f"layer {view.layer}, query head {view.head} (KV head {view.kv_head})" if view.head is not None
-             else f"layers {', '.join(map(str, view.layers))}, every KV head")
-    caption = (f"The cache of {view.policy} at step {view.step} ({whose}): the query is {query} at position "
-               f"{q}{made}. Hover a token for its attention and provenance.")
+    whose = (
+        f"layer {view.layer}, query head {view.head} (KV head {view.kv_head})"
+        if view.head is not None
+        else f"layers {', '.join(map(str, view.layers))}, every KV head"
+    )
+    caption = (
+        f"The cache of {view.policy} at step {view.step} ({whose}): the query is {query} at position "
+        f"{q}{made}. Hover a token for its attention and provenance."
+    )
     tokens = "".join(_token(view, p) for p in range(len(view.texts)))
-    return ('<div class="kvlens-kept-text" style="font-family:-apple-system,\'Segoe UI\',Helvetica,Arial,'
-            'sans-serif;color:#111">'
-            f'<div style="font-size:13px;color:#333">{html.escape(caption)}</div>{_legend(view)}'
-            '<div style="white-space:pre-wrap;overflow-wrap:break-word;line-height:1.9;font-size:15px">'
-            f"{tokens}</div></div>")
+    return (
+        '<div class="kvlens-kept-text" style="font-family:-apple-system,\'Segoe UI\',Helvetica,Arial,'
+        'sans-serif;color:#111">'
+        f'<div style="font-size:13px;color:#333">{html.escape(caption)}</div>{_legend(view)}'
+        '<div style="white-space:pre-wrap;overflow-wrap:break-word;line-height:1.9;font-size:15px">'
+        f"{tokens}</div></div>"
+    )

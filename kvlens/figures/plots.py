@@ -7,6 +7,7 @@ it with a title and `layout.meta` (the analysis, its parameters and the run), wh
 `kvlens.figures.export` writes as the figure's JSON config. Each analysis' own figure is built in
 its file in `kvlens/analysis/kinds/`.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,18 +25,39 @@ SYMBOLS = ["circle", "square", "diamond", "triangle-up", "x", "cross"]
 WIDTH, HEIGHT = 720, 460
 PLURAL = {"query": "queries", "key": "keys", "value": "values"}
 
-_axis = dict(showline=True, linecolor="#111111", linewidth=1, ticks="outside", showgrid=False, zeroline=False,
-             mirror=False, title=dict(font=dict(size=14)))
-pio.templates["kvlens"] = go.layout.Template(layout=dict(
-    font=FONT, paper_bgcolor="white", plot_bgcolor="white", xaxis=_axis, yaxis=_axis,
-    margin=dict(l=90, r=30, t=70, b=60), legend=dict(bgcolor="rgba(0,0,0,0)", borderwidth=0),
-    title=dict(font=dict(size=16), x=0.02, xanchor="left"), colorway=COLORS, width=WIDTH, height=HEIGHT))
+_axis = dict(
+    showline=True,
+    linecolor="#111111",
+    linewidth=1,
+    ticks="outside",
+    showgrid=False,
+    zeroline=False,
+    mirror=False,
+    title=dict(font=dict(size=14)),
+)
+pio.templates["kvlens"] = go.layout.Template(
+    layout=dict(
+        font=FONT,
+        paper_bgcolor="white",
+        plot_bgcolor="white",
+        xaxis=_axis,
+        yaxis=_axis,
+        margin=dict(l=90, r=30, t=70, b=60),
+        legend=dict(bgcolor="rgba(0,0,0,0)", borderwidth=0),
+        title=dict(font=dict(size=16), x=0.02, xanchor="left"),
+        colorway=COLORS,
+        width=WIDTH,
+        height=HEIGHT,
+    )
+)
 
 
 def line_style(i: int) -> dict:
     """Colour, dash and marker of the i-th series: distinct in greyscale too."""
-    return dict(line=dict(color=COLORS[i % 6], dash=DASHES[i % 6], width=2),
-                marker=dict(color=COLORS[i % 6], symbol=SYMBOLS[i % 6], size=6))
+    return dict(
+        line=dict(color=COLORS[i % 6], dash=DASHES[i % 6], width=2),
+        marker=dict(color=COLORS[i % 6], symbol=SYMBOLS[i % 6], size=6),
+    )
 
 
 def finish(fig: go.Figure, title: str, analysis: str, run: Run | None = None, **params) -> go.Figure:
@@ -69,7 +91,9 @@ def storage_label(storage: dict | None, short: bool = False) -> str:
         extra += [f"group {group}"] if group not in (None, 64) else []
         extra += [f"window {residual}"] if residual else []
         return f"{bits}-bit" + (f" ({', '.join(extra)})" if extra else "")
-    return f"{bits}-bit {scheme}, group {group}" + (f", last {residual} in full precision" if residual else "")
+    return f"{bits}-bit {scheme}, group {group}" + (
+        f", last {residual} in full precision" if residual else ""
+    )
 
 
 def rank_label(storage: dict, short: bool = False) -> str:

@@ -9,6 +9,7 @@ decisions carries its provenance. A merging policy declares how its merge rows c
   `target <- (1 - sum w) target + sum w_i source_i` (the pivot's own weight is `1 - sum w`).
 An `evict` row drops the position. Provenance describes values (and keys too for KVMerger and D2O).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict

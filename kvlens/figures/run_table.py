@@ -6,6 +6,7 @@ not read; `filter_table(frame, text, policies)` narrows it. In a notebook:
 
     frame, skipped = run_table([(p, "shipped") for p in Path("cached_runs").iterdir()])
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -19,10 +20,36 @@ from kvlens.figures.plots import model_label, storage_label
 from kvlens.policies import changed_params
 from kvlens.runs.run import RUN_JSON, read_meta
 
-COLUMNS = ["name", "source", "policy", "params", "budget", "storage", "model", "mode", "prompt tokens", "new tokens",
-           "ppl", "KL", "perturbation", "peak KV (MiB)", "level", "saved", "path"]
-SEARCHED = ["name", "source", "policy", "params", "budget", "storage", "model", "mode",
-            "level"]  # what the text filter reads
+COLUMNS = [
+    "name",
+    "source",
+    "policy",
+    "params",
+    "budget",
+    "storage",
+    "model",
+    "mode",
+    "prompt tokens",
+    "new tokens",
+    "ppl",
+    "KL",
+    "perturbation",
+    "peak KV (MiB)",
+    "level",
+    "saved",
+    "path",
+]
+SEARCHED = [
+    "name",
+    "source",
+    "policy",
+    "params",
+    "budget",
+    "storage",
+    "model",
+    "mode",
+    "level",
+]  # what the text filter reads
 
 
 def _budget(meta: dict) -> str:
@@ -42,16 +69,25 @@ def run_row(path: str | Path, source: str) -> dict:
     params = changed_params(name, policy.get("params") or {})
     metrics = meta.get("metrics") or {}
     peak = metrics.get("kv_bytes_peak")
-    return {"name": path.name, "source": source, "policy": name,
-            "params": ", ".join(f"{k}={v}" for k, v in params.items()), "budget": _budget(meta),
-            "storage": storage_label(meta.get("storage"), short=True),
-            "model": model_label(str(meta["model"].get("spec", "?"))), "mode": str(meta.get("mode", "generate")),
-            "prompt tokens": len(meta["prompt_tokens"]), "new tokens": len(meta["tokens"]),
-            "ppl": metrics.get("ppl"), "KL": metrics.get("kl"), "perturbation": metrics.get("perturbation_used"),
-            "peak KV (MiB)": peak / 2**20 if isinstance(peak, (int, float)) else None,
-            "level": str((meta.get("record") or {}).get("level", "summary")),
-            "saved": datetime.fromtimestamp((path / RUN_JSON).stat().st_mtime, UTC).replace(tzinfo=None),
-            "path": str(path)}
+    return {
+        "name": path.name,
+        "source": source,
+        "policy": name,
+        "params": ", ".join(f"{k}={v}" for k, v in params.items()),
+        "budget": _budget(meta),
+        "storage": storage_label(meta.get("storage"), short=True),
+        "model": model_label(str(meta["model"].get("spec", "?"))),
+        "mode": str(meta.get("mode", "generate")),
+        "prompt tokens": len(meta["prompt_tokens"]),
+        "new tokens": len(meta["tokens"]),
+        "ppl": metrics.get("ppl"),
+        "KL": metrics.get("kl"),
+        "perturbation": metrics.get("perturbation_used"),
+        "peak KV (MiB)": peak / 2**20 if isinstance(peak, (int, float)) else None,
+        "level": str((meta.get("record") or {}).get("level", "summary")),
+        "saved": datetime.fromtimestamp((path / RUN_JSON).stat().st_mtime, UTC).replace(tzinfo=None),
+        "path": str(path),
+    }
 
 
 def run_table(entries: Iterable[tuple[str | Path, str]]) -> tuple[pd.DataFrame, list[str]]:
@@ -62,8 +98,9 @@ def run_table(entries: Iterable[tuple[str | Path, str]]) -> tuple[pd.DataFrame, 
             rows.append(run_row(path, source))
         except (KvlensError, OSError) as err:
             skipped.append(str(err))
-    return pd.DataFrame(rows, columns=COLUMNS).astype({"ppl": float, "KL": float, "perturbation": float,
-                                                      "peak KV (MiB)": float}), skipped
+    return pd.DataFrame(rows, columns=COLUMNS).astype(
+        {"ppl": float, "KL": float, "perturbation": float, "peak KV (MiB)": float}
+    ), skipped
 
 
 def filter_table(frame: pd.DataFrame, text: str = "", policies: Iterable[str] = ()) -> pd.DataFrame:

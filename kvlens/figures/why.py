@@ -1,6 +1,7 @@
 """The Why page's figures, from an `explain` result (`kvlens.explain.explain`): the recovered share per layer and
 KV head, the span strip over the text with the needle marked, and the minimal set on the Head grid's strips.
 Each carries `layout.meta` (`analysis`, `params`) like the other figures, so it exports the same way."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,8 +12,11 @@ from kvlens.errors import KvlensError
 
 def _title(result: dict) -> str:
     case = result["case"]
-    where = f"{case['task']} sample {case['index']}, r = {case['ratio']}" if case["source"] == "sample" else \
-        f"run {case['run']}, budget {result['budget']}"
+    where = (
+        f"{case['task']} sample {case['index']}, r = {case['ratio']}"
+        if case["source"] == "sample"
+        else f"run {case['run']}, budget {result['budget']}"
+    )
     return f"{case['policy']} on {where}"
 
 
@@ -36,15 +40,30 @@ def share_heatmap(result: dict) -> go.Figure:
         slots[g["layer"], g.get("head", 0)] = g["slots"]
     x = [f"KV head {h}" for h in range(cols)] if by_head else ["all KV heads"]
     y = [f"L{i}" for i in range(layers)]
-    fig = go.Figure(go.Heatmap(z=z.tolist(), x=x, y=y, colorscale="RdBu", zmid=0, customdata=slots.tolist(),
-                               text=[[f"{v:.2f}" for v in row] for row in z.tolist()], texttemplate="%{text}",
-                               textfont={"size": 9}, colorbar={"title": {"text": "recovered share"}, "thickness": 12},
-                               hovertemplate="%{y} %{x}: %{z:.3f} of the gap, %{customdata} slots<extra></extra>"))
+    fig = go.Figure(
+        go.Heatmap(
+            z=z.tolist(),
+            x=x,
+            y=y,
+            colorscale="RdBu",
+            zmid=0,
+            customdata=slots.tolist(),
+            text=[[f"{v:.2f}" for v in row] for row in z.tolist()],
+            texttemplate="%{text}",
+            textfont={"size": 9},
+            colorbar={"title": {"text": "recovered share"}, "thickness": 12},
+            hovertemplate="%{y} %{x}: %{z:.3f} of the gap, %{customdata} slots<extra></extra>",
+        )
+    )
     fig.update_xaxes(side="top")
     fig.update_yaxes(autorange="reversed", title_text="layer")
-    fig.update_layout(title={"text": f"Recovered share by layer and KV head: {_title(result)}"},
-                      height=max(360, 110 + 20 * layers), width=520 + 60 * cols, margin={"t": 110},
-                      meta=_meta(result, "heads"))
+    fig.update_layout(
+        title={"text": f"Recovered share by layer and KV head: {_title(result)}"},
+        height=max(360, 110 + 20 * layers),
+        width=520 + 60 * cols,
+        margin={"t": 110},
+        meta=_meta(result, "heads"),
+    )
     return fig
 
 
@@ -56,22 +75,44 @@ def span_strip(result: dict) -> go.Figure:
         raise KvlensError("This result has no position spans; explain it with --by span.")
     shares = [g["recovered_share"] for g in spans]
     top = max(1.0, max(abs(s) for s in shares))
-    fig = go.Figure(go.Bar(x=[(g["start"] + g["end"]) / 2 for g in spans], y=shares,
-                           width=[g["end"] - g["start"] for g in spans],
-                           marker={"color": shares, "colorscale": "RdBu", "cmid": 0, "cmin": -top, "cmax": top,
-                                   "line": {"width": 0}},
-                           customdata=[[g["name"], g["slots"], g.get("text", "").replace("\n", " ")[:200]]
-                                       for g in spans], name="span",
-                           hovertemplate="positions %{customdata[0]}: %{y:.3f} of the gap, %{customdata[1]} slots"
-                                         "<br>%{customdata[2]}<extra></extra>"))
+    fig = go.Figure(
+        go.Bar(
+            x=[(g["start"] + g["end"]) / 2 for g in spans],
+            y=shares,
+            width=[g["end"] - g["start"] for g in spans],
+            marker={
+                "color": shares,
+                "colorscale": "RdBu",
+                "cmid": 0,
+                "cmin": -top,
+                "cmax": top,
+                "line": {"width": 0},
+            },
+            customdata=[[g["name"], g["slots"], g.get("text", "").replace("\n", " ")[:200]] for g in spans],
+            name="span",
+            hovertemplate="positions %{customdata[0]}: %{y:.3f} of the gap, %{customdata[1]} slots"
+            "<br>%{customdata[2]}<extra></extra>",
+        )
+    )
     for start, end in result.get("needles", []):
-        fig.add_vrect(x0=start - 0.5, x1=end - 0.5, fillcolor="#f2b134", opacity=0.35, line_width=0,
-                      annotation_text="needle", annotation_position="top left")
+        fig.add_vrect(
+            x0=start - 0.5,
+            x1=end - 0.5,
+            fillcolor="#f2b134",
+            opacity=0.35,
+            line_width=0,
+            annotation_text="needle",
+            annotation_position="top left",
+        )
     fig.update_xaxes(title_text="context position", range=[-0.5, result["context_tokens"] - 0.5])
     fig.update_yaxes(title_text="recovered share")
-    fig.update_layout(title={"text": f"Recovered share by position span ({result['span']} tokens): "
-                                     f"{_title(result)}"}, height=360, width=1100, showlegend=False,
-                      meta=_meta(result, "spans"))
+    fig.update_layout(
+        title={"text": f"Recovered share by position span ({result['span']} tokens): {_title(result)}"},
+        height=360,
+        width=1100,
+        showlegend=False,
+        meta=_meta(result, "spans"),
+    )
     return fig
 
 
@@ -89,25 +130,60 @@ def minimal_strips(result: dict, gap: int = 3) -> go.Figure:
         return t.reshape(layers, -1)[:, :-gap]
 
     y = [f"L{i}" for i in range(layers)]
-    scale = [[0, "#ffffff"], [0.33, "#ffffff"], [0.34, "#c9c9c9"], [0.66, "#c9c9c9"], [0.67, "#d62728"],
-             [1, "#d62728"]]
-    fig = go.Figure(go.Heatmap(z=image(code).tolist(), y=y, zmin=0, zmax=2, colorscale=scale, showscale=False,
-                               customdata=image(restored).tolist(), name="minimal set",
-                               hovertemplate="%{y}: %{customdata:.0%} of the block restored<extra></extra>"))
+    scale = [
+        [0, "#ffffff"],
+        [0.33, "#ffffff"],
+        [0.34, "#c9c9c9"],
+        [0.66, "#c9c9c9"],
+        [0.67, "#d62728"],
+        [1, "#d62728"],
+    ]
+    fig = go.Figure(
+        go.Heatmap(
+            z=image(code).tolist(),
+            y=y,
+            zmin=0,
+            zmax=2,
+            colorscale=scale,
+            showscale=False,
+            customdata=image(restored).tolist(),
+            name="minimal set",
+            hovertemplate="%{y}: %{customdata:.0%} of the block restored<extra></extra>",
+        )
+    )
     for label, color in (("removed by the policy", "#c9c9c9"), ("restored by the minimal set", "#d62728")):
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=label,
-                                 marker={"symbol": "square", "size": 12, "color": color}))
+        fig.add_trace(
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="markers",
+                name=label,
+                marker={"symbol": "square", "size": 12, "color": color},
+            )
+        )
     centers = [h * (width + gap) + (width - 1) / 2 for h in range(heads)]
-    fig.update_xaxes(tickvals=centers, ticktext=[f"KV head {h}" for h in range(heads)], side="top", showgrid=False,
-                     zeroline=False)
+    fig.update_xaxes(
+        tickvals=centers,
+        ticktext=[f"KV head {h}" for h in range(heads)],
+        side="top",
+        showgrid=False,
+        zeroline=False,
+    )
     fig.update_yaxes(autorange="reversed", showgrid=False, title_text="layer")
     m = result["minimal"]
     block = result["strips"]["block"]
-    fig.update_layout(title={"text": f"Minimal sufficient set: {len(m['groups'])} {m['by']} groups, {m['slots']} "
-                                     f"slots ({_title(result)}; a strip = positions 0-{result['context_tokens'] - 1}"
-                                     + (f" in blocks of {block})" if block > 1 else ")")},
-                      height=max(360, 90 + 22 * layers), width=1100, margin={"t": 110},
-                      legend={"orientation": "h", "y": -0.02, "yanchor": "top"}, meta=_meta(result, "minimal"))
+    fig.update_layout(
+        title={
+            "text": f"Minimal sufficient set: {len(m['groups'])} {m['by']} groups, {m['slots']} "
+            f"slots ({_title(result)}; a strip = positions 0-{result['context_tokens'] - 1}"
+            + (f" in blocks of {block})" if block > 1 else ")")
+        },
+        height=max(360, 90 + 22 * layers),
+        width=1100,
+        margin={"t": 110},
+        legend={"orientation": "h", "y": -0.02, "yanchor": "top"},
+        meta=_meta(result, "minimal"),
+    )
     return fig
 
 

@@ -5,6 +5,7 @@ runs a policy in every generation of a block, kvpress style; `pipeline(model, to
 about a context compressed once, as the task suite does; `attach(model)` switches the model to kvlens's
 attention for a block.
 """
+
 from kvlens.hf.attach import attach
 from kvlens.hf.cache import KvlensCache, cache
 from kvlens.hf.pipeline import pipeline

@@ -6,6 +6,7 @@ is refused here with the same sentence. `attach(model)` switches the model's att
 kvlens's for a block and restores it afterwards.
 
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -38,7 +39,9 @@ def attach(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """kvlens's attention function on `model` for the block (plain SDPA unless a kvlens run's context reaches it);
     the original attention implementation comes back afterwards, also on an error."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-        raise KvlensError("kvlens needs a transformers model object (e.g. from AutoModelForCausalLM.from_pretrained).")
+        raise KvlensError(
+            "kvlens needs a transformers model object (e.g. from AutoModelForCausalLM.from_pretrained)."
+        )
     register_attention()
     before = switch(model, ATTENTION_NAME)
     try:
@@ -57,8 +60,15 @@ def adopt(model: torch.nn.Module, tokenizer=None) -> LoadedModel:
     if tokenizer is None:
         tokenizer = _saved_tokenizer(source)
     param = next(model.parameters())
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=str(source), path=Path(str(source)),
-                       device=param.device, dtype=param.dtype, support=support)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        spec=str(source),
+        path=Path(str(source)),
+        device=param.device,
+        dtype=param.dtype,
+        support=support,
+    )
 
 
 def _saved_tokenizer(source: str):
@@ -67,5 +77,7 @@ def _saved_tokenizer(source: str):
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
-        raise KvlensError(f"No tokenizer is saved beside the model ({source}); pass tokenizer=... "
-                          f"(kvlens needs it for run files and for KVzip's reconstruction prompt).") from err
+        raise KvlensError(
+            f"No tokenizer is saved beside the model ({source}); pass tokenizer=... "
+            f"(kvlens needs it for run files and for KVzip's reconstruction prompt)."
+        ) from err

@@ -13,6 +13,7 @@ One cache follows one sequence from its prompt: a batch of several sequences (be
 several new tokens at once after the prompt (assisted decoding) and a second, unrelated `generate` call are
 refused with one sentence each.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,10 @@ from kvlens.levels import RecordLevel
 from kvlens.policies import Policy, make_policy
 from kvlens.runs.run import Run
 
-ONE_SEQUENCE = ("A kvlens cache holds one sequence, but this forward has a batch of {n} (beam search, "
-                "num_return_sequences or several prompts); generate one sequence per kvlens.cache.")
+ONE_SEQUENCE = (
+    "A kvlens cache holds one sequence, but this forward has a batch of {n} (beam search, "
+    "num_return_sequences or several prompts); generate one sequence per kvlens.cache."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,20 +51,31 @@ class Settings:
     ratio: float | None = None
 
     @classmethod
-    def of(cls, policy: str, ratio: float | None, budget: int | float | None, record: str, kv_bits: int | None,
-           params: dict) -> Settings:
+    def of(
+        cls,
+        policy: str,
+        ratio: float | None,
+        budget: int | float | None,
+        record: str,
+        kv_bits: int | None,
+        params: dict,
+    ) -> Settings:
         """Validated settings, each mistake refused with one sentence before the model is touched."""
         pol = make_policy(policy, params)
         if ratio is not None and budget is not None:
-            raise KvlensError("Give ratio= (the share removed, as in kvpress) or budget= (slots, or the share kept), "
-                              "not both.")
+            raise KvlensError(
+                "Give ratio= (the share removed, as in kvpress) or budget= (slots, or the share kept), "
+                "not both."
+            )
         if ratio is not None and not (isinstance(ratio, (int, float)) and 0 <= ratio < 1):
             raise KvlensError(f"ratio must be in [0, 1), the share of the prompt removed (got {ratio!r}).")
         if pol.budget_free and (ratio is not None or budget is not None):
             raise KvlensError(f"Policy {policy} decides its own size; drop ratio= and budget=.")
         if not pol.budget_free and ratio is None and budget is None:
-            raise KvlensError(f"Policy {policy} needs ratio= (the share of the prompt removed) or budget= (slots, or "
-                              f"the share kept).")
+            raise KvlensError(
+                f"Policy {policy} needs ratio= (the share of the prompt removed) or budget= (slots, or "
+                f"the share kept)."
+            )
         RecordLevel.parse(record)
         opts = RunOptions(budget=budget, record=record, storage=Storage(bits=kv_bits))
         return cls(pol, opts, None if ratio is None else float(ratio))
@@ -90,15 +104,21 @@ class KvlensCache(Cache):
         self.ms: list[float] = []  # each decode forward's time, compression included
         self.prefill_ms = 0.0
         self.logits: torch.Tensor | None = None  # (V,) the latest forward's last logits
-        self._started = self._ended = self._t = 0.0  # the generation's first and last forward, this forward's start
-        self._restore: list[str | None] = []  # the attention implementation a forward replaced (none: not switched)
+        self._started = self._ended = self._t = (
+            0.0  # the generation's first and last forward, this forward's start
+        )
+        self._restore: list[
+            str | None
+        ] = []  # the attention implementation a forward replaced (none: not switched)
         self._mode: torch.inference_mode | None = None  # entered by `before`, left by `after`
 
     # -- transformers' Cache interface ------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if self.loop is None:
-            raise KvlensError("This kvlens cache was used without its model's hooks; pass it to the model it was "
-                              "made for (kvlens.cache(model, ...)).")
+            raise KvlensError(
+                "This kvlens cache was used without its model's hooks; pass it to the model it was "
+                "made for (kvlens.cache(model, ...))."
+            )
         return self.loop.cache.update(key_states, value_states, layer_idx)
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
@@ -131,7 +151,9 @@ class KvlensCache(Cache):
         return [False] * len(self)
 
     def reorder_cache(self, beam_idx) -> None:
-        raise KvlensError("kvlens caches do not support beam search (num_beams > 1): each holds one sequence.")
+        raise KvlensError(
+            "kvlens caches do not support beam search (num_beams > 1): each holds one sequence."
+        )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise KvlensError(ONE_SEQUENCE.format(n=repeats))
@@ -140,17 +162,23 @@ class KvlensCache(Cache):
         raise KvlensError(ONE_SEQUENCE.format(n=len(indices)))
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise KvlensError("kvlens caches cannot be cropped (assisted or speculative decoding): a compressed cache "
-                          "cannot take back the tokens it already compressed.")
+        raise KvlensError(
+            "kvlens caches cannot be cropped (assisted or speculative decoding): a compressed cache "
+            "cannot take back the tokens it already compressed."
+        )
 
     def reset(self) -> None:
-        raise KvlensError("A kvlens cache follows one generation; make a new kvlens.cache instead of resetting it.")
+        raise KvlensError(
+            "A kvlens cache follows one generation; make a new kvlens.cache instead of resetting it."
+        )
 
     # -- the run, driven by the model's forward hooks ---------------------------------------------------
     def before(self, module, args, kwargs) -> dict:
         """Before a forward: switch the attention to kvlens's (`after` switches it back, also when this raises),
         check the input, feed its positions, hand the run's context to the attention."""
-        self._restore = [switch(module, ATTENTION_NAME)]  # before the run starts: it may probe the model (Q-Filters)
+        self._restore = [
+            switch(module, ATTENTION_NAME)
+        ]  # before the run starts: it may probe the model (Q-Filters)
         self._mode = torch.inference_mode()  # as the engine runs its forwards; `after` leaves it
         self._mode.__enter__()
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -165,11 +193,15 @@ class KvlensCache(Cache):
         if self.loop is None:
             self._start(ids, first)
         elif first != seen:
-            raise KvlensError(f"This kvlens cache already holds a generation of {seen} tokens; make a new "
-                              f"kvlens.cache for each generate call.")
+            raise KvlensError(
+                f"This kvlens cache already holds a generation of {seen} tokens; make a new "
+                f"kvlens.cache for each generate call."
+            )
         elif len(ids) != 1:
-            raise KvlensError("kvlens compresses after every token, so it cannot take several new tokens at once "
-                              "(assisted or speculative decoding, or a chunked prefill): generate without them.")
+            raise KvlensError(
+                "kvlens compresses after every token, so it cannot take several new tokens at once "
+                "(assisted or speculative decoding, or a chunked prefill): generate without them."
+            )
         else:
             self._choose(ids[0])
         self.loop.cache.positions = torch.arange(seen, seen + len(ids), device=self.model.device)
@@ -204,8 +236,10 @@ class KvlensCache(Cache):
 
     def _start(self, prompt: list[int], first: int) -> None:
         if first != 0:
-            raise KvlensError(f"A kvlens cache starts from the prompt at position 0, but this forward starts at "
-                              f"position {first}.")
+            raise KvlensError(
+                f"A kvlens cache starts from the prompt at position 0, but this forward starts at "
+                f"position {first}."
+            )
         opts = self.settings.options(len(prompt))
         self.loop = new_loop(self.model, self.settings.policy, opts, [], len(prompt), None)
         self.prompt = prompt
@@ -239,15 +273,21 @@ class KvlensCache(Cache):
         if sequences is not None:
             fed = [*self.prompt, *tokens]
             seq = torch.as_tensor(sequences).reshape(-1).tolist()
-            if seq[:len(fed)] != fed or len(seq) != len(fed) + 1:
-                raise KvlensError("These sequences are not the output of the generate call that used this cache.")
+            if seq[: len(fed)] != fed or len(seq) != len(fed) + 1:
+                raise KvlensError(
+                    "These sequences are not the output of the generate call that used this cache."
+                )
             tokens.append(seq[-1])
             nlls.append(self._nll(seq[-1]))
         if not tokens:
-            raise KvlensError("The generation fed back no token; pass generate's output: cache.run(sequences).")
+            raise KvlensError(
+                "The generation fed back no token; pass generate's output: cache.run(sequences)."
+            )
         meta = {"command": f"model.generate with kvlens.cache({self.settings.policy.name!r})"}
         total_s = self._ended - self._started  # the first forward's start to the last one's end
-        return _make_run(loop, self.model, self.prompt, tokens, nlls, self.ms, self.prefill_ms, total_s, False, meta)
+        return _make_run(
+            loop, self.model, self.prompt, tokens, nlls, self.ms, self.prefill_ms, total_s, False, meta
+        )
 
     def save_run(self, path, sequences: torch.Tensor | None = None):
         """Write `run(sequences)` as a run directory; returns its path."""
@@ -272,12 +312,23 @@ _HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDicti
 def install(model: torch.nn.Module) -> None:
     """The cache hooks on `model`, once (inert for every forward that carries no kvlens cache)."""
     if model not in _HOOKS:
-        _HOOKS[model] = (model.register_forward_pre_hook(_before, with_kwargs=True),
-                         model.register_forward_hook(_after, with_kwargs=True, always_call=True))
+        _HOOKS[model] = (
+            model.register_forward_pre_hook(_before, with_kwargs=True),
+            model.register_forward_hook(_after, with_kwargs=True, always_call=True),
+        )
 
 
-def cache(model: torch.nn.Module, policy: str, *, ratio: float | None = None, budget: int | float | None = None,
-          record: str = "summary", kv_bits: int | None = None, tokenizer=None, **params) -> KvlensCache:
+def cache(
+    model: torch.nn.Module,
+    policy: str,
+    *,
+    ratio: float | None = None,
+    budget: int | float | None = None,
+    record: str = "summary",
+    kv_bits: int | None = None,
+    tokenizer=None,
+    **params,
+) -> KvlensCache:
     """A `transformers.Cache` that runs `policy` inside `model.generate(ids, past_key_values=cache)`.
 
     `ratio`: the share of the prompt removed (kvpress's), or `budget`: slots per KV head, or a float in (0, 1]

@@ -6,6 +6,7 @@ context's tokens are compressed once to kvpress's kept count, then each question
 answered greedily from that same cache. `query_aware=True` compresses context and question together (SnapKV's
 setting), one compression per question. An answer is therefore the task suite's answer for that sample.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,10 +25,21 @@ class Pipeline:
     def __init__(self, model: LoadedModel):
         self.model = model
 
-    def __call__(self, context: str, question: str = "", *, questions: list[str] | None = None,
-                 policy: str = "full", ratio: float | None = None, budget: int | float | None = None,
-                 max_new_tokens: int = 50, query_aware: bool = False, chat: bool = True, kv_bits: int | None = None,
-                 **params) -> dict:
+    def __call__(
+        self,
+        context: str,
+        question: str = "",
+        *,
+        questions: list[str] | None = None,
+        policy: str = "full",
+        ratio: float | None = None,
+        budget: int | float | None = None,
+        max_new_tokens: int = 50,
+        query_aware: bool = False,
+        chat: bool = True,
+        kv_bits: int | None = None,
+        **params,
+    ) -> dict:
         """`{"answer": str}` for one question, `{"answers": [str, ...]}` for `questions`."""
         settings = Settings.of(policy, ratio, budget, "summary", kv_bits, params)
         asked = [question] if questions is None else list(questions)
@@ -39,12 +51,15 @@ class Pipeline:
                 answers = self._answer(settings, parts[0][0], [q for _, q in parts], max_new_tokens)
         return {"answer": answers[0]} if questions is None else {"answers": answers}
 
-    def _answer(self, settings: Settings, prompt: list[int], questions: list[list[int]], max_new_tokens: int
-                ) -> list[str]:
+    def _answer(
+        self, settings: Settings, prompt: list[int], questions: list[list[int]], max_new_tokens: int
+    ) -> list[str]:
         """`prompt` compressed once, then each question appended to it in turn and answered."""
         extra = max(len(q) for q in questions) + max_new_tokens
         opts = dataclasses.replace(QUIET, storage=settings.opts.storage)
-        budget = settings.policy.resolve_budget(settings.options(len(prompt)).budget, len(prompt), len(prompt) + extra)
+        budget = settings.policy.resolve_budget(
+            settings.options(len(prompt)).budget, len(prompt), len(prompt) + extra
+        )
         loop, logits = prepare(self.model, settings.policy, prompt, budget, extra, opts=opts)
         out = []
         for question in questions:

@@ -4,6 +4,7 @@ Inside the block, each forward of the model that starts a sequence (no cache, or
 `KvlensCache`, which `generate` then carries to the end. Unlike a kvpress press, which compresses the prompt
 once, the policy runs as in `kvlens generate`: step 0's compression, then its own rule at every decode step.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -16,9 +17,17 @@ from kvlens.hf.cache import KvlensCache, Settings, install
 
 
 @contextmanager
-def press(model: torch.nn.Module, policy: str, *, ratio: float | None = None, budget: int | float | None = None,
-          record: str = "summary", kv_bits: int | None = None, tokenizer=None,
-          **params) -> Iterator[list[KvlensCache]]:
+def press(
+    model: torch.nn.Module,
+    policy: str,
+    *,
+    ratio: float | None = None,
+    budget: int | float | None = None,
+    record: str = "summary",
+    kv_bits: int | None = None,
+    tokenizer=None,
+    **params,
+) -> Iterator[list[KvlensCache]]:
     """Run `policy` (with `kvlens.cache`'s arguments) in every generation inside the block; yields the list of
     the caches it made, newest last (`caches[-1].save_run(path, output)`). The model is as it was afterwards."""
     settings = Settings.of(policy, ratio, budget, record, kv_bits, params)

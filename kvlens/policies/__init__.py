@@ -6,6 +6,7 @@ A new policy is one new file in `kvlens/policies/`; `REGISTRY`, `kvlens policies
 A policy class may name settings in `presets` (`{"NAME": {param: value}}`): `preset=NAME` among
 the parameters applies them, and explicit parameters override them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -84,8 +85,10 @@ def with_preset(name: str, params: dict[str, Any] | None) -> dict[str, Any]:
         return params
     chosen, known = params.pop("preset"), presets(name)
     if chosen not in known:
-        raise KvlensError(f"Policy {name} has no preset {chosen!r}"
-                          + (f" (its presets: {', '.join(known)})." if known else " (it has no presets)."))
+        raise KvlensError(
+            f"Policy {name} has no preset {chosen!r}"
+            + (f" (its presets: {', '.join(known)})." if known else " (it has no presets).")
+        )
     return {**known[chosen], **params}
 
 
@@ -149,6 +152,23 @@ def parse_settings(policy: str, settings: list[str] | None) -> dict[str, Any]:
     return params
 
 
-__all__ = ["REGISTRY", "Param", "Policy", "ScoredEviction", "changed_params", "family", "make_policy", "param",
-           "parameters", "parse_budget", "parse_settings", "parse_value", "policy_class", "policy_names", "presets",
-           "register", "scored_eviction_names", "with_preset"]
+__all__ = [
+    "REGISTRY",
+    "Param",
+    "Policy",
+    "ScoredEviction",
+    "changed_params",
+    "family",
+    "make_policy",
+    "param",
+    "parameters",
+    "parse_budget",
+    "parse_settings",
+    "parse_value",
+    "policy_class",
+    "policy_names",
+    "presets",
+    "register",
+    "scored_eviction_names",
+    "with_preset",
+]

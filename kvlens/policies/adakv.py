@@ -14,6 +14,7 @@ padding is masked: `kv_entries_max` counts the kept entries (L x Hkv x B), `kv_b
 allocated, padded buffers, which are what is really held. kvpress's AdaKV frees nothing: it keeps
 every key and masks the evicted ones with fake keys.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,18 +35,31 @@ from kvlens.policies.snapkv import SnapKV
 @register
 @dataclass(frozen=True)
 class AdaKV(Wrapper):
-    base: ScoredEviction = param(SnapKV(), "Policy whose scores the heads of a layer compete with (any scored "
-                                 "eviction policy; set its parameters as base.NAME).", choices=scored_eviction_names)
-    alpha: float = param(0.2, "Floor: each head keeps at least alpha x budget of its best slots (kvpress and the "
-                         "authors' GQA runs: 0.2).", minimum=0.0, maximum=1.0)
+    base: ScoredEviction = param(
+        SnapKV(),
+        "Policy whose scores the heads of a layer compete with (any scored "
+        "eviction policy; set its parameters as base.NAME).",
+        choices=scored_eviction_names,
+    )
+    alpha: float = param(
+        0.2,
+        "Floor: each head keeps at least alpha x budget of its best slots (kvpress and the "
+        "authors' GQA runs: 0.2).",
+        minimum=0.0,
+        maximum=1.0,
+    )
 
     name = "adakv"
-    description = "A layer's budget shared across its heads by a top-k over all their scores (per-head floor)."
+    description = (
+        "A layer's budget shared across its heads by a top-k over all their scores (per-head floor)."
+    )
     paper = "https://arxiv.org/abs/2407.11550"
     kvpress = "AdaKVPress"
-    kvpress_differs = ("kvpress keeps every key and masks the evicted ones, so its memory is the full cache's; "
-                       "kvlens frees them (heads padded to the layer's fullest). kvpress compresses the prompt "
-                       'only; kvlens keeps the budget at every decode step too.')
+    kvpress_differs = (
+        "kvpress keeps every key and masks the evicted ones, so its memory is the full cache's; "
+        "kvlens frees them (heads padded to the layer's fullest). kvpress compresses the prompt "
+        "only; kvlens keeps the budget at every decode step too."
+    )
     reallocates = True
 
     def compress(self, rows: CacheRows, step: Step) -> None:
@@ -63,6 +77,7 @@ class AdaKV(Wrapper):
             score = score.masked_fill(protected, float("inf"))
         safe = max(1, int(budget * self.alpha)) if self.alpha > 0 else 0
         if safe:
-            score = score.scatter(1, score.masked_fill(~valid, float("-inf")).topk(min(safe, s), dim=-1).indices,
-                                  float("inf"))
+            score = score.scatter(
+                1, score.masked_fill(~valid, float("-inf")).topk(min(safe, s), dim=-1).indices, float("inf")
+            )
         free_logged(step, rows, lowest_of_all_rows(rows, score, leaving))

@@ -11,6 +11,7 @@ step; a policy's arithmetic is per row, so it is the same code either way. `comp
 its `Step` (index, phase, budget, decision log) explicitly. Policies never record or plot: they
 report what they did to the step's `DecisionLog`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -34,8 +35,14 @@ def register(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
-def param(default: Any, help: str, *, minimum: float | None = None, maximum: float | None = None,
-          choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None) -> Any:
+def param(
+    default: Any,
+    help: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None,
+) -> Any:
     """A hyperparameter: a dataclass field declaring its `kvlens.params.Param` (help, bounds, choices).
 
     `choices` may be a callable (resolved when validating), e.g. the registered names of a kind.
@@ -64,14 +71,18 @@ class Policy:
     needs_attention: ClassVar[bool] = True  # needs attention rows at decode steps
     budget_free: ClassVar[bool] = False  # decides its own size (reports the size it reached)
     merges: ClassVar[bool] = False  # merges evicted entries into kept ones (Merges page, provenance)
-    cross_layer: ClassVar[bool] = False  # its decode steps may run on every layer's rows at once (all-layer store)
+    cross_layer: ClassVar[bool] = (
+        False  # its decode steps may run on every layer's rows at once (all-layer store)
+    )
     merge_rule: ClassVar[str | None] = None  # how provenance replays its merges: "add", "convex" or "set"
     reallocates: ClassVar[bool] = False  # layers or heads keep different counts (their total is the budget's)
     chunked_prefill: ClassVar[bool] = False  # can compress the prompt chunk by chunk (`--prefill-chunk`)
     model_data: ClassVar[tuple[str, ...]] = ()  # per-layer data of the model the engine puts in the run state
     # named settings, `preset=NAME` (explicit parameters override)
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
-    prunes_keys: ClassVar[bool] = False  # keeps some key channels only (`key_channels`), after the prompt's compression
+    prunes_keys: ClassVar[bool] = (
+        False  # keeps some key channels only (`key_channels`), after the prompt's compression
+    )
 
     def __post_init__(self) -> None:
         for p in self.declared():
@@ -115,21 +126,32 @@ class Policy:
         """Slots the policy always protects; a smaller budget is refused."""
         return 1
 
-    def resolve_budget(self, budget: int | float | None, prompt_len: int, total_len: int | None) -> int | None:
+    def resolve_budget(
+        self, budget: int | float | None, prompt_len: int, total_len: int | None
+    ) -> int | None:
         """Budget as slots per KV head per layer: an int is slots, a float in (0, 1] a share of the prompt."""
         if self.budget_free:
             return None
-        check(budget is not None, f"Policy {self.name} needs a --budget (slots, or a share of the prompt in (0, 1]).")
+        check(
+            budget is not None,
+            f"Policy {self.name} needs a --budget (slots, or a share of the prompt in (0, 1]).",
+        )
         budget = check_budget(budget)
-        return self.check_slots(max(1, round(budget * prompt_len)) if isinstance(budget, float) else budget, total_len)
+        return self.check_slots(
+            max(1, round(budget * prompt_len)) if isinstance(budget, float) else budget, total_len
+        )
 
     def check_slots(self, slots: int, total_len: int | None = None) -> int:
         """`slots` if the policy can compress to it (and, given `total_len`, would ever compress)."""
-        check(slots >= self.min_budget(),
-              f"Budget {slots} is below the {self.min_budget()} slots that {self.name} always keeps.")
-        check(total_len is None or slots < total_len,
-              f"Budget {slots} is not below the sequence length {total_len}, so {self.name} would never "
-              f"compress; use a smaller budget or the full policy.")
+        check(
+            slots >= self.min_budget(),
+            f"Budget {slots} is below the {self.min_budget()} slots that {self.name} always keeps.",
+        )
+        check(
+            total_len is None or slots < total_len,
+            f"Budget {slots} is not below the sequence length {total_len}, so {self.name} would never "
+            f"compress; use a smaller budget or the full policy.",
+        )
         return slots
 
     def allocate(self, budget: int, layers: Sequence[CacheRows]) -> list[int]:
@@ -233,8 +255,9 @@ class Wrapper(Policy):
         self.base.observe(rows, probs)
 
 
-def select_lowest(rows: CacheRows, score: torch.Tensor, protected: torch.Tensor | None,
-                  budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+def select_lowest(
+    rows: CacheRows, score: torch.Tensor, protected: torch.Tensor | None, budget: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The selection rule of every scored eviction: keep the `budget` highest scores of each row, the
     protected slots first; among equal scores the older position stays. Returns the kept `(R, budget)` and the
     evicted `(R, n_kept - budget)` slots, each in position order. Free slots never count.
@@ -267,13 +290,19 @@ def lowest_of_all_rows(rows: CacheRows, score: torch.Tensor, leaving: int) -> to
     score = score.float().masked_fill(~valid, float("inf"))
     by_age = torch.argsort(-rows.pos.flatten(), stable=True)
     lowest = by_age[torch.argsort(score.flatten()[by_age], stable=True)[:leaving]]
-    return padded_slots(torch.zeros(r * s, dtype=torch.bool, device=valid.device).scatter_(0, lowest, True).view(r, s))
+    return padded_slots(
+        torch.zeros(r * s, dtype=torch.bool, device=valid.device).scatter_(0, lowest, True).view(r, s)
+    )
 
 
 def padded_slots(gone: torch.Tensor) -> torch.Tensor:
     """`gone` `(R, S)` bool -> each row's marked slots `(R, E)`, ascending, -1 padded (for `free`)."""
     s = gone.shape[1]
-    slots = torch.where(gone, torch.arange(s, device=gone.device), s).sort(-1).values[:, : int(gone.sum(-1).max())]
+    slots = (
+        torch.where(gone, torch.arange(s, device=gone.device), s)
+        .sort(-1)
+        .values[:, : int(gone.sum(-1).max())]
+    )
     return slots.masked_fill(slots == s, -1)
 
 
@@ -290,8 +319,15 @@ def log_evictions(step: Step, rows: CacheRows, positions: torch.Tensor) -> None:
             step.log.evict(step.index, layer, part)
 
 
-def log_merges(step: Step, rows: CacheRows, source: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
-               prob: torch.Tensor, draw: torch.Tensor) -> None:
+def log_merges(
+    step: Step,
+    rows: CacheRows,
+    source: torch.Tensor,
+    targets: torch.Tensor,
+    weight: torch.Tensor,
+    prob: torch.Tensor,
+    draw: torch.Tensor,
+) -> None:
     """`DecisionLog.merges` at `step`, layer by layer: `source` `(R, E)` positions, `targets` `(R, E, K)`
     (ascending, -1 pads), `weight`, `prob`, `draw` `(R, E)`."""
     if step.log is None:

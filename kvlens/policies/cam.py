@@ -39,6 +39,7 @@ the one leaving; kvpress evicts the same positions in every KV head (mean score 
 lets the base choose per head. Bernoulli draws come from a generator per layer and run, seeded by
 `seed` and the layer. `mask="never"` reproduces the base exactly.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,27 +62,59 @@ from kvlens.policies.base import (
 from kvlens.policies.streaming_llm import StreamingLLM
 
 GENERATOR = "cam_generator"  # per layer: the run's Bernoulli generator
-CHUNK_ELEMENTS = 1 << 24  # rows solved at once in a step-0 merge: their blocks' systems hold at most this many
+CHUNK_ELEMENTS = (
+    1 << 24
+)  # rows solved at once in a step-0 merge: their blocks' systems hold at most this many
 SOLVE_BLOCK = 256  # evicted slots per block of a step-0 merge's chain solve (at least the longest chain link)
 DECODE_ATTN = "cam_decode_attn"  # per slot: attention summed over decode steps only (score="decode")
 
 # settings of each source; every other parameter keeps its default
 PRESETS: dict[str, dict[str, Any]] = {
     # Algorithm 1 and Eq. 14-15 as written: Abar, mean over all local tokens, / m, per generation step
-    "paper": {"score": "accumulated", "denominator": "targets_mean", "span": 0, "targets": "local",
-              "divide": "m", "prefill": "evict"},
+    "paper": {
+        "score": "accumulated",
+        "denominator": "targets_mean",
+        "span": 0,
+        "targets": "local",
+        "divide": "m",
+        "prefill": "evict",
+    },
     # cam_hf/utils_lm_eval/modify_llama_cam.py:local_cam_mask (QA tables)
-    "official-qa": {"score": "accumulated", "denominator": "max", "span": 0, "targets": "local",
-                    "divide": "m", "prefill": "merge"},
+    "official-qa": {
+        "score": "accumulated",
+        "denominator": "max",
+        "span": 0,
+        "targets": "local",
+        "divide": "m",
+        "prefill": "merge",
+    },
     # generate_task/streaming_llm/kv_cache_cam.py:slicev (perplexity; merge_num = 16)
-    "official-ppl": {"score": "accumulated", "denominator": "targets_mean", "span": 16, "targets": "local",
-                     "divide": "m", "prefill": "merge"},
+    "official-ppl": {
+        "score": "accumulated",
+        "denominator": "targets_mean",
+        "span": 16,
+        "targets": "local",
+        "divide": "m",
+        "prefill": "merge",
+    },
     # cam_hf/utils_hh/modify_llama_cam.py:local_cam_mask (summarisation; merge_budget = 32)
-    "official-summarization": {"score": "current", "denominator": "window_mean", "span": 32, "targets": "local",
-                               "divide": "m", "prefill": "evict"},
+    "official-summarization": {
+        "score": "current",
+        "denominator": "window_mean",
+        "span": 32,
+        "targets": "local",
+        "divide": "m",
+        "prefill": "evict",
+    },
     # kvpress/presses/cam_press.py:CAMPress (merge_budget = 32)
-    "kvpress": {"score": "decode", "denominator": "targets_mean", "span": 32, "targets": "kept",
-                "divide": "found", "prefill": "evict"},
+    "kvpress": {
+        "score": "decode",
+        "denominator": "targets_mean",
+        "span": 32,
+        "targets": "kept",
+        "divide": "found",
+        "prefill": "evict",
+    },
 }
 
 
@@ -93,34 +126,62 @@ class CaM(Wrapper):
     the paper reports. `kvpress` is reproduced exactly but is a third party's extension (bulk
     eviction, decode-only scores); `paper` reads a text that leaves the score and the prompt open."""
 
-    base: ScoredEviction = param(StreamingLLM(), "Eviction policy whose evicted values are merged (any scored "
-                                 "eviction policy; set its parameters as base.NAME).", choices=scored_eviction_names)
-    score: str = param("accumulated", "Attention A of Eq. 14: accumulated over every query (prompt included), over "
-                       "decode steps only (kvpress), or the current step's (official summarisation code).",
-                       choices=("accumulated", "decode", "current"))
-    denominator: str = param("max", "Reference of p = A_i / ref: mean over the targets (paper, kvpress), "
-                             "mean over the local window after i (official summarisation code), or max over the "
-                             "sinks, i and its window (official QA code).",
-                             choices=("targets_mean", "window_mean", "max"))
-    span: int = param(0, "m, how many slots of the pool after an evicted one receive its value "
-                      "(0 = the whole pool).", minimum=0)
-    targets: str = param("local", "Pool of merge targets: the base's local window (paper, official code) or every "
-                         "kept slot (kvpress).", choices=("local", "kept"))
-    divide: str = param("m", "Divide the merged value by m (Eq. 15) or by the number of targets found "
-                        "(kvpress).", choices=("m", "found"))
+    base: ScoredEviction = param(
+        StreamingLLM(),
+        "Eviction policy whose evicted values are merged (any scored "
+        "eviction policy; set its parameters as base.NAME).",
+        choices=scored_eviction_names,
+    )
+    score: str = param(
+        "accumulated",
+        "Attention A of Eq. 14: accumulated over every query (prompt included), over "
+        "decode steps only (kvpress), or the current step's (official summarisation code).",
+        choices=("accumulated", "decode", "current"),
+    )
+    denominator: str = param(
+        "max",
+        "Reference of p = A_i / ref: mean over the targets (paper, kvpress), "
+        "mean over the local window after i (official summarisation code), or max over the "
+        "sinks, i and its window (official QA code).",
+        choices=("targets_mean", "window_mean", "max"),
+    )
+    span: int = param(
+        0,
+        "m, how many slots of the pool after an evicted one receive its value (0 = the whole pool).",
+        minimum=0,
+    )
+    targets: str = param(
+        "local",
+        "Pool of merge targets: the base's local window (paper, official code) or every kept slot (kvpress).",
+        choices=("local", "kept"),
+    )
+    divide: str = param(
+        "m",
+        "Divide the merged value by m (Eq. 15) or by the number of targets found (kvpress).",
+        choices=("m", "found"),
+    )
     clamp: tuple[float, float] = param((0.0, 1.0), "lo,hi bounds of the merge probability p (Eq. 14).")
-    mask: str = param("bernoulli", "Merge mask: Bernoulli(p) (the paper), always merge, or never (= the base).",
-                      choices=("bernoulli", "always", "never"))
+    mask: str = param(
+        "bernoulli",
+        "Merge mask: Bernoulli(p) (the paper), always merge, or never (= the base).",
+        choices=("bernoulli", "always", "never"),
+    )
     seed: int = param(0, "Seed of the Bernoulli draws (one generator per layer and run).", minimum=0)
-    prefill: str = param("merge", "The step-0 compression of the prompt: evict without merging, or merge the "
-                         "evicted slots one at a time in position order.", choices=("evict", "merge"))
+    prefill: str = param(
+        "merge",
+        "The step-0 compression of the prompt: evict without merging, or merge the "
+        "evicted slots one at a time in position order.",
+        choices=("evict", "merge"),
+    )
 
     name = "cam"
     description = "Merge the values its base eviction policy drops into the following slots (Bernoulli mask)."
     paper = "https://proceedings.mlr.press/v235/zhang24n.html"
     kvpress = "CAMPress"
-    kvpress_differs = ('The `kvpress` preset reproduces it step for step (cross-checked with every Bernoulli draw '
-                       "1); the default is the authors' `official-qa` preset.")
+    kvpress_differs = (
+        "The `kvpress` preset reproduces it step for step (cross-checked with every Bernoulli draw "
+        "1); the default is the authors' `official-qa` preset."
+    )
     merges = True
     merge_rule = "add"  # provenance: targets keep their own value and add w * V_i
     presets: ClassVar[dict[str, dict[str, Any]]] = PRESETS
@@ -178,11 +239,14 @@ class CaM(Wrapper):
             return rows.extra.get(DECODE_ATTN, torch.zeros_like(rows.abar))
         last = rows.last_attn
         if last is None:
-            raise ValueError("kvlens: cam's score=current reads the latest query's attention, not recorded here")
+            raise ValueError(
+                "kvlens: cam's score=current reads the latest query's attention, not recorded here"
+            )
         return last.view(rows.pos.shape[0], -1, rows.n_slots).mean(1)
 
-    def _merge(self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, step: Step,
-               budget: int) -> None:
+    def _merge(
+        self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, step: Step, budget: int
+    ) -> None:
         """Merge the evicted slots one at a time in position order, each carrying what earlier ones sent it,
         in tensor form (no loop over slots); a decode step's one eviction is the case E = 1.
 
@@ -196,13 +260,18 @@ class CaM(Wrapper):
         """
         r, b, n_ev = rows.pos.shape[0], keep.shape[1], evicted.shape[1]
         local, pool, m = self._sizes(budget)
-        pool_slots = keep[:, b - pool:]  # (R, P)
-        pos_pool, pos_ev = rows.pos.gather(1, pool_slots).contiguous(), rows.pos.gather(1, evicted).contiguous()
+        pool_slots = keep[:, b - pool :]  # (R, P)
+        pos_pool, pos_ev = (
+            rows.pos.gather(1, pool_slots).contiguous(),
+            rows.pos.gather(1, evicted).contiguous(),
+        )
 
         def ar(n: int) -> torch.Tensor:
             return torch.arange(n, device=keep.device)
 
-        c = torch.searchsorted(pos_pool, pos_ev) + ar(n_ev)  # (R, E) each evicted slot's place in C, ascending
+        c = torch.searchsorted(pos_pool, pos_ev) + ar(
+            n_ev
+        )  # (R, E) each evicted slot's place in C, ascending
         at_pool = torch.searchsorted(pos_ev, pos_pool) + ar(pool)  # (R, P)
         n_c = pool + n_ev
         members = torch.empty(r, n_c, dtype=keep.dtype, device=keep.device)
@@ -224,8 +293,16 @@ class CaM(Wrapper):
         log_merges(step, rows, pos_ev, targets, w, p, draw)
         log_evictions(step, rows, pos_ev.masked_fill(found > 0, -1))
 
-    def _add_values(self, rows: CacheRows, evicted: torch.Tensor, c: torch.Tensor, at_pool: torch.Tensor,
-                    pool_slots: torch.Tensor, found: torch.Tensor, w: torch.Tensor) -> None:
+    def _add_values(
+        self,
+        rows: CacheRows,
+        evicted: torch.Tensor,
+        c: torch.Tensor,
+        at_pool: torch.Tensor,
+        pool_slots: torch.Tensor,
+        found: torch.Tensor,
+        w: torch.Tensor,
+    ) -> None:
         """Add to each pool slot's value what its senders send, in place (see `_merge`). Only the evicted slots that
         drew a merge send (w > 0), so the others leave the system first: each row's senders move to the front, in
         position order (with the default preset, about 3 % of the embedded model's evicted prompt slots drew a
@@ -241,7 +318,8 @@ class CaM(Wrapper):
             send = (w[:, 0] > 0).nonzero()[:, 0]
             sent = values[send[:, None], evicted[send]] * w[send, :, None].to(values.dtype)  # (N, 1, D)
             values[send[:, None], pool_slots[send]] += torch.where(
-                receives(at_pool[send], c[send], found[send]), sent, 0.0)
+                receives(at_pool[send], c[send], found[send]), sent, 0.0
+            )
             return
         heads = torch.arange(c.shape[0], device=c.device)[:, None]
         n_c = c.shape[1] + at_pool.shape[1]  # candidates: the evicted slots and the pool
@@ -254,18 +332,26 @@ class CaM(Wrapper):
         r, n_ev = c.shape
         exact = torch.float64 if n_ev > 1 else values.dtype  # one sender per row: no rounding to accumulate
         sent = values[heads, evicted].to(exact)  # (R, E, D), merged below
-        if n_ev > 1:  # chains: evicted j receives from evicted i when c_i < c_j <= c_i + found_i, so j - i <= found_i
-            size = max(SOLVE_BLOCK, int(found.max()))  # a block receives from itself and the block before only
+        if (
+            n_ev > 1
+        ):  # chains: evicted j receives from evicted i when c_i < c_j <= c_i + found_i, so j - i <= found_i
+            size = max(
+                SOLVE_BLOCK, int(found.max())
+            )  # a block receives from itself and the block before only
             wx, rows_at_once = w.to(exact), max(1, CHUNK_ELEMENTS // (size * size))
             for r0 in range(0, r, rows_at_once):
                 h = slice(r0, r0 + rows_at_once)
                 for lo in range(0, n_ev, size):
                     at, before = slice(lo, lo + size), slice(max(0, lo - size), lo)
                     if lo:  # what the solved block before sends into this one
-                        into = torch.where(receives(c[h, at], c[h, before], found[h, before]), wx[h, None, before], 0.0)
+                        into = torch.where(
+                            receives(c[h, at], c[h, before], found[h, before]), wx[h, None, before], 0.0
+                        )
                         sent[h, at] += into @ sent[h, before]
                     system = torch.where(receives(c[h, at], c[h, at], found[h, at]), -wx[h, None, at], 0.0)
-                    sent[h, at] = torch.linalg.solve_triangular(system, sent[h, at], upper=False, unitriangular=True)
+                    sent[h, at] = torch.linalg.solve_triangular(
+                        system, sent[h, at], upper=False, unitriangular=True
+                    )
         sent *= w[..., None].to(exact)  # what each evicted slot sends to each of its targets
         # candidate x receives from i when c_i < x <= c_i + found_i: +sent at c_i + 1, -sent after the range, summed
         ends = torch.cat([c + 1, c + 1 + found], dim=1)[..., None].expand(-1, -1, sent.shape[-1])
@@ -274,17 +360,27 @@ class CaM(Wrapper):
         got = received.gather(1, at_pool[..., None].expand(-1, -1, sent.shape[-1]))  # (R, P, D)
         values[heads, pool_slots] += got.to(values.dtype)
 
-    def _probabilities(self, score: torch.Tensor, c: torch.Tensor, found: torch.Tensor, window: torch.Tensor,
-                       outside: torch.Tensor, reach: int) -> torch.Tensor:
+    def _probabilities(
+        self,
+        score: torch.Tensor,
+        c: torch.Tensor,
+        found: torch.Tensor,
+        window: torch.Tensor,
+        outside: torch.Tensor,
+        reach: int,
+    ) -> torch.Tensor:
         """`(R, E)` p = clamp(A_i / A_ref, lo, hi) of every evicted slot at C places `c`, 0 without a target.
 
         score `(R, C)` over the candidates in position order; outside `(R, O)` the kept slots outside the
         pool (the `max` reference's sinks and heavy hitters)."""
         a_i = score.gather(1, c)
         if self.denominator == "max":
-            ref = torch.maximum(window_max(score, reach + 1).gather(1, c),
-                                outside.max(-1, keepdim=True).values if outside.shape[1] else a_i.new_full(
-                                    (a_i.shape[0], 1), float("-inf")))
+            ref = torch.maximum(
+                window_max(score, reach + 1).gather(1, c),
+                outside.max(-1, keepdim=True).values
+                if outside.shape[1]
+                else a_i.new_full((a_i.shape[0], 1), float("-inf")),
+            )
         else:
             span = found if self.denominator == "targets_mean" else window
             sums = torch.cat([score.new_zeros(score.shape[0], 1), score.double().cumsum(-1)], dim=1)
@@ -298,16 +394,21 @@ class CaM(Wrapper):
         pool = local if self.targets == "local" else budget
         return local, pool, self.span or pool
 
-    def _draw(self, rows: CacheRows, p: torch.Tensor, found: torch.Tensor,
-              m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw(
+        self, rows: CacheRows, p: torch.Tensor, found: torch.Tensor, m: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The merge mask and each target's weight `(R, E)`: Bernoulli(p) from each layer's generator, drawn
         step by step (the k-th evicted slot of every row of a layer together), or 1 wherever a target exists;
         divided by m or by the number of targets found."""
         if self.mask == "always":
             draw = (found > 0).float()
         else:
-            u = torch.cat([torch.rand((p.shape[1], rows.kv_heads), generator=self.generator(state, layer)).T
-                           for layer, state in zip(rows.layers, rows.states, strict=True)])
+            u = torch.cat(
+                [
+                    torch.rand((p.shape[1], rows.kv_heads), generator=self.generator(state, layer)).T
+                    for layer, state in zip(rows.layers, rows.states, strict=True)
+                ]
+            )
             draw = (u.to(p.device) < p).float()
         return draw, draw / (found.clamp(min=1).float() if self.divide == "found" else float(max(m, 1)))
 
@@ -324,8 +425,10 @@ def window_max(x: torch.Tensor, length: int) -> torch.Tensor:
     out, span = x, 1
     pad = x.new_full((*x.shape[:-1], length), float("-inf"))
     while span * 2 <= length:  # out[i] = max of x[i : i + span]
-        out = torch.maximum(out, torch.cat([out, pad], dim=-1)[..., span:span + x.shape[-1]])
+        out = torch.maximum(out, torch.cat([out, pad], dim=-1)[..., span : span + x.shape[-1]])
         span *= 2
     if span < length:  # two overlapping windows of `span` cover `length`
-        out = torch.maximum(out, torch.cat([out, pad], dim=-1)[..., length - span:length - span + x.shape[-1]])
+        out = torch.maximum(
+            out, torch.cat([out, pad], dim=-1)[..., length - span : length - span + x.shape[-1]]
+        )
     return out

@@ -13,6 +13,7 @@ place (`valid=False`) and later tokens fill it, so kept entries and allocated by
 Paper defaults are w = r = 256 for 4k contexts; the defaults here (32, 32) scale that to the
 few-hundred-token prompts this workbench runs on CPU.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,14 +30,26 @@ MESSAGES_SEEN = "corm_messages_seen"  # per layer: query messages observed so fa
 @register
 @dataclass(frozen=True)
 class CORM(Policy):
-    window: int = param(32, "w: the number of recent query messages a key must be minor in to be dropped "
-                        "(paper: 256 for 4k contexts).", minimum=1)
-    recent: int = param(32, "r: the newest slots that are never dropped (paper: 256 for 4k contexts).", minimum=0)
-    important: str = param("position", "Importance threshold: 1/t with t the tokens seen (position, the paper) "
-                           "or 1/n_slots, the keys actually attended (slots).", choices=("position", "slots"))
+    window: int = param(
+        32,
+        "w: the number of recent query messages a key must be minor in to be dropped "
+        "(paper: 256 for 4k contexts).",
+        minimum=1,
+    )
+    recent: int = param(
+        32, "r: the newest slots that are never dropped (paper: 256 for 4k contexts).", minimum=0
+    )
+    important: str = param(
+        "position",
+        "Importance threshold: 1/t with t the tokens seen (position, the paper) "
+        "or 1/n_slots, the keys actually attended (slots).",
+        choices=("position", "slots"),
+    )
 
     name = "corm"
-    description = "Budget-free: drop keys minor for all of the last `window` queries (GQA: every head of the group)."
+    description = (
+        "Budget-free: drop keys minor for all of the last `window` queries (GQA: every head of the group)."
+    )
     paper = "https://arxiv.org/abs/2404.15949"
     budget_free = True
 
@@ -50,10 +63,12 @@ class CORM(Policy):
         last = prompt.last  # (Hq, L, T)
         r, t = rows.pos.shape
         hq, length, _ = last.shape
-        seen = torch.arange(t - length + 1, t + 1, device=last.device, dtype=torch.float32)  # query i sees i+1 keys
+        seen = torch.arange(
+            t - length + 1, t + 1, device=last.device, dtype=torch.float32
+        )  # query i sees i+1 keys
         important = (last >= (1.0 / seen)[None, :, None]).view(r, hq // r, length, t).any(1)  # (R, L, T)
         msg = torch.zeros(r, t, self.window, dtype=torch.bool, device=last.device)
-        msg[:, :, self.window - length:] = important.transpose(1, 2)
+        msg[:, :, self.window - length :] = important.transpose(1, 2)
         rows.extra[MESSAGE] = msg
         for state in rows.states:
             state[MESSAGES_SEEN] = length

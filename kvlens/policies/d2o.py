@@ -42,6 +42,7 @@ kept token, `(k_c + sum u_i k_i) / (1 + n)`, not Eq. 12's weights; it decides pe
 `u` over heads (whose i-th evicted tokens are different tokens); its EMA weights are `alpha = belta = 0.5`, so
 `beta = 0.5` here is the same either way round.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,7 +55,9 @@ import torch
 from kvlens.engine.cache import CacheRows, Step
 from kvlens.policies.base import Policy, log_evictions, param, recent_mask, register, select_lowest
 
-THRESHOLD = "d2o_threshold"  # per layer: the EMA threshold tau, a 0-d tensor (scope layer) or (Hkv,) (scope head)
+THRESHOLD = (
+    "d2o_threshold"  # per layer: the EMA threshold tau, a 0-d tensor (scope layer) or (Hkv,) (scope head)
+)
 CHUNK_ELEMENTS = 1 << 24  # similarity entries (rows x evicted x kept) computed at once
 
 
@@ -106,32 +109,59 @@ def bounded_shares(shares: list[float], total: int, lo: int, hi: int) -> list[in
 @register
 @dataclass(frozen=True)
 class D2O(Policy):
-    sink: int = param(4, "First positions always kept (the official code pins the first 4 among its heavy "
-                      "hitters).", minimum=0)
-    recent_ratio: float = param(0.5, "Share of each layer's budget for the recent window; the rest are heavy "
-                                "hitters by accumulated attention (the official scripts split the budget evenly).",
-                                minimum=0.0, maximum=1.0)
-    beta: float = param(0.5, "Weight of the new mean similarity in the EMA threshold, tau = beta x mean max "
-                        "similarity + (1 - beta) x previous tau (Eq. 10; the official code's 0.5 / 0.5).",
-                        minimum=0.0, maximum=1.0)
-    threshold_scope: str = param("layer", "One EMA threshold per layer over all its KV heads (the official code) "
-                                 "or one per KV head.", choices=("layer", "head"))
-    merge: bool = param(True, "Merge evicted tokens whose best cosine similarity passes the threshold into their "
-                        "nearest kept token (false = evict them all, the eviction-only ablation).")
-    allocation: str = param("dynamic", "Layer budgets: dynamic (denser prompt attention, lower variance of its "
-                            "column sums, keeps more; total L x budget) or uniform (the budget everywhere).",
-                            choices=("dynamic", "uniform"))
-    density: str = param("layers", "Layer score of the dynamic allocation: each layer's variance of its prompt "
-                         "attention's column sums, min-max normalised across layers, or the official code's "
-                         "per-head variances min-max normalised within the layer, then averaged.",
-                         choices=("layers", "official"))
+    sink: int = param(
+        4,
+        "First positions always kept (the official code pins the first 4 among its heavy hitters).",
+        minimum=0,
+    )
+    recent_ratio: float = param(
+        0.5,
+        "Share of each layer's budget for the recent window; the rest are heavy "
+        "hitters by accumulated attention (the official scripts split the budget evenly).",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    beta: float = param(
+        0.5,
+        "Weight of the new mean similarity in the EMA threshold, tau = beta x mean max "
+        "similarity + (1 - beta) x previous tau (Eq. 10; the official code's 0.5 / 0.5).",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    threshold_scope: str = param(
+        "layer",
+        "One EMA threshold per layer over all its KV heads (the official code) or one per KV head.",
+        choices=("layer", "head"),
+    )
+    merge: bool = param(
+        True,
+        "Merge evicted tokens whose best cosine similarity passes the threshold into their "
+        "nearest kept token (false = evict them all, the eviction-only ablation).",
+    )
+    allocation: str = param(
+        "dynamic",
+        "Layer budgets: dynamic (denser prompt attention, lower variance of its "
+        "column sums, keeps more; total L x budget) or uniform (the budget everywhere).",
+        choices=("dynamic", "uniform"),
+    )
+    density: str = param(
+        "layers",
+        "Layer score of the dynamic allocation: each layer's variance of its prompt "
+        "attention's column sums, min-max normalised across layers, or the official code's "
+        "per-head variances min-max normalised within the layer, then averaged.",
+        choices=("layers", "official"),
+    )
 
     name = "d2o"
-    description = ("Per-layer budgets by attention density; H2O eviction, each evicted token merged into its most "
-                   "similar kept key when the similarity passes an EMA threshold.")
+    description = (
+        "Per-layer budgets by attention density; H2O eviction, each evicted token merged into its most "
+        "similar kept key when the similarity passes an EMA threshold."
+    )
     paper = "https://arxiv.org/abs/2406.13035"
     merges = True
-    merge_rule: ClassVar[str] = "set"  # provenance: per step, target <- w_c target + sum_i w_i source_i, sum = 1
+    merge_rule: ClassVar[str] = (
+        "set"  # provenance: per step, target <- w_c target + sum_i w_i source_i, sum = 1
+    )
     reallocates = True
 
     def min_budget(self) -> int:
@@ -180,7 +210,9 @@ class D2O(Policy):
         rows.free(evicted)
 
     @staticmethod
-    def nearest(keys: torch.Tensor, keep: torch.Tensor, evicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def nearest(
+        keys: torch.Tensor, keep: torch.Tensor, evicted: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 9: each evicted key's best cosine similarity to the kept keys and that key's index in `keep`, both
         `(R, E)`. `keys` `(R, S, D)`; `keep` `(R, B)`, `evicted` `(R, E)` slot indices. The oldest kept key wins a
         tie (`keep` is in position order). Computed in chunks of evicted keys (bounded memory)."""
@@ -191,7 +223,7 @@ class D2O(Policy):
         chunk = max(1, CHUNK_ELEMENTS // max(1, r * b))
         best, index = [], []
         for lo in range(0, e, chunk):
-            part = unit.gather(1, evicted[:, lo:lo + chunk, None].expand(-1, -1, d))  # (R, e, D)
+            part = unit.gather(1, evicted[:, lo : lo + chunk, None].expand(-1, -1, d))  # (R, e, D)
             sim = part @ kept.transpose(1, 2)  # (R, e, B)
             value, where = sim.max(-1)
             best.append(value)
@@ -210,8 +242,15 @@ class D2O(Policy):
             out.append(tau.expand(part.shape[0]))
         return torch.cat(out)[:, None]
 
-    def _log(self, step: Step, rows: CacheRows, pos_ev: torch.Tensor, pos_target: torch.Tensor, w: torch.Tensor,
-             merged: torch.Tensor) -> None:
+    def _log(
+        self,
+        step: Step,
+        rows: CacheRows,
+        pos_ev: torch.Tensor,
+        pos_target: torch.Tensor,
+        w: torch.Tensor,
+        merged: torch.Tensor,
+    ) -> None:
         """Merges as rows of provenance's `set` rule (all sources of one target of one head consecutive: each head's
         merges sorted by target then source, the heads in turn), then the evictions."""
         if step.log is None:
@@ -224,7 +263,9 @@ class D2O(Policy):
             src = pos_ev.gather(1, order).masked_fill(~merged.gather(1, order), -1)
             tgt = pos_target.gather(1, order).masked_fill(src < 0, -1)
             wt = w.gather(1, order)
-            eye = torch.eye(r, dtype=torch.bool, device=pos_ev.device)  # row h holds only its own block of columns
+            eye = torch.eye(
+                r, dtype=torch.bool, device=pos_ev.device
+            )  # row h holds only its own block of columns
 
             def block(x: torch.Tensor, fill: float) -> torch.Tensor:
                 return torch.where(eye[:, :, None], x[None, :, :], fill).reshape(r, r * e)
@@ -233,13 +274,15 @@ class D2O(Policy):
             weight = block(wt, 0.0)
             nan, none = torch.full_like(weight, float("nan")), torch.full_like(source, -1)
             for (layer, s), (_, t), (_, ww), (_, p), (_, dr) in zip(
-                    *[rows.per_layer(x) for x in (source, target[..., None], weight, nan, none)], strict=True):
+                *[rows.per_layer(x) for x in (source, target[..., None], weight, nan, none)], strict=True
+            ):
                 step.log.merges(step.index, layer, s, t, ww, p, dr)
         log_evictions(step, rows, pos_ev.masked_fill(merged, -1))
 
 
-def merge_weights(u: torch.Tensor, nearest: torch.Tensor, merged: torch.Tensor,
-                  kept: int) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_weights(
+    u: torch.Tensor, nearest: torch.Tensor, merged: torch.Tensor, kept: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 12: each source's weight `(R, E)` (0 where it does not merge) and each kept token's own weight `(R, B)`:
     `w_i = exp(u_i) / (S_c + e)`, `w_c = e / (S_c + e)`, `S_c` the sum of `exp(u_i)` over c's merged sources."""
     eu = torch.exp(u.float()) * merged
@@ -247,8 +290,14 @@ def merge_weights(u: torch.Tensor, nearest: torch.Tensor, merged: torch.Tensor,
     return eu / denom.gather(1, nearest), math.e / denom
 
 
-def merge_into(states: torch.Tensor, keep: torch.Tensor, evicted: torch.Tensor, nearest: torch.Tensor,
-               w: torch.Tensor, w_self: torch.Tensor) -> None:
+def merge_into(
+    states: torch.Tensor,
+    keep: torch.Tensor,
+    evicted: torch.Tensor,
+    nearest: torch.Tensor,
+    w: torch.Tensor,
+    w_self: torch.Tensor,
+) -> None:
     """Eq. 11 in place on `states` `(R, S, D)` (keys or values): kept slot c <- w_c x_c + sum_{i -> c} w_i x_i."""
     d = states.shape[-1]
     kidx = keep[..., None].expand(-1, -1, d)

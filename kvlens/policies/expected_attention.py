@@ -16,6 +16,7 @@ expected logits are kept with it); kvpress's `DecodingPress` would re-estimate t
 recent queries. kvpress's evaluation registers this method as Ada-KV over it with epsilon 0.01
 (`--policy adakv --set base=expected_attention --set base.epsilon=0.01`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,7 +29,9 @@ from kvlens.policies.base import ScoredEviction, param, register
 
 FUTURE = "expected_attention_future"  # per layer: mu' (Hq, D) and Sigma' (Hq, D, D) or None
 LOGIT = "expected_attention_logit"  # per slot (R, S, G): the expected logit of each query head of the row
-SCORED = "expected_attention_scored"  # per slot (R, S): its logits are computed (a new token arrives unscored)
+SCORED = (
+    "expected_attention_scored"  # per slot (R, S): its logits are computed (a new token arrives unscored)
+)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -41,19 +44,25 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class ExpectedAttention(ScoredEviction):
     n_future: int = param(512, "Future positions RoPE's rotation is averaged over (kvpress: 512).", minimum=1)
-    n_sink: int = param(4, "First positions always kept and left out of the query statistics (kvpress: 4).",
-                        minimum=0)
+    n_sink: int = param(
+        4, "First positions always kept and left out of the query statistics (kvpress: 4).", minimum=0
+    )
     covariance: bool = param(True, "Use the queries' covariance, not only their mean (kvpress: true).")
     vnorm: bool = param(True, "Multiply the score by the value's L2 norm (kvpress: true).")
-    epsilon: float = param(0.0, "Added to the score before the value norm multiplies it (kvpress 0; its evaluation "
-                           "0.01).", minimum=0.0)
+    epsilon: float = param(
+        0.0,
+        "Added to the score before the value norm multiplies it (kvpress 0; its evaluation 0.01).",
+        minimum=0.0,
+    )
 
     name = "expected_attention"
     description = "Keep the keys future queries are expected to attend to (query statistics moved by RoPE)."
     paper = "https://arxiv.org/abs/2510.00636"
     kvpress = "ExpectedAttentionPress"
-    kvpress_differs = ("A new decode token is scored with the prompt's statistics. kvpress compresses the prompt "
-                       'only; kvlens keeps the budget at every decode step too.')
+    kvpress_differs = (
+        "A new decode token is scored with the prompt's statistics. kvpress compresses the prompt "
+        "only; kvlens keeps the budget at every decode step too."
+    )
     needs_attention = False
     cross_layer = True
 
@@ -66,29 +75,36 @@ class ExpectedAttention(ScoredEviction):
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
         rotary, queries, positions = prompt.rotary, prompt.queries, prompt.positions
         if rotary is None or queries is None or positions is None:
-            raise KvlensError("expected_attention needs a model with one rotary embedding (RoPE) on every layer, "
-                              "whose queries it moves to future positions.")
+            raise KvlensError(
+                "expected_attention needs a model with one rotary embedding (RoPE) on every layer, "
+                "whose queries it moves to future positions."
+            )
         q = queries.float()  # (Hq, T, D) after RoPE
         cos, sin = (x.float() for x in rotary(positions))  # (T, D)
         before = (q * cos - rotate_half(q) * sin) / (cos * cos + sin * sin)  # the inverse rotation
-        h = before[:, self.n_sink:]
+        h = before[:, self.n_sink :]
         mean = h.mean(1)  # (Hq, D)
         cov = None
         if self.covariance:
             centred = h - mean[:, None]
             cov = torch.einsum("hsi,hsj->hij", centred, centred) / h.shape[1]
         t, d = q.shape[1], q.shape[2]
-        cos_f, sin_f = (x.float() for x in rotary(torch.arange(t, t + self.n_future,
-                                                                       device=q.device)))  # (n, D)
+        cos_f, sin_f = (
+            x.float() for x in rotary(torch.arange(t, t + self.n_future, device=q.device))
+        )  # (n, D)
         swap = torch.zeros(d, d, device=q.device)
-        swap[d // 2:, : d // 2], swap[: d // 2, d // 2:] = torch.eye(d // 2), -torch.eye(d // 2)
-        rotation = (cos_f[:, None, :] * torch.eye(d, device=q.device) + sin_f[:, None, :] * swap).mean(0)  # (D, D)
+        swap[d // 2 :, : d // 2], swap[: d // 2, d // 2 :] = torch.eye(d // 2), -torch.eye(d // 2)
+        rotation = (cos_f[:, None, :] * torch.eye(d, device=q.device) + sin_f[:, None, :] * swap).mean(
+            0
+        )  # (D, D)
         future = (mean @ rotation.T, None if cov is None else rotation @ cov @ rotation.T)
         rows.states[0][FUTURE] = (*future, prompt.scaling)
         rows.extra[LOGIT] = self._logits(rows.keys[0].float(), *rows.states[0][FUTURE])
         rows.extra[SCORED] = torch.ones(rows.pos.shape, dtype=torch.bool, device=q.device)
 
-    def _logits(self, keys: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor | None, scale: float) -> torch.Tensor:
+    def _logits(
+        self, keys: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
         """Expected logits `(Hkv, S, G)` of keys `(Hkv, S, D)` under one layer's future query statistics."""
         hkv = keys.shape[0]
         m = mean.view(hkv, -1, mean.shape[-1])  # (Hkv, G, D)
@@ -100,15 +116,25 @@ class ExpectedAttention(ScoredEviction):
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         todo = rows.valid & ~rows.extra[SCORED]
-        if bool(todo.any()):  # new tokens since the last compression: their logits, with their layer's statistics
+        if bool(
+            todo.any()
+        ):  # new tokens since the last compression: their logits, with their layer's statistics
             logits = rows.extra[LOGIT]
             for (layer_todo, keys, layer_logits), state in zip(
-                    zip(todo.chunk(len(rows.layers)), rows.keys[0].chunk(len(rows.layers)),
-                        logits.chunk(len(rows.layers)), strict=True), rows.states, strict=True):
+                zip(
+                    todo.chunk(len(rows.layers)),
+                    rows.keys[0].chunk(len(rows.layers)),
+                    logits.chunk(len(rows.layers)),
+                    strict=True,
+                ),
+                rows.states,
+                strict=True,
+            ):
                 heads, slots = layer_todo.nonzero(as_tuple=True)
                 if heads.numel():
-                    new = self._logits(keys[heads, slots][:, None].float(), *_rows_of(state[FUTURE], heads,
-                                                                                          rows.kv_heads))
+                    new = self._logits(
+                        keys[heads, slots][:, None].float(), *_rows_of(state[FUTURE], heads, rows.kv_heads)
+                    )
                     layer_logits[heads, slots] = new[:, 0]
             rows.extra[LOGIT] = logits
             rows.extra[SCORED] = rows.extra[SCORED] | todo
@@ -124,8 +150,9 @@ class ExpectedAttention(ScoredEviction):
         return rows.pos < self.n_sink
 
 
-def _rows_of(future: tuple[torch.Tensor, torch.Tensor | None, float], heads: torch.Tensor,
-             kv_heads: int) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+def _rows_of(
+    future: tuple[torch.Tensor, torch.Tensor | None, float], heads: torch.Tensor, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor | None, float]:
     """The statistics of the query heads of KV heads `heads` `(n,)`: mean `(n x G, D)`, covariance, scale."""
     mean, cov, scale = future
     g = mean.shape[0] // kv_heads

@@ -1,4 +1,5 @@
 """`full`: keep everything. The reference every other policy is measured against."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -6,6 +6,7 @@ window (`recent_ratio` of it) and heavy hitters: the non-recent slots with the l
 accumulated attention `Abar` (summed over every query since the slot entered, prefill included;
 a KV head's attention is the mean of its query heads').
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,17 +20,24 @@ from kvlens.policies.base import ScoredEviction, param, recent_mask, register
 @register
 @dataclass(frozen=True)
 class H2O(ScoredEviction):
-    recent_ratio: float = param(0.5, "Share of the budget reserved for the most recent slots; the rest are "
-                                "heavy hitters (the paper splits the budget evenly).", minimum=0.0, maximum=1.0)
+    recent_ratio: float = param(
+        0.5,
+        "Share of the budget reserved for the most recent slots; the rest are "
+        "heavy hitters (the paper splits the budget evenly).",
+        minimum=0.0,
+        maximum=1.0,
+    )
 
     name = "h2o"
     chunked_prefill = True  # its score, the attention each slot received, accumulates chunk by chunk
     description = "Keep a recent window plus the heavy hitters with the largest accumulated attention."
     paper = "https://arxiv.org/abs/2306.14048"
     kvpress = "ObservedAttentionPress"
-    kvpress_differs = ("kvpress's press scores the mean, not the sum, of the attention a slot received and has no "
-                       "recent window, so it is a different policy; the cross-check runs H2O's own score in "
-                       "kvpress's hooks.")
+    kvpress_differs = (
+        "kvpress's press scores the mean, not the sum, of the attention a slot received and has no "
+        "recent window, so it is a different policy; the cross-check runs H2O's own score in "
+        "kvpress's hooks."
+    )
     cross_layer = True
 
     def local_window(self, budget: int) -> int:

@@ -7,6 +7,7 @@ the row's normalised kept keys (kvpress's `KeyDiffPress`). The paper compresses 
 the prompt streams in (kvpress: `BlockPress`, blocks of 128); kvlens scores the whole prompt at
 once, as `KeyDiffPress` alone does, and at a decode step scores the new key with the others.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ class KeyDiff(ScoredEviction):
     description = "Keep the keys least similar (cosine) to the mean normalised key of their head."
     paper = "https://arxiv.org/abs/2504.15364"
     kvpress = "KeyDiffPress"
-    kvpress_differs = ('kvpress compresses the prompt only; kvlens keeps the budget at every decode step too.')
+    kvpress_differs = "kvpress compresses the prompt only; kvlens keeps the budget at every decode step too."
     needs_attention = False
     cross_layer = True
 

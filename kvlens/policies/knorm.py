@@ -6,6 +6,7 @@ slot is minus its key's norm (after RoPE, as cached), computed in float32; no at
 As kvpress's `KnormPress`: no protected sinks or window. At a decode step the new key is scored
 with the others (kvpress's `DecodingPress` does the same at its compression steps).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ class KNorm(ScoredEviction):
     description = "Keep the keys with the lowest L2 norm (low-norm keys draw attention)."
     paper = "https://arxiv.org/abs/2406.11430"
     kvpress = "KnormPress"
-    kvpress_differs = ('kvpress compresses the prompt only; kvlens keeps the budget at every decode step too.')
+    kvpress_differs = "kvpress compresses the prompt only; kvlens keeps the budget at every decode step too."
     needs_attention = False
     cross_layer = True
 

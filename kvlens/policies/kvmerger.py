@@ -18,6 +18,7 @@ states for its 50 % budget, 0.08 and 0.02 for 35 % (printed "0.17%", ..., read a
 of a 4k-token context would be 7 tokens); presets `budget50` and `budget35`. The budget reached
 still depends on how many keys are similar enough to merge (threshold 0.75, as in the paper).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,9 @@ from kvlens.errors import KvlensError
 from kvlens.policies.base import Policy, log_merges, param, register
 
 
-def merging_sets(keys: torch.Tensor, threshold: float, candidates: torch.Tensor | None = None) -> list[list[int]]:
+def merging_sets(
+    keys: torch.Tensor, threshold: float, candidates: torch.Tensor | None = None
+) -> list[list[int]]:
     """Algorithm 1: partition candidate keys `(T, D)` into sets of consecutive positions.
 
     Scans right to left; the anchor is the current set's rightmost key, and key i joins the set
@@ -46,7 +49,9 @@ def merging_sets(keys: torch.Tensor, threshold: float, candidates: torch.Tensor 
     return [list(range(a - n, a + 1)) for a, n in zip(last.tolist(), run[0, last].tolist(), strict=True)]
 
 
-def set_anchors(keys: torch.Tensor, threshold: float, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def set_anchors(
+    keys: torch.Tensor, threshold: float, candidates: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Algorithm 1 on every row of keys `(R, T, D)` at once (`candidates` `(R, T)`): the anchors `(R, T)` bool and
     `run` `(R, T)`, how many keys the set anchored at each key holds left of it (the consecutive candidates before
     it whose cosine with it is above `threshold`). The set anchored at a is a - run[a] .. a.
@@ -67,7 +72,9 @@ def set_anchors(keys: torch.Tensor, threshold: float, candidates: torch.Tensor) 
     index = torch.arange(t, device=keys.device)
     newest = torch.where(candidates, index, -1).cummax(-1).values  # (R, T) the newest candidate at or before
     left = index - run - 1  # the key left of each set
-    jump = torch.where(left >= 0, newest.gather(1, left.clamp(min=0)), -1)  # (R, T) the next anchor (-1: none)
+    jump = torch.where(
+        left >= 0, newest.gather(1, left.clamp(min=0)), -1
+    )  # (R, T) the next anchor (-1: none)
     jump = torch.cat([jump.masked_fill(jump < 0, t), jump.new_full((r, 1), t)], 1)  # (R, T + 1), t: none
     anchor = torch.zeros(r, t + 1, dtype=torch.bool, device=keys.device)
     anchor.scatter_(1, newest[:, -1:].masked_fill(newest[:, -1:] < 0, t), True)
@@ -80,7 +87,9 @@ def set_anchors(keys: torch.Tensor, threshold: float, candidates: torch.Tensor) 
 SIGMA_RULES = ("eq7", "mean_distance")
 
 
-def gaussian_weights(keys_of_set: torch.Tensor, pivot_index: int, sigma: float | str | None = None) -> torch.Tensor:
+def gaussian_weights(
+    keys_of_set: torch.Tensor, pivot_index: int, sigma: float | str | None = None
+) -> torch.Tensor:
     """Eq. 7-8: normalised Gaussian-kernel weights `(n,)` of a set's keys `(n, D)` around its pivot.
 
     `g_i = exp(-||k_p - k_i||^2 / (2 sigma^2))`, `w_i = g_i / sum_j g_j`. The paper defines sigma
@@ -105,19 +114,21 @@ def gaussian_weights(keys_of_set: torch.Tensor, pivot_index: int, sigma: float |
     return set_weights(keys_of_set, sets, torch.tensor([pivot_index], device=keys_of_set.device), rule)
 
 
-def set_weights(keys: torch.Tensor, sets: torch.Tensor, pivot: torch.Tensor, rule: float | str) -> torch.Tensor:
+def set_weights(
+    keys: torch.Tensor, sets: torch.Tensor, pivot: torch.Tensor, rule: float | str
+) -> torch.Tensor:
     """`gaussian_weights` of M sets at once: their members' keys `(K, D)`, `sets` `(K,)` the set of each (0..M-1),
     `pivot` `(M,)` the index in `keys` of each set's pivot, `rule` a checked sigma. Returns float32 `(K,)`."""
     k = keys.float()
     dist2 = ((k - k[pivot][sets]) ** 2).sum(-1)  # (K,)
     n = torch.bincount(sets, minlength=len(pivot)).float()  # (M,)
     if rule == "eq7":
-        sigma = per_set(dist2, sets, len(n)) / (2 ** 0.5 * n)
+        sigma = per_set(dist2, sets, len(n)) / (2**0.5 * n)
     elif rule == "mean_distance":
         sigma = per_set(dist2.sqrt(), sets, len(n)) / (n - 1).clamp(min=1)
     else:
         sigma = torch.full_like(n, float(rule))
-    logits = -dist2 / (2 * sigma ** 2)[sets]  # a softmax within each set
+    logits = -dist2 / (2 * sigma**2)[sets]  # a softmax within each set
     top = torch.full_like(n, float("-inf")).scatter_reduce(0, sets, logits, "amax")
     g = (logits - top[sets]).exp()
     uniform = (1 / n)[sets]  # sigma 0: every key equals the pivot
@@ -135,28 +146,48 @@ COMPRESSIONS = "kvmerger_compressions"  # per layer: compress calls so far in th
 @register
 @dataclass(frozen=True)
 class KVMerger(Policy):
-    threshold: float = param(0.75, "Cosine similarity a key needs with its set's anchor to join the merging set.",
-                             minimum=-1.0, maximum=1.0)
-    recent_ratio: float = param(0.1, "Share of the slots kept unmerged as the recent window.",
-                                minimum=0.0, maximum=1.0)
-    keep_ratio: float = param(0.1, "Share of the slots kept unmerged as top-k by aggregated attention "
-                              "(sinks and heavy hitters).", minimum=0.0, maximum=1.0)
+    threshold: float = param(
+        0.75,
+        "Cosine similarity a key needs with its set's anchor to join the merging set.",
+        minimum=-1.0,
+        maximum=1.0,
+    )
+    recent_ratio: float = param(
+        0.1, "Share of the slots kept unmerged as the recent window.", minimum=0.0, maximum=1.0
+    )
+    keep_ratio: float = param(
+        0.1,
+        "Share of the slots kept unmerged as top-k by aggregated attention (sinks and heavy hitters).",
+        minimum=0.0,
+        maximum=1.0,
+    )
     sigma: float = param(0.0, "Gaussian kernel width (0 = computed by sigma_rule).", minimum=0.0)
-    sigma_rule: str = param("mean_distance", "How sigma is computed per merging set when sigma is 0: the mean "
-                            "l2 distance from the pivot (§6.3, the rule the paper's sigma ablation uses) or Eq. 7's "
-                            "formula (squared distances: near-uniform weights).", choices=SIGMA_RULES)
-    remerge_every: int = param(0, "Also re-merge every this many decode steps (0 = only after prefill, the "
-                               "paper's setting).", minimum=0)
+    sigma_rule: str = param(
+        "mean_distance",
+        "How sigma is computed per merging set when sigma is 0: the mean "
+        "l2 distance from the pivot (§6.3, the rule the paper's sigma ablation uses) or Eq. 7's "
+        "formula (squared distances: near-uniform weights).",
+        choices=SIGMA_RULES,
+    )
+    remerge_every: int = param(
+        0,
+        "Also re-merge every this many decode steps (0 = only after prefill, the paper's setting).",
+        minimum=0,
+    )
 
     name = "kvmerger"
-    description = ("After prefill, merge runs of similar consecutive keys into their most attended one "
-                   "(Gaussian weights).")
+    description = (
+        "After prefill, merge runs of similar consecutive keys into their most attended one "
+        "(Gaussian weights)."
+    )
     paper = "https://arxiv.org/abs/2407.08454"
     budget_free = True
     merges = True
     merge_rule: ClassVar[str] = "set"  # provenance: per step, target <- w_p target + sum_i w_i source_i
-    presets: ClassVar[dict[str, dict[str, Any]]] = {"budget50": {"recent_ratio": 0.17, "keep_ratio": 0.12},
-                                          "budget35": {"recent_ratio": 0.08, "keep_ratio": 0.02}}
+    presets: ClassVar[dict[str, dict[str, Any]]] = {
+        "budget50": {"recent_ratio": 0.17, "keep_ratio": 0.12},
+        "budget35": {"recent_ratio": 0.08, "keep_ratio": 0.02},
+    }
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         """Merge every row's sets of two or more slots at their pivots, all at once: the M sets' K members in one
@@ -172,18 +203,30 @@ class KVMerger(Policy):
         if not len(row):
             return
         size = run[row, last] + 1
-        sets = torch.repeat_interleave(torch.arange(len(row), device=row.device), size)  # (K,) each member's set
+        sets = torch.repeat_interleave(
+            torch.arange(len(row), device=row.device), size
+        )  # (K,) each member's set
         first = size.cumsum(0) - size  # (M,) the place of each set's first member
         members = torch.arange(len(sets), device=row.device)
-        heads, slots = row[sets], (last - size + 1)[sets] + members - first[sets]  # (K,) the members, in order
+        heads, slots = (
+            row[sets],
+            (last - size + 1)[sets] + members - first[sets],
+        )  # (K,) the members, in order
         abar = rows.abar[heads, slots]
         best = torch.full(size.shape, float("-inf"), device=row.device).scatter_reduce(0, sets, abar, "amax")
-        most = members.masked_fill(abar != best[sets], len(sets))  # the places of each set's most attended members
-        pivot = torch.full_like(size, len(sets)).scatter_reduce(0, sets, most, "amin")  # (M,) the first of them
+        most = members.masked_fill(
+            abar != best[sets], len(sets)
+        )  # the places of each set's most attended members
+        pivot = torch.full_like(size, len(sets)).scatter_reduce(
+            0, sets, most, "amin"
+        )  # (M,) the first of them
         set_keys = keys[heads, slots]  # (K, D)
         w = set_weights(set_keys, sets, pivot, self.sigma or self.sigma_rule).to(keys.dtype)  # (K,)
         target = slots[pivot]  # (M,)
-        for cache, merged in ((keys, set_keys), (values, values[heads, slots])):  # each set's sum, at its pivot
+        for cache, merged in (
+            (keys, set_keys),
+            (values, values[heads, slots]),
+        ):  # each set's sum, at its pivot
             cache[row, target] = per_set(w.float()[:, None] * merged.float(), sets, len(row)).to(cache.dtype)
         gone = members != pivot[sets]
         pos = rows.pos
@@ -199,15 +242,24 @@ class KVMerger(Policy):
         counts = valid.sum(-1).tolist()
         recent = torch.tensor([int(n * self.recent_ratio) for n in counts], device=valid.device)
         candidates = valid & (valid.sum(-1, keepdim=True) - valid.cumsum(-1) >= recent[:, None])
-        tops = [min(int(n * self.keep_ratio), c) for n, c in zip(counts, candidates.sum(-1).tolist(), strict=True)]
+        tops = [
+            min(int(n * self.keep_ratio), c) for n, c in zip(counts, candidates.sum(-1).tolist(), strict=True)
+        ]
         for k in set(tops) - {0}:  # rows of one size at once (a layer's rows share it after the prompt)
             chosen = torch.tensor([i for i, t in enumerate(tops) if t == k], device=valid.device)
             score = rows.abar[chosen].masked_fill(~candidates[chosen], float("-inf"))
             candidates[chosen[:, None], torch.topk(score, k).indices] = False
         return candidates
 
-    def _log(self, step: Step, rows: CacheRows, row: torch.Tensor, source: torch.Tensor, target: torch.Tensor,
-             w: torch.Tensor) -> None:
+    def _log(
+        self,
+        step: Step,
+        rows: CacheRows,
+        row: torch.Tensor,
+        source: torch.Tensor,
+        target: torch.Tensor,
+        w: torch.Tensor,
+    ) -> None:
         """The merges, row by row, set by set, in position order: `source` `(K,)` positions merged into `target`
         with weight `w`, in rows `row`: one column per merge, filled in its row only (`DecisionLog.merges` lists
         the columns in turn)."""
@@ -218,5 +270,12 @@ class KVMerger(Policy):
         sources = torch.full((r, k), -1, dtype=source.dtype, device=row.device).index_put_(at, source)
         targets = torch.full((r, k), -1, dtype=target.dtype, device=row.device).index_put_(at, target)
         weights = torch.zeros(r, k, device=row.device).index_put_(at, w.float())
-        log_merges(step, rows, sources, targets[..., None], weights, torch.full_like(weights, float("nan")),
-                   torch.full_like(sources, -1))
+        log_merges(
+            step,
+            rows,
+            sources,
+            targets[..., None],
+            weights,
+            torch.full_like(weights, float("nan")),
+            torch.full_like(sources, -1),
+        )

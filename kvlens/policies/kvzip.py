@@ -27,6 +27,7 @@ Heads and layers keep different counts: buffers are padded to a layer's fullest 
 padding masked; `kv_entries_max` counts the kept entries (L x Hkv x budget), `kv_bytes_*` the
 allocated buffers.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -44,30 +45,48 @@ TOTAL = "kvzip_total"  # per layer: the entries the layer keeps, over its heads
 PROMPT = "kvzip_prompt"  # per layer: the prompt's length (positions from it on are generated tokens)
 FIRST = "\n\nRepeat the previous context exactly."  # the first chunk's instruction (kvpress's words)
 LATER = "\n\nRepeat the part of the previous context exactly, starting with"  # a later chunk's
-OVERLAP = 8  # tokens of the previous chunk quoted by a later chunk's instruction (kvpress `prev_postfix_size`)
+OVERLAP = (
+    8  # tokens of the previous chunk quoted by a later chunk's instruction (kvpress `prev_postfix_size`)
+)
 
 
 @register
 @dataclass(frozen=True)
 class KVzip(Policy):
-    n_sink: int = param(4, "First positions never evicted, also in every pass's softmax (kvpress: 4).", minimum=0)
+    n_sink: int = param(
+        4, "First positions never evicted, also in every pass's softmax (kvpress: 4).", minimum=0
+    )
     chunk: int = param(2048, "Prompt tokens each replay pass reconstructs (kvpress: 2048).", minimum=1)
-    layerwise: bool = param(False, "Same count in every layer (kvpress layerwise=true); false: the lowest scores "
-                            "over all layers and heads leave (the paper's default).")
-    decoding: str = param("rolling", "During decoding: keep the budget, evicting the least reconstructed prompt slot "
-                          "of each layer (kvlens), or compress the prompt once and let the cache grow (the paper, "
-                          "kvpress).", choices=("rolling", "once"))
-    reconstruct: str = param("prompt", "What the replay passes repeat: the whole prompt (kvlens), or the context "
-                             "without the chat template's head, whose slots then score 0 (kvpress).",
-                             choices=("prompt", "context"))
+    layerwise: bool = param(
+        False,
+        "Same count in every layer (kvpress layerwise=true); false: the lowest scores "
+        "over all layers and heads leave (the paper's default).",
+    )
+    decoding: str = param(
+        "rolling",
+        "During decoding: keep the budget, evicting the least reconstructed prompt slot "
+        "of each layer (kvlens), or compress the prompt once and let the cache grow (the paper, "
+        "kvpress).",
+        choices=("rolling", "once"),
+    )
+    reconstruct: str = param(
+        "prompt",
+        "What the replay passes repeat: the whole prompt (kvlens), or the context "
+        "without the chat template's head, whose slots then score 0 (kvpress).",
+        choices=("prompt", "context"),
+    )
 
     name = "kvzip"
-    description = "Keep the prompt slots the model attends to most while repeating the prompt (query-agnostic)."
+    description = (
+        "Keep the prompt slots the model attends to most while repeating the prompt (query-agnostic)."
+    )
     paper = "https://arxiv.org/abs/2505.23416"
     kvpress = "KVzipPress"
-    kvpress_differs = ("kvlens reconstructs the whole prompt by default (`reconstruct=context` skips the chat "
-                       "template's head, as kvpress does), frees what it evicts (kvpress masks it) and keeps the "
-                       "budget while decoding by default (`decoding=rolling`; `decoding=once` is kvpress's).")
+    kvpress_differs = (
+        "kvlens reconstructs the whole prompt by default (`reconstruct=context` skips the chat "
+        "template's head, as kvpress does), frees what it evicts (kvpress masks it) and keeps the "
+        "budget while decoding by default (`decoding=rolling`; `decoding=once` is kvpress's)."
+    )
     needs_attention = False
     reallocates = True
 
@@ -84,12 +103,12 @@ class KVzip(Policy):
         head_text, suffix_text = template_around(tokenizer)
         suffix = tokenizer.encode(suffix_text, add_special_tokens=False)
         head = tokenizer.encode(head_text, add_special_tokens=False) if self.reconstruct == "context" else []
-        first = len(head) if prompt[:len(head)] == head else 0
+        first = len(head) if prompt[: len(head)] == head else 0
         passes = []
         for start in range(first, len(prompt), self.chunk):
             end = min(start + self.chunk, len(prompt))
             ask = tokenizer.encode(FIRST if start == first else LATER, add_special_tokens=False)
-            quote = prompt[max(first, start - OVERLAP):start]
+            quote = prompt[max(first, start - OVERLAP) : start]
             passes.append((start, end, ask + quote + suffix + prompt[start:end]))
         return passes
 
@@ -98,14 +117,18 @@ class KVzip(Policy):
         keys = rows.keys[0]  # (Hkv, T, D): before the prompt's compression slot i holds position i
         hkv, t, d = keys.shape
         sink = min(self.n_sink, replay.start)
-        seen = torch.cat([keys[:, :sink], keys[:, replay.start:replay.end], replay.keys], dim=1)  # (Hkv, K, D)
+        seen = torch.cat(
+            [keys[:, :sink], keys[:, replay.start : replay.end], replay.keys], dim=1
+        )  # (Hkv, K, D)
         q = replay.queries.shape[1]
         logits = torch.matmul(replay.queries.view(hkv, -1, q, d), seen[:, None].transpose(-1, -2)).float()
         own = torch.ones(q, q, dtype=torch.bool, device=keys.device).triu(1)
         probs = softmax_weights(logits, AttentionSpec(replay.scaling, replay.softcap), own)  # (Hkv, G, q, K)
         state = rows.states[0]
         score = state.setdefault(SCORE, torch.zeros(hkv, t, dtype=torch.float32, device=keys.device))
-        score[:, replay.start:replay.end] = probs[..., sink:sink + replay.end - replay.start].amax(dim=(1, 2))
+        score[:, replay.start : replay.end] = probs[..., sink : sink + replay.end - replay.start].amax(
+            dim=(1, 2)
+        )
 
     def allocate(self, budget: int, layers: Sequence[CacheRows]) -> list[int]:
         """Which entries leave, over every layer and head (or per layer): each layer's kept total, and as its
@@ -141,8 +164,10 @@ class KVzip(Policy):
         leaving = int(rows.valid.sum()) - state[TOTAL]
         if leaving <= 0:
             return
-        generated = rows.pos >= state[PROMPT]  # above every prompt slot (scores are weights <= 1), older lower
-        score = torch.where(generated, 2.0 + rows.pos.float() / 2 ** 24, rows.extra[SCORE])
+        generated = (
+            rows.pos >= state[PROMPT]
+        )  # above every prompt slot (scores are weights <= 1), older lower
+        score = torch.where(generated, 2.0 + rows.pos.float() / 2**24, rows.extra[SCORE])
         free_logged(step, rows, lowest_of_all_rows(rows, score, leaving))
 
 
@@ -153,7 +178,11 @@ def template_around(tokenizer: Any) -> tuple[str, str]:
         return "", "\n"
     dummy = "dummy context"
     separator = "\n" + "#" * len(dummy)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}], add_generation_prompt=True,
-                                         tokenize=False, enable_thinking=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": dummy + separator}],
+        add_generation_prompt=True,
+        tokenize=False,
+        enable_thinking=False,
+    )
     before, suffix = str(text).split(separator)
     return before.split(dummy)[0], suffix

@@ -21,6 +21,7 @@ Each layer's own buffers hold its own budget + 1 slots, so the memory really fol
 `kv_entries_max` (every layer's kept slots together) stays at L x Hkv x B, while `kv_slots_max`
 (the fullest layer) is the first layer's.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -34,24 +35,40 @@ from kvlens.policies.snapkv import SnapKV
 @register
 @dataclass(frozen=True)
 class PyramidKV(Wrapper):
-    base: ScoredEviction = param(SnapKV(), "Policy choosing which slots each layer keeps within its budget (any "
-                                 "scored eviction policy; set its parameters as base.NAME).",
-                                 choices=scored_eviction_names)
-    beta: float = param(20.0, "How steep the pyramid is: the last layer keeps (B - window) / beta besides the window "
-                        "(the paper: 20).", minimum=1.0)
-    window: int = param(64, "w of the schedule, the slots every layer keeps besides its pyramid share (kvpress "
-                        "takes SnapKV's window, 64).", minimum=0)
-    schedule: str = param("paper", "Arithmetic of the layer budgets: the paper's (the authors' code without its "
-                          "integer floors), the authors' code as written, or kvpress's.",
-                          choices=("paper", "official", "kvpress"))
+    base: ScoredEviction = param(
+        SnapKV(),
+        "Policy choosing which slots each layer keeps within its budget (any "
+        "scored eviction policy; set its parameters as base.NAME).",
+        choices=scored_eviction_names,
+    )
+    beta: float = param(
+        20.0,
+        "How steep the pyramid is: the last layer keeps (B - window) / beta besides the window "
+        "(the paper: 20).",
+        minimum=1.0,
+    )
+    window: int = param(
+        64,
+        "w of the schedule, the slots every layer keeps besides its pyramid share (kvpress "
+        "takes SnapKV's window, 64).",
+        minimum=0,
+    )
+    schedule: str = param(
+        "paper",
+        "Arithmetic of the layer budgets: the paper's (the authors' code without its "
+        "integer floors), the authors' code as written, or kvpress's.",
+        choices=("paper", "official", "kvpress"),
+    )
 
     name = "pyramidkv"
     description = "Per-layer budgets shrinking with depth (same total), slots chosen by its base policy."
     paper = "https://arxiv.org/abs/2406.02069"
     kvpress = "PyramidKVPress"
-    kvpress_differs = ("`schedule=kvpress` is kvpress's per-layer budgets; each layer's buffers hold its own "
-                       'budget. kvpress compresses the prompt only; kvlens keeps the budget at every decode step '
-                       'too.')
+    kvpress_differs = (
+        "`schedule=kvpress` is kvpress's per-layer budgets; each layer's buffers hold its own "
+        "budget. kvpress compresses the prompt only; kvlens keeps the budget at every decode step "
+        "too."
+    )
     reallocates = True
 
     def allocate(self, budget: int, layers: Sequence[CacheRows]) -> list[int]:

@@ -7,6 +7,7 @@ expected attention follows its projection on it. Each KV head has a filter f (`k
 says how) and a slot scores -<f, k> with its key after RoPE (kvpress's `QFilterPress`, which
 downloads the authors' filters from the hub instead). No attention needed; as kvpress, no window.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,8 +30,10 @@ class QFilter(ScoredEviction):
     description = "Keep the keys most aligned with the queries' main direction (the model's Q-Filters)."
     paper = "https://arxiv.org/abs/2503.02812"
     kvpress = "QFilterPress"
-    kvpress_differs = ('kvlens computes the Q-Filters from the bundled texts (`kvlens qfilters`); kvpress '
-                       "downloads the authors', so the two are not compared.")
+    kvpress_differs = (
+        "kvlens computes the Q-Filters from the bundled texts (`kvlens qfilters`); kvpress "
+        "downloads the authors', so the two are not compared."
+    )
     needs_attention = False
     cross_layer = True
     model_data: ClassVar[tuple[str, ...]] = (FILTERS,)

@@ -4,6 +4,7 @@ Scores are uniform draws from one generator per layer and run, seeded by `seed` 
 a run is reproducible and layers differ. kvpress's `RandomPress` reseeds at every call, so all its
 layers draw the same numbers; it keeps no window either, as here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ class Random(ScoredEviction):
     description = "Evict uniformly random slots (a seeded floor)."
     paper = ""
     kvpress = "RandomPress"
-    kvpress_differs = ('kvpress reseeds at every call, so all layers draw alike; kvlens draws per layer.')
+    kvpress_differs = "kvpress reseeds at every call, so all layers draw alike; kvlens draws per layer."
     needs_attention = False
     cross_layer = True
 

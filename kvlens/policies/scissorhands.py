@@ -33,6 +33,7 @@ attention, then compresses once with the last `history` prompt rows, as for ever
 As CaM's base only `select()` is used (one slot per decode step), so `drop` and `drop_ratio`
 apply when scissorhands runs on its own.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,47 +45,84 @@ import torch
 from kvlens.engine.cache import CacheRows, Prompt, Step
 from kvlens.policies.base import ScoredEviction, check, group_mean, param, recent_mask, register
 
-HISTORY = "scissorhands_history"  # (Hkv, S, history) int8, newest step last: 0 unseen, 1 unimportant, 2 important
+HISTORY = (
+    "scissorhands_history"  # (Hkv, S, history) int8, newest step last: 0 unseen, 1 unimportant, 2 important
+)
 UNSEEN, UNIMPORTANT, IMPORTANT = 0, 1, 2
 
 # the paper's settings (§4.1: r = 10, w = 400, m = 0.5B; the threshold 1/t of §3.1 and Algorithm 2)
 PRESETS: dict[str, dict[str, Any]] = {
-    "paper": {"threshold": "position", "recent": 10, "history": 400, "drop_ratio": 0.5, "count": "unimportant"},
+    "paper": {
+        "threshold": "position",
+        "recent": 10,
+        "history": 400,
+        "drop_ratio": 0.5,
+        "count": "unimportant",
+    },
 }
 
 
 @register
 @dataclass(frozen=True)
 class Scissorhands(ScoredEviction):
-    history: int = param(64, "w, the last queries over which a slot's importance is counted (paper §4.1: w = 400; "
-                         "64 scales it to prompts of a few hundred tokens).", minimum=1)
-    recent: int = param(0, "r, the newest slots never dropped (paper §4.1: r = 10); 0 = use recent_ratio.",
-                        minimum=0)
-    recent_ratio: float = param(0.5, "With recent=0: share of the size compressed to kept as the most recent slots "
-                                "(kvlens's default, H2O's even split; the paper gives a count, r).",
-                                minimum=0.0, maximum=1.0)
-    threshold: str = param("slots", "Importance threshold at a decode step: 1/n_slots, the slots the query attends "
-                           "to (kvlens's earlier rule), or 1/t with t its position + 1, the tokens it would attend "
-                           "to uncompressed (paper §3.1, Algorithm 2). Prompt rows: 1/(i + 1) under both.",
-                           choices=("slots", "position"))
-    count: str = param("unimportant", "Statistic over the window: drop the slots most often below the threshold "
-                       "(paper Algorithm 2, \"Mark low score cache\"), or keep those most often at or above it "
-                       "(kvlens's earlier rule).", choices=("unimportant", "important"))
-    drop: int = param(1, "m, slots dropped at once when the cache exceeds the budget (paper Algorithm 2's drop "
-                      "amount; 1 = compress at every step, as its §4.2 analysis).", minimum=1)
-    drop_ratio: float = param(0.0, "m as a share of the budget, max(1, floor(drop_ratio x budget)) (paper §4.1: "
-                              "m = 0.5B); 0 = use drop.", minimum=0.0, maximum=1.0)
+    history: int = param(
+        64,
+        "w, the last queries over which a slot's importance is counted (paper §4.1: w = 400; "
+        "64 scales it to prompts of a few hundred tokens).",
+        minimum=1,
+    )
+    recent: int = param(
+        0, "r, the newest slots never dropped (paper §4.1: r = 10); 0 = use recent_ratio.", minimum=0
+    )
+    recent_ratio: float = param(
+        0.5,
+        "With recent=0: share of the size compressed to kept as the most recent slots "
+        "(kvlens's default, H2O's even split; the paper gives a count, r).",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    threshold: str = param(
+        "slots",
+        "Importance threshold at a decode step: 1/n_slots, the slots the query attends "
+        "to (kvlens's earlier rule), or 1/t with t its position + 1, the tokens it would attend "
+        "to uncompressed (paper §3.1, Algorithm 2). Prompt rows: 1/(i + 1) under both.",
+        choices=("slots", "position"),
+    )
+    count: str = param(
+        "unimportant",
+        "Statistic over the window: drop the slots most often below the threshold "
+        '(paper Algorithm 2, "Mark low score cache"), or keep those most often at or above it '
+        "(kvlens's earlier rule).",
+        choices=("unimportant", "important"),
+    )
+    drop: int = param(
+        1,
+        "m, slots dropped at once when the cache exceeds the budget (paper Algorithm 2's drop "
+        "amount; 1 = compress at every step, as its §4.2 analysis).",
+        minimum=1,
+    )
+    drop_ratio: float = param(
+        0.0,
+        "m as a share of the budget, max(1, floor(drop_ratio x budget)) (paper §4.1: "
+        "m = 0.5B); 0 = use drop.",
+        minimum=0.0,
+        maximum=1.0,
+    )
 
     name = "scissorhands"
-    description = "Keep a recent window; drop the slots most often unimportant over the last `history` queries."
+    description = (
+        "Keep a recent window; drop the slots most often unimportant over the last `history` queries."
+    )
     paper = "https://arxiv.org/abs/2305.17118"
     presets: ClassVar[dict[str, dict[str, Any]]] = PRESETS
     cross_layer = True  # per-row rule (the tie-break divides by each layer's own largest Abar)
 
     def validate(self) -> None:
-        check(not (self.recent and self.drop_ratio >= 1.0),
-              f"drop_ratio=1 of scissorhands drops the whole budget, leaving no room for its recent={self.recent} "
-              f"slots; use a drop_ratio below 1 or recent=0.")
+        check(
+            not (self.recent and self.drop_ratio >= 1.0),
+            f"drop_ratio=1 of scissorhands drops the whole budget, leaving no room for its recent={self.recent} "
+            f"slots; use a drop_ratio below 1 or recent=0.",
+        )
 
     def dropped(self, budget: int) -> int:
         """m, the slots dropped at once when the cache exceeds `budget`."""
@@ -110,10 +148,12 @@ class Scissorhands(ScoredEviction):
         kv_rows = last.view(r, g, length, -1).mean(1)  # (R, L, T)
         query = torch.arange(s - length, s, device=last.device)  # query i sees slots 0..i
         seen = torch.arange(s, device=last.device)[None, :] <= query[:, None]  # (L, T)
-        important = kv_rows >= (1.0 / (query + 1).float())[None, :, None]  # i + 1 tokens = slots: both thresholds
+        important = (
+            kv_rows >= (1.0 / (query + 1).float())[None, :, None]
+        )  # i + 1 tokens = slots: both thresholds
         state = torch.where(seen[None], UNIMPORTANT + important.to(torch.int8), UNSEEN).to(torch.int8)
         hist = torch.zeros(r, s, self.history, dtype=torch.int8, device=last.device)
-        hist[:, :, self.history - length:] = state.transpose(1, 2)
+        hist[:, :, self.history - length :] = state.transpose(1, 2)
         rows.extra[HISTORY] = hist
 
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
@@ -132,7 +172,9 @@ class Scissorhands(ScoredEviction):
         counted = count if self.count == "important" else -count  # int32 sums: half the time of int64's
         abar = rows.abar
         largest = abar.reshape(len(rows.layers), -1, abar.shape[1]).amax((1, 2))  # (L,) each layer's
-        tie = rows.abar / (largest.repeat_interleave(rows.kv_heads)[:, None] + 1.0)  # in [0, 1): breaks ties only
+        tie = rows.abar / (
+            largest.repeat_interleave(rows.kv_heads)[:, None] + 1.0
+        )  # in [0, 1): breaks ties only
         return counted.float() + tie
 
     def local_window(self, budget: int) -> int:
@@ -143,4 +185,6 @@ class Scissorhands(ScoredEviction):
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         if step.budget is not None and rows.n_kept > step.budget:
-            super().compress(rows, dataclasses.replace(step, budget=step.budget + 1 - self.dropped(step.budget)))
+            super().compress(
+                rows, dataclasses.replace(step, budget=step.budget + 1 - self.dropped(step.budget))
+            )

@@ -18,6 +18,7 @@ longer counts the keys evicted since (the two differ by that normalisation), and
 each query head before averaging them, where kvlens stores the KV head's average (equal for
 average pooling).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,27 +38,46 @@ PROMPT_SCORE = "snapkv_prompt_score"  # per layer, until the prompt's compressio
 @register
 @dataclass(frozen=True)
 class SnapKV(ScoredEviction):
-    window: int = param(64, "Observation window: the last queries whose attention scores the keys (kvpress 64, "
-                        "the paper's LongBench runs 32); always kept.", minimum=1)
-    kernel: int = param(5, "Pooling kernel over neighbouring positions (kvpress 5, the paper's runs 7); odd.",
-                        minimum=1)
-    pooling: str = param("avg", "Pooling of the scores over neighbouring positions: average (kvpress) or max "
-                         "(the paper's runs).", choices=("avg", "max"))
-    decoding: str = param("rolling", "During decoding: keep the budget at every step with a rolling window "
-                          "(kvpress's DecodingPress), or compress the prompt once and let the cache grow (the "
-                          "paper).", choices=("rolling", "once"))
+    window: int = param(
+        64,
+        "Observation window: the last queries whose attention scores the keys (kvpress 64, "
+        "the paper's LongBench runs 32); always kept.",
+        minimum=1,
+    )
+    kernel: int = param(
+        5, "Pooling kernel over neighbouring positions (kvpress 5, the paper's runs 7); odd.", minimum=1
+    )
+    pooling: str = param(
+        "avg",
+        "Pooling of the scores over neighbouring positions: average (kvpress) or max (the paper's runs).",
+        choices=("avg", "max"),
+    )
+    decoding: str = param(
+        "rolling",
+        "During decoding: keep the budget at every step with a rolling window "
+        "(kvpress's DecodingPress), or compress the prompt once and let the cache grow (the "
+        "paper).",
+        choices=("rolling", "once"),
+    )
 
     name = "snapkv"
     description = "Keep the keys the last window of prompt queries attends to (pooled), plus that window."
     paper = "https://arxiv.org/abs/2404.14469"
     kvpress = "SnapKVPress"
-    kvpress_differs = ('kvpress compresses the prompt only; kvlens keeps the budget at every decode step by '
-                       "default (`decoding=rolling`; `decoding=once` is the paper's and kvpress's).")
-    presets: ClassVar[dict[str, dict[str, Any]]] = {"kvpress": {"window": 64, "kernel": 5, "pooling": "avg"},
-                                          "paper": {"window": 32, "kernel": 7, "pooling": "max", "decoding": "once"}}
+    kvpress_differs = (
+        "kvpress compresses the prompt only; kvlens keeps the budget at every decode step by "
+        "default (`decoding=rolling`; `decoding=once` is the paper's and kvpress's)."
+    )
+    presets: ClassVar[dict[str, dict[str, Any]]] = {
+        "kvpress": {"window": 64, "kernel": 5, "pooling": "avg"},
+        "paper": {"window": 32, "kernel": 7, "pooling": "max", "decoding": "once"},
+    }
 
     def validate(self) -> None:
-        check(self.kernel % 2 == 1, f"kernel of snapkv must be odd (centred on each position); got {self.kernel}.")
+        check(
+            self.kernel % 2 == 1,
+            f"kernel of snapkv must be odd (centred on each position); got {self.kernel}.",
+        )
 
     # a capability its parameters decide, over the base's ClassVar default (mypy: a read-only override)
     @property
@@ -80,7 +100,9 @@ class SnapKV(ScoredEviction):
         last = prompt.last  # (Hq, w, T): softmax over every key, causal inside the window
         r, t = rows.pos.shape
         hq, w = last.shape[:2]
-        pooled = self._pool(last[:, :, : t - w].mean(1)[:, None, :])[:, 0]  # (Hq, T - w), per query head (kvpress)
+        pooled = self._pool(last[:, :, : t - w].mean(1)[:, None, :])[
+            :, 0
+        ]  # (Hq, T - w), per query head (kvpress)
         score = pooled.new_zeros(r, t)
         score[:, : t - w] = pooled.view(r, hq // r, t - w).mean(1)
         for layer_rows, state in zip(score.chunk(len(rows.states)), rows.states, strict=True):

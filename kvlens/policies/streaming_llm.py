@@ -5,6 +5,7 @@ https://arxiv.org/abs/2309.17453. Keeps the first `sink` positions and the most 
 drops the oldest non-sink slot. Positions are not re-indexed inside the cache (kvlens keeps true
 positions for every policy), which differs from the paper's rolling positions.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,16 +19,19 @@ from kvlens.policies.base import ScoredEviction, param, register
 @register
 @dataclass(frozen=True)
 class StreamingLLM(ScoredEviction):
-    sink: int = param(4, "Number of first positions always kept (the attention sinks; the paper uses 4).",
-                      minimum=0)
+    sink: int = param(
+        4, "Number of first positions always kept (the attention sinks; the paper uses 4).", minimum=0
+    )
 
     name = "streaming_llm"
     chunked_prefill = True  # its score is the position (`--prefill-chunk`)
     description = "Keep the first `sink` tokens (attention sinks) and a window of the most recent ones."
     paper = "https://arxiv.org/abs/2309.17453"
     kvpress = "StreamingLLMPress"
-    kvpress_differs = ('kvpress compresses the prompt only; kvlens keeps the budget at every decode step too. The '
-                       "cross-check wraps the press in kvpress's `DecodingPress`.")
+    kvpress_differs = (
+        "kvpress compresses the prompt only; kvlens keeps the budget at every decode step too. The "
+        "cross-check wraps the press in kvpress's `DecodingPress`."
+    )
     needs_attention = False
     cross_layer = True
 

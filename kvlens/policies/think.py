@@ -19,6 +19,7 @@ Divergences, each a parameter or noted here:
   models the two are the same).
 - kvpress zeroes the pruned channels and stores the keys whole (no memory saved); kvlens removes them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -38,7 +39,9 @@ from kvlens.policies.base import (
 )
 from kvlens.policies.snapkv import SnapKV
 
-QUERIES = "think_queries"  # per layer, until the prompt's compression: (Hkv, D) the window queries' mean squares
+QUERIES = (
+    "think_queries"  # per layer, until the prompt's compression: (Hkv, D) the window queries' mean squares
+)
 
 
 class FromBase:
@@ -55,38 +58,58 @@ class FromBase:
 @register
 @dataclass(frozen=True)
 class ThinK(Wrapper):
-    base: Policy = param(SnapKV(), "Eviction policy that compresses the prompt first (any scored eviction policy, "
-                         "or full for none, kvpress's ThinKPress alone; set its parameters as base.NAME). The "
-                         "authors' runs: SnapKV or H2O.", choices=lambda: ("full", *scored_eviction_names()))
-    ratio: float = param(0.4, "Share of each KV head's key channels pruned, rounded down (the authors' code: 0.4; "
-                         "the paper's runs 0.4 and 0.5; kvpress's key_channel_compression_ratio).",
-                         minimum=0.0, maximum=1.0)
-    window: int = param(32, "Observation window: the last prompt queries that score the channels (the paper, "
-                        "its code and kvpress: 32).", minimum=1)
-    recent: int = param(32, "The prompt's newest keys kept with every channel (the authors' code: 32; kvpress: 0).",
-                        minimum=0)
+    base: Policy = param(
+        SnapKV(),
+        "Eviction policy that compresses the prompt first (any scored eviction policy, "
+        "or full for none, kvpress's ThinKPress alone; set its parameters as base.NAME). The "
+        "authors' runs: SnapKV or H2O.",
+        choices=lambda: ("full", *scored_eviction_names()),
+    )
+    ratio: float = param(
+        0.4,
+        "Share of each KV head's key channels pruned, rounded down (the authors' code: 0.4; "
+        "the paper's runs 0.4 and 0.5; kvpress's key_channel_compression_ratio).",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    window: int = param(
+        32,
+        "Observation window: the last prompt queries that score the channels (the paper, "
+        "its code and kvpress: 32).",
+        minimum=1,
+    )
+    recent: int = param(
+        32, "The prompt's newest keys kept with every channel (the authors' code: 32; kvpress: 0).", minimum=0
+    )
 
     name = "think"
     description = "Over an eviction policy: keep each head's key channels that the last queries weigh most."
     paper = "https://arxiv.org/abs/2407.21018"
     kvpress = "ThinKPress"
-    kvpress_differs = ("kvpress zeroes the pruned channels and keeps the keys whole; kvlens stores the kept channels "
-                       "only. kvpress prunes every prompt key (`recent=0`, preset kvpress); the authors' code keeps "
-                       "the newest 32 whole.")
+    kvpress_differs = (
+        "kvpress zeroes the pruned channels and keeps the keys whole; kvlens stores the kept channels "
+        "only. kvpress prunes every prompt key (`recent=0`, preset kvpress); the authors' code keeps "
+        "the newest 32 whole."
+    )
     presets: ClassVar[dict[str, dict[str, Any]]] = {"kvpress": {"recent": 0}, "paper": {"recent": 32}}
     prunes_keys = True
     budget_free = FromBase()  # over full: no budget
     cross_layer = FromBase()
 
     def validate(self) -> None:
-        check(self.ratio < 1, f"ratio of think is the share of key channels pruned, below 1 (some must stay); "
-                              f"got {self.ratio}.")
+        check(
+            self.ratio < 1,
+            f"ratio of think is the share of key channels pruned, below 1 (some must stay); "
+            f"got {self.ratio}.",
+        )
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
         self.base.observe_prefill(rows, prompt)
         if prompt.queries is None:
-            raise ValueError("kvlens: think scores the channels with the prompt's queries, which were not passed")
-        q = prompt.queries[:, -self.window:].float().pow(2).mean(1)  # (Hq, D)
+            raise ValueError(
+                "kvlens: think scores the channels with the prompt's queries, which were not passed"
+            )
+        q = prompt.queries[:, -self.window :].float().pow(2).mean(1)  # (Hq, D)
         rows.states[0][QUERIES] = q.view(rows.kv_heads, -1, q.shape[-1]).mean(1)
 
     def compress(self, rows: CacheRows, step: Step) -> None:

@@ -5,6 +5,7 @@ Drops the slot with the smallest attention from the current query, averaged over
 the layer, so every KV head of a layer keeps the same set (as TOVA's code does). No forced sinks
 or recent window.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,10 +23,12 @@ class TOVA(ScoredEviction):
 
     name = "tova"
     chunked_prefill = True  # its score is the newest query's attention over the slots (`--prefill-chunk`)
-    description = "Keep the slots with the highest attention from the current query (mean over the layer's heads)."
+    description = (
+        "Keep the slots with the highest attention from the current query (mean over the layer's heads)."
+    )
     paper = "https://arxiv.org/abs/2401.06104"
     kvpress = "TOVAPress"
-    kvpress_differs = ("kvpress's press always keeps the newest token; the cross-check removes that pin.")
+    kvpress_differs = "kvpress's press always keeps the newest token; the cross-check removes that pin."
     cross_layer = True  # the layer-mean score works on every layer's rows at once
 
     def prefill_column_sums(self) -> bool:

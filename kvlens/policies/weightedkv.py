@@ -11,6 +11,7 @@ the budget is reached (the paper's online algorithm, run over the prompt's slots
 with the one-at-a-time loop's decisions and arithmetic (`first_above`, `merge_in_turn`).
 `merge=False` is the paper's eviction ablation (key and value dropped).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,13 +27,20 @@ from kvlens.policies.base import Policy, log_evictions, log_merges, param, regis
 @dataclass(frozen=True)
 class WeightedKV(Policy):
     sink: int = param(4, "First positions always kept (the paper keeps 4 sinks).", minimum=0)
-    recent_ratio: float = param(0.5, "Share of the budget for the sinks plus the recent window (paper: half).",
-                                minimum=0.0, maximum=1.0)
-    merge: bool = param(True, "Merge the dropped value into its right neighbour (false = evict, the paper's "
-                        "ablation).")
+    recent_ratio: float = param(
+        0.5,
+        "Share of the budget for the sinks plus the recent window (paper: half).",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    merge: bool = param(
+        True, "Merge the dropped value into its right neighbour (false = evict, the paper's ablation)."
+    )
 
     name = "weightedkv"
-    description = "Drop the key with the smallest average attention; merge its value into its right neighbour."
+    description = (
+        "Drop the key with the smallest average attention; merge its value into its right neighbour."
+    )
     paper = "https://arxiv.org/abs/2503.01330"
     merges = True
     merge_rule: ClassVar[str] = "convex"  # provenance: target <- (1 - w) target + w source, row by row
@@ -63,7 +71,9 @@ class WeightedKV(Policy):
         turns = torch.arange(leaving, device=pos.device).expand(r, -1)  # (R, E)
         score = avg.masked_fill(protected | ~alive, float("inf"))
         j = score.argmin(-1, keepdim=True) if leaving == 1 else score.sort(stable=True).indices[:, :leaving]
-        turn = torch.full((r, s), leaving, device=pos.device).scatter_(1, j, turns)  # each rank's turn (E: never)
+        turn = torch.full((r, s), leaving, device=pos.device).scatter_(
+            1, j, turns
+        )  # each rank's turn (E: never)
         right = first_above(turn.masked_fill(~alive, -1), j + 1, turns, leaving)  # (R, E) ranks
         a_j, a_r = avg.gather(1, j), avg.gather(1, right)
         total = a_j + a_r
@@ -73,8 +83,9 @@ class WeightedKV(Policy):
         self._log(step, rows, pos.gather(1, j), pos.gather(1, right), w)
         rows.free(perm.gather(1, j.sort(-1).values))
 
-    def _log(self, step: Step, rows: CacheRows, pos_j: torch.Tensor, pos_right: torch.Tensor,
-             w: torch.Tensor) -> None:
+    def _log(
+        self, step: Step, rows: CacheRows, pos_j: torch.Tensor, pos_right: torch.Tensor, w: torch.Tensor
+    ) -> None:
         """Each row's decisions in turn: `pos_j` `(R, E)` left; merged into `pos_right` with weight `w` (or
         evicted)."""
         if not self.merge:
@@ -109,9 +120,13 @@ def merge_in_turn(values: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, w:
     by_target = torch.argsort(dst * e + turns, dim=-1)  # (R, E) the merges grouped by target, in turn
     grouped = dst.gather(1, by_target)
     earlier = torch.where(grouped[:, 1:] == grouped[:, :-1], by_target[:, :-1], e)
-    before = torch.full_like(src, e).scatter_(1, by_target[:, 1:], earlier)  # the previous merge into dst (E: none)
+    before = torch.full_like(src, e).scatter_(
+        1, by_target[:, 1:], earlier
+    )  # the previous merge into dst (E: none)
     last = torch.full((r, values.shape[1]), e, dtype=src.dtype, device=src.device)
-    feeds = last.scatter_reduce(1, dst, turns, "amax", include_self=False).gather(1, src)  # the last merge into src
+    feeds = last.scatter_reduce(1, dst, turns, "amax", include_self=False).gather(
+        1, src
+    )  # the last merge into src
     done = torch.zeros(r, e + 1, dtype=torch.bool, device=src.device)
     done[:, e] = True
     while not bool(done[:, :e].all()):

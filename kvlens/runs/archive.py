@@ -8,6 +8,7 @@ refuses, with one sentence, a file that is not a zip, entries with absolute or `
 anything but those three files in at most one folder, a missing file and files over the run
 format's size limits. `delete_run(path, runs_dir)` deletes only runs directly inside `runs_dir`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,15 +54,18 @@ def _members(zf: zipfile.ZipFile, label: str) -> tuple[str | None, dict[str, zip
     for info in zf.infolist():
         parts = PurePosixPath(info.filename.replace("\\", "/")).parts
         if info.filename.startswith(("/", "\\")) or ".." in parts or (parts and ":" in parts[0]):
-            raise KvlensError(f"{label} names a file outside its folder ('{info.filename[:80]}'); "
-                              "refusing to unpack it.")
+            raise KvlensError(
+                f"{label} names a file outside its folder ('{info.filename[:80]}'); refusing to unpack it."
+            )
         if stat.S_ISLNK(info.external_attr >> 16):
             raise KvlensError(f"{label} holds a link ('{info.filename[:80]}'); refusing to unpack it.")
         if info.is_dir():
             continue
         if len(parts) > 2 or parts[-1] not in FILES:
-            raise KvlensError(f"{label} holds '{info.filename[:80]}', which is not part of a kvlens run "
-                              f"({', '.join(FILES)}).")
+            raise KvlensError(
+                f"{label} holds '{info.filename[:80]}', which is not part of a kvlens run "
+                f"({', '.join(FILES)})."
+            )
         folders.add(parts[0] if len(parts) == 2 else None)
         if len(folders) > 1:
             raise KvlensError(f"{label} holds files in more than one folder; zip one run at a time.")
@@ -69,8 +73,9 @@ def _members(zf: zipfile.ZipFile, label: str) -> tuple[str | None, dict[str, zip
             raise KvlensError(f"{label} holds {parts[-1]} twice; zip one run at a time.")
         files[parts[-1]] = info
         if info.file_size > LIMITS[parts[-1]]:
-            raise KvlensError(f"{label}: {parts[-1]} is larger than {LIMITS[parts[-1]] >> 20} MB; "
-                              "refusing to unpack it.")
+            raise KvlensError(
+                f"{label}: {parts[-1]} is larger than {LIMITS[parts[-1]] >> 20} MB; refusing to unpack it."
+            )
     if RUN_JSON not in files:
         raise KvlensError(f"{label} holds no run.json, so it is not a kvlens run.")
     missing = [f for f in FILES if f not in files]
@@ -83,7 +88,9 @@ def _unpack(zf: zipfile.ZipFile, info: zipfile.ZipInfo, target: Path) -> None:
     """Copy one member (zipfile reads no more than the size its entry declares, checked above) and keep its date."""
     with zf.open(info) as src, target.open("wb") as dst:
         shutil.copyfileobj(src, dst, CHUNK)
-    with contextlib.suppress(OverflowError, ValueError, OSError):  # a date the platform cannot hold: keep today's
+    with contextlib.suppress(
+        OverflowError, ValueError, OSError
+    ):  # a date the platform cannot hold: keep today's
         stamp = time.mktime((*info.date_time, 0, 0, -1))
         os.utime(target, (stamp, stamp))
 
@@ -114,8 +121,15 @@ def import_run(archive: str | Path | BinaryIO, runs_dir: str | Path, name: str =
             try:
                 for file_name, info in files.items():
                     _unpack(zf, info, tmp / file_name)
-            except (zipfile.BadZipFile, EOFError, OSError, ValueError) as err:  # e.g. a CRC that does not match
-                raise KvlensError(f"{label} is damaged ({type(err).__name__}); nothing was imported.") from err
+            except (
+                zipfile.BadZipFile,
+                EOFError,
+                OSError,
+                ValueError,
+            ) as err:  # e.g. a CRC that does not match
+                raise KvlensError(
+                    f"{label} is damaged ({type(err).__name__}); nothing was imported."
+                ) from err
             try:
                 load_run(tmp)
             except KvlensError as err:

@@ -9,6 +9,7 @@ Evictions and tensor-form merges are kept as the policies' tensors (one append p
 step, no per-row Python) and turned into rows once, when the table is built; rows keep the order
 of the calls.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,23 +39,55 @@ class DecisionLog:
     """Collects decisions of one run. Policies call `evict` / `merge` / `merges` with the step they act at."""
 
     def __init__(self):
-        self._chunks: list[tuple[int, int, torch.Tensor] | tuple] = []  # evict chunks and merge rows, in order
+        self._chunks: list[
+            tuple[int, int, torch.Tensor] | tuple
+        ] = []  # evict chunks and merge rows, in order
 
     def evict(self, step: int, layer: int, evicted_pos: torch.Tensor) -> None:
         """`evicted_pos` `(Hkv, n)` original positions dropped per KV head at `step` (-1 entries ignored)."""
         self._chunks.append((step, layer, evicted_pos.detach()))
 
-    def merge(self, step: int, layer: int, head: int, position: int, targets: list[int], weights: list[float],
-              prob: float = math.nan, draw: int = -1) -> None:
-        self._chunks.append((step, layer, head, "merge", int(position), list(targets),
-                             [float(w) for w in weights], float(prob), int(draw)))
+    def merge(
+        self,
+        step: int,
+        layer: int,
+        head: int,
+        position: int,
+        targets: list[int],
+        weights: list[float],
+        prob: float = math.nan,
+        draw: int = -1,
+    ) -> None:
+        self._chunks.append(
+            (
+                step,
+                layer,
+                head,
+                "merge",
+                int(position),
+                list(targets),
+                [float(w) for w in weights],
+                float(prob),
+                int(draw),
+            )
+        )
 
-    def merges(self, step: int, layer: int, source: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
-               prob: torch.Tensor, draw: torch.Tensor) -> None:
+    def merges(
+        self,
+        step: int,
+        layer: int,
+        source: torch.Tensor,
+        targets: torch.Tensor,
+        weight: torch.Tensor,
+        prob: torch.Tensor,
+        draw: torch.Tensor,
+    ) -> None:
         """Merges in tensor form: `source` `(Hkv, E)` positions merged, `targets` `(Hkv, E, K)` the positions
         each sent its value to (ascending, -1 pads), `weight`, `prob`, `draw` `(Hkv, E)`. One row per
         source with a target, the E sources in turn, head by head within each."""
-        self._chunks.append(_Merges(step, layer, *(t.detach() for t in (source, targets, weight, prob, draw))))
+        self._chunks.append(
+            _Merges(step, layer, *(t.detach() for t in (source, targets, weight, prob, draw)))
+        )
 
     def __len__(self) -> int:
         return sum(map(_rows_in, self._chunks))
@@ -111,10 +144,17 @@ def _evict_columns(step: int, layer: int, evicted_pos: torch.Tensor) -> dict[str
     heads = np.broadcast_to(np.arange(pos.shape[0])[:, None], pos.shape)
     keep = pos >= 0
     n = int(keep.sum())
-    return {"step": np.full(n, step), "layer": np.full(n, layer), "kv_head": heads[keep],
-            "action": np.full(n, "evict", dtype=object), "position": pos[keep],
-            "targets": _empty(n), "weights": _empty(n),
-            "prob": np.full(n, math.nan), "draw": np.full(n, -1)}
+    return {
+        "step": np.full(n, step),
+        "layer": np.full(n, layer),
+        "kv_head": heads[keep],
+        "action": np.full(n, "evict", dtype=object),
+        "position": pos[keep],
+        "targets": _empty(n),
+        "weights": _empty(n),
+        "prob": np.full(n, math.nan),
+        "draw": np.full(n, -1),
+    }
 
 
 def _merge_columns(chunk: _Merges) -> dict[str, np.ndarray]:
@@ -126,15 +166,30 @@ def _merge_columns(chunk: _Merges) -> dict[str, np.ndarray]:
     rows, counts = targets[has], found[has]
     weights = chunk.weight.cpu().numpy().T[has].tolist()
     n = len(rows)
-    return {"step": np.full(n, chunk.step), "layer": np.full(n, chunk.layer), "kv_head": heads,
-            "action": np.full(n, "merge", dtype=object), "position": chunk.source.cpu().numpy().T[has],
-            "targets": _objects([row[:f].tolist() for row, f in zip(rows, counts, strict=True)]),
-            "weights": _objects([[w] * int(f) for w, f in zip(weights, counts, strict=True)]),
-            "prob": chunk.prob.cpu().numpy().T[has].astype(np.float64), "draw": chunk.draw.cpu().numpy().T[has]}
+    return {
+        "step": np.full(n, chunk.step),
+        "layer": np.full(n, chunk.layer),
+        "kv_head": heads,
+        "action": np.full(n, "merge", dtype=object),
+        "position": chunk.source.cpu().numpy().T[has],
+        "targets": _objects([row[:f].tolist() for row, f in zip(rows, counts, strict=True)]),
+        "weights": _objects([[w] * int(f) for w, f in zip(weights, counts, strict=True)]),
+        "prob": chunk.prob.cpu().numpy().T[has].astype(np.float64),
+        "draw": chunk.draw.cpu().numpy().T[has],
+    }
 
 
 def decisions_frame(columns: dict[str, np.ndarray] | None = None) -> pd.DataFrame:
     """A typed decisions table from its columns (empty without)."""
     df = pd.DataFrame(columns or {}, columns=COLUMNS)
-    return df.astype({"step": "int32", "layer": "int16", "kv_head": "int16", "action": "string",
-                      "position": "int64", "prob": "float64", "draw": "int8"})
+    return df.astype(
+        {
+            "step": "int32",
+            "layer": "int16",
+            "kv_head": "int16",
+            "action": "string",
+            "position": "int64",
+            "prob": "float64",
+            "draw": "int8",
+        }
+    )

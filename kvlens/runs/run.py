@@ -4,6 +4,7 @@ Saving is atomic (a temporary directory beside the target, then a rename). Loadi
 files from strangers: no pickle, fixed file names (never taken from the manifest), size limits,
 schema version checked, every tensor's name, dtype and shape checked against the manifest.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,10 @@ def set_analyses(figure: Callable, analyze: Callable) -> None:
 
 def _analyses(what: str) -> Callable:
     if what not in _ANALYSES:
-        raise KvlensError("No analyses are installed for Run.figure and Run.analyze; import kvlens (which "
-                          "installs its analysis registry) first.")
+        raise KvlensError(
+            "No analyses are installed for Run.figure and Run.analyze; import kvlens (which "
+            "installs its analysis registry) first."
+        )
     return _ANALYSES[what]
 
 
@@ -98,8 +101,10 @@ class Run:
         meta = dict(self.meta)
         meta["schema"] = SCHEMA_VERSION
         meta["kvlens_version"] = __version__
-        meta["tensors"] = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
-                           for k, v in sorted(self.tensors.items())}
+        meta["tensors"] = {
+            k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+            for k, v in sorted(self.tensors.items())
+        }
         meta["decisions"] = len(self.decisions)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
@@ -124,7 +129,9 @@ def _inside(directory: Path, name: str) -> Path:
     """The file `name` of a run directory, refusing links that lead out of it."""
     path = directory / name
     if path.is_symlink() and directory.resolve() not in path.resolve().parents:
-        raise KvlensError(f"{directory}/{name} is a link leading out of the run directory; refusing to read it.")
+        raise KvlensError(
+            f"{directory}/{name} is a link leading out of the run directory; refusing to read it."
+        )
     if not path.exists():
         raise KvlensError(f"{directory} is not a complete kvlens run: {name} is missing.")
     if not path.is_file():
@@ -145,14 +152,24 @@ def read_meta(directory: str | Path) -> dict:
     if not isinstance(meta, dict) or not isinstance(meta.get("schema"), int):
         raise KvlensError(f"{path} is not a kvlens run manifest (no integer 'schema').")
     if meta["schema"] > SCHEMA_VERSION:
-        raise KvlensError(f"{directory} was written by a newer kvlens ({meta.get('kvlens_version', '?')}, "
-                          f"schema {meta['schema']}); upgrade kvlens to read it.")
+        raise KvlensError(
+            f"{directory} was written by a newer kvlens ({meta.get('kvlens_version', '?')}, "
+            f"schema {meta['schema']}); upgrade kvlens to read it."
+        )
     if meta["schema"] < 1:
         raise KvlensError(f"{path} has an unknown schema version {meta['schema']}.")
     for name in meta.get("tensors") or {}:
         if not isinstance(name, str) or not TENSOR_NAME.fullmatch(name) or ".." in name.split("/"):
-            raise KvlensError(f"{path} names a tensor '{str(name)[:80]}' that is not a plain kvlens tensor name.")
-    for key, kind in (("tensors", dict), ("model", dict), ("policy", dict), ("prompt_tokens", list), ("tokens", list)):
+            raise KvlensError(
+                f"{path} names a tensor '{str(name)[:80]}' that is not a plain kvlens tensor name."
+            )
+    for key, kind in (
+        ("tensors", dict),
+        ("model", dict),
+        ("policy", dict),
+        ("prompt_tokens", list),
+        ("tokens", list),
+    ):
         if not isinstance(meta.get(key), kind):
             raise KvlensError(f"{path} lacks a valid '{key}' entry.")
     record = meta.get("record")
@@ -177,10 +194,15 @@ def _read_tensors(directory: Path, manifest: dict) -> dict[str, torch.Tensor]:
             for name in names:
                 t = f.get_tensor(name)
                 want = manifest[name]
-                if not isinstance(want, dict) or list(t.shape) != want.get("shape") or \
-                        str(t.dtype).removeprefix("torch.") != want.get("dtype"):
-                    raise KvlensError(f"Tensor '{name[:80]}' in {path} has shape {list(t.shape)}, "
-                                      f"which contradicts run.json.")
+                if (
+                    not isinstance(want, dict)
+                    or list(t.shape) != want.get("shape")
+                    or str(t.dtype).removeprefix("torch.") != want.get("dtype")
+                ):
+                    raise KvlensError(
+                        f"Tensor '{name[:80]}' in {path} has shape {list(t.shape)}, "
+                        f"which contradicts run.json."
+                    )
                 tensors[name] = t
     except (SafetensorError, OSError, ValueError) as err:
         if isinstance(err, KvlensError):

@@ -1,6 +1,7 @@
 """Widgets generated from a registered analysis' parameters (`kvlens.ui.params`): labels, defaults and
 tooltips come from its declaration, as the CLI's flags do. The chosen analysis and its parameters live in
 the URL (`?analysis=embedding&layer=15&method=tsne`), each parameter under its own name."""
+
 from __future__ import annotations
 
 import streamlit as st
@@ -17,9 +18,16 @@ def pick_analysis(kinds: list[str], key: str) -> str:
     """A select box of the analyses `kinds` kept in the URL (`?analysis=`); choosing another removes the
     parameters of the one left from the URL, so the new one's widgets start from their own defaults."""
     known = analyses()
-    return url_state.bound(lambda **kw: st.selectbox("Analysis", kinds, on_change=_drop_left,
-                                                     format_func=lambda n: f"{n} ({known[n].paper})", **kw),
-                           PARAM, key, kinds, "analysis", kinds[0])
+    return url_state.bound(
+        lambda **kw: st.selectbox(
+            "Analysis", kinds, on_change=_drop_left, format_func=lambda n: f"{n} ({known[n].paper})", **kw
+        ),
+        PARAM,
+        key,
+        kinds,
+        "analysis",
+        kinds[0],
+    )
 
 
 def _drop_left() -> None:

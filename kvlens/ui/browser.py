@@ -3,6 +3,7 @@
 Used by the browser tests and `scripts/app_screenshots.py`. The app and its reports work offline:
 `refuse_external` aborts (and records) any request a page makes to another host, and the browser tests fail on one.
 """
+
 from __future__ import annotations
 
 import socket
@@ -17,8 +18,15 @@ from urllib.parse import urlparse
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 def free_port() -> int:
@@ -32,10 +40,29 @@ def streamlit_server(env: dict | None = None):
     """`streamlit run app.py` headless on a free local port; yields its base URL. No file watcher:
     an edited source file would otherwise leave a "Source file changed" prompt on the page."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.address",
-                             "127.0.0.1", "--server.port", str(port), "--server.headless", "true",
-                             "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "streamlit",
+            "run",
+            str(ROOT / "app.py"),
+            "--server.address",
+            "127.0.0.1",
+            "--server.port",
+            str(port),
+            "--server.headless",
+            "true",
+            "--browser.gatherUsageStats",
+            "false",
+            "--server.fileWatcherType",
+            "none",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(120):
@@ -56,6 +83,7 @@ def refuse_external(target, seen: list[str], hosts: tuple[str, ...] = LOCAL_HOST
     """Abort every request of `target` (a Playwright page or browser context) to a host not in `hosts` (the app's:
     127.0.0.1 or localhost; none for a file opened from disk), appending its URL to `seen`: nothing the app or a
     report shows may come from outside the machine. Reads of file:// URLs always pass."""
+
     def handle(route):
         url = route.request.url
         if urlparse(url).scheme == "file" or urlparse(url).hostname in hosts:
@@ -73,5 +101,8 @@ def wait_idle(page, title: str | None = None, timeout_ms: int = 120000) -> None:
     title is still there until the next one replaces it, so pass the title of the page being opened."""
     heading = page.locator("[data-testid='stMain'] h1")
     (heading.filter(has_text=title) if title else heading).first.wait_for(timeout=timeout_ms)
-    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]') && "
-                           "!document.querySelector('[data-testid=\"stSkeleton\"]')", timeout=timeout_ms)
+    page.wait_for_function(
+        "() => !document.querySelector('[data-testid=\"stStatusWidget\"]') && "
+        "!document.querySelector('[data-testid=\"stSkeleton\"]')",
+        timeout=timeout_ms,
+    )

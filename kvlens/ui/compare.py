@@ -1,4 +1,5 @@
 """The Compare page's views of `kvlens.experiments.compare` results: the table, the texts, the aligned charts."""
+
 from __future__ import annotations
 
 import html
@@ -16,11 +17,18 @@ from kvlens.ui.page import report_button
 from kvlens.ui.views import diverging_text
 
 # `kvlens compare --json` row keys -> the page's column names and number formats
-COLUMNS = {"policy": ("policy", None), "first_divergence": ("diverges at token", None),
-           "top1_agreement": ("top-1 agrees with full", "percent"), "ppl": ("ppl on full's text", "%.3f"),
-           "kl": ("KL to full (mean)", "%.4f"), "perturbation": ("perturbation (mean)", "%.3f"),
-           "attention_loss": ("attention loss", "%.3f"), "kv_slots_max": ("max slots", None),
-           "kv_bytes_peak": ("peak KV bytes", "localized"), "ms_per_token": ("ms / token (measured pass)", "%.0f")}
+COLUMNS = {
+    "policy": ("policy", None),
+    "first_divergence": ("diverges at token", None),
+    "top1_agreement": ("top-1 agrees with full", "percent"),
+    "ppl": ("ppl on full's text", "%.3f"),
+    "kl": ("KL to full (mean)", "%.4f"),
+    "perturbation": ("perturbation (mean)", "%.3f"),
+    "attention_loss": ("attention loss", "%.3f"),
+    "kv_slots_max": ("max slots", None),
+    "kv_bytes_peak": ("peak KV bytes", "localized"),
+    "ms_per_token": ("ms / token (measured pass)", "%.0f"),
+}
 
 
 @st.cache_resource
@@ -36,16 +44,23 @@ def show_table(results: list[Result]) -> None:
     st.dataframe(frame, hide_index=True, width="stretch", column_config=config)
 
 
-def show_text(label: str, pieces: list[str], first_diff: int | None, reference: list[str] | None = None,
-              agree: int | None = None) -> None:
+def show_text(
+    label: str,
+    pieces: list[str],
+    first_diff: int | None,
+    reference: list[str] | None = None,
+    agree: int | None = None,
+) -> None:
     """The reference's own text (`reference` None), or a policy's greedy choice at each step of the reference's
     text (its pieces), everything from its first divergence highlighted; `agree`: steps where the two agree."""
     st.markdown(f"**{label}**")
     diverging_text(pieces, first_diff, reference=reference is None)
     if first_diff is not None and reference is not None and first_diff < len(reference):
-        st.caption(f"It writes {pieces[first_diff]!r} where the full cache writes {reference[first_diff]!r}. "
-                   "Highlighted: its choice at each later step of the full cache's text, on which it is scored"
-                   + (f"; it agrees at {agree} of {len(pieces)} steps." if agree is not None else "."))
+        st.caption(
+            f"It writes {pieces[first_diff]!r} where the full cache writes {reference[first_diff]!r}. "
+            "Highlighted: its choice at each later step of the full cache's text, on which it is scored"
+            + (f"; it agrees at {agree} of {len(pieces)} steps." if agree is not None else ".")
+        )
 
 
 def show_own_text(r: Result, reference: Result) -> None:
@@ -57,37 +72,64 @@ def show_own_text(r: Result, reference: Result) -> None:
         return
     diverging_text(r.own_pieces, r.own_diff)
     if r.own_diff is not None:
-        same = html.escape("".join(reference.own_pieces[max(0, r.own_diff - 6): r.own_diff]))
-        rest = html.escape("".join(reference.own_pieces[r.own_diff:]))
-        st.markdown(f"<div style='white-space:pre-wrap;font-size:0.85em;color:#555'>full cache: …{same}<span "
-                    f"style='background:#cfe3f7' title='the full cache from the same token'>{rest}</span></div>",
-                    unsafe_allow_html=True)
+        same = html.escape("".join(reference.own_pieces[max(0, r.own_diff - 6) : r.own_diff]))
+        rest = html.escape("".join(reference.own_pieces[r.own_diff :]))
+        st.markdown(
+            f"<div style='white-space:pre-wrap;font-size:0.85em;color:#555'>full cache: …{same}<span "
+            f"style='background:#cfe3f7' title='the full cache from the same token'>{rest}</span></div>",
+            unsafe_allow_html=True,
+        )
 
 
 def show_results(results: list[Result]) -> None:
     """The texts side by side, the table and the aligned charts of a finished comparison."""
     reference = results[0].pieces
-    report_button([r.run for r in results], "cmp_report", st.columns([7, 1])[1])  # the measured passes' report
+    report_button(
+        [r.run for r in results], "cmp_report", st.columns([7, 1])[1]
+    )  # the measured passes' report
     if all(r.own is not None for r in results):
         st.subheader("What each one writes")
-        st.caption("Each policy's own greedy text (`kvlens generate` with the same settings), orange from where it "
-                   "leaves the full cache's; below it, blue, the full cache's text from that token.")
+        st.caption(
+            "Each policy's own greedy text (`kvlens generate` with the same settings), orange from where it "
+            "leaves the full cache's; below it, blue, the full cache's text from that token."
+        )
         for col, r in zip(st.columns(len(results)), results):
             with col, st.container(border=True):
                 show_own_text(r, results[0])
     st.subheader("Scored on the full cache's text")
-    st.caption("Each policy teacher-forced on the full cache's text: its choice at each step (the metrics below "
-               "come from this pass).")
+    st.caption(
+        "Each policy teacher-forced on the full cache's text: its choice at each step (the metrics below "
+        "come from this pass)."
+    )
     for col, r in zip(st.columns(len(results)), results):
         with col, st.container(border=True):
-            show_text(r.entry.label, r.pieces, r.first_diff, None if r is results[0] else reference,
-                      round(r.agreement * len(r.picks)))
+            show_text(
+                r.entry.label,
+                r.pieces,
+                r.first_diff,
+                None if r is results[0] else reference,
+                round(r.agreement * len(r.picks)),
+            )
     st.subheader("Metrics")
     show_table(results)
-    chart(compare_figure(results), "cmp_fig", name="compare",
-          config={"prompt": results[0].run.meta["prompt"], "new_tokens": len(reference),
-                  "policies": [{"policy": r.entry.policy, "params": r.entry.params, "budget": r.entry.budget,
-                                "storage": r.entry.storage.describe()} for r in results]})
+    chart(
+        compare_figure(results),
+        "cmp_fig",
+        name="compare",
+        config={
+            "prompt": results[0].run.meta["prompt"],
+            "new_tokens": len(reference),
+            "policies": [
+                {
+                    "policy": r.entry.policy,
+                    "params": r.entry.params,
+                    "budget": r.entry.budget,
+                    "storage": r.entry.storage.describe(),
+                }
+                for r in results
+            ],
+        },
+    )
     show_pair(results)
 
 
@@ -98,29 +140,54 @@ def show_pair(results: list[Result]) -> None:
     c1, c2, c3 = st.columns([1, 1, 2])
     a = c1.selectbox("Left", labels, index=1 if len(labels) > 1 else 0, key="cmp_pair_a")
     b = c2.selectbox("Right", labels, index=2 if len(labels) > 2 else 0, key="cmp_pair_b")
-    step = c3.select_slider("Token of the full cache's text", list(range(len(results[0].pieces))),
-                            format_func=lambda i: f"{i}: {results[0].pieces[i]!r}", key="cmp_pair_step")
+    step = c3.select_slider(
+        "Token of the full cache's text",
+        list(range(len(results[0].pieces))),
+        format_func=lambda i: f"{i}: {results[0].pieces[i]!r}",
+        key="cmp_pair_step",
+    )
     runs = {r.entry.label: r.run for r in results}
     inspect_pair(runs[a], runs[b], step, key="cmp_pair")
 
 
 def compare_figure(results: list[Result]) -> go.Figure:
     """Three aligned panels over new-token steps: NLL on the full cache's text, KL to full, kept slots."""
-    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.07,
-                        subplot_titles=["NLL of the full cache's tokens (nats)", "KL(p_full ‖ p_policy) per step",
-                                        "kept slots per KV head (max over layers)"])
+    fig = make_subplots(
+        rows=1,
+        cols=3,
+        horizontal_spacing=0.07,
+        subplot_titles=[
+            "NLL of the full cache's tokens (nats)",
+            "KL(p_full ‖ p_policy) per step",
+            "kept slots per KV head (max over layers)",
+        ],
+    )
     for i, r in enumerate(results):
         style = line_style(i)
         nll = r.run.tensor("steps/nll").tolist()
         kl = r.run.tensor("perturbation/kl").tolist()
         slots = r.run.tensor("steps/kv_slots").flatten(1).amax(1).tolist()
         for col, ys in ((1, nll), (2, kl), (3, slots)):
-            fig.add_trace(go.Scatter(x=list(range(len(ys))), y=ys, mode="lines", name=r.entry.label,
-                                     legendgroup=r.entry.label, showlegend=col == 1, line=style["line"]),
-                          row=1, col=col)
+            fig.add_trace(
+                go.Scatter(
+                    x=list(range(len(ys))),
+                    y=ys,
+                    mode="lines",
+                    name=r.entry.label,
+                    legendgroup=r.entry.label,
+                    showlegend=col == 1,
+                    line=style["line"],
+                ),
+                row=1,
+                col=col,
+            )
     for col in (1, 2, 3):
         fig.update_xaxes(title_text="new token", row=1, col=col)
     fig.update_yaxes(rangemode="tozero", row=1, col=3)
-    fig.update_layout(height=380, legend=dict(orientation="h", y=-0.25), title=dict(text="Policies side by side"),
-                      meta={"analysis": "compare", "policies": [r.entry.label for r in results]})
+    fig.update_layout(
+        height=380,
+        legend=dict(orientation="h", y=-0.25),
+        title=dict(text="Policies side by side"),
+        meta={"analysis": "compare", "policies": [r.entry.label for r in results]},
+    )
     return fig

@@ -3,6 +3,7 @@ and head, with each position's status (kept, sink, holds merged values, merged a
 merged slots hold. `token_inspector(run, key)` is the widget of one run (token, layer and head kept in the
 URL); `inspect_pair(run_a, run_b, step)` shows two runs' rows for the same token side by side.
 """
+
 from __future__ import annotations
 
 import html
@@ -21,9 +22,16 @@ from kvlens.ui.charts import chart
 from kvlens.ui.page import level_need, pick_head, pick_layer
 
 MAX_PILLS = 256  # longer runs pick their token on a slider
-BAR_COLORS = {STATUS[KEPT][0]: "#1f77b4", STATUS[HOLDS_MERGE][0]: STATUS[HOLDS_MERGE][1], STATUS[SINK][0]: "#111111"}
+BAR_COLORS = {
+    STATUS[KEPT][0]: "#1f77b4",
+    STATUS[HOLDS_MERGE][0]: STATUS[HOLDS_MERGE][1],
+    STATUS[SINK][0]: "#111111",
+}
 CODES = {name: code for code, (name, _) in STATUS.items()}
-COUNTED = {STATUS[HOLDS_MERGE][0]: "holding merged values", STATUS[SINK][0]: "sinks"}  # "4 holding merged values"
+COUNTED = {
+    STATUS[HOLDS_MERGE][0]: "holding merged values",
+    STATUS[SINK][0]: "sinks",
+}  # "4 holding merged values"
 NEED = level_need(RecordLevel.ATTENTION, "The token inspector")
 
 
@@ -67,13 +75,15 @@ def token_inspector(run: Run, key: str) -> None:
     steps = list(range(run.tensor(f"attn/{recorded_attention_layers(run)[0]}").shape[0]))
     label = "Generated token" if run.meta.get("mode", "generate") == "generate" else "Scored token"
     if len(steps) <= MAX_PILLS:
-        names = pill_names([shown(t) for t in strings[:len(steps)]])
+        names = pill_names([shown(t) for t in strings[: len(steps)]])
 
         def widget(**kw):
             return st.pills(label, steps, format_func=names.__getitem__, **kw)
     else:
+
         def widget(**kw):
             return st.select_slider(label, steps, format_func=lambda s: f"{s}: {shown(strings[s])}", **kw)
+
     step = url_state.bound(widget, "step", f"{key}_step", steps, "token step", steps[-1])
     if step is None:  # the pill was clicked off
         st.caption("Click a token above to see its attention row.")
@@ -92,9 +102,12 @@ def token_view(run: Run, key: str, step: int, layer: int, head: int) -> None:
     st.markdown(summary(row))
     left, right = st.columns([5, 2]) if row.provenance else (st.container(), None)
     with left:
-        chart(token_row_figure(row, run.meta["policy"]["name"]), f"{key}_row",
-              name=f"token-{step}-L{layer}-H{head}", config={"run": str(run.path), "step": step, "layer": layer,
-                                                              "head": head})
+        chart(
+            token_row_figure(row, run.meta["policy"]["name"]),
+            f"{key}_row",
+            name=f"token-{step}-L{layer}-H{head}",
+            config={"run": str(run.path), "step": step, "layer": layer, "head": head},
+        )
     if right is not None:
         with right:
             provenance_table(row)
@@ -111,7 +124,9 @@ def inspect_pair(run_a: Run, run_b: Run, step: int, key: str = "pair") -> None:
         return
     n_rows = min(r.tensor(f"attn/{layers[0]}").shape[0] for r in (run_a, run_b))
     if not 0 <= step < n_rows:
-        st.info(f"Token {step} is past the end of one of the runs; both have rows for tokens 0 to {n_rows - 1}.")
+        st.info(
+            f"Token {step} is past the end of one of the runs; both have rows for tokens 0 to {n_rows - 1}."
+        )
         return
     c1, c2, _ = st.columns([1, 1, 3])
     layer = c1.selectbox("Layer", layers, index=len(layers) // 2, key=f"{key}_layer")
@@ -119,22 +134,34 @@ def inspect_pair(run_a: Run, run_b: Run, step: int, key: str = "pair") -> None:
     head = c2.selectbox("Query head", heads, key=f"{key}_head")
     rows = [inspect_token(r, step, layer, head) for r in (run_a, run_b)]
     if rows[0].token != rows[1].token or rows[0].query != rows[1].query:
-        st.caption("The two runs had generated different text by this token; each row below is its own run's.")
+        st.caption(
+            "The two runs had generated different text by this token; each row below is its own run's."
+        )
     for i, (col, run, row) in enumerate(zip(st.columns(2), (run_a, run_b), rows, strict=True)):
         with col:
             st.markdown(summary(row))
-            chart(token_row_figure(row, run.meta["policy"]["name"], height=380), f"{key}_row{i}",
-                  name=f"token-{step}-L{layer}-H{head}-{run.meta['policy']['name']}",
-                  config={"run": str(run.path) if run.path else None, "step": step, "layer": layer, "head": head})
+            chart(
+                token_row_figure(row, run.meta["policy"]["name"], height=380),
+                f"{key}_row{i}",
+                name=f"token-{step}-L{layer}-H{head}-{run.meta['policy']['name']}",
+                config={
+                    "run": str(run.path) if run.path else None,
+                    "step": step,
+                    "layer": layer,
+                    "head": head,
+                },
+            )
 
 
 def summary(row: TokenRow) -> str:
     """One sentence: which query produced the token and how much of what it had seen it attended to."""
     counts = {name: row.status.count(name) for name in dict.fromkeys(row.status)}
     parts = ", ".join(f"{n} {COUNTED.get(name, name)}" for name, n in counts.items())
-    return (f"Token {row.step} «{_md(label(row.token))}» came from the query of «{_md(label(row.query))}» "
-            f"(position {row.query_position}), which attended to "
-            f"{row.in_cache} cache slots of the {len(row.positions)} positions seen so far ({parts}).")
+    return (
+        f"Token {row.step} «{_md(label(row.token))}» came from the query of «{_md(label(row.query))}» "
+        f"(position {row.query_position}), which attended to "
+        f"{row.in_cache} cache slots of the {len(row.positions)} positions seen so far ({parts})."
+    )
 
 
 def _md(text: str) -> str:
@@ -144,13 +171,15 @@ def _md(text: str) -> str:
 
 def _context(row: TokenRow, before: int = 24) -> str:
     """The text leading up to the token, the token highlighted."""
-    lead = "".join(row.texts[max(0, row.query_position + 1 - before):row.query_position + 1])
+    lead = "".join(row.texts[max(0, row.query_position + 1 - before) : row.query_position + 1])
     cut = row.query_position + 1 - before > 0
     word = row.token.lstrip() or row.token
-    space = row.token[:len(row.token) - len(word)]  # a leading space stays outside the highlight
-    return (f"<div style='white-space:pre-wrap;line-height:1.6'><span style='color:#888'>{'…' if cut else ''}"
-            f"{html.escape(lead + space)}</span><span style='background:#ffe08a;font-weight:600' "
-            f"title='token {row.step}'>{html.escape(word)}</span></div>")
+    space = row.token[: len(row.token) - len(word)]  # a leading space stays outside the highlight
+    return (
+        f"<div style='white-space:pre-wrap;line-height:1.6'><span style='color:#888'>{'…' if cut else ''}"
+        f"{html.escape(lead + space)}</span><span style='background:#ffe08a;font-weight:600' "
+        f"title='token {row.step}'>{html.escape(word)}</span></div>"
+    )
 
 
 def _hover(row: TokenRow, i: int) -> str:
@@ -174,38 +203,90 @@ def token_row_figure(row: TokenRow, policy: str, height: int = 460) -> go.Figure
     for name, color in BAR_COLORS.items():
         idx = [i for i, s in enumerate(row.status) if s == name and not math.isnan(row.weights[i])]
         if idx:
-            fig.add_trace(go.Bar(x=[row.positions[i] for i in idx], y=[max(row.weights[i], 1e-6) for i in idx],
-                                 name=name, marker=dict(color=color), hovertext=[hover[i] for i in idx],
-                                 hoverinfo="text"), row=1, col=1)
+            fig.add_trace(
+                go.Bar(
+                    x=[row.positions[i] for i in idx],
+                    y=[max(row.weights[i], 1e-6) for i in idx],
+                    name=name,
+                    marker=dict(color=color),
+                    hovertext=[hover[i] for i in idx],
+                    hoverinfo="text",
+                ),
+                row=1,
+                col=1,
+            )
     codes = sorted(STATUS)
     scale = status_scale({CODES[name]: color for name, color in BAR_COLORS.items()})  # the bars' colours
-    fig.add_trace(go.Heatmap(z=[[CODES[s] for s in row.status]], x=row.positions, y=["status"], zmin=-0.5,
-                             zmax=len(codes) - 0.5, colorscale=scale, showscale=False, hovertext=[hover],
-                             hoverinfo="text", name="status"), row=2, col=1)
+    fig.add_trace(
+        go.Heatmap(
+            z=[[CODES[s] for s in row.status]],
+            x=row.positions,
+            y=["status"],
+            zmin=-0.5,
+            zmax=len(codes) - 0.5,
+            colorscale=scale,
+            showscale=False,
+            hovertext=[hover],
+            hoverinfo="text",
+            name="status",
+        ),
+        row=2,
+        col=1,
+    )
     for name in (STATUS[c][0] for c in codes if c not in (KEPT, HOLDS_MERGE, SINK)):
         if name in row.status:  # legend entries for the statuses that only the strip shows
-            fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, marker=dict(
-                symbol="square", size=12, color=STATUS[CODES[name]][1], line=dict(color="#555", width=1))),
-                row=1, col=1)
+            fig.add_trace(
+                go.Scatter(
+                    x=[None],
+                    y=[None],
+                    mode="markers",
+                    name=name,
+                    marker=dict(
+                        symbol="square",
+                        size=12,
+                        color=STATUS[CODES[name]][1],
+                        line=dict(color="#555", width=1),
+                    ),
+                ),
+                row=1,
+                col=1,
+            )
     fig.add_vline(x=row.query_position, line=dict(color="#d62728", width=1, dash="dot"))
     fig.update_yaxes(title_text="attention", type="log", row=1, col=1)
     fig.update_yaxes(showticklabels=False, row=2, col=1)
     fig.update_xaxes(title_text="token position (red dotted: the query)", row=2, col=1)
-    fig.update_layout(title=dict(text=f"Token {row.step} «{html.escape(label(row.token))}» under {policy}: layer "
-                                      f"{row.layer}, head {row.head} (KV head {row.kv_head})"),
-                      height=height, bargap=0, barmode="overlay", margin=dict(t=90),
-                      legend=dict(orientation="h", y=1.02, yanchor="bottom"),
-                      meta={"analysis": "token", "params": {"step": row.step, "layer": row.layer, "head": row.head}})
+    fig.update_layout(
+        title=dict(
+            text=f"Token {row.step} «{html.escape(label(row.token))}» under {policy}: layer "
+            f"{row.layer}, head {row.head} (KV head {row.kv_head})"
+        ),
+        height=height,
+        bargap=0,
+        barmode="overlay",
+        margin=dict(t=90),
+        legend=dict(orientation="h", y=1.02, yanchor="bottom"),
+        meta={"analysis": "token", "params": {"step": row.step, "layer": row.layer, "head": row.head}},
+    )
     return fig
 
 
 def provenance_table(row: TokenRow) -> None:
     """What each slot holding merged values held when the token was produced (from the decision log)."""
     text = dict(zip(row.positions, row.texts, strict=True))
-    st.markdown(f"**Merged slots of layer {row.layer}, KV head {row.kv_head}** at this token: the original "
-                "positions each holds, with their weights (replayed from the decision log)")
+    st.markdown(
+        f"**Merged slots of layer {row.layer}, KV head {row.kv_head}** at this token: the original "
+        "positions each holds, with their weights (replayed from the decision log)"
+    )
     pairs = [(slot, p, w) for slot, src in row.provenance.items() for p, w in src.items()]
-    st.dataframe({"slot": [s for s, _, _ in pairs], "holds position": [p for _, p, _ in pairs],
-                  "token": [label(text.get(p, "")) for _, p, _ in pairs], "weight": [w for _, _, w in pairs]},
-                 hide_index=True, width="stretch", height=min(36 * (len(pairs) + 1) + 3, 420),
-                 column_config={"weight": st.column_config.NumberColumn(format="%.4f")})
+    st.dataframe(
+        {
+            "slot": [s for s, _, _ in pairs],
+            "holds position": [p for _, p, _ in pairs],
+            "token": [label(text.get(p, "")) for _, p, _ in pairs],
+            "weight": [w for _, _, w in pairs],
+        },
+        hide_index=True,
+        width="stretch",
+        height=min(36 * (len(pairs) + 1) + 3, 420),
+        column_config={"weight": st.column_config.NumberColumn(format="%.4f")},
+    )

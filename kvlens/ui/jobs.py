@@ -6,6 +6,7 @@ calls stay on the script thread. Stop (or leaving the page) interrupts the scrip
 worker ends and nothing is saved. Each job has its own Event and queue: no module globals.
 `PageJob` is the page side of that protocol, shared by the Run and Compare pages.
 """
+
 from __future__ import annotations
 
 import queue
@@ -77,8 +78,14 @@ class PageJob:
             st.warning(self.message)
 
     def stop_button(self, where=st, **kwargs) -> None:
-        where.button("Stop", icon=":material/stop:", key=f"{self.prefix}_stop", width="stretch",
-                     on_click=self._stop, **kwargs)
+        where.button(
+            "Stop",
+            icon=":material/stop:",
+            key=f"{self.prefix}_stop",
+            width="stretch",
+            on_click=self._stop,
+            **kwargs,
+        )
 
     def _stop(self) -> None:
         st.session_state[self.stopped] = st.session_state.get(self.running, False)
@@ -88,8 +95,9 @@ class PageJob:
         showing in `status` why not (a bad setting, or Stop)."""
         st.session_state.pop(self.stopped, None)
         try:
-            model = get_model(st.session_state.get(session.MODEL, "default"),
-                              st.session_state.get(session.DEVICE, "auto"))
+            model = get_model(
+                st.session_state.get(session.MODEL, "default"), st.session_state.get(session.DEVICE, "auto")
+            )
             job = Job(make_work(model))
             st.session_state[self.running] = True  # left set when Stop interrupts: its callback reads it
             result = job.follow(on_events)

@@ -1,6 +1,7 @@
 """A task benchmark's leaderboard (`results/bench_tasks*.json`): the score-vs-ratio figure and a sortable table,
 filtered by task, length and policy, summarised from the rows so far (a grid still running shows its samples
 finished until now), then the needles found by depth and length."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,8 +11,19 @@ import streamlit as st
 
 from kvlens.ui.charts import chart
 
-COLUMNS = ["policy", "ratio", "score", "ci_low", "ci_high", "samples", "full_score", "kept_share", "cost_vs_answer",
-           "cell_ms", "turns"]
+COLUMNS = [
+    "policy",
+    "ratio",
+    "score",
+    "ci_low",
+    "ci_high",
+    "samples",
+    "full_score",
+    "kept_share",
+    "cost_vs_answer",
+    "cell_ms",
+    "turns",
+]
 
 
 def _turns(turns: list[dict] | None) -> str:
@@ -28,25 +40,44 @@ def leaderboard(path: Path, settings: dict, raw: dict) -> None:
         return
     summary = tasks.summarise(rows)
     left, middle, right = st.columns([1, 1, 2])
-    task = left.selectbox("Task", ["all", *sorted({s["task"] for s in summary} - {"all"})], key="tasks_task",
-                          format_func=lambda t: "average over tasks" if t == "all" else t)
+    task = left.selectbox(
+        "Task",
+        ["all", *sorted({s["task"] for s in summary} - {"all"})],
+        key="tasks_task",
+        format_func=lambda t: "average over tasks" if t == "all" else t,
+    )
     lengths = sorted({s["length"] for s in summary if s["task"] == task}, key=str)
-    length = middle.selectbox("Context length", lengths, key="tasks_length",
-                              format_func=lambda n: "all lengths" if n == "all" else f"{n} tokens")
+    length = middle.selectbox(
+        "Context length",
+        lengths,
+        key="tasks_length",
+        format_func=lambda n: "all lengths" if n == "all" else f"{n} tokens",
+    )
     names = list(dict.fromkeys(s["policy"] for s in summary))
     chosen = right.multiselect("Policies", names, default=names, key="tasks_policies")
     shown = [s for s in summary if s["policy"] in chosen]
-    chart(tasks.figure({**raw, "summary": shown}), "tasks_fig", name=path.stem,
-          config={"results": str(path), **settings.get("config", {})}, data=pd.DataFrame(shown))
+    chart(
+        tasks.figure({**raw, "summary": shown}),
+        "tasks_fig",
+        name=path.stem,
+        config={"results": str(path), **settings.get("config", {})},
+        data=pd.DataFrame(shown),
+    )
     table = pd.DataFrame([s for s in shown if s["task"] == task and s["length"] == length], columns=COLUMNS)
     table["turns"] = table["turns"].map(_turns)
-    st.caption("Score: share of the expected strings found in the answers; [ci_low, ci_high]: bootstrap 95 % "
-               "interval over samples; cost_vs_answer: (compression + answers) / answers, median over samples; "
-               "cell_ms: a sample's cost for this policy and ratio (its share of the shared prefill, its compression, "
-               "its share of the batched answers), median over samples; turns: each question's score in turn, for "
-               "a task that asks several questions of one compressed context.")
-    st.dataframe(table.sort_values("score", ascending=False, kind="stable"), hide_index=True, width="stretch",
-                 column_config={c: st.column_config.NumberColumn(format="%.3f") for c in COLUMNS[2:5] + COLUMNS[6:-1]})
+    st.caption(
+        "Score: share of the expected strings found in the answers; [ci_low, ci_high]: bootstrap 95 % "
+        "interval over samples; cost_vs_answer: (compression + answers) / answers, median over samples; "
+        "cell_ms: a sample's cost for this policy and ratio (its share of the shared prefill, its compression, "
+        "its share of the batched answers), median over samples; turns: each question's score in turn, for "
+        "a task that asks several questions of one compressed context."
+    )
+    st.dataframe(
+        table.sort_values("score", ascending=False, kind="stable"),
+        hide_index=True,
+        width="stretch",
+        column_config={c: st.column_config.NumberColumn(format="%.3f") for c in COLUMNS[2:5] + COLUMNS[6:-1]},
+    )
     needles(path, settings, rows, chosen)
 
 
@@ -57,14 +88,28 @@ def needles(path: Path, settings: dict, rows: list[dict], chosen: list[str]) -> 
     st.markdown("**Needles by depth and context length**")
     cells = [c for c in task_needles.grid(rows) if c["policy"] in chosen]
     if not cells:
-        st.caption("These rows record no needle depths: `kvlens bench tasks` with the command that made them adds "
-                   "them (it regenerates each sample).")
+        st.caption(
+            "These rows record no needle depths: `kvlens bench tasks` with the command that made them adds "
+            "them (it regenerates each sample)."
+        )
         return
     ratios = sorted({c["ratio"] for c in cells if c["ratio"] not in (None, 0.0)})
-    ratio = st.select_slider("Compression ratio", ratios, value=task_needles.default_ratio(cells),
-                             key="tasks_needle_ratio") if len(ratios) > 1 else task_needles.default_ratio(cells)
-    chart(task_needles.figure(cells, ratio), "tasks_needles_fig", name=f"{path.stem}_needles",
-          config={"results": str(path), "ratio": ratio, **settings.get("config", {})}, data=pd.DataFrame(cells))
-    st.caption("Each expected number of a niah sample is a needle at its depth (its sentence boundary's share of "
-               "the haystack, binned in tenths); colour: the share of the needles of that depth and length found "
-               "in the answer.")
+    ratio = (
+        st.select_slider(
+            "Compression ratio", ratios, value=task_needles.default_ratio(cells), key="tasks_needle_ratio"
+        )
+        if len(ratios) > 1
+        else task_needles.default_ratio(cells)
+    )
+    chart(
+        task_needles.figure(cells, ratio),
+        "tasks_needles_fig",
+        name=f"{path.stem}_needles",
+        config={"results": str(path), "ratio": ratio, **settings.get("config", {})},
+        data=pd.DataFrame(cells),
+    )
+    st.caption(
+        "Each expected number of a niah sample is a needle at its depth (its sentence boundary's share of "
+        "the haystack, binned in tenths); colour: the share of the needles of that depth and length found "
+        "in the answer."
+    )

@@ -4,6 +4,7 @@
 `perplexity` API, so the app and the CLI run the same code); `Live` accumulates the step events
 the page draws while the run goes on.
 """
+
 from __future__ import annotations
 
 import time
@@ -36,8 +37,15 @@ class RunSettings:
     prefill_chunk: int | None = None  # feed the prompt in chunks (`--prefill-chunk`)
 
     def options(self) -> RunOptions:
-        return RunOptions(budget=self.budget, max_new_tokens=self.new_tokens, seed=self.seed, record=self.record,
-                          record_layers=self.record_layers, storage=self.storage, prefill_chunk=self.prefill_chunk)
+        return RunOptions(
+            budget=self.budget,
+            max_new_tokens=self.new_tokens,
+            seed=self.seed,
+            record=self.record,
+            record_layers=self.record_layers,
+            storage=self.storage,
+            prefill_chunk=self.prefill_chunk,
+        )
 
     def command(self) -> str:
         """The equivalent CLI command (the prompt itself is not repeated)."""
@@ -52,10 +60,20 @@ class RunSettings:
             parts += ["--prompt", "PROMPT", "--max-new-tokens", str(self.new_tokens)]
         s = self.storage
         if s.quantized:
-            parts += ["--kv-bits", str(s.bits), "--kv-scheme", s.scheme, "--kv-group", str(s.group),
-                      "--kv-residual", str(s.residual)]
+            parts += [
+                "--kv-bits",
+                str(s.bits),
+                "--kv-scheme",
+                s.scheme,
+                "--kv-group",
+                str(s.group),
+                "--kv-residual",
+                str(s.residual),
+            ]
         if s.low_rank:
-            parts += ["--kv-rank", str(s.rank)] if s.rank is not None else ["--kv-rank-share", str(s.rank_share)]
+            parts += (
+                ["--kv-rank", str(s.rank)] if s.rank is not None else ["--kv-rank-share", str(s.rank_share)]
+            )
             parts += ["--kv-rank-layers", str(s.rank_layers)] if s.rank_layers else []
             parts += ["--kv-rank-append", s.rank_append] if s.rank_append != "project" else []
         if self.prefill_chunk:
@@ -74,11 +92,31 @@ class RunSettings:
 
         def go(on_step, cancel):
             if self.teacher:
-                return perplexity(model, self.text, self.policy, self.params, prefill=self.prefill,
-                                  tokens=self.new_tokens, opts=self.options(), on_step=on_step, cancel=cancel,
-                                  meta=meta, measure=self.measure)
-            return generate(model, self.text, self.policy, self.params, opts=self.options(), on_step=on_step,
-                            cancel=cancel, meta=meta, measure=self.measure)
+                return perplexity(
+                    model,
+                    self.text,
+                    self.policy,
+                    self.params,
+                    prefill=self.prefill,
+                    tokens=self.new_tokens,
+                    opts=self.options(),
+                    on_step=on_step,
+                    cancel=cancel,
+                    meta=meta,
+                    measure=self.measure,
+                )
+            return generate(
+                model,
+                self.text,
+                self.policy,
+                self.params,
+                opts=self.options(),
+                on_step=on_step,
+                cancel=cancel,
+                meta=meta,
+                measure=self.measure,
+            )
+
         return go
 
 
@@ -119,7 +157,9 @@ class Live:
             self.slots.append(max(e.kv_slots))
             self.text += e.text
             self.attention = e.attention or self.attention
-            for name in ("perturbation_used", "perturbation_evict") + ("perturbation_stored",) * self.quantized:
+            for name in ("perturbation_used", "perturbation_evict") + (
+                "perturbation_stored",
+            ) * self.quantized:
                 if name in e.extra:
                     self.perturbation.setdefault(name, []).append((e.step, e.extra[name]))
 
@@ -135,25 +175,74 @@ class Live:
         titles.append("current attention row, last layer")
         fig = make_subplots(rows=1, cols=len(titles), horizontal_spacing=0.07, subplot_titles=titles)
         last = len(titles)
-        fig.add_trace(go.Scatter(x=self.steps, y=self.nll, mode="lines+markers", name="NLL", showlegend=False,
-                                 line=dict(color="#0072B2")), row=1, col=1)
-        fig.add_trace(go.Scatter(x=self.steps, y=self.slots, mode="lines", name="kept slots", showlegend=False,
-                                 line=dict(color="#009E73")), row=1, col=2)
-        styles = {"perturbation_used": ("cache used (merged)", "#D55E00", "solid"),
-                  "perturbation_evict": ("same evictions, no merge" + ", full precision" * self.quantized,
-                                         "#0072B2", "dash"),
-                  "perturbation_stored": ("same evictions, no merge, quantized", "#009E73", "dot")}
+        fig.add_trace(
+            go.Scatter(
+                x=self.steps,
+                y=self.nll,
+                mode="lines+markers",
+                name="NLL",
+                showlegend=False,
+                line=dict(color="#0072B2"),
+            ),
+            row=1,
+            col=1,
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=self.steps,
+                y=self.slots,
+                mode="lines",
+                name="kept slots",
+                showlegend=False,
+                line=dict(color="#009E73"),
+            ),
+            row=1,
+            col=2,
+        )
+        styles = {
+            "perturbation_used": ("cache used (merged)", "#D55E00", "solid"),
+            "perturbation_evict": (
+                "same evictions, no merge" + ", full precision" * self.quantized,
+                "#0072B2",
+                "dash",
+            ),
+            "perturbation_stored": ("same evictions, no merge, quantized", "#009E73", "dot"),
+        }
         for name, points in self.perturbation.items():
             label, color, dash = styles[name]
-            fig.add_trace(go.Scatter(x=[s for s, _ in points], y=[v for _, v in points], mode="lines", name=label,
-                                     line=dict(color=color, dash=dash), showlegend=True), row=1, col=3)
+            fig.add_trace(
+                go.Scatter(
+                    x=[s for s, _ in points],
+                    y=[v for _, v in points],
+                    mode="lines",
+                    name=label,
+                    line=dict(color=color, dash=dash),
+                    showlegend=True,
+                ),
+                row=1,
+                col=3,
+            )
         if self.attention:
-            fig.add_trace(go.Bar(x=self.attention["positions"], y=self.attention["weights"], name="attention",
-                                 marker=dict(color="#444"), showlegend=False), row=1, col=last)
+            fig.add_trace(
+                go.Bar(
+                    x=self.attention["positions"],
+                    y=self.attention["weights"],
+                    name="attention",
+                    marker=dict(color="#444"),
+                    showlegend=False,
+                ),
+                row=1,
+                col=last,
+            )
         for col in range(1, last):
             fig.update_xaxes(title_text="step", row=1, col=col)
         fig.update_xaxes(title_text="position", row=1, col=last)
         fig.update_yaxes(rangemode="tozero", row=1, col=2)
-        fig.update_layout(height=300, showlegend=bool(self.perturbation), margin=dict(t=40, b=40, l=40, r=10),
-                          bargap=0, legend=dict(orientation="h", y=-0.25))
+        fig.update_layout(
+            height=300,
+            showlegend=bool(self.perturbation),
+            margin=dict(t=40, b=40, l=40, r=10),
+            bargap=0,
+            legend=dict(orientation="h", y=-0.25),
+        )
         return fig

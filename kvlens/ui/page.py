@@ -5,6 +5,7 @@ and stops the page (`st.stop()`) when there is no run or the run lacks it, after
 runs that have it. `pick_layer`, `pick_head` and `pick_step` keep a page's layer, head and step in the URL
 (`?layer=`, `?head=`, `?step=`; the sidebar keeps `?run=`), so a copied link reopens the same view.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,22 +33,30 @@ class Need:
     why: str
 
 
-MEASURED = Need(lambda e: e.measured, "This run was not measured. Record one with `kvlens generate ... --measure` "
-                                      "(or tick *Measure* on the Run page), or open a measured run:")
+MEASURED = Need(
+    lambda e: e.measured,
+    "This run was not measured. Record one with `kvlens generate ... --measure` "
+    "(or tick *Measure* on the Run page), or open a measured run:",
+)
 
 
 def level_need(level: RecordLevel, what: str) -> Need:
     """A run recorded at `level` or above (`what` names what needs it, e.g. "The attention map")."""
-    return Need(lambda e: e.level.includes(level),
-                f"{what} needs a run recorded with `--record {level}`; this run was recorded at `{{have}}`. "
-                f"Open one that has it, or make one on the **Run** page with *Record* set to `{level}`.")
+    return Need(
+        lambda e: e.level.includes(level),
+        f"{what} needs a run recorded with `--record {level}`; this run was recorded at `{{have}}`. "
+        f"Open one that has it, or make one on the **Run** page with *Record* set to `{level}`.",
+    )
 
 
 def analysis_need(kind: str) -> Need:
     """What the registered analysis `kind` declares: a measured run, or its record level."""
     analysis = get_analysis(kind)
-    return MEASURED if analysis.measured else level_need(analysis.level,
-                                                         f"The {analysis.name} analysis ({analysis.paper})")
+    return (
+        MEASURED
+        if analysis.measured
+        else level_need(analysis.level, f"The {analysis.name} analysis ({analysis.paper})")
+    )
 
 
 def page_top(title: str, caption: str = "") -> None:
@@ -77,36 +86,53 @@ def browse_page(title: str, caption: str = "", need: Need | None = None) -> Run:
 def report_button(runs: list[Run], key: str, where=st) -> None:
     """A download of the runs' report (what `kvlens report` writes), built only when the button is clicked."""
     stem = "-".join(run.path.name if run.path else run.meta["policy"]["name"] for run in runs)[:80]
-    where.download_button("Report", data=lambda: report_html(runs), file_name=f"{stem}-report.html",
-                          mime="text/html", key=key, on_click="ignore", icon=":material/download:", width="stretch",
-                          help="One HTML file with the settings, command, metrics, figures and kept text; it opens "
-                               "offline (built when clicked, a few seconds)")
+    where.download_button(
+        "Report",
+        data=lambda: report_html(runs),
+        file_name=f"{stem}-report.html",
+        mime="text/html",
+        key=key,
+        on_click="ignore",
+        icon=":material/download:",
+        width="stretch",
+        help="One HTML file with the settings, command, metrics, figures and kept text; it opens "
+        "offline (built when clicked, a few seconds)",
+    )
 
 
-def pick_layer(layers: list[int], key: str, where=st, default: int | None = None, param: str = "layer") -> int:
+def pick_layer(
+    layers: list[int], key: str, where=st, default: int | None = None, param: str = "layer"
+) -> int:
     """A layer select box kept in the URL (`?layer=`, or `param` for a page's second one); starts at `default`
     (else the middle layer)."""
     start = default if default in layers else layers[len(layers) // 2]
-    return url_state.bound(lambda **kw: where.selectbox("Layer", layers, **kw), param, key, layers, "layer", start)
+    return url_state.bound(
+        lambda **kw: where.selectbox("Layer", layers, **kw), param, key, layers, "layer", start
+    )
 
 
-def pick_head(run: Run, key: str, where=st, kv: bool = False, help: str | None = None, param: str = "head") -> int:
+def pick_head(
+    run: Run, key: str, where=st, kv: bool = False, help: str | None = None, param: str = "head"
+) -> int:
     """A query-head select box (a KV-head one when `kv`) kept in the URL (`?head=`, or `param`); a query head's
     help names its KV head."""
     heads = list(range(run.shape["kv_heads" if kv else "heads"]))
     what = "KV head" if kv else "Query head"
     if help is None and not kv:
         help = f"KV head = query head // {run.shape['heads'] // run.shape['kv_heads']} (GQA)"
-    return url_state.bound(lambda **kw: where.selectbox(what, heads, help=help, **kw), param, key, heads,
-                           what.lower(), 0)
+    return url_state.bound(
+        lambda **kw: where.selectbox(what, heads, help=help, **kw), param, key, heads, what.lower(), 0
+    )
 
 
-def pick_step(label: str, last: int, key: str, where=st, help: str | None = None, param: str = "step",
-              first: int = 0) -> int:
+def pick_step(
+    label: str, last: int, key: str, where=st, help: str | None = None, param: str = "step", first: int = 0
+) -> int:
     """A slider over steps `first`..`last` kept in the URL (`?step=`, or `param`); starts at `last`."""
     steps = list(range(first, last + 1))
-    return url_state.bound(lambda **kw: where.slider(label, first, last, help=help, **kw), param, key, steps,
-                           label.lower(), last)
+    return url_state.bound(
+        lambda **kw: where.slider(label, first, last, help=help, **kw), param, key, steps, label.lower(), last
+    )
 
 
 def fits(need: Need) -> bool:

@@ -5,6 +5,7 @@ inputs (empty when the default is worked out from the input), tuples, lists and 
 read by `Param.parse`. The widget carries the declaration's help as its tooltip and no bounds of
 its own: a value out of bounds gets the declaration's one sentence, shown by the caller.
 """
+
 from __future__ import annotations
 
 import streamlit as st
@@ -28,18 +29,28 @@ def param_widget(p: Param, value, key: str, where=st, owner: str = ""):
     if widget == "select":
         options = list(p.allowed() or ())
         start = getattr(value, "name", value)
-        return where.selectbox(p.name, options, index=options.index(start) if start in options else 0, key=key,
-                               help=help_)
+        return where.selectbox(
+            p.name, options, index=options.index(start) if start in options else 0, key=key, help=help_
+        )
     if widget == "check":
         return where.checkbox(p.name, value=bool(value), key=key, help=help_)
     if widget == "number":
-        number = where.number_input(p.name, value=value, step=1 if p.kind == "int" else 0.05, key=key, help=help_,
-                                    format=None if p.kind == "int" else "%.3g", placeholder="default")
+        number = where.number_input(
+            p.name,
+            value=value,
+            step=1 if p.kind == "int" else 0.05,
+            key=key,
+            help=help_,
+            format=None if p.kind == "int" else "%.3g",
+            placeholder="default",
+        )
         if number is None:
             return None
         return int(number) if p.kind == "int" else float(number)
     shown = "" if value is None else str(value)
     if isinstance(value, (tuple, list)):
         shown = ",".join(map(str, value))
-    text = where.text_input(p.name, value=shown, key=key, help=(help_ or "") + (" (comma-separated)" if p.many else ""))
+    text = where.text_input(
+        p.name, value=shown, key=key, help=(help_ or "") + (" (comma-separated)" if p.many else "")
+    )
     return p.parse(text, owner=owner)

@@ -4,6 +4,7 @@ A results file is one JSON object with a `rows` list (sweeps, `bench_ppl`, `benc
 `cells` list (`bench_needle`) of flat records; anything else in the object is its settings.
 Files that do not parse are listed with the reason.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,24 +69,47 @@ def _usable(path: Path, want: tuple[str, ...]) -> bool:
     return all(c in frame.columns and frame[c].notna().any() for c in want)
 
 
-def pick_results(prefix: str, kind: str, label: str, want: tuple[str, ...] = (), only: tuple[str, ...] = (),
-                 without: tuple[str, ...] = (), param: str | None = None, make: str = ""):
+def pick_results(
+    prefix: str,
+    kind: str,
+    label: str,
+    want: tuple[str, ...] = (),
+    only: tuple[str, ...] = (),
+    without: tuple[str, ...] = (),
+    param: str | None = None,
+    make: str = "",
+):
     """A select box over `results/{kind}_*.json` (newest first, files holding the `want` columns before the
     others; `only`/`without`: the files of these benchmarks only, or all but theirs; the file's name kept in the
     URL as `?{param or kind}=`); returns (path, settings, frame, whole object) or None (after saying why, with
     `make`, the command that writes such a file, if given)."""
-    files = [p for p in result_files(kind) if (not only or of_benchmark(p, only)) and not of_benchmark(p, without)]
+    files = [
+        p for p in result_files(kind) if (not only or of_benchmark(p, only)) and not of_benchmark(p, without)
+    ]
     files.sort(key=lambda p: not _usable(p, want))  # stable: keeps newest first within each group
     if not files:
         pattern = " or ".join(f"`{n}*.json`" for n in only) if only else f"`{kind}_*.json`"
-        st.info(f"No saved {label} yet: {results_dir()} holds no {pattern}. "
-                + (make or "Make one with `kvlens sweep ... --out results/sweep_NAME.json`." if kind == "sweep" else
-                   make or "Make one with the benchmark commands (`kvlens bench --help`), which write "
-                   "`results/bench_*.json`."))
+        st.info(
+            f"No saved {label} yet: {results_dir()} holds no {pattern}. "
+            + (
+                make or "Make one with `kvlens sweep ... --out results/sweep_NAME.json`."
+                if kind == "sweep"
+                else make
+                or "Make one with the benchmark commands (`kvlens bench --help`), which write "
+                "`results/bench_*.json`."
+            )
+        )
         return None
     param = param or kind
-    path = url_state.bound(lambda **kw: st.selectbox(f"Saved {label}", files, format_func=lambda p: p.name, **kw),
-                           param, f"{prefix}_{kind}_file", files, f"saved {label}", files[0], show=lambda p: p.name)
+    path = url_state.bound(
+        lambda **kw: st.selectbox(f"Saved {label}", files, format_func=lambda p: p.name, **kw),
+        param,
+        f"{prefix}_{kind}_file",
+        files,
+        f"saved {label}",
+        files[0],
+        show=lambda p: p.name,
+    )
     got = read_results(str(path), path.stat().st_mtime)
     if isinstance(got, str):
         st.error(got)
@@ -99,13 +123,18 @@ def cells_status(path: Path, settings: dict) -> None:
     total, done, failed = (settings.get(k) for k in ("cells_total", "cells_done", "cells_failed"))
     if not isinstance(total, int) or not isinstance(done, int) or total < 1:
         return
-    text = f"{done} of {total} cells done" + (f", {failed} failed (re-run the command to retry them)" if failed else "")
+    text = f"{done} of {total} cells done" + (
+        f", {failed} failed (re-run the command to retry them)" if failed else ""
+    )
     if settings.get("status") == "done":
         st.caption(text + ".")
         return
     ago = max(0, time.time() - path.stat().st_mtime)
-    st.progress(min(1.0, done / total), text=f"Not finished: {text}, the last {ago:.0f} s ago "
-                                             "(the rows so far are shown and refreshed while it runs).")
+    st.progress(
+        min(1.0, done / total),
+        text=f"Not finished: {text}, the last {ago:.0f} s ago "
+        "(the rows so far are shown and refreshed while it runs).",
+    )
 
 
 def metric_figure(frame: pd.DataFrame, x: str, ys: list[str], title: str) -> go.Figure:
@@ -115,14 +144,19 @@ def metric_figure(frame: pd.DataFrame, x: str, ys: list[str], title: str) -> go.
     keys = ["policy", "params"] if "params" in frame.columns else ["policy"]
     for key, rows in frame.groupby(keys, sort=False):
         policy = key[0]
-        params = json.loads(key[1]) if len(key) > 1 and isinstance(key[1], str) and key[1].startswith("{") else {}
+        params = (
+            json.loads(key[1]) if len(key) > 1 and isinstance(key[1], str) and key[1].startswith("{") else {}
+        )
         extra = ", ".join(f"{k}={v}" for k, v in changed_params(policy, params).items())
         series = f"{policy} ({extra})" if extra else policy
         rows = rows.sort_values(x)
         for y in ys:
             name = series if len(ys) == 1 else f"{series}: {y}"
-            fig.add_trace(go.Scatter(x=rows[x].tolist(), y=rows[y].tolist(), mode="lines+markers", name=name,
-                                     **line_style(i)))
+            fig.add_trace(
+                go.Scatter(
+                    x=rows[x].tolist(), y=rows[y].tolist(), mode="lines+markers", name=name, **line_style(i)
+                )
+            )
             i += 1
     fig.update_xaxes(title_text=x.replace("_", " "))
     fig.update_yaxes(title_text=" / ".join(y.replace("_", " ") for y in ys))
@@ -133,8 +167,11 @@ def metric_figure(frame: pd.DataFrame, x: str, ys: list[str], title: str) -> go.
 def measured(frame: pd.DataFrame, settings: dict) -> pd.Series:
     """Which rows of a sweep ran with the perturbation meter (`--measure`): their own flag, the file's, or the
     perturbation they report."""
-    flag = frame["measure"].fillna(False).astype(bool) if "measure" in frame.columns else \
-        pd.Series(bool(settings.get("measure")), index=frame.index)
+    flag = (
+        frame["measure"].fillna(False).astype(bool)
+        if "measure" in frame.columns
+        else pd.Series(bool(settings.get("measure")), index=frame.index)
+    )
     if "perturbation_used" in frame.columns:
         flag = flag | frame["perturbation_used"].notna()
     return flag
@@ -154,21 +191,34 @@ def sweep_section(prefix: str, charts: list[tuple[str, list[str]]]) -> None:
         return
     for title, ys in charts:
         shown = rows
-        if "ms_per_token" in ys:  # a measured run's time includes its measuring passes: speed from the others only
+        if (
+            "ms_per_token" in ys
+        ):  # a measured run's time includes its measuring passes: speed from the others only
             shown = rows[~measured(rows, settings)]
             if not len(shown):
-                st.info(f"{path.name} was run with `--measure`: its time per token includes the measuring passes, "
-                        "so no speed is shown (the speed benchmark, `kvlens bench speed`, measures speed).")
+                st.info(
+                    f"{path.name} was run with `--measure`: its time per token includes the measuring passes, "
+                    "so no speed is shown (the speed benchmark, `kvlens bench speed`, measures speed)."
+                )
                 continue
             if len(shown) < len(rows):
-                st.caption(f"{title}: the unmeasured rows only (a measured run's time includes its measuring passes).")
+                st.caption(
+                    f"{title}: the unmeasured rows only (a measured run's time includes its measuring passes)."
+                )
         missing = [y for y in ys if y not in shown.columns or shown[y].isna().all()]
         if missing:
-            hint = " (run the sweep with `--measure`)" if missing[0].startswith(("perturbation", "kl")) else ""
+            hint = (
+                " (run the sweep with `--measure`)" if missing[0].startswith(("perturbation", "kl")) else ""
+            )
             st.info(f"{path.name} has no `{missing[0]}` column{hint}.")
             continue
-        chart(metric_figure(shown, x, ys, f"{title} ({path.name})"), f"{prefix}_{'_'.join(ys)}",
-              name=f"{path.stem}-{'-'.join(ys)}", config={"results": str(path), **settings}, data=shown)
+        chart(
+            metric_figure(shown, x, ys, f"{title} ({path.name})"),
+            f"{prefix}_{'_'.join(ys)}",
+            name=f"{path.stem}-{'-'.join(ys)}",
+            config={"results": str(path), **settings},
+            data=shown,
+        )
 
 
 def bench_figure(name: str):
@@ -186,9 +236,17 @@ def bench_figure(name: str):
 
 def frontier_table(summary: list[dict]) -> pd.DataFrame:
     """The bytes-quality frontier's summary as the Benchmarks page shows it: a row per configuration and measure."""
-    rows = [{"family": s["family"], "configuration": s["config"], "measure": "perplexity" if s["metric"] == "ppl"
-             else "task score", "bytes share": s["bytes_share"], "value": s[s["metric"]],
-             "low": s["ppl_min" if s["metric"] == "ppl" else "ci_low"],
-             "high": s["ppl_max" if s["metric"] == "ppl" else "ci_high"],
-             "over": f"{s['texts']} texts" if s["metric"] == "ppl" else f"{s['samples']} samples"} for s in summary]
+    rows = [
+        {
+            "family": s["family"],
+            "configuration": s["config"],
+            "measure": "perplexity" if s["metric"] == "ppl" else "task score",
+            "bytes share": s["bytes_share"],
+            "value": s[s["metric"]],
+            "low": s["ppl_min" if s["metric"] == "ppl" else "ci_low"],
+            "high": s["ppl_max" if s["metric"] == "ppl" else "ci_high"],
+            "over": f"{s['texts']} texts" if s["metric"] == "ppl" else f"{s['samples']} samples",
+        }
+        for s in summary
+    ]
     return pd.DataFrame(rows)

@@ -4,6 +4,7 @@ picked runs, opening one in the browse pages, the delete dialog, zip download an
 The table and the archive logic live in `kvlens.figures.run_table` and `kvlens.runs.archive`; the runs are
 those of the sidebar's picker (`kvlens.ui.state.all_runs`), so both always agree on what a run is.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -25,30 +26,68 @@ PENDING = "runs_pending_delete"  # the runs whose Delete was pressed, until the 
 VERSION = "runs_version"  # bumped after a delete: the table's selection starts afresh
 IMPORTED = "runs_imported"  # uploaded file id -> the sentence its import gave (each upload is imported once)
 
-ORDER = ["name", "source", "policy", "params", "budget", "storage", "ppl", "KL", "perturbation", "peak KV (MiB)",
-         "prompt tokens", "new tokens", "mode", "level", "model", "saved"]  # what tells runs apart first
+ORDER = [
+    "name",
+    "source",
+    "policy",
+    "params",
+    "budget",
+    "storage",
+    "ppl",
+    "KL",
+    "perturbation",
+    "peak KV (MiB)",
+    "prompt tokens",
+    "new tokens",
+    "mode",
+    "level",
+    "model",
+    "saved",
+]  # what tells runs apart first
 COLUMN_CONFIG = {
     "name": st.column_config.TextColumn("name", width="medium", pinned=True),
-    "source": st.column_config.TextColumn("source", width="small", help="shipped: cached_runs/; yours: runs/"),
-    "params": st.column_config.TextColumn("params", width=130, help="Parameters that differ from their defaults"),
-    "budget": st.column_config.TextColumn("budget", help="Slots per KV head per layer (none: the policy keeps "
-                                                         "what it decides, e.g. full, KVMerger, CORM)"),
-    "storage": st.column_config.TextColumn("KV storage", width=100,
-                                           help="How keys and values were stored: the model's dtype, or quantized "
-                                                "to this many bits (--kv-bits)"),
-    "ppl": st.column_config.NumberColumn("ppl", format="%.3f", width="small", help="Perplexity of the new tokens"),
-    "KL": st.column_config.NumberColumn("KL", format="%.4f", width="small",
-                                        help="Mean KL(p_full ‖ p_policy) per step (runs made with --measure)"),
-    "perturbation": st.column_config.NumberColumn("perturbation", format="%.4f",
-                                                  help="Mean output perturbation ‖O − O_full‖ / ‖O_full‖ "
-                                                       "(runs made with --measure)"),
-    "peak KV (MiB)": st.column_config.NumberColumn("peak KV (MiB)", format="%.2f",
-                                                   help="Largest allocated K+V bytes after any compression"),
-    "prompt tokens": st.column_config.NumberColumn("prompt", width="small", help="Prompt (or prefill) tokens"),
+    "source": st.column_config.TextColumn(
+        "source", width="small", help="shipped: cached_runs/; yours: runs/"
+    ),
+    "params": st.column_config.TextColumn(
+        "params", width=130, help="Parameters that differ from their defaults"
+    ),
+    "budget": st.column_config.TextColumn(
+        "budget",
+        help="Slots per KV head per layer (none: the policy keeps "
+        "what it decides, e.g. full, KVMerger, CORM)",
+    ),
+    "storage": st.column_config.TextColumn(
+        "KV storage",
+        width=100,
+        help="How keys and values were stored: the model's dtype, or quantized to this many bits (--kv-bits)",
+    ),
+    "ppl": st.column_config.NumberColumn(
+        "ppl", format="%.3f", width="small", help="Perplexity of the new tokens"
+    ),
+    "KL": st.column_config.NumberColumn(
+        "KL",
+        format="%.4f",
+        width="small",
+        help="Mean KL(p_full ‖ p_policy) per step (runs made with --measure)",
+    ),
+    "perturbation": st.column_config.NumberColumn(
+        "perturbation",
+        format="%.4f",
+        help="Mean output perturbation ‖O − O_full‖ / ‖O_full‖ (runs made with --measure)",
+    ),
+    "peak KV (MiB)": st.column_config.NumberColumn(
+        "peak KV (MiB)", format="%.2f", help="Largest allocated K+V bytes after any compression"
+    ),
+    "prompt tokens": st.column_config.NumberColumn(
+        "prompt", width="small", help="Prompt (or prefill) tokens"
+    ),
     "new tokens": st.column_config.NumberColumn("new", width="small", help="Generated (or scored) tokens"),
-    "saved": st.column_config.DatetimeColumn("saved (UTC)", format="YYYY-MM-DD HH:mm",
-                                             help="When run.json was last written (a shipped run: when it "
-                                                  "was checked out)"),
+    "saved": st.column_config.DatetimeColumn(
+        "saved (UTC)",
+        format="YYYY-MM-DD HH:mm",
+        help="When run.json was last written (a shipped run: when it was checked out)",
+    ),
 }
 
 
@@ -83,8 +122,13 @@ def overlay(paths: list[str], names: list[str]) -> None:
         except KvlensError as err:
             st.error(str(err))
     if runs:
-        chart(analysis_figure("steps", runs, label=labels), "runs_overlay", name="steps-" + "-".join(labels)[:60],
-              config={"runs": [str(r.path) for r in runs], "labels": labels}, height=330)
+        chart(
+            analysis_figure("steps", runs, label=labels),
+            "runs_overlay",
+            name="steps-" + "-".join(labels)[:60],
+            config={"runs": [str(r.path) for r in runs], "labels": labels},
+            height=330,
+        )
 
 
 def open_in_browse(path: str) -> None:
@@ -105,16 +149,31 @@ def download_button(column, path: str, name: str) -> None:
     except KvlensError as err:
         column.error(str(err))
         return
-    column.download_button("Download .zip", data=data, file_name=f"{name}.zip", mime="application/zip",
-                           key="runs_download", on_click="ignore", icon=":material/download:", width="stretch",
-                           help="run.json, tensors.safetensors and decisions.parquet in one zip")
+    column.download_button(
+        "Download .zip",
+        data=data,
+        file_name=f"{name}.zip",
+        mime="application/zip",
+        key="runs_download",
+        on_click="ignore",
+        icon=":material/download:",
+        width="stretch",
+        help="run.json, tensors.safetensors and decisions.parquet in one zip",
+    )
 
 
 def delete_button(column, paths: list[str], yours: bool) -> None:
     """A Delete button for the ticked runs (only when all are yours) that asks first, in a dialog."""
-    if column.button("Delete", icon=":material/delete:", disabled=not yours, key="runs_delete", width="stretch",
-                     help="Delete the ticked runs from your runs folder (asks first)" if yours
-                     else "Shipped runs (cached_runs/) cannot be deleted here"):
+    if column.button(
+        "Delete",
+        icon=":material/delete:",
+        disabled=not yours,
+        key="runs_delete",
+        width="stretch",
+        help="Delete the ticked runs from your runs folder (asks first)"
+        if yours
+        else "Shipped runs (cached_runs/) cannot be deleted here",
+    ):
         st.session_state[PENDING] = paths
     if st.session_state.get(PENDING):
         _confirm_delete(st.session_state[PENDING])
@@ -149,10 +208,13 @@ def _confirm_delete(paths: list[str]) -> None:
 def upload() -> tuple[bool, str] | None:
     """An uploader that imports a zip into the user's runs (once per upload); whether it worked and the sentence
     saying so, while the file is in the uploader (None when there is none)."""
-    file = st.file_uploader("A run as a .zip: one made by *Download .zip*, or a zip of a run folder", type=["zip"],
-                            key="runs_upload",
-                            help="It is checked like any run before it joins your runs, and never replaces one "
-                                 "(a name already taken gets -2, -3, ...).")
+    file = st.file_uploader(
+        "A run as a .zip: one made by *Download .zip*, or a zip of a run folder",
+        type=["zip"],
+        key="runs_upload",
+        help="It is checked like any run before it joins your runs, and never replaces one "
+        "(a name already taken gets -2, -3, ...).",
+    )
     if file is None:
         return None
     done = st.session_state.setdefault(IMPORTED, {})

@@ -3,6 +3,7 @@
 A widget key used by one page only stays in that page; a page's job flags are derived from its
 prefix by `kvlens.ui.jobs.PageJob` (`{prefix}_running`, `{prefix}_stopped`).
 """
+
 SHELL = "app_shell_active"  # app.py is drawing the shell (page config, sidebar) around the page
 RUN = "app_run"  # the sidebar's run picker: a run directory
 RUN_ENTRY = "app_run_entry"  # the picked run's `RunEntry` (None: there are no runs)

@@ -5,6 +5,7 @@ The app draws its own page links (app.py calls `st.navigation(..., position="hid
 `.streamlit/config.toml` sets `client.showSidebarNavigation = false`): Streamlit's own sidebar list
 would first show the raw file names of `pages/` when a fresh server's first request is a page's URL.
 """
+
 from __future__ import annotations
 
 import streamlit as st
@@ -18,9 +19,11 @@ from kvlens.ui.state import RunEntry, all_runs, cached_runs_dir, user_runs_dir
 DEVICES = ["auto", "cpu", "cuda", "mps"]
 # The tab's icon, inline: a `:material/...:` page icon makes the browser fetch it from fonts.gstatic.com, and the
 # app requests nothing outside the machine. The "memory" icon of Google's Material Icons (Apache License 2.0).
-ICON = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24"><path d="M15 9H9v6h6V9zm-2 4h-2v-2h2v2z'
-        'm8-2V9h-2V7c0-1.1-.9-2-2-2h-2V3h-2v2h-2V3H9v2H7c-1.1 0-2 .9-2 2v2H3v2h2v2H3v2h2v2c0 1.1.9 2 2 2h2v2h2v-2h2v2'
-        'h2v-2h2c1.1 0 2-.9 2-2v-2h2v-2h-2v-2h2zm-4 6H7V7h10v10z"/></svg>')
+ICON = (
+    '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24"><path d="M15 9H9v6h6V9zm-2 4h-2v-2h2v2z'
+    "m8-2V9h-2V7c0-1.1-.9-2-2-2h-2V3h-2v2h-2V3H9v2H7c-1.1 0-2 .9-2 2v2H3v2h2v2H3v2h2v2c0 1.1.9 2 2 2h2v2h2v-2h2v2"
+    'h2v-2h2c1.1 0 2-.9 2-2v-2h2v-2h-2v-2h2zm-4 6H7V7h10v10z"/></svg>'
+)
 
 
 def default_run(runs: list[RunEntry]) -> RunEntry:
@@ -65,9 +68,11 @@ def sidebar(pages: dict[str, list] | None = None, run_page="pages/run.py") -> No
         runs = all_runs()
         if not runs:
             st.session_state[session.RUN_ENTRY] = None
-            st.info(f"No runs yet: {cached_runs_dir()} and {user_runs_dir()} hold none. "
-                    "Make one on the Run page, or regenerate the shipped ones with "
-                    "`python scripts/make_cached_runs.py`.")
+            st.info(
+                f"No runs yet: {cached_runs_dir()} and {user_runs_dir()} hold none. "
+                "Make one on the Run page, or regenerate the shipped ones with "
+                "`python scripts/make_cached_runs.py`."
+            )
         else:
             by_path = {e.path: e for e in runs}
 
@@ -80,18 +85,32 @@ def sidebar(pages: dict[str, list] | None = None, run_page="pages/run.py") -> No
                 st.session_state[session.RUN] = request
             if st.session_state.get(session.RUN) not in by_path:
                 st.session_state[session.RUN] = default_run(runs).path
-            path = st.selectbox("Run", list(by_path), key=session.RUN, format_func=lambda p: by_path[p].label,
-                                help="Shipped runs from cached_runs/, then yours from runs/ (newest first).")
+            path = st.selectbox(
+                "Run",
+                list(by_path),
+                key=session.RUN,
+                format_func=lambda p: by_path[p].label,
+                help="Shipped runs from cached_runs/, then yours from runs/ (newest first).",
+            )
             url_state.publish("run", path, show=name)
             st.session_state[session.RUN_ENTRY] = by_path[path]
-        if st.button("New run", icon=":material/add:", width="stretch", help="Run a policy on your own prompt"):
+        if st.button(
+            "New run", icon=":material/add:", width="stretch", help="Run a policy on your own prompt"
+        ):
             st.switch_page(run_page)
         st.divider()
-        st.toggle("Paper style", key=session.PAPER,
-                  help="Show charts in the style they are exported in (white, one font, no grid).")
+        st.toggle(
+            "Paper style",
+            key=session.PAPER,
+            help="Show charts in the style they are exported in (white, one font, no grid).",
+        )
         with st.expander("Model", expanded=False):
-            st.text_input("Model", value="default", key=session.MODEL,
-                          help="'default' (embedded SmolLM2-135M-Instruct) or a hub id; a local folder or .gguf "
-                               "file only if the app was started with KVLENS_APP_MODEL set to it. "
-                               "Used by the Run and Compare pages.")
+            st.text_input(
+                "Model",
+                value="default",
+                key=session.MODEL,
+                help="'default' (embedded SmolLM2-135M-Instruct) or a hub id; a local folder or .gguf "
+                "file only if the app was started with KVLENS_APP_MODEL set to it. "
+                "Used by the Run and Compare pages.",
+            )
             st.selectbox("Device", DEVICES, key=session.DEVICE, help="auto = CUDA, then MPS, then CPU.")

@@ -6,6 +6,7 @@ bounded `st.cache_resource` keyed by path and modification time: `st.cache_data`
 copy of every tensor on each rerun. Figures of registered analyses (`run_figure`) are small and use
 `st.cache_data(max_entries=...)`.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,7 +54,9 @@ class RunEntry:
 
     @property
     def label(self) -> str:
-        return f"{self.name}  ·  {self.policy}  ·  {self.level}" + ("" if self.source == "shipped" else "  (yours)")
+        return f"{self.name}  ·  {self.policy}  ·  {self.level}" + (
+            "" if self.source == "shipped" else "  (yours)"
+        )
 
 
 def _entry(directory: Path, source: str) -> RunEntry | None:
@@ -63,7 +66,9 @@ def _entry(directory: Path, source: str) -> RunEntry | None:
         policy = str(meta["policy"]["name"])
         level = RecordLevel.parse(str((meta.get("record") or {}).get("level", RecordLevel.SUMMARY)))
         measured = "perturbation/used" in (meta.get("tensors") or {})
-        return RunEntry(str(directory), source, directory.name, policy, level, manifest.stat().st_mtime, measured)
+        return RunEntry(
+            str(directory), source, directory.name, policy, level, manifest.stat().st_mtime, measured
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None  # not a run (or unreadable): left out of the picker
 
@@ -75,8 +80,12 @@ def list_runs(cached: str, user: str) -> list[RunEntry]:
     for folder, source in ((Path(cached), "shipped"), (Path(user), "yours")):
         if not folder.is_dir():
             continue
-        found = [e for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")
-                 if (e := _entry(d, source)) is not None]
+        found = [
+            e
+            for d in folder.iterdir()
+            if d.is_dir() and not d.name.startswith(".")
+            if (e := _entry(d, source)) is not None
+        ]
         found.sort(key=lambda e: (-e.mtime, e.name) if source == "yours" else (e.name,))
         out += found
     return out
@@ -105,11 +114,17 @@ def check_app_model(spec: str) -> str:
     in $KVLENS_APP_MODEL, so nothing typed into the page reads files elsewhere on the machine."""
     spec = (spec or "default").strip()
     allowed = os.environ.get("KVLENS_APP_MODEL")
-    looks_local = spec.startswith(("/", ".", "~", "\\")) or spec.lower().endswith(".gguf") or \
-        Path(spec).expanduser().exists() or ".." in spec.split("/")
+    looks_local = (
+        spec.startswith(("/", ".", "~", "\\"))
+        or spec.lower().endswith(".gguf")
+        or Path(spec).expanduser().exists()
+        or ".." in spec.split("/")
+    )
     if looks_local and spec != allowed:
-        raise KvlensError("The app loads only 'default' or a hub id; to use a local model, start the app "
-                          "with KVLENS_APP_MODEL=/path/to/model and type that path.")
+        raise KvlensError(
+            "The app loads only 'default' or a hub id; to use a local model, start the app "
+            "with KVLENS_APP_MODEL=/path/to/model and type that path."
+        )
     return spec
 
 

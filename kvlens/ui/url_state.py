@@ -7,6 +7,7 @@ bar always holds the view; `bound(widget, ...)` does the three. `bound_many` kee
 `bind_param`/`publish_param` a widget generated from a declared parameter (`kvlens.ui.params`), under the
 parameter's name. `share_link()` shows that address with a button that copies it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -24,8 +25,14 @@ READ = "url_read"  # session key: the widget keys already set from the URL in th
 MAX_TEXT = 200  # longest free-text value taken from a link
 
 
-def bind(key: str, param: str, options: Sequence | None, what: str, show: Callable[[Any], str] = str,
-         parse: Callable[[str], Any] | None = None) -> None:
+def bind(
+    key: str,
+    param: str,
+    options: Sequence | None,
+    what: str,
+    show: Callable[[Any], str] = str,
+    parse: Callable[[str], Any] | None = None,
+) -> None:
     """Set `st.session_state[key]` from `?param=` once per session: to the option `o` with `show(o)` equal
     to the parameter; when `options` is None, to `parse(text)` (which raises KvlensError with the sentence of
     a bad text), or without `parse` to any text up to `MAX_TEXT` characters. Otherwise warn once."""
@@ -70,8 +77,16 @@ def publish(param: str, value: Any, show: Callable[[Any], str] = str) -> None:
         st.query_params[param] = text
 
 
-def bound(widget: Callable[..., Any], param: str, key: str, options: Sequence | None, what: str, default: Any,
-          show: Callable[[Any], str] = str, parse: Callable[[str], Any] | None = None) -> Any:
+def bound(
+    widget: Callable[..., Any],
+    param: str,
+    key: str,
+    options: Sequence | None,
+    what: str,
+    default: Any,
+    show: Callable[[Any], str] = str,
+    parse: Callable[[str], Any] | None = None,
+) -> Any:
     """`bind`, then `widget(key=key)` starting at `default` unless the link or the user set it, then `publish`:
     the widget's value, kept in the URL. `widget` must not pass a default of its own (Session State holds it)."""
     bind(key, param, options, what, show, parse)
@@ -81,12 +96,26 @@ def bound(widget: Callable[..., Any], param: str, key: str, options: Sequence | 
     return value
 
 
-def bound_many(widget: Callable[..., Any], param: str, key: str, options: Sequence[str], what: str,
-               default: Sequence[str]) -> list[str]:
+def bound_many(
+    widget: Callable[..., Any],
+    param: str,
+    key: str,
+    options: Sequence[str],
+    what: str,
+    default: Sequence[str],
+) -> list[str]:
     """`bound` for a multiselect over `options` (texts without commas): `?param=a,b`, `?param=` for none."""
     spec = Param(param, tuple(default), "", choices=tuple(options), many=True)
-    return bound(widget, param, key, None, what, list(default), show=",".join,
-                 parse=lambda text: list(dict.fromkeys(spec.parse(text))))
+    return bound(
+        widget,
+        param,
+        key,
+        None,
+        what,
+        list(default),
+        show=",".join,
+        parse=lambda text: list(dict.fromkeys(spec.parse(text))),
+    )
 
 
 def bind_param(p: Param, key: str, owner: str) -> None:
@@ -98,6 +127,7 @@ def bind_param(p: Param, key: str, owner: str) -> None:
     elif widget == "check":
         bind(key, p.name, [True, False], p.name, show=_flag)
     else:
+
         def parse(text: str) -> Any:
             value = p.parse(text, owner)
             return value if widget == "number" else text  # a text field holds the text itself

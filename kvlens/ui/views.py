@@ -1,4 +1,5 @@
 """Small shared blocks of page layout: run header, metric row, texts with a highlighted divergence."""
+
 from __future__ import annotations
 
 import html
@@ -19,7 +20,7 @@ def _budget(run: Run) -> str:
 
 
 def _storage(run: Run) -> str:
-    """" · KV 4-bit kivi, group 64" for quantized storage; nothing for the model's dtype (and older runs)."""
+    """ " · KV 4-bit kivi, group 64" for quantized storage; nothing for the model's dtype (and older runs)."""
     storage = run.meta.get("storage")
     return f" · KV {storage_label(storage)}" if storage and storage.get("bits") is not None else ""
 
@@ -30,35 +31,51 @@ def run_header(run: Run) -> None:
     params = ", ".join(f"{k}={v}" for k, v in changed_params(pol["name"], pol.get("params") or {}).items())
     rec = run.meta.get("record") or {}
     layers = rec.get("layers")
-    st.markdown(f"**{pol['name']}**" + (f" ({params})" if params else "") + f" · {_budget(run)}{_storage(run)} · "
-                f"{run.meta.get('mode', 'generate')} · {len(run.meta['prompt_tokens'])} prompt + "
-                f"{len(run.meta['tokens'])} new tokens · recorded `{rec.get('level', 'summary')}`"
-                + (f" (layers {', '.join(map(str, layers))})" if layers else "")
-                + f" · `{run.path.name if run.path else 'unsaved'}`")
+    st.markdown(
+        f"**{pol['name']}**" + (f" ({params})" if params else "") + f" · {_budget(run)}{_storage(run)} · "
+        f"{run.meta.get('mode', 'generate')} · {len(run.meta['prompt_tokens'])} prompt + "
+        f"{len(run.meta['tokens'])} new tokens · recorded `{rec.get('level', 'summary')}`"
+        + (f" (layers {', '.join(map(str, layers))})" if layers else "")
+        + f" · `{run.path.name if run.path else 'unsaved'}`"
+    )
 
 
 def metric_row(run: Run) -> None:
     m = run.metrics
     cols = st.columns(5)
-    cols[0].metric("Perplexity", f"{m['ppl']:.2f}", help="exp(mean NLL) of the produced tokens under this run")
-    cols[1].metric("Peak KV cache", f"{m['kv_bytes_peak'] / 2**20:.2f} MiB",
-                   help=f"Allocated bytes after compression, stored as {storage_label(run.meta.get('storage'))}; "
-                        f"the uncompressed prompt took {m.get('kv_bytes_prefill', 0) / 2**20:.2f} MiB")
+    cols[0].metric(
+        "Perplexity", f"{m['ppl']:.2f}", help="exp(mean NLL) of the produced tokens under this run"
+    )
+    cols[1].metric(
+        "Peak KV cache",
+        f"{m['kv_bytes_peak'] / 2**20:.2f} MiB",
+        help=f"Allocated bytes after compression, stored as {storage_label(run.meta.get('storage'))}; "
+        f"the uncompressed prompt took {m.get('kv_bytes_prefill', 0) / 2**20:.2f} MiB",
+    )
     cols[2].metric("Max slots / head", m["kv_slots_max"])
     ms = m.get("ms_per_token")
-    cols[3].metric("ms / token", f"{ms:.0f}" if ms else "n/a",
-                   help="Wall time per decode step, recording and measuring included (this machine, at that time)")
+    cols[3].metric(
+        "ms / token",
+        f"{ms:.0f}" if ms else "n/a",
+        help="Wall time per decode step, recording and measuring included (this machine, at that time)",
+    )
     kl = m.get("kl")
-    cols[4].metric("KL to full", f"{kl:.4f}" if kl is not None else "not measured",
-                   help="Mean KL(p_full || p_policy) per step; measured runs only (--measure)")
+    cols[4].metric(
+        "KL to full",
+        f"{kl:.4f}" if kl is not None else "not measured",
+        help="Mean KL(p_full || p_policy) per step; measured runs only (--measure)",
+    )
 
 
 def token_text(run: Run) -> None:
     """Prompt in grey, generated (or scored) text in black."""
     prompt = html.escape(run.meta.get("prompt", ""))
     text = html.escape(run.meta.get("text", ""))
-    st.markdown(f"<div style='white-space:pre-wrap;line-height:1.5'><span style='color:#888'>{prompt}</span>"
-                f"<span style='background:#e8f0fe'>{text}</span></div>", unsafe_allow_html=True)
+    st.markdown(
+        f"<div style='white-space:pre-wrap;line-height:1.5'><span style='color:#888'>{prompt}</span>"
+        f"<span style='background:#e8f0fe'>{text}</span></div>",
+        unsafe_allow_html=True,
+    )
 
 
 def diverging_text(text_tokens: list[str], first_diff: int | None, reference: bool = False) -> None:
@@ -70,6 +87,9 @@ def diverging_text(text_tokens: list[str], first_diff: int | None, reference: bo
         return
     same = html.escape("".join(text_tokens[:first_diff]))
     diff = html.escape("".join(text_tokens[first_diff:]))
-    st.markdown(f"<div style='white-space:pre-wrap'>{same}<span style='background:#ffd8a8' "
-                f"title='differs from the full cache from here'>{diff}</span></div>", unsafe_allow_html=True)
+    st.markdown(
+        f"<div style='white-space:pre-wrap'>{same}<span style='background:#ffd8a8' "
+        f"title='differs from the full cache from here'>{diff}</span></div>",
+        unsafe_allow_html=True,
+    )
     st.caption(f"Diverges from the full cache at new token {first_diff}.")

@@ -1,5 +1,6 @@
 """The Why page's computation: an `explain` result for the selected run or a generated task sample, cached per
 setting (a 1024-token sample takes minutes on a CPU, a short run seconds)."""
+
 from __future__ import annotations
 
 import streamlit as st
@@ -21,8 +22,16 @@ def explain_run(path: str, by: tuple[str, ...], span: int, minimal: bool) -> dic
 
 
 @st.cache_data(max_entries=16, show_spinner=False)
-def explain_sample(task: str, length: int, index: int, policy: str, ratio: float, by: tuple[str, ...], span: int,
-                   minimal: bool) -> dict:
+def explain_sample(
+    task: str,
+    length: int,
+    index: int,
+    policy: str,
+    ratio: float,
+    by: tuple[str, ...],
+    span: int,
+    minimal: bool,
+) -> dict:
     from kvlens.experiments.bench import ruler
     from kvlens.explain.case import sample_case
     from kvlens.explain.explain import explain
@@ -30,8 +39,13 @@ def explain_sample(task: str, length: int, index: int, policy: str, ratio: float
 
     model = get_model("default", "auto")
     count = lambda s: len(model.tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
-    sample = ruler.generate(task, length, index, count, " ".join(bundled().values()), seed=SUITE_SEED,
-                            depths=SUITE["depths"])
+    sample = ruler.generate(
+        task, length, index, count, " ".join(bundled().values()), seed=SUITE_SEED, depths=SUITE["depths"]
+    )
     about = {"length": length, "index": index, "seed": SUITE_SEED, **SUITE}
-    return explain(sample_case(model, sample, policy, ratio, about=about, rounding=SUITE["rounding"]), list(by), span,
-                   minimal_by="head" if minimal else None)
+    return explain(
+        sample_case(model, sample, policy, ratio, about=about, rounding=SUITE["rounding"]),
+        list(by),
+        span,
+        minimal_by="head" if minimal else None,
+    )

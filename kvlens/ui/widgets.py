@@ -1,4 +1,5 @@
 """Policy widgets generated from the policy dataclasses (`kvlens.policies.parameters`), and the KV storage picker."""
+
 from __future__ import annotations
 
 import streamlit as st
@@ -6,7 +7,15 @@ import streamlit as st
 from kvlens.engine.quantize import BITS, SCHEMES, Storage
 from kvlens.errors import KvlensError
 from kvlens.params import check_budget as check_budget_value
-from kvlens.policies import REGISTRY, make_policy, parameters, parse_budget, policy_names, presets, with_preset
+from kvlens.policies import (
+    REGISTRY,
+    make_policy,
+    parameters,
+    parse_budget,
+    policy_names,
+    presets,
+    with_preset,
+)
 from kvlens.ui.params import param_widget
 
 DEFAULTS = "(defaults)"
@@ -22,15 +31,18 @@ def parameter_widgets(policy: str, prefix: str) -> dict:
     start, prefix = _preset_picker(policy, prefix)
     for p in parameters(policy):
         if p.kind == "policy":
-            values[p.name] = param_widget(p, start.get(p.name, p.default), f"{prefix}_{policy}_{p.name}", owner=policy)
+            values[p.name] = param_widget(
+                p, start.get(p.name, p.default), f"{prefix}_{policy}_{p.name}", owner=policy
+            )
     specs = [p for p in parameters(policy, values) if p.kind != "policy"]
     cols = st.columns(min(3, max(1, len(specs))))
     bad = None
     for i, p in enumerate(specs):
         with cols[i % len(cols)]:
             try:
-                values[p.name] = param_widget(p, start.get(p.name, p.default), f"{prefix}_{policy}_{p.name}",
-                                              owner=policy)
+                values[p.name] = param_widget(
+                    p, start.get(p.name, p.default), f"{prefix}_{policy}_{p.name}", owner=policy
+                )
             except KvlensError as err:
                 bad = bad or err
                 st.error(str(err))
@@ -58,9 +70,13 @@ def _preset_picker(policy: str, prefix: str) -> tuple[dict, str]:
     named = presets(policy)
     if not named:
         return {}, prefix
-    choice = st.selectbox("preset", [DEFAULTS, *named], key=f"{prefix}_{policy}_preset",
-                          help="Named settings from the policy's sources (see `kvlens policies`); the fields below "
-                               "start from it and can still be changed.")
+    choice = st.selectbox(
+        "preset",
+        [DEFAULTS, *named],
+        key=f"{prefix}_{policy}_preset",
+        help="Named settings from the policy's sources (see `kvlens policies`); the fields below "
+        "start from it and can still be changed.",
+    )
     if choice == DEFAULTS:
         return {}, prefix
     return with_preset(policy, {"preset": choice}), f"{prefix}_{choice}"
@@ -73,14 +89,23 @@ def policy_picker(prefix: str, default: str = "h2o", label: str = "Policy", budg
     its field (the caller then disables its Run button).
     """
     names = policy_names()
-    name = st.selectbox(label, names, index=names.index(default) if default in names else 0, key=f"{prefix}_policy",
-                        help="\n\n".join(f"**{n}**: {REGISTRY[n].description}" for n in names))
+    name = st.selectbox(
+        label,
+        names,
+        index=names.index(default) if default in names else 0,
+        key=f"{prefix}_policy",
+        help="\n\n".join(f"**{n}**: {REGISTRY[n].description}" for n in names),
+    )
     cls = REGISTRY[name]
     budget, budget_slot = None, st
     try:
         if not cls.budget_free:
-            text = st.text_input("Budget", value=budget_default, key=f"{prefix}_{name}_budget",
-                                 help="Slots per KV head per layer (e.g. 64) or a share of the prompt (e.g. 0.5).")
+            text = st.text_input(
+                "Budget",
+                value=budget_default,
+                key=f"{prefix}_{name}_budget",
+                help="Slots per KV head per layer (e.g. 64) or a share of the prompt (e.g. 0.5).",
+            )
             budget_slot = st.empty()
             budget = parse_budget(text)
         elif name == "full":
@@ -133,25 +158,46 @@ def storage_picker(prefix: str) -> Storage | None:
     Returns the `Storage`, or None after showing the sentence of a bad combination (the caller then disables
     its button).
     """
-    bits = st.selectbox("KV storage", [DTYPE, *sorted(BITS, reverse=True)], key=f"{prefix}_kv_bits",
-                        format_func=storage_option,
-                        help="How the cache holds keys and values (`--kv-bits`). Quantized: packed codes with a "
-                             "zero point and scale per group (KIVI, Liu et al. 2024), independent of the policy, "
-                             "which still chooses from the prompt in full precision.")
+    bits = st.selectbox(
+        "KV storage",
+        [DTYPE, *sorted(BITS, reverse=True)],
+        key=f"{prefix}_kv_bits",
+        format_func=storage_option,
+        help="How the cache holds keys and values (`--kv-bits`). Quantized: packed codes with a "
+        "zero point and scale per group (KIVI, Liu et al. 2024), independent of the policy, "
+        "which still chooses from the prompt in full precision.",
+    )
     if bits == DTYPE:
         return Storage()
     with st.expander(f"{bits}-bit storage settings", expanded=False):
-        scheme = st.selectbox("Scheme", SCHEMES, key=f"{prefix}_kv_scheme",
-                              help="kivi: keys per channel (groups of slots), values per token, as in the paper. "
-                                   "token: keys and values both per token (groups of channels). `--kv-scheme`")
+        scheme = st.selectbox(
+            "Scheme",
+            SCHEMES,
+            key=f"{prefix}_kv_scheme",
+            help="kivi: keys per channel (groups of slots), values per token, as in the paper. "
+            "token: keys and values both per token (groups of channels). `--kv-scheme`",
+        )
         c1, c2 = st.columns(2)
-        group = c1.number_input("Group size", 1, 4096, Storage.group, step=16, key=f"{prefix}_kv_group",
-                                help="Values sharing one zero point and scale: slots (kivi's keys) or channels "
-                                     "(a divisor of the model's head size). `--kv-group`")
-        residual = c2.number_input("Full-precision window", 0, 65536, Storage.residual, step=32,
-                                   key=f"{prefix}_kv_residual",
-                                   help="The newest tokens kept unquantized (KIVI's R; for kivi a multiple of the "
-                                        "group size). `--kv-residual`")
+        group = c1.number_input(
+            "Group size",
+            1,
+            4096,
+            Storage.group,
+            step=16,
+            key=f"{prefix}_kv_group",
+            help="Values sharing one zero point and scale: slots (kivi's keys) or channels "
+            "(a divisor of the model's head size). `--kv-group`",
+        )
+        residual = c2.number_input(
+            "Full-precision window",
+            0,
+            65536,
+            Storage.residual,
+            step=32,
+            key=f"{prefix}_kv_residual",
+            help="The newest tokens kept unquantized (KIVI's R; for kivi a multiple of the "
+            "group size). `--kv-residual`",
+        )
     try:
         return Storage(bits, scheme, int(group), int(residual))
     except KvlensError as err:

@@ -1,5 +1,6 @@
 """docs/analyses.md: every analysis kind from the analysis registry (`kvlens/analysis/registry.py`), with the
 example figure exported by `kvlens figure` into docs/img/ where one exists (its JSON names the command)."""
+
 from __future__ import annotations
 
 import inspect
@@ -8,8 +9,11 @@ import sys
 
 from docgen.common import ROOT, banner, table
 
-INPUTS = {"run": "one run (`--run DIR`)", "runs": "several runs (`--run DIR` repeated)",
-          "model": "the model, over the bundled texts"}
+INPUTS = {
+    "run": "one run (`--run DIR`)",
+    "runs": "several runs (`--run DIR` repeated)",
+    "model": "the model, over the bundled texts",
+}
 
 
 def examples() -> dict[str, list[tuple[str, str]]]:
@@ -27,12 +31,16 @@ def section(name: str, cls, shown: dict) -> str:
     module = inspect.getdoc(sys.modules[cls.__module__]) or ""
     out = f"## {name}\n\n**Reproduces**: {cls.paper}. **Reads**: {INPUTS[cls.inputs]}"
     if cls.inputs != "model":
-        out += f", recorded with `--record {cls.level}` or more" + (" and `--measure`" if cls.measured else "")
+        out += f", recorded with `--record {cls.level}` or more" + (
+            " and `--measure`" if cls.measured else ""
+        )
     if cls.replays:
         out += "; it feeds the run's tokens through the run's model again (`--device`, `--dtype`)"
     out += f".\n\n{module}\n\n" + (f"{cls.see_also}\n\n" if cls.see_also else "")
-    rows = [[f"`--{p.name.replace('_', '-')}`", f"`{p.describe()['default']}`", p.describe()["help"]]
-            for p in cls.params]
+    rows = [
+        [f"`--{p.name.replace('_', '-')}`", f"`{p.describe()['default']}`", p.describe()["help"]]
+        for p in cls.params
+    ]
     out += (table(["flag", "default", "what it sets"], rows) if rows else "No parameters.\n") + "\n"
     if cls.inputs == "model":
         out += f"```\nkvlens analyze {name} --json\nkvlens figure {name} --out {name}.png\n```\n\n"
@@ -49,16 +57,25 @@ def page() -> str:
     kinds = analyses()
     shown = examples()
     out = banner("the analysis registry (`kvlens.analysis.registry.analyses()`)") + "# Analyses\n\n"
-    out += ("An analysis reads recorded runs (or runs the model) and gives numbers (`kvlens analyze KIND --json`, "
-            "`Run.analyze(KIND)`) and a figure (`kvlens figure KIND --out FILE` writes it with its data as CSV and "
-            "its settings as JSON; `Run.figure(KIND)` returns the plotly figure; the app's Analyses page draws it "
-            "with a widget per parameter).\n\n")
-    out += ("The analyses of a run's prompt recompute attention from the recorded float16 prefill queries and keys "
-            "(float32 math), so they need `--record states`; the softmax scale is 1/sqrt(head_dim). Spectra are "
-            "not centred (as WeightedKV); above 512 tokens or dimensions they use scikit-learn's seeded "
-            "randomized SVD with the total energy from the Frobenius norm.\n\n")
-    out += table(["kind", "reproduces", "reads"], [[f"[`{n}`](#{n})", c.paper, INPUTS[c.inputs]]
-                                                    for n, c in kinds.items()]) + "\n"
+    out += (
+        "An analysis reads recorded runs (or runs the model) and gives numbers (`kvlens analyze KIND --json`, "
+        "`Run.analyze(KIND)`) and a figure (`kvlens figure KIND --out FILE` writes it with its data as CSV and "
+        "its settings as JSON; `Run.figure(KIND)` returns the plotly figure; the app's Analyses page draws it "
+        "with a widget per parameter).\n\n"
+    )
+    out += (
+        "The analyses of a run's prompt recompute attention from the recorded float16 prefill queries and keys "
+        "(float32 math), so they need `--record states`; the softmax scale is 1/sqrt(head_dim). Spectra are "
+        "not centred (as WeightedKV); above 512 tokens or dimensions they use scikit-learn's seeded "
+        "randomized SVD with the total energy from the Frobenius norm.\n\n"
+    )
+    out += (
+        table(
+            ["kind", "reproduces", "reads"],
+            [[f"[`{n}`](#{n})", c.paper, INPUTS[c.inputs]] for n, c in kinds.items()],
+        )
+        + "\n"
+    )
     for name, cls in kinds.items():
         out += section(name, cls, shown)
     return out

@@ -1,4 +1,5 @@
 """What the page generators share: the repository root, the generated-page banner, markdown table cells."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,4 +32,4 @@ def replace_block(text: str, name: str, body: str) -> str:
     head, rest = text.split(start, 1)
     if end not in rest:
         raise ValueError(f"the `{start.strip()}` block has no `{end}`")
-    return head + start + body + rest[rest.index(end):]
+    return head + start + body + rest[rest.index(end) :]

@@ -1,5 +1,6 @@
 """docs/policies.md and the README's policy table: from the policy registry (`kvlens.policies`) and the kvpress
 cross-check's reference file (`tests/data/kvpress_reference.json`, which names the policies it compares)."""
+
 from __future__ import annotations
 
 import inspect
@@ -79,8 +80,11 @@ def kvpress_line(name: str, cls, checked: dict[str, str]) -> str:
         return "**kvpress**: no equivalent press.\n\n"
     out = f"**kvpress**: `{cls.kvpress}`"
     test = "tests/cross_checks/test_kvpress_crosscheck.py"
-    out += (f", cross-checked on {checked[name]} (`{test}`, kvpress {kvpress_version()})"
-            if name in checked else ", not cross-checked")
+    out += (
+        f", cross-checked on {checked[name]} (`{test}`, kvpress {kvpress_version()})"
+        if name in checked
+        else ", not cross-checked"
+    )
     out += f". {cls.kvpress_differs}\n\n" if cls.kvpress_differs else ".\n\n"
     return out
 
@@ -112,11 +116,16 @@ def page() -> str:
     from kvlens.policies import policy_names
 
     checked = crosschecked()
-    out = banner("the policy registry (`kvlens.policies`) and `tests/data/kvpress_reference.json`") + "# Policies\n\n"
-    out += ("Every policy is one file in `kvlens/policies/`. `kvlens policies` lists them, `--set KEY=VALUE` changes "
-            "a parameter (`--set preset=NAME` applies a preset; explicit values override it) and the app's widgets "
-            "take their tooltips from the same declarations. A policy built on a `base` policy (CaM, PyramidKV, "
-            "Ada-KV) takes the base's parameters as `base.NAME`.\n\n")
+    out = (
+        banner("the policy registry (`kvlens.policies`) and `tests/data/kvpress_reference.json`")
+        + "# Policies\n\n"
+    )
+    out += (
+        "Every policy is one file in `kvlens/policies/`. `kvlens policies` lists them, `--set KEY=VALUE` changes "
+        "a parameter (`--set preset=NAME` applies a preset; explicit values override it) and the app's widgets "
+        "take their tooltips from the same declarations. A policy built on a `base` policy (CaM, PyramidKV, "
+        "Ada-KV) takes the base's parameters as `base.NAME`.\n\n"
+    )
     out += readme_table() + "\n"
     for name in policy_names():
         out += section(name, checked)

@@ -1,5 +1,6 @@
 """docs/results.md and the README's results summary: every table from a file in `results/`, with the command,
 date and machine the file records and the spread of each number."""
+
 from __future__ import annotations
 
 import json
@@ -13,15 +14,18 @@ NBSP, JOIN = "\u00a0", "\u2060"  # no-break space, word joiner: a narrow table c
 def spread(value: str, low: str, high: str) -> str:
     return f"{value}{NBSP}[{low}{JOIN}–{JOIN}{high}]"
 
+
 RESULTS = ROOT / "results"
 # The files the pages cite, in the order of the app's Benchmarks page, each with its section title.
-CITED = {"bench_tasks.json": "Task accuracy under compression",
-         "bench_frontier.json": "Quality at equal bytes: eviction, merging, quantized and low-rank storage",
-         "bench_speed.json": "Speed and memory",
-         "bench_ppl.json": "Perplexity of the eviction and merging policies",
-         "bench_needle.json": "Needle in a haystack",
-         "sweep_cam_perturbation.json": "CaM: output perturbation against the budget",
-         "explain.json": "Why a compressed cache gets a needle wrong: the smallest sufficient restore"}
+CITED = {
+    "bench_tasks.json": "Task accuracy under compression",
+    "bench_frontier.json": "Quality at equal bytes: eviction, merging, quantized and low-rank storage",
+    "bench_speed.json": "Speed and memory",
+    "bench_ppl.json": "Perplexity of the eviction and merging policies",
+    "bench_needle.json": "Needle in a haystack",
+    "sweep_cam_perturbation.json": "CaM: output perturbation against the budget",
+    "explain.json": "Why a compressed cache gets a needle wrong: the smallest sufficient restore",
+}
 
 
 def load(name: str) -> dict:
@@ -35,8 +39,13 @@ def f3(x) -> str:
 def machine(env: dict | None) -> str:
     if not env:
         return "not recorded in the file"
-    parts = [f"{env.get('cpus')}-core {env.get('machine')} CPU" if env.get("device", "cpu") == "cpu"
-             else str(env.get("device")), f"torch {env.get('torch')}", env.get("dtype", "float32")]
+    parts = [
+        f"{env.get('cpus')}-core {env.get('machine')} CPU"
+        if env.get("device", "cpu") == "cpu"
+        else str(env.get("device")),
+        f"torch {env.get('torch')}",
+        env.get("dtype", "float32"),
+    ]
     if env.get("executor"):
         parts.append(str(env["executor"]))
     elif env.get("threads"):
@@ -47,8 +56,11 @@ def machine(env: dict | None) -> str:
 def provenance(name: str, obj: dict) -> str:
     """Command, date and machine of a results file, as the lines that open its section."""
     env = obj.get("environment")
-    when = (f"{env['time'][:10]} · {machine(env)}" if env and env.get("time")
-            else "date and machine not recorded in the file")
+    when = (
+        f"{env['time'][:10]} · {machine(env)}"
+        if env and env.get("time")
+        else "date and machine not recorded in the file"
+    )
     out = f"`results/{name}` · made by `{obj.get('command', 'not recorded')}` · {when}"
     model = (env or {}).get("model") or obj.get("model")
     if model:
@@ -74,11 +86,13 @@ def tasks_section(obj: dict) -> str:
     cfg = obj["config"]
     rows = [r for r in obj["rows"] if isinstance(r.get("results"), list)]
     elsewhere = sorted({r["machine"] for r in rows if r.get("machine")})
-    out = (f"Tasks {', '.join(f'`{t}`' for t in cfg['tasks'])} at context lengths "
-           f"{', '.join(map(str, cfg['lengths']))} tokens, {cfg['count']} samples each; the context is compressed "
-           "once to the ratio (the share removed, as in kvpress), then the question is asked. Score: the share of "
-           "the expected strings found in the answers, averaged over tasks and lengths; in brackets the bootstrap "
-           "95 % interval over samples. " + conventions(cfg))
+    out = (
+        f"Tasks {', '.join(f'`{t}`' for t in cfg['tasks'])} at context lengths "
+        f"{', '.join(map(str, cfg['lengths']))} tokens, {cfg['count']} samples each; the context is compressed "
+        "once to the ratio (the share removed, as in kvpress), then the question is asked. Score: the share of "
+        "the expected strings found in the answers, averaged over tasks and lengths; in brackets the bootstrap "
+        "95 % interval over samples. " + conventions(cfg)
+    )
     if elsewhere:
         n = sum(1 for r in rows if r.get("machine"))
         out += f" {n} of the {len(rows)} samples ran on another machine ({'; '.join(elsewhere)})."
@@ -90,27 +104,47 @@ def tasks_section(obj: dict) -> str:
     key = {n: -(by.get((n, 0.5)) or by.get((n, None)) or by.get((n, 0.0)))["score"] for n in names}
     body = []
     for n in sorted(names, key=lambda n: key[n]):
+
         def fmt(s):
-            return "" if s is None else spread(f"{s['score']:.3f}", f"{s['ci_low']:.3f}", f"{s['ci_high']:.3f}")
+            return (
+                "" if s is None else spread(f"{s['score']:.3f}", f"{s['ci_low']:.3f}", f"{s['ci_high']:.3f}")
+            )
+
         own = by.get((n, None)) or by.get((n, 0.0))
-        body.append([f"`{n}`", *(fmt(by.get((n, r))) for r in ratios), fmt(own), str((own or by[(n, ratios[0])])
-                                                                                       ["samples"])])
+        body.append(
+            [
+                f"`{n}`",
+                *(fmt(by.get((n, r))) for r in ratios),
+                fmt(own),
+                str((own or by[(n, ratios[0])])["samples"]),
+            ]
+        )
     out += table(["policy", *(f"ratio {r}" for r in ratios), "full or budget-free", "samples"], body)
-    return out + ("\nSorted by the score at ratio 0.5. The full cache and the budget-free policies (which decide their "
-                  "own size) have no ratio. The app's Benchmarks page shows each task and length.\n\n")
+    return out + (
+        "\nSorted by the score at ratio 0.5. The full cache and the budget-free policies (which decide their "
+        "own size) have no ratio. The app's Benchmarks page shows each task and length.\n\n"
+    )
 
 
 def conventions(cfg: dict) -> str:
     """How the file counted a ratio's slots and placed its needles (a file from before the options: kvlens's
     rounding, random depths), and the options that resume it."""
     rounding, depths = cfg.get("rounding", "kvlens"), cfg.get("depths", "random")
-    kept = ("int(T × (1 − ratio)), kvpress's" if rounding == "kvpress"
-            else "T − int(T × ratio) (kvlens's rounding before `--rounding`)")
-    where = ("spread evenly over the samples (stratified)" if depths == "stratified"
-             else "at uniformly random sentence boundaries (RULER's)")
-    return (f"A context of T tokens keeps {kept}; needles sit {where}; `--rounding {rounding} --depths {depths}` "
-            "resumes the file. The needles found by depth and length, per policy at the grid's middle ratio: "
-            "`results/bench_tasks_needles.png`.")
+    kept = (
+        "int(T × (1 − ratio)), kvpress's"
+        if rounding == "kvpress"
+        else "T − int(T × ratio) (kvlens's rounding before `--rounding`)"
+    )
+    where = (
+        "spread evenly over the samples (stratified)"
+        if depths == "stratified"
+        else "at uniformly random sentence boundaries (RULER's)"
+    )
+    return (
+        f"A context of T tokens keeps {kept}; needles sit {where}; `--rounding {rounding} --depths {depths}` "
+        "resumes the file. The needles found by depth and length, per policy at the grid's middle ratio: "
+        "`results/bench_tasks_needles.png`."
+    )
 
 
 def frontier_rows(obj: dict) -> list[dict]:
@@ -122,126 +156,211 @@ def frontier_rows(obj: dict) -> list[dict]:
 
 def frontier_section(obj: dict) -> str:
     cfg = obj["config"]
-    out = (f"Each configuration holds the share of the full cache's bytes shown: eviction and merging keep fewer "
-           f"slots, quantized storage keeps every slot in fewer bits, low-rank storage keeps every slot as fewer "
-           f"coefficients over a basis of the prompt's (per KV head, or xKV's shared across "
-           f"{cfg.get('rank_layers')} layers), mixes do two of these. Perplexity over "
-           f"{len(cfg['texts'])} bundled texts ({cfg['prefill']} + {cfg['tokens']} tokens; in brackets the lowest "
-           f"and highest text); task score over {cfg['task_count']} samples of "
-           f"{', '.join(f'`{t}`' for t in cfg['tasks'])} at {', '.join(map(str, cfg['task_lengths']))} tokens "
-           "(in brackets the bootstrap 95 % interval).\n\n")
+    out = (
+        f"Each configuration holds the share of the full cache's bytes shown: eviction and merging keep fewer "
+        f"slots, quantized storage keeps every slot in fewer bits, low-rank storage keeps every slot as fewer "
+        f"coefficients over a basis of the prompt's (per KV head, or xKV's shared across "
+        f"{cfg.get('rank_layers')} layers), mixes do two of these. Perplexity over "
+        f"{len(cfg['texts'])} bundled texts ({cfg['prefill']} + {cfg['tokens']} tokens; in brackets the lowest "
+        f"and highest text); task score over {cfg['task_count']} samples of "
+        f"{', '.join(f'`{t}`' for t in cfg['tasks'])} at {', '.join(map(str, cfg['task_lengths']))} tokens "
+        "(in brackets the bootstrap 95 % interval).\n\n"
+    )
     rows = []
-    for s in sorted(frontier_rows(obj), key=lambda s: (s["metric"], -s["bytes_share"], s["family"], s["config"])):
+    for s in sorted(
+        frontier_rows(obj), key=lambda s: (s["metric"], -s["bytes_share"], s["family"], s["config"])
+    ):
         ppl = s["metric"] == "ppl"
         low, high = (s["ppl_min"], s["ppl_max"]) if ppl else (s["ci_low"], s["ci_high"])
         digits = 2 if ppl else 3
-        rows.append(["perplexity" if ppl else "task score", s["family"], s["config"], f"{s['bytes_share']:.3f}",
-                     spread(f"{s[s['metric']]:.{digits}f}", f"{low:.{digits}f}", f"{high:.{digits}f}")])
+        rows.append(
+            [
+                "perplexity" if ppl else "task score",
+                s["family"],
+                s["config"],
+                f"{s['bytes_share']:.3f}",
+                spread(f"{s[s['metric']]:.{digits}f}", f"{low:.{digits}f}", f"{high:.{digits}f}"),
+            ]
+        )
     return out + table(["measure", "family", "configuration", "bytes share", "value [spread]"], rows) + "\n"
 
 
 def speed_section(obj: dict) -> str:
     cfg = obj["config"]
-    out = (f"Unmeasured runs (no perturbation meter), {cfg['steps']} decode steps at budget {cfg['budget']}. "
-           "Each row is one run: prefill time, the median wall-clock time of a decode step, the largest KV cache "
-           "allocated and the process's peak memory.\n\n")
-    rows = [[f"`{r['policy']}`", r["prompt_tokens"], f"{r['prefill_ms']:.0f}", f"{r['ms_per_token']:.1f}",
-             f"{r['kv_bytes_peak'] / 2**20:.1f}", f"{r['peak_rss'] / 2**20:.0f}"] for r in obj["rows"]]
-    out += table(["policy", "prompt tokens", "prefill ms", "ms per token", "KV MiB (peak)", "peak RSS MiB"], rows)
-    out += (f"\nRatios of decode time, each the median over {cfg['repeats']} repeats run in lockstep "
-            "(in brackets the lowest and highest repeat where the file keeps them), against their targets:\n\n")
+    out = (
+        f"Unmeasured runs (no perturbation meter), {cfg['steps']} decode steps at budget {cfg['budget']}. "
+        "Each row is one run: prefill time, the median wall-clock time of a decode step, the largest KV cache "
+        "allocated and the process's peak memory.\n\n"
+    )
+    rows = [
+        [
+            f"`{r['policy']}`",
+            r["prompt_tokens"],
+            f"{r['prefill_ms']:.0f}",
+            f"{r['ms_per_token']:.1f}",
+            f"{r['kv_bytes_peak'] / 2**20:.1f}",
+            f"{r['peak_rss'] / 2**20:.0f}",
+        ]
+        for r in obj["rows"]
+    ]
+    out += table(
+        ["policy", "prompt tokens", "prefill ms", "ms per token", "KV MiB (peak)", "peak RSS MiB"], rows
+    )
+    out += (
+        f"\nRatios of decode time, each the median over {cfg['repeats']} repeats run in lockstep "
+        "(in brackets the lowest and highest repeat where the file keeps them), against their targets:\n\n"
+    )
     rows = []
     for name, value in obj["ratios"].items():
         detail = obj.get("ratio_details", {}).get(name, {})
         each = detail.get("ratios") if isinstance(detail, dict) else None
         shown = spread(f"{value:.3f}", f"{min(each):.3f}", f"{max(each):.3f}") if each else f"{value:.3f}"
         target = obj.get("targets", {}).get(name, {})
-        rows.append([f"`{name}`", shown, target.get("target", ""),
-                     "yes" if target.get("met") else "no"])
+        rows.append([f"`{name}`", shown, target.get("target", ""), "yes" if target.get("met") else "no"])
     return out + table(["ratio", "value", "target", "met"], rows) + "\n"
 
 
 def ppl_section(obj: dict) -> str:
     cfg = obj["config"]
-    out = (f"Teacher-forced perplexity on {len(cfg['texts'])} bundled texts ({', '.join(cfg['texts'])}), "
-           f"{cfg['prefill']} prompt tokens then {cfg['tokens']} scored tokens. A budget below 1 is a share of the "
-           "prompt, above 1 slots per KV head and layer. In brackets the lowest and highest text; *vs full* is the "
-           "geometric-mean perplexity over the full cache's.\n\n")
-    rows = [[f"`{s['policy']}`", s["budget"], f"{s['budget_slots_mean']:.0f}",
-             spread(f"{s['ppl_mean']:.2f}", f"{s['ppl_min']:.2f}", f"{s['ppl_max']:.2f}"), f3(s["vs_full"])]
-            for s in obj["summary"]]
+    out = (
+        f"Teacher-forced perplexity on {len(cfg['texts'])} bundled texts ({', '.join(cfg['texts'])}), "
+        f"{cfg['prefill']} prompt tokens then {cfg['tokens']} scored tokens. A budget below 1 is a share of the "
+        "prompt, above 1 slots per KV head and layer. In brackets the lowest and highest text; *vs full* is the "
+        "geometric-mean perplexity over the full cache's.\n\n"
+    )
+    rows = [
+        [
+            f"`{s['policy']}`",
+            s["budget"],
+            f"{s['budget_slots_mean']:.0f}",
+            spread(f"{s['ppl_mean']:.2f}", f"{s['ppl_min']:.2f}", f"{s['ppl_max']:.2f}"),
+            f3(s["vs_full"]),
+        ]
+        for s in obj["summary"]
+    ]
     return out + table(["policy", "budget", "slots", "perplexity", "vs full"], rows) + "\n"
 
 
 def needle_section(obj: dict) -> str:
     cfg = obj["config"]
     lengths = [str(n) for n in cfg["lengths"]]
-    out = (f"A passphrase hidden at depths {', '.join(map(str, cfg['depths']))} of contexts of "
-           f"{', '.join(lengths)} tokens, budget {cfg['budget']}; the score is the share of the "
-           f"{len(cfg['depths'])} depths (per length) whose answer contains it.\n\n")
-    rows = [[f"`{s['policy']}`", f"{s['score']:.3f}", *(f"{s['by_length'][n]:.2f}" for n in lengths)]
-            for s in obj["summary"]]
+    out = (
+        f"A passphrase hidden at depths {', '.join(map(str, cfg['depths']))} of contexts of "
+        f"{', '.join(lengths)} tokens, budget {cfg['budget']}; the score is the share of the "
+        f"{len(cfg['depths'])} depths (per length) whose answer contains it.\n\n"
+    )
+    rows = [
+        [f"`{s['policy']}`", f"{s['score']:.3f}", *(f"{s['by_length'][n]:.2f}" for n in lengths)]
+        for s in obj["summary"]
+    ]
     return out + table(["policy", "score", *(f"{n} tokens" for n in lengths)], rows) + "\n"
 
 
 def sweep_section(obj: dict) -> str:
     params = ", ".join(f"{k}={v}" for k, v in obj["rows"][0].get("params", {}).items())
-    out = (f"`{obj['rows'][0]['policy']}` ({params}) on `{obj.get('text_file')}`, "
-           f"{obj['rows'][0]['prefill']} prompt tokens then {obj.get('tokens')} scored, measured (`--measure`): the "
-           "relative change of the attention output against the full cache with merging (used) and with the "
-           "same decisions but no merging (evict), and KL(full ‖ policy). One text, one seed: no spread. Its "
-           "time per token includes the measuring passes, so it is not shown.\n\n")
-    rows = [[r["budget"], r["budget_slots"], f"{r['ppl']:.2f}", f3(r["perturbation_used"]),
-             f3(r["perturbation_evict"]), f3(r["kl"])] for r in obj["rows"]]
-    return out + table(["budget", "slots", "perplexity", "perturbation (used)", "perturbation (evict)", "KL"], rows)
+    out = (
+        f"`{obj['rows'][0]['policy']}` ({params}) on `{obj.get('text_file')}`, "
+        f"{obj['rows'][0]['prefill']} prompt tokens then {obj.get('tokens')} scored, measured (`--measure`): the "
+        "relative change of the attention output against the full cache with merging (used) and with the "
+        "same decisions but no merging (evict), and KL(full ‖ policy). One text, one seed: no spread. Its "
+        "time per token includes the measuring passes, so it is not shown.\n\n"
+    )
+    rows = [
+        [
+            r["budget"],
+            r["budget_slots"],
+            f"{r['ppl']:.2f}",
+            f3(r["perturbation_used"]),
+            f3(r["perturbation_evict"]),
+            f3(r["kl"]),
+        ]
+        for r in obj["rows"]
+    ]
+    return out + table(
+        ["budget", "slots", "perplexity", "perturbation (used)", "perturbation (evict)", "KL"], rows
+    )
 
 
 def explain_section(obj: dict) -> str:
     cfg, cells, done = obj["config"], obj["summary"]["cells"], obj.get("cases_done")
-    out = (f"Cache patching (`kvlens explain`, [how it works](explain.md)) on {', '.join(cfg['tasks'])} samples at "
-           f"{cfg['length']} tokens, {', '.join(cfg['policies'])} at ratios {', '.join(map(str, cfg['ratios']))}: "
-           f"{done} of {obj.get('cases_total')} (sample, policy, ratio) cases ran. Wherever the full cache answers "
-           "right and the policy wrong, the greedy search restores the policy's removals one (layer, KV head) "
-           "group at a time, in order of recovered share, until the greedy answer is right again. Per policy and "
-           "ratio: the failing cases, how many the search fixed, the minimal set's size (median slots; mean share "
-           "of the removed entries with its bootstrap 95 % interval over cases), and the share of cases fixed by "
-           "at most 1 and at most 10 groups.\n\n")
+    out = (
+        f"Cache patching (`kvlens explain`, [how it works](explain.md)) on {', '.join(cfg['tasks'])} samples at "
+        f"{cfg['length']} tokens, {', '.join(cfg['policies'])} at ratios {', '.join(map(str, cfg['ratios']))}: "
+        f"{done} of {obj.get('cases_total')} (sample, policy, ratio) cases ran. Wherever the full cache answers "
+        "right and the policy wrong, the greedy search restores the policy's removals one (layer, KV head) "
+        "group at a time, in order of recovered share, until the greedy answer is right again. Per policy and "
+        "ratio: the failing cases, how many the search fixed, the minimal set's size (median slots; mean share "
+        "of the removed entries with its bootstrap 95 % interval over cases), and the share of cases fixed by "
+        "at most 1 and at most 10 groups.\n\n"
+    )
     rows = []
     for key, c in cells.items():
         if not c["wrong_cases"]:
             continue
         share, at = c["share_of_removed_mean_ci"], c["fixed_by_at_most"]
-        rows.append([key.replace("@", " @ ") if key != "all" else "**all**", c["wrong_cases"], c["fixed"],
-                     f"{c['slots_median']:.0f}", spread(f"{c['share_of_removed_mean']:.2f}", f"{share[0]:.2f}",
-                                                         f"{share[1]:.2f}"),
-                     *(spread(f"{at[k]['share']:.2f}", f"{at[k]['ci'][0]:.2f}", f"{at[k]['ci'][1]:.2f}")
-                       for k in ("1", "10"))])
-    out += table(["policy @ ratio", "wrong", "fixed", "slots (median)", "share of removed", "by 1 group",
-                  "by ≤ 10 groups"], rows)
+        rows.append(
+            [
+                key.replace("@", " @ ") if key != "all" else "**all**",
+                c["wrong_cases"],
+                c["fixed"],
+                f"{c['slots_median']:.0f}",
+                spread(f"{c['share_of_removed_mean']:.2f}", f"{share[0]:.2f}", f"{share[1]:.2f}"),
+                *(
+                    spread(f"{at[k]['share']:.2f}", f"{at[k]['ci'][0]:.2f}", f"{at[k]['ci'][1]:.2f}")
+                    for k in ("1", "10")
+                ),
+            ]
+        )
+    out += table(
+        [
+            "policy @ ratio",
+            "wrong",
+            "fixed",
+            "slots (median)",
+            "share of removed",
+            "by 1 group",
+            "by ≤ 10 groups",
+        ],
+        rows,
+    )
     top = sorted(obj["summary"]["layers"], key=lambda r: -r["share_of_sets"])[:4]
-    layers = [f"layer {r['layer']} " + spread(f"{r['share_of_sets']:.0%}", f"{r['ci'][0]:.0%}", f"{r['ci'][1]:.0%}")
-              for r in top]
-    out += ("\nThe layers most often in a minimal set (share of the fixed cases whose set holds one of the layer's "
-            "KV heads, with its interval): " + "; ".join(layers) + ".\n")
+    layers = [
+        f"layer {r['layer']} " + spread(f"{r['share_of_sets']:.0%}", f"{r['ci'][0]:.0%}", f"{r['ci'][1]:.0%}")
+        for r in top
+    ]
+    out += (
+        "\nThe layers most often in a minimal set (share of the fixed cases whose set holds one of the layer's "
+        "KV heads, with its interval): " + "; ".join(layers) + ".\n"
+    )
     return out
 
 
-BUILDERS = {"bench_tasks.json": tasks_section, "bench_frontier.json": frontier_section,
-            "bench_speed.json": speed_section, "bench_ppl.json": ppl_section, "bench_needle.json": needle_section,
-            "sweep_cam_perturbation.json": sweep_section, "explain.json": explain_section}
+BUILDERS = {
+    "bench_tasks.json": tasks_section,
+    "bench_frontier.json": frontier_section,
+    "bench_speed.json": speed_section,
+    "bench_ppl.json": ppl_section,
+    "bench_needle.json": needle_section,
+    "sweep_cam_perturbation.json": sweep_section,
+    "explain.json": explain_section,
+}
 
 
 def page() -> str:
     out = banner("the files in `results/`") + "# Benchmarks and results\n\n"
-    out += ("Every table below is read from one file in `results/`, which records the command that made it; the "
-            "app's Benchmarks page draws the same files. Everything ran the embedded SmolLM2-135M-Instruct on the "
-            "machine named, on the State of the Union texts bundled in `kvlens/data/`. Re-run a command to "
-            "refresh its file, then `make docs-gen`.\n\n")
-    out += ("A results file is one JSON object: `command`, `config` (the settings), `environment` (kvlens, torch, "
-            "CPUs, device, dtype, the time it finished), `rows` (one record per run or cell; `cells` for the needle "
-            "benchmark), `summary` (what the tables show) and, for a grid, `cells_done` of `cells_total`. A grid "
-            "re-run with the same command resumes where it stopped. A sweep (`kvlens sweep`) records its command "
-            "and settings but not its date and machine.\n\n")
+    out += (
+        "Every table below is read from one file in `results/`, which records the command that made it; the "
+        "app's Benchmarks page draws the same files. Everything ran the embedded SmolLM2-135M-Instruct on the "
+        "machine named, on the State of the Union texts bundled in `kvlens/data/`. Re-run a command to "
+        "refresh its file, then `make docs-gen`.\n\n"
+    )
+    out += (
+        "A results file is one JSON object: `command`, `config` (the settings), `environment` (kvlens, torch, "
+        "CPUs, device, dtype, the time it finished), `rows` (one record per run or cell; `cells` for the needle "
+        "benchmark), `summary` (what the tables show) and, for a grid, `cells_done` of `cells_total`. A grid "
+        "re-run with the same command resumes where it stopped. A sweep (`kvlens sweep`) records its command "
+        "and settings but not its date and machine.\n\n"
+    )
     for name, title in CITED.items():
         obj = load(name)
         out += f"## {title}\n\n" + provenance(name, obj) + BUILDERS[name](obj) + "\n"
@@ -260,17 +379,26 @@ def readme_summary() -> str:
     grid = f"; {done} of {total} cells done" if unfinished else ""
     elsewhere = sum(1 for r in obj["rows"] if r.get("machine"))
     grid += f"; {elsewhere} samples on another machine" if elsewhere else ""
-    out = (f"Task score at compression ratio 0.5 (half the context's cache removed), averaged over tasks and lengths, "
-           f"{full['samples']} samples (`{obj['command']}`, `results/bench_tasks.json`, {env['time'][:10]}, "
-           f"{machine(env)}{grid}). The full cache scores {full['score']:.3f}; the five best of "
-           f"{len({s['policy'] for s in summary}) - 1} policies, with bootstrap 95 % intervals:\n\n")
-    out += table(["policy", "score [95 % interval]"],
-                 [[f"`{s['policy']}`", f"{s['score']:.3f} [{s['ci_low']:.3f}–{s['ci_high']:.3f}]"] for s in half])
+    out = (
+        f"Task score at compression ratio 0.5 (half the context's cache removed), averaged over tasks and lengths, "
+        f"{full['samples']} samples (`{obj['command']}`, `results/bench_tasks.json`, {env['time'][:10]}, "
+        f"{machine(env)}{grid}). The full cache scores {full['score']:.3f}; the five best of "
+        f"{len({s['policy'] for s in summary}) - 1} policies, with bootstrap 95 % intervals:\n\n"
+    )
+    out += table(
+        ["policy", "score [95 % interval]"],
+        [[f"`{s['policy']}`", f"{s['score']:.3f} [{s['ci_low']:.3f}–{s['ci_high']:.3f}]"] for s in half],
+    )
     return out + "\n" + frontier_summary() + "\n" + explain_summary() + "\n"
 
 
-FAMILY_WORDS = {"eviction": "eviction", "merging": "merging", "quantization": "quantization",
-                "low_rank": "low rank", "mix": "a mix"}
+FAMILY_WORDS = {
+    "eviction": "eviction",
+    "merging": "merging",
+    "quantization": "quantization",
+    "low_rank": "low rank",
+    "mix": "a mix",
+}
 
 
 def at_share(summary: list[dict], share: float) -> dict[str, dict]:
@@ -279,8 +407,11 @@ def at_share(summary: list[dict], share: float) -> dict[str, dict]:
     best: dict[str, dict] = {}
     for s in summary:
         fits = s["target"] == share if s["target"] is not None else s["bytes_share"] <= share * 1.02
-        better = s["family"] not in best or (s["ppl_vs_full"] < best[s["family"]]["ppl_vs_full"] if
-                                             s["metric"] == "ppl" else s["score"] > best[s["family"]]["score"])
+        better = s["family"] not in best or (
+            s["ppl_vs_full"] < best[s["family"]]["ppl_vs_full"]
+            if s["metric"] == "ppl"
+            else s["score"] > best[s["family"]]["score"]
+        )
         if fits and s["family"] != "reference" and better:
             best[s["family"]] = s
     return best
@@ -304,16 +435,25 @@ def frontier_summary() -> str:
     obj = load("bench_frontier.json")
     cfg, env = obj["config"], obj["environment"]
     done, total = obj.get("cells_done"), obj.get("cells_total")
-    grid = f"; {done} of {total} cells done" if isinstance(done, int) and isinstance(total, int) and done < total \
+    grid = (
+        f"; {done} of {total} cells done"
+        if isinstance(done, int) and isinstance(total, int) and done < total
         else ""
+    )
     ppl = [s for s in frontier_rows(obj) if s["metric"] == "ppl"]
     scored = [s for s in frontier_rows(obj) if s["metric"] == "score"]
-    out = (f"Quality at equal KV bytes (`{obj['command']}`, `results/bench_frontier.json`, {env['time'][:10]}, "
-           f"{machine(env)}{grid}): at each share of the full cache's bytes, the best configuration of each family "
-           f"(quantization alone: the bits that fit); perplexity over the full cache's on {len(cfg['texts'])} texts "
-           f"({cfg['prefill']} + {cfg['tokens']} tokens; in brackets the lowest and highest text)"
-           + (f", task score on {cfg['task_count']} samples of {', '.join(cfg['tasks'])} (bootstrap 95 % interval)"
-              if scored else "") + ":\n\n")
+    out = (
+        f"Quality at equal KV bytes (`{obj['command']}`, `results/bench_frontier.json`, {env['time'][:10]}, "
+        f"{machine(env)}{grid}): at each share of the full cache's bytes, the best configuration of each family "
+        f"(quantization alone: the bits that fit); perplexity over the full cache's on {len(cfg['texts'])} texts "
+        f"({cfg['prefill']} + {cfg['tokens']} tokens; in brackets the lowest and highest text)"
+        + (
+            f", task score on {cfg['task_count']} samples of {', '.join(cfg['tasks'])} (bootstrap 95 % interval)"
+            if scored
+            else ""
+        )
+        + ":\n\n"
+    )
     rows, said = [], []
     for share in cfg["byte_shares"]:
         best, best_score = at_share(ppl, share), at_share(scored, share)
@@ -321,19 +461,44 @@ def frontier_summary() -> str:
             s, t = best.get(family), best_score.get(family)
             if s is None and t is None:
                 continue
-            rows.append([f"{share:g}", FAMILY_WORDS[family], s["config"] if s else "—",
-                         f"{s['bytes_share']:.3f}" if s else "—",
-                         spread(f"{s['ppl_vs_full']:.3f}", f"{s['ppl_vs_full_min']:.3f}",
-                                f"{s['ppl_vs_full_max']:.3f}") if s else "—",
-                         (f"{t['config']}: " + spread(f"{t['score']:.2f}", f"{t['ci_low']:.2f}",
-                                                      f"{t['ci_high']:.2f}")) if t else "—"])
-        sentence = f"At {share:g} of the bytes: perplexity, " + verdict(best, "ppl_vs_full", "ppl_vs_full_min",
-                                                                        "ppl_vs_full_max", True)
+            rows.append(
+                [
+                    f"{share:g}",
+                    FAMILY_WORDS[family],
+                    s["config"] if s else "—",
+                    f"{s['bytes_share']:.3f}" if s else "—",
+                    spread(
+                        f"{s['ppl_vs_full']:.3f}",
+                        f"{s['ppl_vs_full_min']:.3f}",
+                        f"{s['ppl_vs_full_max']:.3f}",
+                    )
+                    if s
+                    else "—",
+                    (
+                        f"{t['config']}: "
+                        + spread(f"{t['score']:.2f}", f"{t['ci_low']:.2f}", f"{t['ci_high']:.2f}")
+                    )
+                    if t
+                    else "—",
+                ]
+            )
+        sentence = f"At {share:g} of the bytes: perplexity, " + verdict(
+            best, "ppl_vs_full", "ppl_vs_full_min", "ppl_vs_full_max", True
+        )
         if best_score:
             sentence += "; task score, " + verdict(best_score, "score", "ci_low", "ci_high", False)
         said.append(sentence + ".")
-    out += table(["bytes", "family", "best configuration (perplexity)", "bytes share", "perplexity / full",
-                  "best configuration (task score)"], rows)
+    out += table(
+        [
+            "bytes",
+            "family",
+            "best configuration (perplexity)",
+            "bytes share",
+            "perplexity / full",
+            "best configuration (task score)",
+        ],
+        rows,
+    )
     return out + "\n" + " ".join(said) + " " + cross_layer_sentence(ppl, cfg) + "\n"
 
 
@@ -351,11 +516,15 @@ def cross_layer_sentence(ppl: list[dict], cfg: dict) -> str:
             word = "beats"
         elif x["ppl_vs_full_min"] > h["ppl_vs_full_max"]:
             word = "loses to"
-        parts.append(f"at {share:g}, {x['ppl_vs_full']:.2f} against {h['ppl_vs_full']:.2f}: xKV {word} per-head rank")
+        parts.append(
+            f"at {share:g}, {x['ppl_vs_full']:.2f} against {h['ppl_vs_full']:.2f}: xKV {word} per-head rank"
+        )
     if not parts:
         return ""
-    return (f"Cross-layer low rank (xKV, {cfg.get('rank_layers')} layers) against per-head low rank at equal bytes, "
-            "both with later tokens at full width (perplexity / full, mean over texts): " + "; ".join(parts) + ".")
+    return (
+        f"Cross-layer low rank (xKV, {cfg.get('rank_layers')} layers) against per-head low rank at equal bytes, "
+        "both with later tokens at full width (perplexity / full, mean over texts): " + "; ".join(parts) + "."
+    )
 
 
 def explain_summary() -> str:
@@ -364,18 +533,22 @@ def explain_summary() -> str:
     every, layers = obj["summary"]["cells"]["all"], obj["summary"]["layers"]
     share, one = every["share_of_removed_mean_ci"], every["fixed_by_at_most"]["1"]
     first, second = sorted(layers, key=lambda r: -r["share_of_sets"])[:2]
-    shown = [f"layer {r['layer']} in {r['share_of_sets']:.0%} [{r['ci'][0]:.0%}–{r['ci'][1]:.0%}]"
-             for r in (first, second)]
+    shown = [
+        f"layer {r['layer']} in {r['share_of_sets']:.0%} [{r['ci'][0]:.0%}–{r['ci'][1]:.0%}]"
+        for r in (first, second)
+    ]
     when = obj["environment"]["time"][:10]
-    return (f"Why a policy loses a needle (`kvlens explain`, `results/explain.json`, {when}, "
-            f"{obj.get('cases_done')} of {obj.get('cases_total')} cases of "
-            f"{', '.join(obj['config']['policies'])} at ratios {', '.join(map(str, obj['config']['ratios']))}): in "
-            f"the {every['wrong_cases']} cases where the full cache answers right and the policy wrong, restoring a "
-            f"median of {every['groups_median']:.0f} of the policy's (layer, KV head) groups "
-            f"({every['share_of_removed_mean']:.0%} [{share[0]:.0%}–{share[1]:.0%}] of the removed entries) made "
-            f"{every['fixed']} right again; one group sufficed in {one['share']:.0%} "
-            f"[{one['ci'][0]:.0%}–{one['ci'][1]:.0%}]. The minimal sets concentrate in a few upper-middle layers: "
-            f"{shown[0]} and {shown[1]} of them (bootstrap 95 % intervals over cases).")
+    return (
+        f"Why a policy loses a needle (`kvlens explain`, `results/explain.json`, {when}, "
+        f"{obj.get('cases_done')} of {obj.get('cases_total')} cases of "
+        f"{', '.join(obj['config']['policies'])} at ratios {', '.join(map(str, obj['config']['ratios']))}): in "
+        f"the {every['wrong_cases']} cases where the full cache answers right and the policy wrong, restoring a "
+        f"median of {every['groups_median']:.0f} of the policy's (layer, KV head) groups "
+        f"({every['share_of_removed_mean']:.0%} [{share[0]:.0%}–{share[1]:.0%}] of the removed entries) made "
+        f"{every['fixed']} right again; one group sufficed in {one['share']:.0%} "
+        f"[{one['ci'][0]:.0%}–{one['ci'][1]:.0%}]. The minimal sets concentrate in a few upper-middle layers: "
+        f"{shown[0]} and {shown[1]} of them (bootstrap 95 % intervals over cases)."
+    )
 
 
 def cited() -> list[Path]:

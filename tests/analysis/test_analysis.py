@@ -1,4 +1,5 @@
 """Analyses against independent numpy computations, on the tiny model and on the embedded one."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,10 +69,10 @@ def test_block_averaging_preserves_the_mean_and_each_block(run):
     edges = m.edges.tolist()
     assert m.matrix.shape == (7, 7) and edges[0] == 0 and edges[-1] == T
     sizes = np.diff(edges)
-    weighted = (m.matrix.numpy() * sizes[:, None] * sizes[None, :]).sum() / T ** 2
+    weighted = (m.matrix.numpy() * sizes[:, None] * sizes[None, :]).sum() / T**2
     assert weighted == pytest.approx(full.mean(), abs=1e-5)
     a, b = 3, 5
-    block = full[edges[a]:edges[a + 1], edges[b]:edges[b + 1]].mean()
+    block = full[edges[a] : edges[a + 1], edges[b] : edges[b + 1]].mean()
     assert float(m.matrix[a, b]) == pytest.approx(block, abs=1e-5)
 
 
@@ -106,8 +107,12 @@ def test_spectrum_matches_numpy_svd(run):
     for layer in spec.layers:
         for head, x in enumerate(np_states(run, "v", layer)):
             s = np.linalg.svd(x, compute_uv=False)
-            np.testing.assert_allclose(spec.values[layer, head].numpy(), (s / s[0])[:16], rtol=1e-4, atol=1e-6)
-            assert float(spec.energy_top[layer, head]) == pytest.approx((s[:8] ** 2).sum() / (s ** 2).sum(), rel=1e-5)
+            np.testing.assert_allclose(
+                spec.values[layer, head].numpy(), (s / s[0])[:16], rtol=1e-4, atol=1e-6
+            )
+            assert float(spec.energy_top[layer, head]) == pytest.approx(
+                (s[:8] ** 2).sum() / (s**2).sum(), rel=1e-5
+            )
     assert spec.values.shape == (3, 2, 16)  # head_dim 16 bounds the rank
 
 
@@ -119,7 +124,7 @@ def test_randomized_svd_path_for_large_matrices():
     x = (u * s) @ v.T  # (700, 600), min side > 512: randomized
     got, total = singular_values(x.float(), components=20)
     np.testing.assert_allclose(got.numpy(), s[:20].numpy(), rtol=1e-3)
-    assert total == pytest.approx(float((s ** 2).sum()), rel=1e-4)
+    assert total == pytest.approx(float((s**2).sum()), rel=1e-4)
 
 
 def test_corm_sparsity_matches_numpy(run):
@@ -134,9 +139,13 @@ def test_corm_sparsity_matches_numpy(run):
 
 def test_attention_variance_matches_numpy(run):
     res = attention_variance(run, 1, head=2, group=16, rows=60)
-    a = np_attention(np_states(run, "q", 1), np_states(run, "k", 1))[2, T - 60:, :96]  # (rows, 6 groups * 16)
+    a = np_attention(np_states(run, "q", 1), np_states(run, "k", 1))[
+        2, T - 60 :, :96
+    ]  # (rows, 6 groups * 16)
     np.testing.assert_allclose(res.token_var.numpy().ravel(), a.var(0), rtol=1e-3, atol=1e-9)
-    np.testing.assert_allclose(res.group_var.numpy(), a.reshape(60, 6, 16).mean(-1).var(0), rtol=1e-3, atol=1e-9)
+    np.testing.assert_allclose(
+        res.group_var.numpy(), a.reshape(60, 6, 16).mean(-1).var(0), rtol=1e-3, atol=1e-9
+    )
     assert res.starts.tolist() == [0, 16, 32, 48, 64, 80] and res.rows == (T - 60, T)
 
 
@@ -147,13 +156,13 @@ def test_merge_future_similarity_matches_an_explicit_renormalised_softmax(run):
     a = np_attention(q, k)  # (Hq, T, T)
     kv_mean = a.reshape(2, 2, T, T).mean(1)  # (Hkv, T, T)
     seen = step + 1 - np.arange(step)
-    score = kv_mean[:, :step + 1, :step].sum(1) / seen
+    score = kv_mean[:, : step + 1, :step].sum(1) / seen
     score[:, :4] = np.inf
     j = score.argmin(-1)
     assert res.merged[0].tolist() == j.tolist()
     for h in range(4):
         jh = j[h // 2]
-        rows = a[h, step + 1:step + 1 + horizon]
+        rows = a[h, step + 1 : step + 1 + horizon]
         merged = rows.copy()
         merged[:, jh] = 0
         merged /= merged.sum(-1, keepdims=True)
@@ -163,8 +172,15 @@ def test_merge_future_similarity_matches_an_explicit_renormalised_softmax(run):
 
 def test_aggregated_attention_recomputed_equals_the_engine_statistic(tiny):
     ids = prefix_ids(tiny, (TEXTS / "1953-Eisenhower.txt").read_text(), 96)
-    r = engine_run(tiny, make_policy("h2o"), ids, prefill=96, steps=1, teacher=False,
-                   opts=RunOptions(budget=48, max_new_tokens=1, record="states"))
+    r = engine_run(
+        tiny,
+        make_policy("h2o"),
+        ids,
+        prefill=96,
+        steps=1,
+        teacher=False,
+        opts=RunOptions(budget=48, max_new_tokens=1, record="states"),
+    )
     recorded = r.tensor("prefill/abar/1")
     del r.tensors["prefill/abar/1"]
     np.testing.assert_allclose(aggregated_attention(r, 1).numpy(), recorded.numpy(), rtol=1e-3, atol=1e-4)
@@ -189,10 +205,12 @@ def test_gaussian_weights_follow_both_sigma_rules_of_the_paper_policy_default_fi
     k = np_states(run, "k", 1)[0][gs.positions]  # (n, D)
     d2 = ((k - k[gs.positions.index(gs.pivot)]) ** 2).sum(-1)
     n = len(gs.positions)
-    sigmas = {"mean_distance": np.sqrt(d2).sum() / (n - 1),  # §6.3: mean l2 distance to the pivot
-              "eq7": d2.sum() / (np.sqrt(2) * n)}  # Eq. 7
+    sigmas = {
+        "mean_distance": np.sqrt(d2).sum() / (n - 1),  # §6.3: mean l2 distance to the pivot
+        "eq7": d2.sum() / (np.sqrt(2) * n),
+    }  # Eq. 7
     for rule, sigma in sigmas.items():
-        w = np.exp(-d2 / (2 * sigma ** 2))
+        w = np.exp(-d2 / (2 * sigma**2))
         np.testing.assert_allclose(gs.weights[rule].numpy(), w / w.sum(), rtol=1e-4, atol=1e-7)
     assert not torch.allclose(gs.weights["mean_distance"], gs.weights["eq7"])
     assert gs.label("mean_distance") == "σ = mean ‖k_p − k_i‖ (§6.3, default)"
@@ -216,8 +234,15 @@ def test_bad_input_is_one_sentence(run, tiny):
         similarity_map(run, 3, 0)
     with pytest.raises(KvlensError, match="KV heads 0 to 1"):
         similarity_map(run, 0, 2, "key")
-    r = engine_run(tiny, make_policy("full"), list(range(40, 60)), prefill=20, steps=1, teacher=False,
-                   opts=RunOptions(max_new_tokens=1))
+    r = engine_run(
+        tiny,
+        make_policy("full"),
+        list(range(40, 60)),
+        prefill=20,
+        steps=1,
+        teacher=False,
+        opts=RunOptions(max_new_tokens=1),
+    )
     with pytest.raises(KvlensError, match="--record states"):
         adjacency(r)
 
@@ -230,10 +255,15 @@ def test_cli_json_contracts(tmp_path, capsys):
     assert adj["key"] == pytest.approx(adjacency(tiny_run()).per_layer("key"), abs=1e-6)
     assert main(["analyze", "spectrum", "--run", str(tmp_path / "run"), "--json"]) == 0
     spec = json.loads(capsys.readouterr().out)
-    assert set(spec) == {"layers", "key", "value"} and set(spec["value"]) == {"singular_values", "energy_top8"}
-    assert len(spec["key"]["singular_values"]) == 3 and spec["key"]["singular_values"][0][0] == pytest.approx(1)
+    assert set(spec) == {"layers", "key", "value"} and set(spec["value"]) == {
+        "singular_values",
+        "energy_top8",
+    }
+    assert len(spec["key"]["singular_values"]) == 3 and spec["key"]["singular_values"][0][0] == pytest.approx(
+        1
+    )
     x = np_states(tiny_run(), "k", 2)
-    energy = [(s[:8] ** 2).sum() / (s ** 2).sum() for s in np.linalg.svd(x, compute_uv=False)]
+    energy = [(s[:8] ** 2).sum() / (s**2).sum() for s in np.linalg.svd(x, compute_uv=False)]
     assert spec["key"]["energy_top8"][2] == pytest.approx(np.mean(energy), rel=1e-5)
 
 
@@ -253,11 +283,15 @@ def test_embedded_model_states_match_numpy(smol):
     adj = adjacency(r)
     for i, layer in enumerate(adj.layers):
         x = np_unit(np_states(r, "k", layer))
-        np.testing.assert_allclose(adj.values["key"][i].numpy(), (x[:, 1:] * x[:, :-1]).sum(-1).mean(-1), atol=1e-5)
+        np.testing.assert_allclose(
+            adj.values["key"][i].numpy(), (x[:, 1:] * x[:, :-1]).sum(-1).mean(-1), atol=1e-5
+        )
     x = np_unit(np_states(r, "q", 15)[4])
     m = similarity_map(r, 15, 4, "query", max_size=100, lower=False)
     sizes = np.diff(m.edges.numpy())
-    assert (m.matrix.numpy() * np.outer(sizes, sizes)).sum() / 300 ** 2 == pytest.approx((x @ x.T).mean(), abs=1e-5)
+    assert (m.matrix.numpy() * np.outer(sizes, sizes)).sum() / 300**2 == pytest.approx(
+        (x @ x.T).mean(), abs=1e-5
+    )
     spec = spectrum(r, "key")
     s = np.linalg.svd(np_states(r, "k", 15)[1], compute_uv=False)
     np.testing.assert_allclose(spec.values[1, 1].numpy(), s / s[0], rtol=1e-4, atol=1e-6)
@@ -271,8 +305,15 @@ def test_sweeps_over_texts_and_lengths(tiny):
     assert float(ratios["b"].ratio[2, 1]) == pytest.approx(1 - len(merging_sets(keys, 0.5)) / 64)
     res = corm_over_lengths(tiny, texts, [48, 96], {"window": 8, "recent": 8})
     assert res.ratio.shape == (2, 2) and res.params["window"] == 8
-    r = engine_run(tiny, make_policy("corm", {"window": 8, "recent": 8}), prefix_ids(tiny, texts["a"], 96),
-                   prefill=96, steps=1, teacher=False, opts=RunOptions(max_new_tokens=1))
+    r = engine_run(
+        tiny,
+        make_policy("corm", {"window": 8, "recent": 8}),
+        prefix_ids(tiny, texts["a"], 96),
+        prefill=96,
+        steps=1,
+        teacher=False,
+        opts=RunOptions(max_new_tokens=1),
+    )
     kept = r.tensor("steps/kv_slots")[0].float().mean()
     assert float(res.ratio[0, 1]) == pytest.approx(1 - float(kept) / 96)
     assert 0 < float(res.ratio[0, 1]) < 1  # corm drops some keys of a 96-token prompt, keeps the recent 8
@@ -280,8 +321,13 @@ def test_sweeps_over_texts_and_lengths(tiny):
         prefix_ids(tiny, "short", 64)
 
 
-SMALL = {"similarity": {"max_size": 40}, "preceding": {"window": 8}, "variance": {"group": 16},
-         "merge-similarity": {"step": 50, "horizon": 20}, "gaussian": {"threshold": 0.5}}
+SMALL = {
+    "similarity": {"max_size": 40},
+    "preceding": {"window": 8},
+    "variance": {"group": 16},
+    "merge-similarity": {"step": 50, "horizon": 20},
+    "gaussian": {"threshold": 0.5},
+}
 
 
 def run_kinds():
@@ -297,21 +343,33 @@ def measured_run(tmp_dir: str):
     from kvlens.experiments.api import generate
 
     opts = RunOptions(budget=24, max_new_tokens=6, record=RecordLevel.ATTENTION)
-    r = generate(tiny_model(), "Merging keeps what eviction drops. " * 4, "cam", {"base": "h2o"}, opts=opts,
-                 measure=True)
+    r = generate(
+        tiny_model(),
+        "Merging keeps what eviction drops. " * 4,
+        "cam",
+        {"base": "h2o"},
+        opts=opts,
+        measure=True,
+    )
     return r.save(tmp_dir)
 
 
 @pytest.mark.parametrize("kind", run_kinds())
-def test_every_registered_analysis_dispatches_to_itself_on_the_cli_and_in_python(kind, tmp_path_factory, capsys):
+def test_every_registered_analysis_dispatches_to_itself_on_the_cli_and_in_python(
+    kind, tmp_path_factory, capsys
+):
     from kvlens import load_run
 
     path = measured_run(str(tmp_path_factory.getbasetemp() / "measured"))
     run = load_run(path)
     flags = [a for k, v in SMALL.get(kind, {}).items() for a in (f"--{k.replace('_', '-')}", str(v))]
     assert main(["analyze", kind, "--run", str(path), "--json", *flags]) == 0
-    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(run.analyze(kind, **SMALL.get(kind, {}))))
-    assert run.figure(kind, **SMALL.get(kind, {})).layout.meta["analysis"] == kind  # no fall-through to another
+    assert json.loads(capsys.readouterr().out) == json.loads(
+        json.dumps(run.analyze(kind, **SMALL.get(kind, {})))
+    )
+    assert (
+        run.figure(kind, **SMALL.get(kind, {})).layout.meta["analysis"] == kind
+    )  # no fall-through to another
 
 
 def test_analyze_list_names_every_analysis_with_its_paper_level_and_parameters(capsys):
@@ -319,11 +377,17 @@ def test_analyze_list_names_every_analysis_with_its_paper_level_and_parameters(c
 
     assert main(["analyze", "--list", "--json"]) == 0
     listed = {d["name"]: d for d in json.loads(capsys.readouterr().out)}
-    assert set(listed) == set(analyses()) >= {"similarity", "adjacency", "perplexity", "merging-ratio", "corm-lengths"}
+    assert (
+        set(listed)
+        == set(analyses())
+        >= {"similarity", "adjacency", "perplexity", "merging-ratio", "corm-lengths"}
+    )
     assert listed["spectrum"]["paper"] == "WeightedKV Fig. 1" and listed["spectrum"]["level"] == "states"
     assert listed["merging-ratio"]["level"] is None and listed["perplexity"]["inputs"] == "runs"
     sim = {p["name"]: p for p in listed["similarity"]["params"]}
-    assert sim["max_size"]["default"] == 512 and sim["max_size"]["flag"] == "--max-size" and sim["layer"]["help"]
+    assert (
+        sim["max_size"]["default"] == 512 and sim["max_size"]["flag"] == "--max-size" and sim["layer"]["help"]
+    )
 
 
 def test_unknown_or_unfitting_requests_are_one_sentence(tmp_path, capsys):
@@ -344,13 +408,25 @@ def test_unknown_or_unfitting_requests_are_one_sentence(tmp_path, capsys):
         r.figure("gaussian", rule=[])
     with pytest.raises(KvlensError, match="runs the model over the bundled texts"):
         r.figure("merging-ratio")
-    for kind, bad in (("spectrum", {"components": 0}), ("merge-similarity", {"horizon": 0}),
-                      ("similarity", {"max_size": 0})):
+    for kind, bad in (
+        ("spectrum", {"components": 0}),
+        ("merge-similarity", {"horizon": 0}),
+        ("similarity", {"max_size": 0}),
+    ):
         with pytest.raises(KvlensError, match=f"{next(iter(bad))} must be at least 1; got 0"):
             r.figure(kind, **bad)
-    summary = engine_run(tiny_model(), make_policy("full"), list(range(40, 60)), prefill=20, steps=1, teacher=False,
-                         opts=RunOptions(max_new_tokens=1))
-    with pytest.raises(KvlensError, match="needs a run recorded with --record states; this run was recorded at summ"):
+    summary = engine_run(
+        tiny_model(),
+        make_policy("full"),
+        list(range(40, 60)),
+        prefill=20,
+        steps=1,
+        teacher=False,
+        opts=RunOptions(max_new_tokens=1),
+    )
+    with pytest.raises(
+        KvlensError, match="needs a run recorded with --record states; this run was recorded at summ"
+    ):
         analysis_figure("similarity", summary)
     with pytest.raises(SystemExit) as exit_:
         main(["analyze", "nope", "--run", "x"])
@@ -380,14 +456,18 @@ def test_a_registered_analysis_reaches_the_cli_and_run_figure(tmp_path, capsys):
             return {"layer": layer, "norms": norms.tolist()}
 
         def figure(self, run, layer):
-            return go.Figure(go.Scatter(y=self.compute(run, layer).tolist()), layout={"meta": {"analysis": self.name}})
+            return go.Figure(
+                go.Scatter(y=self.compute(run, layer).tolist()), layout={"meta": {"analysis": self.name}}
+            )
 
     try:
         tiny_run(str(tmp_path / "run"))
         assert main(["analyze", "test-norms", "--run", str(tmp_path / "run"), "--layer", "2", "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["layer"] == 2 and len(out["norms"]) == T
-        assert list(tiny_run().figure("test-norms", layer=2).data[0].y) == pytest.approx(out["norms"], abs=1e-6)
+        assert list(tiny_run().figure("test-norms", layer=2).data[0].y) == pytest.approx(
+            out["norms"], abs=1e-6
+        )
         with pytest.raises(TypeError, match="Two analyses are called 'test-norms'"):
             registry.register_analysis(type("Other", (Norms,), {}))
     finally:
@@ -402,12 +482,18 @@ def test_the_run_format_reaches_the_analyses_only_through_the_installed_dispatch
 
     from kvlens.runs import run as run_format
 
-    code = ("import kvlens.runs.run as r, sys; "
-            "print(sorted(r._ANALYSES), 'kvlens.analysis.kinds.adjacency' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    code = (
+        "import kvlens.runs.run as r, sys; "
+        "print(sorted(r._ANALYSES), 'kvlens.analysis.kinds.adjacency' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert out == ["['analyze',", "'figure']", "False"]  # installed; the kinds register on first use
     monkeypatch.setattr(run_format, "_ANALYSES", {})
-    with pytest.raises(KvlensError, match=r"^No analyses are installed for Run.figure and Run.analyze; import kvlens"):
+    with pytest.raises(
+        KvlensError, match=r"^No analyses are installed for Run.figure and Run.analyze; import kvlens"
+    ):
         tiny_run().figure("adjacency")
     with pytest.raises(KvlensError, match="No analyses are installed"):
         tiny_run().analyze("adjacency")
@@ -419,8 +505,10 @@ def test_the_model_analyses_run_through_the_registry(tiny):
     corm = analysis_json("corm-lengths", tiny, texts=1, lengths="96,48", settings=["window=8", "recent=8"])
     assert corm["lengths"] == [48, 96] and corm["params"]["window"] == 8 and len(corm["texts"]) == 1
     ratio = analysis_figure("merging-ratio", tiny, texts=2, tokens=64, threshold=0.5)
-    assert ratio.layout.meta["analysis"] == "merging-ratio" and [t.name for t in ratio.data] == ["1946-Truman",
-                                                                                                 "1953-Eisenhower"]
+    assert ratio.layout.meta["analysis"] == "merging-ratio" and [t.name for t in ratio.data] == [
+        "1946-Truman",
+        "1953-Eisenhower",
+    ]
     with pytest.raises(KvlensError, match="--lengths takes comma-separated integers; got '48,x'"):
         analysis_json("corm-lengths", tiny, lengths="48,x")
     with pytest.raises(KvlensError, match="texts must be at least 1; got 0"):
@@ -436,8 +524,9 @@ def test_aggregated_attention_is_recorded_and_recomputed_for_older_runs_that_rec
     a = np_attention(np_states(run, "q", 1), np_states(run, "k", 1))  # (Hq, T, T)
     want = a.reshape(2, 2, T, T).mean(1).sum(1)  # (Hkv, T) column sums of the group mean
     np.testing.assert_allclose(run.tensor("prefill/abar/1").numpy(), want, rtol=1e-3, atol=1e-4)
-    older = dataclasses.replace(run, tensors={**run.tensors, "prefill/abar/1": torch.zeros_like(
-        run.tensor("prefill/abar/1"))})  # runs of policies without attention recorded zeros before
+    older = dataclasses.replace(
+        run, tensors={**run.tensors, "prefill/abar/1": torch.zeros_like(run.tensor("prefill/abar/1"))}
+    )  # runs of policies without attention recorded zeros before
     np.testing.assert_allclose(aggregated_attention(older, 1).numpy(), want, rtol=1e-3, atol=1e-4)
 
 
@@ -449,7 +538,6 @@ def test_readme_analysis_example_is_listed_analyzed_drawn_and_reaches_run_figure
     import subprocess
     import sys
     import textwrap
-
 
     path, code = doc_example("Adding an analysis")
     assert path.startswith("kvlens/analysis/kinds/") and not (ROOT / path).exists()
@@ -477,8 +565,9 @@ def test_readme_analysis_example_is_listed_analyzed_drawn_and_reaches_run_figure
         print(json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]["meta"]["analysis"])
     """)
     env = {**os.environ, "KVLENS_CACHED_RUNS": str(CACHED_RUNS), "KVLENS_RUNS": str(tmp_path / "runs")}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=600,
-                          env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=600, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     decoder, text = json.JSONDecoder(), proc.stdout
     listed, end = decoder.raw_decode(text)

@@ -1,4 +1,5 @@
 """The q/k embedding analysis on the shipped runs, against the decision log and an independent numpy PCA."""
+
 from __future__ import annotations
 
 import functools
@@ -29,15 +30,33 @@ def decisions(run, layer: int, head: int, action: str, step: int | None = None):
 def test_cli_json_has_t_queries_and_keys_and_the_run_evictions(capsys):
     run = shipped("h2o-attention")
     t = run.tensor("prefill/k/15").shape[1]
-    assert main(["analyze", "embedding", "--run", str(CACHED_RUNS / "h2o-attention"), "--layer", "15", "--head", "0",
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "analyze",
+                "embedding",
+                "--run",
+                str(CACHED_RUNS / "h2o-attention"),
+                "--layer",
+                "15",
+                "--head",
+                "0",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert (out["layer"], out["head"], out["query_head"], out["method"]) == (15, 0, 0, "pca")
-    assert len(out["queries"]) == len(out["keys"]) == t == out["tokens"] and out["positions"] == list(range(t))
+    assert len(out["queries"]) == len(out["keys"]) == t == out["tokens"] and out["positions"] == list(
+        range(t)
+    )
     assert all(len(xy) == 2 for xy in out["queries"] + out["keys"])
     d = decisions(run, 15, 0, "evict")
     assert out["evicted"] == sorted(int(p) for p in d["position"] if p < t) and len(out["evicted"]) > 10
-    assert out["generated_decisions"] == int((d["position"] >= t).sum()) > 0  # h2o also evicts generated tokens
+    assert (
+        out["generated_decisions"] == int((d["position"] >= t).sum()) > 0
+    )  # h2o also evicts generated tokens
     assert out["merged"] == [] and len(out["explained_variance"]) == 2
     first = run.analyze("embedding", layer=15, head=0, step=0)  # the compression right after the prompt
     assert first["evicted"] == sorted(int(p) for p in decisions(run, 15, 0, "evict", step=0)["position"])
@@ -57,26 +76,36 @@ def test_merged_keys_and_their_links_are_the_merge_decisions(name, layer, head):
     fig = run.figure("embedding", layer=layer, head=head)
     assert fig.layout.meta["analysis"] == "embedding" and fig.layout.xaxis.title.text.startswith("PC 1")
     links = [tr for tr in fig.data if tr.mode == "lines"]
-    segments = sum(1 for m in e.merged if m["draw"] != 0 for tg, w in zip(m["targets"], m["weights"], strict=True)
-                   if tg < t and w != 0)  # a merge that moved nothing (Bernoulli draw 0) is not linked
+    segments = sum(
+        1
+        for m in e.merged
+        if m["draw"] != 0
+        for tg, w in zip(m["targets"], m["weights"], strict=True)
+        if tg < t and w != 0
+    )  # a merge that moved nothing (Bernoulli draw 0) is not linked
     assert segments > 0 and len(links) == 1 and len(links[0].x) == 3 * segments
     k = e.keys
     starts = {(round(x, 4), round(y, 4)) for x, y in zip(links[0].x[0::3], links[0].y[0::3], strict=True)}
-    assert starts == {(round(float(k[m["position"], 0]), 4), round(float(k[m["position"], 1]), 4))
-                      for m in e.merged if m["draw"] != 0 and any(w != 0 for w in m["weights"])}
+    assert starts == {
+        (round(float(k[m["position"], 0]), 4), round(float(k[m["position"], 1]), 4))
+        for m in e.merged
+        if m["draw"] != 0 and any(w != 0 for w in m["weights"])
+    }
 
 
 def test_pca_is_fitted_on_queries_and_keys_together_and_is_deterministic():
     run = shipped("h2o-attention")
     e = embedding(run, 15, 1)
     assert e.query_head == 3  # KV head 1 serves query heads 3 to 5 (9 query heads over 3 KV heads)
-    x = np.concatenate([run.tensor("prefill/q/15")[3].double().numpy(), run.tensor("prefill/k/15")[1].double().numpy()])
+    x = np.concatenate(
+        [run.tensor("prefill/q/15")[3].double().numpy(), run.tensor("prefill/k/15")[1].double().numpy()]
+    )
     x -= x.mean(0)
     _, s, vt = np.linalg.svd(x, full_matrices=False)
     want = x @ vt[:2].T
     got = torch.cat([e.queries, e.keys]).double().numpy()
     np.testing.assert_allclose(np.abs(got), np.abs(want), rtol=1e-3, atol=1e-3)  # up to each axis' sign
-    assert e.explained_variance == pytest.approx((s[:2] ** 2 / (s ** 2).sum()).tolist(), rel=1e-5)
+    assert e.explained_variance == pytest.approx((s[:2] ** 2 / (s**2).sum()).tolist(), rel=1e-5)
     again = embedding(run, 15, 1)
     assert torch.equal(again.queries, e.queries) and torch.equal(again.keys, e.keys)
     other = embedding(run, 15, 1, query_head=5)
@@ -97,11 +126,15 @@ def test_bad_requests_are_one_sentence(capsys):
     run = shipped("h2o-attention")
     with pytest.raises(KvlensError, match="^Head 3 is out of range: layer 15 has KV heads 0 to 2.$"):
         run.analyze("embedding", layer=15, head=3)
-    with pytest.raises(KvlensError, match="^Query head 4 does not read KV head 0: KV head 0 serves query heads 0 to 2"):
+    with pytest.raises(
+        KvlensError, match="^Query head 4 does not read KV head 0: KV head 0 serves query heads 0 to 2"
+    ):
         run.analyze("embedding", layer=15, head=0, query_head=4)
     with pytest.raises(KvlensError, match="method must be one of pca, tsne; got 'umap'"):
         run.analyze("embedding", method="umap")
-    with pytest.raises(KvlensError, match="needs a run recorded with --record states; tova-summary was recorded at"):
+    with pytest.raises(
+        KvlensError, match="needs a run recorded with --record states; tova-summary was recorded at"
+    ):
         shipped("tova-summary").analyze("embedding")
     assert main(["analyze", "embedding", "--run", str(CACHED_RUNS / "h2o-attention"), "--head", "7"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

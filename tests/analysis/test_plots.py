@@ -1,4 +1,5 @@
 """Figure builders: their trace data equal the analysis output, heatmaps stay small, style and config are set."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -37,10 +38,12 @@ def test_similarity_figure_shows_the_map_within_512_cells(run):
 def test_similarity_with_queries_takes_keys_from_the_query_heads_kv_head(run):
     fig = similarity_figure(run, 1, 3, ["query", "key"], max_size=64)  # tiny: 4 query heads over 2 KV heads
     query, key = traces(fig, "heatmap")
-    np.testing.assert_allclose(np.array(query.z, dtype=float), similarity_map(run, 1, 3, "query", 64).matrix.numpy(),
-                               equal_nan=True)
-    np.testing.assert_allclose(np.array(key.z, dtype=float), similarity_map(run, 1, 1, "key", 64).matrix.numpy(),
-                               equal_nan=True)
+    np.testing.assert_allclose(
+        np.array(query.z, dtype=float), similarity_map(run, 1, 3, "query", 64).matrix.numpy(), equal_nan=True
+    )
+    np.testing.assert_allclose(
+        np.array(key.z, dtype=float), similarity_map(run, 1, 1, "key", 64).matrix.numpy(), equal_nan=True
+    )
     assert "query head 3 (KV head 1)" in fig.layout.title.text
 
 
@@ -78,7 +81,9 @@ def test_variance_preceding_gaussian_merge_and_perplexity_figures(run):
     np.testing.assert_allclose(fig.data[0].y, res.token_var.numpy().ravel())
 
     fig = preceding_figure(run, 2, 120, window=8)
-    np.testing.assert_allclose(np.array([t.y for t in fig.data]), preceding_similarity(run, 2, 120, 8).numpy())
+    np.testing.assert_allclose(
+        np.array([t.y for t in fig.data]), preceding_similarity(run, 2, 120, 8).numpy()
+    )
 
     fig = gaussian_figure(run, 1, 1, threshold=0.5, sigmas=(None, 2.0))
     gs = gaussian_set(run, 1, 1, 0.5, sigmas=(None, 2.0))

@@ -1,6 +1,7 @@
 """The Spectra page's price in bytes (`kvlens.analysis.kinds.rank_bytes`) is what low-rank storage really does: its
 error at each rank is `LowRankStates`' measured reconstruction error on the same states, and its bytes share the
 stored tensors' bytes."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,7 +28,7 @@ def test_the_error_and_bytes_of_each_rank_are_low_rank_storages_own(full_states,
     valid = torch.ones(heads, t, dtype=torch.bool)
     for r in (1, 8, 32):
         stored = seal_low_rank(r, x, valid, t)
-        measured = ((stored.read(slice(0, heads), t) - x) ** 2).sum((1, 2)) / (x ** 2).sum((1, 2))
+        measured = ((stored.read(slice(0, heads), t) - x) ** 2).sum((1, 2)) / (x**2).sum((1, 2))
         assert torch.allclose(found.error[1, :, r - 1], measured, rtol=2e-3, atol=1e-6)
         assert float(found.bytes_share()[r - 1]) == pytest.approx(stored.nbytes(heads) / (heads * t * d * 4))
 
@@ -40,4 +41,6 @@ def test_errors_fall_to_zero_at_full_rank_and_the_rank_for_an_error_is_the_first
     for layer in range(len(found.layers)):
         for head in range(need.shape[1]):
             r = int(need[layer, head])
-            assert found.error[layer, head, r - 1] <= 0.01 and (r == 1 or found.error[layer, head, r - 2] > 0.01)
+            assert found.error[layer, head, r - 1] <= 0.01 and (
+                r == 1 or found.error[layer, head, r - 2] > 0.01
+            )

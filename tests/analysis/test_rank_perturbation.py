@@ -2,6 +2,7 @@
 storage is the run itself at full rank (within float rounding), its bytes are the stored tensors', its reconstruction
 error never rises with the rank, its output error splits as the perturbation meter's (no merging part without
 merging, a positions part only with eviction), and `kvlens analyze rank_perturbation` prints it."""
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,9 @@ def runs(tiny):
     """A full-cache and an H2O run of the tiny model, recorded with their prompt states, and their replays."""
     out = {}
     for policy, budget in (("full", None), ("h2o", 64)):
-        run = perplexity(tiny, TEXT, policy, prefill=200, tokens=12, opts=RunOptions(budget=budget, record="states"))
+        run = perplexity(
+            tiny, TEXT, policy, prefill=200, tokens=12, opts=RunOptions(budget=budget, record="states")
+        )
         out[policy] = run, rank_perturbation(run, tiny, [2, 4, D])
     return out
 
@@ -48,7 +51,9 @@ def test_an_evicting_runs_positions_part_is_its_eviction_and_full_rank_adds_noth
     _, found = runs["h2o"]
     *ranked, reference = found.rows()
     assert reference["rank"] is None and reference["sources"]["selection"] > 0.05
-    assert reference["sources"]["storage"] == 0.0 and all(r["sources"]["merging"] == 0.0 for r in found.rows())
+    assert reference["sources"]["storage"] == 0.0 and all(
+        r["sources"]["merging"] == 0.0 for r in found.rows()
+    )
     full = ranked[-1]
     assert full["kl"] == pytest.approx(reference["kl"], rel=1e-3, abs=1e-7)
     assert full["nll_change"] == pytest.approx(reference["nll_change"], abs=1e-5)
@@ -72,15 +77,22 @@ def test_bytes_are_the_stored_tensors_and_errors_never_rise_with_the_rank(runs, 
     assert keys == sorted(keys, reverse=True) and keys[-1] < 1e-6
 
 
-def test_analyze_prints_the_table_and_the_json_replaying_the_runs_model(runs, tiny, tmp_path, capsys, monkeypatch):
+def test_analyze_prints_the_table_and_the_json_replaying_the_runs_model(
+    runs, tiny, tmp_path, capsys, monkeypatch
+):
     import kvlens.analysis.registry as registry
 
     run, _ = runs["full"]
     path = run.save(tmp_path / "full")
     monkeypatch.setattr(registry, "replay_model", lambda run, device="auto", dtype=None: tiny)
-    assert main(["analyze", "rank_perturbation", "--run", str(path), "--ranks", "4", "--ranks", "16", "--json"]) == 0
+    assert (
+        main(["analyze", "rank_perturbation", "--run", str(path), "--ranks", "4", "--ranks", "16", "--json"])
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
-    assert [r["rank"] for r in printed["rows"]] == [4, 16, None] and len(printed["rank_for_error"]["key"]) == 3
+    assert [r["rank"] for r in printed["rows"]] == [4, 16, None] and len(
+        printed["rank_for_error"]["key"]
+    ) == 3
     loaded = registry.analysis_json("rank_perturbation", run, ranks=[4, 16])  # the run's model, as on the CLI
     assert printed == json.loads(json.dumps(loaded))
     assert main(["analyze", "rank_perturbation", "--run", str(path), "--ranks", "4"]) == 0

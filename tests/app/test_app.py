@@ -3,6 +3,7 @@
 Each test checks that the page runs without an exception, that its widgets exist, and that the
 charts' plotly JSON holds the expected trace types and sizes (from the run's own shapes).
 """
+
 from __future__ import annotations
 
 import json
@@ -118,7 +119,9 @@ def test_spectra_draws_what_low_rank_storage_buys_at_the_chosen_error(app):
     meta = rank["layout"]["meta"]
     assert meta["analysis"] == "rank_bytes" and meta["params"] == {"error": 0.03}
     lines = [t for t in traces(rank, "scatter") if t.get("name", "").startswith("layer")]
-    assert len(lines) == 2 * 6 and all(max(t["x"]) < 1 for t in lines)  # only ranks cheaper than the full cache
+    assert len(lines) == 2 * 6 and all(
+        max(t["x"]) < 1 for t in lines
+    )  # only ranks cheaper than the full cache
     marks = next(t for t in rank["data"] if t.get("name", "").startswith("a layer's rank"))
     assert set(marks["y"]) == {0.03}
 
@@ -131,7 +134,10 @@ def test_spectra_replays_a_shipped_run_at_each_rank_when_asked(app):
     assert not at.exception, [e.value for e in at.exception]
     drawn = charts(at)[2]
     meta = drawn["layout"]["meta"]
-    assert meta["analysis"] == "rank_perturbation" and meta["params"] == {"error": 0.01, "ranks": [4, 8, 16, 32, 64]}
+    assert meta["analysis"] == "rank_perturbation" and meta["params"] == {
+        "error": 0.01,
+        "ranks": [4, 8, 16, 32, 64],
+    }
     bars = traces(drawn, "bar")
     assert [b["name"] for b in bars] == ["choice of positions", "low-rank storage", "merging"]
     assert all(len(b["x"]) == 6 for b in bars) and bars[0]["x"][-1] == "dtype<br>100%"  # rank, bytes share
@@ -182,8 +188,18 @@ def test_perturbation_asks_for_measure(app):
 def test_benchmarks_reads_a_saved_sweep(app, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    rows = [{"policy": p, "budget": b, "budget_slots": b, "ppl": 10 + 100 / b, "bytes_share": b / 256,
-             "ms_per_token": 60.0} for p in ("h2o", "tova") for b in (32, 64, 128)]
+    rows = [
+        {
+            "policy": p,
+            "budget": b,
+            "budget_slots": b,
+            "ppl": 10 + 100 / b,
+            "bytes_share": b / 256,
+            "ms_per_token": 60.0,
+        }
+        for p in ("h2o", "tova")
+        for b in (32, 64, 128)
+    ]
     (results / "sweep_broken.json").write_text("{not json")
     os.utime(results / "sweep_broken.json", (1, 1))  # older: the newest sweep is shown first
     (results / "sweep_demo.json").write_text(json.dumps({"text": "demo", "rows": rows}))
@@ -198,11 +214,31 @@ def test_benchmarks_reads_a_saved_sweep(app, tmp_path):
 def test_benchmarks_shows_an_unfinished_sweep_and_how_many_cells_are_done(app, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    rows = [{"policy": "h2o", "params": {}, "budget": b, "budget_slots": b, "ppl": 10 + 100 / b, "bytes_share": 0.5,
-             "ms_per_token": 60.0} for b in (32, 64, 128)]
+    rows = [
+        {
+            "policy": "h2o",
+            "params": {},
+            "budget": b,
+            "budget_slots": b,
+            "ppl": 10 + 100 / b,
+            "bytes_share": 0.5,
+            "ms_per_token": 60.0,
+        }
+        for b in (32, 64, 128)
+    ]
     failed = [{"policy": "tova", "params": {}, "budget": 32, "error": "It broke."}]
-    (results / "sweep_live.json").write_text(json.dumps({"cells_total": 6, "cells_done": 3, "cells_failed": 1,
-                                                         "status": "running", "rows": rows, "failed": failed}))
+    (results / "sweep_live.json").write_text(
+        json.dumps(
+            {
+                "cells_total": 6,
+                "cells_done": 3,
+                "cells_failed": 1,
+                "status": "running",
+                "rows": rows,
+                "failed": failed,
+            }
+        )
+    )
     at = open_page(app, "benchmarks")
     progress = at.get("progress")[0].proto
     assert "3 of 6 cells done, 1 failed" in progress.text and progress.value == 50
@@ -250,7 +286,10 @@ def test_policy_widgets_are_generated_and_bad_budgets_explained(app):
 
     at.selectbox(key="run_policy").set_value("cam").run()
     specs = {p.name: p.describe() for p in parameters("cam")}
-    assert at.selectbox(key="run_cam_base").options == specs["base"]["choices"] and "h2o" in specs["base"]["choices"]
+    assert (
+        at.selectbox(key="run_cam_base").options == specs["base"]["choices"]
+        and "h2o" in specs["base"]["choices"]
+    )
     assert at.number_input(key="run_cam_span").value == specs["span"]["default"]
     assert at.text_input(key="run_cam_clamp").value == ",".join(map(str, specs["clamp"]["default"]))
     at.text_input(key="run_cam_budget").set_value("1.5").run()
@@ -295,8 +334,12 @@ def test_run_page_generates_and_saves_a_run(app, tmp_path):
 def test_benchmarks_draws_a_saved_needle_result_with_its_own_figure(app, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    cells = [{"policy": p, "length": n, "depth": d, "score": float(p == "full" or d < 0.5), "output": "x"}
-             for p in ("full", "h2o") for n in (256, 512) for d in (0.0, 0.5, 1.0)]
+    cells = [
+        {"policy": p, "length": n, "depth": d, "score": float(p == "full" or d < 0.5), "output": "x"}
+        for p in ("full", "h2o")
+        for n in (256, 512)
+        for d in (0.0, 0.5, 1.0)
+    ]
     config = {"policies": ["full", "h2o"], "lengths": [256, 512], "depths": [0.0, 0.5, 1.0], "budget": 64}
     (results / "bench_needle.json").write_text(json.dumps({"config": config, "cells": cells}))
     at = open_page(app, "benchmarks")
@@ -310,13 +353,30 @@ def test_benchmarks_draws_a_saved_needle_result_with_its_own_figure(app, tmp_pat
 def test_benchmarks_shows_a_task_leaderboard_filtered_by_task_and_policy(app, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    rows = [{"suite_task": t, "length": 1024, "index": i, "shared_prefill_ms": 1.0,
-             "results": [{"policy": p, "ratio": r, "score": float(p == "full" or (i + (t == "vt")) % 2),
-                          "kept_share": 1 - r, "prepare_ms": 1.0, "answer_ms": 2.0}
-                         for p, r in [("full", 0.0), ("h2o", 0.5), ("h2o", 0.875), ("tova", 0.5)]]}
-            for t in ("niah_single", "vt") for i in range(4)]
-    (results / "bench_tasks.json").write_text(json.dumps({"config": {}, "rows": rows, "cells_total": 10,
-                                                          "cells_done": 8, "status": "running"}))
+    rows = [
+        {
+            "suite_task": t,
+            "length": 1024,
+            "index": i,
+            "shared_prefill_ms": 1.0,
+            "results": [
+                {
+                    "policy": p,
+                    "ratio": r,
+                    "score": float(p == "full" or (i + (t == "vt")) % 2),
+                    "kept_share": 1 - r,
+                    "prepare_ms": 1.0,
+                    "answer_ms": 2.0,
+                }
+                for p, r in [("full", 0.0), ("h2o", 0.5), ("h2o", 0.875), ("tova", 0.5)]
+            ],
+        }
+        for t in ("niah_single", "vt")
+        for i in range(4)
+    ]
+    (results / "bench_tasks.json").write_text(
+        json.dumps({"config": {}, "rows": rows, "cells_total": 10, "cells_done": 8, "status": "running"})
+    )
     at = open_page(app, "benchmarks")
     assert not at.exception
     fig = next(c for c in charts(at) if c["layout"]["title"]["text"].startswith("Task accuracy"))
@@ -336,28 +396,62 @@ def test_benchmarks_draws_the_bytes_quality_frontier_with_perplexity_and_task_sc
 
     results = tmp_path / "results"
     results.mkdir()
-    families = dict(evictors=[("h2o", {})], mergers=[("cam", {})], bits=[4], mix=("h2o", {}), mix_bits=[8],
-                    storage=Storage(bits=4))
-    rows = [{**c, "budget_slots": c["budget"], "ppl": 10.0 + (c["family"] != "reference"),
-             "kv_bytes_peak": 1000 if c["family"] == "reference" else 250}
-            for c in frontier.plan_frontier([0.25], {"a": "x"}, prefill=100, tokens=29, model="default", **families)]
-    for c in frontier.plan_frontier_tasks([0.25], tasks=["niah_single"], lengths=[512], count=1, seed=0,
-                                          source="s", model="default", **families):
+    families = dict(
+        evictors=[("h2o", {})],
+        mergers=[("cam", {})],
+        bits=[4],
+        mix=("h2o", {}),
+        mix_bits=[8],
+        storage=Storage(bits=4),
+    )
+    rows = [
+        {
+            **c,
+            "budget_slots": c["budget"],
+            "ppl": 10.0 + (c["family"] != "reference"),
+            "kv_bytes_peak": 1000 if c["family"] == "reference" else 250,
+        }
+        for c in frontier.plan_frontier(
+            [0.25], {"a": "x"}, prefill=100, tokens=29, model="default", **families
+        )
+    ]
+    for c in frontier.plan_frontier_tasks(
+        [0.25], tasks=["niah_single"], lengths=[512], count=1, seed=0, source="s", model="default", **families
+    ):
         share = 0.25 if c["storage"] else 1.0
-        rows.append({**c, "results": [{"policy": p, "ratio": 0.0 if p == "full" else r, "score": float(p == "full"),
-                                       "kv_bytes": 1000 * (share if p != "full" or c["storage"] else 1)}
-                                      for p in c["policies"] for r in (c["ratios"] if p != "full" else [0.0])]})
+        rows.append(
+            {
+                **c,
+                "results": [
+                    {
+                        "policy": p,
+                        "ratio": 0.0 if p == "full" else r,
+                        "score": float(p == "full"),
+                        "kv_bytes": 1000 * (share if p != "full" or c["storage"] else 1),
+                    }
+                    for p in c["policies"]
+                    for r in (c["ratios"] if p != "full" else [0.0])
+                ],
+            }
+        )
     config = {"prefill": 100, "tokens": 29, "texts": ["a"], "tasks": ["niah_single"]}
-    (results / "bench_frontier.json").write_text(json.dumps({"config": config, "rows": rows,
-                                                             "summary": frontier.summarise(rows)}))
+    (results / "bench_frontier.json").write_text(
+        json.dumps({"config": config, "rows": rows, "summary": frontier.summarise(rows)})
+    )
     at = open_page(app, "benchmarks")
     assert not at.exception
     fig = next(c for c in charts(at) if c["layout"]["title"]["text"].startswith("Quality against KV bytes"))
     assert {t["name"] for t in fig["data"]} == {  # one line per planned configuration, named with its family
-        "h2o (eviction)", "cam (merging)", "all slots (quantization)", "h2o @ 8 bits (mix)",
-        "all slots, low rank per head (low_rank)", "all slots, low rank per head, full-width new tokens (low_rank)",
-        "all slots, xKV low rank, 4 layers (low_rank)", "all slots, low rank per head @ 4 bits (mix)",
-        "h2o, low rank per head (mix)"}
+        "h2o (eviction)",
+        "cam (merging)",
+        "all slots (quantization)",
+        "h2o @ 8 bits (mix)",
+        "all slots, low rank per head (low_rank)",
+        "all slots, low rank per head, full-width new tokens (low_rank)",
+        "all slots, xKV low rank, 4 layers (low_rank)",
+        "all slots, low rank per head @ 4 bits (mix)",
+        "h2o, low rank per head (mix)",
+    }
     assert {t["xaxis"] for t in fig["data"]} == {"x", "x2"}  # perplexity and task score side by side
     table = at.dataframe[0].value
     assert set(table["measure"]) == {"perplexity", "task score"}
@@ -367,30 +461,59 @@ def test_benchmarks_draws_the_bytes_quality_frontier_with_perplexity_and_task_sc
 def test_benchmarks_opens_on_the_leaderboard_then_the_frontier_then_speed(app, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    for name in ("bench_speed", "bench_frontier", "bench_needle", "bench_tasks"):  # the last written is the newest
-        (results / f"{name}.json").write_text(json.dumps({"config": {}, "rows": [], "command": f"kvlens {name}"}))
+    for name in (
+        "bench_speed",
+        "bench_frontier",
+        "bench_needle",
+        "bench_tasks",
+    ):  # the last written is the newest
+        (results / f"{name}.json").write_text(
+            json.dumps({"config": {}, "rows": [], "command": f"kvlens {name}"})
+        )
     at = open_page(app, "benchmarks")
     assert not at.exception
-    assert [h.value for h in at.subheader] == ["Task leaderboard", "Quality at equal bytes", "Speed and memory"]
+    assert [h.value for h in at.subheader] == [
+        "Task leaderboard",
+        "Quality at equal bytes",
+        "Speed and memory",
+    ]
     assert at.selectbox(key="bench_tasks_bench_file").value == results / "bench_tasks.json"
     assert at.selectbox(key="bench_speed_bench_file").value == results / "bench_speed.json"
-    assert at.selectbox(key="bench_bench_file").options == ["bench_needle.json"]  # the others, in their own tab
+    assert at.selectbox(key="bench_bench_file").options == [
+        "bench_needle.json"
+    ]  # the others, in their own tab
     assert "Made by `kvlens bench_speed`." in [c.value for c in at.caption]
 
 
 def test_a_measured_sweep_shows_no_speed_and_says_why(app, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    rows = [{"policy": "cam", "budget": b, "budget_slots": b, "ppl": 10 + 100 / b, "bytes_share": b / 256,
-             "ms_per_token": 7000.0, "perturbation_used": 0.1} for b in (32, 64)]
+    rows = [
+        {
+            "policy": "cam",
+            "budget": b,
+            "budget_slots": b,
+            "ppl": 10 + 100 / b,
+            "bytes_share": b / 256,
+            "ms_per_token": 7000.0,
+            "perturbation_used": 0.1,
+        }
+        for b in (32, 64)
+    ]
     (results / "sweep_measured.json").write_text(json.dumps({"measure": True, "rows": rows}))
     at = open_page(app, "benchmarks")
     titles = [c["layout"]["title"]["text"] for c in charts(at)]
-    assert titles == ["Perplexity against the budget (sweep_measured.json)",
-                      "Share of the full cache's bytes kept (sweep_measured.json)"]
+    assert titles == [
+        "Perplexity against the budget (sweep_measured.json)",
+        "Share of the full cache's bytes kept (sweep_measured.json)",
+    ]
     assert any("includes the measuring passes" in i.value for i in at.info)
-    rows.append({**rows[0], "budget": 128, "budget_slots": 128, "perturbation_used": None, "ms_per_token": 60.0})
-    (results / "sweep_measured.json").write_text(json.dumps({"rows": rows}))  # one unmeasured row: its speed only
+    rows.append(
+        {**rows[0], "budget": 128, "budget_slots": 128, "perturbation_used": None, "ms_per_token": 60.0}
+    )
+    (results / "sweep_measured.json").write_text(
+        json.dumps({"rows": rows})
+    )  # one unmeasured row: its speed only
     at = open_page(app, "benchmarks")
     speed = charts(at)[-1]
     assert speed["layout"]["title"]["text"].startswith("Speed") and speed["data"][0]["y"] == [60.0]
@@ -403,7 +526,9 @@ def test_paper_style_toggle_shows_the_export_style(app):
     assert not app.exception
     chart = app.get("plotly_chart")[0]
     assert chart.proto.theme == ""  # the figure's own (paper) template, as exported
-    assert json.loads(chart.proto.spec)["layout"]["template"]["layout"]["font"]["family"].startswith("Helvetica")
+    assert json.loads(chart.proto.spec)["layout"]["template"]["layout"]["font"]["family"].startswith(
+        "Helvetica"
+    )
 
 
 def test_the_app_reads_no_model_path_typed_into_it(monkeypatch, tmp_path):
@@ -431,7 +556,9 @@ def test_the_app_draws_the_figure_a_notebook_gets_from_the_registry(app):
 def test_merges_offers_the_runs_of_merging_policies(app):
     at = open_page(app, "merges", "full-states")  # the full cache decides nothing
     assert any("made no decisions" in i.value for i in at.info)
-    offered = {b.key.removeprefix("merge_offer_") for b in at.button if b.key and b.key.startswith("merge_offer_")}
+    offered = {
+        b.key.removeprefix("merge_offer_") for b in at.button if b.key and b.key.startswith("merge_offer_")
+    }
     assert offered == {"cam-attention", "kvmerger-attention"}  # h2o and streaming_llm only evict
 
 
@@ -456,7 +583,9 @@ def test_page_job_protocol_errors_results_and_stop(monkeypatch):
         job.begin()
         job.stop_button()
         if st.button("Go", key="t_go"):
-            st.session_state.result = job.run(make_work, st.session_state.setdefault("events", []).extend, st.empty())
+            st.session_state.result = job.run(
+                make_work, st.session_state.setdefault("events", []).extend, st.empty()
+            )
 
     at = AppTest.from_function(page, default_timeout=TIMEOUT).run()
     at.button(key="t_go").click().run()
@@ -540,8 +669,12 @@ def test_every_policy_parameter_widget_has_the_registrys_help(app):
         for spec in parameters(name):
             if spec.kind == "policy":
                 continue
-            widget = next(w for kind in ("number_input", "text_input", "selectbox", "checkbox") for w in at.get(kind)
-                          if w.key == f"run_{name}_{spec.name}")
+            widget = next(
+                w
+                for kind in ("number_input", "text_input", "selectbox", "checkbox")
+                for w in at.get(kind)
+                if w.key == f"run_{name}_{spec.name}"
+            )
             assert spec.help and widget.help == spec.help, (name, spec.name)
 
 
@@ -549,7 +682,9 @@ def test_every_policy_parameter_widget_has_the_registrys_help(app):
 def test_compare_page_shows_the_table_kvlens_compare_computes(app, smol):
     from kvlens.experiments.compare import Entry, compare, table
 
-    prompt = "The Senate and the House of Representatives met in the Capitol on Monday to debate the budget, and"
+    prompt = (
+        "The Senate and the House of Representatives met in the Capitol on Monday to debate the budget, and"
+    )
     at = open_page(app, "compare")
     at.text_area(key="cmp_prompt").set_value(prompt)
     at.slider(key="cmp_tokens").set_value(4)
@@ -558,20 +693,27 @@ def test_compare_page_shows_the_table_kvlens_compare_computes(app, smol):
     shown = at.dataframe[0].value
     want = table(compare(smol, prompt, [Entry("streaming_llm", {}, 0.5), Entry("h2o", {}, 0.5)], 4))
     assert list(shown["policy"]) == [r["policy"] for r in want] == ["full", "streaming_llm @0.5", "h2o @0.5"]
-    for column, key in (("ppl on full's text", "ppl"), ("KL to full (mean)", "kl"), ("peak KV bytes", "kv_bytes_peak"),
-                        ("perturbation (mean)", "perturbation")):
+    for column, key in (
+        ("ppl on full's text", "ppl"),
+        ("KL to full (mean)", "kl"),
+        ("peak KV bytes", "kv_bytes_peak"),
+        ("perturbation (mean)", "perturbation"),
+    ):
         assert list(shown[column]) == pytest.approx([r[key] for r in want], rel=1e-4, abs=1e-7), column
-    assert [None if d != d else d for d in shown["diverges at token"]] == [r["first_divergence"] for r in want]
+    assert [None if d != d else d for d in shown["diverges at token"]] == [
+        r["first_divergence"] for r in want
+    ]
     drawn = charts(at)
     assert sum(len(c["data"]) == 3 * 3 for c in drawn) == 1  # three aligned panels, one line per run
     # the token inspector: the two policies' rows for token 0 of the full cache's text, side by side
     assert "Token inspector" in [h.value for h in at.subheader]
-    assert at.selectbox(key="cmp_pair_a").value == "streaming_llm @0.5" and at.selectbox(key="cmp_pair_b").value == \
-        "h2o @0.5"
+    assert (
+        at.selectbox(key="cmp_pair_a").value == "streaming_llm @0.5"
+        and at.selectbox(key="cmp_pair_b").value == "h2o @0.5"
+    )
     assert len(drawn) >= 3, "the inspector draws one row per policy"
     report = next(b for b in at.get("download_button") if b.label == "Report")  # the measured passes' report
     assert report.proto.url or report.proto.deferred_file_id is not None
-
 
 
 def test_kv_storage_picker_says_why_a_setting_is_bad_on_run_and_compare(app):
@@ -582,8 +724,11 @@ def test_kv_storage_picker_says_why_a_setting_is_bad_on_run_and_compare(app):
         Storage(4, "kivi", 64, 32)
     at = open_page(app, "run")
     bits = at.selectbox(key="run_kv_bits")
-    assert bits.options == ["model dtype (no quantization)", "8 bits (quantized)", "4 bits (quantized)",
-                            "2 bits (quantized)"] and bits.value == 0
+    assert (
+        bits.options
+        == ["model dtype (no quantization)", "8 bits (quantized)", "4 bits (quantized)", "2 bits (quantized)"]
+        and bits.value == 0
+    )
     assert not [w for w in at.number_input if w.key == "run_kv_group"]  # the settings only once quantized
     bits.set_value(4).run()
     assert at.selectbox(key="run_kv_scheme").options == ["kivi", "token"]
@@ -598,7 +743,9 @@ def test_kv_storage_picker_says_why_a_setting_is_bad_on_run_and_compare(app):
     assert [e.value for e in at.error] == [str(err.value)] and at.button(key="cmp_go").disabled
 
 
-def run_from_page(at: AppTest, policy: str, bits: int, measure: bool = False, chunk: int = 0, **storage) -> AppTest:
+def run_from_page(
+    at: AppTest, policy: str, bits: int, measure: bool = False, chunk: int = 0, **storage
+) -> AppTest:
     """Run `policy` @0.5 on the start of a bundled text from the Run page, 4 new tokens, with `bits` (and the
     `run_kv_*` settings in `storage`; 0: the model's dtype) and a prefill `chunk` (0: none); the saved run is then
     the sidebar's."""
@@ -624,8 +771,13 @@ def test_run_page_stores_the_kv_cache_as_chosen(app, tmp_path):
     at = run_from_page(at, "h2o", 4, scheme="token", group=32)
     packed = load_run(at.sidebar.selectbox(key="app_run").value)
     assert plain.meta["storage"] == {"bits": None}
-    assert packed.meta["storage"] == {"bits": 4, "scheme": "token", "group": 32, "residual": 0,
-                                      "scale_dtype": "float16"}
+    assert packed.meta["storage"] == {
+        "bits": 4,
+        "scheme": "token",
+        "group": 32,
+        "residual": 0,
+        "scale_dtype": "float16",
+    }
     assert "--kv-bits 4 --kv-scheme token --kv-group 32" in packed.meta["command"]
     assert packed.meta["prompt_tokens"] == plain.meta["prompt_tokens"]
     # float32 -> 4-bit codes + a float16 zero point and scale per 32 channels: 40 of 256 bytes a row
@@ -644,7 +796,8 @@ def test_run_page_prefills_in_chunks_with_the_summary_only(app):
     budget = run.meta["budget"]["slots"]
     assert len(run.meta["prompt_tokens"]) > budget + 64  # the prompt never sat in the cache whole
     assert run.metrics["kv_bytes_prefill"] <= run.metrics["kv_bytes_prompt"] * (budget + 64) / len(
-        run.meta["prompt_tokens"])
+        run.meta["prompt_tokens"]
+    )
 
 
 @pytest.mark.slow
@@ -655,15 +808,21 @@ def test_perturbation_page_splits_the_error_of_a_quantized_measured_run(app):
     at = open_page(at, "perturbation", str(run.path))
     assert "Where the output error comes from" in [h.value for h in at.subheader]
     shown = {m.label: m.value for m in at.metric}
-    for label, key in (("Choice of positions", "selection"), ("Quantized storage", "storage"),
-                       ("Merging", "merging")):
+    for label, key in (
+        ("Choice of positions", "selection"),
+        ("Quantized storage", "storage"),
+        ("Merging", "merging"),
+    ):
         assert shown[label] == f"{sources[key]:+.4f}"
-    assert float(shown["Cache used (pooled)"]) == pytest.approx(run.metrics["perturbation_used_pooled"], abs=1e-4)
+    assert float(shown["Cache used (pooled)"]) == pytest.approx(
+        run.metrics["perturbation_used_pooled"], abs=1e-4
+    )
     split = charts(at)[0]
     bars = traces(split, "bar")
     assert [b["y"][0] for b in bars] == pytest.approx([*sources.values(), sum(sources.values())])
-    assert [b["base"][0] for b in bars[1:3]] == pytest.approx([sources["selection"],
-                                                              sources["selection"] + sources["storage"]])
+    assert [b["base"][0] for b in bars[1:3]] == pytest.approx(
+        [sources["selection"], sources["selection"] + sources["storage"]]
+    )
     curves = {t["name"]: t["y"] for t in traces(split, "scatter")}
     assert set(curves) == {"same positions, full precision", "same positions, quantized", "cache used"}
     assert all(len(y) == run.shape["layers"] for y in curves.values())
@@ -684,7 +843,11 @@ def test_compare_page_passes_each_policys_kv_storage(app):
     assert not at.exception and not at.error, [e.value for e in at.exception] + [e.value for e in at.error]
     results = at.session_state.cmp_result
     assert [r.entry.label for r in results] == ["full", "full · 2-bit", "h2o @0.5 · 4-bit"]
-    assert [r.run.meta["storage"]["bits"] for r in results] == [None, 2, 4]  # the reference: the model's dtype
+    assert [r.run.meta["storage"]["bits"] for r in results] == [
+        None,
+        2,
+        4,
+    ]  # the reference: the model's dtype
     shown = at.dataframe[0].value
     assert list(shown["policy"]) == ["full", "full · 2-bit", "h2o @0.5 · 4-bit"]
     peak = list(shown["peak KV bytes"])
@@ -712,8 +875,11 @@ def link(tmp_path, monkeypatch):
 def test_a_link_sets_the_attention_pages_layer_head_and_row_and_a_change_goes_back_into_it(link):
     at = link("attention", run="cam-attention", layer="29", head="4", step="3")
     assert not at.warning, [w.value for w in at.warning]
-    assert (at.selectbox(key="attn_layer").value, at.selectbox(key="attn_head").value,
-            at.slider(key="attn_step").value) == (29, 4, 3)
+    assert (
+        at.selectbox(key="attn_layer").value,
+        at.selectbox(key="attn_head").value,
+        at.slider(key="attn_step").value,
+    ) == (29, 4, 3)
     assert charts(at)[0]["layout"]["title"]["text"].startswith("Attention of layer 29, head 4 ")
     assert charts(at)[1]["layout"]["title"]["text"].endswith("query row 3")
     at.selectbox(key="attn_head").set_value(2).run()
@@ -724,9 +890,14 @@ def test_a_link_sets_the_attention_pages_layer_head_and_row_and_a_change_goes_ba
 def test_similarity_keeps_its_layer_kv_head_and_token_in_the_link(link):
     at = link("similarity", run="cam-attention", layer="29", head="2", token="40")
     assert not at.warning, [w.value for w in at.warning]
-    assert (at.selectbox(key="sim_layer").value, at.selectbox(key="sim_head").value,
-            at.slider(key="sim_token").value) == (29, 2, 40)
-    assert charts(at)[0]["layout"]["title"]["text"] == "layer 29, query head 6"  # KV head 2's first query head
+    assert (
+        at.selectbox(key="sim_layer").value,
+        at.selectbox(key="sim_head").value,
+        at.slider(key="sim_token").value,
+    ) == (29, 2, 40)
+    assert (
+        charts(at)[0]["layout"]["title"]["text"] == "layer 29, query head 6"
+    )  # KV head 2's first query head
     at.selectbox(key="sim_layer").set_value(0).run()
     assert (at.query_params["layer"], at.query_params["head"], at.query_params["token"]) == ("0", "2", "40")
 
@@ -739,26 +910,42 @@ def test_merges_keeps_its_layer_and_kv_head_in_the_link(link):
     assert (at.query_params["layer"], at.query_params["head"]) == ("29", "2")
 
 
-
 def test_a_link_opens_the_analyses_page_on_its_analysis_and_parameters_which_changes_write_back(link):
     at = link("analyses", run="h2o-attention", analysis="embedding", layer="15", head="0")
     assert not at.warning, [w.value for w in at.warning]
     assert at.sidebar.selectbox(key="app_run").value == str(CACHED_RUNS / "h2o-attention")
     assert at.selectbox(key="an_kind").value == "embedding"  # not the first analysis, the default
-    assert (at.number_input(key="an_embedding_layer").value, at.number_input(key="an_embedding_head").value) == (15, 0)
+    assert (
+        at.number_input(key="an_embedding_layer").value,
+        at.number_input(key="an_embedding_head").value,
+    ) == (15, 0)
     want = load_run(CACHED_RUNS / "h2o-attention").figure("embedding", layer=15, head=0)
     assert charts(at)[0]["data"] == json.loads(want.to_json())["data"]
     at.selectbox(key="an_embedding_method").set_value("tsne").run()
     at.number_input(key="an_embedding_head").set_value(2).run()
     assert not at.exception and charts(at)[0]["layout"]["meta"]["params"]["method"] == "tsne"
-    assert dict(at.query_params) == {"run": "h2o-attention", "analysis": "embedding", "layer": "15", "head": "2",
-                                     "method": "tsne"}  # the empty query_head and step fields: not in it
+    assert dict(at.query_params) == {
+        "run": "h2o-attention",
+        "analysis": "embedding",
+        "layer": "15",
+        "head": "2",
+        "method": "tsne",
+    }  # the empty query_head and step fields: not in it
     # another analysis: the URL loses embedding's parameters, and gaussian's own layer and head take none of them
     at.selectbox(key="an_kind").set_value("gaussian").run()
     assert not at.exception and not at.warning
-    assert at.number_input(key="an_gaussian_layer").value is None and at.number_input(key="an_gaussian_head").value == 0
-    assert dict(at.query_params) == {"run": "h2o-attention", "analysis": "gaussian", "head": "0", "threshold": "0.75",
-                                     "rule": "mean_distance,eq7", "sigma": ""}
+    assert (
+        at.number_input(key="an_gaussian_layer").value is None
+        and at.number_input(key="an_gaussian_head").value == 0
+    )
+    assert dict(at.query_params) == {
+        "run": "h2o-attention",
+        "analysis": "gaussian",
+        "head": "0",
+        "threshold": "0.75",
+        "rule": "mean_distance,eq7",
+        "sigma": "",
+    }
     at.text_input(key="an_gaussian_sigma").set_value("2,4").run()
     assert at.query_params["sigma"] == "2,4"
     at.selectbox(key="an_kind").set_value("spectrum").run()
@@ -770,13 +957,23 @@ def test_a_bad_analysis_parameter_in_a_link_is_ignored_with_one_sentence(link):
     assert [w.value for w in at.warning] == [
         "The link's layer was ignored: layer of embedding must be an integer; got 'x'.",
         "The link's head was ignored: head of embedding must be at least 0; got -1.",
-        "The link's method 'umap' is not one of pca, tsne; it was ignored."]
-    assert (at.number_input(key="an_embedding_layer").value, at.number_input(key="an_embedding_head").value,
-            at.selectbox(key="an_embedding_method").value) == (None, 0, "pca")
-    assert charts(at) and dict(at.query_params) == {"run": "h2o-attention", "analysis": "embedding", "head": "0",
-                                                    "method": "pca"}
+        "The link's method 'umap' is not one of pca, tsne; it was ignored.",
+    ]
+    assert (
+        at.number_input(key="an_embedding_layer").value,
+        at.number_input(key="an_embedding_head").value,
+        at.selectbox(key="an_embedding_method").value,
+    ) == (None, 0, "pca")
+    assert charts(at) and dict(at.query_params) == {
+        "run": "h2o-attention",
+        "analysis": "embedding",
+        "head": "0",
+        "method": "pca",
+    }
     at = link("analyses", run="h2o-attention", analysis="embeddings")
-    assert len(at.warning) == 1 and at.warning[0].value.startswith("The link's analysis 'embeddings' is not one of ")
+    assert len(at.warning) == 1 and at.warning[0].value.startswith(
+        "The link's analysis 'embeddings' is not one of "
+    )
     assert at.selectbox(key="an_kind").value == at.selectbox(key="an_kind").options[0].split(" (")[0]
 
 
@@ -788,8 +985,10 @@ def test_a_link_sets_the_merges_similarity_threshold_and_a_bad_one_is_one_senten
     at.slider(key="merge_thr").set_value(0.85).run()
     assert at.query_params["threshold"] == "0.85"
     at = link("merges", run="cam-attention", threshold="0.62")
-    assert [w.value for w in at.warning] == ["The link's similarity threshold '0.62' is not one of 0.3, 0.35, 0.4, "
-                                             "0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, …; it was ignored."]
+    assert [w.value for w in at.warning] == [
+        "The link's similarity threshold '0.62' is not one of 0.3, 0.35, 0.4, "
+        "0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, …; it was ignored."
+    ]
     assert at.slider(key="merge_thr").value == 0.75 and at.query_params["threshold"] == "0.75"
 
 
@@ -807,16 +1006,20 @@ def test_the_runs_filter_and_policies_and_the_similarity_states_are_in_the_link(
     at.multiselect(key="sim_kinds").set_value([]).run()
     assert at.query_params["states"] == ""  # none picked, which the link keeps
     at = link("similarity", run="full-states", states="key,keys")
-    assert [w.value for w in at.warning] == ["The link's choice of states was ignored: states must be comma-separated "
-                                             "values, each one of query, key, value; got 'keys'."]
+    assert [w.value for w in at.warning] == [
+        "The link's choice of states was ignored: states must be comma-separated "
+        "values, each one of query, key, value; got 'keys'."
+    ]
     assert at.multiselect(key="sim_kinds").value == ["query", "key", "value"]
 
 
 def test_the_perturbation_pages_saved_sweep_is_in_the_link(link, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    rows = [{"policy": "h2o", "budget": b, "budget_slots": b, "perturbation_used": 0.1, "perturbation_evict": 0.2}
-            for b in (32, 64)]
+    rows = [
+        {"policy": "h2o", "budget": b, "budget_slots": b, "perturbation_used": 0.1, "perturbation_evict": 0.2}
+        for b in (32, 64)
+    ]
     for name in ("sweep_old.json", "sweep_new.json"):
         (results / name).write_text(json.dumps({"rows": rows}))
     os.utime(results / "sweep_old.json", (1, 1))  # the newest, shown first, is sweep_new
@@ -833,7 +1036,9 @@ def test_browse_pages_and_the_run_page_offer_the_report_built_only_when_clicked(
     built = []
     monkeypatch.setattr("kvlens.ui.page.report_html", lambda runs: built.append(runs) or "")
     for page in ("overview", "attention", "perturbation"):
-        at = open_page(app, page, "h2o-attention")  # Perturbation stops on an unmeasured run: after the button
+        at = open_page(
+            app, page, "h2o-attention"
+        )  # Perturbation stops on an unmeasured run: after the button
         assert [b.label for b in at.get("download_button") if b.label == "Report"] == ["Report"], page
     at = open_page(app, "run")
     assert "Report" not in [b.label for b in at.get("download_button")]  # no run saved yet

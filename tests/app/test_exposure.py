@@ -1,4 +1,5 @@
 """Exposure: the app listens on 127.0.0.1 by default; remote code stays off unless asked for, loudly."""
+
 from __future__ import annotations
 
 import inspect
@@ -20,7 +21,17 @@ def test_app_binds_to_loopback_by_default():
 
 def test_remote_code_is_off_by_default_and_loud_when_on(capsys):
     assert inspect.signature(load_model).parameters["trust_remote_code"].default is False
-    code = main(["ppl", "--policy", "full", "--text-file", str(TEXTS / "1961-Kennedy.txt"),
-                 "--model", "/nonexistent/dir", "--trust-remote-code"])
+    code = main(
+        [
+            "ppl",
+            "--policy",
+            "full",
+            "--text-file",
+            str(TEXTS / "1961-Kennedy.txt"),
+            "--model",
+            "/nonexistent/dir",
+            "--trust-remote-code",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "WARNING: --trust-remote-code is on" in err

@@ -1,4 +1,5 @@
 """The Run page's live figure: per-step perturbation of a measured run arrives while it runs."""
+
 from __future__ import annotations
 
 import torch
@@ -7,9 +8,17 @@ from kvlens.ui.live import Live, RunSettings
 
 
 def test_live_figure_plots_per_step_perturbation_of_a_measured_run(tiny):
-    settings = RunSettings(policy="cam", params={"base": "h2o", "mask": "always"}, budget=12,
-                           text="Merging keeps what eviction drops. " * 3, teacher=True, new_tokens=10, prefill=60,
-                           record="summary", measure=True)
+    settings = RunSettings(
+        policy="cam",
+        params={"base": "h2o", "mask": "always"},
+        budget=12,
+        text="Merging keeps what eviction drops. " * 3,
+        teacher=True,
+        new_tokens=10,
+        prefill=60,
+        record="summary",
+        measure=True,
+    )
     live = Live()
     run = settings.work(tiny)(lambda e: live.add([e]), None)
     used = live.perturbation["perturbation_used"]
@@ -24,8 +33,15 @@ def test_live_figure_plots_per_step_perturbation_of_a_measured_run(tiny):
 
 
 def test_live_figure_without_measurement_has_three_panels(tiny):
-    settings = RunSettings(policy="h2o", params={}, budget=12, text="Short prompt for a live run. " * 3,
-                           teacher=False, new_tokens=6, record="summary")
+    settings = RunSettings(
+        policy="h2o",
+        params={},
+        budget=12,
+        text="Short prompt for a live run. " * 3,
+        teacher=False,
+        new_tokens=6,
+        record="summary",
+    )
     live = Live()
     settings.work(tiny)(lambda e: live.add([e]), None)
     assert not live.perturbation and len(live.figure().layout.annotations) == 3

@@ -1,5 +1,6 @@
 """The runs table (kvlens.figures.run_table), zip export/import/delete (kvlens.runs.archive), the `steps` overlay
 analysis and the Runs page under AppTest."""
+
 from __future__ import annotations
 
 import io
@@ -51,6 +52,7 @@ def run_files(path: Path, folder: str = "r") -> dict[str, bytes]:
 
 # ---- the index ----
 
+
 def test_the_table_holds_every_shipped_run_with_its_run_json_values():
     frame, skipped = run_table(shipped())
     assert skipped == [] and list(frame["name"]) == [p.name for p, _ in shipped()]
@@ -60,9 +62,15 @@ def test_the_table_holds_every_shipped_run_with_its_run_json_values():
         assert row["policy"] == meta["policy"]["name"] and row["new tokens"] == len(meta["tokens"])
         assert row["ppl"] == pytest.approx(m["ppl"])
         assert row["peak KV (MiB)"] == pytest.approx(m["kv_bytes_peak"] / 2**20)
-        assert (row["KL"] == pytest.approx(m["kl"])) if "kl" in m else row["KL"] != row["KL"]  # NaN when not measured
+        assert (
+            (row["KL"] == pytest.approx(m["kl"])) if "kl" in m else row["KL"] != row["KL"]
+        )  # NaN when not measured
     cam = frame.set_index("name").loc["cam-attention"]
-    assert cam["params"] == "base=h2o" and cam["budget"] == "48 slots" and cam["model"] == "SmolLM2-135M-Instruct"
+    assert (
+        cam["params"] == "base=h2o"
+        and cam["budget"] == "48 slots"
+        and cam["model"] == "SmolLM2-135M-Instruct"
+    )
     assert frame.set_index("name").loc["full-states", "budget"] == "none"
 
 
@@ -77,13 +85,17 @@ def test_the_table_reads_run_json_only_and_says_which_folders_it_left_out(mine_r
 
 def test_filtering_keeps_rows_holding_every_word_and_the_chosen_policies():
     frame, _ = run_table(shipped())
-    assert filter_table(frame, "ATTENTION h2o")["name"].tolist() == ["cam-attention", "h2o-attention"]  # base=h2o
+    assert filter_table(frame, "ATTENTION h2o")["name"].tolist() == [
+        "cam-attention",
+        "h2o-attention",
+    ]  # base=h2o
     assert filter_table(frame, "", ["tova", "full"])["name"].tolist() == ["full-states", "tova-summary"]
     assert filter_table(frame, "attention", ["tova"]).empty
     assert len(filter_table(frame, "  ")) == len(frame)
 
 
 # ---- zip export, import, delete ----
+
 
 def test_export_then_import_gives_an_identical_run(mine_runs_dir, tmp_path):
     source = CACHED_RUNS / "cam-attention"
@@ -93,8 +105,12 @@ def test_export_then_import_gives_an_identical_run(mine_runs_dir, tmp_path):
         assert (target / name).read_bytes() == (source / name).read_bytes()
     a, b = load_run(source), load_run(target)
     assert a.meta == b.meta and a.decisions.equals(b.decisions)
-    assert a.tensors.keys() == b.tensors.keys() and all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
-    assert abs((target / "run.json").stat().st_mtime - (source / "run.json").stat().st_mtime) <= 2  # zip: 2 s steps
+    assert a.tensors.keys() == b.tensors.keys() and all(
+        torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors
+    )
+    assert (
+        abs((target / "run.json").stat().st_mtime - (source / "run.json").stat().st_mtime) <= 2
+    )  # zip: 2 s steps
 
 
 def test_import_never_overwrites_a_run(mine_runs_dir):
@@ -122,33 +138,64 @@ def _bad_archives(tmp_path: Path) -> dict[str, tuple[object, str]]:
         zf.writestr("r/run.json", b" " * (MAX_JSON_BYTES + 1))
     big.seek(0)
     damaged = bytearray(zip_of(good).getvalue())
-    damaged[damaged.index(good["r/run.json"][:64]) + 10] ^= 1  # one bit of run.json's stored bytes: its CRC fails
+    damaged[damaged.index(good["r/run.json"][:64]) + 10] ^= (
+        1  # one bit of run.json's stored bytes: its CRC fails
+    )
     plain = tmp_path / "notes.zip"
     plain.write_text("these are notes, not a zip")
     return {
         "not a zip": (plain, "notes.zip is not a zip archive (or it is damaged)."),
-        "no run.json": (zip_of({k: v for k, v in good.items() if not k.endswith("run.json")}),
-                        "x.zip holds no run.json, so it is not a kvlens run."),
-        "no tensors": (zip_of({k: v for k, v in good.items() if not k.endswith("safetensors")}),
-                       "x.zip holds no tensors.safetensors, so it is not a complete kvlens run."),
-        "traversal": (zip_of({**good, "../run.json": b"{}"}),
-                      "x.zip names a file outside its folder ('../run.json'); refusing to unpack it."),
-        "absolute": (zip_of({"/tmp/r/run.json": b"{}"}),
-                     "x.zip names a file outside its folder ('/tmp/r/run.json'); refusing to unpack it."),
+        "no run.json": (
+            zip_of({k: v for k, v in good.items() if not k.endswith("run.json")}),
+            "x.zip holds no run.json, so it is not a kvlens run.",
+        ),
+        "no tensors": (
+            zip_of({k: v for k, v in good.items() if not k.endswith("safetensors")}),
+            "x.zip holds no tensors.safetensors, so it is not a complete kvlens run.",
+        ),
+        "traversal": (
+            zip_of({**good, "../run.json": b"{}"}),
+            "x.zip names a file outside its folder ('../run.json'); refusing to unpack it.",
+        ),
+        "absolute": (
+            zip_of({"/tmp/r/run.json": b"{}"}),
+            "x.zip names a file outside its folder ('/tmp/r/run.json'); refusing to unpack it.",
+        ),
         "link": (link, "x.zip holds a link ('r/run.json'); refusing to unpack it."),
-        "other file": (zip_of({**good, "r/evil.py": b"import os"}),
-                       "x.zip holds 'r/evil.py', which is not part of a kvlens run (run.json, tensors.safetensors, "
-                       "decisions.parquet)."),
-        "two folders": (zip_of({**good, "s/decisions.parquet": b""}),
-                        "x.zip holds files in more than one folder; zip one run at a time."),
+        "other file": (
+            zip_of({**good, "r/evil.py": b"import os"}),
+            "x.zip holds 'r/evil.py', which is not part of a kvlens run (run.json, tensors.safetensors, "
+            "decisions.parquet).",
+        ),
+        "two folders": (
+            zip_of({**good, "s/decisions.parquet": b""}),
+            "x.zip holds files in more than one folder; zip one run at a time.",
+        ),
         "too large": (big, "x.zip: run.json is larger than 64 MB; refusing to unpack it."),
         "damaged": (io.BytesIO(bytes(damaged)), "x.zip is damaged (BadZipFile); nothing was imported."),
-        "invalid": (zip_of(corrupt), "x.zip is not a valid kvlens run: tensors.safetensors is truncated or corrupt"),
+        "invalid": (
+            zip_of(corrupt),
+            "x.zip is not a valid kvlens run: tensors.safetensors is truncated or corrupt",
+        ),
     }
 
 
-@pytest.mark.parametrize("kind", ["not a zip", "no run.json", "no tensors", "traversal", "absolute", "link",
-                                  "other file", "two folders", "too large", "damaged", "invalid"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "not a zip",
+        "no run.json",
+        "no tensors",
+        "traversal",
+        "absolute",
+        "link",
+        "other file",
+        "two folders",
+        "too large",
+        "damaged",
+        "invalid",
+    ],
+)
 def test_each_kind_of_bad_zip_is_refused_with_its_sentence_and_leaves_nothing(kind, mine_runs_dir, tmp_path):
     archive, sentence = _bad_archives(tmp_path)[kind]
     with pytest.raises(KvlensError) as err:
@@ -182,22 +229,35 @@ def test_export_refuses_a_folder_that_is_not_a_valid_run(mine_runs_dir):
 
 # ---- the overlay analysis ----
 
+
 def test_the_steps_overlay_draws_each_runs_curves_and_perturbation_only_where_measured():
     cam, tova = load_run(CACHED_RUNS / "cam-attention"), load_run(CACHED_RUNS / "tova-summary")
     fig = analysis_figure("steps", [cam, tova])
     by = {(t.name, t.xaxis): t for t in fig.data}
-    assert set(by) == {("cam-attention", "x"), ("cam-attention", "x2"), ("cam-attention", "x3"),
-                       ("tova-summary", "x"), ("tova-summary", "x2")}
+    assert set(by) == {
+        ("cam-attention", "x"),
+        ("cam-attention", "x2"),
+        ("cam-attention", "x3"),
+        ("tova-summary", "x"),
+        ("tova-summary", "x2"),
+    }
     assert list(by["tova-summary", "x"].y) == pytest.approx(tova.tensor("steps/nll").tolist())
     assert list(by["cam-attention", "x2"].y) == pytest.approx(
-        cam.tensor("steps/kv_slots").float().flatten(1).mean(1).tolist())
+        cam.tensor("steps/kv_slots").float().flatten(1).mean(1).tolist()
+    )
     pert = by["cam-attention", "x3"]
-    assert pert.x[0] == 1 and list(pert.y) == pytest.approx(cam.tensor("perturbation/used").mean(dim=(1, 2)).tolist())
+    assert pert.x[0] == 1 and list(pert.y) == pytest.approx(
+        cam.tensor("perturbation/used").mean(dim=(1, 2)).tolist()
+    )
     assert len(analysis_figure("steps", [tova]).layout.annotations) == 2  # no perturbation panel at all
-    assert [t.name for t in analysis_figure("steps", [tova, tova], label=["a"]).data[::2]] == ["a", "tova-summary"]
+    assert [t.name for t in analysis_figure("steps", [tova, tova], label=["a"]).data[::2]] == [
+        "a",
+        "tova-summary",
+    ]
 
 
 # ---- the page ----
+
 
 @pytest.fixture
 def runs_page(mine_runs_dir, monkeypatch):
@@ -211,7 +271,9 @@ def runs_page(mine_runs_dir, monkeypatch):
 def select(at: AppTest, rows: list[int], text: str = "", policies=()) -> AppTest:
     from kvlens.ui.runs_table import table_key
 
-    at.session_state[table_key(0, text, list(policies))] = {"selection": {"rows": rows, "columns": [], "cells": []}}
+    at.session_state[table_key(0, text, list(policies))] = {
+        "selection": {"rows": rows, "columns": [], "cells": []}
+    }
     return at.run()
 
 

@@ -1,4 +1,5 @@
 """Benchmarks on the tiny model with tiny settings: well-formed results, ratios from the same run, the needle scorer."""
+
 from __future__ import annotations
 
 import csv
@@ -33,8 +34,12 @@ def test_policy_specs_parse_and_validate():
     assert [s.label for s in specs] == ["full", "cam:base=h2o,span=8", "corm"]
     assert specs[1].params == (("base", "h2o"), ("span", 8))
     assert specs[0].budget_free and specs[2].budget_free and not specs[1].budget_free
-    assert [s.label for s in parse_policies("full,streaming_llm, cam:span=8,base=h2o,tova")] == \
-        ["full", "streaming_llm", "cam:base=h2o,span=8", "tova"]  # ',' between names, as kvpress users write it
+    assert [s.label for s in parse_policies("full,streaming_llm, cam:span=8,base=h2o,tova")] == [
+        "full",
+        "streaming_llm",
+        "cam:base=h2o,span=8",
+        "tova",
+    ]  # ',' between names, as kvpress users write it
     with pytest.raises(KvlensError, match="no parameter"):
         PolicySpec.parse("h2o:window=3")
     with pytest.raises(KvlensError, match="Unknown policy"):
@@ -42,21 +47,29 @@ def test_policy_specs_parse_and_validate():
 
 
 def test_ppl_bench_rows_summary_table_and_figure(tiny, texts, tmp_path):
-    cells = plan_ppl([("full", {}), ("streaming_llm", {}), ("corm", {})], [0.5, 16], texts, [64], tokens=8,
-                     model="tiny")
+    cells = plan_ppl(
+        [("full", {}), ("streaming_llm", {}), ("corm", {})], [0.5, 16], texts, [64], tokens=8, model="tiny"
+    )
     rows = _run(tiny, cells, texts, tmp_path / "bench_ppl.json")
     # full and budget-free corm once per text, streaming_llm once per budget per text
     assert [(r["text"], r["policy"], r["budget"]) for r in rows] == [
-        (t, p, b) for t in texts for p, b in [("full", None), ("streaming_llm", 0.5), ("streaming_llm", 16),
-                                              ("corm", None)]]
-    assert all(r["prefill"] == 64 and r["tokens"] == 8 and r["model"] == "tiny" and r["kvlens_version"] for r in rows)
+        (t, p, b)
+        for t in texts
+        for p, b in [("full", None), ("streaming_llm", 0.5), ("streaming_llm", 16), ("corm", None)]
+    ]
+    assert all(
+        r["prefill"] == 64 and r["tokens"] == 8 and r["model"] == "tiny" and r["kvlens_version"] for r in rows
+    )
     by = {(r["policy"], r["budget"], r["text"]): r for r in rows}
     name = list(texts)[0]
     assert by[("streaming_llm", 16, name)]["budget_slots"] == 16
     assert by[("streaming_llm", 0.5, name)]["budget_slots"] == 32
     assert by[("full", None, name)]["kept_final_mean"] == 64 + 8 - 1
-    result = {"config": {"prefill": 64, "tokens": 8, "texts": list(texts)}, "rows": rows,
-              "summary": ppl.summarise(rows)}
+    result = {
+        "config": {"prefill": 64, "tokens": 8, "texts": list(texts)},
+        "rows": rows,
+        "summary": ppl.summarise(rows),
+    }
     summary = {(s["policy"], s["budget"]): s for s in result["summary"]}
     assert len(summary) == 4 and summary[("full", "full")]["vs_full"] == pytest.approx(1.0)
     assert ("corm", "auto") in summary
@@ -77,8 +90,25 @@ def test_bench_labels_name_the_changed_parameters(texts):
 
 
 def test_bench_ppl_command_resumes_and_writes_summary_csv(tiny_dir, tmp_path, capsys):  # noqa: F811
-    argv = ["bench", "ppl", "--policies", "full;h2o", "--budgets", "0.5,16", "--texts", "1", "--prefill", "64",
-            "--tokens", "4", "--model", str(tiny_dir), "--out-dir", str(tmp_path), "--no-figure"]
+    argv = [
+        "bench",
+        "ppl",
+        "--policies",
+        "full;h2o",
+        "--budgets",
+        "0.5,16",
+        "--texts",
+        "1",
+        "--prefill",
+        "64",
+        "--tokens",
+        "4",
+        "--model",
+        str(tiny_dir),
+        "--out-dir",
+        str(tmp_path),
+        "--no-figure",
+    ]
     assert main(argv) == 0
     data = json.loads((tmp_path / "bench_ppl.json").read_text())
     assert data["status"] == "done" and data["cells_total"] == 3 and len(data["summary"]) == 3
@@ -89,14 +119,17 @@ def test_bench_ppl_command_resumes_and_writes_summary_csv(tiny_dir, tmp_path, ca
     assert json.loads((tmp_path / "bench_ppl.json").read_text())["rows"] == data["rows"]
 
 
-@pytest.mark.parametrize("output, found", [
-    ("The secret passphrase is 'blue-harbor-42'.", 1.0),
-    ("blue harbor 42", 1.0),
-    ("BLUE-HARBOR-42<|im_end|>", 1.0),
-    ('The passphrase is "blue-har', 0.0),
-    ("blue-harbor-24", 0.0),
-    ("", 0.0),
-])
+@pytest.mark.parametrize(
+    "output, found",
+    [
+        ("The secret passphrase is 'blue-harbor-42'.", 1.0),
+        ("blue harbor 42", 1.0),
+        ("BLUE-HARBOR-42<|im_end|>", 1.0),
+        ('The passphrase is "blue-har', 0.0),
+        ("blue-harbor-24", 0.0),
+        ("", 0.0),
+    ],
+)
 def test_needle_scorer(output, found):
     assert needle.score(output, needle.ANSWER) == found
 
@@ -125,8 +158,16 @@ def test_haystack_places_the_needle_at_its_depth(tiny):
 
 def test_needle_bench_cells_and_summary(tiny, texts, tmp_path):
     haystack = {"haystack": list(texts.values())[0]}
-    cells = needle.plan_needle([("full", {}), ("h2o", {})], [400, 500], [0.0, 1.0], budget=0.5,
-                               filler_text=haystack["haystack"], model="tiny", max_new_tokens=3, chat=False)
+    cells = needle.plan_needle(
+        [("full", {}), ("h2o", {})],
+        [400, 500],
+        [0.0, 1.0],
+        budget=0.5,
+        filler_text=haystack["haystack"],
+        model="tiny",
+        max_new_tokens=3,
+        chat=False,
+    )
     rows = _run(tiny, cells, haystack, tmp_path / "bench_needle.json")
     assert len(rows) == 2 * 2 * 2
     assert all(r["score"] == needle.score(r["output"], needle.ANSWER) for r in rows)
@@ -134,8 +175,13 @@ def test_needle_bench_cells_and_summary(tiny, texts, tmp_path):
     assert all(r["budget_slots"] == round(r["prompt_tokens"] / 2) for r in rows if r["policy"] == "h2o")
     assert all(r["prompt_tokens"] <= r["length"] and r["needle"] == needle.NEEDLE for r in rows)
     summary = needle.summarise(rows)
-    assert [s["policy"] for s in summary] == ["full", "h2o"] and set(summary[0]["by_length"]) == {"400", "500"}
-    fig = needle.figure({"config": {"lengths": [400, 500], "depths": [0.0, 1.0], "budget": 0.5}, "rows": rows})
+    assert [s["policy"] for s in summary] == ["full", "h2o"] and set(summary[0]["by_length"]) == {
+        "400",
+        "500",
+    }
+    fig = needle.figure(
+        {"config": {"lengths": [400, 500], "depths": [0.0, 1.0], "budget": 0.5}, "rows": rows}
+    )
     assert len(fig.data) == 2 and len(fig.data[0].z) == 2 and len(fig.data[0].z[0]) == 2
     with pytest.raises(KvlensError, match="depth"):
         needle.plan_needle([("full", {})], [400], [1.5], budget=0.5, filler_text="x", model="tiny")
@@ -143,16 +189,42 @@ def test_needle_bench_cells_and_summary(tiny, texts, tmp_path):
 
 def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
     ticks, streamed = [], []
-    result = speed.bench_speed(tiny, parse_policies("full;streaming_llm;cam;corm"), [32, 64], text=texts["1946-Truman"],
-                               steps=4, budget=0.5, repeats=2, ratio_length=64, evict_lengths=[48],
-                               tick=lambda: ticks.append(1), on_row=lambda row: streamed.append(row["policy"]))
+    result = speed.bench_speed(
+        tiny,
+        parse_policies("full;streaming_llm;cam;corm"),
+        [32, 64],
+        text=texts["1946-Truman"],
+        steps=4,
+        budget=0.5,
+        repeats=2,
+        ratio_length=64,
+        evict_lengths=[48],
+        tick=lambda: ticks.append(1),
+        on_row=lambda row: streamed.append(row["policy"]),
+    )
     assert len(ticks) == 4 * 2 + 8 * 2 + 4 * 2 == speed.ticks(4, [32, 64], 2, [48])  # 48 tokens: 2 rotations
     rows = result["rows"]
     assert [(r["policy"], r["prompt_tokens"]) for r in rows[:4]] == [
-        ("full", 32), ("streaming_llm", 32), ("cam", 32), ("corm", 32)]
-    fields = {"policy", "prompt_tokens", "steps", "prefill_ms", "ms_per_token", "cpu_ms_per_token", "kv_bytes_peak",
-              "kv_bytes_prefill",
-              "kv_slots_max", "replay_passes", "replay_ms", "peak_rss", "rss_growth"}
+        ("full", 32),
+        ("streaming_llm", 32),
+        ("cam", 32),
+        ("corm", 32),
+    ]
+    fields = {
+        "policy",
+        "prompt_tokens",
+        "steps",
+        "prefill_ms",
+        "ms_per_token",
+        "cpu_ms_per_token",
+        "kv_bytes_peak",
+        "kv_bytes_prefill",
+        "kv_slots_max",
+        "replay_passes",
+        "replay_ms",
+        "peak_rss",
+        "rss_growth",
+    }
     assert all(set(r) == fields and r["ms_per_token"] > 0 and r["peak_rss"] > 0 for r in rows)
     by = {(r["policy"], r["prompt_tokens"]): r for r in rows}
     # tiny model: 3 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes per slot
@@ -160,38 +232,60 @@ def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
     assert by[("full", 64)]["kv_bytes_peak"] == (64 + 3) * 3 * 2 * 16 * 2 * 4
     assert by[("streaming_llm", 64)]["kv_bytes_peak"] == (32 + 1) * 3 * 2 * 16 * 2 * 4  # + the step's token
     ratios, details = result["ratios"], result["ratio_details"]
-    assert set(ratios) >= {"engine_vs_model_loop", "hf_generate_vs_engine", "cam_vs_streaming_llm",
-                           "record_full_vs_none", "kv_bytes_half_budget_vs_full"}
-    for key in ("engine_vs_model_loop", "hf_generate_vs_engine", "cam_vs_streaming_llm", "record_full_vs_none"):
+    assert set(ratios) >= {
+        "engine_vs_model_loop",
+        "hf_generate_vs_engine",
+        "cam_vs_streaming_llm",
+        "record_full_vs_none",
+        "kv_bytes_half_budget_vs_full",
+    }
+    for key in (
+        "engine_vs_model_loop",
+        "hf_generate_vs_engine",
+        "cam_vs_streaming_llm",
+        "record_full_vs_none",
+    ):
         d = details[key]
         per_repeat = [a / b for a, b in zip(d["a_ms_per_token"], d["b_ms_per_token"], strict=True)]
         assert d["ratios"] == pytest.approx(per_repeat) and len(per_repeat) == 2
         assert ratios[key] == pytest.approx(sum(per_repeat) / 2)  # median of two
         assert set(result["targets"][key]) == {"target", "met"}
-        assert result["ratios_cpu"][key] == pytest.approx(sum(d["cpu_ratios"]) / 2) and len(d["cpu_ratios"]) == 2
+        assert (
+            result["ratios_cpu"][key] == pytest.approx(sum(d["cpu_ratios"]) / 2) and len(d["cpu_ratios"]) == 2
+        )
     assert details["engine_vs_model_loop"]["same_tokens"] and details["hf_generate_vs_engine"]["same_tokens"]
     assert ratios["kv_bytes_half_budget_vs_full"] == pytest.approx(33 / 64)
     assert result["targets"]["kv_bytes_half_budget_vs_full"]["met"]  # 33 of 64 slots allocated: budget + 1
     evict = details["evict_half_vs_full_at_48"]
-    per_policy = {name: sorted(a / b for a, b in zip(evict["ms_per_token"][name], evict["ms_per_token"]["full"],
-                                                     strict=True)) for name in ("streaming_llm", "h2o")}
+    per_policy = {
+        name: sorted(
+            a / b for a, b in zip(evict["ms_per_token"][name], evict["ms_per_token"]["full"], strict=True)
+        )
+        for name in ("streaming_llm", "h2o")
+    }
     assert ratios["evict_half_vs_full_at_48"] == pytest.approx(max(sum(v) / 2 for v in per_policy.values()))
-    prefill = {name: sum(a / b for a, b in zip(evict["prefill_ms"][name], evict["prefill_ms"]["full"],
-                                               strict=True)) / 2 for name in ("h2o", "tova")}
+    prefill = {
+        name: sum(a / b for a, b in zip(evict["prefill_ms"][name], evict["prefill_ms"]["full"], strict=True))
+        / 2
+        for name in ("h2o", "tova")
+    }
     assert ratios["prefill_stats_vs_full"] == pytest.approx(max(prefill.values()))
     assert set(result["growth"]) == {"full", "streaming_llm", "cam", "corm"}
     json.dumps(result)
     assert len(speed.markdown_table(result).splitlines()) == 2 + len(rows)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["bench", "needle", "--lengths", "a,b"], "--lengths takes comma-separated integers; got 'a,b'."),
-    (["bench", "needle", "--depths", "0,2"], "--depths takes values in [0, 1]; got 2.0."),
-    (["bench", "needle", "--workers", "0"], "--workers must be at least 1"),
-    (["bench", "ppl", "--policies", "h2o:window=3"], "no parameter 'window'"),
-    (["bench", "ppl", "--budgets", "2.5"], "fractional budget"),
-    (["bench", "speed", "--repeats", "0"], "--repeats at least 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "needle", "--lengths", "a,b"], "--lengths takes comma-separated integers; got 'a,b'."),
+        (["bench", "needle", "--depths", "0,2"], "--depths takes values in [0, 1]; got 2.0."),
+        (["bench", "needle", "--workers", "0"], "--workers must be at least 1"),
+        (["bench", "ppl", "--policies", "h2o:window=3"], "no parameter 'window'"),
+        (["bench", "ppl", "--budgets", "2.5"], "fractional budget"),
+        (["bench", "speed", "--repeats", "0"], "--repeats at least 1"),
+    ],
+)
 def test_bench_cli_refuses_bad_input_before_loading(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
@@ -206,6 +300,7 @@ def test_lockstep_advances_every_side_one_step_in_turn():
                 calls.append((name, i))
                 yield value
             return {"tokens": [name]}
+
         return steps
 
     res = speed.lockstep({"b": side("b", [100.0, 3.0, 5.0, 4.0]), "a": side("a", [200.0, 1.0, 2.0])})
@@ -220,10 +315,22 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
 
     every = [n for n in policy_names() if n != "full"]
     ticks = []
-    result = speed.bench_speed(tiny, parse_policies("full"), [32], text=texts["1946-Truman"], steps=3, budget=0.5,
-                               repeats=1, ratio_length=64, evict_lengths=[160], every=every,
-                               tick=lambda: ticks.append(1))
-    assert len(ticks) == speed.ticks(1, [32], 1, [160], every) == 1 + 8 + len(every) + 1  # + full in the lockstep
+    result = speed.bench_speed(
+        tiny,
+        parse_policies("full"),
+        [32],
+        text=texts["1946-Truman"],
+        steps=3,
+        budget=0.5,
+        repeats=1,
+        ratio_length=64,
+        evict_lengths=[160],
+        every=every,
+        tick=lambda: ticks.append(1),
+    )
+    assert (
+        len(ticks) == speed.ticks(1, [32], 1, [160], every) == 1 + 8 + len(every) + 1
+    )  # + full in the lockstep
     details = result["ratio_details"]["evict_half_vs_full_at_160"]
     assert set(details["ms_per_token"]) == {"full", *every}
     replay = result["ratio_details"]["replay_vs_full_prefill_at_160"]
@@ -237,11 +344,14 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
         assert set(per) == set(every) and named["worst"] == max(ranked, key=ranked.get)
         assert result["ratios"][key] == per[named["worst"]]
         measured, name = details[column], named["worst"]
-        assert per[name] == pytest.approx(measured[name][0] / measured["full"][0])  # one repeat: the ratio itself
+        assert per[name] == pytest.approx(
+            measured[name][0] / measured["full"][0]
+        )  # one repeat: the ratio itself
     assert per["kvzip"] == pytest.approx(replay["per_policy"]["kvzip"])
     sizes = result["ratio_details"]["every_policy_bytes_half_vs_full_at_160"]
     budgeted = {n for n in every if not make_policy(n).budget_free}
-    assert set(sizes["per_policy"]) == budgeted and sizes["worst"] == max(sizes["per_policy"],
-                                                                           key=sizes["per_policy"].get)
+    assert set(sizes["per_policy"]) == budgeted and sizes["worst"] == max(
+        sizes["per_policy"], key=sizes["per_policy"].get
+    )
     assert sizes["per_policy"]["streaming_llm"] == pytest.approx(81 / 160)  # 80 slots kept + the step's token
     assert "every_policy_half_vs_full_at_160" not in result["targets"]  # targets at 1024, 4096 and 8160 only

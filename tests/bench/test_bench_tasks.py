@@ -1,5 +1,6 @@
 """`kvlens bench tasks`: a user's samples file through the CLI (resumable, scored from the answers), the
 leaderboard's summary and intervals, a generated needle found by the full cache, bad input in one sentence."""
+
 from __future__ import annotations
 
 import json
@@ -12,30 +13,63 @@ from kvlens.experiments.bench.common import parse_policies
 from kvlens.texts import bundled
 
 LINES = [
-    {"context": "The code word is amber. " * 20, "question": "What is the code word?", "answers": ["amber"],
-     "task": "mine", "max_new_tokens": 6},
-    {"context": "Paris is in France. Rome is in Italy. " * 10, "question": ["Where is Paris?", "Where is Rome?"],
-     "answers": [["France"], ["Italy"]], "task": "mine", "max_new_tokens": 5},
+    {
+        "context": "The code word is amber. " * 20,
+        "question": "What is the code word?",
+        "answers": ["amber"],
+        "task": "mine",
+        "max_new_tokens": 6,
+    },
+    {
+        "context": "Paris is in France. Rome is in Italy. " * 10,
+        "question": ["Where is Paris?", "Where is Rome?"],
+        "answers": [["France"], ["Italy"]],
+        "task": "mine",
+        "max_new_tokens": 5,
+    },
 ]
 
 
 def test_a_users_samples_file_is_scored_for_every_policy_and_ratio(tiny_dir, tmp_path, capsys):  # noqa: F811
     samples = tmp_path / "mine.jsonl"
     samples.write_text("".join(json.dumps(line) + "\n" for line in LINES))
-    argv = ["bench", "tasks", "--samples", str(samples), "--policies", "streaming_llm;h2o", "--ratios", "0.5,0.75",
-            "--model", str(tiny_dir), "--no-chat", "--out-dir", str(tmp_path), "--no-figure", "--json"]
+    argv = [
+        "bench",
+        "tasks",
+        "--samples",
+        str(samples),
+        "--policies",
+        "streaming_llm;h2o",
+        "--ratios",
+        "0.5,0.75",
+        "--model",
+        str(tiny_dir),
+        "--no-chat",
+        "--out-dir",
+        str(tmp_path),
+        "--no-figure",
+        "--json",
+    ]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     data = json.loads((tmp_path / "bench_tasks_mine.json").read_text())
     assert data["status"] == "done" and data["cells_total"] == 2
     for row, line in zip(data["rows"], LINES, strict=True):
         labels = [(r["policy"], r["ratio"]) for r in row["results"]]
-        assert labels == [("full", 0.0), ("streaming_llm", 0.5), ("streaming_llm", 0.75), ("h2o", 0.5), ("h2o", 0.75)]
+        assert labels == [
+            ("full", 0.0),
+            ("streaming_llm", 0.5),
+            ("streaming_llm", 0.75),
+            ("h2o", 0.5),
+            ("h2o", 0.75),
+        ]
         sample = ruler.Sample.from_json(line, 1)
         for r in row["results"]:
             assert len(r["outputs"]) == len(sample.questions)
             assert r["score"] == ruler.score_sample(r["outputs"], sample)
-            assert r["kept_share"] == pytest.approx(1 - r["ratio"], abs=0.01)  # kvpress's count: len - int(len * r)
+            assert r["kept_share"] == pytest.approx(
+                1 - r["ratio"], abs=0.01
+            )  # kvpress's count: len - int(len * r)
     cells = {(s["policy"], s["ratio"], s["task"]): s for s in result["summary"]}
     assert set(cells) >= {("full", 0.0, "all"), ("h2o", 0.75, "mine"), ("streaming_llm", 0.5, "all")}
     for s in result["summary"]:
@@ -48,10 +82,28 @@ def test_a_users_samples_file_is_scored_for_every_policy_and_ratio(tiny_dir, tmp
 def _rows(scores: dict[tuple[str, float], list[float]], task: str, length: int) -> list[dict]:
     """Cell rows of one (task, length), a sample per position of each score list."""
     n = len(next(iter(scores.values())))
-    return [{"suite_task": task, "length": length, "index": i, "shared_prefill_ms": 1.0, "answers": [["42"]],
-             "results": [{"policy": p, "ratio": r, "score": s[i], "outputs": ["42" if s[i] else "no"],
-                          "kept_share": 1 - (r or 0), "prepare_ms": 1.0, "answer_ms": 4.0}
-                         for (p, r), s in scores.items()]} for i in range(n)]
+    return [
+        {
+            "suite_task": task,
+            "length": length,
+            "index": i,
+            "shared_prefill_ms": 1.0,
+            "answers": [["42"]],
+            "results": [
+                {
+                    "policy": p,
+                    "ratio": r,
+                    "score": s[i],
+                    "outputs": ["42" if s[i] else "no"],
+                    "kept_share": 1 - (r or 0),
+                    "prepare_ms": 1.0,
+                    "answer_ms": 4.0,
+                }
+                for (p, r), s in scores.items()
+            ],
+        }
+        for i in range(n)
+    ]
 
 
 def test_a_task_asking_several_questions_of_one_context_has_each_turns_score():
@@ -73,8 +125,9 @@ def test_a_task_asking_several_questions_of_one_context_has_each_turns_score():
 
 
 def test_the_summary_averages_tasks_equally_and_bootstraps_within_them():
-    rows = _rows({("full", 0.0): [1, 1, 1, 1], ("h2o", 0.5): [1, 0, 1, 0]}, "a", 1024) + \
-        _rows({("full", 0.0): [0.5, 0.5], ("h2o", 0.5): [0, 0]}, "b", 1024)
+    rows = _rows({("full", 0.0): [1, 1, 1, 1], ("h2o", 0.5): [1, 0, 1, 0]}, "a", 1024) + _rows(
+        {("full", 0.0): [0.5, 0.5], ("h2o", 0.5): [0, 0]}, "b", 1024
+    )
     cells = {(s["policy"], s["task"]): s for s in tasks.summarise(rows)}
     assert cells[("h2o", "a")]["score"] == 0.5 and cells[("h2o", "b")]["score"] == 0.0
     assert cells[("h2o", "all")]["score"] == 0.25  # the mean of the tasks' means, not of the 6 samples (1/3)
@@ -82,7 +135,9 @@ def test_the_summary_averages_tasks_equally_and_bootstraps_within_them():
     assert cells[("h2o", "b")]["ci_low"] == cells[("h2o", "b")]["ci_high"] == 0.0  # no spread, no interval
     assert 0 <= cells[("h2o", "a")]["ci_low"] < 0.5 < cells[("h2o", "a")]["ci_high"] <= 1
     assert cells[("h2o", "a")]["cost_vs_answer"] == 1.25
-    assert cells[("h2o", "a")]["cell_ms"] == 0.5 + 1.0 + 4.0  # its half of the shared prefill, compression, answers
+    assert (
+        cells[("h2o", "a")]["cell_ms"] == 0.5 + 1.0 + 4.0
+    )  # its half of the shared prefill, compression, answers
     assert "h2o" in tasks.table(tasks.summarise(rows))
 
 
@@ -101,8 +156,18 @@ def test_a_budget_free_policy_is_shown_at_the_share_its_own_rule_removed():
 
 def test_the_full_cache_finds_a_generated_needle_and_one_prefill_serves_every_policy(smol):
     haystack = " ".join(bundled(2).values())
-    cells = tasks.plan_tasks(parse_policies("streaming_llm;snapkv"), [0.5], ["niah_single"], [512], 1, model="default",
-                             seed=0, query_aware=False, chat=True, source="x")
+    cells = tasks.plan_tasks(
+        parse_policies("streaming_llm;snapkv"),
+        [0.5],
+        ["niah_single"],
+        [512],
+        1,
+        model="default",
+        seed=0,
+        query_aware=False,
+        chat=True,
+        source="x",
+    )
     row = tasks.tasks_cell(smol, {"haystack": haystack}, cells[0])
     by = {(r["policy"], r["ratio"]): r for r in row["results"]}
     assert set(by) == {("full", 0.0), ("streaming_llm", 0.5), ("snapkv", 0.5)}
@@ -111,12 +176,21 @@ def test_the_full_cache_finds_a_generated_needle_and_one_prefill_serves_every_po
     assert 400 < row["prompt_tokens"] <= 512
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["bench", "tasks", "--ratios", "0.5,1"], "A compression ratio is the share of the context removed, in (0, 1)"),
-    (["bench", "tasks", "--tasks", "niah_single,nope"], "Unknown task 'nope'"),
-    (["bench", "tasks", "--samples", "/nonexistent.jsonl"], "There is no samples file /nonexistent.jsonl."),
-    (["bench", "tasks", "--count", "0"], "--count must be at least 1."),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["bench", "tasks", "--ratios", "0.5,1"],
+            "A compression ratio is the share of the context removed, in (0, 1)",
+        ),
+        (["bench", "tasks", "--tasks", "niah_single,nope"], "Unknown task 'nope'"),
+        (
+            ["bench", "tasks", "--samples", "/nonexistent.jsonl"],
+            "There is no samples file /nonexistent.jsonl.",
+        ),
+        (["bench", "tasks", "--count", "0"], "--count must be at least 1."),
+    ],
+)
 def test_bench_tasks_refuses_bad_input_in_one_sentence(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
@@ -133,10 +207,22 @@ def test_kvzips_replay_runs_once_for_all_its_ratios(smol, monkeypatch):
     from kvlens.engine.loop import _Loop
 
     calls, replay = [], _Loop.replay
-    monkeypatch.setattr(_Loop, "replay", lambda loop, prompt: calls.append(loop.policy.name) or replay(loop, prompt))
+    monkeypatch.setattr(
+        _Loop, "replay", lambda loop, prompt: calls.append(loop.policy.name) or replay(loop, prompt)
+    )
     haystack = " ".join(bundled(2).values())
-    cells = tasks.plan_tasks(parse_policies("kvzip"), [0.5, 0.75], ["niah_single"], [256], 1, model="default",
-                             seed=0, query_aware=False, chat=True, source="x")
+    cells = tasks.plan_tasks(
+        parse_policies("kvzip"),
+        [0.5, 0.75],
+        ["niah_single"],
+        [256],
+        1,
+        model="default",
+        seed=0,
+        query_aware=False,
+        chat=True,
+        source="x",
+    )
     row = tasks.tasks_cell(smol, {"haystack": haystack}, cells[0])
     assert calls.count("kvzip") == 1
     kept = {r["ratio"]: r["kept_share"] for r in row["results"]}
@@ -151,11 +237,21 @@ def test_a_batch_pads_little_when_caches_of_one_ratio_are_answered_together(tiny
 
     model, batches = load_model(str(tiny_dir)), []
     answer_many = tasks.answer_many
-    monkeypatch.setattr(tasks, "answer_many", lambda caches, *a, **k: batches.append([c.nbytes for c in caches])
-                        or answer_many(caches, *a, **k))
+    monkeypatch.setattr(
+        tasks,
+        "answer_many",
+        lambda caches, *a, **k: batches.append([c.nbytes for c in caches]) or answer_many(caches, *a, **k),
+    )
     text = json.dumps(LINES[0]) + "\n"
-    cell = tasks.plan_file(ruler.parse_lines(text), parse_policies("streaming_llm;h2o;tova"), [0.875, 0.5],
-                           model="tiny", query_aware=False, chat=False, text=text)[0]
+    cell = tasks.plan_file(
+        ruler.parse_lines(text),
+        parse_policies("streaming_llm;h2o;tova"),
+        [0.875, 0.5],
+        model="tiny",
+        query_aware=False,
+        chat=False,
+        text=text,
+    )[0]
     tasks.tasks_cell(model, {"samples": text}, cell)
     assert len(batches) == 1 and len(batches[0]) == 7  # the default room answers them all at once
     caches = sorted(batches.pop())
@@ -167,14 +263,35 @@ def test_a_batch_pads_little_when_caches_of_one_ratio_are_answered_together(tiny
 
 
 def test_generated_rows_record_their_conventions_and_needle_depths(tiny_dir, tmp_path, capsys):  # noqa: F811
-    argv = ["bench", "tasks", "--tasks", "niah_single", "--lengths", "900", "--count", "2",
-            "--policies", "streaming_llm", "--ratios", "0.5", "--model", str(tiny_dir), "--no-chat", "--out-dir",
-            str(tmp_path), "--no-figure", "--json"]
+    argv = [
+        "bench",
+        "tasks",
+        "--tasks",
+        "niah_single",
+        "--lengths",
+        "900",
+        "--count",
+        "2",
+        "--policies",
+        "streaming_llm",
+        "--ratios",
+        "0.5",
+        "--model",
+        str(tiny_dir),
+        "--no-chat",
+        "--out-dir",
+        str(tmp_path),
+        "--no-figure",
+        "--json",
+    ]
     code = main(argv)
     result = json.loads(capsys.readouterr().out)
     assert code == 0, json.loads((tmp_path / "bench_tasks.json").read_text())["failed"]
     assert {k: result["config"][k] for k in ("rounding", "depths", "count")} == {
-        "rounding": "kvpress", "depths": "stratified", "count": 2}
+        "rounding": "kvpress",
+        "depths": "stratified",
+        "count": 2,
+    }
     for row in result["rows"]:
         assert (row["rounding"], row["depths"], row["count"]) == ("kvpress", "stratified", 2)
         k = len(row["answers"][0])  # needles of the sample, one per expected number
@@ -194,39 +311,98 @@ def test_generated_rows_record_their_conventions_and_needle_depths(tiny_dir, tmp
 def test_rows_from_before_the_options_resume_as_kvlens_rounding_and_random_depths(tmp_path):
     from kvlens.experiments.grid import Results
 
-    cells = tasks.plan_tasks(parse_policies("h2o"), [0.5], ["niah_single"], [512], 2, model="m", seed=0,
-                             query_aware=False, chat=True, source="x", rounding="kvlens", depths="random")
+    cells = tasks.plan_tasks(
+        parse_policies("h2o"),
+        [0.5],
+        ["niah_single"],
+        [512],
+        2,
+        model="m",
+        seed=0,
+        query_aware=False,
+        chat=True,
+        source="x",
+        rounding="kvlens",
+        depths="random",
+    )
     old = [{k: v for k, v in c.items() if k not in ("rounding", "depths")} | {"results": []} for c in cells]
     (tmp_path / "r.json").write_text(json.dumps({"rows": old}))
     assert Results(tmp_path / "r.json", cells, {}, implied=tasks.IMPLIED).todo() == []
     assert len(Results(tmp_path / "r.json", cells, {}).todo()) == 2
-    now = tasks.plan_tasks(parse_policies("h2o"), [0.5], ["niah_single"], [512], 2, model="m", seed=0,
-                           query_aware=False, chat=True, source="x")
-    assert len(Results(tmp_path / "r.json", now, {}, implied=tasks.IMPLIED).todo()) == 2  # kvpress, stratified
+    now = tasks.plan_tasks(
+        parse_policies("h2o"),
+        [0.5],
+        ["niah_single"],
+        [512],
+        2,
+        model="m",
+        seed=0,
+        query_aware=False,
+        chat=True,
+        source="x",
+    )
+    assert (
+        len(Results(tmp_path / "r.json", now, {}, implied=tasks.IMPLIED).todo()) == 2
+    )  # kvpress, stratified
 
 
 def test_the_needle_grid_counts_each_needle_found_by_depth_and_length():
     from kvlens.experiments.bench import task_needles
 
-    rows = [{"suite_task": "niah_multivalue", "length": 1024, "answers": [["11", "22", "33", "44"]],
-             "needle_depths": [[0.05, 0.3, 0.55, 0.99]],
-             "results": [{"policy": "full", "ratio": 0.0, "outputs": ["11 22 33 44"]},
-                         {"policy": "h2o", "ratio": 0.5, "outputs": ["11 and 44"]}]},
-            {"suite_task": "niah_single", "length": 2048, "answers": [["55"]], "needle_depths": [[0.31]],
-             "results": [{"policy": "full", "ratio": 0.0, "outputs": ["55"]},
-                         {"policy": "h2o", "ratio": 0.5, "outputs": ["none"]}]},
-            {"suite_task": "fwe", "length": 1024, "answers": [["a"]], "needle_depths": None,
-             "results": [{"policy": "h2o", "ratio": 0.5, "outputs": ["a"]}]}]
-    cells = {(c["policy"], c["length"], c["depth"]): (c["found"], c["needles"]) for c in task_needles.grid(rows)}
-    assert cells == {("full", 1024, 0.0): (1, 1), ("full", 1024, 0.3): (1, 1), ("full", 1024, 0.5): (1, 1),
-                     ("full", 1024, 0.9): (1, 1), ("full", 2048, 0.3): (1, 1),
-                     ("h2o", 1024, 0.0): (1, 1), ("h2o", 1024, 0.3): (0, 1), ("h2o", 1024, 0.5): (0, 1),
-                     ("h2o", 1024, 0.9): (1, 1), ("h2o", 2048, 0.3): (0, 1)}
+    rows = [
+        {
+            "suite_task": "niah_multivalue",
+            "length": 1024,
+            "answers": [["11", "22", "33", "44"]],
+            "needle_depths": [[0.05, 0.3, 0.55, 0.99]],
+            "results": [
+                {"policy": "full", "ratio": 0.0, "outputs": ["11 22 33 44"]},
+                {"policy": "h2o", "ratio": 0.5, "outputs": ["11 and 44"]},
+            ],
+        },
+        {
+            "suite_task": "niah_single",
+            "length": 2048,
+            "answers": [["55"]],
+            "needle_depths": [[0.31]],
+            "results": [
+                {"policy": "full", "ratio": 0.0, "outputs": ["55"]},
+                {"policy": "h2o", "ratio": 0.5, "outputs": ["none"]},
+            ],
+        },
+        {
+            "suite_task": "fwe",
+            "length": 1024,
+            "answers": [["a"]],
+            "needle_depths": None,
+            "results": [{"policy": "h2o", "ratio": 0.5, "outputs": ["a"]}],
+        },
+    ]
+    cells = {
+        (c["policy"], c["length"], c["depth"]): (c["found"], c["needles"]) for c in task_needles.grid(rows)
+    }
+    assert cells == {
+        ("full", 1024, 0.0): (1, 1),
+        ("full", 1024, 0.3): (1, 1),
+        ("full", 1024, 0.5): (1, 1),
+        ("full", 1024, 0.9): (1, 1),
+        ("full", 2048, 0.3): (1, 1),
+        ("h2o", 1024, 0.0): (1, 1),
+        ("h2o", 1024, 0.3): (0, 1),
+        ("h2o", 1024, 0.5): (0, 1),
+        ("h2o", 1024, 0.9): (1, 1),
+        ("h2o", 2048, 0.3): (0, 1),
+    }
     grid = task_needles.grid(rows)
     assert task_needles.default_ratio(grid) == 0.5
     fig = task_needles.figure(grid, 0.5)
     assert [t.name for t in fig.data] == ["full", "h2o"]
-    assert [list(line) for line in fig.data[1].z] == [[1, None], [0, 0], [0, None], [1, None]]  # depth x length
+    assert [list(line) for line in fig.data[1].z] == [
+        [1, None],
+        [0, 0],
+        [0, None],
+        [1, None],
+    ]  # depth x length
     assert task_needles.figure(grid, 0.75).data[0].name == "full" and task_needles.figure([], 0.5) is None
 
 
@@ -235,12 +411,22 @@ def test_rows_without_depths_get_their_regenerated_samples(tmp_path):
     from tests.bench.conftest import ESSAY, words
 
     sample = ruler.generate("niah_multikey", 800, 3, words, ESSAY, 0, depths="random")
-    row = {"suite_task": "niah_multikey", "length": 800, "index": 3, "seed": 0,
-           "answers": [list(a) for a in sample.answers]}
+    row = {
+        "suite_task": "niah_multikey",
+        "length": 800,
+        "index": 3,
+        "seed": 0,
+        "answers": [list(a) for a in sample.answers],
+    }
     other = {**row, "index": 4}  # its answers are not sample 4's: left without depths
-    stratified = {**row, "depths": "stratified", "count": 8,
-                  "answers": [list(a) for a in ruler.generate("niah_multikey", 800, 3, words, ESSAY, 0).answers]}
+    stratified = {
+        **row,
+        "depths": "stratified",
+        "count": 8,
+        "answers": [list(a) for a in ruler.generate("niah_multikey", 800, 3, words, ESSAY, 0).answers],
+    }
     assert task_needles.fill_depths([row, other, stratified], words, ESSAY) == 2
     assert row["needle_depths"] == [list(d) for d in sample.depths] and "needle_depths" not in other
-    assert stratified["needle_depths"] == [list(d) for d in ruler.generate("niah_multikey", 800, 3, words, ESSAY,
-                                                                           0).depths]
+    assert stratified["needle_depths"] == [
+        list(d) for d in ruler.generate("niah_multikey", 800, 3, words, ESSAY, 0).depths
+    ]

@@ -1,4 +1,5 @@
 """`kvlens.experiments.compare` (one measured pass per policy, results reused) and `kvlens compare --json`."""
+
 from __future__ import annotations
 
 import json
@@ -27,11 +28,15 @@ def test_the_full_cache_comes_first_and_every_policy_is_scored_on_its_text(tiny)
     reference = out[0].run.meta["tokens"]
     assert out[0].run.meta["mode"] == "generate" and out[0].picks == reference and out[0].first_diff is None
     for r in out[1:]:
-        assert r.run.meta["mode"] == "teacher" and r.run.meta["tokens"] == reference  # perplexity on full's text
+        assert (
+            r.run.meta["mode"] == "teacher" and r.run.meta["tokens"] == reference
+        )  # perplexity on full's text
         assert len(r.picks) == len(r.pieces) == 8
     rows = table(out)
     assert [r["policy"] for r in rows] == ["full", "streaming_llm @16 (sink=2)", "tova @12"]
-    assert rows[0]["kl"] == pytest.approx(0, abs=1e-5) and rows[0]["perturbation"] == pytest.approx(0, abs=1e-5)
+    assert rows[0]["kl"] == pytest.approx(0, abs=1e-5) and rows[0]["perturbation"] == pytest.approx(
+        0, abs=1e-5
+    )
     assert all(r["kl"] > 1e-5 and r["perturbation"] > 1e-3 for r in rows[1:])
     assert rows[1]["kv_slots_max"] == 16 and rows[2]["kv_slots_max"] == 12 < rows[0]["kv_slots_max"]
 
@@ -40,22 +45,36 @@ def test_the_divergence_read_from_the_scored_pass_is_that_of_the_policys_own_gen
     out = compare(tiny, PROMPT, ENTRIES, 8)
     reference = out[0].run.meta["tokens"]
     for r in out[1:]:
-        own = generate(tiny, PROMPT, r.entry.policy, r.entry.params,
-                       opts=RunOptions(budget=r.entry.budget, max_new_tokens=8, stop_at_eos=False))
+        own = generate(
+            tiny,
+            PROMPT,
+            r.entry.policy,
+            r.entry.params,
+            opts=RunOptions(budget=r.entry.budget, max_new_tokens=8, stop_at_eos=False),
+        )
         assert r.first_diff == first_difference(reference, own.meta["tokens"])
-        assert r.picks[:r.first_diff + 1] == own.meta["tokens"][:r.first_diff + 1]
+        assert r.picks[: r.first_diff + 1] == own.meta["tokens"][: r.first_diff + 1]
 
 
 def test_each_ones_own_text_is_what_generate_writes_and_its_divergence_is_from_the_full_caches(tiny):
     out = compare(tiny, PROMPT, ENTRIES, 8)
     for r, row in zip(out, table(out), strict=True):
-        own = generate(tiny, PROMPT, r.entry.policy, r.entry.params,
-                       opts=RunOptions(budget=r.entry.budget, max_new_tokens=8))
+        own = generate(
+            tiny,
+            PROMPT,
+            r.entry.policy,
+            r.entry.params,
+            opts=RunOptions(budget=r.entry.budget, max_new_tokens=8),
+        )
         assert r.own.meta["tokens"] == own.meta["tokens"] and row["generated"] == own.meta["text"]
         assert r.generate_s > 0
         full = out[0].own.meta["tokens"]
-        assert row["generated_divergence"] == (None if r is out[0] else first_difference(full, own.meta["tokens"]))
-    assert any(row["generated_divergence"] is not None for row in table(out)[1:])  # the tiny model does diverge
+        assert row["generated_divergence"] == (
+            None if r is out[0] else first_difference(full, own.meta["tokens"])
+        )
+    assert any(
+        row["generated_divergence"] is not None for row in table(out)[1:]
+    )  # the tiny model does diverge
     assert all(r.own is None for r in compare(tiny, PROMPT, ENTRIES, 8, own_text=False))
 
 
@@ -76,13 +95,18 @@ def test_identical_inputs_reuse_results_and_run_only_what_changed(tiny, monkeypa
     events = []
     again = compare(tiny, PROMPT, ENTRIES, 6, on_step=lambda e, ev: events.append(e), cache=cache)
     assert passes == once and not events  # the engine did not run again
-    assert [r.run for r in again] == [r.run for r in first] and [r.own for r in again] == [r.own for r in first]
+    assert [r.run for r in again] == [r.run for r in first] and [r.own for r in again] == [
+        r.own for r in first
+    ]
     compare(tiny, PROMPT, [ENTRIES[0], Entry("tova", {}, 10)], 6, cache=cache)
     assert passes[3:] == ["tova"]  # only the changed budget runs
     compare(tiny, PROMPT, [Entry("streaming_llm", {"sink": 2}, 16)], 7, cache=cache, own_text=False)
     assert passes[4:] == ["full", "streaming_llm"]  # another length is another reference; no own texts asked
     compare(tiny, PROMPT, [Entry("streaming_llm", {"sink": 2}, 16)], 7, cache=cache)
-    assert passes[6:] == ["full", "streaming_llm"]  # measured without own texts: generated afresh, from the prompt
+    assert passes[6:] == [
+        "full",
+        "streaming_llm",
+    ]  # measured without own texts: generated afresh, from the prompt
 
 
 def test_own_texts_resume_from_the_divergence_and_generate_only_what_follows(tiny):
@@ -105,8 +129,18 @@ def test_compare_json_rows_agree_with_generate_and_ppl(smol, tmp_path):
     full cache's text, and the divergence is where `kvlens generate` leaves it."""
     prompt = "The President spoke to the Congress about the state of the economy, and"
     n = 8
-    done = kvlens("compare", "--policies", "full;streaming_llm:sink=2", "--budget", "16", "--prompt", prompt,
-                  "--max-new-tokens", str(n), "--json")
+    done = kvlens(
+        "compare",
+        "--policies",
+        "full;streaming_llm:sink=2",
+        "--budget",
+        "16",
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        str(n),
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["wall_s"] > 0 and out["generate_s"] > 0
@@ -115,34 +149,64 @@ def test_compare_json_rows_agree_with_generate_and_ppl(smol, tmp_path):
     assert full["first_divergence"] is None and full["kl"] == pytest.approx(0, abs=1e-4)
     ids = smol.tokenizer(prompt).input_ids
     text = prompt + out["reference_text"]
-    assert len(smol.tokenizer(text).input_ids) == len(ids) + n  # the text tokenizes back to prompt + continuation
+    assert (
+        len(smol.tokenizer(text).input_ids) == len(ids) + n
+    )  # the text tokenizes back to prompt + continuation
     (tmp_path / "t.txt").write_text(text)
     for row in (full, stream):
-        ppl = kvlens("ppl", "--policy", row["name"], *(["--budget", "16"] if row["budget"] else []),
-                     *(f"--set={k}={v}" for k, v in row["params"].items()), "--text-file", str(tmp_path / "t.txt"),
-                     "--prefill", str(len(ids)), "--tokens", str(n), "--measure", "--json")
+        ppl = kvlens(
+            "ppl",
+            "--policy",
+            row["name"],
+            *(["--budget", "16"] if row["budget"] else []),
+            *(f"--set={k}={v}" for k, v in row["params"].items()),
+            "--text-file",
+            str(tmp_path / "t.txt"),
+            "--prefill",
+            str(len(ids)),
+            "--tokens",
+            str(n),
+            "--measure",
+            "--json",
+        )
         assert ppl.returncode == 0, ppl.stderr
         want = json.loads(ppl.stdout)
         assert row["ppl"] == pytest.approx(want["ppl"], rel=1e-4)
         assert row["kl"] == pytest.approx(want["kl"], rel=1e-3, abs=1e-5)
         assert row["perturbation"] == pytest.approx(want["perturbation_used"], rel=1e-3, abs=1e-6)
         assert row["kv_bytes_peak"] == want["kv_bytes_peak"]
-    own = kvlens("generate", "--policy", "streaming_llm", "--budget", "16", "--set", "sink=2", "--prompt", prompt,
-                 "--max-new-tokens", str(n), "--out", str(tmp_path / "run"))
+    own = kvlens(
+        "generate",
+        "--policy",
+        "streaming_llm",
+        "--budget",
+        "16",
+        "--set",
+        "sink=2",
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        str(n),
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert own.returncode == 0, own.stderr
     own_run = json.loads((tmp_path / "run" / "run.json").read_text())
     tokens = own_run["tokens"]
-    reference = smol.tokenizer(text).input_ids[len(ids):]
+    reference = smol.tokenizer(text).input_ids[len(ids) :]
     assert stream["first_divergence"] == first_difference(reference, tokens)
     assert stream["generated"] == own_run["text"]  # its own text is `kvlens generate`'s
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--policies", "h2o", "--budget", "0"], "positive number of slots"),
-    (["--policies", "h2o,nope"], "nope"),
-    (["--policies", "h2o,tova,cam,corm,scissorhands"], "1 to 4"),
-    (["--policies", "h2o:recent_ratio=7"], "recent_ratio"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--policies", "h2o", "--budget", "0"], "positive number of slots"),
+        (["--policies", "h2o,nope"], "nope"),
+        (["--policies", "h2o,tova,cam,corm,scissorhands"], "1 to 4"),
+        (["--policies", "h2o:recent_ratio=7"], "recent_ratio"),
+    ],
+)
 def test_compare_refuses_bad_input_in_one_sentence(args, words):
     done = kvlens("compare", *args, "--prompt", "Hello")
     assert done.returncode == 2 and one_sentence(done.stderr) and words in done.stderr, done.stderr

@@ -1,4 +1,5 @@
 """RULER-style tasks without a model: generation (deterministic, fitting, answerable), scoring, JSON lines."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,15 @@ import pytest
 
 from kvlens.errors import KvlensError
 from kvlens.experiments.bench import ruler
-from kvlens.experiments.bench.ruler import TASKS, Sample, generate, read_samples, score, score_sample, write_samples
+from kvlens.experiments.bench.ruler import (
+    TASKS,
+    Sample,
+    generate,
+    read_samples,
+    score,
+    score_sample,
+    write_samples,
+)
 from tests.bench.conftest import ESSAY, words
 from tests.conftest import TEST_DATA
 
@@ -83,7 +92,7 @@ def test_vt_chain_is_in_order_and_answers_all_its_variables():
 @pytest.mark.parametrize("length, common", [(300, 6), (1500, 6), (5000, 30), (150, 2)])
 def test_cwe_answers_are_the_true_top_ten(length, common):
     s = make("cwe", length)
-    entries = re.findall(r"(\d+)\. (\S+)", s.context[len(ruler.CWE_PREAMBLE):])
+    entries = re.findall(r"(\d+)\. (\S+)", s.context[len(ruler.CWE_PREAMBLE) :])
     assert [int(i) for i, _ in entries] == list(range(1, len(entries) + 1))
     counts = Counter(w for _, w in entries)
     answers = s.answers[0]
@@ -94,7 +103,7 @@ def test_cwe_answers_are_the_true_top_ten(length, common):
 @pytest.mark.parametrize("length", [300, 1500, 5000])
 def test_fwe_answers_are_the_three_most_frequent_coded_words(length):
     s = make("fwe", length)
-    counts = Counter(w for w in s.context[len(ruler.FWE_PREAMBLE):].split() if w != ruler.FWE_NOISE)
+    counts = Counter(w for w in s.context[len(ruler.FWE_PREAMBLE) :].split() if w != ruler.FWE_NOISE)
     ranked = counts.most_common()
     assert {w for w, _ in ranked[:3]} == set(s.answers[0])
     assert ranked[2][1] > ranked[3][1]
@@ -140,21 +149,29 @@ def test_a_users_line_needs_only_context_question_and_answers():
     assert Sample.from_json({**line, "task": "vt"}, 1).max_new_tokens == 30
 
 
-@pytest.mark.parametrize("obj, problem", [
-    ({"context": "c", "question": "q"}, "no 'answers' field"),
-    ({"question": "q", "answers": ["a"]}, "no 'context' field"),
-    ({"context": "c", "question": "q", "answers": "a"}, "'answers' to be a non-empty list of strings"),
-    ({"context": "c", "question": ["q1", "q2"], "answers": [["a"]]}, "one non-empty list of strings per question"),
-    ({"context": 3, "question": "q", "answers": ["a"]}, "'context' that is not a string"),
-    ({"context": "c", "question": "q", "answers": ["a"], "max_new_tokens": 0}, "'max_new_tokens'"),
-    (["not", "an", "object"], "not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "obj, problem",
+    [
+        ({"context": "c", "question": "q"}, "no 'answers' field"),
+        ({"question": "q", "answers": ["a"]}, "no 'context' field"),
+        ({"context": "c", "question": "q", "answers": "a"}, "'answers' to be a non-empty list of strings"),
+        (
+            {"context": "c", "question": ["q1", "q2"], "answers": [["a"]]},
+            "one non-empty list of strings per question",
+        ),
+        ({"context": 3, "question": "q", "answers": ["a"]}, "'context' that is not a string"),
+        ({"context": "c", "question": "q", "answers": ["a"], "max_new_tokens": 0}, "'max_new_tokens'"),
+        (["not", "an", "object"], "not a JSON object"),
+    ],
+)
 def test_a_bad_line_is_named(tmp_path, obj, problem):
     with pytest.raises(KvlensError, match="on line 7 (has|needs|is) ") as err:
         Sample.from_json(obj, 7)
     assert problem in str(err.value)
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"context": "c", "question": "q", "answers": ["a"]}) + "\n\n" + json.dumps(obj) + "\n")
+    path.write_text(
+        json.dumps({"context": "c", "question": "q", "answers": ["a"]}) + "\n\n" + json.dumps(obj) + "\n"
+    )
     with pytest.raises(KvlensError, match=f"line 3 of {re.escape(str(path))}"):
         read_samples(path)
 
@@ -194,7 +211,9 @@ def test_stratified_depths_put_sample_i_of_n_in_its_stratum_each_needle_in_its_s
         for j, line in enumerate(order):
             assert (j + i / count) / k <= found[line] < (j + (i + 1) / count) / k
     first = [generate("niah_single", 1500, i, words, ESSAY, 0).depths for i in range(8)]
-    assert first != [generate("niah_single", 1500, i, words, ESSAY, 1).depths for i in range(8)]  # jittered by seed
+    assert first != [
+        generate("niah_single", 1500, i, words, ESSAY, 1).depths for i in range(8)
+    ]  # jittered by seed
 
 
 def test_stratified_depths_are_checked():
@@ -207,8 +226,16 @@ def test_stratified_depths_are_checked():
 def test_random_depths_reproduce_the_samples_made_before_stratified_depths_byte_for_byte(tmp_path):
     """tests/data/ruler_random_samples.jsonl: written by the generator before the `depths` option."""
     old = (TEST_DATA / "ruler_random_samples.jsonl").read_text(encoding="utf-8")
-    cases = [("niah_single", 300, 0, 0), ("niah_single", 300, 1, 0), ("niah_multivalue", 300, 1, 0), ("vt", 300, 2, 1)]
-    write_samples([generate(t, n, i, words, ESSAY, s, depths="random") for t, n, i, s in cases], tmp_path / "s.jsonl")
+    cases = [
+        ("niah_single", 300, 0, 0),
+        ("niah_single", 300, 1, 0),
+        ("niah_multivalue", 300, 1, 0),
+        ("vt", 300, 2, 1),
+    ]
+    write_samples(
+        [generate(t, n, i, words, ESSAY, s, depths="random") for t, n, i, s in cases], tmp_path / "s.jsonl"
+    )
     assert (tmp_path / "s.jsonl").read_text(encoding="utf-8") == old
-    assert [generate(t, n, i, words, ESSAY, s, depths="random") for t, n, i, s in cases] != \
-        [generate(t, n, i, words, ESSAY, s) for t, n, i, s in cases]
+    assert [generate(t, n, i, words, ESSAY, s, depths="random") for t, n, i, s in cases] != [
+        generate(t, n, i, words, ESSAY, s) for t, n, i, s in cases
+    ]

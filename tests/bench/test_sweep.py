@@ -1,4 +1,5 @@
 """`kvlens sweep`: a grid of cells, the same rows on every executor, resumable after `kill -9`."""
+
 from __future__ import annotations
 
 import csv
@@ -20,7 +21,16 @@ from kvlens.policies import make_policy
 from tests.conftest import ROOT
 
 TEXT = "Attention sinks and heavy hitters keep the cache small. " * 6
-GRID = ["--policies", "full,h2o,corm,cam", "--budgets", "0.25,0.5", "--prefill", "64", "--tokens", "6"]  # 6 cells
+GRID = [
+    "--policies",
+    "full,h2o,corm,cam",
+    "--budgets",
+    "0.25,0.5",
+    "--prefill",
+    "64",
+    "--tokens",
+    "6",
+]  # 6 cells
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +41,9 @@ def text_file(tmp_path_factory):
 
 
 def _sweep(tiny_dir, text_file, out, *extra) -> int:
-    return main(["sweep", *GRID, "--text-file", str(text_file), "--model", str(tiny_dir), "--out", str(out), *extra])
+    return main(
+        ["sweep", *GRID, "--text-file", str(text_file), "--model", str(tiny_dir), "--out", str(out), *extra]
+    )
 
 
 def _rows(out) -> list[dict]:
@@ -51,7 +63,9 @@ def _same_rows(got: list[dict], want: list[dict]) -> None:
     for a, b in zip(_untimed(got), _untimed(want), strict=True):
         assert a.keys() == b.keys()
         floats = {"nll", "ppl"}  # this grid measures no perturbation
-        assert {k: v for k, v in a.items() if k not in floats} == {k: v for k, v in b.items() if k not in floats}
+        assert {k: v for k, v in a.items() if k not in floats} == {
+            k: v for k, v in b.items() if k not in floats
+        }
         assert {k: a[k] for k in floats} == pytest.approx({k: b[k] for k in floats}, rel=1e-6, abs=1e-12)
 
 
@@ -65,11 +79,24 @@ def uninterrupted(tiny_dir, text_file, tmp_path_factory):
 
 def test_plan_runs_budget_free_policies_once_and_resolves_parameters():
     texts = {"a": "one", "b": "two"}
-    cells = plan_ppl([("full", {}), ("h2o", {}), ("corm", {"window": 8})], [0.2, 16], texts, [64, 96], tokens=8,
-                     model="tiny")
+    cells = plan_ppl(
+        [("full", {}), ("h2o", {}), ("corm", {"window": 8})],
+        [0.2, 16],
+        texts,
+        [64, 96],
+        tokens=8,
+        model="tiny",
+    )
     assert [(c["text"], c["policy"], c["budget"], c["prefill"]) for c in cells[:8]] == [
-        ("a", "full", None, 64), ("a", "full", None, 96), ("a", "h2o", 0.2, 64), ("a", "h2o", 0.2, 96),
-        ("a", "h2o", 16, 64), ("a", "h2o", 16, 96), ("a", "corm", None, 64), ("a", "corm", None, 96)]
+        ("a", "full", None, 64),
+        ("a", "full", None, 96),
+        ("a", "h2o", 0.2, 64),
+        ("a", "h2o", 0.2, 96),
+        ("a", "h2o", 16, 64),
+        ("a", "h2o", 16, 96),
+        ("a", "corm", None, 64),
+        ("a", "corm", None, 96),
+    ]
     assert len(cells) == 16 and cells[8]["text"] == "b" and cells[8]["text_digest"] != cells[0]["text_digest"]
     assert cells[6]["params"] == make_policy("corm", {"window": 8}).params()  # resolved, not as given
     assert cells[2]["params"] == make_policy("h2o").params() and cells[0]["params"] == {}
@@ -79,7 +106,11 @@ def test_plan_runs_budget_free_policies_once_and_resolves_parameters():
 def test_seeds_set_the_run_seed_and_the_seed_parameter_of_policies_that_have_one():
     cells = plan("ppl", [("cam", {}), ("h2o", {})], [0.5], {}, {}, seeds=[0, 3])
     assert [(c["policy"], c["seed"], c["params"].get("seed")) for c in cells] == [
-        ("cam", 0, 0), ("cam", 3, 3), ("h2o", 0, None), ("h2o", 3, None)]
+        ("cam", 0, 0),
+        ("cam", 3, 3),
+        ("h2o", 0, None),
+        ("h2o", 3, None),
+    ]
     with pytest.raises(KvlensError, match="either with --seeds"):
         plan("ppl", [("cam", {"seed": 2})], [0.5], {}, {}, seeds=[1])
     with pytest.raises(KvlensError, match="needs a budget"):
@@ -88,12 +119,15 @@ def test_seeds_set_the_run_seed_and_the_seed_parameter_of_policies_that_have_one
         plan("ppl", [("nope", {})], [0.5], {}, {})
 
 
-@pytest.mark.parametrize("text, kwargs, message", [
-    ("1,x", {}, "--n takes comma-separated integers; got '1,x'."),
-    (" , ", {}, "--n needs at least one value; got ' , '."),
-    ("0,2", {"minimum": 1}, "--n takes values at least 1; got 0."),
-    ("0.5,2", {"kind": float, "minimum": 0, "maximum": 1}, "--n takes values in [0, 1]; got 2.0."),
-])
+@pytest.mark.parametrize(
+    "text, kwargs, message",
+    [
+        ("1,x", {}, "--n takes comma-separated integers; got '1,x'."),
+        (" , ", {}, "--n needs at least one value; got ' , '."),
+        ("0,2", {"minimum": 1}, "--n takes values at least 1; got 0."),
+        ("0.5,2", {"kind": float, "minimum": 0, "maximum": 1}, "--n takes values in [0, 1]; got 2.0."),
+    ],
+)
 def test_one_list_parser_one_sentence(text, kwargs, message):
     with pytest.raises(KvlensError) as err:
         parse_list(text, "--n", **kwargs)
@@ -110,7 +144,12 @@ def test_results_keep_finished_cells_and_other_grids_rows_retry_failed_ones_star
     again = Results(out, cells, {"command": "x"})
     assert again.todo() == [cells[1], cells[2]]  # the failed cell is retried
     data = json.loads(out.read_text())
-    assert (data["cells_total"], data["cells_done"], data["cells_failed"], data["status"]) == (3, 1, 1, "running")
+    assert (data["cells_total"], data["cells_done"], data["cells_failed"], data["status"]) == (
+        3,
+        1,
+        1,
+        "running",
+    )
     assert data["failed"][0]["error"] == "It broke." and data["rows"][0]["kvlens_version"]
     again.add(cells[2], {"row": {"ppl": 3.0}})
     assert not json.loads(out.read_text())["failed"]
@@ -129,17 +168,45 @@ def test_sweep_writes_json_and_csv_with_full_parameters(tiny_dir, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     out = tmp_path / "res" / "s.json"
-    code = main(["sweep", "--policies", "streaming_llm,cam,corm", "--budgets", "0.25,0.5", "--text-file", str(text),
-                 "--prefill", "80", "--tokens", "6", "--measure", "--set", "cam.base=h2o", "--set", "corm.window=4",
-                 "--model", str(tiny_dir), "--out", str(out)])
+    code = main(
+        [
+            "sweep",
+            "--policies",
+            "streaming_llm,cam,corm",
+            "--budgets",
+            "0.25,0.5",
+            "--text-file",
+            str(text),
+            "--prefill",
+            "80",
+            "--tokens",
+            "6",
+            "--measure",
+            "--set",
+            "cam.base=h2o",
+            "--set",
+            "corm.window=4",
+            "--model",
+            str(tiny_dir),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert [(r["policy"], r["budget"]) for r in rows] == [("streaming_llm", 0.25), ("streaming_llm", 0.5),
-                                                         ("cam", 0.25), ("cam", 0.5), ("corm", None)]
+    assert [(r["policy"], r["budget"]) for r in rows] == [
+        ("streaming_llm", 0.25),
+        ("streaming_llm", 0.5),
+        ("cam", 0.25),
+        ("cam", 0.5),
+        ("corm", None),
+    ]
     assert rows[2]["params"]["base"] == "h2o" and rows[2]["budget_slots"] == 20
-    assert all(r["model"] == str(tiny_dir) and r["text"] == str(text) and r["measure"] and r["kvlens_version"]
-               for r in rows)
+    assert all(
+        r["model"] == str(tiny_dir) and r["text"] == str(text) and r["measure"] and r["kvlens_version"]
+        for r in rows
+    )
     assert rows[0]["kept_share"] == pytest.approx(20 / 85)
     assert rows[0]["perturbation_used"] == pytest.approx(rows[0]["perturbation_evict"], rel=1e-4)
     assert 0 < rows[4]["kept_share"] <= 1 and rows[4]["budget_slots"] is None
@@ -151,14 +218,41 @@ def test_sweep_writes_json_and_csv_with_full_parameters(tiny_dir, tmp_path):
 
 def test_sweep_runs_several_variants_of_one_policy(tiny_dir, text_file, tmp_path):
     out = tmp_path / "v.json"
-    assert main(["sweep", "--policies", "cam:base=h2o,span=1;cam:base=tova,span=2", "--budgets", "16", "--seeds", "0,1",
-                 "--prefill", "32", "--tokens", "2", "--text-file", str(text_file), "--model", str(tiny_dir),
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                "--policies",
+                "cam:base=h2o,span=1;cam:base=tova,span=2",
+                "--budgets",
+                "16",
+                "--seeds",
+                "0,1",
+                "--prefill",
+                "32",
+                "--tokens",
+                "2",
+                "--text-file",
+                str(text_file),
+                "--model",
+                str(tiny_dir),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert [(r["params"]["base"], r["params"]["span"], r["params"]["seed"]) for r in _rows(out)] == [
-        ("h2o", 1, 0), ("h2o", 1, 1), ("tova", 2, 0), ("tova", 2, 1)]
+        ("h2o", 1, 0),
+        ("h2o", 1, 1),
+        ("tova", 2, 0),
+        ("tova", 2, 1),
+    ]
 
 
-def test_a_failed_cell_is_recorded_with_its_reason_and_retried(tiny_dir, text_file, tmp_path, monkeypatch, capsys):
+def test_a_failed_cell_is_recorded_with_its_reason_and_retried(
+    tiny_dir, text_file, tmp_path, monkeypatch, capsys
+):
     import kvlens.experiments.sweep
 
     real = kvlens.experiments.sweep.ppl_cell
@@ -178,12 +272,15 @@ def test_a_failed_cell_is_recorded_with_its_reason_and_retried(tiny_dir, text_fi
     monkeypatch.setattr(kvlens.experiments.sweep, "ppl_cell", real)
     assert _sweep(tiny_dir, text_file, out) == 0
     rows = _rows(out)
-    assert [r for r in rows if r["policy"] != "cam"] == [r for r in data["rows"]]  # not recomputed: same timings
+    assert [r for r in rows if r["policy"] != "cam"] == [
+        r for r in data["rows"]
+    ]  # not recomputed: same timings
     assert [r["policy"] for r in rows].count("cam") == 2 and not json.loads(out.read_text())["failed"]
 
 
-def test_six_cells_give_the_same_rows_in_process_with_workers_and_on_ray(tiny_dir, text_file, uninterrupted,
-                                                                        tmp_path):
+def test_six_cells_give_the_same_rows_in_process_with_workers_and_on_ray(
+    tiny_dir, text_file, uninterrupted, tmp_path
+):
     assert len(uninterrupted) == 6
     for name, flags in [("workers", ["--workers", "2"]), ("ray", ["--ray", "--workers", "2"])]:
         out = tmp_path / name / "s.json"
@@ -191,11 +288,23 @@ def test_six_cells_give_the_same_rows_in_process_with_workers_and_on_ray(tiny_di
         _same_rows(_rows(out), uninterrupted)
 
 
-def test_a_sweep_killed_after_its_first_cell_resumes_without_recomputing(tiny_dir, text_file, uninterrupted,
-                                                                         tmp_path):
+def test_a_sweep_killed_after_its_first_cell_resumes_without_recomputing(
+    tiny_dir, text_file, uninterrupted, tmp_path
+):
     out = tmp_path / "s.json"
-    argv = [sys.executable, "-m", "kvlens", "sweep", *GRID, "--text-file", str(text_file), "--model", str(tiny_dir),
-            "--out", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvlens",
+        "sweep",
+        *GRID,
+        "--text-file",
+        str(text_file),
+        "--model",
+        str(tiny_dir),
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not (out.is_file() and json.loads(out.read_text())["cells_done"] >= 1):

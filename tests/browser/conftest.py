@@ -1,4 +1,5 @@
 """The browser tests' fixtures: `streamlit run app.py` with a headless Chromium whose pages must stay offline."""
+
 from __future__ import annotations
 
 import os
@@ -32,7 +33,9 @@ def chromium_app(runs_dir: Path):
     from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, streamlit_server
 
     if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium package (make test does so when run as root)")
+        pytest.skip(
+            f"{CHROMIUM} is missing: install Debian's chromium package (make test does so when run as root)"
+        )
     from playwright.sync_api import sync_playwright
 
     with streamlit_server(env={**os.environ, "KVLENS_RUNS": str(runs_dir)}) as url, sync_playwright() as pw:

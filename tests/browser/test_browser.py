@@ -4,6 +4,7 @@ Opens the Compare page, runs two policies on a short prompt and checks that the 
 cache's reference plus the two policies) and the aligned chart appear; then starts a long run on
 the Run page, presses Stop and checks that it stopped and saved nothing.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,11 @@ def test_compare_two_policies_in_chromium(browser_page):
     main.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
     labels = [main.get_by_text(name, exact=False).first for name in ("full", "streaming_llm", "h2o")]
     assert all(label.is_visible() for label in labels)
-    captions = main.get_by_text("The reference.").count() + main.get_by_text("Same as the full cache").count() + \
-        main.get_by_text("Diverges from the full cache").count()
+    captions = (
+        main.get_by_text("The reference.").count()
+        + main.get_by_text("Same as the full cache").count()
+        + main.get_by_text("Diverges from the full cache").count()
+    )
     assert captions == 6  # the reference and the two policies, their own texts and their choices on full's
     assert page.locator(".js-plotly-plot").count() >= 1
     table = main.locator("[data-testid='stDataFrame']").first  # the metrics table (drawn on a canvas)
@@ -101,8 +105,10 @@ def test_uploading_a_zip_that_is_not_a_run_is_refused_with_one_sentence(browser_
     _runs_table(page)
     page.get_by_role("button", name="Import .zip").click()
     page.locator("[data-testid='stFileUploaderDropzoneInput']").set_input_files(
-        files=[{"name": "notes.zip", "mimeType": "application/zip", "buffer": b"these are notes, not a zip"}])
+        files=[{"name": "notes.zip", "mimeType": "application/zip", "buffer": b"these are notes, not a zip"}]
+    )
     refusal = page.locator("[data-testid='stMain'] [data-testid='stAlert']").get_by_text(
-        "notes.zip is not a zip archive (or it is damaged).", exact=True)
+        "notes.zip is not a zip archive (or it is damaged).", exact=True
+    )
     refusal.wait_for(timeout=60_000)
     assert refusal.count() == 1 and list(empty_runs_dir.iterdir()) == []

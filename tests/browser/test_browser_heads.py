@@ -3,6 +3,7 @@
 One fresh `streamlit run app.py` for the module, on the shipped run that records all 30 layers (`adakv-heads`).
 The step change's redraw time is measured and printed (never asserted: these machines are noisy).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -39,7 +40,9 @@ def _click_head(page, layer: int, head: int) -> None:
              const i = t.customdata.findIndex(c => c[0] === layer && c[1] === head);
              const L = g._fullLayout, r = g.getBoundingClientRect();
              return [r.left + L._size.l + L.xaxis.d2p(t.x[i]), r.top + L._size.t + L.yaxis.d2p(t.y[i])];
-           }""", [layer, head])
+           }""",
+        [layer, head],
+    )
     page.mouse.move(x, y)
     page.mouse.click(x, y)
 
@@ -47,8 +50,10 @@ def _click_head(page, layer: int, head: int) -> None:
 def test_scrubbing_the_step_redraws_every_head_and_a_click_opens_it_with_the_inspector(heads_page):
     last = 23  # the run's 24 tokens: steps 0-23
     assert f"at step {last} " in _title(heads_page)
-    strips = heads_page.evaluate("() => document.querySelector('[data-testid=stMain] .js-plotly-plot')._fullData"
-                           ".find(d => d.name === 'heads').customdata.length")
+    strips = heads_page.evaluate(
+        "() => document.querySelector('[data-testid=stMain] .js-plotly-plot')._fullData"
+        ".find(d => d.name === 'heads').customdata.length"
+    )
     assert strips == 30 * 9  # every layer and head of the model
     slider = heads_page.get_by_role("slider").first
     times = []
@@ -56,10 +61,14 @@ def test_scrubbing_the_step_redraws_every_head_and_a_click_opens_it_with_the_ins
         slider.focus()
         start = time.perf_counter()
         heads_page.keyboard.press("ArrowLeft")
-        heads_page.locator("[data-testid='stMain'] .gtitle", has_text=f"at step {step} ").wait_for(timeout=60_000)
+        heads_page.locator("[data-testid='stMain'] .gtitle", has_text=f"at step {step} ").wait_for(
+            timeout=60_000
+        )
         times.append(time.perf_counter() - start)
-    print(f"\nHead grid: a step change redrew 30 layers x 9 heads in {statistics.median(times):.2f} s "
-          f"(median of {[round(t, 2) for t in times]})")
+    print(
+        f"\nHead grid: a step change redrew 30 layers x 9 heads in {statistics.median(times):.2f} s "
+        f"(median of {[round(t, 2) for t in times]})"
+    )
     assert "step=20" in heads_page.url
     _click_head(heads_page, 15, 4)
     wait_idle(heads_page, "Attention")

@@ -1,5 +1,6 @@
 """A run made in the caller's own transformers code opens in the app: `model.generate` with `kvlens.cache`, then
 `cache.save_run`, then the Head grid and Attention pages draw it in a real browser."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,9 +35,13 @@ def test_the_saved_run_opens_on_the_head_grid_and_attention_pages(hf_runs_dir, e
         page.goto(f"{url}/heads?run=mine")
         wait_idle(page, "Head grid")
         main = page.locator("[data-testid='stMain']")
-        assert "at step 5 " in main.locator(".js-plotly-plot .gtitle").first.text_content()  # 6 tokens: steps 0-5
-        strips = page.evaluate("() => document.querySelector('[data-testid=stMain] .js-plotly-plot')._fullData"
-                               ".find(d => d.name === 'heads').customdata.length")
+        assert (
+            "at step 5 " in main.locator(".js-plotly-plot .gtitle").first.text_content()
+        )  # 6 tokens: steps 0-5
+        strips = page.evaluate(
+            "() => document.querySelector('[data-testid=stMain] .js-plotly-plot')._fullData"
+            ".find(d => d.name === 'heads').customdata.length"
+        )
         assert strips == 30 * 9
         page.goto(f"{url}/attention?run=mine&layer=12&head=2")
         wait_idle(page, "Attention")

@@ -1,5 +1,6 @@
 """A `kvlens report` file opened from disk in a real browser (Playwright + Debian's Chromium): every figure draws
 from the inlined plotly.js and not one request leaves the file."""
+
 from __future__ import annotations
 
 import os
@@ -18,16 +19,32 @@ DRAWN = """() => Array.from(document.querySelectorAll('.plotly-graph-div'))
 
 def test_a_report_of_two_runs_draws_every_figure_from_the_file_alone(tmp_path, external_requests):
     if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium package (make test does so when run as root)")
+        pytest.skip(
+            f"{CHROMIUM} is missing: install Debian's chromium package (make test does so when run as root)"
+        )
     from playwright.sync_api import sync_playwright
 
     out = tmp_path / "report.html"
-    assert main(["report", "--run", str(CACHED_RUNS / "h2o-attention"), "--run", str(CACHED_RUNS / "cam-attention"),
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "--run",
+                str(CACHED_RUNS / "h2o-attention"),
+                "--run",
+                str(CACHED_RUNS / "cam-attention"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     with sync_playwright() as pw:
         chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         context = chromium.new_context(viewport={"width": 1400, "height": 1000})
-        refuse_external(context, external_requests, hosts=())  # any request but the file's own read is refused
+        refuse_external(
+            context, external_requests, hosts=()
+        )  # any request but the file's own read is refused
         page = context.new_page()
         errors = []
         page.on("pageerror", lambda err: errors.append(str(err)))

@@ -2,6 +2,7 @@
 
 One fresh `streamlit run app.py` for the module: the first test is its first request, a page's URL.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,21 @@ from tests.browser.conftest import chromium_app, offline_page
 from tests.conftest import CACHED_RUNS
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.usefixtures("offline")]
-RAW = {"app", "overview", "heads", "attention", "similarity", "spectra", "merges", "perturbation", "analyses", "run",
-       "compare", "benchmarks", "why"}  # Streamlit's own list of pages/: lower-case file names and `app`
+RAW = {
+    "app",
+    "overview",
+    "heads",
+    "attention",
+    "similarity",
+    "spectra",
+    "merges",
+    "perturbation",
+    "analyses",
+    "run",
+    "compare",
+    "benchmarks",
+    "why",
+}  # Streamlit's own list of pages/: lower-case file names and `app`
 RECORD_LINKS = """
 window.__links = new Set();
 new MutationObserver(() => {
@@ -57,7 +71,7 @@ def _pick_token(page, run) -> tuple[int, str]:
     """Click the first of a generated word that the run repeats later (from step 5 on); its step and label.
     Pills report a click by their text, so a wrong pick would land on the word's last occurrence."""
     labels = [label(s) for s in token_strings(run)]
-    step = next(i for i in range(5, len(labels)) if labels[i].isalpha() and labels[i] in labels[i + 1:])
+    step = next(i for i in range(5, len(labels)) if labels[i].isalpha() and labels[i] in labels[i + 1 :])
     page.locator("[data-testid='stMain']").get_by_role("radio", name=labels[step], exact=True).first.click()
     return step, labels[step]
 
@@ -96,10 +110,14 @@ def test_inspector_row_of_a_clicked_token_and_a_copied_link_reopens_it(browser):
     main = page.locator("[data-testid='stMain']")
     assert main.get_by_text(f"Token {step} «{text}» came from the query of").is_visible()
     assert main.locator(".js-plotly-plot .bars path").count() > 0  # the row's bars
-    page.wait_for_function(f"() => window.location.href.includes('step={step}') && "
-                           "window.location.href.includes('layer=29') && window.location.href.includes('head=4')")
+    page.wait_for_function(
+        f"() => window.location.href.includes('step={step}') && "
+        "window.location.href.includes('layer=29') && window.location.href.includes('head=4')"
+    )
     share = page.frame_locator("iframe").first
-    expect(share.locator("#link")).to_have_value(page.url, timeout=10_000)  # the shown link refreshes every 0.5 s
+    expect(share.locator("#link")).to_have_value(
+        page.url, timeout=10_000
+    )  # the shown link refreshes every 0.5 s
     shown = share.locator("#link").input_value()  # the link is shown as text
     page.context.grant_permissions(["clipboard-read", "clipboard-write"])
     share.get_by_role("button", name="Copy link").click()
@@ -114,19 +132,35 @@ def test_inspector_row_of_a_clicked_token_and_a_copied_link_reopens_it(browser):
     other.goto(copied)
     wait_idle(other, "kvlens")
     _title(other, want)
-    assert other.locator("[data-testid='stSidebar']").get_by_role("combobox", name="Run").input_value() \
+    assert (
+        other.locator("[data-testid='stSidebar']")
+        .get_by_role("combobox", name="Run")
+        .input_value()
         .startswith("h2o-attention")
+    )
     main = other.locator("[data-testid='stMain']")
-    assert [main.get_by_role("combobox", name=n, exact=True).input_value() for n in ("Layer", "Query head")] \
-        == ["29", "4"]
+    assert [
+        main.get_by_role("combobox", name=n, exact=True).input_value() for n in ("Layer", "Query head")
+    ] == ["29", "4"]
     assert main.get_by_role("radio", name=text, exact=True).first.is_checked()
     other.context.close()
 
 
-
-PAGES = {"": "kvlens", "runs": "Runs", "heads": "Head grid", "attention": "Attention", "similarity": "Similarity",
-         "spectra": "Spectra", "merges": "Merges", "perturbation": "Perturbation", "analyses": "Analyses", "run": "Run",
-         "compare": "Compare", "benchmarks": "Benchmarks", "why": "Why"}  # URL path: title (app.py's NAVIGATION)
+PAGES = {
+    "": "kvlens",
+    "runs": "Runs",
+    "heads": "Head grid",
+    "attention": "Attention",
+    "similarity": "Similarity",
+    "spectra": "Spectra",
+    "merges": "Merges",
+    "perturbation": "Perturbation",
+    "analyses": "Analyses",
+    "run": "Run",
+    "compare": "Compare",
+    "benchmarks": "Benchmarks",
+    "why": "Why",
+}  # URL path: title (app.py's NAVIGATION)
 
 
 def test_every_page_draws_offline_and_a_link_sets_the_attention_pages_layer_head_and_row(browser):
@@ -143,8 +177,9 @@ def test_every_page_draws_offline_and_a_link_sets_the_attention_pages_layer_head
     wait_idle(page, "Attention")
     _title(page, "Attention of layer 29, head 4")
     main = page.locator("[data-testid='stMain']")
-    assert [main.get_by_role("combobox", name=n, exact=True).input_value() for n in ("Layer", "Query head")] \
-        == ["29", "4"]
+    assert [
+        main.get_by_role("combobox", name=n, exact=True).input_value() for n in ("Layer", "Query head")
+    ] == ["29", "4"]
     expect(main.get_by_test_id("stSliderThumbValue")).to_have_text("3")  # the query row
     page.context.close()
 
@@ -163,6 +198,12 @@ def test_a_link_opens_the_analyses_page_and_another_analysis_leaves_its_paramete
     page.wait_for_function("() => new URL(window.location.href).searchParams.get('threshold') === '0.75'")
     wait_idle(page, "Analyses")
     params = page.evaluate("() => Object.fromEntries(new URL(window.location.href).searchParams)")
-    assert params == {"run": "h2o-attention", "analysis": "gaussian", "head": "0", "threshold": "0.75",
-                      "rule": "mean_distance,eq7", "sigma": ""}
+    assert params == {
+        "run": "h2o-attention",
+        "analysis": "gaussian",
+        "head": "0",
+        "threshold": "0.75",
+        "rule": "mean_distance,eq7",
+        "sigma": "",
+    }
     page.context.close()

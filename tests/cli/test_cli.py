@@ -1,4 +1,5 @@
 """The `kvlens` command: exact names and JSON fields, bad input as one sentence with exit code 2."""
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ def test_policies_json_lists_parameters_with_defaults():
     proc = kvlens("policies", "--json")
     rows = {r["name"]: r for r in json.loads(proc.stdout)}
     assert set(REGISTRY) == set(rows)
-    assert {"name": "sink", "default": 4} .items() <= rows["streaming_llm"]["parameters"][0].items()
+    assert {"name": "sink", "default": 4}.items() <= rows["streaming_llm"]["parameters"][0].items()
     assert all(r["description"] for r in rows.values())
 
 
@@ -36,14 +37,35 @@ def test_model_path_is_loadable_by_transformers():
 @pytest.mark.slow
 def test_ppl_done_when_compressed_policies_stay_in_budget_and_lose_perplexity():
     def ppl(policy, *extra):
-        proc = kvlens("ppl", "--policy", policy, *extra, "--text-file", TEXT, "--prefill", "256",
-                      "--tokens", "128", "--json")
+        proc = kvlens(
+            "ppl",
+            "--policy",
+            policy,
+            *extra,
+            "--text-file",
+            TEXT,
+            "--prefill",
+            "256",
+            "--tokens",
+            "128",
+            "--json",
+        )
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout)
 
     full = ppl("full")
-    assert {"policy", "params", "budget", "prefill", "tokens", "nll", "ppl", "kv_slots_max", "kv_bytes_peak",
-            "ms_per_token"} <= set(full)
+    assert {
+        "policy",
+        "params",
+        "budget",
+        "prefill",
+        "tokens",
+        "nll",
+        "ppl",
+        "kv_slots_max",
+        "kv_bytes_peak",
+        "ms_per_token",
+    } <= set(full)
     assert full["kv_slots_max"] == 256 + 127
     for policy in ("streaming_llm", "h2o", "tova", "scissorhands"):
         res = ppl(policy, "--budget", "64")
@@ -53,8 +75,23 @@ def test_ppl_done_when_compressed_policies_stay_in_budget_and_lose_perplexity():
 @pytest.mark.slow
 def test_generate_then_show(tmp_path):
     out = tmp_path / "run"
-    proc = kvlens("generate", "--policy", "h2o", "--budget", "8", "--prompt", "The history of Rome",
-                  "--max-new-tokens", "12", "--record", "states", "--record-layers", "0,5", "--out", str(out))
+    proc = kvlens(
+        "generate",
+        "--policy",
+        "h2o",
+        "--budget",
+        "8",
+        "--prompt",
+        "The history of Rome",
+        "--max-new-tokens",
+        "12",
+        "--record",
+        "states",
+        "--record-layers",
+        "0,5",
+        "--out",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr
     shown = json.loads(kvlens("show", "--run", str(out), "--json").stdout)
     assert shown["policy"]["name"] == "h2o" and shown["budget"]["slots"] == 8
@@ -72,14 +109,39 @@ def test_the_same_command_twice_gives_bit_identical_runs(tmp_path, command):
     """Reproducible by construction: nll, decisions and metrics (all but timings) are bit-identical."""
     from kvlens import load_run
 
-    source = ["--text-file", TEXT, "--prefill", "64", "--tokens", "12"] if command == "ppl" else \
-        ["--prompt", "Fellow citizens, the state of the union", "--max-new-tokens", "12", "--temperature", "0.9"]
+    source = (
+        ["--text-file", TEXT, "--prefill", "64", "--tokens", "12"]
+        if command == "ppl"
+        else [
+            "--prompt",
+            "Fellow citizens, the state of the union",
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "0.9",
+        ]
+    )
     runs = []
     for i in range(2):
         out = tmp_path / f"run{i}"
         budget = "24" if command == "ppl" else "8"
-        assert main([command, "--policy", "cam", "--budget", budget, "--set", "base=h2o", *source,
-                     "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    command,
+                    "--policy",
+                    "cam",
+                    "--budget",
+                    budget,
+                    "--set",
+                    "base=h2o",
+                    *source,
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         runs.append(load_run(out))
     a, b = runs
     for name in ("decisions.parquet", "tensors.safetensors"):  # the files themselves, byte for byte
@@ -87,8 +149,9 @@ def test_the_same_command_twice_gives_bit_identical_runs(tmp_path, command):
     assert a.tensors["steps/nll"].numpy().tobytes() == b.tensors["steps/nll"].numpy().tobytes()
     assert a.decisions.equals(b.decisions) and len(a.decisions)
     assert (a.decisions.action == "merge").any()
-    assert {k: v for k, v in a.metrics.items() if k not in TIMINGS} == \
-        {k: v for k, v in b.metrics.items() if k not in TIMINGS}
+    assert {k: v for k, v in a.metrics.items() if k not in TIMINGS} == {
+        k: v for k, v in b.metrics.items() if k not in TIMINGS
+    }
     assert a.meta["tokens"] == b.meta["tokens"]
 
 
@@ -106,12 +169,35 @@ BAD = [
     (["ppl", "--policy", "h2o", "--budget", "many", "--text-file", TEXT], "number of slots"),
     (["ppl", "--policy", "h2o", "--text-file", "/no/such/file"], "does not exist"),
     (["generate", "--policy", "h2o", "--prompt", "   ", "--out", "/tmp/x"], "prompt is empty"),
-    (["generate", "--policy", "h2o", "--prompt", "a", "--prompt-file", TEXT, "--out", "/tmp/x"], "not allowed with"),
-    (["generate", "--policy", "full", "--prompt", "hi", "--record", "summary", "--record-layers", "1",
-      "--out", "/tmp/x"], "--record-layers needs"),
-    (["generate", "--policy", "full", "--prompt", "hi", "--temperature", "-1", "--out", "/tmp/x"], "temperature"),
+    (
+        ["generate", "--policy", "h2o", "--prompt", "a", "--prompt-file", TEXT, "--out", "/tmp/x"],
+        "not allowed with",
+    ),
+    (
+        [
+            "generate",
+            "--policy",
+            "full",
+            "--prompt",
+            "hi",
+            "--record",
+            "summary",
+            "--record-layers",
+            "1",
+            "--out",
+            "/tmp/x",
+        ],
+        "--record-layers needs",
+    ),
+    (
+        ["generate", "--policy", "full", "--prompt", "hi", "--temperature", "-1", "--out", "/tmp/x"],
+        "temperature",
+    ),
     (["ppl", "--policy", "full", "--text-file", TEXT, "--model", "/no/such/model.gguf"], "does not exist"),
-    (["ppl", "--policy", "full", "--text-file", TEXT, "--model", "no-such-org/no-such-model"], "Unknown model"),
+    (
+        ["ppl", "--policy", "full", "--text-file", TEXT, "--model", "no-such-org/no-such-model"],
+        "Unknown model",
+    ),
     (["ppl", "--policy", "full", "--text-file", TEXT, "--device", "cuda:7"], "no CUDA GPU"),
     (["show", "--run", "/no/such/run"], "not a run directory"),
     (["frobnicate"], "invalid choice"),
@@ -147,8 +233,24 @@ def test_not_a_gguf_is_refused(tmp_path, capsys):
 @pytest.mark.slow
 def test_budget_problems_found_after_tokenizing_are_one_sentence(capsys):
     for budget, message in (("3", "below the 5 slots"), ("900", "never compress")):
-        assert main(["ppl", "--policy", "streaming_llm", "--budget", budget, "--text-file", TEXT,
-                     "--prefill", "256", "--tokens", "8"]) == 2
+        assert (
+            main(
+                [
+                    "ppl",
+                    "--policy",
+                    "streaming_llm",
+                    "--budget",
+                    budget,
+                    "--text-file",
+                    TEXT,
+                    "--prefill",
+                    "256",
+                    "--tokens",
+                    "8",
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
         assert one_sentence(err) and message in err
     assert main(["ppl", "--policy", "full", "--text-file", TEXT, "--prefill", "9000", "--tokens", "8"]) == 2
@@ -159,13 +261,22 @@ settings_text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]),
 
 
 @settings(max_examples=examples(150), suppress_health_check=[HealthCheck.too_slow])
-@given(policy=st.sampled_from(sorted(REGISTRY)), key=st.one_of(settings_text, st.sampled_from(
-    ["sink", "recent_ratio", "history", "threshold", "span", "mask", "clamp", "w", "r", "seed"])),
+@given(
+    policy=st.sampled_from(sorted(REGISTRY)),
+    key=st.one_of(
+        settings_text,
+        st.sampled_from(
+            ["sink", "recent_ratio", "history", "threshold", "span", "mask", "clamp", "w", "r", "seed"]
+        ),
+    ),
     value=st.one_of(settings_text, st.integers(-5, 10**6).map(str), st.floats(allow_nan=True).map(str)),
     budget=st.one_of(settings_text, st.integers(-10, 10**6).map(str), st.floats().map(str)),
-    prompt_len=st.integers(1, 5000), steps=st.integers(1, 500))
-def test_fuzzed_settings_and_budgets_never_raise_anything_but_one_sentence(policy, key, value, budget,
-                                                                           prompt_len, steps):
+    prompt_len=st.integers(1, 5000),
+    steps=st.integers(1, 500),
+)
+def test_fuzzed_settings_and_budgets_never_raise_anything_but_one_sentence(
+    policy, key, value, budget, prompt_len, steps
+):
     try:
         pol = make_policy(policy, parse_settings(policy, [f"{key}={value}"]))
         pol.resolve_budget(parse_budget(budget), prompt_len, prompt_len + steps)
@@ -181,7 +292,18 @@ def test_fuzzed_command_lines_exit_2_with_one_sentence(key, value, budget):
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
-        code = main(["ppl", "--policy", "h2o", f"--set={key}={value}", f"--budget={budget}", "--text-file", TEXT,
-                     "--model", "/nonexistent/model.gguf"])
+        code = main(
+            [
+                "ppl",
+                "--policy",
+                "h2o",
+                f"--set={key}={value}",
+                f"--budget={budget}",
+                "--text-file",
+                TEXT,
+                "--model",
+                "/nonexistent/model.gguf",
+            ]
+        )
         assert code == 2
     assert one_sentence(err.getvalue()), err.getvalue()

@@ -5,6 +5,7 @@ default, `--dtype auto`) must reproduce transformers' own bf16 forward within bf
 registered policy within its budget, with keys and values stored in 2 bytes. The rest of the engine's tests
 run on the GPU too, with KVLENS_TEST_DEVICE=cuda (see the Makefile).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,20 +25,29 @@ DECIDING = ["streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "exp
 @pytest.fixture(scope="module")
 def models():
     """The embedded model three times: CPU fp32, CUDA fp32, CUDA bf16."""
-    return {(dev, dt): load_model("default", device=dev, dtype=dt)
-            for dev, dt in [("cpu", "float32"), ("cuda", "float32"), ("cuda", "bfloat16")]}
+    return {
+        (dev, dt): load_model("default", device=dev, dtype=dt)
+        for dev, dt in [("cpu", "float32"), ("cuda", "float32"), ("cuda", "bfloat16")]
+    }
 
 
 @pytest.fixture(scope="module")
 def smol_ids(models, long_text):
-    return models["cpu", "float32"].tokenizer(long_text).input_ids[:PREFILL + STEPS]
+    return models["cpu", "float32"].tokenizer(long_text).input_ids[: PREFILL + STEPS]
 
 
 def _teacher(model, name, ids, budget=BUDGET):
     logits = []
-    r = run(model, make_policy(name), ids, prefill=PREFILL, steps=STEPS, teacher=True,
-            opts=RunOptions(budget=None if name == "full" else budget),
-            on_step=lambda e: logits.append(e.logits.float().cpu()))
+    r = run(
+        model,
+        make_policy(name),
+        ids,
+        prefill=PREFILL,
+        steps=STEPS,
+        teacher=True,
+        opts=RunOptions(budget=None if name == "full" else budget),
+        on_step=lambda e: logits.append(e.logits.float().cpu()),
+    )
     return r, torch.stack(logits)
 
 
@@ -75,7 +85,7 @@ def test_bf16_full_is_transformers_own_bf16_forward(models, smol_ids):
     eager = AutoModelForCausalLM.from_pretrained(bf16.path, dtype=torch.bfloat16, attn_implementation="sdpa")
     with torch.no_grad():
         want = eager.to("cuda").eval()(torch.tensor([smol_ids], device="cuda")).logits[0].float().cpu()
-    want = want[PREFILL - 1:PREFILL + STEPS - 1]
+    want = want[PREFILL - 1 : PREFILL + STEPS - 1]
     r, got = _teacher(bf16, "full", smol_ids)
     fp32 = _teacher(models["cpu", "float32"], "full", smol_ids)[0].metrics["nll"]
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
@@ -87,7 +97,9 @@ def test_every_policy_runs_in_bf16_within_its_budget(models, smol_ids, name):
     bf16 = models["cuda", "bfloat16"]
     policy = make_policy(name)
     budget = max(BUDGET, policy.min_budget())
-    r = run(bf16, policy, smol_ids, prefill=PREFILL, steps=STEPS, teacher=True, opts=RunOptions(budget=budget))
+    r = run(
+        bf16, policy, smol_ids, prefill=PREFILL, steps=STEPS, teacher=True, opts=RunOptions(budget=budget)
+    )
     assert torch.isfinite(torch.tensor(r.metrics["nll"]))
     shape = bf16.shape()
     if not policy.budget_free:
@@ -113,7 +125,7 @@ def test_the_transformers_example_runs_in_bf16(models, smol_ids, name, tmp_path)
     cache = kvlens.cache(model, name, budget=BUDGET, tokenizer=bf16.tokenizer)
     out = model.generate(prompt, past_key_values=cache, max_new_tokens=32, do_sample=False)
     ref = generate(bf16, text, name, opts=RunOptions(budget=BUDGET, max_new_tokens=32))
-    assert out[0, prompt.shape[1]:].tolist() == ref.meta["tokens"]
+    assert out[0, prompt.shape[1] :].tolist() == ref.meta["tokens"]
     assert cache.decisions.reset_index(drop=True).equals(ref.decisions.reset_index(drop=True))
     saved = load_run(cache.save_run(tmp_path / "mine", out))
     assert saved.meta["tokens"] == ref.meta["tokens"]

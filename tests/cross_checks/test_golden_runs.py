@@ -8,6 +8,7 @@ on an AVX-512 one): per-step NLL at most {nll_abs:.1e} apart, per-step sums of m
 and probabilities {weights_rel:.1e} relative, perturbation summaries {pert_rel:.1e} relative
 ({pert_abs:.1e} absolute). The tolerances below are ten times those.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,17 +20,27 @@ from scripts.make_golden_runs import MEASURED, check_case, one, stored_rows
 from tests.conftest import TEST_DATA
 
 GOLDEN = json.loads((TEST_DATA / "golden_runs.json").read_text(encoding="utf-8"))
-ENVELOPE = {"nll_abs": 3.3e-5, "weights_rel": 1.0e-6, "pert_rel": 6.0e-4, "pert_abs": 1.6e-4}  # measured (docstring)
+ENVELOPE = {
+    "nll_abs": 3.3e-5,
+    "weights_rel": 1.0e-6,
+    "pert_rel": 6.0e-4,
+    "pert_abs": 1.6e-4,
+}  # measured (docstring)
 __doc__ = __doc__.format(**ENVELOPE)
 
 
 def check_floats(got: dict, want: dict) -> None:
-    torch.testing.assert_close(torch.tensor(got["nll"], dtype=torch.float64),
-                               torch.tensor(want["nll"], dtype=torch.float64), rtol=0, atol=10 * ENVELOPE["nll_abs"])
+    torch.testing.assert_close(
+        torch.tensor(got["nll"], dtype=torch.float64),
+        torch.tensor(want["nll"], dtype=torch.float64),
+        rtol=0,
+        atol=10 * ENVELOPE["nll_abs"],
+    )
     assert got["weights"] == pytest.approx(want["weights"], rel=10 * ENVELOPE["weights_rel"], abs=1e-9)
     for key, value in want.get("perturbation", {}).items():
-        assert got["perturbation"][key] == pytest.approx(value, rel=10 * ENVELOPE["pert_rel"],
-                                                         abs=10 * ENVELOPE["pert_abs"]), key
+        assert got["perturbation"][key] == pytest.approx(
+            value, rel=10 * ENVELOPE["pert_rel"], abs=10 * ENVELOPE["pert_abs"]
+        ), key
 
 
 def rerun(model, case: str) -> dict:

@@ -22,6 +22,7 @@ times the largest deviation `python scripts/float_envelope.py` measured between 
 ATEN_CPU_CAPABILITY=default|avx2 x OMP_NUM_THREADS=1|2 and the reference (kvpress on an AVX2
 EPYC), and between kvlens here and the previous reference written on an AVX-512 machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,20 +52,36 @@ def test_the_reference_covers_every_policy_both_define_the_same_way():
     assert set(REFERENCE["cases"]) == {"streaming_llm", "cam", "h2o", "tova"}
     assert {case["policy"] for case in REFERENCE["cases"].values()} == {"streaming_llm", "cam", "h2o", "tova"}
     prompt = {case["policy"] for case in REFERENCE["prompt_cases"].values()}
-    assert prompt == {"snapkv", "pyramidkv", "adakv", "expected_attention", "knorm", "keydiff", "kvzip", "think"}
-    for case in REFERENCE["prompt_cases"].values():  # two texts x two ratios, each removing what its ratio says
+    assert prompt == {
+        "snapkv",
+        "pyramidkv",
+        "adakv",
+        "expected_attention",
+        "knorm",
+        "keydiff",
+        "kvzip",
+        "think",
+    }
+    for case in REFERENCE[
+        "prompt_cases"
+    ].values():  # two texts x two ratios, each removing what its ratio says
         assert len({(r["text"], r["ratio"]) for r in case["runs"]}) == 4
         for r in case["runs"]:
             kept = [REFERENCE["prompt"]["prefill"] - len(head) for layer in r["removed"] for head in layer]
             assert sum(kept) == r["budget"] * len(kept)
-            if case["policy"] == "think":  # every layer and head keeps the channels its ratio says (head size 64)
+            if (
+                case["policy"] == "think"
+            ):  # every layer and head keeps the channels its ratio says (head size 64)
                 kept = 64 - int(64 * case["params"]["ratio"])
                 assert all(h == sorted(set(h)) and len(h) == kept for layer in r["channels"] for h in layer)
 
 
 def prompt_runs():
-    return [pytest.param(case, i, id=f"{case}-{r['text'].split('-')[1].removesuffix('.txt')}-{r['ratio']}")
-            for case, spec in sorted(REFERENCE["prompt_cases"].items()) for i, r in enumerate(spec["runs"])]
+    return [
+        pytest.param(case, i, id=f"{case}-{r['text'].split('-')[1].removesuffix('.txt')}-{r['ratio']}")
+        for case, spec in sorted(REFERENCE["prompt_cases"].items())
+        for i, r in enumerate(spec["runs"])
+    ]
 
 
 @pytest.mark.slow
@@ -77,9 +94,18 @@ def test_same_positions_removed_from_the_prompt_and_next_tokens_nll_as_kvpress(s
 
     spec, ref = REFERENCE["prompt_cases"][case], REFERENCE["prompt_cases"][case]["runs"][index]
     prompt = REFERENCE["prompt"]
-    ids = encode(smol, (texts.DIR / ref["text"]).read_text(encoding="utf-8"))[: prompt["prefill"] + prompt["steps"]]
-    r = run(smol, make_policy(spec["policy"], spec["params"]), ids, prefill=prompt["prefill"], steps=prompt["steps"],
-            teacher=True, opts=RunOptions(budget=ref["budget"]))
+    ids = encode(smol, (texts.DIR / ref["text"]).read_text(encoding="utf-8"))[
+        : prompt["prefill"] + prompt["steps"]
+    ]
+    r = run(
+        smol,
+        make_policy(spec["policy"], spec["params"]),
+        ids,
+        prefill=prompt["prefill"],
+        steps=prompt["steps"],
+        teacher=True,
+        opts=RunOptions(budget=ref["budget"]),
+    )
     shape = smol.shape()
     if "channels" in ref:  # ThinK: the same key channels kept, layer by layer and head by head
         assert r.tensors["kv_channels"].tolist() == ref["channels"]
@@ -89,24 +115,35 @@ def test_same_positions_removed_from_the_prompt_and_next_tokens_nll_as_kvpress(s
         if spec["policy"] == "knorm" and layer == 0 and mine != theirs:  # see `same_tokens`
             mine, theirs, tie_broken_otherwise = same_tokens(mine, ids), same_tokens(theirs, ids), True
         assert mine == theirs, f"layer {layer}: kvlens and kvpress removed different positions"
-    if tie_broken_otherwise:  # other copies of the same tokens left: other positions, so another next-token NLL
+    if (
+        tie_broken_otherwise
+    ):  # other copies of the same tokens left: other positions, so another next-token NLL
         return
-    torch.testing.assert_close(r.tensors["steps/nll"].double(), torch.tensor(ref["nll"], dtype=torch.float64),
-                               rtol=0, atol=NLL_ATOL)
+    torch.testing.assert_close(
+        r.tensors["steps/nll"].double(), torch.tensor(ref["nll"], dtype=torch.float64), rtol=0, atol=NLL_ATOL
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(REFERENCE["cases"]))
 def test_same_positions_removed_and_nll_as_kvpress(smol, case):
     spec = REFERENCE["cases"][case]
-    r = run(smol, make_policy(spec["policy"], spec["params"]), REFERENCE["ids"], prefill=REFERENCE["prefill"],
-            steps=REFERENCE["steps"], teacher=True, opts=RunOptions(budget=REFERENCE["budget"]))
+    r = run(
+        smol,
+        make_policy(spec["policy"], spec["params"]),
+        REFERENCE["ids"],
+        prefill=REFERENCE["prefill"],
+        steps=REFERENCE["steps"],
+        teacher=True,
+        opts=RunOptions(budget=REFERENCE["budget"]),
+    )
     shape = smol.shape()
     got = removed_by_step(r.decisions, REFERENCE["steps"], shape["layers"], shape["kv_heads"])
     for step, (mine, theirs) in enumerate(zip(got, spec["removed"], strict=True)):
         assert mine == theirs, f"step {step}: kvlens and kvpress removed different positions"
-    torch.testing.assert_close(r.tensors["steps/nll"].double(), torch.tensor(spec["nll"], dtype=torch.float64),
-                               rtol=0, atol=NLL_ATOL)
+    torch.testing.assert_close(
+        r.tensors["steps/nll"].double(), torch.tensor(spec["nll"], dtype=torch.float64), rtol=0, atol=NLL_ATOL
+    )
     assert r.metrics["kv_slots_max"] == REFERENCE["budget"]
 
 
@@ -119,11 +156,21 @@ def same_tokens(removed: list[list[int]], ids: list[int]) -> list[list[int]]:
 
 
 def test_the_task_reference_covers_six_methods_on_four_samples():
-    assert set(TASK["cases"]) == {"full", "streaming_llm", "snapkv", "expected_attention", "tova", "kvzip", "adakv"}
+    assert set(TASK["cases"]) == {
+        "full",
+        "streaming_llm",
+        "snapkv",
+        "expected_attention",
+        "tova",
+        "kvzip",
+        "adakv",
+    }
     assert TASK["cases"]["kvzip"]["params"]["reconstruct"] == "context"
     for case in TASK["cases"].values():
         ratios = [0.0] if case["policy"] == "full" else TASK["ratios"]
-        assert sorted((r["sample"], r["ratio"]) for r in case["runs"]) == [(i, r) for i in range(4) for r in ratios]
+        assert sorted((r["sample"], r["ratio"]) for r in case["runs"]) == [
+            (i, r) for i in range(4) for r in ratios
+        ]
 
 
 @pytest.mark.slow
@@ -138,24 +185,49 @@ def test_same_answers_and_kept_positions_as_kvpress_pipeline_on_task_samples(smo
     sample, ids = ruler.parse_lines(line)[0], TASK["ids"][index]
     parts = [split_prompt(smol, sample.context, q) for q in sample.questions]
     assert parts[0][0] == ids["context"] and [q for _, q in parts] == ids["questions"]
-    specs = {case: PolicySpec(c["policy"], tuple(sorted(c["params"].items()))) for case, c in TASK["cases"].items()}
-    cell = tasks.plan_file([sample], list(specs.values()), TASK["ratios"], model="default", query_aware=False,
-                           chat=True, text=line)[0]
-    mine = {(r["policy"], r["ratio"]): r["outputs"] for r in tasks.tasks_cell(smol, {"samples": line}, cell)["results"]}
+    specs = {
+        case: PolicySpec(c["policy"], tuple(sorted(c["params"].items()))) for case, c in TASK["cases"].items()
+    }
+    cell = tasks.plan_file(
+        [sample],
+        list(specs.values()),
+        TASK["ratios"],
+        model="default",
+        query_aware=False,
+        chat=True,
+        text=line,
+    )[0]
+    mine = {
+        (r["policy"], r["ratio"]): r["outputs"]
+        for r in tasks.tasks_cell(smol, {"samples": line}, cell)["results"]
+    }
     context = ids["context"]
     for case, spec in specs.items():
         for ref in (r for r in TASK["cases"][case]["runs"] if r["sample"] == index):
             where = f"{case} at {ref['ratio']}"
-            for got, theirs, expected in zip(mine[(spec.label, ref["ratio"])], ref["answers"], sample.answers,
-                                             strict=True):
-                assert theirs.startswith(got), where  # kvlens stops once every expected string is in its answer
+            for got, theirs, expected in zip(
+                mine[(spec.label, ref["ratio"])], ref["answers"], sample.answers, strict=True
+            ):
+                assert theirs.startswith(got), (
+                    where
+                )  # kvlens stops once every expected string is in its answer
                 assert got == theirs or all(e.lower() in got.lower() for e in expected), where
             if case == "full" or (case == "kvzip" and len(context) * (1 - ref["ratio"]) % 1):
                 continue  # kvpress's KVzip rounds its count over all layers and heads, int(L Hkv T ratio) removed
-            loop, _ = prepare(smol, make_policy(spec.name, dict(spec.params)), context,
-                              slots_for(ref["ratio"], len(context)), sample.max_new_tokens + 64)
-            removed = [[sorted(set(range(len(context))) - set(head[head >= 0].tolist())) for head in
-                        torch.where(view.valid, view.pos, -1)] for view in loop.cache.layers]
+            loop, _ = prepare(
+                smol,
+                make_policy(spec.name, dict(spec.params)),
+                context,
+                slots_for(ref["ratio"], len(context)),
+                sample.max_new_tokens + 64,
+            )
+            removed = [
+                [
+                    sorted(set(range(len(context))) - set(head[head >= 0].tolist()))
+                    for head in torch.where(view.valid, view.pos, -1)
+                ]
+                for view in loop.cache.layers
+            ]
             assert [removed_digest(layer) for layer in removed] == ref["removed"], where
 
 

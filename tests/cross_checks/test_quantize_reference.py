@@ -21,6 +21,7 @@ precision of min and scale (kvlens float16, quanto x's dtype), so codes may diff
 - By hand: 2-bit codes, zero points, scales and x^ of a tiny tensor along both axes, ties rounding half to even
   (both use `torch.round`), packing, and a constant group.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,7 +74,9 @@ def test_error_within_a_factor_of_quantos(case):
     assert y.shape == x.shape and y.dtype == x.dtype
     rel = float((y.double() - x.double()).norm() / x.double().norm())
     ratio = rel / spec["rel_error"]
-    assert 1 / ERROR_FACTOR <= ratio <= ERROR_FACTOR, f"kvlens's error {rel:.5f} vs quanto's {spec['rel_error']:.5f}"
+    assert 1 / ERROR_FACTOR <= ratio <= ERROR_FACTOR, (
+        f"kvlens's error {rel:.5f} vs quanto's {spec['rel_error']:.5f}"
+    )
 
 
 @pytest.mark.parametrize("case", sorted(REFERENCE["cases"]))
@@ -87,20 +90,26 @@ def test_dequantized_values_within_one_step_of_quantos(case):
     step = torch.tensor(spec["step"], dtype=torch.float64)
     assert bool((step > 0).all())
     gap = (mine - theirs).abs()
-    allowed = step + 2 ** -10 * ((2 ** spec["bits"] - 1) * step + theirs.abs())  # + float16 rounding, docstring
+    allowed = step + 2**-10 * ((2 ** spec["bits"] - 1) * step + theirs.abs())  # + float16 rounding, docstring
     assert bool((gap <= allowed).all()), f"largest gap {float((gap / step).max()):.3f} step"
 
 
 # -- by hand --------------------------------------------------------------------------------------------------------
 # (1, 8, 4): along "slots", group 4, per channel: tokens 0-3 and 4-7 are two groups of each channel.
-HAND = torch.tensor([[[0.0, -3.0, 1.0, 5.0],
-                      [1.0, 0.5, 1.25, 5.0],
-                      [2.0, 1.5, 1.75, 5.0],
-                      [3.0, 3.0, 2.5, 5.0],
-                      [10.0, 0.25, -8.0, 2.0],
-                      [-2.0, 0.5, -7.0, 3.0],
-                      [4.0, 1.0, -6.5, 2.0],
-                      [0.0, 1.0, -5.0, 3.0]]])
+HAND = torch.tensor(
+    [
+        [
+            [0.0, -3.0, 1.0, 5.0],
+            [1.0, 0.5, 1.25, 5.0],
+            [2.0, 1.5, 1.75, 5.0],
+            [3.0, 3.0, 2.5, 5.0],
+            [10.0, 0.25, -8.0, 2.0],
+            [-2.0, 0.5, -7.0, 3.0],
+            [4.0, 1.0, -6.5, 2.0],
+            [0.0, 1.0, -5.0, 3.0],
+        ]
+    ]
+)
 # 2 bits: scale = (max - min) / 3. Per group (tokens 0-3, then 4-7), channels 0..3:
 #   0-3: min 0, -3, 1, 5; scale 1, 2, 0.5, 0 (constant)
 #   4-7: min -2, 0.25, -8, 2; scale 4, 0.25, 1, 1/3 -> float16 rounded up, 0.33349609375 (1366 / 4096),
@@ -109,23 +118,31 @@ HAND_LO = [[[0.0, -3.0, 1.0, 5.0], [-2.0, 0.25, -8.0, 2.0]]]
 HAND_SCALE = [[[1.0, 2.0, 0.5, 0.0], [4.0, 0.25, 1.0, 0.33349609375]]]
 # code = round((x - min) / scale), half to even: channel 1 (x + 3) / 2 = 1.75, 2.25 -> 2, 2; channel 2 (x - 1) / 0.5
 # = 0.5, 1.5 -> 0, 2; channel 0 of 4-7 (x + 2) / 4 = 1.5, 0.5 -> 2, 0; channel 3 of 4-7 1 / 0.3335 = 2.9985 -> 3
-HAND_CODES = [[[0, 0, 0, 0],
-               [1, 2, 0, 0],
-               [2, 2, 2, 0],
-               [3, 3, 3, 0],
-               [3, 0, 0, 0],
-               [0, 1, 1, 3],
-               [2, 3, 2, 0],
-               [0, 3, 3, 3]]]
+HAND_CODES = [
+    [
+        [0, 0, 0, 0],
+        [1, 2, 0, 0],
+        [2, 2, 2, 0],
+        [3, 3, 3, 0],
+        [3, 0, 0, 0],
+        [0, 1, 1, 3],
+        [2, 3, 2, 0],
+        [0, 3, 3, 3],
+    ]
+]
 # x^ = code * scale + min; 3 * 1366 / 4096 + 2 = 3.00048828125 (the float16 scale, not 3)
-HAND_X = [[[0.0, -3.0, 1.0, 5.0],
-           [1.0, 1.0, 1.0, 5.0],
-           [2.0, 1.0, 2.0, 5.0],
-           [3.0, 3.0, 2.5, 5.0],
-           [10.0, 0.25, -8.0, 2.0],
-           [-2.0, 0.5, -7.0, 3.00048828125],
-           [6.0, 1.0, -6.0, 2.0],
-           [-2.0, 1.0, -5.0, 3.00048828125]]]
+HAND_X = [
+    [
+        [0.0, -3.0, 1.0, 5.0],
+        [1.0, 1.0, 1.0, 5.0],
+        [2.0, 1.0, 2.0, 5.0],
+        [3.0, 3.0, 2.5, 5.0],
+        [10.0, 0.25, -8.0, 2.0],
+        [-2.0, 0.5, -7.0, 3.00048828125],
+        [6.0, 1.0, -6.0, 2.0],
+        [-2.0, 1.0, -5.0, 3.00048828125],
+    ]
+]
 
 
 def test_two_bit_codes_by_hand_per_channel():
@@ -142,20 +159,29 @@ def test_two_bit_codes_by_hand_per_token():
     codes, lo, scale = quantize(HAND.transpose(1, 2).contiguous(), 2, 4, "channels")
     assert lo.tolist() == [[[0.0, -2.0], [-3.0, 0.25], [1.0, -8.0], [5.0, 2.0]]]  # (R, n, D / group)
     assert scale.tolist() == [[[1.0, 4.0], [2.0, 0.25], [0.5, 1.0], [0.0, 0.33349609375]]]
-    assert codes.tolist() == [[[0, 1, 2, 3, 3, 0, 2, 0],
-                               [0, 2, 2, 3, 0, 1, 3, 3],
-                               [0, 0, 2, 3, 0, 1, 2, 3],
-                               [0, 0, 0, 0, 0, 3, 0, 3]]]
+    assert codes.tolist() == [
+        [
+            [0, 1, 2, 3, 3, 0, 2, 0],
+            [0, 2, 2, 3, 0, 1, 3, 3],
+            [0, 0, 2, 3, 0, 1, 2, 3],
+            [0, 0, 0, 0, 0, 3, 0, 3],
+        ]
+    ]
     assert dequantize(codes, lo, scale, 4, "channels", torch.float32).tolist() == [
-        [[0.0, 1.0, 2.0, 3.0, 10.0, -2.0, 6.0, -2.0],
-         [-3.0, 1.0, 1.0, 3.0, 0.25, 0.5, 1.0, 1.0],
-         [1.0, 1.0, 2.0, 2.5, -8.0, -7.0, -6.0, -5.0],
-         [5.0, 5.0, 5.0, 5.0, 2.0, 3.00048828125, 2.0, 3.00048828125]]]
+        [
+            [0.0, 1.0, 2.0, 3.0, 10.0, -2.0, 6.0, -2.0],
+            [-3.0, 1.0, 1.0, 3.0, 0.25, 0.5, 1.0, 1.0],
+            [1.0, 1.0, 2.0, 2.5, -8.0, -7.0, -6.0, -5.0],
+            [5.0, 5.0, 5.0, 5.0, 2.0, 3.00048828125, 2.0, 3.00048828125],
+        ]
+    ]
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_pack_unpack_round_trip(bits):
-    codes = torch.randint(0, 2 ** bits, (2, 3, 16), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    codes = torch.randint(
+        0, 2**bits, (2, 3, 16), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8
+    )
     packed = pack(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (2, 3, 16 * bits // 8)
     assert torch.equal(unpack(packed, bits), codes)
@@ -182,7 +208,7 @@ def test_a_constant_group_dequantizes_exactly(bits, along, dtype):
     y = dequantize(codes, lo, scale, 4, along, dtype)
     if dtype == torch.float32:
         assert torch.equal(y, x.half().float())
-        assert not torch.equal(y, x) and float((y - x).abs().max()) <= 1.3 * 2 ** -11
+        assert not torch.equal(y, x) and float((y - x).abs().max()) <= 1.3 * 2**-11
         assert REFERENCE["constant_group"]["exact"], "quanto keeps a float32 constant exactly"
     else:
         assert torch.equal(y, x)

@@ -1,6 +1,7 @@
 """The README and the documentation site: generated pages match their sources (the command line's parsers, the
 policy and analysis registries, `results/*.json`), every command, policy and analysis has its section, the site
 builds with --strict and references nothing outside itself, and no page reads as a work log."""
+
 from __future__ import annotations
 
 import os
@@ -38,10 +39,14 @@ def test_the_generated_pages_and_readme_tables_are_what_their_sources_give(expec
 def test_the_results_page_is_read_from_the_results_files_and_cites_every_one_of_them(expected):
     assert TEXTS["docs/results.md"] == expected["docs/results.md"]
     cited = {p.name for p in results_page.cited()}
-    assert cited == {p.name for p in (ROOT / "results").glob("*.json")}, "a results file no page cites, or the reverse"
+    assert cited == {p.name for p in (ROOT / "results").glob("*.json")}, (
+        "a results file no page cites, or the reverse"
+    )
     for name in cited:
         section = TEXTS["docs/results.md"].split(f"`results/{name}` · made by `", 1)[1]
-        command = re.sub(r"^([A-Z_]+=\S+ )+", "", section.split("`", 1)[0])  # environment settings first, if any
+        command = re.sub(
+            r"^([A-Z_]+=\S+ )+", "", section.split("`", 1)[0]
+        )  # environment settings first, if any
         assert command.startswith(("kvlens ", "python ")), name  # the command that made it
 
 
@@ -58,8 +63,12 @@ def test_every_command_policy_and_analysis_has_its_generated_section():
 
 
 def test_the_policy_table_says_which_policies_kvpress_cross_checks():
-    rows = {m[0]: m[1:] for m in re.findall(r"^\| `(\w+)` \| \w+ \| .*? \| (`\w+`|—) \| (yes|no|—) \|$",
-                                             TEXTS["README.md"], re.M)}
+    rows = {
+        m[0]: m[1:]
+        for m in re.findall(
+            r"^\| `(\w+)` \| \w+ \| .*? \| (`\w+`|—) \| (yes|no|—) \|$", TEXTS["README.md"], re.M
+        )
+    }
     assert rows["snapkv"] == ("`SnapKVPress`", "yes") and rows["tova"] == ("`TOVAPress`", "yes")
     assert rows["qfilter"] == ("`QFilterPress`", "no") and rows["d2o"] == ("—", "—")
 
@@ -68,7 +77,11 @@ def test_the_readme_is_short_and_its_first_screen_says_what_kvlens_is_and_the_tw
     lines = TEXTS["README.md"].splitlines()
     assert len(lines) <= 250
     first = "\n".join(lines[:20])
-    assert "kvlens shows what KV-cache compression does" in first and "make run" in first and "make test" in first
+    assert (
+        "kvlens shows what KV-cache compression does" in first
+        and "make run" in first
+        and "make test" in first
+    )
     section = TEXTS["README.md"].split("## In your transformers code\n", 1)[1].split("\n## ", 1)[0]
     assert len(section.splitlines()) <= 30 and "docs/transformers.md" in section
 
@@ -77,21 +90,40 @@ def commits_named(texts: list[str]) -> list[str]:
     """The words of 7-40 hex characters in `texts` that git resolves as a commit of this repository."""
     words = sorted({w for text in texts for w in re.findall(r"\b[0-9a-f]{7,40}\b", text)})
     query = "".join(f"{w}^{{commit}}\n" for w in words)
-    out = subprocess.run(["git", "cat-file", "--batch-check"], cwd=ROOT, input=query, capture_output=True,
-                         text=True, check=True).stdout.splitlines()
+    out = subprocess.run(
+        ["git", "cat-file", "--batch-check"],
+        cwd=ROOT,
+        input=query,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     return [w for w, line in zip(words, out, strict=True) if not line.endswith("missing")]
 
 
 def test_no_commit_of_this_repository_is_named_in_the_readme_or_the_docs():
-    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout.strip()
-    assert commits_named([f"measured at {head}; digest 6fae264eff28, 1234567 tokens"]) == [head]  # the check works
+    head = subprocess.run(
+        ["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert commits_named([f"measured at {head}; digest 6fae264eff28, 1234567 tokens"]) == [
+        head
+    ]  # the check works
     assert not commits_named(list(TEXTS.values())), "commit ids in the README or docs"
 
 
-WORK_LOG = [r"load average", r"earlier round", r"\btoday\b", r"\bthis session\b", r"\bUTC\b",
-            r"shared with (?:\w+ )?other jobs", r"^#+ .*\b20\d\d-\d\d-\d\d", r"re-?run with today",
-            r"\bwe (?:tried|ran)\b", r"\bnotes for the README\b", r"\blab notes?\b"]
+WORK_LOG = [
+    r"load average",
+    r"earlier round",
+    r"\btoday\b",
+    r"\bthis session\b",
+    r"\bUTC\b",
+    r"shared with (?:\w+ )?other jobs",
+    r"^#+ .*\b20\d\d-\d\d-\d\d",
+    r"re-?run with today",
+    r"\bwe (?:tried|ran)\b",
+    r"\bnotes for the README\b",
+    r"\blab notes?\b",
+]
 
 
 @pytest.mark.parametrize("path", sorted(TEXTS))
@@ -103,25 +135,37 @@ def test_no_page_reads_as_a_dated_work_log(path):
 
 def test_the_work_log_check_catches_a_dated_entry():
     entry = "### 2026-11-23: every target met\nFrom 07:15 to 08:20 UTC the load average was 8 to 15."
-    assert [p for p in WORK_LOG if re.search(p, entry, re.I | re.M)] == [r"load average", r"\bUTC\b",
-                                                                        r"^#+ .*\b20\d\d-\d\d-\d\d"]
+    assert [p for p in WORK_LOG if re.search(p, entry, re.I | re.M)] == [
+        r"load average",
+        r"\bUTC\b",
+        r"^#+ .*\b20\d\d-\d\d-\d\d",
+    ]
 
 
 def test_the_site_builds_strict_and_references_nothing_outside_itself(tmp_path):
     site = tmp_path / "site"
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(site)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     pages = sorted(site.rglob("*.html"))
     assert {"index.html", "policies.html", "results.html", "cli.html", "api.html"} <= {p.name for p in pages}
-    external = re.compile(r"""<(?:script|img|link|iframe|source)\b[^>]*\b(?:src|href)=["']?(?:https?:)?//""", re.I)
+    external = re.compile(
+        r"""<(?:script|img|link|iframe|source)\b[^>]*\b(?:src|href)=["']?(?:https?:)?//""", re.I
+    )
     for page in pages:
         html = page.read_text(encoding="utf-8")
         assert not external.search(html), f"{page.name} loads {external.search(html).group(0)}"
     css = " ".join(p.read_text(encoding="utf-8", errors="replace") for p in site.rglob("*.css"))
     assert "fonts.googleapis" not in css and "fonts.gstatic" not in css
-    assert "load_run" in (site / "api.html").read_text(encoding="utf-8")  # mkdocstrings rendered the docstrings
+    assert "load_run" in (site / "api.html").read_text(
+        encoding="utf-8"
+    )  # mkdocstrings rendered the docstrings
 
 
 def test_the_results_page_and_the_apps_benchmarks_page_open_on_the_same_benchmarks_in_the_same_order():

@@ -1,5 +1,6 @@
 """docs/notebook.md runs: every python block, in order, in one namespace (as a notebook would), and the
 figure a notebook gets is the one `kvlens figure` exports."""
+
 from __future__ import annotations
 
 import re
@@ -31,8 +32,12 @@ def test_every_cell_of_the_notebook_doc_runs_in_order(monkeypatch, capsys):
     figures = [namespace[n] for n in ("occupancy", "attention", "merges", "steps", "compared")]
     assert all(isinstance(f, go.Figure) and f.data for f in figures)
     assert [f.layout.meta["analysis"] for f in figures[:2]] == ["occupancy", "attention"]
-    assert {t.name for t in namespace["steps"].data} == {"adakv-heads", "cam-attention", "h2o-attention",
-                                                         "streaming_llm-attention"}  # the shipped runs at 48 slots
+    assert {t.name for t in namespace["steps"].data} == {
+        "adakv-heads",
+        "cam-attention",
+        "h2o-attention",
+        "streaming_llm-attention",
+    }  # the shipped runs at 48 slots
     assert {t.name for t in namespace["compared"].data} == {"streaming_llm", "h2o"}
     assert re.search(r"streaming_llm +ppl \d+\.\d{3} +KL \d\.\d{4}", out) and re.search(r"h2o +ppl", out)
     assert all(r.metrics["kv_slots_max"] == 32 for r in namespace["results"].values())
@@ -40,8 +45,23 @@ def test_every_cell_of_the_notebook_doc_runs_in_order(monkeypatch, capsys):
 
 def test_a_notebook_figure_is_the_one_kvlens_figure_exports(tmp_path):
     run_dir = CACHED_RUNS / "cam-attention"
-    assert main(["figure", "attention", "--run", str(run_dir), "--layer", "15", "--head", "1",
-                 "--out", str(tmp_path / "cli.csv")]) == 0
+    assert (
+        main(
+            [
+                "figure",
+                "attention",
+                "--run",
+                str(run_dir),
+                "--layer",
+                "15",
+                "--head",
+                "1",
+                "--out",
+                str(tmp_path / "cli.csv"),
+            ]
+        )
+        == 0
+    )
     write_csv(load_run(run_dir).figure("attention", layer=15, head=1), tmp_path / "notebook.csv")
     cli = (tmp_path / "cli.csv").read_text()
     assert cli == (tmp_path / "notebook.csv").read_text() and len(cli.splitlines()) > 1000

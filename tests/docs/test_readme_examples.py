@@ -1,6 +1,7 @@
 """The "Adding a policy" example of docs/extending.md, saved as the one new file it names in a copy of the
 repository, is listed, runs, is offered by the app with tooltips and passes the contract test.
 (`doc_example` also serves the analysis and page examples of that file, tested in test_analysis and test_app.)"""
+
 from __future__ import annotations
 
 import json
@@ -45,12 +46,42 @@ def test_readme_policy_is_listed_runs_and_passes_the_contract(repo_with_example)
     repo, name = repo_with_example
     listed = {r["name"]: r for r in json.loads(sh(["-m", "kvlens", "policies", "--json"], repo).stdout)}
     assert name in listed and all(p["help"] for p in listed[name]["parameters"])
-    out = sh(["-m", "kvlens", "ppl", "--policy", name, "--budget", "0.2", "--text-file",
-              "kvlens/data/state_union/1961-Kennedy.txt", "--prefill", "128", "--tokens", "16", "--json"], repo)
+    out = sh(
+        [
+            "-m",
+            "kvlens",
+            "ppl",
+            "--policy",
+            name,
+            "--budget",
+            "0.2",
+            "--text-file",
+            "kvlens/data/state_union/1961-Kennedy.txt",
+            "--prefill",
+            "128",
+            "--tokens",
+            "16",
+            "--json",
+        ],
+        repo,
+    )
     result = json.loads(out.stdout)
     assert result["ppl"] > 1 and result["kv_slots_max"] <= round(0.2 * 128)
-    contract = sh(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/policies/test_policy_contract.py", "-k", name,
-                   "-m", "not slow"], repo)
+    contract = sh(
+        [
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/policies/test_policy_contract.py",
+            "-k",
+            name,
+            "-m",
+            "not slow",
+        ],
+        repo,
+    )
     assert re.search(r"(\d+) passed", contract.stdout) and " failed" not in contract.stdout
 
 

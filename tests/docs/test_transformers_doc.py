@@ -1,5 +1,6 @@
 """docs/transformers.md and the README's transformers block run as written, from a scratch folder; the saved
 run opens with `load_run` and the model keeps its own attention implementation."""
+
 from __future__ import annotations
 
 import re
@@ -22,8 +23,10 @@ def test_every_block_of_the_transformers_doc_runs_in_order(tmp_path, monkeypatch
         exec(compile(code, f"docs/transformers.md block {i + 1}", "exec"), namespace)
     out = capsys.readouterr().out
     run = load_run(tmp_path / "runs" / "mine")
-    assert run.meta["policy"]["name"] == "snapkv" and len(run.decisions) == len(namespace["cache"].decisions) > 0
-    assert run.meta["tokens"] == namespace["out"][0, namespace["ids"].shape[1]:].tolist()
+    assert (
+        run.meta["policy"]["name"] == "snapkv" and len(run.decisions) == len(namespace["cache"].decisions) > 0
+    )
+    assert run.meta["tokens"] == namespace["out"][0, namespace["ids"].shape[1] :].tolist()
     assert "decisions in the pressed generation" in out and "'answer':" in out
     assert namespace["model"].config._attn_implementation == "sdpa"
 
@@ -38,5 +41,5 @@ def test_the_readmes_transformers_example_runs_as_written(tmp_path, monkeypatch)
     namespace: dict = {}
     exec(compile(code, "README.md (transformers)", "exec"), namespace)
     run = load_run(tmp_path / "runs" / "mine")
-    assert run.meta["tokens"] == namespace["out"][0, namespace["ids"].shape[1]:].tolist()
+    assert run.meta["tokens"] == namespace["out"][0, namespace["ids"].shape[1] :].tolist()
     assert run.meta["policy"]["name"] == "snapkv" and len(run.decisions) > 0

@@ -1,4 +1,5 @@
 """Helpers the engine's low-rank storage tests share."""
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ like any user model. The reference is the same directory loaded with transformer
 attention. With KVLENS_SUPPORT_TABLE=path the measured differences are written there as the
 support table of docs/support.md (`scripts/support_table.py`).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,65 +36,178 @@ BUDGET = 12
 INIT = 0.3  # weights' std: large enough that attention is far from uniform and a soft-cap of 5 bites
 SOFTCAP = 5.0
 EOS = 256
-BASE = dict(vocab_size=EOS + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=256, eos_token_id=EOS, bos_token_id=None, pad_token_id=None,
-            initializer_range=INIT)
+BASE = dict(
+    vocab_size=EOS + 1,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    eos_token_id=EOS,
+    bos_token_id=None,
+    pad_token_id=None,
+    initializer_range=INIT,
+)
 GQA = dict(BASE, num_key_value_heads=2)
 GEMMA = dict(GQA, head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=12)
-GEMMA_SCALE = 12 ** -0.5  # query_pre_attn_scalar ** -0.5
+GEMMA_SCALE = 12**-0.5  # query_pre_attn_scalar ** -0.5
 
 # name -> (config class, config arguments, what the probe must find, features for the table)
 MATRIX = {
     "llama": ("LlamaConfig", GQA, {}, "GQA, RoPE"),
-    "mistral": ("MistralConfig", dict(GQA, sliding_window=WINDOW), {"sliding": {0: WINDOW, 1: WINDOW}},
-                f"GQA, RoPE, sliding window {WINDOW} on every layer"),
+    "mistral": (
+        "MistralConfig",
+        dict(GQA, sliding_window=WINDOW),
+        {"sliding": {0: WINDOW, 1: WINDOW}},
+        f"GQA, RoPE, sliding window {WINDOW} on every layer",
+    ),
     "qwen2": ("Qwen2Config", GQA, {}, "GQA, RoPE, q/k/v biases"),
-    "qwen2 (sliding layers)": ("Qwen2Config", dict(GQA, use_sliding_window=True, sliding_window=WINDOW,
-                                                   max_window_layers=1),
-                               {"sliding": {1: WINDOW}}, f"GQA, RoPE, q/k/v biases, window {WINDOW} on layer 1"),
+    "qwen2 (sliding layers)": (
+        "Qwen2Config",
+        dict(GQA, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+        {"sliding": {1: WINDOW}},
+        f"GQA, RoPE, q/k/v biases, window {WINDOW} on layer 1",
+    ),
     "qwen3": ("Qwen3Config", dict(GQA, head_dim=8), {}, "GQA, RoPE, q/k norms"),
-    "gemma2": ("Gemma2Config", dict(GEMMA, attn_logit_softcapping=SOFTCAP, final_logit_softcapping=30.0),
-               {"sliding": {0: WINDOW}, "softcap": {0: SOFTCAP, 1: SOFTCAP}, "scaling": [GEMMA_SCALE] * 2},
-               f"GQA, RoPE, attention logit soft-capping {SOFTCAP:g}, window {WINDOW} on layer 0 (global layer 1), "
-               f"query_pre_attn_scalar 12"),
-    "gemma3": ("Gemma3TextConfig", dict(GEMMA, layer_types=["sliding_attention", "full_attention"]),
-               {"sliding": {0: WINDOW}, "scaling": [GEMMA_SCALE] * 2},
-               f"GQA, RoPE (local and global bases), q/k norms, window {WINDOW} on layer 0, query_pre_attn_scalar 12"),
+    "gemma2": (
+        "Gemma2Config",
+        dict(GEMMA, attn_logit_softcapping=SOFTCAP, final_logit_softcapping=30.0),
+        {"sliding": {0: WINDOW}, "softcap": {0: SOFTCAP, 1: SOFTCAP}, "scaling": [GEMMA_SCALE] * 2},
+        f"GQA, RoPE, attention logit soft-capping {SOFTCAP:g}, window {WINDOW} on layer 0 (global layer 1), "
+        f"query_pre_attn_scalar 12",
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(GEMMA, layer_types=["sliding_attention", "full_attention"]),
+        {"sliding": {0: WINDOW}, "scaling": [GEMMA_SCALE] * 2},
+        f"GQA, RoPE (local and global bases), q/k norms, window {WINDOW} on layer 0, query_pre_attn_scalar 12",
+    ),
     "phi3": ("Phi3Config", GQA, {}, "GQA, RoPE, fused qkv"),
     "olmo2": ("Olmo2Config", GQA, {}, "GQA, RoPE, q/k norms"),
-    "gpt_neox": ("GPTNeoXConfig", dict(BASE, rotary_pct=0.25), {"positions": "rotary on 25% of each head"},
-                 "partial RoPE (25%), parallel residual"),
-    "gpt2": ("GPT2Config", dict(vocab_size=EOS + 1, n_embd=32, n_layer=2, n_head=4, n_positions=256,
-                                eos_token_id=EOS, bos_token_id=None, initializer_range=INIT),
-             {"positions": "no rotary embedding"}, "learned absolute positions, no RoPE"),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        dict(BASE, rotary_pct=0.25),
+        {"positions": "rotary on 25% of each head"},
+        "partial RoPE (25%), parallel residual",
+    ),
+    "gpt2": (
+        "GPT2Config",
+        dict(
+            vocab_size=EOS + 1,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            eos_token_id=EOS,
+            bos_token_id=None,
+            initializer_range=INIT,
+        ),
+        {"positions": "no rotary embedding"},
+        "learned absolute positions, no RoPE",
+    ),
 }
-GEMMA3N = dict(GQA, head_dim=8, num_hidden_layers=4, num_kv_shared_layers=2, sliding_window=WINDOW,
-               layer_types=["sliding_attention", "full_attention"] * 2, intermediate_size=[64] * 4,
-               activation_sparsity_pattern=[0.0] * 4, laurel_rank=4, altup_num_inputs=2, hidden_size_per_layer_input=4,
-               vocab_size_per_layer_input=EOS + 1)
+GEMMA3N = dict(
+    GQA,
+    head_dim=8,
+    num_hidden_layers=4,
+    num_kv_shared_layers=2,
+    sliding_window=WINDOW,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    intermediate_size=[64] * 4,
+    activation_sparsity_pattern=[0.0] * 4,
+    laurel_rank=4,
+    altup_num_inputs=2,
+    hidden_size_per_layer_input=4,
+    vocab_size_per_layer_input=EOS + 1,
+)
 REFUSED = {
-    "gpt_oss": ("GptOssConfig", dict(GQA, head_dim=8, num_local_experts=2, num_experts_per_tok=1),
-                "learned attention sinks", "learned attention sinks (`s_aux`)"),
-    "deepseek_v3": ("DeepseekV3Config", dict(BASE, num_key_value_heads=4, moe_intermediate_size=16, kv_lora_rank=8,
-                                             q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
-                                             n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=2,
-                                             n_group=1, topk_group=1),
-                    "multi-latent attention", "multi-latent attention"),
-    "gpt2 with cross-attention": ("GPT2Config", dict(MATRIX["gpt2"][1], add_cross_attention=True),
-                                  "cross-attention", "cross-attention layers"),
-    "mamba": ("MambaConfig", dict(vocab_size=EOS + 1, hidden_size=32, state_size=4, num_hidden_layers=2,
-                                  eos_token_id=EOS, bos_token_id=None, pad_token_id=None),
-              "Layer 0 is a linear attention layer", "state-space layers, no KV cache"),
-    "llama4 (text)": ("Llama4TextConfig", dict(GQA, head_dim=8, intermediate_size_mlp=64, num_local_experts=1,
-                                               attention_chunk_size=8, no_rope_layers=[1, 0], moe_layers=[]),
-                      "Layer 0 is a chunked attention layer", "chunked attention (in the mask only)"),
-    "gemma3n (text)": ("Gemma3nTextConfig", GEMMA3N, "Layer 2 does not keep its own keys and values",
-                       "layers 2-3 reuse earlier layers' KV cache"),
-    "stablelm": ("StableLmConfig", GQA, "Layer 0's attention never reaches kvlens",
-                 "its decoder layer does not pass keyword arguments on to the attention function"),
-    "gptj": ("GPTJConfig", dict(vocab_size=EOS + 1, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256,
-                                eos_token_id=EOS, bos_token_id=None),
-             "hard-codes its attention classes", "attention classes fixed in its transformers code"),
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(GQA, head_dim=8, num_local_experts=2, num_experts_per_tok=1),
+        "learned attention sinks",
+        "learned attention sinks (`s_aux`)",
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            BASE,
+            num_key_value_heads=4,
+            moe_intermediate_size=16,
+            kv_lora_rank=8,
+            q_lora_rank=8,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            n_routed_experts=2,
+            num_experts_per_tok=1,
+            first_k_dense_replace=2,
+            n_group=1,
+            topk_group=1,
+        ),
+        "multi-latent attention",
+        "multi-latent attention",
+    ),
+    "gpt2 with cross-attention": (
+        "GPT2Config",
+        dict(MATRIX["gpt2"][1], add_cross_attention=True),
+        "cross-attention",
+        "cross-attention layers",
+    ),
+    "mamba": (
+        "MambaConfig",
+        dict(
+            vocab_size=EOS + 1,
+            hidden_size=32,
+            state_size=4,
+            num_hidden_layers=2,
+            eos_token_id=EOS,
+            bos_token_id=None,
+            pad_token_id=None,
+        ),
+        "Layer 0 is a linear attention layer",
+        "state-space layers, no KV cache",
+    ),
+    "llama4 (text)": (
+        "Llama4TextConfig",
+        dict(
+            GQA,
+            head_dim=8,
+            intermediate_size_mlp=64,
+            num_local_experts=1,
+            attention_chunk_size=8,
+            no_rope_layers=[1, 0],
+            moe_layers=[],
+        ),
+        "Layer 0 is a chunked attention layer",
+        "chunked attention (in the mask only)",
+    ),
+    "gemma3n (text)": (
+        "Gemma3nTextConfig",
+        GEMMA3N,
+        "Layer 2 does not keep its own keys and values",
+        "layers 2-3 reuse earlier layers' KV cache",
+    ),
+    "stablelm": (
+        "StableLmConfig",
+        GQA,
+        "Layer 0's attention never reaches kvlens",
+        "its decoder layer does not pass keyword arguments on to the attention function",
+    ),
+    "gptj": (
+        "GPTJConfig",
+        dict(
+            vocab_size=EOS + 1,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            rotary_dim=4,
+            n_positions=256,
+            eos_token_id=EOS,
+            bos_token_id=None,
+        ),
+        "hard-codes its attention classes",
+        "attention classes fixed in its transformers code",
+    ),
 }
 RESULTS: dict[str, dict] = {}
 
@@ -128,6 +242,7 @@ def family_dir(tmp_path_factory):
             config_class, kwargs = (MATRIX.get(name) or REFUSED[name])[:2]
             made[name] = save_tiny(root / name.replace(" ", "_"), config_class, kwargs)
         return made[name]
+
     return get
 
 
@@ -141,18 +256,27 @@ def loaded(family_dir):
         if name not in cache:
             cache[name] = load_model(str(family_dir(name)), device=str(DEVICE), dtype="float32")
         return cache[name]
+
     return get
 
 
 @pytest.fixture(scope="module")
 def llama_ids(loaded, long_text):
-    return loaded("llama").tokenizer(long_text).input_ids[:PREFILL + STEPS]
+    return loaded("llama").tokenizer(long_text).input_ids[: PREFILL + STEPS]
 
 
 def _engine(lm, ids, policy="full", **opts):
     logits = []
-    r = run(lm, make_policy(policy), ids, prefill=PREFILL, steps=STEPS, teacher=True, opts=RunOptions(**opts),
-            on_step=lambda e: logits.append(e.logits.float().cpu()))
+    r = run(
+        lm,
+        make_policy(policy),
+        ids,
+        prefill=PREFILL,
+        steps=STEPS,
+        teacher=True,
+        opts=RunOptions(**opts),
+        on_step=lambda e: logits.append(e.logits.float().cpu()),
+    )
     return r, torch.stack(logits)
 
 
@@ -161,12 +285,19 @@ def test_full_is_the_models_own_forward(name, loaded, family_dir, llama_ids):
     lm = loaded(name)
     for key, want in MATRIX[name][2].items():
         assert getattr(lm.support, key) == want, key  # the probe read the layer's arguments
-    eager = transformers.AutoModelForCausalLM.from_pretrained(family_dir(name), dtype=torch.float32,
-                                                              attn_implementation="eager").eval().to(DEVICE)
+    eager = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            family_dir(name), dtype=torch.float32, attn_implementation="eager"
+        )
+        .eval()
+        .to(DEVICE)
+    )
     with torch.no_grad():
         want = eager(torch.tensor([llama_ids], device=DEVICE)).logits[0].float().cpu()
-        plain = lm.model(torch.tensor([llama_ids], device=DEVICE)).logits[0].float().cpu()  # kvlens' function alone
-    scored = want[PREFILL - 1:PREFILL + STEPS - 1]
+        plain = (
+            lm.model(torch.tensor([llama_ids], device=DEVICE)).logits[0].float().cpu()
+        )  # kvlens' function alone
+    scored = want[PREFILL - 1 : PREFILL + STEPS - 1]
     loss = float(torch.nn.functional.cross_entropy(scored, torch.tensor(llama_ids[PREFILL:])))
     scale = float(want.abs().max())
     diffs = {"plain forward": float((plain - want).abs().max()) / scale}
@@ -181,27 +312,54 @@ def test_full_is_the_models_own_forward(name, loaded, family_dir, llama_ids):
 @pytest.mark.parametrize("name", ["mistral", "gemma2"])
 def test_ppl_command_equals_the_models_own_loss(name, family_dir, long_text, tmp_path, capsys):
     text = tmp_path / "text.txt"
-    text.write_text(long_text[:PREFILL + STEPS])  # one token per byte
+    text.write_text(long_text[: PREFILL + STEPS])  # one token per byte
     capsys.readouterr()
-    assert main(["ppl", "--policy", "full", "--model", str(family_dir(name)), "--text-file", str(text), "--prefill",
-                 str(PREFILL), "--tokens", str(STEPS), "--device", "cpu", "--json"]) == 0
+    assert (
+        main(
+            [
+                "ppl",
+                "--policy",
+                "full",
+                "--model",
+                str(family_dir(name)),
+                "--text-file",
+                str(text),
+                "--prefill",
+                str(PREFILL),
+                "--tokens",
+                str(STEPS),
+                "--device",
+                "cpu",
+                "--json",
+            ]
+        )
+        == 0
+    )
     nll = json.loads(capsys.readouterr().out)["nll"]
-    eager = transformers.AutoModelForCausalLM.from_pretrained(family_dir(name), attn_implementation="eager").eval()
+    eager = transformers.AutoModelForCausalLM.from_pretrained(
+        family_dir(name), attn_implementation="eager"
+    ).eval()
     ids = transformers.AutoTokenizer.from_pretrained(family_dir(name))(text.read_text()).input_ids
     assert len(ids) == PREFILL + STEPS
     with torch.no_grad():
-        logits = eager(torch.tensor([ids])).logits[0, PREFILL - 1:-1]
+        logits = eager(torch.tensor([ids])).logits[0, PREFILL - 1 : -1]
     loss = float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[PREFILL:])))
     assert abs(nll - loss) / loss <= TOLERANCE
 
 
 # what a policy needs that an architecture lacks: Expected Attention one RoPE on every layer (gpt2 has none,
 # gpt_neox a partial one, gemma3 two), KVzip's replay pass the whole prompt in view (no sliding window)
-REFUSALS = {**{("expected_attention", n): "rotary embedding" for n in ("gpt2", "gpt_neox", "gemma3")},
-            **{("kvzip", n): "sliding-window" for n in ("mistral", "qwen2 (sliding layers)", "gemma2", "gemma3")}}
+REFUSALS = {
+    **{("expected_attention", n): "rotary embedding" for n in ("gpt2", "gpt_neox", "gemma3")},
+    **{("kvzip", n): "sliding-window" for n in ("mistral", "qwen2 (sliding layers)", "gemma2", "gemma3")},
+}
 # windows that fit the matrix's 40-token prompts (their defaults, 64, need longer ones)
-SMALL_PROMPT = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4, "base.window": 4}, "adakv": {"base.window": 4},
-                "think": {"base.window": 4, "window": 4}}
+SMALL_PROMPT = {
+    "snapkv": {"window": 4},
+    "pyramidkv": {"window": 4, "base.window": 4},
+    "adakv": {"base.window": 4},
+    "think": {"base.window": 4, "window": 4},
+}
 
 
 @pytest.mark.parametrize("name", list(MATRIX))
@@ -214,8 +372,15 @@ def test_every_policy_runs_within_its_budget(name, loaded, llama_ids):
     for policy, cls in REGISTRY.items():
         budget = None if cls.budget_free else BUDGET
         try:
-            r = run(lm, make_policy(policy, SMALL_PROMPT.get(policy, {})), llama_ids, prefill=PREFILL, steps=6,
-                    teacher=True, opts=RunOptions(budget=budget))
+            r = run(
+                lm,
+                make_policy(policy, SMALL_PROMPT.get(policy, {})),
+                llama_ids,
+                prefill=PREFILL,
+                steps=6,
+                teacher=True,
+                opts=RunOptions(budget=budget),
+            )
         except KvlensError as err:
             assert (policy, name) in REFUSALS and REFUSALS[policy, name] in str(err), (policy, name, str(err))
             continue
@@ -228,7 +393,10 @@ def test_every_policy_runs_within_its_budget(name, loaded, llama_ids):
 def test_sliding_layer_attends_only_its_window(loaded, llama_ids):
     """Kept slots older than the window get exactly zero attention; the window's slots get all of it."""
     r, _ = _engine(loaded("mistral"), llama_ids, "h2o", budget=2 * WINDOW, record="full")
-    attn, pos = r.tensors["attn/0"].float(), r.tensors["attn_pos/0"]  # (steps, Hq, S) stored fp16, (steps, Hkv, S)
+    attn, pos = (
+        r.tensors["attn/0"].float(),
+        r.tensors["attn_pos/0"],
+    )  # (steps, Hq, S) stored fp16, (steps, Hkv, S)
     group = attn.shape[1] // pos.shape[1]
     pos = pos.repeat_interleave(group, 1).long()
     query = PREFILL - 1 + torch.arange(attn.shape[0])[:, None, None]  # row k: the token at PREFILL - 1 + k
@@ -249,8 +417,26 @@ def test_unsupported_models_are_refused_before_running(name, family_dir, long_te
     text = tmp_path / "text.txt"
     text.write_text(long_text[:400])
     capsys.readouterr()
-    assert main(["ppl", "--policy", "full", "--model", str(family_dir(name)), "--text-file", str(text),
-                 "--prefill", "8", "--tokens", "4", "--device", "cpu"]) == 2
+    assert (
+        main(
+            [
+                "ppl",
+                "--policy",
+                "full",
+                "--model",
+                str(family_dir(name)),
+                "--text-file",
+                str(text),
+                "--prefill",
+                "8",
+                "--tokens",
+                "4",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err.strip() == f"kvlens: error: {sentence}"
     code = main(["check-model", "--model", str(family_dir(name)), "--device", "cpu", "--json"])
     out = capsys.readouterr()
@@ -302,22 +488,34 @@ class _TwoLayers(torch.nn.Module):
                 kvlens_attention(layer, q, k, k, None, sliding_window=self.window, **kwargs)
 
 
-@pytest.mark.parametrize("model, words", [
-    (_TwoLayers(["sliding_attention", "full_attention"]), "Layer 0 is a sliding-window layer that passes no window"),
-    (_TwoLayers(["full_attention"] * 2, calls=(1, 2)), "Layer 1 attends 2 times per token"),
-    (_TwoLayers(["full_attention"] * 2, update=(True, False)), "Layer 1 does not keep its own keys and values"),
-])
+@pytest.mark.parametrize(
+    "model, words",
+    [
+        (
+            _TwoLayers(["sliding_attention", "full_attention"]),
+            "Layer 0 is a sliding-window layer that passes no window",
+        ),
+        (_TwoLayers(["full_attention"] * 2, calls=(1, 2)), "Layer 1 attends 2 times per token"),
+        (
+            _TwoLayers(["full_attention"] * 2, update=(True, False)),
+            "Layer 1 does not keep its own keys and values",
+        ),
+    ],
+)
 def test_probe_refuses_layers_it_cannot_follow(model, words):
     assert words in inspect_model(model).refusal
     assert inspect_model(_TwoLayers(["sliding_attention"] * 2, window=4)).sliding == {0: 4, 1: 4}
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"frobnicate": 1.0}, "layer 3 uses the attention argument `frobnicate`"),
-    ({"s_aux": torch.zeros(4)}, "layer 3 uses learned attention sinks"),
-    ({"is_causal": False}, "layer 3 is not causal"),
-    ({"dropout": 0.1}, "layer 3 applies dropout"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"frobnicate": 1.0}, "layer 3 uses the attention argument `frobnicate`"),
+        ({"s_aux": torch.zeros(4)}, "layer 3 uses learned attention sinks"),
+        ({"is_causal": False}, "layer 3 is not causal"),
+        ({"dropout": 0.1}, "layer 3 applies dropout"),
+    ],
+)
 def test_attention_arguments_it_cannot_honour_are_refused(kwargs, words):
     q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 8)
     with pytest.raises(KvlensError, match=words):
@@ -332,13 +530,15 @@ def test_keys_of_another_width_are_refused():
 
 def support_table() -> str:
     """docs/support.md's table, from this module's results (every MATRIX and REFUSED model must have run)."""
-    rows = ["| architecture | verdict | features exercised | max. rel. difference to the model (fp32) |",
-            "|---|---|---|---|"]
+    rows = [
+        "| architecture | verdict | features exercised | max. rel. difference to the model (fp32) |",
+        "|---|---|---|---|",
+    ]
     for name, (_, _, _, features) in MATRIX.items():
         rel = RESULTS[name]["max_rel"]
         rows.append(f"| {name} | {'exact' if rel <= TOLERANCE else 'NOT EXACT'} | {features} | {rel:.1e} |")
     for name, (_, _, _, feature) in REFUSED.items():
-        rows.append(f"| {name} | refused | {feature}: \"{RESULTS[name]['refusal']}\" | - |")
+        rows.append(f'| {name} | refused | {feature}: "{RESULTS[name]["refusal"]}" | - |')
     return "\n".join(rows) + "\n"
 
 
@@ -360,14 +560,25 @@ def test_measured_perturbation_follows_the_layers_window_and_softcap(name, loade
     def measure(policy):
         def go(observers, on_step):
             opts = RunOptions(budget=None if policy == "full" else BUDGET)
-            return run(lm, make_policy(policy), llama_ids, prefill=PREFILL, steps=STEPS, teacher=True,
-                       observers=observers, on_step=on_step, opts=opts)
+            return run(
+                lm,
+                make_policy(policy),
+                llama_ids,
+                prefill=PREFILL,
+                steps=STEPS,
+                teacher=True,
+                observers=observers,
+                on_step=on_step,
+                opts=opts,
+            )
+
         return measured(lm, go)
 
     full = measure("full")
     for kind in ("used", "evict", "attention_loss"):
         assert float(full.tensors[f"perturbation/{kind}"].abs().max()) < 1e-5, kind
     evicting = measure("streaming_llm")
-    torch.testing.assert_close(evicting.tensors["perturbation/used"], evicting.tensors["perturbation/evict"],
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        evicting.tensors["perturbation/used"], evicting.tensors["perturbation/evict"], atol=1e-5, rtol=1e-4
+    )
     assert evicting.metrics["perturbation_used"] > 0.01

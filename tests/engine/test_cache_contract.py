@@ -1,5 +1,6 @@
 """Both views of the cache that a policy is handed implement its row contract `CacheRows`: mypy checks `views`
 statically (this module is in `make lint`'s type check), the test checks the objects at run time."""
+
 from __future__ import annotations
 
 import torch
@@ -18,5 +19,7 @@ def test_a_layer_is_the_contract_and_the_all_layer_view_waits_for_the_shared_sto
     states = torch.zeros(1, 2, 3, 4)  # (1, Hkv, q, D)
     cache.update(states, states, 0)
     layer, everywhere = views(cache)
-    assert isinstance(layer, CacheRows) and layer.layers == (0,) and layer.n_slots == 3 and layer.kv_heads == 2
+    assert (
+        isinstance(layer, CacheRows) and layer.layers == (0,) and layer.n_slots == 3 and layer.kv_heads == 2
+    )
     assert everywhere is None

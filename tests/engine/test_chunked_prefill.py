@@ -1,6 +1,7 @@
 """Chunked prefill (`RunOptions.prefill_chunk`, `--prefill-chunk`): one chunk is today's run exactly, later chunks
 add to the same statistics a whole prompt gives, no layer ever holds more than budget + chunk slots, and what
 cannot be chunked is refused in one sentence."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,12 +15,17 @@ IDS = list(b"The quick brown fox jumps over the lazy dog. " * 6)
 
 
 def teacher(model, policy, prefill, steps, **opts):
-    return run(model, make_policy(policy), IDS, prefill=prefill, steps=steps, teacher=True, opts=RunOptions(**opts))
+    return run(
+        model, make_policy(policy), IDS, prefill=prefill, steps=steps, teacher=True, opts=RunOptions(**opts)
+    )
 
 
 @pytest.mark.parametrize("policy", ["h2o", "tova", "streaming_llm"])
 def test_one_chunk_is_the_unchunked_run_exactly(tiny, policy):
-    whole, one = teacher(tiny, policy, 60, 20, budget=16), teacher(tiny, policy, 60, 20, budget=16, prefill_chunk=60)
+    whole, one = (
+        teacher(tiny, policy, 60, 20, budget=16),
+        teacher(tiny, policy, 60, 20, budget=16, prefill_chunk=60),
+    )
     assert whole.decisions.equals(one.decisions)
     assert torch.equal(whole.tensors["steps/nll"], one.tensors["steps/nll"])
     assert whole.metrics["kv_bytes_prefill"] == one.metrics["kv_bytes_prefill"]
@@ -28,8 +34,11 @@ def test_one_chunk_is_the_unchunked_run_exactly(tiny, policy):
 def test_chunks_add_up_to_the_whole_prompts_attention_statistics(tiny):
     """Nothing evicted (budget above the prompt): the chunked column sums, query counts and last row are the
     whole prompt's, and so are the logits."""
+
     def prefilled(chunk):
-        loop = _prepare(tiny, make_policy("h2o"), IDS, 64, 50, True, RunOptions(budget=100, prefill_chunk=chunk), [])
+        loop = _prepare(
+            tiny, make_policy("h2o"), IDS, 64, 50, True, RunOptions(budget=100, prefill_chunk=chunk), []
+        )
         with torch.inference_mode():
             logits = loop.prefill(IDS[:64])
         return loop, logits
@@ -69,16 +78,21 @@ def test_a_chunked_prefill_composes_with_quantized_storage(tiny):
     shape = tiny.shape()
     per_slot = 2 * shape["kv_heads"] * shape["head_dim"] * 4
     r = teacher(tiny, "h2o", 200, 16, budget=32, prefill_chunk=24, storage=Storage(4, group=16))
-    assert r.metrics["kv_bytes_prefill"] <= shape["layers"] * (32 + 24) * per_slot  # the first chunk in float32
+    assert (
+        r.metrics["kv_bytes_prefill"] <= shape["layers"] * (32 + 24) * per_slot
+    )  # the first chunk in float32
     assert r.metrics["kv_bytes_peak"] < 0.2 * shape["layers"] * (32 + 24) * per_slot
     assert bool((r.tensors["steps/kv_slots"] == 32).all()) and torch.isfinite(r.tensors["steps/nll"]).all()
 
 
-@pytest.mark.parametrize("policy, opts, words", [
-    ("cam", {"budget": 16, "prefill_chunk": 8}, "cam cannot compress a prompt chunk by chunk"),
-    ("h2o", {"budget": 16, "prefill_chunk": 0}, "at least 1"),
-    ("h2o", {"budget": 16, "prefill_chunk": 8, "record": "attention"}, "summary only"),
-])
+@pytest.mark.parametrize(
+    "policy, opts, words",
+    [
+        ("cam", {"budget": 16, "prefill_chunk": 8}, "cam cannot compress a prompt chunk by chunk"),
+        ("h2o", {"budget": 16, "prefill_chunk": 0}, "at least 1"),
+        ("h2o", {"budget": 16, "prefill_chunk": 8, "record": "attention"}, "summary only"),
+    ],
+)
 def test_what_cannot_be_chunked_is_one_sentence(tiny, policy, opts, words):
     with pytest.raises(KvlensError, match=words):
         teacher(tiny, policy, 40, 4, **opts)

@@ -1,4 +1,5 @@
 """Two runs at once on one shared model get exactly what each gets alone (no shared state in the hook)."""
+
 from __future__ import annotations
 
 import threading
@@ -8,16 +9,26 @@ import pytest
 from kvlens.engine.loop import RunOptions, run
 from kvlens.policies import make_policy
 
-JOBS = [("h2o", 12, b"Two researchers share one workstation. "),
-        ("tova", 9, b"Attention is all you need, said the paper. "),
-        ("scissorhands", 14, b"Merging keeps information that eviction throws away. ")]
+JOBS = [
+    ("h2o", 12, b"Two researchers share one workstation. "),
+    ("tova", 9, b"Attention is all you need, said the paper. "),
+    ("scissorhands", 14, b"Merging keeps information that eviction throws away. "),
+]
 
 
 def _go(model, name, budget, text):
     ids = list(text * 3)
-    r = run(model, make_policy(name), ids, prefill=50, steps=40, teacher=False,
-            opts=RunOptions(budget=budget, temperature=0.8, seed=7, stop_at_eos=False, record="attention",
-                            record_layers=[1]))
+    r = run(
+        model,
+        make_policy(name),
+        ids,
+        prefill=50,
+        steps=40,
+        teacher=False,
+        opts=RunOptions(
+            budget=budget, temperature=0.8, seed=7, stop_at_eos=False, record="attention", record_layers=[1]
+        ),
+    )
     return r.meta["tokens"], r.decisions, r.tensors["attn/1"]
 
 
@@ -48,13 +59,16 @@ def test_concurrent_runs_on_the_embedded_model(smol):
 
     def go(prompt, name):
         ids = smol.tokenizer(prompt).input_ids
-        return run(smol, make_policy(name), ids, prefill=len(ids), steps=16, teacher=False,
-                   opts=RunOptions(budget=6)).meta["tokens"]
+        return run(
+            smol, make_policy(name), ids, prefill=len(ids), steps=16, teacher=False, opts=RunOptions(budget=6)
+        ).meta["tokens"]
 
     alone = [go(p, n) for p, n in zip(prompts, ("h2o", "tova"))]
     out = {}
     names = ("h2o", "tova")
-    threads = [threading.Thread(target=lambda i=i: out.update({i: go(prompts[i], names[i])})) for i in range(2)]
+    threads = [
+        threading.Thread(target=lambda i=i: out.update({i: go(prompts[i], names[i])})) for i in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:

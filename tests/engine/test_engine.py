@@ -1,4 +1,5 @@
 """The engine: exact `full` logits, true positions, real eviction, events, sampling, cancellation."""
+
 from __future__ import annotations
 
 import threading
@@ -18,15 +19,23 @@ IDS = list(b"The quick brown fox jumps over the lazy dog. " * 6)
 
 def _teacher(model, policy, ids, prefill, steps, **opts):
     logits = []
-    r = run(model, make_policy(policy), ids, prefill=prefill, steps=steps, teacher=True,
-            opts=RunOptions(**opts), on_step=lambda e: logits.append(e.logits.clone()))
+    r = run(
+        model,
+        make_policy(policy),
+        ids,
+        prefill=prefill,
+        steps=steps,
+        teacher=True,
+        opts=RunOptions(**opts),
+        on_step=lambda e: logits.append(e.logits.clone()),
+    )
     return r, torch.stack(logits)
 
 
 def test_full_reproduces_model_logits_tiny(tiny):
     prefill, steps = 40, 30
     r, got = _teacher(tiny, "full", IDS, prefill, steps)
-    want = model_logits(tiny, IDS[: prefill + steps])[prefill - 1: prefill + steps - 1]
+    want = model_logits(tiny, IDS[: prefill + steps])[prefill - 1 : prefill + steps - 1]
     assert (got - want).abs().max() < 1e-4
     assert r.decisions.empty and r.metrics["kv_slots_max"] == prefill + steps - 1
 
@@ -40,8 +49,15 @@ def test_compressed_policy_changes_logits(tiny):
 
 def test_eviction_really_shrinks_tensors(tiny):
     budget = 10
-    r = run(tiny, make_policy("streaming_llm"), IDS, prefill=50, steps=20, teacher=True,
-            opts=RunOptions(budget=budget))
+    r = run(
+        tiny,
+        make_policy("streaming_llm"),
+        IDS,
+        prefill=50,
+        steps=20,
+        teacher=True,
+        opts=RunOptions(budget=budget),
+    )
     kept = r.tensors["steps/kv_slots"]
     assert kept.shape == (20, 3, 2) and bool((kept == budget).all())
     shape = tiny.shape()
@@ -61,14 +77,33 @@ def test_the_prompt_is_released_and_steps_write_into_the_same_buffers(tiny):
             if layer.layers[0] == 0:
                 seen.append((layer.keys.data_ptr(), layer.capacity, layer.n_slots))
 
-    run(tiny, make_policy("h2o"), IDS, prefill=50, steps=12, teacher=True, opts=RunOptions(budget=10),
-        observers=[Spy()])
-    assert len(seen) == 11 and len({ptr for ptr, _, _ in seen}) == 1 and {(c, n) for _, c, n in seen} == {(11, 11)}
+    run(
+        tiny,
+        make_policy("h2o"),
+        IDS,
+        prefill=50,
+        steps=12,
+        teacher=True,
+        opts=RunOptions(budget=10),
+        observers=[Spy()],
+    )
+    assert (
+        len(seen) == 11
+        and len({ptr for ptr, _, _ in seen}) == 1
+        and {(c, n) for _, c, n in seen} == {(11, 11)}
+    )
 
 
 def test_new_tokens_get_true_positions(tiny):
-    r = run(tiny, make_policy("streaming_llm", {"sink": 2}), IDS, prefill=30, steps=10, teacher=True,
-            opts=RunOptions(budget=8, record="attention"))
+    r = run(
+        tiny,
+        make_policy("streaming_llm", {"sink": 2}),
+        IDS,
+        prefill=30,
+        steps=10,
+        teacher=True,
+        opts=RunOptions(budget=8, record="attention"),
+    )
     pos = r.tensors["attn_pos/0"]  # (steps, Hkv, S)
     for step in range(1, 10):
         row = pos[step, 0]
@@ -78,8 +113,16 @@ def test_new_tokens_get_true_positions(tiny):
 
 def test_one_event_per_step_and_decisions_logged(tiny):
     events = []
-    r = run(tiny, make_policy("tova"), IDS, prefill=30, steps=12, teacher=True, opts=RunOptions(budget=16),
-            on_step=events.append)
+    r = run(
+        tiny,
+        make_policy("tova"),
+        IDS,
+        prefill=30,
+        steps=12,
+        teacher=True,
+        opts=RunOptions(budget=16),
+        on_step=events.append,
+    )
     assert [e.step for e in events] == list(range(12))
     assert all(max(e.kv_slots) <= 16 for e in events)
     # 30 -> 16 after prefill, then one eviction per step and KV head
@@ -90,8 +133,15 @@ def test_one_event_per_step_and_decisions_logged(tiny):
 
 def test_greedy_is_deterministic_and_sampling_is_seeded(tiny):
     def gen(seed, temperature):
-        return run(tiny, make_policy("h2o"), IDS[:20], prefill=20, steps=15, teacher=False,
-                   opts=RunOptions(budget=10, seed=seed, temperature=temperature, stop_at_eos=False)).meta["tokens"]
+        return run(
+            tiny,
+            make_policy("h2o"),
+            IDS[:20],
+            prefill=20,
+            steps=15,
+            teacher=False,
+            opts=RunOptions(budget=10, seed=seed, temperature=temperature, stop_at_eos=False),
+        ).meta["tokens"]
 
     assert gen(0, 0.0) == gen(5, 0.0)
     assert gen(3, 1.0) == gen(3, 1.0)
@@ -108,8 +158,17 @@ def test_cancel_stops_within_one_step(tiny):
             stop.set()
 
     with pytest.raises(Cancelled):
-        run(tiny, make_policy("full"), IDS, prefill=20, steps=30, teacher=True, opts=RunOptions(),
-            on_step=on_step, cancel=stop)
+        run(
+            tiny,
+            make_policy("full"),
+            IDS,
+            prefill=20,
+            steps=30,
+            teacher=True,
+            opts=RunOptions(),
+            on_step=on_step,
+            cancel=stop,
+        )
     assert seen == [0, 1, 2]
 
 
@@ -118,15 +177,26 @@ def test_states_record_the_prompts_accumulated_attention_whatever_the_policy_com
     """`prefill/abar/{layer}` holds real column sums even for policies that need no attention: each of
     the T prompt rows sums to one, so a KV head's column sums add up to T."""
     ids = list(b"Column sums of the prompt's attention. " * 2)
-    r = run(tiny, make_policy(policy), ids, prefill=60, steps=4, teacher=True,
-            opts=RunOptions(budget=None if policy == "full" else 20, record="states"))
+    r = run(
+        tiny,
+        make_policy(policy),
+        ids,
+        prefill=60,
+        steps=4,
+        teacher=True,
+        opts=RunOptions(budget=None if policy == "full" else 20, record="states"),
+    )
     for layer in range(3):
         abar = r.tensors[f"prefill/abar/{layer}"]
         torch.testing.assert_close(abar.sum(-1), torch.full((abar.shape[0],), 60.0), rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("policy,params", [("tova", {}), ("corm", {"window": 4, "recent": 4}), ("streaming_llm", {})])
-def test_policies_that_read_no_column_sums_skip_the_chunked_pass_and_decide_the_same(tiny, policy, params, monkeypatch):
+@pytest.mark.parametrize(
+    "policy,params", [("tova", {}), ("corm", {"window": 4, "recent": 4}), ("streaming_llm", {})]
+)
+def test_policies_that_read_no_column_sums_skip_the_chunked_pass_and_decide_the_same(
+    tiny, policy, params, monkeypatch
+):
     """TOVA and CORM read only the last prefill rows, StreamingLLM nothing: SDPA plus those rows, no T x T pass."""
     import kvlens.engine.context
     from kvlens.engine.context import Observer
@@ -135,10 +205,20 @@ def test_policies_that_read_no_column_sums_skip_the_chunked_pass_and_decide_the_
         needs_prefill_stats = True
 
     ids = list(b"Only what a policy reads is computed. " * 3)
-    go = lambda obs=(): run(tiny, make_policy(policy, params), ids, prefill=90, steps=12, teacher=True,  # noqa: E731
-                            opts=RunOptions(budget=None if policy == "corm" else 24), observers=list(obs))
+    go = lambda obs=(): run(
+        tiny,
+        make_policy(policy, params),
+        ids,
+        prefill=90,
+        steps=12,
+        teacher=True,  # noqa: E731
+        opts=RunOptions(budget=None if policy == "corm" else 24),
+        observers=list(obs),
+    )
     chunked = go([WantsSums()])
-    monkeypatch.setattr(kvlens.engine.context, "prefill_stats", lambda *a: pytest.fail("chunked prefill pass"))
+    monkeypatch.setattr(
+        kvlens.engine.context, "prefill_stats", lambda *a: pytest.fail("chunked prefill pass")
+    )
     light = go()
     assert light.decisions.equals(chunked.decisions) and len(light.decisions)
     torch.testing.assert_close(light.tensors["steps/nll"], chunked.tensors["steps/nll"], rtol=1e-5, atol=1e-6)
@@ -150,7 +230,15 @@ def test_bad_lengths_are_one_sentence(tiny):
     with pytest.raises(KvlensError, match="context window"):
         run(tiny, make_policy("full"), IDS * 5, prefill=1000, steps=30, teacher=True, opts=RunOptions())
     with pytest.raises(KvlensError, match="below the 5 slots"):
-        run(tiny, make_policy("streaming_llm"), IDS, prefill=30, steps=5, teacher=True, opts=RunOptions(budget=3))
+        run(
+            tiny,
+            make_policy("streaming_llm"),
+            IDS,
+            prefill=30,
+            steps=5,
+            teacher=True,
+            opts=RunOptions(budget=3),
+        )
 
 
 @pytest.mark.parametrize("softcap, window", [(None, None), (2.0, 6)])
@@ -158,9 +246,9 @@ def test_prefill_stats_in_chunks_match_dense(monkeypatch, softcap, window):
     torch.manual_seed(1)
     q, k, v = torch.randn(1, 4, 37, 8), torch.randn(1, 2, 37, 8), torch.randn(1, 2, 37, 8)
     monkeypatch.setattr("kvlens.engine.attention.CHUNK_ELEMENTS", 4 * 37 * 5)  # 5 rows per chunk
-    out, colsum, last = prefill_stats(q, k, v, AttentionSpec(8 ** -0.5, softcap, window), keep_rows=7)
+    out, colsum, last = prefill_stats(q, k, v, AttentionSpec(8**-0.5, softcap, window), keep_rows=7)
     kr = k.repeat_interleave(2, 1)
-    scores = (q @ kr.transpose(-1, -2)) * 8 ** -0.5
+    scores = (q @ kr.transpose(-1, -2)) * 8**-0.5
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     hidden = torch.ones(37, 37, dtype=torch.bool).triu(1)
@@ -206,19 +294,32 @@ def test_full_perplexity_equals_model_loss(smol, long_text):
     assert abs(r.metrics["nll"] - float(loss)) / float(loss) < 1e-3
 
 
-@pytest.mark.parametrize("name,params,together", [("streaming_llm", {}, True), ("h2o", {}, True), ("cam", {}, True),
-                                                  ("cam", {"score": "decode"}, True), ("tova", {}, True),
-                                                  ("cam", {"base": "tova"}, True), ("kvmerger", {}, False)])
-def test_cross_layer_policies_compress_every_layer_at_once_at_decode_steps(tiny, monkeypatch, name, params,
-                                                                           together):
+@pytest.mark.parametrize(
+    "name,params,together",
+    [
+        ("streaming_llm", {}, True),
+        ("h2o", {}, True),
+        ("cam", {}, True),
+        ("cam", {"score": "decode"}, True),
+        ("tova", {}, True),
+        ("cam", {"base": "tova"}, True),
+        ("kvmerger", {}, False),
+    ],
+)
+def test_cross_layer_policies_compress_every_layer_at_once_at_decode_steps(
+    tiny, monkeypatch, name, params, together
+):
     """The engine picks all-layer or per-layer once, from the policy's `cross_layer`: the prompt's
     compression is per layer, each decode step's then one call on every layer's rows (per-slot extras
     such as CaM's decode attention travel with them); other policies stay per layer."""
     policy = make_policy(name, params)
     calls = []
     original = type(policy).compress
-    monkeypatch.setattr(type(policy), "compress",
-                        lambda self, rows, step: calls.append((step.index, rows.layers)) or original(self, rows, step))
+    monkeypatch.setattr(
+        type(policy),
+        "compress",
+        lambda self, rows, step: calls.append((step.index, rows.layers)) or original(self, rows, step),
+    )
     run(tiny, policy, IDS, prefill=40, steps=8, teacher=True, opts=RunOptions(budget=10))
     layers = tuple(range(tiny.shape()["layers"]))
     assert [c for c in calls if c[0] == 0] == [(0, (i,)) for i in layers]

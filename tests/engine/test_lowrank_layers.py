@@ -1,6 +1,7 @@
 """Low-rank storage's options (`kvlens.engine.lowrank`): xKV's cross-layer groups (one SVD of the concatenated
 heads of adjacent layers, the coefficients stored once), later tokens at full width, quantized coefficients, the
 byte share as the rank's target, and incompatible combinations refused in one sentence."""
+
 from __future__ import annotations
 
 import json
@@ -19,13 +20,22 @@ from kvlens.experiments.bench.common import parse_policies
 from tests.engine.conftest import TEXT, keys_like
 
 PREFILL, TOKENS = 200, 24
-SLOTS, FED = PREFILL + TOKENS - 1, TOKENS - 1  # the tiny run's last cache, and the tokens fed after the prompt
+SLOTS, FED = (
+    PREFILL + TOKENS - 1,
+    TOKENS - 1,
+)  # the tiny run's last cache, and the tokens fed after the prompt
 ROWS = 3 * 2  # the tiny model's layers x KV heads (head size 16, float32)
 
 
 def run(tiny, policy="full", budget=None, **storage):
-    return perplexity(tiny, TEXT, policy, prefill=PREFILL, tokens=TOKENS,
-                      opts=RunOptions(budget=budget, storage=Storage(**storage)))
+    return perplexity(
+        tiny,
+        TEXT,
+        policy,
+        prefill=PREFILL,
+        tokens=TOKENS,
+        opts=RunOptions(budget=budget, storage=Storage(**storage)),
+    )
 
 
 @pytest.mark.parametrize("rank", [1, 5, 20])
@@ -67,19 +77,23 @@ def test_quantized_coefficients_cost_their_codes_and_scales(tiny):
     assert four.metrics["kv_bytes_peak"] <= plain.metrics["kv_bytes_peak"] / 2
 
 
-@pytest.mark.parametrize("storage, rank", [
-    ({}, 14),  # the largest r with r x (575 + 64) <= 0.25 x 575 x 64
-    ({"rank_append": "full"}, 8),  # 512 x r + 64 x r + 63 x 64 <= 0.25 x 575 x 64
-    ({"bits": 4}, 62),  # 575 x (r / 2 + 4) + 256 x r <= 0.25 x 575 x 256, r even
-])
+@pytest.mark.parametrize(
+    "storage, rank",
+    [
+        ({}, 14),  # the largest r with r x (575 + 64) <= 0.25 x 575 x 64
+        ({"rank_append": "full"}, 8),  # 512 x r + 64 x r + 63 x 64 <= 0.25 x 575 x 64
+        ({"bits": 4}, 62),  # 575 x (r / 2 + 4) + 256 x r <= 0.25 x 575 x 256, r even
+    ],
+)
 def test_the_rank_share_is_the_largest_rank_whose_bytes_fit_that_share(storage, rank):
     s = Storage(rank_share=0.25, **storage)
     assert fit_rank(s, 64, 1, 575, 512, 4) == rank
 
 
 @pytest.mark.parametrize("share", [0.5, 0.25])
-@pytest.mark.parametrize("storage", [{}, {"rank_append": "full"}, {"rank_layers": 3, "rank_append": "full"},
-                                     {"bits": 4}])
+@pytest.mark.parametrize(
+    "storage", [{}, {"rank_append": "full"}, {"rank_layers": 3, "rank_append": "full"}, {"bits": 4}]
+)
 def test_a_run_at_a_rank_share_stores_at_most_that_share_of_the_full_caches_bytes(tiny, share, storage):
     full = run(tiny).metrics["kv_bytes_peak"]
     assert run(tiny, rank_share=share, **storage).metrics["kv_bytes_peak"] <= share * full
@@ -96,24 +110,33 @@ def test_eviction_with_later_tokens_at_full_width_keeps_its_decisions(tiny):
     assert torch.allclose(ranked.tensors["steps/nll"], plain.tensors["steps/nll"], atol=1e-4)
 
 
-@pytest.mark.parametrize("settings, words", [
-    ({"rank_layers": 2}, "need low-rank storage"),
-    ({"rank_append": "full"}, "need low-rank storage"),
-    ({"rank": 4, "rank_layers": 0, "rank_append": "full"}, "--kv-rank-layers must be at least 1"),
-    ({"rank": 4, "rank_append": "wide"}, "--kv-rank-append must be one of project, full"),
-    ({"rank": 4, "rank_layers": 2}, "needs --kv-rank-append full"),
-    ({"rank": 4, "bits": 4, "residual": 64}, "--kv-residual does not apply to low-rank storage"),
-])
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        ({"rank_layers": 2}, "need low-rank storage"),
+        ({"rank_append": "full"}, "need low-rank storage"),
+        ({"rank": 4, "rank_layers": 0, "rank_append": "full"}, "--kv-rank-layers must be at least 1"),
+        ({"rank": 4, "rank_append": "wide"}, "--kv-rank-append must be one of project, full"),
+        ({"rank": 4, "rank_layers": 2}, "needs --kv-rank-append full"),
+        ({"rank": 4, "bits": 4, "residual": 64}, "--kv-residual does not apply to low-rank storage"),
+    ],
+)
 def test_an_incompatible_combination_gets_one_sentence(settings, words):
     with pytest.raises(KvlensError, match=words):
         Storage(**settings)
 
 
-@pytest.mark.parametrize("settings, words", [
-    ({"rank": 3, "bits": 4}, r"pick a multiple of 2 \(to pack at 4 bits\), at most the group"),
-    ({"rank": 12, "bits": 8, "group": 8}, "groups of --kv-group 8: pick at most the group or a multiple of it"),
-    ({"rank": 97, "rank_layers": 3, "rank_append": "full"}, "above the 3 layers' channels"),
-])
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        ({"rank": 3, "bits": 4}, r"pick a multiple of 2 \(to pack at 4 bits\), at most the group"),
+        (
+            {"rank": 12, "bits": 8, "group": 8},
+            "groups of --kv-group 8: pick at most the group or a multiple of it",
+        ),
+        ({"rank": 97, "rank_layers": 3, "rank_append": "full"}, "above the 3 layers' channels"),
+    ],
+)
 def test_a_rank_that_does_not_fit_the_model_or_its_bits_is_refused_before_running(tiny, settings, words):
     with pytest.raises(KvlensError, match=words):
         run(tiny, **settings)
@@ -125,16 +148,31 @@ def test_xkv_answers_a_task_as_the_full_cache_does_at_full_rank(tiny_dir):
     from kvlens.engine.models import load_model
 
     model = load_model(str(tiny_dir))
-    sample = {"context": "The code word is amber. " * 20, "question": ["What is the code word?", "And again?"],
-              "answers": [["amber"], ["amber"]], "task": "mine", "max_new_tokens": 4}
+    sample = {
+        "context": "The code word is amber. " * 20,
+        "question": ["What is the code word?", "And again?"],
+        "answers": [["amber"], ["amber"]],
+        "task": "mine",
+        "max_new_tokens": 4,
+    }
     text = json.dumps(sample) + "\n"
-    cell = tasks.plan_file(ruler.parse_lines(text), parse_policies("full"), [], model="tiny", query_aware=False,
-                           chat=False, text=text)[0]
+    cell = tasks.plan_file(
+        ruler.parse_lines(text),
+        parse_policies("full"),
+        [],
+        model="tiny",
+        query_aware=False,
+        chat=False,
+        text=text,
+    )[0]
     plain = tasks.tasks_cell(model, {"samples": text}, cell)
     layers = model.shape()
     width = layers["layers"] * layers["kv_heads"] * layers["head_dim"]
-    whole = tasks.tasks_cell(model, {"samples": text}, {**cell, "storage": Storage(
-        rank=width, rank_layers=layers["layers"], rank_append="full").describe()})
+    whole = tasks.tasks_cell(
+        model,
+        {"samples": text},
+        {**cell, "storage": Storage(rank=width, rank_layers=layers["layers"], rank_append="full").describe()},
+    )
     assert whole["results"][0]["outputs"] == plain["results"][0]["outputs"]
     assert whole["results"][0]["nll"] == pytest.approx(plain["results"][0]["nll"], abs=1e-4)
 
@@ -143,9 +181,16 @@ def test_xkv_answers_a_task_as_the_full_cache_does_at_full_rank(tiny_dir):
 def test_a_chunked_prefill_carries_low_rank_slots_into_each_new_layout(tiny, append):
     """Each chunk's compression moves the kept slots into new buffers (`take`): at full rank the run is the
     model-dtype one, full-width slots included."""
+
     def chunked(**storage):
-        return perplexity(tiny, TEXT, "h2o", prefill=PREFILL, tokens=TOKENS,
-                          opts=RunOptions(budget=32, prefill_chunk=48, storage=Storage(**storage)))
+        return perplexity(
+            tiny,
+            TEXT,
+            "h2o",
+            prefill=PREFILL,
+            tokens=TOKENS,
+            opts=RunOptions(budget=32, prefill_chunk=48, storage=Storage(**storage)),
+        )
 
     plain, whole = chunked(), chunked(rank=16, rank_append=append)
     assert plain.decisions.equals(whole.decisions)
@@ -154,9 +199,16 @@ def test_a_chunked_prefill_carries_low_rank_slots_into_each_new_layout(tiny, app
 
 def test_xkv_follows_a_chunked_prefill_that_keeps_the_same_tokens_everywhere(tiny):
     """streaming_llm frees the same slots in every head; each chunk's tokens then join at full width."""
+
     def chunked(**storage):
-        return perplexity(tiny, TEXT, "streaming_llm", prefill=PREFILL, tokens=TOKENS,
-                          opts=RunOptions(budget=32, prefill_chunk=48, storage=Storage(**storage)))
+        return perplexity(
+            tiny,
+            TEXT,
+            "streaming_llm",
+            prefill=PREFILL,
+            tokens=TOKENS,
+            opts=RunOptions(budget=32, prefill_chunk=48, storage=Storage(**storage)),
+        )
 
     plain, whole = chunked(), chunked(rank=96, rank_layers=3, rank_append="full")
     assert torch.allclose(whole.tensors["steps/nll"], plain.tensors["steps/nll"], atol=1e-4)
@@ -166,5 +218,11 @@ def test_shared_coefficients_refuse_to_move_into_a_new_layout_in_one_sentence():
     parts = seal_cross_layer(4, [keys_like(10, seed) for seed in range(2)], torch.ones(10, dtype=torch.bool))
     fresh = parts[0].empty(3, 10)
     with pytest.raises(KvlensError, match="cannot follow a layer's slots into a new layout"):
-        fresh.take(slice(0, 3), parts[0], slice(0, 3), torch.arange(10).expand(3, 10), torch.zeros(3, 10, 16),
-                   torch.ones(3, 10, dtype=torch.bool))
+        fresh.take(
+            slice(0, 3),
+            parts[0],
+            slice(0, 3),
+            torch.arange(10).expand(3, 10),
+            torch.zeros(3, 10, 16),
+            torch.ones(3, 10, dtype=torch.bool),
+        )

@@ -1,6 +1,7 @@
 """Low-rank KV storage (`kvlens.engine.lowrank`): full rank is the uncompressed cache, the reconstruction error is
 the discarded singular values' energy (Eckart-Young, against numpy's SVD), bytes are the stored tensors', it
 composes with eviction, and a rank that does not fit gets one sentence."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -44,16 +45,31 @@ def test_full_rank_is_the_uncompressed_cache_and_a_lower_rank_stores_fewer_bytes
     whole = perplexity(tiny, TEXT, "full", prefill=200, tokens=24, opts=opts(rank=16))  # head_dim 16
     quarter = perplexity(tiny, TEXT, "full", prefill=200, tokens=24, opts=opts(rank_share=0.25))
     assert torch.allclose(whole.tensors["steps/nll"], plain.tensors["steps/nll"], atol=1e-4)
-    assert whole.meta["storage"] == {"bits": None, "rank": 16, "rank_share": None, "rank_layers": None,
-                                     "rank_append": "project"}
+    assert whole.meta["storage"] == {
+        "bits": None,
+        "rank": 16,
+        "rank_share": None,
+        "rank_layers": None,
+        "rank_append": "project",
+    }
     slots, rank = 223, 3  # the last cache; the largest rank r with r x (223 + 16) <= 0.25 x 223 x 16
-    assert plain.metrics["kv_bytes_peak"] == 3 * 2 * 2 * slots * 16 * 4  # layers x KV heads x (K, V) x float32
-    assert quarter.metrics["kv_bytes_peak"] == 3 * 2 * 2 * (slots * rank + 16 * rank) * 4  # coefficients, bases
+    assert (
+        plain.metrics["kv_bytes_peak"] == 3 * 2 * 2 * slots * 16 * 4
+    )  # layers x KV heads x (K, V) x float32
+    assert (
+        quarter.metrics["kv_bytes_peak"] == 3 * 2 * 2 * (slots * rank + 16 * rank) * 4
+    )  # coefficients, bases
 
 
 def test_low_rank_storage_composes_with_eviction_and_leaves_the_prompts_decisions_alone(tiny):
-    run = lambda **s: perplexity(tiny, TEXT, "h2o", prefill=200, tokens=24,  # noqa: E731
-                                 opts=RunOptions(budget=64, storage=Storage(**s)))
+    run = lambda **s: perplexity(
+        tiny,
+        TEXT,
+        "h2o",
+        prefill=200,
+        tokens=24,  # noqa: E731
+        opts=RunOptions(budget=64, storage=Storage(**s)),
+    )
     plain, ranked = run(), run(rank=4)
     first = lambda r: r.decisions[r.decisions["step"] == 0].reset_index(drop=True)  # noqa: E731
     assert first(plain).equals(first(ranked))  # the policy chose from the prompt at full precision
@@ -61,12 +77,15 @@ def test_low_rank_storage_composes_with_eviction_and_leaves_the_prompts_decision
     assert ranked.metrics["kv_bytes_peak"] < plain.metrics["kv_bytes_peak"] / 3
 
 
-@pytest.mark.parametrize("settings, words", [
-    ({"rank": 0}, "--kv-rank must be at least 1"),
-    ({"rank_share": 0.0}, "--kv-rank-share must be in (0, 1]"),
-    ({"rank_share": 1.5}, "--kv-rank-share must be in (0, 1]"),
-    ({"rank": 4, "rank_share": 0.5}, "not both"),
-])
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        ({"rank": 0}, "--kv-rank must be at least 1"),
+        ({"rank_share": 0.0}, "--kv-rank-share must be in (0, 1]"),
+        ({"rank_share": 1.5}, "--kv-rank-share must be in (0, 1]"),
+        ({"rank": 4, "rank_share": 0.5}, "not both"),
+    ],
+)
 def test_a_rank_that_does_not_fit_gets_one_sentence(settings, words):
     with pytest.raises(KvlensError, match=words.replace("(", r"\(").replace("]", r"\]")):
         Storage(**settings)
@@ -81,7 +100,24 @@ def test_the_cli_refuses_both_forms_of_the_rank_in_one_sentence(tmp_path, capsys
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     with pytest.raises(SystemExit) as done:
-        main(["ppl", "--policy", "full", "--text-file", str(text), "--prefill", "8", "--tokens", "2",
-              "--kv-rank", "4", "--kv-rank-share", "0.5"])
+        main(
+            [
+                "ppl",
+                "--policy",
+                "full",
+                "--text-file",
+                str(text),
+                "--prefill",
+                "8",
+                "--tokens",
+                "2",
+                "--kv-rank",
+                "4",
+                "--kv-rank-share",
+                "0.5",
+            ]
+        )
     err = capsys.readouterr().err
-    assert done.value.code == 2 and "not allowed with argument --kv-rank" in err and len(err.splitlines()) == 1
+    assert (
+        done.value.code == 2 and "not allowed with argument --kv-rank" in err and len(err.splitlines()) == 1
+    )

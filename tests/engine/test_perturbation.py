@@ -1,4 +1,5 @@
 """Output perturbation (`--measure`): shadow full cache, O_used / O_evict vs O_full, attention loss, KL."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,18 @@ def measure(model, name, params=None, budget=20, steps=16):
     policy = make_policy(name, params)
 
     def go(obs, cb):
-        return run(model, policy, IDS, prefill=80, steps=steps, teacher=True, observers=obs, on_step=cb,
-                   opts=RunOptions(budget=None if policy.budget_free or name == "full" else budget))
+        return run(
+            model,
+            policy,
+            IDS,
+            prefill=80,
+            steps=steps,
+            teacher=True,
+            observers=obs,
+            on_step=cb,
+            opts=RunOptions(budget=None if policy.budget_free or name == "full" else budget),
+        )
+
     return measured(model, go)
 
 
@@ -52,8 +63,9 @@ def test_cam_differs_from_eviction_only_after_its_first_merge(tiny):
     # same decisions and, in layer 0, the same queries (teacher forcing): the same attention loss there
     plain = measure(tiny, "streaming_llm")
     assert r.tensors["steps/kv_slots"].equal(plain.tensors["steps/kv_slots"])
-    torch.testing.assert_close(r.tensors["perturbation/attention_loss"][:, 0],
-                               plain.tensors["perturbation/attention_loss"][:, 0])
+    torch.testing.assert_close(
+        r.tensors["perturbation/attention_loss"][:, 0], plain.tensors["perturbation/attention_loss"][:, 0]
+    )
 
 
 def test_kl_is_against_a_full_pass_on_the_same_tokens(tiny):
@@ -73,20 +85,69 @@ def test_ppl_measure_json_keys(tiny, monkeypatch, capsys, tmp_path):
     text.write_bytes(bytes(IDS))
     monkeypatch.setattr("kvlens.cli.run_commands.load", lambda args: tiny)
     out = tmp_path / "run"
-    assert main(["ppl", "--policy", "cam", "--budget", "20", "--text-file", str(text), "--prefill", "80",
-                 "--tokens", "8", "--measure", "--json", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "ppl",
+                "--policy",
+                "cam",
+                "--budget",
+                "20",
+                "--text-file",
+                str(text),
+                "--prefill",
+                "80",
+                "--tokens",
+                "8",
+                "--measure",
+                "--json",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
-    for key in ("perturbation_used", "perturbation_evict", "attention_loss", "kl", "perturbation_used_median",
-                "perturbation_evict_median", "perturbation_used_pooled", "perturbation_evict_pooled",
-                "base_ppl", "base_perturbation_used", "base_perturbation_used_pooled", "base_kl"):
+    for key in (
+        "perturbation_used",
+        "perturbation_evict",
+        "attention_loss",
+        "kl",
+        "perturbation_used_median",
+        "perturbation_evict_median",
+        "perturbation_used_pooled",
+        "perturbation_evict_pooled",
+        "base_ppl",
+        "base_perturbation_used",
+        "base_perturbation_used_pooled",
+        "base_kl",
+    ):
         assert isinstance(result[key], float), key
     better, worse = result["merge_better_share"], result["merge_worse_share"]
     assert 0 <= better <= 1 and 0 <= worse <= 1 and better + worse <= 1
     assert result["kl_steps"] == 7 and result["base_policy"] == "streaming_llm"
     assert set(result["merge_sign_per_layer"]) <= {-1, 0, 1} and len(result["merge_sign_per_layer"]) == 3
     # the separate base run is streaming_llm's own measured run: same numbers as running it directly
-    assert main(["ppl", "--policy", "streaming_llm", "--budget", "20", "--text-file", str(text), "--prefill", "80",
-                 "--tokens", "8", "--measure", "--json"]) == 0
+    assert (
+        main(
+            [
+                "ppl",
+                "--policy",
+                "streaming_llm",
+                "--budget",
+                "20",
+                "--text-file",
+                str(text),
+                "--prefill",
+                "80",
+                "--tokens",
+                "8",
+                "--measure",
+                "--json",
+            ]
+        )
+        == 0
+    )
     base = json.loads(capsys.readouterr().out)
     assert result["base_ppl"] == base["ppl"] and result["base_perturbation_used"] == base["perturbation_used"]
     assert "base_ppl" not in base  # an eviction policy has no base
@@ -110,17 +171,28 @@ def test_summary_medians_pooled_shares_signs_and_kl_without_entry_0():
     used = torch.tensor([[[0.1, 0.5], [0.2, 0.2]], [[0.3, 0.1], [0.4, 0.2]]])  # (steps 2, layers 2, heads 2)
     evict = torch.tensor([[[0.2, 0.4], [0.2, 0.1]], [[0.1, 0.2], [0.4, 0.3]]])
     norm = torch.tensor([[[1.0, 3.0], [2.0, 2.0]], [[1.0, 1.0], [2.0, 4.0]]])
-    tensors = {"perturbation/used": used, "perturbation/evict": evict, "perturbation/full_norm": norm,
-               "perturbation/attention_loss": torch.zeros(2, 2, 2), "perturbation/kl": torch.tensor([0.0, 0.3, 0.1])}
+    tensors = {
+        "perturbation/used": used,
+        "perturbation/evict": evict,
+        "perturbation/full_norm": norm,
+        "perturbation/attention_loss": torch.zeros(2, 2, 2),
+        "perturbation/kl": torch.tensor([0.0, 0.3, 0.1]),
+    }
     m = summary(tensors)
-    assert m["perturbation_used"] == pytest.approx(2.0 / 8) and m["perturbation_used_median"] == pytest.approx(0.2)
+    assert m["perturbation_used"] == pytest.approx(2.0 / 8) and m[
+        "perturbation_used_median"
+    ] == pytest.approx(0.2)
     # sum |dO| / sum |O_full|: used (0.1 + 1.5 + 0.4 + 0.4 + 0.3 + 0.1 + 0.8 + 0.8) / 16
     assert m["perturbation_used_pooled"] == pytest.approx(4.4 / 16)
-    assert m["perturbation_evict_pooled"] == pytest.approx((0.2 + 1.2 + 0.4 + 0.2 + 0.1 + 0.2 + 0.8 + 1.2) / 16)
+    assert m["perturbation_evict_pooled"] == pytest.approx(
+        (0.2 + 1.2 + 0.4 + 0.2 + 0.1 + 0.2 + 0.8 + 1.2) / 16
+    )
     assert m["merge_better_share"] == pytest.approx(3 / 8) and m["merge_worse_share"] == pytest.approx(3 / 8)
     # layer 0: used 2.0 vs evict 1.7 of 6 (worse, -1); layer 1: used 2.4 vs evict 2.6 of 10 (better, +1)
     assert m["merge_sign_per_layer"] == [-1, 1]
-    assert m["kl"] == pytest.approx(0.2) and m["kl_steps"] == 2  # entry 0 (the shared prefill logits) left out
+    assert (
+        m["kl"] == pytest.approx(0.2) and m["kl_steps"] == 2
+    )  # entry 0 (the shared prefill logits) left out
 
 
 def test_generate_measure_records_the_base_run_in_run_json(tiny, monkeypatch, capsys, tmp_path):
@@ -129,10 +201,44 @@ def test_generate_measure_records_the_base_run_in_run_json(tiny, monkeypatch, ca
 
     monkeypatch.setattr("kvlens.cli.run_commands.load", lambda args: tiny)
     prompt = bytes(IDS[:80]).decode()
-    assert main(["generate", "--policy", "cam", "--budget", "20", "--prompt", prompt, "--max-new-tokens", "6",
-                 "--measure", "--out", str(tmp_path / "cam")]) == 0
-    assert main(["generate", "--policy", "streaming_llm", "--budget", "20", "--prompt", prompt, "--max-new-tokens",
-                 "6", "--measure", "--out", str(tmp_path / "base")]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--policy",
+                "cam",
+                "--budget",
+                "20",
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "6",
+                "--measure",
+                "--out",
+                str(tmp_path / "cam"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "generate",
+                "--policy",
+                "streaming_llm",
+                "--budget",
+                "20",
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "6",
+                "--measure",
+                "--out",
+                str(tmp_path / "base"),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     cam, base = load_run(tmp_path / "cam").metrics, load_run(tmp_path / "base").metrics
     assert cam["base_policy"] == "streaming_llm" and cam["base_ppl"] == base["ppl"]

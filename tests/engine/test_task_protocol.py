@@ -1,6 +1,7 @@
 """The task suite's compress-once protocol (`kvlens.engine.shared_prefill`): a shared prefill gives each policy
 exactly its own run's decisions and answers; a question fed as one chunk equals the model's own forward; several
 questions of one compressed context each start from it afresh."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,18 @@ from kvlens.policies import make_policy
 
 # both prefill kernels (SDPA; the eager column-sum pass), last rows of several counts, per-head padding (Ada-KV),
 # per-layer budgets (PyramidKV), replay passes (KVzip), merging (CaM), a budget-free policy (CORM)
-POLICIES = ["full", "snapkv", "h2o", "tova", "adakv", "pyramidkv", "kvzip", "cam", "corm", "expected_attention"]
+POLICIES = [
+    "full",
+    "snapkv",
+    "h2o",
+    "tova",
+    "adakv",
+    "pyramidkv",
+    "kvzip",
+    "cam",
+    "corm",
+    "expected_attention",
+]
 
 
 def kept_positions(loop) -> list[torch.Tensor]:
@@ -23,8 +35,9 @@ def kept_positions(loop) -> list[torch.Tensor]:
 @pytest.fixture(scope="module")
 def context_question(smol):
     ids = smol.tokenizer(texts.read("1961-Kennedy"), add_special_tokens=False).input_ids
-    question = smol.tokenizer("\n\nWhat did the president ask Congress for? Answer in one sentence.",
-                              add_special_tokens=False).input_ids
+    question = smol.tokenizer(
+        "\n\nWhat did the president ask Congress for? Answer in one sentence.", add_special_tokens=False
+    ).input_ids
     return ids[:300], question
 
 
@@ -108,8 +121,14 @@ def test_answers_from_many_caches_at_once_equal_each_caches_own(smol, context_qu
     wide = sorted(range(len(loops)), key=lambda i: -widths[i])[:3]
     assert widths[wide[2]] > sorted(widths)[-4]  # so dropping them shortens the batch
     for q, start_logits in [(question, None), ([], logits)]:
-        got = answer_many(loops, q, len(context), 12, start_logits, done=lambda row, tokens: row in wide and
-                          len(tokens) == 3)
+        got = answer_many(
+            loops,
+            q,
+            len(context),
+            12,
+            start_logits,
+            done=lambda row, tokens: row in wide and len(tokens) == 3,
+        )
         for i, (name, loop) in enumerate(zip(POLICIES, loops, strict=True)):
             mark = loop.cache.mark()
             tokens, nlls = answer(loop, q, len(context), 3 if i in wide else 12, None if q else logits[i])
@@ -141,14 +160,18 @@ def test_a_compacted_batch_drops_the_padding_only_the_dropped_caches_needed():
 
 
 @pytest.mark.parametrize("rounding, kept", [("kvpress", 150), ("kvlens", 151)])
-def test_a_ratio_keeps_kvpress_or_kvlens_rounded_count_on_an_odd_context(smol, context_question, rounding, kept):
+def test_a_ratio_keeps_kvpress_or_kvlens_rounded_count_on_an_odd_context(
+    smol, context_question, rounding, kept
+):
     """0.5 of 301 tokens: kvpress keeps int(301 * 0.5) = 150 (its `n_kept`), kvlens's earlier rounding 301 - 150;
     StreamingLLM keeps its 4 sinks and the newest rest, in every layer and head."""
     from kvlens.engine.shared_prefill import slots_for
 
     context = context_question[0] + context_question[1][:1]  # 301 tokens
     assert len(context) == 301 and slots_for(0.5, 301, rounding) == kept
-    loop, _ = prepare(smol, make_policy("streaming_llm", {"sink": 4}), context, slots_for(0.5, 301, rounding), 8)
+    loop, _ = prepare(
+        smol, make_policy("streaming_llm", {"sink": 4}), context, slots_for(0.5, 301, rounding), 8
+    )
     expected = torch.tensor([0, 1, 2, 3, *range(301 - (kept - 4), 301)])
     for layer in kept_positions(loop):
         assert all(torch.equal(head[head >= 0], expected) for head in layer)  # -1: a buffer's padding
@@ -161,6 +184,10 @@ def test_roundings_differ_only_where_the_kept_share_is_not_whole():
     assert [slots_for(r, 1000) for r in (0.25, 0.5, 0.75, 0.875)] == [750, 500, 250, 125]
     assert [slots_for(r, 1000, "kvlens") for r in (0.25, 0.5, 0.75, 0.875)] == [750, 500, 250, 125]
     assert [slots_for(r, 1001) for r in (0.25, 0.5, 0.875)] == [750, 500, 125]  # int(1001 * (1 - r))
-    assert [slots_for(r, 1001, "kvlens") for r in (0.25, 0.5, 0.875)] == [751, 501, 126]  # 1001 - int(1001 * r)
+    assert [slots_for(r, 1001, "kvlens") for r in (0.25, 0.5, 0.875)] == [
+        751,
+        501,
+        126,
+    ]  # 1001 - int(1001 * r)
     with pytest.raises(KvlensError, match="Unknown rounding 'up'"):
         slots_for(0.5, 10, "up")

@@ -1,5 +1,6 @@
 """Cache patching (`kvlens explain`): structural facts exact, floats within float rounding (1e-4 on log-probs and
 logits of the embedded model in float32; the recovered share of the all-groups restore within 1e-3 of 1)."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,9 @@ def samples(smol, tmp_path_factory):
     """Two short niah_single samples (384 tokens)."""
     count = lambda s: len(smol.tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
     path = tmp_path_factory.mktemp("explain") / "samples.jsonl"
-    ruler.write_samples([ruler.generate("niah_single", 384, i, count, " ".join(bundled().values())) for i in range(2)],
-                        path)
+    ruler.write_samples(
+        [ruler.generate("niah_single", 384, i, count, " ".join(bundled().values())) for i in range(2)], path
+    )
     return path
 
 
@@ -44,13 +46,15 @@ def logits_of(built, caches) -> torch.Tensor:
 
 
 def test_the_needle_is_a_group_of_the_samples_needle_tokens(snapkv, smol):
-    (start, end), = snapkv.case.needles
+    ((start, end),) = snapkv.case.needles
     assert snapkv.case.sample.answers[0][0] in smol.tokenizer.decode(snapkv.case.context[start:end])
     groups = make_groups(snapkv.pair, ["needle", "sinks", "needle-head"], needles=snapkv.case.needles)
     assert [g.kind for g in groups[:2]] == ["needle", "sinks"] and len(groups) == 2 + 30 * 3
     assert not groups[0].mask[..., :start].any() and not groups[0].mask[..., end:].any()
     cells = torch.stack([g.mask for g in groups[2:]])
-    assert torch.equal(cells.any(0), groups[0].mask) and int(cells.sum()) == groups[0].slots  # split, not copied
+    assert (
+        torch.equal(cells.any(0), groups[0].mask) and int(cells.sum()) == groups[0].slots
+    )  # split, not copied
 
 
 def test_restoring_every_group_gives_the_full_cache(snapkv):
@@ -99,7 +103,9 @@ def test_a_merged_slots_restore_gives_back_its_original_key_and_value(smol, samp
     for layer, head, position in torch.nonzero(pair.removed & targets.view(pair.shape)).tolist():
         kc, vc, ok, pc = pair.compressed.layers[layer]
         slots = torch.nonzero((pc[head] == position) & ok[head])[:, 0]
-        full = torch.stack([pair.full.layers[layer][0][head, position], pair.full.layers[layer][1][head, position]])
+        full = torch.stack(
+            [pair.full.layers[layer][0][head, position], pair.full.layers[layer][1][head, position]]
+        )
         if len(slots) and not torch.equal(torch.stack([kc[head, slots[0]], vc[head, slots[0]]]), full):
             kept.append((layer, head, position, int(slots[0])))
     assert kept, "no merge target was changed"
@@ -125,15 +131,41 @@ def test_patched_caches_in_a_batch_equal_each_alone(snapkv):
         assert torch.equal(greedy[0], batch_greedy[i])
 
 
-def test_the_command_prints_json_with_the_minimal_set_and_the_report_draws_it(snapkv, samples, tmp_path, capsys):
+def test_the_command_prints_json_with_the_minimal_set_and_the_report_draws_it(
+    snapkv, samples, tmp_path, capsys
+):
     if snapkv.answers["compressed_right"] or not snapkv.answers["full_right"]:
         pytest.skip("this sample's compressed cache answers right")
     out = tmp_path / "why.json"
-    assert main(["explain", "--samples", str(samples), "--index", "0", "--policy", "snapkv", "--ratio", "0.75",
-                 "--by", "layer,sinks,needle", "--find-minimal", "--minimal-by", "layer", "--json",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "explain",
+                "--samples",
+                str(samples),
+                "--index",
+                "0",
+                "--policy",
+                "snapkv",
+                "--ratio",
+                "0.75",
+                "--by",
+                "layer,sinks,needle",
+                "--find-minimal",
+                "--minimal-by",
+                "layer",
+                "--json",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
-    assert abs(result["all_groups"]["recovered_share"] - 1) < 1e-3 and result["no_groups"]["recovered_share"] == 0
+    assert (
+        abs(result["all_groups"]["recovered_share"] - 1) < 1e-3
+        and result["no_groups"]["recovered_share"] == 0
+    )
     assert [g["kind"] for g in result["groups"]] == ["layer"] * 30 + ["sinks", "needle"]
     assert all({"kind", "name", "recovered_share", "slots"} <= set(g) for g in result["groups"])
     m = result["minimal"]
@@ -149,12 +181,23 @@ def test_the_command_prints_json_with_the_minimal_set_and_the_report_draws_it(sn
 
 def test_bad_input_is_one_sentence(samples, capsys, tmp_path):
 
-    cases = [(["--run", str(CACHED_RUNS / "full-states")], "has no decisions"),
-             (["--samples", str(samples), "--index", "5", "--policy", "snapkv", "--ratio", "0.75"], "out of range"),
-             (["--samples", str(samples), "--policy", "snapkv", "--ratio", "0.75", "--span", "0"], "at least 1"),
-             (["--samples", str(samples), "--policy", "snapkv", "--ratio", "0.75", "--by", "row"], "Unknown grouping"),
-             (["--samples", str(samples), "--policy", "snapkv"], "needs --policy and --ratio"),
-             (["--samples", str(tmp_path / "none.jsonl"), "--policy", "snapkv", "--ratio", "0.5"], "no samples file")]
+    cases = [
+        (["--run", str(CACHED_RUNS / "full-states")], "has no decisions"),
+        (
+            ["--samples", str(samples), "--index", "5", "--policy", "snapkv", "--ratio", "0.75"],
+            "out of range",
+        ),
+        (["--samples", str(samples), "--policy", "snapkv", "--ratio", "0.75", "--span", "0"], "at least 1"),
+        (
+            ["--samples", str(samples), "--policy", "snapkv", "--ratio", "0.75", "--by", "row"],
+            "Unknown grouping",
+        ),
+        (["--samples", str(samples), "--policy", "snapkv"], "needs --policy and --ratio"),
+        (
+            ["--samples", str(tmp_path / "none.jsonl"), "--policy", "snapkv", "--ratio", "0.5"],
+            "no samples file",
+        ),
+    ]
     (tmp_path / "bad.json").write_text("{}")
     assert main(["report", "--explain", str(tmp_path / "bad.json"), "--out", str(tmp_path / "r.html")]) == 2
     assert "not a kvlens explain result" in capsys.readouterr().err

@@ -1,4 +1,5 @@
 """Export: valid PNG, SVG and PDF through kaleido + Chromium, the figure's data as CSV and its config as JSON."""
+
 from __future__ import annotations
 
 import csv
@@ -15,8 +16,11 @@ from kvlens.figures import export
 from tests.conftest import tiny_run
 
 CHROMIUM = os.path.exists("/usr/bin/chromium")
-needs_chromium = pytest.mark.skipif(not CHROMIUM, reason="/usr/bin/chromium is not installed (`make test` installs "
-                                                           "Debian's chromium package); image export needs it")
+needs_chromium = pytest.mark.skipif(
+    not CHROMIUM,
+    reason="/usr/bin/chromium is not installed (`make test` installs "
+    "Debian's chromium package); image export needs it",
+)
 
 MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "pdf": b"%PDF-"}
 
@@ -48,7 +52,9 @@ def test_csv_holds_every_trace_point(fig, tmp_path):
     points = sum(len(t.y) for t in fig.data)
     assert len(rows) == points
     keys = [r for r in rows if r["trace"] == "keys"]
-    assert [float(r["y"]) for r in keys] == pytest.approx(list(next(t for t in fig.data if t.name == "keys").y))
+    assert [float(r["y"]) for r in keys] == pytest.approx(
+        list(next(t for t in fig.data if t.name == "keys").y)
+    )
 
 
 def test_heatmap_csv_is_long_form(tmp_path):
@@ -76,24 +82,80 @@ def test_unknown_suffix_is_refused(fig, tmp_path):
 def test_cli_figure_writes_image_csv_and_json(tmp_path, capsys):
     tiny_run(str(tmp_path / "run"))
     out = tmp_path / "sim.svg"
-    assert main(["figure", "similarity", "--run", str(tmp_path / "run"), "--layer", "1", "--state", "key,value",
-                 "--max-size", "40", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "figure",
+                "similarity",
+                "--run",
+                str(tmp_path / "run"),
+                "--layer",
+                "1",
+                "--state",
+                "key,value",
+                "--max-size",
+                "40",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert out.read_bytes().lstrip().startswith(b"<svg")
     config = json.loads(out.with_suffix(".json").read_text())
     assert config["params"] == {"layer": 1, "head": 0, "kind": ["key", "value"], "max_size": 40}
-    assert main(["figure", "similarity", "--run", str(tmp_path / "run"), "--state", "keys", "--out",
-                 str(tmp_path / "y.png")]) == 2
+    assert (
+        main(
+            [
+                "figure",
+                "similarity",
+                "--run",
+                str(tmp_path / "run"),
+                "--state",
+                "keys",
+                "--out",
+                str(tmp_path / "y.png"),
+            ]
+        )
+        == 2
+    )
 
 
 def test_a_notebooks_run_figure_is_the_cli_figure(tmp_path, capsys):
     from kvlens import load_run
 
     tiny_run(str(tmp_path / "run"))
-    assert main(["figure", "gaussian", "--run", str(tmp_path / "run"), "--layer", "1", "--threshold", "0.5",
-                 "--sigma", "2", "--out", str(tmp_path / "cli.csv")]) == 0
+    assert (
+        main(
+            [
+                "figure",
+                "gaussian",
+                "--run",
+                str(tmp_path / "run"),
+                "--layer",
+                "1",
+                "--threshold",
+                "0.5",
+                "--sigma",
+                "2",
+                "--out",
+                str(tmp_path / "cli.csv"),
+            ]
+        )
+        == 0
+    )
     fig = load_run(tmp_path / "run").figure("gaussian", layer=1, threshold=0.5, sigma=[2.0])
     export.export_figure(fig, tmp_path / "notebook.csv")
     assert (tmp_path / "notebook.csv").read_text() == (tmp_path / "cli.csv").read_text()
     cli, notebook = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("cli", "notebook"))
-    assert cli["params"] == notebook["params"] == {"layer": 1, "head": 0, "threshold": 0.5, "position": None,
-                                                   "sigmas": ["mean_distance", "eq7", 2.0]}
+    assert (
+        cli["params"]
+        == notebook["params"]
+        == {
+            "layer": 1,
+            "head": 0,
+            "threshold": 0.5,
+            "position": None,
+            "sigmas": ["mean_distance", "eq7", 2.0],
+        }
+    )

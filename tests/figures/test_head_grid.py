@@ -1,5 +1,6 @@
 """The head grid (`kvlens.figures.head_grid`): every recorded layer and head at one step, against the run's own
 tensors read independently; the per-layer status of `layer_cache` against `attention_grid`'s one-head view."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -43,7 +44,7 @@ def test_the_attention_strips_hold_each_heads_recorded_row_and_a_target_per_head
     width = (z.shape[1] + 3) // 9
     assert width == n_pos + 3  # one column per position (no pooling below 160), 3 blank between strips
     layer, head = 12, 7
-    strip = z[layer, head * width: head * width + n_pos]
+    strip = z[layer, head * width : head * width + n_pos]
     attn = adakv.tensor(f"attn/{layer}")[step, head].float()
     pos = adakv.tensor(f"attn_pos/{layer}")[step, head // 3].long()
     expect = torch.full((n_pos,), float("nan"))
@@ -74,7 +75,9 @@ def test_a_measured_run_adds_attention_lost_and_perturbation_one_row_behind(cam)
     grid = head_grid(cam)
     assert set(grid.metrics(3)) == set(METRICS)
     lost = cam.tensor("perturbation/attention_loss")  # (steps - 1, L, Hq): row k = attention row k + 1
-    np.testing.assert_array_equal(grid.metrics(3)["attention mass lost"], lost[2, grid.layers].float().numpy())
+    np.testing.assert_array_equal(
+        grid.metrics(3)["attention mass lost"], lost[2, grid.layers].float().numpy()
+    )
     assert np.isnan(grid.metrics(0)["output perturbation"]).all()  # step 0: no decode step measured
     merged = grid.metrics(20)["attention on merged slots"]
     assert merged.max() > 0.05  # CaM's merged slots draw attention
@@ -107,10 +110,14 @@ def test_layer_cache_status_follows_the_cache_and_the_decision_log(name):
             done = merges[(merges["kv_head"] == kv) & (merges["step"] < row)]
             away = set(done["position"].tolist()) - present
             holds = present & {int(t) for ts in done["targets"] for t in ts}
-            got = {code: set((status[row, kv] == code).nonzero().flatten().tolist())
-                   for code in (EVICTED, MERGED_AWAY, KEPT, HOLDS_MERGE)}
+            got = {
+                code: set((status[row, kv] == code).nonzero().flatten().tolist())
+                for code in (EVICTED, MERGED_AWAY, KEPT, HOLDS_MERGE)
+            }
             assert got[MERGED_AWAY] == away and got[HOLDS_MERGE] == holds
-            assert got[KEPT] | got[HOLDS_MERGE] == present - {p for p in present if status[row, kv, p] > HOLDS_MERGE}
+            assert got[KEPT] | got[HOLDS_MERGE] == present - {
+                p for p in present if status[row, kv, p] > HOLDS_MERGE
+            }
             assert got[EVICTED] == set(range(prompt + row)) - present - away
     if name != "streaming_llm-attention":
         assert (status == MERGED_AWAY).any() and (status == HOLDS_MERGE).any()

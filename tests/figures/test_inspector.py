@@ -1,6 +1,7 @@
 """The token inspector (`kvlens.figures.inspect_token`, `kvlens.ui.inspector`) and views kept in the URL
 (`kvlens.ui.url_state`), on the shipped runs: rows checked against the recorded tensors and the decision log.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,13 @@ def test_merged_slots_hold_what_the_decision_log_merged_into_them_before_the_ste
     row = inspect_token(cam, step, layer, 3)  # query head 3 reads KV head 1
     assert row.kv_head == kv
     d = cam.decisions
-    merges = d[(d["action"] == "merge") & (d["layer"] == layer) & (d["kv_head"] == kv) & (d["step"] < step)
-               & (d["draw"] == 1)]
+    merges = d[
+        (d["action"] == "merge")
+        & (d["layer"] == layer)
+        & (d["kv_head"] == kv)
+        & (d["step"] < step)
+        & (d["draw"] == 1)
+    ]
     cached = {p for p, w in zip(row.positions, row.weights, strict=True) if not math.isnan(w)}
     expected: dict[int, set[int]] = {}
     for position, targets in zip(merges["position"], merges["targets"], strict=True):
@@ -100,8 +106,11 @@ def test_a_link_opens_the_overview_on_its_run_token_layer_and_head(monkeypatch, 
     at = _app(monkeypatch, tmp_path, run="h2o-attention", step="12", layer="0", head="5")
     assert not at.exception and not at.warning
     assert at.session_state["app_run"] == str(CACHED_RUNS / "h2o-attention")
-    assert (at.session_state["ov_insp_step"], at.session_state["ov_insp_layer"], at.session_state["ov_insp_head"]) \
-        == (12, 0, 5)
+    assert (
+        at.session_state["ov_insp_step"],
+        at.session_state["ov_insp_layer"],
+        at.session_state["ov_insp_head"],
+    ) == (12, 0, 5)
     title = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
     assert any(t.startswith("Token 12 ") and "h2o: layer 0, head 5 (KV head 1)" in t for t in title), title
     at.selectbox(key="ov_insp_layer").set_value(29).run()  # a change is written back into the URL
@@ -112,7 +121,9 @@ def test_bad_values_in_a_link_are_ignored_with_one_sentence(monkeypatch, tmp_pat
     at = _app(monkeypatch, tmp_path, run="cam-attention", step="999", layer="7", head="x")
     assert not at.exception
     warnings = [w.value for w in at.warning]
-    assert len(warnings) == 3 and all(w.startswith("The link's ") and w.endswith("it was ignored.") for w in warnings)
+    assert len(warnings) == 3 and all(
+        w.startswith("The link's ") and w.endswith("it was ignored.") for w in warnings
+    )
     assert at.session_state["ov_insp_step"] == 39 and at.session_state["ov_insp_layer"] == 15  # the defaults
     assert at.query_params["step"] == "39"  # the bad value was replaced by what is shown
 
@@ -120,8 +131,10 @@ def test_bad_values_in_a_link_are_ignored_with_one_sentence(monkeypatch, tmp_pat
 def test_a_summary_run_says_which_level_keeps_attention_rows(monkeypatch, tmp_path):
     at = _app(monkeypatch, tmp_path, run="tova-summary")
     assert not at.exception
-    assert any("token inspector needs a run recorded with `--record attention`" in i.value and "`summary`" in i.value
-               for i in at.info)
+    assert any(
+        "token inspector needs a run recorded with `--record attention`" in i.value and "`summary`" in i.value
+        for i in at.info
+    )
 
 
 def test_the_run_page_takes_its_policy_choices_from_the_link(monkeypatch, tmp_path):
@@ -138,7 +151,9 @@ def test_the_run_page_takes_its_policy_choices_from_the_link(monkeypatch, tmp_pa
 
 def test_the_run_page_inspects_the_run_it_saved_last(monkeypatch, tmp_path):
     at = _app(monkeypatch, tmp_path)
-    at.session_state["run_last"] = str(CACHED_RUNS / "kvmerger-attention")  # what the page sets after saving a run
+    at.session_state["run_last"] = str(
+        CACHED_RUNS / "kvmerger-attention"
+    )  # what the page sets after saving a run
     at.switch_page("pages/run.py").run()
     assert not at.exception
     titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
@@ -165,12 +180,21 @@ def test_inspect_pair_shows_two_policies_rows_for_one_token():
     assert not at.exception
     titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
     assert [t.split(" under ")[1].split(":")[0] for t in titles] == ["cam", "streaming_llm"]
-    texts = [load_run(CACHED_RUNS / n).meta["token_strings"][:11] for n in ("cam-attention", "streaming_llm-attention")]
-    assert [t.split(" under ")[0] for t in titles] == [f"Token 10 «{display_text(s[10]).strip()}»" for s in texts]
+    texts = [
+        load_run(CACHED_RUNS / n).meta["token_strings"][:11]
+        for n in ("cam-attention", "streaming_llm-attention")
+    ]
+    assert [t.split(" under ")[0] for t in titles] == [
+        f"Token 10 «{display_text(s[10]).strip()}»" for s in texts
+    ]
     diverged = any("generated different text" in c.value for c in at.caption)
     assert diverged == (texts[0] != texts[1]) and diverged  # these two runs part before token 10
     sink = [json.loads(c.proto.spec) for c in at.get("plotly_chart")][1]
-    assert any(t.get("name") == "sink" and t["x"] == [0, 1, 2, 3] for t in sink["data"])  # StreamingLLM's sinks
+    assert any(
+        t.get("name") == "sink" and t["x"] == [0, 1, 2, 3] for t in sink["data"]
+    )  # StreamingLLM's sinks
     at.selectbox(key="pair_layer").set_value(0).run()
-    assert all(": layer 0, head 0" in json.loads(c.proto.spec)["layout"]["title"]["text"]
-               for c in at.get("plotly_chart"))
+    assert all(
+        ": layer 0, head 0" in json.loads(c.proto.spec)["layout"]["title"]["text"]
+        for c in at.get("plotly_chart")
+    )

@@ -1,5 +1,6 @@
 """The kept-text view (`kvlens.figures.kept_text`) on the shipped runs, against what their tensors and decision log
 say directly: counts from `attn_pos/{layer}`, attention from `attn/{layer}`, statuses from the decisions."""
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,16 @@ TOKEN = re.compile(r'<span style="([^"]*)" title="([^"]*)">([^<]*)</span>')
 
 @pytest.fixture(scope="module")
 def shipped_runs():
-    return {name: load_run(CACHED_RUNS / name) for name in ("h2o-attention", "cam-attention", "kvmerger-attention",
-                                                            "streaming_llm-attention", "tova-summary")}
+    return {
+        name: load_run(CACHED_RUNS / name)
+        for name in (
+            "h2o-attention",
+            "cam-attention",
+            "kvmerger-attention",
+            "streaming_llm-attention",
+            "tova-summary",
+        )
+    }
 
 
 def layers(run) -> list[int]:
@@ -31,11 +40,15 @@ def layers(run) -> list[int]:
 
 def token_spans(fragment: str) -> list[tuple[str, str, str]]:
     """(style, tooltip, text) of every token span, unescaped (the legend's spans have no tooltip)."""
-    return [(style, html.unescape(title), html.unescape(text)) for style, title, text in TOKEN.findall(fragment)]
+    return [
+        (style, html.unescape(title), html.unescape(text)) for style, title, text in TOKEN.findall(fragment)
+    ]
 
 
-@pytest.mark.parametrize("name,step", [("h2o-attention", 0), ("h2o-attention", 17), ("h2o-attention", 39),
-                                       ("kvmerger-attention", 23)])  # kvmerger's slots hold merged values
+@pytest.mark.parametrize(
+    "name,step",
+    [("h2o-attention", 0), ("h2o-attention", 17), ("h2o-attention", 39), ("kvmerger-attention", 23)],
+)  # kvmerger's slots hold merged values
 def test_counts_and_mean_attention_are_what_the_recorded_rows_hold(shipped_runs, name, step):
     run = shipped_runs[name]
     view = kept_text(run, step)
@@ -56,7 +69,7 @@ def test_counts_and_mean_attention_are_what_the_recorded_rows_hold(shipped_runs,
     for p, weight in enumerate(view.attention):
         assert math.isnan(weight) if not kept[p] else weight == pytest.approx(mass[p] / heads, abs=1e-6)
     assert view.query_position == len(run.meta["prompt_tokens"]) - 1 + step and kept[view.query_position] == 9
-    assert not any(view.kept[view.query_position + 1:])  # nothing after the query is in any cache
+    assert not any(view.kept[view.query_position + 1 :])  # nothing after the query is in any cache
 
 
 def test_the_text_is_the_runs_prompt_and_generated_text(shipped_runs):
@@ -107,8 +120,9 @@ def test_a_chosen_heads_statuses_follow_its_cache_and_the_decision_log(shipped_r
                 assert "the slots it was merged into have been evicted since" in _tooltip(view, p)
             merged_away.append(p)
         for slot, sources in view.holds.items():
-            assert "holds positions " + ", ".join(f"{q} ({w:.3g})" for q, w in sources.items()) in \
-                _tooltip(view, slot)
+            assert "holds positions " + ", ".join(f"{q} ({w:.3g})" for q, w in sources.items()) in _tooltip(
+                view, slot
+            )
     assert merged_away
 
 
@@ -122,8 +136,9 @@ def test_the_html_outlines_the_query_underlines_generated_tokens_and_colours_by_
     spans = token_spans(kept_text_html(view))
     assert [text for _, _, text in spans] == view.texts
     assert [i for i, (style, _, _) in enumerate(spans) if "outline:" in style] == [view.query_position]
-    assert [i for i, (style, _, _) in enumerate(spans) if "underline" in style] == \
-        list(range(view.prompt_len, len(view.texts)))
+    assert [i for i, (style, _, _) in enumerate(spans) if "underline" in style] == list(
+        range(view.prompt_len, len(view.texts))
+    )
     for p, (style, tooltip, _) in enumerate(spans):
         if p <= view.query_position:
             assert f"background:{STATUS[view.status[p]][1]}" in style and STATUS[view.status[p]][0] in tooltip
@@ -151,14 +166,17 @@ def test_a_count_view_has_a_legend_of_counts_and_no_head(shipped_runs):
     assert "mean over the recorded query heads" in fragment and "merged into" not in fragment
 
 
-@pytest.mark.parametrize("args,message", [
-    ((40,), "Step 40 is out of range: this run recorded steps 0 to 39."),
-    ((-1,), "Step -1 is out of range: this run recorded steps 0 to 39."),
-    ((3, 15), "Give both a layer and a query head"),
-    ((3, None, 2), "Give both a layer and a query head"),
-    ((3, 7, 0), "Layer 7 has no recorded attention rows; recorded layers: 0, 15, 29."),
-    ((3, 15, 9), "Head 9 is out of range: the model has query heads 0 to 8."),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((40,), "Step 40 is out of range: this run recorded steps 0 to 39."),
+        ((-1,), "Step -1 is out of range: this run recorded steps 0 to 39."),
+        ((3, 15), "Give both a layer and a query head"),
+        ((3, None, 2), "Give both a layer and a query head"),
+        ((3, 7, 0), "Layer 7 has no recorded attention rows; recorded layers: 0, 15, 29."),
+        ((3, 15, 9), "Head 9 is out of range: the model has query heads 0 to 8."),
+    ],
+)
 def test_bad_input_is_one_sentence(shipped_runs, args, message):
     with pytest.raises(KvlensError) as err:
         kept_text(shipped_runs["h2o-attention"], *args)
@@ -166,6 +184,9 @@ def test_bad_input_is_one_sentence(shipped_runs, args, message):
 
 
 def test_a_run_without_attention_rows_says_how_to_record_them(shipped_runs):
-    with pytest.raises(KvlensError, match=r"^This run has no per-step attention rows; record it with "
-                                          r"--record attention\.$"):
+    with pytest.raises(
+        KvlensError,
+        match=r"^This run has no per-step attention rows; record it with "
+        r"--record attention\.$",
+    ):
         kept_text(shipped_runs["tova-summary"], 0)

@@ -1,5 +1,6 @@
 """D2O (Wan et al., ICLR 2025): the token-level rule (H2O eviction, nearest kept key, EMA threshold, Eq. 12 weights)
 and the layer allocation, each against the same rule written plainly here, on hand-made and random rows."""
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,16 @@ IDS = list(b"Dense layers keep more; similar keys merge into the nearest kept on
 def frame_rows(log: DecisionLog, start: int = 0) -> list[tuple]:
     """(kv_head, action, position, target, weight) of the log's rows from `start`, in order."""
     f = log.frame().iloc[start:]
-    return [(int(r.kv_head), r.action, int(r.position), int(r.targets[0]) if len(r.targets) else -1,
-             float(r.weights[0]) if len(r.weights) else 0.0) for r in f.itertuples()]
+    return [
+        (
+            int(r.kv_head),
+            r.action,
+            int(r.position),
+            int(r.targets[0]) if len(r.targets) else -1,
+            float(r.weights[0]) if len(r.weights) else 0.0,
+        )
+        for r in f.itertuples()
+    ]
 
 
 # ---------------------------------------------------------------- a hand-made step
@@ -41,13 +50,29 @@ def test_d2o_merges_the_evicted_tokens_above_the_mean_similarity_into_their_near
     # budget 4: sink 0, recent window int(4 x 0.5) = 2 (positions 6, 7), one heavy hitter: position 2 (Abar 5)
     shrink(make_policy("d2o", {"sink": 1}), layer, 4, log, prompt=True)
     cos = lambda a, b: float(keys[a] @ keys[b] / (keys[a].norm() * keys[b].norm()))  # noqa: E731
-    u = {1: cos(1, 0), 3: cos(3, 2), 4: cos(4, 0), 5: cos(5, 7)}  # each evicted key's nearest kept key, by hand
+    u = {
+        1: cos(1, 0),
+        3: cos(3, 2),
+        4: cos(4, 0),
+        5: cos(5, 7),
+    }  # each evicted key's nearest kept key, by hand
     tau = sum(u.values()) / 4  # the first compression: tau = mean of the best similarities (0.966)
-    assert u[1] >= tau and u[3] >= tau and u[4] >= tau > u[5]  # 1, 4 -> 0 and 3 -> 2 merge; 5 (0.894) is evicted
+    assert (
+        u[1] >= tau and u[3] >= tau and u[4] >= tau > u[5]
+    )  # 1, 4 -> 0 and 3 -> 2 merge; 5 (0.894) is evicted
     s0, s2 = math.exp(u[1]) + math.exp(u[4]), math.exp(u[3])
-    w = {1: math.exp(u[1]) / (s0 + math.e), 4: math.exp(u[4]) / (s0 + math.e), 3: math.exp(u[3]) / (s2 + math.e)}
+    w = {
+        1: math.exp(u[1]) / (s0 + math.e),
+        4: math.exp(u[4]) / (s0 + math.e),
+        3: math.exp(u[3]) / (s2 + math.e),
+    }
     rows = frame_rows(log)
-    assert [r[:4] for r in rows] == [(0, "merge", 1, 0), (0, "merge", 4, 0), (0, "merge", 3, 2), (0, "evict", 5, -1)]
+    assert [r[:4] for r in rows] == [
+        (0, "merge", 1, 0),
+        (0, "merge", 4, 0),
+        (0, "merge", 3, 2),
+        (0, "evict", 5, -1),
+    ]
     assert [r[4] for r in rows[:3]] == pytest.approx([w[1], w[4], w[3]], rel=1e-5)
     assert float(layer.states[0][THRESHOLD]) == pytest.approx(tau, rel=1e-6)
     kept = layer.in_position_order()
@@ -69,9 +94,13 @@ def plain_step(heads: list[dict], budget: int, sink: int, recent_ratio: float, b
     found = []  # (head, source, best similarity, nearest kept position)
     for h, slots in enumerate(heads):
         order = sorted(slots)
-        recent = set(order[len(order) - int(budget * recent_ratio):]) if int(budget * recent_ratio) else set()
+        recent = (
+            set(order[len(order) - int(budget * recent_ratio) :]) if int(budget * recent_ratio) else set()
+        )
         protected = {q for q in order if q < sink} | recent
-        ranked = sorted(order, key=lambda q, s=slots, p=protected: (0, 0.0, q) if q in p else (1, -s[q][2], q))
+        ranked = sorted(
+            order, key=lambda q, s=slots, p=protected: (0, 0.0, q) if q in p else (1, -s[q][2], q)
+        )
         keep = sorted(ranked[:budget])
         for i in sorted(ranked[budget:]):
             k = slots[i][0]
@@ -81,7 +110,10 @@ def plain_step(heads: list[dict], budget: int, sink: int, recent_ratio: float, b
     if scope == "layer":
         seen = {h: sum(f[2] for f in found) / len(found) for h in range(len(heads))}
     else:
-        seen = {h: sum(f[2] for f in found if f[0] == h) / sum(f[0] == h for f in found) for h in range(len(heads))}
+        seen = {
+            h: sum(f[2] for f in found if f[0] == h) / sum(f[0] == h for f in found)
+            for h in range(len(heads))
+        }
     tau = seen if tau is None else {h: beta * seen[h] + (1 - beta) * tau[h] for h in seen}
     merges, evictions = [], []
     for h, i, u, c in found:
@@ -95,22 +127,38 @@ def plain_step(heads: list[dict], budget: int, sink: int, recent_ratio: float, b
         for c, sources in into.items():
             total = sum(math.exp(u) for _, u in sources) + math.e
             for n in (0, 1):  # key, value
-                new.setdefault(c, [None, None])[n] = (math.e / total * slots[c][n] + sum(
-                    math.exp(u) / total * slots[i][n] for i, u in sources)).float().double()  # stored as float32
+                new.setdefault(c, [None, None])[n] = (
+                    (
+                        math.e / total * slots[c][n]
+                        + sum(math.exp(u) / total * slots[i][n] for i, u in sources)
+                    )
+                    .float()
+                    .double()
+                )  # stored as float32
             rows += [(h, "merge", i, c, math.exp(u) / total) for i, u in sorted(sources)]
         rows.sort(key=lambda r: (r[0], r[3], r[2]))
         for c, (k, v) in new.items():
             slots[c][0], slots[c][1] = k, v
         for _, i, _, _ in (f for f in found if f[0] == h):
             del slots[i]
-    rows = sorted(rows, key=lambda r: (r[0], r[3], r[2])) + [(h, "evict", i, -1, 0.0) for h, i, _, _ in evictions]
+    rows = sorted(rows, key=lambda r: (r[0], r[3], r[2])) + [
+        (h, "evict", i, -1, 0.0) for h, i, _, _ in evictions
+    ]
     return tau, rows
 
 
 @settings(max_examples=examples(25))
-@given(st.integers(0, 10_000), st.integers(10, 40), st.integers(6, 30), st.integers(0, 4), st.floats(0.0, 1.0),
-       st.sampled_from(["layer", "head"]))
-def test_d2o_prompt_and_decode_compressions_equal_the_rule_written_plainly(seed, slots, budget, steps, beta, scope):
+@given(
+    st.integers(0, 10_000),
+    st.integers(10, 40),
+    st.integers(6, 30),
+    st.integers(0, 4),
+    st.floats(0.0, 1.0),
+    st.sampled_from(["layer", "head"]),
+)
+def test_d2o_prompt_and_decode_compressions_equal_the_rule_written_plainly(
+    seed, slots, budget, steps, beta, scope
+):
     budget = min(budget, slots - 1)
     gen = torch.Generator().manual_seed(seed)
     total = slots + steps
@@ -119,14 +167,18 @@ def test_d2o_prompt_and_decode_compressions_equal_the_rule_written_plainly(seed,
     layer = layer_rows()
     layer.append(keys[None, :, :slots].clone(), values[None, :, :slots].clone(), torch.arange(slots))
     layer.abar = abar[:, :slots].clone()
-    heads = [{q: [keys[h, q].double(), values[h, q].double(), float(abar[h, q])] for q in range(slots)}
-             for h in range(HKV)]
+    heads = [
+        {q: [keys[h, q].double(), values[h, q].double(), float(abar[h, q])] for q in range(slots)}
+        for h in range(HKV)
+    ]
     policy = make_policy("d2o", {"sink": 2, "beta": beta, "threshold_scope": scope})
     log, tau = DecisionLog(), None
     for step in range(steps + 1):
         if step:  # a decode step: the new token's slot, then every slot's Abar
             q = slots + step - 1
-            layer.append(keys[None, :, q:q + 1].clone(), values[None, :, q:q + 1].clone(), torch.tensor([q]))
+            layer.append(
+                keys[None, :, q : q + 1].clone(), values[None, :, q : q + 1].clone(), torch.tensor([q])
+            )
             layer.abar = torch.where(layer.valid, abar.gather(1, layer.pos.clamp(min=0)), 0.0)
             for h in range(HKV):
                 heads[h][q] = [keys[h, q].double(), values[h, q].double(), float(abar[h, q])]
@@ -137,24 +189,37 @@ def test_d2o_prompt_and_decode_compressions_equal_the_rule_written_plainly(seed,
         assert [r[:4] for r in got] == [r[:4] for r in want], step
         assert [r[4] for r in got] == pytest.approx([r[4] for r in want], rel=1e-5)
         state = layer.states[0][THRESHOLD]
-        assert state.tolist() == pytest.approx(tau[0] if scope == "layer" else [tau[h] for h in range(HKV)], rel=1e-5)
+        assert state.tolist() == pytest.approx(
+            tau[0] if scope == "layer" else [tau[h] for h in range(HKV)], rel=1e-5
+        )
         kept = layer.in_position_order()
         for h in range(HKV):
             assert kept.pos[h].tolist() == sorted(heads[h])
-            torch.testing.assert_close(kept.keys[0, h], torch.stack([heads[h][q][0] for q in sorted(heads[h])]).float(),
-                                       rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(kept.values[0, h],
-                                       torch.stack([heads[h][q][1] for q in sorted(heads[h])]).float(),
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                kept.keys[0, h],
+                torch.stack([heads[h][q][0] for q in sorted(heads[h])]).float(),
+                rtol=1e-5,
+                atol=1e-5,
+            )
+            torch.testing.assert_close(
+                kept.values[0, h],
+                torch.stack([heads[h][q][1] for q in sorted(heads[h])]).float(),
+                rtol=1e-5,
+                atol=1e-5,
+            )
 
 
-def clustered_layer(seed: int, slots: int, prompt: int | None = None) -> tuple[SlotRows, torch.Tensor, torch.Tensor]:
+def clustered_layer(
+    seed: int, slots: int, prompt: int | None = None
+) -> tuple[SlotRows, torch.Tensor, torch.Tensor]:
     """Keys drawn around 3 directions (many similar keys: several sources per target) and their values `(Hkv, slots,
     D)`; the layer holds the first `prompt` positions (all by default), with random Abar."""
     prompt = slots if prompt is None else prompt
     gen = torch.Generator().manual_seed(seed)
     base = torch.randn(3, D, generator=gen)
-    keys = base[torch.randint(0, 3, (HKV, slots), generator=gen)] + 0.2 * torch.randn(HKV, slots, D, generator=gen)
+    keys = base[torch.randint(0, 3, (HKV, slots), generator=gen)] + 0.2 * torch.randn(
+        HKV, slots, D, generator=gen
+    )
     values = torch.randn(HKV, slots, D, generator=gen)
     layer = layer_rows()
     layer.append(keys[None, :, :prompt].clone(), values[None, :, :prompt].clone(), torch.arange(prompt))
@@ -169,12 +234,14 @@ def test_d2o_provenance_replay_rebuilds_every_key_and_value_over_several_steps()
     policy = make_policy("d2o", {"beta": 0.3})
     shrink(policy, layer, 12, log, prompt=True)
     for q in range(40, 50):
-        layer.append(keys[None, :, q:q + 1].clone(), values[None, :, q:q + 1].clone(), torch.tensor([q]))
+        layer.append(keys[None, :, q : q + 1].clone(), values[None, :, q : q + 1].clone(), torch.tensor([q]))
         policy.compress(layer, Step(q - 39, Phase.DECODE, 12, log))
     frame = log.frame()
     merges = frame[frame.action == "merge"]
     step0 = merges[merges.step == 0]
-    assert (step0.groupby(["kv_head", step0.targets.map(lambda t: t[0])]).size() > 1).any()  # several into one
+    assert (
+        step0.groupby(["kv_head", step0.targets.map(lambda t: t[0])]).size() > 1
+    ).any()  # several into one
     assert len(merges[merges.step > 0])
     prov = replay(frame, "set")
     for h in range(HKV):
@@ -183,8 +250,9 @@ def test_d2o_provenance_replay_rebuilds_every_key_and_value_over_several_steps()
             sources = prov.get((0, h), {}).get(p, {p: 1.0})
             assert sum(sources.values()) == pytest.approx(1.0)
             for now, original in ((layer.keys, keys), (layer.values, values)):
-                torch.testing.assert_close(now[0, h, s], sum(w * original[h, q] for q, w in sources.items()),
-                                           atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(
+                    now[0, h, s], sum(w * original[h, q] for q, w in sources.items()), atol=1e-5, rtol=1e-5
+                )
 
 
 @settings(max_examples=examples(20))
@@ -220,23 +288,29 @@ def test_d2o_without_merging_sinks_or_reallocation_is_h2o():
 def prompt_layer(column_sums: list[list[float]]) -> SlotRows:
     layer = layer_rows()
     t = len(column_sums[0])
-    layer.append(torch.zeros(1, len(column_sums), t, D), torch.zeros(1, len(column_sums), t, D), torch.arange(t))
+    layer.append(
+        torch.zeros(1, len(column_sums), t, D), torch.zeros(1, len(column_sums), t, D), torch.arange(t)
+    )
     layer.abar = torch.tensor(column_sums)
     return layer
 
 
 def test_d2o_gives_denser_layers_more_budget_and_keeps_the_total():
     t = 60
-    sums = [[[1.0] * t, [1.0] * t],  # uniform column sums: variance 0, the densest layer
-            [[2.0, 1.0] * (t // 2), [1.0] * t],
-            [[t / 2, t / 2] + [0.0] * (t - 2), [3.0, 0.0, 1.0] * (t // 3)],
-            [[float(t)] + [0.0] * (t - 1)] * 2]  # all attention on one key: the sparsest
+    sums = [
+        [[1.0] * t, [1.0] * t],  # uniform column sums: variance 0, the densest layer
+        [[2.0, 1.0] * (t // 2), [1.0] * t],
+        [[t / 2, t / 2] + [0.0] * (t - 2), [3.0, 0.0, 1.0] * (t // 3)],
+        [[float(t)] + [0.0] * (t - 1)] * 2,
+    ]  # all attention on one key: the sparsest
     layers = [prompt_layer(s) for s in sums]
     for density in ("layers", "official"):
         got = make_policy("d2o", {"density": density}).allocate(30, layers)
         assert sum(got) == 30 * 4 and all(5 <= b <= t for b in got)
         # the rule written plainly: unbiased variance of each head's column sums, a score per layer, softmax(-score)
-        var = torch.tensor([[torch.tensor(head).var().item() for head in layer] for layer in sums], dtype=torch.float64)
+        var = torch.tensor(
+            [[torch.tensor(head).var().item() for head in layer] for layer in sums], dtype=torch.float64
+        )
         if density == "layers":
             v = var.mean(1)
             score = (v - v.min()) / (v.max() - v.min() + 1e-6)
@@ -250,8 +324,12 @@ def test_d2o_gives_denser_layers_more_budget_and_keeps_the_total():
 
 
 @settings(max_examples=examples(60))
-@given(st.lists(st.floats(1e-3, 1.0), min_size=1, max_size=32), st.integers(1, 20), st.integers(0, 200),
-       st.floats(0.0, 1.0))
+@given(
+    st.lists(st.floats(1e-3, 1.0), min_size=1, max_size=32),
+    st.integers(1, 20),
+    st.integers(0, 200),
+    st.floats(0.0, 1.0),
+)
 def test_bounded_shares_sum_to_the_total_within_bounds_in_the_order_of_the_shares(shares, lo, span, where):
     n, hi = len(shares), lo + span
     total = n * lo + round(where * n * span)
@@ -276,7 +354,14 @@ def test_a_d2o_run_keeps_the_total_budget_merges_at_every_step_and_reallocates(t
     assert r.metrics["kv_entries_max"] == r.metrics["kv_entries_budget"] and math.isfinite(r.metrics["ppl"])
     d = r.decisions
     assert set(d.action) == {"merge", "evict"} and (d[d.action == "merge"].step > 0).any()
-    uniform = run(tiny, make_policy("d2o", {"allocation": "uniform"}), IDS, prefill=120, steps=8, teacher=True,
-                  opts=RunOptions(budget=30))
+    uniform = run(
+        tiny,
+        make_policy("d2o", {"allocation": "uniform"}),
+        IDS,
+        prefill=120,
+        steps=8,
+        teacher=True,
+        opts=RunOptions(budget=30),
+    )
     assert (uniform.tensors["steps/kv_slots"] == 30).all()
     assert not (slots == 30).all()  # the dynamic allocation really moved budget between layers

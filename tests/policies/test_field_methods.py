@@ -1,5 +1,6 @@
 """The methods the field compares against (SnapKV, PyramidKV, Ada-KV, Expected Attention, KNorm, KeyDiff,
 Q-Filters, random): each rule against the same rule written plainly here, on hand-made or random rows."""
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,11 @@ IDS = list(b"Observation windows, pyramids and filters: which keys does each met
 def random_layer(seed: int, slots: int):
     gen = torch.Generator().manual_seed(seed)
     layer = layer_rows()
-    layer.append(torch.randn(1, HKV, slots, D, generator=gen), torch.randn(1, HKV, slots, D, generator=gen),
-                 torch.arange(slots))
+    layer.append(
+        torch.randn(1, HKV, slots, D, generator=gen),
+        torch.randn(1, HKV, slots, D, generator=gen),
+        torch.arange(slots),
+    )
     return layer
 
 
@@ -51,11 +55,15 @@ def test_snapkv_keeps_its_window_and_the_pooled_window_attention_top():
     t, w, budget = 30, 6, 14
     layer = random_layer(3, t)
     gen = torch.Generator().manual_seed(4)
-    last = torch.softmax(torch.randn(HKV * G, w, t, generator=gen), -1)  # the window's rows (softmax over keys)
+    last = torch.softmax(
+        torch.randn(HKV * G, w, t, generator=gen), -1
+    )  # the window's rows (softmax over keys)
     policy = make_policy("snapkv", {"window": w, "kernel": 3})
     policy.observe_prefill(layer, Prompt(last))
     shrink(policy, layer, budget, prompt=True)
-    pooled = F.avg_pool1d(last[:, :, : t - w].mean(1)[:, None], 3, padding=1, stride=1)[:, 0]  # per query head
+    pooled = F.avg_pool1d(last[:, :, : t - w].mean(1)[:, None], 3, padding=1, stride=1)[
+        :, 0
+    ]  # per query head
     score = pooled.view(HKV, G, t - w).mean(1)
     for h in range(HKV):
         want = sorted(score[h].topk(budget - w).indices.tolist()) + list(range(t - w, t))
@@ -69,12 +77,21 @@ def test_pyramidkv_schedules_keep_the_total_and_fall_with_depth(tiny):
     paper = make_policy("pyramidkv").allocate(512, layers)
     assert sum(paper) == 30 * 512 and paper == sorted(paper, reverse=True) and paper[0] > paper[-1] >= 64
     official = make_policy("pyramidkv", {"schedule": "official"}).allocate(512, layers)
-    assert official[0] == paper[0] and 0 <= sum(official) - 30 * 512 < 30 * 29 // 2  # the integer floors' excess
+    assert (
+        official[0] == paper[0] and 0 <= sum(official) - 30 * 512 < 30 * 29 // 2
+    )  # the integer floors' excess
     # kvpress: the window inside the share, and uniform unless min = B / beta reaches the window (B >= 1280)
     assert make_policy("pyramidkv", {"schedule": "kvpress"}).allocate(512, layers) == [512] * 30
     assert sum(make_policy("pyramidkv", {"schedule": "kvpress"}).allocate(1400, layers)) == 30 * 1400
-    r = run(tiny, make_policy("pyramidkv", {"base.window": 8, "window": 8, "beta": 4}), IDS, prefill=120, steps=6,
-            teacher=True, opts=RunOptions(budget=40))
+    r = run(
+        tiny,
+        make_policy("pyramidkv", {"base.window": 8, "window": 8, "beta": 4}),
+        IDS,
+        prefill=120,
+        steps=6,
+        teacher=True,
+        opts=RunOptions(budget=40),
+    )
     per_layer = r.tensors["steps/kv_slots"][0, :, 0].tolist()  # after the prompt's compression
     assert per_layer[0] > per_layer[-1] and r.metrics["kv_entries_max"] == r.metrics["kv_entries_budget"]
 
@@ -89,7 +106,9 @@ def test_adakv_shares_the_layer_budget_by_score_with_a_floor_per_head(seed, slot
     counts = layer.kept_per_row().tolist()
     if slots <= budget:
         return
-    assert sum(counts) == HKV * budget and min(counts) >= min(max(1, int(budget * alpha)) if alpha else 0, slots)
+    assert sum(counts) == HKV * budget and min(counts) >= min(
+        max(1, int(budget * alpha)) if alpha else 0, slots
+    )
     safe = max(1, int(budget * alpha)) if alpha > 0 else 0
     boosted = score.clone()
     if safe:
@@ -101,8 +120,15 @@ def test_adakv_shares_the_layer_budget_by_score_with_a_floor_per_head(seed, slot
 
 
 def test_adakv_keeps_the_total_at_every_decode_step_and_pads_the_heads(tiny):
-    r = run(tiny, make_policy("adakv", {"base": "knorm", "alpha": 0.1}), IDS, prefill=120, steps=12, teacher=True,
-            opts=RunOptions(budget=30))
+    r = run(
+        tiny,
+        make_policy("adakv", {"base": "knorm", "alpha": 0.1}),
+        IDS,
+        prefill=120,
+        steps=12,
+        teacher=True,
+        opts=RunOptions(budget=30),
+    )
     slots = r.tensors["steps/kv_slots"]  # (steps, L, Hkv)
     assert (slots.sum((1, 2)) == 30 * slots.shape[1] * slots.shape[2]).all()
     assert (slots.amax(-1) != slots.amin(-1)).any()  # heads really keep different counts
@@ -118,7 +144,9 @@ def test_expected_attention_recovers_the_queries_before_rope_and_scores_as_the_f
     cos, sin = rope(torch.arange(t))
     after = before * cos + rotate_half(before) * sin  # RoPE as Llama applies it
     layer = layer_rows()
-    layer.append(torch.randn(1, HKV, t, d, generator=gen), torch.randn(1, HKV, t, d, generator=gen), torch.arange(t))
+    layer.append(
+        torch.randn(1, HKV, t, d, generator=gen), torch.randn(1, HKV, t, d, generator=gen), torch.arange(t)
+    )
     policy = make_policy("expected_attention", {"n_future": 8, "n_sink": 2})
     policy.observe_prefill(layer, Prompt(torch.zeros(HKV * G, 0, t), after, torch.arange(t), 0.25, rope))
     got = policy.score(layer, Step(0, Phase.PREFILL, 10))
@@ -127,15 +155,19 @@ def test_expected_attention_recovers_the_queries_before_rope_and_scores_as_the_f
     mu, cov = h.mean(1), torch.stack([(x - x.mean(0)).T @ (x - x.mean(0)) / x.shape[0] for x in h])
     cf, sf = rope(torch.arange(t, t + 8))
     swap = torch.zeros(d, d)
-    swap[d // 2:, : d // 2], swap[: d // 2, d // 2:] = torch.eye(d // 2), -torch.eye(d // 2)
-    rot = torch.stack([c[None, :] * torch.eye(d) + s[None, :] * swap for c, s in zip(cf, sf, strict=True)]).mean(0)
+    swap[d // 2 :, : d // 2], swap[: d // 2, d // 2 :] = torch.eye(d // 2), -torch.eye(d // 2)
+    rot = torch.stack(
+        [c[None, :] * torch.eye(d) + s[None, :] * swap for c, s in zip(cf, sf, strict=True)]
+    ).mean(0)
     mu, cov = mu @ rot.T, rot @ cov @ rot.T
     keys, values = layer.keys[0], layer.values[0]
     for kv in range(HKV):
         probs = []
         for g in range(G):
             q = kv * G + g
-            z = 0.25 * keys[kv] @ mu[q] + 0.25 ** 2 / 2 * torch.einsum("si,ij,sj->s", keys[kv], cov[q], keys[kv])
+            z = 0.25 * keys[kv] @ mu[q] + 0.25**2 / 2 * torch.einsum(
+                "si,ij,sj->s", keys[kv], cov[q], keys[kv]
+            )
             probs.append(torch.softmax(z[2:], 0))
         want = torch.stack(probs).mean(0) * values[kv, 2:].norm(dim=-1)
         torch.testing.assert_close(got[kv, 2:], want, rtol=1e-4, atol=1e-6)
@@ -151,8 +183,12 @@ def test_qfilters_are_the_main_right_singular_vector_of_the_queries(smol):
         ids = list(smol.tokenizer(text).input_ids)
         if len(ids) >= 128:
             with torch.inference_mode():
-                smol.model(input_ids=torch.tensor([ids[:128]], device=smol.device), use_cache=False, logits_to_keep=1,
-                           kvlens_context=tap)
+                smol.model(
+                    input_ids=torch.tensor([ids[:128]], device=smol.device),
+                    use_cache=False,
+                    logits_to_keep=1,
+                    kvlens_context=tap,
+                )
             taken.append(tap.queries[7].cpu())
         if len(taken) == 2:
             break
@@ -191,8 +227,10 @@ def test_a_run_of_every_field_method_keeps_its_budget(tiny):
 def test_kvzip_asks_to_repeat_each_chunk_quoting_the_previous_one(tiny):
     prompt = list(range(100, 150))
     passes = make_policy("kvzip", {"chunk": 20}).replay_passes(tiny.tokenizer, prompt)
-    first, later = list(b"\n\nRepeat the previous context exactly."), list(
-        b"\n\nRepeat the part of the previous context exactly, starting with")
+    first, later = (
+        list(b"\n\nRepeat the previous context exactly."),
+        list(b"\n\nRepeat the part of the previous context exactly, starting with"),
+    )
     assert [(a, b) for a, b, _ in passes] == [(0, 20), (20, 40), (40, 50)]
     assert passes[0][2] == first + list(b"\n") + prompt[:20]  # no chat template: "\n" ends the turn
     assert passes[1][2] == later + prompt[12:20] + list(b"\n") + prompt[20:40]  # the previous chunk's last 8
@@ -206,19 +244,31 @@ def test_kvzip_reconstructs_the_context_without_exactly_the_chat_templates_head(
 
     context, _ = split_prompt(smol, next(iter(texts.bundled(1).values()))[:400], "Who wrote this?")
     head = smol.tokenizer(template_parts(smol, True)[0], add_special_tokens=False).input_ids
-    assert context[:len(head)] == head and len(head) > 8
+    assert context[: len(head)] == head and len(head) > 8
     whole = make_policy("kvzip", {"chunk": 40}).replay_passes(smol.tokenizer, context)
-    passes = make_policy("kvzip", {"chunk": 40, "reconstruct": "context"}).replay_passes(smol.tokenizer, context)
+    passes = make_policy("kvzip", {"chunk": 40, "reconstruct": "context"}).replay_passes(
+        smol.tokenizer, context
+    )
     assert whole[0][0] == 0 and passes[0][0] == len(head)
-    assert [(a, b) for a, b, _ in passes] == [(a, min(a + 40, len(context))) for a in range(len(head), len(context),
-                                                                                            40)]
+    assert [(a, b) for a, b, _ in passes] == [
+        (a, min(a + 40, len(context))) for a in range(len(head), len(context), 40)
+    ]
     suffix = smol.tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    assert passes[0][2][-40 - len(suffix):] == suffix + context[len(head):len(head) + 40]
-    quote = context[len(head) + 32:len(head) + 40]  # the previous chunk's last 8, never the template's
-    assert passes[1][2][-48 - len(suffix):] == quote + suffix + context[len(head) + 40:len(head) + 80]
-    assert make_policy("kvzip", {"reconstruct": "context"}).replay_passes(smol.tokenizer, context[2:])[0][0] == 0
-    r = run(smol, make_policy("kvzip", {"chunk": 40, "reconstruct": "context", "decoding": "once"}), context,
-            prefill=len(context), steps=1, teacher=False, opts=RunOptions(budget=len(context) - len(head)))
+    assert passes[0][2][-40 - len(suffix) :] == suffix + context[len(head) : len(head) + 40]
+    quote = context[len(head) + 32 : len(head) + 40]  # the previous chunk's last 8, never the template's
+    assert passes[1][2][-48 - len(suffix) :] == quote + suffix + context[len(head) + 40 : len(head) + 80]
+    assert (
+        make_policy("kvzip", {"reconstruct": "context"}).replay_passes(smol.tokenizer, context[2:])[0][0] == 0
+    )
+    r = run(
+        smol,
+        make_policy("kvzip", {"chunk": 40, "reconstruct": "context", "decoding": "once"}),
+        context,
+        prefill=len(context),
+        steps=1,
+        teacher=False,
+        opts=RunOptions(budget=len(context) - len(head)),
+    )
     gone = r.decisions.groupby(["layer", "kv_head"]).position.apply(set)
     assert all(set(range(4, len(head))) <= g for g in gone)  # every head slot but the 4 sinks, in every head
     assert not (r.decisions.position < 4).any()
@@ -243,15 +293,17 @@ def test_kvzip_scores_each_slot_by_the_largest_weight_of_the_repeating_queries(s
         for g in range(G):
             for i in range(q):
                 logits = 0.5 * seen @ queries[kv * G + g, i]
-                logits[s + end - start + i + 1:] = float("-inf")  # causal among the pass's own keys
-                best = torch.maximum(best, torch.softmax(logits, 0)[s:s + end - start])
+                logits[s + end - start + i + 1 :] = float("-inf")  # causal among the pass's own keys
+                best = torch.maximum(best, torch.softmax(logits, 0)[s : s + end - start])
         torch.testing.assert_close(got[kv, start:end], best, rtol=1e-5, atol=1e-7)
         assert (got[kv, :start] == 0).all() and (got[kv, end:] == 0).all()  # other chunks: other passes
 
 
 @settings(max_examples=examples(10))
 @given(st.integers(0, 10_000), st.integers(5, 14), st.booleans())
-def test_kvzip_evicts_the_lowest_scores_over_every_layer_and_head_and_never_the_sinks(seed, budget, layerwise):
+def test_kvzip_evicts_the_lowest_scores_over_every_layer_and_head_and_never_the_sinks(
+    seed, budget, layerwise
+):
     from kvlens.engine.cache import KVCache
 
     t, n = 16, 3
@@ -259,8 +311,11 @@ def test_kvzip_evicts_the_lowest_scores_over_every_layer_and_head_and_never_the_
     layers = KVCache(n).layers
     scores = torch.rand(n, HKV, t, generator=gen)
     for rows, score in zip(layers, scores, strict=True):
-        rows.append(torch.randn(1, HKV, t, D, generator=gen), torch.randn(1, HKV, t, D, generator=gen),
-                    torch.arange(t))
+        rows.append(
+            torch.randn(1, HKV, t, D, generator=gen),
+            torch.randn(1, HKV, t, D, generator=gen),
+            torch.arange(t),
+        )
         rows.states[0]["kvzip_score"] = score.clone()
     policy = make_policy("kvzip", {"n_sink": 2, "layerwise": layerwise})
     widths = policy.allocate(budget, layers)
@@ -283,15 +338,29 @@ def test_kvzip_replays_leave_the_prompts_cache_as_it_was_and_keep_the_total_whil
     steps, budget = 10, 30
     full = run(tiny, make_policy("full"), IDS, prefill=100, steps=steps, teacher=True, opts=RunOptions())
     for decoding in ("rolling", "once"):
-        r = run(tiny, make_policy("kvzip", {"chunk": 40, "decoding": decoding}), IDS, prefill=100, steps=steps,
-                teacher=True, opts=RunOptions(budget=budget))
+        r = run(
+            tiny,
+            make_policy("kvzip", {"chunk": 40, "decoding": decoding}),
+            IDS,
+            prefill=100,
+            steps=steps,
+            teacher=True,
+            opts=RunOptions(budget=budget),
+        )
         assert r.metrics["replay_passes"] == 3 and r.metrics["replay_ms"] > 0
-        assert r.tensors["steps/nll"][0] == full.tensors["steps/nll"][0]  # the prompt's logits: no replay in them
+        assert (
+            r.tensors["steps/nll"][0] == full.tensors["steps/nll"][0]
+        )  # the prompt's logits: no replay in them
         total = r.tensors["steps/kv_slots"].sum((1, 2))  # (steps,) kept entries after each compression
         entries = budget * 3 * HKV
         assert total[0] == entries
-        assert (total == entries).all() if decoding == "rolling" else total.tolist() == [entries + HKV * 3 * i
-                                                                                        for i in range(steps)]
+        assert (
+            (total == entries).all()
+            if decoding == "rolling"
+            else total.tolist() == [entries + HKV * 3 * i for i in range(steps)]
+        )
         log = r.decisions
-        assert set(log.step) == ({0} if decoding == "once" else set(range(steps))) and (log.position >= 4).all()
+        assert (
+            set(log.step) == ({0} if decoding == "once" else set(range(steps))) and (log.position >= 4).all()
+        )
         assert (log[log.step > 0].position < 100).all()  # the least reconstructed prompt slots leave first

@@ -1,4 +1,5 @@
 """Rules of the merging policies (CaM, WeightedKV, KVMerger) and CORM, their decision logs and provenance."""
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,11 @@ def random_layer(seed: int, slots: int) -> SlotRows:
     """A layer of `slots` slots with random states."""
     gen = torch.Generator().manual_seed(seed)
     layer = layer_rows()
-    layer.append(torch.randn(1, HKV, slots, D, generator=gen), torch.randn(1, HKV, slots, D, generator=gen),
-                 torch.arange(slots))
+    layer.append(
+        torch.randn(1, HKV, slots, D, generator=gen),
+        torch.randn(1, HKV, slots, D, generator=gen),
+        torch.arange(slots),
+    )
     layer.abar = torch.rand(HKV, slots, generator=gen) * 5
     layer.nobs = torch.randint(1, 20, (HKV, slots), generator=gen).float()
     layer.last_attn = torch.softmax(torch.randn(HKV * G, slots, generator=gen), -1)
@@ -76,7 +80,11 @@ def test_cam_preset_on_a_hand_computed_step(preset):
     shrink(policy, layer, 6, log)
     row = log.frame().iloc[0]
     assert len(log.frame()) == 1 and row.action == "merge" and row.position == 1
-    assert row.prob == pytest.approx(p) and row.targets == [2, 3, 4, 5, 6] and row.weights == pytest.approx([w] * 5)
+    assert (
+        row.prob == pytest.approx(p)
+        and row.targets == [2, 3, 4, 5, 6]
+        and row.weights == pytest.approx([w] * 5)
+    )
     kept = layer.in_position_order()
     assert kept.pos[0].tolist() == [0, 2, 3, 4, 5, 6]
     expected = values[0, 0, [0, 2, 3, 4, 5, 6]].clone()
@@ -86,8 +94,13 @@ def test_cam_preset_on_a_hand_computed_step(preset):
 
 def test_cam_divides_by_m_or_by_the_targets_found_and_pools_local_or_kept_slots():
     # h2o at budget 6: recent window 4-6, heavy hitters 0, 2, 3 (after the evicted position 1)
-    params = {"base": "h2o", "base.recent_ratio": 0.5, "mask": "always", "score": "accumulated",
-              "denominator": "targets_mean"}
+    params = {
+        "base": "h2o",
+        "base.recent_ratio": 0.5,
+        "mask": "always",
+        "score": "accumulated",
+        "denominator": "targets_mean",
+    }
     frames = {}
     for pool, divide in (("kept", "found"), ("local", "m")):
         layer = hand_layer()
@@ -98,7 +111,10 @@ def test_cam_divides_by_m_or_by_the_targets_found_and_pools_local_or_kept_slots(
     assert frames["kept"].targets == [2, 3, 4, 5] and frames["kept"].weights == pytest.approx([1 / 4] * 4)
     assert frames["local"].targets == [4, 5, 6] and frames["local"].weights == pytest.approx([1 / 4] * 3)
     assert frames["local"].prob == pytest.approx(1 / ((4 + 2 + 1) / 3))
-    layer, plain = hand_layer(), hand_layer()  # no local window at all: nothing to merge into, the base's eviction
+    layer, plain = (
+        hand_layer(),
+        hand_layer(),
+    )  # no local window at all: nothing to merge into, the base's eviction
     shrink(make_policy("cam", {**params, "base.recent_ratio": 0.0, "span": 0, "targets": "local"}), layer, 6)
     shrink(make_policy("h2o", {"recent_ratio": 0.0}), plain, 6)
     assert torch.equal(layer.values, plain.values) and torch.equal(layer.pos, plain.pos)
@@ -130,8 +146,10 @@ def sequential_step0_merge(policy: CaM, layer: SlotRows, budget: int):
     m = policy.span or pool
     score, pos, values = policy.attention(layer).tolist(), layer.pos.tolist(), layer.values[0].clone()
     gen = torch.Generator().manual_seed(policy.seed * 1_000_003 + layer.layers[0])
-    cands = [sorted(keep[h, b - pool:].tolist() + evicted[h].tolist(), key=lambda x, h=h: pos[h][x])
-             for h in range(HKV)]
+    cands = [
+        sorted(keep[h, b - pool :].tolist() + evicted[h].tolist(), key=lambda x, h=h: pos[h][x])
+        for h in range(HKV)
+    ]
     outside = [keep[h, : b - pool].tolist() for h in range(HKV)]
     reach = local if policy.targets == "local" else len(cands[0])
     rows = []
@@ -139,8 +157,8 @@ def sequential_step0_merge(policy: CaM, layer: SlotRows, budget: int):
         u = torch.rand(HKV, generator=gen).tolist()
         for h in range(HKV):
             i = int(evicted[h, k])
-            after = cands[h][cands[h].index(i) + 1:]
-            window, targets = after[:reach], after[:min(m, reach)]
+            after = cands[h][cands[h].index(i) + 1 :]
+            window, targets = after[:reach], after[: min(m, reach)]
             if not targets:
                 continue
             if policy.denominator == "max":
@@ -158,11 +176,20 @@ def sequential_step0_merge(policy: CaM, layer: SlotRows, budget: int):
 
 
 @pytest.mark.parametrize("block", [1, 256])  # the chain solve in blocks of its longest link, or in one block
-@pytest.mark.parametrize("budget", [12, 39])  # the prompt's bulk merge (28 evictions per head), a decode step's one
-@pytest.mark.parametrize("params", [{}, {"preset": "official-summarization", "span": 6, "prefill": "merge"},
-                                    {"preset": "kvpress", "prefill": "merge"}, {"preset": "paper", "prefill": "merge"},
-                                    {"base": "h2o", "denominator": "window_mean", "span": 2},
-                                    {"base": "h2o", "preset": "official-ppl", "span": 3, "mask": "always"}])
+@pytest.mark.parametrize(
+    "budget", [12, 39]
+)  # the prompt's bulk merge (28 evictions per head), a decode step's one
+@pytest.mark.parametrize(
+    "params",
+    [
+        {},
+        {"preset": "official-summarization", "span": 6, "prefill": "merge"},
+        {"preset": "kvpress", "prefill": "merge"},
+        {"preset": "paper", "prefill": "merge"},
+        {"base": "h2o", "denominator": "window_mean", "span": 2},
+        {"base": "h2o", "preset": "official-ppl", "span": 3, "mask": "always"},
+    ],
+)
 def test_cam_merge_in_tensor_form_equals_the_sequential_loop(params, budget, block, monkeypatch):
     monkeypatch.setattr("kvlens.policies.cam.SOLVE_BLOCK", block)
     policy = make_policy("cam", {**params, "seed": 4})
@@ -174,8 +201,9 @@ def test_cam_merge_in_tensor_form_equals_the_sequential_loop(params, budget, blo
     shrink(policy, layer, budget, log, prompt=budget == 12)
     merges = log.frame().query("action == 'merge'")
     assert len(merges) == len(rows) and (sum(r[3] for r in rows) > 0 or budget == 39)
-    assert [(int(r.kv_head), int(r.position), list(r.targets), int(r.draw)) for r in merges.itertuples()] == \
-        [(h, i, t, d) for h, i, t, d, _, _ in rows]
+    assert [(int(r.kv_head), int(r.position), list(r.targets), int(r.draw)) for r in merges.itertuples()] == [
+        (h, i, t, d) for h, i, t, d, _, _ in rows
+    ]
     assert merges.prob.tolist() == pytest.approx([r[5] for r in rows], rel=1e-5)
     kept = layer.in_position_order()
     for h in range(HKV):
@@ -183,8 +211,14 @@ def test_cam_merge_in_tensor_form_equals_the_sequential_loop(params, budget, blo
         torch.testing.assert_close(kept.values[0, h], values[h, slots])
 
 
-@pytest.mark.parametrize("params", [{"preset": "official-ppl", "span": 5}, {"preset": "kvpress"},
-                                    {"preset": "paper", "span": 3, "mask": "always"}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"preset": "official-ppl", "span": 5},
+        {"preset": "kvpress"},
+        {"preset": "paper", "span": 3, "mask": "always"},
+    ],
+)
 def test_cam_bulk_step0_merge_equals_the_same_evictions_one_at_a_time(params):
     bulk, single = random_layer(9, 40), random_layer(9, 40)
     bulk.extra[DECODE_ATTN] = single.extra[DECODE_ATTN] = torch.rand(HKV, 40)
@@ -197,8 +231,10 @@ def test_cam_bulk_step0_merge_equals_the_same_evictions_one_at_a_time(params):
     assert bulk.pos.equal(single.pos) and bulk.pos[0].tolist() == [0, 1, 2, 3, *range(32, 40)]
     torch.testing.assert_close(bulk.values, single.values)
     columns = ["kv_head", "position", "targets", "weights", "draw"]
-    a, b = (log.frame().sort_values(["kv_head", "position"], kind="stable").reset_index(drop=True)
-            for log in (log_bulk, log_single))
+    a, b = (
+        log.frame().sort_values(["kv_head", "position"], kind="stable").reset_index(drop=True)
+        for log in (log_bulk, log_single)
+    )
     assert a[columns].equals(b[columns]) and a.prob.tolist() == pytest.approx(b.prob.tolist(), rel=1e-6)
     assert (log_bulk.frame().action == "merge").sum() == 2 * 28  # every evicted slot merged or drew 0
 
@@ -208,24 +244,50 @@ def test_cam_mask_never_reproduces_its_base(tiny, base):
     opts = RunOptions(budget=20, max_new_tokens=12, stop_at_eos=False)
     for teacher in (True, False):
         a = run(tiny, make_policy(base), IDS, prefill=80, steps=12, teacher=teacher, opts=opts)
-        b = run(tiny, make_policy("cam", {"base": base, "mask": "never"}), IDS, prefill=80, steps=12,
-                teacher=teacher, opts=opts)
+        b = run(
+            tiny,
+            make_policy("cam", {"base": base, "mask": "never"}),
+            IDS,
+            prefill=80,
+            steps=12,
+            teacher=teacher,
+            opts=opts,
+        )
         assert a.meta["tokens"] == b.meta["tokens"] and a.metrics["ppl"] == b.metrics["ppl"]
         assert a.decisions.equals(b.decisions) and len(a.decisions)
 
 
 def test_cam_prefill_choice_and_base_parameters(tiny):
     opts = RunOptions(budget=20)
-    evict = run(tiny, make_policy("cam", {"mask": "always", "prefill": "evict"}), IDS, prefill=80, steps=6,
-                teacher=True, opts=opts)
-    merge = run(tiny, make_policy("cam", {"mask": "always", "prefill": "merge"}), IDS, prefill=80, steps=6,
-                teacher=True, opts=opts)
+    evict = run(
+        tiny,
+        make_policy("cam", {"mask": "always", "prefill": "evict"}),
+        IDS,
+        prefill=80,
+        steps=6,
+        teacher=True,
+        opts=opts,
+    )
+    merge = run(
+        tiny,
+        make_policy("cam", {"mask": "always", "prefill": "merge"}),
+        IDS,
+        prefill=80,
+        steps=6,
+        teacher=True,
+        opts=opts,
+    )
     step0 = evict.decisions[evict.decisions.step == 0]
-    assert (step0.action == "evict").all() and (evict.decisions[evict.decisions.step > 0].action == "merge").all()
+    assert (step0.action == "evict").all() and (
+        evict.decisions[evict.decisions.step > 0].action == "merge"
+    ).all()
     assert (merge.decisions[merge.decisions.step == 0].action == "merge").all()
     assert make_policy("cam", {"base": "h2o", "base.recent_ratio": 0.25}).base.local_window(40) == 10
-    assert parse_settings("cam", ["base=tova", "mask=always", "clamp=0.2,0.9"]) == \
-        {"base": "tova", "mask": "always", "clamp": (0.2, 0.9)}
+    assert parse_settings("cam", ["base=tova", "mask=always", "clamp=0.2,0.9"]) == {
+        "base": "tova",
+        "mask": "always",
+        "clamp": (0.2, 0.9),
+    }
     with pytest.raises(KvlensError, match="mask of cam must be one of bernoulli, always, never"):
         parse_settings("cam", ["mask=sometimes"])
 
@@ -290,20 +352,22 @@ def test_merging_sets_are_consecutive_above_threshold_and_maximal(seed, t, thres
 def test_gaussian_weights_paper_sigmas_and_explicit_sigma():
     keys = torch.tensor([[0.0, 0.0], [1.0, 0.0], [3.0, 0.0]])
     w = gaussian_weights(keys, 0, "eq7")
-    sigma = (0 + 1 + 9) / (2 ** 0.5 * 3)  # Eq. 7: 2.357, larger than the distances 1 and 3
-    g = torch.exp(-torch.tensor([0.0, 1.0, 9.0]) / (2 * sigma ** 2))
+    sigma = (0 + 1 + 9) / (2**0.5 * 3)  # Eq. 7: 2.357, larger than the distances 1 and 3
+    g = torch.exp(-torch.tensor([0.0, 1.0, 9.0]) / (2 * sigma**2))
     torch.testing.assert_close(w, g / g.sum())
     torch.testing.assert_close(gaussian_weights(keys, 0), w)  # None = Eq. 7
     assert float(w.sum()) == pytest.approx(1) and int(w.argmax()) == 0
     near = gaussian_weights(keys, 0, "mean_distance")  # §6.3: sigma = mean(1, 3) = 2 over the other keys
-    g = torch.exp(-torch.tensor([0.0, 1.0, 9.0]) / (2 * 2.0 ** 2))
+    g = torch.exp(-torch.tensor([0.0, 1.0, 9.0]) / (2 * 2.0**2))
     torch.testing.assert_close(near, g / g.sum())
     assert float(near[2]) < float(w[2])  # the far key weighs less than under Eq. 7
     wide = gaussian_weights(keys, 0, sigma=100.0)
     torch.testing.assert_close(wide, torch.full((3,), 1 / 3), atol=1e-3, rtol=0)
     with pytest.raises(KvlensError):
         gaussian_weights(keys, 3)
-    with pytest.raises(KvlensError, match="sigma must be a positive number, eq7 or mean_distance; got 'mean'"):
+    with pytest.raises(
+        KvlensError, match="sigma must be a positive number, eq7 or mean_distance; got 'mean'"
+    ):
         gaussian_weights(keys, 0, "mean")
     assert make_policy("kvmerger", {"preset": "budget35"}).params()["recent_ratio"] == 0.08
     assert make_policy("kvmerger", {"preset": "budget50", "keep_ratio": 0.2}).params()["keep_ratio"] == 0.2
@@ -349,8 +413,9 @@ class SpyCORM(CORM):
             must = (rows.extra[MESSAGE].any(-1) | recent) & rows.valid
             self.checks.append([set(rows.pos[h][must[h]].tolist()) for h in range(must.shape[0])])
             super().compress(rows, step)
-            self.checks[-1] = [(need, set(rows.pos[h][rows.valid[h]].tolist())) for h, need in
-                               enumerate(self.checks[-1])]
+            self.checks[-1] = [
+                (need, set(rows.pos[h][rows.valid[h]].tolist())) for h, need in enumerate(self.checks[-1])
+            ]
         else:
             super().compress(rows, step)
 
@@ -381,8 +446,14 @@ def test_corm_messages_follow_gqa_rule_minor_for_every_query_head():
 # ---------------------------------------------------------------- provenance
 
 
-@pytest.mark.parametrize("name,params", [("cam", {"mask": "always", "prefill": "merge"}), ("weightedkv", {}),
-                                         ("kvmerger", {"threshold": 0.0, "keep_ratio": 0.0})])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("cam", {"mask": "always", "prefill": "merge"}),
+        ("weightedkv", {}),
+        ("kvmerger", {"threshold": 0.0, "keep_ratio": 0.0}),
+    ],
+)
 def test_provenance_replay_rebuilds_every_value(name, params):
     layer = random_layer(8, 40)
     original = layer.values.clone()
@@ -408,8 +479,10 @@ def test_scissorhands_counts_unimportant_steps_like_the_paper_or_important_ones(
     layer.append(torch.randn(1, 1, 6, 2), torch.randn(1, 1, 6, 2), torch.arange(6))
     layer.abar = torch.tensor([[9.0, 5.0, 4.0, 3.0, 1.0, 1.0]])  # slot 3 < slot 2: the important count's tie
     # per slot, the last 4 steps: 0 not yet in the cache, 1 below the average attention, 2 at or above it
-    layer.extra[HISTORY] = torch.tensor([[[2, 2, 2, 2], [1, 1, 2, 2], [1, 1, 1, 2], [0, 0, 2, 1], [0, 0, 0, 1],
-                                          [0, 0, 0, 2]]], dtype=torch.int8)
+    layer.extra[HISTORY] = torch.tensor(
+        [[[2, 2, 2, 2], [1, 1, 2, 2], [1, 1, 1, 2], [0, 0, 2, 1], [0, 0, 0, 1], [0, 0, 0, 2]]],
+        dtype=torch.int8,
+    )
     policy = make_policy("scissorhands", {"history": 4, "recent_ratio": 0.25, "count": count})
     shrink(policy, layer, 4, DecisionLog())  # recent window: slot 5; two of slots 0-4 go
     # unimportant counts 0, 2, 3, 1, 1: slots 2 and 1 go; the young slots 3 and 4 stay (seen only 2 and 1 times)
@@ -424,12 +497,26 @@ def test_scissorhands_prefill_history_marks_unseen_slots_and_drop_compresses_m_a
     make_policy("scissorhands", {"history": 3}).observe_prefill(layer, Prompt(rows))
     # query 1 sees 2 slots (average 1/2), query 2 sees 3 (1/3); slot 2 is unseen by query 1
     assert layer.extra[HISTORY][0].tolist() == [[0, 2, 1], [0, 1, 1], [0, 0, 2]]
-    r = run(tiny, make_policy("scissorhands", {"drop": 3}), IDS, prefill=80, steps=8, teacher=True,
-            opts=RunOptions(budget=12))
+    r = run(
+        tiny,
+        make_policy("scissorhands", {"drop": 3}),
+        IDS,
+        prefill=80,
+        steps=8,
+        teacher=True,
+        opts=RunOptions(budget=12),
+    )
     assert r.tensors["steps/kv_slots"].amax((1, 2)).tolist() == [10, 11, 12, 10, 11, 12, 10, 11]
     with pytest.raises(KvlensError, match="Budget 2 is below the 3 slots that scissorhands always keeps"):
-        run(tiny, make_policy("scissorhands", {"drop": 3}), IDS, prefill=80, steps=8, teacher=True,
-            opts=RunOptions(budget=2))
+        run(
+            tiny,
+            make_policy("scissorhands", {"drop": 3}),
+            IDS,
+            prefill=80,
+            steps=8,
+            teacher=True,
+            opts=RunOptions(budget=2),
+        )
 
 
 # ---------------------------------------------------------------- presets
@@ -443,8 +530,12 @@ def test_every_preset_runs_and_is_recorded_resolved(tiny, name, preset):
     assert r.meta["policy"]["params"] == {**r.meta["policy"]["params"], **REGISTRY[name].presets[preset]}
     assert "preset" not in r.meta["policy"]["params"] and math.isfinite(r.metrics["ppl"])
     grows = policy.params().get("decoding") == "once"  # compressed once, then one slot per token
-    m = policy.dropped(budget) if name == "scissorhands" else 1  # m dropped at once, then one slot back per token
-    assert policy.budget_free or r.metrics["kv_slots_max"] == min(budget, budget + 1 - m + 7) + (7 if grows else 0)
+    m = (
+        policy.dropped(budget) if name == "scissorhands" else 1
+    )  # m dropped at once, then one slot back per token
+    assert policy.budget_free or r.metrics["kv_slots_max"] == min(budget, budget + 1 - m + 7) + (
+        7 if grows else 0
+    )
 
 
 def test_merges_in_tensor_form_give_the_rows_of_one_merge_call_each():
@@ -456,7 +547,15 @@ def test_merges_in_tensor_form_give_the_rows_of_one_merge_call_each():
     tensor_log.merges(3, 2, source, targets, weight, prob, draw)  # step 3, layer 2
     for e, h in [(0, 0), (0, 1), (1, 1)]:  # source by source, head by head; head 0's second has no target
         found = [int(t) for t in targets[h, e] if t >= 0]
-        row_log.merge(3, 2, h, int(source[h, e]), found, [float(weight[h, e])] * len(found), prob=float(prob[h, e]),
-                      draw=int(draw[h, e]))
+        row_log.merge(
+            3,
+            2,
+            h,
+            int(source[h, e]),
+            found,
+            [float(weight[h, e])] * len(found),
+            prob=float(prob[h, e]),
+            draw=int(draw[h, e]),
+        )
     assert len(tensor_log) == len(row_log) == 3
     assert tensor_log.frame().equals(row_log.frame())

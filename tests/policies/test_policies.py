@@ -1,4 +1,5 @@
 """Property tests of each eviction policy's rule (as its file cites the paper) on random caches and the tiny model."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,7 +41,9 @@ def kept_positions(layer) -> list[list[int]]:
 def compress(policy, layer, budget):
     log = DecisionLog()
     before = layer.pos.clone()
-    layer.books[0].limit = budget + 1  # as in a run: compressing the prompt moves the kept slots into budget + 1 slots
+    layer.books[0].limit = (
+        budget + 1
+    )  # as in a run: compressing the prompt moves the kept slots into budget + 1 slots
     shrink(policy, layer, budget, log, prompt=True)
     return before, log
 
@@ -54,7 +57,11 @@ def test_streaming_llm_keeps_sinks_and_most_recent(case):
     seed, slots, budget = case
     layer = random_layer(seed, slots)
     before, log = compress(make_policy("streaming_llm", {"sink": 4}), layer, budget)
-    want = list(range(4)) + list(range(max(4, slots - (budget - 4)), slots)) if slots > budget else list(range(slots))
+    want = (
+        list(range(4)) + list(range(max(4, slots - (budget - 4)), slots))
+        if slots > budget
+        else list(range(slots))
+    )
     for h in range(HKV):
         assert kept_positions(layer)[h] == want
     assert len(log) == HKV * max(0, slots - budget)
@@ -88,8 +95,13 @@ def test_scissorhands_drops_least_persistent_then_smaller_abar(case):
     seed, slots, budget = case
     layer = random_layer(seed, slots)
     gen = torch.Generator().manual_seed(seed + 1)
-    layer.extra[HISTORY] = torch.randint(0, 3, (HKV, slots, 8), generator=gen, dtype=torch.int8)  # unseen/below/above
-    counts, abar = -(layer.extra[HISTORY] == 1).sum(-1), layer.abar.clone()  # fewest unimportant steps are kept
+    layer.extra[HISTORY] = torch.randint(
+        0, 3, (HKV, slots, 8), generator=gen, dtype=torch.int8
+    )  # unseen/below/above
+    counts, abar = (
+        -(layer.extra[HISTORY] == 1).sum(-1),
+        layer.abar.clone(),
+    )  # fewest unimportant steps are kept
     policy = make_policy("scissorhands", {"history": 8, "recent_ratio": 0.25})
     compress(policy, layer, budget)
     if slots <= budget:
@@ -118,15 +130,29 @@ def test_tova_keeps_top_current_attention_same_set_per_layer(case):
 
 
 def test_full_keeps_everything(tiny):
-    r = run(tiny, make_policy("full"), list(b"hello world, " * 8), prefill=40, steps=20, teacher=True,
-            opts=RunOptions(budget=5))
+    r = run(
+        tiny,
+        make_policy("full"),
+        list(b"hello world, " * 8),
+        prefill=40,
+        steps=20,
+        teacher=True,
+        opts=RunOptions(budget=5),
+    )
     assert r.decisions.empty
     assert r.tensors["steps/kv_slots"][-1].unique().tolist() == [59]
 
 
 def test_fraction_budget_is_share_of_prompt(tiny):
-    r = run(tiny, make_policy("h2o"), list(b"x" * 100), prefill=80, steps=5, teacher=True,
-            opts=RunOptions(budget=0.25))
+    r = run(
+        tiny,
+        make_policy("h2o"),
+        list(b"x" * 100),
+        prefill=80,
+        steps=5,
+        teacher=True,
+        opts=RunOptions(budget=0.25),
+    )
     assert r.meta["budget"]["slots"] == 20 and r.metrics["kv_slots_max"] == 20
 
 
@@ -137,7 +163,10 @@ def test_parameters_are_validated_with_one_sentence():
         make_policy("h2o", {"recent_ratio": 1.5})
     with pytest.raises(KvlensError, match="must be an integer"):
         parse_settings("streaming_llm", ["sink=four"])
-    assert parse_settings("scissorhands", ["history=12", "recent_ratio=0.3"]) == {"history": 12, "recent_ratio": 0.3}
+    assert parse_settings("scissorhands", ["history=12", "recent_ratio=0.3"]) == {
+        "history": 12,
+        "recent_ratio": 0.3,
+    }
     with pytest.raises(KvlensError, match="Unknown policy"):
         make_policy("nope")
     assert parse_budget("64") == 64 and parse_budget("0.5") == 0.5
@@ -151,15 +180,27 @@ def shuffled(layer: SlotRows, seed: int) -> SlotRows:
     perm = torch.randperm(layer.n_slots, generator=torch.Generator().manual_seed(seed))
     out = layer_rows()
     out.append(layer.keys[:, :, perm].clone(), layer.values[:, :, perm].clone(), layer.pos[0, perm])
-    out.abar, out.nobs, out.last_attn = layer.abar[:, perm], layer.nobs[:, perm], layer.last_attn[:, perm].clone()
+    out.abar, out.nobs, out.last_attn = (
+        layer.abar[:, perm],
+        layer.nobs[:, perm],
+        layer.last_attn[:, perm].clone(),
+    )
     out.extra = {name: t[:, perm].clone() for name, t in layer.extra.items()}
     return out
 
 
-SLOT_FREE = [("streaming_llm", {}), ("h2o", {}), ("tova", {}), ("scissorhands", {"drop": 3}), ("cam", {}),
-             ("cam", {"base": "h2o", "preset": "paper", "mask": "always"}), ("cam", {"preset": "kvpress"}),
-             ("cam", {"base": "scissorhands", "preset": "official-summarization"}), ("weightedkv", {}),
-             ("weightedkv", {"merge": False})]
+SLOT_FREE = [
+    ("streaming_llm", {}),
+    ("h2o", {}),
+    ("tova", {}),
+    ("scissorhands", {"drop": 3}),
+    ("cam", {}),
+    ("cam", {"base": "h2o", "preset": "paper", "mask": "always"}),
+    ("cam", {"preset": "kvpress"}),
+    ("cam", {"base": "scissorhands", "preset": "official-summarization"}),
+    ("weightedkv", {}),
+    ("weightedkv", {"merge": False}),
+]
 
 
 @settings(max_examples=examples(30))
@@ -172,9 +213,11 @@ def test_decisions_do_not_depend_on_which_slot_holds_which_position(case, perm_s
     layer = random_layer(seed, slots)
     gen = torch.Generator().manual_seed(seed + 2)
     coarse = torch.randint(0, 4, (HKV * G + 2 * HKV, slots), generator=gen).float()  # many equal scores: ties
-    layer.abar, layer.last_attn = coarse[:HKV], coarse[HKV:HKV + HKV * G] / slots
-    layer.extra = {HISTORY: torch.randint(0, 3, (HKV, slots, 8), generator=gen, dtype=torch.int8),
-                   DECODE_ATTN: coarse[-HKV:]}
+    layer.abar, layer.last_attn = coarse[:HKV], coarse[HKV : HKV + HKV * G] / slots
+    layer.extra = {
+        HISTORY: torch.randint(0, 3, (HKV, slots, 8), generator=gen, dtype=torch.int8),
+        DECODE_ATTN: coarse[-HKV:],
+    }
     other = shuffled(layer, perm_seed)
     _, log = compress(policy, layer, budget)
     _, other_log = compress(policy, other, budget)
@@ -184,8 +227,12 @@ def test_decisions_do_not_depend_on_which_slot_holds_which_position(case, perm_s
 
 
 @settings(max_examples=examples(30))
-@given(cases, st.integers(1, 10_000), st.sampled_from(["streaming_llm", "h2o", "tova", "scissorhands"]),
-       st.integers(1, 4))
+@given(
+    cases,
+    st.integers(1, 10_000),
+    st.sampled_from(["streaming_llm", "h2o", "tova", "scissorhands"]),
+    st.integers(1, 4),
+)
 def test_selection_keeps_the_highest_scores_and_the_older_of_equal_ones(case, perm_seed, name, leaving):
     """`select_lowest`, with (one leaving: no sort) or without its fast path, against the rule written plainly."""
     seed, slots, _ = case
@@ -197,11 +244,19 @@ def test_selection_keeps_the_highest_scores_and_the_older_of_equal_ones(case, pe
     layer.last_attn = torch.randint(0, 3, (HKV * G, budget + leaving), generator=gen).float()
     layer.extra = {HISTORY: torch.randint(0, 3, (HKV, budget + leaving, 8), generator=gen, dtype=torch.int8)}
     layer = shuffled(layer, perm_seed)
-    score, protected = policy.score(layer, Step(1, Phase.DECODE, budget)).float(), policy.protected(layer, budget)
+    score, protected = (
+        policy.score(layer, Step(1, Phase.DECODE, budget)).float(),
+        policy.protected(layer, budget),
+    )
     keep, evicted = select_lowest(layer, score, protected, budget)
     for h in range(HKV):
-        ranked = sorted(range(layer.n_slots), key=lambda s, h=h: (
-            -(float("inf") if protected is not None and protected[h, s] else float(score[h, s])), int(layer.pos[h, s])))
+        ranked = sorted(
+            range(layer.n_slots),
+            key=lambda s, h=h: (
+                -(float("inf") if protected is not None and protected[h, s] else float(score[h, s])),
+                int(layer.pos[h, s]),
+            ),
+        )
         by_pos = lambda slots, h=h: sorted(slots, key=lambda s: int(layer.pos[h, s]))  # noqa: E731
         assert keep[h].tolist() == by_pos(ranked[:budget]) and evicted[h].tolist() == by_pos(ranked[budget:])
 

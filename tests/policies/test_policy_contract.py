@@ -2,6 +2,7 @@
 on the tiny model with its defaults and one small budget (or the least it accepts, below the prompt's
 length), must pass every test here. A new policy
 file in `kvlens/policies/` is picked up with no other change."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,16 @@ def budget_of(policy) -> int:
 
 
 def go(policy, observers=()):
-    return run(TINY, policy, IDS, prefill=PREFILL, steps=STEPS, teacher=True,
-               opts=RunOptions(budget=budget_of(policy)), observers=list(observers))
+    return run(
+        TINY,
+        policy,
+        IDS,
+        prefill=PREFILL,
+        steps=STEPS,
+        teacher=True,
+        opts=RunOptions(budget=budget_of(policy)),
+        observers=list(observers),
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,7 +65,10 @@ def test_budget_is_respected_or_the_policy_is_budget_free(name):
         assert 0 < r.metrics["kv_slots_final_mean"] <= PREFILL + STEPS
     else:
         budget = budget_of(policy)
-        assert r.meta["budget"]["slots"] == budget and r.metrics["kv_entries_max"] == r.metrics["kv_entries_budget"]
+        assert (
+            r.meta["budget"]["slots"] == budget
+            and r.metrics["kv_entries_max"] == r.metrics["kv_entries_budget"]
+        )
         assert r.metrics["kv_entries_budget"] == budget * TINY.shape()["layers"] * TINY.shape()["kv_heads"]
         assert policy.reallocates or r.metrics["kv_slots_max"] == budget  # else every layer and head keeps it
 

@@ -1,6 +1,7 @@
 """Scissorhands' options as its paper sets them (Liu et al. 2023, §3.1, §4.1, Algorithm 2): the threshold 1/t,
 the recent window r as a count of slots, m = 0.5B (`drop_ratio`) and the `paper` preset, each against the rule
 written plainly on hand-made rows, random rows and the tiny model."""
+
 from __future__ import annotations
 
 import pytest
@@ -48,8 +49,12 @@ def decode_layer(positions: list[int], free: list[int] = ()):
     return layer
 
 
-@pytest.mark.parametrize("threshold,marks", [("position", [2, 2, 2, 2, 0, 1, 2]), ("slots", [2, 1, 1, 1, 0, 1, 2])])
-def test_scissorhands_threshold_is_one_over_t_with_t_the_query_position_plus_one_or_the_slots(threshold, marks):
+@pytest.mark.parametrize(
+    "threshold,marks", [("position", [2, 2, 2, 2, 0, 1, 2]), ("slots", [2, 1, 1, 1, 0, 1, 2])]
+)
+def test_scissorhands_threshold_is_one_over_t_with_t_the_query_position_plus_one_or_the_slots(
+    threshold, marks
+):
     # a compressed cache: 6 kept slots at positions up to 19 (the query, stored in slot 6), slot 4 freed
     layer = decode_layer([0, 3, 7, 12, 8, 15, 19], free=[4])
     # two query heads; their mean is the KV head's attention: 0.30, 0.051, 0.10, 0.06, (free), 0.049, 0.44
@@ -60,13 +65,16 @@ def test_scissorhands_threshold_is_one_over_t_with_t_the_query_position_plus_one
     # position: t = 19 + 1 = 20, 1/t = 0.05: 0.051 is important and 0.049 is not (1/19 = 0.0526 would mark
     # 0.051 unimportant: t is the position + 1, not the position); slots: 6 valid slots, 1/6 = 0.167
     assert layer.extra[HISTORY][0, :, -1].tolist() == marks
-    assert marks == plain_marks([0, 3, 7, 12, -1, 15, 19], [True] * 4 + [False] + [True] * 2, mean.tolist(),
-                                threshold)
+    assert marks == plain_marks(
+        [0, 3, 7, 12, -1, 15, 19], [True] * 4 + [False] + [True] * 2, mean.tolist(), threshold
+    )
     assert layer.extra[HISTORY][0, :, :-1].eq(UNSEEN).all()  # older steps shift left, untouched
 
 
 @settings(max_examples=examples(40))
-@given(st.integers(0, 10_000), st.integers(2, 30), st.integers(0, 200), st.sampled_from(["position", "slots"]))
+@given(
+    st.integers(0, 10_000), st.integers(2, 30), st.integers(0, 200), st.sampled_from(["position", "slots"])
+)
 def test_scissorhands_marks_follow_the_threshold_rule_on_random_rows(seed, slots, gap, threshold):
     gen = torch.Generator().manual_seed(seed)
     hkv, g = 2, 3
@@ -74,8 +82,11 @@ def test_scissorhands_marks_follow_the_threshold_rule_on_random_rows(seed, slots
     # positions: slots of a compressed cache, in a random slot order, spread over [0, slots + gap)
     pos = torch.stack([torch.randperm(slots + gap, generator=gen)[:slots] for _ in range(hkv)])
     pos[:, 0] = slots + gap  # the query: the newest position, in slot 0 (it need not be the last slot)
-    layer.append(torch.randn(1, hkv, slots, 2, generator=gen), torch.randn(1, hkv, slots, 2, generator=gen),
-                 torch.arange(slots))
+    layer.append(
+        torch.randn(1, hkv, slots, 2, generator=gen),
+        torch.randn(1, hkv, slots, 2, generator=gen),
+        torch.arange(slots),
+    )
     holes = torch.rand(hkv, slots, generator=gen) < 0.2  # freed slots: position -1, not valid
     holes[:, 0] = False
     layer.pos, layer.valid = pos.masked_fill(holes, -1), ~holes
@@ -100,7 +111,8 @@ class Marks(Observer):
 
     def on_decode(self, layer, query, probs, out, spec):
         self.steps.setdefault(layer.layers[0], []).append(
-            (layer.pos.clone(), layer.valid.clone(), probs.mean(1), layer.extra[HISTORY][:, :, -1].clone()))
+            (layer.pos.clone(), layer.valid.clone(), probs.mean(1), layer.extra[HISTORY][:, :, -1].clone())
+        )
 
 
 def test_scissorhands_position_threshold_in_a_run_uses_each_decode_query_s_own_position(tiny):
@@ -109,8 +121,16 @@ def test_scissorhands_position_threshold_in_a_run_uses_each_decode_query_s_own_p
     prefill, steps, budget = 80, 8, 12
     for threshold in ("position", "slots"):
         spy = Marks()
-        run(tiny, make_policy("scissorhands", {"threshold": threshold}), IDS, prefill=prefill, steps=steps,
-            teacher=True, opts=RunOptions(budget=budget), observers=[spy])
+        run(
+            tiny,
+            make_policy("scissorhands", {"threshold": threshold}),
+            IDS,
+            prefill=prefill,
+            steps=steps,
+            teacher=True,
+            opts=RunOptions(budget=budget),
+            observers=[spy],
+        )
         for layer_steps in spy.steps.values():
             assert len(layer_steps) == steps - 1
             for k, (pos, valid, att, marks) in enumerate(layer_steps):
@@ -125,7 +145,17 @@ def test_scissorhands_recent_keeps_that_many_newest_slots_whatever_their_marks()
     layer.append(torch.randn(1, 1, 9, 2), torch.randn(1, 1, 9, 2), torch.arange(9))
     layer.abar = torch.tensor([[9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0]])
     # unimportant counts 0, 3, 1, 3, 2, 3, 3, 3, 3 over 3 steps: the three newest (6-8) are the worst
-    marks = [[2, 2, 2], [1, 1, 1], [1, 2, 2], [1, 1, 1], [1, 1, 2], [1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1]]
+    marks = [
+        [2, 2, 2],
+        [1, 1, 1],
+        [1, 2, 2],
+        [1, 1, 1],
+        [1, 1, 2],
+        [1, 1, 1],
+        [1, 1, 1],
+        [1, 1, 1],
+        [1, 1, 1],
+    ]
     layer.extra[HISTORY] = torch.tensor([marks], dtype=torch.int8)
     policy = make_policy("scissorhands", {"history": 3, "recent": 3})
     assert policy.local_window(5) == 3 and policy.local_window(2) == 2  # never more than the size kept
@@ -140,14 +170,19 @@ def test_scissorhands_recent_and_drop_against_the_rule_written_plainly(seed, slo
     """Keep the `recent` newest slots, then the fewest unimportant steps (ties: larger Abar, then the older),
     down to budget + 1 - m slots, m = drop or max(1, floor(drop_ratio x budget))."""
     gen = torch.Generator().manual_seed(seed)
-    policy = make_policy("scissorhands", {"history": 6, "recent": recent, "drop": drop, "drop_ratio": drop_ratio})
+    policy = make_policy(
+        "scissorhands", {"history": 6, "recent": recent, "drop": drop, "drop_ratio": drop_ratio}
+    )
     budget = max(policy.min_budget(), slots // 2)
     if budget >= slots:
         return
     hkv = 2
     layer = layer_rows()
-    layer.append(torch.randn(1, hkv, slots, 2, generator=gen), torch.randn(1, hkv, slots, 2, generator=gen),
-                 torch.arange(slots))
+    layer.append(
+        torch.randn(1, hkv, slots, 2, generator=gen),
+        torch.randn(1, hkv, slots, 2, generator=gen),
+        torch.arange(slots),
+    )
     layer.abar = torch.stack([torch.randperm(slots, generator=gen) for _ in range(hkv)]).float()  # distinct
     layer.extra[HISTORY] = torch.randint(0, 3, (hkv, slots, 6), generator=gen, dtype=torch.int8)
     unimportant, abar = (layer.extra[HISTORY] == UNIMPORTANT).sum(-1).tolist(), layer.abar.tolist()
@@ -168,8 +203,9 @@ def test_scissorhands_recent_slots_equal_the_ratio_that_gives_as_many():
     for params in ({"recent": 6, "recent_ratio": 0.9}, {"recent_ratio": 0.5}, {"recent": 0}):
         layer = layer_rows()
         gen = torch.Generator().manual_seed(3)
-        layer.append(torch.randn(1, 2, 30, 2, generator=gen), torch.randn(1, 2, 30, 2, generator=gen),
-                     torch.arange(30))
+        layer.append(
+            torch.randn(1, 2, 30, 2, generator=gen), torch.randn(1, 2, 30, 2, generator=gen), torch.arange(30)
+        )
         layer.abar = torch.rand(2, 30, generator=gen)
         layer.extra[HISTORY] = torch.randint(0, 3, (2, 30, 8), generator=gen, dtype=torch.int8)
         shrink(make_policy("scissorhands", {"history": 8, **params}), layer, 12, DecisionLog())
@@ -193,9 +229,18 @@ def test_scissorhands_min_budget_keeps_room_for_the_recent_window():
 
 def test_scissorhands_paper_preset_is_the_paper_s_settings_and_explicit_values_win():
     paper = make_policy("scissorhands", parse_settings("scissorhands", ["preset=paper"]))
-    assert paper.params() == {"history": 400, "recent": 10, "recent_ratio": 0.5, "threshold": "position",
-                              "count": "unimportant", "drop": 1, "drop_ratio": 0.5}
-    assert paper.dropped(64) == 32 and paper.dropped(51) == 25 and paper.local_window(33) == 10  # m = 0.5B, r = 10
+    assert paper.params() == {
+        "history": 400,
+        "recent": 10,
+        "recent_ratio": 0.5,
+        "threshold": "position",
+        "count": "unimportant",
+        "drop": 1,
+        "drop_ratio": 0.5,
+    }
+    assert (
+        paper.dropped(64) == 32 and paper.dropped(51) == 25 and paper.local_window(33) == 10
+    )  # m = 0.5B, r = 10
     assert paper.prefill_rows() == 400  # w: the last 400 queries (all of a shorter prompt's)
     assert make_policy("scissorhands", {"preset": "paper", "history": 64}).history == 64
     default = make_policy("scissorhands")
@@ -204,9 +249,23 @@ def test_scissorhands_paper_preset_is_the_paper_s_settings_and_explicit_values_w
 
 def test_scissorhands_paper_preset_drops_half_the_budget_when_full(tiny):
     """m = 0.5B: at budget 20 the cache drops to 20 + 1 - 10 = 11 slots each time it passes 20."""
-    r = run(tiny, make_policy("scissorhands", {"preset": "paper"}), IDS, prefill=80, steps=24, teacher=True,
-            opts=RunOptions(budget=20))
+    r = run(
+        tiny,
+        make_policy("scissorhands", {"preset": "paper"}),
+        IDS,
+        prefill=80,
+        steps=24,
+        teacher=True,
+        opts=RunOptions(budget=20),
+    )
     assert r.tensors["steps/kv_slots"].amax((1, 2)).tolist() == [11 + k % 10 for k in range(24)]
     with pytest.raises(KvlensError, match="Budget 18 is below the 19 slots that scissorhands always keeps"):
-        run(tiny, make_policy("scissorhands", {"preset": "paper"}), IDS, prefill=80, steps=4, teacher=True,
-            opts=RunOptions(budget=18))
+        run(
+            tiny,
+            make_policy("scissorhands", {"preset": "paper"}),
+            IDS,
+            prefill=80,
+            steps=4,
+            teacher=True,
+            opts=RunOptions(budget=18),
+        )

@@ -1,5 +1,6 @@
 """ThinK's channel-pruned keys (`kvlens.policies.think`, `kvlens.engine.channels`): what is stored, its bytes, and
 the refusals. Its channel choice against kvpress is in `tests/cross_checks/test_kvpress_crosscheck.py`."""
+
 from __future__ import annotations
 
 import pytest
@@ -41,8 +42,10 @@ def test_the_pruned_share_of_key_bytes_leaves_the_cache(tiny, ratio):
         gone = torch.ones(kept.shape[0], d, dtype=torch.bool).scatter_(1, kept, False)
         keys = mine.keys[0]
         assert not keys[gone[:, None, :].expand_as(keys)].any()  # the pruned channels read as zero
-        assert torch.equal(keys.gather(2, kept[:, None, :].expand(-1, keys.shape[1], -1)),
-                           theirs.keys[0].gather(2, kept[:, None, :].expand(-1, keys.shape[1], -1)))
+        assert torch.equal(
+            keys.gather(2, kept[:, None, :].expand(-1, keys.shape[1], -1)),
+            theirs.keys[0].gather(2, kept[:, None, :].expand(-1, keys.shape[1], -1)),
+        )
 
 
 def test_think_alone_prunes_the_whole_prompt_and_the_run_records_the_channels(tiny):
@@ -53,7 +56,9 @@ def test_think_alone_prunes_the_whole_prompt_and_the_run_records_the_channels(ti
     shape = tiny.shape()
     d, rows = shape["head_dim"], shape["layers"] * shape["kv_heads"]
     assert full.nbytes - think.nbytes == rows * (PREFILL * d // 2 * 4 - d * 8)
-    r = run(tiny, make_policy("think", params), IDS, prefill=PREFILL, steps=4, teacher=True, opts=RunOptions())
+    r = run(
+        tiny, make_policy("think", params), IDS, prefill=PREFILL, steps=4, teacher=True, opts=RunOptions()
+    )
     stored = torch.stack([layer.store.packed["keys"].channels[layer.rows] for layer in think.layers])
     assert torch.equal(r.tensors["kv_channels"], stored.int()) and r.tensors["kv_channels"].shape[2] == d // 2
 
@@ -70,7 +75,9 @@ def test_the_newest_prompt_keys_and_later_tokens_keep_every_channel():
     mask = torch.zeros(2, 1, 8, dtype=torch.bool).scatter_(2, channels[:, None, :], True)
     assert torch.equal(states.read(slice(0, 2), 6), torch.where(mask | whole[..., None], x, 0))
     new = torch.randn(2, 1, 8, generator=gen)
-    states.append(slice(0, 2), torch.tensor([[6], [6]]), new, torch.tensor([6]), torch.ones(2, 7, dtype=torch.bool))
+    states.append(
+        slice(0, 2), torch.tensor([[6], [6]]), new, torch.tensor([6]), torch.ones(2, 7, dtype=torch.bool)
+    )
     assert torch.equal(states.read(slice(0, 2), 7)[:, 6], new[:, 0])
     gone = torch.zeros(2, 7, dtype=torch.bool)
     gone[:, 4] = True
@@ -81,10 +88,24 @@ def test_the_newest_prompt_keys_and_later_tokens_keep_every_channel():
 def test_think_runs_over_other_evictions_and_keeps_their_decisions(tiny):
     """ThinK changes what a key holds, never which slots an eviction keeps when the channels do not decide it."""
     for base in ("h2o", "streaming_llm"):
-        think = run(tiny, make_policy("think", {"base": base}), IDS, prefill=PREFILL, steps=4, teacher=True,
-                    opts=RunOptions(budget=BUDGET))
-        alone = run(tiny, make_policy(base), IDS, prefill=PREFILL, steps=4, teacher=True,
-                    opts=RunOptions(budget=BUDGET))
+        think = run(
+            tiny,
+            make_policy("think", {"base": base}),
+            IDS,
+            prefill=PREFILL,
+            steps=4,
+            teacher=True,
+            opts=RunOptions(budget=BUDGET),
+        )
+        alone = run(
+            tiny,
+            make_policy(base),
+            IDS,
+            prefill=PREFILL,
+            steps=4,
+            teacher=True,
+            opts=RunOptions(budget=BUDGET),
+        )
         assert think.decisions[think.decisions.step == 0].equals(alone.decisions[alone.decisions.step == 0])
         assert think.tensors["steps/nll"].isfinite().all()
 
@@ -98,5 +119,12 @@ def test_a_bad_setting_gets_one_sentence(settings):
 
 def test_channel_pruned_keys_do_not_combine_with_packed_storage(tiny):
     with pytest.raises(KvlensError, match="does not combine with quantized or low-rank storage"):
-        run(tiny, make_policy("think"), IDS, prefill=PREFILL, steps=2, teacher=True,
-            opts=RunOptions(budget=BUDGET, storage=Storage(bits=4, group=16)))
+        run(
+            tiny,
+            make_policy("think"),
+            IDS,
+            prefill=PREFILL,
+            steps=2,
+            teacher=True,
+            opts=RunOptions(budget=BUDGET, storage=Storage(bits=4, group=16)),
+        )

@@ -1,4 +1,5 @@
 """Runs on disk: round trip, atomic saves, and untrusted run directories refused with one sentence."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,15 @@ from kvlens.runs.run import DECISIONS, RUN_JSON, TENSORS
 
 @pytest.fixture(scope="module")
 def saved(tiny, tmp_path_factory):
-    r = run(tiny, make_policy("h2o"), list(b"Runs are shared between researchers. " * 3), prefill=60, steps=10,
-            teacher=True, opts=RunOptions(budget=20, record="attention"))
+    r = run(
+        tiny,
+        make_policy("h2o"),
+        list(b"Runs are shared between researchers. " * 3),
+        prefill=60,
+        steps=10,
+        teacher=True,
+        opts=RunOptions(budget=20, record="attention"),
+    )
     return r.save(tmp_path_factory.mktemp("runs") / "good")
 
 
@@ -78,7 +86,9 @@ def test_interrupted_save_leaves_nothing(saved, tmp_path, monkeypatch, failure):
 def test_interrupted_overwrite_keeps_the_old_run(saved, tmp_path, monkeypatch):
     old = copy_run(saved, tmp_path)
     r = kvlens.load_run(old)
-    monkeypatch.setattr(type(r.decisions), "to_parquet", lambda *a, **k: (_ for _ in ()).throw(OSError("boom")))
+    monkeypatch.setattr(
+        type(r.decisions), "to_parquet", lambda *a, **k: (_ for _ in ()).throw(OSError("boom"))
+    )
     with pytest.raises(OSError):
         r.save(old)
     assert kvlens.load_run(old).meta["policy"]["name"] == "h2o"
@@ -104,24 +114,42 @@ def test_planted_pickle_never_runs(saved, tmp_path):
 
 CORRUPTIONS = {
     "not json": (lambda p: (p / RUN_JSON).write_text("{not json"), "not valid JSON"),
-    "newer schema": (lambda p: edit_meta(p, lambda m: m.update(schema=99, kvlens_version="9.0")), "newer kvlens"),
+    "newer schema": (
+        lambda p: edit_meta(p, lambda m: m.update(schema=99, kvlens_version="9.0")),
+        "newer kvlens",
+    ),
     "no schema": (lambda p: edit_meta(p, lambda m: m.pop("schema")), "no integer 'schema'"),
-    "traversal name": (lambda p: edit_meta(p, lambda m: m["tensors"].update({"../../etc/passwd": {}})),
-                       "not a plain kvlens tensor name"),
-    "absolute name": (lambda p: edit_meta(p, lambda m: m["tensors"].update({"/etc/passwd": {}})),
-                      "not a plain kvlens tensor name"),
-    "lying shape": (lambda p: edit_meta(p, lambda m: m["tensors"]["steps/nll"].update(shape=[999])),
-                    "contradicts run.json"),
-    "missing tensor": (lambda p: edit_meta(p, lambda m: m["tensors"].update(
-        {"attn/7": {"shape": [1], "dtype": "float16"}})), "disagree about tensor"),
-    "truncated tensors": (lambda p: (p / TENSORS).write_bytes((p / TENSORS).read_bytes()[:500]),
-                          "truncated or corrupt"),
-    "truncated decisions": (lambda p: (p / DECISIONS).write_bytes((p / DECISIONS).read_bytes()[:100]),
-                            "truncated or corrupt"),
+    "traversal name": (
+        lambda p: edit_meta(p, lambda m: m["tensors"].update({"../../etc/passwd": {}})),
+        "not a plain kvlens tensor name",
+    ),
+    "absolute name": (
+        lambda p: edit_meta(p, lambda m: m["tensors"].update({"/etc/passwd": {}})),
+        "not a plain kvlens tensor name",
+    ),
+    "lying shape": (
+        lambda p: edit_meta(p, lambda m: m["tensors"]["steps/nll"].update(shape=[999])),
+        "contradicts run.json",
+    ),
+    "missing tensor": (
+        lambda p: edit_meta(p, lambda m: m["tensors"].update({"attn/7": {"shape": [1], "dtype": "float16"}})),
+        "disagree about tensor",
+    ),
+    "truncated tensors": (
+        lambda p: (p / TENSORS).write_bytes((p / TENSORS).read_bytes()[:500]),
+        "truncated or corrupt",
+    ),
+    "truncated decisions": (
+        lambda p: (p / DECISIONS).write_bytes((p / DECISIONS).read_bytes()[:100]),
+        "truncated or corrupt",
+    ),
     "wrong decision count": (lambda p: edit_meta(p, lambda m: m.update(decisions=1)), "decision table"),
     "missing file": (lambda p: (p / DECISIONS).unlink(), "decisions.parquet is missing"),
     "huge json": (lambda p: (p / RUN_JSON).write_bytes(b" " * (65 << 20)), "larger than"),
-    "link out": (lambda p: ((p / TENSORS).unlink(), (p / TENSORS).symlink_to("/etc/hostname")), "link leading out"),
+    "link out": (
+        lambda p: ((p / TENSORS).unlink(), (p / TENSORS).symlink_to("/etc/hostname")),
+        "link leading out",
+    ),
 }
 
 
@@ -137,8 +165,9 @@ def test_untrusted_runs_are_refused_with_one_sentence(saved, tmp_path, kind):
 def test_cli_show_refuses_a_corrupt_run_with_exit_2(saved, tmp_path):
     bad = copy_run(saved, tmp_path)
     (bad / RUN_JSON).write_text("[]")
-    proc = subprocess.run([sys.executable, "-m", "kvlens", "show", "--run", str(bad)], capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlens", "show", "--run", str(bad)], capture_output=True, text=True
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
     assert "not a kvlens run manifest" in proc.stderr

@@ -3,6 +3,7 @@
 For queries, keys and values: the mean over t >= 1 of `cos(x_t, x_{t-1})` for each recorded layer
 and head (`Adjacency.values[kind]` `(L, H)`); the figure plots the mean over heads per layer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,10 +53,20 @@ def adjacency_figure(run: Run) -> go.Figure:
     for i, (kind, values) in enumerate(adj.values.items()):
         style = line_style(i)
         heads = values.shape[1]
-        fig.add_trace(go.Scatter(x=[layer for layer in adj.layers for _ in range(heads)], y=values.flatten().tolist(),
-                                 mode="markers", name=f"{kind} (each head)", showlegend=False, hoverinfo="skip",
-                                 marker=dict(color=style["marker"]["color"], size=4, opacity=0.3)))
-        fig.add_trace(go.Scatter(x=adj.layers, y=adj.per_layer(kind), mode="lines+markers", name=PLURAL[kind], **style))
+        fig.add_trace(
+            go.Scatter(
+                x=[layer for layer in adj.layers for _ in range(heads)],
+                y=values.flatten().tolist(),
+                mode="markers",
+                name=f"{kind} (each head)",
+                showlegend=False,
+                hoverinfo="skip",
+                marker=dict(color=style["marker"]["color"], size=4, opacity=0.3),
+            )
+        )
+        fig.add_trace(
+            go.Scatter(x=adj.layers, y=adj.per_layer(kind), mode="lines+markers", name=PLURAL[kind], **style)
+        )
     fig.update_xaxes(title_text="layer")
     fig.update_yaxes(title_text="cos(x<sub>t</sub>, x<sub>t-1</sub>), mean over tokens")
     return finish(fig, f"Adjacent-token similarity of prefill states ({run_model(run)})", "adjacency", run)

@@ -13,6 +13,7 @@ positions their value went to (`targets`, `weights`). Decisions about tokens gen
 prompt have no recorded prefill state: they are counted (`generated_decisions`), not drawn, and
 targets among them get no link in the figure.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,7 +70,9 @@ def project(x: torch.Tensor, method: str = "pca") -> tuple[torch.Tensor, list[fl
         from sklearn.decomposition import PCA
 
         pca = PCA(n_components=2, svd_solver="full", random_state=SEED)
-        return torch.from_numpy(pca.fit_transform(data)).float(), [float(v) for v in pca.explained_variance_ratio_]
+        return torch.from_numpy(pca.fit_transform(data)).float(), [
+            float(v) for v in pca.explained_variance_ratio_
+        ]
     from sklearn.manifold import TSNE
 
     perplexity = float(min(30.0, max(1.0, (len(data) - 1) / 3)))  # t-SNE needs perplexity < n_samples
@@ -77,16 +80,24 @@ def project(x: torch.Tensor, method: str = "pca") -> tuple[torch.Tensor, list[fl
     return torch.from_numpy(tsne.fit_transform(data)).float(), None
 
 
-def embedding(run: Run, layer: int, head: int = 0, method: str = "pca", query_head: int | None = None,
-              step: int | None = None) -> Embedding:
+def embedding(
+    run: Run,
+    layer: int,
+    head: int = 0,
+    method: str = "pca",
+    query_head: int | None = None,
+    step: int | None = None,
+) -> Embedding:
     """One layer's prompt queries (of `query_head`) and keys (of KV head `head`) projected together, with
     the evictions and merges of that KV head's prompt keys at steps `<= step` (all when None)."""
     keys = head_states(run, "key", layer, head)  # (T, D); an out-of-range head is one sentence
     group = run.shape["heads"] // run.shape["kv_heads"]
     query_head = head * group if query_head is None else query_head
     if query_head // group != head:
-        raise KvlensError(f"Query head {query_head} does not read KV head {head}: KV head {head} serves query heads "
-                          f"{head * group} to {head * group + group - 1}.")
+        raise KvlensError(
+            f"Query head {query_head} does not read KV head {head}: KV head {head} serves query heads "
+            f"{head * group} to {head * group + group - 1}."
+        )
     queries = head_states(run, "query", layer, query_head)
     t = keys.shape[0]
     xy, variance = project(torch.cat([queries, keys]), method)
@@ -98,12 +109,26 @@ def embedding(run: Run, layer: int, head: int = 0, method: str = "pca", query_he
     prompt = d[d["position"] < t]
     evicted = sorted(int(p) for p in prompt.loc[prompt["action"] == "evict", "position"])
     merges = prompt[prompt["action"] == "merge"]
-    merged = [{"position": int(p), "step": int(s), "targets": [int(x) for x in tg], "weights": [float(w) for w in ws],
-               "draw": int(dr)}
-              for p, s, tg, ws, dr in zip(merges["position"], merges["step"], merges["targets"], merges["weights"],
-                                          merges["draw"], strict=True)]
-    return Embedding(layer, head, query_head, method, step, xy[:t], xy[t:], evicted, merged, len(d) - len(prompt),
-                     variance)
+    merged = [
+        {
+            "position": int(p),
+            "step": int(s),
+            "targets": [int(x) for x in tg],
+            "weights": [float(w) for w in ws],
+            "draw": int(dr),
+        }
+        for p, s, tg, ws, dr in zip(
+            merges["position"],
+            merges["step"],
+            merges["targets"],
+            merges["weights"],
+            merges["draw"],
+            strict=True,
+        )
+    ]
+    return Embedding(
+        layer, head, query_head, method, step, xy[:t], xy[t:], evicted, merged, len(d) - len(prompt), variance
+    )
 
 
 def embedding_figure(run: Run, e: Embedding) -> go.Figure:
@@ -115,11 +140,20 @@ def embedding_figure(run: Run, e: Embedding) -> go.Figure:
     def hover(what: str, positions: list[int], extra: dict[int, str] | None = None) -> list[str]:
         return [f"{what} {p}: {tokens[p]!r}" + ((extra or {}).get(p, "")) for p in positions]
 
-    def points(xy: torch.Tensor, positions: list[int], name: str, rank: int, marker: dict,
-               text: list[str]) -> go.Scatter:
+    def points(
+        xy: torch.Tensor, positions: list[int], name: str, rank: int, marker: dict, text: list[str]
+    ) -> go.Scatter:
         sel = xy[positions] if positions else xy[:0]
-        return go.Scatter(x=sel[:, 0].tolist(), y=sel[:, 1].tolist(), mode="markers", name=name, marker=marker,
-                          hovertext=text, hoverinfo="text", legendrank=rank)
+        return go.Scatter(
+            x=sel[:, 0].tolist(),
+            y=sel[:, 1].tolist(),
+            mode="markers",
+            name=name,
+            marker=marker,
+            hovertext=text,
+            hoverinfo="text",
+            legendrank=rank,
+        )
 
     q, k, t = e.queries, e.keys, e.tokens
     merged_at = {m["position"]: m for m in e.merged}
@@ -140,40 +174,98 @@ def embedding_figure(run: Run, e: Embedding) -> go.Figure:
     # drawn bottom to top: links, queries, evicted keys, kept keys, merged keys; listed in legendrank order
     fig = go.Figure()
     if lx:
-        fig.add_trace(go.Scatter(x=lx, y=ly, mode="lines", name="merged key → target", hoverinfo="skip",
-                                 line=dict(color=MERGED_COLOR, width=0.8), opacity=0.45, legendrank=6))
-    fig.add_trace(points(q, list(range(t)), f"queries (query head {e.query_head})", 1,
-                         dict(color=COLORS[1], symbol="circle-open", size=6, opacity=0.7),
-                         hover("query", list(range(t)))))
+        fig.add_trace(
+            go.Scatter(
+                x=lx,
+                y=ly,
+                mode="lines",
+                name="merged key → target",
+                hoverinfo="skip",
+                line=dict(color=MERGED_COLOR, width=0.8),
+                opacity=0.45,
+                legendrank=6,
+            )
+        )
+    fig.add_trace(
+        points(
+            q,
+            list(range(t)),
+            f"queries (query head {e.query_head})",
+            1,
+            dict(color=COLORS[1], symbol="circle-open", size=6, opacity=0.7),
+            hover("query", list(range(t))),
+        )
+    )
     if e.evicted:
-        fig.add_trace(points(k, e.evicted, f"evicted keys ({len(e.evicted)})", 3,
-                             dict(color=EVICTED_COLOR, symbol="x-thin", size=8,
-                                  line=dict(color=EVICTED_COLOR, width=1.5)),
-                             hover("evicted key", e.evicted)))
-    fig.add_trace(points(k, kept, f"kept keys ({len(kept)})", 2, dict(color=COLORS[0], symbol="circle", size=6),
-                         hover("key", kept)))
+        fig.add_trace(
+            points(
+                k,
+                e.evicted,
+                f"evicted keys ({len(e.evicted)})",
+                3,
+                dict(color=EVICTED_COLOR, symbol="x-thin", size=8, line=dict(color=EVICTED_COLOR, width=1.5)),
+                hover("evicted key", e.evicted),
+            )
+        )
+    fig.add_trace(
+        points(
+            k,
+            kept,
+            f"kept keys ({len(kept)})",
+            2,
+            dict(color=COLORS[0], symbol="circle", size=6),
+            hover("key", kept),
+        )
+    )
     if moved:
-        fig.add_trace(points(k, moved, f"merged keys ({len(moved)})", 4,
-                             dict(color=MERGED_COLOR, symbol="diamond", size=8, line=dict(color="white", width=0.5)),
-                             hover("merged key", moved, into)))
+        fig.add_trace(
+            points(
+                k,
+                moved,
+                f"merged keys ({len(moved)})",
+                4,
+                dict(color=MERGED_COLOR, symbol="diamond", size=8, line=dict(color="white", width=0.5)),
+                hover("merged key", moved, into),
+            )
+        )
     if nothing:
-        fig.add_trace(points(k, nothing, f"merged, nothing moved ({len(nothing)})", 5,
-                             dict(color=MERGED_COLOR, symbol="diamond-open", size=8),
-                             hover("merged key", nothing, into)))
+        fig.add_trace(
+            points(
+                k,
+                nothing,
+                f"merged, nothing moved ({len(nothing)})",
+                5,
+                dict(color=MERGED_COLOR, symbol="diamond-open", size=8),
+                hover("merged key", nothing, into),
+            )
+        )
     if e.method == "pca":
-        for axis, (update, share) in enumerate(zip((fig.update_xaxes, fig.update_yaxes), e.explained_variance,
-                                                   strict=True), start=1):
+        for axis, (update, share) in enumerate(
+            zip((fig.update_xaxes, fig.update_yaxes), e.explained_variance, strict=True), start=1
+        ):
             update(title_text=f"PC {axis} ({100 * share:.1f}% of the variance)")
     else:
         fig.update_xaxes(title_text="t-SNE 1")
         fig.update_yaxes(title_text="t-SNE 2")
     upto = "" if e.step is None else f", decisions to step {e.step}"
-    title = (f"Queries and keys, layer {e.layer}, KV head {e.head}{upto} "
-             f"({'PCA' if e.method == 'pca' else 't-SNE'}, {run_model(run)})")
-    fig = finish(fig, title, "embedding", run, layer=e.layer, head=e.head, method=e.method,
-                 query_head=e.query_head, step=e.step)
-    fig.update_layout(width=860, height=560, legend=dict(x=1.02, xanchor="left", y=1, yanchor="top"),
-                      margin=dict(r=250))
+    title = (
+        f"Queries and keys, layer {e.layer}, KV head {e.head}{upto} "
+        f"({'PCA' if e.method == 'pca' else 't-SNE'}, {run_model(run)})"
+    )
+    fig = finish(
+        fig,
+        title,
+        "embedding",
+        run,
+        layer=e.layer,
+        head=e.head,
+        method=e.method,
+        query_head=e.query_head,
+        step=e.step,
+    )
+    fig.update_layout(
+        width=860, height=560, legend=dict(x=1.02, xanchor="left", y=1, yanchor="top"), margin=dict(r=250)
+    )
     return fig
 
 
@@ -182,24 +274,58 @@ class EmbeddingAnalysis(Analysis):
     name = "embedding"
     paper = "queries and keys of one head in 2-D (PCA or t-SNE), evicted and merged keys marked"
     level = RecordLevel.STATES
-    params = (LAYER,
-              Param("head", 0, kind="int", help="KV head (its keys; the queries are one query head of its group)",
-                    minimum=0),
-              Param("method", "pca", choices=METHODS,
-                    help="pca (axes show their share of the variance) or tsne (slower on long prompts)"),
-              Param("query_head", None, kind="int", optional=True, minimum=0,
-                    help="query head whose queries are shown; it must read --head (default: the group's first)"),
-              Param("step", None, kind="int", optional=True, minimum=0,
-                    help="decisions up to this step (0 = the compression right after the prompt; default: all)"))
+    params = (
+        LAYER,
+        Param(
+            "head",
+            0,
+            kind="int",
+            help="KV head (its keys; the queries are one query head of its group)",
+            minimum=0,
+        ),
+        Param(
+            "method",
+            "pca",
+            choices=METHODS,
+            help="pca (axes show their share of the variance) or tsne (slower on long prompts)",
+        ),
+        Param(
+            "query_head",
+            None,
+            kind="int",
+            optional=True,
+            minimum=0,
+            help="query head whose queries are shown; it must read --head (default: the group's first)",
+        ),
+        Param(
+            "step",
+            None,
+            kind="int",
+            optional=True,
+            minimum=0,
+            help="decisions up to this step (0 = the compression right after the prompt; default: all)",
+        ),
+    )
 
     def compute(self, run, layer, head, method, query_head, step):
         return embedding(run, layer_or_middle(run, layer), head, method, query_head, step)
 
     def to_json(self, e, **params) -> dict:
-        return {"layer": e.layer, "head": e.head, "query_head": e.query_head, "method": e.method, "step": e.step,
-                "tokens": e.tokens, "positions": list(range(e.tokens)), "queries": e.queries.tolist(),
-                "keys": e.keys.tolist(), "evicted": e.evicted, "merged": e.merged,
-                "generated_decisions": e.generated_decisions, "explained_variance": e.explained_variance}
+        return {
+            "layer": e.layer,
+            "head": e.head,
+            "query_head": e.query_head,
+            "method": e.method,
+            "step": e.step,
+            "tokens": e.tokens,
+            "positions": list(range(e.tokens)),
+            "queries": e.queries.tolist(),
+            "keys": e.keys.tolist(),
+            "evicted": e.evicted,
+            "merged": e.merged,
+            "generated_decisions": e.generated_decisions,
+            "explained_variance": e.explained_variance,
+        }
 
     def figure(self, run, **params):
         return embedding_figure(run, self.compute(run, **params))

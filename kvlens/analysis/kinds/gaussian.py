@@ -6,6 +6,7 @@ policy's own `merging_sets` and `gaussian_weights` (Eq. 7-8), so the figure show
 does. Drawn under both of the paper's sigma rules (the policy's default, §6.3's mean distance to
 the pivot, first; Eq. 7 of §5.2 beside it), plus any fixed sigma values.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -49,8 +50,14 @@ class GaussianSet:
         return f"σ = {sigma:g}"
 
 
-def gaussian_set(run: Run, layer: int, head: int, threshold: float = 0.75, position: int | None = None,
-                 sigmas: tuple[str | float | None, ...] = RULES) -> GaussianSet:
+def gaussian_set(
+    run: Run,
+    layer: int,
+    head: int,
+    threshold: float = 0.75,
+    position: int | None = None,
+    sigmas: tuple[str | float | None, ...] = RULES,
+) -> GaussianSet:
     """Gaussian-kernel weights of the merging set holding `position` (default: the largest set).
 
     Sets come from Algorithm 1 over the head's prefill keys; the pivot is the member with the
@@ -67,7 +74,9 @@ def gaussian_set(run: Run, layer: int, head: int, threshold: float = 0.75, posit
         chosen = max(sets, key=len)
     else:
         if not 0 <= position < keys.shape[0]:
-            raise KvlensError(f"Token {position} is out of range: the prompt has tokens 0 to {keys.shape[0] - 1}.")
+            raise KvlensError(
+                f"Token {position} is out of range: the prompt has tokens 0 to {keys.shape[0] - 1}."
+            )
         chosen = next(s for s in sets if position in s)
     abar = aggregated_attention(run, layer)[head]  # (T,)
     idx = torch.tensor(chosen)
@@ -76,21 +85,42 @@ def gaussian_set(run: Run, layer: int, head: int, threshold: float = 0.75, posit
     return GaussianSet(layer, head, threshold, chosen, chosen[p], weights)
 
 
-def gaussian_figure(run: Run, layer: int, head: int, threshold: float = 0.75, position: int | None = None,
-                    sigmas: tuple[str | float | None, ...] = RULES) -> go.Figure:
+def gaussian_figure(
+    run: Run,
+    layer: int,
+    head: int,
+    threshold: float = 0.75,
+    position: int | None = None,
+    sigmas: tuple[str | float | None, ...] = RULES,
+) -> go.Figure:
     """KVMerger Fig. 3d: Gaussian-kernel weights over one merging set under each sigma rule or value, pivot marked."""
     gs = gaussian_set(run, layer, head, threshold, position, sigmas)
     fig = go.Figure()
     for i, (sigma, w) in enumerate(gs.weights.items()):
         name = gs.label(sigma)
-        fig.add_trace(go.Scatter(x=gs.positions, y=w.tolist(), mode="lines+markers", name=name, **line_style(i)))
-    fig.add_vline(x=gs.pivot, line=dict(color="#777777", dash="dot", width=1),
-                  annotation_text=f"pivot {gs.pivot}", annotation_position="top")
+        fig.add_trace(
+            go.Scatter(x=gs.positions, y=w.tolist(), mode="lines+markers", name=name, **line_style(i))
+        )
+    fig.add_vline(
+        x=gs.pivot,
+        line=dict(color="#777777", dash="dot", width=1),
+        annotation_text=f"pivot {gs.pivot}",
+        annotation_position="top",
+    )
     fig.update_xaxes(title_text="token position in the merging set")
     fig.update_yaxes(title_text="merge weight w<sub>i</sub>")
     title = f"Gaussian merge weights, layer {layer}, KV head {head}, threshold {threshold} ({run_model(run)})"
-    return finish(fig, title, "gaussian", run, layer=layer, head=head, threshold=threshold, position=position,
-                  sigmas=list(sigmas))
+    return finish(
+        fig,
+        title,
+        "gaussian",
+        run,
+        layer=layer,
+        head=head,
+        threshold=threshold,
+        position=position,
+        sigmas=list(sigmas),
+    )
 
 
 @register_analysis
@@ -98,16 +128,33 @@ class GaussianAnalysis(Analysis):
     name = "gaussian"
     paper = "KVMerger Fig. 3d"
     level = RecordLevel.STATES
-    params = (LAYER,
-              Param("head", 0, kind="int", help="KV head"),
-              THRESHOLD,
-              Param("token", None, kind="int", optional=True,
-                    help="show the merging set holding this token (default: the largest set)"),
-              Param("rule", RULES, kind="text",
-                    help="sigma rules drawn: mean_distance (§6.3, the kvmerger policy's default) "
-                    "and eq7 (Eq. 7, §5.2); repeat the flag", many=True),
-              Param("sigma", (), kind="float",
-                    help="fixed sigma values drawn besides the rules (repeat the flag)", many=True))
+    params = (
+        LAYER,
+        Param("head", 0, kind="int", help="KV head"),
+        THRESHOLD,
+        Param(
+            "token",
+            None,
+            kind="int",
+            optional=True,
+            help="show the merging set holding this token (default: the largest set)",
+        ),
+        Param(
+            "rule",
+            RULES,
+            kind="text",
+            help="sigma rules drawn: mean_distance (§6.3, the kvmerger policy's default) "
+            "and eq7 (Eq. 7, §5.2); repeat the flag",
+            many=True,
+        ),
+        Param(
+            "sigma",
+            (),
+            kind="float",
+            help="fixed sigma values drawn besides the rules (repeat the flag)",
+            many=True,
+        ),
+    )
 
     def _args(self, run, layer, head, threshold, token, rule, sigma):
         unknown = [r for r in rule if r not in RULES]
@@ -120,9 +167,15 @@ class GaussianAnalysis(Analysis):
 
     def to_json(self, gs, **params) -> dict:
         cited = {r: " in KVMerger ".join(SIGMA_SOURCES[r]) for r in gs.weights if isinstance(r, str)}
-        return {"layer": gs.layer, "head": gs.head, "threshold": gs.threshold, "positions": gs.positions,
-                "pivot": gs.pivot, "sigma_rules": cited,
-                "weights": {str(s): w.tolist() for s, w in gs.weights.items()}}
+        return {
+            "layer": gs.layer,
+            "head": gs.head,
+            "threshold": gs.threshold,
+            "positions": gs.positions,
+            "pivot": gs.pivot,
+            "sigma_rules": cited,
+            "weights": {str(s): w.tolist() for s, w in gs.weights.items()},
+        }
 
     def figure(self, run, **params):
         return gaussian_figure(run, *self._args(run, **params))

@@ -5,6 +5,7 @@ and KV head: `MergingRatio.ratio` `(L, Hkv)` = `1 - sets / T`. The analysis runs
 first `tokens` tokens of each bundled text (one curve per text: the paper's claim is that the
 curves coincide).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,8 +62,9 @@ def record_states(model: LoadedModel, ids: list[int], layers: list[int] | None =
     return run(model, make_policy("full"), ids, prefill=len(ids), steps=1, teacher=False, opts=opts)
 
 
-def merging_ratio_over_texts(model: LoadedModel, texts: dict[str, str], tokens: int = 1024,
-                             threshold: float = 0.75) -> dict[str, MergingRatio]:
+def merging_ratio_over_texts(
+    model: LoadedModel, texts: dict[str, str], tokens: int = 1024, threshold: float = 0.75
+) -> dict[str, MergingRatio]:
     """KVMerger Fig. 3b: `merging_ratio` of the first `tokens` tokens of each text, by label (runs the model)."""
     out = {}
     for label, text in texts.items():
@@ -74,13 +76,21 @@ def merging_ratio_figure(ratios: list[MergingRatio], labels: list[str], note: st
     """KVMerger Fig. 3b: layer-wise merging-set compression ratio, one line per text (`note` ends the title)."""
     fig = go.Figure()
     for i, (r, label) in enumerate(zip(ratios, labels, strict=False)):
-        fig.add_trace(go.Scatter(x=r.layers, y=r.per_layer().tolist(), mode="lines+markers", name=label,
-                                 **line_style(i)))
+        fig.add_trace(
+            go.Scatter(
+                x=r.layers, y=r.per_layer().tolist(), mode="lines+markers", name=label, **line_style(i)
+            )
+        )
     fig.update_xaxes(title_text="layer")
     fig.update_yaxes(title_text="compression ratio (1 − sets / tokens)", range=[0, 1])
     threshold = ratios[0].threshold if ratios else None
-    return finish(fig, f"Merging-set compression ratio per layer, threshold {threshold}{note}", "merging-ratio",
-                  threshold=threshold, labels=list(labels))
+    return finish(
+        fig,
+        f"Merging-set compression ratio per layer, threshold {threshold}{note}",
+        "merging-ratio",
+        threshold=threshold,
+        labels=list(labels),
+    )
 
 
 @register_analysis
@@ -88,16 +98,18 @@ class MergingRatioAnalysis(Analysis):
     name = "merging-ratio"
     paper = "KVMerger Fig. 3b"
     inputs = "model"
-    params = (TEXTS,
-              Param("tokens", 1024, kind="int", help="tokens of each text", minimum=2),
-              THRESHOLD)
+    params = (TEXTS, Param("tokens", 1024, kind="int", help="tokens of each text", minimum=2), THRESHOLD)
 
     def compute(self, model, texts, tokens, threshold):
         return merging_ratio_over_texts(model, bundled(texts), tokens, threshold)
 
     def to_json(self, res, threshold, tokens, **params) -> dict:
-        return {"threshold": threshold, "tokens": tokens, "layers": next(iter(res.values())).layers,
-                "texts": {label: r.per_layer().tolist() for label, r in res.items()}}
+        return {
+            "threshold": threshold,
+            "tokens": tokens,
+            "layers": next(iter(res.values())).layers,
+            "texts": {label: r.per_layer().tolist() for label, r in res.items()},
+        }
 
     def figure(self, model, **params):
         res = self.compute(model, **params)

@@ -3,6 +3,7 @@
 For each run, the running mean of `steps/nll` `(N,)` over its scored (or generated) tokens:
 `PerplexityCurve.log_ppl` `(N,)` at `positions` `(N,)`, the log of the perplexity so far.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,18 +42,30 @@ def perplexity_figure(runs: list[Run], labels: list[str] | None = None) -> go.Fi
     fig = go.Figure()
     for i, (r, label) in enumerate(zip(runs, labels, strict=False)):
         c = log_perplexity_curve(r, label)
-        fig.add_trace(go.Scatter(x=c.positions.tolist(), y=c.log_ppl.tolist(), mode="lines", name=c.label,
-                                 line=line_style(i)["line"]))
+        fig.add_trace(
+            go.Scatter(
+                x=c.positions.tolist(),
+                y=c.log_ppl.tolist(),
+                mode="lines",
+                name=c.label,
+                line=line_style(i)["line"],
+            )
+        )
     fig.update_xaxes(title_text="position (tokens)")
     fig.update_yaxes(title_text="log perplexity (mean NLL so far, nats)")
     model = f" ({run_model(runs[0])})" if runs else ""
-    return finish(fig, f"Log-perplexity over position{model}", "perplexity", labels=[str(x) for x in labels],
-                  runs=[str(r.path) if r.path else None for r in runs])
+    return finish(
+        fig,
+        f"Log-perplexity over position{model}",
+        "perplexity",
+        labels=[str(x) for x in labels],
+        runs=[str(r.path) if r.path else None for r in runs],
+    )
 
 
 def _labels(runs: list, label: list) -> list:
     """One label per run (None: its policy)."""
-    return (label + [None] * len(runs))[:len(runs)]
+    return (label + [None] * len(runs))[: len(runs)]
 
 
 @register_analysis
@@ -61,15 +74,26 @@ class PerplexityAnalysis(Analysis):
     paper = "WeightedKV Fig. 4"
     inputs = "runs"
     level = RecordLevel.SUMMARY
-    params = (Param("label", (), kind="text",
-                    help="legend label of each run, in order (default: its policy)", many=True),)
+    params = (
+        Param(
+            "label",
+            (),
+            kind="text",
+            help="legend label of each run, in order (default: its policy)",
+            many=True,
+        ),
+    )
 
     def compute(self, runs, label):
         return [log_perplexity_curve(r, lab) for r, lab in zip(runs, _labels(runs, label), strict=True)]
 
     def to_json(self, curves, **params) -> dict:
-        return {"runs": [{"label": c.label, "positions": c.positions.tolist(), "log_ppl": c.log_ppl.tolist()}
-                         for c in curves]}
+        return {
+            "runs": [
+                {"label": c.label, "positions": c.positions.tolist(), "log_ppl": c.log_ppl.tolist()}
+                for c in curves
+            ]
+        }
 
     def figure(self, runs, label):
         return perplexity_figure(runs, _labels(runs, label))

@@ -3,6 +3,7 @@
 `cos(x_t, x_{t-j})` for j = 1..window and every head of one layer: `(H, window)`, NaN before token 0.
 KVMerger Fig. 3a plots this for tokens 2000, 3000 and 4000 of a long prompt.
 """
+
 from __future__ import annotations
 
 import plotly.graph_objects as go
@@ -16,7 +17,9 @@ from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
 
 
-def preceding_similarity(run: Run, layer: int, token: int, window: int = 32, kind: str = "key") -> torch.Tensor:
+def preceding_similarity(
+    run: Run, layer: int, token: int, window: int = 32, kind: str = "key"
+) -> torch.Tensor:
     """`cos(x_token, x_{token-j})` for j = 1..window and every head: `(H, window)`, NaN before token 0."""
     x = unit(states(run, kind, layer))  # (H, T, D)
     if not 0 <= token < x.shape[1]:
@@ -25,8 +28,8 @@ def preceding_similarity(run: Run, layer: int, token: int, window: int = 32, kin
         raise KvlensError(f"The window must be at least 1 token; got {window}.")
     out = torch.full((x.shape[0], window), float("nan"))
     n = min(window, token)
-    before = x[:, token - n:token].flip(1)  # (H, n, D), nearest first
-    out[:, :n] = (before * x[:, token:token + 1]).sum(-1)
+    before = x[:, token - n : token].flip(1)  # (H, n, D), nearest first
+    out[:, :n] = (before * x[:, token : token + 1]).sum(-1)
     return out
 
 
@@ -35,8 +38,15 @@ def preceding_figure(run: Run, layer: int, token: int, window: int = 32, kind: s
     sims = preceding_similarity(run, layer, token, window, kind)  # (H, window)
     fig = go.Figure()
     for h, row in enumerate(sims):
-        fig.add_trace(go.Scatter(x=list(range(1, window + 1)), y=row.tolist(), mode="lines+markers",
-                                 name=f"{'query' if kind == 'query' else 'KV'} head {h}", **line_style(h)))
+        fig.add_trace(
+            go.Scatter(
+                x=list(range(1, window + 1)),
+                y=row.tolist(),
+                mode="lines+markers",
+                name=f"{'query' if kind == 'query' else 'KV'} head {h}",
+                **line_style(h),
+            )
+        )
     fig.update_xaxes(title_text="distance j (tokens before t)")
     fig.update_yaxes(title_text=f"cos({kind}<sub>t</sub>, {kind}<sub>t-j</sub>)")
     title = f"Similarity of {kind} {token} to the {window} before it, layer {layer} ({run_model(run)})"
@@ -48,10 +58,12 @@ class PrecedingAnalysis(Analysis):
     name = "preceding"
     paper = "KVMerger Fig. 3a"
     level = RecordLevel.STATES
-    params = (LAYER,
-              Param("token", None, kind="int", optional=True, help="token t (default: the last prompt token)"),
-              Param("window", 32, kind="int", help="how many tokens before t", minimum=1),
-              Param("state", "key", kind="text", help="query, key or value"))
+    params = (
+        LAYER,
+        Param("token", None, kind="int", optional=True, help="token t (default: the last prompt token)"),
+        Param("window", 32, kind="int", help="how many tokens before t", minimum=1),
+        Param("state", "key", kind="text", help="query, key or value"),
+    )
 
     def _args(self, run, layer, token, window, state):
         token = len(run.meta["prompt_tokens"]) - 1 if token is None else token
@@ -59,8 +71,12 @@ class PrecedingAnalysis(Analysis):
 
     def compute(self, run, **params):
         layer, token, window, state = self._args(run, **params)
-        return {"layer": layer, "token": token, "state": state,
-                "similarity": preceding_similarity(run, layer, token, window, state)}
+        return {
+            "layer": layer,
+            "token": token,
+            "state": state,
+            "similarity": preceding_similarity(run, layer, token, window, state),
+        }
 
     def to_json(self, result, **params) -> dict:
         return {**result, "similarity": nan_to_none(result["similarity"])}

@@ -8,6 +8,7 @@ coefficients over the top-r right singular vectors) have the relative squared er
 under it (1 % by default: the model's per-layer "rank for 1 % error"). The spectrum is the Spectra page's
 (`kvlens.analysis.kinds.spectrum`, WeightedKV Fig. 1); this is its price in bytes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,7 +64,9 @@ def rank_bytes_figure(run: Run, error: float = 0.01) -> go.Figure:
     """Reconstruction error against bytes for keys and values, a line per layer (mean over heads) over the ranks that
     cost less than the model-dtype cache, and each layer's rank for `error` marked where it pays."""
     found = [rank_error(run, k) for k in ("key", "value")]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=["keys", "values"], shared_yaxes=True, horizontal_spacing=0.06)
+    fig = make_subplots(
+        rows=1, cols=2, subplot_titles=["keys", "values"], shared_yaxes=True, horizontal_spacing=0.06
+    )
     layers = found[0].layers
     colors = _sample(SCALE, len(layers))
     for col, res in enumerate(found, start=1):
@@ -72,31 +75,71 @@ def rank_bytes_figure(run: Run, error: float = 0.01) -> go.Figure:
         for i, layer in enumerate(layers):
             y = res.error[i].mean(0)[:paying]
             shown = y > 0
-            fig.add_trace(go.Scatter(x=share[:paying][shown].tolist(), y=y[shown].tolist(), mode="lines",
-                                     name=f"layer {layer}", showlegend=False,
-                                     customdata=torch.arange(1, paying + 1)[shown].tolist(),
-                                     line=dict(color=colors[i], width=1.5),
-                                     hovertemplate=f"layer {layer}, rank %{{customdata}}<br>bytes %{{x:.3f}} of the "
-                                                   "cache<br>error %{y:.2e}<extra></extra>"), row=1, col=col)
+            fig.add_trace(
+                go.Scatter(
+                    x=share[:paying][shown].tolist(),
+                    y=y[shown].tolist(),
+                    mode="lines",
+                    name=f"layer {layer}",
+                    showlegend=False,
+                    customdata=torch.arange(1, paying + 1)[shown].tolist(),
+                    line=dict(color=colors[i], width=1.5),
+                    hovertemplate=f"layer {layer}, rank %{{customdata}}<br>bytes %{{x:.3f}} of the "
+                    "cache<br>error %{y:.2e}<extra></extra>",
+                ),
+                row=1,
+                col=col,
+            )
         need = res.rank_for(error).float().mean(1).round().long()  # (L,) mean over heads
         marks = [(i, int(r)) for i, r in enumerate(need.tolist()) if r <= paying]
-        fig.add_trace(go.Scatter(x=[float(share[r - 1]) for _, r in marks], y=[error] * len(marks), mode="markers",
-                                 showlegend=col == 1, name=f"a layer's rank for {error:g} error (where it pays)",
-                                 marker=dict(color=[colors[i] for i, _ in marks], size=12, symbol="line-ns-open",
-                                             line=dict(width=2)),
-                                 customdata=[(layers[i], r) for i, r in marks],
-                                 hovertemplate="layer %{customdata[0]}: rank %{customdata[1]}<extra></extra>"),
-                      row=1, col=col)
+        fig.add_trace(
+            go.Scatter(
+                x=[float(share[r - 1]) for _, r in marks],
+                y=[error] * len(marks),
+                mode="markers",
+                showlegend=col == 1,
+                name=f"a layer's rank for {error:g} error (where it pays)",
+                marker=dict(
+                    color=[colors[i] for i, _ in marks], size=12, symbol="line-ns-open", line=dict(width=2)
+                ),
+                customdata=[(layers[i], r) for i, r in marks],
+                hovertemplate="layer %{customdata[0]}: rank %{customdata[1]}<extra></extra>",
+            ),
+            row=1,
+            col=col,
+        )
         fig.add_hline(y=error, line_dash="dot", line_color="#555", row=1, col=col)
-        fig.update_xaxes(title_text="KV bytes at that rank, share of the model-dtype cache", range=[0, 1],
-                         row=1, col=col)
-    fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", showlegend=False, hoverinfo="skip",
-                             marker=dict(colorscale=SCALE, cmin=layers[0], cmax=layers[-1], color=[layers[0]],
-                                         showscale=True, colorbar=dict(title=dict(text="layer"), thickness=14))))
-    fig.update_yaxes(type="log", exponentformat="power", row=1, col=1,
-                     title_text="relative squared error (mean over KV heads)")
+        fig.update_xaxes(
+            title_text="KV bytes at that rank, share of the model-dtype cache", range=[0, 1], row=1, col=col
+        )
+    fig.add_trace(
+        go.Scatter(
+            x=[None],
+            y=[None],
+            mode="markers",
+            showlegend=False,
+            hoverinfo="skip",
+            marker=dict(
+                colorscale=SCALE,
+                cmin=layers[0],
+                cmax=layers[-1],
+                color=[layers[0]],
+                showscale=True,
+                colorbar=dict(title=dict(text="layer"), thickness=14),
+            ),
+        )
+    )
+    fig.update_yaxes(
+        type="log",
+        exponentformat="power",
+        row=1,
+        col=1,
+        title_text="relative squared error (mean over KV heads)",
+    )
     fig.update_yaxes(type="log", exponentformat="power", row=1, col=2)
-    title = f"Low-rank storage: reconstruction error against bytes ({run_model(run)}, {found[0].tokens} tokens)"
+    title = (
+        f"Low-rank storage: reconstruction error against bytes ({run_model(run)}, {found[0].tokens} tokens)"
+    )
     fig = finish(fig, title, "rank_bytes", run, error=error)
     fig.update_layout(width=1000, legend=dict(orientation="h", y=-0.22, x=0))
     return fig
@@ -107,8 +150,16 @@ class RankBytesAnalysis(Analysis):
     name = "rank_bytes"
     paper = "xKV / Palu: rank against error and bytes"
     level = RecordLevel.STATES
-    params = (Param("error", 0.01, kind="float", help="reconstruction error each layer's rank must reach",
-                    minimum=1e-6, maximum=0.5),)
+    params = (
+        Param(
+            "error",
+            0.01,
+            kind="float",
+            help="reconstruction error each layer's rank must reach",
+            minimum=1e-6,
+            maximum=0.5,
+        ),
+    )
 
     def compute(self, run, error):
         return {kind: rank_error(run, kind) for kind in ("key", "value")}
@@ -116,9 +167,12 @@ class RankBytesAnalysis(Analysis):
     def to_json(self, found, error, **params) -> dict:
         out = {"error": error}
         for kind, res in found.items():
-            out[kind] = {"layers": res.layers, "bytes_share": res.bytes_share().tolist(),
-                         "error": res.error.mean(1).tolist(),
-                         "rank_for_error": res.rank_for(error).float().mean(1).tolist()}
+            out[kind] = {
+                "layers": res.layers,
+                "bytes_share": res.bytes_share().tolist(),
+                "error": res.error.mean(1).tolist(),
+                "rank_for_error": res.rank_for(error).float().mean(1).tolist(),
+            }
         return out
 
     def figure(self, run, error):

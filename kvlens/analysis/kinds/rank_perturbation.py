@@ -20,6 +20,7 @@ to D/16, D/8, D/4, D/2 and D (D the head size). At D storage adds nothing but fl
 least D of the prompt's slots; a budget below D leaves the basis, fit on the kept slots, fewer than D dimensions, so
 the tokens that come later lose what lies outside it even at rank D (and the prompt's error above understates it).
 """
+
 from __future__ import annotations
 
 import math
@@ -75,11 +76,22 @@ class RankPerturbation:
         """One row per replay, the reference last: rank, bytes and their share, errors, end to end, sources."""
         out = []
         for rep in [*self.ranks, self.reference]:
-            errors = {f"{kind}_error": 0.0 if rep.rank is None else float(res.error[..., rep.rank - 1].mean())
-                      for kind, res in self.errors.items()}
-            out.append({"rank": rep.rank, "kv_bytes": rep.kv_bytes,
-                        "bytes_share": rep.kv_bytes / self.reference.kv_bytes, **errors, "kl": rep.kl,
-                        "nll_change": rep.nll_change, "top1_agreement": rep.top1, "sources": rep.sources})
+            errors = {
+                f"{kind}_error": 0.0 if rep.rank is None else float(res.error[..., rep.rank - 1].mean())
+                for kind, res in self.errors.items()
+            }
+            out.append(
+                {
+                    "rank": rep.rank,
+                    "kv_bytes": rep.kv_bytes,
+                    "bytes_share": rep.kv_bytes / self.reference.kv_bytes,
+                    **errors,
+                    "kl": rep.kl,
+                    "nll_change": rep.nll_change,
+                    "top1_agreement": rep.top1,
+                    "sources": rep.sources,
+                }
+            )
         return out
 
 
@@ -94,20 +106,36 @@ def replay(model: LoadedModel, run: Run, rank: int | None, full: torch.Tensor) -
     meta = run.meta
     prompt, tokens = list(meta["prompt_tokens"]), list(meta["tokens"])
     policy = make_policy(meta["policy"]["name"], meta["policy"]["params"])
-    opts = RunOptions(budget=(meta.get("budget") or {}).get("requested"), storage=Storage(rank=rank),
-                      log_decisions=False)
+    opts = RunOptions(
+        budget=(meta.get("budget") or {}).get("requested"), storage=Storage(rank=rank), log_decisions=False
+    )
     logits: list[torch.Tensor] = []
 
     def go(observers, on_step):
-        return run_policy(model, policy, prompt + tokens, prefill=len(prompt), steps=len(tokens), teacher=True,
-                          opts=opts, observers=observers, on_step=on_step)
+        return run_policy(
+            model,
+            policy,
+            prompt + tokens,
+            prefill=len(prompt),
+            steps=len(tokens),
+            teacher=True,
+            opts=opts,
+            observers=observers,
+            on_step=on_step,
+        )
 
     out = measured(model, go, on_step=lambda event: logits.append(event.logits.float().cpu()))
     nll = out.tensors["steps/nll"][1:].double()
     nll_full = -full[1:].gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].double()
     agree = torch.stack(logits[1:]).argmax(-1) == full[1:].argmax(-1)
-    return Replay(rank, out.metrics["kv_bytes_peak"], out.metrics["kl"], float((nll - nll_full).mean()),
-                  float(agree.float().mean()), sources(out.tensors))
+    return Replay(
+        rank,
+        out.metrics["kv_bytes_peak"],
+        out.metrics["kl"],
+        float((nll - nll_full).mean()),
+        float(agree.float().mean()),
+        sources(out.tensors),
+    )
 
 
 def rank_perturbation(run: Run, model: LoadedModel, ranks: list[int] | None = None) -> RankPerturbation:
@@ -115,12 +143,14 @@ def rank_perturbation(run: Run, model: LoadedModel, ranks: list[int] | None = No
     head_dim = model.shape()["head_dim"]
     ranks = sorted(set(ranks or default_ranks(head_dim)))
     if ranks[-1] > head_dim:
-        raise KvlensError(f"--ranks: {ranks[-1]} is above the model's head size ({head_dim}); a rank of "
-                          f"{head_dim} stores every channel.")
+        raise KvlensError(
+            f"--ranks: {ranks[-1]} is above the model's head size ({head_dim}); a rank of "
+            f"{head_dim} stores every channel."
+        )
     prompt, tokens = run.meta["prompt_tokens"], run.meta["tokens"]
     if len(tokens) < 2:
         raise KvlensError("The run has fewer than 2 tokens after its prompt: no decode step to measure.")
-    full = full_logprobs(model, (prompt + tokens)[:-1])[len(prompt) - 1:]  # (tokens, V): predicts each token
+    full = full_logprobs(model, (prompt + tokens)[:-1])[len(prompt) - 1 :]  # (tokens, V): predicts each token
     replays = [replay(model, run, r, full) for r in [*ranks, None]]
     errors = {kind: rank_error(run, kind) for kind in ("key", "value")}
     return RankPerturbation(replays[:-1], replays[-1], errors, head_dim, len(tokens) - 1)
@@ -136,48 +166,110 @@ def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0
     (labelled with the top-1 agreement) and the NLL change end to end; and each layer's rank for `error`."""
     rows = found.rows()
     ticks = [_tick(r) for r in rows]
-    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08, column_widths=[0.36, 0.36, 0.28],
-                        subplot_titles=["output error by source (pooled)", "end to end, against the full cache",
-                                        f"each layer's rank for {error:g} error"])
+    fig = make_subplots(
+        rows=1,
+        cols=3,
+        horizontal_spacing=0.08,
+        column_widths=[0.36, 0.36, 0.28],
+        subplot_titles=[
+            "output error by source (pooled)",
+            "end to end, against the full cache",
+            f"each layer's rank for {error:g} error",
+        ],
+    )
     for (key, label), color in zip(PARTS, COLORS, strict=True):
         y = [r["sources"][key] for r in rows]
-        fig.add_trace(go.Bar(x=ticks, y=y, name=label, marker_color=color, legendgroup="sources",
-                             hovertemplate=f"{label}: %{{y:+.4f}}<extra></extra>"), row=1, col=1)
+        fig.add_trace(
+            go.Bar(
+                x=ticks,
+                y=y,
+                name=label,
+                marker_color=color,
+                legendgroup="sources",
+                hovertemplate=f"{label}: %{{y:+.4f}}<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
     agree = [f"{r['top1_agreement']:.0%}" for r in rows]
     for key, short, label, color, dash, text in (
-            ("kl", "KL", "KL(p_full ‖ p) (labels: top-1 agreement)", "#000000", "solid", agree),
-            ("nll_change", "NLL change", "NLL change", "#CC79A7", "dash", None)):
-        hover = [f"{short} %{{y:.4f}} nats<br>top-1 agreement {r['top1_agreement']:.0%}<br>KV bytes "
-                 f"{r['kv_bytes']:,}<extra></extra>" for r in rows]
-        fig.add_trace(go.Scatter(x=ticks, y=[r[key] for r in rows], mode="lines+markers+text" if text else
-                                 "lines+markers", name=label, text=text, textposition="bottom left",
-                                 textfont=dict(size=10), line=dict(color=color, dash=dash, width=2),
-                                 marker=dict(size=7), cliponaxis=False, hovertemplate=hover), row=1, col=2)
+        ("kl", "KL", "KL(p_full ‖ p) (labels: top-1 agreement)", "#000000", "solid", agree),
+        ("nll_change", "NLL change", "NLL change", "#CC79A7", "dash", None),
+    ):
+        hover = [
+            f"{short} %{{y:.4f}} nats<br>top-1 agreement {r['top1_agreement']:.0%}<br>KV bytes "
+            f"{r['kv_bytes']:,}<extra></extra>"
+            for r in rows
+        ]
+        fig.add_trace(
+            go.Scatter(
+                x=ticks,
+                y=[r[key] for r in rows],
+                mode="lines+markers+text" if text else "lines+markers",
+                name=label,
+                text=text,
+                textposition="bottom left",
+                textfont=dict(size=10),
+                line=dict(color=color, dash=dash, width=2),
+                marker=dict(size=7),
+                cliponaxis=False,
+                hovertemplate=hover,
+            ),
+            row=1,
+            col=2,
+        )
     layers = found.errors["key"].layers
     for (kind, res), symbol in zip(found.errors.items(), ("circle", "diamond-open"), strict=True):
         need = res.rank_for(error).float().mean(1)  # (L,) mean over KV heads
-        fig.add_trace(go.Scatter(x=need.tolist(), y=layers, mode="markers", name=f"{kind}s' rank",
-                                 marker=dict(symbol=symbol, size=8, color=_sample(SCALE, len(layers))),
-                                 hovertemplate=f"layer %{{y}}: {kind}s need rank %{{x:.1f}}<extra></extra>"),
-                      row=1, col=3)
+        fig.add_trace(
+            go.Scatter(
+                x=need.tolist(),
+                y=layers,
+                mode="markers",
+                name=f"{kind}s' rank",
+                marker=dict(symbol=symbol, size=8, color=_sample(SCALE, len(layers))),
+                hovertemplate=f"layer %{{y}}: {kind}s need rank %{{x:.1f}}<extra></extra>",
+            ),
+            row=1,
+            col=3,
+        )
     for rank in (r["rank"] for r in rows[:-1]):
         fig.add_vline(x=rank, line_dash="dot", line_color="#999", row=1, col=3)
     fig.update_yaxes(title_text="‖O − O_full‖ / ‖O_full‖", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="nats per token", row=1, col=2)
     fig.update_yaxes(title_text="layer", row=1, col=3)
     for col in (1, 2):
-        fig.update_xaxes(title_text="rank<br>KV bytes, share of the model dtype's", tickangle=0,
-                         range=[-0.7, len(rows) - 0.5], row=1, col=col)  # room for the labels left of the points
-    fig.update_xaxes(type="log", title_text="rank (mean over KV heads)", range=[0, 1.08 * math.log10(found.head_dim)],
-                     tickvals=[r["rank"] for r in rows[:-1]], row=1, col=3)
+        fig.update_xaxes(
+            title_text="rank<br>KV bytes, share of the model dtype's",
+            tickangle=0,
+            range=[-0.7, len(rows) - 0.5],
+            row=1,
+            col=col,
+        )  # room for the labels left of the points
+    fig.update_xaxes(
+        type="log",
+        title_text="rank (mean over KV heads)",
+        range=[0, 1.08 * math.log10(found.head_dim)],
+        tickvals=[r["rank"] for r in rows[:-1]],
+        row=1,
+        col=3,
+    )
     meta = run.meta
     budget = (meta.get("budget") or {}).get("requested")
     policy = meta["policy"]["name"] + ("" if budget is None else f" @{budget:g}")
-    title = (f"What each rank costs: the run replayed with low-rank KV storage ({run_model(run)}, {policy}, "
-             f"{found.steps} decode steps)")
+    title = (
+        f"What each rank costs: the run replayed with low-rank KV storage ({run_model(run)}, {policy}, "
+        f"{found.steps} decode steps)"
+    )
     fig = finish(fig, title, "rank_perturbation", run, error=error, ranks=[r["rank"] for r in rows[:-1]])
-    fig.update_layout(width=1200, height=460, barmode="relative", bargap=0.3,
-                      legend=dict(orientation="h", y=-0.4, x=0, yanchor="top"), margin=dict(b=150))
+    fig.update_layout(
+        width=1200,
+        height=460,
+        barmode="relative",
+        bargap=0.3,
+        legend=dict(orientation="h", y=-0.4, x=0, yanchor="top"),
+        margin=dict(b=150),
+    )
     return fig
 
 
@@ -187,36 +279,64 @@ class RankPerturbationAnalysis(Analysis):
     paper = "xKV / Palu: rank against output perturbation (the run replayed at each rank)"
     level = RecordLevel.STATES
     replays = True
-    params = (Param("ranks", (), "a rank to replay; repeat the flag (default: D/16, D/8, D/4, D/2 and D, D the head "
-                                 "size)", kind="int", many=True, minimum=1),
-              Param("error", 0.01, kind="float", help="reconstruction error each layer's marked rank must reach",
-                    minimum=1e-6, maximum=0.5))
+    params = (
+        Param(
+            "ranks",
+            (),
+            "a rank to replay; repeat the flag (default: D/16, D/8, D/4, D/2 and D, D the head size)",
+            kind="int",
+            many=True,
+            minimum=1,
+        ),
+        Param(
+            "error",
+            0.01,
+            kind="float",
+            help="reconstruction error each layer's marked rank must reach",
+            minimum=1e-6,
+            maximum=0.5,
+        ),
+    )
 
     def compute(self, run, model, ranks, error):
         return rank_perturbation(run, model, ranks)
 
     def to_json(self, found, ranks, error) -> dict:
-        return {"head_dim": found.head_dim, "steps": found.steps, "error": error, "rows": found.rows(),
-                "layers": found.errors["key"].layers,
-                "rank_for_error": {kind: res.rank_for(error).float().mean(1).tolist()
-                                   for kind, res in found.errors.items()}}
+        return {
+            "head_dim": found.head_dim,
+            "steps": found.steps,
+            "error": error,
+            "rows": found.rows(),
+            "layers": found.errors["key"].layers,
+            "rank_for_error": {
+                kind: res.rank_for(error).float().mean(1).tolist() for kind, res in found.errors.items()
+            },
+        }
 
     def text(self, found: dict) -> str:
-        head = (f"{'rank':>11} {'bytes':>6} {'key err':>8} {'value err':>9} {'KL':>8} {'dNLL':>8} {'top-1':>6}  "
-                f"{'positions':>9} {'storage':>8} {'merging':>8}")
-        lines = [f"Replayed over {found['steps']} decode steps; bytes: KV bytes over the model dtype's; errors: the "
-                 "prompt's reconstruction error; KL, NLL change (nats per token) and top-1 agreement against the full "
-                 "cache; the pooled output error by source.", head]
+        head = (
+            f"{'rank':>11} {'bytes':>6} {'key err':>8} {'value err':>9} {'KL':>8} {'dNLL':>8} {'top-1':>6}  "
+            f"{'positions':>9} {'storage':>8} {'merging':>8}"
+        )
+        lines = [
+            f"Replayed over {found['steps']} decode steps; bytes: KV bytes over the model dtype's; errors: the "
+            "prompt's reconstruction error; KL, NLL change (nats per token) and top-1 agreement against the full "
+            "cache; the pooled output error by source.",
+            head,
+        ]
         for row in found["rows"]:
             src = row["sources"]
-            lines.append(f"{DTYPE if row['rank'] is None else row['rank']:>11} {row['bytes_share']:>6.1%} "
-                         f"{row['key_error']:>8.2e} {row['value_error']:>9.2e} {row['kl']:>8.4f} "
-                         f"{row['nll_change']:>+8.4f} {row['top1_agreement']:>6.1%}  "
-                         + " ".join(f"{src[k]:>{w}.4f}" for k, w in (("selection", 9), ("storage", 8),
-                                                                      ("merging", 8))))
+            lines.append(
+                f"{DTYPE if row['rank'] is None else row['rank']:>11} {row['bytes_share']:>6.1%} "
+                f"{row['key_error']:>8.2e} {row['value_error']:>9.2e} {row['kl']:>8.4f} "
+                f"{row['nll_change']:>+8.4f} {row['top1_agreement']:>6.1%}  "
+                + " ".join(f"{src[k]:>{w}.4f}" for k, w in (("selection", 9), ("storage", 8), ("merging", 8)))
+            )
         for kind, need in found["rank_for_error"].items():
-            lines.append(f"{kind}s' rank for {found['error']:g} error per layer (mean over KV heads): "
-                         + ", ".join(f"{n:g}" for n in need))
+            lines.append(
+                f"{kind}s' rank for {found['error']:g} error per layer (mean over KV heads): "
+                + ", ".join(f"{n:g}" for n in need)
+            )
         return "\n".join(lines)
 
     def figure(self, run, model, ranks, error):

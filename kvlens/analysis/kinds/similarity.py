@@ -4,6 +4,7 @@
 `max_size` x `max_size` cells for long prompts (`SimilarityMap.matrix` `(n, n)`). The figure takes
 one state or several (e.g. keys and values: panels on one colour scale).
 """
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,9 @@ def block_edges(t: int, max_size: int) -> torch.Tensor:
     return torch.div(torch.arange(n + 1) * t, n, rounding_mode="floor")
 
 
-def similarity_map(run: Run, layer: int, head: int, kind: str = "key", max_size: int = 512,
-                   lower: bool = True) -> SimilarityMap:
+def similarity_map(
+    run: Run, layer: int, head: int, kind: str = "key", max_size: int = 512, lower: bool = True
+) -> SimilarityMap:
     """Token x token cosine similarity of one head's prefill states, averaged over blocks.
 
     The mean of `cos(x_i, x_j)` over i in block a and j in block b equals `m_a . m_b` with `m_a`
@@ -70,7 +72,9 @@ def similarity_map(run: Run, layer: int, head: int, kind: str = "key", max_size:
     return SimilarityMap(kind_name(kind), layer, head, matrix, edges, t, lower)
 
 
-def similarity_figure(run: Run, layer: int, head: int, kind: str | list[str] = "key", max_size: int = 512) -> go.Figure:
+def similarity_figure(
+    run: Run, layer: int, head: int, kind: str | list[str] = "key", max_size: int = 512
+) -> go.Figure:
     """Token x token cosine-similarity heatmap(s) of one head; several kinds share one colour scale.
 
     With queries among several kinds, `head` is a query head and keys/values come from its KV
@@ -79,21 +83,41 @@ def similarity_figure(run: Run, layer: int, head: int, kind: str | list[str] = "
     kinds = [kind] if isinstance(kind, str) else list(kind)
     group = run.shape["heads"] // run.shape["kv_heads"]
     mixed = "query" in kinds and len(kinds) > 1
-    maps = [similarity_map(run, layer, head // group if mixed and k != "query" else head, k, max_size)
-            for k in kinds]
-    fig = make_subplots(rows=1, cols=len(maps), subplot_titles=[PLURAL[m.kind] for m in maps],
-                        horizontal_spacing=0.1)
+    maps = [
+        similarity_map(run, layer, head // group if mixed and k != "query" else head, k, max_size)
+        for k in kinds
+    ]
+    fig = make_subplots(
+        rows=1, cols=len(maps), subplot_titles=[PLURAL[m.kind] for m in maps], horizontal_spacing=0.1
+    )
     lo = min(float(m.matrix.nan_to_num(1.0).min()) for m in maps)
     for i, m in enumerate(maps, start=1):
         starts = m.edges[:-1].tolist()
-        fig.add_trace(go.Heatmap(z=m.matrix.tolist(), x=starts, y=starts, zmin=lo, zmax=1, colorscale=SCALE,
-                                 name=m.kind, colorbar=dict(title=dict(text="cosine"), thickness=14),
-                                 hovertemplate="token %{y} vs %{x}<br>cos %{z:.3f}<extra></extra>"), row=1, col=i)
+        fig.add_trace(
+            go.Heatmap(
+                z=m.matrix.tolist(),
+                x=starts,
+                y=starts,
+                zmin=lo,
+                zmax=1,
+                colorscale=SCALE,
+                name=m.kind,
+                colorbar=dict(title=dict(text="cosine"), thickness=14),
+                hovertemplate="token %{y} vs %{x}<br>cos %{z:.3f}<extra></extra>",
+            ),
+            row=1,
+            col=i,
+        )
         unit_text = "token" if m.block == 1 else f"token (mean over blocks of {m.block})"
         fig.update_xaxes(title_text=f"earlier {unit_text}", row=1, col=i, constrain="domain")
-        fig.update_yaxes(title_text=unit_text if i == 1 else None, autorange="reversed",
-                         scaleanchor=f"x{i if i > 1 else ''}",
-                         row=1, col=i, constrain="domain")
+        fig.update_yaxes(
+            title_text=unit_text if i == 1 else None,
+            autorange="reversed",
+            scaleanchor=f"x{i if i > 1 else ''}",
+            row=1,
+            col=i,
+            constrain="domain",
+        )
     which = "KV head" if "query" not in kinds else "query head"
     head_text = f"{head} (KV head {head // group})" if mixed else f"{head}"
     names = " and ".join(m.kind for m in maps)
@@ -108,21 +132,40 @@ class SimilarityAnalysis(Analysis):
     name = "similarity"
     paper = "KVMerger Fig. 2, CORM Fig. 3"
     level = RecordLevel.STATES
-    params = (LAYER,
-              Param("head", 0, kind="int", help="KV head (a query head for queries)"),
-              Param("state", "key", kind="text",
-                    help="query, key or value; a figure also takes several, comma-separated "
-                                         "(key,value: panels on one colour scale)"),
-              Param("max_size", 512, kind="int",
-                    help="at most this many cells per side (longer prompts are block-averaged)",
-                    minimum=1))
+    params = (
+        LAYER,
+        Param("head", 0, kind="int", help="KV head (a query head for queries)"),
+        Param(
+            "state",
+            "key",
+            kind="text",
+            help="query, key or value; a figure also takes several, comma-separated "
+            "(key,value: panels on one colour scale)",
+        ),
+        Param(
+            "max_size",
+            512,
+            kind="int",
+            help="at most this many cells per side (longer prompts are block-averaged)",
+            minimum=1,
+        ),
+    )
 
     def compute(self, run, layer, head, state, max_size):
-        return similarity_map(run, layer_or_middle(run, layer), head, parse_states(state, many=False)[0], max_size)
+        return similarity_map(
+            run, layer_or_middle(run, layer), head, parse_states(state, many=False)[0], max_size
+        )
 
     def to_json(self, m, **params) -> dict:
-        return {"layer": m.layer, "head": m.head, "state": m.kind, "tokens": m.tokens, "block": m.block,
-                "edges": m.edges.tolist(), "matrix": nan_to_none(m.matrix)}
+        return {
+            "layer": m.layer,
+            "head": m.head,
+            "state": m.kind,
+            "tokens": m.tokens,
+            "block": m.block,
+            "edges": m.edges.tolist(),
+            "matrix": nan_to_none(m.matrix),
+        }
 
     def figure(self, run, layer, head, state, max_size):
         return similarity_figure(run, layer_or_middle(run, layer), head, parse_states(state), max_size)

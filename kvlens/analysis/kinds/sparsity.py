@@ -4,6 +4,7 @@ Per layer and query head, the mean over query rows t of the share of the t visib
 prefill attention `>= 1/t` (CORM Definition 3.1), recomputed from the recorded q and k:
 `Sparsity.important` `(L, Hq)`; `sparsity = 1 - important` is what CORM Fig. 1 plots.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,7 +46,9 @@ def corm_sparsity(run: Run, layers: list[int] | None = None, start: int = 0) -> 
         q, k = states(run, "q", layer), states(run, "k", layer)
         t = q.shape[1]
         if not 0 <= start < t:
-            raise KvlensError(f"start must be between 0 and {t - 1} (the prompt has {t} tokens); got {start}.")
+            raise KvlensError(
+                f"start must be between 0 and {t - 1} (the prompt has {t} tokens); got {start}."
+            )
         total = torch.zeros(q.shape[0], dtype=torch.float64)
         for a, b, probs in attention_chunks(q, k, start):  # (Hq, rows, T)
             seen = torch.arange(a + 1, b + 1, dtype=torch.float32)  # keys visible per row
@@ -59,18 +62,39 @@ def sparsity_figure(run: Run, start: int = 0) -> go.Figure:
     """CORM Fig. 1: (a) layer-wise attention sparsity (mean over heads), (b) head-wise, as a map."""
     sp = corm_sparsity(run, start=start)
     values = sp.sparsity  # (L, Hq)
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.55, 0.45], horizontal_spacing=0.12,
-                        subplot_titles=["(a) layer-wise", "(b) head-wise"])
-    fig.add_trace(go.Bar(x=sp.layers, y=values.mean(1).tolist(), marker=dict(color="#555555"), name="mean over heads"),
-                  row=1, col=1)
-    fig.add_trace(go.Heatmap(z=values.tolist(), x=list(range(values.shape[1])), y=sp.layers, colorscale=SCALE,
-                             zmax=1, name="per head", colorbar=dict(title=dict(text="sparsity"), thickness=14),
-                             hovertemplate="layer %{y} head %{x}<br>sparsity %{z:.3f}<extra></extra>"), row=1, col=2)
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.55, 0.45],
+        horizontal_spacing=0.12,
+        subplot_titles=["(a) layer-wise", "(b) head-wise"],
+    )
+    fig.add_trace(
+        go.Bar(x=sp.layers, y=values.mean(1).tolist(), marker=dict(color="#555555"), name="mean over heads"),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Heatmap(
+            z=values.tolist(),
+            x=list(range(values.shape[1])),
+            y=sp.layers,
+            colorscale=SCALE,
+            zmax=1,
+            name="per head",
+            colorbar=dict(title=dict(text="sparsity"), thickness=14),
+            hovertemplate="layer %{y} head %{x}<br>sparsity %{z:.3f}<extra></extra>",
+        ),
+        row=1,
+        col=2,
+    )
     fig.update_xaxes(title_text="layer", row=1, col=1)
     fig.update_yaxes(title_text="sparsity (share of keys with A < 1/t)", range=[0, 1], row=1, col=1)
     fig.update_xaxes(title_text="query head", row=1, col=2)
     fig.update_yaxes(title_text="layer", autorange="reversed", row=1, col=2)
-    fig = finish(fig, f"Attention sparsity, CORM's definition ({run_model(run)})", "sparsity", run, start=start)
+    fig = finish(
+        fig, f"Attention sparsity, CORM's definition ({run_model(run)})", "sparsity", run, start=start
+    )
     fig.update_layout(width=1000, showlegend=False)
     return fig
 
@@ -85,8 +109,11 @@ class SparsityAnalysis(Analysis):
         return corm_sparsity(run)
 
     def to_json(self, sp) -> dict:
-        return {"layers": sp.layers, "sparsity": sp.sparsity.mean(1).tolist(),
-                "sparsity_per_head": sp.sparsity.tolist()}
+        return {
+            "layers": sp.layers,
+            "sparsity": sp.sparsity.mean(1).tolist(),
+            "sparsity_per_head": sp.sparsity.tolist(),
+        }
 
     def figure(self, run):
         return sparsity_figure(run)

@@ -4,6 +4,7 @@ For each layer and KV head, the singular values of the head's prefill state matr
 (no centring, as the paper), divided by the largest: `Spectrum.values` `(L, H, r)`. Keys are
 low-rank (fast decay), values are not: WeightedKV's argument for dropping keys but merging values.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ def singular_values(x: torch.Tensor, components: int, seed: int = 0) -> tuple[to
     `randomized_svd` (seeded); the total energy is the squared Frobenius norm either way.
     """
     x = x.double()
-    total = float((x ** 2).sum())
+    total = float((x**2).sum())
     r = min(components, *x.shape)
     if min(x.shape) <= EXACT_MAX:
         return torch.linalg.svdvals(x)[:r].float(), total
@@ -76,23 +77,53 @@ def _sample(scale: str, n: int) -> list[str]:
 def spectrum_figure(run: Run, components: int = 64) -> go.Figure:
     """Normalised singular values of keys and values, one line per layer (mean over heads), log scale."""
     specs = [spectrum(run, k, components) for k in ("key", "value")]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=["keys", "values"], shared_yaxes=True,
-                        horizontal_spacing=0.06)
+    fig = make_subplots(
+        rows=1, cols=2, subplot_titles=["keys", "values"], shared_yaxes=True, horizontal_spacing=0.06
+    )
     n = len(specs[0].layers)
     colors = _sample(SCALE, n)
     for col, spec in enumerate(specs, start=1):
         for i, layer in enumerate(spec.layers):
             y = spec.values[i].mean(0).tolist()
-            fig.add_trace(go.Scatter(x=list(range(1, len(y) + 1)), y=y, mode="lines", name=f"layer {layer}",
-                                     legendgroup=f"{layer}", showlegend=False,
-                                     line=dict(color=colors[i], width=1.5)), row=1, col=col)
+            fig.add_trace(
+                go.Scatter(
+                    x=list(range(1, len(y) + 1)),
+                    y=y,
+                    mode="lines",
+                    name=f"layer {layer}",
+                    legendgroup=f"{layer}",
+                    showlegend=False,
+                    line=dict(color=colors[i], width=1.5),
+                ),
+                row=1,
+                col=col,
+            )
         fig.update_xaxes(title_text="singular value index", row=1, col=col)
-    fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", showlegend=False, hoverinfo="skip",
-                             marker=dict(colorscale=SCALE, cmin=specs[0].layers[0], cmax=specs[0].layers[-1],
-                                         color=[specs[0].layers[0]], showscale=True,
-                                         colorbar=dict(title=dict(text="layer"), thickness=14))))
-    fig.update_yaxes(type="log", dtick=1, exponentformat="power", row=1, col=1,
-                     title_text="σ<sub>i</sub> / σ<sub>1</sub> (mean over KV heads)")
+    fig.add_trace(
+        go.Scatter(
+            x=[None],
+            y=[None],
+            mode="markers",
+            showlegend=False,
+            hoverinfo="skip",
+            marker=dict(
+                colorscale=SCALE,
+                cmin=specs[0].layers[0],
+                cmax=specs[0].layers[-1],
+                color=[specs[0].layers[0]],
+                showscale=True,
+                colorbar=dict(title=dict(text="layer"), thickness=14),
+            ),
+        )
+    )
+    fig.update_yaxes(
+        type="log",
+        dtick=1,
+        exponentformat="power",
+        row=1,
+        col=1,
+        title_text="σ<sub>i</sub> / σ<sub>1</sub> (mean over KV heads)",
+    )
     fig.update_yaxes(type="log", dtick=1, exponentformat="power", row=1, col=2)
     title = f"Normalised singular values of the KV cache ({run_model(run)}, {n} layers)"
     fig = finish(fig, title, "spectrum", run, components=components)
@@ -105,18 +136,27 @@ class SpectrumAnalysis(Analysis):
     name = "spectrum"
     paper = "WeightedKV Fig. 1"
     level = RecordLevel.STATES
-    see_also = ("What each rank of the spectrum costs: `kvlens analyze rank_bytes` (reconstruction error against "
-                "bytes, each layer's rank for 1 % error) and `kvlens analyze rank_perturbation` (the run replayed "
-                "at each rank: KL, NLL change, top-1 agreement, output error by source).")
+    see_also = (
+        "What each rank of the spectrum costs: `kvlens analyze rank_bytes` (reconstruction error against "
+        "bytes, each layer's rank for 1 % error) and `kvlens analyze rank_perturbation` (the run replayed "
+        "at each rank: KL, NLL change, top-1 agreement, output error by source)."
+    )
     params = (Param("components", 64, kind="int", help="singular values kept per head", minimum=1),)
 
     def compute(self, run, components):
         return {kind: spectrum(run, kind, components) for kind in ("key", "value")}
 
     def to_json(self, specs, **params) -> dict:
-        return {"layers": len(specs["key"].layers),
-                **{k: {"singular_values": s.values.mean(1).tolist(), "energy_top8": s.energy_top.mean(1).tolist()}
-                   for k, s in specs.items()}}
+        return {
+            "layers": len(specs["key"].layers),
+            **{
+                k: {
+                    "singular_values": s.values.mean(1).tolist(),
+                    "energy_top8": s.energy_top.mean(1).tolist(),
+                }
+                for k, s in specs.items()
+            },
+        }
 
     def figure(self, run, components):
         return spectrum_figure(run, components)

@@ -4,6 +4,7 @@ For one layer (one query head, or the mean over its heads), the variance over th
 of the attention each earlier token receives, `token_var` `(G, m)`, and of the mean attention of
 each group of m consecutive tokens, `group_var` `(G,)`, recomputed from the recorded q and k.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,9 @@ class AttentionVariance:
     rows: tuple[int, int]
 
 
-def attention_variance(run: Run, layer: int, head: int | None = None, group: int = 64,
-                       rows: int | None = None) -> AttentionVariance:
+def attention_variance(
+    run: Run, layer: int, head: int | None = None, group: int = 64, rows: int | None = None
+) -> AttentionVariance:
     """CaM Fig. 2: how much single tokens' attention varies over later steps vs their group means.
 
     Over the last `rows` query rows (default: the second half of the prompt; teacher-forced steps
@@ -50,8 +52,10 @@ def attention_variance(run: Run, layer: int, head: int | None = None, group: int
     rows = t // 2 if rows is None else rows
     first = t - rows
     if rows < 2 or first < group or group < 1:
-        raise KvlensError(f"Attention variance needs at least 2 rows and one group of {group} tokens before them; "
-                          f"the prompt has {t} tokens (rows={rows}).")
+        raise KvlensError(
+            f"Attention variance needs at least 2 rows and one group of {group} tokens before them; "
+            f"the prompt has {t} tokens (rows={rows})."
+        )
     n_groups = first // group
     cols = n_groups * group
     picked = []
@@ -61,27 +65,55 @@ def attention_variance(run: Run, layer: int, head: int | None = None, group: int
     a = torch.cat(picked).double()  # (rows, G * m)
     token_var = a.var(0, unbiased=False).view(n_groups, group)
     group_var = a.view(rows, n_groups, group).mean(-1).var(0, unbiased=False)
-    return AttentionVariance(layer, head, group, torch.arange(n_groups) * group, group_var.float(),
-                             token_var.float(), (first, t))
+    return AttentionVariance(
+        layer, head, group, torch.arange(n_groups) * group, group_var.float(), token_var.float(), (first, t)
+    )
 
 
-def variance_figure(run: Run, layer: int, head: int | None = None, group: int = 64,
-                    rows: int | None = None) -> go.Figure:
+def variance_figure(
+    run: Run, layer: int, head: int | None = None, group: int = 64, rows: int | None = None
+) -> go.Figure:
     """CaM Fig. 2: attention variance of single tokens (small) vs of group means (large), log scale."""
     res = attention_variance(run, layer, head, group, rows)
     g, m = res.token_var.shape
     xs = res.starts.tolist()
     fig = go.Figure()
-    fig.add_trace(go.Scatter(x=[x for x in xs for _ in range(m)], y=res.token_var.flatten().tolist(), mode="markers",
-                             name="single tokens", marker=dict(color=COLORS[3], size=4, symbol="circle-open")))
-    fig.add_trace(go.Scatter(x=xs, y=res.group_var.tolist(), mode="lines+markers", name=f"mean of {group} tokens",
-                             **line_style(1)))
+    fig.add_trace(
+        go.Scatter(
+            x=[x for x in xs for _ in range(m)],
+            y=res.token_var.flatten().tolist(),
+            mode="markers",
+            name="single tokens",
+            marker=dict(color=COLORS[3], size=4, symbol="circle-open"),
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=xs,
+            y=res.group_var.tolist(),
+            mode="lines+markers",
+            name=f"mean of {group} tokens",
+            **line_style(1),
+        )
+    )
     fig.update_xaxes(title_text=f"first token of the group of {group}")
-    fig.update_yaxes(type="log", dtick=1, exponentformat="power",
-                     title_text=f"variance of attention over steps {res.rows[0]}–{res.rows[1] - 1}")
+    fig.update_yaxes(
+        type="log",
+        dtick=1,
+        exponentformat="power",
+        title_text=f"variance of attention over steps {res.rows[0]}–{res.rows[1] - 1}",
+    )
     who = "mean of heads" if head is None else f"head {head}"
-    fig = finish(fig, f"Attention variance, layer {layer}, {who} ({run_model(run)})", "variance", run, layer=layer,
-                 head=head, group=group, rows=rows)
+    fig = finish(
+        fig,
+        f"Attention variance, layer {layer}, {who} ({run_model(run)})",
+        "variance",
+        run,
+        layer=layer,
+        head=head,
+        group=group,
+        rows=rows,
+    )
     fig.update_layout(legend=dict(x=0.98, xanchor="right", y=0.02, yanchor="bottom"))
     return fig
 
@@ -91,18 +123,31 @@ class VarianceAnalysis(Analysis):
     name = "variance"
     paper = "CaM Fig. 2"
     level = RecordLevel.STATES
-    params = (LAYER,
-              Param("head", None, kind="int", optional=True,
-                    help="query head (default: the mean over the layer's heads)"),
-              Param("group", 64, kind="int", help="tokens per group (CaM's m)", minimum=1))
+    params = (
+        LAYER,
+        Param(
+            "head",
+            None,
+            kind="int",
+            optional=True,
+            help="query head (default: the mean over the layer's heads)",
+        ),
+        Param("group", 64, kind="int", help="tokens per group (CaM's m)", minimum=1),
+    )
 
     def compute(self, run, layer, head, group):
         return attention_variance(run, layer_or_middle(run, layer), head, group)
 
     def to_json(self, res, **params) -> dict:
-        return {"layer": res.layer, "head": res.head, "group": res.group, "rows": list(res.rows),
-                "starts": res.starts.tolist(), "group_var": res.group_var.tolist(),
-                "token_var_mean": res.token_var.mean(1).tolist()}
+        return {
+            "layer": res.layer,
+            "head": res.head,
+            "group": res.group,
+            "rows": list(res.rows),
+            "starts": res.starts.tolist(),
+            "group_var": res.group_var.tolist(),
+            "token_var_mean": res.token_var.mean(1).tolist(),
+        }
 
     def figure(self, run, layer, head, group):
         return variance_figure(run, layer_or_middle(run, layer), head, group)

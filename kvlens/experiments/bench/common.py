@@ -1,4 +1,5 @@
 """Shared pieces of the benchmarks: policy specs and labels, medians, peak memory, environment, saving results."""
+
 from __future__ import annotations
 
 import csv
@@ -70,8 +71,13 @@ def median(values) -> float | None:
 def spread(values) -> dict:
     """mean, sample standard deviation, min and max of a list of numbers."""
     values = list(values)
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "min": min(values), "max": max(values), "n": len(values)}
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
 
 
 class PeakRSS:
@@ -110,12 +116,23 @@ def label(row: dict) -> str:
 
 def environment(model=None) -> dict:
     """Where the numbers were measured: machine, threads, versions, and the model if it was loaded here."""
-    env = {"kvlens_version": __version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "cpus": psutil.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
-           "load_average": list(psutil.getloadavg()), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    env = {
+        "kvlens_version": __version__,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": psutil.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "load_average": list(psutil.getloadavg()),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     if model is not None:
-        env.update(model=model.spec, shape=model.shape(), device=str(model.device),
-                   dtype=str(model.dtype).removeprefix("torch."))
+        env.update(
+            model=model.spec,
+            shape=model.shape(),
+            device=str(model.device),
+            dtype=str(model.dtype).removeprefix("torch."),
+        )
     return env
 
 

@@ -20,6 +20,7 @@ samples, the context compressed once, the question appended; one shared prefill 
 compression ratio 1 - b (mixes: 1 - b / q(bits)); their `bytes_share` is the compressed context's physical bytes
 over the full cache's on the same sample, and their quality the task score.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,14 +42,28 @@ def slot_cost(storage: Storage, model_bits: int = 32) -> float:
     return (storage.bits + 32 / storage.group) / model_bits
 
 
-def plan_frontier(byte_shares: list[float], texts: dict[str, str], *, prefill: int, tokens: int, model: str,
-                  evictors: list[tuple[str, dict]], mergers: list[tuple[str, dict]], bits: list[int],
-                  mix: tuple[str, dict] | None, mix_bits: list[int], storage: Storage, low_rank: bool = True,
-                  rank_layers: int | None = 4) -> list[dict]:
+def plan_frontier(
+    byte_shares: list[float],
+    texts: dict[str, str],
+    *,
+    prefill: int,
+    tokens: int,
+    model: str,
+    evictors: list[tuple[str, dict]],
+    mergers: list[tuple[str, dict]],
+    bits: list[int],
+    mix: tuple[str, dict] | None,
+    mix_bits: list[int],
+    storage: Storage,
+    low_rank: bool = True,
+    rank_layers: int | None = 4,
+) -> list[dict]:
     """The frontier's cells (see the module docstring); `storage` gives the scheme, group and window of every
     quantized cell; `low_rank`: the low-rank cells too (`rank_layers`: xKV's group of layers, None: no xKV)."""
     if not byte_shares or min(byte_shares) <= 0 or max(byte_shares) >= 1:
-        raise KvlensError("--byte-shares must be shares of the full cache between 0 and 1 (e.g. 0.5,0.25,0.125).")
+        raise KvlensError(
+            "--byte-shares must be shares of the full cache between 0 and 1 (e.g. 0.5,0.25,0.125)."
+        )
     cached = prefill + tokens - 1  # slots of the full cache at the last step
 
     def slots(share: float) -> int:
@@ -68,33 +83,54 @@ def plan_frontier(byte_shares: list[float], texts: dict[str, str], *, prefill: i
             if share < 1:
                 plan += cells("mix", [mix], [slots(share)], k, target=b)
         for family, policy, kept, ranked in low_rank_cells(b, mix, rank_layers) if low_rank else []:
-            plan += cells(family, [policy], [None if kept == 1 else slots(kept)], target=b,
-                          described=ranked.describe())
+            plan += cells(
+                family, [policy], [None if kept == 1 else slots(kept)], target=b, described=ranked.describe()
+            )
     for k in bits:
         plan += cells("quantization", [("full", {})], [None], k)
     return plan
 
 
-def low_rank_cells(b: float, mix: tuple[str, dict] | None, rank_layers: int | None
-                   ) -> list[tuple[str, tuple[str, dict], float, Storage]]:
+def low_rank_cells(
+    b: float, mix: tuple[str, dict] | None, rank_layers: int | None
+) -> list[tuple[str, tuple[str, dict], float, Storage]]:
     """The low-rank configurations at byte share `b`: (family, policy, share of the slots kept, storage)."""
     full = ("full", {})
-    out = [("low_rank", full, 1.0, Storage(rank_share=b)), ("low_rank", full, 1.0, Storage(rank_share=b,
-                                                                                           rank_append="full"))]
+    out = [
+        ("low_rank", full, 1.0, Storage(rank_share=b)),
+        ("low_rank", full, 1.0, Storage(rank_share=b, rank_append="full")),
+    ]
     if rank_layers:
-        out.append(("low_rank", full, 1.0, Storage(rank_share=b, rank_layers=rank_layers, rank_append="full")))
+        out.append(
+            ("low_rank", full, 1.0, Storage(rank_share=b, rank_layers=rank_layers, rank_append="full"))
+        )
     if mix:
         out.append(("mix", mix, math.sqrt(b), Storage(rank_share=round(math.sqrt(b), 4))))
     return out + [("mix", full, 1.0, Storage(rank_share=b, bits=4))]
 
 
-def plan_frontier_tasks(byte_shares: list[float], *, tasks: list[str], lengths: list[int], count: int, seed: int,
-                        source: str, model: str, evictors: list[tuple[str, dict]], mergers: list[tuple[str, dict]],
-                        bits: list[int], mix: tuple[str, dict] | None, mix_bits: list[int], storage: Storage,
-                        low_rank: bool = True, rank_layers: int | None = 4) -> list[dict]:
+def plan_frontier_tasks(
+    byte_shares: list[float],
+    *,
+    tasks: list[str],
+    lengths: list[int],
+    count: int,
+    seed: int,
+    source: str,
+    model: str,
+    evictors: list[tuple[str, dict]],
+    mergers: list[tuple[str, dict]],
+    bits: list[int],
+    mix: tuple[str, dict] | None,
+    mix_bits: list[int],
+    storage: Storage,
+    low_rank: bool = True,
+    rank_layers: int | None = 4,
+) -> list[dict]:
     """The frontier's task cells (see the module docstring): per sample, one cell in the model's dtype (eviction
     and merging) and one per bits (the full cache, quantization alone, and the mix); the full cache in the model's
     dtype is in the first, as the reference."""
+
     def spec(name: str, params: dict) -> PolicySpec:
         return PolicySpec(name, tuple(sorted(params.items())))
 
@@ -102,15 +138,27 @@ def plan_frontier_tasks(byte_shares: list[float], *, tasks: list[str], lengths: 
 
     def cells(policies, ratios, bits_, described=None):
         described = dataclasses.replace(storage, bits=bits_).describe() if bits_ else described
-        out = task_suite.plan_tasks(policies, ratios, tasks, lengths, count, model=model, seed=seed,
-                                    query_aware=False, chat=True, source=source)
+        out = task_suite.plan_tasks(
+            policies,
+            ratios,
+            tasks,
+            lengths,
+            count,
+            model=model,
+            seed=seed,
+            query_aware=False,
+            chat=True,
+            source=source,
+        )
         return [{**c, "storage": described, "mergers": mergers_} for c in out]
 
     plan = cells([spec(*p) for p in evictors + mergers], [1 - b for b in byte_shares], None)
     for k in sorted(set(bits) | set(mix_bits if mix else []), reverse=True):
         cost = slot_cost(dataclasses.replace(storage, bits=k))
         ratios = [1 - b / cost for b in byte_shares if b / cost < 1] if mix and k in mix_bits else []
-        plan += cells([spec(*mix)] if ratios else [], ratios, k)  # the full cache at k bits is always in a cell
+        plan += cells(
+            [spec(*mix)] if ratios else [], ratios, k
+        )  # the full cache at k bits is always in a cell
     for b in byte_shares if low_rank else []:  # a cell per storage: its policy, or the full cache alone
         for _, policy, kept, ranked in low_rank_cells(b, mix, rank_layers):
             evicting = kept < 1
@@ -125,9 +173,16 @@ def _task_records(rows: list[dict]) -> list[dict]:
     for row in rows:
         storage = Storage.of(row.get("storage"))
         for res in row["results"]:
-            records.append({**res, "family": _family(res["policy"], storage, row["mergers"]), "bits": storage.bits,
-                            "storage": row.get("storage"), "cost": _cost(storage),
-                            "sample": (row["suite_task"], row["length"], row["index"])})
+            records.append(
+                {
+                    **res,
+                    "family": _family(res["policy"], storage, row["mergers"]),
+                    "bits": storage.bits,
+                    "storage": row.get("storage"),
+                    "cost": _cost(storage),
+                    "sample": (row["suite_task"], row["length"], row["index"]),
+                }
+            )
     full = {r["sample"]: r["kv_bytes"] for r in records if r["family"] == "reference"}
     for r in records:
         r["bytes_share"] = r["kv_bytes"] / full[r["sample"]] if r["sample"] in full else None
@@ -162,24 +217,38 @@ def summarise_tasks(rows: list[dict]) -> list[dict]:
     for r in records:
         config = r["policy"] if r["policy"] == "full" else f"{r['policy']} r={r['ratio']:.3g}"
         config = _stored(config, r["storage"])
-        groups.setdefault((r["family"], config, r["target"], _series(r["family"], r["policy"], r["storage"])),
-                          {}).setdefault(r["sample"][:2], []).append(r)
+        groups.setdefault(
+            (r["family"], config, r["target"], _series(r["family"], r["policy"], r["storage"])), {}
+        ).setdefault(r["sample"][:2], []).append(r)
     full = statistics.fmean(r["score"] for r in records if r["family"] == "reference") if records else None
     out = []
     for (family, config, target, series), by_task in groups.items():
         scores = [[r["score"] for r in g] for g in by_task.values()]
         low, high = task_suite.bootstrap(scores)
         every = [r for g in by_task.values() for r in g]
-        out.append({"family": family, "config": config, "series": series, "target": target, "metric": "score",
-                    "bytes_share": statistics.fmean(r["bytes_share"] for r in every),
-                    "score": statistics.fmean(statistics.fmean(g) for g in scores), "ci_low": low, "ci_high": high,
-                    "samples": len(every), "full_score": full})
+        out.append(
+            {
+                "family": family,
+                "config": config,
+                "series": series,
+                "target": target,
+                "metric": "score",
+                "bytes_share": statistics.fmean(r["bytes_share"] for r in every),
+                "score": statistics.fmean(statistics.fmean(g) for g in scores),
+                "ci_low": low,
+                "ci_high": high,
+                "samples": len(every),
+                "full_score": full,
+            }
+        )
     return _ordered(out)
 
 
 def _ordered(summary: list[dict]) -> list[dict]:
-    return sorted(summary, key=lambda s: (FAMILIES.index(s["family"]) if s["family"] in FAMILIES else -1,
-                                          -s["bytes_share"]))
+    return sorted(
+        summary,
+        key=lambda s: (FAMILIES.index(s["family"]) if s["family"] in FAMILIES else -1, -s["bytes_share"]),
+    )
 
 
 def _rank_kind(storage: dict) -> str:
@@ -223,7 +292,9 @@ def _config(row: dict) -> str:
 def summarise(rows: list[dict]) -> list[dict]:
     """The perplexity cells' summary (`summarise_ppl`), then the task cells' (`summarise_tasks`), if any."""
     scored = [r for r in rows if r.get("task") == "tasks"]
-    return summarise_ppl([r for r in rows if r.get("task") != "tasks"]) + (summarise_tasks(scored) if scored else [])
+    return summarise_ppl([r for r in rows if r.get("task") != "tasks"]) + (
+        summarise_tasks(scored) if scored else []
+    )
 
 
 def summarise_ppl(rows: list[dict]) -> list[dict]:
@@ -240,28 +311,51 @@ def summarise_ppl(rows: list[dict]) -> list[dict]:
         p = spread(r["ppl"] for r in group)
         share = spread(r["kv_bytes_peak"] / full[r["text"]]["kv_bytes_peak"] for r in group)
         ratio = spread(r["ppl"] / full[r["text"]]["ppl"] for r in group)
-        out.append({"family": family, "config": config, "series": series, "target": target, "metric": "ppl",
-                    "bytes_share": share["mean"],
-                    "ppl": p["mean"], "ppl_std": p["std"], "ppl_min": p["min"], "ppl_max": p["max"],
-                    "ppl_vs_full": ratio["mean"], "ppl_vs_full_min": ratio["min"], "ppl_vs_full_max": ratio["max"],
-                    "texts": p["n"]})
+        out.append(
+            {
+                "family": family,
+                "config": config,
+                "series": series,
+                "target": target,
+                "metric": "ppl",
+                "bytes_share": share["mean"],
+                "ppl": p["mean"],
+                "ppl_std": p["std"],
+                "ppl_min": p["min"],
+                "ppl_max": p["max"],
+                "ppl_vs_full": ratio["mean"],
+                "ppl_vs_full_min": ratio["min"],
+                "ppl_vs_full_max": ratio["max"],
+                "texts": p["n"],
+            }
+        )
     return _ordered(out)
 
 
 def table(summary: list[dict]) -> str:
     """The summary as Markdown tables: perplexity, then task score (when the frontier has task cells)."""
-    lines = ["| family | configuration | bytes (share of full) | perplexity (mean, min-max over texts) | vs full |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| family | configuration | bytes (share of full) | perplexity (mean, min-max over texts) | vs full |",
+        "|---|---|---|---|---|",
+    ]
     for s in summary:
         if s["metric"] == "ppl":
-            lines.append(f"| {s['family']} | {s['config']} | {s['bytes_share']:.3f} | {s['ppl']:.2f} "
-                         f"({s['ppl_min']:.2f}-{s['ppl_max']:.2f}) | {s['ppl_vs_full']:.3f} |")
+            lines.append(
+                f"| {s['family']} | {s['config']} | {s['bytes_share']:.3f} | {s['ppl']:.2f} "
+                f"({s['ppl_min']:.2f}-{s['ppl_max']:.2f}) | {s['ppl_vs_full']:.3f} |"
+            )
     scored = [s for s in summary if s["metric"] == "score"]
     if scored:
-        lines += ["", "| family | configuration | bytes (share of full) | task score [95 % interval] | samples |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {s['family']} | {s['config']} | {s['bytes_share']:.3f} | {s['score']:.1%} "
-                  f"[{s['ci_low']:.0%}, {s['ci_high']:.0%}] | {s['samples']} |" for s in scored]
+        lines += [
+            "",
+            "| family | configuration | bytes (share of full) | task score [95 % interval] | samples |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {s['family']} | {s['config']} | {s['bytes_share']:.3f} | {s['score']:.1%} "
+            f"[{s['ci_low']:.0%}, {s['ci_high']:.0%}] | {s['samples']} |"
+            for s in scored
+        ]
     return "\n".join(lines)
 
 
@@ -277,34 +371,61 @@ def figure(result: dict):
     summary = result.get("summary") or summarise(result["rows"])
     panels = [m for m in ("ppl", "score") if any(s["metric"] == m for s in summary)]
     c = result["config"]
-    titles = {"ppl": f"perplexity / the full cache's ({c['prefill']} prompt + {c['tokens']} tokens, "
-                     f"{len(c['texts'])} texts)",
-              "score": f"task score ({', '.join(c.get('tasks') or [])}, {c.get('task_count')} samples each)"}
-    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[titles[m] for m in panels],
-                        horizontal_spacing=0.08)
+    titles = {
+        "ppl": f"perplexity / the full cache's ({c['prefill']} prompt + {c['tokens']} tokens, "
+        f"{len(c['texts'])} texts)",
+        "score": f"task score ({', '.join(c.get('tasks') or [])}, {c.get('task_count')} samples each)",
+    }
+    fig = make_subplots(
+        rows=1, cols=len(panels), subplot_titles=[titles[m] for m in panels], horizontal_spacing=0.08
+    )
     colors = dict(zip(FAMILIES, ["#222222", "#0072B2", "#D55E00", "#CC79A7", "#009E73"], strict=True))
     for col, metric in enumerate(panels, 1):
-        y, low, high = ("ppl_vs_full", "ppl_vs_full_min", "ppl_vs_full_max") if metric == "ppl" else \
-            ("score", "ci_low", "ci_high")
+        y, low, high = (
+            ("ppl_vs_full", "ppl_vs_full_min", "ppl_vs_full_max")
+            if metric == "ppl"
+            else ("score", "ci_low", "ci_high")
+        )
         rows = [s for s in summary if s["metric"] == metric]
         for family in FAMILIES:
             lines = list(dict.fromkeys(s.get("series", s["config"]) for s in rows if s["family"] == family))
             for j, series in enumerate(lines):
-                points = sorted((s for s in rows if s["family"] == family and s.get("series", s["config"]) == series),
-                                key=lambda s: s["bytes_share"])
+                points = sorted(
+                    (s for s in rows if s["family"] == family and s.get("series", s["config"]) == series),
+                    key=lambda s: s["bytes_share"],
+                )
                 name = f"{series} ({family})"
-                fig.add_trace(go.Scatter(
-                    x=[s["bytes_share"] for s in points], y=[s[y] for s in points], name=name, legendgroup=name,
-                    showlegend=col == 1, mode="lines+markers", text=[s["config"] for s in points],
-                    hovertemplate="%{text}<br>bytes %{x:.3f}<br>%{y:.3f}<extra>" + family + "</extra>",
-                    line=dict(color=colors[family], dash=DASHES[j % len(DASHES)], width=2),
-                    marker=dict(color=colors[family], symbol=SYMBOLS[j % len(SYMBOLS)], size=7),
-                    error_y={"type": "data", "symmetric": False, "array": [s[high] - s[y] for s in points],
-                             "arrayminus": [s[y] - s[low] for s in points], "thickness": 1}), 1, col)
+                fig.add_trace(
+                    go.Scatter(
+                        x=[s["bytes_share"] for s in points],
+                        y=[s[y] for s in points],
+                        name=name,
+                        legendgroup=name,
+                        showlegend=col == 1,
+                        mode="lines+markers",
+                        text=[s["config"] for s in points],
+                        hovertemplate="%{text}<br>bytes %{x:.3f}<br>%{y:.3f}<extra>" + family + "</extra>",
+                        line=dict(color=colors[family], dash=DASHES[j % len(DASHES)], width=2),
+                        marker=dict(color=colors[family], symbol=SYMBOLS[j % len(SYMBOLS)], size=7),
+                        error_y={
+                            "type": "data",
+                            "symmetric": False,
+                            "array": [s[high] - s[y] for s in points],
+                            "arrayminus": [s[y] - s[low] for s in points],
+                            "thickness": 1,
+                        },
+                    ),
+                    1,
+                    col,
+                )
         fig.add_hline(y=1.0, line_dash="dot", line_color="#555", annotation_text="full cache", row=1, col=col)
         fig.update_xaxes(title_text="KV cache bytes, share of the full cache", type="log", row=1, col=col)
         fig.update_yaxes(title_text="perplexity / full" if metric == "ppl" else "score", row=1, col=col)
-    fig.update_layout(title="Quality against KV bytes, a colour per family (bars: min-max over texts; 95 % "
-                            "intervals over samples)",
-                      width=760 * len(panels) + 240, height=540, template="kvlens")
+    fig.update_layout(
+        title="Quality against KV bytes, a colour per family (bars: min-max over texts; 95 % "
+        "intervals over samples)",
+        width=760 * len(panels) + 240,
+        height=540,
+        template="kvlens",
+    )
     return fig

@@ -6,6 +6,7 @@ question follows, and the model answers
 greedily. A cell scores 1 when the answer appears in the output, compared on lowercase letters
 and digits only (so "Blue harbor 42" counts for 'blue-harbor-42'), else 0.
 """
+
 from __future__ import annotations
 
 import re
@@ -41,8 +42,15 @@ def sentences(text: str) -> list[str]:
     return [s.strip() for s in re.split(r"(?<=[.?!])\s+", " ".join(text.split())) if s.strip()]
 
 
-def haystack(model: LoadedModel, filler: list[str], length: int, depth: float, needle: str = NEEDLE,
-             question: str = QUESTION, chat: bool = True) -> list[int]:
+def haystack(
+    model: LoadedModel,
+    filler: list[str],
+    length: int,
+    depth: float,
+    needle: str = NEEDLE,
+    question: str = QUESTION,
+    chat: bool = True,
+) -> list[int]:
     """Prompt ids of about `length` tokens: filler sentences with `needle` at `depth` in [0, 1], then `question`."""
     if not 0 <= depth <= 1:
         raise KvlensError(f"A needle depth must be in [0, 1]; got {depth}.")
@@ -59,34 +67,77 @@ def haystack(model: LoadedModel, filler: list[str], length: int, depth: float, n
     if len(chosen) < 2:
         raise KvlensError(f"A context of {length} tokens leaves no room for a haystack; use a longer length.")
     starts.append(used)
-    at = min(range(len(starts)), key=lambda i: abs(starts[i] - depth * used))  # sentence boundary nearest depth
+    at = min(
+        range(len(starts)), key=lambda i: abs(starts[i] - depth * used)
+    )  # sentence boundary nearest depth
     chosen.insert(at, needle)
     return encode(model, " ".join(chosen) + tail, chat)
 
 
-def plan_needle(policies: list[tuple[str, dict]], lengths: list[int], depths: list[float], *,
-                budget: int | float | None, filler_text: str, model: str, max_new_tokens: int = 16, chat: bool = True,
-                needle: str = NEEDLE, question: str = QUESTION, answer: str = ANSWER) -> list[dict]:
+def plan_needle(
+    policies: list[tuple[str, dict]],
+    lengths: list[int],
+    depths: list[float],
+    *,
+    budget: int | float | None,
+    filler_text: str,
+    model: str,
+    max_new_tokens: int = 16,
+    chat: bool = True,
+    needle: str = NEEDLE,
+    question: str = QUESTION,
+    answer: str = ANSWER,
+) -> list[dict]:
     """The `needle` cells: every policy at every (context length, depth); the haystack is text id `haystack`."""
     bad = [d for d in depths if not 0 <= d <= 1]
     if bad:
         raise KvlensError(f"A needle depth must be in [0, 1]; got {bad[0]}.")
-    return plan("needle", policies, [budget], {"length": lengths, "depth": depths},
-                {"model": model, "text": "haystack", "text_digest": digest(filler_text),
-                 "max_new_tokens": max_new_tokens, "chat": chat, "needle": needle, "question": question,
-                 "answer": answer})
+    return plan(
+        "needle",
+        policies,
+        [budget],
+        {"length": lengths, "depth": depths},
+        {
+            "model": model,
+            "text": "haystack",
+            "text_digest": digest(filler_text),
+            "max_new_tokens": max_new_tokens,
+            "chat": chat,
+            "needle": needle,
+            "question": question,
+            "answer": answer,
+        },
+    )
 
 
 def needle_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
     """One `needle` cell: build the haystack, answer greedily, score. `prompt_tokens` is the actual length."""
-    ids = haystack(model, sentences(texts[cell["text"]]), cell["length"], cell["depth"], cell["needle"],
-                   cell["question"], cell["chat"])
+    ids = haystack(
+        model,
+        sentences(texts[cell["text"]]),
+        cell["length"],
+        cell["depth"],
+        cell["needle"],
+        cell["question"],
+        cell["chat"],
+    )
     n = cell["max_new_tokens"]
-    r = run(model, make_policy(cell["policy"], cell["params"]), ids, prefill=len(ids), steps=n, teacher=False,
-            opts=RunOptions(budget=cell["budget"], max_new_tokens=n, seed=cell["seed"], log_decisions=False))
+    r = run(
+        model,
+        make_policy(cell["policy"], cell["params"]),
+        ids,
+        prefill=len(ids),
+        steps=n,
+        teacher=False,
+        opts=RunOptions(budget=cell["budget"], max_new_tokens=n, seed=cell["seed"], log_decisions=False),
+    )
     text = r.meta["text"]
-    return {"prompt_tokens": len(ids), "budget_slots": r.meta["budget"]["slots"],
-            "score": score(text, cell["answer"]), "output": text}
+    return {
+        "prompt_tokens": len(ids),
+        "budget_slots": r.meta["budget"]["slots"],
+        "score": score(text, cell["answer"]),
+        "output": text,
+    }
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -97,8 +148,13 @@ def summarise(rows: list[dict]) -> list[dict]:
         by_len: dict[int, list[float]] = {}
         for c in mine:
             by_len.setdefault(c["length"], []).append(c["score"])
-        out.append({"policy": policy, "score": sum(c["score"] for c in mine) / len(mine),
-                    "by_length": {str(n): sum(v) / len(v) for n, v in by_len.items()}})
+        out.append(
+            {
+                "policy": policy,
+                "score": sum(c["score"] for c in mine) / len(mine),
+                "by_length": {str(n): sum(v) / len(v) for n, v in by_len.items()},
+            }
+        )
     return out
 
 
@@ -109,18 +165,39 @@ def figure(result: dict):
 
     import kvlens.figures.plots  # noqa: F401  registers the "kvlens" paper template
 
-    cfg, rows = result["config"], result.get("rows", result.get("cells"))  # `cells`: files from before the grid
+    cfg, rows = (
+        result["config"],
+        result.get("rows", result.get("cells")),
+    )  # `cells`: files from before the grid
     policies = list(dict.fromkeys(label(r) for r in rows))
-    fig = make_subplots(rows=1, cols=len(policies), subplot_titles=policies, shared_yaxes=True,
-                        horizontal_spacing=0.02)
+    fig = make_subplots(
+        rows=1, cols=len(policies), subplot_titles=policies, shared_yaxes=True, horizontal_spacing=0.02
+    )
     score_of = {(label(r), r["length"], r["depth"]): r["score"] for r in rows}
     for i, policy in enumerate(policies, 1):
         z = [[score_of.get((policy, n, d)) for n in cfg["lengths"]] for d in cfg["depths"]]
-        fig.add_trace(go.Heatmap(z=z, x=[str(n) for n in cfg["lengths"]], y=[f"{d:.0%}" for d in cfg["depths"]],
-                                 zmin=0, zmax=1, colorscale=[[0, "#d73027"], [1, "#1a9850"]], showscale=False,
-                                 name=policy, xgap=2, ygap=2), 1, i)
+        fig.add_trace(
+            go.Heatmap(
+                z=z,
+                x=[str(n) for n in cfg["lengths"]],
+                y=[f"{d:.0%}" for d in cfg["depths"]],
+                zmin=0,
+                zmax=1,
+                colorscale=[[0, "#d73027"], [1, "#1a9850"]],
+                showscale=False,
+                name=policy,
+                xgap=2,
+                ygap=2,
+            ),
+            1,
+            i,
+        )
         fig.update_xaxes(title_text="context tokens", row=1, col=i)
     fig.update_yaxes(title_text="needle depth", row=1, col=1, autorange="reversed")
-    fig.update_layout(title=f"Needle in a haystack (green = found; budget {cfg['budget']} for compressing policies)",
-                      width=max(500, 230 * len(policies)), height=420, template="kvlens")
+    fig.update_layout(
+        title=f"Needle in a haystack (green = found; budget {cfg['budget']} for compressing policies)",
+        width=max(500, 230 * len(policies)),
+        height=420,
+        template="kvlens",
+    )
     return fig

@@ -5,6 +5,7 @@ tokens of a text, compresses to the budget and scores the next `tokens` tokens o
 (`kvlens.experiments.api.perplexity`, the same as `kvlens ppl`). `full` and budget-free policies (CORM) run
 once per text, whatever the budgets. This module summarises the rows, as a table and a figure.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,10 @@ def budget_key(row: dict) -> int | float | str:
 
 def _numeric(summary: list[dict]) -> list:
     """The numeric budgets of a summary, slots (descending) then shares (descending)."""
-    return sorted({s["budget"] for s in summary if not isinstance(s["budget"], str)},
-                  key=lambda b: (isinstance(b, float), -b))
+    return sorted(
+        {s["budget"] for s in summary if not isinstance(s["budget"], str)},
+        key=lambda b: (isinstance(b, float), -b),
+    )
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -35,11 +38,20 @@ def summarise(rows: list[dict]) -> list[dict]:
     out = []
     for (policy, budget), group in groups.items():
         s = spread(r["ppl"] for r in group)
-        out.append({"policy": policy, "budget": budget,
-                    "budget_slots_mean": spread(r["kept_final_mean"] for r in group)["mean"],
-                    "ppl_mean": s["mean"], "ppl_std": s["std"], "ppl_min": s["min"], "ppl_max": s["max"],
-                    "texts": s["n"], "log_ppl_mean": spread(math.log(r["ppl"]) for r in group)["mean"],
-                    "vs_full": s["mean"] / full_mean if full_mean else None})
+        out.append(
+            {
+                "policy": policy,
+                "budget": budget,
+                "budget_slots_mean": spread(r["kept_final_mean"] for r in group)["mean"],
+                "ppl_mean": s["mean"],
+                "ppl_std": s["std"],
+                "ppl_min": s["min"],
+                "ppl_max": s["max"],
+                "texts": s["n"],
+                "log_ppl_mean": spread(math.log(r["ppl"]) for r in group)["mean"],
+                "vs_full": s["mean"] / full_mean if full_mean else None,
+            }
+        )
     return out
 
 
@@ -49,11 +61,16 @@ def markdown_table(summary: list[dict]) -> str:
     policies = list(dict.fromkeys(s["policy"] for s in summary))
     cell = {(s["policy"], s["budget"]): f"{s['ppl_mean']:.2f} ± {s['ppl_std']:.2f}" for s in summary}
     own = {s["policy"]: s["budget"] for s in summary if isinstance(s["budget"], str)}  # full / budget-free
-    lines = ["| policy | " + " | ".join(_budget_name(b) for b in budgets) + " |",
-             "|---|" + "---|" * len(budgets)]
+    lines = [
+        "| policy | " + " | ".join(_budget_name(b) for b in budgets) + " |",
+        "|---|" + "---|" * len(budgets),
+    ]
     for p in policies:
-        row = [cell[(p, own[p])] + (f" ({own[p]})" if own[p] != "full" else "") for _ in budgets] if p in own \
+        row = (
+            [cell[(p, own[p])] + (f" ({own[p]})" if own[p] != "full" else "") for _ in budgets]
+            if p in own
             else [cell.get((p, b), "") for b in budgets]
+        )
         lines.append(f"| {p} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -78,15 +95,34 @@ def figure(result: dict):
         own = [b for b in group if isinstance(b, str)]
         if own:  # full or a budget-free policy: one value, drawn flat across the budgets
             s = group[own[0]]
-            fig.add_trace(go.Scatter(x=names, y=[s["ppl_mean"]] * len(names), name=f"{policy} ({own[0]})",
-                                     mode="lines", line={**line_style(i)["line"], "dash": "dot"}))
+            fig.add_trace(
+                go.Scatter(
+                    x=names,
+                    y=[s["ppl_mean"]] * len(names),
+                    name=f"{policy} ({own[0]})",
+                    mode="lines",
+                    line={**line_style(i)["line"], "dash": "dot"},
+                )
+            )
             continue
-        fig.add_trace(go.Scatter(x=names, y=[group[b]["ppl_mean"] if b in group else None for b in budgets],
-                                 error_y={"array": [group[b]["ppl_std"] if b in group else None for b in budgets]},
-                                 name=policy, mode="lines+markers", **line_style(i)))
+        fig.add_trace(
+            go.Scatter(
+                x=names,
+                y=[group[b]["ppl_mean"] if b in group else None for b in budgets],
+                error_y={"array": [group[b]["ppl_std"] if b in group else None for b in budgets]},
+                name=policy,
+                mode="lines+markers",
+                **line_style(i),
+            )
+        )
     c = result["config"]
-    fig.update_layout(title=f"Perplexity by KV budget ({c['prefill']} prompt + {c['tokens']} scored tokens, "
-                            f"{len(c['texts'])} texts; bars: std over texts)",
-                      xaxis_title="budget per KV head per layer", yaxis_title="perplexity", width=900, height=520,
-                      template="kvlens")
+    fig.update_layout(
+        title=f"Perplexity by KV budget ({c['prefill']} prompt + {c['tokens']} scored tokens, "
+        f"{len(c['texts'])} texts; bars: std over texts)",
+        xaxis_title="budget per KV head per layer",
+        yaxis_title="perplexity",
+        width=900,
+        height=520,
+        template="kvlens",
+    )
     return fig

@@ -23,6 +23,7 @@ What differs from RULER:
   and the k needles (or vt's chain lines) of one sample each in their own k-th of it, so that a grid of 8 samples
   does not leave the depth to luck. A line's depth is its boundary's index over the haystack's sentence count.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,45 +49,147 @@ class TaskSpec:
 
 
 TASKS: dict[str, TaskSpec] = {
-    "niah_single": TaskSpec(128, "one needle (a key's 7-digit number) in noise (even index) or essay (odd index)"),
+    "niah_single": TaskSpec(
+        128, "one needle (a key's 7-digit number) in noise (even index) or essay (odd index)"
+    ),
     "niah_multikey": TaskSpec(128, "four needles with different keys in the essay; one key asked"),
     "niah_multivalue": TaskSpec(128, "four numbers for one key in the essay; all four asked"),
-    "niah_multiquery": TaskSpec(128, "four needles with different keys in the essay; four questions, one per key"),
+    "niah_multiquery": TaskSpec(
+        128, "four needles with different keys in the essay; four questions, one per key"
+    ),
     "vt": TaskSpec(30, "variable tracking: a chain of four assignments in noise; all five variables asked"),
     "cwe": TaskSpec(120, "common words extraction: the ten words repeated most in a numbered list"),
     "fwe": TaskSpec(50, "frequent words extraction: the three most frequent coded words (Zipf, alpha 2)"),
 }
 
-NIAH_PREAMBLE = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-                 "I will quiz you about the numbers afterwards.\n")
+NIAH_PREAMBLE = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the numbers afterwards.\n"
+)
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 NIAH_QUESTION = "What are all the special magic numbers for {key} mentioned in the provided text?"
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 VT_PREAMBLE = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
 VT_QUESTION = "Question: Find all variables that are assigned the value {value} in the text above."
-CWE_PREAMBLE = ("Below is a numbered list of words. In these words, some appear more often than others. "
-                "Memorize the ones that appear most often.\n")
+CWE_PREAMBLE = (
+    "Below is a numbered list of words. In these words, some appear more often than others. "
+    "Memorize the ones that appear most often.\n"
+)
 CWE_QUESTION = "Question: What are the 10 most common words in the above list?"
-FWE_PREAMBLE = ("Read the following coded text and track the frequency of each coded word. "
-                "Find the three most frequently appeared coded words. ")
-FWE_QUESTION = ("Question: Do not provide any explanation. Please ignore the dots '....'. "
-                "What are the three most frequently appeared words in the above coded text?")
+FWE_PREAMBLE = (
+    "Read the following coded text and track the frequency of each coded word. "
+    "Find the three most frequently appeared coded words. "
+)
+FWE_QUESTION = (
+    "Question: Do not provide any explanation. Please ignore the dots '....'. "
+    "What are the three most frequently appeared words in the above coded text?"
+)
 FWE_NOISE = "...."
 
-ADJECTIVES = ("grumpy", "brave", "calm", "eager", "fancy", "gentle", "happy", "jolly", "kind", "lively", "nice",
-              "proud", "silly", "witty", "zealous", "ancient", "bitter", "bold", "bright", "clever", "cold", "curly",
-              "dusty", "early", "fierce", "fuzzy", "giant", "golden", "hollow", "humble", "icy", "lazy", "loud",
-              "lucky", "mighty", "noisy", "odd", "quiet", "rapid", "rusty", "shy", "sleepy", "smooth", "sour",
-              "swift", "tall", "tiny", "wild")
-NOUNS = ("pelican", "anchor", "badger", "beacon", "biscuit", "canyon", "castle", "comet", "cricket", "dolphin",
-         "falcon", "fountain", "garden", "glacier", "harbor", "helmet", "island", "jacket", "kettle", "lantern",
-         "lemon", "meadow", "mirror", "monkey", "needle", "orchard", "otter", "parrot", "pepper", "pillow",
-         "pumpkin", "rabbit", "river", "rocket", "saddle", "salmon", "shadow", "spider", "squirrel", "teapot",
-         "thunder", "tiger", "tractor", "tulip", "violin", "walrus", "window", "zebra")
+ADJECTIVES = (
+    "grumpy",
+    "brave",
+    "calm",
+    "eager",
+    "fancy",
+    "gentle",
+    "happy",
+    "jolly",
+    "kind",
+    "lively",
+    "nice",
+    "proud",
+    "silly",
+    "witty",
+    "zealous",
+    "ancient",
+    "bitter",
+    "bold",
+    "bright",
+    "clever",
+    "cold",
+    "curly",
+    "dusty",
+    "early",
+    "fierce",
+    "fuzzy",
+    "giant",
+    "golden",
+    "hollow",
+    "humble",
+    "icy",
+    "lazy",
+    "loud",
+    "lucky",
+    "mighty",
+    "noisy",
+    "odd",
+    "quiet",
+    "rapid",
+    "rusty",
+    "shy",
+    "sleepy",
+    "smooth",
+    "sour",
+    "swift",
+    "tall",
+    "tiny",
+    "wild",
+)
+NOUNS = (
+    "pelican",
+    "anchor",
+    "badger",
+    "beacon",
+    "biscuit",
+    "canyon",
+    "castle",
+    "comet",
+    "cricket",
+    "dolphin",
+    "falcon",
+    "fountain",
+    "garden",
+    "glacier",
+    "harbor",
+    "helmet",
+    "island",
+    "jacket",
+    "kettle",
+    "lantern",
+    "lemon",
+    "meadow",
+    "mirror",
+    "monkey",
+    "needle",
+    "orchard",
+    "otter",
+    "parrot",
+    "pepper",
+    "pillow",
+    "pumpkin",
+    "rabbit",
+    "river",
+    "rocket",
+    "saddle",
+    "salmon",
+    "shadow",
+    "spider",
+    "squirrel",
+    "teapot",
+    "thunder",
+    "tiger",
+    "tractor",
+    "tulip",
+    "violin",
+    "walrus",
+    "window",
+    "zebra",
+)
 KEYS = tuple(f"{a}-{n}" for a in ADJECTIVES for n in NOUNS)
 CWE_COMMON = 10  # RULER num_cw
 DEPTHS = ("stratified", "random")
-ZETA_2 = math.pi ** 2 / 6  # normalises RULER's Zipf counts at alpha = 2
+ZETA_2 = math.pi**2 / 6  # normalises RULER's Zipf counts at alpha = 2
 
 
 @dataclass(frozen=True)
@@ -110,9 +213,12 @@ class Sample:
         `max_new_tokens` is written only when it is not the task's default, so `from_json` restores it.
         """
         one = len(self.questions) == 1
-        obj = {"task": self.task, "context": self.context,
-               "question": self.questions[0] if one else list(self.questions),
-               "answers": list(self.answers[0]) if one else [list(a) for a in self.answers]}
+        obj = {
+            "task": self.task,
+            "context": self.context,
+            "question": self.questions[0] if one else list(self.questions),
+            "answers": list(self.answers[0]) if one else [list(a) for a in self.answers],
+        }
         if self.max_new_tokens != _default_max_new_tokens(self.task):
             obj["max_new_tokens"] = self.max_new_tokens
         return obj
@@ -137,8 +243,11 @@ class Sample:
         questions, answer_lists = (question, answers) if several else ([question], [answers])
         if not questions or not all(isinstance(q, str) for q in questions):
             raise KvlensError(f"{bad} needs a 'question' that is a string or a non-empty list of strings.")
-        if not (isinstance(answer_lists, list) and len(answer_lists) == len(questions)
-                and all(isinstance(a, list) and a and all(isinstance(s, str) for s in a) for a in answer_lists)):
+        if not (
+            isinstance(answer_lists, list)
+            and len(answer_lists) == len(questions)
+            and all(isinstance(a, list) and a and all(isinstance(s, str) for s in a) for a in answer_lists)
+        ):
             shape = "one non-empty list of strings per question" if several else "a non-empty list of strings"
             raise KvlensError(f"{bad} needs 'answers' to be {shape}.")
         task = obj.get("task", "custom")
@@ -165,8 +274,9 @@ def score(output: str, expected: Sequence[str]) -> float:
 def score_sample(outputs: Sequence[str], sample: Sample) -> float:
     """Mean of `score` over the sample's questions, `outputs[i]` answering question i."""
     if len(outputs) != len(sample.questions):
-        raise KvlensError(f"A {sample.task} sample has {len(sample.questions)} questions but got "
-                          f"{len(outputs)} outputs.")
+        raise KvlensError(
+            f"A {sample.task} sample has {len(sample.questions)} questions but got {len(outputs)} outputs."
+        )
     return sum(score(o, a) for o, a in zip(outputs, sample.answers)) / len(outputs)
 
 
@@ -175,8 +285,11 @@ def needle_spans(sample: Sample) -> list[tuple[int, int]]:
     niah tasks'; none for other tasks)."""
     spans = []
     for value in dict.fromkeys(a for answers in sample.answers for a in answers):
-        pattern = re.escape(NEEDLE).replace(re.escape("{key}"), r"[\w-]+").replace(re.escape("{value}"),
-                                                                                   re.escape(value))
+        pattern = (
+            re.escape(NEEDLE)
+            .replace(re.escape("{key}"), r"[\w-]+")
+            .replace(re.escape("{value}"), re.escape(value))
+        )
         spans += [m.span() for m in re.finditer(pattern, sample.context)]
     return sorted(spans)
 
@@ -217,7 +330,9 @@ def write_samples(samples, path) -> None:
     """Write `samples` as JSON lines (`Sample.to_json`), one a line."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(s.to_json(), ensure_ascii=False) + "\n" for s in samples), encoding="utf-8")
+    path.write_text(
+        "".join(json.dumps(s.to_json(), ensure_ascii=False) + "\n" for s in samples), encoding="utf-8"
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -250,12 +365,15 @@ def _cuts(rng: random.Random, total: int, lines: int, stratum: tuple[int, int] |
     for j in range(lines):
         first = math.ceil((j * n + i) * total / (n * lines))
         last = math.ceil((j * n + i + 1) * total / (n * lines)) - 1
-        cuts.append(rng.randint(first, last) if last >= first else min(first, total))  # an empty stratum: its start
+        cuts.append(
+            rng.randint(first, last) if last >= first else min(first, total)
+        )  # an empty stratum: its start
     return cuts
 
 
-def _insert(rng: random.Random, sentences: list[str], lines: Sequence[str],
-            stratum: tuple[int, int] | None) -> tuple[str, list[float]]:
+def _insert(
+    rng: random.Random, sentences: list[str], lines: Sequence[str], stratum: tuple[int, int] | None
+) -> tuple[str, list[float]]:
     """`sentences` joined by spaces, with `lines`, in their order, at the boundaries `_cuts` picks; and each
     line's depth (its boundary over the sentence count)."""
     cuts = _cuts(rng, len(sentences), len(lines), stratum)
@@ -266,18 +384,28 @@ def _insert(rng: random.Random, sentences: list[str], lines: Sequence[str],
     return " ".join(out + sentences[start:]), [cut / max(len(sentences), 1) for cut in cuts]
 
 
-def _niah(rng: random.Random, sentences: list[str], keys: int, values: int, asked: int,
-          stratum: tuple[int, int] | None) -> tuple:
+def _niah(
+    rng: random.Random,
+    sentences: list[str],
+    keys: int,
+    values: int,
+    asked: int,
+    stratum: tuple[int, int] | None,
+) -> tuple:
     """Needles for `keys` keys with `values` numbers each; questions on the first `asked` keys."""
     names = rng.sample(KEYS, keys)
     numbers = [str(v) for v in rng.sample(range(1_000_000, 10_000_000), keys * values)]
-    by_key = [numbers[i * values:(i + 1) * values] for i in range(keys)]
+    by_key = [numbers[i * values : (i + 1) * values] for i in range(keys)]
     needles = [(v, NEEDLE.format(key=k, value=v)) for k, vs in zip(names, by_key) for v in vs]
     rng.shuffle(needles)
     text, depths = _insert(rng, sentences, [line for _, line in needles], stratum)
     depth = {v: d for (v, _), d in zip(needles, depths, strict=True)}
-    return (NIAH_PREAMBLE + text + "\n", tuple(NIAH_QUESTION.format(key=k) for k in names[:asked]),
-            tuple(tuple(vs) for vs in by_key[:asked]), tuple(tuple(depth[v] for v in vs) for vs in by_key[:asked]))
+    return (
+        NIAH_PREAMBLE + text + "\n",
+        tuple(NIAH_QUESTION.format(key=k) for k in names[:asked]),
+        tuple(tuple(vs) for vs in by_key[:asked]),
+        tuple(tuple(depth[v] for v in vs) for vs in by_key[:asked]),
+    )
 
 
 def _vt(rng: random.Random, n: int, stratum: tuple[int, int] | None) -> tuple:
@@ -303,7 +431,9 @@ def _cwe_vocabulary(text: str, need: int) -> list[str]:
     words = list(_text_words(text))
     seen, made = set(words), random.Random("kvlens/ruler/cwe-words")
     while len(words) < need:
-        word = "".join(made.choice("bdfgklmnprstvz") + made.choice("aeiou") for _ in range(made.randint(3, 4)))
+        word = "".join(
+            made.choice("bdfgklmnprstvz") + made.choice("aeiou") for _ in range(made.randint(3, 4))
+        )
         if word not in seen:
             seen.add(word)
             words.append(word)
@@ -335,14 +465,18 @@ def _fwe(rng: random.Random, n: int, length: int) -> tuple:
     return FWE_PREAMBLE + " ".join(listing) + "\n", (FWE_QUESTION,), (tuple(coded[:3]),), None
 
 
-def _builders(task: str, length: int, index: int, text: str,
-              stratum: tuple[int, int] | None) -> list[Callable[[random.Random, int], tuple]]:
+def _builders(
+    task: str, length: int, index: int, text: str, stratum: tuple[int, int] | None
+) -> list[Callable[[random.Random, int], tuple]]:
     """The ways to build `task` with `n` filler units, most faithful first (only cwe has more than one)."""
     if task == "niah_single":
         return [lambda rng, n: _niah(rng, _noise(n) if index % 2 == 0 else _essay(text, n), 1, 1, 1, stratum)]
     if task.startswith("niah_"):
-        keys, values, asked = {"niah_multikey": (4, 1, 1), "niah_multivalue": (1, 4, 1),
-                               "niah_multiquery": (4, 1, 4)}[task]
+        keys, values, asked = {
+            "niah_multikey": (4, 1, 1),
+            "niah_multivalue": (1, 4, 1),
+            "niah_multiquery": (4, 1, 4),
+        }[task]
         return [lambda rng, n: _niah(rng, _essay(text, n), keys, values, asked, stratum)]
     if task == "vt":
         return [functools.partial(_vt, stratum=stratum)]
@@ -352,12 +486,14 @@ def _builders(task: str, length: int, index: int, text: str,
     return [functools.partial(_fwe, length=length)]
 
 
-def _fit(build: Callable[[random.Random, int], tuple], key: str, count_tokens: Callable[[str], int],
-         budget: int) -> tuple | None:
+def _fit(
+    build: Callable[[random.Random, int], tuple], key: str, count_tokens: Callable[[str], int], budget: int
+) -> tuple | None:
     """`build` with the largest `n` whose context and longest question fit `budget` tokens; None if n = 0 does not.
 
     Every try starts from the same `random.Random(key)`, so the sample depends on `n` only.
     """
+
     def fitting(n: int) -> tuple | None:
         sample = build(random.Random(key), n)
         return sample if count_tokens(sample[0]) + max(map(count_tokens, sample[1])) <= budget else None
@@ -365,7 +501,10 @@ def _fit(build: Callable[[random.Random, int], tuple], key: str, count_tokens: C
     best = fitting(0)
     if best is None:
         return None
-    lo, hi = 0, 1  # fitting(lo) holds; double hi until it does not (the cap: a unit can cost under a token), bisect
+    lo, hi = (
+        0,
+        1,
+    )  # fitting(lo) holds; double hi until it does not (the cap: a unit can cost under a token), bisect
     while hi <= 4 * budget and (found := fitting(hi)) is not None:
         best, lo, hi = found, hi, hi * 2
     while hi - lo > 1:
@@ -377,8 +516,16 @@ def _fit(build: Callable[[random.Random, int], tuple], key: str, count_tokens: C
     return best
 
 
-def generate(task: str, length: int, index: int, count_tokens: Callable[[str], int], haystack_text: str,
-             seed: int = 0, depths: str = "stratified", count: int = 8) -> Sample:
+def generate(
+    task: str,
+    length: int,
+    index: int,
+    count_tokens: Callable[[str], int],
+    haystack_text: str,
+    seed: int = 0,
+    depths: str = "stratified",
+    count: int = 8,
+) -> Sample:
     """Sample `index` of `count` of `task` at `length` tokens: context plus longest question fill `length - 64`
     tokens; its needles at `depths` (see the module docstring; `random` ignores `count`).
 

@@ -30,6 +30,7 @@ step, which a machine shared with other processes disturbs less than wall time.
 - every_policy_bytes_half_vs_full_at_N: KV bytes allocated (peak) by every budgeted policy at half the prompt
   over the full prompt's cache, the worst policy's (per-head budgets padded to a layer's largest head show here).
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,35 +48,56 @@ from kvlens.experiments.bench.common import PeakRSS, PolicySpec, environment, me
 from kvlens.policies import make_policy
 from kvlens.texts import prefix_ids
 
-TARGETS = {"engine_vs_model_loop": 1.03, "hf_generate_vs_engine": 1.10, "cam_vs_streaming_llm": 1.10,
-           "record_full_vs_none": 1.5,
-           "evict_half_vs_full_at_1024": 0.98, "evict_half_vs_full_at_4096": 0.90,
-           "evict_half_vs_full_at_8192": 0.85, "prefill_stats_vs_full": 1.30,
-           "every_policy_half_vs_full_at_1024": 1.00, "every_policy_half_vs_full_at_4096": 0.90,
-           "every_policy_prefill_vs_full_at_1024": 1.30, "every_policy_prefill_vs_full_at_8160": 1.50,
-           "replay_vs_full_prefill_at_1024": 2.5, **{f"every_policy_bytes_half_vs_full_at_{n}": 0.52
-                                                     for n in (1024, 4096, 8160)}}
+TARGETS = {
+    "engine_vs_model_loop": 1.03,
+    "hf_generate_vs_engine": 1.10,
+    "cam_vs_streaming_llm": 1.10,
+    "record_full_vs_none": 1.5,
+    "evict_half_vs_full_at_1024": 0.98,
+    "evict_half_vs_full_at_4096": 0.90,
+    "evict_half_vs_full_at_8192": 0.85,
+    "prefill_stats_vs_full": 1.30,
+    "every_policy_half_vs_full_at_1024": 1.00,
+    "every_policy_half_vs_full_at_4096": 0.90,
+    "every_policy_prefill_vs_full_at_1024": 1.30,
+    "every_policy_prefill_vs_full_at_8160": 1.50,
+    "replay_vs_full_prefill_at_1024": 2.5,
+    **{f"every_policy_bytes_half_vs_full_at_{n}": 0.52 for n in (1024, 4096, 8160)},
+}
 EVICTING = ("streaming_llm", "h2o")  # the evict ratios: the worse of these over full
 STATS = ("h2o", "tova")  # the prefill ratio: the worse of these over full
 Steps = Generator[float, None, dict]  # one side of a lockstep: its step times (ms), then its results
 
 
-def engine_steps(model: LoadedModel, spec: PolicySpec, ids: list[int], steps: int, budget,
-                 record: str = "summary") -> Generator[float, None, dict]:
+def engine_steps(
+    model: LoadedModel, spec: PolicySpec, ids: list[int], steps: int, budget, record: str = "summary"
+) -> Generator[float, None, dict]:
     """One greedy engine run, one step per `next`: yields the prefill ms, then each decode step's ms
     (forward + compression); returns KV bytes, kept slots and the tokens."""
     b = None if spec.budget_free else budget
     opts = RunOptions(budget=b, max_new_tokens=steps, stop_at_eos=False, record=record, log_decisions=False)
-    events = run_steps(model, make_policy(spec.name, dict(spec.params)), ids, prefill=len(ids), steps=steps,
-                       teacher=False, opts=opts)
+    events = run_steps(
+        model,
+        make_policy(spec.name, dict(spec.params)),
+        ids,
+        prefill=len(ids),
+        steps=steps,
+        teacher=False,
+        opts=opts,
+    )
     while True:
         try:
             event = next(events)
         except StopIteration as done:
             m = done.value.metrics
-            return {"kv_bytes_peak": m["kv_bytes_peak"], "kv_bytes_prefill": m["kv_bytes_prefill"],
-                    "kv_slots_max": m["kv_slots_max"], "replay_passes": m["replay_passes"], "replay_ms": m["replay_ms"],
-                    "tokens": done.value.meta["tokens"]}
+            return {
+                "kv_bytes_peak": m["kv_bytes_peak"],
+                "kv_bytes_prefill": m["kv_bytes_prefill"],
+                "kv_slots_max": m["kv_slots_max"],
+                "replay_passes": m["replay_passes"],
+                "replay_ms": m["replay_ms"],
+                "tokens": done.value.meta["tokens"],
+            }
         yield event.ms
 
 
@@ -88,8 +110,9 @@ def model_loop_steps(model: LoadedModel, ids: list[int], steps: int) -> Generato
     cache, tokens = DynamicCache(), []
     t = time.perf_counter()
     with torch.inference_mode():
-        out = model.model(input_ids=torch.tensor([ids], device=dev), past_key_values=cache, use_cache=True,
-                          logits_to_keep=1)
+        out = model.model(
+            input_ids=torch.tensor([ids], device=dev), past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
     yield (time.perf_counter() - t) * 1000
     for i in range(steps):
         token = int(torch.argmax(out.logits[0, -1]))
@@ -98,7 +121,9 @@ def model_loop_steps(model: LoadedModel, ids: list[int], steps: int) -> Generato
             break
         t = time.perf_counter()
         with torch.inference_mode():
-            out = model.model(input_ids=torch.tensor([[token]], device=dev), past_key_values=cache, use_cache=True)
+            out = model.model(
+                input_ids=torch.tensor([[token]], device=dev), past_key_values=cache, use_cache=True
+            )
         yield (time.perf_counter() - t) * 1000
     return {"tokens": tokens}
 
@@ -112,8 +137,19 @@ def hf_generate_steps(model: LoadedModel, ids: list[int], steps: int) -> Generat
     gate = _Gate()
     kv = cache(model.model, "full", tokenizer=model.tokenizer)
     prompt = torch.tensor([ids], device=model.device)
-    worker = threading.Thread(target=gate.run, args=(lambda: model.model.generate(
-        prompt, past_key_values=kv, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, streamer=gate),))
+    worker = threading.Thread(
+        target=gate.run,
+        args=(
+            lambda: model.model.generate(
+                prompt,
+                past_key_values=kv,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                streamer=gate,
+            ),
+        ),
+    )
     worker.start()
     try:
         for ms in iter(gate.times.get, None):
@@ -177,16 +213,21 @@ def lockstep(sides: dict[str, Callable[[], Steps]]) -> dict[str, dict]:
             try:
                 value = next(steps)
             except StopIteration as done:
-                out[name] = {"prefill_ms": ms[name][0], "ms_per_token": median(ms[name][1:]),
-                             "cpu_ms_per_token": median(cpu[name][1:]), **done.value}
+                out[name] = {
+                    "prefill_ms": ms[name][0],
+                    "ms_per_token": median(ms[name][1:]),
+                    "cpu_ms_per_token": median(cpu[name][1:]),
+                    **done.value,
+                }
                 continue
             cpu[name].append((time.process_time() - c) * 1000)
             ms[name].append(value)
     return {name: out[name] for name in runs}
 
 
-def engine_once(model: LoadedModel, spec: PolicySpec, ids: list[int], steps: int, budget,
-                record: str = "summary") -> dict:
+def engine_once(
+    model: LoadedModel, spec: PolicySpec, ids: list[int], steps: int, budget, record: str = "summary"
+) -> dict:
     """One engine run alone (a table row): prefill ms, median ms/token, KV bytes, peak RSS, its tokens."""
     with PeakRSS() as mem:
         res = lockstep({"run": lambda: engine_steps(model, spec, ids, steps, budget, record)})["run"]
@@ -204,17 +245,25 @@ def paired(a: Callable[[], Steps], b: Callable[[], Steps], repeats: int, tick: C
             tick()
     ratios = [x["ms_per_token"] / y["ms_per_token"] for x, y in zip(sides["a"], sides["b"], strict=True)]
     cpu = [x["cpu_ms_per_token"] / y["cpu_ms_per_token"] for x, y in zip(sides["a"], sides["b"], strict=True)]
-    return {"ratio": median(ratios), "ratios": ratios, "a_ms_per_token": [x["ms_per_token"] for x in sides["a"]],
-            "b_ms_per_token": [y["ms_per_token"] for y in sides["b"]], "cpu_ratio": median(cpu), "cpu_ratios": cpu,
-            "same_tokens": all(x["tokens"] == y["tokens"] for x, y in zip(sides["a"], sides["b"], strict=True))}
+    return {
+        "ratio": median(ratios),
+        "ratios": ratios,
+        "a_ms_per_token": [x["ms_per_token"] for x in sides["a"]],
+        "b_ms_per_token": [y["ms_per_token"] for y in sides["b"]],
+        "cpu_ratio": median(cpu),
+        "cpu_ratios": cpu,
+        "same_tokens": all(x["tokens"] == y["tokens"] for x, y in zip(sides["a"], sides["b"], strict=True)),
+    }
 
 
-def rotated(runs: dict[str, Callable[[], Steps]], repeats: int, tick: Callable[[], None]) -> dict[str, list[dict]]:
+def rotated(
+    runs: dict[str, Callable[[], Steps]], repeats: int, tick: Callable[[], None]
+) -> dict[str, list[dict]]:
     """Every side in lockstep once per repeat, the order rotating each repeat; results per side."""
     names = list(runs)
     out: dict[str, list[dict]] = {name: [] for name in runs}
     for r in range(repeats):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         res = lockstep({name: runs[name] for name in order})
         for name in order:
             out[name].append(res[name])
@@ -232,29 +281,55 @@ def lockstep_names(every: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(("full", *EVICTING, *STATS, *every)))
 
 
-def evict_ratios(model: LoadedModel, text: str, n: int, steps: int, budget: float, repeats: int,
-                 tick: Callable[[], None], every: Sequence[str] = ()) -> dict:
+def evict_ratios(
+    model: LoadedModel,
+    text: str,
+    n: int,
+    steps: int,
+    budget: float,
+    repeats: int,
+    tick: Callable[[], None],
+    every: Sequence[str] = (),
+) -> dict:
     """full, streaming_llm, h2o, tova and `every` other policy on one n-token prompt, rotated: decode and
     prefill (+ step-0 compression) ratios over full, per policy; the worst of `every` named."""
     n = min(n, (model.shape()["context"] or n + steps) - steps)
     ids = prefix_ids(model, text, n, "The text")
-    sides = rotated({name: functools.partial(engine_steps, model, PolicySpec(name), ids, steps, budget)
-                     for name in lockstep_names(every)}, evict_repeats(repeats, n), tick)
+    sides = rotated(
+        {
+            name: functools.partial(engine_steps, model, PolicySpec(name), ids, steps, budget)
+            for name in lockstep_names(every)
+        },
+        evict_repeats(repeats, n),
+        tick,
+    )
 
     def ratio(name, key):
         return median(a[key] / b[key] for a, b in zip(sides[name], sides["full"], strict=True))
+
     others = [name for name in sides if name != "full"]
     decode = {name: ratio(name, "ms_per_token") for name in others}
     prefill = {name: ratio(name, "prefill_ms") for name in others}
     whole = median(x["kv_bytes_prefill"] for x in sides["full"])  # the full prompt's cache
-    nbytes = {name: median(x["kv_bytes_peak"] for x in sides[name]) / whole for name in others
-              if not PolicySpec(name).budget_free}
-    replays = [name for name in others if sides[name][0]["replay_passes"]]  # their prefill is the method's pass
-    out = {"prompt_tokens": n, "decode": decode, "prefill": prefill, "bytes": nbytes,
-           "replay": {name: prefill[name] for name in replays},
-           "ratio": max(decode[name] for name in EVICTING), "prefill_ratio": max(prefill[name] for name in STATS),
-           "ms_per_token": {k: [x["ms_per_token"] for x in v] for k, v in sides.items()},
-           "prefill_ms": {k: [x["prefill_ms"] for x in v] for k, v in sides.items()}}
+    nbytes = {
+        name: median(x["kv_bytes_peak"] for x in sides[name]) / whole
+        for name in others
+        if not PolicySpec(name).budget_free
+    }
+    replays = [
+        name for name in others if sides[name][0]["replay_passes"]
+    ]  # their prefill is the method's pass
+    out = {
+        "prompt_tokens": n,
+        "decode": decode,
+        "prefill": prefill,
+        "bytes": nbytes,
+        "replay": {name: prefill[name] for name in replays},
+        "ratio": max(decode[name] for name in EVICTING),
+        "prefill_ratio": max(prefill[name] for name in STATS),
+        "ms_per_token": {k: [x["ms_per_token"] for x in v] for k, v in sides.items()},
+        "prefill_ms": {k: [x["prefill_ms"] for x in v] for k, v in sides.items()},
+    }
     if every:
         out["worst_decode"] = max(every, key=decode.__getitem__)
         out["worst_prefill"] = max((name for name in every if name not in replays), key=prefill.__getitem__)
@@ -262,16 +337,33 @@ def evict_ratios(model: LoadedModel, text: str, n: int, steps: int, budget: floa
     return out
 
 
-def ticks(n_policies: int, lengths: list[int], repeats: int, evict_lengths: list[int],
-          every: Sequence[str] = ()) -> int:
+def ticks(
+    n_policies: int, lengths: list[int], repeats: int, evict_lengths: list[int], every: Sequence[str] = ()
+) -> int:
     """How many times `bench_speed` calls `tick`."""
     sides = len(lockstep_names(list(every)))
-    return n_policies * len(lengths) + 8 * repeats + sides * sum(evict_repeats(repeats, n) for n in evict_lengths)
+    return (
+        n_policies * len(lengths)
+        + 8 * repeats
+        + sides * sum(evict_repeats(repeats, n) for n in evict_lengths)
+    )
 
 
-def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[int], *, text: str, steps: int,
-                budget: float, repeats: int, ratio_length: int, evict_lengths: list[int], every: Sequence[str] = (),
-                tick: Callable[[], None] = lambda: None, on_row: Callable[[dict], None] = lambda row: None) -> dict:
+def bench_speed(
+    model: LoadedModel,
+    policies: list[PolicySpec],
+    lengths: list[int],
+    *,
+    text: str,
+    steps: int,
+    budget: float,
+    repeats: int,
+    ratio_length: int,
+    evict_lengths: list[int],
+    every: Sequence[str] = (),
+    tick: Callable[[], None] = lambda: None,
+    on_row: Callable[[dict], None] = lambda row: None,
+) -> dict:
     """The policy table (one run per policy and length, each row handed to `on_row` when measured),
     the ratios at `ratio_length` and the evict ratios at each of `evict_lengths`, every policy of `every` in
     their lockstep (the `every_policy_*` ratios).
@@ -297,16 +389,25 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
     engine = lambda: engine_steps(model, full, ids, steps, budget)  # noqa: E731
     loop = paired(engine, lambda: model_loop_steps(model, ids, steps), repeats, tick)
     hf = paired(lambda: hf_generate_steps(model, ids, steps), engine, repeats, tick)
-    cam_pair = paired(lambda: engine_steps(model, cam, ids, steps, budget),
-                      lambda: engine_steps(model, sl, ids, steps, budget), repeats, tick)
-    record = paired(lambda: engine_steps(model, full, ids, steps, budget, record="attention"), engine, repeats, tick)
+    cam_pair = paired(
+        lambda: engine_steps(model, cam, ids, steps, budget),
+        lambda: engine_steps(model, sl, ids, steps, budget),
+        repeats,
+        tick,
+    )
+    record = paired(
+        lambda: engine_steps(model, full, ids, steps, budget, record="attention"), engine, repeats, tick
+    )
     half = engine_once(model, sl, ids, steps, 0.5)
     whole = engine_once(model, full, ids, steps, None)
-    ratios = {"engine_vs_model_loop": loop["ratio"], "hf_generate_vs_engine": hf["ratio"],
-              "cam_vs_streaming_llm": cam_pair["ratio"],
-              "record_full_vs_none": record["ratio"],
-              "kv_bytes_half_budget_vs_full": half["kv_bytes_peak"] / whole["kv_bytes_prefill"],
-              **{f"evict_half_vs_full_at_{n}": e["ratio"] for n, e in evict.items()}}
+    ratios = {
+        "engine_vs_model_loop": loop["ratio"],
+        "hf_generate_vs_engine": hf["ratio"],
+        "cam_vs_streaming_llm": cam_pair["ratio"],
+        "record_full_vs_none": record["ratio"],
+        "kv_bytes_half_budget_vs_full": half["kv_bytes_peak"] / whole["kv_bytes_prefill"],
+        **{f"evict_half_vs_full_at_{n}": e["ratio"] for n, e in evict.items()},
+    }
     if evict:
         ratios["prefill_stats_vs_full"] = evict[evict_lengths[0]]["prefill_ratio"]
     if every:
@@ -317,27 +418,61 @@ def bench_speed(model: LoadedModel, policies: list[PolicySpec], lengths: list[in
             ratios[f"every_policy_bytes_half_vs_full_at_{m}"] = e["bytes"][e["worst_bytes"]]
             if e["replay"]:
                 ratios[f"replay_vs_full_prefill_at_{m}"] = max(e["replay"].values())
-    ratios_cpu = {k: d["cpu_ratio"] for k, d in (("engine_vs_model_loop", loop), ("hf_generate_vs_engine", hf),
-                                                  ("cam_vs_streaming_llm", cam_pair),
-                                                  ("record_full_vs_none", record))}
-    return {"config": {"policies": [p.label for p in policies], "lengths": lengths, "steps": steps, "budget": budget,
-                       "repeats": repeats, "ratio_length": ratio_length, "evict_lengths": evict_lengths},
-            "environment": environment(model), "rows": rows, "ratios": ratios, "ratios_cpu": ratios_cpu,
-            "ratio_details": {"engine_vs_model_loop": loop, "hf_generate_vs_engine": hf,
-                              "cam_vs_streaming_llm": cam_pair, "record_full_vs_none": record,
-                              **{f"evict_half_vs_full_at_{n}": e for n, e in evict.items()},
-                              **{f"every_policy_{kind}_vs_full_at_{e['prompt_tokens']}": {
-                                  "worst": e[f"worst_{part}"], "per_policy": e[part]}
-                                 for e in evict.values() if every
-                                 for kind, part in (("half", "decode"), ("prefill", "prefill"),
-                                                    ("bytes_half", "bytes"))},
-                              **{f"replay_vs_full_prefill_at_{e['prompt_tokens']}": {
-                                  "worst": max(e["replay"], key=e["replay"].__getitem__), "per_policy": e["replay"]}
-                                 for e in evict.values() if every and e["replay"]},
-                              "kv_bytes_half_budget_vs_full": {
-                                  "half_bytes": half["kv_bytes_peak"], "full_prompt_bytes": whole["kv_bytes_prefill"],
-                                  "slot_share": (half["kv_slots_max"] + 1) / ratio_length}},
-            "targets": verdicts(ratios, (half["kv_slots_max"] + 1) / ratio_length), "growth": growth(rows)}
+    ratios_cpu = {
+        k: d["cpu_ratio"]
+        for k, d in (
+            ("engine_vs_model_loop", loop),
+            ("hf_generate_vs_engine", hf),
+            ("cam_vs_streaming_llm", cam_pair),
+            ("record_full_vs_none", record),
+        )
+    }
+    return {
+        "config": {
+            "policies": [p.label for p in policies],
+            "lengths": lengths,
+            "steps": steps,
+            "budget": budget,
+            "repeats": repeats,
+            "ratio_length": ratio_length,
+            "evict_lengths": evict_lengths,
+        },
+        "environment": environment(model),
+        "rows": rows,
+        "ratios": ratios,
+        "ratios_cpu": ratios_cpu,
+        "ratio_details": {
+            "engine_vs_model_loop": loop,
+            "hf_generate_vs_engine": hf,
+            "cam_vs_streaming_llm": cam_pair,
+            "record_full_vs_none": record,
+            **{f"evict_half_vs_full_at_{n}": e for n, e in evict.items()},
+            **{
+                f"every_policy_{kind}_vs_full_at_{e['prompt_tokens']}": {
+                    "worst": e[f"worst_{part}"],
+                    "per_policy": e[part],
+                }
+                for e in evict.values()
+                if every
+                for kind, part in (("half", "decode"), ("prefill", "prefill"), ("bytes_half", "bytes"))
+            },
+            **{
+                f"replay_vs_full_prefill_at_{e['prompt_tokens']}": {
+                    "worst": max(e["replay"], key=e["replay"].__getitem__),
+                    "per_policy": e["replay"],
+                }
+                for e in evict.values()
+                if every and e["replay"]
+            },
+            "kv_bytes_half_budget_vs_full": {
+                "half_bytes": half["kv_bytes_peak"],
+                "full_prompt_bytes": whole["kv_bytes_prefill"],
+                "slot_share": (half["kv_slots_max"] + 1) / ratio_length,
+            },
+        },
+        "targets": verdicts(ratios, (half["kv_slots_max"] + 1) / ratio_length),
+        "growth": growth(rows),
+    }
 
 
 def verdicts(ratios: dict, slot_share: float) -> dict:
@@ -347,7 +482,8 @@ def verdicts(ratios: dict, slot_share: float) -> dict:
     got = ratios["kv_bytes_half_budget_vs_full"]
     out["kv_bytes_half_budget_vs_full"] = {
         "target": f"proportional ({slot_share:.3f}) and <= 0.52",
-        "met": abs(got - slot_share) <= 0.02 * slot_share and got <= 0.52}
+        "met": abs(got - slot_share) <= 0.02 * slot_share and got <= 0.52,
+    }
     return out
 
 
@@ -358,10 +494,12 @@ def growth(rows: list[dict]) -> dict:
         mine = [r for r in rows if r["policy"] == policy]
         if len({r["prompt_tokens"] for r in mine}) < 2:
             continue
-        out[policy] = {"ms_per_token_per_1k_prompt": _slope(mine, "ms_per_token") * 1000,
-                       "prefill_ms_per_1k_prompt": _slope(mine, "prefill_ms") * 1000,
-                       "prefill_ms_by_length": {r["prompt_tokens"]: r["prefill_ms"] for r in mine},
-                       "ms_per_token_by_length": {r["prompt_tokens"]: r["ms_per_token"] for r in mine}}
+        out[policy] = {
+            "ms_per_token_per_1k_prompt": _slope(mine, "ms_per_token") * 1000,
+            "prefill_ms_per_1k_prompt": _slope(mine, "prefill_ms") * 1000,
+            "prefill_ms_by_length": {r["prompt_tokens"]: r["prefill_ms"] for r in mine},
+            "ms_per_token_by_length": {r["prompt_tokens"]: r["ms_per_token"] for r in mine},
+        }
     return out
 
 
@@ -374,10 +512,14 @@ def _slope(rows: list[dict], key: str) -> float:
 
 def markdown_table(result: dict) -> str:
     """Policy x prompt length: prefill ms, ms/token (wall and CPU), KV MiB, peak RSS MiB."""
-    lines = ["| policy | prompt | prefill ms | ms/token | CPU ms/token | KV MiB (peak) | process RSS MiB (peak) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| policy | prompt | prefill ms | ms/token | CPU ms/token | KV MiB (peak) | process RSS MiB (peak) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['policy']} | {r['prompt_tokens']} | {r['prefill_ms']:.0f} | {r['ms_per_token']:.1f} | "
-                     f"{r['cpu_ms_per_token']:.1f} | "
-                     f"{r['kv_bytes_peak'] / 2**20:.2f} | {r['peak_rss'] / 2**20:.0f} |")
+        lines.append(
+            f"| {r['policy']} | {r['prompt_tokens']} | {r['prefill_ms']:.0f} | {r['ms_per_token']:.1f} | "
+            f"{r['cpu_ms_per_token']:.1f} | "
+            f"{r['kv_bytes_peak'] / 2**20:.2f} | {r['peak_rss'] / 2**20:.0f} |"
+        )
     return "\n".join(lines)

@@ -7,6 +7,7 @@ policy at one ratio, depth down and length across (Kamradt's needle-in-a-haystac
 depth x length figure). `fill_depths` recovers the depths of rows written before they were recorded: a generated
 sample is a function of its cell, so it is generated again (the answers must match the row's).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -22,11 +23,22 @@ def fill_depths(rows: list[dict], count_tokens: Callable[[str], int], haystack: 
     and count; rows from before the `depths` option: random). Returns how many rows got them."""
     filled = 0
     for row in rows:
-        if row.get("needle_depths") is not None or not str(row.get("suite_task", "")).startswith("niah_") \
-                or row.get("seed") is None:
+        if (
+            row.get("needle_depths") is not None
+            or not str(row.get("suite_task", "")).startswith("niah_")
+            or row.get("seed") is None
+        ):
             continue
-        sample = ruler.generate(row["suite_task"], row["length"], row["index"], count_tokens, haystack,
-                                seed=row["seed"], depths=row.get("depths", "random"), count=row.get("count", 1))
+        sample = ruler.generate(
+            row["suite_task"],
+            row["length"],
+            row["index"],
+            count_tokens,
+            haystack,
+            seed=row["seed"],
+            depths=row.get("depths", "random"),
+            count=row.get("count", 1),
+        )
         if [list(a) for a in sample.answers] == row.get("answers"):
             row["needle_depths"] = [list(d) for d in sample.depths]
             filled += 1
@@ -45,8 +57,17 @@ def grid(rows: list[dict], bins: int = BINS) -> list[dict]:
                 for answer, depth in zip(answers, where, strict=True):
                     key = (res["policy"], res["ratio"], row["length"], min(int(depth * bins), bins - 1))
                     cells.setdefault(key, []).append(answer.lower() in output.lower())
-    return [{"policy": p, "ratio": r, "length": n, "depth": b / bins, "found": statistics.fmean(v), "needles": len(v)}
-            for (p, r, n, b), v in cells.items()]
+    return [
+        {
+            "policy": p,
+            "ratio": r,
+            "length": n,
+            "depth": b / bins,
+            "found": statistics.fmean(v),
+            "needles": len(v),
+        }
+        for (p, r, n, b), v in cells.items()
+    ]
 
 
 def default_ratio(cells: list[dict]) -> float | None:
@@ -71,24 +92,48 @@ def figure(cells: list[dict], ratio: float | None, title: str = "", columns: int
     lengths = sorted({c["length"] for c in shown})
     depths = sorted({c["depth"] for c in shown})
     rows = -(-len(policies) // columns)
-    fig = make_subplots(rows=rows, cols=min(columns, len(policies)), subplot_titles=policies, shared_yaxes=True,
-                        shared_xaxes=True, horizontal_spacing=0.02, vertical_spacing=0.3 / rows)
+    fig = make_subplots(
+        rows=rows,
+        cols=min(columns, len(policies)),
+        subplot_titles=policies,
+        shared_yaxes=True,
+        shared_xaxes=True,
+        horizontal_spacing=0.02,
+        vertical_spacing=0.3 / rows,
+    )
     at = {(c["policy"], c["length"], c["depth"]): c for c in shown}
     for i, policy in enumerate(policies):
         got = [[at.get((policy, n, d)) for n in lengths] for d in depths]
-        fig.add_trace(go.Heatmap(
-            z=[[None if c is None else c["found"] for c in line] for line in got], x=[str(n) for n in lengths],
-            y=[f"{d:.0%}" for d in depths], zmin=0, zmax=1, colorscale="RdYlGn", showscale=i == 0,
-            colorbar={"title": "found"}, name=policy, xgap=2, ygap=2,
-            customdata=[[0 if c is None else c["needles"] for c in line] for line in got],
-            hovertemplate="%{x} tokens, depth %{y}: %{z:.0%} of %{customdata} needles<extra>" + policy + "</extra>"),
-            i // columns + 1, i % columns + 1)
+        fig.add_trace(
+            go.Heatmap(
+                z=[[None if c is None else c["found"] for c in line] for line in got],
+                x=[str(n) for n in lengths],
+                y=[f"{d:.0%}" for d in depths],
+                zmin=0,
+                zmax=1,
+                colorscale="RdYlGn",
+                showscale=i == 0,
+                colorbar={"title": "found"},
+                name=policy,
+                xgap=2,
+                ygap=2,
+                customdata=[[0 if c is None else c["needles"] for c in line] for line in got],
+                hovertemplate="%{x} tokens, depth %{y}: %{z:.0%} of %{customdata} needles<extra>"
+                + policy
+                + "</extra>",
+            ),
+            i // columns + 1,
+            i % columns + 1,
+        )
     fig.update_yaxes(autorange="reversed", type="category")
     fig.update_xaxes(type="category")
     for r in range(1, rows + 1):
         fig.update_yaxes(title_text="needle depth", row=r, col=1)
     at_ratio = "the full cache" if ratio is None else f"compression ratio {ratio:g}"
-    fig.update_layout(title=title or f"Needles found by depth and context length, {at_ratio}",
-                      width=max(520, 200 * min(columns, len(policies)) + 160), height=140 + 260 * rows,
-                      template="kvlens")
+    fig.update_layout(
+        title=title or f"Needles found by depth and context length, {at_ratio}",
+        width=max(520, 200 * min(columns, len(policies)) + 160),
+        height=140 + 260 * rows,
+        template="kvlens",
+    )
     return fig

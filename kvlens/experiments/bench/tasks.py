@@ -17,6 +17,7 @@ needle found by depth and length (the field's needle-in-a-haystack figure, `need
 (`Storage.describe()`) quantizes every policy's compressed context and what follows (the bytes-quality frontier,
 `kvlens.experiments.bench.frontier`); each result reports the compressed context's physical `kv_bytes`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,15 +46,20 @@ from kvlens.policies import make_policy
 
 # what a row written before the `rounding` and `depths` options had (`grid.Results`)
 IMPLIED = {"rounding": "kvlens", "depths": "random"}
-ANSWER_BATCH_BYTES = 1 << 30  # a batch's slots, each cache padded to the longest: about this at most (plus one cache)
+ANSWER_BATCH_BYTES = (
+    1 << 30
+)  # a batch's slots, each cache padded to the longest: about this at most (plus one cache)
 
 
-def context_token_spans(model: LoadedModel, context: str, spans: list[tuple[int, int]],
-                        chat: bool = True) -> list[tuple[int, int]]:
+def context_token_spans(
+    model: LoadedModel, context: str, spans: list[tuple[int, int]], chat: bool = True
+) -> list[tuple[int, int]]:
     """Character spans of `context` -> the token spans `[start, end)` that cover them in `split_prompt`'s context
     ids (the tokens overlapping each span)."""
     head, _ = template_parts(model, chat)
-    offsets = model.tokenizer(head + context, add_special_tokens=not chat, return_offsets_mapping=True).offset_mapping
+    offsets = model.tokenizer(
+        head + context, add_special_tokens=not chat, return_offsets_mapping=True
+    ).offset_mapping
     out = []
     for start, end in spans:
         inside = [i for i, (a, b) in enumerate(offsets) if a < end + len(head) and b > start + len(head)]
@@ -64,8 +70,11 @@ def context_token_spans(model: LoadedModel, context: str, spans: list[tuple[int,
 
 def _policy_major(specs: list[PolicySpec], ratios: list[float]) -> list[tuple[PolicySpec, float | None]]:
     """Every (policy, ratio) of a cell, a budget-free policy once (ratio None), policy by policy."""
-    return [(spec, ratio) for spec in specs
-            for ratio in ([None] if make_policy(spec.name, dict(spec.params)).budget_free else ratios)]
+    return [
+        (spec, ratio)
+        for spec in specs
+        for ratio in ([None] if make_policy(spec.name, dict(spec.params)).budget_free else ratios)
+    ]
 
 
 def _ratio_major(pairs: list[tuple[PolicySpec, float | None]]) -> list[tuple[PolicySpec, float | None]]:
@@ -79,10 +88,16 @@ def sample_of(model: LoadedModel, texts: dict[str, str], cell: dict) -> ruler.Sa
     was planned before the option: random depths)."""
     if "samples" in texts:
         return ruler.parse_lines(texts["samples"])[cell["index"]]
-    return ruler.generate(cell["suite_task"], cell["length"], cell["index"],
-                          lambda s: len(model.tokenizer(s, add_special_tokens=False).input_ids),
-                          texts["haystack"], seed=cell["seed"], depths=cell.get("depths") or IMPLIED["depths"],
-                          count=cell.get("count", 1))
+    return ruler.generate(
+        cell["suite_task"],
+        cell["length"],
+        cell["index"],
+        lambda s: len(model.tokenizer(s, add_special_tokens=False).input_ids),
+        texts["haystack"],
+        seed=cell["seed"],
+        depths=cell.get("depths") or IMPLIED["depths"],
+        count=cell.get("count", 1),
+    )
 
 
 def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
@@ -92,32 +107,58 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
     specs = [PolicySpec.parse(s) for s in cell["policies"]]
     parts = [split_prompt(model, sample.context, q, cell["chat"]) for q in sample.questions]
     context = parts[0][0]
-    prompts = [(c + q, [i]) for i, (c, q) in enumerate(parts)] if cell["query_aware"] else \
-        [(context, list(range(len(parts))))]
+    prompts = (
+        [(c + q, [i]) for i, (c, q) in enumerate(parts)]
+        if cell["query_aware"]
+        else [(context, list(range(len(parts))))]
+    )
     opts = dataclasses.replace(QUIET, storage=Storage.of(cell.get("storage")))
     pairs = _policy_major(specs, cell["ratios"])
-    runs = {(spec.label, ratio): {"outputs": {}, "nlls": [], "prepare_ms": 0.0, "answer_ms": 0.0, "kept": [],
-                                  "bytes": []} for spec, ratio in pairs}
+    runs = {
+        (spec.label, ratio): {
+            "outputs": {},
+            "nlls": [],
+            "prepare_ms": 0.0,
+            "answer_ms": 0.0,
+            "kept": [],
+            "bytes": [],
+        }
+        for spec, ratio in pairs
+    }
     shared_ms = 0.0
     for prompt, asked in prompts:  # one prompt (questions appended), or one per question (query-aware)
         questions = [[] if cell["query_aware"] else parts[i][1] for i in asked]
         extra = max(len(q) for q in questions) + sample.max_new_tokens
         shared = SharedPrefill(model, prompt, [make_policy(s.name, dict(s.params)) for s in specs])
         shared_ms += shared.ms
-        batch = _Batch(model, sample, prompt, asked, questions, cell.get("stop_when_found", True),
-                       batched=cell.get("batch", True) and not opts.storage.packed)
-        replay_ms: dict[str, float] = {}  # a policy's replay passes (KVzip), run for its first ratio, shared by all
+        batch = _Batch(
+            model,
+            sample,
+            prompt,
+            asked,
+            questions,
+            cell.get("stop_when_found", True),
+            batched=cell.get("batch", True) and not opts.storage.packed,
+        )
+        replay_ms: dict[
+            str, float
+        ] = {}  # a policy's replay passes (KVzip), run for its first ratio, shared by all
         for spec, ratio in _ratio_major(pairs):
             policy = make_policy(spec.name, dict(spec.params))
             share = 1 if ratio is None else len(cell["ratios"])
-            slots = None if ratio is None else slots_for(ratio, len(prompt), cell.get("rounding",
-                                                                                     IMPLIED["rounding"]))
+            slots = (
+                None
+                if ratio is None
+                else slots_for(ratio, len(prompt), cell.get("rounding", IMPLIED["rounding"]))
+            )
             budget = None if ratio is None else policy.resolve_budget(slots, len(prompt), len(prompt) + extra)
             out = runs[(spec.label, ratio)]
             t = time.perf_counter()
             loop, logits = prepare(model, policy, prompt, budget, extra, shared, opts)
             replay_ms[spec.label] = replay_ms.get(spec.label) or loop.replay_ms
-            out["prepare_ms"] += (time.perf_counter() - t) * 1000 - loop.replay_ms + replay_ms[spec.label] / share
+            out["prepare_ms"] += (
+                (time.perf_counter() - t) * 1000 - loop.replay_ms + replay_ms[spec.label] / share
+            )
             out["kept"].append(loop.kept[0].float().mean().item() / len(prompt))
             out["bytes"].append(loop.cache.nbytes)
             batch.add(out, loop, logits)
@@ -125,14 +166,27 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
     results = []
     for (label, ratio), out in runs.items():
         outputs = [out["outputs"][i] for i in range(len(parts))]
-        results.append({"policy": label, "ratio": 0.0 if label == "full" else ratio,
-                        "score": ruler.score_sample(outputs, sample), "outputs": outputs,
-                        "kept_share": statistics.fmean(out["kept"]), "kv_bytes": statistics.fmean(out["bytes"]),
-                        "nll": statistics.fmean(out["nlls"]),
-                        "prepare_ms": out["prepare_ms"], "answer_ms": out["answer_ms"]})
+        results.append(
+            {
+                "policy": label,
+                "ratio": 0.0 if label == "full" else ratio,
+                "score": ruler.score_sample(outputs, sample),
+                "outputs": outputs,
+                "kept_share": statistics.fmean(out["kept"]),
+                "kv_bytes": statistics.fmean(out["bytes"]),
+                "nll": statistics.fmean(out["nlls"]),
+                "prepare_ms": out["prepare_ms"],
+                "answer_ms": out["answer_ms"],
+            }
+        )
     depths = None if sample.depths is None else [list(d) for d in sample.depths]
-    return {"prompt_tokens": len(context), "answers": [list(a) for a in sample.answers], "needle_depths": depths,
-            "shared_prefill_ms": shared_ms, "results": results}
+    return {
+        "prompt_tokens": len(context),
+        "answers": [list(a) for a in sample.answers],
+        "needle_depths": depths,
+        "shared_prefill_ms": shared_ms,
+        "results": results,
+    }
 
 
 class _Batch:
@@ -143,14 +197,23 @@ class _Batch:
     share of strings found, cannot change after that; False: always RULER's answer-length limit)."""
 
     def __init__(self, model, sample, prompt, asked, questions, stop: bool, batched: bool):
-        self.model, self.sample, self.start, self.asked, self.questions = model, sample, len(prompt), asked, questions
+        self.model, self.sample, self.start, self.asked, self.questions = (
+            model,
+            sample,
+            len(prompt),
+            asked,
+            questions,
+        )
         self.stop, self.batched = stop, batched
         self.pending: list[tuple[dict, object, object]] = []
 
     def add(self, out: dict, loop, logits) -> None:
         """A prepared cache; batched, only its kept slots stay (`Kept`) and the loop is dropped."""
         self.pending.append((out, Kept(loop) if self.batched else loop, logits))
-        if not self.batched or len(self.pending) * max(k.nbytes for _, k, _ in self.pending) >= ANSWER_BATCH_BYTES:
+        if (
+            not self.batched
+            or len(self.pending) * max(k.nbytes for _, k, _ in self.pending) >= ANSWER_BATCH_BYTES
+        ):
             self.flush()
 
     def flush(self) -> None:
@@ -162,19 +225,35 @@ class _Batch:
             expected = [e.lower() for e in self.sample.answers[i]]
 
             def done(_row, tokens, expected=expected):
-                return self.stop and all(e in decode(tokens, skip_special_tokens=True).lower() for e in expected)
+                return self.stop and all(
+                    e in decode(tokens, skip_special_tokens=True).lower() for e in expected
+                )
 
             t = time.perf_counter()
             if self.batched:
-                answers = answer_many([kept for _, kept, _ in pending], question, self.start,
-                                      self.sample.max_new_tokens, None if question else [lg for _, _, lg in pending],
-                                      done, release=turn == len(self.asked) - 1)
+                answers = answer_many(
+                    [kept for _, kept, _ in pending],
+                    question,
+                    self.start,
+                    self.sample.max_new_tokens,
+                    None if question else [lg for _, _, lg in pending],
+                    done,
+                    release=turn == len(self.asked) - 1,
+                )
             else:
                 answers = []
                 for _, loop, logits in pending:
                     mark = loop.cache.mark()
-                    answers.append(answer(loop, question, self.start, self.sample.max_new_tokens,
-                                          None if question else logits, lambda tokens: done(0, tokens)))
+                    answers.append(
+                        answer(
+                            loop,
+                            question,
+                            self.start,
+                            self.sample.max_new_tokens,
+                            None if question else logits,
+                            lambda tokens: done(0, tokens),
+                        )
+                    )
                     loop.cache.rewind(mark)
             elapsed = (time.perf_counter() - t) * 1000
             total = sum(len(tokens) for tokens, _ in answers)
@@ -184,17 +263,33 @@ class _Batch:
                 out["nlls"].extend(nlls)
 
 
-def plan_tasks(policies: list[PolicySpec], ratios: list[float], tasks: list[str], lengths: list[int], count: int,
-               *, model: str, seed: int, query_aware: bool, chat: bool, source: str, generated: bool = True,
-               stop_when_found: bool = True, batch: bool = True, rounding: str = "kvpress",
-               depths: str = "stratified") -> list[dict]:
+def plan_tasks(
+    policies: list[PolicySpec],
+    ratios: list[float],
+    tasks: list[str],
+    lengths: list[int],
+    count: int,
+    *,
+    model: str,
+    seed: int,
+    query_aware: bool,
+    chat: bool,
+    source: str,
+    generated: bool = True,
+    stop_when_found: bool = True,
+    batch: bool = True,
+    rounding: str = "kvpress",
+    depths: str = "stratified",
+) -> list[dict]:
     """The grid's cells: one per sample (task x length x index), each with every policy and ratio; `source` is the
     digest of the haystack or of the user's samples file (not `generated`: `tasks`/`lengths` are the file's).
     `stop_when_found` and `batch`: how answers are generated (`_Batch`); `rounding`: a ratio's kept count
     (`slots_for`); `depths`: where generated needles sit (`ruler.generate`, over the `count` samples)."""
     bad = [r for r in ratios if not 0 < r < 1]
     if bad:
-        raise KvlensError(f"A compression ratio is the share of the context removed, in (0, 1); got {bad[0]}.")
+        raise KvlensError(
+            f"A compression ratio is the share of the context removed, in (0, 1); got {bad[0]}."
+        )
     if rounding not in ROUNDINGS:
         raise KvlensError(f"Unknown rounding '{rounding}'; the roundings are {', '.join(ROUNDINGS)}.")
     if depths not in ruler.DEPTHS:
@@ -204,11 +299,28 @@ def plan_tasks(policies: list[PolicySpec], ratios: list[float], tasks: list[str]
     unknown = [t for t in tasks if t not in ruler.TASKS]
     if unknown and generated:
         raise KvlensError(f"Unknown task '{unknown[0]}'; the tasks are {', '.join(ruler.TASKS)}.")
-    return [{"task": "tasks", "model": model, "suite_task": task, "length": length, "index": i, "seed": seed,
-             "policies": [p.label for p in policies], "ratios": ratios, "query_aware": query_aware, "chat": chat,
-             "stop_when_found": stop_when_found, "batch": batch, "source": source, "rounding": rounding,
-             **_depths(generated, depths, count)}
-            for task in tasks for length in lengths for i in range(count)]
+    return [
+        {
+            "task": "tasks",
+            "model": model,
+            "suite_task": task,
+            "length": length,
+            "index": i,
+            "seed": seed,
+            "policies": [p.label for p in policies],
+            "ratios": ratios,
+            "query_aware": query_aware,
+            "chat": chat,
+            "stop_when_found": stop_when_found,
+            "batch": batch,
+            "source": source,
+            "rounding": rounding,
+            **_depths(generated, depths, count),
+        }
+        for task in tasks
+        for length in lengths
+        for i in range(count)
+    ]
 
 
 def _depths(generated: bool, depths: str, count: int) -> dict:
@@ -218,30 +330,62 @@ def _depths(generated: bool, depths: str, count: int) -> dict:
     return {"depths": depths, "count": count} if depths == "stratified" else {"depths": depths}
 
 
-def plan_file(samples: list[ruler.Sample], policies, ratios, *, model: str, query_aware: bool, chat: bool,
-              text: str, **answers) -> list[dict]:
+def plan_file(
+    samples: list[ruler.Sample],
+    policies,
+    ratios,
+    *,
+    model: str,
+    query_aware: bool,
+    chat: bool,
+    text: str,
+    **answers,
+) -> list[dict]:
     """Cells for a user's samples: one per line, the line's index naming it (`answers`: as `plan_tasks`)."""
     cells = []
     for i, s in enumerate(samples):
-        cells += plan_tasks(policies, ratios, [s.task], [None], 1, model=model, seed=0, query_aware=query_aware,
-                            chat=chat, source=digest(text), generated=False, **answers)
+        cells += plan_tasks(
+            policies,
+            ratios,
+            [s.task],
+            [None],
+            1,
+            model=model,
+            seed=0,
+            query_aware=query_aware,
+            chat=chat,
+            source=digest(text),
+            generated=False,
+            **answers,
+        )
         cells[-1]["index"] = i
     return cells
 
 
 def flatten(rows: list[dict]) -> list[dict]:
     """One record per (sample, policy, ratio), from the cells' rows."""
-    return [{"task": r["suite_task"], "length": r["length"], "index": r["index"], **res, "answers": r.get("answers"),
-             "needle_depths": r.get("needle_depths"), "shared_prefill_ms": r["shared_prefill_ms"],
-             "cell_ms": r["shared_prefill_ms"] / len(r["results"]) + res["prepare_ms"] + res["answer_ms"]}
-            for r in rows for res in r["results"]]
+    return [
+        {
+            "task": r["suite_task"],
+            "length": r["length"],
+            "index": r["index"],
+            **res,
+            "answers": r.get("answers"),
+            "needle_depths": r.get("needle_depths"),
+            "shared_prefill_ms": r["shared_prefill_ms"],
+            "cell_ms": r["shared_prefill_ms"] / len(r["results"]) + res["prepare_ms"] + res["answer_ms"],
+        }
+        for r in rows
+        for res in r["results"]
+    ]
 
 
 def bootstrap(groups: list[list[float]], seed: int = 0, draws: int = 1000) -> tuple[float, float]:
     """95 % interval of the mean of the groups' means, resampling samples within each group."""
     rng = random.Random(seed)
-    means = sorted(statistics.fmean(statistics.fmean(rng.choices(g, k=len(g))) for g in groups)
-                   for _ in range(draws))
+    means = sorted(
+        statistics.fmean(statistics.fmean(rng.choices(g, k=len(g))) for g in groups) for _ in range(draws)
+    )
     return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
 
 
@@ -272,25 +416,46 @@ def summarise(rows: list[dict]) -> list[dict]:
     for r in records:
         for task, length in [(r["task"], r["length"]), ("all", "all")]:
             cells.setdefault((r["policy"], r["ratio"], task, length), {}).setdefault(
-                (r["task"], r["length"]), []).append(r["score"])
-    full = {key[2:]: statistics.fmean(statistics.fmean(g) for g in groups.values())
-            for key, groups in cells.items() if key[0] == "full"}
+                (r["task"], r["length"]), []
+            ).append(r["score"])
+    full = {
+        key[2:]: statistics.fmean(statistics.fmean(g) for g in groups.values())
+        for key, groups in cells.items()
+        if key[0] == "full"
+    }
     out = []
     for (policy, ratio, task, length), groups in cells.items():
         low, high = bootstrap(list(groups.values()))
-        mine = [r for r in records if r["policy"] == policy and r["ratio"] == ratio
-                and (task == "all" or (r["task"], r["length"]) == (task, length))]
-        out.append({"policy": policy, "ratio": ratio, "task": task, "length": length,
-                    "score": statistics.fmean(statistics.fmean(g) for g in groups.values()),
-                    "ci_low": low, "ci_high": high, "samples": sum(len(g) for g in groups.values()),
-                    "full_score": full.get((task, length)),
-                    "kept_share": statistics.fmean(r["kept_share"] for r in mine),
-                    "cost_vs_answer": statistics.median((r["prepare_ms"] + r["answer_ms"]) / r["answer_ms"]
-                                                        for r in mine),
-                    "cell_ms": statistics.median(r["cell_ms"] for r in mine),
-                    "turns": None if task == "all" else turns(mine)})
-    return sorted(out, key=lambda s: (s["task"] != "all", str(s["task"]), str(s["length"]), s["ratio"] or 0,
-                                      -s["score"]))
+        mine = [
+            r
+            for r in records
+            if r["policy"] == policy
+            and r["ratio"] == ratio
+            and (task == "all" or (r["task"], r["length"]) == (task, length))
+        ]
+        out.append(
+            {
+                "policy": policy,
+                "ratio": ratio,
+                "task": task,
+                "length": length,
+                "score": statistics.fmean(statistics.fmean(g) for g in groups.values()),
+                "ci_low": low,
+                "ci_high": high,
+                "samples": sum(len(g) for g in groups.values()),
+                "full_score": full.get((task, length)),
+                "kept_share": statistics.fmean(r["kept_share"] for r in mine),
+                "cost_vs_answer": statistics.median(
+                    (r["prepare_ms"] + r["answer_ms"]) / r["answer_ms"] for r in mine
+                ),
+                "cell_ms": statistics.median(r["cell_ms"] for r in mine),
+                "turns": None if task == "all" else turns(mine),
+            }
+        )
+    return sorted(
+        out,
+        key=lambda s: (s["task"] != "all", str(s["task"]), str(s["length"]), s["ratio"] or 0, -s["score"]),
+    )
 
 
 def table(summary: list[dict]) -> str:
@@ -305,10 +470,21 @@ def table(summary: list[dict]) -> str:
     for policy in dict.fromkeys(s["policy"] for s in avg if s["policy"] != "full"):
         by = {s["ratio"]: s for s in avg if s["policy"] == policy}
         own = by.get(None)
-        lines.append(f"{policy:<24}" + "".join(
-            f"{by[r]['score']:>8.1%} [{by[r]['ci_low']:.0%}, {by[r]['ci_high']:.0%}]".rjust(20) if r in by
-            else f"{'':>20}" for r in ratios) + (f"{own['score']:>8.1%} [{own['ci_low']:.0%}, {own['ci_high']:.0%}]"
-                                                 f" keeps {own['kept_share']:.0%}" if own else ""))
+        lines.append(
+            f"{policy:<24}"
+            + "".join(
+                f"{by[r]['score']:>8.1%} [{by[r]['ci_low']:.0%}, {by[r]['ci_high']:.0%}]".rjust(20)
+                if r in by
+                else f"{'':>20}"
+                for r in ratios
+            )
+            + (
+                f"{own['score']:>8.1%} [{own['ci_low']:.0%}, {own['ci_high']:.0%}]"
+                f" keeps {own['kept_share']:.0%}"
+                if own
+                else ""
+            )
+        )
     return "\n".join(lines)
 
 
@@ -325,8 +501,13 @@ def figure(result: dict):
 
     summary = result["summary"]
     panels = ["all", *sorted({s["task"] for s in summary if s["task"] != "all"})]
-    fig = make_subplots(rows=1, cols=len(panels), shared_yaxes=True, horizontal_spacing=0.03,
-                        subplot_titles=["average over tasks" if p == "all" else p for p in panels])
+    fig = make_subplots(
+        rows=1,
+        cols=len(panels),
+        shared_yaxes=True,
+        horizontal_spacing=0.03,
+        subplot_titles=["average over tasks" if p == "all" else p for p in panels],
+    )
     policies = list(dict.fromkeys(s["policy"] for s in summary))
     palette = plotly.colors.qualitative.Dark24  # 24 distinct colours: every registered policy its own
     for col, panel in enumerate(panels, 1):
@@ -349,19 +530,42 @@ def figure(result: dict):
             if policy == "full":
                 symbol = "star"
             dodge = 0.08 * (i / max(1, len(policies) - 1) - 0.5)  # ties stay visible side by side
-            fig.add_trace(go.Scatter(x=[x + dodge * (policy != "full") for x in xs], y=ys, mode=mode, name=policy,
-                                     legendgroup=policy, showlegend=col == 1,
-                                     line={"color": palette[i % len(palette)]},
-                                     marker={"symbol": symbol, "size": 6 if symbol == "circle" else 11},
-                                     error_y={"type": "data", "symmetric": False, "array": hi, "arrayminus": lo,
-                                              "thickness": 1}), 1, col)
-        fig.update_xaxes(title_text="compression ratio (share removed)" if col == 1 else None, range=[-0.06, 0.98],
-                         row=1, col=col)
+            fig.add_trace(
+                go.Scatter(
+                    x=[x + dodge * (policy != "full") for x in xs],
+                    y=ys,
+                    mode=mode,
+                    name=policy,
+                    legendgroup=policy,
+                    showlegend=col == 1,
+                    line={"color": palette[i % len(palette)]},
+                    marker={"symbol": symbol, "size": 6 if symbol == "circle" else 11},
+                    error_y={
+                        "type": "data",
+                        "symmetric": False,
+                        "array": hi,
+                        "arrayminus": lo,
+                        "thickness": 1,
+                    },
+                ),
+                1,
+                col,
+            )
+        fig.update_xaxes(
+            title_text="compression ratio (share removed)" if col == 1 else None,
+            range=[-0.06, 0.98],
+            row=1,
+            col=col,
+        )
     fig.update_yaxes(title_text="score (share of expected strings found)", range=[-0.02, 1.02], row=1, col=1)
     cfg = result.get("config", {})
     protocol = "query-aware" if cfg.get("query_aware") else "question-agnostic"
-    fig.update_layout(title=f"Task accuracy under compression ({protocol}, "
-                            f"{result.get('environment', {}).get('model', 'model')})",
-                      width=max(800, 330 * len(panels) + 220), height=max(480, 26 * len(policies) + 160),
-                      legend={"tracegroupgap": 0}, template="kvlens")
+    fig.update_layout(
+        title=f"Task accuracy under compression ({protocol}, "
+        f"{result.get('environment', {}).get('model', 'model')})",
+        width=max(800, 330 * len(panels) + 220),
+        height=max(480, 26 * len(policies) + 160),
+        legend={"tracegroupgap": 0},
+        template="kvlens",
+    )
     return fig
