@@ -133,14 +133,14 @@ def long_text():
 
 def layer_rows(limit: int | None = None):
     """A standalone layer of a one-layer cache (the policy unit tests' cache); `limit` as in a run."""
-    from kvlens.engine.cache import KVCache
+    from kvlens.kvcache.cache import KVCache
 
     return KVCache(1, limit=limit).layers[0]
 
 
 def shrink(policy, rows, budget: int | None, log=None, prompt: bool = False) -> None:
     """One compression of `rows` to `budget`: the prompt's (step 0) when `prompt`, else a decode step's."""
-    from kvlens.engine.cache import Phase, Step
+    from kvlens.kvcache.cache import Phase, Step
 
     policy.compress(rows, Step(0 if prompt else 1, Phase.PREFILL if prompt else Phase.DECODE, budget, log))
 

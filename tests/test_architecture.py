@@ -20,16 +20,7 @@ LAYERS = [  # bottom first; a module belongs to the layer of its longest matchin
         ["kvlens.version", "kvlens.errors", "kvlens.lists", "kvlens.levels", "kvlens.params", "kvlens.texts"],
     ),
     ("runs", ["kvlens.runs"]),
-    (
-        "cache",
-        [
-            "kvlens.engine.attention",
-            "kvlens.engine.cache",
-            "kvlens.engine.quantize",
-            "kvlens.engine.lowrank",
-            "kvlens.engine.channels",
-        ],
-    ),
+    ("cache", ["kvlens.kvcache", "kvlens.engine.attention"]),
     ("policies", ["kvlens.policies"]),
     ("engine", ["kvlens.engine"]),
     ("integration", ["kvlens.hf"]),
@@ -134,7 +125,7 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     """The rule can fail: a cache module importing the app is upward, and a lazy import counts."""
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from kvlens.ui import page\n")
-    assert imports(bad) == {"kvlens.ui.page"} and layer("kvlens.ui.page") > layer("kvlens.engine.cache")
+    assert imports(bad) == {"kvlens.ui.page"} and layer("kvlens.ui.page") > layer("kvlens.kvcache.cache")
 
 
 def test_no_policy_touches_a_private_attribute_of_the_cache():
@@ -153,8 +144,8 @@ def test_no_policy_touches_a_private_attribute_of_the_cache():
 
 def test_both_views_of_the_cache_implement_the_row_contract(tiny, monkeypatch):
     """The per-layer and the all-layer view a policy is handed both implement the protocol."""
-    from kvlens.engine.cache import CacheRows
     from kvlens.engine.loop import RunOptions, run
+    from kvlens.kvcache.cache import CacheRows
     from kvlens.policies import make_policy
 
     policy, seen = make_policy("h2o"), []
@@ -178,7 +169,7 @@ def test_both_views_of_the_cache_implement_the_row_contract(tiny, monkeypatch):
 def test_every_policy_hook_is_annotated_with_the_row_contract():
     import typing
 
-    from kvlens.engine.cache import CacheRows, Step
+    from kvlens.kvcache.cache import CacheRows, Step
     from kvlens.policies import REGISTRY
 
     for cls in REGISTRY.values():

@@ -111,7 +111,7 @@ def add_storage_args(p: argparse.ArgumentParser, bits: bool = True) -> None:
 
 def storage(args):
     """The run's `Storage` from `--kv-*` (the model's dtype when --kv-bits is not given)."""
-    from kvlens.engine.quantize import Storage
+    from kvlens.kvcache.quantize import Storage
 
     rank = {
         "rank": getattr(args, "kv_rank", None),

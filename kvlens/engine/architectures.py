@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvlens.engine.attention import CONTEXT_KWARG, AttentionSpec, dense, sdpa
-from kvlens.engine.cache import KVCache
 from kvlens.errors import KvlensError
+from kvlens.kvcache.cache import KVCache
 
 PROBE_TOKENS = 2
 ATTENTION_LAYER_TYPES = (

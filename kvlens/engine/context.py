@@ -22,8 +22,8 @@ from kvlens.engine.attention import (
     sdpa,
     visible,
 )
-from kvlens.engine.cache import KVCache, Prompt, Replay, SlotRows
 from kvlens.errors import KvlensError
+from kvlens.kvcache.cache import KVCache, Prompt, Replay, SlotRows
 from kvlens.policies.base import Policy, group_mean
 
 

@@ -23,12 +23,12 @@ import torch
 from kvlens.engine import qfilters
 from kvlens.engine.architectures import rotary_of
 from kvlens.engine.attention import CONTEXT_KWARG
-from kvlens.engine.cache import KVCache, Phase, Step
 from kvlens.engine.context import Observer, RunContext
 from kvlens.engine.models import LoadedModel
-from kvlens.engine.quantize import Storage
 from kvlens.engine.record import Recorder
 from kvlens.errors import Cancelled, KvlensError
+from kvlens.kvcache.cache import KVCache, Phase, Step
+from kvlens.kvcache.quantize import Storage
 from kvlens.policies import REGISTRY, Policy
 from kvlens.runs.decisions import DecisionLog
 from kvlens.runs.run import Run

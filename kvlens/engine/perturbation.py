@@ -8,7 +8,7 @@ step's own query `q` `(Hq, D)`:
 - `O_evict` = attention over the original keys and values of the positions the cache still holds
   (same decisions, no merging),
 - `O_stored` = the same with those keys and values as the run's storage holds them: with quantized storage
-  (`kvlens.engine.quantize`) `O_used` itself for a policy that never merges, else the original keys and values
+  (`kvlens.kvcache.quantize`) `O_used` itself for a policy that never merges, else the original keys and values
   quantized and dequantized in the cache's current layout; `O_evict` without quantization,
 and it stores per (step, layer, query head) `||O_used - O_full|| / ||O_full||`, the same for
 `O_evict`, and the attention loss `1 - sum_{kept j} A_full[j]`. End to end, `kl_per_step` gives

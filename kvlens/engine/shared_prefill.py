@@ -27,11 +27,11 @@ import torch
 
 from kvlens.engine.architectures import rotary_of
 from kvlens.engine.attention import AttentionSpec, last_rows
-from kvlens.engine.cache import KVCache
 from kvlens.engine.context import RunContext
 from kvlens.engine.loop import RunOptions, _check_length, _Loop, feed
 from kvlens.engine.models import LoadedModel
 from kvlens.errors import KvlensError
+from kvlens.kvcache.cache import KVCache
 from kvlens.policies import Policy, make_policy
 
 QUIET = RunOptions(record="summary", log_decisions=False)

@@ -25,7 +25,7 @@ The design (what each number means, and why it costs one pass per policy):
 - Cost: one measured pass per policy, plus the steps of each own text after its divergence
   (`kvlens compare` prints both times).
 - Each policy has its own KV storage (`Entry.storage`: the model's dtype, or quantized,
-  `kvlens.engine.quantize`); the reference always keeps the model's dtype, so a quantized `full` entry is
+  `kvlens.kvcache.quantize`); the reference always keeps the model's dtype, so a quantized `full` entry is
   a row of its own (quantization alone).
 - Results are reused for identical inputs (`ResultCache`, keyed on model, prompt, policy, its
   resolved parameters, budget, storage and new tokens): a second identical comparison, or one where a
@@ -50,9 +50,9 @@ import torch
 from kvlens.engine.loop import Fork, RunOptions, StepEvent, resume, run
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.perturbation import PerturbationMeter, kl_per_step, summary
-from kvlens.engine.quantize import Storage
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import encode, generate
+from kvlens.kvcache.quantize import Storage
 from kvlens.policies import changed_params, make_policy
 from kvlens.runs.run import Run
 

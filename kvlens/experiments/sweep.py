@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from kvlens.engine.loop import RunOptions
 from kvlens.engine.perturbation import summary
-from kvlens.engine.quantize import Storage
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import perplexity
 from kvlens.experiments.grid import digest, plan
+from kvlens.kvcache.quantize import Storage
 
 
 def plan_ppl(

@@ -27,10 +27,10 @@ from transformers import Cache
 from kvlens.engine.attention import ATTENTION_NAME, CONTEXT_KWARG
 from kvlens.engine.loop import RunOptions, _Loop, _make_run, new_loop
 from kvlens.engine.models import LoadedModel
-from kvlens.engine.quantize import Storage
 from kvlens.engine.shared_prefill import slots_for
 from kvlens.errors import KvlensError
 from kvlens.hf.attach import adopt, switch
+from kvlens.kvcache.quantize import Storage
 from kvlens.levels import RecordLevel
 from kvlens.policies import Policy, make_policy
 from kvlens.runs.run import Run

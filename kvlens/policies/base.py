@@ -5,7 +5,7 @@ declared with `param()` (default, help text, bounds, choices), validated here on
 policies; its capabilities are class attributes (`budget_free`, `merges`, `needs_attention`).
 It holds no run state: what changes during a run lives in the `CacheRows` it is handed
 (`rows.extra` per slot, `rows.states` per layer), so one instance serves any number of runs
-and threads with identical decisions. Every hook takes `CacheRows` (`kvlens.engine.cache`):
+and threads with identical decisions. Every hook takes `CacheRows` (`kvlens.kvcache.cache`):
 one layer's KV heads, or, for a policy that declares `cross_layer`, every layer's at a decode
 step; a policy's arithmetic is per row, so it is the same code either way. `compress` is told
 its `Step` (index, phase, budget, decision log) explicitly. Policies never record or plot: they
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvlens.engine.cache import CacheRows, Prompt, Replay, Step
 from kvlens.errors import KvlensError
+from kvlens.kvcache.cache import CacheRows, Prompt, Replay, Step
 from kvlens.params import Param, check_budget
 
 REGISTRY: dict[str, type[Policy]] = {}
@@ -177,7 +177,7 @@ class Policy:
 
     def key_channels(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
         """A policy that `prunes_keys`, after the prompt's compression: the key channels each row keeps `(R, K)`,
-        ascending, and the slots that keep every channel `(R, S)` bool (`kvlens.engine.channels`)."""
+        ascending, and the slots that keep every channel `(R, S)` bool (`kvlens.kvcache.channels`)."""
         raise NotImplementedError
 
     def compress(self, rows: CacheRows, step: Step) -> None:

@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlens.engine.cache import CacheRows, Step
+from kvlens.kvcache.cache import CacheRows, Step
 from kvlens.policies.base import (
     ScoredEviction,
     Wrapper,

@@ -26,8 +26,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlens.engine.cache import CacheRows, Step, padded_index
 from kvlens.errors import KvlensError
+from kvlens.kvcache.cache import CacheRows, Step, padded_index
 from kvlens.policies.base import Policy, log_merges, param, register
 
 

@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlens.engine.cache import CacheRows, Prompt, Step
+from kvlens.kvcache.cache import CacheRows, Prompt, Step
 from kvlens.policies.base import ScoredEviction, check, group_mean, param, recent_mask, register
 
 HISTORY = (

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvlens.engine.cache import CacheRows, Prompt, Step
+from kvlens.kvcache.cache import CacheRows, Prompt, Step
 from kvlens.policies.base import ScoredEviction, check, group_mean, param, recent_mask, register
 
 WINDOW = "snapkv_window"  # per slot (R, S, window): attention from each of the last `window` queries (a ring)

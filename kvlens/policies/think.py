@@ -8,7 +8,7 @@ channel i of a KV head scores ||Q_i|| ||K_i||, the paper's query-driven criterio
 the last `window` prompt queries after RoPE, K the head's kept keys `(S, D)`, computed as the authors' code and
 kvpress's `ThinKPress` do, mean(Q_i^2) x mean(K_i^2) (the same order). The `ratio` x D lowest channels
 (rounded down) leave each head; ties leave the lower channel first. The kept channels are what the cache
-stores of each key (`kvlens.engine.channels`), so a pruned key costs (1 - ratio) of its bytes; values are
+stores of each key (`kvlens.kvcache.channels`), so a pruned key costs (1 - ratio) of its bytes; values are
 untouched. A query meets a pruned key on the kept channels only.
 
 Divergences, each a parameter or noted here:
@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlens.engine.cache import CacheRows, Prompt, Step
+from kvlens.kvcache.cache import CacheRows, Prompt, Step
 from kvlens.policies.base import (
     Policy,
     Wrapper,

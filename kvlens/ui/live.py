@@ -14,9 +14,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlens.engine.loop import RunOptions, StepEvent
-from kvlens.engine.quantize import Storage
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import generate, perplexity
+from kvlens.kvcache.quantize import Storage
 from kvlens.lists import parse_list
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvlens.engine.quantize import BITS, SCHEMES, Storage
 from kvlens.errors import KvlensError
+from kvlens.kvcache.quantize import BITS, SCHEMES, Storage
 from kvlens.params import check_budget as check_budget_value
 from kvlens.policies import (
     REGISTRY,
@@ -152,7 +152,7 @@ def storage_option(bits: int) -> str:
 def storage_picker(prefix: str) -> Storage | None:
     """The "KV storage" select box (the model's dtype, or keys and values quantized to 8, 4 or 2 bits) and, when
     quantized, the scheme, group size and full-precision window in an expander (keys `{prefix}_kv_bits`,
-    `{prefix}_kv_scheme|group|residual`; `kvlens.engine.quantize`, the CLI's `--kv-*`). The select box's values
+    `{prefix}_kv_scheme|group|residual`; `kvlens.kvcache.quantize`, the CLI's `--kv-*`). The select box's values
     are the bits, `DTYPE` (0) for the model's dtype.
 
     Returns the `Storage`, or None after showing the sentence of a bad combination (the caller then disables

@@ -9,7 +9,7 @@ import torch
 
 from kvlens.analysis.kinds.rank_bytes import rank_error
 from kvlens.analysis.states import states
-from kvlens.engine.lowrank import seal_low_rank
+from kvlens.kvcache.lowrank import seal_low_rank
 from kvlens.runs.run import load_run
 from tests.conftest import CACHED_RUNS
 

@@ -13,9 +13,9 @@ import torch
 from kvlens.analysis.kinds.rank_perturbation import default_ranks, rank_perturbation
 from kvlens.cli import main
 from kvlens.engine.loop import RunOptions
-from kvlens.engine.lowrank import seal_low_rank
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import perplexity
+from kvlens.kvcache.lowrank import seal_low_rank
 
 TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun. " * 4
 D = 16  # the tiny model's head size

@@ -391,8 +391,8 @@ def test_benchmarks_shows_a_task_leaderboard_filtered_by_task_and_policy(app, tm
 
 
 def test_benchmarks_draws_the_bytes_quality_frontier_with_perplexity_and_task_score(app, tmp_path):
-    from kvlens.engine.quantize import Storage
     from kvlens.experiments.bench import frontier
+    from kvlens.kvcache.quantize import Storage
 
     results = tmp_path / "results"
     results.mkdir()
@@ -717,8 +717,8 @@ def test_compare_page_shows_the_table_kvlens_compare_computes(app, smol):
 
 
 def test_kv_storage_picker_says_why_a_setting_is_bad_on_run_and_compare(app):
-    from kvlens.engine.quantize import Storage
     from kvlens.errors import KvlensError
+    from kvlens.kvcache.quantize import Storage
 
     with pytest.raises(KvlensError) as err:
         Storage(4, "kivi", 64, 32)

@@ -1,4 +1,4 @@
-"""kvlens's quantized KV storage (`kvlens.engine.quantize`) against Hugging Face optimum-quanto, and by hand.
+"""kvlens's quantized KV storage (`kvlens.kvcache.quantize`) against Hugging Face optimum-quanto, and by hand.
 
 The reference values come from `scripts/crosscheck_quanto.py` (its own virtualenv with optimum-quanto; the file
 records the versions and the command; its docstring lists exactly where quanto's scheme differs from kvlens's);
@@ -29,7 +29,7 @@ import json
 import pytest
 import torch
 
-from kvlens.engine.quantize import dequantize, pack, quantize, unpack
+from kvlens.kvcache.quantize import dequantize, pack, quantize, unpack
 from tests.conftest import TEST_DATA
 
 REFERENCE = json.loads((TEST_DATA / "quanto_reference.json").read_text(encoding="utf-8"))

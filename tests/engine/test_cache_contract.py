@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.engine.cache import CacheRows, KVCache
+from kvlens.kvcache.cache import CacheRows, KVCache
 
 
 def views(cache: KVCache) -> tuple[CacheRows, CacheRows | None]:

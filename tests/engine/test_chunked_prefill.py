@@ -73,7 +73,7 @@ def test_a_chunked_prefill_never_holds_more_than_budget_plus_the_chunk(tiny, pol
 
 
 def test_a_chunked_prefill_composes_with_quantized_storage(tiny):
-    from kvlens.engine.quantize import Storage
+    from kvlens.kvcache.quantize import Storage
 
     shape = tiny.shape()
     per_slot = 2 * shape["kv_heads"] * shape["head_dim"] * 4

@@ -1,4 +1,4 @@
-"""Low-rank storage's options (`kvlens.engine.lowrank`): xKV's cross-layer groups (one SVD of the concatenated
+"""Low-rank storage's options (`kvlens.kvcache.lowrank`): xKV's cross-layer groups (one SVD of the concatenated
 heads of adjacent layers, the coefficients stored once), later tokens at full width, quantized coefficients, the
 byte share as the rank's target, and incompatible combinations refused in one sentence."""
 
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from kvlens.engine.loop import RunOptions
-from kvlens.engine.lowrank import fit_rank, seal_cross_layer
-from kvlens.engine.quantize import Storage
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import perplexity
 from kvlens.experiments.bench import ruler, tasks
 from kvlens.experiments.bench.common import parse_policies
+from kvlens.kvcache.lowrank import fit_rank, seal_cross_layer
+from kvlens.kvcache.quantize import Storage
 from tests.engine.conftest import TEXT, keys_like
 
 PREFILL, TOKENS = 200, 24

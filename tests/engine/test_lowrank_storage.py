@@ -1,4 +1,4 @@
-"""Low-rank KV storage (`kvlens.engine.lowrank`): full rank is the uncompressed cache, the reconstruction error is
+"""Low-rank KV storage (`kvlens.kvcache.lowrank`): full rank is the uncompressed cache, the reconstruction error is
 the discarded singular values' energy (Eckart-Young, against numpy's SVD), bytes are the stored tensors', it
 composes with eviction, and a rank that does not fit gets one sentence."""
 
@@ -10,10 +10,10 @@ import torch
 
 from kvlens.cli import main
 from kvlens.engine.loop import RunOptions
-from kvlens.engine.lowrank import seal_low_rank
-from kvlens.engine.quantize import Storage
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import perplexity
+from kvlens.kvcache.lowrank import seal_low_rank
+from kvlens.kvcache.quantize import Storage
 from tests.engine.conftest import TEXT, keys_like
 
 

@@ -1,4 +1,4 @@
-"""Quantized KV storage (`kvlens.engine.quantize`, KIVI): streaming equals KIVI's groups without eviction, the
+"""Quantized KV storage (`kvlens.kvcache.quantize`, KIVI): streaming equals KIVI's groups without eviction, the
 full-precision window slides or flushes as the scheme says, reused slots and merges are stored again, the bytes
 are the packed ones, and on the embedded model the policy's prompt decisions do not depend on the storage."""
 
@@ -9,10 +9,10 @@ import torch
 
 from kvlens import texts
 from kvlens.engine.loop import RunOptions
-from kvlens.engine.quantize import QuantizedStates, Storage, dequantize, quantize, seal
 from kvlens.engine.shared_prefill import QUIET, answer, prepare
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import perplexity
+from kvlens.kvcache.quantize import QuantizedStates, Storage, dequantize, quantize, seal
 from kvlens.policies import make_policy
 
 ALL = slice(0, 3)

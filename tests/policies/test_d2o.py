@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlens.engine.cache import Phase, SlotRows, Step
 from kvlens.engine.loop import RunOptions, run
 from kvlens.figures.provenance import replay
+from kvlens.kvcache.cache import Phase, SlotRows, Step
 from kvlens.policies import make_policy
 from kvlens.policies.d2o import THRESHOLD, bounded_shares
 from kvlens.runs.decisions import DecisionLog

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlens import texts
-from kvlens.engine.cache import Phase, Prompt, Step
 from kvlens.engine.loop import RunOptions, run
+from kvlens.kvcache.cache import Phase, Prompt, Step
 from kvlens.policies import make_policy
 from kvlens.policies.expected_attention import rotate_half
 from kvlens.runs.decisions import DecisionLog
@@ -277,7 +277,7 @@ def test_kvzip_reconstructs_the_context_without_exactly_the_chat_templates_head(
 @settings(max_examples=examples(10))
 @given(st.integers(0, 10_000), st.integers(0, 6), st.integers(1, 5))
 def test_kvzip_scores_each_slot_by_the_largest_weight_of_the_repeating_queries(seed, start, sinks):
-    from kvlens.engine.cache import Replay
+    from kvlens.kvcache.cache import Replay
 
     t, q, end = 16, 5, min(16, start + 7)
     layer = random_layer(seed, t)
@@ -304,7 +304,7 @@ def test_kvzip_scores_each_slot_by_the_largest_weight_of_the_repeating_queries(s
 def test_kvzip_evicts_the_lowest_scores_over_every_layer_and_head_and_never_the_sinks(
     seed, budget, layerwise
 ):
-    from kvlens.engine.cache import KVCache
+    from kvlens.kvcache.cache import KVCache
 
     t, n = 16, 3
     gen = torch.Generator().manual_seed(seed)

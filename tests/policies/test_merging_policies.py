@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlens.engine.cache import Phase, Prompt, SlotRows, Step
 from kvlens.engine.loop import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.figures.provenance import replay
+from kvlens.kvcache.cache import Phase, Prompt, SlotRows, Step
 from kvlens.policies import REGISTRY, make_policy, parse_settings
 from kvlens.policies.cam import DECODE_ATTN, CaM
 from kvlens.policies.corm import CORM, MESSAGE, MESSAGES_SEEN

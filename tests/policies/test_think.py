@@ -1,4 +1,4 @@
-"""ThinK's channel-pruned keys (`kvlens.policies.think`, `kvlens.engine.channels`): what is stored, its bytes, and
+"""ThinK's channel-pruned keys (`kvlens.policies.think`, `kvlens.kvcache.channels`): what is stored, its bytes, and
 the refusals. Its channel choice against kvpress is in `tests/cross_checks/test_kvpress_crosscheck.py`."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlens.engine.channels import seal_channels
 from kvlens.engine.loop import RunOptions, new_loop, run
-from kvlens.engine.quantize import Storage
 from kvlens.errors import KvlensError
+from kvlens.kvcache.channels import seal_channels
+from kvlens.kvcache.quantize import Storage
 from kvlens.policies import make_policy, parse_settings
 
 IDS = list(b"Thinner keys: the channels the last queries weigh least leave every key of the prompt. " * 2)

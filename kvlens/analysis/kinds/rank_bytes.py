@@ -1,6 +1,6 @@
 """What a spectrum's decay buys: low-rank storage's reconstruction error against its bytes, rank by rank.
 
-For each layer and KV head, the prompt's keys or values `(T, D)` stored at rank r (`kvlens.engine.lowrank`:
+For each layer and KV head, the prompt's keys or values `(T, D)` stored at rank r (`kvlens.kvcache.lowrank`:
 coefficients over the top-r right singular vectors) have the relative squared error
 `sum_{i > r} s_i^2 / sum_i s_i^2` (Eckart-Young: the discarded singular values' energy) and cost
 `(r T + D r) / (D T)` of the model-dtype bytes (coefficients plus the head's basis). `RankBytes.error`

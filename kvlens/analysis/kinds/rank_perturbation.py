@@ -3,7 +3,7 @@
 `rank_bytes` prices a rank in reconstruction error and bytes; this replays it (xKV, Chang et al. 2025, and Palu,
 Chang et al. 2024, report the same trade in accuracy). The run's own tokens (prompt, then what it produced) are fed
 again teacher-forced through its model, under its policy and budget, with low-rank storage at rank r
-(`Storage(rank=r)`, `kvlens.engine.lowrank`) and the perturbation meter on (`kvlens.engine.perturbation.measured`),
+(`Storage(rank=r)`, `kvlens.kvcache.lowrank`) and the perturbation meter on (`kvlens.engine.perturbation.measured`),
 against an uncompressed forward over the same tokens:
 - end to end, over decode steps 1.. (step 0's logits come from the prompt's uncompressed forward, the same at every
   rank): KL(p_full || p_r) (`measured`'s), the NLL change `NLL_r - NLL_full` of the fed tokens, and the top-1
@@ -37,10 +37,10 @@ from kvlens.engine.loop import RunOptions
 from kvlens.engine.loop import run as run_policy
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.perturbation import full_logprobs, measured, sources
-from kvlens.engine.quantize import Storage
 from kvlens.errors import KvlensError
 from kvlens.figures.perturbation_sources import COLORS
 from kvlens.figures.plots import SCALE, finish, run_model
+from kvlens.kvcache.quantize import Storage
 from kvlens.levels import RecordLevel
 from kvlens.policies import make_policy
 from kvlens.runs.run import Run

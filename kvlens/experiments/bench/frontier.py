@@ -4,7 +4,7 @@ At each byte budget b (a share of the full cache's bytes in the model's dtype at
 makes `ppl` cells (`kvlens.experiments.sweep.ppl_cell`, teacher-forced perplexity on bundled texts) of:
 - eviction alone and merging alone: the policy at b of the slots, in the model's dtype;
 - quantization alone: every slot (`full`) at each of `bits` (its share is what the bits cost, not b);
-- low rank alone (`kvlens.engine.lowrank`, `--kv-rank-share b`: the largest rank whose bytes, bases included, fit
+- low rank alone (`kvlens.kvcache.lowrank`, `--kv-rank-share b`: the largest rank whose bytes, bases included, fit
   in b): every slot (`full`) per KV head with later tokens projected (Palu-style) or at full width, and across
   groups of `rank_layers` adjacent layers (xKV) with later tokens at full width (so that xKV and per-head rank
   differ only in the sharing);
@@ -27,11 +27,11 @@ import dataclasses
 import math
 import statistics
 
-from kvlens.engine.quantize import Storage
 from kvlens.errors import KvlensError
 from kvlens.experiments.bench import tasks as task_suite
 from kvlens.experiments.bench.common import PolicySpec, spread
 from kvlens.experiments.sweep import plan_ppl
+from kvlens.kvcache.quantize import Storage
 
 FAMILIES = ("eviction", "merging", "quantization", "low_rank", "mix")
 

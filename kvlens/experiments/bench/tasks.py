@@ -27,7 +27,6 @@ import time
 
 from kvlens.engine.batch_answer import Kept, answer_many
 from kvlens.engine.models import LoadedModel
-from kvlens.engine.quantize import Storage
 from kvlens.engine.shared_prefill import (
     QUIET,
     ROUNDINGS,
@@ -42,6 +41,7 @@ from kvlens.errors import KvlensError
 from kvlens.experiments.bench import ruler
 from kvlens.experiments.bench.common import PolicySpec
 from kvlens.experiments.grid import digest
+from kvlens.kvcache.quantize import Storage
 from kvlens.policies import make_policy
 
 # what a row written before the `rounding` and `depths` options had (`grid.Results`)

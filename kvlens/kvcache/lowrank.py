@@ -18,14 +18,14 @@ Where this differs from the papers:
   counted in the bytes. Cross-layer needs "full": a token's shared coefficients need every layer of its group, and
   the first layer attends before the last computes its keys. A policy's merges are projected (per head) or held
   at full width (cross-layer: the other layers still read the shared coefficients).
-- `bits`: the coefficients are quantized per token in groups of `group` channels with `kvlens.engine.quantize`'s
+- `bits`: the coefficients are quantized per token in groups of `group` channels with `kvlens.kvcache.quantize`'s
   asymmetric quantizer (Palu quantizes its latents, xKV's `fake_svd` its token factor; both after a Hadamard
   transform, which is not applied here); bases and full-width tokens stay in the model's dtype.
 
 `LowRankStates` holds one of keys or values for R rows x C slots: coefficients `(R, C, r)` (cross-layer: `(1, C, r)`,
 the same tensor in every layer of the group, its bytes counted by the first), or their codes `(R, C, r * bits / 8)`
 uint8 with float16 zero points and scales `(R, C, r / group)`; bases `(R, D, r)`; full-width tokens `(R, W, D)`
-with their slots `(R, W)` (-1: a free entry). It has the interface of `kvlens.engine.quantize.QuantizedStates`, so
+with their slots `(R, W)` (-1: a free entry). It has the interface of `kvlens.kvcache.quantize.QuantizedStates`, so
 the cache treats both storages alike (`SlotStore.packed`).
 """
 
@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.engine.quantize import Storage, dequantize, pack, quantize, unpack
 from kvlens.errors import KvlensError
+from kvlens.kvcache.quantize import Storage, dequantize, pack, quantize, unpack
 
 
 def coefficient_bytes(rank: int, elem: int, bits: int | None, group: int) -> int:
@@ -220,7 +220,7 @@ class LowRankStates:
         self.wide = torch.nn.functional.pad(self.wide, (0, 0, 0, more))
         self.wide_slot = torch.nn.functional.pad(self.wide_slot, (0, more), value=-1)
 
-    # -- the storage interface (`kvlens.engine.quantize.QuantizedStates`'s) --------------------------------
+    # -- the storage interface (`kvlens.kvcache.quantize.QuantizedStates`'s) --------------------------------
     def read(self, rows: slice, n: int) -> torch.Tensor:
         """`(R', n, D)` the rows' first `n` slots, reconstructed (full-width ones as held)."""
         out = torch.matmul(self._coefficients(rows, n), self.basis[rows].float().transpose(1, 2)).to(

@@ -40,10 +40,10 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from kvlens.engine.channels import ChannelStates, seal_channels
-from kvlens.engine.lowrank import LowRankStates, fit_rank, seal_cross_layer, seal_low_rank
-from kvlens.engine.quantize import QuantizedStates, Storage, seal, slot_mask
 from kvlens.errors import KvlensError
+from kvlens.kvcache.channels import ChannelStates, seal_channels
+from kvlens.kvcache.lowrank import LowRankStates, fit_rank, seal_cross_layer, seal_low_rank
+from kvlens.kvcache.quantize import QuantizedStates, Storage, seal, slot_mask
 from kvlens.runs.decisions import DecisionLog
 
 GROWTH = 32  # minimum slots added when a growing cache runs out of room
@@ -169,10 +169,10 @@ class LayerBook:
 class SlotStore:
     """Buffers of R rows x C slots (see the module docstring) and the count of slots in use.
 
-    Quantized storage (`quantize`): keys and values leave `buffers` for `packed` (`kvlens.engine.quantize`); reading
+    Quantized storage (`quantize`): keys and values leave `buffers` for `packed` (`kvlens.kvcache.quantize`); reading
     them dequantizes the rows asked for into a working copy (`working`, what the model's attention and the policy
     see), and `commit` stores back the slots a policy changed in it (merges), then drops the copy. Channel-pruned
-    keys (`prune_keys`, `kvlens.engine.channels`) are packed the same way, the values staying in `buffers`.
+    keys (`prune_keys`, `kvlens.kvcache.channels`) are packed the same way, the values staying in `buffers`.
     """
 
     def __init__(self, buffers: dict[str, torch.Tensor], n: int):
@@ -256,7 +256,7 @@ class SlotStore:
 
     def prune_keys(self, channels: torch.Tensor, whole: torch.Tensor) -> None:
         """Keys into channel-pruned storage: each row keeps `channels` `(R, K)`, the slots `whole` `(R, n)` every
-        channel (`kvlens.engine.channels`); values stay in the model's dtype."""
+        channel (`kvlens.kvcache.channels`); values stay in the model's dtype."""
         valid = self.buffers["valid"][:, : self.n]
         self.packed = {
             "keys": seal_channels(
@@ -818,7 +818,7 @@ class KVCache:
                 store.quantize(storage, max((lim or 0) for lim in limits))
 
     def _seal_layers(self, storage: Storage, views: list[SlotRows]) -> None:
-        """xKV's cross-layer low rank (`kvlens.engine.lowrank.seal_cross_layer`) over a group of adjacent layers,
+        """xKV's cross-layer low rank (`kvlens.kvcache.lowrank.seal_cross_layer`) over a group of adjacent layers,
         which must each have a store of their own holding the same tokens in the same slots."""
         stores = [v._live for v in views]
         first, n = stores[0], stores[0].n

@@ -10,7 +10,7 @@ group: scale = (max - min) / (2^bits - 1), code = round((x - min) / scale) clamp
   (KIVI Algorithm 1 and its code: the prompt's last `T mod R` keys and last `R` values stay in full precision).
 - scheme "token": keys and values per token (groups of `group` channels), both in a sliding window of `residual`.
 
-Slots are reused after evictions (see `kvlens.engine.cache`), so a key group can mix old and new tokens: a group is
+Slots are reused after evictions (see `kvlens.kvcache.cache`), so a key group can mix old and new tokens: a group is
 quantized again, from its members' current (dequantized) values, whenever one of its slots changes (a new token
 flushed from the full-precision window, a policy's merge). KIVI never evicts, so it never does this; with no
 eviction the groups are KIVI's exactly. Re-quantizing a group whose range did not change gives back the same codes.
@@ -43,7 +43,9 @@ class Storage:
     residual: int = (
         0  # KIVI's R (32-128 in the paper): off by default, see docs/experiments.md, "Quantized storage"
     )
-    rank: int | None = None  # low-rank storage (`kvlens.engine.lowrank`): coefficients per slot, at this rank
+    rank: int | None = (
+        None  # low-rank storage (`kvlens.kvcache.lowrank`): coefficients per slot, at this rank
+    )
     rank_share: float | None = (
         None  # ... or the largest rank whose bytes are at most this share of the full cache's
     )
@@ -521,7 +523,7 @@ class QuantizedStates:
 
 def seal(storage: Storage, name: str, x: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, capacity: int):
     """A prompt's compressed keys or values `x` `(R, n, D)` (positions and validity `(R, n)`) into quantized storage
-    (low-rank storage: `kvlens.engine.lowrank`): the window takes each row's newest valid tokens (KIVI's prefill:
+    (low-rank storage: `kvlens.kvcache.lowrank`): the window takes each row's newest valid tokens (KIVI's prefill:
     the last `n mod R` keys, the last `R` values) and the rest is quantized."""
     r, n, d = x.shape
     states = QuantizedStates(storage, name, r, capacity, d, x.dtype, x.device)
