@@ -66,10 +66,11 @@ class RunContext:
         self.observers = list(observers)
         for obs in self.observers:
             obs.on_start(policy)
-        self.needs_rows = policy.needs_attention or any(o.needs_rows for o in self.observers)
+        needs = policy.needs()
+        self.needs_rows = needs.decode_rows or any(o.needs_rows for o in self.observers)
         # the prompt's column sums cost a chunked pass over T x T; computed only when someone reads them
-        self.column_sums = policy.prefill_column_sums() or any(o.needs_prefill_stats for o in self.observers)
-        self.prefill_rows = max([policy.prefill_rows()] + [o.prefill_rows for o in self.observers])
+        self.column_sums = needs.column_sums or any(o.needs_prefill_stats for o in self.observers)
+        self.prefill_rows = max([needs.prefill_rows] + [o.prefill_rows for o in self.observers])
         self._observed: list[tuple[SlotRows, torch.Tensor, torch.Tensor | None]] = []  # this step's rows
         self.replay: tuple[int, int] | None = None  # the prompt span a replay pass being fed reconstructs
         self.frozen = (

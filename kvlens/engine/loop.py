@@ -66,6 +66,8 @@ class RunOptions:
     log_decisions: bool = True
     storage: Storage = Storage()  # keys and values in the model's dtype, or quantized (`--kv-bits`)
     prefill_chunk: int | None = None  # feed the prompt this many tokens at a time, compressing after each
+    # internal: may a decode step run once on every layer's rows (a policy whose selection is per head, `batchable`)
+    batch_layers: bool = True
 
 
 def _check_length(model: LoadedModel, n: int) -> None:
@@ -106,7 +108,14 @@ def feed(model: LoadedModel, cache: KVCache, ctx: RunContext, ids: list[int], st
 
 MODEL_DATA = {
     "qfilters": qfilters.filters_for
-}  # what `Policy.model_data` may name: model -> per-layer tensors
+}  # what `Needs.model_data` may name: model -> per-layer tensors
+
+
+def batchable(policy: Policy) -> bool:
+    """Whether the engine may run a decode step's compression once on every layer's rows `(L * Hkv, S)`: the
+    policy's selection competes within each KV head (`Policy.competes`) and it compresses at decode steps (the
+    all-layer store holds the budget, it cannot grow)."""
+    return policy.competes == "head" and policy.needs().decode_steps
 
 
 class _Loop:
@@ -125,7 +134,7 @@ class _Loop:
         self.model, self.policy, self.opts = model, policy, opts
         self.recorder = Recorder(opts.record, opts.record_layers)
         # a compressed layer never holds more than budget + the step's token; others grow up to the run's length
-        # all layers' rows in one store when the policy's decode steps may run on them at once (chosen here, once);
+        # all layers' rows in one store when a decode step may run once on them (`batchable`, chosen here, once);
         # `once`: compressed after the prompt only (`freeze`), later tokens are appended, so each layer its own store
         self.chunk = (
             opts.prefill_chunk
@@ -134,7 +143,7 @@ class _Loop:
         self.cache = KVCache(
             model.shape()["layers"],
             limit=length if budget is None else budget + self.headroom,
-            all_layers=budget is not None and policy.cross_layer and not once,
+            all_layers=budget is not None and opts.batch_layers and batchable(policy) and not once,
         )
         self.log = DecisionLog() if opts.log_decisions else None
         self.ctx = RunContext(
@@ -145,9 +154,8 @@ class _Loop:
             rotary=rotary_of(model.model, model.supported()),
         )
         self.cache.chunked = bool(self.chunk)
-        for (
-            name
-        ) in policy.model_data:  # e.g. the model's Q-Filters, one entry per layer, in the layers' run state
+        # e.g. the model's Q-Filters, one entry per layer, in the layers' run state
+        for name in policy.needs().model_data:
             for book, part in zip(self.cache.books, MODEL_DATA[name](model), strict=True):
                 book.state[name] = part
         self.budget = budget
@@ -469,7 +477,7 @@ def fork(loop: _Loop, progress: _Progress) -> Fork:
     finally:
         ctx.observers, loop.recorder = kept
     copy.ctx.observers = [copy.recorder]
-    copy.ctx.needs_rows = copy.policy.needs_attention
+    copy.ctx.needs_rows = copy.policy.needs().decode_rows
     return Fork(copy, progress)
 
 

@@ -29,7 +29,7 @@ def family(cls: type[Policy]) -> str:
     """`reference` (keeps everything), `eviction` or `merging`: how lists of policies are grouped."""
     if cls.merges:
         return "merging"
-    return "reference" if cls.budget_free and not cls.needs_attention else "eviction"
+    return "reference" if cls.budget_free and not cls().needs().decode_rows else "eviction"
 
 
 def policy_names() -> list[str]:

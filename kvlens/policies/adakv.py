@@ -60,7 +60,7 @@ class AdaKV(Wrapper):
         "kvlens frees them (heads padded to the layer's fullest). kvpress compresses the prompt "
         "only; kvlens keeps the budget at every decode step too."
     )
-    reallocates = True
+    competes = "layer"
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         budget = step.budget

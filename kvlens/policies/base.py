@@ -2,21 +2,28 @@
 
 A policy is a frozen dataclass registered with `@register`. Its fields are hyperparameters
 declared with `param()` (default, help text, bounds, choices), validated here once for all
-policies; its capabilities are class attributes (`budget_free`, `merges`, `needs_attention`).
-It holds no run state: what changes during a run lives in the `CacheRows` it is handed
-(`rows.extra` per slot, `rows.states` per layer), so one instance serves any number of runs
-and threads with identical decisions. Every hook takes `CacheRows` (`kvlens.kvcache.cache`):
-one layer's KV heads, or, for a policy that declares `cross_layer`, every layer's at a decode
-step; a policy's arithmetic is per row, so it is the same code either way. `compress` is told
-its `Step` (index, phase, budget, decision log) explicitly. Policies never record or plot: they
-report what they did to the step's `DecisionLog`.
+policies; its capabilities are class attributes (`competes`, `budget_free`, `merge_rule`, ...) and
+what the engine prepares for it is one declaration, `needs()`. It holds no run state: what changes
+during a run lives in the `CacheRows` it is handed (`rows.extra` per slot, `rows.states` per layer),
+so one instance serves any number of runs and threads with identical decisions.
+
+One shape. Every hook takes `CacheRows` (`kvlens.kvcache.cache`) and is written for one layer's
+rows `(Hkv, S)`. `competes` says how a selection competes: within each KV head (`head`), across the
+heads of a layer (`layer`: Ada-KV, KVzip's decoding), or across every layer and head (`model`: the
+budgets of KVzip, PyramidKV and D2O, decided in `allocate`). Where the selection is per head, the
+engine may hand one call every layer's rows at once `(L * Hkv, S)` (one store, one eviction per
+row for all layers): a rule over a layer's heads reads them through `by_layer`, and per-layer run
+state is `rows.states` (one dict per layer in `rows.layers`), so the code is the same for one layer
+or all and never branches on the number of layers. `compress` is told its `Step` (index, phase,
+budget, decision log) explicitly. Policies never record or plot: they report what they did to the
+step's `DecisionLog`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
@@ -25,6 +32,24 @@ from kvlens.kvcache.cache import CacheRows, Prompt, Replay, Step
 from kvlens.params import Param, check_budget
 
 REGISTRY: dict[str, type[Policy]] = {}
+
+Competes = Literal["head", "layer", "model"]  # what a policy's selection competes over (`Policy.competes`)
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What the engine prepares for a policy's run (`Policy.needs`)."""
+
+    decode_rows: bool = True  # attention rows `(R, G, S)` at decode steps (`observe`, `rows.last_attn`)
+    prefill_rows: int = (
+        1  # how many of the last prefill attention rows `observe_prefill` reads (`prompt.last`)
+    )
+    column_sums: bool = True  # the prompt's accumulated attention `rows.abar` (a chunked T x T pass)
+    model_data: tuple[str, ...] = ()  # per-layer data of the model put in the run state (`MODEL_DATA` names)
+    decode_steps: bool = True  # compresses at decode steps (False: the prompt only; the cache then grows)
+
+
+NO_ATTENTION = Needs(decode_rows=False, prefill_rows=0, column_sums=False)  # scores without attention
 
 
 def register(cls: type[Policy]) -> type[Policy]:
@@ -68,16 +93,13 @@ class Policy:
     paper: ClassVar[str] = ""
     kvpress: ClassVar[str] = ""  # the NVIDIA kvpress press implementing the same method, if any
     kvpress_differs: ClassVar[str] = ""  # where kvlens differs from that press on purpose
-    needs_attention: ClassVar[bool] = True  # needs attention rows at decode steps
+    # over what its selection competes: each KV head keeps the budget (`head`), a layer's heads share the layer's
+    # (`layer`), or layers and heads share the model's (`model`); beyond `head`, counts differ between heads
+    competes: ClassVar[Competes] = "head"
     budget_free: ClassVar[bool] = False  # decides its own size (reports the size it reached)
     merges: ClassVar[bool] = False  # merges evicted entries into kept ones (Merges page, provenance)
-    cross_layer: ClassVar[bool] = (
-        False  # its decode steps may run on every layer's rows at once (all-layer store)
-    )
     merge_rule: ClassVar[str | None] = None  # how provenance replays its merges: "add", "convex" or "set"
-    reallocates: ClassVar[bool] = False  # layers or heads keep different counts (their total is the budget's)
     chunked_prefill: ClassVar[bool] = False  # can compress the prompt chunk by chunk (`--prefill-chunk`)
-    model_data: ClassVar[tuple[str, ...]] = ()  # per-layer data of the model the engine puts in the run state
     # named settings, `preset=NAME` (explicit parameters override)
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
     prunes_keys: ClassVar[bool] = (
@@ -114,13 +136,10 @@ class Policy:
                 out[f.name] = value
         return out
 
-    def prefill_rows(self) -> int:
-        """How many of the last prefill attention rows `observe_prefill` needs (`prompt.last`)."""
-        return 1 if self.needs_attention else 0
-
-    def prefill_column_sums(self) -> bool:
-        """Whether it reads the prompt's accumulated attention `layer.abar` (a chunked T x T pass)."""
-        return self.needs_attention
+    def needs(self) -> Needs:
+        """What the engine prepares for a run of this policy: attention rows, the prompt's statistics, model data,
+        and whether it compresses at decode steps. Returns a `Needs` (default: attention rows everywhere)."""
+        return Needs()
 
     def min_budget(self) -> int:
         """Slots the policy always protects; a smaller budget is refused."""
@@ -229,24 +248,11 @@ class Wrapper(Policy):
     if TYPE_CHECKING:
         base: Policy  # the subclass's field (declared there: it keeps its place among the parameters)
 
-    # a capability its parameters decide, over the base's ClassVar default (mypy: a read-only override)
-    @property
-    def needs_attention(self) -> bool:  # type: ignore[override]
-        return self.base.needs_attention
-
-    def prefill_rows(self) -> int:
-        return self.base.prefill_rows()
-
-    def prefill_column_sums(self) -> bool:
-        return self.base.prefill_column_sums()
+    def needs(self) -> Needs:
+        return self.base.needs()
 
     def min_budget(self) -> int:
         return self.base.min_budget()
-
-    # a capability its parameters decide, over the base's ClassVar default (mypy: a read-only override)
-    @property
-    def model_data(self) -> tuple[str, ...]:  # type: ignore[override]
-        return self.base.model_data
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
         self.base.observe_prefill(rows, prompt)
@@ -361,6 +367,13 @@ def newest_cut(pos: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
     if bool(((masked >= guess).sum(-1) == k).all()):
         return guess
     return masked.topk(min(k, pos.shape[1]), dim=-1).values[:, -1:]
+
+
+def by_layer(rows: CacheRows, x: torch.Tensor) -> torch.Tensor:
+    """`x` `(R * n, ...)`, n rows per KV head (1, or a row's G query heads), as a view `(L, Hkv * n, ...)`: one
+    block per layer of `rows`, so a rule over a layer's heads (TOVA's mean, a layer's largest `abar`) is one
+    code for one layer's rows or every layer's."""
+    return x.view(-1, x.shape[0] // rows.pos.shape[0] * rows.kv_heads, *x.shape[1:])
 
 
 def group_mean(probs: torch.Tensor) -> torch.Tensor:

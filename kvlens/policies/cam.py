@@ -42,6 +42,7 @@ lets the base choose per head. Bernoulli draws come from a generator per layer a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -49,6 +50,7 @@ import torch
 
 from kvlens.kvcache.cache import CacheRows, Step
 from kvlens.policies.base import (
+    Needs,
     ScoredEviction,
     Wrapper,
     check,
@@ -190,23 +192,18 @@ class CaM(Wrapper):
         lo, hi = self.clamp
         check(0 <= lo <= hi, f"clamp of cam must be two numbers lo <= hi with lo >= 0; got {self.clamp!r}.")
 
-    # a capability its parameters decide, over the base's ClassVar default (mypy: a read-only override)
-    @property
-    def needs_attention(self) -> bool:  # type: ignore[override]
-        # merging needs attention even when the base does not; mask=never runs exactly like the base
-        return self.mask != "never" or self.base.needs_attention
-
-    # a capability its parameters decide, over the base's ClassVar default (mypy: a read-only override)
-    @property
-    def cross_layer(self) -> bool:  # type: ignore[override]
-        return self.base.cross_layer
-
-    def prefill_column_sums(self) -> bool:
-        # Abar is read by the base, or by the merge probability under score=accumulated
-        return self.base.prefill_column_sums() or (self.mask != "never" and self.score == "accumulated")
-
-    def prefill_rows(self) -> int:
-        return self.base.prefill_rows() if self.mask == "never" else max(1, self.base.prefill_rows())
+    def needs(self) -> Needs:
+        """The base's; merging needs attention rows even when the base does not (mask=never runs exactly like the
+        base), and Abar under score=accumulated."""
+        base = self.base.needs()
+        if self.mask == "never":
+            return base
+        return dataclasses.replace(
+            base,
+            decode_rows=True,
+            prefill_rows=max(1, base.prefill_rows),
+            column_sums=base.column_sums or self.score == "accumulated",
+        )
 
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
         super().observe(rows, probs)

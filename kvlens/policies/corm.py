@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.kvcache.cache import CacheRows, Prompt, Step
-from kvlens.policies.base import Policy, free_logged, padded_slots, param, recent_mask, register
+from kvlens.policies.base import Needs, Policy, free_logged, padded_slots, param, recent_mask, register
 
 MESSAGE = "corm_message"  # (Hkv, S, w) bool, newest message last
 MESSAGES_SEEN = "corm_messages_seen"  # per layer: query messages observed so far in this run
@@ -53,11 +53,8 @@ class CORM(Policy):
     paper = "https://arxiv.org/abs/2404.15949"
     budget_free = True
 
-    def prefill_column_sums(self) -> bool:
-        return False  # reads only the last prefill rows
-
-    def prefill_rows(self) -> int:
-        return self.window
+    def needs(self) -> Needs:
+        return Needs(prefill_rows=self.window, column_sums=False)  # reads only the last prefill rows
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
         last = prompt.last  # (Hq, L, T)

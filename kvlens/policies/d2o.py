@@ -162,7 +162,7 @@ class D2O(Policy):
     merge_rule: ClassVar[str] = (
         "set"  # provenance: per step, target <- w_c target + sum_i w_i source_i, sum = 1
     )
-    reallocates = True
+    competes = "model"  # per-layer budgets, decided together
 
     def min_budget(self) -> int:
         return self.sink + 1

@@ -25,7 +25,7 @@ import torch
 
 from kvlens.errors import KvlensError
 from kvlens.kvcache.cache import CacheRows, Prompt, Step
-from kvlens.policies.base import ScoredEviction, param, register
+from kvlens.policies.base import NO_ATTENTION, Needs, ScoredEviction, by_layer, param, register
 
 FUTURE = "expected_attention_future"  # per layer: mu' (Hq, D) and Sigma' (Hq, D, D) or None
 LOGIT = "expected_attention_logit"  # per slot (R, S, G): the expected logit of each query head of the row
@@ -63,14 +63,12 @@ class ExpectedAttention(ScoredEviction):
         "A new decode token is scored with the prompt's statistics. kvpress compresses the prompt "
         "only; kvlens keeps the budget at every decode step too."
     )
-    needs_attention = False
-    cross_layer = True
+
+    def needs(self) -> Needs:
+        return NO_ATTENTION
 
     def min_budget(self) -> int:
         return self.n_sink + 1
-
-    def prefill_column_sums(self) -> bool:
-        return False
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
         rotary, queries, positions = prompt.rotary, prompt.queries, prompt.positions
@@ -122,9 +120,9 @@ class ExpectedAttention(ScoredEviction):
             logits = rows.extra[LOGIT]
             for (layer_todo, keys, layer_logits), state in zip(
                 zip(
-                    todo.chunk(len(rows.layers)),
-                    rows.keys[0].chunk(len(rows.layers)),
-                    logits.chunk(len(rows.layers)),
+                    by_layer(rows, todo),
+                    by_layer(rows, rows.keys[0]),
+                    by_layer(rows, logits),
                     strict=True,
                 ),
                 rows.states,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlens.kvcache.cache import CacheRows, Step
-from kvlens.policies.base import Policy, register
+from kvlens.policies.base import NO_ATTENTION, Needs, Policy, register
 
 
 @register
@@ -17,8 +17,10 @@ class Full(Policy):
     chunked_prefill = True  # never compresses (`--prefill-chunk`)
     description = "Keep every key and value (the uncompressed reference)."
     paper = ""
-    needs_attention = False
     budget_free = True
+
+    def needs(self) -> Needs:
+        return NO_ATTENTION
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         return None

@@ -38,7 +38,6 @@ class H2O(ScoredEviction):
         "recent window, so it is a different policy; the cross-check runs H2O's own score in "
         "kvpress's hooks."
     )
-    cross_layer = True
 
     def local_window(self, budget: int) -> int:
         return int(budget * self.recent_ratio)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlens.kvcache.cache import CacheRows, Step
-from kvlens.policies.base import ScoredEviction, register
+from kvlens.policies.base import NO_ATTENTION, Needs, ScoredEviction, register
 
 
 @register
@@ -29,8 +29,9 @@ class KeyDiff(ScoredEviction):
     paper = "https://arxiv.org/abs/2504.15364"
     kvpress = "KeyDiffPress"
     kvpress_differs = "kvpress compresses the prompt only; kvlens keeps the budget at every decode step too."
-    needs_attention = False
-    cross_layer = True
+
+    def needs(self) -> Needs:
+        return NO_ATTENTION
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         keys = rows.keys[0].float()  # (R, S, D)

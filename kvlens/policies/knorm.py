@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.kvcache.cache import CacheRows, Step
-from kvlens.policies.base import ScoredEviction, register
+from kvlens.policies.base import NO_ATTENTION, Needs, ScoredEviction, register
 
 
 @register
@@ -27,8 +27,9 @@ class KNorm(ScoredEviction):
     paper = "https://arxiv.org/abs/2406.11430"
     kvpress = "KnormPress"
     kvpress_differs = "kvpress compresses the prompt only; kvlens keeps the budget at every decode step too."
-    needs_attention = False
-    cross_layer = True
+
+    def needs(self) -> Needs:
+        return NO_ATTENTION
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         norm: torch.Tensor = torch.linalg.vector_norm(rows.keys[0], dim=-1, dtype=torch.float32)  # (R, S)

@@ -30,6 +30,7 @@ allocated buffers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,7 @@ import torch
 
 from kvlens.engine.attention import AttentionSpec, softmax_weights
 from kvlens.kvcache.cache import CacheRows, Replay, Step
-from kvlens.policies.base import Policy, free_logged, lowest_of_all_rows, param, register
+from kvlens.policies.base import NO_ATTENTION, Needs, Policy, free_logged, lowest_of_all_rows, param, register
 
 SCORE = "kvzip_score"  # per layer until the budgets are allocated: (Hkv, T) by prompt position; then per slot (R, S)
 TOTAL = "kvzip_total"  # per layer: the entries the layer keeps, over its heads
@@ -87,14 +88,10 @@ class KVzip(Policy):
         "template's head, as kvpress does), frees what it evicts (kvpress masks it) and keeps the "
         "budget while decoding by default (`decoding=rolling`; `decoding=once` is kvpress's)."
     )
-    needs_attention = False
-    reallocates = True
+    competes = "model"  # the prompt's lowest scores over every layer and head (`layerwise`: a layer's heads)
 
-    def prefill_rows(self) -> int:
-        return 0
-
-    def prefill_column_sums(self) -> bool:
-        return False
+    def needs(self) -> Needs:
+        return dataclasses.replace(NO_ATTENTION, decode_steps=self.decoding == "rolling")
 
     def min_budget(self) -> int:
         return self.n_sink + 1

@@ -69,7 +69,7 @@ class PyramidKV(Wrapper):
         "budget. kvpress compresses the prompt only; kvlens keeps the budget at every decode step "
         "too."
     )
-    reallocates = True
+    competes = "model"  # per-layer budgets, decided together
 
     def allocate(self, budget: int, layers: Sequence[CacheRows]) -> list[int]:
         n, t, w = len(layers), layers[0].n_kept, self.window

@@ -10,15 +10,15 @@ downloads the authors' filters from the hub instead). No attention needed; as kv
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from kvlens.kvcache.cache import CacheRows, Step
-from kvlens.policies.base import ScoredEviction, register
+from kvlens.policies.base import NO_ATTENTION, Needs, ScoredEviction, register
 
-FILTERS = "qfilters"  # per layer (Hkv, D), put in the run state by the engine (`Policy.model_data`)
+FILTERS = "qfilters"  # per layer (Hkv, D), put in the run state by the engine (`Needs.model_data`)
 
 
 @register
@@ -34,9 +34,9 @@ class QFilter(ScoredEviction):
         "kvlens computes the Q-Filters from the bundled texts (`kvlens qfilters`); kvpress "
         "downloads the authors', so the two are not compared."
     )
-    needs_attention = False
-    cross_layer = True
-    model_data: ClassVar[tuple[str, ...]] = (FILTERS,)
+
+    def needs(self) -> Needs:
+        return dataclasses.replace(NO_ATTENTION, model_data=(FILTERS,))
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         filters = torch.cat([state[FILTERS] for state in rows.states]).float()  # (R, D)

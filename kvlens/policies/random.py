@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.kvcache.cache import CacheRows, Step
-from kvlens.policies.base import ScoredEviction, param, register
+from kvlens.policies.base import NO_ATTENTION, Needs, ScoredEviction, param, register
 
 GENERATOR = "random_generator"  # per layer: the run's generator
 
@@ -27,8 +27,9 @@ class Random(ScoredEviction):
     paper = ""
     kvpress = "RandomPress"
     kvpress_differs = "kvpress reseeds at every call, so all layers draw alike; kvlens draws per layer."
-    needs_attention = False
-    cross_layer = True
+
+    def needs(self) -> Needs:
+        return NO_ATTENTION
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         draws = []

@@ -43,7 +43,16 @@ from typing import Any, ClassVar
 import torch
 
 from kvlens.kvcache.cache import CacheRows, Prompt, Step
-from kvlens.policies.base import ScoredEviction, check, group_mean, param, recent_mask, register
+from kvlens.policies.base import (
+    Needs,
+    ScoredEviction,
+    by_layer,
+    check,
+    group_mean,
+    param,
+    recent_mask,
+    register,
+)
 
 HISTORY = (
     "scissorhands_history"  # (Hkv, S, history) int8, newest step last: 0 unseen, 1 unimportant, 2 important
@@ -115,7 +124,6 @@ class Scissorhands(ScoredEviction):
     )
     paper = "https://arxiv.org/abs/2305.17118"
     presets: ClassVar[dict[str, dict[str, Any]]] = PRESETS
-    cross_layer = True  # per-row rule (the tie-break divides by each layer's own largest Abar)
 
     def validate(self) -> None:
         check(
@@ -128,8 +136,8 @@ class Scissorhands(ScoredEviction):
         """m, the slots dropped at once when the cache exceeds `budget`."""
         return max(1, int(self.drop_ratio * budget)) if self.drop_ratio else self.drop
 
-    def prefill_rows(self) -> int:
-        return self.history
+    def needs(self) -> Needs:
+        return Needs(prefill_rows=self.history)
 
     def min_budget(self) -> int:
         if not self.recent:
@@ -171,7 +179,7 @@ class Scissorhands(ScoredEviction):
         count = (hist == (IMPORTANT if self.count == "important" else UNIMPORTANT)).sum(-1, dtype=torch.int32)
         counted = count if self.count == "important" else -count  # int32 sums: half the time of int64's
         abar = rows.abar
-        largest = abar.reshape(len(rows.layers), -1, abar.shape[1]).amax((1, 2))  # (L,) each layer's
+        largest = by_layer(rows, abar).amax((1, 2))  # (L,) each layer's
         tie = rows.abar / (
             largest.repeat_interleave(rows.kv_heads)[:, None] + 1.0
         )  # in [0, 1): breaks ties only

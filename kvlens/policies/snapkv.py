@@ -28,7 +28,16 @@ import torch
 import torch.nn.functional as F
 
 from kvlens.kvcache.cache import CacheRows, Prompt, Step
-from kvlens.policies.base import ScoredEviction, check, group_mean, param, recent_mask, register
+from kvlens.policies.base import (
+    Needs,
+    ScoredEviction,
+    by_layer,
+    check,
+    group_mean,
+    param,
+    recent_mask,
+    register,
+)
 
 WINDOW = "snapkv_window"  # per slot (R, S, window): attention from each of the last `window` queries (a ring)
 NEXT = "snapkv_next"  # per layer: the ring column the next query writes
@@ -79,16 +88,8 @@ class SnapKV(ScoredEviction):
             f"kernel of snapkv must be odd (centred on each position); got {self.kernel}.",
         )
 
-    # a capability its parameters decide, over the base's ClassVar default (mypy: a read-only override)
-    @property
-    def cross_layer(self) -> bool:  # type: ignore[override]
-        return self.decoding == "rolling"
-
-    def prefill_rows(self) -> int:
-        return self.window
-
-    def prefill_column_sums(self) -> bool:
-        return False
+    def needs(self) -> Needs:
+        return Needs(prefill_rows=self.window, column_sums=False, decode_steps=self.decoding == "rolling")
 
     def min_budget(self) -> int:
         return self.window + 1
@@ -105,7 +106,7 @@ class SnapKV(ScoredEviction):
         ]  # (Hq, T - w), per query head (kvpress)
         score = pooled.new_zeros(r, t)
         score[:, : t - w] = pooled.view(r, hq // r, t - w).mean(1)
-        for layer_rows, state in zip(score.chunk(len(rows.states)), rows.states, strict=True):
+        for layer_rows, state in zip(by_layer(rows, score), rows.states, strict=True):
             state[PROMPT_SCORE] = layer_rows
         if self.decoding == "rolling":
             ring = group_mean(last.view(r, hq // r, w, t)).transpose(1, 2)  # (R, T, w), oldest query first

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.kvcache.cache import CacheRows, Step
-from kvlens.policies.base import ScoredEviction, param, register
+from kvlens.policies.base import NO_ATTENTION, Needs, ScoredEviction, param, register
 
 
 @register
@@ -32,8 +32,9 @@ class StreamingLLM(ScoredEviction):
         "kvpress compresses the prompt only; kvlens keeps the budget at every decode step too. The "
         "cross-check wraps the press in kvpress's `DecodingPress`."
     )
-    needs_attention = False
-    cross_layer = True
+
+    def needs(self) -> Needs:
+        return NO_ATTENTION
 
     def min_budget(self) -> int:
         return self.sink + 1

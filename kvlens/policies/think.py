@@ -94,7 +94,6 @@ class ThinK(Wrapper):
     presets: ClassVar[dict[str, dict[str, Any]]] = {"kvpress": {"recent": 0}, "paper": {"recent": 32}}
     prunes_keys = True
     budget_free = FromBase()  # over full: no budget
-    cross_layer = FromBase()
 
     def validate(self) -> None:
         check(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.kvcache.cache import CacheRows, Step
-from kvlens.policies.base import ScoredEviction, register
+from kvlens.policies.base import Needs, ScoredEviction, by_layer, register
 
 
 @register
@@ -29,15 +29,14 @@ class TOVA(ScoredEviction):
     paper = "https://arxiv.org/abs/2401.06104"
     kvpress = "TOVAPress"
     kvpress_differs = "kvpress's press always keeps the newest token; the cross-check removes that pin."
-    cross_layer = True  # the layer-mean score works on every layer's rows at once
 
-    def prefill_column_sums(self) -> bool:
-        return False  # reads only the last prefill rows
+    def needs(self) -> Needs:
+        return Needs(column_sums=False)  # reads only the last prefill rows
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         # mean over all query heads of each layer; identical for every KV head of the layer
         attn = rows.last_attn  # (L * Hq, S)
         if attn is None:
             raise ValueError("kvlens: tova scores the latest query's attention, which is not recorded")
-        per_layer = attn.view(len(rows.layers), -1, attn.shape[-1]).mean(1)  # (L, S)
+        per_layer = by_layer(rows, attn).mean(1)  # (L, S)
         return per_layer.repeat_interleave(rows.kv_heads, dim=0)

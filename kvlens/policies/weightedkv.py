@@ -44,7 +44,6 @@ class WeightedKV(Policy):
     paper = "https://arxiv.org/abs/2503.01330"
     merges = True
     merge_rule: ClassVar[str] = "convex"  # provenance: target <- (1 - w) target + w source, row by row
-    cross_layer = True  # one merge per row at a decode step: every layer's rows at once
 
     def min_budget(self) -> int:
         return self.sink + 1

@@ -66,7 +66,7 @@ def properties(cls) -> str:
     props = [f"Family: **{family(cls)}**"]
     if cls.budget_free:
         props.append("budget-free (decides its own size)")
-    if cls.reallocates:
+    if cls.competes != "head":
         props.append("layers or heads keep different counts (their total is the budget's)")
     if cls.chunked_prefill:
         props.append("accepts `--prefill-chunk`")

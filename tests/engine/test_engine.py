@@ -68,7 +68,7 @@ def test_eviction_really_shrinks_tensors(tiny):
 
 
 def test_the_prompt_is_released_and_steps_write_into_the_same_buffers(tiny):
-    """After step 0 the cache lives in budget + 1 slots (for h2o, which declares `cross_layer`, the rows of
+    """After step 0 the cache lives in budget + 1 slots (for h2o, whose selection is per head, the rows of
     the one all-layer store the cache allocates); every decode step writes into those same buffers."""
     seen = []
 
@@ -295,23 +295,26 @@ def test_full_perplexity_equals_model_loss(smol, long_text):
 
 
 @pytest.mark.parametrize(
-    "name,params,together",
+    "name,params,batch,together",
     [
-        ("streaming_llm", {}, True),
-        ("h2o", {}, True),
-        ("cam", {}, True),
-        ("cam", {"score": "decode"}, True),
-        ("tova", {}, True),
-        ("cam", {"base": "tova"}, True),
-        ("kvmerger", {}, False),
+        ("streaming_llm", {}, True, True),
+        ("h2o", {}, True, True),
+        ("cam", {}, True, True),
+        ("cam", {"score": "decode"}, True, True),
+        ("tova", {}, True, True),
+        ("cam", {"base": "tova"}, True, True),
+        ("tova", {}, False, False),  # the engine's switch: layer by layer
+        ("adakv", {"base": "h2o"}, True, False),
+        ("kvmerger", {}, True, False),
     ],
 )
-def test_cross_layer_policies_compress_every_layer_at_once_at_decode_steps(
-    tiny, monkeypatch, name, params, together
+def test_batchable_policies_compress_every_layer_at_once_at_decode_steps(
+    tiny, monkeypatch, name, params, batch, together
 ):
-    """The engine picks all-layer or per-layer once, from the policy's `cross_layer`: the prompt's
-    compression is per layer, each decode step's then one call on every layer's rows (per-slot extras
-    such as CaM's decode attention travel with them); other policies stay per layer."""
+    """The engine picks all-layer or per-layer once, from the policy's `competes` (`batchable`) and
+    `RunOptions.batch_layers`: the prompt's compression is per layer, each decode step's then one call on
+    every layer's rows (per-slot extras such as CaM's decode attention travel with them); other policies
+    stay per layer."""
     policy = make_policy(name, params)
     calls = []
     original = type(policy).compress
@@ -320,7 +323,7 @@ def test_cross_layer_policies_compress_every_layer_at_once_at_decode_steps(
         "compress",
         lambda self, rows, step: calls.append((step.index, rows.layers)) or original(self, rows, step),
     )
-    run(tiny, policy, IDS, prefill=40, steps=8, teacher=True, opts=RunOptions(budget=10))
+    run(tiny, policy, IDS, prefill=40, steps=8, teacher=True, opts=RunOptions(budget=10, batch_layers=batch))
     layers = tuple(range(tiny.shape()["layers"]))
     assert [c for c in calls if c[0] == 0] == [(0, (i,)) for i in layers]
     decode = [c for c in calls if c[0] > 0]

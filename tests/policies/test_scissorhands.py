@@ -241,7 +241,7 @@ def test_scissorhands_paper_preset_is_the_paper_s_settings_and_explicit_values_w
     assert (
         paper.dropped(64) == 32 and paper.dropped(51) == 25 and paper.local_window(33) == 10
     )  # m = 0.5B, r = 10
-    assert paper.prefill_rows() == 400  # w: the last 400 queries (all of a shorter prompt's)
+    assert paper.needs().prefill_rows == 400  # w: the last 400 queries (all of a shorter prompt's)
     assert make_policy("scissorhands", {"preset": "paper", "history": 64}).history == 64
     default = make_policy("scissorhands")
     assert (default.threshold, default.recent, default.drop_ratio, default.history) == ("slots", 0, 0.0, 64)

@@ -1,0 +1,78 @@
+"""A policy is written for one layer's rows; the engine batches every layer's rows into one call at decode steps
+where the selection is per head (`kvlens.engine.loop.batchable`). Batched or layer by layer (`RunOptions.
+batch_layers`), every policy decides exactly the same; whether a policy is batched follows its `competes`."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvlens.engine.loop import RunOptions, batchable, run
+from kvlens.policies import REGISTRY, make_policy, policy_class
+from tests.conftest import ROOT
+
+IDS = list(b"Batched or layer by layer, a policy keeps the same slots at every step. " * 2)
+PREFILL, STEPS, BUDGET = 90, 10, 16
+# every budgeted policy with its defaults, and the settings that change its competition or its decode steps
+SETTINGS = [(name, {}) for name, cls in sorted(REGISTRY.items()) if not cls.budget_free] + [
+    ("cam", {"base": "tova", "score": "decode"}),
+    ("cam", {"base": "scissorhands"}),
+    ("snapkv", {"decoding": "once"}),
+    ("kvzip", {"layerwise": True}),
+    ("kvzip", {"decoding": "once"}),
+    ("adakv", {"base": "h2o"}),
+    ("pyramidkv", {"base": "tova", "window": 4}),
+    ("think", {"base": "h2o"}),
+]
+
+
+def decisions(tiny, name: str, params: dict, batch: bool):
+    policy = make_policy(name, params)
+    opts = RunOptions(budget=max(BUDGET, policy.min_budget()), batch_layers=batch)
+    return run(tiny, policy, IDS, prefill=PREFILL, steps=STEPS, teacher=True, opts=opts).decisions
+
+
+@pytest.mark.parametrize("name,params", SETTINGS, ids=lambda x: str(x or "defaults"))
+def test_batched_and_layer_by_layer_decisions_are_identical(tiny, name, params):
+    """Every eviction and merge, at the prompt and at each decode step, batched or not; the decode steps of a
+    batchable policy do decide (else the comparison would be empty)."""
+    batched, single = decisions(tiny, name, params, True), decisions(tiny, name, params, False)
+    assert batched.equals(single)
+    if batchable(make_policy(name, params)):
+        assert int((batched["step"] > 0).sum()) > 0
+
+
+@pytest.mark.parametrize(
+    "name,params,together",
+    [
+        ("h2o", {}, True),
+        ("random", {}, True),
+        ("weightedkv", {}, True),
+        ("cam", {"base": "tova"}, True),
+        ("snapkv", {}, True),
+        ("snapkv", {"decoding": "once"}, False),  # the cache grows after the prompt: no all-layer store
+        ("adakv", {}, False),  # a layer's heads compete
+        ("pyramidkv", {}, False),  # the layers' budgets differ
+        ("d2o", {}, False),
+        ("kvzip", {}, False),
+    ],
+)
+def test_only_policies_whose_selection_is_per_head_are_batched(name, params, together):
+    assert batchable(make_policy(name, params)) is together
+
+
+def test_no_policy_file_handles_the_all_layer_shape_itself():
+    """A policy never declares the engine's batching nor reshapes by the number of layers it is handed: a rule
+    over a layer's heads goes through `by_layer`, per-layer state through `rows.states`."""
+    shape = re.compile(r"cross_layer|len\(rows\.(layers|states)\)|\.chunk\(len\(|all_layers")
+    files = {
+        ROOT / "kvlens" / "policies" / f"{policy_class(n).__module__.rsplit('.', 1)[1]}.py" for n in REGISTRY
+    }
+    found = [
+        f"{path.name}:{i}: {line.strip()}"
+        for path in sorted(files)
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if shape.search(line)
+    ]
+    assert not found, found
