@@ -30,6 +30,7 @@ from kvlens.errors import Cancelled, KvlensError
 from kvlens.kvcache.cache import KVCache, Phase, Step
 from kvlens.kvcache.quantize import Storage
 from kvlens.policies import REGISTRY, Policy
+from kvlens.policies.base import resolve_budget
 from kvlens.runs.decisions import DecisionLog
 from kvlens.runs.run import Run
 
@@ -66,7 +67,7 @@ class RunOptions:
     log_decisions: bool = True
     storage: Storage = Storage()  # keys and values in the model's dtype, or quantized (`--kv-bits`)
     prefill_chunk: int | None = None  # feed the prompt this many tokens at a time, compressing after each
-    # internal: may a decode step run once on every layer's rows (a policy whose selection is per head, `batchable`)
+    # internal: a decode step may run once on every layer's rows (`batchable`); False: layer by layer
     batch_layers: bool = True
 
 
@@ -134,7 +135,7 @@ class _Loop:
         self.model, self.policy, self.opts = model, policy, opts
         self.recorder = Recorder(opts.record, opts.record_layers)
         # a compressed layer never holds more than budget + the step's token; others grow up to the run's length
-        # all layers' rows in one store when a decode step may run once on them (`batchable`, chosen here, once);
+        # all layers' rows in one store when a decode step may run once on them (`batchable`, chosen once);
         # `once`: compressed after the prompt only (`freeze`), later tokens are appended, so each layer its own store
         self.chunk = (
             opts.prefill_chunk
@@ -233,7 +234,9 @@ class _Loop:
         self.cache.commit()  # quantized storage: what the policy merged is quantized again
         if index == 0 and first:
             self.cache.quantize(self.opts.storage)  # the policy chose from the prompt in full precision
-            if self.policy.prunes_keys:  # ThinK: the key channels it keeps, from the compressed prompt
+            if (
+                self.policy.needs().pruned_keys
+            ):  # ThinK: the key channels it keeps, from the compressed prompt
                 plans = [self.policy.key_channels(rows) for rows in self.cache.layers]
                 self.cache.prune_keys(plans)
                 self.channels = torch.stack([channels for channels, _ in plans]).cpu()
@@ -368,7 +371,7 @@ def new_loop(
     checks, with the budget resolved; `total`: the run's length (None: not known, inside `model.generate`)."""
     model.supported().require()  # never run a model kvlens would only approximate
     opts.storage.check(model.shape()["head_dim"], model.shape()["kv_heads"])
-    if policy.prunes_keys and opts.storage.packed:
+    if policy.needs().pruned_keys and opts.storage.packed:
         raise KvlensError(
             f"{policy.name} stores its keys channel-pruned, which does not combine with quantized or "
             f"low-rank storage (--kv-bits, --kv-rank) yet: choose one of them."
@@ -377,7 +380,7 @@ def new_loop(
         _check_chunk(policy, opts, observers)
         if opts.prefill_chunk >= prefill:  # one chunk: the unchunked run
             opts = dataclasses.replace(opts, prefill_chunk=None)
-    budget = policy.resolve_budget(opts.budget, prefill, total)
+    budget = resolve_budget(policy, opts.budget, prefill, total)
     length = None if total is None else total - 1  # the last token is never fed
     return _Loop(model, policy, opts, list(observers), budget, length)
 

@@ -62,7 +62,7 @@ class PerturbationMeter(Observer):
         self.merges = True  # the run's policy may change kept slots (`on_start`)
 
     def on_start(self, policy) -> None:
-        self.merges = policy.merges
+        self.merges = policy.merge_rule is not None
 
     def on_prefill(self, layer, query, key, value, last_rows) -> None:
         self.shadow_k[layer.layers[0]] = key[0].detach().clone()
@@ -285,7 +285,9 @@ def baseline_policy(policy) -> tuple[str, dict] | None:
     nested = [
         v for v in (getattr(policy, f.name) for f in dataclasses.fields(policy)) if isinstance(v, Policy)
     ]
-    return (nested[0].name, nested[0].params()) if policy.merges and len(nested) == 1 else None
+    return (
+        (nested[0].name, nested[0].params()) if policy.merge_rule is not None and len(nested) == 1 else None
+    )
 
 
 BASELINE_KEYS = ("ppl", "perturbation_used", "perturbation_used_median", "perturbation_used_pooled", "kl")

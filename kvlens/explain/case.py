@@ -20,6 +20,7 @@ from kvlens.experiments.bench import ruler, tasks
 from kvlens.experiments.bench.common import PolicySpec
 from kvlens.explain.patch import Pair, compare
 from kvlens.policies import make_policy
+from kvlens.policies.base import resolve_budget
 from kvlens.runs.run import load_run
 
 
@@ -66,7 +67,8 @@ def sample_case(
         raise KvlensError(f"A compression ratio is the share of the context removed, in (0, 1); got {ratio}.")
     spec = PolicySpec.parse(policy)
     context, question = split_prompt(model, sample.context, sample.questions[0], chat)
-    budget = make_policy(spec.name, dict(spec.params)).resolve_budget(
+    budget = resolve_budget(
+        make_policy(spec.name, dict(spec.params)),
         slots_for(ratio, len(context), rounding),
         len(context),
         len(context) + len(question) + sample.max_new_tokens,

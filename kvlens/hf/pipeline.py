@@ -17,6 +17,7 @@ from kvlens.engine.models import LoadedModel
 from kvlens.engine.shared_prefill import QUIET, answer, prepare, split_prompt
 from kvlens.hf.attach import adopt, attach
 from kvlens.hf.cache import Settings
+from kvlens.policies.base import resolve_budget
 
 
 class Pipeline:
@@ -57,8 +58,8 @@ class Pipeline:
         """`prompt` compressed once, then each question appended to it in turn and answered."""
         extra = max(len(q) for q in questions) + max_new_tokens
         opts = dataclasses.replace(QUIET, storage=settings.opts.storage)
-        budget = settings.policy.resolve_budget(
-            settings.options(len(prompt)).budget, len(prompt), len(prompt) + extra
+        budget = resolve_budget(
+            settings.policy, settings.options(len(prompt)).budget, len(prompt), len(prompt) + extra
         )
         loop, logits = prepare(self.model, settings.policy, prompt, budget, extra, opts=opts)
         out = []

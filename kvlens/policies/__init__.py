@@ -27,7 +27,7 @@ _FAMILY = {"reference": 0, "eviction": 1, "merging": 2}
 
 def family(cls: type[Policy]) -> str:
     """`reference` (keeps everything), `eviction` or `merging`: how lists of policies are grouped."""
-    if cls.merges:
+    if cls.merge_rule is not None:
         return "merging"
     return "reference" if cls.budget_free and not cls().needs().decode_rows else "eviction"
 

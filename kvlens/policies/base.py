@@ -17,6 +17,16 @@ state is `rows.states` (one dict per layer in `rows.layers`), so the code is the
 or all and never branches on the number of layers. `compress` is told its `Step` (index, phase,
 budget, decision log) explicitly. Policies never record or plot: they report what they did to the
 step's `DecisionLog`.
+
+Surface. Six hooks carry every policy's rule: `needs` (what the engine prepares), `min_budget`,
+`allocate` (the layers' budgets), `observe_prefill`, `observe` (statistics) and `compress`; three
+more each serve one method and earn their place by being a step of the run no other hook sees:
+`replay_passes` and `observe_replay` (KVzip: forward passes the engine feeds after the prompt, whose
+queries exist nowhere else) and `key_channels` (ThinK: a storage layout applied to the compressed
+prompt, after every layer's compression and before quantization). `validate` checks parameters at
+construction. Four capabilities: `competes`, `budget_free`, `merge_rule` (set: the policy merges) and
+`chunked_prefill`; `presets` are named parameter settings, metadata like `name` and `paper`. Budgets
+are resolved by `resolve_budget` and `check_slots` from `min_budget`.
 """
 
 from __future__ import annotations
@@ -47,6 +57,9 @@ class Needs:
     column_sums: bool = True  # the prompt's accumulated attention `rows.abar` (a chunked T x T pass)
     model_data: tuple[str, ...] = ()  # per-layer data of the model put in the run state (`MODEL_DATA` names)
     decode_steps: bool = True  # compresses at decode steps (False: the prompt only; the cache then grows)
+    pruned_keys: bool = (
+        False  # keys stored channel-pruned after the prompt's compression (`Policy.key_channels`)
+    )
 
 
 NO_ATTENTION = Needs(decode_rows=False, prefill_rows=0, column_sums=False)  # scores without attention
@@ -93,18 +106,16 @@ class Policy:
     paper: ClassVar[str] = ""
     kvpress: ClassVar[str] = ""  # the NVIDIA kvpress press implementing the same method, if any
     kvpress_differs: ClassVar[str] = ""  # where kvlens differs from that press on purpose
-    # over what its selection competes: each KV head keeps the budget (`head`), a layer's heads share the layer's
-    # (`layer`), or layers and heads share the model's (`model`); beyond `head`, counts differ between heads
+    # what its selection competes over: each KV head keeps the budget (`head`), a layer's heads share the
+    # layer's (`layer`), or layers and heads share the model's (`model`); beyond `head`, counts differ
     competes: ClassVar[Competes] = "head"
     budget_free: ClassVar[bool] = False  # decides its own size (reports the size it reached)
-    merges: ClassVar[bool] = False  # merges evicted entries into kept ones (Merges page, provenance)
-    merge_rule: ClassVar[str | None] = None  # how provenance replays its merges: "add", "convex" or "set"
+    # set when it merges evicted entries into kept ones (Merges page, provenance): how provenance replays
+    # its merges, "add", "convex" or "set"
+    merge_rule: ClassVar[str | None] = None
     chunked_prefill: ClassVar[bool] = False  # can compress the prompt chunk by chunk (`--prefill-chunk`)
     # named settings, `preset=NAME` (explicit parameters override)
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
-    prunes_keys: ClassVar[bool] = (
-        False  # keeps some key channels only (`key_channels`), after the prompt's compression
-    )
 
     def __post_init__(self) -> None:
         for p in self.declared():
@@ -122,7 +133,8 @@ class Policy:
         return out
 
     def validate(self) -> None:
-        """Checks across several parameters (single fields are checked from their `param()`)."""
+        """Checks across several parameters (single fields are checked from their `param()`); raises a
+        one-sentence `KvlensError` (`check`)."""
 
     def params(self) -> dict[str, Any]:
         """Resolved parameters, nested policies flattened as `base` + `base.PARAM`."""
@@ -137,71 +149,84 @@ class Policy:
         return out
 
     def needs(self) -> Needs:
-        """What the engine prepares for a run of this policy: attention rows, the prompt's statistics, model data,
-        and whether it compresses at decode steps. Returns a `Needs` (default: attention rows everywhere)."""
+        """What the engine prepares for a run of this policy, asked once per run: attention rows, the prompt's
+        statistics, model data, channel-pruned keys, and whether it compresses at decode steps. Returns a
+        `Needs` (default: attention rows at decode steps, the last prefill row and the column sums)."""
         return Needs()
 
     def min_budget(self) -> int:
-        """Slots the policy always protects; a smaller budget is refused."""
+        """The slots per KV head the policy always protects (sinks, windows); a smaller budget is refused."""
         return 1
 
-    def resolve_budget(
-        self, budget: int | float | None, prompt_len: int, total_len: int | None
-    ) -> int | None:
-        """Budget as slots per KV head per layer: an int is slots, a float in (0, 1] a share of the prompt."""
-        if self.budget_free:
-            return None
-        check(
-            budget is not None,
-            f"Policy {self.name} needs a --budget (slots, or a share of the prompt in (0, 1]).",
-        )
-        budget = check_budget(budget)
-        return self.check_slots(
-            max(1, round(budget * prompt_len)) if isinstance(budget, float) else budget, total_len
-        )
-
-    def check_slots(self, slots: int, total_len: int | None = None) -> int:
-        """`slots` if the policy can compress to it (and, given `total_len`, would ever compress)."""
-        check(
-            slots >= self.min_budget(),
-            f"Budget {slots} is below the {self.min_budget()} slots that {self.name} always keeps.",
-        )
-        check(
-            total_len is None or slots < total_len,
-            f"Budget {slots} is not below the sequence length {total_len}, so {self.name} would never "
-            f"compress; use a smaller budget or the full policy.",
-        )
-        return slots
-
     def allocate(self, budget: int, layers: Sequence[CacheRows]) -> list[int]:
-        """Each layer's budget, decided once the prompt is prefilled, before its compression (`layers`: every
-        layer's rows, with the prompt's statistics). The same `budget` everywhere unless the policy allocates
-        (PyramidKV, D2O); an allocation keeps the total, `budget` x layers."""
+        """Each layer's budget (slots per KV head), decided once the prompt is prefilled, before its
+        compression: `budget` the run's, `layers` each layer's rows `(Hkv, T)` with the prompt's statistics.
+        Returns one int per layer: the same `budget` everywhere unless the policy's selection competes across
+        layers (PyramidKV, D2O, KVzip); an allocation keeps the total, `budget` x layers."""
         return [budget] * len(layers)
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
-        """Initialise statistics from the prompt of the rows' layer: its last attention rows `prompt.last`
-        `(R * G, L, T)`, queries, positions (`abar` and `nobs` are already set)."""
+        """Initialise statistics from one layer's prompt, `rows` `(Hkv, T)`: its last attention rows
+        `prompt.last` `(Hkv * G, L, T)`, queries `(Hkv * G, T, D)`, positions `(T,)` (`abar` and `nobs` are
+        already set). Writes into `rows.extra` / `rows.states`; returns nothing."""
 
     def replay_passes(self, tokenizer: Any, prompt: list[int]) -> list[tuple[int, int, list[int]]]:
-        """Extra passes the engine feeds after the prompt, before its compression, each `(start, end, ids)`: `ids`
-        reconstruct the prompt's positions start..end - 1 (KVzip). Their keys are never cached. None by default."""
+        """Extra passes the engine feeds after the `prompt` (its token ids; `tokenizer` the model's), before
+        its compression, each `(start, end, ids)`: `ids` reconstruct the prompt's positions start..end - 1
+        (KVzip). Their keys are never cached. None by default."""
         return []
 
     def observe_replay(self, rows: CacheRows, replay: Replay) -> None:
-        """Read one replay pass on the rows' layer: its queries over the prompt's slots and its own keys."""
+        """Read one replay pass on one layer's rows `(Hkv, T)`: its queries `replay.queries` `(Hkv * G, q, D)`
+        over the prompt's slots and its own keys `replay.keys` `(Hkv, q, D)`. Returns nothing."""
 
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
-        """Update statistics after a decode step's attention `probs` `(R, G, S)`."""
+        """Update statistics after a decode step's attention on one layer's rows `(Hkv, S)`: `probs`
+        `(Hkv, G, S)`, each query head's weights over the slots (as the layer attends, before `compress`)."""
 
     def key_channels(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """A policy that `prunes_keys`, after the prompt's compression: the key channels each row keeps `(R, K)`,
-        ascending, and the slots that keep every channel `(R, S)` bool (`kvlens.kvcache.channels`)."""
+        """A policy that needs `pruned_keys`, after the prompt's compression, on one layer's rows `(Hkv, S)`:
+        the key channels each row keeps `(Hkv, K)`, ascending, and the slots that keep every channel
+        `(Hkv, S)` bool (`kvlens.kvcache.channels`)."""
         raise NotImplementedError
 
     def compress(self, rows: CacheRows, step: Step) -> None:
-        """Shrink the rows to `step.budget` slots each."""
+        """Shrink `rows` `(R, S)` to `step.budget` slots per KV head (in total over the heads or layers it
+        competes across), through `rows.free` / `rows.retain`, logging to `step.log`; returns nothing. `R` is
+        one layer's `Hkv`, or `L * Hkv` at a decode step the engine batches (`competes == "head"`)."""
         raise NotImplementedError
+
+
+def resolve_budget(
+    policy: Policy, budget: int | float | None, prompt_len: int, total_len: int | None
+) -> int | None:
+    """`policy`'s budget as slots per KV head per layer: an int is slots, a float in (0, 1] a share of the
+    prompt; None for a budget-free policy. `total_len`: the run's length, if known (a budget not below it is
+    refused)."""
+    if policy.budget_free:
+        return None
+    check(
+        budget is not None,
+        f"Policy {policy.name} needs a --budget (slots, or a share of the prompt in (0, 1]).",
+    )
+    budget = check_budget(budget)
+    return check_slots(
+        policy, max(1, round(budget * prompt_len)) if isinstance(budget, float) else budget, total_len
+    )
+
+
+def check_slots(policy: Policy, slots: int, total_len: int | None = None) -> int:
+    """`slots` if `policy` can compress to it (and, given `total_len`, would ever compress)."""
+    check(
+        slots >= policy.min_budget(),
+        f"Budget {slots} is below the {policy.min_budget()} slots that {policy.name} always keeps.",
+    )
+    check(
+        total_len is None or slots < total_len,
+        f"Budget {slots} is not below the sequence length {total_len}, so {policy.name} would never "
+        f"compress; use a smaller budget or the full policy.",
+    )
+    return slots
 
 
 @dataclass(frozen=True)
@@ -370,9 +395,9 @@ def newest_cut(pos: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def by_layer(rows: CacheRows, x: torch.Tensor) -> torch.Tensor:
-    """`x` `(R * n, ...)`, n rows per KV head (1, or a row's G query heads), as a view `(L, Hkv * n, ...)`: one
-    block per layer of `rows`, so a rule over a layer's heads (TOVA's mean, a layer's largest `abar`) is one
-    code for one layer's rows or every layer's."""
+    """`x` `(R * n, ...)`, n rows per KV head (1, or a row's G query heads), as a view `(L, Hkv * n, ...)`:
+    one block per layer of `rows`, so a rule over a layer's heads (TOVA's mean, a layer's largest `abar`) is
+    one code for one layer's rows or every layer's."""
     return x.view(-1, x.shape[0] // rows.pos.shape[0] * rows.kv_heads, *x.shape[1:])
 
 

@@ -184,7 +184,6 @@ class CaM(Wrapper):
         "The `kvpress` preset reproduces it step for step (cross-checked with every Bernoulli draw "
         "1); the default is the authors' `official-qa` preset."
     )
-    merges = True
     merge_rule = "add"  # provenance: targets keep their own value and add w * V_i
     presets: ClassVar[dict[str, dict[str, Any]]] = PRESETS
 
@@ -193,8 +192,8 @@ class CaM(Wrapper):
         check(0 <= lo <= hi, f"clamp of cam must be two numbers lo <= hi with lo >= 0; got {self.clamp!r}.")
 
     def needs(self) -> Needs:
-        """The base's; merging needs attention rows even when the base does not (mask=never runs exactly like the
-        base), and Abar under score=accumulated."""
+        """The base's; merging needs attention rows even when the base does not (mask=never runs exactly like
+        the base), and Abar under score=accumulated."""
         base = self.base.needs()
         if self.mask == "never":
             return base

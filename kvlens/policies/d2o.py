@@ -158,7 +158,6 @@ class D2O(Policy):
         "similar kept key when the similarity passes an EMA threshold."
     )
     paper = "https://arxiv.org/abs/2406.13035"
-    merges = True
     merge_rule: ClassVar[str] = (
         "set"  # provenance: per step, target <- w_c target + sum_i w_i source_i, sum = 1
     )

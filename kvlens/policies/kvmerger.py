@@ -182,7 +182,6 @@ class KVMerger(Policy):
     )
     paper = "https://arxiv.org/abs/2407.08454"
     budget_free = True
-    merges = True
     merge_rule: ClassVar[str] = "set"  # provenance: per step, target <- w_p target + sum_i w_i source_i
     presets: ClassVar[dict[str, dict[str, Any]]] = {
         "budget50": {"recent_ratio": 0.17, "keep_ratio": 0.12},

@@ -22,6 +22,7 @@ Divergences, each a parameter or noted here:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -29,6 +30,7 @@ import torch
 
 from kvlens.kvcache.cache import CacheRows, Prompt, Step
 from kvlens.policies.base import (
+    Needs,
     Policy,
     Wrapper,
     check,
@@ -92,7 +94,6 @@ class ThinK(Wrapper):
         "the newest 32 whole."
     )
     presets: ClassVar[dict[str, dict[str, Any]]] = {"kvpress": {"recent": 0}, "paper": {"recent": 32}}
-    prunes_keys = True
     budget_free = FromBase()  # over full: no budget
 
     def validate(self) -> None:
@@ -101,6 +102,9 @@ class ThinK(Wrapper):
             f"ratio of think is the share of key channels pruned, below 1 (some must stay); "
             f"got {self.ratio}.",
         )
+
+    def needs(self) -> Needs:
+        return dataclasses.replace(self.base.needs(), pruned_keys=True)
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
         self.base.observe_prefill(rows, prompt)

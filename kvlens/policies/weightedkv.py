@@ -42,7 +42,6 @@ class WeightedKV(Policy):
         "Drop the key with the smallest average attention; merge its value into its right neighbour."
     )
     paper = "https://arxiv.org/abs/2503.01330"
-    merges = True
     merge_rule: ClassVar[str] = "convex"  # provenance: target <- (1 - w) target + w source, row by row
 
     def min_budget(self) -> int:

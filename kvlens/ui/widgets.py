@@ -16,6 +16,7 @@ from kvlens.policies import (
     presets,
     with_preset,
 )
+from kvlens.policies.base import check_slots
 from kvlens.ui.params import param_widget
 
 DEFAULTS = "(defaults)"
@@ -139,7 +140,7 @@ def policy_picker(prefix: str, default: str = "h2o", label: str = "Policy", budg
 def check_budget(policy, budget) -> None:
     """Refuse a slot budget of 0 or below what the policy always keeps, before anything runs."""
     if budget is not None and isinstance(check_budget_value(budget), int):
-        policy.check_slots(budget)
+        check_slots(policy, budget)
 
 
 DTYPE = 0  # the "KV storage" option of the model's dtype (None would draw the select box with a clear button)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvlens.cli import main
 from kvlens.errors import KvlensError
 from kvlens.policies import REGISTRY, make_policy, parse_budget, parse_settings
+from kvlens.policies.base import resolve_budget
 from tests.conftest import TEXTS, examples, kvlens, one_sentence
 
 TEXT = str(TEXTS / "1961-Kennedy.txt")
@@ -279,7 +280,7 @@ def test_fuzzed_settings_and_budgets_never_raise_anything_but_one_sentence(
 ):
     try:
         pol = make_policy(policy, parse_settings(policy, [f"{key}={value}"]))
-        pol.resolve_budget(parse_budget(budget), prompt_len, prompt_len + steps)
+        resolve_budget(pol, parse_budget(budget), prompt_len, prompt_len + steps)
     except KvlensError as err:
         assert str(err) and "\n" not in str(err)
 

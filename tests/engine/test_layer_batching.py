@@ -1,6 +1,6 @@
-"""A policy is written for one layer's rows; the engine batches every layer's rows into one call at decode steps
-where the selection is per head (`kvlens.engine.loop.batchable`). Batched or layer by layer (`RunOptions.
-batch_layers`), every policy decides exactly the same; whether a policy is batched follows its `competes`."""
+"""A policy is written for one layer's rows; the engine batches every layer's rows into one call at decode
+steps where the selection is per head (`kvlens.engine.loop.batchable`). Batched or layer by layer
+(`RunOptions.batch_layers`), every policy decides exactly the same; `competes` says whether it is batched."""
 
 from __future__ import annotations
 

@@ -43,6 +43,7 @@ from kvlens.experiments.bench.common import PolicySpec
 from kvlens.experiments.grid import digest
 from kvlens.kvcache.quantize import Storage
 from kvlens.policies import make_policy
+from kvlens.policies.base import resolve_budget
 
 # what a row written before the `rounding` and `depths` options had (`grid.Results`)
 IMPLIED = {"rounding": "kvlens", "depths": "random"}
@@ -151,7 +152,9 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
                 if ratio is None
                 else slots_for(ratio, len(prompt), cell.get("rounding", IMPLIED["rounding"]))
             )
-            budget = None if ratio is None else policy.resolve_budget(slots, len(prompt), len(prompt) + extra)
+            budget = (
+                None if ratio is None else resolve_budget(policy, slots, len(prompt), len(prompt) + extra)
+            )
             out = runs[(spec.label, ratio)]
             t = time.perf_counter()
             loop, logits = prepare(model, policy, prompt, budget, extra, shared, opts)
