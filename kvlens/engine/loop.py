@@ -234,9 +234,8 @@ class _Loop:
         self.cache.commit()  # quantized storage: what the policy merged is quantized again
         if index == 0 and first:
             self.cache.quantize(self.opts.storage)  # the policy chose from the prompt in full precision
-            if (
-                self.policy.needs().pruned_keys
-            ):  # ThinK: the key channels it keeps, from the compressed prompt
+            # ThinK: the key channels it keeps, from the compressed prompt
+            if self.policy.needs().pruned_keys:
                 plans = [self.policy.key_channels(rows) for rows in self.cache.layers]
                 self.cache.prune_keys(plans)
                 self.channels = torch.stack([channels for channels, _ in plans]).cpu()

@@ -51,15 +51,11 @@ class Needs:
     """What the engine prepares for a policy's run (`Policy.needs`)."""
 
     decode_rows: bool = True  # attention rows `(R, G, S)` at decode steps (`observe`, `rows.last_attn`)
-    prefill_rows: int = (
-        1  # how many of the last prefill attention rows `observe_prefill` reads (`prompt.last`)
-    )
+    prefill_rows: int = 1  # the last prefill attention rows `observe_prefill` reads (`prompt.last`)
     column_sums: bool = True  # the prompt's accumulated attention `rows.abar` (a chunked T x T pass)
     model_data: tuple[str, ...] = ()  # per-layer data of the model put in the run state (`MODEL_DATA` names)
     decode_steps: bool = True  # compresses at decode steps (False: the prompt only; the cache then grows)
-    pruned_keys: bool = (
-        False  # keys stored channel-pruned after the prompt's compression (`Policy.key_channels`)
-    )
+    pruned_keys: bool = False  # keys stored channel-pruned after the prompt's compression (`key_channels`)
 
 
 NO_ATTENTION = Needs(decode_rows=False, prefill_rows=0, column_sums=False)  # scores without attention
