@@ -21,6 +21,7 @@ COLUMNS = [
     "full_score",
     "kept_share",
     "cost_vs_answer",
+    "own_vs_answer",
     "cell_ms",
     "turns",
 ]
@@ -68,6 +69,7 @@ def leaderboard(path: Path, settings: dict, raw: dict) -> None:
     st.caption(
         "Score: share of the expected strings found in the answers; [ci_low, ci_high]: bootstrap 95 % "
         "interval over samples; cost_vs_answer: (compression + answers) / answers, median over samples; "
+        "own_vs_answer: the method's own passes (KVzip's replay of the prompt) / answers; "
         "cell_ms: a sample's cost for this policy and ratio (its share of the shared prefill, its compression, "
         "its share of the batched answers), median over samples; turns: each question's score in turn, for "
         "a task that asks several questions of one compressed context."
