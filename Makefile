@@ -63,18 +63,22 @@ test-fast: lint
 
 # The float-sensitive tests under other ATen kernel sets and one thread: stored references, the engine
 # against the model, the executors and the property tests must not depend on the machine's kernels.
-# Two passes cover the three axes: AVX2 kernels, then the default (scalar) kernels on one thread. The task-level
-# kvpress cross-check (greedy answers, KVzip's kept sets) runs at the native kernels only (`make test`): under the
-# scalar kernels one sample's KVzip kept set differs from kvpress's at a near-tie.
+# Two passes, side by side on one thread each, cover the three axes (`make test` runs the native kernels on every
+# core): AVX2 kernels, and the default (scalar) kernels; then the executors' test (Ray) under the scalar kernels.
+# The task-level kvpress cross-check (greedy answers, KVzip's kept sets) runs at the native kernels only (`make
+# test`): under the scalar kernels one sample's KVzip kept set differs from kvpress's at a near-tie.
 PORTABLE_TESTS := tests/cross_checks/test_golden_runs.py tests/cross_checks/test_kvpress_crosscheck.py \
-	tests/engine/test_engine.py \
-	tests/bench/test_sweep.py::test_six_cells_give_the_same_rows_in_process_with_workers_and_on_ray
+	tests/engine/test_engine.py
+PORTABLE_RAY := tests/bench/test_sweep.py::test_six_cells_give_the_same_rows_in_process_with_workers_and_on_ray
+PORTABLE_PYTEST = env $(1) OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 test-portable: model
-	@for setting in "ATEN_CPU_CAPABILITY=avx2" "ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1"; do \
-		echo "== $$setting"; \
-		env $$setting $(PY) -m pytest -q -p no:cacheprovider -k "not pipeline_on_task_samples" $(PORTABLE_TESTS) || exit 1; \
-		env $$setting $(PY) -m pytest -q -p no:cacheprovider -m property || exit 1; \
-	done
+	$(MAKE) --no-print-directory -j2 --output-sync=target portable-avx2 portable-default
+	$(call PORTABLE_PYTEST,ATEN_CPU_CAPABILITY=default) $(PORTABLE_RAY)
+
+portable-%:
+	@echo "== ATEN_CPU_CAPABILITY=$*, one thread"
+	$(call PORTABLE_PYTEST,ATEN_CPU_CAPABILITY=$*) -k "not pipeline_on_task_samples" $(PORTABLE_TESTS)
+	$(call PORTABLE_PYTEST,ATEN_CPU_CAPABILITY=$*) -m property
 
 # On a CUDA GPU: the embedded model on the GPU against the CPU (fp32 decisions, bf16 against transformers, every
 # policy in bf16), then the engine's, policies' and task protocol's tests with their models on the GPU.
