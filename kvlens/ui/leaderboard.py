@@ -26,6 +26,13 @@ COLUMNS = [
     "turns",
 ]
 
+PROTOCOLS = {  # the two protocols a task grid runs under (`kvlens bench tasks [--query-aware]`), one file each
+    False: "Protocol: question-agnostic (the context is compressed alone, then the question is asked; kvpress's "
+    "default). The query-aware grid (`--query-aware`, `bench_tasks_query_aware.json`) is in the file list above.",
+    True: "Protocol: query-aware (context and question compressed together, SnapKV's setting). The "
+    "question-agnostic grid (`bench_tasks.json`) is in the file list above.",
+}
+
 
 def _turns(turns: list[dict] | None) -> str:
     """Each question's score in turn, e.g. "100% · 88% · 75%" (a task that asks several of one context)."""
@@ -40,6 +47,7 @@ def leaderboard(path: Path, settings: dict, raw: dict) -> None:
         st.info(f"{path.name} has no finished sample yet.")
         return
     summary = tasks.summarise(rows)
+    st.caption(PROTOCOLS[bool(settings.get("config", {}).get("query_aware"))])
     left, middle, right = st.columns([1, 1, 2])
     task = left.selectbox(
         "Task",

@@ -388,6 +388,14 @@ def test_benchmarks_shows_a_task_leaderboard_filtered_by_task_and_policy(app, tm
     table = at.dataframe[-1].value
     assert list(table["policy"]) == ["h2o", "h2o"] and list(table["samples"]) == [4, 4]
     assert "8 of 10 cells done" in " ".join(p.proto.text for p in at.get("progress"))
+    assert any(c.value.startswith("Protocol: question-agnostic") for c in at.caption)
+    (results / "bench_tasks_query_aware.json").write_text(
+        json.dumps({"config": {"query_aware": True}, "rows": rows, "cells_total": 8, "cells_done": 8})
+    )
+    at = open_page(app, "benchmarks")
+    at.selectbox(key="bench_tasks_bench_file").set_value(results / "bench_tasks_query_aware.json").run()
+    assert not at.exception
+    assert any(c.value.startswith("Protocol: query-aware") for c in at.caption)
 
 
 def test_benchmarks_draws_the_bytes_quality_frontier_with_perplexity_and_task_score(app, tmp_path):

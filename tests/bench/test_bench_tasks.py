@@ -447,4 +447,6 @@ def test_the_summary_averages_tasks_at_each_length():
     assert cells[("h2o", "all", 1024)]["score"] == 0.75 and cells[("h2o", "all", 1024)]["samples"] == 4
     assert cells[("h2o", "all", 4096)]["score"] == 0.0
     assert cells[("h2o", "all", "all")]["score"] == 0.5  # tasks a@1024, b@1024, a@4096 weigh alike
-    assert "h2o" in tasks.table(tasks.summarise(rows)) and tasks.table(tasks.summarise(rows)).count("h2o") == 1
+    assert (
+        "h2o" in tasks.table(tasks.summarise(rows)) and tasks.table(tasks.summarise(rows)).count("h2o") == 1
+    )
