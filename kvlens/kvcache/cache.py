@@ -151,7 +151,7 @@ class KVCache:
             self.shared = new
 
     def commit(self) -> None:
-        """Quantized storage: store what a policy changed in the working copies (see `SlotStore`)."""
+        """Packed storage: store what a policy changed in the working copies (`PackedStore.commit`)."""
         for store in self.stores():
             store.commit()
 
