@@ -95,8 +95,9 @@ POLICY_IMPORTS = ("kvlens.kvcache", "kvlens.errors", "kvlens.params")  # besides
 
 
 def policy_leaks(graph: dict[str, set[str]]) -> list[str]:
-    """Imports of a policy module from anything but the cache package's top, the leaf modules and other policies;
-    imports of an engine module from a policy module (the engine reaches policies through the registry only)."""
+    """Imports of a policy module from anything but the cache package's top, the leaf modules and other
+    policies; imports of an engine module from a policy module (the engine reaches policies through the
+    registry only)."""
     return [
         f"{m} imports {d}"
         for m, deps in graph.items()

@@ -88,8 +88,9 @@ class RunContext:
 
     @contextlib.contextmanager
     def replaying(self, start: int, end: int) -> Iterator[None]:
-        """A replay pass fed inside: it reconstructs the prompt's positions start..end - 1 (`Policy.replay_passes`),
-        the policy reads its attention (`observe_replay`) and the cache keeps nothing of it."""
+        """A replay pass fed inside: it reconstructs the prompt's positions start..end - 1
+        (`Policy.replay_passes`), the policy reads its attention (`observe_replay`) and the cache keeps nothing
+        of it."""
         self._replay = (start, end)
         try:
             with self.cache.replaying():

@@ -1,12 +1,13 @@
 """`KVCache`: the cache handed to the model as `past_key_values`, one `SlotRows` view per layer.
 
-Memory. The prompt's cache is the prefill's own tensors; the first compression below `limit` slots moves the kept
-slots into buffers of exactly `limit` slots (budget + the one token of a step), so the prompt's memory is really
-freed; later steps write into them in place. Caches that grow (full, budget-free policies) grow by chunks up to
-`limit` (the run's length). In all-layer mode (a budgeted policy that declares `cross_layer`) those buffers are one
-store of L * Hkv rows that the cache allocates itself when the first layer compresses, and each layer becomes a
-view of its rows: a decode step's one eviction per head then runs once for all layers. After the prompt's
-compression the stores may become packed (`kvlens.kvcache.quantized`). `nbytes` is what is allocated.
+Memory. The prompt's cache is the prefill's own tensors; the first compression below `limit` slots moves the
+kept slots into buffers of exactly `limit` slots (budget + the one token of a step), so the prompt's memory is
+really freed; later steps write into them in place. Caches that grow (full, budget-free policies) grow by
+chunks up to `limit` (the run's length). In all-layer mode (a budgeted policy that declares `cross_layer`)
+those buffers are one store of L * Hkv rows that the cache allocates itself when the first layer compresses,
+and each layer becomes a view of its rows: a decode step's one eviction per head then runs once for all
+layers. After the prompt's compression the stores may become packed (`kvlens.kvcache.quantized`). `nbytes` is
+what is allocated.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ from kvlens.kvcache.views import SlotRows
 class KVCache:
     """The cache handed to the model as `past_key_values`: one `SlotRows` view per layer.
 
-    Each forward runs inside `feeding(positions)` (the true positions `(q,)` of the tokens fed): `update` writes
-    them and returns the layer's slots in use (views, no copy); inside `replaying()` as well it writes nothing and
-    returns the slots in use followed by the pass's own keys and values. `limit`: the most slots a layer will need
-    (budget + 1, or the run's length for growing caches; per layer after `set_budgets`). `all_layers=True` (a
-    budgeted policy declaring `cross_layer`): a compressed layer's slots go into the rows of one store for every
-    layer (see the module docstring). `chunked`: a chunked prefill, whose chunks fill freed slots first
-    (`kvlens.kvcache.tokens.append`).
+    Each forward runs inside `feeding(positions)` (the true positions `(q,)` of the tokens fed): `update`
+    writes them and returns the layer's slots in use (views, no copy); inside `replaying()` as well it writes
+    nothing and returns the slots in use followed by the pass's own keys and values. `limit`: the most slots a
+    layer will need (budget + 1, or the run's length for growing caches; per layer after `set_budgets`).
+    `all_layers=True` (a budgeted policy declaring `cross_layer`): a compressed layer's slots go into the rows
+    of one store for every layer (see the module docstring). `chunked`: a chunked prefill, whose chunks fill
+    freed slots first (`kvlens.kvcache.tokens.append`).
     """
 
     def __init__(
@@ -85,8 +86,8 @@ class KVCache:
         return self.shared, slice(i * hkv, (i + 1) * hkv)
 
     def set_budgets(self, budgets: list[int], extra: int = 1) -> None:
-        """Each layer's own budget (an allocating policy's): its limit becomes that budget + `extra` (the one token
-        of a decode step, or a prefill chunk)."""
+        """Each layer's own budget (an allocating policy's): its limit becomes that budget + `extra` (the one
+        token of a decode step, or a prefill chunk)."""
         for book, budget in zip(self.books, budgets, strict=True):
             book.limit = budget + extra
 
@@ -128,8 +129,9 @@ class KVCache:
                 self._replace(store, pack(store, storage, max((lim or 0) for lim in limits)))
 
     def prune_keys(self, plans: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Keys into channel-pruned storage (after the prompt's compression): `plans[i]` is layer i's kept channels
-        `(Hkv, K)` and its slots that keep every channel `(Hkv, n)` bool (`kvlens.kvcache.quantized.prune`)."""
+        """Keys into channel-pruned storage (after the prompt's compression): `plans[i]` is layer i's kept
+        channels `(Hkv, K)` and its slots that keep every channel `(Hkv, n)` bool
+        (`kvlens.kvcache.quantized.prune`)."""
         for store in self.stores():
             parts = sorted(
                 (
@@ -156,9 +158,9 @@ class KVCache:
             store.commit()
 
     def mark(self) -> list[tuple[Any, ...]]:
-        """What `rewind` needs to bring a cache that since only grew (no compression) back to now: each layer's
-        slots in use, their positions and validity (appends may fill freed slots), its bookkeeping and its
-        packed storage (a flush quantizes tokens for good)."""
+        """What `rewind` needs to bring a cache that since only grew (no compression) back to now: each
+        layer's slots in use, their positions and validity (appends may fill freed slots), its bookkeeping and
+        its packed storage (a flush quantizes tokens for good)."""
         self.commit()
         stores = [view._live for view in self.layers]
         return [
@@ -174,8 +176,8 @@ class KVCache:
         ]
 
     def rewind(self, mark: list[tuple[Any, ...]]) -> None:
-        """Forget every token appended since `mark` (e.g. one question and its answer, before the next question
-        on the same compressed context)."""
+        """Forget every token appended since `mark` (e.g. one question and its answer, before the next
+        question on the same compressed context)."""
         with torch.inference_mode():  # the buffers are inference tensors when the run made them
             for view, book, (n, order, pos, valid, saved, packed) in zip(
                 self.layers, self.books, mark, strict=True

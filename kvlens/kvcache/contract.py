@@ -1,8 +1,9 @@
-"""`CacheRows`: the contract every policy is written against, and what a compression is told (`Step`) and may read
-of a prompt (`Prompt`) or of a replay pass (`Replay`).
+"""`CacheRows`: the contract every policy is written against, and what a compression is told (`Step`) and may
+read of a prompt (`Prompt`) or of a replay pass (`Replay`).
 
-Shapes: R rows (KV heads; a view of several layers stacks each layer's `kv_heads` rows), S slots in use per row
-(`n_slots`: free slots and padding included), D the head size, Hq query heads, G = Hq / Hkv query heads per KV head.
+Shapes: R rows (KV heads; a view of several layers stacks each layer's `kv_heads` rows), S slots in use per
+row (`n_slots`: free slots and padding included), D the head size, Hq query heads, G = Hq / Hkv query heads
+per KV head.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Replay:
-    """One replay pass of one layer (`Policy.replay_passes`, KVzip's reconstruction): tokens fed after the prompt,
-    before its compression, whose keys are never cached; what `Policy.observe_replay` may read beside the rows."""
+    """One replay pass of one layer (`Policy.replay_passes`, KVzip's reconstruction): tokens fed after the
+    prompt, before its compression, whose keys are never cached; what `Policy.observe_replay` may read beside
+    the rows."""
 
     start: int  # the prompt's positions start..end - 1 are what this pass reconstructs
     end: int

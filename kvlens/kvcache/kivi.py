@@ -1,11 +1,12 @@
-"""KIVI's quantized storage of one of a store's keys or values: `QuantizedStates` (Liu et al., ICML 2024, "KIVI: A
-Tuning-Free Asymmetric 2bit Quantization for KV Cache", Sec. 3-4), with the quantizer of `kvlens.kvcache.quantize`.
+"""KIVI's quantized storage of one of a store's keys or values: `QuantizedStates` (Liu et al., ICML 2024,
+"KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", Sec. 3-4), with the quantizer of
+`kvlens.kvcache.quantize`.
 
-`QuantizedStates` holds one of keys or values for R rows (KV heads) x C slots: codes `(R, C, D * bits / 8)` uint8,
-zero points and scales `(R, ceil(C / group), D)` (per channel) or `(R, C, D / group)` (per token) float16, and the
-full-precision window: values `(R, W, D)` in the model's dtype, their slots and positions `(R, W)` (slot -1: empty).
-Slots are reused after evictions, so a key group is quantized again whenever one of its slots changes (see
-`kvlens.kvcache.quantize`).
+`QuantizedStates` holds one of keys or values for R rows (KV heads) x C slots: codes `(R, C, D * bits / 8)`
+uint8, zero points and scales `(R, ceil(C / group), D)` (per channel) or `(R, C, D / group)` (per token)
+float16, and the full-precision window: values `(R, W, D)` in the model's dtype, their slots and positions
+`(R, W)` (slot -1: empty). Slots are reused after evictions, so a key group is quantized again whenever one of
+its slots changes (see `kvlens.kvcache.quantize`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from kvlens.kvcache.quantize import Storage, dequantize, pack, quantize, slot_ma
 
 
 class QuantizedStates:
-    """One of a store's keys or values, quantized and packed, with its full-precision window (module docstring).
+    """One of a store's keys or values, quantized and packed, with its full-precision window (module
+    docstring).
 
-    Rows are KV heads; `read` dequantizes, `write` stores changed slots, `append` adds new tokens to the window
-    (flushing it as the scheme says), `forget` drops freed slots from the window.
+    Rows are KV heads; `read` dequantizes, `write` stores changed slots, `append` adds new tokens to the
+    window (flushing it as the scheme says), `forget` drops freed slots from the window.
     """
 
     def __init__(
@@ -109,9 +111,9 @@ class QuantizedStates:
         return slot_mask(self.window_slot[rows], n)
 
     def roundtrip(self, rows: slice, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """`x` `(R', n, D)` (e.g. the original values of the rows' slots) as this storage would hold them now: the
-        window's slots unchanged, the rest quantized and dequantized in this layout (the perturbation meter's
-        storage-only error)."""
+        """`x` `(R', n, D)` (e.g. the original values of the rows' slots) as this storage would hold them now:
+        the window's slots unchanged, the rest quantized and dequantized in this layout (the perturbation
+        meter's storage-only error)."""
         n = x.shape[1]
         window = self.in_window(rows, n)
         if self.along == "channels":
@@ -127,8 +129,9 @@ class QuantizedStates:
 
     # -- writing ---------------------------------------------------------------------------------------------
     def write(self, rows: slice, x: torch.Tensor, changed: torch.Tensor, valid: torch.Tensor) -> None:
-        """Store the `changed` `(R', n)` slots of `x` `(R', n, D)` (every slot's current value; `valid` `(R', n)`):
-        in the window where a slot is there, else quantized (per-channel groups from their members' values)."""
+        """Store the `changed` `(R', n)` slots of `x` `(R', n, D)` (every slot's current value; `valid` `(R',
+        n)`): in the window where a slot is there, else quantized (per-channel groups from their members'
+        values)."""
         n = x.shape[1]
         slot = self.window_slot[rows]
         if slot.numel():
@@ -175,9 +178,9 @@ class QuantizedStates:
         x: torch.Tensor,
         valid: torch.Tensor,
     ) -> None:
-        """Fill `rows` (empty) with `other`'s slots `index` `(R', S)` of `other_rows`, whose current values are `x`
-        `(R', S, D)`: window entries follow their slots, the other kept slots are quantized again in their new
-        groups; `valid` `(R', >= S)` of the new slots."""
+        """Fill `rows` (empty) with `other`'s slots `index` `(R', S)` of `other_rows`, whose current values
+        are `x` `(R', S, D)`: window entries follow their slots, the other kept slots are quantized again in
+        their new groups; `valid` `(R', >= S)` of the new slots."""
         s = index.shape[1]
         old = other.window_slot[other_rows]
         if old.numel():
@@ -211,8 +214,9 @@ class QuantizedStates:
     def append(
         self, rows: slice, slots: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
     ) -> None:
-        """New tokens: slots `(R', q)`, values `(R', q, D)`, positions `(q,)`, one at a time into the window, which
-        flushes as the scheme says; `valid` `(R', n)` (the new slots included) for the per-channel groups' ranges."""
+        """New tokens: slots `(R', q)`, values `(R', q, D)`, positions `(q,)`, one at a time into the window,
+        which flushes as the scheme says; `valid` `(R', n)` (the new slots included) for the per-channel
+        groups' ranges."""
         for j in range(slots.shape[1]):
             self._append_one(rows, slots[:, j], x[:, j], positions[j], valid)
 
@@ -274,9 +278,9 @@ class QuantizedStates:
 def seal(
     storage: Storage, name: str, x: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, capacity: int
 ) -> QuantizedStates:
-    """A prompt's compressed keys or values `x` `(R, n, D)` (positions and validity `(R, n)`) into quantized storage
-    (low-rank storage: `kvlens.kvcache.lowrank`): the window takes each row's newest valid tokens (KIVI's prefill:
-    the last `n mod R` keys, the last `R` values) and the rest is quantized."""
+    """A prompt's compressed keys or values `x` `(R, n, D)` (positions and validity `(R, n)`) into quantized
+    storage (low-rank storage: `kvlens.kvcache.lowrank`): the window takes each row's newest valid tokens
+    (KIVI's prefill: the last `n mod R` keys, the last `R` values) and the rest is quantized."""
     r, n, d = x.shape
     states = QuantizedStates(storage, name, r, capacity, d, x.dtype, x.device)
     count = valid.sum(-1)  # (R,)

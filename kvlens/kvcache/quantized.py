@@ -1,12 +1,12 @@
 """`PackedStore`: a slot store whose keys and/or values leave the model's dtype buffers for packed storage, as
 transformers' `QuantizedLayer` subclasses its dynamic layer.
 
-Packed storage is KIVI's quantization (`kvlens.kvcache.kivi`), low rank (`kvlens.kvcache.lowrank`) or channel-pruned
-keys (`kvlens.kvcache.channels`), one object per name with the same interface. Reading keys or values dequantizes
-the rows asked for into a working copy `(1, R', n, D)` (what the model's attention and the policy see), and
-`commit` stores back the slots a policy changed in it (merges), then drops the copy. The statistics, and the
-values of channel-pruned storage, stay in the buffers. A store becomes packed after the prompt's compression
-(`pack`, `prune`, `seal_layers`).
+Packed storage is KIVI's quantization (`kvlens.kvcache.kivi`), low rank (`kvlens.kvcache.lowrank`) or
+channel-pruned keys (`kvlens.kvcache.channels`), one object per name with the same interface. Reading keys or
+values dequantizes the rows asked for into a working copy `(1, R', n, D)` (what the model's attention and the
+policy see), and `commit` stores back the slots a policy changed in it (merges), then drops the copy. The
+statistics, and the values of channel-pruned storage, stay in the buffers. A store becomes packed after the
+prompt's compression (`pack`, `prune`, `seal_layers`).
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ class PackedStore(SlotStore):
     def take(
         self, rows: slice, old: SlotStore, old_rows: slice, index: torch.Tensor, kept: dict[str, torch.Tensor]
     ) -> None:
-        """The kept slots' window entries follow them; the rest is quantized again. `old` is a store of the same
-        kind (`empty_like`)."""
+        """The kept slots' window entries follow them; the rest is quantized again. `old` is a store of the
+        same kind (`empty_like`)."""
         if not isinstance(old, PackedStore):
             raise TypeError("kvlens: packed rows are taken from a packed store")
         valid = self.buffers["valid"][rows, : self.n]
@@ -164,8 +164,8 @@ def pack(store: SlotStore, storage: Storage, slots: int) -> PackedStore:
 
 
 def prune(store: SlotStore, channels: torch.Tensor, whole: torch.Tensor) -> PackedStore:
-    """`store`'s keys into channel-pruned storage: each row keeps `channels` `(R, K)`, the slots `whole` `(R, n)`
-    every channel (`kvlens.kvcache.channels`); values stay in the model's dtype."""
+    """`store`'s keys into channel-pruned storage: each row keeps `channels` `(R, K)`, the slots `whole` `(R,
+    n)` every channel (`kvlens.kvcache.channels`); values stay in the model's dtype."""
     valid = store.buffers["valid"][:, : store.n]
     keys = store.buffers["keys"][0, :, : store.n]
     return PackedStore.of(store, {"keys": seal_channels(channels, keys, valid, whole, store.capacity)})
@@ -173,8 +173,8 @@ def prune(store: SlotStore, channels: torch.Tensor, whole: torch.Tensor) -> Pack
 
 def seal_layers(storage: Storage, stores: list[SlotStore], limit: int) -> list[PackedStore]:
     """xKV's cross-layer low rank (`kvlens.kvcache.lowrank.seal_cross_layer`) over the stores of a group of
-    adjacent layers, each holding one layer's rows and the same tokens in the same slots; `limit`: the most slots a
-    layer will hold."""
+    adjacent layers, each holding one layer's rows and the same tokens in the same slots; `limit`: the most
+    slots a layer will hold."""
     first, n = stores[0], stores[0].n
     valid = first.buffers["valid"][:1, :n]
     pos = first.buffers["pos"][:1, :n].masked_fill(~valid, -1)

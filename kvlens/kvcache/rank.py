@@ -1,5 +1,5 @@
-"""The rank of low-rank storage (`kvlens.kvcache.lowrank`): a slot's coefficient bytes, and the largest rank whose
-bytes fit a share of the full cache's (`Storage.rank_share`)."""
+"""The rank of low-rank storage (`kvlens.kvcache.lowrank`): a slot's coefficient bytes, and the largest rank
+whose bytes fit a share of the full cache's (`Storage.rank_share`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from kvlens.kvcache.quantize import Storage
 
 
 def coefficient_bytes(rank: int, elem: int, bits: int | None, group: int) -> int:
-    """Bytes of one slot's rank-`rank` coefficients: in the model's dtype (`elem` bytes), or packed codes plus a
-    float16 zero point and scale per group of `group` coefficients."""
+    """Bytes of one slot's rank-`rank` coefficients: in the model's dtype (`elem` bytes), or packed codes plus
+    a float16 zero point and scale per group of `group` coefficients."""
     if bits is None:
         return rank * elem
     return rank * bits // 8 + 4 * -(-rank // min(group, rank))
@@ -20,10 +20,11 @@ def fits(rank: int, bits: int | None, group: int) -> bool:
 
 
 def fit_rank(storage: Storage, dim: int, members: int, slots: int, sealed: int, elem: int) -> int:
-    """The rank of `storage` for `members` rows of `dim` channels that share coefficients (1: per head), each row
-    ending with `slots` slots of which `sealed` hold coefficients (append "full": the rest are full width): the
-    given `--kv-rank`, or the largest rank whose bytes (coefficients, bases, full-width tokens) are at most
-    `rank_share` of the same slots in the model's dtype (at least the smallest rank that packs)."""
+    """The rank of `storage` for `members` rows of `dim` channels that share coefficients (1: per head), each
+    row ending with `slots` slots of which `sealed` hold coefficients (append "full": the rest are full
+    width): the given `--kv-rank`, or the largest rank whose bytes (coefficients, bases, full-width tokens)
+    are at most `rank_share` of the same slots in the model's dtype (at least the smallest rank that packs).
+    """
     if storage.rank is not None:
         return storage.rank
     if storage.rank_share is None:

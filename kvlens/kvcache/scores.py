@@ -29,9 +29,10 @@ class AttentionSpec:
 def softmax_weights(
     scores: torch.Tensor, spec: AttentionSpec, hidden: torch.Tensor | None = None, scaled: bool = False
 ) -> torch.Tensor:
-    """The one attention pipeline: float32 logits `(..., q, S)` -> weights, in place. The layer's scale (unless
-    `scaled`: it was applied to the queries), tanh soft-capping (`softcap * tanh(s / softcap)`), -inf where
-    `hidden` (bool, broadcasting to `(..., q, k)` over the last k keys; None: every key seen), softmax."""
+    """The one attention pipeline: float32 logits `(..., q, S)` -> weights, in place. The layer's scale
+    (unless `scaled`: it was applied to the queries), tanh soft-capping (`softcap * tanh(s / softcap)`), -inf
+    where `hidden` (bool, broadcasting to `(..., q, k)` over the last k keys; None: every key seen), softmax.
+    """
     if not scaled:
         scores.mul_(spec.scaling)
     if spec.softcap is not None:

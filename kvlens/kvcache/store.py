@@ -1,11 +1,12 @@
 """Slot storage: `SlotStore`, the buffers of R rows (KV heads) x C slots behind the cache's views.
 
 Keys and values `(1, R, C, D)` after RoPE, and per slot `pos` (original position, -1 when free), `abar`
-(attention accumulated over every query that saw the slot, prefill rows included; a KV head's is the mean of its
-query heads'), `nobs` (queries that observed it) and `valid` (False for free slots and for the padding of heads that
-keep fewer slots), all `(R, C)`, plus policy statistics `extra` `(R, C, ...)` that travel with their slots. Slots
-past the ones in use and freed slots hold zero `abar` and `nobs`. Compressed storage of the keys and values is a
-subclass, `kvlens.kvcache.quantized.PackedStore`; this class holds them in the model's dtype.
+(attention accumulated over every query that saw the slot, prefill rows included; a KV head's is the mean of
+its query heads'), `nobs` (queries that observed it) and `valid` (False for free slots and for the padding of
+heads that keep fewer slots), all `(R, C)`, plus policy statistics `extra` `(R, C, ...)` that travel with
+their slots. Slots past the ones in use and freed slots hold zero `abar` and `nobs`. Compressed storage of the
+keys and values is a subclass, `kvlens.kvcache.quantized.PackedStore`; this class holds them in the model's
+dtype.
 """
 
 from __future__ import annotations

@@ -15,13 +15,13 @@ def append(
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     chunked: bool,
 ) -> tuple[SlotStore, slice]:
-    """One layer's `new` tokens: keys and values `(1, Hkv, q, D)` at true positions `(q,)`, with empty statistics,
-    into its `rows` of `store` (None: the layer holds no token yet); returns the layer's store and rows.
+    """One layer's `new` tokens: keys and values `(1, Hkv, q, D)` at true positions `(q,)`, with empty
+    statistics, into its `rows` of `store` (None: the layer holds no token yet); returns the layer's store and
+    rows.
 
-    One token goes into a slot freed by `free` (one per head; a `retain`ed layout is never
-    reordered); otherwise the tokens go after the slots in use (growing the buffers if needed). In a
-    chunked prefill (`chunked`) a chunk fills the freed slots first, so a layer never outgrows its
-    budget + the chunk.
+    One token goes into a slot freed by `free` (one per head; a `retain`ed layout is never reordered);
+    otherwise the tokens go after the slots in use (growing the buffers if needed). In a chunked prefill
+    (`chunked`) a chunk fills the freed slots first, so a layer never outgrows its budget + the chunk.
     """
     key, value, positions = new
     q = key.shape[2]
@@ -69,9 +69,9 @@ class Writer:
     def fill_free(
         self, holes: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
     ) -> None:
-        """Write one token into each head's oldest freed slot (the oldest freed slot is already the first
-        free one in position order, so the order stays valid). When some head has none (heads keeping
-        different counts), every head gets one more slot at the end: a freed one for the heads that had theirs."""
+        """Write one token into each head's oldest freed slot (the oldest freed slot is already the first free
+        one in position order, so the order stays valid). When some head has none (heads keeping different
+        counts), every head gets one more slot at the end: a freed one for the heads that had theirs."""
         book, store = self.book, self.store
         slot, rest = holes[:, 0], holes[:, 1:]  # (Hkv,): -1 where a head has no freed slot
         if bool((slot < 0).any()):
@@ -103,8 +103,8 @@ class Writer:
     def write_into(
         self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
     ) -> None:
-        """New tokens `(1, Hkv, k, D)` at `positions` `(k,)` into freed `slots` `(Hkv, k)` (`free` already zeroed
-        their abar and nobs)."""
+        """New tokens `(1, Hkv, k, D)` at `positions` `(k,)` into freed `slots` `(Hkv, k)` (`free` already
+        zeroed their abar and nobs)."""
         store = self.store
         heads = torch.arange(slots.shape[0], device=slots.device)[:, None] + self.rows.start
         store.buffers["pos"][heads, slots] = positions
@@ -144,6 +144,6 @@ class Writer:
     def write_states(
         self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
     ) -> None:
-        """New tokens' keys and values `(1, Hkv, q, D)` into `slots` `(Hkv, q)` (`SlotStore.write_states`); the layer
-        keeps them as fed when its store holds them otherwise (`LayerBook.fresh`)."""
+        """New tokens' keys and values `(1, Hkv, q, D)` into `slots` `(Hkv, q)` (`SlotStore.write_states`);
+        the layer keeps them as fed when its store holds them otherwise (`LayerBook.fresh`)."""
         self.book.fresh = self.store.write_states(self.rows, slots, key, value, positions)

@@ -1,16 +1,17 @@
-"""`SlotRows`: a view of a row range of a `SlotStore`, the object a policy is handed; it implements `CacheRows`.
+"""`SlotRows`: a view of a row range of a `SlotStore`, the object a policy is handed; it implements
+`CacheRows`.
 
-A view holds the bookkeeping of the layers whose rows they are (`LayerBook`: kept count, freed slots to reuse, run
-state, latest attention): one layer's KV heads (`KVCache.layers[i]`, what the model's forward writes) or every
-layer's (`KVCache.all_layers()`, `(L * Hkv, S)` at once). Both are the same class, so both implement all of
-`CacheRows`; policies never touch a store. Tensors read `[:, :n_slots]` views `(1, R, S, D)` or `(R, S)` of the
-store's buffers; assigning one copies into them.
+A view holds the bookkeeping of the layers whose rows they are (`LayerBook`: kept count, freed slots to reuse,
+run state, latest attention): one layer's KV heads (`KVCache.layers[i]`, what the model's forward writes) or
+every layer's (`KVCache.all_layers()`, `(L * Hkv, S)` at once). Both are the same class, so both implement all
+of `CacheRows`; policies never touch a store. Tensors read `[:, :n_slots]` views `(1, R, S, D)` or `(R, S)` of
+the store's buffers; assigning one copies into them.
 
-Attention over a cache is order-free once RoPE is applied and every slot carries its position, so slots are *not*
-kept in arrival order: a slot freed by an eviction (`free`) receives the next token (`append`,
-`kvlens.kvcache.tokens`), with no per-step concatenation and no whole-layer gather. The first compression below a
-layer's `limit` moves the kept slots into buffers of exactly `limit` slots (`retain`), so the prompt's memory is
-really freed.
+Attention over a cache is order-free once RoPE is applied and every slot carries its position, so slots are
+*not* kept in arrival order: a slot freed by an eviction (`free`) receives the next token (`append`,
+`kvlens.kvcache.tokens`), with no per-step concatenation and no whole-layer gather. The first compression
+below a layer's `limit` moves the kept slots into buffers of exactly `limit` slots (`retain`), so the prompt's
+memory is really freed.
 """
 
 from __future__ import annotations
@@ -270,8 +271,9 @@ class SlotRows:
     def retain(
         self, index: torch.Tensor, valid: torch.Tensor | None = None, capacity: int | None = None
     ) -> None:
-        """Keep slots `index` `(R, S')`, in that slot order, and free the rest (new buffers, or the rows the cache
-        allocates for a compressed layout). `valid` `(R, S')` marks padding when rows keep different counts."""
+        """Keep slots `index` `(R, S')`, in that slot order, and free the rest (new buffers, or the rows the
+        cache allocates for a compressed layout). `valid` `(R, S')` marks padding when rows keep different
+        counts."""
         s = index.shape[1]
         capacity = max(s, capacity or s)
         d = self.keys.shape[-1]
