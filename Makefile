@@ -35,7 +35,7 @@ browser:
 run: model
 	$(VENV)/bin/streamlit run app.py --server.address $(HOST) --server.port $(PORT)
 
-# ruff's formatter (110 columns) and linter, then mypy as configured in pyproject.toml (strict on the policies and the cache rows they are handed).
+# ruff's formatter (110 columns) and linter, then mypy as configured in pyproject.toml (strict on the policies and the cache package).
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from kvlens.errors import KvlensError
-from kvlens.kvcache.cache import CacheRows, Prompt, Replay, Step
+from kvlens.kvcache import CacheRows, Prompt, Replay, Step
 from kvlens.params import Param, check_budget
 
 REGISTRY: dict[str, type[Policy]] = {}
@@ -361,8 +361,3 @@ def newest_cut(pos: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
     if bool(((masked >= guess).sum(-1) == k).all()):
         return guess
     return masked.topk(min(k, pos.shape[1]), dim=-1).values[:, -1:]
-
-
-def group_mean(probs: torch.Tensor) -> torch.Tensor:
-    """A KV head's attention is the mean of its query heads': `(R, G, ...)` -> `(R, ...)`."""
-    return probs.mean(1)

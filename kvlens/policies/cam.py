@@ -47,12 +47,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlens.kvcache.cache import CacheRows, Step
+from kvlens.kvcache import CacheRows, Step, group_mean
 from kvlens.policies.base import (
     ScoredEviction,
     Wrapper,
     check,
-    group_mean,
     log_evictions,
     log_merges,
     param,

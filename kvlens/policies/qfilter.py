@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.kvcache.cache import CacheRows, Step
+from kvlens.kvcache import CacheRows, Step
 from kvlens.policies.base import ScoredEviction, register
 
 FILTERS = "qfilters"  # per layer (Hkv, D), put in the run state by the engine (`Policy.model_data`)

@@ -42,8 +42,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlens.kvcache.cache import CacheRows, Prompt, Step
-from kvlens.policies.base import ScoredEviction, check, group_mean, param, recent_mask, register
+from kvlens.kvcache import CacheRows, Prompt, Step, group_mean
+from kvlens.policies.base import ScoredEviction, check, param, recent_mask, register
 
 HISTORY = (
     "scissorhands_history"  # (Hkv, S, history) int8, newest step last: 0 unseen, 1 unimportant, 2 important

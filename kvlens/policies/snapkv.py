@@ -27,8 +27,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvlens.kvcache.cache import CacheRows, Prompt, Step
-from kvlens.policies.base import ScoredEviction, check, group_mean, param, recent_mask, register
+from kvlens.kvcache import CacheRows, Prompt, Step, group_mean
+from kvlens.policies.base import ScoredEviction, check, param, recent_mask, register
 
 WINDOW = "snapkv_window"  # per slot (R, S, window): attention from each of the last `window` queries (a ring)
 NEXT = "snapkv_next"  # per layer: the ring column the next query writes
