@@ -6,7 +6,8 @@ STAMP := $(VENV)/.kvlens-installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run test test-fast test-portable test-cuda fuzz lint docs docs-gen screenshots setup model browser clean-venv
+.PHONY: run test test-fast test-portable test-cuda fuzz lint docs docs-gen screenshots setup model browser clean-venv \
+	speed-ab
 
 setup: $(STAMP)
 
@@ -93,6 +94,14 @@ test-cuda: model
 # Property tests with random seeds and 20x the examples (CI runs them derandomized).
 fuzz: model
 	KVLENS_FUZZ=1 $(PY) -m pytest -q -m property $(FUZZ_ARGS)
+
+# Speed A/B: `kvlens bench speed` at REV (a temporary git worktree) and at this checkout, alternated, each ratio's
+# median [min, max] side by side and whether HEAD is worse beyond the spread (scripts/speed_ab.py). ARGS go to the
+# bench (default --quick); ROUNDS runs of each side; the venv is this checkout's, else the main checkout's.
+ROUNDS ?= 3
+speed-ab:
+	@test -n "$(REV)" || { echo "usage: make speed-ab REV=<commit, branch or tag> [ROUNDS=3] [ARGS=--quick]"; exit 2; }
+	$(if $(wildcard $(PY)),PY="$(abspath $(PY))") scripts/speed_ab.sh $(REV) --rounds $(ROUNDS) $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

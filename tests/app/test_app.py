@@ -711,6 +711,8 @@ def test_compare_page_shows_the_table_kvlens_compare_computes(app, smol):
     assert [None if d != d else d for d in shown["diverges at token"]] == [
         r["first_divergence"] for r in want
     ]
+    generated = list(shown["tokens generated (own text)"])
+    assert generated == [r["generated_steps"] for r in want] and all(1 <= g <= 4 for g in generated)
     drawn = charts(at)
     assert sum(len(c["data"]) == 3 * 3 for c in drawn) == 1  # three aligned panels, one line per run
     # the token inspector: the two policies' rows for token 0 of the full cache's text, side by side
