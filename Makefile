@@ -6,7 +6,8 @@ STAMP := $(VENV)/.kvlens-installed
 HOST ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: run test test-fast test-portable test-cuda fuzz lint docs docs-gen screenshots setup model browser clean-venv
+.PHONY: run test test-fast test-portable test-cuda fuzz lint docs docs-gen screenshots setup model browser clean-venv \
+	speed-ab
 
 setup: $(STAMP)
 
@@ -35,7 +36,7 @@ browser:
 run: model
 	$(VENV)/bin/streamlit run app.py --server.address $(HOST) --server.port $(PORT)
 
-# ruff's formatter (110 columns) and linter, then mypy as configured in pyproject.toml (strict on the policies and the cache rows they are handed).
+# ruff's formatter (110 columns) and linter, then mypy as configured in pyproject.toml (strict on the policies and the cache package).
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
@@ -63,18 +64,22 @@ test-fast: lint
 
 # The float-sensitive tests under other ATen kernel sets and one thread: stored references, the engine
 # against the model, the executors and the property tests must not depend on the machine's kernels.
-# Two passes cover the three axes: AVX2 kernels, then the default (scalar) kernels on one thread. The task-level
-# kvpress cross-check (greedy answers, KVzip's kept sets) runs at the native kernels only (`make test`): under the
-# scalar kernels one sample's KVzip kept set differs from kvpress's at a near-tie.
+# Two passes, side by side on one thread each, cover the three axes (`make test` runs the native kernels on every
+# core): AVX2 kernels, and the default (scalar) kernels; then the executors' test (Ray) under the scalar kernels.
+# The task-level kvpress cross-check (greedy answers, KVzip's kept sets) runs at the native kernels only (`make
+# test`): under the scalar kernels one sample's KVzip kept set differs from kvpress's at a near-tie.
 PORTABLE_TESTS := tests/cross_checks/test_golden_runs.py tests/cross_checks/test_kvpress_crosscheck.py \
-	tests/engine/test_engine.py \
-	tests/bench/test_sweep.py::test_six_cells_give_the_same_rows_in_process_with_workers_and_on_ray
+	tests/engine/test_engine.py
+PORTABLE_RAY := tests/bench/test_sweep.py::test_six_cells_give_the_same_rows_in_process_with_workers_and_on_ray
+PORTABLE_PYTEST = env $(1) OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 test-portable: model
-	@for setting in "ATEN_CPU_CAPABILITY=avx2" "ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1"; do \
-		echo "== $$setting"; \
-		env $$setting $(PY) -m pytest -q -p no:cacheprovider -k "not pipeline_on_task_samples" $(PORTABLE_TESTS) || exit 1; \
-		env $$setting $(PY) -m pytest -q -p no:cacheprovider -m property || exit 1; \
-	done
+	$(MAKE) --no-print-directory -j2 --output-sync=target portable-avx2 portable-default
+	$(call PORTABLE_PYTEST,ATEN_CPU_CAPABILITY=default) $(PORTABLE_RAY)
+
+portable-%:
+	@echo "== ATEN_CPU_CAPABILITY=$*, one thread"
+	$(call PORTABLE_PYTEST,ATEN_CPU_CAPABILITY=$*) -k "not pipeline_on_task_samples" $(PORTABLE_TESTS)
+	$(call PORTABLE_PYTEST,ATEN_CPU_CAPABILITY=$*) -m property
 
 # On a CUDA GPU: the embedded model on the GPU against the CPU (fp32 decisions, bf16 against transformers, every
 # policy in bf16), then the engine's, policies' and task protocol's tests with their models on the GPU.
@@ -89,6 +94,14 @@ test-cuda: model
 # Property tests with random seeds and 20x the examples (CI runs them derandomized).
 fuzz: model
 	KVLENS_FUZZ=1 $(PY) -m pytest -q -m property $(FUZZ_ARGS)
+
+# Speed A/B: `kvlens bench speed` at REV (a temporary git worktree) and at this checkout, alternated, each ratio's
+# median [min, max] side by side and whether HEAD is worse beyond the spread (scripts/speed_ab.py). ARGS go to the
+# bench (default --quick); ROUNDS runs of each side; the venv is this checkout's, else the main checkout's.
+ROUNDS ?= 3
+speed-ab:
+	@test -n "$(REV)" || { echo "usage: make speed-ab REV=<commit, branch or tag> [ROUNDS=3] [ARGS=--quick]"; exit 2; }
+	$(if $(wildcard $(PY)),PY="$(abspath $(PY))") scripts/speed_ab.sh $(REV) --rounds $(ROUNDS) $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

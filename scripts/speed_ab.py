@@ -1,14 +1,17 @@
 """Speed A/B: `kvlens bench speed` at another revision and at this checkout, alternated, ratios side by side.
 
-    python scripts/speed_ab.py REV [--rounds 2] [-- BENCH SPEED ARGUMENTS]
+    scripts/speed_ab.sh REV [--rounds 3] [BENCH SPEED ARGUMENTS]    (or: make speed-ab REV=... ARGS=...)
 
-A git worktree of REV is made in a temporary folder; each round runs `python -m kvlens bench speed --json` once in
-REV's tree and once in this one (which goes first flips each round), each as its own process importing its own
-tree's `kvlens`, on the same machine and the same venv. The table gives each ratio's median over rounds and its
-range, REV beside this checkout, so a change to the engine, the cache or a policy's hot path can be checked for
-regressions before it lands. Bench arguments default to `--quick`; anything after `--` replaces them (e.g.
-`-- --quick --lockstep none`). Run it on a quiet machine: the ratios are measured in lockstep inside each run,
-but two runs of the same revision still differ by their spread.
+A git worktree of REV is made in a temporary folder (removed after); each round runs `python -m kvlens bench
+speed --json --no-figure --out-dir TMP` once in REV's tree and once in this one (which goes first flips each
+round: A B, B A, ...), each as its own process importing its own tree's `kvlens` under the same interpreter,
+so both sides run the same libraries. Nothing is written into `results/`. The bench's arguments default to
+`--quick`.
+
+The table gives each ratio (wall clock, and `(cpu)`: process CPU time, which other processes disturb less) as
+its median [min, max] over the rounds, REV beside HEAD (this checkout). Every ratio is lower-is-better (the
+targets are upper bounds), so `worse` marks a ratio whose every HEAD round is above every REV round: a
+slowdown beyond the spread of either side. With one round it marks any increase; run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -20,17 +23,62 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def bench(tree: Path, args: list[str]) -> dict[str, float]:
-    """One `kvlens bench speed --json` run importing `tree`'s kvlens: its ratios."""
+@dataclass(frozen=True)
+class Row:
+    """One ratio's values over the rounds, at REV and at HEAD."""
+
+    ratio: str
+    rev: list[float]
+    head: list[float]
+
+    @property
+    def worse(self) -> bool:
+        """HEAD above REV beyond both spreads: its lowest round over REV's highest."""
+        return min(self.head) > max(self.rev)
+
+
+def ratios_of(result: dict) -> dict[str, float]:
+    """A `bench speed --json` result's ratios: wall clock under their names, CPU time as `NAME (cpu)`."""
+    cpu = {f"{k} (cpu)": v for k, v in result.get("ratios_cpu", {}).items()}
+    return {**result["ratios"], **cpu}
+
+
+def summarize(rev: list[dict], head: list[dict]) -> list[Row]:
+    """One row per ratio in every run of both sides (`bench speed --json` results), in HEAD's order."""
+    runs = [ratios_of(r) for r in rev], [ratios_of(r) for r in head]
+    keys = [k for k in runs[1][0] if all(k in run for side in runs for run in side)]
+    return [Row(k, [run[k] for run in runs[0]], [run[k] for run in runs[1]]) for k in keys]
+
+
+def cell(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
+def table(rows: list[Row], rev_name: str) -> str:
+    """The rows as a text table: median [min, max] at REV and at HEAD, and the `worse` flag."""
+    width = max(len(r.ratio) for r in rows)
+    lines = [f"{'ratio':<{width}}  {rev_name[:26]:>26}  {'HEAD':>26}  worse"]
+    for r in rows:
+        flag = "WORSE" if r.worse else ""
+        lines.append(f"{r.ratio:<{width}}  {cell(r.rev):>26}  {cell(r.head):>26}  {flag}")
+    rounds = len(rows[0].head) if rows else 0
+    lines.append(f"(median [min, max] over {rounds} rounds; WORSE: every HEAD round above every REV round)")
+    return "\n".join(lines)
+
+
+def bench(tree: Path, args: list[str]) -> dict:
+    """One `kvlens bench speed --json` run importing `tree`'s kvlens, its outputs in a temporary folder."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     with tempfile.TemporaryDirectory() as out:
+        command = ["-m", "kvlens", "bench", "speed", *args, "--json", "--no-figure", f"--out-dir={out}"]
         done = subprocess.run(
-            [sys.executable, "-m", "kvlens", "bench", "speed", *args, "--json", "--out-dir", out],
+            [sys.executable, *command],
             cwd=tree,
             env=env,
             capture_output=True,
@@ -39,24 +87,22 @@ def bench(tree: Path, args: list[str]) -> dict[str, float]:
         )
     if done.returncode != 0:
         sys.exit(f"speed_ab: the bench failed in {tree}: {done.stderr.strip().splitlines()[-1:]}")
-    return json.loads(done.stdout)["ratios"]
+    return json.loads(done.stdout)
 
 
-def cell(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """REV and --rounds; every other argument goes to `bench speed` (`--quick` when there is none)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("rev", help="the revision to compare against (a commit, branch or tag)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each side, alternated (default 3)")
+    args, extra = parser.parse_known_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args, extra or ["--quick"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    own, extra = (
-        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, ["--quick"])
-    )
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("rev", help="the revision to compare against (a commit, branch or tag)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternated (default 2)")
-    args = parser.parse_args(own)
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    args, extra = parse(sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory() as tmp:
         other = Path(tmp) / "rev"
         made = subprocess.run(
@@ -69,22 +115,15 @@ def main(argv: list[str] | None = None) -> int:
         if made.returncode != 0:
             sys.exit(f"speed_ab: no worktree of {args.rev}: {made.stderr.strip()}")
         try:
-            sides: dict[str, list[dict[str, float]]] = {args.rev: [], "this checkout": []}
-            trees = {args.rev: other, "this checkout": ROOT}
+            sides: dict[str, list[dict]] = {"rev": [], "head": []}
+            trees = {"rev": other, "head": ROOT}
             for r in range(args.rounds):
-                order = list(sides) if r % 2 == 0 else list(sides)[::-1]
-                for name in order:
+                for name in ("rev", "head") if r % 2 == 0 else ("head", "rev"):
                     print(f"round {r + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
                     sides[name].append(bench(trees[name], extra))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT, check=False)
-    keys = [k for k in sides["this checkout"][0] if all(k in run for runs in sides.values() for run in runs)]
-    width = max(len(k) for k in keys)
-    print(f"{'ratio':<{width}}  {args.rev:>26}  {'this checkout':>26}  (median [min, max] of {args.rounds})")
-    for k in keys:
-        print(
-            f"{k:<{width}}  " + "  ".join(f"{cell([run[k] for run in runs]):>26}" for runs in sides.values())
-        )
+    print(table(summarize(sides["rev"], sides["head"]), args.rev))
     return 0
 
 

@@ -140,7 +140,7 @@ def layer_rows(limit: int | None = None):
 
 def shrink(policy, rows, budget: int | None, log=None, prompt: bool = False) -> None:
     """One compression of `rows` to `budget`: the prompt's (step 0) when `prompt`, else a decode step's."""
-    from kvlens.kvcache.cache import Phase, Step
+    from kvlens.kvcache import Phase, Step
 
     policy.compress(rows, Step(0 if prompt else 1, Phase.PREFILL if prompt else Phase.DECODE, budget, log))
 

@@ -20,7 +20,7 @@ LAYERS = [  # bottom first; a module belongs to the layer of its longest matchin
         ["kvlens.version", "kvlens.errors", "kvlens.lists", "kvlens.levels", "kvlens.params", "kvlens.texts"],
     ),
     ("runs", ["kvlens.runs"]),
-    ("cache", ["kvlens.kvcache", "kvlens.engine.attention"]),
+    ("cache", ["kvlens.kvcache"]),
     ("policies", ["kvlens.policies"]),
     ("engine", ["kvlens.engine"]),
     ("integration", ["kvlens.hf"]),
@@ -91,6 +91,44 @@ def test_no_module_imports_from_a_layer_above_its_own():
     assert not upward, "\n".join(upward)
 
 
+POLICY_IMPORTS = ("kvlens.kvcache", "kvlens.errors", "kvlens.params")  # besides the policies' own modules
+
+
+def policy_leaks(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a policy module from anything but the cache package's top, the leaf modules and other
+    policies; imports of an engine module from a policy module (the engine reaches policies through the
+    registry only)."""
+    return [
+        f"{m} imports {d}"
+        for m, deps in graph.items()
+        for d in sorted(deps)
+        if (
+            m.startswith("kvlens.policies")
+            and not d.startswith("kvlens.policies")
+            and d not in POLICY_IMPORTS
+        )
+        or (m.startswith("kvlens.engine") and d.startswith("kvlens.policies.") and d != "kvlens.policies")
+    ]
+
+
+def test_policies_import_only_the_cache_package_and_the_engine_only_the_registry():
+    assert not policy_leaks(GRAPH), "\n".join(policy_leaks(GRAPH))
+
+
+def test_the_checker_sees_a_policy_or_engine_import_past_the_cache_package(tmp_path):
+    """The rule can fail: a policy importing a cache module or the engine, the engine importing a policy module."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from kvlens.kvcache.views import SlotRows\nfrom kvlens.engine.attention import visible\n")
+    engine = tmp_path / "engine.py"
+    engine.write_text("from kvlens.policies.base import Policy\nfrom kvlens.policies import REGISTRY\n")
+    graph = {"kvlens.policies.bad": imports(bad), "kvlens.engine.loop": imports(engine)}
+    assert policy_leaks(graph) == [
+        "kvlens.policies.bad imports kvlens.engine.attention",
+        "kvlens.policies.bad imports kvlens.kvcache.views",
+        "kvlens.engine.loop imports kvlens.policies.base",
+    ]
+
+
 def test_only_the_interfaces_import_the_app():
     offenders = [
         m
@@ -126,6 +164,7 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from kvlens.ui import page\n")
     assert imports(bad) == {"kvlens.ui.page"} and layer("kvlens.ui.page") > layer("kvlens.kvcache.cache")
+    assert layer("kvlens.engine.attention") == [name for name, _ in LAYERS].index("engine")
 
 
 def test_no_policy_touches_a_private_attribute_of_the_cache():
@@ -145,7 +184,7 @@ def test_no_policy_touches_a_private_attribute_of_the_cache():
 def test_both_views_of_the_cache_implement_the_row_contract(tiny, monkeypatch):
     """The per-layer and the all-layer view a policy is handed both implement the protocol."""
     from kvlens.engine.loop import RunOptions, run
-    from kvlens.kvcache.cache import CacheRows
+    from kvlens.kvcache import CacheRows
     from kvlens.policies import make_policy
 
     policy, seen = make_policy("h2o"), []
@@ -169,7 +208,7 @@ def test_both_views_of_the_cache_implement_the_row_contract(tiny, monkeypatch):
 def test_every_policy_hook_is_annotated_with_the_row_contract():
     import typing
 
-    from kvlens.kvcache.cache import CacheRows, Step
+    from kvlens.kvcache import CacheRows, Step
     from kvlens.policies import REGISTRY
 
     for cls in REGISTRY.values():

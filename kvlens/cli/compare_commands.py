@@ -125,7 +125,7 @@ def cmd_compare(args) -> int:
                 if r["generated_divergence"] is None
                 else f"leaves the full cache's at token {r['generated_divergence']}"
             )
-            print(f"{r['policy']:<28}{where}: {r['generated']!r}")
+            print(f"{r['policy']:<28}{where} ({r['generated_steps']} generated): {r['generated']!r}")
     base = (
         ""
         if generate_s is None

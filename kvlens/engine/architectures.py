@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvlens.engine.attention import CONTEXT_KWARG, AttentionSpec, dense, sdpa
+from kvlens.engine.attention import CONTEXT_KWARG, dense, sdpa
 from kvlens.errors import KvlensError
+from kvlens.kvcache import AttentionSpec
 from kvlens.kvcache.cache import KVCache
 
 PROBE_TOKENS = 2
@@ -117,11 +118,11 @@ def _probe(model: torch.nn.Module, layers: int) -> tuple[dict[int, list[Attentio
     probe = _Probe()
     cache = KVCache(layers)
     dev = next(model.parameters()).device
-    cache.positions = torch.arange(PROBE_TOKENS, device=dev)
-    with torch.inference_mode():
+    positions = torch.arange(PROBE_TOKENS, device=dev)
+    with torch.inference_mode(), cache.feeding(positions):
         model(
             input_ids=torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=dev),
-            position_ids=cache.positions[None],
+            position_ids=positions[None],
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,

@@ -19,13 +19,13 @@ cache keeps, and its budget counts every kept slot, in the window or not.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlens.errors import KvlensError
+from kvlens.kvcache.scores import AttentionSpec, softmax_weights
 
 ATTENTION_NAME = "kvlens"
 CONTEXT_KWARG = "kvlens_context"
@@ -35,20 +35,6 @@ BOOKKEEPING = frozenset(
     {"position_ids", "use_cache", "cache_position", "output_attentions", "output_router_logits"}
 )
 NAMED_FEATURES = {"s_aux": "learned attention sinks (`s_aux`)"}
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """How one layer attends: logit scale, tanh soft-capping of the logits, sliding window (None = off)."""
-
-    scaling: float
-    softcap: float | None = None
-    window: int | None = None
-
-    @property
-    def plain(self) -> bool:
-        """Causal softmax attention that SDPA computes as is."""
-        return self.softcap is None and self.window is None
 
 
 def read_call(
@@ -156,21 +142,6 @@ def visible(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch
     diff = qpos[:, None] - kpos[..., None, :]
     ok = diff >= 0
     return ok & (diff < window) if window is not None else ok
-
-
-def softmax_weights(
-    scores: torch.Tensor, spec: AttentionSpec, hidden: torch.Tensor | None = None, scaled: bool = False
-) -> torch.Tensor:
-    """The one attention pipeline: float32 logits `(..., q, S)` -> weights, in place. The layer's scale (unless
-    `scaled`: it was applied to the queries), tanh soft-capping (`softcap * tanh(s / softcap)`), -inf where
-    `hidden` (bool, broadcasting to `(..., q, k)` over the last k keys; None: every key seen), softmax."""
-    if not scaled:
-        scores.mul_(spec.scaling)
-    if spec.softcap is not None:
-        scores.div_(spec.softcap).tanh_().mul_(spec.softcap)
-    if hidden is not None:
-        scores[..., scores.shape[-1] - hidden.shape[-1] :].masked_fill_(hidden, float("-inf"))
-    return torch.softmax(scores, dim=-1)
 
 
 def attention_probs(qg, key, spec: AttentionSpec, allowed: torch.Tensor | None) -> torch.Tensor:

@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvlens.engine.attention import CONTEXT_KWARG, AttentionSpec, softmax_weights, visible
+from kvlens.engine.attention import CONTEXT_KWARG, visible
+from kvlens.kvcache import AttentionSpec, softmax_weights
 
 COMPACT_SHARE = 0.25  # stopped rows are dropped from the batch once they are this share of it
 

@@ -8,12 +8,12 @@ they see the attention of every layer and are dropped with the context when the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from kvlens.engine.attention import (
-    AttentionSpec,
     attention_probs,
     decode_rows,
     last_rows,
@@ -23,8 +23,10 @@ from kvlens.engine.attention import (
     visible,
 )
 from kvlens.errors import KvlensError
-from kvlens.kvcache.cache import KVCache, Prompt, Replay, SlotRows
-from kvlens.policies.base import Policy, group_mean
+from kvlens.kvcache import AttentionSpec, Prompt, Replay, group_mean
+from kvlens.kvcache.cache import KVCache
+from kvlens.kvcache.views import SlotRows
+from kvlens.policies import Policy
 
 
 class Observer:
@@ -72,16 +74,36 @@ class RunContext:
         self.column_sums = needs.column_sums or any(o.needs_prefill_stats for o in self.observers)
         self.prefill_rows = max([needs.prefill_rows] + [o.prefill_rows for o in self.observers])
         self._observed: list[tuple[SlotRows, torch.Tensor, torch.Tensor | None]] = []  # this step's rows
-        self.replay: tuple[int, int] | None = None  # the prompt span a replay pass being fed reconstructs
-        self.frozen = (
-            False  # compressed once for good (the task protocol): no statistics, no policy, chunks allowed
-        )
+        self._replay: tuple[int, int] | None = None  # the prompt span a replay pass being fed reconstructs
+        self._frozen = False  # compressed once for good (the task protocol): no statistics, no policy
+
+    @property
+    def frozen(self) -> bool:
+        """Compressed once for good (`freeze`): attention only, no statistics, no policy, chunks allowed."""
+        return self._frozen
+
+    def freeze(self) -> None:
+        """No compression after this: later tokens attend to the kept slots and nobody is told (the task
+        protocol's compress-once)."""
+        self._frozen = True
+
+    @contextlib.contextmanager
+    def replaying(self, start: int, end: int) -> Iterator[None]:
+        """A replay pass fed inside: it reconstructs the prompt's positions start..end - 1
+        (`Policy.replay_passes`), the policy reads its attention (`observe_replay`) and the cache keeps nothing
+        of it."""
+        self._replay = (start, end)
+        try:
+            with self.cache.replaying():
+                yield
+        finally:
+            self._replay = None
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         """One layer's attention in this run; a sliding window hides the slots outside it (see `attention`)."""
         layer = self.cache.layers[layer_idx]
-        if self.replay is not None:
-            return self._replay(layer, query, key, value, spec)
+        if self._replay is not None:
+            return self._replayed(layer, query, key, value, spec)
         if query.shape[2] > 1:
             return self._prefill(layer, query, key, value, spec)
         if self.frozen:  # compressed for good: attend, tell nobody
@@ -178,7 +200,7 @@ class RunContext:
             )  # a view would keep the chunk's probs alive
         return out.reshape(1, hq, q, d).transpose(1, 2).contiguous()
 
-    def _replay(self, layer: SlotRows, query, key, value, spec: AttentionSpec) -> torch.Tensor:
+    def _replayed(self, layer: SlotRows, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         """A replay pass: its q queries attend to the prompt's slots and causally to its own keys (the last q of
         `key`); the policy reads them (`observe_replay`); the cache keeps nothing of it."""
         if spec.window is not None:
@@ -187,7 +209,7 @@ class RunContext:
                 f"{layer.layers[0]}): the pass would not see the whole prompt it reconstructs."
             )
         q = query.shape[2]
-        start, end = self.replay
+        start, end = self._replay
         self.policy.observe_replay(
             layer, Replay(start, end, query[0], key[0, :, -q:], spec.scaling, spec.softcap)
         )

@@ -27,7 +27,8 @@ from kvlens.engine.context import Observer, RunContext
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.record import Recorder
 from kvlens.errors import Cancelled, KvlensError
-from kvlens.kvcache.cache import KVCache, Phase, Step
+from kvlens.kvcache import Phase, Step
+from kvlens.kvcache.cache import KVCache
 from kvlens.kvcache.quantize import Storage
 from kvlens.policies import REGISTRY, Policy
 from kvlens.policies.base import resolve_budget
@@ -94,15 +95,15 @@ def feed(model: LoadedModel, cache: KVCache, ctx: RunContext, ids: list[int], st
     """One forward of `ids` at positions start.. through the run's cache and context; the last token's logits."""
     dev = model.device
     positions = torch.arange(start, start + len(ids), device=dev)
-    cache.positions = positions
-    out = model.model(
-        input_ids=torch.tensor([ids], device=dev),
-        position_ids=positions[None],
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-        **{CONTEXT_KWARG: ctx},
-    )
+    with cache.feeding(positions):
+        out = model.model(
+            input_ids=torch.tensor([ids], device=dev),
+            position_ids=positions[None],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **{CONTEXT_KWARG: ctx},
+        )
     ctx.accumulate()
     return out.logits[0, -1]
 
@@ -145,6 +146,7 @@ class _Loop:
             model.shape()["layers"],
             limit=length if budget is None else budget + self.headroom,
             all_layers=budget is not None and opts.batch_layers and batchable(policy) and not once,
+            chunked=bool(self.chunk),
         )
         self.log = DecisionLog() if opts.log_decisions else None
         self.ctx = RunContext(
@@ -154,7 +156,6 @@ class _Loop:
             windowed=bool(model.supported().sliding),
             rotary=rotary_of(model.model, model.supported()),
         )
-        self.cache.chunked = bool(self.chunk)
         # e.g. the model's Q-Filters, one entry per layer, in the layers' run state
         for name in policy.needs().model_data:
             for book, part in zip(self.cache.books, MODEL_DATA[name](model), strict=True):
@@ -180,18 +181,15 @@ class _Loop:
     def freeze(self) -> None:
         """No compression after this: later tokens (one, or a chunk such as a question) attend to the kept slots
         and are appended; the policy sees nothing more (the task protocol's compress-once)."""
-        self.ctx.frozen = True
+        self.ctx.freeze()
 
     def replay(self, prompt: list[int]) -> None:
         """The policy's replay passes over the prompt's cache (`Policy.replay_passes`), before its compression."""
         t = time.perf_counter()
         passes = self.policy.replay_passes(self.model.tokenizer, prompt)
         for start, end, ids in passes:
-            self.ctx.replay, self.cache.replaying = (start, end), True
-            try:
+            with self.ctx.replaying(start, end):
                 self.forward(ids, len(prompt))
-            finally:
-                self.ctx.replay, self.cache.replaying = None, False
         self.replay_passes = len(passes)
         self.replay_ms = (time.perf_counter() - t) * 1000 if passes else 0.0
 

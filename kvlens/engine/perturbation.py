@@ -39,10 +39,12 @@ from collections.abc import Callable
 
 import torch
 
-from kvlens.engine.attention import AttentionSpec, attention_probs, decode_rows, visible
+from kvlens.engine.attention import attention_probs, decode_rows, visible
 from kvlens.engine.context import Observer
 from kvlens.engine.loop import StepEvent
 from kvlens.engine.models import LoadedModel
+from kvlens.kvcache import AttentionSpec
+from kvlens.kvcache.quantized import PackedStore
 from kvlens.runs.run import Run
 
 
@@ -97,10 +99,11 @@ class PerturbationMeter(Observer):
         )
         o_used = out[0, 0].view(hkv, hq // hkv, d).float()
         o_stored = o_evict
-        if layer.store.packed is not None and not self.merges:  # nothing merged: the run's own output
+        store = layer.store
+        if isinstance(store, PackedStore) and not self.merges:  # nothing merged: the run's own output
             o_stored = o_used
-        elif layer.store.packed is not None:
-            packed = layer.store.packed  # keys and values, or keys only (channel-pruned)
+        elif isinstance(store, PackedStore):
+            packed = store.packed  # keys and values, or keys only (channel-pruned)
             k_q, v_q = (
                 packed[name].roundtrip(layer.rows, t, layer.valid) if name in packed else t
                 for name, t in (("keys", k_kept), ("values", v_kept))

@@ -24,9 +24,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kvlens import texts
-from kvlens.engine.attention import CONTEXT_KWARG, AttentionSpec, dense, sdpa
+from kvlens.engine.attention import CONTEXT_KWARG, dense, sdpa
 from kvlens.engine.models import LoadedModel, cache_root
 from kvlens.errors import KvlensError
+from kvlens.kvcache import AttentionSpec
 
 FILE = "qfilters.safetensors"
 TEXTS, TOKENS, SAMPLES = 8, 1024, 3000  # calibration: sequences, tokens each, sampled queries per head

@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlens.engine.architectures import rotary_of
-from kvlens.engine.attention import AttentionSpec, last_rows
+from kvlens.engine.attention import last_rows
 from kvlens.engine.context import RunContext
 from kvlens.engine.loop import RunOptions, _check_length, _Loop, feed
 from kvlens.engine.models import LoadedModel
 from kvlens.errors import KvlensError
+from kvlens.kvcache import AttentionSpec
 from kvlens.kvcache.cache import KVCache
 from kvlens.policies import Policy, make_policy
 
@@ -145,12 +146,13 @@ class SharedPrefill:
         """Put into `loop`'s fresh cache what its own prefill would have left; the prompt's last logits."""
         ctx, cache = loop.ctx, loop.cache
         keep = min(ctx.prefill_rows, len(self.ids))
-        cache.positions = torch.arange(len(self.ids), device=loop.model.device)
-        for view, kept in zip(cache.layers, self.groups[ctx.column_sums], strict=True):
-            view.append(kept.key.clone(), kept.value.clone(), cache.positions)
-            ctx.observe_prompt(
-                view, kept.query, view.keys, view.values, kept.spec, kept.abar, kept.last_for(keep)
-            )
+        positions = torch.arange(len(self.ids), device=loop.model.device)
+        with cache.feeding(positions):
+            for view, kept in zip(cache.layers, self.groups[ctx.column_sums], strict=True):
+                view.append(kept.key.clone(), kept.value.clone(), positions)
+                ctx.observe_prompt(
+                    view, kept.query, view.keys, view.values, kept.spec, kept.abar, kept.last_for(keep)
+                )
         return self.logits[ctx.column_sums]
 
     def prompt_cache(self, policy: Policy) -> tuple[list[tuple], torch.Tensor]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.engine.batch_answer import Kept
-from kvlens.kvcache.cache import padded_index
+from kvlens.kvcache import padded_index
 
 
 @dataclass

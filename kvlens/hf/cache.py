@@ -16,6 +16,7 @@ refused with one sentence each.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import weakref
@@ -110,7 +111,7 @@ class KvlensCache(Cache):
         self._restore: list[
             str | None
         ] = []  # the attention implementation a forward replaced (none: not switched)
-        self._mode: torch.inference_mode | None = None  # entered by `before`, left by `after`
+        self._entered = contextlib.ExitStack()  # inference mode and the fed positions: `before` to `after`
 
     # -- transformers' Cache interface ------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -179,8 +180,7 @@ class KvlensCache(Cache):
         self._restore = [
             switch(module, ATTENTION_NAME)
         ]  # before the run starts: it may probe the model (Q-Filters)
-        self._mode = torch.inference_mode()  # as the engine runs its forwards; `after` leaves it
-        self._mode.__enter__()
+        self._entered.enter_context(torch.inference_mode())  # as the engine runs its forwards
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             raise KvlensError("A kvlens cache needs input_ids (token ids), not inputs_embeds.")
@@ -204,7 +204,9 @@ class KvlensCache(Cache):
             )
         else:
             self._choose(ids[0])
-        self.loop.cache.positions = torch.arange(seen, seen + len(ids), device=self.model.device)
+        self._entered.enter_context(
+            self.loop.cache.feeding(torch.arange(seen, seen + len(ids), device=self.model.device))
+        )
         self._t = time.perf_counter()
         return {**kwargs, CONTEXT_KWARG: self.loop.ctx}
 
@@ -230,9 +232,7 @@ class KvlensCache(Cache):
             for name in self._restore:
                 switch(module, name)
             self._restore = []
-            if self._mode is not None:
-                self._mode.__exit__(None, None, None)
-                self._mode = None
+            self._entered.close()
 
     def _start(self, prompt: list[int], first: int) -> None:
         if first != 0:

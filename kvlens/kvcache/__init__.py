@@ -1,9 +1,26 @@
-"""The KV cache a policy is handed, and its storage: the contract below both the engine and the policies.
+"""The KV cache a policy is handed, and its storage: the layer below both the engine and the policies.
 
-`cache` holds the contract (`CacheRows`, `Step`, `Prompt`, `Replay`) and the slot store behind it;
-`quantize`, `channels` and `lowrank` the compressed storage a sealed cache may use.
+`contract` holds what a policy is written against (`CacheRows`, `Step`, `Prompt`, `Replay`) and `scores` the
+attention math it shares with the engine; `store` (`SlotStore`), `views` (`SlotRows`, the rows a policy is
+handed), `tokens` (appending) and `cache` (`KVCache`, the model's `past_key_values`) the cache itself;
+`quantized` (`PackedStore`) the compressed storage a sealed cache may use: `quantize` and `kivi` (KIVI),
+`lowrank` and `rank` (low rank), `channels` (pruned key channels). Policies import only from this package's
+top.
 """
 
-from kvlens.kvcache.cache import CacheRows, Phase, Prompt, Replay, Slots, Step
+from kvlens.kvcache.contract import CacheRows, Phase, Prompt, Replay, Slots, Step
+from kvlens.kvcache.scores import AttentionSpec, group_mean, softmax_weights
+from kvlens.kvcache.store import padded_index
 
-__all__ = ["CacheRows", "Phase", "Prompt", "Replay", "Slots", "Step"]
+__all__ = [
+    "AttentionSpec",
+    "CacheRows",
+    "Phase",
+    "Prompt",
+    "Replay",
+    "Slots",
+    "Step",
+    "group_mean",
+    "padded_index",
+    "softmax_weights",
+]

@@ -11,8 +11,8 @@ costs D numbers in all.
 `ChannelStates` holds the keys of R rows x C slots: the kept channels `(R, C, K)` in the model's dtype,
 each row's channels `(R, D)` (long: the K kept ones ascending, then the pruned ones ascending) and the
 pruned channels of whole keys `(R, W, D - K)` with their slots `(R, W)` (-1: an empty entry; W grows as
-tokens arrive). It has the interface of `kvlens.kvcache.quantize.QuantizedStates`,
-so the cache treats it like the other packed storages (`SlotStore.packed`).
+tokens arrive). It has the interface of `kvlens.kvcache.kivi.QuantizedStates`,
+so the cache treats it like the other packed storages (`kvlens.kvcache.quantized.PackedStore`).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class ChannelStates:
         order = self.order[rows]
         return (order[:, : self.k] if kept else order[:, self.k :])[:, None, :].expand(-1, n, -1)
 
-    # -- the storage interface (`kvlens.kvcache.quantize.QuantizedStates`'s) --------------------------------
+    # -- the storage interface (`kvlens.kvcache.kivi.QuantizedStates`'s) --------------------------------
     def read(self, rows: slice, n: int) -> torch.Tensor:
         """`(R', n, D)` the rows' first `n` slots: the kept channels, zeros elsewhere; whole keys as they are."""
         kept = self.kept[rows, :n]

@@ -25,8 +25,8 @@ Where this differs from the papers:
 `LowRankStates` holds one of keys or values for R rows x C slots: coefficients `(R, C, r)` (cross-layer: `(1, C, r)`,
 the same tensor in every layer of the group, its bytes counted by the first), or their codes `(R, C, r * bits / 8)`
 uint8 with float16 zero points and scales `(R, C, r / group)`; bases `(R, D, r)`; full-width tokens `(R, W, D)`
-with their slots `(R, W)` (-1: a free entry). It has the interface of `kvlens.kvcache.quantize.QuantizedStates`, so
-the cache treats both storages alike (`SlotStore.packed`).
+with their slots `(R, W)` (-1: a free entry). It has the interface of `kvlens.kvcache.kivi.QuantizedStates`, so
+the cache treats both storages alike (`kvlens.kvcache.quantized.PackedStore`).
 """
 
 from __future__ import annotations
@@ -34,37 +34,7 @@ from __future__ import annotations
 import torch
 
 from kvlens.errors import KvlensError
-from kvlens.kvcache.quantize import Storage, dequantize, pack, quantize, unpack
-
-
-def coefficient_bytes(rank: int, elem: int, bits: int | None, group: int) -> int:
-    """Bytes of one slot's rank-`rank` coefficients: in the model's dtype (`elem` bytes), or packed codes plus a
-    float16 zero point and scale per group of `group` coefficients."""
-    if bits is None:
-        return rank * elem
-    return rank * bits // 8 + 4 * -(-rank // min(group, rank))
-
-
-def fits(rank: int, bits: int | None, group: int) -> bool:
-    """Whether quantized coefficients of `rank` pack into bytes and tile into groups (always, unquantized)."""
-    return bits is None or (rank % (8 // bits) == 0 and (rank <= group or rank % group == 0))
-
-
-def fit_rank(storage: Storage, dim: int, members: int, slots: int, sealed: int, elem: int) -> int:
-    """The rank of `storage` for `members` rows of `dim` channels that share coefficients (1: per head), each row
-    ending with `slots` slots of which `sealed` hold coefficients (append "full": the rest are full width): the
-    given `--kv-rank`, or the largest rank whose bytes (coefficients, bases, full-width tokens) are at most
-    `rank_share` of the same slots in the model's dtype (at least the smallest rank that packs)."""
-    if storage.rank is not None:
-        return storage.rank
-    coef_slots = slots if storage.rank_append == "project" else sealed
-    budget = storage.rank_share * members * slots * dim * elem - members * (slots - coef_slots) * dim * elem
-    ranks = [r for r in range(1, members * dim + 1) if fits(r, storage.bits, storage.group)]
-    cost = {
-        r: coef_slots * coefficient_bytes(r, elem, storage.bits, storage.group) + members * dim * r * elem
-        for r in ranks
-    }
-    return max((r for r in ranks if cost[r] <= budget), default=ranks[0])
+from kvlens.kvcache.quantize import dequantize, pack, quantize, unpack
 
 
 class LowRankStates:
@@ -220,7 +190,7 @@ class LowRankStates:
         self.wide = torch.nn.functional.pad(self.wide, (0, 0, 0, more))
         self.wide_slot = torch.nn.functional.pad(self.wide_slot, (0, more), value=-1)
 
-    # -- the storage interface (`kvlens.kvcache.quantize.QuantizedStates`'s) --------------------------------
+    # -- the storage interface (`kvlens.kvcache.kivi.QuantizedStates`'s) --------------------------------
     def read(self, rows: slice, n: int) -> torch.Tensor:
         """`(R', n, D)` the rows' first `n` slots, reconstructed (full-width ones as held)."""
         out = torch.matmul(self._coefficients(rows, n), self.basis[rows].float().transpose(1, 2)).to(

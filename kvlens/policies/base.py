@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 
 from kvlens.errors import KvlensError
-from kvlens.kvcache.cache import CacheRows, Prompt, Replay, Step
+from kvlens.kvcache import CacheRows, Prompt, Replay, Step
 from kvlens.params import Param, check_budget
 
 REGISTRY: dict[str, type[Policy]] = {}
@@ -395,8 +395,3 @@ def by_layer(rows: CacheRows, x: torch.Tensor) -> torch.Tensor:
     one block per layer of `rows`, so a rule over a layer's heads (TOVA's mean, a layer's largest `abar`) is
     one code for one layer's rows or every layer's."""
     return x.view(-1, x.shape[0] // rows.pos.shape[0] * rows.kv_heads, *x.shape[1:])
-
-
-def group_mean(probs: torch.Tensor) -> torch.Tensor:
-    """A KV head's attention is the mean of its query heads': `(R, G, ...)` -> `(R, ...)`."""
-    return probs.mean(1)

@@ -48,13 +48,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlens.kvcache.cache import CacheRows, Step
+from kvlens.kvcache import CacheRows, Step, group_mean
 from kvlens.policies.base import (
     Needs,
     ScoredEviction,
     Wrapper,
     check,
-    group_mean,
     log_evictions,
     log_merges,
     param,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.kvcache.cache import CacheRows, Prompt, Step
+from kvlens.kvcache import CacheRows, Prompt, Step
 from kvlens.policies.base import Needs, Policy, free_logged, padded_slots, param, recent_mask, register
 
 MESSAGE = "corm_message"  # (Hkv, S, w) bool, newest message last

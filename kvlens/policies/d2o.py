@@ -52,7 +52,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.kvcache.cache import CacheRows, Step
+from kvlens.kvcache import CacheRows, Step
 from kvlens.policies.base import Policy, log_evictions, param, recent_mask, register, select_lowest
 
 THRESHOLD = (

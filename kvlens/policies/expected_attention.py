@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.errors import KvlensError
-from kvlens.kvcache.cache import CacheRows, Prompt, Step
+from kvlens.kvcache import CacheRows, Prompt, Step
 from kvlens.policies.base import NO_ATTENTION, Needs, ScoredEviction, by_layer, param, register
 
 FUTURE = "expected_attention_future"  # per layer: mu' (Hq, D) and Sigma' (Hq, D, D) or None

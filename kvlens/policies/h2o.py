@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.kvcache.cache import CacheRows, Step
+from kvlens.kvcache import CacheRows, Step
 from kvlens.policies.base import ScoredEviction, param, recent_mask, register
 
 

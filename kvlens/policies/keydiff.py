@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvlens.kvcache.cache import CacheRows, Step
+from kvlens.kvcache import CacheRows, Step
 from kvlens.policies.base import NO_ATTENTION, Needs, ScoredEviction, register
 
 

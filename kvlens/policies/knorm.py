@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.kvcache.cache import CacheRows, Step
+from kvlens.kvcache import CacheRows, Step
 from kvlens.policies.base import NO_ATTENTION, Needs, ScoredEviction, register
 
 

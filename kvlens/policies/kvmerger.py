@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvlens.errors import KvlensError
-from kvlens.kvcache.cache import CacheRows, Step, padded_index
+from kvlens.kvcache import CacheRows, Step, padded_index
 from kvlens.policies.base import Policy, log_merges, param, register
 
 

@@ -37,8 +37,7 @@ from typing import Any
 
 import torch
 
-from kvlens.engine.attention import AttentionSpec, softmax_weights
-from kvlens.kvcache.cache import CacheRows, Replay, Step
+from kvlens.kvcache import AttentionSpec, CacheRows, Replay, Step, softmax_weights
 from kvlens.policies.base import NO_ATTENTION, Needs, Policy, free_logged, lowest_of_all_rows, param, register
 
 SCORE = "kvzip_score"  # per layer until the budgets are allocated: (Hkv, T) by prompt position; then per slot (R, S)

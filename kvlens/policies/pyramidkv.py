@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvlens.kvcache.cache import CacheRows, Step
+from kvlens.kvcache import CacheRows, Step
 from kvlens.policies.base import ScoredEviction, Wrapper, param, register, scored_eviction_names
 from kvlens.policies.snapkv import SnapKV
 

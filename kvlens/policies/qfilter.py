@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.kvcache.cache import CacheRows, Step
+from kvlens.kvcache import CacheRows, Step
 from kvlens.policies.base import NO_ATTENTION, Needs, ScoredEviction, register
 
 FILTERS = "qfilters"  # per layer (Hkv, D), put in the run state by the engine (`Needs.model_data`)

@@ -42,13 +42,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlens.kvcache.cache import CacheRows, Prompt, Step
+from kvlens.kvcache import CacheRows, Prompt, Step, group_mean
 from kvlens.policies.base import (
     Needs,
     ScoredEviction,
     by_layer,
     check,
-    group_mean,
     param,
     recent_mask,
     register,

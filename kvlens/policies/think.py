@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlens.kvcache.cache import CacheRows, Prompt, Step
+from kvlens.kvcache import CacheRows, Prompt, Step
 from kvlens.policies.base import (
     Needs,
     Policy,

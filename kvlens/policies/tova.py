@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.kvcache.cache import CacheRows, Step
+from kvlens.kvcache import CacheRows, Step
 from kvlens.policies.base import Needs, ScoredEviction, by_layer, register
 
 

@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.kvcache.cache import CacheRows, Step
+from kvlens.kvcache import CacheRows, Step
 from kvlens.policies.base import Policy, log_evictions, log_merges, param, register
 
 

@@ -28,6 +28,7 @@ COLUMNS = {
     "kv_slots_max": ("max slots", None),
     "kv_bytes_peak": ("peak KV bytes", "localized"),
     "ms_per_token": ("ms / token (measured pass)", "%.0f"),
+    "generated_steps": ("tokens generated (own text)", None),
 }
 
 

@@ -21,9 +21,17 @@ COLUMNS = [
     "full_score",
     "kept_share",
     "cost_vs_answer",
+    "own_vs_answer",
     "cell_ms",
     "turns",
 ]
+
+PROTOCOLS = {  # the two protocols a task grid runs under (`kvlens bench tasks [--query-aware]`), one file each
+    False: "Protocol: question-agnostic (the context is compressed alone, then the question is asked; kvpress's "
+    "default). The query-aware grid (`--query-aware`, `bench_tasks_query_aware.json`) is in the file list above.",
+    True: "Protocol: query-aware (context and question compressed together, SnapKV's setting). The "
+    "question-agnostic grid (`bench_tasks.json`) is in the file list above.",
+}
 
 
 def _turns(turns: list[dict] | None) -> str:
@@ -39,6 +47,7 @@ def leaderboard(path: Path, settings: dict, raw: dict) -> None:
         st.info(f"{path.name} has no finished sample yet.")
         return
     summary = tasks.summarise(rows)
+    st.caption(PROTOCOLS[bool(settings.get("config", {}).get("query_aware"))])
     left, middle, right = st.columns([1, 1, 2])
     task = left.selectbox(
         "Task",
@@ -68,6 +77,7 @@ def leaderboard(path: Path, settings: dict, raw: dict) -> None:
     st.caption(
         "Score: share of the expected strings found in the answers; [ci_low, ci_high]: bootstrap 95 % "
         "interval over samples; cost_vs_answer: (compression + answers) / answers, median over samples; "
+        "own_vs_answer: the method's own passes (KVzip's replay of the prompt) / answers; "
         "cell_ms: a sample's cost for this policy and ratio (its share of the shared prefill, its compression, "
         "its share of the batched answers), median over samples; turns: each question's score in turn, for "
         "a task that asks several questions of one compressed context."

@@ -41,8 +41,8 @@ NOTES = {
     ),
     "kvlens compare": (
         "`--json` prints one row per policy (its perplexity on the full cache's text, KL, output perturbation, "
-        "attention loss, kept slots, peak KV bytes, `first_divergence`, `top1_agreement` and its own `generated` "
-        "text) plus `wall_s` (the whole comparison) and `generate_s` (the part spent on the policies' own texts; "
+        "attention loss, kept slots, peak KV bytes, `first_divergence`, `top1_agreement`, its own `generated` "
+        "text and `generated_steps`, the tokens of it generated after its divergence) plus `wall_s` (the whole comparison) and `generate_s` (the part spent on the policies' own texts; "
         "`--no-generate` skips them)."
     ),
 }

@@ -389,7 +389,36 @@ def readme_summary() -> str:
         ["policy", "score [95 % interval]"],
         [[f"`{s['policy']}`", f"{s['score']:.3f} [{s['ci_low']:.3f}–{s['ci_high']:.3f}]"] for s in half],
     )
+    out += (
+        "\nNeedles found by depth in the context and context length, per policy at the grid's middle ratio "
+        "(`results/bench_tasks_needles.png`):\n\n![Needles found by depth and length](results/bench_tasks_needles.png)\n"
+    )
+    out += cost_sentence(obj)
     return out + "\n" + frontier_summary() + "\n" + explain_summary() + "\n"
+
+
+def cost_sentence(obj: dict) -> str:
+    """What a cell costs against its answers at each length, the methods' own passes (KVzip's replay) apart; empty
+    for a file whose rows do not record those passes (`own_ms`)."""
+    from kvlens.experiments.bench import tasks
+
+    rows = [r for r in obj["rows"] if isinstance(r.get("results"), list)]
+    if not any("own_ms" in res for r in rows for res in r["results"]):
+        return ""
+    summary = tasks.summarise(rows)
+    parts = []
+    for length in sorted({s["length"] for s in summary if s["task"] == "all" and s["length"] != "all"}):
+        cells = [s for s in summary if s["task"] == "all" and s["length"] == length and s["policy"] != "full"]
+        worst = max(cells, key=lambda s: s["cost_vs_answer"])
+        own = max(cells, key=lambda s: s["own_vs_answer"])
+        parts.append(
+            f"at {length} tokens at most {worst['cost_vs_answer']:.2f}× (`{worst['policy']}` at ratio "
+            f"{worst['ratio']}), and `{own['policy']}`'s own passes {own['own_vs_answer']:.2f}× its answers"
+        )
+    return (
+        "\nA cell's cost (compression and answers over answers alone, median over samples, the method's own "
+        "passes apart): " + "; ".join(parts) + ".\n"
+    )
 
 
 FAMILY_WORDS = {

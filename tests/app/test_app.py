@@ -388,6 +388,14 @@ def test_benchmarks_shows_a_task_leaderboard_filtered_by_task_and_policy(app, tm
     table = at.dataframe[-1].value
     assert list(table["policy"]) == ["h2o", "h2o"] and list(table["samples"]) == [4, 4]
     assert "8 of 10 cells done" in " ".join(p.proto.text for p in at.get("progress"))
+    assert any(c.value.startswith("Protocol: question-agnostic") for c in at.caption)
+    (results / "bench_tasks_query_aware.json").write_text(
+        json.dumps({"config": {"query_aware": True}, "rows": rows, "cells_total": 8, "cells_done": 8})
+    )
+    at = open_page(app, "benchmarks")
+    at.selectbox(key="bench_tasks_bench_file").set_value(results / "bench_tasks_query_aware.json").run()
+    assert not at.exception
+    assert any(c.value.startswith("Protocol: query-aware") for c in at.caption)
 
 
 def test_benchmarks_draws_the_bytes_quality_frontier_with_perplexity_and_task_score(app, tmp_path):
@@ -703,6 +711,8 @@ def test_compare_page_shows_the_table_kvlens_compare_computes(app, smol):
     assert [None if d != d else d for d in shown["diverges at token"]] == [
         r["first_divergence"] for r in want
     ]
+    generated = list(shown["tokens generated (own text)"])
+    assert generated == [r["generated_steps"] for r in want] and all(1 <= g <= 4 for g in generated)
     drawn = charts(at)
     assert sum(len(c["data"]) == 3 * 3 for c in drawn) == 1  # three aligned panels, one line per run
     # the token inspector: the two policies' rows for token 0 of the full cache's text, side by side

@@ -128,16 +128,20 @@ def test_the_summary_averages_tasks_equally_and_bootstraps_within_them():
     rows = _rows({("full", 0.0): [1, 1, 1, 1], ("h2o", 0.5): [1, 0, 1, 0]}, "a", 1024) + _rows(
         {("full", 0.0): [0.5, 0.5], ("h2o", 0.5): [0, 0]}, "b", 1024
     )
+    for row in rows[
+        :4
+    ]:  # h2o on task a with a pass of its own, as KVzip's replay (rows without one read as 0)
+        row["results"][1]["own_ms"] = 2.0
     cells = {(s["policy"], s["task"]): s for s in tasks.summarise(rows)}
     assert cells[("h2o", "a")]["score"] == 0.5 and cells[("h2o", "b")]["score"] == 0.0
     assert cells[("h2o", "all")]["score"] == 0.25  # the mean of the tasks' means, not of the 6 samples (1/3)
     assert cells[("h2o", "all")]["full_score"] == 0.75 and cells[("h2o", "all")]["samples"] == 6
     assert cells[("h2o", "b")]["ci_low"] == cells[("h2o", "b")]["ci_high"] == 0.0  # no spread, no interval
     assert 0 <= cells[("h2o", "a")]["ci_low"] < 0.5 < cells[("h2o", "a")]["ci_high"] <= 1
-    assert cells[("h2o", "a")]["cost_vs_answer"] == 1.25
-    assert (
-        cells[("h2o", "a")]["cell_ms"] == 0.5 + 1.0 + 4.0
-    )  # its half of the shared prefill, compression, answers
+    assert cells[("h2o", "a")]["cost_vs_answer"] == 1.25  # its own pass is not counted against the grid
+    assert cells[("h2o", "a")]["own_vs_answer"] == 0.5 and cells[("h2o", "b")]["own_vs_answer"] == 0.0
+    # its half of the shared prefill, compression, own pass, answers
+    assert cells[("h2o", "a")]["cell_ms"] == 0.5 + 1.0 + 2.0 + 4.0
     assert "h2o" in tasks.table(tasks.summarise(rows))
 
 
@@ -430,3 +434,19 @@ def test_rows_without_depths_get_their_regenerated_samples(tmp_path):
     assert stratified["needle_depths"] == [
         list(d) for d in ruler.generate("niah_multikey", 800, 3, words, ESSAY, 0).depths
     ]
+
+
+def test_the_summary_averages_tasks_at_each_length():
+    """("all", length): the tasks' mean at that length, beside ("all", "all") over every length."""
+    rows = (
+        _rows({("full", 0.0): [1, 1], ("h2o", 0.5): [1, 1]}, "a", 1024)
+        + _rows({("full", 0.0): [1, 1], ("h2o", 0.5): [0, 1]}, "b", 1024)
+        + _rows({("full", 0.0): [1, 1], ("h2o", 0.5): [0, 0]}, "a", 4096)
+    )
+    cells = {(s["policy"], s["task"], s["length"]): s for s in tasks.summarise(rows)}
+    assert cells[("h2o", "all", 1024)]["score"] == 0.75 and cells[("h2o", "all", 1024)]["samples"] == 4
+    assert cells[("h2o", "all", 4096)]["score"] == 0.0
+    assert cells[("h2o", "all", "all")]["score"] == 0.5  # tasks a@1024, b@1024, a@4096 weigh alike
+    assert (
+        "h2o" in tasks.table(tasks.summarise(rows)) and tasks.table(tasks.summarise(rows)).count("h2o") == 1
+    )

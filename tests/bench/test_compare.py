@@ -123,6 +123,27 @@ def test_own_texts_resume_from_the_divergence_and_generate_only_what_follows(tin
     assert any(r.first_diff is not None and r.first_diff < 7 for r in out[1:])  # something was resumed
 
 
+@pytest.mark.parametrize(
+    "entry",
+    [Entry("streaming_llm", {"sink": 2}, 16), Entry("cam", {}, 12), Entry("adakv", {"base": "knorm"}, 12)],
+    ids=["evicting", "merging", "per-head budget"],
+)
+def test_a_resumed_own_text_is_generates_run_generating_only_the_tokens_after_the_divergence(tiny, entry):
+    """Resumed from its fork, the own text has `kvlens generate`'s tokens, text and decisions (kept slots at
+    each step included), and the row counts only the steps after the first divergence."""
+    n = 12
+    full, r = compare(tiny, PROMPT, [entry], n)
+    row = table([full, r])[1]
+    own = generate(
+        tiny, PROMPT, entry.policy, entry.params, opts=RunOptions(budget=entry.budget, max_new_tokens=n)
+    )
+    assert r.first_diff is not None and len(own.meta["tokens"]) == n  # it diverges, and runs to the end
+    assert row["generated"] == own.meta["text"] and r.own.meta["tokens"] == own.meta["tokens"]
+    assert r.own.decisions.equals(own.decisions)
+    assert r.own.tensors["steps/kv_slots"].equal(own.tensors["steps/kv_slots"])
+    assert row["generated_steps"] == n - r.first_diff
+
+
 @pytest.mark.slow
 def test_compare_json_rows_agree_with_generate_and_ppl(smol, tmp_path):
     """One row per policy after the full reference; each number is what `kvlens ppl --measure` gives on the

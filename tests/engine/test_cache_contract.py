@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.kvcache.cache import CacheRows, KVCache
+from kvlens.kvcache import CacheRows
+from kvlens.kvcache.cache import KVCache
 
 
 def views(cache: KVCache) -> tuple[CacheRows, CacheRows | None]:
@@ -15,9 +16,9 @@ def views(cache: KVCache) -> tuple[CacheRows, CacheRows | None]:
 
 def test_a_layer_is_the_contract_and_the_all_layer_view_waits_for_the_shared_store() -> None:
     cache = KVCache(2, limit=8, all_layers=True)
-    cache.positions = torch.arange(3)
     states = torch.zeros(1, 2, 3, 4)  # (1, Hkv, q, D)
-    cache.update(states, states, 0)
+    with cache.feeding(torch.arange(3)):
+        cache.update(states, states, 0)
     layer, everywhere = views(cache)
     assert (
         isinstance(layer, CacheRows) and layer.layers == (0,) and layer.n_slots == 3 and layer.kv_heads == 2

@@ -7,10 +7,11 @@ import threading
 import pytest
 import torch
 
-from kvlens.engine.attention import AttentionSpec, decode_rows, prefill_stats
+from kvlens.engine.attention import decode_rows, prefill_stats
 from kvlens.engine.context import Observer
 from kvlens.engine.loop import RunOptions, run, run_steps
 from kvlens.errors import Cancelled, KvlensError
+from kvlens.kvcache import AttentionSpec
 from kvlens.policies import make_policy
 from tests.conftest import model_logits
 

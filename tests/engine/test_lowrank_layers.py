@@ -15,8 +15,9 @@ from kvlens.errors import KvlensError
 from kvlens.experiments.api import perplexity
 from kvlens.experiments.bench import ruler, tasks
 from kvlens.experiments.bench.common import parse_policies
-from kvlens.kvcache.lowrank import fit_rank, seal_cross_layer
+from kvlens.kvcache.lowrank import seal_cross_layer
 from kvlens.kvcache.quantize import Storage
+from kvlens.kvcache.rank import fit_rank
 from tests.engine.conftest import TEXT, keys_like
 
 PREFILL, TOKENS = 200, 24

@@ -12,7 +12,8 @@ from kvlens.engine.loop import RunOptions
 from kvlens.engine.shared_prefill import QUIET, answer, prepare
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import perplexity
-from kvlens.kvcache.quantize import QuantizedStates, Storage, dequantize, quantize, seal
+from kvlens.kvcache.kivi import QuantizedStates, seal
+from kvlens.kvcache.quantize import Storage, dequantize, quantize
 from kvlens.policies import make_policy
 
 ALL = slice(0, 3)

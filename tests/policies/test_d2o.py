@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from kvlens.engine.loop import RunOptions, run
 from kvlens.figures.provenance import replay
-from kvlens.kvcache.cache import Phase, SlotRows, Step
+from kvlens.kvcache import Phase, Step
+from kvlens.kvcache.views import SlotRows
 from kvlens.policies import make_policy
 from kvlens.policies.d2o import THRESHOLD, bounded_shares
 from kvlens.runs.decisions import DecisionLog

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvlens import texts
 from kvlens.engine.loop import RunOptions, run
-from kvlens.kvcache.cache import Phase, Prompt, Step
+from kvlens.kvcache import Phase, Prompt, Step
 from kvlens.policies import make_policy
 from kvlens.policies.expected_attention import rotate_half
 from kvlens.runs.decisions import DecisionLog
@@ -277,7 +277,7 @@ def test_kvzip_reconstructs_the_context_without_exactly_the_chat_templates_head(
 @settings(max_examples=examples(10))
 @given(st.integers(0, 10_000), st.integers(0, 6), st.integers(1, 5))
 def test_kvzip_scores_each_slot_by_the_largest_weight_of_the_repeating_queries(seed, start, sinks):
-    from kvlens.kvcache.cache import Replay
+    from kvlens.kvcache import Replay
 
     t, q, end = 16, 5, min(16, start + 7)
     layer = random_layer(seed, t)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from kvlens.engine.loop import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.figures.provenance import replay
-from kvlens.kvcache.cache import Phase, Prompt, SlotRows, Step
+from kvlens.kvcache import Phase, Prompt, Step
+from kvlens.kvcache.views import SlotRows
 from kvlens.policies import REGISTRY, make_policy, parse_settings
 from kvlens.policies.cam import DECODE_ATTN, CaM
 from kvlens.policies.corm import CORM, MESSAGE, MESSAGES_SEEN

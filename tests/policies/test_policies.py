@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from kvlens.engine.loop import RunOptions, run
 from kvlens.errors import KvlensError
-from kvlens.kvcache.cache import Phase, SlotRows, Step
+from kvlens.kvcache import Phase, Step
+from kvlens.kvcache.views import SlotRows
 from kvlens.policies import make_policy, parse_budget, parse_settings
 from kvlens.policies.base import newest_cut, select_lowest
 from kvlens.policies.cam import DECODE_ATTN

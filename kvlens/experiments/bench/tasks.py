@@ -9,8 +9,10 @@ the answer generated greedily (`kvlens.engine.shared_prefill`). Several question
 `query_aware` compresses context and question together (SnapKV's setting), one prefill per question.
 
 A cell of the grid is one sample with every policy and ratio: its context is prefilled once and shared
-(`SharedPrefill`); each (policy, ratio) then costs its restore, its share of the policy's replay passes (run
-once, for all its ratios) and its compression (`prepare_ms`), plus its answers (`answer_ms`). Scores are
+(`SharedPrefill`); each (policy, ratio) then costs its restore and compression (`prepare_ms`), its share of the
+method's own passes (`own_ms`: KVzip's replay of the prompt, run once for all its ratios, which is the method)
+and its answers (`answer_ms`). The summary's `cost_vs_answer` is (compression + answers) / answers, the method's
+own passes reported beside it (`own_vs_answer`). Scores are
 RULER's string match (`kvlens.experiments.bench.ruler.score`); a generated sample's needles sit at stratified
 depths (`depths`, `ruler.generate`), each row records them (`needle_depths`), and `needle_grid` scores each
 needle found by depth and length (the field's needle-in-a-haystack figure, `needle_figure`). A cell's optional `storage`
@@ -120,6 +122,7 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
             "outputs": {},
             "nlls": [],
             "prepare_ms": 0.0,
+            "own_ms": 0.0,
             "answer_ms": 0.0,
             "kept": [],
             "bytes": [],
@@ -159,9 +162,8 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
             t = time.perf_counter()
             loop, logits = prepare(model, policy, prompt, budget, extra, shared, opts)
             replay_ms[spec.label] = replay_ms.get(spec.label) or loop.replay_ms
-            out["prepare_ms"] += (
-                (time.perf_counter() - t) * 1000 - loop.replay_ms + replay_ms[spec.label] / share
-            )
+            out["prepare_ms"] += (time.perf_counter() - t) * 1000 - loop.replay_ms
+            out["own_ms"] += replay_ms[spec.label] / share
             out["kept"].append(loop.kept[0].float().mean().item() / len(prompt))
             out["bytes"].append(loop.cache.nbytes)
             batch.add(out, loop, logits)
@@ -179,6 +181,7 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
                 "kv_bytes": statistics.fmean(out["bytes"]),
                 "nll": statistics.fmean(out["nlls"]),
                 "prepare_ms": out["prepare_ms"],
+                "own_ms": out["own_ms"],
                 "answer_ms": out["answer_ms"],
             }
         )
@@ -376,7 +379,10 @@ def flatten(rows: list[dict]) -> list[dict]:
             "answers": r.get("answers"),
             "needle_depths": r.get("needle_depths"),
             "shared_prefill_ms": r["shared_prefill_ms"],
-            "cell_ms": r["shared_prefill_ms"] / len(r["results"]) + res["prepare_ms"] + res["answer_ms"],
+            "cell_ms": r["shared_prefill_ms"] / len(r["results"])
+            + res["prepare_ms"]
+            + res.get("own_ms", 0.0)
+            + res["answer_ms"],
         }
         for r in rows
         for res in r["results"]
@@ -411,13 +417,14 @@ def turns(records: list[dict]) -> list[dict] | None:
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """Leaderboard cells: per (policy, ratio, task, length) and averaged over tasks and lengths ("all"), the mean
-    score, the samples, a bootstrap 95 % interval, the full cache's score on the same samples and, for a task that
-    asks several questions of one context, each turn's score (`turns`)."""
+    """Leaderboard cells: per (policy, ratio, task, length), averaged over tasks ("all") at each length and over
+    both ("all", "all"), the mean score, the samples, a bootstrap 95 % interval, the full cache's score on the
+    same samples, the costs and, for a task that asks several questions of one context, each turn's score
+    (`turns`)."""
     records = flatten(rows)
     cells: dict[tuple, dict[tuple, list[float]]] = {}
     for r in records:
-        for task, length in [(r["task"], r["length"]), ("all", "all")]:
+        for task, length in [(r["task"], r["length"]), ("all", r["length"]), ("all", "all")]:
             cells.setdefault((r["policy"], r["ratio"], task, length), {}).setdefault(
                 (r["task"], r["length"]), []
             ).append(r["score"])
@@ -434,7 +441,8 @@ def summarise(rows: list[dict]) -> list[dict]:
             for r in records
             if r["policy"] == policy
             and r["ratio"] == ratio
-            and (task == "all" or (r["task"], r["length"]) == (task, length))
+            and task in ("all", r["task"])
+            and length in ("all", r["length"])
         ]
         out.append(
             {
@@ -451,6 +459,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                 "cost_vs_answer": statistics.median(
                     (r["prepare_ms"] + r["answer_ms"]) / r["answer_ms"] for r in mine
                 ),
+                "own_vs_answer": statistics.median(r.get("own_ms", 0.0) / r["answer_ms"] for r in mine),
                 "cell_ms": statistics.median(r["cell_ms"] for r in mine),
                 "turns": None if task == "all" else turns(mine),
             }
@@ -464,7 +473,7 @@ def summarise(rows: list[dict]) -> list[dict]:
 def table(summary: list[dict]) -> str:
     """The averaged leaderboard as a terminal table: a row per policy, a column per ratio; a budget-free policy
     (ratio None: it keeps what its own rule keeps) has its score in a column of its own, with its kept share."""
-    avg = [s for s in summary if s["task"] == "all"]
+    avg = [s for s in summary if s["task"] == s["length"] == "all"]
     ratios = sorted({s["ratio"] for s in avg if s["policy"] != "full" and s["ratio"] is not None})
     full = next((s for s in avg if s["policy"] == "full"), None)
     lines = [f"{'policy':<24}" + "".join(f"{f'r={r:g}':>20}" for r in ratios) + f"{'own budget':>20}"]

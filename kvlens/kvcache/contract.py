@@ -1,0 +1,118 @@
+"""`CacheRows`: the contract every policy is written against, and what a compression is told (`Step`) and may
+read of a prompt (`Prompt`) or of a replay pass (`Replay`).
+
+Shapes: R rows (KV heads; a view of several layers stacks each layer's `kv_heads` rows), S slots in use per
+row (`n_slots`: free slots and padding included), D the head size, Hq query heads, G = Hq / Hkv query heads
+per KV head.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+from kvlens.runs.decisions import DecisionLog
+
+
+class Phase(enum.Enum):
+    """Which compression a policy performs: the prompt's (step 0), or a decode step's."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One compression: `index` (0 = after the prompt, t = after the forward that produced token t), `phase`,
+    the `budget` (slots per KV head; None for budget-free policies) and the run's decision log (None: off)."""
+
+    index: int
+    phase: Phase
+    budget: int | None
+    log: DecisionLog | None = None
+
+    @property
+    def prompt(self) -> bool:
+        return self.phase is Phase.PREFILL
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What a policy may read of one layer's prompt while it is prefilled (`Policy.observe_prefill`), besides
+    the rows' own statistics (`abar`, `nobs`, `last_attn`)."""
+
+    last: torch.Tensor  # (Hq, L, T) attention rows of the last L queries (L: the most any reader asked for)
+    queries: torch.Tensor | None = None  # (Hq, T, D) the prompt's queries after RoPE
+    positions: torch.Tensor | None = None  # (T,) their positions
+    scaling: float = 1.0  # the layer's logit scale
+    rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = (
+        None  # positions -> (cos, sin)
+    )
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One replay pass of one layer (`Policy.replay_passes`, KVzip's reconstruction): tokens fed after the
+    prompt, before its compression, whose keys are never cached; what `Policy.observe_replay` may read beside
+    the rows."""
+
+    start: int  # the prompt's positions start..end - 1 are what this pass reconstructs
+    end: int
+    queries: torch.Tensor  # (Hq, q, D) the pass's queries after RoPE
+    keys: torch.Tensor  # (Hkv, q, D) its own keys after RoPE (causal among themselves)
+    scaling: float  # the layer's logit scale
+    softcap: float | None = None  # its tanh soft-capping
+
+
+class Slots(NamedTuple):
+    """Rows' kept slots in position order (oldest first; free and padding slots last, position -1)."""
+
+    pos: torch.Tensor  # (R, S)
+    keys: torch.Tensor  # (1, R, S, D)
+    values: torch.Tensor  # (1, R, S, D)
+    valid: torch.Tensor  # (R, S)
+
+
+@runtime_checkable
+class CacheRows(Protocol):
+    """What a policy may read and change: the slots of some rows (KV heads) of the cache.
+
+    Rows come in blocks of `kv_heads`, one block per layer in `layers`; `states` holds each
+    layer's run state (counters, random generators), so policies stay immutable configuration.
+    Tensors are views `[:, :n_slots]` of the rows' buffers; assigning one copies into them.
+    """
+
+    @property
+    def layers(self) -> tuple[int, ...]: ...  # the model layers whose rows these are, in row order
+    @property
+    def kv_heads(self) -> int: ...  # rows per layer
+
+    keys: torch.Tensor  # (1, R, S, D) after RoPE
+    values: torch.Tensor  # (1, R, S, D)
+    pos: torch.Tensor  # (R, S) long, -1 for a free slot
+    valid: torch.Tensor  # (R, S) bool
+    abar: torch.Tensor  # (R, S) float32, accumulated attention
+    nobs: torch.Tensor  # (R, S) float32, queries that observed each slot
+    extra: MutableMapping[str, torch.Tensor]  # name -> (R, S, ...) per-slot policy statistics
+    last_attn: torch.Tensor | None  # (R * G, S) float32, the latest query's attention (G query heads per row)
+
+    @property
+    def states(self) -> list[dict[str, Any]]: ...  # per layer in `layers`: the policy's run state
+    @property
+    def n_slots(self) -> int: ...  # slots in use per row (free slots and padding included)
+    @property
+    def n_kept(self) -> int: ...  # valid slots of the fullest row
+    @property
+    def padded(self) -> bool: ...  # some row has a free or padding slot among its n_slots
+
+    def kept_per_row(self) -> torch.Tensor: ...  # (R,) valid slots per row
+    def position_order(self) -> torch.Tensor: ...  # (R, S) slot indices oldest first, free/padding last
+    def in_position_order(self) -> Slots: ...  # the kept slots in position order (a copy, n_kept per row)
+    def one_to_evict(self, budget: int) -> bool: ...  # budget + 1 slots per row, none free: one leaves
+    def free(self, index: torch.Tensor) -> None: ...  # evict slots (R, E); later tokens reuse them
+    def retain(self, index: torch.Tensor, valid: torch.Tensor | None = None) -> None: ...  # keep (R, S') only
+    def per_layer(self, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]: ...  # (R, ...) -> [(layer, rows)]

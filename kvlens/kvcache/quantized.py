@@ -1,0 +1,208 @@
+"""`PackedStore`: a slot store whose keys and/or values leave the model's dtype buffers for packed storage, as
+transformers' `QuantizedLayer` subclasses its dynamic layer.
+
+Packed storage is KIVI's quantization (`kvlens.kvcache.kivi`), low rank (`kvlens.kvcache.lowrank`) or
+channel-pruned keys (`kvlens.kvcache.channels`), one object per name with the same interface. Reading keys or
+values dequantizes the rows asked for into a working copy `(1, R', n, D)` (what the model's attention and the
+policy see), and `commit` stores back the slots a policy changed in it (merges), then drops the copy. The
+statistics, and the values of channel-pruned storage, stay in the buffers. A store becomes packed after the
+prompt's compression (`pack`, `prune`, `seal_layers`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlens.errors import KvlensError
+from kvlens.kvcache.channels import ChannelStates, seal_channels
+from kvlens.kvcache.kivi import QuantizedStates, seal
+from kvlens.kvcache.lowrank import LowRankStates, seal_cross_layer, seal_low_rank
+from kvlens.kvcache.quantize import Storage, slot_mask
+from kvlens.kvcache.rank import fit_rank
+from kvlens.kvcache.store import STATES, SlotStore
+
+Packed = QuantizedStates | LowRankStates | ChannelStates
+SHARED_STORE = (
+    "Cross-layer low rank (--kv-rank-layers) shares each token's coefficients across the heads of adjacent "
+    "layers (xKV), so every head must keep the same tokens, and this policy keeps different ones: leave "
+    "--kv-rank-layers out for per-head low rank."
+)
+
+
+class PackedStore(SlotStore):
+    """A `SlotStore` (module docstring) with `packed`: name ("keys"/"values") -> its packed storage."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor], n: int, packed: dict[str, Packed]):
+        super().__init__(buffers, n)
+        self.packed = packed
+        self.working: dict[
+            tuple[str, int, int], torch.Tensor
+        ] = {}  # (name, first row, end row) -> (1, R', n, D)
+
+    @classmethod
+    def of(cls, store: SlotStore, packed: dict[str, Packed]) -> PackedStore:
+        """`store`'s slots with the `packed` names out of its buffers (their storage now holds them)."""
+        new = cls({k: t for k, t in store.buffers.items() if k not in packed}, store.n, packed)
+        new.extra, new.order = store.extra, store.order
+        return new
+
+    def empty_like(self, rows: int, capacity: int) -> PackedStore:
+        return PackedStore(
+            self._empty_buffers(rows, capacity),
+            0,
+            {name: q.empty(rows, capacity) for name, q in self.packed.items()},
+        )
+
+    def names(self) -> list[str]:
+        return [*self.buffers, *self.packed]
+
+    def states(self, name: str, rows: slice) -> torch.Tensor:
+        """Keys or values `(1, R', n, D)` of `rows`: a view of the buffer, or (packed) the rows' working copy."""
+        if name in self.buffers:
+            return super().states(name, rows)
+        start, stop, _ = rows.indices(self.rows)
+        key = (name, start, stop)
+        if key not in self.working:
+            self.commit(name)
+            self.working[key] = self.packed[name].read(slice(start, stop), self.n)[None]
+        return self.working[key]
+
+    def commit(self, name: str | None = None) -> None:
+        """Store the slots changed in the working copies (of `name`, or both) and drop the copies."""
+        for key in [k for k in self.working if name is None or k[0] == name]:
+            copy = self.working.pop(key)
+            rows = slice(key[1], key[2])
+            if copy.shape[2] != self.n:
+                continue  # the slots in use changed since (a rewind): nothing a policy wrote
+            stored = self.packed[key[0]].read(rows, self.n)
+            changed = (copy[0] != stored).any(-1)
+            if bool(changed.any()):
+                self.packed[key[0]].write(rows, copy[0], changed, self.buffers["valid"][rows, : self.n])
+
+    def write_states(
+        self,
+        rows: slice,
+        slots: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tokens into the buffers or the packed storage (quantized: its full-precision window); returns
+        them as fed."""
+        heads = torch.arange(slots.shape[0], device=slots.device)[:, None] + rows.start
+        self.commit()
+        valid = self.buffers["valid"][rows, : self.n]
+        for name, x in (("keys", key), ("values", value)):
+            if name in self.packed:
+                self.packed[name].append(rows, slots, x[0], positions, valid)
+            else:
+                self.buffers[name][0, heads, slots] = x[0]
+        return key[0], value[0]
+
+    def forget(self, rows: slice, index: torch.Tensor) -> None:
+        gone = slot_mask(index, self.n)
+        for q in self.packed.values():
+            q.forget(rows, gone)
+
+    def take(
+        self, rows: slice, old: SlotStore, old_rows: slice, index: torch.Tensor, kept: dict[str, torch.Tensor]
+    ) -> None:
+        """The kept slots' window entries follow them; the rest is quantized again. `old` is a store of the
+        same kind (`empty_like`)."""
+        if not isinstance(old, PackedStore):
+            raise TypeError("kvlens: packed rows are taken from a packed store")
+        valid = self.buffers["valid"][rows, : self.n]
+        for name, q in self.packed.items():
+            q.take(rows, old.packed[name], old_rows, index, kept[name][0], valid)  # type: ignore[arg-type]
+
+    def snapshot(self) -> dict[str, Packed]:
+        self.commit()
+        return {k: q.clone() for k, q in self.packed.items()}
+
+    def restore(self, saved: object) -> None:
+        if not isinstance(saved, dict):
+            raise TypeError("kvlens: a packed store restores a packed snapshot")
+        self.working.clear()
+        self.packed = {k: q.clone() for k, q in saved.items()}
+        for q in self.packed.values():
+            q.resize(self.capacity)  # the buffers may have grown since the snapshot
+
+    def resize(self, capacity: int) -> None:
+        for q in self.packed.values():
+            q.resize(capacity)
+        super().resize(capacity)
+
+    def nbytes(self, rows: slice) -> int:
+        count = len(range(*rows.indices(self.rows)))
+        return super().nbytes(rows) + sum(q.nbytes(count) for q in self.packed.values())
+
+
+def pack(store: SlotStore, storage: Storage, slots: int) -> PackedStore:
+    """`store`'s keys and values into quantized or per-head low-rank storage (after the prompt's compression);
+    `slots`: the most each row will hold (low rank's byte share is of those)."""
+    valid, pos = store.buffers["valid"][:, : store.n], store.buffers["pos"][:, : store.n]
+    states = {name: store.buffers[name][0, :, : store.n] for name in STATES}
+    packed: dict[str, Packed]
+    if storage.low_rank:
+        x = states["keys"]
+        rank = fit_rank(storage, x.shape[2], 1, max(slots, store.n), store.n, x.element_size())
+        packed = {
+            name: seal_low_rank(
+                rank,
+                t,
+                valid,
+                store.capacity,
+                bits=storage.bits,
+                group=storage.group,
+                append=storage.rank_append,
+            )
+            for name, t in states.items()
+        }
+    else:
+        packed = {name: seal(storage, name, t, pos, valid, store.capacity) for name, t in states.items()}
+    return PackedStore.of(store, packed)
+
+
+def prune(store: SlotStore, channels: torch.Tensor, whole: torch.Tensor) -> PackedStore:
+    """`store`'s keys into channel-pruned storage: each row keeps `channels` `(R, K)`, the slots `whole` `(R,
+    n)` every channel (`kvlens.kvcache.channels`); values stay in the model's dtype."""
+    valid = store.buffers["valid"][:, : store.n]
+    keys = store.buffers["keys"][0, :, : store.n]
+    return PackedStore.of(store, {"keys": seal_channels(channels, keys, valid, whole, store.capacity)})
+
+
+def seal_layers(storage: Storage, stores: list[SlotStore], limit: int) -> list[PackedStore]:
+    """xKV's cross-layer low rank (`kvlens.kvcache.lowrank.seal_cross_layer`) over the stores of a group of
+    adjacent layers, each holding one layer's rows and the same tokens in the same slots; `limit`: the most
+    slots a layer will hold."""
+    first, n = stores[0], stores[0].n
+    valid = first.buffers["valid"][:1, :n]
+    pos = first.buffers["pos"][:1, :n].masked_fill(~valid, -1)
+
+    def holds_them(store: SlotStore) -> bool:
+        """Each of the store's heads holds the first head's tokens."""
+        mine = store.buffers["valid"][:, :n]
+        return (
+            store.n == n
+            and torch.equal(mine, valid.expand_as(mine))
+            and torch.equal(store.buffers["pos"][:, :n].masked_fill(~valid, -1), pos.expand_as(mine))
+        )
+
+    if len({id(s) for s in stores}) != len(stores) or not all(map(holds_them, stores)):
+        raise KvlensError(SHARED_STORE)
+    x = first.buffers["keys"]
+    rank = fit_rank(storage, x.shape[-1], len(stores) * x.shape[1], max(limit, n), n, x.element_size())
+    parts = {
+        name: seal_cross_layer(
+            rank,
+            [s.buffers[name][0, :, :n] for s in stores],
+            valid[0],
+            bits=storage.bits,
+            group=storage.group,
+        )
+        for name in STATES
+    }
+    return [
+        PackedStore.of(store, {name: part[i] for name, part in parts.items()})
+        for i, store in enumerate(stores)
+    ]

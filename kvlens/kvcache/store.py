@@ -1,0 +1,148 @@
+"""Slot storage: `SlotStore`, the buffers of R rows (KV heads) x C slots behind the cache's views.
+
+Keys and values `(1, R, C, D)` after RoPE, and per slot `pos` (original position, -1 when free), `abar`
+(attention accumulated over every query that saw the slot, prefill rows included; a KV head's is the mean of
+its query heads'), `nobs` (queries that observed it) and `valid` (False for free slots and for the padding of
+heads that keep fewer slots), all `(R, C)`, plus policy statistics `extra` `(R, C, ...)` that travel with
+their slots. Slots past the ones in use and freed slots hold zero `abar` and `nobs`. Compressed storage of the
+keys and values is a subclass, `kvlens.kvcache.quantized.PackedStore`; this class holds them in the model's
+dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+GROWTH = 32  # minimum slots added when a growing cache runs out of room
+STATS = {"valid": False, "pos": -1, "abar": 0.0, "nobs": 0.0}  # per-slot statistics, and a free slot's
+STATES = ("keys", "values")  # (1, R, C, D); every other buffer is (R, C, ...)
+
+
+@dataclass
+class LayerBook:
+    """One layer's bookkeeping beside its rows' buffers."""
+
+    layer: int
+    limit: int | None = None  # most slots this layer will need (its budget + 1, or the run's length)
+    state: dict[str, Any] = field(default_factory=dict)  # the policy's run state for this layer
+    n_kept: int = 0  # valid slots of the fullest KV head
+    holes: torch.Tensor | None = None  # (Hkv, E) slots freed by `free`, to be reused first
+    pad: bool = False  # `retain` left padding (heads keeping different counts); never reused
+    written: torch.Tensor | None = None  # (Hkv, q) the slots the latest `append` wrote
+    # quantized storage: the latest `append`'s keys and values (Hkv, q, D) as fed
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None
+    last_attn: torch.Tensor | None = None  # (Hq, S) the latest query's attention
+
+
+class SlotStore:
+    """Buffers of R rows x C slots (see the module docstring) and the count `n` of slots in use."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor], n: int):
+        self.buffers = buffers  # keys/values (1, R, C, D) unless packed, pos/abar/nobs/valid (R, C)
+        self.extra: dict[str, torch.Tensor] = {}  # name -> (R, C, ...)
+        self.n = n
+        self.order: torch.Tensor | None = None  # (R, n) slots in position order, when known
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers["pos"].shape[1]
+
+    @property
+    def rows(self) -> int:
+        return self.buffers["pos"].shape[0]
+
+    def empty_like(self, rows: int, capacity: int) -> SlotStore:
+        """A store of `rows` x `capacity` free slots with this one's buffers and storage (none in use)."""
+        return SlotStore(self._empty_buffers(rows, capacity), 0)
+
+    def _empty_buffers(self, rows: int, capacity: int) -> dict[str, torch.Tensor]:
+        return {
+            name: t.new_full(
+                (1, rows, capacity, t.shape[-1]) if name in STATES else (rows, capacity), STATS.get(name, 0)
+            )
+            for name, t in self.buffers.items()
+        }
+
+    def names(self) -> list[str]:
+        """Every per-slot tensor the store holds: keys, values and the statistics."""
+        return list(self.buffers)
+
+    def states(self, name: str, rows: slice) -> torch.Tensor:
+        """Keys or values `(1, R', n, D)` of `rows`: a view of the buffer."""
+        return self.buffers[name][:, rows, : self.n]
+
+    def commit(self, name: str | None = None) -> None:
+        """Store what a policy changed in the keys and values it read: nothing to do, it changed the buffers."""
+
+    def write_states(
+        self,
+        rows: slice,
+        slots: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """New tokens' keys and values `(1, R', q, D)` at `positions` `(q,)` into `slots` `(R', q)` of `rows`;
+        returns them `(R', q, D)` as fed when the store holds them otherwise (None: as fed)."""
+        heads = torch.arange(slots.shape[0], device=slots.device)[:, None] + rows.start
+        for name, x in (("keys", key), ("values", value)):
+            self.buffers[name][0, heads, slots] = x[0]
+        return None
+
+    def forget(self, rows: slice, index: torch.Tensor) -> None:
+        """Slots `index` `(R', E)` of `rows` were freed (-1 entries name none): nothing else holds them."""
+
+    def take(
+        self, rows: slice, old: SlotStore, old_rows: slice, index: torch.Tensor, kept: dict[str, torch.Tensor]
+    ) -> None:
+        """`rows` (empty) receive `old`'s slots `index` `(R', S)` of `old_rows`, whose tensors are `kept`: the
+        buffers are copied by the view; nothing else to fill."""
+
+    def snapshot(self) -> object:
+        """What `restore` needs to bring the storage outside the buffers back (none here)."""
+        return None
+
+    def restore(self, saved: object) -> None:
+        """Undo what happened to the storage outside the buffers since `snapshot` (none here)."""
+
+    def resize(self, capacity: int) -> None:
+        """Reallocate every buffer to `capacity` slots, keeping the slots in use."""
+        n = self.n
+        for group in (self.buffers, self.extra):
+            for name, t in group.items():
+                axis = 2 if name in STATES and group is self.buffers else 1
+                shape = list(t.shape)
+                shape[axis] = capacity
+                new = t.new_zeros(shape)
+                new.narrow(axis, 0, n).copy_(t.narrow(axis, 0, n))
+                group[name] = new
+
+    def nbytes(self, rows: slice) -> int:
+        """Bytes allocated for the keys and values of `rows`."""
+        count = len(range(*rows.indices(self.rows)))
+        return sum(
+            t.numel() // t.shape[1] * count * t.element_size() for n, t in self.buffers.items() if n in STATES
+        )
+
+
+def first_valid(holes: torch.Tensor) -> torch.Tensor | None:
+    """Freed slots `(Hkv, E)` with each row's real ones (not -1) first, in order; columns of -1 dropped."""
+    if not bool((holes < 0).any()):
+        return holes
+    holes = holes.gather(1, torch.sort((holes < 0).int(), dim=1, stable=True).indices)
+    width = int((holes >= 0).sum(-1).max())
+    return holes[:, :width] if width else None
+
+
+def padded_index(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`keep` `(R, S)` bool -> ascending slot index `(R, n)` and valid `(R, n)`, n = the largest count:
+    rows that keep fewer are padded with their oldest dropped slots, marked invalid (for `retain`)."""
+    counts = keep.sum(-1, keepdim=True)  # (R, 1)
+    n = int(counts.max())
+    dropped_rank = (~keep).long().cumsum(-1)
+    select = keep | (~keep & (dropped_rank <= n - counts))
+    index = select.nonzero()[:, 1].view(keep.shape[0], n)
+    return index, torch.gather(keep, 1, index)

@@ -1,0 +1,327 @@
+"""`SlotRows`: a view of a row range of a `SlotStore`, the object a policy is handed; it implements
+`CacheRows`.
+
+A view holds the bookkeeping of the layers whose rows they are (`LayerBook`: kept count, freed slots to reuse,
+run state, latest attention): one layer's KV heads (`KVCache.layers[i]`, what the model's forward writes) or
+every layer's (`KVCache.all_layers()`, `(L * Hkv, S)` at once). Both are the same class, so both implement all
+of `CacheRows`; policies never touch a store. Tensors read `[:, :n_slots]` views `(1, R, S, D)` or `(R, S)` of
+the store's buffers; assigning one copies into them.
+
+Attention over a cache is order-free once RoPE is applied and every slot carries its position, so slots are
+*not* kept in arrival order: a slot freed by an eviction (`free`) receives the next token (`append`,
+`kvlens.kvcache.tokens`), with no per-step concatenation and no whole-layer gather. The first compression
+below a layer's `limit` moves the kept slots into buffers of exactly `limit` slots (`retain`), so the prompt's
+memory is really freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from kvlens.kvcache import tokens
+from kvlens.kvcache.contract import Slots
+from kvlens.kvcache.quantize import slot_mask
+from kvlens.kvcache.store import STATES, STATS, LayerBook, SlotStore, first_valid, padded_index
+
+Layout = Callable[["SlotRows", int], tuple[SlotStore, slice]]  # (view, capacity) -> (store, rows)
+
+
+class ExtraView(MutableMapping[str, torch.Tensor]):
+    """`SlotRows.extra`: each per-slot statistic as a `(R, S, ...)` view; assigning copies into the store."""
+
+    def __init__(self, rows: SlotRows):
+        self._rows = rows
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        store = self._rows.store
+        if store is None or name not in store.extra:
+            raise KeyError(name)
+        return store.extra[name][self._rows.rows, : store.n]
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        store, rows = self._rows._live, self._rows.rows
+        if (
+            name not in store.extra
+            or store.extra[name].shape[2:] != value.shape[2:]
+            or store.extra[name].dtype != value.dtype
+        ):
+            store.extra[name] = value.new_zeros((store.rows, store.capacity, *value.shape[2:]))
+        store.extra[name][rows, : store.n] = value
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("a per-slot statistic stays for the whole run")
+
+    def __iter__(self) -> Iterator[str]:
+        store = self._rows.store
+        return iter(() if store is None else store.extra)
+
+    def __len__(self) -> int:
+        store = self._rows.store
+        return 0 if store is None else len(store.extra)
+
+
+class RowTensor:
+    """A tensor of `SlotRows` (`keys`, `pos`, ...): reading gives its view `[:, :n_slots]` of the store's
+    buffer, assigning copies into it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, rows: SlotRows, owner: type | None = None) -> torch.Tensor:
+        return rows._view(self.name)
+
+    def __set__(self, rows: SlotRows, value: torch.Tensor) -> None:
+        rows._assign(self.name, value)
+
+
+class SlotRows:
+    """A view of rows `rows` of `store`, for the layers in `books` (one, or all): implements `CacheRows`."""
+
+    def __init__(
+        self,
+        books: list[LayerBook],
+        store: SlotStore | None = None,
+        rows: slice = slice(0, 0),
+        owner: Layout | None = None,
+    ):
+        self.books = books
+        self.store = store
+        self.rows = rows
+        self.owner = owner  # the KVCache: where a compressed layout goes
+
+    # -- the contract: reading ---------------------------------------------------------------------
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(b.layer for b in self.books)
+
+    @property
+    def kv_heads(self) -> int:
+        return self._n_rows() // len(self.books)
+
+    @property
+    def _live(self) -> SlotStore:
+        """The rows' store, which the first `append` (the prompt's) makes."""
+        if self.store is None:
+            raise RuntimeError("kvlens: a layer of the cache was read before it held any token")
+        return self.store
+
+    def _n_rows(self) -> int:
+        return len(range(*self.rows.indices(self._live.rows)))
+
+    def _view(self, name: str) -> torch.Tensor:
+        store = self._live
+        if name in STATES:
+            return store.states(name, self.rows)
+        return store.buffers[name][self.rows, : store.n]
+
+    def _assign(self, name: str, value: torch.Tensor) -> None:
+        view = self._view(name)
+        if view.shape != value.shape:
+            raise ValueError(f"{name} must keep the cache's shape {tuple(view.shape)}")
+        if view.data_ptr() != value.data_ptr():
+            view.copy_(value)
+        if name in ("pos", "valid"):
+            self._live.order = None
+
+    keys = RowTensor()
+    values = RowTensor()
+    pos = RowTensor()
+    abar = RowTensor()
+    nobs = RowTensor()
+    valid = RowTensor()
+
+    @property
+    def extra(self) -> ExtraView:
+        return ExtraView(self)
+
+    @extra.setter
+    def extra(self, values: Mapping[str, torch.Tensor]) -> None:
+        for name, t in values.items():
+            self.extra[name] = t
+
+    @property
+    def last_attn(self) -> torch.Tensor | None:
+        rows = [b.last_attn for b in self.books if b.last_attn is not None]
+        if len(rows) < len(self.books):
+            return None
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    @last_attn.setter
+    def last_attn(self, value: torch.Tensor | None) -> None:
+        parts: list[torch.Tensor | None] = (
+            [None] * len(self.books) if value is None else list(value.chunk(len(self.books)))
+        )
+        for book, part in zip(self.books, parts, strict=True):
+            book.last_attn = part
+
+    @property
+    def states(self) -> list[dict[str, Any]]:
+        return [b.state for b in self.books]
+
+    @property
+    def n_slots(self) -> int:
+        return 0 if self.store is None else self.store.n
+
+    @property
+    def n_kept(self) -> int:
+        return max(b.n_kept for b in self.books)
+
+    @property
+    def padded(self) -> bool:
+        return any(b.holes is not None or b.pad for b in self.books)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.store is None else self.store.capacity
+
+    @property
+    def written(self) -> torch.Tensor | None:
+        """`(R, q)` the slots the latest `append` wrote."""
+        parts = [b.written for b in self.books if b.written is not None]
+        if len(parts) < len(self.books):
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for these rows' keys and values (spare capacity included)."""
+        return 0 if self.store is None else self.store.nbytes(self.rows)
+
+    def kept_per_row(self) -> torch.Tensor:
+        return self.valid.sum(-1)
+
+    def position_order(self) -> torch.Tensor:
+        """`(R, S)` slot indices sorted by position, oldest first, free and padding slots last."""
+        store = self._live
+        if store.order is not None and store.order.shape[1] == store.n and self._whole_store():
+            return store.order
+        order = torch.argsort(
+            self.pos.masked_fill(~self.valid, torch.iinfo(self.pos.dtype).max), dim=-1, stable=True
+        )
+        if self._whole_store():
+            store.order = order
+        return order
+
+    def in_position_order(self) -> Slots:
+        """The kept slots in position order (a copy, `n_kept` per row): what an append-only cache would hold."""
+        order = self.position_order()[:, : self.n_kept]
+        idx = order[None, :, :, None].expand(1, -1, -1, self.keys.shape[-1])
+        return Slots(
+            self.pos.masked_fill(~self.valid, -1).gather(1, order),
+            self.keys.gather(2, idx),
+            self.values.gather(2, idx),
+            self.valid.gather(1, order),
+        )
+
+    def one_to_evict(self, budget: int) -> bool:
+        """A decode step's compression: each row holds budget + 1 slots, none free, so exactly one leaves."""
+        return all(b.n_kept == budget + 1 and b.holes is None and not b.pad for b in self.books)
+
+    def per_layer(self, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """`(R, ...)` -> each layer's index and its `(Hkv, ...)` rows."""
+        return list(zip(self.layers, t.chunk(len(self.books)), strict=True))
+
+    def _whole_store(self) -> bool:
+        return self._n_rows() == self._live.rows
+
+    # -- the contract: changing --------------------------------------------------------------------
+    def free(self, index: torch.Tensor) -> None:
+        """Evict slots `index` `(R, E)`; -1 entries pad rows that free fewer (heads keeping different counts).
+        Later tokens reuse the freed slots.
+
+        When the slots in use exceed a layer's `limit` (the prompt's cache after its first
+        compression), the kept slots move into buffers of `limit` slots and the old ones are released.
+        """
+        store = self._live
+        uneven = bool((index < 0).any())
+        store.forget(self.rows, index)
+        if uneven:
+            gone = slot_mask(index, store.n)  # the freed slots as a mask `(R, n)`
+            for name, fill in STATS.items():
+                store.buffers[name][self.rows, : store.n].masked_fill_(gone, fill)
+        else:
+            for name, fill in STATS.items():
+                store.buffers[name][self.rows].scatter_(1, index, fill)
+        if store.order is not None and self._whole_store() and not self.padded and not uneven:
+            gone = torch.zeros(store.order.shape, dtype=torch.bool, device=index.device).scatter_(
+                1, index, True
+            )
+            left = torch.gather(gone, 1, store.order)  # freed slots go last, in the order they were freed
+            store.order = torch.cat([store.order[~left].view(left.shape[0], -1), index], dim=1)
+        else:
+            store.order = None
+        counts = self.valid.sum(-1).chunk(len(self.books)) if uneven else ()
+        for i, (book, part) in enumerate(zip(self.books, index.chunk(len(self.books)), strict=True)):
+            book.holes = first_valid(part if book.holes is None else torch.cat([book.holes, part], dim=1))
+            if uneven:
+                book.n_kept, book.pad = (
+                    int(counts[i].max()),
+                    book.pad or bool((counts[i] != counts[i][0]).any()),
+                )
+            else:
+                book.n_kept -= part.shape[1]
+        limit = self.books[0].limit
+        if len(self.books) == 1 and limit is not None and store.n > limit:
+            kept, valid = padded_index(self.valid)
+            self.retain(kept, valid if bool((~valid).any()) else None, capacity=limit)
+
+    def retain(
+        self, index: torch.Tensor, valid: torch.Tensor | None = None, capacity: int | None = None
+    ) -> None:
+        """Keep slots `index` `(R, S')`, in that slot order, and free the rest (new buffers, or the rows the
+        cache allocates for a compressed layout). `valid` `(R, S')` marks padding when rows keep different
+        counts."""
+        s = index.shape[1]
+        capacity = max(s, capacity or s)
+        d = self.keys.shape[-1]
+        idx4 = index[None, :, :, None].expand(1, -1, -1, d)
+        old, old_rows = self._live, self.rows
+        kept = {
+            name: torch.gather(self._view(name), 2, idx4)
+            if name in STATES
+            else torch.gather(self._view(name), 1, index)
+            for name in old.names()
+        }
+        extras = {}
+        for name, t in old.extra.items():
+            view = t[self.rows, : old.n]
+            ix = index.view(*index.shape, *([1] * (view.dim() - 2))).expand(-1, -1, *view.shape[2:])
+            extras[name] = torch.gather(view, 1, ix)
+        if valid is not None:
+            kept["valid"] &= valid
+        if self.last_attn is not None:  # per query head: map each query head to its KV head's index
+            group = self.last_attn.shape[0] // index.shape[0]
+            self.last_attn = torch.gather(self.last_attn, 1, index.repeat_interleave(group, 0))
+        self.store, self.rows = (
+            self.owner(self, capacity)
+            if self.owner is not None
+            else (old.empty_like(index.shape[0], capacity), slice(0, index.shape[0]))
+        )
+        store = self.store
+        store.n = capacity  # the spare slots are free ones, which the next tokens fill
+        for name, t in kept.items():
+            if name in store.buffers:
+                view = self._view(name)
+                (view[:, :, :s] if name in STATES else view[:, :s]).copy_(t)
+        store.take(self.rows, old, old_rows, index, kept)  # storage outside the buffers (packed keys, values)
+        for name, t in extras.items():
+            self.extra[name] = torch.cat([t, t.new_zeros((t.shape[0], capacity - s, *t.shape[2:]))], dim=1)
+        store.order = None
+        counts = self.valid.sum(-1)
+        spare = torch.arange(s, capacity, device=index.device).expand(index.shape[0], capacity - s)
+        for book, part, free in zip(
+            self.books, counts.chunk(len(self.books)), spare.chunk(len(self.books)), strict=True
+        ):
+            book.n_kept, book.pad = int(part.max()), int(part.min()) < s
+            book.holes = free if capacity > s else None
+
+    def append(
+        self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, chunked: bool = False
+    ) -> None:
+        """One layer's new tokens `(1, Hkv, q, D)` at true `positions` `(q,)`, with empty statistics
+        (`kvlens.kvcache.tokens.append`; `chunked`: a chunked prefill's chunk fills the freed slots first)."""
+        (book,) = self.books
+        self.store, self.rows = tokens.append(book, self.store, self.rows, (key, value, positions), chunked)

@@ -1,0 +1,56 @@
+"""The cache's modes are scoped: positions hold inside `KVCache.feeding` only, a replay pass inside
+`KVCache.replaying` caches nothing, and packed storage is a subclass of the store that `quantize` puts in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlens.kvcache.cache import KVCache
+from kvlens.kvcache.quantize import Storage
+from kvlens.kvcache.quantized import PackedStore
+from kvlens.kvcache.store import SlotStore
+
+
+def states(q: int, value: float = 0.0) -> torch.Tensor:
+    """Keys or values of 2 KV heads, `(1, 2, q, 4)`."""
+    return torch.full((1, 2, q, 4), value)
+
+
+def test_positions_hold_inside_feeding_only_and_nest():
+    cache = KVCache(1)
+    with pytest.raises(RuntimeError, match="feeding"):
+        cache.update(states(3), states(3), 0)
+    with cache.feeding(torch.arange(3)):
+        with cache.feeding(torch.tensor([7])):
+            assert cache.positions.tolist() == [7]
+        assert cache.positions.tolist() == [0, 1, 2]
+        cache.update(states(3), states(3), 0)
+    with pytest.raises(RuntimeError, match="feeding"):
+        cache.positions  # noqa: B018
+    assert cache.layers[0].pos.tolist() == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_a_replay_pass_sees_the_cache_and_itself_and_leaves_nothing():
+    cache = KVCache(1)
+    with cache.feeding(torch.arange(3)):
+        cache.update(states(3), states(3), 0)
+    with cache.feeding(torch.arange(3, 5)), cache.replaying():
+        keys, _ = cache.update(states(2, 1.0), states(2, 1.0), 0)
+    assert keys.shape[2] == 5 and keys[0, 0, 3:].eq(1).all() and cache.layers[0].n_slots == 3
+    with cache.feeding(torch.tensor([3])):  # out of the pass: tokens are cached again
+        cache.update(states(1, 2.0), states(1, 2.0), 0)
+    assert cache.layers[0].n_slots == 4 and cache.layers[0].pos[0].tolist() == [0, 1, 2, 3]
+
+
+def test_quantized_storage_replaces_the_store_and_keeps_the_slots():
+    cache = KVCache(1)
+    x = torch.randn(1, 2, 8, 4)
+    with cache.feeding(torch.arange(8)):
+        cache.update(x, x, 0)
+    assert type(cache.layers[0].store) is SlotStore
+    cache.quantize(Storage(bits=8, group=4))
+    layer = cache.layers[0]
+    assert isinstance(layer.store, PackedStore) and "keys" not in layer.store.buffers
+    assert layer.pos[0].tolist() == list(range(8))
+    assert torch.allclose(layer.keys, x, atol=0.05) and torch.allclose(layer.values, x, atol=0.05)
