@@ -49,8 +49,8 @@ class RunEntry:
 
     @property
     def merging(self) -> bool:
-        """Whether its policy merges slots (the policy class's `merges`)."""
-        return bool(getattr(REGISTRY.get(self.policy), "merges", False))
+        """Whether its policy merges slots (the policy class's `merge_rule` is set)."""
+        return getattr(REGISTRY.get(self.policy), "merge_rule", None) is not None
 
     @property
     def label(self) -> str:
