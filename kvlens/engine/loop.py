@@ -30,8 +30,7 @@ from kvlens.errors import Cancelled, KvlensError
 from kvlens.kvcache import Phase, Step
 from kvlens.kvcache.cache import KVCache
 from kvlens.kvcache.quantize import Storage
-from kvlens.policies import REGISTRY, Policy
-from kvlens.policies.base import resolve_budget
+from kvlens.policies import REGISTRY, Policy, resolve_budget
 from kvlens.runs.decisions import DecisionLog
 from kvlens.runs.run import Run
 

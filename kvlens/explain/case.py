@@ -19,8 +19,7 @@ from kvlens.errors import KvlensError
 from kvlens.experiments.bench import ruler, tasks
 from kvlens.experiments.bench.common import PolicySpec
 from kvlens.explain.patch import Pair, compare
-from kvlens.policies import make_policy
-from kvlens.policies.base import resolve_budget
+from kvlens.policies import make_policy, resolve_budget
 from kvlens.runs.run import load_run
 
 

@@ -17,7 +17,7 @@ from kvlens.engine.models import LoadedModel
 from kvlens.engine.shared_prefill import QUIET, answer, prepare, split_prompt
 from kvlens.hf.attach import adopt, attach
 from kvlens.hf.cache import Settings
-from kvlens.policies.base import resolve_budget
+from kvlens.policies import resolve_budget
 
 
 class Pipeline:

@@ -16,7 +16,16 @@ from typing import Any
 
 from kvlens.errors import KvlensError
 from kvlens.params import Param, parse_budget
-from kvlens.policies.base import REGISTRY, Policy, ScoredEviction, param, register, scored_eviction_names
+from kvlens.policies.base import (
+    REGISTRY,
+    Policy,
+    ScoredEviction,
+    check_slots,
+    param,
+    register,
+    resolve_budget,
+    scored_eviction_names,
+)
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base":
@@ -158,6 +167,7 @@ __all__ = [
     "Policy",
     "ScoredEviction",
     "changed_params",
+    "check_slots",
     "family",
     "make_policy",
     "param",
@@ -169,6 +179,7 @@ __all__ = [
     "policy_names",
     "presets",
     "register",
+    "resolve_budget",
     "scored_eviction_names",
     "with_preset",
 ]

@@ -9,6 +9,7 @@ from kvlens.kvcache.quantize import BITS, SCHEMES, Storage
 from kvlens.params import check_budget as check_budget_value
 from kvlens.policies import (
     REGISTRY,
+    check_slots,
     make_policy,
     parameters,
     parse_budget,
@@ -16,7 +17,6 @@ from kvlens.policies import (
     presets,
     with_preset,
 )
-from kvlens.policies.base import check_slots
 from kvlens.ui.params import param_widget
 
 DEFAULTS = "(defaults)"

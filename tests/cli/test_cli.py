@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 
 from kvlens.cli import main
 from kvlens.errors import KvlensError
-from kvlens.policies import REGISTRY, make_policy, parse_budget, parse_settings
-from kvlens.policies.base import resolve_budget
+from kvlens.policies import REGISTRY, make_policy, parse_budget, parse_settings, resolve_budget
 from tests.conftest import TEXTS, examples, kvlens, one_sentence
 
 TEXT = str(TEXTS / "1961-Kennedy.txt")

@@ -44,8 +44,7 @@ from kvlens.experiments.bench import ruler
 from kvlens.experiments.bench.common import PolicySpec
 from kvlens.experiments.grid import digest
 from kvlens.kvcache.quantize import Storage
-from kvlens.policies import make_policy
-from kvlens.policies.base import resolve_budget
+from kvlens.policies import make_policy, resolve_budget
 
 # what a row written before the `rounding` and `depths` options had (`grid.Results`)
 IMPLIED = {"rounding": "kvlens", "depths": "random"}
