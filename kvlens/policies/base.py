@@ -7,7 +7,7 @@ what the engine prepares for it is one declaration, `needs()`. It holds no run s
 during a run lives in the `CacheRows` it is handed (`rows.extra` per slot, `rows.states` per layer),
 so one instance serves any number of runs and threads with identical decisions.
 
-One shape. Every hook takes `CacheRows` (`kvlens.kvcache.cache`) and is written for one layer's
+One shape. Every hook takes `CacheRows` (`kvlens.kvcache.contract`) and is written for one layer's
 rows `(Hkv, S)`. `competes` says how a selection competes: within each KV head (`head`), across the
 heads of a layer (`layer`: Ada-KV, KVzip's decoding), or across every layer and head (`model`: the
 budgets of KVzip, PyramidKV and D2O, decided in `allocate`). Where the selection is per head, the
