@@ -15,7 +15,8 @@ from kvlens.ui.sidebar import page_config, sidebar
 
 page_config()
 
-NAVIGATION = {  # section: (file in pages/, title, icon); any other file in pages/ joins Browse under its own name
+# section: (file in pages/, title, icon); any other file in pages/ joins Browse under its own name
+NAVIGATION = {
     "Browse": [
         ("overview", "Overview", ":material/description:"),
         ("runs", "Runs", ":material/table_rows:"),

@@ -1,7 +1,8 @@
 """kvlens: see what KV-cache compression does to a language model.
 
 The public entries: `kvlens.load_run(path)`; in the caller's own transformers code `kvlens.cache`,
-`kvlens.press`, `kvlens.pipeline` and `kvlens.attach` (`kvlens.hf`, imported on first use); `kvlens.model_path()`,
+`kvlens.press`, `kvlens.pipeline` and `kvlens.attach` (`kvlens.hf`, imported on first use);
+`kvlens.model_path()`,
 the embedded model's directory; `kvlens.texts`, the bundled public-domain texts.
 
 This module is the package's top layer: importing it also imports the analysis registry

@@ -1,4 +1,5 @@
-"""Comma-separated lists typed by users (`--prefill 256,512`, `--depths 0,0.5,1`, layers `0,15,29`): one parser."""
+"""Comma-separated lists typed by users (`--prefill 256,512`, `--depths 0,0.5,1`, layers `0,15,29`): one
+parser."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The bundled texts: ten State of the Union addresses (`kvlens/data/state_union/`), by id, and prompt prefixes.
+"""The bundled texts: ten State of the Union addresses (`kvlens/data/state_union/`), by id, and prompt
+prefixes.
 
 A text id is the file's stem (`1961-Kennedy`). Every part of kvlens that uses the bundled
 texts (benchmarks, sweeps, multi-text analyses, the app's Run page) reads them from here.

@@ -1,4 +1,5 @@
-"""Analyses: any registered analysis (`kvlens analyze --list`) of the open run, with widgets generated from its
+"""Analyses: any registered analysis (`kvlens analyze --list`) of the open run, with widgets generated from
+its
 parameters; the analysis and its parameters are kept in the link."""
 
 from kvlens.analysis.registry import analyses

@@ -20,7 +20,8 @@ from kvlens.ui.results import (
 )
 
 REFRESH_S = 5
-# The benchmarks the page opens on, in this order: (results file name, title, URL key, the command that makes it)
+# The benchmarks the page opens on, in this order: (results file name, title, URL key, the command that makes
+# it)
 LEAD = [
     ("bench_tasks", "Task leaderboard", "tasks", "kvlens bench tasks"),
     ("bench_frontier", "Quality at equal bytes", "frontier", "kvlens bench frontier"),
@@ -56,7 +57,8 @@ def show(picked) -> None:
                 )
             except (KeyError, TypeError, ValueError) as err:
                 st.error(
-                    f"{path.name} does not have the layout its benchmark writes ({type(err).__name__}: {err})."
+                    f"{path.name} does not have the layout its benchmark writes "
+                    f"({type(err).__name__}: {err})."
                 )
         if path.name.startswith("bench_frontier") and isinstance(raw.get("summary"), list):
             st.dataframe(frontier_table(raw["summary"]), hide_index=True, width="stretch")

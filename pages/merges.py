@@ -1,4 +1,5 @@
-"""Merges: the decision timeline, each merged slot's provenance, and the Gaussian weights of a KVMerger set."""
+"""Merges: the decision timeline, each merged slot's provenance, and the Gaussian weights of a KVMerger
+set."""
 
 import streamlit as st
 

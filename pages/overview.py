@@ -1,4 +1,5 @@
-"""Overview: what the selected run is (policy, prompt, generated text, metrics, command) and its cache occupancy."""
+"""Overview: what the selected run is (policy, prompt, generated text, metrics, command) and its cache
+occupancy."""
 
 import streamlit as st
 

@@ -1,5 +1,7 @@
-"""Spectra: normalised singular values of keys vs values per layer (WeightedKV Fig. 1), and what that decay buys in
-low-rank storage: reconstruction error against bytes, rank by rank, and, replaying the run at a ladder of ranks, what
+"""Spectra: normalised singular values of keys vs values per layer (WeightedKV Fig. 1), and what that decay
+buys in
+low-rank storage: reconstruction error against bytes, rank by rank, and, replaying the run at a ladder of
+ranks, what
 each rank does to the model's outputs."""
 
 import streamlit as st
@@ -53,11 +55,14 @@ chart(
 )
 st.subheader("What each rank does to the outputs")
 st.caption(
-    "The run's own tokens fed again through its model under its policy and budget, with keys and values stored "
+    "The run's own tokens fed again through its model under its policy and budget, with keys and "
+    "values stored "
     "at each rank (D/16 to D, D the head size) and in the model's dtype: the output error pooled over steps, "
     "layers and heads, split into the choice of positions, what low-rank storage adds and what merging adds; "
-    "KL (labelled with the top-1 agreement) and NLL change against the full cache; each rank's KV bytes under "
-    "it; and each layer's rank for the error target above. `kvlens analyze rank_perturbation` prints the same "
+    "KL (labelled with the top-1 agreement) and NLL change against the full cache; each rank's "
+    "KV bytes under "
+    "it; and each layer's rank for the error target above. `kvlens analyze rank_perturbation` "
+    "prints the same "
     "as a table."
 )
 asked = f"spec_replayed_{run.path}"

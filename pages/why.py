@@ -1,4 +1,5 @@
-"""Why: which of a policy's removals made the compressed cache get it wrong (cache patching, `kvlens explain`).
+"""Why: which of a policy's removals made the compressed cache get it wrong (cache patching, `kvlens
+explain`).
 Each group of removals is restored alone from the full cache; its recovered share is the part of the answer's
 log-probability gap it closes. The greedy smallest sufficient set is drawn on the Head grid's strips."""
 

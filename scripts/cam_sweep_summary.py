@@ -63,7 +63,8 @@ def main() -> int:
     for budget in sorted({b for b, _ in groups}):
         print(f"\nbudget {budget}\n")
         print(
-            "| variant | cells (texts) | ppl | pooled perturbation | pooled, evicted (same run) | KL (steps 1..) "
+            "| variant | cells (texts) | ppl | pooled perturbation | pooled, evicted (same run) "
+            "| KL (steps 1..) "
             "| ppl / base ppl (95% CI) | pooled CaM - evicted (95% CI) |"
         )
         print("|---" * (len(METRICS) + 4) + "|")
@@ -103,7 +104,8 @@ def main() -> int:
 
 
 def figure(groups, path: str, command: str) -> None:
-    """Bars of the pooled perturbation per preset, merged vs evicted, ± std over cells; one panel per budget."""
+    """Bars of the pooled perturbation per preset, merged vs evicted, ± std over cells; one panel per
+    budget."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 

@@ -234,7 +234,8 @@ def reference(model_dir: str, only: list[str] | None = None) -> int:
 
     @dataclass
     class H2OScorer(ScorerPress):
-        """H2O's score on kvpress's hooks: raw accumulated attention, the `recent` newest slots always kept."""
+        """H2O's score on kvpress's hooks: raw accumulated attention, the `recent` newest slots always
+        kept."""
 
         recent: int = 0
         sums: dict = field(
@@ -243,7 +244,8 @@ def reference(model_dir: str, only: list[str] | None = None) -> int:
 
         def score(self, module, hidden_states, keys, values, attentions, kwargs):
             b, hkv, s, _ = keys.shape
-            # a KV head's attention is the mean of its query heads'; summed over the rows (the prompt's, or this step's)
+            # a KV head's attention is the mean of its query heads'; summed over the rows (the prompt's, or
+            # this step's)
             received = attentions.view(b, hkv, -1, attentions.shape[2], s).mean(2).sum(2)
             if attentions.shape[2] == 1:  # decoding: add to the sums so far, the new slot starting at 0
                 previous = self.sums[module.layer_idx]
@@ -356,7 +358,8 @@ def write(result: dict) -> int:
 
 
 def unpinned_tova():
-    """Inside the kvpress virtualenv: `TOVAPress` scoring every slot, the newest included, by the last query's mean
+    """Inside the kvpress virtualenv: `TOVAPress` scoring every slot, the newest included, by the last query's
+    mean
     attention (no pin; eager attention)."""
     from kvpress import TOVAPress
 
@@ -571,8 +574,10 @@ def task_references(model_dir: str, tok, torch) -> dict:
 
 
 def removed_from(before, after, masked, torch) -> list[list[int]]:
-    """Per KV head, the sorted positions a compression removed: the prompt's keys `before` `(Hkv, T, D)` the kept
-    keys `after` `(Hkv, S, D)` do not match (keys are never merged, so each kept key is one of them exactly), and
+    """Per KV head, the sorted positions a compression removed: the prompt's keys `before` `(Hkv, T, D)` the
+    kept
+    keys `after` `(Hkv, S, D)` do not match (keys are never merged, so each kept key is one of them exactly),
+    and
     the masked ones (`masked_key_indices`: batch, head and position indices, fake-key compression)."""
     hkv, t = before.shape[:2]
     gone = [set(range(t)) for _ in range(hkv)]

@@ -1,6 +1,7 @@
 """Record every policy's decisions, kept counts and NLLs as the reference the engine must keep.
 
-    python scripts/make_golden_runs.py [--cases a,b]   # writes tests/data/golden_runs.json + golden_decisions.parquet
+    python scripts/make_golden_runs.py [--cases a,b]   # writes tests/data/golden_runs.json +
+    golden_decisions.parquet
 
 Structural facts are stored explicitly and compared exactly by `tests/cross_checks/test_golden_runs.py`:
 every decision row (step, layer, KV head, action, position, merge targets, Bernoulli draw) in
@@ -65,7 +66,8 @@ def structure(decisions: pd.DataFrame) -> pd.DataFrame:
 
 
 def step_weights(decisions) -> list[float]:
-    """Per step, the sum of every merge weight and Bernoulli probability (floats: compared with a tolerance)."""
+    """Per step, the sum of every merge weight and Bernoulli probability (floats: compared with a
+    tolerance)."""
     return [
         float(sum(sum(w) for w in rows.weights) + rows.prob.fillna(0).sum())
         for rows in (decisions[decisions.step == step] for step in range(STEPS + 1))
@@ -114,7 +116,8 @@ def stored_rows(case: str) -> pd.DataFrame:
 
 
 def check_case(got: dict, want: dict, want_rows: pd.DataFrame) -> str | None:
-    """The first structural difference between a re-run and the stored case, in one sentence; None if equal."""
+    """The first structural difference between a re-run and the stored case, in one sentence; None if
+    equal."""
     for step, (a, b) in enumerate(zip(got["kv_slots"], want["kv_slots"], strict=True)):
         if a != b:
             layer = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)

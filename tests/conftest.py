@@ -1,4 +1,5 @@
-"""Shared fixtures and helpers: a tiny random GQA Llama (seconds, no download), the embedded SmolLM2, the shipped
+"""Shared fixtures and helpers: a tiny random GQA Llama (seconds, no download), the embedded SmolLM2, the
+shipped
 runs, the `kvlens` command and the examples of docs/extending.md."""
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def examples(n: int) -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark every Hypothesis test `property`, so `make fuzz` can select them; deselect the `cuda` tests where torch
+    """Mark every Hypothesis test `property`, so `make fuzz` can select them; deselect the `cuda` tests where
+    torch
     sees no CUDA GPU (`make test-cuda` runs them on one)."""
     for item in items:
         if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
@@ -56,7 +58,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TEXTS = texts.DIR
 CACHED_RUNS = ROOT / "cached_runs"  # the runs shipped with the repository, which the app opens first
 TEST_DATA = ROOT / "tests" / "data"  # stored references: golden runs, kvpress and quanto values
-# `make test-cuda` runs the engine's tests with their models on a GPU: KVLENS_TEST_DEVICE=cuda (fp32, as on CPU).
+# `make test-cuda` runs the engine's tests with their models on a GPU: KVLENS_TEST_DEVICE=cuda (fp32, as on
+# CPU).
 DEVICE = torch.device(os.environ.get("KVLENS_TEST_DEVICE", "cpu"))
 
 
@@ -121,7 +124,8 @@ def smol():
 
 
 def model_logits(model: LoadedModel, ids: list[int]) -> torch.Tensor:
-    """`(T, vocab)` float logits of the model's own forward over `ids` (no kvlens run), on the model's device."""
+    """`(T, vocab)` float logits of the model's own forward over `ids` (no kvlens run), on the model's
+    device."""
     with torch.no_grad():
         return model.model(torch.tensor([ids], device=model.device)).logits[0].float()
 
@@ -150,7 +154,8 @@ TINY_RUN_T = 160  # the prompt tokens of `tiny_run`
 
 @functools.cache
 def tiny_run(tmp_dir: str | None = None):
-    """A full-cache run of the tiny model with prefill states (TINY_RUN_T prompt tokens, 4 steps), saved if asked."""
+    """A full-cache run of the tiny model with prefill states (TINY_RUN_T prompt tokens, 4 steps), saved if
+    asked."""
     from kvlens.engine.loop import RunOptions
     from kvlens.engine.loop import run as engine_run
     from kvlens.policies import make_policy
@@ -188,7 +193,8 @@ def one_sentence(stderr: str) -> bool:
 
 
 def doc_example(section: str) -> tuple[str, str]:
-    """The first python block of a section of docs/extending.md and the file name the section says to save it as."""
+    """The first python block of a section of docs/extending.md and the file name the section says to save
+    it as."""
     text = (ROOT / "docs" / "extending.md").read_text()
     body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
     code = re.search(r"```python\n(.*?)```", body, re.S).group(1)

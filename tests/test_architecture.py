@@ -116,7 +116,8 @@ def test_policies_import_only_the_cache_package_and_the_engine_only_the_registry
 
 
 def test_the_checker_sees_a_policy_or_engine_import_past_the_cache_package(tmp_path):
-    """The rule can fail: a policy importing a cache module or the engine, the engine importing a policy module."""
+    """The rule can fail: a policy importing a cache module or the engine, the engine importing a policy
+    module."""
     bad = tmp_path / "bad.py"
     bad.write_text("from kvlens.kvcache.views import SlotRows\nfrom kvlens.engine.attention import visible\n")
     engine = tmp_path / "engine.py"

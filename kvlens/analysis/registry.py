@@ -36,7 +36,8 @@ TEXTS = Param("texts", 4, "how many bundled texts", minimum=1)
 
 
 def check_threshold(threshold: float) -> None:
-    """THRESHOLD's range, checked by the functions of the analyses that take it (also when called directly)."""
+    """THRESHOLD's range, checked by the functions of the analyses that take it (also when called
+    directly)."""
     if not -1 <= threshold <= 1:
         raise KvlensError(f"The cosine-similarity threshold must lie in [-1, 1]; got {threshold}.")
 
@@ -163,7 +164,8 @@ def _checked_source(analysis: Analysis, source):
 
 
 def lacks(analysis: Analysis, run: Run) -> str | None:
-    """The sentence saying what `run` lacks for `analysis` (the tensors of --measure, a record level), or None."""
+    """The sentence saying what `run` lacks for `analysis` (the tensors of --measure, a record level), or
+    None."""
     name = run.path.name if run.path else "this run"
     if analysis.measured and not run.has("perturbation/used"):
         return f"The analysis '{analysis.name}' needs a run made with --measure; {name} was not measured."
@@ -184,14 +186,16 @@ def replay_model(run: Run, device: str = "auto", dtype: str | None = None):
 
 
 def _with_model(analysis: Analysis, source, model, params: dict) -> dict:
-    """`params`, and the model for an analysis that replays its run (the run's own unless `model` is given)."""
+    """`params`, and the model for an analysis that replays its run (the run's own unless `model` is
+    given)."""
     if not analysis.replays:
         return params
     return {**params, "model": model if model is not None else replay_model(source)}
 
 
 def analysis_json(name: str, source, model=None, **params) -> dict:
-    """`kvlens analyze NAME --json` on `source` (a Run, a list of Runs, or a LoadedModel); `model`: the model an
+    """`kvlens analyze NAME --json` on `source` (a Run, a list of Runs, or a LoadedModel); `model`: the model
+    an
     analysis that replays its run feeds it through (default: the run's own)."""
     analysis, p = get_analysis(name), checked_params(name, **params)
     source = _checked_source(analysis, source)

@@ -1,9 +1,12 @@
-"""One self-contained HTML report of recorded runs: what `kvlens report` writes and the app's Report button gives.
+"""One self-contained HTML report of recorded runs: what `kvlens report` writes and the app's Report button
+gives.
 
 For each run: its settings and the exact command that recorded it, its metrics, the figures of the analyses in
 `FIGURES` whose needs it meets (their defaults: the middle recorded layer, head 0), the kept-text view at its
-last step when it has attention rows (`kvlens.figures.kept_text`), and its evictions and merges per layer. With
-two runs or more, a first section sets their settings and metrics side by side and overlays their per-step curves
+last step when it has attention rows (`kvlens.figures.kept_text`), and its evictions and merges per layer.
+With
+two runs or more, a first section sets their settings and metrics side by side and overlays their per-step
+curves
 (the `steps` analysis). plotly.js is inlined once and every figure drawn from it, so opening the file fetches
 nothing: no external script, font or style sheet.
 """
@@ -61,7 +64,8 @@ METRICS = {  # run.json `metrics` keys the report names in words (any other scal
 STYLE = """
 body{margin:0;background:#f6f7f9;color:#111;font:14px/1.5 -apple-system,'Segoe UI',Helvetica,Arial,sans-serif}
 main{max-width:1320px;margin:0 auto;padding:24px 28px 60px}
-h1{font-size:26px;margin:0 0 4px}h2{font-size:20px;margin:0 0 2px}h3{font-size:15px;margin:22px 0 8px;color:#333}
+h1{font-size:26px;margin:0 0 4px}h2{font-size:20px;margin:0 0 2px}
+h3{font-size:15px;margin:22px 0 8px;color:#333}
 section{background:#fff;border:1px solid #e1e4e8;border-radius:8px;padding:20px 24px;margin:20px 0}
 .sub{color:#555;margin:0}.note{color:#8a5a00;font-size:13px}nav a{margin-right:14px;color:#0b5cad}
 table{border-collapse:collapse;font-size:13px}td,th{border-bottom:1px solid #eceef1;padding:4px 12px 4px 0;
@@ -111,7 +115,8 @@ def report_html(runs: list[Run], explained: Sequence[dict] = ()) -> str:
 
 
 def checked_out(out: str | Path) -> Path:
-    """`out` if a report can be written there (an .html file in an existing, writable folder), else one sentence."""
+    """`out` if a report can be written there (an .html file in an existing, writable folder), else one
+    sentence."""
     out = Path(out)
     if out.is_dir():
         raise KvlensError(f"{out} is a folder; give a file name ending in .html.")
@@ -138,7 +143,8 @@ def _name(run: Run, i: int) -> str:
 
 
 def _settings(run: Run) -> dict[str, str]:
-    """The run's settings as table rows: policy, parameters, budget, storage, model, tokens, recording, sampling."""
+    """The run's settings as table rows: policy, parameters, budget, storage, model, tokens, recording,
+    sampling."""
     meta = run.meta
     params = meta["policy"].get("params") or {}
     budget = meta.get("budget") or {}
@@ -191,7 +197,8 @@ def _scalars(run: Run) -> dict:
 
 
 def _table(header: list[str], rows: list[list[str]], numeric_from: int = 1) -> str:
-    """An HTML table; cells are HTML already (escape them first); columns from `numeric_from` on align right."""
+    """An HTML table; cells are HTML already (escape them first); columns from `numeric_from` on align
+    right."""
 
     def cell(tag, i, text):
         return f'<{tag} class="num">{text}</{tag}>' if i >= numeric_from else f"<{tag}>{text}</{tag}>"
@@ -299,7 +306,8 @@ def _run_section(run: Run, name: str, number: int) -> str:
 
 
 def _why_section(result: dict, name: str, number: int) -> str:
-    """A `kvlens explain` result: its case, the log-probability gap, both ends, the minimal set and the Why page's
+    """A `kvlens explain` result: its case, the log-probability gap, both ends, the minimal set and the Why
+    page's
     figures (`kvlens.figures.why`)."""
     from kvlens.figures.why import figures
 
@@ -323,7 +331,8 @@ def _why_section(result: dict, name: str, number: int) -> str:
             [
                 "smallest sufficient set",
                 html.escape(
-                    f"{len(m['groups'])} {m['by']} groups ({', '.join(m['groups'])}), {m['slots']:,} slots in layers "
+                    f"{len(m['groups'])} {m['by']} groups ({', '.join(m['groups'])}), "
+                    f"{m['slots']:,} slots in layers "
                     f"{', '.join(map(str, m['layers']))}; recovers {m['recovered_share']:.2f} of the gap"
                     + (f"; answer {'right' if m['right'] else 'wrong'}" if "right" in m else "")
                 ),

@@ -36,7 +36,8 @@ def kind_name(kind: str) -> str:
 
 
 def unit(x: torch.Tensor) -> torch.Tensor:
-    """Rows scaled to unit length `(..., T, D)`; zero rows stay zero (cosine similarity is their dot product)."""
+    """Rows scaled to unit length `(..., T, D)`; zero rows stay zero (cosine similarity is their dot
+    product)."""
     return torch.nn.functional.normalize(x.float(), dim=-1)
 
 
@@ -128,7 +129,8 @@ def layer_or_middle(run: Run, layer: int | None, kind: str = "key") -> int:
 
 
 def parse_states(text: str, many: bool = True) -> list[str]:
-    """'key' or 'key,value' -> the state kinds; one sentence for anything else (or for several when not `many`)."""
+    """'key' or 'key,value' -> the state kinds; one sentence for anything else (or for several when not
+    `many`)."""
     states = [x.strip() for x in text.split(",") if x.strip()]
     if not states or any(x not in KINDS for x in states):
         raise KvlensError(

@@ -1,6 +1,7 @@
 """`kvlens analyze KIND` (numbers, or JSON with --json), `kvlens figure KIND --out FILE` (image + CSV + JSON)
 and `kvlens analyze --list`, all derived from the analysis registry (`kvlens.analysis.registry`), and
-`kvlens report --run DIR ... --out FILE.html` (`kvlens.analysis.report`: runs, their metrics and figures in one file).
+`kvlens report --run DIR ... --out FILE.html` (`kvlens.analysis.report`: runs, their metrics and figures in
+one file).
 
 Each KIND is a subcommand with its own parameters (`kvlens analyze similarity --help`).
 """
@@ -122,7 +123,8 @@ def _add_kind(kinds, name: str, cls, command: str) -> None:
 
 
 def _flag_type(prm):
-    """argparse's `type` for a parameter's flag: one item of its kind (checked with the others before loading)."""
+    """argparse's `type` for a parameter's flag: one item of its kind (checked with the others before
+    loading)."""
 
     def parse(text: str):
         try:

@@ -1,4 +1,5 @@
-"""`kvlens bench tasks|frontier|speed|ppl|needle`: paper-style tables and figures, saved under results/ for the app."""
+"""`kvlens bench tasks|frontier|speed|ppl|needle`: paper-style tables and figures, saved under results/ for
+the app."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from kvlens.policies import policy_names
 
 ALL_POLICIES = ";".join(policy_names())
 DEFAULT_TASK_POLICIES = ";".join(n for n in policy_names() if n != "full")
-# vt and cwe are left out: the full cache of the embedded model scores under 20 % on them (README, "Task accuracy")
+# vt and cwe are left out: the full cache of the embedded model scores under 20 % on them (README, "Task
+# accuracy")
 DEFAULT_TASKS = "niah_single,niah_multikey,niah_multivalue,niah_multiquery,fwe"
 
 
@@ -276,7 +278,8 @@ def _run_grid(
     figures: tuple = (),
 ) -> int:
     """Run a benchmark's cells (resumable, on the chosen executor), then add its summary, figure and table.
-    `implied`: what older rows lacking a cell field had (`grid.Results`); `complete(rows)`: fills in what older
+    `implied`: what older rows lacking a cell field had (`grid.Results`); `complete(rows)`: fills in what
+    older
     rows lack; `figures`: more (file stem suffix, figure of the result or None) pairs."""
     from kvlens.experiments.bench.common import environment
     from kvlens.experiments.grid import report
@@ -634,7 +637,8 @@ def cmd_tasks(args) -> int:
 
 
 def _needle_depths(args, rows: list[dict], texts: dict[str, str]) -> None:
-    """Rows written before needle depths were recorded get their samples' (the model's tokenizer loaded only then)."""
+    """Rows written before needle depths were recorded get their samples' (the model's tokenizer loaded
+    only then)."""
     from kvlens.experiments.bench import task_needles
 
     if "haystack" not in texts or all(

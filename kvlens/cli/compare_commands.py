@@ -101,7 +101,8 @@ def cmd_compare(args) -> int:
         return 0
     print(f"full cache: {reference['text']!r}\n")
     print(
-        f"{'policy':<28}{'diverges':>9}{'agree':>7}{'ppl':>9}{'KL':>9}{'perturb.':>9}{'KV MiB':>8}{'ms/tok':>8}"
+        f"{'policy':<28}{'diverges':>9}{'agree':>7}{'ppl':>9}{'KL':>9}"
+        f"{'perturb.':>9}{'KV MiB':>8}{'ms/tok':>8}"
     )
     for r in rows:
         div = "-" if r["first_divergence"] is None else str(r["first_divergence"])

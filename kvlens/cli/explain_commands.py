@@ -1,4 +1,5 @@
-"""`kvlens explain`: which of a policy's removals made the compressed cache get it wrong (`kvlens.explain`)."""
+"""`kvlens explain`: which of a policy's removals made the compressed cache get it wrong
+(`kvlens.explain`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`kvlens sweep`: policies x budgets x texts x prompt lengths (x seeds) -> one JSON + CSV table, cell by cell.
+"""`kvlens sweep`: policies x budgets x texts x prompt lengths (x seeds) -> one JSON + CSV table, cell by
+cell.
 
 Shared with `kvlens bench`: the executor flags (`--workers N`, `--ray [ADDRESS]`) and `--fresh`.
 """
@@ -98,7 +99,8 @@ def run_cells(
     desc: str,
     implied: dict | None = None,
 ):
-    """Run the cells the results file `out` still lacks on the executor `args` chose; the `Results` (`implied`:
+    """Run the cells the results file `out` still lacks on the executor `args` chose; the `Results`
+    (`implied`:
     what an older row lacking a field had, `Results`)."""
     from kvlens.engine.models import model_path
     from kvlens.experiments.executors import Job, executor

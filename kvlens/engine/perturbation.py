@@ -8,7 +8,8 @@ step's own query `q` `(Hq, D)`:
 - `O_evict` = attention over the original keys and values of the positions the cache still holds
   (same decisions, no merging),
 - `O_stored` = the same with those keys and values as the run's storage holds them: with quantized storage
-  (`kvlens.kvcache.quantize`) `O_used` itself for a policy that never merges, else the original keys and values
+  (`kvlens.kvcache.quantize`) `O_used` itself for a policy that never merges, else the original keys and
+  values
   quantized and dequantized in the cache's current layout; `O_evict` without quantization,
 and it stores per (step, layer, query head) `||O_used - O_full|| / ||O_full||`, the same for
 `O_evict`, and the attention loss `1 - sum_{kept j} A_full[j]`. End to end, `kl_per_step` gives
@@ -136,7 +137,8 @@ class PerturbationMeter(Observer):
         }
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """`perturbation/used|evict|attention_loss|full_norm` `(steps - 1, L, Hq)`; empty if no decode step ran."""
+        """`perturbation/used|evict|attention_loss|full_norm` `(steps - 1, L, Hq)`; empty if no decode step
+        ran."""
         layers = sorted(self.used)
 
         def stack(d):
@@ -261,7 +263,8 @@ def summary(tensors: dict[str, torch.Tensor]) -> dict:
 
 def sources(tensors: dict[str, torch.Tensor]) -> dict | None:
     """The pooled output error of the cache used split by source: `selection` (pooled evict: the choice of
-    positions), `storage` (pooled stored - evict: what quantized or low-rank storage adds) and `merging` (pooled
+    positions), `storage` (pooled stored - evict: what quantized or low-rank storage adds) and `merging`
+    (pooled
     used - stored); None where no decode step ran or the tensors are missing."""
     names = ("evict", "stored", "used", "full_norm")
     if not all(f"perturbation/{k}" in tensors for k in names) or not tensors["perturbation/used"].numel():
@@ -272,7 +275,8 @@ def sources(tensors: dict[str, torch.Tensor]) -> dict | None:
 
 
 def _pooled(t: torch.Tensor, norm: torch.Tensor, dims=None) -> torch.Tensor:
-    """`sum ||O - O_full|| / sum ||O_full||` of relative errors `t` weighted by `norm` (over `dims`, or all)."""
+    """`sum ||O - O_full|| / sum ||O_full||` of relative errors `t` weighted by `norm` (over `dims`, or
+    all)."""
     total = (t * norm).sum(dims) if dims else (t * norm).sum()
     return total / (norm.sum(dims) if dims else norm.sum()).clamp(min=1e-30)
 

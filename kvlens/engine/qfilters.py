@@ -46,7 +46,8 @@ class QueryTap:
 
 
 def fingerprint(model: LoadedModel) -> str:
-    """A digest of the model's parameter names, shapes and first weights: which model the filters belong to."""
+    """A digest of the model's parameter names, shapes and first weights: which model the filters belong
+    to."""
     digest = hashlib.sha256()
     for i, (name, tensor) in enumerate(model.model.state_dict().items()):
         digest.update(f"{name}{tuple(tensor.shape)}".encode())
@@ -72,7 +73,8 @@ def compute(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> torch.Tensor:
-    """The filters `(L, Hkv, D)` from `count` bundled texts of `tokens` tokens each (at most the model's context)."""
+    """The filters `(L, Hkv, D)` from `count` bundled texts of `tokens` tokens each (at most the model's
+    context)."""
     tokens = min(tokens, model.shape()["context"] or tokens)
     chosen = {i: t for i, t in texts.bundled().items() if len(model.tokenizer(t).input_ids) >= tokens}
     if len(chosen) < count:
@@ -101,7 +103,8 @@ def compute(
 
 
 def head_filters(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """`(Hq, N, D)` queries -> `(Hkv, D)` filters: `-sign * v1` per query head, averaged over each KV head's."""
+    """`(Hq, N, D)` queries -> `(Hkv, D)` filters: `-sign * v1` per query head, averaged over each KV
+    head's."""
     u, _, vh = torch.linalg.svd(queries.float(), full_matrices=False)
     sign = ((u[..., 0] > 0).float().mean(-1) > 0.5).float() * 2 - 1
     per_head = -sign[:, None] * vh[:, 0, :]  # (Hq, D)

@@ -1,11 +1,13 @@
-"""Compress once, then answer: the task protocol, with one prefill of a context shared by every policy and budget.
+"""Compress once, then answer: the task protocol, with one prefill of a context shared by every policy and
+budget.
 
 The field's task benchmarks (kvpress's `evaluation/`, RULER, LongBench) compress a context once, right after
 its prefill, then append the question uncompressed and generate the answer. `split_prompt` cuts a chat prompt
 into that context and question, `slots_for` is the kept count at a compression ratio (kvpress's rounding, or
 kvlens's earlier one). `prepare` sets a
 policy up that way (prefill, its replay passes, its step-0 compression, then `freeze`), and `answer` feeds a
-question as one chunk and generates greedily; `KVCache.mark`/`rewind` ask several questions of one compressed context.
+question as one chunk and generates greedily; `KVCache.mark`/`rewind` ask several questions of one compressed
+context.
 
 The prefill is most of the cost, and it is the same for every policy: `SharedPrefill` runs it once per prefill
 kernel the policies use (SDPA for those that read no column sums, the eager statistics pass for those that
@@ -13,7 +15,8 @@ do; each gives its policies exactly the keys and values of their own runs) and k
 keys, values, column sums and last attention rows. `prepare(..., shared=...)` then rebuilds what a policy's
 own prefill would have left (cache, `abar`, `nobs`, the last rows it reads, its `observe_prefill`) without
 running the model: decisions are those of its own run, bit for bit (tested). A policy's replay passes (KVzip's
-reconstruction) read the prompt's cache alone, not the budget: they run for the first of equal policies and what
+reconstruction) read the prompt's cache alone, not the budget: they run for the first of equal policies and
+what
 they leave in each layer's run state is copied into the others (`SharedPrefill.replay`).
 """
 
@@ -68,8 +71,10 @@ ROUNDINGS = ("kvpress", "kvlens")
 
 
 def slots_for(ratio: float, tokens: int, rounding: str = "kvpress") -> int:
-    """The slots kept of `tokens` at compression ratio `ratio` (the share removed). `kvpress`: `int(tokens * (1 -
-    ratio))`, kvpress's `ScorerPress.compress` (`n_kept`); `kvlens`: `tokens - int(tokens * ratio)`, the rounding
+    """The slots kept of `tokens` at compression ratio `ratio` (the share removed). `kvpress`: `int(tokens *
+    (1 -
+    ratio))`, kvpress's `ScorerPress.compress` (`n_kept`); `kvlens`: `tokens - int(tokens * ratio)`, the
+    rounding
     of the results made before the option (one slot more when `tokens * ratio` is not a whole number)."""
     if rounding == "kvpress":
         return int(tokens * (1 - ratio))
@@ -103,7 +108,8 @@ class _Layer:
 
 
 class _Capture(RunContext):
-    """A run context that computes the prompt's statistics for a group of policies and keeps them per layer."""
+    """A run context that computes the prompt's statistics for a group of policies and keeps them per
+    layer."""
 
     def __init__(self, cache: KVCache, column_sums: bool, rows: int, windowed: bool, rotary):
         super().__init__(cache, make_policy("full"), windowed=windowed, rotary=rotary)
@@ -156,9 +162,12 @@ class SharedPrefill:
         return self.logits[ctx.column_sums]
 
     def prompt_cache(self, policy: Policy) -> tuple[list[tuple], torch.Tensor]:
-        """The prompt's uncompressed cache as `policy`'s own prefill computed it, per layer `(keys, values, valid,
-        pos)` of shapes `(Hkv, T, D)` twice and `(Hkv, T)` twice (what `batch_answer.Kept` holds), and the prompt's
-        last logits: the reference a compressed cache of `policy` differs from by its decisions alone (the SDPA and
+        """The prompt's uncompressed cache as `policy`'s own prefill computed it, per layer `(keys, values,
+        valid,
+        pos)` of shapes `(Hkv, T, D)` twice and `(Hkv, T)` twice (what `batch_answer.Kept` holds), and the
+        prompt's
+        last logits: the reference a compressed cache of `policy` differs from by its decisions alone (the
+        SDPA and
         the eager prefill differ by float rounding)."""
         sums = _ctx_of(self.model, policy).column_sums
         layers = []
@@ -171,7 +180,8 @@ class SharedPrefill:
         return layers, self.logits[sums]
 
     def replay(self, loop: _Loop) -> None:
-        """`loop`'s replay passes, or what an equal policy's left in each layer's run state (copied, also for the
+        """`loop`'s replay passes, or what an equal policy's left in each layer's run state (copied, also for
+        the
         first: the stored state is never the one a compression then changes)."""
         books = loop.cache.books
         if loop.policy not in self.replays:
@@ -201,8 +211,10 @@ def prepare(
     shared: SharedPrefill | None = None,
     opts: RunOptions = QUIET,
 ) -> tuple[_Loop, torch.Tensor]:
-    """`policy` compressed once to `budget` slots after the prompt `context` (its own prefill, or restored from
-    `shared`), then frozen; `extra`: the tokens that will be appended (questions and answers). Returns the loop
+    """`policy` compressed once to `budget` slots after the prompt `context` (its own prefill, or restored
+    from
+    `shared`), then frozen; `extra`: the tokens that will be appended (questions and answers). Returns the
+    loop
     and the prompt's last logits."""
     _check_length(model, len(context) + extra)
     model.supported()
@@ -231,8 +243,10 @@ def answer(
     logits: torch.Tensor | None = None,
     done: Callable[[list[int]], bool] | None = None,
 ) -> tuple[list[int], list[float]]:
-    """Greedy answer after feeding `question` at positions start.. in one chunk (none: answer from `logits`, the
-    prompt's); stops at the tokenizer's end-of-sequence or once `done(tokens)`. Returns the tokens and each one's
+    """Greedy answer after feeding `question` at positions start.. in one chunk (none: answer from `logits`,
+    the
+    prompt's); stops at the tokenizer's end-of-sequence or once `done(tokens)`. Returns the tokens and each
+    one's
     NLL. (`kvlens.engine.batch_answer.answer_many` answers many loops at once.)"""
     eos = loop.model.tokenizer.eos_token_id
     tokens, nlls = [], []

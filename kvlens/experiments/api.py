@@ -47,7 +47,8 @@ def generate(
     meta: dict | None = None,
     measure: bool = False,
 ) -> Run:
-    """Generate up to `opts.max_new_tokens` tokens after `prompt` under a policy (`measure`: perturbation too)."""
+    """Generate up to `opts.max_new_tokens` tokens after `prompt` under a policy (`measure`: perturbation
+    too)."""
     pol = make_policy(policy, params)
     ids = encode(model, prompt, chat)
 

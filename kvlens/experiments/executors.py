@@ -94,8 +94,10 @@ def _run_in_worker(cell: dict) -> dict:
 
 
 def _give_back_memory() -> None:
-    """Return a finished cell's freed memory to the system (glibc keeps it for the process otherwise: a task cell at
-    2048 tokens left 3.8 GB resident after it ended, 1.1 GB after this), so that workers side by side do not each
+    """Return a finished cell's freed memory to the system (glibc keeps it for the process otherwise: a task
+    cell at
+    2048 tokens left 3.8 GB resident after it ended, 1.1 GB after this), so that workers side by side do not
+    each
     hold their largest cell's peak."""
     import ctypes
     import ctypes.util
@@ -109,7 +111,8 @@ def _give_back_memory() -> None:
 
 
 def processes(job: Job, workers: int) -> Callable[[list[dict]], Iterator[tuple[dict, dict]]]:
-    """Run cells on `workers` local processes (spawned, each loading the model once and using its share of the CPUs)."""
+    """Run cells on `workers` local processes (spawned, each loading the model once and using its share of
+    the CPUs)."""
 
     def outcomes(cells):
         if not cells:
@@ -148,7 +151,8 @@ class _RayWorker:
 def ray_cluster(
     job: Job, workers: int | None, address: str | None, object_store_bytes: int = 100 << 20
 ) -> Callable[[list[dict]], Iterator[tuple[dict, dict]]]:
-    """Run cells on Ray actors: on the cluster at `address`, or on a local Ray started here (and stopped after).
+    """Run cells on Ray actors: on the cluster at `address`, or on a local Ray started here (and stopped
+    after).
 
     One actor per worker, each holding a GPU when the cluster has GPUs and the device is not `cpu`
     (default: one per GPU, else one per CPU; more actors share them); each loads the model once.

@@ -1,4 +1,5 @@
-"""Grids of cells: one planner for `kvlens sweep` and `kvlens bench`, and the results file that grows cell by cell.
+"""Grids of cells: one planner for `kvlens sweep` and `kvlens bench`, and the results file that grows cell by
+cell.
 
 A cell is a flat dict of JSON values that fully describes one run: its task (`ppl`, `needle`),
 the model spec, the policy and its resolved parameters, the budget, the text id and a digest of
@@ -48,7 +49,8 @@ def plan(
     fixed: dict,
     seeds: list[int] | None = None,
 ) -> list[dict]:
-    """Every `(policy, params)` x budget x the product of `axes` (x seed), as cells, checked before any model work.
+    """Every `(policy, params)` x budget x the product of `axes` (x seed), as cells, checked before any model
+    work.
 
     Budget-free policies (`full`, CORM) get one `None` budget. `fixed` goes into every cell.
     `seeds` (if given) is an axis that sets both the run's seed and the `seed` parameter of
@@ -100,7 +102,8 @@ def _write_atomic(path: Path, write: Callable) -> None:
 
 
 class Results:
-    """The results file of a grid (JSON, with a CSV of the rows beside it), rewritten atomically after each cell."""
+    """The results file of a grid (JSON, with a CSV of the rows beside it), rewritten atomically after each
+    cell."""
 
     def __init__(
         self,

@@ -1,4 +1,5 @@
-"""Policies x budgets x texts x prompt lengths (x seeds): one row of metrics per cell (`kvlens sweep`, `bench ppl`).
+"""Policies x budgets x texts x prompt lengths (x seeds): one row of metrics per cell (`kvlens sweep`, `bench
+ppl`).
 
 The paper-style comparisons are one sweep each: perplexity of every policy at a few budgets
 (WeightedKV Table I, CORM Table 3), perturbation of merging vs eviction against the budget (CaM
@@ -60,7 +61,8 @@ def plan_ppl(
 
 def ppl_cell(model, texts: dict[str, str], cell: dict) -> dict:
     """The metrics of one `ppl` cell: perplexity, what the cache kept (slots, bytes, shares), speed, and
-    (measured cells) the perturbation summary. A cell's `storage` (`Storage.describe()`, optional) quantizes, its
+    (measured cells) the perturbation summary. A cell's `storage` (`Storage.describe()`, optional) quantizes,
+    its
     `prefill_chunk` (optional) feeds the prompt in chunks."""
     prefill, tokens = cell["prefill"], cell["tokens"]
     run = perplexity(

@@ -26,9 +26,12 @@ def explain(
     shared: SharedPrefill | None = None,
 ) -> dict:
     """The JSON-able result: the case, its answers, the log-probabilities of the full and compressed caches,
-    `all_groups` and `no_groups` (each with its `recovered_share`), one entry per group (`recovered_share`, slot
-    count, and with `reverse` the share lost when only that group is removed from the full cache), the `minimal`
-    set (when `minimal_by` names a grouping) and the cost of each part. `shared`: the context's prefill, when the
+    `all_groups` and `no_groups` (each with its `recovered_share`), one entry per group (`recovered_share`,
+    slot
+    count, and with `reverse` the share lost when only that group is removed from the full cache), the
+    `minimal`
+    set (when `minimal_by` names a grouping) and the cost of each part. `shared`: the context's prefill, when
+    the
     caller already has it."""
     return explain_built(build(case, shared), by, span, reverse, minimal_by, batch)
 
@@ -116,7 +119,8 @@ def explain_built(
 
 
 def strips(removed: torch.Tensor, restored: torch.Tensor) -> dict:
-    """Per layer, KV head and block of positions (the Head grid's pooling, at most `MAX_STRIP` blocks): the share
+    """Per layer, KV head and block of positions (the Head grid's pooling, at most `MAX_STRIP` blocks): the
+    share
     of the block removed and the share the minimal set restores, `(L, Hkv, blocks)` as lists."""
     tokens = removed.shape[-1]
     block = math.ceil(tokens / MAX_STRIP)

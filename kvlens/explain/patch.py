@@ -5,7 +5,8 @@ Both caches are `Kept` slots per layer: the full cache holds every context posit
 (layer, KV head, position) is *removed* when the compressed cache lacks it (evicted) or holds it with another
 key or value (a merge target, or quantized storage). `patched(pair, restore)` is the compressed cache with the
 full cache's entries `restore` `(L, Hkv, T)` put back: the compressed slot of a restored position leaves, the
-full one comes in. Restoring every removed entry gives the full cache's slots (in another order, which attention
+full one comes in. Restoring every removed entry gives the full cache's slots (in another order, which
+attention
 ignores); restoring none gives the compressed cache itself.
 """
 
@@ -22,8 +23,10 @@ from kvlens.kvcache import padded_index
 @dataclass
 class Pair:
     """The full and the compressed cache of one context of T tokens. `removed` and `merged` are `(L, Hkv, T)`
-    bool: every removed entry, and those a merge touched (its sources, from the decision log, and the slots whose
-    key or value changed). `links` `(2, M)`: flat indices into `(L, Hkv, T)` of merge sources and their targets
+    bool: every removed entry, and those a merge touched (its sources, from the decision log, and the slots
+    whose
+    key or value changed). `links` `(2, M)`: flat indices into `(L, Hkv, T)` of merge sources and their
+    targets
     (restoring a source restores its targets' original keys and values too)."""
 
     full: Kept
@@ -39,7 +42,8 @@ class Pair:
 
 
 def compare(full: Kept, compressed: Kept, merges: list[tuple[int, int, int, list[int]]]) -> Pair:
-    """What compression removed, from the two caches and the step-0 merges `(layer, kv_head, source, targets)`."""
+    """What compression removed, from the two caches and the step-0 merges `(layer, kv_head, source,
+    targets)`."""
     present_rows: list[torch.Tensor] = []
     changed_rows: list[torch.Tensor] = []
     for (kf, vf, _, pf), (kc, vc, ok, pc) in zip(full.layers, compressed.layers, strict=True):
@@ -69,7 +73,8 @@ def compare(full: Kept, compressed: Kept, merges: list[tuple[int, int, int, list
 
 
 def close(pair: Pair, restore: torch.Tensor) -> torch.Tensor:
-    """`restore` `(L, Hkv, T)` with the targets of every merge source in it added, within the removed entries."""
+    """`restore` `(L, Hkv, T)` with the targets of every merge source in it added, within the removed
+    entries."""
     flat = restore.reshape(-1).clone()
     if pair.links.shape[1]:
         flat = flat.to(torch.uint8).scatter_reduce(
@@ -79,7 +84,8 @@ def close(pair: Pair, restore: torch.Tensor) -> torch.Tensor:
 
 
 def patched(pair: Pair, restore: torch.Tensor) -> Kept:
-    """The compressed cache with the full cache's entries `restore` `(L, Hkv, T)` bool put back (layers without
+    """The compressed cache with the full cache's entries `restore` `(L, Hkv, T)` bool put back (layers
+    without
     one are the compressed cache's own tensors, not copies)."""
     layers = []
     for i, (full, comp) in enumerate(zip(pair.full.layers, pair.compressed.layers, strict=True)):
@@ -103,6 +109,7 @@ def patched(pair: Pair, restore: torch.Tensor) -> Kept:
 
 
 def without(pair: Pair, group: torch.Tensor) -> Kept:
-    """The reverse patch: the full cache with only the (closed) `group`'s removals `(L, Hkv, T)` applied, every
+    """The reverse patch: the full cache with only the (closed) `group`'s removals `(L, Hkv, T)` applied,
+    every
     other removed entry restored."""
     return patched(pair, pair.removed & ~group)

@@ -50,7 +50,8 @@ def image_bytes(fig: go.Figure, fmt: str, scale: float = 2.0) -> bytes:
 
 
 def figure_rows(fig: go.Figure) -> list[dict]:
-    """Every trace's points in long form: heatmaps one row per cell (empty cells left out), lines one row per point."""
+    """Every trace's points in long form: heatmaps one row per cell (empty cells left out), lines one row
+    per point."""
     rows = []
     for i, tr in enumerate(fig.data):
         name = tr.name or f"trace {i}"
@@ -100,7 +101,8 @@ def figure_config(fig: go.Figure) -> dict:
 def export_figure(
     fig: go.Figure, out: str | Path, scale: float = 2.0, command: str | None = None
 ) -> list[Path]:
-    """Write `out` (.png/.svg/.pdf image, or .csv/.json only) and the CSV + JSON beside it; returns the paths."""
+    """Write `out` (.png/.svg/.pdf image, or .csv/.json only) and the CSV + JSON beside it; returns the
+    paths."""
     out = Path(out)
     fmt = out.suffix.lower().lstrip(".")
     if fmt not in (*FORMATS, "csv", "json"):

@@ -1,4 +1,5 @@
-"""Every recorded layer and head of a run at one step (the app's Head grid; bertviz's model view as small multiples).
+"""Every recorded layer and head of a run at one step (the app's Head grid; bertviz's model view as small
+multiples).
 
 `head_grid(run)` stacks `kvlens.figures.attention.layer_cache` of every recorded layer once, as numpy arrays
 step first (a step is one contiguous block; torch's thread pool costs more than these small per-step sums):

@@ -129,7 +129,8 @@ def slot_provenance(run: Run, layer: int, kv_head: int, step: int) -> dict[int, 
 
 
 def merged_into(provenance: dict[int, dict[int, float]]) -> dict[int, list[int]]:
-    """{position: the slots holding its merged values} of a `slot_provenance` (a slot's own position left out)."""
+    """{position: the slots holding its merged values} of a `slot_provenance` (a slot's own position left
+    out)."""
     into: dict[int, list[int]] = {}
     for slot, sources in provenance.items():
         for source in sources:

@@ -38,10 +38,13 @@ QUERY_OUTLINE = "2px solid #111111"
 
 @dataclass(frozen=True)
 class KeptText:
-    """Every token of a run at step `step`, N = prompt + new tokens: `texts` (N,) their text; `kept` (N,) how many
-    of the `pairs` recorded (layer, KV head) pairs hold each position; `attention` (N,) what each received at this
+    """Every token of a run at step `step`, N = prompt + new tokens: `texts` (N,) their text; `kept` (N,) how
+    many
+    of the `pairs` recorded (layer, KV head) pairs hold each position; `attention` (N,) what each received at
+    this
     step: the chosen query head's (NaN where it is not cached) or, with no head chosen, the mean over every
-    recorded query head (0 where not cached, NaN where no head caches it). With a head: `status` (N,) its status
+    recorded query head (0 where not cached, NaN where no head caches it). With a head: `status` (N,) its
+    status
     codes, `merged_into` {position: slots holding its merged values} and `holds` {slot: {position: weight}} of
     its KV head; otherwise `status` is None and both are empty."""
 
@@ -67,7 +70,8 @@ class KeptText:
 
 
 def kept_text(run: Run, step: int, layer: int | None = None, head: int | None = None) -> KeptText:
-    """The view of step `step`: counts over every recorded head, or query head `head` of `layer` (see above)."""
+    """The view of step `step`: counts over every recorded head, or query head `head` of `layer` (see
+    above)."""
     layers = recorded_attention_layers(run)
     if (layer is None) != (head is None):
         raise KvlensError(
@@ -216,14 +220,16 @@ def _legend(view: KeptText) -> str:
     rest = (
         '<span style="color:#9a9a9a;margin-left:10px">grey text: not yet seen</span>'
         f'<span style="outline:{QUERY_OUTLINE};margin-left:12px;padding:0 3px">outlined</span>: the query'
-        '<span style="text-decoration:underline;text-underline-offset:3px;margin-left:12px">underlined</span>: '
+        "<span "
+        'style="text-decoration:underline;text-underline-offset:3px;margin-left:12px">underlined</span>: '
         "generated"
     )
     return f'<div style="font-size:12px;color:#444;margin:4px 0 8px">{colours}{rest}</div>'
 
 
 def kept_text_html(view: KeptText) -> str:
-    """The view as a self-contained HTML fragment: a caption, a one-line legend and the text, whitespace kept."""
+    """The view as a self-contained HTML fragment: a caption, a one-line legend and the text, whitespace
+    kept."""
     q = view.query_position
     query = _quoted(view.texts[q]) if q < len(view.texts) else "?"
     produced = view.prompt_len + view.step

@@ -1,11 +1,16 @@
 """Where a quantized run's output error comes from: the choice of positions, quantized storage, merging.
 
 A `--measure` run with quantized storage (`--kv-bits`) holds `perturbation/used|stored|evict|full_norm`
-`(decode steps, L, Hq)` and the metric `perturbation_sources` (`kvlens.engine.perturbation.summary`): the pooled
-relative output error `sum ||O - O_full|| / sum ||O_full||` of the cache used, split into `selection` (the same
-positions in full precision), `storage` (what quantizing them adds) and `merging` (what merging adds; negative when
-merging brings the output closer to the full cache's). `sources_figure` draws that split as a waterfall that ends
-at the cache used, and per layer the same three pooled errors, so the gaps between the curves are the split per
+`(decode steps, L, Hq)` and the metric `perturbation_sources` (`kvlens.engine.perturbation.summary`): the
+pooled
+relative output error `sum ||O - O_full|| / sum ||O_full||` of the cache used, split into `selection` (the
+same
+positions in full precision), `storage` (what quantizing them adds) and `merging` (what merging adds; negative
+when
+merging brings the output closer to the full cache's). `sources_figure` draws that split as a waterfall that
+ends
+at the cache used, and per layer the same three pooled errors, so the gaps between the curves are the split
+per
 layer. `has_sources(run)` says whether a run has what it needs (older and unquantized runs do not).
 """
 
@@ -38,7 +43,8 @@ def has_sources(run: Run) -> bool:
 
 
 def pooled_per_layer(run: Run) -> dict[str, list[float]]:
-    """Per layer, `sum ||O - O_full|| / sum ||O_full||` over steps and heads of `evict`, `stored` and `used`."""
+    """Per layer, `sum ||O - O_full|| / sum ||O_full||` over steps and heads of `evict`, `stored` and
+    `used`."""
     norm = run.tensor("perturbation/full_norm").float()
     total = norm.sum(dim=(0, 2)).clamp(min=1e-30)
     return {
@@ -48,13 +54,15 @@ def pooled_per_layer(run: Run) -> dict[str, list[float]]:
 
 
 def shares(sources: dict) -> dict[str, float]:
-    """Each part's share of the cache used's pooled error (they add up to 1; merging's is negative when it helps)."""
+    """Each part's share of the cache used's pooled error (they add up to 1; merging's is negative when it
+    helps)."""
     total = sum(sources[k] for k, *_ in PARTS)
     return {k: sources[k] / total if total else 0.0 for k, *_ in PARTS}
 
 
 def sources_figure(run: Run) -> go.Figure:
-    """The waterfall of the pooled error (choice of positions + quantized storage + merging = cache used) and the
+    """The waterfall of the pooled error (choice of positions + quantized storage + merging = cache used) and
+    the
     three pooled errors per layer."""
     src = run.metrics["perturbation_sources"]
     per_layer = pooled_per_layer(run)

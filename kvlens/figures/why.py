@@ -1,4 +1,5 @@
-"""The Why page's figures, from an `explain` result (`kvlens.explain.explain`): the recovered share per layer and
+"""The Why page's figures, from an `explain` result (`kvlens.explain.explain`): the recovered share per layer
+and
 KV head, the span strip over the text with the needle marked, and the minimal set on the Head grid's strips.
 Each carries `layout.meta` (`analysis`, `params`) like the other figures, so it exports the same way."""
 
@@ -25,7 +26,8 @@ def _meta(result: dict, view: str) -> dict:
 
 
 def share_heatmap(result: dict) -> go.Figure:
-    """Recovered share of restoring each (layer, KV head) group alone: layers down, KV heads across (one column
+    """Recovered share of restoring each (layer, KV head) group alone: layers down, KV heads across (one
+    column
     for all heads when only layers were grouped)."""
     layers, heads = result["shape"]["layers"], result["shape"]["kv_heads"]
     by_head = [g for g in result["groups"] if g["kind"] == "head"]
@@ -117,7 +119,8 @@ def span_strip(result: dict) -> go.Figure:
 
 
 def minimal_strips(result: dict, gap: int = 3) -> go.Figure:
-    """The minimal set on the Head grid's strips: layers down, KV heads across, each strip the context's positions
+    """The minimal set on the Head grid's strips: layers down, KV heads across, each strip the context's
+    positions
     (pooled in blocks): grey where the policy removed entries, red where the minimal set restores them."""
     if "strips" not in result or not result.get("minimal", {}).get("found"):
         raise KvlensError("This result has no minimal set; explain it with --find-minimal.")

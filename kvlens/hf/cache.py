@@ -2,10 +2,13 @@
 
 The cache drives the engine's own run state (`kvlens.engine.loop._Loop`): the same prefill statistics, step-0
 compression, decode-time eviction and merging, quantized storage and decision log as `kvlens generate`, so the
-same prompt and settings give the same tokens and decisions. `transformers` owns the loop: two forward hooks on
-the model, installed once (`install`), act only on a forward whose `past_key_values` is a `KvlensCache`: before
+same prompt and settings give the same tokens and decisions. `transformers` owns the loop: two forward hooks
+on
+the model, installed once (`install`), act only on a forward whose `past_key_values` is a `KvlensCache`:
+before
 it, the cache switches the model's attention implementation to kvlens's and hands it the run's context through
-the forward's keyword arguments; after it (also when the forward raised), the cache compresses as the engine does
+the forward's keyword arguments; after it (also when the forward raised), the cache compresses as the engine
+does
 and switches the implementation back. Any other forward passes through them untouched. Positions are true
 positions: `get_seq_length` counts every token fed, not the slots kept, so RoPE never re-indexes.
 
@@ -175,7 +178,8 @@ class KvlensCache(Cache):
 
     # -- the run, driven by the model's forward hooks ---------------------------------------------------
     def before(self, module, args, kwargs) -> dict:
-        """Before a forward: switch the attention to kvlens's (`after` switches it back, also when this raises),
+        """Before a forward: switch the attention to kvlens's (`after` switches it back, also when this
+        raises),
         check the input, feed its positions, hand the run's context to the attention."""
         self._restore = [
             switch(module, ATTENTION_NAME)
@@ -211,7 +215,8 @@ class KvlensCache(Cache):
         return {**kwargs, CONTEXT_KWARG: self.loop.ctx}
 
     def after(self, module, output) -> None:
-        """After a forward (also one that raised): compress as the engine does after it, restore the attention."""
+        """After a forward (also one that raised): compress as the engine does after it, restore the
+        attention."""
         try:
             if output is None:
                 return
@@ -266,7 +271,8 @@ class KvlensCache(Cache):
         return self._ran().log.frame()
 
     def run(self, sequences: torch.Tensor | None = None) -> Run:
-        """The generation as a kvlens `Run`. `sequences`: `generate`'s output `(1, T)`, whose last token the model
+        """The generation as a kvlens `Run`. `sequences`: `generate`'s output `(1, T)`, whose last token the
+        model
         never fed back (without it the run ends at the last token fed)."""
         loop = self._ran()
         tokens, nlls = list(self.tokens), list(self.nlls)
@@ -332,8 +338,10 @@ def cache(
     """A `transformers.Cache` that runs `policy` inside `model.generate(ids, past_key_values=cache)`.
 
     `ratio`: the share of the prompt removed (kvpress's), or `budget`: slots per KV head, or a float in (0, 1]
-    the share kept; `record`: summary, states or attention; `kv_bits`: quantized storage; `params`: the policy's
-    parameters. The model is probed first and refused as `kvlens check-model` would; two forward hooks then stay
+    the share kept; `record`: summary, states or attention; `kv_bits`: quantized storage; `params`: the
+    policy's
+    parameters. The model is probed first and refused as `kvlens check-model` would; two forward hooks then
+    stay
     on it, inert unless a kvlens cache is passed.
     """
     settings = Settings.of(policy, ratio, budget, record, kv_bits, params)

@@ -1,7 +1,8 @@
 """`kvlens.pipeline`: kvpress's question-answering pipeline over a context compressed once.
 
 `pipeline(model, tokenizer)(context, question=q, policy="kvzip", ratio=0.75)` follows `kvlens bench tasks`'s
-protocol (`kvlens.experiments.bench.tasks`): the chat template's user turn is the context then the question; the
+protocol (`kvlens.experiments.bench.tasks`): the chat template's user turn is the context then the question;
+the
 context's tokens are compressed once to kvpress's kept count, then each question is appended uncompressed and
 answered greedily from that same cache. `query_aware=True` compresses context and question together (SnapKV's
 setting), one compression per question. An answer is therefore the task suite's answer for that sample.
@@ -73,5 +74,6 @@ class Pipeline:
 
 
 def pipeline(model: torch.nn.Module, tokenizer=None) -> Pipeline:
-    """A question-answering pipeline on the caller's model (probed and refused as `kvlens check-model` would)."""
+    """A question-answering pipeline on the caller's model (probed and refused as `kvlens check-model`
+    would)."""
     return Pipeline(adopt(model, tokenizer))

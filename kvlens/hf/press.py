@@ -1,4 +1,5 @@
-"""`kvlens.press`: a policy in every generation of a block, as kvpress's `with press(model): model.generate(...)`.
+"""`kvlens.press`: a policy in every generation of a block, as kvpress's `with press(model):
+model.generate(...)`.
 
 Inside the block, each forward of the model that starts a sequence (no cache, or an empty one) gets a fresh
 `KvlensCache`, which `generate` then carries to the end. Unlike a kvpress press, which compresses the prompt
@@ -29,7 +30,8 @@ def press(
     **params,
 ) -> Iterator[list[KvlensCache]]:
     """Run `policy` (with `kvlens.cache`'s arguments) in every generation inside the block; yields the list of
-    the caches it made, newest last (`caches[-1].save_run(path, output)`). The model is as it was afterwards."""
+    the caches it made, newest last (`caches[-1].save_run(path, output)`). The model is as it was
+    afterwards."""
     settings = Settings.of(policy, ratio, budget, record, kv_bits, params)
     loaded = adopt(model, tokenizer)
     made: list[KvlensCache] = []

@@ -56,7 +56,8 @@ class ChannelStates:
         self.kept[:, : old.shape[1]] = old
 
     def nbytes(self, rows: int) -> int:
-        """Bytes of `rows` rows: the kept channels, the channel indices and the whole keys' pruned channels."""
+        """Bytes of `rows` rows: the kept channels, the channel indices and the whole keys' pruned
+        channels."""
         return rows * sum(t[0].numel() * t.element_size() for t in (self.kept, self.order, self.whole))
 
     def clone(self) -> ChannelStates:
@@ -65,13 +66,15 @@ class ChannelStates:
         return new
 
     def _index(self, rows: slice, n: int, kept: bool = True) -> torch.Tensor:
-        """`(R', n, K)` the rows' kept channels for n slots each (`kept=False`: the pruned ones, `(R', n, D - K)`)."""
+        """`(R', n, K)` the rows' kept channels for n slots each (`kept=False`: the pruned ones, `(R', n, D
+        - K)`)."""
         order = self.order[rows]
         return (order[:, : self.k] if kept else order[:, self.k :])[:, None, :].expand(-1, n, -1)
 
     # -- the storage interface (`kvlens.kvcache.kivi.QuantizedStates`'s) --------------------------------
     def read(self, rows: slice, n: int) -> torch.Tensor:
-        """`(R', n, D)` the rows' first `n` slots: the kept channels, zeros elsewhere; whole keys as they are."""
+        """`(R', n, D)` the rows' first `n` slots: the kept channels, zeros elsewhere; whole keys as they
+        are."""
         kept = self.kept[rows, :n]
         out = kept.new_zeros(kept.shape[0], n, self.dim).scatter_(2, self._index(rows, n), kept)
         slot = self.whole_slot[rows]
@@ -90,7 +93,8 @@ class ChannelStates:
         return torch.where(mask | self.in_window(rows, n)[..., None], x, 0)
 
     def write(self, rows: slice, x: torch.Tensor, changed: torch.Tensor, valid: torch.Tensor) -> None:
-        """Store the `changed` `(R', n)` slots of `x` `(R', n, D)`: whole where the slot's key is, else its kept
+        """Store the `changed` `(R', n)` slots of `x` `(R', n, D)`: whole where the slot's key is, else its
+        kept
         channels."""
         n = x.shape[1]
         slot = self.whole_slot[rows]
@@ -145,7 +149,8 @@ class ChannelStates:
         self.keep_whole(rows, slots, x)
 
     def keep_whole(self, rows: slice, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Hold the pruned channels of the whole keys `x` `(R', q, D)` of `slots` `(R', q)` (-1: none for that row)."""
+        """Hold the pruned channels of the whole keys `x` `(R', q, D)` of `slots` `(R', q)` (-1: none for
+        that row)."""
         x = torch.gather(x, 2, self._index(rows, x.shape[1], kept=False))
         for j in range(slots.shape[1]):
             slot, row = self.whole_slot[rows], torch.arange(slots.shape[0], device=slots.device)

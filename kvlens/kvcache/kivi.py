@@ -206,7 +206,8 @@ class QuantizedStates:
             self.window_pos[rows] = self.window_pos[rows].masked_fill(out, -1)
 
     def _store_tokens(self, r: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> None:
-        """Per-token groups: quantize tokens `x` `(E, D)` into rows `r` and slots `s` `(E,)` (absolute rows)."""
+        """Per-token groups: quantize tokens `x` `(E, D)` into rows `r` and slots `s` `(E,)` (absolute
+        rows)."""
         codes, lo, scale = quantize(x[None], self.bits, self.group, "channels")
         self.codes[r, s] = pack(codes[0], self.bits)
         self.lo[r, s], self.scale[r, s] = lo[0], scale[0]

@@ -1,31 +1,46 @@
-"""Low-rank KV storage: keys or values as rank-r coefficients over a basis from an SVD of the prompt's own rows.
+"""Low-rank KV storage: keys or values as rank-r coefficients over a basis from an SVD of the prompt's own
+rows.
 
-Per head (the default): after the prompt's compression, each row's (layer's KV head's) kept keys `X` `(n, D)` are
-factored by a truncated SVD, `X ~ (X V) V^T` with `V` `(D, r)` the top-r right singular vectors; the store keeps
+Per head (the default): after the prompt's compression, each row's (layer's KV head's) kept keys `X` `(n, D)`
+are
+factored by a truncated SVD, `X ~ (X V) V^T` with `V` `(D, r)` the top-r right singular vectors; the store
+keeps
 the coefficients `X V` `(n, r)` and the basis `V`. Palu (Chang et al. 2024, "Palu: Compressing KV-Cache with
 Low-Rank Projection", Sec. 3) stores such per-head latents but takes its projection from the weights, offline.
-Cross-layer (`layers` = G; xKV, Chang et al. 2025, "xKV: Cross-Layer SVD for KV-Cache Compression", Sec. 3, and
+Cross-layer (`layers` = G; xKV, Chang et al. 2025, "xKV: Cross-Layer SVD for KV-Cache Compression", Sec. 3,
+and
 its code's `grouped_layer_merging`/`fake_svd`): the kept rows of the KV heads of G adjacent layers are
 concatenated along channels, `X` `(n, G * Hkv * D)`, and factored by one SVD per group; the coefficients `X V`
-`(n, r)` are stored once and shared by the group's heads and layers, each head keeping its `(D, r)` slice of `V`.
+`(n, r)` are stored once and shared by the group's heads and layers, each head keeping its `(D, r)` slice of
+`V`.
 Either way, by Eckart-Young the squared reconstruction error is the energy of the discarded singular values.
 
 Where this differs from the papers:
-- keys are factored after RoPE (the cache's own); xKV factors them before RoPE and applies it again on reading.
+- keys are factored after RoPE (the cache's own); xKV factors them before RoPE and applies it again on
+reading.
 - the coefficients are `U S`; xKV splits `sqrt(S)` between its two factors (only quantization sees it).
-- later tokens (`append`): "project" (the default; Palu: a new token's latent is its projection onto the basis) or
-  "full" (xKV's code: decode tokens join its cache uncompressed), held at full width beside the coefficients and
-  counted in the bytes. Cross-layer needs "full": a token's shared coefficients need every layer of its group, and
-  the first layer attends before the last computes its keys. A policy's merges are projected (per head) or held
+- later tokens (`append`): "project" (the default; Palu: a new token's latent is its projection onto the
+basis) or
+  "full" (xKV's code: decode tokens join its cache uncompressed), held at full width beside the coefficients
+  and
+  counted in the bytes. Cross-layer needs "full": a token's shared coefficients need every layer of its group,
+  and
+  the first layer attends before the last computes its keys. A policy's merges are projected (per head) or
+  held
   at full width (cross-layer: the other layers still read the shared coefficients).
-- `bits`: the coefficients are quantized per token in groups of `group` channels with `kvlens.kvcache.quantize`'s
+- `bits`: the coefficients are quantized per token in groups of `group` channels with
+`kvlens.kvcache.quantize`'s
   asymmetric quantizer (Palu quantizes its latents, xKV's `fake_svd` its token factor; both after a Hadamard
   transform, which is not applied here); bases and full-width tokens stay in the model's dtype.
 
-`LowRankStates` holds one of keys or values for R rows x C slots: coefficients `(R, C, r)` (cross-layer: `(1, C, r)`,
-the same tensor in every layer of the group, its bytes counted by the first), or their codes `(R, C, r * bits / 8)`
-uint8 with float16 zero points and scales `(R, C, r / group)`; bases `(R, D, r)`; full-width tokens `(R, W, D)`
-with their slots `(R, W)` (-1: a free entry). It has the interface of `kvlens.kvcache.kivi.QuantizedStates`, so
+`LowRankStates` holds one of keys or values for R rows x C slots: coefficients `(R, C, r)` (cross-layer: `(1,
+C, r)`,
+the same tensor in every layer of the group, its bytes counted by the first), or their codes `(R, C, r * bits
+/ 8)`
+uint8 with float16 zero points and scales `(R, C, r / group)`; bases `(R, D, r)`; full-width tokens `(R, W,
+D)`
+with their slots `(R, W)` (-1: a free entry). It has the interface of `kvlens.kvcache.kivi.QuantizedStates`,
+so
 the cache treats both storages alike (`kvlens.kvcache.quantized.PackedStore`).
 """
 
@@ -91,7 +106,8 @@ class LowRankStates:
         return self.coef.shape[1]
 
     def resize(self, capacity: int) -> None:
-        """Room for `capacity` slots of coefficients; with "full" appends, later slots are full width instead."""
+        """Room for `capacity` slots of coefficients; with "full" appends, later slots are full width
+        instead."""
         if capacity <= self.capacity or self.shared or self.appending == "full":
             return
         for name in ("coef", "lo", "scale") if self.bits else ("coef",):
@@ -101,7 +117,8 @@ class LowRankStates:
             setattr(self, name, new)
 
     def nbytes(self, rows: int) -> int:
-        """Bytes of `rows` rows: coefficients (shared ones by their owner only), bases and full-width tokens."""
+        """Bytes of `rows` rows: coefficients (shared ones by their owner only), bases and full-width
+        tokens."""
         coef = [self.coef, self.lo, self.scale] if self.bits else [self.coef]
         per_row = sum(t[0].numel() * t.element_size() for t in [self.basis, self.wide])
         if self.shared:
@@ -133,7 +150,8 @@ class LowRankStates:
             self.dtype
         )
 
-    # -- coefficients ------------------------------------------------------------------------------------------
+    # -- coefficients
+    # ------------------------------------------------------------------------------------------
     def _coefficients(self, rows: slice, n: int) -> torch.Tensor:
         """`(R', n, r)` float32 coefficients of the rows' first `n` slots (zero past the ones stored)."""
         r = self.basis[rows].shape[0]
@@ -150,7 +168,8 @@ class LowRankStates:
         return torch.nn.functional.pad(c, (0, 0, 0, n - m))
 
     def _store(self, heads: torch.Tensor, slots: torch.Tensor, coef: torch.Tensor) -> None:
-        """Coefficients `coef` `(E, r)` into absolute rows `heads` and slots `slots` `(E,)` (quantized if set)."""
+        """Coefficients `coef` `(E, r)` into absolute rows `heads` and slots `slots` `(E,)` (quantized if
+        set)."""
         if not self.bits:
             self.coef[heads, slots] = coef.to(self.dtype)
             return
@@ -162,9 +181,11 @@ class LowRankStates:
         """`x` `(R', n, D)` -> its coefficients `(R', n, r)` on the rows' bases, float32."""
         return torch.matmul(x.float(), self.basis[rows].float())
 
-    # -- full-width tokens -------------------------------------------------------------------------------------
+    # -- full-width tokens
+    # -------------------------------------------------------------------------------------
     def _widen(self, rows: slice, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Hold `x` `(R', q, D)` at full width for `slots` `(R', q)` (-1: none; distinct in a row): a slot already
+        """Hold `x` `(R', q, D)` at full width for `slots` `(R', q)` (-1: none; distinct in a row): a slot
+        already
         held keeps its entry, the others take the rows' free entries in order (the entries grow as needed)."""
         live = slots >= 0
         if not bool(live.any()):
@@ -210,8 +231,10 @@ class LowRankStates:
         return mask.scatter_(1, slot.masked_fill(slot < 0, width), True)[:, :n]
 
     def roundtrip(self, rows: slice, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """`x` `(R', n, D)` as this storage would hold it: full-width slots unchanged, the rest projected onto the
-        rows' bases (per head, coefficients quantized if set) or, cross-layer, as the shared coefficients hold it."""
+        """`x` `(R', n, D)` as this storage would hold it: full-width slots unchanged, the rest projected onto
+        the
+        rows' bases (per head, coefficients quantized if set) or, cross-layer, as the shared coefficients hold
+        it."""
         n = x.shape[1]
         if self.shared:
             y = self.read(rows, n)
@@ -225,7 +248,8 @@ class LowRankStates:
         return torch.where(self.in_window(rows, n)[..., None], x, y)
 
     def write(self, rows: slice, x: torch.Tensor, changed: torch.Tensor, valid: torch.Tensor) -> None:
-        """Store the `changed` `(R', n)` slots of `x` `(R', n, D)`: full-width ones (and, cross-layer, every one) at
+        """Store the `changed` `(R', n)` slots of `x` `(R', n, D)`: full-width ones (and, cross-layer, every
+        one) at
         full width, the rest projected onto the rows' bases."""
         n = x.shape[1]
         wide = self.in_window(rows, n) | self.shared
@@ -262,7 +286,8 @@ class LowRankStates:
             self._store(r + (rows.start or 0), s, self._project(rows, x)[r, s])
 
     def forget(self, rows: slice, gone: torch.Tensor) -> None:
-        """Freed slots `gone` `(R', n)` leave the full-width entries (coefficients are overwritten on reuse)."""
+        """Freed slots `gone` `(R', n)` leave the full-width entries (coefficients are overwritten on
+        reuse)."""
         slot = self.wide_slot[rows]
         if not slot.numel():
             return
@@ -273,7 +298,8 @@ class LowRankStates:
     def append(
         self, rows: slice, slots: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
     ) -> None:
-        """New tokens `x` `(R', q, D)` into `slots` `(R', q)`: projected onto the rows' bases ("project"), or held
+        """New tokens `x` `(R', q, D)` into `slots` `(R', q)`: projected onto the rows' bases ("project"), or
+        held
         at full width ("full"); a reused slot's old full-width entry goes either way."""
         self.forget(rows, torch.zeros_like(valid).scatter_(1, slots, True))
         if self.appending == "full":
@@ -315,8 +341,10 @@ def seal_low_rank(
 def seal_cross_layer(
     rank: int, xs: list[torch.Tensor], valid: torch.Tensor, *, bits: int | None = None, group: int = 64
 ) -> list[LowRankStates]:
-    """A group of adjacent layers' compressed keys or values, `xs` one `(Hkv, n, D)` per layer, every head holding
-    the same tokens (validity `(n,)`), as xKV stores them (module docstring): one `LowRankStates` per layer over
+    """A group of adjacent layers' compressed keys or values, `xs` one `(Hkv, n, D)` per layer, every head
+    holding
+    the same tokens (validity `(n,)`), as xKV stores them (module docstring): one `LowRankStates` per layer
+    over
     the same coefficients `(1, n, r)`, the first owning them; later tokens at full width."""
     g, (h, n, d), dtype = len(xs), xs[0].shape, xs[0].dtype
     joined = torch.where(

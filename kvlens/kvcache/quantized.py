@@ -57,7 +57,8 @@ class PackedStore(SlotStore):
         return [*self.buffers, *self.packed]
 
     def states(self, name: str, rows: slice) -> torch.Tensor:
-        """Keys or values `(1, R', n, D)` of `rows`: a view of the buffer, or (packed) the rows' working copy."""
+        """Keys or values `(1, R', n, D)` of `rows`: a view of the buffer, or (packed) the rows' working
+        copy."""
         if name in self.buffers:
             return super().states(name, rows)
         start, stop, _ = rows.indices(self.rows)

@@ -75,7 +75,8 @@ class SlotStore:
         return self.buffers[name][:, rows, : self.n]
 
     def commit(self, name: str | None = None) -> None:
-        """Store what a policy changed in the keys and values it read: nothing to do, it changed the buffers."""
+        """Store what a policy changed in the keys and values it read: nothing to do, it changed the
+        buffers."""
 
     def write_states(
         self,

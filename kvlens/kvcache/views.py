@@ -206,7 +206,8 @@ class SlotRows:
         return order
 
     def in_position_order(self) -> Slots:
-        """The kept slots in position order (a copy, `n_kept` per row): what an append-only cache would hold."""
+        """The kept slots in position order (a copy, `n_kept` per row): what an append-only cache would
+        hold."""
         order = self.position_order()[:, : self.n_kept]
         idx = order[None, :, :, None].expand(1, -1, -1, self.keys.shape[-1])
         return Slots(

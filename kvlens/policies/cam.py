@@ -298,13 +298,18 @@ class CaM(Wrapper):
         found: torch.Tensor,
         w: torch.Tensor,
     ) -> None:
-        """Add to each pool slot's value what its senders send, in place (see `_merge`). Only the evicted slots that
-        drew a merge send (w > 0), so the others leave the system first: each row's senders move to the front, in
+        """Add to each pool slot's value what its senders send, in place (see `_merge`). Only the evicted
+        slots that
+        drew a merge send (w > 0), so the others leave the system first: each row's senders move to the front,
+        in
         position order (with the default preset, about 3 % of the embedded model's evicted prompt slots drew a
-        merge). The senders' chains are solved block by block (forward substitution over blocks of `SOLVE_BLOCK`
-        slots or more, each a triangular solve; rows in chunks of at most `CHUNK_ELEMENTS` system entries), then
+        merge). The senders' chains are solved block by block (forward substitution over blocks of
+        `SOLVE_BLOCK`
+        slots or more, each a triangular solve; rows in chunks of at most `CHUNK_ELEMENTS` system entries),
+        then
         each candidate's senders are summed as a difference array over the candidates (one scatter, one
-        cumulative sum). A decode step (one evicted slot per row) adds its one sender to its range directly, and a
+        cumulative sum). A decode step (one evicted slot per row) adds its one sender to its range directly,
+        and a
         step where no slot drew a merge changes nothing."""
         if not bool((w > 0).any()):  # no evicted slot drew a merge: no value changes
             return
@@ -348,7 +353,8 @@ class CaM(Wrapper):
                         system, sent[h, at], upper=False, unitriangular=True
                     )
         sent *= w[..., None].to(exact)  # what each evicted slot sends to each of its targets
-        # candidate x receives from i when c_i < x <= c_i + found_i: +sent at c_i + 1, -sent after the range, summed
+        # candidate x receives from i when c_i < x <= c_i + found_i: +sent at c_i + 1, -sent after the range,
+        # summed
         ends = torch.cat([c + 1, c + 1 + found], dim=1)[..., None].expand(-1, -1, sent.shape[-1])
         received = sent.new_zeros(r, n_c + 1, sent.shape[-1])
         received.scatter_add_(1, ends, torch.cat([sent, -sent], dim=1)).cumsum_(1)
@@ -409,14 +415,16 @@ class CaM(Wrapper):
 
 
 def receives(place: torch.Tensor, c: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
-    """`(R, X, E)` whether the candidate at `place` `(R, X)` receives from the evicted slot at `c` `(R, E)`, which
+    """`(R, X, E)` whether the candidate at `place` `(R, X)` receives from the evicted slot at `c` `(R, E)`,
+    which
     sends to the `found` `(R, E)` candidates after it."""
     x, ci = place[:, :, None], c[:, None, :]
     return (x > ci) & (x <= ci + found[:, None, :])
 
 
 def window_max(x: torch.Tensor, length: int) -> torch.Tensor:
-    """`(..., n)` -> the max of `x[..., i : i + length]` at each i (fewer at the end): exact, log2(length) steps."""
+    """`(..., n)` -> the max of `x[..., i : i + length]` at each i (fewer at the end): exact, log2(length)
+    steps."""
     out, span = x, 1
     pad = x.new_full((*x.shape[:-1], length), float("-inf"))
     while span * 2 <= length:  # out[i] = max of x[i : i + span]

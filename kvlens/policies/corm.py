@@ -83,7 +83,8 @@ class CORM(Policy):
             state[MESSAGES_SEEN] = state.get(MESSAGES_SEEN, 0) + 1
 
     def compress(self, rows: CacheRows, step: Step) -> None:
-        """Free, in place, each head's keys minor in all of the last `window` messages and older than the `recent`
+        """Free, in place, each head's keys minor in all of the last `window` messages and older than the
+        `recent`
         newest positions (later tokens fill the freed slots: no re-layout of the layer at each step)."""
         if min(state.get(MESSAGES_SEEN, 0) for state in rows.states) < self.window:
             return

@@ -40,7 +40,8 @@ import torch
 from kvlens.kvcache import AttentionSpec, CacheRows, Replay, Step, softmax_weights
 from kvlens.policies.base import NO_ATTENTION, Needs, Policy, free_logged, lowest_of_all_rows, param, register
 
-SCORE = "kvzip_score"  # per layer until the budgets are allocated: (Hkv, T) by prompt position; then per slot (R, S)
+# per layer until the budgets are allocated: (Hkv, T) by prompt position; then per slot (R, S)
+SCORE = "kvzip_score"
 TOTAL = "kvzip_total"  # per layer: the entries the layer keeps, over its heads
 PROMPT = "kvzip_prompt"  # per layer: the prompt's length (positions from it on are generated tokens)
 FIRST = "\n\nRepeat the previous context exactly."  # the first chunk's instruction (kvpress's words)
@@ -134,7 +135,8 @@ class KVzip(Policy):
         pos = torch.stack([rows.pos for rows in layers])
         if self.layerwise:
             leaving = [hkv * (t - budget)] * n
-        else:  # the lowest over everything; ties as within a layer (newest first, then the lower layer and head)
+        # the lowest over everything; ties as within a layer (newest first, then the lower layer and head)
+        else:
             flat = score.flatten()
             by_age = torch.argsort(-pos.flatten(), stable=True)
             lowest = by_age[torch.argsort(flat[by_age], stable=True)[: flat.numel() - budget * n * hkv]]

@@ -127,7 +127,8 @@ class Scissorhands(ScoredEviction):
     def validate(self) -> None:
         check(
             not (self.recent and self.drop_ratio >= 1.0),
-            f"drop_ratio=1 of scissorhands drops the whole budget, leaving no room for its recent={self.recent} "
+            "drop_ratio=1 of scissorhands drops the whole budget, leaving no room for its "
+            f"recent={self.recent} "
             f"slots; use a drop_ratio below 1 or recent=0.",
         )
 

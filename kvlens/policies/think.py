@@ -1,11 +1,14 @@
-"""`think`: prune each KV head's least important key channels, over an eviction policy, and store the rest only.
+"""`think`: prune each KV head's least important key channels, over an eviction policy, and store the rest
+only.
 
-Xu et al., "ThinK: Thinner Key Cache by Query-Driven Pruning", 2024, https://arxiv.org/abs/2407.21018 (authors'
+Xu et al., "ThinK: Thinner Key Cache by Query-Driven Pruning", 2024, https://arxiv.org/abs/2407.21018
+(authors'
 code: SalesforceAIResearch/ThinK, `key_pruner_query_driven`). Once the `base` policy has compressed the prompt
 (the authors run ThinK after SnapKV or H2O; kvpress composes `ThinKPress` after a press in `ComposedPress`, or
 uses it alone: `base=full`),
 channel i of a KV head scores ||Q_i|| ||K_i||, the paper's query-driven criterion ||Q_i K_i^T||_F: Q `(w, D)`
-the last `window` prompt queries after RoPE, K the head's kept keys `(S, D)`, computed as the authors' code and
+the last `window` prompt queries after RoPE, K the head's kept keys `(S, D)`, computed as the authors' code
+and
 kvpress's `ThinKPress` do, mean(Q_i^2) x mean(K_i^2) (the same order). The `ratio` x D lowest channels
 (rounded down) leave each head; ties leave the lower channel first. The kept channels are what the cache
 stores of each key (`kvlens.kvcache.channels`), so a pruned key costs (1 - ratio) of its bytes; values are
@@ -119,7 +122,8 @@ class ThinK(Wrapper):
         self.base.compress(rows, step)
 
     def key_channels(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's kept channels `(R, K)`, ascending, by the window queries' and the kept keys' mean squares;
+        """Each row's kept channels `(R, K)`, ascending, by the window queries' and the kept keys' mean
+        squares;
         the `recent` newest slots keep every channel."""
         queries = torch.cat([state.pop(QUERIES) for state in rows.states])  # (R, D)
         keys, valid = rows.keys[0].float(), rows.valid

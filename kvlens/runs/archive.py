@@ -85,7 +85,8 @@ def _members(zf: zipfile.ZipFile, label: str) -> tuple[str | None, dict[str, zip
 
 
 def _unpack(zf: zipfile.ZipFile, info: zipfile.ZipInfo, target: Path) -> None:
-    """Copy one member (zipfile reads no more than the size its entry declares, checked above) and keep its date."""
+    """Copy one member (zipfile reads no more than the size its entry declares, checked above) and keep its
+    date."""
     with zf.open(info) as src, target.open("wb") as dst:
         shutil.copyfileobj(src, dst, CHUNK)
     with contextlib.suppress(

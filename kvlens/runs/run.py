@@ -82,7 +82,8 @@ class Run:
         return self.tensors[name]
 
     def figure(self, kind: str, **params):
-        """The plotly figure of the analysis `kind` on this run: the one `kvlens figure KIND` and the app draw."""
+        """The plotly figure of the analysis `kind` on this run: the one `kvlens figure KIND` and the app
+        draw."""
         return _analyses("figure")(kind, self, **params)
 
     def analyze(self, kind: str, **params) -> dict:
@@ -90,7 +91,8 @@ class Run:
         return _analyses("analyze")(kind, self, **params)
 
     def save(self, path: str | Path) -> Path:
-        """Write the run atomically; an existing run directory at `path` is replaced, anything else refused."""
+        """Write the run atomically; an existing run directory at `path` is replaced, anything else
+        refused."""
         from safetensors.torch import save_file
 
         target = Path(path)

@@ -38,7 +38,8 @@ def _drop_left() -> None:
 
 
 def analysis_widgets(kind: str, prefix: str) -> dict | None:
-    """One widget per parameter of analysis `kind` (keys `{prefix}_{kind}_{name}`, kept in the URL as `?name=`);
+    """One widget per parameter of analysis `kind` (keys `{prefix}_{kind}_{name}`, kept in the URL as
+    `?name=`);
     returns the values given (an empty field leaves the analysis' own default), or None after showing under
     its field why an entry is bad."""
     params = get_analysis(kind).params

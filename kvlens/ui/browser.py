@@ -1,7 +1,8 @@
 """Drive the app in a real browser: `streamlit run app.py` on a free 127.0.0.1 port and Debian's Chromium.
 
 Used by the browser tests and `scripts/app_screenshots.py`. The app and its reports work offline:
-`refuse_external` aborts (and records) any request a page makes to another host, and the browser tests fail on one.
+`refuse_external` aborts (and records) any request a page makes to another host, and the browser tests fail on
+one.
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ def streamlit_server(env: dict | None = None):
 
 
 def refuse_external(target, seen: list[str], hosts: tuple[str, ...] = LOCAL_HOSTS) -> None:
-    """Abort every request of `target` (a Playwright page or browser context) to a host not in `hosts` (the app's:
-    127.0.0.1 or localhost; none for a file opened from disk), appending its URL to `seen`: nothing the app or a
+    """Abort every request of `target` (a Playwright page or browser context) to a host not in `hosts` (the
+    app's:
+    127.0.0.1 or localhost; none for a file opened from disk), appending its URL to `seen`: nothing the app or
+    a
     report shows may come from outside the machine. Reads of file:// URLs always pass."""
 
     def handle(route):

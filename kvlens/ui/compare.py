@@ -1,4 +1,5 @@
-"""The Compare page's views of `kvlens.experiments.compare` results: the table, the texts, the aligned charts."""
+"""The Compare page's views of `kvlens.experiments.compare` results: the table, the texts, the aligned
+charts."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ COLUMNS = {
 
 @st.cache_resource
 def result_cache() -> ResultCache:
-    """The results of earlier comparisons, shared by every session of this server (they depend only on the inputs)."""
+    """The results of earlier comparisons, shared by every session of this server (they depend only on the
+    inputs)."""
     return ResultCache()
 
 
@@ -52,8 +54,10 @@ def show_text(
     reference: list[str] | None = None,
     agree: int | None = None,
 ) -> None:
-    """The reference's own text (`reference` None), or a policy's greedy choice at each step of the reference's
-    text (its pieces), everything from its first divergence highlighted; `agree`: steps where the two agree."""
+    """The reference's own text (`reference` None), or a policy's greedy choice at each step of the
+    reference's
+    text (its pieces), everything from its first divergence highlighted; `agree`: steps where the two
+    agree."""
     st.markdown(f"**{label}**")
     diverging_text(pieces, first_diff, reference=reference is None)
     if first_diff is not None and reference is not None and first_diff < len(reference):
@@ -65,7 +69,8 @@ def show_text(
 
 
 def show_own_text(r: Result, reference: Result) -> None:
-    """A policy's own greedy text (`Result.own`), from where it leaves the full cache's own text highlighted, and
+    """A policy's own greedy text (`Result.own`), from where it leaves the full cache's own text highlighted,
+    and
     the full cache's text from that token, highlighted too: the divergence marked in both."""
     st.markdown(f"**{r.entry.label}**")
     if r is reference:

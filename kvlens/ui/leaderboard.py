@@ -1,4 +1,5 @@
-"""A task benchmark's leaderboard (`results/bench_tasks*.json`): the score-vs-ratio figure and a sortable table,
+"""A task benchmark's leaderboard (`results/bench_tasks*.json`): the score-vs-ratio figure and a sortable
+table,
 filtered by task, length and policy, summarised from the rows so far (a grid still running shows its samples
 finished until now), then the needles found by depth and length."""
 
@@ -26,9 +27,12 @@ COLUMNS = [
     "turns",
 ]
 
-PROTOCOLS = {  # the two protocols a task grid runs under (`kvlens bench tasks [--query-aware]`), one file each
-    False: "Protocol: question-agnostic (the context is compressed alone, then the question is asked; kvpress's "
-    "default). The query-aware grid (`--query-aware`, `bench_tasks_query_aware.json`) is in the file list above.",
+# the two protocols a task grid runs under (`kvlens bench tasks [--query-aware]`), one file each
+PROTOCOLS = {
+    False: "Protocol: question-agnostic (the context is compressed alone, then the question is asked; "
+    "kvpress's "
+    "default). The query-aware grid (`--query-aware`, `bench_tasks_query_aware.json`) is in the "
+    "file list above.",
     True: "Protocol: query-aware (context and question compressed together, SnapKV's setting). The "
     "question-agnostic grid (`bench_tasks.json`) is in the file list above.",
 }
@@ -78,7 +82,8 @@ def leaderboard(path: Path, settings: dict, raw: dict) -> None:
         "Score: share of the expected strings found in the answers; [ci_low, ci_high]: bootstrap 95 % "
         "interval over samples; cost_vs_answer: (compression + answers) / answers, median over samples; "
         "own_vs_answer: the method's own passes (KVzip's replay of the prompt) / answers; "
-        "cell_ms: a sample's cost for this policy and ratio (its share of the shared prefill, its compression, "
+        "cell_ms: a sample's cost for this policy and ratio (its share of the shared prefill, "
+        "its compression, "
         "its share of the batched answers), median over samples; turns: each question's score in turn, for "
         "a task that asks several questions of one compressed context."
     )

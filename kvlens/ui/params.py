@@ -16,7 +16,8 @@ WIDGETS = {"choice": "select", "policy": "select", "bool": "check", "int": "numb
 
 
 def widget_of(p: Param) -> str:
-    """The widget `param_widget` draws for `p`: "select", "check", "number" or (lists and the other kinds) "text"."""
+    """The widget `param_widget` draws for `p`: "select", "check", "number" or (lists and the other kinds)
+    "text"."""
     return "text" if p.many else WIDGETS.get(p.kind, "text")
 
 

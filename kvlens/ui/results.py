@@ -32,7 +32,8 @@ def results_dir() -> Path:
 
 @st.cache_data(ttl=10, max_entries=32, show_spinner=False)
 def read_results(path: str, mtime: float) -> tuple[dict, pd.DataFrame, dict] | str:
-    """(settings, rows, the whole object) of one results file, or the sentence saying why it cannot be read."""
+    """(settings, rows, the whole object) of one results file, or the sentence saying why it cannot be
+    read."""
     p = Path(path)
     if p.stat().st_size > MAX_BYTES:
         return f"{p.name} is larger than {MAX_BYTES >> 20} MB; not shown."
@@ -57,7 +58,8 @@ def result_files(kind: str) -> list[Path]:
 
 
 def of_benchmark(path: Path, names: tuple[str, ...]) -> bool:
-    """Whether a results file is one of these benchmarks' (`bench_tasks.json`, `bench_tasks_quick.json`, ...)."""
+    """Whether a results file is one of these benchmarks' (`bench_tasks.json`, `bench_tasks_quick.json`,
+    ...)."""
     return any(path.stem == n or path.stem.startswith(n + "_") for n in names)
 
 
@@ -80,7 +82,8 @@ def pick_results(
     make: str = "",
 ):
     """A select box over `results/{kind}_*.json` (newest first, files holding the `want` columns before the
-    others; `only`/`without`: the files of these benchmarks only, or all but theirs; the file's name kept in the
+    others; `only`/`without`: the files of these benchmarks only, or all but theirs; the file's name kept in
+    the
     URL as `?{param or kind}=`); returns (path, settings, frame, whole object) or None (after saying why, with
     `make`, the command that writes such a file, if given)."""
     files = [
@@ -197,13 +200,15 @@ def sweep_section(prefix: str, charts: list[tuple[str, list[str]]]) -> None:
             shown = rows[~measured(rows, settings)]
             if not len(shown):
                 st.info(
-                    f"{path.name} was run with `--measure`: its time per token includes the measuring passes, "
+                    f"{path.name} was run with `--measure`: its time per token includes the "
+                    "measuring passes, "
                     "so no speed is shown (the speed benchmark, `kvlens bench speed`, measures speed)."
                 )
                 continue
             if len(shown) < len(rows):
                 st.caption(
-                    f"{title}: the unmeasured rows only (a measured run's time includes its measuring passes)."
+                    f"{title}: the unmeasured rows only (a measured run's time includes its "
+                    "measuring passes)."
                 )
         missing = [y for y in ys if y not in shown.columns or shown[y].isna().all()]
         if missing:
@@ -235,7 +240,8 @@ def bench_figure(name: str):
 
 
 def frontier_table(summary: list[dict]) -> pd.DataFrame:
-    """The bytes-quality frontier's summary as the Benchmarks page shows it: a row per configuration and measure."""
+    """The bytes-quality frontier's summary as the Benchmarks page shows it: a row per configuration and
+    measure."""
     rows = [
         {
             "family": s["family"],

@@ -87,8 +87,10 @@ def bound(
     show: Callable[[Any], str] = str,
     parse: Callable[[str], Any] | None = None,
 ) -> Any:
-    """`bind`, then `widget(key=key)` starting at `default` unless the link or the user set it, then `publish`:
-    the widget's value, kept in the URL. `widget` must not pass a default of its own (Session State holds it)."""
+    """`bind`, then `widget(key=key)` starting at `default` unless the link or the user set it, then
+    `publish`:
+    the widget's value, kept in the URL. `widget` must not pass a default of its own (Session State holds
+    it)."""
     bind(key, param, options, what, show, parse)
     st.session_state.setdefault(key, default)
     value = widget(key=key)
@@ -119,7 +121,8 @@ def bound_many(
 
 
 def bind_param(p: Param, key: str, owner: str) -> None:
-    """Before `kvlens.ui.params.param_widget(p, ..., key)`: its value from `?{p.name}=`, an option of its select
+    """Before `kvlens.ui.params.param_widget(p, ..., key)`: its value from `?{p.name}=`, an option of its
+    select
     box, true or false, or text that `p.parse` accepts (a number, or what a text field would hold)."""
     widget = widget_of(p)
     if widget == "select":
@@ -136,7 +139,8 @@ def bind_param(p: Param, key: str, owner: str) -> None:
 
 
 def publish_param(p: Param, key: str) -> None:
-    """After `param_widget(p, ..., key)`: its value (a text field's text) into the URL; none for an empty number."""
+    """After `param_widget(p, ..., key)`: its value (a text field's text) into the URL; none for an empty
+    number."""
     publish(p.name, st.session_state.get(key), _flag if widget_of(p) == "check" else str)
 
 
@@ -151,7 +155,8 @@ def bind_policy(prefix: str) -> None:
 
 
 def publish_policy(prefix: str) -> None:
-    """After `policy_picker(prefix)`: its policy, preset and budget into the URL (removed where it has none)."""
+    """After `policy_picker(prefix)`: its policy, preset and budget into the URL (removed where it has
+    none)."""
     policy = st.session_state.get(f"{prefix}_policy")
     publish("policy", policy)
     preset = st.session_state.get(f"{prefix}_{policy}_preset")
@@ -170,10 +175,11 @@ def _quote(text: str) -> str:
 
 _SHARE = """
 <div style="display:flex;gap:8px;align-items:center;font-family:'Source Sans Pro',sans-serif;font-size:14px">
-  <button id="copy" style="padding:4px 12px;border:1px solid #ccc;border-radius:8px;background:#fff;cursor:pointer;
-          white-space:nowrap">Copy link</button>
-  <input id="link" readonly aria-label="Link to this view" style="flex:1;min-width:0;padding:4px 8px;
-         border:1px solid #ddd;border-radius:6px;font-family:monospace;font-size:12px;color:#333;background:#fafafa">
+  <button id="copy" style="padding:4px 12px;border:1px solid #ccc;border-radius:8px;background:#fff;
+          cursor:pointer;white-space:nowrap">Copy link</button>
+  <input id="link" readonly aria-label="Link to this view" style="flex:1;min-width:0;
+         padding:4px 8px;border:1px solid #ddd;border-radius:6px;font-family:monospace;font-size:12px;
+         color:#333;background:#fafafa">
   <span id="done" style="color:#2e7d32;min-width:50px"></span>
 </div>
 <script>

@@ -26,7 +26,8 @@ def _storage(run: Run) -> str:
 
 
 def run_header(run: Run) -> None:
-    """One line naming the run: policy, parameters, budget, KV storage (when quantized), mode, model, level."""
+    """One line naming the run: policy, parameters, budget, KV storage (when quantized), mode, model,
+    level."""
     pol = run.meta["policy"]
     params = ", ".join(f"{k}={v}" for k, v in changed_params(pol["name"], pol.get("params") or {}).items())
     rec = run.meta.get("record") or {}

@@ -45,7 +45,10 @@ def section(name: str, cls, shown: dict) -> str:
     if cls.inputs == "model":
         out += f"```\nkvlens analyze {name} --json\nkvlens figure {name} --out {name}.png\n```\n\n"
     else:
-        out += f"```\nkvlens analyze {name} --run DIR --json\nkvlens figure {name} --run DIR --out {name}.png\n```\n\n"
+        out += (
+            f"```\nkvlens analyze {name} --run DIR --json\n"
+            f"kvlens figure {name} --run DIR --out {name}.png\n```\n\n"
+        )
     for image, command in shown.get(name, []):
         out += f"![{name}](img/{image})\n\n*Made by `{command}`.*\n\n"
     return out
@@ -58,13 +61,17 @@ def page() -> str:
     shown = examples()
     out = banner("the analysis registry (`kvlens.analysis.registry.analyses()`)") + "# Analyses\n\n"
     out += (
-        "An analysis reads recorded runs (or runs the model) and gives numbers (`kvlens analyze KIND --json`, "
-        "`Run.analyze(KIND)`) and a figure (`kvlens figure KIND --out FILE` writes it with its data as CSV and "
-        "its settings as JSON; `Run.figure(KIND)` returns the plotly figure; the app's Analyses page draws it "
+        "An analysis reads recorded runs (or runs the model) and gives numbers (`kvlens analyze "
+        "KIND --json`, "
+        "`Run.analyze(KIND)`) and a figure (`kvlens figure KIND --out FILE` writes it with its "
+        "data as CSV and "
+        "its settings as JSON; `Run.figure(KIND)` returns the plotly figure; the app's Analyses "
+        "page draws it "
         "with a widget per parameter).\n\n"
     )
     out += (
-        "The analyses of a run's prompt recompute attention from the recorded float16 prefill queries and keys "
+        "The analyses of a run's prompt recompute attention from the recorded float16 prefill "
+        "queries and keys "
         "(float32 math), so they need `--record states`; the softmax scale is 1/sqrt(head_dim). Spectra are "
         "not centred (as WeightedKV); above 512 tokens or dimensions they use scikit-learn's seeded "
         "randomized SVD with the total energy from the Frobenius norm.\n\n"

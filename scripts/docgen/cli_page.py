@@ -11,38 +11,56 @@ WIDTH = "100"  # argparse wraps usage lines to $COLUMNS: fixed, so the page does
 # What some commands print or write, beyond their options (kept here, beside the page that shows it).
 NOTES = {
     "kvlens ppl": (
-        "Tokenizes the text with the tokenizer's default special tokens, prefills the first N tokens, scores token "
-        "N from the prefill's last logits, then feeds tokens one at a time, each scored from the compressed cache. "
-        "`--json` prints `policy`, `params`, `budget`, `prefill`, `tokens`, `nll`, `ppl`, `kv_slots_max` (largest "
-        "kept count of any layer and KV head after any compression), `kv_entries_max` (largest total of kept slots "
-        "over every layer and KV head; the bound for policies that give layers or heads different budgets) and "
-        "`kv_entries_budget` (budget x layers x KV heads), `kv_bytes_peak` (largest allocated K+V bytes after any "
-        "compression, padding included), `ms_per_token`, `prefill_ms` (the prompt's forward and its compression), "
+        "Tokenizes the text with the tokenizer's default special tokens, prefills the first N "
+        "tokens, scores token "
+        "N from the prefill's last logits, then feeds tokens one at a time, each scored from the "
+        "compressed cache. "
+        "`--json` prints `policy`, `params`, `budget`, `prefill`, `tokens`, `nll`, `ppl`, "
+        "`kv_slots_max` (largest "
+        "kept count of any layer and KV head after any compression), `kv_entries_max` (largest "
+        "total of kept slots "
+        "over every layer and KV head; the bound for policies that give layers or heads "
+        "different budgets) and "
+        "`kv_entries_budget` (budget x layers x KV heads), `kv_bytes_peak` (largest allocated "
+        "K+V bytes after any "
+        "compression, padding included), `ms_per_token`, `prefill_ms` (the prompt's forward and "
+        "its compression), "
         "and for a policy with replay passes (KVzip) `replay_passes` and `replay_ms`. With `--measure`: "
         "`perturbation_used`, `perturbation_evict`, `attention_loss` and `kl`, with per-layer lists."
     ),
     "kvlens analyze": (
-        "`kvlens analyze --list [--json]` lists every kind with the paper figure it reproduces, what it reads and "
-        "its parameters; `kvlens analyze KIND --help` prints a kind's flags. `--json` prints the numbers behind "
+        "`kvlens analyze --list [--json]` lists every kind with the paper figure it reproduces, "
+        "what it reads and "
+        "its parameters; `kvlens analyze KIND --help` prints a kind's flags. `--json` prints the "
+        "numbers behind "
         'the figure, e.g. `kvlens analyze adjacency --run DIR --json` gives `{"layers": L, "query": [...], '
         '"key": [...], "value": [...]}` (per layer, the mean over heads of the adjacent-token cosine '
         "similarity of the prefill states)."
     ),
     "kvlens figure": (
-        "Writes FILE (PNG, SVG or PDF in the paper style) with FILE.csv (its data) and FILE.json (its settings and "
+        "Writes FILE (PNG, SVG or PDF in the paper style) with FILE.csv (its data) and FILE.json "
+        "(its settings and "
         "the commands that made the run and the figure)."
     ),
     "kvlens report": (
-        "One HTML file that opens in any browser without a network (plotly.js inlined once): for each run its "
-        "settings, the exact command, its metrics, evictions and merges per layer, the figures its record level "
-        "allows and the kept text at its last step; with two runs or more, their settings and metrics side by "
-        "side and their per-step curves overlaid. A missing or invalid run folder, or an `--out` that is not an "
+        "One HTML file that opens in any browser without a network (plotly.js inlined once): for "
+        "each run its "
+        "settings, the exact command, its metrics, evictions and merges per layer, the figures "
+        "its record level "
+        "allows and the kept text at its last step; with two runs or more, their settings and "
+        "metrics side by "
+        "side and their per-step curves overlaid. A missing or invalid run folder, or an `--out` "
+        "that is not an "
         "`.html` file in an existing folder, is one sentence (exit 2)."
     ),
     "kvlens compare": (
-        "`--json` prints one row per policy (its perplexity on the full cache's text, KL, output perturbation, "
-        "attention loss, kept slots, peak KV bytes, `first_divergence`, `top1_agreement`, its own `generated` "
-        "text and `generated_steps`, the tokens of it generated after its divergence) plus `wall_s` (the whole comparison) and `generate_s` (the part spent on the policies' own texts; "
+        "`--json` prints one row per policy (its perplexity on the full cache's text, KL, output "
+        "perturbation, "
+        "attention loss, kept slots, peak KV bytes, `first_divergence`, `top1_agreement`, its "
+        "own `generated` "
+        "text and `generated_steps`, the tokens of it generated after its divergence) plus "
+        "`wall_s` (the whole comparison) and `generate_s` (the part spent on the policies' own "
+        "texts; "
         "`--no-generate` skips them)."
     ),
 }

@@ -1,4 +1,5 @@
-"""docs/policies.md and the README's policy table: from the policy registry (`kvlens.policies`) and the kvpress
+"""docs/policies.md and the README's policy table: from the policy registry (`kvlens.policies`) and the
+kvpress
 cross-check's reference file (`tests/data/kvpress_reference.json`, which names the policies it compares)."""
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ def page() -> str:
         + "# Policies\n\n"
     )
     out += (
-        "Every policy is one file in `kvlens/policies/`. `kvlens policies` lists them, `--set KEY=VALUE` changes "
-        "a parameter (`--set preset=NAME` applies a preset; explicit values override it) and the app's widgets "
+        "Every policy is one file in `kvlens/policies/`. `kvlens policies` lists them, `--set "
+        "KEY=VALUE` changes "
+        "a parameter (`--set preset=NAME` applies a preset; explicit values override it) and the "
+        "app's widgets "
         "take their tooltips from the same declarations. A policy built on a `base` policy (CaM, PyramidKV, "
         "Ada-KV) takes the base's parameters as `base.NAME`.\n\n"
     )

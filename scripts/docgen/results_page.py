@@ -88,9 +88,12 @@ def tasks_section(obj: dict) -> str:
     elsewhere = sorted({r["machine"] for r in rows if r.get("machine")})
     out = (
         f"Tasks {', '.join(f'`{t}`' for t in cfg['tasks'])} at context lengths "
-        f"{', '.join(map(str, cfg['lengths']))} tokens, {cfg['count']} samples each; the context is compressed "
-        "once to the ratio (the share removed, as in kvpress), then the question is asked. Score: the share of "
-        "the expected strings found in the answers, averaged over tasks and lengths; in brackets the bootstrap "
+        f"{', '.join(map(str, cfg['lengths']))} tokens, {cfg['count']} samples each; the context "
+        "is compressed "
+        "once to the ratio (the share removed, as in kvpress), then the question is asked. "
+        "Score: the share of "
+        "the expected strings found in the answers, averaged over tasks and lengths; in brackets "
+        "the bootstrap "
         "95 % interval over samples. " + conventions(cfg)
     )
     if elsewhere:
@@ -157,11 +160,14 @@ def frontier_rows(obj: dict) -> list[dict]:
 def frontier_section(obj: dict) -> str:
     cfg = obj["config"]
     out = (
-        f"Each configuration holds the share of the full cache's bytes shown: eviction and merging keep fewer "
-        f"slots, quantized storage keeps every slot in fewer bits, low-rank storage keeps every slot as fewer "
+        "Each configuration holds the share of the full cache's bytes shown: eviction and "
+        "merging keep fewer "
+        "slots, quantized storage keeps every slot in fewer bits, low-rank storage keeps every "
+        "slot as fewer "
         f"coefficients over a basis of the prompt's (per KV head, or xKV's shared across "
         f"{cfg.get('rank_layers')} layers), mixes do two of these. Perplexity over "
-        f"{len(cfg['texts'])} bundled texts ({cfg['prefill']} + {cfg['tokens']} tokens; in brackets the lowest "
+        f"{len(cfg['texts'])} bundled texts ({cfg['prefill']} + {cfg['tokens']} tokens; in "
+        "brackets the lowest "
         f"and highest text); task score over {cfg['task_count']} samples of "
         f"{', '.join(f'`{t}`' for t in cfg['tasks'])} at {', '.join(map(str, cfg['task_lengths']))} tokens "
         "(in brackets the bootstrap 95 % interval).\n\n"
@@ -189,7 +195,8 @@ def speed_section(obj: dict) -> str:
     cfg = obj["config"]
     out = (
         f"Unmeasured runs (no perturbation meter), {cfg['steps']} decode steps at budget {cfg['budget']}. "
-        "Each row is one run: prefill time, the median wall-clock time of a decode step, the largest KV cache "
+        "Each row is one run: prefill time, the median wall-clock time of a decode step, the "
+        "largest KV cache "
         "allocated and the process's peak memory.\n\n"
     )
     rows = [
@@ -224,8 +231,10 @@ def ppl_section(obj: dict) -> str:
     cfg = obj["config"]
     out = (
         f"Teacher-forced perplexity on {len(cfg['texts'])} bundled texts ({', '.join(cfg['texts'])}), "
-        f"{cfg['prefill']} prompt tokens then {cfg['tokens']} scored tokens. A budget below 1 is a share of the "
-        "prompt, above 1 slots per KV head and layer. In brackets the lowest and highest text; *vs full* is the "
+        f"{cfg['prefill']} prompt tokens then {cfg['tokens']} scored tokens. A budget below 1 is "
+        "a share of the "
+        "prompt, above 1 slots per KV head and layer. In brackets the lowest and highest text; "
+        "*vs full* is the "
         "geometric-mean perplexity over the full cache's.\n\n"
     )
     rows = [
@@ -260,7 +269,8 @@ def sweep_section(obj: dict) -> str:
     params = ", ".join(f"{k}={v}" for k, v in obj["rows"][0].get("params", {}).items())
     out = (
         f"`{obj['rows'][0]['policy']}` ({params}) on `{obj.get('text_file')}`, "
-        f"{obj['rows'][0]['prefill']} prompt tokens then {obj.get('tokens')} scored, measured (`--measure`): the "
+        f"{obj['rows'][0]['prefill']} prompt tokens then {obj.get('tokens')} scored, measured "
+        "(`--measure`): the "
         "relative change of the attention output against the full cache with merging (used) and with the "
         "same decisions but no merging (evict), and KL(full ‖ policy). One text, one seed: no spread. Its "
         "time per token includes the measuring passes, so it is not shown.\n\n"
@@ -284,13 +294,19 @@ def sweep_section(obj: dict) -> str:
 def explain_section(obj: dict) -> str:
     cfg, cells, done = obj["config"], obj["summary"]["cells"], obj.get("cases_done")
     out = (
-        f"Cache patching (`kvlens explain`, [how it works](explain.md)) on {', '.join(cfg['tasks'])} samples at "
-        f"{cfg['length']} tokens, {', '.join(cfg['policies'])} at ratios {', '.join(map(str, cfg['ratios']))}: "
-        f"{done} of {obj.get('cases_total')} (sample, policy, ratio) cases ran. Wherever the full cache answers "
+        "Cache patching (`kvlens explain`, [how it works](explain.md)) on "
+        f"{', '.join(cfg['tasks'])} samples at "
+        f"{cfg['length']} tokens, {', '.join(cfg['policies'])} at ratios "
+        f"{', '.join(map(str, cfg['ratios']))}: "
+        f"{done} of {obj.get('cases_total')} (sample, policy, ratio) cases ran. Wherever the "
+        "full cache answers "
         "right and the policy wrong, the greedy search restores the policy's removals one (layer, KV head) "
-        "group at a time, in order of recovered share, until the greedy answer is right again. Per policy and "
-        "ratio: the failing cases, how many the search fixed, the minimal set's size (median slots; mean share "
-        "of the removed entries with its bootstrap 95 % interval over cases), and the share of cases fixed by "
+        "group at a time, in order of recovered share, until the greedy answer is right again. "
+        "Per policy and "
+        "ratio: the failing cases, how many the search fixed, the minimal set's size (median "
+        "slots; mean share "
+        "of the removed entries with its bootstrap 95 % interval over cases), and the share of "
+        "cases fixed by "
         "at most 1 and at most 10 groups.\n\n"
     )
     rows = []
@@ -329,7 +345,8 @@ def explain_section(obj: dict) -> str:
         for r in top
     ]
     out += (
-        "\nThe layers most often in a minimal set (share of the fixed cases whose set holds one of the layer's "
+        "\nThe layers most often in a minimal set (share of the fixed cases whose set holds one "
+        "of the layer's "
         "KV heads, with its interval): " + "; ".join(layers) + ".\n"
     )
     return out
@@ -350,13 +367,16 @@ def page() -> str:
     out = banner("the files in `results/`") + "# Benchmarks and results\n\n"
     out += (
         "Every table below is read from one file in `results/`, which records the command that made it; the "
-        "app's Benchmarks page draws the same files. Everything ran the embedded SmolLM2-135M-Instruct on the "
+        "app's Benchmarks page draws the same files. Everything ran the embedded "
+        "SmolLM2-135M-Instruct on the "
         "machine named, on the State of the Union texts bundled in `kvlens/data/`. Re-run a command to "
         "refresh its file, then `make docs-gen`.\n\n"
     )
     out += (
-        "A results file is one JSON object: `command`, `config` (the settings), `environment` (kvlens, torch, "
-        "CPUs, device, dtype, the time it finished), `rows` (one record per run or cell; `cells` for the needle "
+        "A results file is one JSON object: `command`, `config` (the settings), `environment` "
+        "(kvlens, torch, "
+        "CPUs, device, dtype, the time it finished), `rows` (one record per run or cell; `cells` "
+        "for the needle "
         "benchmark), `summary` (what the tables show) and, for a grid, `cells_done` of `cells_total`. A grid "
         "re-run with the same command resumes where it stopped. A sweep (`kvlens sweep`) records its command "
         "and settings but not its date and machine.\n\n"
@@ -380,7 +400,8 @@ def readme_summary() -> str:
     elsewhere = sum(1 for r in obj["rows"] if r.get("machine"))
     grid += f"; {elsewhere} samples on another machine" if elsewhere else ""
     out = (
-        f"Task score at compression ratio 0.5 (half the context's cache removed), averaged over tasks and lengths, "
+        "Task score at compression ratio 0.5 (half the context's cache removed), averaged over "
+        "tasks and lengths, "
         f"{full['samples']} samples (`{obj['command']}`, `results/bench_tasks.json`, {env['time'][:10]}, "
         f"{machine(env)}{grid}). The full cache scores {full['score']:.3f}; the five best of "
         f"{len({s['policy'] for s in summary}) - 1} policies, with bootstrap 95 % intervals:\n\n"
@@ -391,14 +412,16 @@ def readme_summary() -> str:
     )
     out += (
         "\nNeedles found by depth in the context and context length, per policy at the grid's middle ratio "
-        "(`results/bench_tasks_needles.png`):\n\n![Needles found by depth and length](results/bench_tasks_needles.png)\n"
+        "(`results/bench_tasks_needles.png`):\n\n![Needles found by depth and "
+        "length](results/bench_tasks_needles.png)\n"
     )
     out += cost_sentence(obj)
     return out + "\n" + frontier_summary() + "\n" + explain_summary() + "\n"
 
 
 def cost_sentence(obj: dict) -> str:
-    """What a cell costs against its answers at each length, the methods' own passes (KVzip's replay) apart; empty
+    """What a cell costs against its answers at each length, the methods' own passes (KVzip's replay) apart;
+    empty
     for a file whose rows do not record those passes (`own_ms`)."""
     from kvlens.experiments.bench import tasks
 
@@ -459,8 +482,10 @@ def verdict(best: dict[str, dict], value: str, low: str, high: str, lower_wins: 
 
 
 def frontier_summary() -> str:
-    """The frontier, for the README: each family's best configuration at each byte share with its spread, which
-    family wins there (a tie where the intervals overlap), and xKV's cross-layer sharing against per-head rank."""
+    """The frontier, for the README: each family's best configuration at each byte share with its spread,
+    which
+    family wins there (a tie where the intervals overlap), and xKV's cross-layer sharing against per-head
+    rank."""
     obj = load("bench_frontier.json")
     cfg, env = obj["config"], obj["environment"]
     done, total = obj.get("cells_done"), obj.get("cells_total")
@@ -473,11 +498,14 @@ def frontier_summary() -> str:
     scored = [s for s in frontier_rows(obj) if s["metric"] == "score"]
     out = (
         f"Quality at equal KV bytes (`{obj['command']}`, `results/bench_frontier.json`, {env['time'][:10]}, "
-        f"{machine(env)}{grid}): at each share of the full cache's bytes, the best configuration of each family "
-        f"(quantization alone: the bits that fit); perplexity over the full cache's on {len(cfg['texts'])} texts "
+        f"{machine(env)}{grid}): at each share of the full cache's bytes, the best configuration "
+        "of each family "
+        "(quantization alone: the bits that fit); perplexity over the full cache's on "
+        f"{len(cfg['texts'])} texts "
         f"({cfg['prefill']} + {cfg['tokens']} tokens; in brackets the lowest and highest text)"
         + (
-            f", task score on {cfg['task_count']} samples of {', '.join(cfg['tasks'])} (bootstrap 95 % interval)"
+            f", task score on {cfg['task_count']} samples of {', '.join(cfg['tasks'])} "
+            "(bootstrap 95 % interval)"
             if scored
             else ""
         )
@@ -551,7 +579,8 @@ def cross_layer_sentence(ppl: list[dict], cfg: dict) -> str:
     if not parts:
         return ""
     return (
-        f"Cross-layer low rank (xKV, {cfg.get('rank_layers')} layers) against per-head low rank at equal bytes, "
+        f"Cross-layer low rank (xKV, {cfg.get('rank_layers')} layers) against per-head low rank "
+        "at equal bytes, "
         "both with later tokens at full width (perplexity / full, mean over texts): " + "; ".join(parts) + "."
     )
 
@@ -570,12 +599,15 @@ def explain_summary() -> str:
     return (
         f"Why a policy loses a needle (`kvlens explain`, `results/explain.json`, {when}, "
         f"{obj.get('cases_done')} of {obj.get('cases_total')} cases of "
-        f"{', '.join(obj['config']['policies'])} at ratios {', '.join(map(str, obj['config']['ratios']))}): in "
-        f"the {every['wrong_cases']} cases where the full cache answers right and the policy wrong, restoring a "
+        f"{', '.join(obj['config']['policies'])} at ratios "
+        f"{', '.join(map(str, obj['config']['ratios']))}): in "
+        f"the {every['wrong_cases']} cases where the full cache answers right and the policy "
+        "wrong, restoring a "
         f"median of {every['groups_median']:.0f} of the policy's (layer, KV head) groups "
         f"({every['share_of_removed_mean']:.0%} [{share[0]:.0%}–{share[1]:.0%}] of the removed entries) made "
         f"{every['fixed']} right again; one group sufficed in {one['share']:.0%} "
-        f"[{one['ci'][0]:.0%}–{one['ci'][1]:.0%}]. The minimal sets concentrate in a few upper-middle layers: "
+        f"[{one['ci'][0]:.0%}–{one['ci'][1]:.0%}]. The minimal sets concentrate in a few "
+        "upper-middle layers: "
         f"{shown[0]} and {shown[1]} of them (bootstrap 95 % intervals over cases)."
     )
 

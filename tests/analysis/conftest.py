@@ -1,4 +1,5 @@
-"""The analysis tests' run: the tiny model's full-cache run with prefill states (`tests.conftest.tiny_run`)."""
+"""The analysis tests' run: the tiny model's full-cache run with prefill states
+(`tests.conftest.tiny_run`)."""
 
 from __future__ import annotations
 

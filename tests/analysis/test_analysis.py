@@ -333,13 +333,15 @@ SMALL = {
 def run_kinds():
     from kvlens.analysis.registry import analyses
 
-    # those that replay a run need its model: tests/analysis/test_rank_perturbation.py runs them on the tiny one
+    # those that replay a run need its model: tests/analysis/test_rank_perturbation.py runs them on the tiny
+    # one
     return [name for name, cls in analyses().items() if cls.inputs != "model" and not cls.replays]
 
 
 @functools.cache
 def measured_run(tmp_dir: str):
-    """A measured CaM run of the tiny model with attention rows (so with states, decisions and merges), saved."""
+    """A measured CaM run of the tiny model with attention rows (so with states, decisions and merges),
+    saved."""
     from kvlens.experiments.api import generate
 
     opts = RunOptions(budget=24, max_new_tokens=6, record=RecordLevel.ATTENTION)
@@ -531,7 +533,8 @@ def test_aggregated_attention_is_recorded_and_recomputed_for_older_runs_that_rec
 
 
 def test_readme_analysis_example_is_listed_analyzed_drawn_and_reaches_run_figure(tmp_path):
-    """The "Adding an analysis" file of docs/extending.md, saved in a copy of the repository, is all it takes: the CLI,
+    """The "Adding an analysis" file of docs/extending.md, saved in a copy of the repository, is all it takes:
+    the CLI,
     Run.figure and the app's Analyses page offer it."""
     import os
     import shutil
@@ -557,7 +560,8 @@ def test_readme_analysis_example_is_listed_analyzed_drawn_and_reaches_run_figure
         print(kvlens.load_run({run!r}).figure("key-norms").layout.meta["analysis"])
         from streamlit.testing.v1 import AppTest
         at = AppTest.from_file("app.py", default_timeout=120).run()
-        at.query_params.clear()  # a page link leaves the last page's ?layer= behind; AppTest's switch_page keeps it
+        # a page link leaves the last page's ?layer= behind; AppTest's switch_page keeps it
+        at.query_params.clear()
         at.switch_page("pages/analyses.py").run()
         at.sidebar.selectbox(key="app_run").set_value({run!r}).run()
         at.selectbox(key="an_kind").set_value("key-norms").run()

@@ -1,4 +1,5 @@
-"""Figure builders: their trace data equal the analysis output, heatmaps stay small, style and config are set."""
+"""Figure builders: their trace data equal the analysis output, heatmaps stay small, style and config are
+set."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`kvlens report` and `kvlens.analysis.report`: one HTML file per set of runs, drawn from plotly.js inlined once,
+"""`kvlens report` and `kvlens.analysis.report`: one HTML file per set of runs, drawn from plotly.js inlined
+once,
 that names nothing outside itself; its figures, kept text, command and (for several runs) the comparison."""
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def two(report_runs) -> str:
 
 
 def outside_plotly(page: str) -> str:
-    """The report without its one inlined copy of plotly.js (whose source names map tile servers in strings)."""
+    """The report without its one inlined copy of plotly.js (whose source names map tile servers in
+    strings)."""
     assert page.count(get_plotlyjs()) == 1
     return page.replace(get_plotlyjs(), "")
 

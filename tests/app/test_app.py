@@ -33,7 +33,8 @@ def app(tmp_path, monkeypatch):
 
 def open_page(at: AppTest, page: str, run: str | None = None) -> AppTest:
     """Switch to `pages/{page}.py` as a page link does (leaving the last page's query parameters behind, which
-    AppTest's `switch_page` keeps), then pick `run` in the sidebar (which the page draws itself under AppTest)."""
+    AppTest's `switch_page` keeps), then pick `run` in the sidebar (which the page draws itself under
+    AppTest)."""
     at.query_params.clear()
     at.switch_page(f"pages/{page}.py")
     at.run()
@@ -571,7 +572,8 @@ def test_merges_offers_the_runs_of_merging_policies(app):
 
 
 def test_page_job_protocol_errors_results_and_stop(monkeypatch):
-    """Run and Compare share `PageJob`: a bad setting is one sentence, a result comes back, Stop is reported."""
+    """Run and Compare share `PageJob`: a bad setting is one sentence, a result comes back, Stop is
+    reported."""
     import kvlens.ui.jobs
 
     monkeypatch.setattr(kvlens.ui.jobs, "get_model", lambda spec, device: "model")
@@ -610,7 +612,8 @@ def test_page_job_protocol_errors_results_and_stop(monkeypatch):
 
 
 def test_readme_page_example_joins_the_navigation_and_draws_its_analysis(tmp_path, monkeypatch):
-    """The "Adding a page" file of docs/extending.md, saved beside a copy of app.py and its pages, is all it takes."""
+    """The "Adding a page" file of docs/extending.md, saved beside a copy of app.py and its pages, is all
+    it takes."""
 
     path, code = doc_example("Adding a page")
     assert path.startswith("pages/") and not (ROOT / path).exists()
@@ -757,7 +760,8 @@ def run_from_page(
     at: AppTest, policy: str, bits: int, measure: bool = False, chunk: int = 0, **storage
 ) -> AppTest:
     """Run `policy` @0.5 on the start of a bundled text from the Run page, 4 new tokens, with `bits` (and the
-    `run_kv_*` settings in `storage`; 0: the model's dtype) and a prefill `chunk` (0: none); the saved run is then
+    `run_kv_*` settings in `storage`; 0: the model's dtype) and a prefill `chunk` (0: none); the saved run is
+    then
     the sidebar's."""
     at = open_page(at, "run")
     at.radio(key="run_source").set_value("Bundled text").run()
@@ -867,7 +871,8 @@ def test_compare_page_passes_each_policys_kv_storage(app):
 
 @pytest.fixture
 def link(tmp_path, monkeypatch):
-    """`link(page, **params)`: a new session opening `pages/{page}.py` by a link with the query parameters `params`
+    """`link(page, **params)`: a new session opening `pages/{page}.py` by a link with the query parameters
+    `params`
     (`?run=h2o-attention&layer=15`), the user's runs and results in empty temporary folders."""
     monkeypatch.setenv("KVLENS_RUNS", str(tmp_path / "runs"))
     monkeypatch.setenv("KVLENS_RESULTS", str(tmp_path / "results"))
@@ -941,7 +946,8 @@ def test_a_link_opens_the_analyses_page_on_its_analysis_and_parameters_which_cha
         "head": "2",
         "method": "tsne",
     }  # the empty query_head and step fields: not in it
-    # another analysis: the URL loses embedding's parameters, and gaussian's own layer and head take none of them
+    # another analysis: the URL loses embedding's parameters, and gaussian's own layer and head take none of
+    # them
     at.selectbox(key="an_kind").set_value("gaussian").run()
     assert not at.exception and not at.warning
     assert (
@@ -1041,7 +1047,8 @@ def test_the_perturbation_pages_saved_sweep_is_in_the_link(link, tmp_path):
 
 
 def test_browse_pages_and_the_run_page_offer_the_report_built_only_when_clicked(app, monkeypatch):
-    """Beside the share link (the Run page: beside its last run's inspector), a Report download; rendering a page
+    """Beside the share link (the Run page: beside its last run's inspector), a Report download; rendering a
+    page
     never builds the report (Streamlit calls the button's data when it is clicked)."""
     built = []
     monkeypatch.setattr("kvlens.ui.page.report_html", lambda runs: built.append(runs) or "")

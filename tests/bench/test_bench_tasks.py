@@ -107,7 +107,8 @@ def _rows(scores: dict[tuple[str, float], list[float]], task: str, length: int) 
 
 
 def test_a_task_asking_several_questions_of_one_context_has_each_turns_score():
-    """niah_multiquery's questions share one compressed cache: the summary scores each turn, with its interval."""
+    """niah_multiquery's questions share one compressed cache: the summary scores each turn, with its
+    interval."""
     rows = _rows({("full", 0.0): [1, 1, 1, 1], ("h2o", 0.5): [1, 1, 1, 0]}, "multi", 1024)
     for row in rows:
         row["answers"] = [["7"], ["8"], ["9"]]
@@ -234,8 +235,10 @@ def test_kvzips_replay_runs_once_for_all_its_ratios(smol, monkeypatch):
 
 
 def test_a_batch_pads_little_when_caches_of_one_ratio_are_answered_together(tiny_dir, monkeypatch):  # noqa: F811
-    """Caches are prepared ratio by ratio and a batch is closed by its padded size: with room for about two caches
-    of the least compressed ratio, the batches' padded slots stay within 25 % of the slots kept (prepared policy by
+    """Caches are prepared ratio by ratio and a batch is closed by its padded size: with room for about two
+    caches
+    of the least compressed ratio, the batches' padded slots stay within 25 % of the slots kept (prepared
+    policy by
     policy, each batch would pair a 0.5 cache with a 0.875 one: 39 % more)."""
     from kvlens.engine.models import load_model
 

@@ -111,7 +111,8 @@ def test_identical_inputs_reuse_results_and_run_only_what_changed(tiny, monkeypa
 
 def test_own_texts_resume_from_the_divergence_and_generate_only_what_follows(tiny):
     """Each own text is generated from the step where it leaves the measured text: the first divergence of a
-    policy (its earlier tokens are full's), the end of the text, or its last step; the row says how many steps."""
+    policy (its earlier tokens are full's), the end of the text, or its last step; the row says how many
+    steps."""
     out = compare(tiny, PROMPT, ENTRIES, 8)
     rows = table(out)
     assert out[0].own_from == 7 and rows[0]["generated_steps"] == 1  # full: its own text is its measured one

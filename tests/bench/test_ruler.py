@@ -191,7 +191,8 @@ def test_unreadable_files_are_named(tmp_path):
 @pytest.mark.parametrize("task", ["niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt"])
 @pytest.mark.parametrize("count", [4, 8])
 def test_stratified_depths_put_sample_i_of_n_in_its_stratum_each_needle_in_its_share(task, count):
-    """Needle j of k of sample i of n lies at depth [(j + i/n)/k, (j + (i+1)/n)/k), where the context holds it."""
+    """Needle j of k of sample i of n lies at depth [(j + i/n)/k, (j + (i+1)/n)/k), where the context holds
+    it."""
     for i in range(count):
         sample = generate(task, 1500, i, words, ESSAY, 0, count=count)
         assert sample == generate(task, 1500, i, words, ESSAY, 0, count=count)  # deterministic from the seed

@@ -1,4 +1,5 @@
-"""The browser tests' fixtures: `streamlit run app.py` with a headless Chromium whose pages must stay offline."""
+"""The browser tests' fixtures: `streamlit run app.py` with a headless Chromium whose pages must stay
+offline."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def offline(external_requests):
 
 @contextmanager
 def chromium_app(runs_dir: Path):
-    """`streamlit run app.py` on the runs folder `runs_dir` and a headless Chromium: yields (chromium, url). Skips
+    """`streamlit run app.py` on the runs folder `runs_dir` and a headless Chromium: yields (chromium, url).
+    Skips
     the module when Debian's chromium is missing."""
     from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, streamlit_server
 

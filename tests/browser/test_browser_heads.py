@@ -1,6 +1,8 @@
-"""The Head grid in a real browser: scrub the step, click a head, land on the Attention page with the inspector open.
+"""The Head grid in a real browser: scrub the step, click a head, land on the Attention page with the
+inspector open.
 
-One fresh `streamlit run app.py` for the module, on the shipped run that records all 30 layers (`adakv-heads`).
+One fresh `streamlit run app.py` for the module, on the shipped run that records all 30 layers
+(`adakv-heads`).
 The step change's redraw time is measured and printed (never asserted: these machines are noisy).
 """
 

@@ -1,4 +1,5 @@
-"""A run made in the caller's own transformers code opens in the app: `model.generate` with `kvlens.cache`, then
+"""A run made in the caller's own transformers code opens in the app: `model.generate` with `kvlens.cache`,
+then
 `cache.save_run`, then the Head grid and Attention pages draw it in a real browser."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.usefixtures("of
 
 @pytest.fixture(scope="module")
 def hf_runs_dir(tmp_path_factory):
-    """One saved generation of SnapKV at ratio 0.5 that records attention, as `docs/transformers.md` makes it."""
+    """One saved generation of SnapKV at ratio 0.5 that records attention, as `docs/transformers.md` makes
+    it."""
     path = kvlens.model_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)

@@ -87,7 +87,8 @@ def prompt_runs():
 @pytest.mark.slow
 @pytest.mark.parametrize("case,index", prompt_runs())
 def test_same_positions_removed_from_the_prompt_and_next_tokens_nll_as_kvpress(smol, case, index):
-    """The methods kvpress applies to the prompt only: the positions each layer and KV head lost, exactly (heads
+    """The methods kvpress applies to the prompt only: the positions each layer and KV head lost, exactly
+    (heads
     and layers keep different counts for Ada-KV, PyramidKV and KVzip), and the next two tokens' NLL."""
     from kvlens import texts
     from kvlens.experiments.api import encode
@@ -150,7 +151,8 @@ def test_same_positions_removed_and_nll_as_kvpress(smol, case):
 def same_tokens(removed: list[list[int]], ids: list[int]) -> list[list[int]]:
     """Per head, the sorted token ids at the removed positions. In layer 0 a token's key is the same vector at
     every position before RoPE, and RoPE rotates without scaling, so KNorm scores every copy of a token alike:
-    float rounding, not the rule, picks which copies leave (kvlens keeps the older on ties, kvpress's `topk` any).
+    float rounding, not the rule, picks which copies leave (kvlens keeps the older on ties, kvpress's `topk`
+    any).
     What must agree there is which tokens, and how many of each, leave."""
     return [sorted(ids[p] for p in head) for head in removed]
 
@@ -176,7 +178,8 @@ def test_the_task_reference_covers_six_methods_on_four_samples():
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(4))
 def test_same_answers_and_kept_positions_as_kvpress_pipeline_on_task_samples(smol, index):
-    """One `bench tasks` cell (shared prefill, batched answers, kvpress's rounding) against kvpress's pipeline."""
+    """One `bench tasks` cell (shared prefill, batched answers, kvpress's rounding) against kvpress's
+    pipeline."""
     from kvlens.engine.shared_prefill import prepare, slots_for, split_prompt
     from kvlens.experiments.bench import ruler, tasks
     from kvlens.experiments.bench.common import PolicySpec
@@ -213,7 +216,8 @@ def test_same_answers_and_kept_positions_as_kvpress_pipeline_on_task_samples(smo
                 )  # kvlens stops once every expected string is in its answer
                 assert got == theirs or all(e.lower() in got.lower() for e in expected), where
             if case == "full" or (case == "kvzip" and len(context) * (1 - ref["ratio"]) % 1):
-                continue  # kvpress's KVzip rounds its count over all layers and heads, int(L Hkv T ratio) removed
+                # kvpress's KVzip rounds its count over all layers and heads, int(L Hkv T ratio) removed
+                continue
             loop, _ = prepare(
                 smol,
                 make_policy(spec.name, dict(spec.params)),

@@ -80,7 +80,8 @@ MATRIX = {
         "Gemma3TextConfig",
         dict(GEMMA, layer_types=["sliding_attention", "full_attention"]),
         {"sliding": {0: WINDOW}, "scaling": [GEMMA_SCALE] * 2},
-        f"GQA, RoPE (local and global bases), q/k norms, window {WINDOW} on layer 0, query_pre_attn_scalar 12",
+        f"GQA, RoPE (local and global bases), q/k norms, window {WINDOW} on layer 0, "
+        "query_pre_attn_scalar 12",
     ),
     "phi3": ("Phi3Config", GQA, {}, "GQA, RoPE, fused qkv"),
     "olmo2": ("Olmo2Config", GQA, {}, "GQA, RoPE, q/k norms"),
@@ -468,7 +469,8 @@ class _Layer(torch.nn.Module):
 
 
 class _TwoLayers(torch.nn.Module):
-    """A stand-in decoder whose layers call kvlens' attention as told: `calls` per layer, `update` the cache or not."""
+    """A stand-in decoder whose layers call kvlens' attention as told: `calls` per layer, `update` the
+    cache or not."""
 
     def __init__(self, layer_types, window=None, calls=(1, 1), update=(True, True)):
         super().__init__()

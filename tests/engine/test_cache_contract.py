@@ -10,7 +10,8 @@ from kvlens.kvcache.cache import KVCache
 
 
 def views(cache: KVCache) -> tuple[CacheRows, CacheRows | None]:
-    """One layer's rows and every layer's rows (None until the all-layer store holds them), as the contract."""
+    """One layer's rows and every layer's rows (None until the all-layer store holds them), as the
+    contract."""
     return cache.layers[0], cache.all_layers()
 
 

@@ -1,5 +1,6 @@
 """The cache's modes are scoped: positions hold inside `KVCache.feeding` only, a replay pass inside
-`KVCache.replaying` caches nothing, and packed storage is a subclass of the store that `quantize` puts in place."""
+`KVCache.replaying` caches nothing, and packed storage is a subclass of the store that `quantize` puts in
+place."""
 
 from __future__ import annotations
 

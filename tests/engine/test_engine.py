@@ -198,7 +198,8 @@ def test_states_record_the_prompts_accumulated_attention_whatever_the_policy_com
 def test_policies_that_read_no_column_sums_skip_the_chunked_pass_and_decide_the_same(
     tiny, policy, params, monkeypatch
 ):
-    """TOVA and CORM read only the last prefill rows, StreamingLLM nothing: SDPA plus those rows, no T x T pass."""
+    """TOVA and CORM read only the last prefill rows, StreamingLLM nothing: SDPA plus those rows, no T x T
+    pass."""
     import kvlens.engine.context
     from kvlens.engine.context import Observer
 

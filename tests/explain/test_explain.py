@@ -1,4 +1,5 @@
-"""Cache patching (`kvlens explain`): structural facts exact, floats within float rounding (1e-4 on log-probs and
+"""Cache patching (`kvlens explain`): structural facts exact, floats within float rounding (1e-4 on log-probs
+and
 logits of the embedded model in float32; the recovered share of the all-groups restore within 1e-3 of 1)."""
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def test_a_merged_slots_restore_gives_back_its_original_key_and_value(smol, samp
     pair = built.pair
     targets = torch.zeros(pair.removed.numel(), dtype=torch.bool)
     targets[pair.links[1]] = True  # from provenance: the positions the decision log says received a merge
-    kept = []  # (layer, head, position, slot) of merge targets the compressed cache holds with another key/value
+    # (layer, head, position, slot) of merge targets the compressed cache holds with another key/value
+    kept = []
     for layer, head, position in torch.nonzero(pair.removed & targets.view(pair.shape)).tolist():
         kc, vc, ok, pc = pair.compressed.layers[layer]
         slots = torch.nonzero((pc[head] == position) & ok[head])[:, 0]

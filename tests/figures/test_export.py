@@ -1,4 +1,5 @@
-"""Export: valid PNG, SVG and PDF through kaleido + Chromium, the figure's data as CSV and its config as JSON."""
+"""Export: valid PNG, SVG and PDF through kaleido + Chromium, the figure's data as CSV and its config as
+JSON."""
 
 from __future__ import annotations
 

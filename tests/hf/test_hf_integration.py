@@ -1,7 +1,9 @@
-"""kvlens in the caller's own transformers code: `kvlens.cache` in `model.generate`, `kvlens.press`, `kvlens.pipeline`.
+"""kvlens in the caller's own transformers code: `kvlens.cache` in `model.generate`, `kvlens.press`,
+`kvlens.pipeline`.
 
 The model is a plain `AutoModelForCausalLM.from_pretrained` object (SDPA attention, as a researcher loads it);
-each policy's tokens and decision log must be exactly those of `kvlens generate`'s engine with the same settings.
+each policy's tokens and decision log must be exactly those of `kvlens generate`'s engine with the same
+settings.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ BUDGET = 0.5
 
 @pytest.fixture(scope="module")
 def hf():
-    """The embedded model and tokenizer as a researcher loads them: transformers' own loader, default attention."""
+    """The embedded model and tokenizer as a researcher loads them: transformers' own loader, default
+    attention."""
     path = kvlens.model_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
     return model, AutoTokenizer.from_pretrained(path)
@@ -58,7 +61,8 @@ def _budget(name: str) -> dict:
 
 @pytest.mark.parametrize("name", policy_names())
 def test_generate_with_a_kvlens_cache_is_kvlens_generate(name, hf, smol, hf_prompt):
-    """Same tokens, same decision log, every registered policy; the model's attention is as it was afterwards."""
+    """Same tokens, same decision log, every registered policy; the model's attention is as it was
+    afterwards."""
     model, tok = hf
     ids = _ids(hf, hf_prompt)
     cache = kvlens.cache(model, name, **_budget(name))
@@ -223,7 +227,8 @@ def test_a_batch_and_a_reused_cache_are_refused(hf, hf_prompt):
 
 def test_pipeline_answers_as_the_task_suite_does(hf, smol):
     """Two samples, three policies (one budget per head, one per layer shared by its heads, one with replay
-    passes): `kvlens.pipeline`'s answers are those of `kvlens bench tasks --samples FILE --full-answers` (the task
+    passes): `kvlens.pipeline`'s answers are those of `kvlens bench tasks --samples FILE --full-answers` (the
+    task
     cell it runs), the question asked of the context compressed once."""
     model, tok = hf
     count = lambda s: len(smol.tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731

@@ -1,4 +1,5 @@
-"""D2O (Wan et al., ICLR 2025): the token-level rule (H2O eviction, nearest kept key, EMA threshold, Eq. 12 weights)
+"""D2O (Wan et al., ICLR 2025): the token-level rule (H2O eviction, nearest kept key, EMA threshold, Eq. 12
+weights)
 and the layer allocation, each against the same rule written plainly here, on hand-made and random rows."""
 
 from __future__ import annotations
@@ -86,12 +87,15 @@ def test_d2o_merges_the_evicted_tokens_above_the_mean_similarity_into_their_near
         torch.testing.assert_close(states[0, 0], want)
 
 
-# ---------------------------------------------------------------- the rule written plainly, over several steps
+# ---------------------------------------------------------------- the rule written plainly, over several
+# steps
 
 
 def plain_step(heads: list[dict], budget: int, sink: int, recent_ratio: float, beta: float, scope: str, tau):
-    """One D2O compression of `heads` (per KV head {position: [key, value, abar]}, float64) written plainly, in place.
-    Returns the new threshold and the log rows (kv_head, action, position, target, weight) in the policy's order."""
+    """One D2O compression of `heads` (per KV head {position: [key, value, abar]}, float64) written plainly,
+    in place.
+    Returns the new threshold and the log rows (kv_head, action, position, target, weight) in the policy's
+    order."""
     found = []  # (head, source, best similarity, nearest kept position)
     for h, slots in enumerate(heads):
         order = sorted(slots)
@@ -213,7 +217,8 @@ def test_d2o_prompt_and_decode_compressions_equal_the_rule_written_plainly(
 def clustered_layer(
     seed: int, slots: int, prompt: int | None = None
 ) -> tuple[SlotRows, torch.Tensor, torch.Tensor]:
-    """Keys drawn around 3 directions (many similar keys: several sources per target) and their values `(Hkv, slots,
+    """Keys drawn around 3 directions (many similar keys: several sources per target) and their values `(Hkv,
+    slots,
     D)`; the layer holds the first `prompt` positions (all by default), with random Abar."""
     prompt = slots if prompt is None else prompt
     gen = torch.Generator().manual_seed(seed)
@@ -308,7 +313,8 @@ def test_d2o_gives_denser_layers_more_budget_and_keeps_the_total():
     for density in ("layers", "official"):
         got = make_policy("d2o", {"density": density}).allocate(30, layers)
         assert sum(got) == 30 * 4 and all(5 <= b <= t for b in got)
-        # the rule written plainly: unbiased variance of each head's column sums, a score per layer, softmax(-score)
+        # the rule written plainly: unbiased variance of each head's column sums, a score per layer,
+        # softmax(-score)
         var = torch.tensor(
             [[torch.tensor(head).var().item() for head in layer] for layer in sums], dtype=torch.float64
         )

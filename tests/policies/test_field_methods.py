@@ -150,7 +150,8 @@ def test_expected_attention_recovers_the_queries_before_rope_and_scores_as_the_f
     policy = make_policy("expected_attention", {"n_future": 8, "n_sink": 2})
     policy.observe_prefill(layer, Prompt(torch.zeros(HKV * G, 0, t), after, torch.arange(t), 0.25, rope))
     got = policy.score(layer, Step(0, Phase.PREFILL, 10))
-    # the formula, written plainly: statistics of the queries before RoPE, RoPE averaged over 8 future positions
+    # the formula, written plainly: statistics of the queries before RoPE, RoPE averaged over 8 future
+    # positions
     h = before[:, 2:]
     mu, cov = h.mean(1), torch.stack([(x - x.mean(0)).T @ (x - x.mean(0)) / x.shape[0] for x in h])
     cf, sf = rope(torch.arange(t, t + 8))
@@ -238,7 +239,8 @@ def test_kvzip_asks_to_repeat_each_chunk_quoting_the_previous_one(tiny):
 
 
 def test_kvzip_reconstructs_the_context_without_exactly_the_chat_templates_head(smol):
-    """`reconstruct=context` (kvpress's): the passes start after the template's head, whose slots score 0 and so
+    """`reconstruct=context` (kvpress's): the passes start after the template's head, whose slots score 0 and
+    so
     are the first to leave (the sinks aside); `prompt` (kvlens's) repeats the whole prompt."""
     from kvlens.engine.shared_prefill import split_prompt, template_parts
 

@@ -1,4 +1,5 @@
-"""Property tests of each eviction policy's rule (as its file cites the paper) on random caches and the tiny model."""
+"""Property tests of each eviction policy's rule (as its file cites the paper) on random caches and the
+tiny model."""
 
 from __future__ import annotations
 
@@ -177,7 +178,8 @@ def test_parameters_are_validated_with_one_sentence():
 
 
 def shuffled(layer: SlotRows, seed: int) -> SlotRows:
-    """The same slots as `layer`, stored in a random slot order (as a cache that reuses freed slots holds them)."""
+    """The same slots as `layer`, stored in a random slot order (as a cache that reuses freed slots holds
+    them)."""
     perm = torch.randperm(layer.n_slots, generator=torch.Generator().manual_seed(seed))
     out = layer_rows()
     out.append(layer.keys[:, :, perm].clone(), layer.values[:, :, perm].clone(), layer.pos[0, perm])
@@ -235,7 +237,8 @@ def test_decisions_do_not_depend_on_which_slot_holds_which_position(case, perm_s
     st.integers(1, 4),
 )
 def test_selection_keeps_the_highest_scores_and_the_older_of_equal_ones(case, perm_seed, name, leaving):
-    """`select_lowest`, with (one leaving: no sort) or without its fast path, against the rule written plainly."""
+    """`select_lowest`, with (one leaving: no sort) or without its fast path, against the rule written
+    plainly."""
     seed, slots, _ = case
     policy = make_policy(name)
     budget = max(slots - leaving, policy.min_budget())

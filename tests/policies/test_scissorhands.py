@@ -21,7 +21,8 @@ IDS = list(b"Persistence of importance: a token that mattered once keeps matteri
 
 
 def plain_marks(pos: list[int], valid: list[bool], att: list[float], threshold: str) -> list[int]:
-    """The mark of each slot at one decode step, the rule written plainly: a free slot is unseen; a kept one is
+    """The mark of each slot at one decode step, the rule written plainly: a free slot is unseen; a kept one
+    is
     important if its attention reaches 1/t, where t is the query's position + 1 (the tokens it would attend to
     without compression; the query is the newest position) under `position`, the slots it attends to under
     `slots`."""
@@ -116,7 +117,8 @@ class Marks(Observer):
 
 
 def test_scissorhands_position_threshold_in_a_run_uses_each_decode_query_s_own_position(tiny):
-    """On the tiny model, decode step k's query is at position prefill + k: its marks are those of 1/(prefill + k
+    """On the tiny model, decode step k's query is at position prefill + k: its marks are those of 1/(prefill
+    + k
     + 1), not of 1/(kept slots), and under `slots` those of the kept slots."""
     prefill, steps, budget = 80, 8, 12
     for threshold in ("position", "slots"):

@@ -1,4 +1,5 @@
-"""ThinK's channel-pruned keys (`kvlens.policies.think`, `kvlens.kvcache.channels`): what is stored, its bytes, and
+"""ThinK's channel-pruned keys (`kvlens.policies.think`, `kvlens.kvcache.channels`): what is stored, its
+bytes, and
 the refusals. Its channel choice against kvpress is in `tests/cross_checks/test_kvpress_crosscheck.py`."""
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def prompt_cache(model, name: str, params: dict):
 
 @pytest.mark.parametrize("ratio", [0.25, 0.5])
 def test_the_pruned_share_of_key_bytes_leaves_the_cache(tiny, ratio):
-    """Against the same eviction without ThinK: the bytes drop by the pruned channels of every kept key, less the
+    """Against the same eviction without ThinK: the bytes drop by the pruned channels of every kept key, less
+    the
     channel indices each head stores; values and positions are the same."""
     base = {"base.window": 8, "window": 8, "ratio": ratio, "recent": 0}
     think = prompt_cache(tiny, "think", base)
@@ -86,7 +88,8 @@ def test_the_newest_prompt_keys_and_later_tokens_keep_every_channel():
 
 
 def test_think_runs_over_other_evictions_and_keeps_their_decisions(tiny):
-    """ThinK changes what a key holds, never which slots an eviction keeps when the channels do not decide it."""
+    """ThinK changes what a key holds, never which slots an eviction keeps when the channels do not decide
+    it."""
     for base in ("h2o", "streaming_llm"):
         think = run(
             tiny,

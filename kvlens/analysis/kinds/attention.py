@@ -1,4 +1,5 @@
-"""The query-row x position attention map of one layer and head, kept/evicted/merged/sink marked (CaM Fig. 1a-c).
+"""The query-row x position attention map of one layer and head, kept/evicted/merged/sink marked (CaM Fig.
+1a-c).
 
 Reads a `--record attention` run's per-step rows (`attn/{layer}` `(R, Hq, Smax)`, `attn_pos/{layer}`
 `(R, Hkv, Smax)`) through `kvlens.figures.attention.attention_grid` (which the app's Attention page

@@ -62,7 +62,8 @@ class Embedding:
 
 
 def project(x: torch.Tensor, method: str = "pca") -> tuple[torch.Tensor, list[float] | None]:
-    """Rows of `x` `(N, D)` in 2-D `(N, 2)` (float32), and PCA's explained variance ratio per axis (t-SNE: None)."""
+    """Rows of `x` `(N, D)` in 2-D `(N, 2)` (float32), and PCA's explained variance ratio per axis (t-SNE:
+    None)."""
     if method not in METHODS:
         raise KvlensError(f"The projection method takes {' or '.join(METHODS)}; got '{method}'.")
     data = x.double().numpy()
@@ -132,7 +133,8 @@ def embedding(
 
 
 def embedding_figure(run: Run, e: Embedding) -> go.Figure:
-    """Queries (open circles), kept keys, evicted keys (grey x) and merged keys (orange diamonds, hollow when the
+    """Queries (open circles), kept keys, evicted keys (grey x) and merged keys (orange diamonds, hollow when
+    the
     Bernoulli draw moved nothing) linked to their prompt targets by thin lines; hover names each token."""
     tokens = [display_text(str(s)) for s in run.meta.get("prompt_token_strings") or []]
     tokens = tokens if len(tokens) == e.tokens else [""] * e.tokens

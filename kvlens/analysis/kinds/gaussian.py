@@ -93,7 +93,8 @@ def gaussian_figure(
     position: int | None = None,
     sigmas: tuple[str | float | None, ...] = RULES,
 ) -> go.Figure:
-    """KVMerger Fig. 3d: Gaussian-kernel weights over one merging set under each sigma rule or value, pivot marked."""
+    """KVMerger Fig. 3d: Gaussian-kernel weights over one merging set under each sigma rule or value, pivot
+    marked."""
     gs = gaussian_set(run, layer, head, threshold, position, sigmas)
     fig = go.Figure()
     for i, (sigma, w) in enumerate(gs.weights.items()):

@@ -65,7 +65,8 @@ def record_states(model: LoadedModel, ids: list[int], layers: list[int] | None =
 def merging_ratio_over_texts(
     model: LoadedModel, texts: dict[str, str], tokens: int = 1024, threshold: float = 0.75
 ) -> dict[str, MergingRatio]:
-    """KVMerger Fig. 3b: `merging_ratio` of the first `tokens` tokens of each text, by label (runs the model)."""
+    """KVMerger Fig. 3b: `merging_ratio` of the first `tokens` tokens of each text, by label (runs the
+    model)."""
     out = {}
     for label, text in texts.items():
         out[label] = merging_ratio(record_states(model, prefix_ids(model, text, tokens, label)), threshold)
@@ -73,7 +74,8 @@ def merging_ratio_over_texts(
 
 
 def merging_ratio_figure(ratios: list[MergingRatio], labels: list[str], note: str = "") -> go.Figure:
-    """KVMerger Fig. 3b: layer-wise merging-set compression ratio, one line per text (`note` ends the title)."""
+    """KVMerger Fig. 3b: layer-wise merging-set compression ratio, one line per text (`note` ends the
+    title)."""
     fig = go.Figure()
     for i, (r, label) in enumerate(zip(ratios, labels, strict=False)):
         fig.add_trace(

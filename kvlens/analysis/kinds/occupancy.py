@@ -1,4 +1,5 @@
-"""Kept slots per KV head after each step's compression, against the tokens seen and the budget (every policy).
+"""Kept slots per KV head after each step's compression, against the tokens seen and the budget (every
+policy).
 
 Reads `steps/kv_slots` `(steps + 1, L, Hkv)` (row 0: right after the prompt's compression); the
 figure shows the mean, min and max over layers and KV heads per step.

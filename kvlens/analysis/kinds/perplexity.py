@@ -1,4 +1,5 @@
-"""Log-perplexity of the tokens so far against position, one curve per run (WeightedKV Fig. 4: merging vs evicting).
+"""Log-perplexity of the tokens so far against position, one curve per run (WeightedKV Fig. 4: merging vs
+evicting).
 
 For each run, the running mean of `steps/nll` `(N,)` over its scored (or generated) tokens:
 `PerplexityCurve.log_ppl` `(N,)` at `positions` `(N,)`, the log of the perplexity so far.

@@ -30,7 +30,8 @@ class PerturbationAnalysis(Analysis):
         return {k: v.tolist() for k, v in per_step.items()}
 
     def figure(self, run):
-        """Relative output error of the cache used vs evicting the same slots, attention loss, and KL per step."""
+        """Relative output error of the cache used vs evicting the same slots, attention loss, and KL per
+        step."""
         used, evict, loss = (
             run.tensor(f"perturbation/{k}").float() for k in ("used", "evict", "attention_loss")
         )

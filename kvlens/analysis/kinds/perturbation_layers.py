@@ -25,7 +25,8 @@ class PerturbationLayersAnalysis(Analysis):
         return {k: v.tolist() for k, v in per_layer.items()}
 
     def figure(self, run):
-        """Mean output perturbation per layer (over steps and heads), merging vs evicting, and its step x layer map."""
+        """Mean output perturbation per layer (over steps and heads), merging vs evicting, and its step x
+        layer map."""
         used = run.tensor("perturbation/used").float()  # (steps, L, Hq)
         per_layer = self.compute(run)
         layers = list(range(used.shape[1]))

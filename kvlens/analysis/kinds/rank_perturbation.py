@@ -1,24 +1,38 @@
-"""What a rank costs the model's outputs: the run replayed with its keys and values stored at each rank of a ladder.
+"""What a rank costs the model's outputs: the run replayed with its keys and values stored at each rank of a
+ladder.
 
-`rank_bytes` prices a rank in reconstruction error and bytes; this replays it (xKV, Chang et al. 2025, and Palu,
-Chang et al. 2024, report the same trade in accuracy). The run's own tokens (prompt, then what it produced) are fed
+`rank_bytes` prices a rank in reconstruction error and bytes; this replays it (xKV, Chang et al. 2025, and
+Palu,
+Chang et al. 2024, report the same trade in accuracy). The run's own tokens (prompt, then what it produced)
+are fed
 again teacher-forced through its model, under its policy and budget, with low-rank storage at rank r
-(`Storage(rank=r)`, `kvlens.kvcache.lowrank`) and the perturbation meter on (`kvlens.engine.perturbation.measured`),
+(`Storage(rank=r)`, `kvlens.kvcache.lowrank`) and the perturbation meter on
+(`kvlens.engine.perturbation.measured`),
 against an uncompressed forward over the same tokens:
-- end to end, over decode steps 1.. (step 0's logits come from the prompt's uncompressed forward, the same at every
+- end to end, over decode steps 1.. (step 0's logits come from the prompt's uncompressed forward, the same at
+every
   rank): KL(p_full || p_r) (`measured`'s), the NLL change `NLL_r - NLL_full` of the fed tokens, and the top-1
   agreement (share of steps whose most likely token is the full cache's);
 - the pooled output error `sum ||O - O_full|| / sum ||O_full||` split as for quantized storage
-  (`kvlens.engine.perturbation.sources`): the choice of positions (the kept positions, original keys and values),
-  what storage at rank r adds, and what the policy's merges add. A full-cache run has no positions or merging part:
+  (`kvlens.engine.perturbation.sources`): the choice of positions (the kept positions, original keys and
+  values),
+  what storage at rank r adds, and what the policy's merges add. A full-cache run has no positions or merging
+  part:
   storage is all of it; an evicting run's positions part is its eviction's.
-The same replay in the model's dtype (`reference`) gives the policy's own cost end to end, so what rank r adds end to
-end is its row minus the reference. Bytes are the replay's peak KV bytes (the stored tensors: coefficients and each
-head's basis) over the reference's. The reconstruction errors are `rank_bytes`' (Eckart-Young on the recorded states
-of the whole prompt, mean over layers and KV heads), and each layer's rank for `error` is marked. The ladder defaults
-to D/16, D/8, D/4, D/2 and D (D the head size). At D storage adds nothing but float rounding when each head keeps at
-least D of the prompt's slots; a budget below D leaves the basis, fit on the kept slots, fewer than D dimensions, so
-the tokens that come later lose what lies outside it even at rank D (and the prompt's error above understates it).
+The same replay in the model's dtype (`reference`) gives the policy's own cost end to end, so what rank r adds
+end to
+end is its row minus the reference. Bytes are the replay's peak KV bytes (the stored tensors: coefficients and
+each
+head's basis) over the reference's. The reconstruction errors are `rank_bytes`' (Eckart-Young on the recorded
+states
+of the whole prompt, mean over layers and KV heads), and each layer's rank for `error` is marked. The ladder
+defaults
+to D/16, D/8, D/4, D/2 and D (D the head size). At D storage adds nothing but float rounding when each head
+keeps at
+least D of the prompt's slots; a budget below D leaves the basis, fit on the kept slots, fewer than D
+dimensions, so
+the tokens that come later lose what lies outside it even at rank D (and the prompt's error above understates
+it).
 """
 
 from __future__ import annotations
@@ -51,7 +65,8 @@ DTYPE = "model dtype"  # the reference row's label
 
 @dataclass
 class Replay:
-    """One replay of a run: `rank` (None: the model's dtype), its peak KV bytes, KL, NLL change and top-1 agreement
+    """One replay of a run: `rank` (None: the model's dtype), its peak KV bytes, KL, NLL change and top-1
+    agreement
     over decode steps 1.., and its pooled output error by source (`sources`' keys)."""
 
     rank: int | None
@@ -64,7 +79,8 @@ class Replay:
 
 @dataclass
 class RankPerturbation:
-    """The replays at each rank of the ladder and in the model's dtype, and `rank_bytes`' errors of the run."""
+    """The replays at each rank of the ladder and in the model's dtype, and `rank_bytes`' errors of the
+    run."""
 
     ranks: list[Replay]
     reference: Replay
@@ -73,7 +89,8 @@ class RankPerturbation:
     steps: int  # decode steps measured
 
     def rows(self) -> list[dict]:
-        """One row per replay, the reference last: rank, bytes and their share, errors, end to end, sources."""
+        """One row per replay, the reference last: rank, bytes and their share, errors, end to end,
+        sources."""
         out = []
         for rep in [*self.ranks, self.reference]:
             errors = {
@@ -101,7 +118,8 @@ def default_ranks(head_dim: int) -> list[int]:
 
 
 def replay(model: LoadedModel, run: Run, rank: int | None, full: torch.Tensor) -> Replay:
-    """`run`'s tokens teacher-forced under its policy and budget with storage at `rank` (None: the model's dtype),
+    """`run`'s tokens teacher-forced under its policy and budget with storage at `rank` (None: the model's
+    dtype),
     measured; `full` `(tokens, V)`: the uncompressed forward's log-probabilities of each produced token."""
     meta = run.meta
     prompt, tokens = list(meta["prompt_tokens"]), list(meta["tokens"])
@@ -139,7 +157,8 @@ def replay(model: LoadedModel, run: Run, rank: int | None, full: torch.Tensor) -
 
 
 def rank_perturbation(run: Run, model: LoadedModel, ranks: list[int] | None = None) -> RankPerturbation:
-    """The run replayed at each of `ranks` (default `default_ranks`) and in the model's dtype (module docstring)."""
+    """The run replayed at each of `ranks` (default `default_ranks`) and in the model's dtype (module
+    docstring)."""
     head_dim = model.shape()["head_dim"]
     ranks = sorted(set(ranks or default_ranks(head_dim)))
     if ranks[-1] > head_dim:
@@ -162,7 +181,8 @@ def _tick(row: dict) -> str:
 
 
 def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0.01) -> go.Figure:
-    """Per rank (and the model's dtype), its bytes share under it: the pooled output error by source, stacked; KL
+    """Per rank (and the model's dtype), its bytes share under it: the pooled output error by source, stacked;
+    KL
     (labelled with the top-1 agreement) and the NLL change end to end; and each layer's rank for `error`."""
     rows = found.rows()
     ticks = [_tick(r) for r in rows]
@@ -319,8 +339,10 @@ class RankPerturbationAnalysis(Analysis):
             f"{'positions':>9} {'storage':>8} {'merging':>8}"
         )
         lines = [
-            f"Replayed over {found['steps']} decode steps; bytes: KV bytes over the model dtype's; errors: the "
-            "prompt's reconstruction error; KL, NLL change (nats per token) and top-1 agreement against the full "
+            f"Replayed over {found['steps']} decode steps; bytes: KV bytes over the model "
+            "dtype's; errors: the "
+            "prompt's reconstruction error; KL, NLL change (nats per token) and top-1 agreement "
+            "against the full "
             "cache; the pooled output error by source.",
             head,
         ]

@@ -1,4 +1,5 @@
-"""Token x token cosine similarity of one head's prefill states (KVMerger Fig. 2 for keys, CORM Fig. 3 for queries).
+"""Token x token cosine similarity of one head's prefill states (KVMerger Fig. 2 for keys, CORM Fig. 3 for
+queries).
 
 `cos(x_i, x_j)` of the head's states `(T, D)` for one (layer, head), block-averaged to at most
 `max_size` x `max_size` cells for long prompts (`SimilarityMap.matrix` `(n, n)`). The figure takes

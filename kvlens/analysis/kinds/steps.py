@@ -13,7 +13,8 @@ from kvlens.figures.plots import finish, line_style
 
 
 def _labels(runs: list, label: list) -> list[str]:
-    """One legend label per run: the given ones, else the run's folder name (its policy when unsaved), made unique."""
+    """One legend label per run: the given ones, else the run's folder name (its policy when unsaved), made
+    unique."""
     out = []
     for i, run in enumerate(runs):
         if i < len(label):

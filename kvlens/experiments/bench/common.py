@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: policy specs and labels, medians, peak memory, environment, saving results."""
+"""Shared pieces of the benchmarks: policy specs and labels, medians, peak memory, environment, saving
+results."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ class PolicySpec:
 
 
 def parse_policies(text: str) -> list[PolicySpec]:
-    """A list of policy specs separated by ';', or by ',' where the next part is a name rather than a parameter
+    """A list of policy specs separated by ';', or by ',' where the next part is a name rather than a
+    parameter
     (parameters are always `key=value`, a policy `name` or `name:key=value`): `full,h2o` and
     `cam:base=h2o,span=8;tova` both read as expected."""
     specs = []
@@ -107,7 +109,8 @@ class PeakRSS:
 
 
 def label(row: dict) -> str:
-    """A row's policy as benchmarks name it: `cam` or `cam:base=h2o` (the parameters that differ from the defaults)."""
+    """A row's policy as benchmarks name it: `cam` or `cam:base=h2o` (the parameters that differ from the
+    defaults)."""
     from kvlens.policies import changed_params
 
     changed = changed_params(row["policy"], row.get("params") or {})

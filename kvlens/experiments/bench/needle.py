@@ -51,7 +51,8 @@ def haystack(
     question: str = QUESTION,
     chat: bool = True,
 ) -> list[int]:
-    """Prompt ids of about `length` tokens: filler sentences with `needle` at `depth` in [0, 1], then `question`."""
+    """Prompt ids of about `length` tokens: filler sentences with `needle` at `depth` in [0, 1], then
+    `question`."""
     if not 0 <= depth <= 1:
         raise KvlensError(f"A needle depth must be in [0, 1]; got {depth}.")
     tail = f"\n\n{question}"
@@ -88,7 +89,8 @@ def plan_needle(
     question: str = QUESTION,
     answer: str = ANSWER,
 ) -> list[dict]:
-    """The `needle` cells: every policy at every (context length, depth); the haystack is text id `haystack`."""
+    """The `needle` cells: every policy at every (context length, depth); the haystack is text id
+    `haystack`."""
     bad = [d for d in depths if not 0 <= d <= 1]
     if bad:
         raise KvlensError(f"A needle depth must be in [0, 1]; got {bad[0]}.")

@@ -20,7 +20,8 @@ What differs from RULER:
 - Needle depths (`depths`): RULER puts each needle at a uniformly random sentence boundary (`random`, kvlens's
   samples before the option); `stratified` (the default) spreads the grid's `count` samples evenly over the
   context, sample i of n at a boundary drawn from the seed within [i/n, (i+1)/n) of the haystack's sentences,
-  and the k needles (or vt's chain lines) of one sample each in their own k-th of it, so that a grid of 8 samples
+  and the k needles (or vt's chain lines) of one sample each in their own k-th of it, so that a grid of 8
+  samples
   does not leave the depth to luck. A line's depth is its boundary's index over the haystack's sentence count.
 """
 
@@ -225,7 +226,8 @@ class Sample:
 
     @classmethod
     def from_json(cls, obj: dict, line: int) -> Sample:
-        """The sample of a JSON object (as `to_json` writes, or a user's line without `task`) on line `line`."""
+        """The sample of a JSON object (as `to_json` writes, or a user's line without `task`) on line
+        `line`."""
         return cls._parse(obj, f"line {line}")
 
     @classmethod
@@ -281,7 +283,8 @@ def score_sample(outputs: Sequence[str], sample: Sample) -> float:
 
 
 def needle_spans(sample: Sample) -> list[tuple[int, int]]:
-    """Character spans `[start, end)` of the needle sentences of the sample's expected answers in its context (the
+    """Character spans `[start, end)` of the needle sentences of the sample's expected answers in its context
+    (the
     niah tasks'; none for other tasks)."""
     spans = []
     for value in dict.fromkeys(a for answers in sample.answers for a in answers):
@@ -355,8 +358,10 @@ def _essay(text: str, n: int) -> list[str]:
 
 
 def _cuts(rng: random.Random, total: int, lines: int, stratum: tuple[int, int] | None) -> list[int]:
-    """Sentence boundaries (0..`total`) for `lines` lines, ascending: uniformly random (`stratum` None, RULER's),
-    or line j of sample i of n (`stratum` (i, n)) at a random boundary within [(j + i/n)/k, (j + (i+1)/n)/k) of
+    """Sentence boundaries (0..`total`) for `lines` lines, ascending: uniformly random (`stratum` None,
+    RULER's),
+    or line j of sample i of n (`stratum` (i, n)) at a random boundary within [(j + i/n)/k, (j + (i+1)/n)/k)
+    of
     the text (k = `lines`)."""
     if stratum is None:
         return sorted(rng.randint(0, total) for _ in range(lines))
@@ -489,7 +494,8 @@ def _builders(
 def _fit(
     build: Callable[[random.Random, int], tuple], key: str, count_tokens: Callable[[str], int], budget: int
 ) -> tuple | None:
-    """`build` with the largest `n` whose context and longest question fit `budget` tokens; None if n = 0 does not.
+    """`build` with the largest `n` whose context and longest question fit `budget` tokens; None if n = 0 does
+    not.
 
     Every try starts from the same `random.Random(key)`, so the sample depends on `n` only.
     """
@@ -526,7 +532,8 @@ def generate(
     depths: str = "stratified",
     count: int = 8,
 ) -> Sample:
-    """Sample `index` of `count` of `task` at `length` tokens: context plus longest question fill `length - 64`
+    """Sample `index` of `count` of `task` at `length` tokens: context plus longest question fill `length -
+    64`
     tokens; its needles at `depths` (see the module docstring; `random` ignores `count`).
 
     Deterministic in (task, length, index, seed, depths, count); `count_tokens` is the caller's tokenizer.

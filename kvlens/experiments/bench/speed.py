@@ -23,12 +23,14 @@ step, which a machine shared with other processes disturbs less than wall time.
 - prefill_stats_vs_full: prefill + step-0 compression ms of `h2o` (column sums) and of `tova`
   (last rows) over `full`'s prefill, at the first evict length, the worse of the two.
 - every_policy_half_vs_full_at_N, every_policy_prefill_vs_full_at_N: the same two measurements for every
-  policy in the lockstep (`every`: by default every registered policy, budget-free ones at their own size), the
+  policy in the lockstep (`every`: by default every registered policy, budget-free ones at their own size),
+  the
   worst policy's ratio; `ratio_details` names it and lists each policy's. The prefill family leaves out the
   methods whose algorithm is an extra forward over the prompt (replay passes: KVzip's reconstruction), which
   `replay_vs_full_prefill_at_N` measures against their own target.
 - every_policy_bytes_half_vs_full_at_N: KV bytes allocated (peak) by every budgeted policy at half the prompt
-  over the full prompt's cache, the worst policy's (per-head budgets padded to a layer's largest head show here).
+  over the full prompt's cache, the worst policy's (per-head budgets padded to a layer's largest head show
+  here).
 """
 
 from __future__ import annotations
@@ -129,8 +131,10 @@ def model_loop_steps(model: LoadedModel, ids: list[int], steps: int) -> Generato
 
 
 def hf_generate_steps(model: LoadedModel, ids: list[int], steps: int) -> Generator[float, None, dict]:
-    """transformers' `model.generate` with a `kvlens.cache(model, "full")`, one step per `next`: generate runs in a
-    thread that a streamer holds after each token until the next `next`. Yields the prefill ms (prompt to first
+    """transformers' `model.generate` with a `kvlens.cache(model, "full")`, one step per `next`: generate runs
+    in a
+    thread that a streamer holds after each token until the next `next`. Yields the prefill ms (prompt to
+    first
     token), then each decode step's ms; returns the tokens."""
     from kvlens.hf import cache
 
@@ -163,7 +167,8 @@ def hf_generate_steps(model: LoadedModel, ids: list[int], steps: int) -> Generat
 
 
 class _Gate:
-    """A `generate` streamer that reports each token's time (from the previous release) and waits to be released."""
+    """A `generate` streamer that reports each token's time (from the previous release) and waits to be
+    released."""
 
     def __init__(self):
         self.times: queue.Queue = queue.Queue()
@@ -235,7 +240,8 @@ def engine_once(
 
 
 def paired(a: Callable[[], Steps], b: Callable[[], Steps], repeats: int, tick: Callable[[], None]) -> dict:
-    """a and b in lockstep `repeats` times (which goes first flips each repeat); median of the ms/token ratios."""
+    """a and b in lockstep `repeats` times (which goes first flips each repeat); median of the ms/token
+    ratios."""
     sides: dict[str, list[dict]] = {"a": [], "b": []}
     for r in range(repeats):
         order = "ab" if r % 2 == 0 else "ba"
@@ -277,7 +283,8 @@ def evict_repeats(repeats: int, n: int) -> int:
 
 
 def lockstep_names(every: Sequence[str]) -> list[str]:
-    """The sides of the evict ratios: full, the evicting and statistics policies, then `every` other policy."""
+    """The sides of the evict ratios: full, the evicting and statistics policies, then `every` other
+    policy."""
     return list(dict.fromkeys(("full", *EVICTING, *STATS, *every)))
 
 
@@ -372,7 +379,8 @@ def bench_speed(
     """
     if repeats < 1 or steps < 2:
         raise KvlensError("Speed needs at least one repeat and two generated tokens.")
-    # untimed warm-up: the process's first run pays one-off costs (allocator, kernels) that would land in row one
+    # untimed warm-up: the process's first run pays one-off costs (allocator, kernels) that would land in row
+    # one
     engine_once(model, PolicySpec("full"), prefix_ids(model, text, min(lengths), "The text"), 2, None)
     rows = []
     for n in lengths:

@@ -1,10 +1,16 @@
-"""The task suite's needles by depth and length: the field's needle-in-a-haystack figure, from the leaderboard's rows.
+"""The task suite's needles by depth and length: the field's needle-in-a-haystack figure, from the
+leaderboard's rows.
 
-Each expected answer of a niah task is one needle (`ruler`: its number, at its sentence-boundary depth; the row's
-`needle_depths`, shaped as its `answers`), found when its question's answer holds it (RULER's string match, per
-string). `grid` counts the needles found per (policy, ratio, length, depth bin); `figure` draws one heatmap per
-policy at one ratio, depth down and length across (Kamradt's needle-in-a-haystack layout, kvpress's and RULER's
-depth x length figure). `fill_depths` recovers the depths of rows written before they were recorded: a generated
+Each expected answer of a niah task is one needle (`ruler`: its number, at its sentence-boundary depth; the
+row's
+`needle_depths`, shaped as its `answers`), found when its question's answer holds it (RULER's string match,
+per
+string). `grid` counts the needles found per (policy, ratio, length, depth bin); `figure` draws one heatmap
+per
+policy at one ratio, depth down and length across (Kamradt's needle-in-a-haystack layout, kvpress's and
+RULER's
+depth x length figure). `fill_depths` recovers the depths of rows written before they were recorded: a
+generated
 sample is a function of its cell, so it is generated again (the answers must match the row's).
 """
 
@@ -19,7 +25,8 @@ BINS = 10  # depth bins of the figure: tenths of the context
 
 
 def fill_depths(rows: list[dict], count_tokens: Callable[[str], int], haystack: str) -> int:
-    """Give each generated niah row without `needle_depths` its sample's (regenerated with its cell's seed, depths
+    """Give each generated niah row without `needle_depths` its sample's (regenerated with its cell's seed,
+    depths
     and count; rows from before the `depths` option: random). Returns how many rows got them."""
     filled = 0
     for row in rows:
@@ -46,7 +53,8 @@ def fill_depths(rows: list[dict], count_tokens: Callable[[str], int], haystack: 
 
 
 def grid(rows: list[dict], bins: int = BINS) -> list[dict]:
-    """Per (policy, ratio, length, depth bin) over the niah rows with depths: needles found and needles asked."""
+    """Per (policy, ratio, length, depth bin) over the niah rows with depths: needles found and needles
+    asked."""
     cells: dict[tuple, list[int]] = {}
     for row in rows:
         depths = row.get("needle_depths")
