@@ -2,8 +2,7 @@
 
 The public entries: `kvlens.load_run(path)`; in the caller's own transformers code `kvlens.cache`,
 `kvlens.press`, `kvlens.pipeline` and `kvlens.attach` (`kvlens.hf`, imported on first use);
-`kvlens.model_path()`,
-the embedded model's directory; `kvlens.texts`, the bundled public-domain texts.
+`kvlens.model_path()`, the embedded model's directory; `kvlens.texts`, the bundled public-domain texts.
 
 This module is the package's top layer: importing it also imports the analysis registry
 (`kvlens.analysis.registry`), which installs itself behind `Run.figure` and `Run.analyze` (the kinds in

@@ -1,6 +1,5 @@
 """Analyses: any registered analysis (`kvlens analyze --list`) of the open run, with widgets generated from
-its
-parameters; the analysis and its parameters are kept in the link."""
+its parameters; the analysis and its parameters are kept in the link."""
 
 from kvlens.analysis.registry import analyses
 from kvlens.ui.analysis_widgets import analysis_widgets, pick_analysis

@@ -1,6 +1,6 @@
-"""Attention: the step x position attention map of a layer and head, kept/evicted/merged/sink marked (CaM Fig.
-1a-c),
-and the token inspector of the chosen row (open when the Head grid sent the user here: `?inspect=1`)."""
+"""Attention: the step x position attention map of a layer and head, kept/evicted/merged/sink marked (CaM
+Fig. 1a-c), and the token inspector of the chosen row (open when the Head grid sent the user here:
+`?inspect=1`)."""
 
 import streamlit as st
 

@@ -1,8 +1,7 @@
 """Head grid: every recorded layer and head at one step, as attention strips or one number per head; a click
-opens
-the head on the Attention page with the token inspector (bertviz's model view, CircuitsVis' click-to-enlarge).
-Below
-it, the text at that step, each token coloured by how many heads keep it, or by one head's state."""
+opens the head on the Attention page with the token inspector (bertviz's model view, CircuitsVis'
+click-to-enlarge). Below it, the text at that step, each token coloured by how many heads keep it, or by one
+head's state."""
 
 import streamlit as st
 

@@ -1,6 +1,5 @@
 """Perturbation: merge vs evict output perturbation over steps and layers, attention loss, KL (CaM Fig. 1d);
-with
-quantized storage, the output error split into the choice of positions, quantized storage and merging."""
+with quantized storage, the output error split into the choice of positions, quantized storage and merging."""
 
 import streamlit as st
 

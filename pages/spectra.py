@@ -1,8 +1,6 @@
 """Spectra: normalised singular values of keys vs values per layer (WeightedKV Fig. 1), and what that decay
-buys in
-low-rank storage: reconstruction error against bytes, rank by rank, and, replaying the run at a ladder of
-ranks, what
-each rank does to the model's outputs."""
+buys in low-rank storage: reconstruction error against bytes, rank by rank, and, replaying the run at a ladder
+of ranks, what each rank does to the model's outputs."""
 
 import streamlit as st
 

@@ -1,7 +1,7 @@
 """Why: which of a policy's removals made the compressed cache get it wrong (cache patching, `kvlens
-explain`).
-Each group of removals is restored alone from the full cache; its recovered share is the part of the answer's
-log-probability gap it closes. The greedy smallest sufficient set is drawn on the Head grid's strips."""
+explain`). Each group of removals is restored alone from the full cache; its recovered share is the part of
+the answer's log-probability gap it closes. The greedy smallest sufficient set is drawn on the Head grid's
+strips."""
 
 import time
 

@@ -359,8 +359,7 @@ def write(result: dict) -> int:
 
 def unpinned_tova():
     """Inside the kvpress virtualenv: `TOVAPress` scoring every slot, the newest included, by the last query's
-    mean
-    attention (no pin; eager attention)."""
+    mean attention (no pin; eager attention)."""
     from kvpress import TOVAPress
 
     class UnpinnedTOVAPress(TOVAPress):
@@ -575,10 +574,9 @@ def task_references(model_dir: str, tok, torch) -> dict:
 
 def removed_from(before, after, masked, torch) -> list[list[int]]:
     """Per KV head, the sorted positions a compression removed: the prompt's keys `before` `(Hkv, T, D)` the
-    kept
-    keys `after` `(Hkv, S, D)` do not match (keys are never merged, so each kept key is one of them exactly),
-    and
-    the masked ones (`masked_key_indices`: batch, head and position indices, fake-key compression)."""
+    kept keys `after` `(Hkv, S, D)` do not match (keys are never merged, so each kept key is one of them
+    exactly), and the masked ones (`masked_key_indices`: batch, head and position indices, fake-key
+    compression)."""
     hkv, t = before.shape[:2]
     gone = [set(range(t)) for _ in range(hkv)]
     match = (after[:, :, None, :] == before[:, None, :, :]).all(-1)  # (Hkv, S, T)

@@ -2,9 +2,8 @@
 
 On the task suite's niah_single and niah_multikey samples at 1024 tokens whose full cache answers right, for
 StreamingLLM, H2O, SnapKV, Expected Attention and KVzip at r = 0.5 and 0.75, wherever the policy answers
-wrong:
-the greedy smallest set of (layer, KV head) groups whose restore makes the answer right again (`kvlens explain
---by head --find-minimal`). Writes results/explain.{json,csv,png}; each case's row is appended to
+wrong: the greedy smallest set of (layer, KV head) groups whose restore makes the answer right again (`kvlens
+explain --by head --find-minimal`). Writes results/explain.{json,csv,png}; each case's row is appended to
 results/explain.rows.jsonl as it finishes, so a second run resumes where the first stopped.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/explain_finding.py [--limit-minutes M]
@@ -41,9 +40,7 @@ SMALL = (1, 3, 5, 10)  # the share of cases whose minimal set has at most this m
 
 def samples_file(model, out: Path) -> Path:
     """The suite's samples (`kvlens bench tasks --tasks niah_single,niah_multikey --lengths 1024 --depths
-    random
-    --dump-samples`),
-    interleaved by index so that a partial run covers both tasks."""
+    random --dump-samples`), interleaved by index so that a partial run covers both tasks."""
     from kvlens.texts import bundled
 
     count = lambda s: len(model.tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
@@ -110,8 +107,7 @@ def interval(values: list[float]) -> list[float]:
 
 def summarise(rows: list[dict], layers: int) -> dict:
     """Minimal-set sizes (slots, groups) per policy and ratio and over all, with bootstrap 95 % intervals of
-    the
-    mean; and per layer, the share of minimal sets that restore something there."""
+    the mean; and per layer, the share of minimal sets that restore something there."""
     fixed = [r for r in rows if r.get("found")]
     cells = {}
     for key, sub in [(("all", None), fixed)] + [

@@ -1,7 +1,7 @@
 """Regenerate docs/support.md from the architecture matrix test.
 
-Runs `tests/engine/test_architectures.py` with KVLENS_SUPPORT_TABLE set (the test writes the table only
-when every model of the matrix ran), then writes docs/support.md. Usage: `.venv/bin/python
+Runs `tests/engine/test_architectures.py` with KVLENS_SUPPORT_TABLE set (the test writes the table only when
+every model of the matrix ran), then writes docs/support.md. Usage: `.venv/bin/python
 scripts/support_table.py`.
 """
 

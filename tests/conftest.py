@@ -1,6 +1,5 @@
 """Shared fixtures and helpers: a tiny random GQA Llama (seconds, no download), the embedded SmolLM2, the
-shipped
-runs, the `kvlens` command and the examples of docs/extending.md."""
+shipped runs, the `kvlens` command and the examples of docs/extending.md."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ def examples(n: int) -> int:
 
 def pytest_collection_modifyitems(config, items):
     """Mark every Hypothesis test `property`, so `make fuzz` can select them; deselect the `cuda` tests where
-    torch
-    sees no CUDA GPU (`make test-cuda` runs them on one)."""
+    torch sees no CUDA GPU (`make test-cuda` runs them on one)."""
     for item in items:
         if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
             item.add_marker(pytest.mark.property)
@@ -193,8 +191,8 @@ def one_sentence(stderr: str) -> bool:
 
 
 def doc_example(section: str) -> tuple[str, str]:
-    """The first python block of a section of docs/extending.md and the file name the section says to save
-    it as."""
+    """The first python block of a section of docs/extending.md and the file name the section says to save it
+    as."""
     text = (ROOT / "docs" / "extending.md").read_text()
     body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
     code = re.search(r"```python\n(.*?)```", body, re.S).group(1)

@@ -1,6 +1,5 @@
 """The test tree itself: every fixture name is defined once, shared code lives in a conftest (no test module
-imports
-another), and the shipped runs' folder is named in one place (`tests.conftest.CACHED_RUNS`)."""
+imports another), and the shipped runs' folder is named in one place (`tests.conftest.CACHED_RUNS`)."""
 
 from __future__ import annotations
 

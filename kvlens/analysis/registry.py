@@ -195,8 +195,7 @@ def _with_model(analysis: Analysis, source, model, params: dict) -> dict:
 
 def analysis_json(name: str, source, model=None, **params) -> dict:
     """`kvlens analyze NAME --json` on `source` (a Run, a list of Runs, or a LoadedModel); `model`: the model
-    an
-    analysis that replays its run feeds it through (default: the run's own)."""
+    an analysis that replays its run feeds it through (default: the run's own)."""
     analysis, p = get_analysis(name), checked_params(name, **params)
     source = _checked_source(analysis, source)
     return analysis.to_json(analysis.compute(source, **_with_model(analysis, source, model, p)), **p)

@@ -4,11 +4,9 @@ gives.
 For each run: its settings and the exact command that recorded it, its metrics, the figures of the analyses in
 `FIGURES` whose needs it meets (their defaults: the middle recorded layer, head 0), the kept-text view at its
 last step when it has attention rows (`kvlens.figures.kept_text`), and its evictions and merges per layer.
-With
-two runs or more, a first section sets their settings and metrics side by side and overlays their per-step
-curves
-(the `steps` analysis). plotly.js is inlined once and every figure drawn from it, so opening the file fetches
-nothing: no external script, font or style sheet.
+With two runs or more, a first section sets their settings and metrics side by side and overlays their
+per-step curves (the `steps` analysis). plotly.js is inlined once and every figure drawn from it, so opening
+the file fetches nothing: no external script, font or style sheet.
 """
 
 from __future__ import annotations
@@ -307,8 +305,7 @@ def _run_section(run: Run, name: str, number: int) -> str:
 
 def _why_section(result: dict, name: str, number: int) -> str:
     """A `kvlens explain` result: its case, the log-probability gap, both ends, the minimal set and the Why
-    page's
-    figures (`kvlens.figures.why`)."""
+    page's figures (`kvlens.figures.why`)."""
     from kvlens.figures.why import figures
 
     rows = [[html.escape(k), html.escape(str(v))] for k, v in result["case"].items()]

@@ -1,7 +1,6 @@
 """`kvlens analyze KIND` (numbers, or JSON with --json), `kvlens figure KIND --out FILE` (image + CSV + JSON)
-and `kvlens analyze --list`, all derived from the analysis registry (`kvlens.analysis.registry`), and
-`kvlens report --run DIR ... --out FILE.html` (`kvlens.analysis.report`: runs, their metrics and figures in
-one file).
+and `kvlens analyze --list`, all derived from the analysis registry (`kvlens.analysis.registry`), and `kvlens
+report --run DIR ... --out FILE.html` (`kvlens.analysis.report`: runs, their metrics and figures in one file).
 
 Each KIND is a subcommand with its own parameters (`kvlens analyze similarity --help`).
 """

@@ -279,8 +279,7 @@ def _run_grid(
 ) -> int:
     """Run a benchmark's cells (resumable, on the chosen executor), then add its summary, figure and table.
     `implied`: what older rows lacking a cell field had (`grid.Results`); `complete(rows)`: fills in what
-    older
-    rows lack; `figures`: more (file stem suffix, figure of the result or None) pairs."""
+    older rows lack; `figures`: more (file stem suffix, figure of the result or None) pairs."""
     from kvlens.experiments.bench.common import environment
     from kvlens.experiments.grid import report
     from kvlens.figures.export import image_bytes
@@ -637,8 +636,8 @@ def cmd_tasks(args) -> int:
 
 
 def _needle_depths(args, rows: list[dict], texts: dict[str, str]) -> None:
-    """Rows written before needle depths were recorded get their samples' (the model's tokenizer loaded
-    only then)."""
+    """Rows written before needle depths were recorded get their samples' (the model's tokenizer loaded only
+    then)."""
     from kvlens.experiments.bench import task_needles
 
     if "haystack" not in texts or all(

@@ -53,8 +53,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 
 def add_storage_args(p: argparse.ArgumentParser, bits: bool = True) -> None:
     """`--kv-bits` and `--kv-rank` (unless `bits` is False: a benchmark that sets the storage per cell) and
-    the
-    quantization scheme's options."""
+    the quantization scheme's options."""
     if bits:
         p.add_argument(
             "--kv-bits",

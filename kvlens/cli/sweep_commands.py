@@ -100,8 +100,7 @@ def run_cells(
     implied: dict | None = None,
 ):
     """Run the cells the results file `out` still lacks on the executor `args` chose; the `Results`
-    (`implied`:
-    what an older row lacking a field had, `Results`)."""
+    (`implied`: what an older row lacking a field had, `Results`)."""
     from kvlens.engine.models import model_path
     from kvlens.experiments.executors import Job, executor
     from kvlens.experiments.grid import Results, run_grid

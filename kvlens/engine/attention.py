@@ -171,8 +171,7 @@ def dense(query, key, value, spec: AttentionSpec) -> torch.Tensor:
 
 def replayed(query, key, value, spec: AttentionSpec) -> torch.Tensor:
     """The q queries of a pass fed after S - q cached slots (all visible), causal among themselves: SDPA with
-    a
-    `(q, S)` mask, or `dense` when the layer soft-caps. query `(1, Hq, q, D)`, key/value `(1, Hkv, S, D)` ->
+    a `(q, S)` mask, or `dense` when the layer soft-caps. query `(1, Hq, q, D)`, key/value `(1, Hkv, S, D)` ->
     `(1, q, Hq, D)`."""
     if not spec.plain:
         return dense(query, key, value, spec)

@@ -9,9 +9,8 @@ Each cache's kept slots are copied, per layer, into a batch buffer `(B, Hkv, S, 
 (`valid` marks the slots that hold a token, `pos` their positions); the question and the answer's tokens are
 appended behind them. A query sees the valid slots at or before its position (and inside the layer's sliding
 window), as the frozen cache's own attention does, so each row's answer is its cache's own up to float
-rounding
-(tested). The caches themselves are not touched. Rows that stop (end of sequence, the length limit, or `done`)
-leave the batch once a quarter of it has stopped.
+rounding (tested). The caches themselves are not touched. Rows that stop (end of sequence, the length limit,
+or `done`) leave the batch once a quarter of it has stopped.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ class Kept:
 
 class _BatchLayer:
     """One layer's slots for B caches: keys/values `(B, Hkv, S, D)`, valid `(B, Hkv, S)`, pos `(B, Hkv, S)`.
-    Each
-    cache's own slots come first (`own[i]` of them), padded to `base`; the tokens fed since sit at
+    Each cache's own slots come first (`own[i]` of them), padded to `base`; the tokens fed since sit at
     `base..n`."""
 
     def __init__(self, parts: Sequence[tuple], room: int):
@@ -77,8 +75,7 @@ class _BatchLayer:
 
     def keep(self, rows: torch.Tensor) -> None:
         """Only batch rows `rows` stay; the padding that only the dropped caches needed goes with them (the
-        fed
-        tokens move up behind the longest remaining cache: attention reads slots by `pos` and `valid`)."""
+        fed tokens move up behind the longest remaining cache: attention reads slots by `pos` and `valid`)."""
         self.own = [self.own[i] for i in rows.tolist()]
         shift = self.base - max(self.own)
         n = self.n - shift
@@ -95,9 +92,8 @@ class _BatchLayer:
 
 class _BatchContext:
     """The run context of a batched forward (`kvlens_attention` calls `attend`): appends the new tokens' keys
-    and
-    values to each layer's batch buffer and attends over it. `release`: each cache's layer is dropped from its
-    `Kept` once copied (the last use of those caches), so the copies never all exist twice."""
+    and values to each layer's batch buffer and attends over it. `release`: each cache's layer is dropped from
+    its `Kept` once copied (the last use of those caches), so the copies never all exist twice."""
 
     def __init__(self, caches: Sequence[Kept], room: int, release: bool = False):
         self.layers = []
@@ -139,8 +135,7 @@ class _BatchContext:
 
 def _forward(model, ctx: _BatchContext, ids: torch.Tensor, start: int, keep: int = 1) -> torch.Tensor:
     """ids `(B, q)` at positions start.. -> the last token's logits `(B, V)` (`keep` > 1: the last `keep`
-    tokens'
-    `(B, keep, V)`)."""
+    tokens' `(B, keep, V)`)."""
     ctx.positions = torch.arange(start, start + ids.shape[1], device=ids.device)
     out = model.model(
         input_ids=ids,
@@ -156,8 +151,7 @@ def score_many(
     caches: Sequence, ids: list[int], start: int, scored: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced scores of frozen caches in one batched forward: `ids` fed at positions start.., each of
-    its
-    last `scored` tokens scored from the logits before it (`scored` < len(ids)). Returns log-probabilities
+    its last `scored` tokens scored from the logits before it (`scored` < len(ids)). Returns log-probabilities
     `(B, scored)` float32 and whether each token is the greedy choice `(B, scored)` bool."""
     kept = [c if isinstance(c, Kept) else Kept(c) for c in caches]
     model = kept[0].model
@@ -181,11 +175,10 @@ def answer_many(
     release: bool = False,
 ) -> list[tuple[list[int], list[float]]]:
     """Greedy answers of frozen caches (`Kept` of loops from `shared_prefill.prepare`, or the loops), one
-    batched
-    forward per token: `question` fed at positions start.. (empty: answer from `logits`, each prompt's last
-    logits). A row stops at the end-of-sequence token, after `max_new_tokens`, or once `done(row, tokens)`.
-    `release`: the caches' `Kept` slots are freed as the batch copies them. Returns each row's tokens and
-    NLLs."""
+    batched forward per token: `question` fed at positions start.. (empty: answer from `logits`, each prompt's
+    last logits). A row stops at the end-of-sequence token, after `max_new_tokens`, or once `done(row,
+    tokens)`. `release`: the caches' `Kept` slots are freed as the batch copies them. Returns each row's
+    tokens and NLLs."""
     kept = [c if isinstance(c, Kept) else Kept(c) for c in caches]
     model = kept[0].model
     eos = model.tokenizer.eos_token_id

@@ -91,8 +91,7 @@ class RunContext:
     def replaying(self, start: int, end: int) -> Iterator[None]:
         """A replay pass fed inside: it reconstructs the prompt's positions start..end - 1
         (`Policy.replay_passes`), the policy reads its attention (`observe_replay`) and the cache keeps
-        nothing
-        of it."""
+        nothing of it."""
         self._replay = (start, end)
         try:
             with self.cache.replaying():
@@ -159,8 +158,7 @@ class RunContext:
 
     def observe_prompt(self, layer: SlotRows, query, key, value, spec: AttentionSpec, abar, last) -> None:
         """The prompt's statistics into the layer and to the policy and observers: abar `(Hkv, T)` or None
-        (not
-        computed), last `(Hq, L, T)` the last L attention rows (`kvlens.engine.shared_prefill` calls this
+        (not computed), last `(Hq, L, T)` the last L attention rows (`kvlens.engine.shared_prefill` calls this
         too)."""
         t = query.shape[2]
         rows = self.needs_rows or self.column_sums
@@ -180,13 +178,10 @@ class RunContext:
 
     def _extend(self, layer: SlotRows, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         """q tokens fed at once after the prompt's compression: each sees the kept slots and, causally, the
-        chunk's
-        own. Either a question appended to a `frozen` cache (no statistics), or the next chunk of a chunked
-        prefill
-        (`KVCache.chunked`): its attention adds to every slot's `abar` (column sums) and `nobs` (queries that
-        saw
-        it), and its last row is the layer's `last_attn`, as a decode step's would (observers see none of
-        it)."""
+        chunk's own. Either a question appended to a `frozen` cache (no statistics), or the next chunk of a
+        chunked prefill (`KVCache.chunked`): its attention adds to every slot's `abar` (column sums) and
+        `nobs` (queries that saw it), and its last row is the layer's `last_attn`, as a decode step's would
+        (observers see none of it)."""
         chunk = self.cache.chunked and not self.frozen
         if not (self.frozen or chunk):
             raise RuntimeError(
@@ -210,8 +205,7 @@ class RunContext:
 
     def _replayed(self, layer: SlotRows, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         """A replay pass: its q queries attend to the prompt's slots and causally to its own keys (the last q
-        of
-        `key`); the policy reads them (`observe_replay`); the cache keeps nothing of it."""
+        of `key`); the policy reads them (`observe_replay`); the cache keeps nothing of it."""
         if spec.window is not None:
             raise KvlensError(
                 f"{self.policy.name}'s replay pass cannot run on sliding-window layers (layer "

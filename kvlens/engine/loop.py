@@ -136,10 +136,9 @@ class _Loop:
         self.model, self.policy, self.opts = model, policy, opts
         self.recorder = Recorder(opts.record, opts.record_layers)
         # a compressed layer never holds more than budget + the step's token; others grow up to the run's
-        # length
-        # all layers' rows in one store when a decode step may run once on them (`batchable`, chosen once);
-        # `once`: compressed after the prompt only (`freeze`), later tokens are appended, so each layer its
-        # own store
+        # length all layers' rows in one store when a decode step may run once on them (`batchable`, chosen
+        # once); `once`: compressed after the prompt only (`freeze`), later tokens are appended, so each layer
+        # its own store
         self.chunk = (
             opts.prefill_chunk
         )  # a chunked prefill: compressed layers hold up to budget + chunk slots
@@ -182,8 +181,7 @@ class _Loop:
 
     def freeze(self) -> None:
         """No compression after this: later tokens (one, or a chunk such as a question) attend to the kept
-        slots
-        and are appended; the policy sees nothing more (the task protocol's compress-once)."""
+        slots and are appended; the policy sees nothing more (the task protocol's compress-once)."""
         self.ctx.freeze()
 
     def replay(self, prompt: list[int]) -> None:
@@ -210,18 +208,16 @@ class _Loop:
 
     def after_prompt(self, prompt: list[int], last: bool = True) -> None:
         """What follows the forward of the prompt (or of its first chunk): the policy's replay passes, then
-        step 0's
-        compression (`last`: no chunk follows)."""
+        step 0's compression (`last`: no chunk follows)."""
         self.token_bytes = self.cache.nbytes / len(prompt)
         self.replay(prompt)
         self.compress(0, last=last)
 
     def compress(self, index: int, first: bool = True, last: bool = True) -> None:
         """Compression `index` (0: the prompt's), on every layer's rows at once once they share one store.
-        Before
-        the prompt's, the policy allocates each layer's budget (the same everywhere unless it allocates). A
-        chunked prefill compresses after each chunk (`first`: after the first chunk, `last`: after the
-        last)."""
+        Before the prompt's, the policy allocates each layer's budget (the same everywhere unless it
+        allocates). A chunked prefill compresses after each chunk (`first`: after the first chunk, `last`:
+        after the last)."""
         phase = Phase.PREFILL if index == 0 else Phase.DECODE
         if index == 0:
             self.prefill_bytes = max(self.prefill_bytes, self.cache.nbytes)
@@ -492,10 +488,8 @@ def fork(loop: _Loop, progress: _Progress) -> Fork:
 
 def resume(point: Fork, steps: int, meta: dict | None = None) -> Run:
     """Greedy generation from a fork up to `steps` tokens in all, or the end-of-sequence token: the run
-    `kvlens
-    generate` would make if its choices before the fork's step were the tokens the fork had. Its `total_s`
-    counts
-    what the fork had done before (prefill and steps) and the steps generated here."""
+    `kvlens generate` would make if its choices before the fork's step were the tokens the fork had. Its
+    `total_s` counts what the fork had done before (prefill and steps) and the steps generated here."""
     loop, done = point.loop, point.progress
     loop.opts = dataclasses.replace(loop.opts, temperature=0.0, stop_at_eos=True)
     before = (done.prefill_ms + sum(done.ms)) / 1000

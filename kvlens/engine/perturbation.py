@@ -9,12 +9,10 @@ step's own query `q` `(Hq, D)`:
   (same decisions, no merging),
 - `O_stored` = the same with those keys and values as the run's storage holds them: with quantized storage
   (`kvlens.kvcache.quantize`) `O_used` itself for a policy that never merges, else the original keys and
-  values
-  quantized and dequantized in the cache's current layout; `O_evict` without quantization,
-and it stores per (step, layer, query head) `||O_used - O_full|| / ||O_full||`, the same for
-`O_evict`, and the attention loss `1 - sum_{kept j} A_full[j]`. End to end, `kl_per_step` gives
-KL(p_full || p_policy) of the next-token distributions, p_full from one full-cache forward over
-the same tokens (teacher forced).
+  values quantized and dequantized in the cache's current layout; `O_evict` without quantization, and it
+  stores per (step, layer, query head) `||O_used - O_full|| / ||O_full||`, the same for `O_evict`, and the
+  attention loss `1 - sum_{kept j} A_full[j]`. End to end, `kl_per_step` gives KL(p_full || p_policy) of the
+  next-token distributions, p_full from one full-cache forward over the same tokens (teacher forced).
 
 So `evict` is the error of the choice of positions, `stored - evict` what quantized storage adds to it, and
 `used - stored` what merging adds. Tensor names saved in a run: `perturbation/used`, `perturbation/evict`,
@@ -264,8 +262,7 @@ def summary(tensors: dict[str, torch.Tensor]) -> dict:
 def sources(tensors: dict[str, torch.Tensor]) -> dict | None:
     """The pooled output error of the cache used split by source: `selection` (pooled evict: the choice of
     positions), `storage` (pooled stored - evict: what quantized or low-rank storage adds) and `merging`
-    (pooled
-    used - stored); None where no decode step ran or the tensors are missing."""
+    (pooled used - stored); None where no decode step ran or the tensors are missing."""
     names = ("evict", "stored", "used", "full_norm")
     if not all(f"perturbation/{k}" in tensors for k in names) or not tensors["perturbation/used"].numel():
         return None

@@ -4,20 +4,18 @@ budget.
 The field's task benchmarks (kvpress's `evaluation/`, RULER, LongBench) compress a context once, right after
 its prefill, then append the question uncompressed and generate the answer. `split_prompt` cuts a chat prompt
 into that context and question, `slots_for` is the kept count at a compression ratio (kvpress's rounding, or
-kvlens's earlier one). `prepare` sets a
-policy up that way (prefill, its replay passes, its step-0 compression, then `freeze`), and `answer` feeds a
-question as one chunk and generates greedily; `KVCache.mark`/`rewind` ask several questions of one compressed
-context.
+kvlens's earlier one). `prepare` sets a policy up that way (prefill, its replay passes, its step-0
+compression, then `freeze`), and `answer` feeds a question as one chunk and generates greedily;
+`KVCache.mark`/`rewind` ask several questions of one compressed context.
 
 The prefill is most of the cost, and it is the same for every policy: `SharedPrefill` runs it once per prefill
-kernel the policies use (SDPA for those that read no column sums, the eager statistics pass for those that
-do; each gives its policies exactly the keys and values of their own runs) and keeps every layer's queries,
-keys, values, column sums and last attention rows. `prepare(..., shared=...)` then rebuilds what a policy's
-own prefill would have left (cache, `abar`, `nobs`, the last rows it reads, its `observe_prefill`) without
-running the model: decisions are those of its own run, bit for bit (tested). A policy's replay passes (KVzip's
+kernel the policies use (SDPA for those that read no column sums, the eager statistics pass for those that do;
+each gives its policies exactly the keys and values of their own runs) and keeps every layer's queries, keys,
+values, column sums and last attention rows. `prepare(..., shared=...)` then rebuilds what a policy's own
+prefill would have left (cache, `abar`, `nobs`, the last rows it reads, its `observe_prefill`) without running
+the model: decisions are those of its own run, bit for bit (tested). A policy's replay passes (KVzip's
 reconstruction) read the prompt's cache alone, not the budget: they run for the first of equal policies and
-what
-they leave in each layer's run state is copied into the others (`SharedPrefill.replay`).
+what they leave in each layer's run state is copied into the others (`SharedPrefill.replay`).
 """
 
 from __future__ import annotations
@@ -72,10 +70,9 @@ ROUNDINGS = ("kvpress", "kvlens")
 
 def slots_for(ratio: float, tokens: int, rounding: str = "kvpress") -> int:
     """The slots kept of `tokens` at compression ratio `ratio` (the share removed). `kvpress`: `int(tokens *
-    (1 -
-    ratio))`, kvpress's `ScorerPress.compress` (`n_kept`); `kvlens`: `tokens - int(tokens * ratio)`, the
-    rounding
-    of the results made before the option (one slot more when `tokens * ratio` is not a whole number)."""
+    (1 - ratio))`, kvpress's `ScorerPress.compress` (`n_kept`); `kvlens`: `tokens - int(tokens * ratio)`, the
+    rounding of the results made before the option (one slot more when `tokens * ratio` is not a whole
+    number)."""
     if rounding == "kvpress":
         return int(tokens * (1 - ratio))
     if rounding == "kvlens":
@@ -163,12 +160,9 @@ class SharedPrefill:
 
     def prompt_cache(self, policy: Policy) -> tuple[list[tuple], torch.Tensor]:
         """The prompt's uncompressed cache as `policy`'s own prefill computed it, per layer `(keys, values,
-        valid,
-        pos)` of shapes `(Hkv, T, D)` twice and `(Hkv, T)` twice (what `batch_answer.Kept` holds), and the
-        prompt's
-        last logits: the reference a compressed cache of `policy` differs from by its decisions alone (the
-        SDPA and
-        the eager prefill differ by float rounding)."""
+        valid, pos)` of shapes `(Hkv, T, D)` twice and `(Hkv, T)` twice (what `batch_answer.Kept` holds), and
+        the prompt's last logits: the reference a compressed cache of `policy` differs from by its decisions
+        alone (the SDPA and the eager prefill differ by float rounding)."""
         sums = _ctx_of(self.model, policy).column_sums
         layers = []
         for kept in self.groups[sums]:
@@ -181,8 +175,7 @@ class SharedPrefill:
 
     def replay(self, loop: _Loop) -> None:
         """`loop`'s replay passes, or what an equal policy's left in each layer's run state (copied, also for
-        the
-        first: the stored state is never the one a compression then changes)."""
+        the first: the stored state is never the one a compression then changes)."""
         books = loop.cache.books
         if loop.policy not in self.replays:
             before = [dict(book.state) for book in books]
@@ -212,10 +205,8 @@ def prepare(
     opts: RunOptions = QUIET,
 ) -> tuple[_Loop, torch.Tensor]:
     """`policy` compressed once to `budget` slots after the prompt `context` (its own prefill, or restored
-    from
-    `shared`), then frozen; `extra`: the tokens that will be appended (questions and answers). Returns the
-    loop
-    and the prompt's last logits."""
+    from `shared`), then frozen; `extra`: the tokens that will be appended (questions and answers). Returns
+    the loop and the prompt's last logits."""
     _check_length(model, len(context) + extra)
     model.supported()
     loop = _Loop(model, policy, opts, [], budget, len(context) + extra, once=True)
@@ -244,10 +235,8 @@ def answer(
     done: Callable[[list[int]], bool] | None = None,
 ) -> tuple[list[int], list[float]]:
     """Greedy answer after feeding `question` at positions start.. in one chunk (none: answer from `logits`,
-    the
-    prompt's); stops at the tokenizer's end-of-sequence or once `done(tokens)`. Returns the tokens and each
-    one's
-    NLL. (`kvlens.engine.batch_answer.answer_many` answers many loops at once.)"""
+    the prompt's); stops at the tokenizer's end-of-sequence or once `done(tokens)`. Returns the tokens and
+    each one's NLL. (`kvlens.engine.batch_answer.answer_many` answers many loops at once.)"""
     eos = loop.model.tokenizer.eos_token_id
     tokens, nlls = [], []
     with torch.inference_mode():

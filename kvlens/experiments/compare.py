@@ -17,10 +17,9 @@ The design (what each number means, and why it costs one pass per policy):
   `new_tokens` or the end-of-sequence token), and it needs no generation from the prompt: up to the first step
   where the measured pass's greedy choice differs from the token it was fed (or that token ends the text), the
   own text *is* the measured text, so the measured pass is forked there (`kvlens.engine.loop.fork`: a copy of
-  its
-  cache, the policy's state and its decisions) and greedy generation resumes from the fork (`resume`), without
-  the meter. Only the steps after the fork are generated (`generated_steps`, timed in `generate_s`); a result
-  measured without its own text and asked for it later generates it from the prompt.
+  its cache, the policy's state and its decisions) and greedy generation resumes from the fork (`resume`),
+  without the meter. Only the steps after the fork are generated (`generated_steps`, timed in `generate_s`); a
+  result measured without its own text and asked for it later generates it from the prompt.
 - p_full for the KL is the reference's own step distributions (what `measured`'s extra one-shot
   full-cache forward would compute again), so the reference's KL is 0 by construction.
 - Cost: one measured pass per policy, plus the steps of each own text after its divergence
@@ -225,8 +224,7 @@ def _own_text(
     model, prompt: str, e: Entry, new_tokens: int, result: Result, reference: Result | None, cancel
 ) -> Result:
     """`result` with the entry's own greedy generation from the prompt (`kvlens generate` with the same
-    settings,
-    timed), for a result measured without its own text."""
+    settings, timed), for a result measured without its own text."""
     opts = RunOptions(budget=e.budget, max_new_tokens=new_tokens, storage=e.storage)
     t = time.perf_counter()
     own = generate(model, prompt, e.policy, e.params, opts=opts, cancel=cancel)
@@ -237,8 +235,7 @@ def _with_own(
     model, result: Result, own: Run, seconds: float, start: int, reference: Result | None
 ) -> Result:
     """`result` with its own text `own` (`seconds` to generate it from token `start` on) and where that text
-    leaves
-    the full cache's own (`reference`'s; None for the reference itself)."""
+    leaves the full cache's own (`reference`'s; None for the reference itself)."""
     diff = None if reference is None else first_difference(reference.own.meta["tokens"], own.meta["tokens"])
     return dataclasses.replace(
         result,
@@ -253,12 +250,10 @@ def _with_own(
 def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, cancel, own_text: bool) -> Result:
     """The full cache's generation (`reference` None) or a policy teacher-forced on the reference's tokens,
     with the perturbation meter on (`kvlens.engine.perturbation.measured`, except that p_full is the
-    reference's own
-    step distributions: the one-shot full-cache forward `measured` would add gives them again). With
-    `own_text`,
-    the run is forked at the first step where its own greedy text can leave the measured one (its choice
-    differs
-    from the token fed, the token fed ends the text, or the last step), and resumed from there."""
+    reference's own step distributions: the one-shot full-cache forward `measured` would add gives them
+    again). With `own_text`, the run is forked at the first step where its own greedy text can leave the
+    measured one (its choice differs from the token fed, the token fed ends the text, or the last step), and
+    resumed from there."""
     picks: list[int] = []
     logits: list[torch.Tensor] = []
     meter = PerturbationMeter()

@@ -95,10 +95,8 @@ def _run_in_worker(cell: dict) -> dict:
 
 def _give_back_memory() -> None:
     """Return a finished cell's freed memory to the system (glibc keeps it for the process otherwise: a task
-    cell at
-    2048 tokens left 3.8 GB resident after it ended, 1.1 GB after this), so that workers side by side do not
-    each
-    hold their largest cell's peak."""
+    cell at 2048 tokens left 3.8 GB resident after it ended, 1.1 GB after this), so that workers side by side
+    do not each hold their largest cell's peak."""
     import ctypes
     import ctypes.util
     import gc
@@ -111,8 +109,8 @@ def _give_back_memory() -> None:
 
 
 def processes(job: Job, workers: int) -> Callable[[list[dict]], Iterator[tuple[dict, dict]]]:
-    """Run cells on `workers` local processes (spawned, each loading the model once and using its share of
-    the CPUs)."""
+    """Run cells on `workers` local processes (spawned, each loading the model once and using its share of the
+    CPUs)."""
 
     def outcomes(cells):
         if not cells:

@@ -62,8 +62,7 @@ def plan_ppl(
 def ppl_cell(model, texts: dict[str, str], cell: dict) -> dict:
     """The metrics of one `ppl` cell: perplexity, what the cache kept (slots, bytes, shares), speed, and
     (measured cells) the perturbation summary. A cell's `storage` (`Storage.describe()`, optional) quantizes,
-    its
-    `prefill_chunk` (optional) feeds the prompt in chunks."""
+    its `prefill_chunk` (optional) feeds the prompt in chunks."""
     prefill, tokens = cell["prefill"], cell["tokens"]
     run = perplexity(
         model,

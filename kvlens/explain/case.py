@@ -2,11 +2,9 @@
 caches.
 
 A sample is the task protocol's (`kvlens.experiments.bench.tasks`): its context is compressed once, its
-(first)
-question is appended, and what is scored is the full cache's own greedy answer. A run's prompt is compressed
-once by the run's policy at the run's budget (its step-0 compression); what is scored is the run's text when
-it
-was teacher-forced, else the full cache's own greedy continuation of the same length.
+(first) question is appended, and what is scored is the full cache's own greedy answer. A run's prompt is
+compressed once by the run's policy at the run's budget (its step-0 compression); what is scored is the run's
+text when it was teacher-forced, else the full cache's own greedy continuation of the same length.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ from kvlens.runs.run import load_run
 @dataclass
 class Case:
     """What to explain: `context` ids (compressed), `question` ids (fed after it, uncompressed), the policy
-    and
-    its budget (slots per KV head), the sample (tasks) or the tokens to score (`text`: a run's)."""
+    and its budget (slots per KV head), the sample (tasks) or the tokens to score (`text`: a run's)."""
 
     model: LoadedModel
     context: list[int]
@@ -132,10 +129,8 @@ def answered(case: Case):
 @dataclass
 class Built:
     """A case's two caches (`pair`), the tokens fed after the context (`ids`, question then answer), how many
-    of
-    them are scored (`scored`: the answer's) and, for a sample whose full answer is right, how many answer
-    tokens
-    must be reproduced for the answer to be right (`right_upto`)."""
+    of them are scored (`scored`: the answer's) and, for a sample whose full answer is right, how many answer
+    tokens must be reproduced for the answer to be right (`right_upto`)."""
 
     case: Case
     pair: Pair
@@ -152,11 +147,9 @@ class Built:
 
 def build(case: Case, shared: SharedPrefill | None = None) -> Built:
     """Prefill the context once (or take `shared`, a prefill of it for the case's policy among others),
-    compress
-    it, and find the full cache's answer (or take the run's text). The full cache is the prompt's as the
-    policy's
-    own prefill computed it (`SharedPrefill.prompt_cache`), so the two caches differ by the policy's decisions
-    only."""
+    compress it, and find the full cache's answer (or take the run's text). The full cache is the prompt's as
+    the policy's own prefill computed it (`SharedPrefill.prompt_cache`), so the two caches differ by the
+    policy's decisions only."""
     t = time.perf_counter()
     model, context = case.model, case.context
     policy = make_policy(case.policy.name, dict(case.policy.params))

@@ -27,12 +27,9 @@ def explain(
 ) -> dict:
     """The JSON-able result: the case, its answers, the log-probabilities of the full and compressed caches,
     `all_groups` and `no_groups` (each with its `recovered_share`), one entry per group (`recovered_share`,
-    slot
-    count, and with `reverse` the share lost when only that group is removed from the full cache), the
-    `minimal`
-    set (when `minimal_by` names a grouping) and the cost of each part. `shared`: the context's prefill, when
-    the
-    caller already has it."""
+    slot count, and with `reverse` the share lost when only that group is removed from the full cache), the
+    `minimal` set (when `minimal_by` names a grouping) and the cost of each part. `shared`: the context's
+    prefill, when the caller already has it."""
     return explain_built(build(case, shared), by, span, reverse, minimal_by, batch)
 
 
@@ -120,8 +117,7 @@ def explain_built(
 
 def strips(removed: torch.Tensor, restored: torch.Tensor) -> dict:
     """Per layer, KV head and block of positions (the Head grid's pooling, at most `MAX_STRIP` blocks): the
-    share
-    of the block removed and the share the minimal set restores, `(L, Hkv, blocks)` as lists."""
+    share of the block removed and the share the minimal set restores, `(L, Hkv, blocks)` as lists."""
     tokens = removed.shape[-1]
     block = math.ceil(tokens / MAX_STRIP)
     pad = block * math.ceil(tokens / block) - tokens

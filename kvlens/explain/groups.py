@@ -1,6 +1,6 @@
-"""Groups of removals to restore together: by layer, by (layer, KV head), by position span, by decision kind
-(evicted or merged), the attention sinks, a task sample's needle, and the needle within each (layer, KV
-head)."""
+"""Groups of removals to restore together: by layer, by (layer, KV head), by position span, by decision
+kind (evicted or merged), the attention sinks, a task sample's needle, and the needle within each (layer,
+KV head)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ Both caches are `Kept` slots per layer: the full cache holds every context posit
 key or value (a merge target, or quantized storage). `patched(pair, restore)` is the compressed cache with the
 full cache's entries `restore` `(L, Hkv, T)` put back: the compressed slot of a restored position leaves, the
 full one comes in. Restoring every removed entry gives the full cache's slots (in another order, which
-attention
-ignores); restoring none gives the compressed cache itself.
+attention ignores); restoring none gives the compressed cache itself.
 """
 
 from __future__ import annotations
@@ -24,10 +23,8 @@ from kvlens.kvcache import padded_index
 class Pair:
     """The full and the compressed cache of one context of T tokens. `removed` and `merged` are `(L, Hkv, T)`
     bool: every removed entry, and those a merge touched (its sources, from the decision log, and the slots
-    whose
-    key or value changed). `links` `(2, M)`: flat indices into `(L, Hkv, T)` of merge sources and their
-    targets
-    (restoring a source restores its targets' original keys and values too)."""
+    whose key or value changed). `links` `(2, M)`: flat indices into `(L, Hkv, T)` of merge sources and their
+    targets (restoring a source restores its targets' original keys and values too)."""
 
     full: Kept
     compressed: Kept
@@ -85,8 +82,7 @@ def close(pair: Pair, restore: torch.Tensor) -> torch.Tensor:
 
 def patched(pair: Pair, restore: torch.Tensor) -> Kept:
     """The compressed cache with the full cache's entries `restore` `(L, Hkv, T)` bool put back (layers
-    without
-    one are the compressed cache's own tensors, not copies)."""
+    without one are the compressed cache's own tensors, not copies)."""
     layers = []
     for i, (full, comp) in enumerate(zip(pair.full.layers, pair.compressed.layers, strict=True)):
         back = restore[i].to(comp[0].device)
@@ -110,6 +106,5 @@ def patched(pair: Pair, restore: torch.Tensor) -> Kept:
 
 def without(pair: Pair, group: torch.Tensor) -> Kept:
     """The reverse patch: the full cache with only the (closed) `group`'s removals `(L, Hkv, T)` applied,
-    every
-    other removed entry restored."""
+    every other removed entry restored."""
     return patched(pair, pair.removed & ~group)

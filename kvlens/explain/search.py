@@ -1,13 +1,10 @@
 """Score patched caches teacher-forced in batches, and greedily search for the smallest sufficient set.
 
 `Scorer.score(masks)` builds the patched caches `batch` at a time (each padded to the longest of its batch)
-and
-scores the built case's answer on each in one batched forward (`score_many`): the answer's log-probability,
-and
-whether the cache reproduces the answer greedily up to its last expected string (then its greedy answer is
-that
-answer's start, so it is right). The recovered share of a patch is `(lp - lp_compressed) / (lp_full -
-lp_compressed)`.
+and scores the built case's answer on each in one batched forward (`score_many`): the answer's
+log-probability, and whether the cache reproduces the answer greedily up to its last expected string (then its
+greedy answer is that answer's start, so it is right). The recovered share of a patch is `(lp - lp_compressed)
+/ (lp_full - lp_compressed)`.
 """
 
 from __future__ import annotations
@@ -54,8 +51,8 @@ class Scorer:
         return Scores(logp.sum(1), right)
 
     def score(self, masks: list[torch.Tensor], reverse: bool = False) -> Scores:
-        """Restore each mask `(L, Hkv, T)` into the compressed cache (`reverse`: remove only it from the
-        full one)."""
+        """Restore each mask `(L, Hkv, T)` into the compressed cache (`reverse`: remove only it from the full
+        one)."""
         parts = []
         for i in range(0, len(masks), self.batch):
             make = without if reverse else patched
@@ -68,8 +65,7 @@ class Scorer:
 
     def sufficient(self, scores: Scores) -> torch.Tensor:
         """Whether each cache fixes the case: its answer is right again (a sample whose full answer is right),
-        else
-        the gap left is at most `TEXT_GAP`."""
+        else the gap left is at most `TEXT_GAP`."""
         if self.built.right_upto:
             return scores.right
         return self.share(scores.lp) >= 1 - TEXT_GAP
@@ -77,11 +73,9 @@ class Scorer:
 
 def find_minimal(scorer: Scorer, groups: list[Group], shares: list[float]) -> dict:
     """Add `groups` back in order of recovered share (highest first) until the case is fixed; the cumulative
-    sets
-    are scored a batch at a time, stopping at the first batch that holds a fix. Returns the groups, slots,
-    layers, recovered share and restored entries (`mask`, `(L, Hkv, T)`) of the smallest sufficient prefix,
-    its
-    greedy answer (a sample) and its time."""
+    sets are scored a batch at a time, stopping at the first batch that holds a fix. Returns the groups,
+    slots, layers, recovered share and restored entries (`mask`, `(L, Hkv, T)`) of the smallest sufficient
+    prefix, its greedy answer (a sample) and its time."""
     t = time.perf_counter()
     order = sorted((i for i, g in enumerate(groups) if g.slots), key=lambda i: -shares[i])
     union = torch.zeros_like(scorer.built.pair.removed)

@@ -2,14 +2,12 @@
 the app's Attention and Merges pages and the token inspector draw (the `attention` analysis too).
 
 `layer_cache` turns a `--record attention` run's per-step rows (`attn/{layer}` `(R, Hq, Smax)`,
-`attn_pos/{layer}` `(R, Hkv, Smax)`; row 0 = the last prompt token's query, row r >= 1 = the
-decode forward that fed generated token r - 1) into a query-step x position grid: the attention
-each cached position received, and each cell's status (not yet seen, evicted, merged away, kept,
-holding merged values, sink), for every head of a layer at once; `attention_grid` is one head's, and the
-head grid reads all of them. Cache state at row r reflects the decisions of steps < r.
-`attention_grid`'s long runs are block-pooled to at most `max_cells` per axis (attention: mean over the
-block's
-cached cells; status: the highest code in the block).
+`attn_pos/{layer}` `(R, Hkv, Smax)`; row 0 = the last prompt token's query, row r >= 1 = the decode forward
+that fed generated token r - 1) into a query-step x position grid: the attention each cached position
+received, and each cell's status (not yet seen, evicted, merged away, kept, holding merged values, sink), for
+every head of a layer at once; `attention_grid` is one head's, and the head grid reads all of them. Cache
+state at row r reflects the decisions of steps < r. `attention_grid`'s long runs are block-pooled to at most
+`max_cells` per axis (attention: mean over the block's cached cells; status: the highest code in the block).
 """
 
 from __future__ import annotations
@@ -60,8 +58,7 @@ def recorded_attention_layers(run: Run) -> list[int]:
 
 def _merge_steps(run: Run, layer: int, kv_heads: int, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(merged_at, holds_from)` `(Hkv, P)` of `layer`: the first step at which each position was merged away,
-    and
-    the first at which it received merged values (a large number where never), from the decision log."""
+    and the first at which it received merged values (a large number where never), from the decision log."""
     never = 1 << 30
     merged_at = torch.full((kv_heads, n_pos), never, dtype=torch.long)
     holds_from = torch.full((kv_heads, n_pos), never, dtype=torch.long)
@@ -88,8 +85,7 @@ def _merge_steps(run: Run, layer: int, kv_heads: int, n_pos: int) -> tuple[torch
 
 def layer_cache(run: Run, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every head of `layer` at every recorded row: `weights` `(R, Hq, P)` (the attention each position
-    received,
-    NaN where it was not cached) and `status` `(R, Hkv, P)` codes (see module docstring), P = every
+    received, NaN where it was not cached) and `status` `(R, Hkv, P)` codes (see module docstring), P = every
     position."""
     layers = recorded_attention_layers(run)
     if layer not in layers:
@@ -145,9 +141,8 @@ def _pool(layer, head, weights, status, max_cells, prompt_len) -> AttentionGrid:
 
 def pool_blocks(weights: np.ndarray, status: np.ndarray, br: int, bc: int) -> tuple[np.ndarray, np.ndarray]:
     """`weights` and `status` `(R, P)` pooled in blocks of `br` x `bc` cells: the mean attention over the
-    block's
-    cached cells (NaN where none is cached) and the highest status code. Numpy: on arrays this small, torch's
-    thread pool costs more than the work."""
+    block's cached cells (NaN where none is cached) and the highest status code. Numpy: on arrays this small,
+    torch's thread pool costs more than the work."""
     if br == 1 and bc == 1:
         return weights, status
     pr, pc = (-weights.shape[0]) % br, (-weights.shape[1]) % bc

@@ -50,8 +50,8 @@ def image_bytes(fig: go.Figure, fmt: str, scale: float = 2.0) -> bytes:
 
 
 def figure_rows(fig: go.Figure) -> list[dict]:
-    """Every trace's points in long form: heatmaps one row per cell (empty cells left out), lines one row
-    per point."""
+    """Every trace's points in long form: heatmaps one row per cell (empty cells left out), lines one row per
+    point."""
     rows = []
     for i, tr in enumerate(fig.data):
         name = tr.name or f"trace {i}"

@@ -39,14 +39,11 @@ QUERY_OUTLINE = "2px solid #111111"
 @dataclass(frozen=True)
 class KeptText:
     """Every token of a run at step `step`, N = prompt + new tokens: `texts` (N,) their text; `kept` (N,) how
-    many
-    of the `pairs` recorded (layer, KV head) pairs hold each position; `attention` (N,) what each received at
-    this
-    step: the chosen query head's (NaN where it is not cached) or, with no head chosen, the mean over every
-    recorded query head (0 where not cached, NaN where no head caches it). With a head: `status` (N,) its
-    status
-    codes, `merged_into` {position: slots holding its merged values} and `holds` {slot: {position: weight}} of
-    its KV head; otherwise `status` is None and both are empty."""
+    many of the `pairs` recorded (layer, KV head) pairs hold each position; `attention` (N,) what each
+    received at this step: the chosen query head's (NaN where it is not cached) or, with no head chosen, the
+    mean over every recorded query head (0 where not cached, NaN where no head caches it). With a head:
+    `status` (N,) its status codes, `merged_into` {position: slots holding its merged values} and `holds`
+    {slot: {position: weight}} of its KV head; otherwise `status` is None and both are empty."""
 
     policy: str
     step: int

@@ -2,16 +2,12 @@
 
 A `--measure` run with quantized storage (`--kv-bits`) holds `perturbation/used|stored|evict|full_norm`
 `(decode steps, L, Hq)` and the metric `perturbation_sources` (`kvlens.engine.perturbation.summary`): the
-pooled
-relative output error `sum ||O - O_full|| / sum ||O_full||` of the cache used, split into `selection` (the
-same
-positions in full precision), `storage` (what quantizing them adds) and `merging` (what merging adds; negative
-when
-merging brings the output closer to the full cache's). `sources_figure` draws that split as a waterfall that
-ends
-at the cache used, and per layer the same three pooled errors, so the gaps between the curves are the split
-per
-layer. `has_sources(run)` says whether a run has what it needs (older and unquantized runs do not).
+pooled relative output error `sum ||O - O_full|| / sum ||O_full||` of the cache used, split into `selection`
+(the same positions in full precision), `storage` (what quantizing them adds) and `merging` (what merging
+adds; negative when merging brings the output closer to the full cache's). `sources_figure` draws that split
+as a waterfall that ends at the cache used, and per layer the same three pooled errors, so the gaps between
+the curves are the split per layer. `has_sources(run)` says whether a run has what it needs (older and
+unquantized runs do not).
 """
 
 from __future__ import annotations
@@ -62,8 +58,7 @@ def shares(sources: dict) -> dict[str, float]:
 
 def sources_figure(run: Run) -> go.Figure:
     """The waterfall of the pooled error (choice of positions + quantized storage + merging = cache used) and
-    the
-    three pooled errors per layer."""
+    the three pooled errors per layer."""
     src = run.metrics["perturbation_sources"]
     per_layer = pooled_per_layer(run)
     layers = list(range(len(per_layer["used"])))

@@ -80,8 +80,7 @@ def model_label(spec: str) -> str:
 def storage_label(storage: dict | None, short: bool = False) -> str:
     """A run's KV storage (run.json's `storage`, `Storage.describe()`) in words: "model dtype" for none (older
     runs too), else e.g. "4-bit kivi, group 64" (+ ", last 32 in full precision"); `short`: "4-bit" with only
-    the
-    settings that differ from the defaults (kivi, group 64, no window)."""
+    the settings that differ from the defaults (kivi, group 64, no window)."""
     if storage and (storage.get("rank") or storage.get("rank_share")):
         return rank_label(storage, short)
     if not storage or storage.get("bits") is None:
@@ -99,8 +98,7 @@ def storage_label(storage: dict | None, short: bool = False) -> str:
 
 def rank_label(storage: dict, short: bool = False) -> str:
     """Low-rank storage in words, e.g. "low-rank, rank at 0.25 of the bytes per head (later tokens
-    projected)";
-    records made before `rank_append` existed gave `rank_share` as a share of the head size."""
+    projected)"; records made before `rank_append` existed gave `rank_share` as a share of the head size."""
     unit = "of the bytes" if "rank_append" in storage else "of the head size"
     rank = f"rank {storage['rank']}" if storage.get("rank") else f"rank at {storage['rank_share']:g} {unit}"
     rank += f", {storage['bits']}-bit coefficients" if storage.get("bits") else ""

@@ -1,7 +1,7 @@
-"""The Why page's figures, from an `explain` result (`kvlens.explain.explain`): the recovered share per layer
-and
-KV head, the span strip over the text with the needle marked, and the minimal set on the Head grid's strips.
-Each carries `layout.meta` (`analysis`, `params`) like the other figures, so it exports the same way."""
+"""The Why page's figures, from an `explain` result (`kvlens.explain.explain`): the recovered share per
+layer and KV head, the span strip over the text with the needle marked, and the minimal set on the Head
+grid's strips. Each carries `layout.meta` (`analysis`, `params`) like the other figures, so it exports the
+same way."""
 
 from __future__ import annotations
 
@@ -27,8 +27,7 @@ def _meta(result: dict, view: str) -> dict:
 
 def share_heatmap(result: dict) -> go.Figure:
     """Recovered share of restoring each (layer, KV head) group alone: layers down, KV heads across (one
-    column
-    for all heads when only layers were grouped)."""
+    column for all heads when only layers were grouped)."""
     layers, heads = result["shape"]["layers"], result["shape"]["kv_heads"]
     by_head = [g for g in result["groups"] if g["kind"] == "head"]
     by_layer = [g for g in result["groups"] if g["kind"] == "layer"]
@@ -120,8 +119,8 @@ def span_strip(result: dict) -> go.Figure:
 
 def minimal_strips(result: dict, gap: int = 3) -> go.Figure:
     """The minimal set on the Head grid's strips: layers down, KV heads across, each strip the context's
-    positions
-    (pooled in blocks): grey where the policy removed entries, red where the minimal set restores them."""
+    positions (pooled in blocks): grey where the policy removed entries, red where the minimal set restores
+    them."""
     if "strips" not in result or not result.get("minimal", {}).get("found"):
         raise KvlensError("This result has no minimal set; explain it with --find-minimal.")
     removed, restored = np.array(result["strips"]["removed"]), np.array(result["strips"]["restored"])

@@ -27,8 +27,7 @@ def _implementation(model: torch.nn.Module) -> str | None:
 
 def switch(model: torch.nn.Module, name: str | None) -> str | None:
     """Set the model's attention implementation to `name` (its config's setter reaches every sub-config);
-    returns
-    the one it replaced."""
+    returns the one it replaced."""
     before = _implementation(model)
     if before != name:
         model.config._attn_implementation = name
@@ -38,8 +37,7 @@ def switch(model: torch.nn.Module, name: str | None) -> str | None:
 @contextmanager
 def attach(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """kvlens's attention function on `model` for the block (plain SDPA unless a kvlens run's context reaches
-    it);
-    the original attention implementation comes back afterwards, also on an error."""
+    it); the original attention implementation comes back afterwards, also on an error."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise KvlensError(
             "kvlens needs a transformers model object (e.g. from AutoModelForCausalLM.from_pretrained)."
@@ -54,8 +52,7 @@ def attach(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 def adopt(model: torch.nn.Module, tokenizer=None) -> LoadedModel:
     """The caller's model as a `LoadedModel`, probed and refused as `kvlens check-model` would; `tokenizer`
-    defaults
-    to the one saved beside the model (`model.name_or_path`)."""
+    defaults to the one saved beside the model (`model.name_or_path`)."""
     with attach(model):
         support = inspect_model(model)
     support.require()

@@ -3,14 +3,11 @@
 The cache drives the engine's own run state (`kvlens.engine.loop._Loop`): the same prefill statistics, step-0
 compression, decode-time eviction and merging, quantized storage and decision log as `kvlens generate`, so the
 same prompt and settings give the same tokens and decisions. `transformers` owns the loop: two forward hooks
-on
-the model, installed once (`install`), act only on a forward whose `past_key_values` is a `KvlensCache`:
-before
-it, the cache switches the model's attention implementation to kvlens's and hands it the run's context through
-the forward's keyword arguments; after it (also when the forward raised), the cache compresses as the engine
-does
-and switches the implementation back. Any other forward passes through them untouched. Positions are true
-positions: `get_seq_length` counts every token fed, not the slots kept, so RoPE never re-indexes.
+on the model, installed once (`install`), act only on a forward whose `past_key_values` is a `KvlensCache`:
+before it, the cache switches the model's attention implementation to kvlens's and hands it the run's context
+through the forward's keyword arguments; after it (also when the forward raised), the cache compresses as the
+engine does and switches the implementation back. Any other forward passes through them untouched. Positions
+are true positions: `get_seq_length` counts every token fed, not the slots kept, so RoPE never re-indexes.
 
 One cache follows one sequence from its prompt: a batch of several sequences (beam search, several prompts),
 several new tokens at once after the prompt (assisted decoding) and a second, unrelated `generate` call are
@@ -179,8 +176,7 @@ class KvlensCache(Cache):
     # -- the run, driven by the model's forward hooks ---------------------------------------------------
     def before(self, module, args, kwargs) -> dict:
         """Before a forward: switch the attention to kvlens's (`after` switches it back, also when this
-        raises),
-        check the input, feed its positions, hand the run's context to the attention."""
+        raises), check the input, feed its positions, hand the run's context to the attention."""
         self._restore = [
             switch(module, ATTENTION_NAME)
         ]  # before the run starts: it may probe the model (Q-Filters)
@@ -272,8 +268,7 @@ class KvlensCache(Cache):
 
     def run(self, sequences: torch.Tensor | None = None) -> Run:
         """The generation as a kvlens `Run`. `sequences`: `generate`'s output `(1, T)`, whose last token the
-        model
-        never fed back (without it the run ends at the last token fed)."""
+        model never fed back (without it the run ends at the last token fed)."""
         loop = self._ran()
         tokens, nlls = list(self.tokens), list(self.nlls)
         if sequences is not None:
@@ -339,10 +334,8 @@ def cache(
 
     `ratio`: the share of the prompt removed (kvpress's), or `budget`: slots per KV head, or a float in (0, 1]
     the share kept; `record`: summary, states or attention; `kv_bits`: quantized storage; `params`: the
-    policy's
-    parameters. The model is probed first and refused as `kvlens check-model` would; two forward hooks then
-    stay
-    on it, inert unless a kvlens cache is passed.
+    policy's parameters. The model is probed first and refused as `kvlens check-model` would; two forward
+    hooks then stay on it, inert unless a kvlens cache is passed.
     """
     settings = Settings.of(policy, ratio, budget, record, kv_bits, params)
     loaded = adopt(model, tokenizer)

@@ -2,10 +2,10 @@
 
 `pipeline(model, tokenizer)(context, question=q, policy="kvzip", ratio=0.75)` follows `kvlens bench tasks`'s
 protocol (`kvlens.experiments.bench.tasks`): the chat template's user turn is the context then the question;
-the
-context's tokens are compressed once to kvpress's kept count, then each question is appended uncompressed and
-answered greedily from that same cache. `query_aware=True` compresses context and question together (SnapKV's
-setting), one compression per question. An answer is therefore the task suite's answer for that sample.
+the context's tokens are compressed once to kvpress's kept count, then each question is appended uncompressed
+and answered greedily from that same cache. `query_aware=True` compresses context and question together
+(SnapKV's setting), one compression per question. An answer is therefore the task suite's answer for that
+sample.
 """
 
 from __future__ import annotations

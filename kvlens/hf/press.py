@@ -29,8 +29,8 @@ def press(
     tokenizer=None,
     **params,
 ) -> Iterator[list[KvlensCache]]:
-    """Run `policy` (with `kvlens.cache`'s arguments) in every generation inside the block; yields the list of
-    the caches it made, newest last (`caches[-1].save_run(path, output)`). The model is as it was
+    """Run `policy` (with `kvlens.cache`'s arguments) in every generation inside the block; yields the
+    list of the caches it made, newest last (`caches[-1].save_run(path, output)`). The model is as it was
     afterwards."""
     settings = Settings.of(policy, ratio, budget, record, kv_bits, params)
     loaded = adopt(model, tokenizer)

@@ -4,11 +4,10 @@ Memory. The prompt's cache is the prefill's own tensors; the first compression b
 kept slots into buffers of exactly `limit` slots (budget + the one token of a step), so the prompt's memory is
 really freed; later steps write into them in place. Caches that grow (full, budget-free policies) grow by
 chunks up to `limit` (the run's length). In all-layer mode (a budgeted policy the engine batches,
-`kvlens.engine.loop.batchable`)
-those buffers are one store of L * Hkv rows that the cache allocates itself when the first layer compresses,
-and each layer becomes a view of its rows: a decode step's one eviction per head then runs once for all
-layers. After the prompt's compression the stores may become packed (`kvlens.kvcache.quantized`). `nbytes` is
-what is allocated.
+`kvlens.engine.loop.batchable`) those buffers are one store of L * Hkv rows that the cache allocates itself
+when the first layer compresses, and each layer becomes a view of its rows: a decode step's one eviction per
+head then runs once for all layers. After the prompt's compression the stores may become packed
+(`kvlens.kvcache.quantized`). `nbytes` is what is allocated.
 """
 
 from __future__ import annotations
@@ -35,9 +34,8 @@ class KVCache:
     nothing and returns the slots in use followed by the pass's own keys and values. `limit`: the most slots a
     layer will need (budget + 1, or the run's length for growing caches; per layer after `set_budgets`).
     `all_layers=True` (a budgeted policy the engine batches, `kvlens.engine.loop.batchable`): a compressed
-    layer's slots go into the rows
-    of one store for every layer (see the module docstring). `chunked`: a chunked prefill, whose chunks fill
-    freed slots first (`kvlens.kvcache.tokens.append`).
+    layer's slots go into the rows of one store for every layer (see the module docstring). `chunked`: a
+    chunked prefill, whose chunks fill freed slots first (`kvlens.kvcache.tokens.append`).
     """
 
     def __init__(

@@ -66,8 +66,8 @@ class ChannelStates:
         return new
 
     def _index(self, rows: slice, n: int, kept: bool = True) -> torch.Tensor:
-        """`(R', n, K)` the rows' kept channels for n slots each (`kept=False`: the pruned ones, `(R', n, D
-        - K)`)."""
+        """`(R', n, K)` the rows' kept channels for n slots each (`kept=False`: the pruned ones, `(R', n, D -
+        K)`)."""
         order = self.order[rows]
         return (order[:, : self.k] if kept else order[:, self.k :])[:, None, :].expand(-1, n, -1)
 
@@ -94,8 +94,7 @@ class ChannelStates:
 
     def write(self, rows: slice, x: torch.Tensor, changed: torch.Tensor, valid: torch.Tensor) -> None:
         """Store the `changed` `(R', n)` slots of `x` `(R', n, D)`: whole where the slot's key is, else its
-        kept
-        channels."""
+        kept channels."""
         n = x.shape[1]
         slot = self.whole_slot[rows]
         if slot.numel():
@@ -149,8 +148,8 @@ class ChannelStates:
         self.keep_whole(rows, slots, x)
 
     def keep_whole(self, rows: slice, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Hold the pruned channels of the whole keys `x` `(R', q, D)` of `slots` `(R', q)` (-1: none for
-        that row)."""
+        """Hold the pruned channels of the whole keys `x` `(R', q, D)` of `slots` `(R', q)` (-1: none for that
+        row)."""
         x = torch.gather(x, 2, self._index(rows, x.shape[1], kept=False))
         for j in range(slots.shape[1]):
             slot, row = self.whole_slot[rows], torch.arange(slots.shape[0], device=slots.device)

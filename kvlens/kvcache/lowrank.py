@@ -2,46 +2,37 @@
 rows.
 
 Per head (the default): after the prompt's compression, each row's (layer's KV head's) kept keys `X` `(n, D)`
-are
-factored by a truncated SVD, `X ~ (X V) V^T` with `V` `(D, r)` the top-r right singular vectors; the store
-keeps
-the coefficients `X V` `(n, r)` and the basis `V`. Palu (Chang et al. 2024, "Palu: Compressing KV-Cache with
-Low-Rank Projection", Sec. 3) stores such per-head latents but takes its projection from the weights, offline.
-Cross-layer (`layers` = G; xKV, Chang et al. 2025, "xKV: Cross-Layer SVD for KV-Cache Compression", Sec. 3,
-and
-its code's `grouped_layer_merging`/`fake_svd`): the kept rows of the KV heads of G adjacent layers are
-concatenated along channels, `X` `(n, G * Hkv * D)`, and factored by one SVD per group; the coefficients `X V`
-`(n, r)` are stored once and shared by the group's heads and layers, each head keeping its `(D, r)` slice of
-`V`.
-Either way, by Eckart-Young the squared reconstruction error is the energy of the discarded singular values.
+are factored by a truncated SVD, `X ~ (X V) V^T` with `V` `(D, r)` the top-r right singular vectors; the store
+keeps the coefficients `X V` `(n, r)` and the basis `V`. Palu (Chang et al. 2024, "Palu: Compressing KV-Cache
+with Low-Rank Projection", Sec. 3) stores such per-head latents but takes its projection from the weights,
+offline. Cross-layer (`layers` = G; xKV, Chang et al. 2025, "xKV: Cross-Layer SVD for KV-Cache Compression",
+Sec. 3, and its code's `grouped_layer_merging`/`fake_svd`): the kept rows of the KV heads of G adjacent layers
+are concatenated along channels, `X` `(n, G * Hkv * D)`, and factored by one SVD per group; the coefficients
+`X V` `(n, r)` are stored once and shared by the group's heads and layers, each head keeping its `(D, r)`
+slice of `V`. Either way, by Eckart-Young the squared reconstruction error is the energy of the discarded
+singular values.
 
 Where this differs from the papers:
 - keys are factored after RoPE (the cache's own); xKV factors them before RoPE and applies it again on
-reading.
+  reading.
 - the coefficients are `U S`; xKV splits `sqrt(S)` between its two factors (only quantization sees it).
 - later tokens (`append`): "project" (the default; Palu: a new token's latent is its projection onto the
-basis) or
-  "full" (xKV's code: decode tokens join its cache uncompressed), held at full width beside the coefficients
-  and
-  counted in the bytes. Cross-layer needs "full": a token's shared coefficients need every layer of its group,
-  and
-  the first layer attends before the last computes its keys. A policy's merges are projected (per head) or
-  held
-  at full width (cross-layer: the other layers still read the shared coefficients).
+  basis) or "full" (xKV's code: decode tokens join its cache uncompressed), held at full width beside the
+  coefficients and counted in the bytes. Cross-layer needs "full": a token's shared coefficients need every
+  layer of its group, and the first layer attends before the last computes its keys. A policy's merges are
+  projected (per head) or held at full width (cross-layer: the other layers still read the shared
+  coefficients).
 - `bits`: the coefficients are quantized per token in groups of `group` channels with
-`kvlens.kvcache.quantize`'s
-  asymmetric quantizer (Palu quantizes its latents, xKV's `fake_svd` its token factor; both after a Hadamard
-  transform, which is not applied here); bases and full-width tokens stay in the model's dtype.
+  `kvlens.kvcache.quantize`'s asymmetric quantizer (Palu quantizes its latents, xKV's `fake_svd` its token
+  factor; both after a Hadamard transform, which is not applied here); bases and full-width tokens stay in the
+  model's dtype.
 
 `LowRankStates` holds one of keys or values for R rows x C slots: coefficients `(R, C, r)` (cross-layer: `(1,
-C, r)`,
-the same tensor in every layer of the group, its bytes counted by the first), or their codes `(R, C, r * bits
-/ 8)`
-uint8 with float16 zero points and scales `(R, C, r / group)`; bases `(R, D, r)`; full-width tokens `(R, W,
-D)`
-with their slots `(R, W)` (-1: a free entry). It has the interface of `kvlens.kvcache.kivi.QuantizedStates`,
-so
-the cache treats both storages alike (`kvlens.kvcache.quantized.PackedStore`).
+C, r)`, the same tensor in every layer of the group, its bytes counted by the first), or their codes `(R, C, r
+* bits / 8)` uint8 with float16 zero points and scales `(R, C, r / group)`; bases `(R, D, r)`; full-width
+tokens `(R, W, D)` with their slots `(R, W)` (-1: a free entry). It has the interface of
+`kvlens.kvcache.kivi.QuantizedStates`, so the cache treats both storages alike
+(`kvlens.kvcache.quantized.PackedStore`).
 """
 
 from __future__ import annotations
@@ -50,6 +41,7 @@ import torch
 
 from kvlens.errors import KvlensError
 from kvlens.kvcache.quantize import dequantize, pack, quantize, unpack
+from kvlens.kvcache.rank import top_vectors
 
 
 class LowRankStates:
@@ -185,8 +177,8 @@ class LowRankStates:
     # -------------------------------------------------------------------------------------
     def _widen(self, rows: slice, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Hold `x` `(R', q, D)` at full width for `slots` `(R', q)` (-1: none; distinct in a row): a slot
-        already
-        held keeps its entry, the others take the rows' free entries in order (the entries grow as needed)."""
+        already held keeps its entry, the others take the rows' free entries in order (the entries grow as
+        needed)."""
         live = slots >= 0
         if not bool(live.any()):
             return
@@ -232,9 +224,8 @@ class LowRankStates:
 
     def roundtrip(self, rows: slice, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """`x` `(R', n, D)` as this storage would hold it: full-width slots unchanged, the rest projected onto
-        the
-        rows' bases (per head, coefficients quantized if set) or, cross-layer, as the shared coefficients hold
-        it."""
+        the rows' bases (per head, coefficients quantized if set) or, cross-layer, as the shared coefficients
+        hold it."""
         n = x.shape[1]
         if self.shared:
             y = self.read(rows, n)
@@ -249,8 +240,7 @@ class LowRankStates:
 
     def write(self, rows: slice, x: torch.Tensor, changed: torch.Tensor, valid: torch.Tensor) -> None:
         """Store the `changed` `(R', n)` slots of `x` `(R', n, D)`: full-width ones (and, cross-layer, every
-        one) at
-        full width, the rest projected onto the rows' bases."""
+        one) at full width, the rest projected onto the rows' bases."""
         n = x.shape[1]
         wide = self.in_window(rows, n) | self.shared
         if bool((changed & wide).any()):
@@ -299,21 +289,13 @@ class LowRankStates:
         self, rows: slice, slots: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
     ) -> None:
         """New tokens `x` `(R', q, D)` into `slots` `(R', q)`: projected onto the rows' bases ("project"), or
-        held
-        at full width ("full"); a reused slot's old full-width entry goes either way."""
+        held at full width ("full"); a reused slot's old full-width entry goes either way."""
         self.forget(rows, torch.zeros_like(valid).scatter_(1, slots, True))
         if self.appending == "full":
             self._widen(rows, slots, x)
             return
         heads = torch.arange(slots.shape[0], device=slots.device)[:, None] + (rows.start or 0)
         self._store(heads.expand_as(slots).flatten(), slots.flatten(), self._project(rows, x).flatten(0, 1))
-
-
-def top_vectors(x: torch.Tensor, rank: int) -> torch.Tensor:
-    """`(R, D, rank)`: the top `rank` right singular vectors of each `x` `(R, n, D)` (zero columns past n)."""
-    _, _, vh = torch.linalg.svd(x.float(), full_matrices=False)  # (R, min(n, D), D)
-    basis = vh[:, :rank].transpose(1, 2)
-    return torch.nn.functional.pad(basis, (0, rank - basis.shape[2]))
 
 
 def seal_low_rank(
@@ -342,10 +324,8 @@ def seal_cross_layer(
     rank: int, xs: list[torch.Tensor], valid: torch.Tensor, *, bits: int | None = None, group: int = 64
 ) -> list[LowRankStates]:
     """A group of adjacent layers' compressed keys or values, `xs` one `(Hkv, n, D)` per layer, every head
-    holding
-    the same tokens (validity `(n,)`), as xKV stores them (module docstring): one `LowRankStates` per layer
-    over
-    the same coefficients `(1, n, r)`, the first owning them; later tokens at full width."""
+    holding the same tokens (validity `(n,)`), as xKV stores them (module docstring): one `LowRankStates` per
+    layer over the same coefficients `(1, n, r)`, the first owning them; later tokens at full width."""
     g, (h, n, d), dtype = len(xs), xs[0].shape, xs[0].dtype
     joined = torch.where(
         valid[:, None], torch.stack(xs).permute(2, 0, 1, 3).reshape(n, g * h * d).float(), 0.0

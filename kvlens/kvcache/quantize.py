@@ -1,30 +1,23 @@
 """Quantized KV storage: KIVI's asymmetric group quantization, packed (Liu et al., ICML 2024, "KIVI: A
-Tuning-Free
-Asymmetric 2bit Quantization for KV Cache", Sec. 3-4).
+Tuning-Free Asymmetric 2bit Quantization for KV Cache", Sec. 3-4).
 
 `Storage` is a run's storage axis, independent of its policy. `bits` None keeps the model's dtype; 2, 4 or 8
-store
-keys and values as codes packed 8 // bits to a byte, with a float16 zero point (the group's minimum) and scale
-per
-group: scale = (max - min) / (2^bits - 1), code = round((x - min) / scale) clamped, x^ = code * scale + min.
+store keys and values as codes packed 8 // bits to a byte, with a float16 zero point (the group's minimum) and
+scale per group: scale = (max - min) / (2^bits - 1), code = round((x - min) / scale) clamped, x^ = code *
+scale + min.
 - scheme "kivi" (the paper's): keys per channel in groups of `group` consecutive slots, values per token in
-groups
-  of `group` channels; the newest tokens stay in full precision: keys until `residual` of them have arrived,
-  then
-  those are quantized at once (KIVI's R, a multiple of `group`), values in a sliding window of the newest
-  `residual`
-  (KIVI Algorithm 1 and its code: the prompt's last `T mod R` keys and last `R` values stay in full
-  precision).
+  groups of `group` channels; the newest tokens stay in full precision: keys until `residual` of them have
+  arrived, then those are quantized at once (KIVI's R, a multiple of `group`), values in a sliding window of
+  the newest `residual` (KIVI Algorithm 1 and its code: the prompt's last `T mod R` keys and last `R` values
+  stay in full precision).
 - scheme "token": keys and values per token (groups of `group` channels), both in a sliding window of
-`residual`.
+  `residual`.
 
 Slots are reused after evictions (see `kvlens.kvcache.views`), so a key group can mix old and new tokens: a
-group is
-quantized again, from its members' current (dequantized) values, whenever one of its slots changes (a new
-token
-flushed from the full-precision window, a policy's merge). KIVI never evicts, so it never does this; with no
-eviction the groups are KIVI's exactly. Re-quantizing a group whose range did not change gives back the same
-codes.
+group is quantized again, from its members' current (dequantized) values, whenever one of its slots changes (a
+new token flushed from the full-precision window, a policy's merge). KIVI never evicts, so it never does this;
+with no eviction the groups are KIVI's exactly. Re-quantizing a group whose range did not change gives back
+the same codes.
 
 This module holds the storage axis and the quantizer (`quantize`, `dequantize`, `pack`, `unpack`); the packed
 storage of a store's keys or values is `kvlens.kvcache.kivi.QuantizedStates`.
@@ -123,9 +116,8 @@ class Storage:
     def check(self, head_dim: int, kv_heads: int = 1) -> None:
         """Refuse, in one sentence, a rank above what a factor can hold (the head size, or per group of layers
         their `kv_heads` heads' channels), quantized coefficients that do not pack or tile into groups, or a
-        group
-        that does not tile a head's `head_dim` channels (groups of channels: KIVI's values, both for the token
-        scheme); a group of `head_dim` or more is one group per token."""
+        group that does not tile a head's `head_dim` channels (groups of channels: KIVI's values, both for the
+        token scheme); a group of `head_dim` or more is one group per token."""
         width = head_dim * kv_heads * self.rank_layers if self.rank_layers else head_dim
         if self.rank is not None and self.rank > width:
             what = f"the {self.rank_layers} layers' channels" if self.rank_layers else "the model's head size"
@@ -174,8 +166,7 @@ class Storage:
 
     def describe(self) -> dict[str, Any]:
         """What run.json records: `{"bits": None}` for the model's dtype, with the rank for low-rank storage
-        (and
-        the coefficients' bits and group when quantized)."""
+        (and the coefficients' bits and group when quantized)."""
         if self.low_rank:
             return {
                 "bits": self.bits,
@@ -221,10 +212,9 @@ def quantize(
     x: torch.Tensor, bits: int, group: int, along: str, valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`x` `(R, n, D)` -> codes `(R, n, D)` uint8, zero points and scales float16: `(R, n / group, D)` along
-    "slots"
-    (n a multiple of `group`; `valid` `(R, n)`: only valid slots set a group's range) or `(R, n, D / group)`
-    along
-    "channels". A group without a valid member, or constant, gets scale 0 (codes 0, x^ = its minimum)."""
+    "slots" (n a multiple of `group`; `valid` `(R, n)`: only valid slots set a group's range) or `(R, n, D /
+    group)` along "channels". A group without a valid member, or constant, gets scale 0 (codes 0, x^ = its
+    minimum)."""
     r, n, d = x.shape
     top = 2**bits - 1
     xf = x.float()

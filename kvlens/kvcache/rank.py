@@ -1,7 +1,9 @@
-"""The rank of low-rank storage (`kvlens.kvcache.lowrank`): a slot's coefficient bytes, and the largest rank
-whose bytes fit a share of the full cache's (`Storage.rank_share`)."""
+"""The rank of low-rank storage (`kvlens.kvcache.lowrank`): a slot's coefficient bytes, the largest rank
+whose bytes fit a share of the full cache's (`Storage.rank_share`), and a rank's basis (`top_vectors`)."""
 
 from __future__ import annotations
+
+import torch
 
 from kvlens.kvcache.quantize import Storage
 
@@ -37,3 +39,10 @@ def fit_rank(storage: Storage, dim: int, members: int, slots: int, sealed: int, 
         for r in ranks
     }
     return max((r for r in ranks if cost[r] <= budget), default=ranks[0])
+
+
+def top_vectors(x: torch.Tensor, rank: int) -> torch.Tensor:
+    """`(R, D, rank)`: the top `rank` right singular vectors of each `x` `(R, n, D)` (zero columns past n)."""
+    _, _, vh = torch.linalg.svd(x.float(), full_matrices=False)  # (R, min(n, D), D)
+    basis = vh[:, :rank].transpose(1, 2)
+    return torch.nn.functional.pad(basis, (0, rank - basis.shape[2]))

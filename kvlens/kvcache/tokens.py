@@ -89,8 +89,8 @@ class Writer:
     def fill_chunk(
         self, holes: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
     ) -> None:
-        """A chunk of q tokens: the first k into the k freed slots every head has, the rest after the slots
-        in use."""
+        """A chunk of q tokens: the first k into the k freed slots every head has, the rest after the slots in
+        use."""
         book, store = self.book, self.store
         k = min(key.shape[2], int((holes >= 0).sum(-1).min()))
         slots, rest = holes[:, :k], holes[:, k:]

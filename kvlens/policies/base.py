@@ -309,10 +309,10 @@ def select_lowest(
 
 
 def lowest_of_all_rows(rows: CacheRows, score: torch.Tensor, leaving: int) -> torch.Tensor:
-    """The `leaving` lowest scores over all the rows together (heads then keep different counts), for policies
-    that share a budget across heads (Ada-KV, KVzip): ties leave the newest position first, then the lower
-    row;
-    free slots never count. Returns each row's leaving slots `(R, E)`, ascending, -1 padded (for `free`)."""
+    """The `leaving` lowest scores over all the rows together (heads then keep different counts), for
+    policies that share a budget across heads (Ada-KV, KVzip): ties leave the newest position first, then
+    the lower row; free slots never count. Returns each row's leaving slots `(R, E)`, ascending, -1 padded
+    (for `free`)."""
     valid = rows.valid
     r, s = valid.shape
     score = score.float().masked_fill(~valid, float("inf"))

@@ -299,18 +299,13 @@ class CaM(Wrapper):
         w: torch.Tensor,
     ) -> None:
         """Add to each pool slot's value what its senders send, in place (see `_merge`). Only the evicted
-        slots that
-        drew a merge send (w > 0), so the others leave the system first: each row's senders move to the front,
-        in
-        position order (with the default preset, about 3 % of the embedded model's evicted prompt slots drew a
-        merge). The senders' chains are solved block by block (forward substitution over blocks of
-        `SOLVE_BLOCK`
-        slots or more, each a triangular solve; rows in chunks of at most `CHUNK_ELEMENTS` system entries),
-        then
-        each candidate's senders are summed as a difference array over the candidates (one scatter, one
-        cumulative sum). A decode step (one evicted slot per row) adds its one sender to its range directly,
-        and a
-        step where no slot drew a merge changes nothing."""
+        slots that drew a merge send (w > 0), so the others leave the system first: each row's senders move to
+        the front, in position order (with the default preset, about 3 % of the embedded model's evicted
+        prompt slots drew a merge). The senders' chains are solved block by block (forward substitution over
+        blocks of `SOLVE_BLOCK` slots or more, each a triangular solve; rows in chunks of at most
+        `CHUNK_ELEMENTS` system entries), then each candidate's senders are summed as a difference array over
+        the candidates (one scatter, one cumulative sum). A decode step (one evicted slot per row) adds its
+        one sender to its range directly, and a step where no slot drew a merge changes nothing."""
         if not bool((w > 0).any()):  # no evicted slot drew a merge: no value changes
             return
         values = rows.values[0]  # (R, S, D)
@@ -416,8 +411,7 @@ class CaM(Wrapper):
 
 def receives(place: torch.Tensor, c: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
     """`(R, X, E)` whether the candidate at `place` `(R, X)` receives from the evicted slot at `c` `(R, E)`,
-    which
-    sends to the `found` `(R, E)` candidates after it."""
+    which sends to the `found` `(R, E)` candidates after it."""
     x, ci = place[:, :, None], c[:, None, :]
     return (x > ci) & (x <= ci + found[:, None, :])
 

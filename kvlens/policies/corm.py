@@ -84,8 +84,8 @@ class CORM(Policy):
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         """Free, in place, each head's keys minor in all of the last `window` messages and older than the
-        `recent`
-        newest positions (later tokens fill the freed slots: no re-layout of the layer at each step)."""
+        `recent` newest positions (later tokens fill the freed slots: no re-layout of the layer at each
+        step)."""
         if min(state.get(MESSAGES_SEEN, 0) for state in rows.states) < self.window:
             return
         drop = rows.valid & ~(rows.extra[MESSAGE].any(-1) | recent_mask(rows, self.recent))  # (R, S)

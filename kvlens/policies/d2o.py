@@ -1,62 +1,48 @@
 """`d2o`: per-layer budgets from attention density; H2O eviction whose evicted tokens merge into their most
-similar kept
-token when the similarity passes an EMA threshold.
+similar kept token when the similarity passes an EMA threshold.
 
 Wan et al., "D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of Large Language
 Models", ICLR 2025, https://arxiv.org/abs/2406.13035 (v1 titled "... Efficient Generative Inference ...");
 official code github.com/AIoT-MLSys-Lab/d2o
-(`LLM_merge_new/LMEval_kv_token_merge/modeling_llama3_7b_13b_d2o.py`,
-the layer allocation in `modeling_llama3_new.py`, defaults in `run_pred_long_bench_sample.py`).
+(`LLM_merge_new/LMEval_kv_token_merge/modeling_llama3_7b_13b_d2o.py`, the layer allocation in
+`modeling_llama3_new.py`, defaults in `run_pred_long_bench_sample.py`).
 
 Layer level (`allocate`, once after the prompt). The paper's density of a layer is the variance of the column
-sums
-of its prompt attention, `F_d = Var(sum_i A_p[i, :])`; a lower variance is a denser layer, which keeps more.
-Here
-the column sums are kvlens's `abar` `(Hkv, T)` (a KV head's is the mean of its query heads'). The authors'
-code
-turns the layer scores `s` `(L,)`, each in [0, 1], into shares `softmax(-s)` and layer budgets
+sums of its prompt attention, `F_d = Var(sum_i A_p[i, :])`; a lower variance is a denser layer, which keeps
+more. Here the column sums are kvlens's `abar` `(Hkv, T)` (a KV head's is the mean of its query heads'). The
+authors' code turns the layer scores `s` `(L,)`, each in [0, 1], into shares `softmax(-s)` and layer budgets
 `B_l = softmax(-s)_l x L x B`; kvlens keeps that mapping, bounds each budget to [`min_budget`, max(T, B)] and
 rounds so that the total is exactly L x B (largest remainders). `density` picks the score: `layers` (default)
-the
-layer's variance (mean over its KV heads), min-max normalised across layers; `official` the authors' code as
-written, each head's variance min-max normalised within the layer, then the mean over the heads (it normalises
-over 32 query heads; over kvlens's 2-3 KV heads every layer scores about the same, hence not the default).
-`allocation=uniform` gives every layer B (the token-level rule alone).
+the layer's variance (mean over its KV heads), min-max normalised across layers; `official` the authors' code
+as written, each head's variance min-max normalised within the layer, then the mean over the heads (it
+normalises over 32 query heads; over kvlens's 2-3 KV heads every layer scores about the same, hence not the
+default). `allocation=uniform` gives every layer B (the token-level rule alone).
 
 Token level (`compress`, per layer with its own budget B_l, at the prompt's compression and at every decode
-step;
-equation numbers of the ICLR version, arXiv v3 §4.2).
+step; equation numbers of the ICLR version, arXiv v3 §4.2).
 - Eviction: H2O. Kept: the first `sink` positions (the official code pins the first 4 among its heavy
-hitters), a
-  recent window of `int(B_l x recent_ratio)` slots (the official scripts split the budget evenly between heavy
-  hitters and recent tokens) and the heavy hitters, the largest accumulated attention `abar`.
+  hitters), a recent window of `int(B_l x recent_ratio)` slots (the official scripts split the budget evenly
+  between heavy hitters and recent tokens) and the heavy hitters, the largest accumulated attention `abar`.
 - Nearest kept token (Eq. 9): per KV head, the cosine similarity of each evicted key (after RoPE, as cached)
-to
-  every kept key, `U` `(R, E, B_l)`; `u_i = max_j U[i, j]` and `c_i = argmax_j U[i, j]` (the oldest on ties).
-- Dynamic threshold (Eq. 10): at a layer's first compression `tau = mean_i u_i`, then
-  `tau_t = beta * mean_i u_i + (1 - beta) * tau_{t-1}` (updated before it is compared, as in the official
-  code);
-  the mean runs over the layer's evicted tokens and KV heads (`threshold_scope=layer`, the official code's one
-  threshold per layer) or over each head's own (`head`). An evicted token merges when `u_i >= tau_t`; the
-  others
-  are evicted (logged as evictions).
-- Weighted merge (Eq. 11-12), keys and values alike, all of a step's sources of a kept token at once:
-  `k_c <- w_c k_c + sum_{i -> c} w_i k_i`, `w_i = exp(u_i) / (sum_{i -> c} exp(u_i) + e)`,
-  `w_c = e / (sum_{i -> c} exp(u_i) + e)` (e: the kept token's own similarity 1, exp(1)); the weights sum to
-  1,
-  which is provenance's `set` rule (the log lists each head's merges in turn, each target's sources together,
-  as
-  its replay needs). The kept token keeps its position and statistics (`abar`, `nobs`).
-  `merge=false` evicts every token (the eviction-only ablation).
+  to every kept key, `U` `(R, E, B_l)`; `u_i = max_j U[i, j]` and `c_i = argmax_j U[i, j]` (the oldest on
+  ties).
+- Dynamic threshold (Eq. 10): at a layer's first compression `tau = mean_i u_i`, then `tau_t = beta * mean_i
+  u_i + (1 - beta) * tau_{t-1}` (updated before it is compared, as in the official code); the mean runs over
+  the layer's evicted tokens and KV heads (`threshold_scope=layer`, the official code's one threshold per
+  layer) or over each head's own (`head`). An evicted token merges when `u_i >= tau_t`; the others are evicted
+  (logged as evictions).
+- Weighted merge (Eq. 11-12), keys and values alike, all of a step's sources of a kept token at once: `k_c <-
+  w_c k_c + sum_{i -> c} w_i k_i`, `w_i = exp(u_i) / (sum_{i -> c} exp(u_i) + e)`, `w_c = e / (sum_{i -> c}
+  exp(u_i) + e)` (e: the kept token's own similarity 1, exp(1)); the weights sum to 1, which is provenance's
+  `set` rule (the log lists each head's merges in turn, each target's sources together, as its replay needs).
+  The kept token keeps its position and statistics (`abar`, `nobs`). `merge=false` evicts every token (the
+  eviction-only ablation).
 
 Divergences from the official code, kept on purpose: it never compresses layers 0, 1 and L - 1 (kvlens holds
-every
-layer to its budget, so the total stays L x B); it merges with `scatter_reduce(mean)` of `u_i x k_i` including
-the
-kept token, `(k_c + sum u_i k_i) / (1 + n)`, not Eq. 12's weights; it decides per evicted index with the mean
-of
-`u` over heads (whose i-th evicted tokens are different tokens); its EMA weights are `alpha = belta = 0.5`, so
-`beta = 0.5` here is the same either way round.
+every layer to its budget, so the total stays L x B); it merges with `scatter_reduce(mean)` of `u_i x k_i`
+including the kept token, `(k_c + sum u_i k_i) / (1 + n)`, not Eq. 12's weights; it decides per evicted index
+with the mean of `u` over heads (whose i-th evicted tokens are different tokens); its EMA weights are `alpha =
+belta = 0.5`, so `beta = 0.5` here is the same either way round.
 """
 
 from __future__ import annotations
@@ -94,8 +80,7 @@ def minmax(x: torch.Tensor) -> torch.Tensor:
 def bounded_shares(shares: list[float], total: int, lo: int, hi: int) -> list[int]:
     """Integers in [lo, hi] proportional to `shares` (clipped where a bound binds) summing to exactly `total`
     (which must lie in [n lo, n hi]): `clip(lam * share, lo, hi)` with lam found by bisection, then the
-    largest
-    remainders get the units the floors left (the smallest give them back if rounding overshot)."""
+    largest remainders get the units the floors left (the smallest give them back if rounding overshot)."""
     n = len(shares)
     if not n * lo <= total <= n * hi:
         raise ValueError(f"total {total} outside [{n * lo}, {n * hi}]")
@@ -233,10 +218,8 @@ class D2O(Policy):
         keys: torch.Tensor, keep: torch.Tensor, evicted: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 9: each evicted key's best cosine similarity to the kept keys and that key's index in `keep`,
-        both
-        `(R, E)`. `keys` `(R, S, D)`; `keep` `(R, B)`, `evicted` `(R, E)` slot indices. The oldest kept key
-        wins a
-        tie (`keep` is in position order). Computed in chunks of evicted keys (bounded memory)."""
+        both `(R, E)`. `keys` `(R, S, D)`; `keep` `(R, B)`, `evicted` `(R, E)` slot indices. The oldest kept
+        key wins a tie (`keep` is in position order). Computed in chunks of evicted keys (bounded memory)."""
         d = keys.shape[-1]
         unit = torch.nn.functional.normalize(keys.float(), dim=-1)
         kept = unit.gather(1, keep[..., None].expand(-1, -1, d))  # (R, B, D)
@@ -253,8 +236,7 @@ class D2O(Policy):
 
     def threshold(self, rows: CacheRows, u: torch.Tensor) -> torch.Tensor:
         """Eq. 10: update each layer's EMA threshold with this compression's similarities `u` `(R, E)` and
-        return it
-        per row `(R, 1)`. The run state holds it (`rows.states`, one per layer)."""
+        return it per row `(R, 1)`. The run state holds it (`rows.states`, one per layer)."""
         out = []
         for (_, part), state in zip(rows.per_layer(u), rows.states, strict=True):
             seen = part.mean() if self.threshold_scope == "layer" else part.mean(-1)
@@ -274,8 +256,7 @@ class D2O(Policy):
         merged: torch.Tensor,
     ) -> None:
         """Merges as rows of provenance's `set` rule (all sources of one target of one head consecutive: each
-        head's
-        merges sorted by target then source, the heads in turn), then the evictions."""
+        head's merges sorted by target then source, the heads in turn), then the evictions."""
         if step.log is None:
             return
         r, e = pos_ev.shape
@@ -307,8 +288,7 @@ def merge_weights(
     u: torch.Tensor, nearest: torch.Tensor, merged: torch.Tensor, kept: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 12: each source's weight `(R, E)` (0 where it does not merge) and each kept token's own weight `(R,
-    B)`:
-    `w_i = exp(u_i) / (S_c + e)`, `w_c = e / (S_c + e)`, `S_c` the sum of `exp(u_i)` over c's merged
+    B)`: `w_i = exp(u_i) / (S_c + e)`, `w_c = e / (S_c + e)`, `S_c` the sum of `exp(u_i)` over c's merged
     sources."""
     eu = torch.exp(u.float()) * merged
     denom = torch.full((u.shape[0], kept), math.e, device=u.device).scatter_add_(1, nearest, eu)

@@ -53,10 +53,8 @@ def set_anchors(
     keys: torch.Tensor, threshold: float, candidates: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Algorithm 1 on every row of keys `(R, T, D)` at once (`candidates` `(R, T)`): the anchors `(R, T)` bool
-    and
-    `run` `(R, T)`, how many keys the set anchored at each key holds left of it (the consecutive candidates
-    before
-    it whose cosine with it is above `threshold`). The set anchored at a is a - run[a] .. a.
+    and `run` `(R, T)`, how many keys the set anchored at each key holds left of it (the consecutive
+    candidates before it whose cosine with it is above `threshold`). The set anchored at a is a - run[a] .. a.
 
     `run` is counted one distance at a time while some scan goes on; the anchors are the chain from the newest
     candidate through each set's next anchor (the newest candidate left of it), found by pointer doubling.
@@ -120,8 +118,8 @@ def set_weights(
     keys: torch.Tensor, sets: torch.Tensor, pivot: torch.Tensor, rule: float | str
 ) -> torch.Tensor:
     """`gaussian_weights` of M sets at once: their members' keys `(K, D)`, `sets` `(K,)` the set of each
-    (0..M-1),
-    `pivot` `(M,)` the index in `keys` of each set's pivot, `rule` a checked sigma. Returns float32 `(K,)`."""
+    (0..M-1), `pivot` `(M,)` the index in `keys` of each set's pivot, `rule` a checked sigma. Returns float32
+    `(K,)`."""
     k = keys.float()
     dist2 = ((k - k[pivot][sets]) ** 2).sum(-1)  # (K,)
     n = torch.bincount(sets, minlength=len(pivot)).float()  # (M,)
@@ -193,8 +191,7 @@ class KVMerger(Policy):
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         """Merge every row's sets of two or more slots at their pivots, all at once: the M sets' K members in
-        one
-        flat order (row by row, set by set, ascending), the order of the decision log."""
+        one flat order (row by row, set by set, ascending), the order of the decision log."""
         count = rows.states[0].get(COMPRESSIONS, 0)
         for state in rows.states:
             state[COMPRESSIONS] = count + 1
@@ -240,8 +237,7 @@ class KVMerger(Policy):
 
     def _candidates(self, rows: CacheRows) -> torch.Tensor:
         """`(R, S)` the slots that may merge: valid, less each row's `recent_ratio` newest and `keep_ratio`
-        largest
-        `Abar` (slots are in position order: this cache only grows and is re-laid out by `retain`)."""
+        largest `Abar` (slots are in position order: this cache only grows and is re-laid out by `retain`)."""
         valid = rows.valid
         counts = valid.sum(-1).tolist()
         recent = torch.tensor([int(n * self.recent_ratio) for n in counts], device=valid.device)
@@ -265,10 +261,8 @@ class KVMerger(Policy):
         w: torch.Tensor,
     ) -> None:
         """The merges, row by row, set by set, in position order: `source` `(K,)` positions merged into
-        `target`
-        with weight `w`, in rows `row`: one column per merge, filled in its row only (`DecisionLog.merges`
-        lists
-        the columns in turn)."""
+        `target` with weight `w`, in rows `row`: one column per merge, filled in its row only
+        (`DecisionLog.merges` lists the columns in turn)."""
         if step.log is None:
             return
         r, k = rows.pos.shape[0], len(row)

@@ -2,17 +2,14 @@
 only.
 
 Xu et al., "ThinK: Thinner Key Cache by Query-Driven Pruning", 2024, https://arxiv.org/abs/2407.21018
-(authors'
-code: SalesforceAIResearch/ThinK, `key_pruner_query_driven`). Once the `base` policy has compressed the prompt
-(the authors run ThinK after SnapKV or H2O; kvpress composes `ThinKPress` after a press in `ComposedPress`, or
-uses it alone: `base=full`),
-channel i of a KV head scores ||Q_i|| ||K_i||, the paper's query-driven criterion ||Q_i K_i^T||_F: Q `(w, D)`
-the last `window` prompt queries after RoPE, K the head's kept keys `(S, D)`, computed as the authors' code
-and
-kvpress's `ThinKPress` do, mean(Q_i^2) x mean(K_i^2) (the same order). The `ratio` x D lowest channels
-(rounded down) leave each head; ties leave the lower channel first. The kept channels are what the cache
-stores of each key (`kvlens.kvcache.channels`), so a pruned key costs (1 - ratio) of its bytes; values are
-untouched. A query meets a pruned key on the kept channels only.
+(authors' code: SalesforceAIResearch/ThinK, `key_pruner_query_driven`). Once the `base` policy has compressed
+the prompt (the authors run ThinK after SnapKV or H2O; kvpress composes `ThinKPress` after a press in
+`ComposedPress`, or uses it alone: `base=full`), channel i of a KV head scores ||Q_i|| ||K_i||, the paper's
+query-driven criterion ||Q_i K_i^T||_F: Q `(w, D)` the last `window` prompt queries after RoPE, K the head's
+kept keys `(S, D)`, computed as the authors' code and kvpress's `ThinKPress` do, mean(Q_i^2) x mean(K_i^2)
+(the same order). The `ratio` x D lowest channels (rounded down) leave each head; ties leave the lower channel
+first. The kept channels are what the cache stores of each key (`kvlens.kvcache.channels`), so a pruned key
+costs (1 - ratio) of its bytes; values are untouched. A query meets a pruned key on the kept channels only.
 
 Divergences, each a parameter or noted here:
 - `recent`: the prompt's newest keys kept whole: the authors' code keeps its last 32 (`recent_size`), kvpress
@@ -123,8 +120,7 @@ class ThinK(Wrapper):
 
     def key_channels(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's kept channels `(R, K)`, ascending, by the window queries' and the kept keys' mean
-        squares;
-        the `recent` newest slots keep every channel."""
+        squares; the `recent` newest slots keep every channel."""
         queries = torch.cat([state.pop(QUERIES) for state in rows.states])  # (R, D)
         keys, valid = rows.keys[0].float(), rows.valid
         keys = (keys.pow(2) * valid[..., None]).sum(1) / valid.sum(-1, keepdim=True)  # (R, D)

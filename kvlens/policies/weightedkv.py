@@ -52,10 +52,8 @@ class WeightedKV(Policy):
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         """The single-step rule `n - budget` times, in tensor form: the averages never change, so the keys
-        leave
-        in the order of their averages (ties: the older first), each into the first rank still there at its
-        turn
-        (`first_above`); the values then merge in that order (`merge_in_turn`)."""
+        leave in the order of their averages (ties: the older first), each into the first rank still there at
+        its turn (`first_above`); the values then merge in that order (`merge_in_turn`)."""
         budget = step.budget
         if budget is None or rows.n_kept <= budget:
             return
@@ -112,10 +110,10 @@ def first_above(key: torch.Tensor, start: torch.Tensor, threshold: torch.Tensor,
 
 
 def merge_in_turn(values: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, w: torch.Tensor) -> None:
-    """`values[dst] <- w values[src] + (1 - w) values[dst]` for each row's merges `(R, E)` in turn, in place
-    (`values` `(R, S, D)`). Merges run in rounds, each round every merge whose source has received all it will
-    and whose target has received the merges before it, so each reads what the one-at-a-time loop would
-    read."""
+    """`values[dst] <- w values[src] + (1 - w) values[dst]` for each row's merges `(R, E)` in turn, in
+    place (`values` `(R, S, D)`). Merges run in rounds, each round every merge whose source has received
+    all it will and whose target has received the merges before it, so each reads what the one-at-a-time
+    loop would read."""
     r, e = src.shape
     turns = torch.arange(e, device=src.device).expand(r, -1)
     by_target = torch.argsort(dst * e + turns, dim=-1)  # (R, E) the merges grouped by target, in turn

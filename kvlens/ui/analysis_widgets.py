@@ -39,9 +39,8 @@ def _drop_left() -> None:
 
 def analysis_widgets(kind: str, prefix: str) -> dict | None:
     """One widget per parameter of analysis `kind` (keys `{prefix}_{kind}_{name}`, kept in the URL as
-    `?name=`);
-    returns the values given (an empty field leaves the analysis' own default), or None after showing under
-    its field why an entry is bad."""
+    `?name=`); returns the values given (an empty field leaves the analysis' own default), or None after
+    showing under its field why an entry is bad."""
     params = get_analysis(kind).params
     values, bad = {}, False
     cols = st.columns(max(1, min(4, len(params))))

@@ -82,10 +82,8 @@ def streamlit_server(env: dict | None = None):
 
 def refuse_external(target, seen: list[str], hosts: tuple[str, ...] = LOCAL_HOSTS) -> None:
     """Abort every request of `target` (a Playwright page or browser context) to a host not in `hosts` (the
-    app's:
-    127.0.0.1 or localhost; none for a file opened from disk), appending its URL to `seen`: nothing the app or
-    a
-    report shows may come from outside the machine. Reads of file:// URLs always pass."""
+    app's: 127.0.0.1 or localhost; none for a file opened from disk), appending its URL to `seen`: nothing the
+    app or a report shows may come from outside the machine. Reads of file:// URLs always pass."""
 
     def handle(route):
         url = route.request.url

@@ -55,9 +55,8 @@ def show_text(
     agree: int | None = None,
 ) -> None:
     """The reference's own text (`reference` None), or a policy's greedy choice at each step of the
-    reference's
-    text (its pieces), everything from its first divergence highlighted; `agree`: steps where the two
-    agree."""
+    reference's text (its pieces), everything from its first divergence highlighted; `agree`: steps where the
+    two agree."""
     st.markdown(f"**{label}**")
     diverging_text(pieces, first_diff, reference=reference is None)
     if first_diff is not None and reference is not None and first_diff < len(reference):
@@ -70,8 +69,7 @@ def show_text(
 
 def show_own_text(r: Result, reference: Result) -> None:
     """A policy's own greedy text (`Result.own`), from where it leaves the full cache's own text highlighted,
-    and
-    the full cache's text from that token, highlighted too: the divergence marked in both."""
+    and the full cache's text from that token, highlighted too: the divergence marked in both."""
     st.markdown(f"**{r.entry.label}**")
     if r is reference:
         diverging_text(r.own_pieces, None, reference=True)

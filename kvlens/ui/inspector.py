@@ -197,8 +197,7 @@ def _hover(row: TokenRow, i: int) -> str:
 
 def token_row_figure(row: TokenRow, policy: str, height: int = 460) -> go.Figure:
     """The token's attention row as bars over positions (log scale, coloured by status), above a strip of
-    every
-    seen position's status; the query's position is marked."""
+    every seen position's status; the query's position is marked."""
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.84, 0.16], vertical_spacing=0.04)
     hover = [_hover(row, i) for i in range(len(row.positions))]
     for name, color in BAR_COLORS.items():

@@ -1,7 +1,6 @@
 """A task benchmark's leaderboard (`results/bench_tasks*.json`): the score-vs-ratio figure and a sortable
-table,
-filtered by task, length and policy, summarised from the rows so far (a grid still running shows its samples
-finished until now), then the needles found by depth and length."""
+table, filtered by task, length and policy, summarised from the rows so far (a grid still running shows its
+samples finished until now), then the needles found by depth and length."""
 
 from __future__ import annotations
 

@@ -115,8 +115,7 @@ def pick_head(
     run: Run, key: str, where=st, kv: bool = False, help: str | None = None, param: str = "head"
 ) -> int:
     """A query-head select box (a KV-head one when `kv`) kept in the URL (`?head=`, or `param`); a query
-    head's
-    help names its KV head."""
+    head's help names its KV head."""
     heads = list(range(run.shape["kv_heads" if kv else "heads"]))
     what = "KV head" if kv else "Query head"
     if help is None and not kv:

@@ -83,9 +83,8 @@ def pick_results(
 ):
     """A select box over `results/{kind}_*.json` (newest first, files holding the `want` columns before the
     others; `only`/`without`: the files of these benchmarks only, or all but theirs; the file's name kept in
-    the
-    URL as `?{param or kind}=`); returns (path, settings, frame, whole object) or None (after saying why, with
-    `make`, the command that writes such a file, if given)."""
+    the URL as `?{param or kind}=`); returns (path, settings, frame, whole object) or None (after saying why,
+    with `make`, the command that writes such a file, if given)."""
     files = [
         p for p in result_files(kind) if (not only or of_benchmark(p, only)) and not of_benchmark(p, without)
     ]

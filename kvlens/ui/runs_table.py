@@ -102,8 +102,8 @@ def _table(entries: tuple[tuple[str, str, float], ...]) -> tuple[pd.DataFrame, l
 
 
 def runs_frame(entries: list[RunEntry]) -> tuple[pd.DataFrame, list[str]]:
-    """The table of the picker's runs (cached per run and modification time) and the sentences of those
-    left out."""
+    """The table of the picker's runs (cached per run and modification time) and the sentences of those left
+    out."""
     return _table(tuple((e.path, e.source, _stamp(e.path)) for e in entries))
 
 
@@ -208,8 +208,7 @@ def _confirm_delete(paths: list[str]) -> None:
 
 def upload() -> tuple[bool, str] | None:
     """An uploader that imports a zip into the user's runs (once per upload); whether it worked and the
-    sentence
-    saying so, while the file is in the uploader (None when there is none)."""
+    sentence saying so, while the file is in the uploader (None when there is none)."""
     file = st.file_uploader(
         "A run as a .zip: one made by *Download .zip*, or a zip of a run folder",
         type=["zip"],

@@ -18,8 +18,8 @@ from kvlens.ui.state import RunEntry, all_runs, cached_runs_dir, user_runs_dir
 
 DEVICES = ["auto", "cpu", "cuda", "mps"]
 # The tab's icon, inline: a `:material/...:` page icon makes the browser fetch it from fonts.gstatic.com, and
-# the
-# app requests nothing outside the machine. The "memory" icon of Google's Material Icons (Apache License 2.0).
+# the app requests nothing outside the machine. The "memory" icon of Google's Material Icons (Apache License
+# 2.0).
 ICON = (
     '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24"><path d="M15 9H9v6h6V9zm-2 4h-2v-2h2v2z'
     "m8-2V9h-2V7c0-1.1-.9-2-2-2h-2V3h-2v2h-2V3H9v2H7c-1.1 0-2 .9-2 2v2H3v2h2v2H3v2h2v2c0 1.1.9 2 "

@@ -166,7 +166,6 @@ def _head_grid(path: str, mtime: float):
 
 def run_head_grid(run: Run):
     """`kvlens.figures.head_grid.head_grid(run)`, computed once per run and shared read-only (scrubbing the
-    step
-    then only slices it)."""
+    step then only slices it)."""
     manifest = Path(run.path) / RUN_JSON
     return _head_grid(str(run.path), manifest.stat().st_mtime)

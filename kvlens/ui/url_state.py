@@ -88,9 +88,8 @@ def bound(
     parse: Callable[[str], Any] | None = None,
 ) -> Any:
     """`bind`, then `widget(key=key)` starting at `default` unless the link or the user set it, then
-    `publish`:
-    the widget's value, kept in the URL. `widget` must not pass a default of its own (Session State holds
-    it)."""
+    `publish`: the widget's value, kept in the URL. `widget` must not pass a default of its own (Session State
+    holds it)."""
     bind(key, param, options, what, show, parse)
     st.session_state.setdefault(key, default)
     value = widget(key=key)
@@ -122,8 +121,7 @@ def bound_many(
 
 def bind_param(p: Param, key: str, owner: str) -> None:
     """Before `kvlens.ui.params.param_widget(p, ..., key)`: its value from `?{p.name}=`, an option of its
-    select
-    box, true or false, or text that `p.parse` accepts (a number, or what a text field would hold)."""
+    select box, true or false, or text that `p.parse` accepts (a number, or what a text field would hold)."""
     widget = widget_of(p)
     if widget == "select":
         bind(key, p.name, p.allowed(), p.name)

@@ -25,9 +25,8 @@ DEFAULTS = "(defaults)"
 
 def parameter_widgets(policy: str, prefix: str) -> dict:
     """One widget per hyperparameter of `policy` (keys `{prefix}_{policy}_{name}`, `kvlens.ui.params`);
-    returns
-    the values. The widgets start from the chosen preset's settings; nested policies come first, since their
-    choice decides the parameters shown. A bad value shows its sentence under its field and raises
+    returns the values. The widgets start from the chosen preset's settings; nested policies come first, since
+    their choice decides the parameters shown. A bad value shows its sentence under its field and raises
     `BadSetting`; a bad combination raises KvlensError (the caller shows it).
     """
     values, slots = {}, {}
@@ -154,11 +153,9 @@ def storage_option(bits: int) -> str:
 
 def storage_picker(prefix: str) -> Storage | None:
     """The "KV storage" select box (the model's dtype, or keys and values quantized to 8, 4 or 2 bits) and,
-    when
-    quantized, the scheme, group size and full-precision window in an expander (keys `{prefix}_kv_bits`,
+    when quantized, the scheme, group size and full-precision window in an expander (keys `{prefix}_kv_bits`,
     `{prefix}_kv_scheme|group|residual`; `kvlens.kvcache.quantize`, the CLI's `--kv-*`). The select box's
-    values
-    are the bits, `DTYPE` (0) for the model's dtype.
+    values are the bits, `DTYPE` (0) for the model's dtype.
 
     Returns the `Storage`, or None after showing the sentence of a bad combination (the caller then disables
     its button).

@@ -1,6 +1,6 @@
 """docs/policies.md and the README's policy table: from the policy registry (`kvlens.policies`) and the
-kvpress
-cross-check's reference file (`tests/data/kvpress_reference.json`, which names the policies it compares)."""
+kvpress cross-check's reference file (`tests/data/kvpress_reference.json`, which names the policies it
+compares)."""
 
 from __future__ import annotations
 

@@ -421,8 +421,7 @@ def readme_summary() -> str:
 
 def cost_sentence(obj: dict) -> str:
     """What a cell costs against its answers at each length, the methods' own passes (KVzip's replay) apart;
-    empty
-    for a file whose rows do not record those passes (`own_ms`)."""
+    empty for a file whose rows do not record those passes (`own_ms`)."""
     from kvlens.experiments.bench import tasks
 
     rows = [r for r in obj["rows"] if isinstance(r.get("results"), list)]
@@ -483,9 +482,8 @@ def verdict(best: dict[str, dict], value: str, low: str, high: str, lower_wins: 
 
 def frontier_summary() -> str:
     """The frontier, for the README: each family's best configuration at each byte share with its spread,
-    which
-    family wins there (a tie where the intervals overlap), and xKV's cross-layer sharing against per-head
-    rank."""
+    which family wins there (a tie where the intervals overlap), and xKV's cross-layer sharing against
+    per-head rank."""
     obj = load("bench_frontier.json")
     cfg, env = obj["config"], obj["environment"]
     done, total = obj.get("cells_done"), obj.get("cells_total")

@@ -534,8 +534,7 @@ def test_aggregated_attention_is_recorded_and_recomputed_for_older_runs_that_rec
 
 def test_readme_analysis_example_is_listed_analyzed_drawn_and_reaches_run_figure(tmp_path):
     """The "Adding an analysis" file of docs/extending.md, saved in a copy of the repository, is all it takes:
-    the CLI,
-    Run.figure and the app's Analyses page offer it."""
+    the CLI, Run.figure and the app's Analyses page offer it."""
     import os
     import shutil
     import subprocess

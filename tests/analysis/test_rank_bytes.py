@@ -1,8 +1,6 @@
 """The Spectra page's price in bytes (`kvlens.analysis.kinds.rank_bytes`) is what low-rank storage really
-does: its
-error at each rank is `LowRankStates`' measured reconstruction error on the same states, and its bytes share
-the
-stored tensors' bytes."""
+does: its error at each rank is `LowRankStates`' measured reconstruction error on the same states, and its
+bytes share the stored tensors' bytes."""
 
 from __future__ import annotations
 

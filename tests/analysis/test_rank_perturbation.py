@@ -1,9 +1,8 @@
 """What each rank does to the outputs (`kvlens.analysis.kinds.rank_perturbation`): the run replayed with
-low-rank
-storage is the run itself at full rank (within float rounding), its bytes are the stored tensors', its
-reconstruction
-error never rises with the rank, its output error splits as the perturbation meter's (no merging part without
-merging, a positions part only with eviction), and `kvlens analyze rank_perturbation` prints it."""
+low-rank storage is the run itself at full rank (within float rounding), its bytes are the stored tensors',
+its reconstruction error never rises with the rank, its output error splits as the perturbation meter's (no
+merging part without merging, a positions part only with eviction), and `kvlens analyze rank_perturbation`
+prints it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`kvlens report` and `kvlens.analysis.report`: one HTML file per set of runs, drawn from plotly.js inlined
-once,
-that names nothing outside itself; its figures, kept text, command and (for several runs) the comparison."""
+once, that names nothing outside itself; its figures, kept text, command and (for several runs) the
+comparison."""
 
 from __future__ import annotations
 

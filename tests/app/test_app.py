@@ -612,8 +612,8 @@ def test_page_job_protocol_errors_results_and_stop(monkeypatch):
 
 
 def test_readme_page_example_joins_the_navigation_and_draws_its_analysis(tmp_path, monkeypatch):
-    """The "Adding a page" file of docs/extending.md, saved beside a copy of app.py and its pages, is all
-    it takes."""
+    """The "Adding a page" file of docs/extending.md, saved beside a copy of app.py and its pages, is all it
+    takes."""
 
     path, code = doc_example("Adding a page")
     assert path.startswith("pages/") and not (ROOT / path).exists()
@@ -761,8 +761,7 @@ def run_from_page(
 ) -> AppTest:
     """Run `policy` @0.5 on the start of a bundled text from the Run page, 4 new tokens, with `bits` (and the
     `run_kv_*` settings in `storage`; 0: the model's dtype) and a prefill `chunk` (0: none); the saved run is
-    then
-    the sidebar's."""
+    then the sidebar's."""
     at = open_page(at, "run")
     at.radio(key="run_source").set_value("Bundled text").run()
     at.selectbox(key="run_policy").set_value(policy).run()
@@ -872,8 +871,7 @@ def test_compare_page_passes_each_policys_kv_storage(app):
 @pytest.fixture
 def link(tmp_path, monkeypatch):
     """`link(page, **params)`: a new session opening `pages/{page}.py` by a link with the query parameters
-    `params`
-    (`?run=h2o-attention&layer=15`), the user's runs and results in empty temporary folders."""
+    `params` (`?run=h2o-attention&layer=15`), the user's runs and results in empty temporary folders."""
     monkeypatch.setenv("KVLENS_RUNS", str(tmp_path / "runs"))
     monkeypatch.setenv("KVLENS_RESULTS", str(tmp_path / "results"))
 
@@ -1048,8 +1046,7 @@ def test_the_perturbation_pages_saved_sweep_is_in_the_link(link, tmp_path):
 
 def test_browse_pages_and_the_run_page_offer_the_report_built_only_when_clicked(app, monkeypatch):
     """Beside the share link (the Run page: beside its last run's inspector), a Report download; rendering a
-    page
-    never builds the report (Streamlit calls the button's data when it is clicked)."""
+    page never builds the report (Streamlit calls the button's data when it is clicked)."""
     built = []
     monkeypatch.setattr("kvlens.ui.page.report_html", lambda runs: built.append(runs) or "")
     for page in ("overview", "attention", "perturbation"):

@@ -1,6 +1,5 @@
 """The runs table (kvlens.figures.run_table), zip export/import/delete (kvlens.runs.archive), the `steps`
-overlay
-analysis and the Runs page under AppTest."""
+overlay analysis and the Runs page under AppTest."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Benchmarks on the tiny model with tiny settings: well-formed results, ratios from the same run, the
-needle scorer."""
+"""Benchmarks on the tiny model with tiny settings: well-formed results, ratios from the same run, the needle
+scorer."""
 
 from __future__ import annotations
 

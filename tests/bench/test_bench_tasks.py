@@ -236,10 +236,8 @@ def test_kvzips_replay_runs_once_for_all_its_ratios(smol, monkeypatch):
 
 def test_a_batch_pads_little_when_caches_of_one_ratio_are_answered_together(tiny_dir, monkeypatch):  # noqa: F811
     """Caches are prepared ratio by ratio and a batch is closed by its padded size: with room for about two
-    caches
-    of the least compressed ratio, the batches' padded slots stay within 25 % of the slots kept (prepared
-    policy by
-    policy, each batch would pair a 0.5 cache with a 0.875 one: 39 % more)."""
+    caches of the least compressed ratio, the batches' padded slots stay within 25 % of the slots kept
+    (prepared policy by policy, each batch would pair a 0.5 cache with a 0.875 one: 39 % more)."""
     from kvlens.engine.models import load_model
 
     model, batches = load_model(str(tiny_dir)), []

@@ -57,9 +57,8 @@ def _untimed(rows: list[dict]) -> list[dict]:
 def _same_rows(got: list[dict], want: list[dict]) -> None:
     """Rows equal field by field: counts, shares and bytes exactly; the NLL, perplexity and perturbation
     within 1e-6 relative. Worker processes run torch on 1/N of the threads, and a matrix product summed in
-    another order rounds differently: the embedded model's `full` cell moved by 1.4e-8 relative
-    (5.498275518 with 2 threads, 5.498275598 with 1), measured with `tests/bench/test_sweep.py`'s tiny
-    model."""
+    another order rounds differently: the embedded model's `full` cell moved by 1.4e-8 relative (5.498275518
+    with 2 threads, 5.498275598 with 1), measured with `tests/bench/test_sweep.py`'s tiny model."""
     assert len(got) == len(want)
     for a, b in zip(_untimed(got), _untimed(want), strict=True):
         assert a.keys() == b.keys()

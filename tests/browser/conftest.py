@@ -30,8 +30,7 @@ def offline(external_requests):
 @contextmanager
 def chromium_app(runs_dir: Path):
     """`streamlit run app.py` on the runs folder `runs_dir` and a headless Chromium: yields (chromium, url).
-    Skips
-    the module when Debian's chromium is missing."""
+    Skips the module when Debian's chromium is missing."""
     from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, streamlit_server
 
     if not Path(CHROMIUM).exists():

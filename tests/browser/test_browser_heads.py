@@ -2,8 +2,8 @@
 inspector open.
 
 One fresh `streamlit run app.py` for the module, on the shipped run that records all 30 layers
-(`adakv-heads`).
-The step change's redraw time is measured and printed (never asserted: these machines are noisy).
+(`adakv-heads`). The step change's redraw time is measured and printed (never asserted: these machines are
+noisy).
 """
 
 from __future__ import annotations

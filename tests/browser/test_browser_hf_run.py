@@ -1,6 +1,5 @@
 """A run made in the caller's own transformers code opens in the app: `model.generate` with `kvlens.cache`,
-then
-`cache.save_run`, then the Head grid and Attention pages draw it in a real browser."""
+then `cache.save_run`, then the Head grid and Attention pages draw it in a real browser."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """A `kvlens report` file opened from disk in a real browser (Playwright + Debian's Chromium): every figure
-draws
-from the inlined plotly.js and not one request leaves the file."""
+draws from the inlined plotly.js and not one request leaves the file."""
 
 from __future__ import annotations
 

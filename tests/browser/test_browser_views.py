@@ -49,8 +49,8 @@ def browser(tmp_path_factory, external_requests):
 
 
 def new_page(browser):
-    """A page in a new browser context: no cookies, no session, no request off 127.0.0.1 (`offline` fails
-    on one)."""
+    """A page in a new browser context: no cookies, no session, no request off 127.0.0.1 (`offline` fails on
+    one)."""
     chromium, _, seen = browser
     return offline_page(chromium, seen)
 
@@ -167,8 +167,7 @@ PAGES = {
 
 def test_every_page_draws_offline_and_a_link_sets_the_attention_pages_layer_head_and_row(browser):
     """Each page of the navigation, opened by its URL, draws its title (`offline` fails the test on any
-    request
-    off 127.0.0.1); the Attention page takes its layer, head and query row from the link."""
+    request off 127.0.0.1); the Attention page takes its layer, head and query row from the link."""
     from playwright.sync_api import expect
 
     url = browser[1]
@@ -189,8 +188,7 @@ def test_every_page_draws_offline_and_a_link_sets_the_attention_pages_layer_head
 
 def test_a_link_opens_the_analyses_page_and_another_analysis_leaves_its_parameters_behind(browser):
     """The Analyses page takes its analysis and parameters from the link; choosing another analysis rewrites
-    the
-    address bar with that one's parameters only."""
+    the address bar with that one's parameters only."""
     from kvlens.analysis.registry import analyses
 
     url = browser[1]

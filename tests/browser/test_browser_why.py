@@ -1,6 +1,5 @@
 """The Why page in a real browser: it patches the shipped H2O run's cache and draws the recovered shares and
-the
-minimal set. One fresh `streamlit run app.py` for the module; the explanation's time is printed, never
+the minimal set. One fresh `streamlit run app.py` for the module; the explanation's time is printed, never
 asserted."""
 
 from __future__ import annotations

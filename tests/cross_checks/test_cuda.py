@@ -111,8 +111,7 @@ def test_every_policy_runs_in_bf16_within_its_budget(models, smol_ids, name):
 @pytest.mark.parametrize("name", ["snapkv", "cam"])
 def test_the_transformers_example_runs_in_bf16(models, smol_ids, name, tmp_path):
     """The README's `kvlens.cache` example on the caller's own bf16 model on the GPU: the tokens and decisions
-    of
-    `kvlens generate` on the same bf16 model, and a run directory that reloads."""
+    of `kvlens generate` on the same bf16 model, and a run directory that reloads."""
     from transformers import AutoModelForCausalLM
 
     import kvlens

@@ -88,8 +88,7 @@ def prompt_runs():
 @pytest.mark.parametrize("case,index", prompt_runs())
 def test_same_positions_removed_from_the_prompt_and_next_tokens_nll_as_kvpress(smol, case, index):
     """The methods kvpress applies to the prompt only: the positions each layer and KV head lost, exactly
-    (heads
-    and layers keep different counts for Ada-KV, PyramidKV and KVzip), and the next two tokens' NLL."""
+    (heads and layers keep different counts for Ada-KV, PyramidKV and KVzip), and the next two tokens' NLL."""
     from kvlens import texts
     from kvlens.experiments.api import encode
 
@@ -152,8 +151,7 @@ def same_tokens(removed: list[list[int]], ids: list[int]) -> list[list[int]]:
     """Per head, the sorted token ids at the removed positions. In layer 0 a token's key is the same vector at
     every position before RoPE, and RoPE rotates without scaling, so KNorm scores every copy of a token alike:
     float rounding, not the rule, picks which copies leave (kvlens keeps the older on ties, kvpress's `topk`
-    any).
-    What must agree there is which tokens, and how many of each, leave."""
+    any). What must agree there is which tokens, and how many of each, leave."""
     return [sorted(ids[p] for p in head) for head in removed]
 
 

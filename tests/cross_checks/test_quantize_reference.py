@@ -1,34 +1,26 @@
 """kvlens's quantized KV storage (`kvlens.kvcache.quantize`) against Hugging Face optimum-quanto, and by hand.
 
 The reference values come from `scripts/crosscheck_quanto.py` (its own virtualenv with optimum-quanto; the
-file
-records the versions and the command; its docstring lists exactly where quanto's scheme differs from
-kvlens's);
-this test needs no quanto. Both are asymmetric min-max quantizers, scale (max - min) / (2^b - 1), code
-round((x - min) / scale), on the same groups: kvlens `along="slots"` is quanto's axis -1 (per channel, groups
-of
-consecutive tokens), `along="channels"` its axis 0 (per token, groups of consecutive channels). They differ in
-the
-precision of min and scale (kvlens float16, quanto x's dtype), so codes may differ by one near a rounding
-boundary.
+file records the versions and the command; its docstring lists exactly where quanto's scheme differs from
+kvlens's); this test needs no quanto. Both are asymmetric min-max quantizers, scale (max - min) / (2^b - 1),
+code round((x - min) / scale), on the same groups: kvlens `along="slots"` is quanto's axis -1 (per channel,
+groups of consecutive tokens), `along="channels"` its axis 0 (per token, groups of consecutive channels). They
+differ in the precision of min and scale (kvlens float16, quanto x's dtype), so codes may differ by one near a
+rounding boundary.
 
 - The relative Frobenius error of the round trip is within a factor {factor} of quanto's in every case
-(measured
-  ratio: 0.9986-1.0034 in float32, 0.9776-1.0006 in float16, where quanto also computes in float16). On this
-  tensor quanto's own errors differ by 1.14x or more between group sizes 32 and 64, by 1.56x or more between
-  the
-  two groupings; kvlens broken (in a scratch copy) to one bit fewer gave ratios 1.95-3.6, rounding by floor
-  1.8-2.0, half the group size along slots 0.81, groups of strided tokens up to 1.09.
+  (measured ratio: 0.9986-1.0034 in float32, 0.9776-1.0006 in float16, where quanto also computes in float16).
+  On this tensor quanto's own errors differ by 1.14x or more between group sizes 32 and 64, by 1.56x or more
+  between the two groupings; kvlens broken (in a scratch copy) to one bit fewer gave ratios 1.95-3.6, rounding
+  by floor 1.8-2.0, half the group size along slots 0.81, groups of strided tokens up to 1.09.
 - Element-wise, on a slice across group boundaries and outlier channels, kvlens's and quanto's x^ agree within
   one step of the element's group (quanto's scale, `step`) where a code differs by one, plus float16 rounding:
   2^-10 (top * step + |x^|), top = 2^b - 1, the size of the group's range and of the value (kvlens's float16
-  min
-  and scale; quanto's float16 arithmetic, x + shift and scale * code, in the float16 cases). Measured: at most
-  0.999 step in float32, 1.016 step in float16, so a code off by two, or a step of another group, fails
+  min and scale; quanto's float16 arithmetic, x + shift and scale * code, in the float16 cases). Measured: at
+  most 0.999 step in float32, 1.016 step in float16, so a code off by two, or a step of another group, fails
   (interleaved channel groups, which leave the error ratio at 0.97-1.003, gave gaps of 3 steps).
 - By hand: 2-bit codes, zero points, scales and x^ of a tiny tensor along both axes, ties rounding half to
-even
-  (both use `torch.round`), packing, and a constant group.
+  even (both use `torch.round`), packing, and a constant group.
 """
 
 from __future__ import annotations
@@ -104,8 +96,8 @@ def test_dequantized_values_within_one_step_of_quantos(case):
 
 
 # -- by hand
-# --------------------------------------------------------------------------------------------------------
-# (1, 8, 4): along "slots", group 4, per channel: tokens 0-3 and 4-7 are two groups of each channel.
+# -------------------------------------------------------------------------------------------------------- (1,
+# 8, 4): along "slots", group 4, per channel: tokens 0-3 and 4-7 are two groups of each channel.
 HAND = torch.tensor(
     [
         [
@@ -127,9 +119,8 @@ HAND = torch.tensor(
 HAND_LO = [[[0.0, -3.0, 1.0, 5.0], [-2.0, 0.25, -8.0, 2.0]]]
 HAND_SCALE = [[[1.0, 2.0, 0.5, 0.0], [4.0, 0.25, 1.0, 0.33349609375]]]
 # code = round((x - min) / scale), half to even: channel 1 (x + 3) / 2 = 1.75, 2.25 -> 2, 2; channel 2 (x - 1)
-# / 0.5
-# = 0.5, 1.5 -> 0, 2; channel 0 of 4-7 (x + 2) / 4 = 1.5, 0.5 -> 2, 0; channel 3 of 4-7 1 / 0.3335 = 2.9985 ->
-# 3
+# / 0.5 = 0.5, 1.5 -> 0, 2; channel 0 of 4-7 (x + 2) / 4 = 1.5, 0.5 -> 2, 0; channel 3 of 4-7 1 / 0.3335 =
+# 2.9985 -> 3
 HAND_CODES = [
     [
         [0, 0, 0, 0],
@@ -167,8 +158,7 @@ def test_two_bit_codes_by_hand_per_channel():
 
 def test_two_bit_codes_by_hand_per_token():
     """The same numbers transposed, `(1, 4, 8)` along "channels", group 4: each token's channels 0-3 and 4-7
-    are
-    the groups above, so everything comes out transposed (written out)."""
+    are the groups above, so everything comes out transposed (written out)."""
     codes, lo, scale = quantize(HAND.transpose(1, 2).contiguous(), 2, 4, "channels")
     assert lo.tolist() == [[[0.0, -2.0], [-3.0, 0.25], [1.0, -8.0], [5.0, 2.0]]]  # (R, n, D / group)
     assert scale.tolist() == [[[1.0, 4.0], [2.0, 0.25], [0.5, 1.0], [0.0, 0.33349609375]]]
@@ -212,8 +202,7 @@ def test_pack_layout_by_hand():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_a_constant_group_dequantizes_exactly(bits, along, dtype):
     """Scale 0, code 0, x^ = the stored minimum: exact for any value float16 holds (float16 and bfloat16
-    states
-    in float16's range; 1.3 in float32 comes back as float16's 1.3, where quanto, keeping x's dtype, is
+    states in float16's range; 1.3 in float32 comes back as float16's 1.3, where quanto, keeping x's dtype, is
     exact)."""
     x = torch.full((2, 8, 8), -1.3, dtype=dtype)
     x[1] = 0.0

@@ -1,7 +1,6 @@
 """The README and the documentation site: generated pages match their sources (the command line's parsers, the
 policy and analysis registries, `results/*.json`), every command, policy and analysis has its section, the
-site
-builds with --strict and references nothing outside itself, and no page reads as a work log."""
+site builds with --strict and references nothing outside itself, and no page reads as a work log."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The "Adding a policy" example of docs/extending.md, saved as the one new file it names in a copy of the
-repository, is listed, runs, is offered by the app with tooltips and passes the contract test.
-(`doc_example` also serves the analysis and page examples of that file, tested in test_analysis and
-test_app.)"""
+repository, is listed, runs, is offered by the app with tooltips and passes the contract test. (`doc_example`
+also serves the analysis and page examples of that file, tested in test_analysis and test_app.)"""
 
 from __future__ import annotations
 

@@ -469,8 +469,8 @@ class _Layer(torch.nn.Module):
 
 
 class _TwoLayers(torch.nn.Module):
-    """A stand-in decoder whose layers call kvlens' attention as told: `calls` per layer, `update` the
-    cache or not."""
+    """A stand-in decoder whose layers call kvlens' attention as told: `calls` per layer, `update` the cache
+    or not."""
 
     def __init__(self, layer_types, window=None, calls=(1, 1), update=(True, True)):
         super().__init__()

@@ -1,7 +1,6 @@
 """Chunked prefill (`RunOptions.prefill_chunk`, `--prefill-chunk`): one chunk is today's run exactly, later
-chunks
-add to the same statistics a whole prompt gives, no layer ever holds more than budget + chunk slots, and what
-cannot be chunked is refused in one sentence."""
+chunks add to the same statistics a whole prompt gives, no layer ever holds more than budget + chunk slots,
+and what cannot be chunked is refused in one sentence."""
 
 from __future__ import annotations
 

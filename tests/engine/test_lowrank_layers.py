@@ -1,8 +1,6 @@
 """Low-rank storage's options (`kvlens.kvcache.lowrank`): xKV's cross-layer groups (one SVD of the
-concatenated
-heads of adjacent layers, the coefficients stored once), later tokens at full width, quantized coefficients,
-the
-byte share as the rank's target, and incompatible combinations refused in one sentence."""
+concatenated heads of adjacent layers, the coefficients stored once), later tokens at full width, quantized
+coefficients, the byte share as the rank's target, and incompatible combinations refused in one sentence."""
 
 from __future__ import annotations
 
@@ -147,8 +145,7 @@ def test_a_rank_that_does_not_fit_the_model_or_its_bits_is_refused_before_runnin
 
 def test_xkv_answers_a_task_as_the_full_cache_does_at_full_rank(tiny_dir):
     """The task protocol compresses the context once, then appends and forgets each question
-    (`mark`/`rewind`):
-    the shared coefficients survive both."""
+    (`mark`/`rewind`): the shared coefficients survive both."""
     from kvlens.engine.models import load_model
 
     model = load_model(str(tiny_dir))

@@ -1,7 +1,6 @@
 """Low-rank KV storage (`kvlens.kvcache.lowrank`): full rank is the uncompressed cache, the reconstruction
-error is
-the discarded singular values' energy (Eckart-Young, against numpy's SVD), bytes are the stored tensors', it
-composes with eviction, and a rank that does not fit gets one sentence."""
+error is the discarded singular values' energy (Eckart-Young, against numpy's SVD), bytes are the stored
+tensors', it composes with eviction, and a rank that does not fit gets one sentence."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Quantized KV storage (`kvlens.kvcache.quantize`, KIVI): streaming equals KIVI's groups without eviction,
-the
-full-precision window slides or flushes as the scheme says, reused slots and merges are stored again, the
-bytes
-are the packed ones, and on the embedded model the policy's prompt decisions do not depend on the storage."""
+the full-precision window slides or flushes as the scheme says, reused slots and merges are stored again, the
+bytes are the packed ones, and on the embedded model the policy's prompt decisions do not depend on the
+storage."""
 
 from __future__ import annotations
 
@@ -46,9 +45,9 @@ def stream(storage: Storage, name: str, x: torch.Tensor, prompt: int) -> Quantiz
 
 
 def test_without_eviction_streamed_keys_and_values_are_kivis_groups_exactly():
-    """KIVI with R = G = 32: after 64 prompt + 64 streamed tokens (128 = 4 whole groups), keys are quantized
-    per
-    channel in the 4 groups of 32 consecutive tokens and values per token, exactly as quantizing at once."""
+    """KIVI with R = G = 32: after 64 prompt + 64 streamed tokens (128 = 4 whole groups), keys are
+    quantized per channel in the 4 groups of 32 consecutive tokens and values per token, exactly as
+    quantizing at once."""
     storage = Storage(bits=2, scheme="kivi", group=32, residual=32)
     x = keys_like(128)
     keys, values = stream(storage, "keys", x, 64), stream(storage, "values", x, 64)
@@ -90,8 +89,7 @@ def test_a_reused_slot_takes_the_new_token_and_leaves_the_window_when_freed():
 def test_a_changed_slot_is_quantized_again_and_its_group_keeps_its_other_codes():
     """A merge writes a new value into one slot: that slot reads back within a quantization step of it; the
     other slots of its per-channel group keep their values within rounding (re-quantizing is idempotent when
-    the
-    range holds), and other groups are untouched."""
+    the range holds), and other groups are untouched."""
     storage = Storage(bits=8, scheme="kivi", group=32, residual=0)
     x = keys_like(64)
     valid = torch.ones(3, 64, dtype=torch.bool)
@@ -137,8 +135,7 @@ def test_bad_storage_settings_get_one_sentence(kwargs, words):
 @pytest.mark.parametrize("base", [0.0, 100.03, -3001.3])
 def test_a_narrow_group_far_from_zero_is_within_half_a_stored_step(base, along):
     """The float16 zero point rounds down and the scale up, so the grid covers the group's range: every value
-    is
-    within half a step (rounding both to nearest put 8-bit values near 100 up to 7.9 steps off)."""
+    is within half a step (rounding both to nearest put 8-bit values near 100 up to 7.9 steps off)."""
     x = base + torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(1))
     for bits in (2, 8):
         codes, lo, scale = quantize(x, bits, 32, along)
@@ -177,8 +174,7 @@ def test_four_and_two_bits_free_the_memory_and_keep_the_perplexity_close(smol, k
 
 def test_the_prompts_decisions_do_not_depend_on_the_storage_and_eviction_adds_no_merging_error(smol, kennedy):
     """The policy chooses from the prompt in full precision, so the kept positions after step 0 are the same
-    at
-    any bits; a policy that never merges reports zero merging error, a merging one does not."""
+    at any bits; a policy that never merges reports zero merging error, a merging one does not."""
 
     def go(policy, storage):
         return perplexity(
@@ -246,10 +242,8 @@ def test_the_frontier_plans_every_family_at_each_byte_budget_and_summarises_agai
         for c in cells
     }
     # 128 slots at the last step: 25 % = 32 slots, 12.5 % = 16; mixes at b / (bits / 32 + 1 / 64) of the
-    # slots;
-    # low rank: every slot at byte share b (per head and xKV-4), h2o at sqrt(b) of the slots stored at rank
-    # share
-    # sqrt(b), and every slot at byte share b with 4-bit coefficients
+    # slots; low rank: every slot at byte share b (per head and xKV-4), h2o at sqrt(b) of the slots stored at
+    # rank share sqrt(b), and every slot at byte share b with 4-bit coefficients
     assert by == {
         ("reference", "full", None, None),
         ("eviction", "h2o", 32, None),
@@ -335,8 +329,7 @@ def test_the_frontiers_task_cells_give_each_family_its_ratio_and_storage_and_sco
     }
     # model dtype: ratio 1 - b; 8 bits: the mix at 1 - b / (8 / 32 + 1 / 64) where that keeps under all slots;
     # low rank: the full cache at byte share b (per head twice, xKV, 4-bit coefficients), h2o at 1 - sqrt(b)
-    # at
-    # rank share sqrt(b)
+    # at rank share sqrt(b)
     assert plan == {
         (None, ("full", "h2o", "cam"), (0.75, 0.875)),
         (8, ("full", "h2o"), (0.0588, 0.5294)),

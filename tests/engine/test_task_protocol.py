@@ -1,8 +1,6 @@
 """The task suite's compress-once protocol (`kvlens.engine.shared_prefill`): a shared prefill gives each
-policy
-exactly its own run's decisions and answers; a question fed as one chunk equals the model's own forward;
-several
-questions of one compressed context each start from it afresh."""
+policy exactly its own run's decisions and answers; a question fed as one chunk equals the model's own
+forward; several questions of one compressed context each start from it afresh."""
 
 from __future__ import annotations
 
@@ -14,8 +12,7 @@ from kvlens.engine.shared_prefill import SharedPrefill, answer, prepare
 from kvlens.policies import make_policy
 
 # both prefill kernels (SDPA; the eager column-sum pass), last rows of several counts, per-head padding
-# (Ada-KV),
-# per-layer budgets (PyramidKV), replay passes (KVzip), merging (CaM), a budget-free policy (CORM)
+# (Ada-KV), per-layer budgets (PyramidKV), replay passes (KVzip), merging (CaM), a budget-free policy (CORM)
 POLICIES = [
     "full",
     "snapkv",
@@ -78,10 +75,10 @@ def test_a_question_fed_as_one_chunk_equals_the_models_forward_and_token_by_toke
 
 
 def test_each_question_of_a_compressed_context_starts_from_it_afresh(smol, context_question):
-    """mark/rewind: the second question's answer is the one a freshly compressed cache gives, and the cache
-    holds the budget again after each rewind (per-head padding included; KVzip leaves layers where some heads
-    have a freed slot and others none, so a decode token grows the layer by a slot that must be free
-    again)."""
+    """mark/rewind: the second question's answer is the one a freshly compressed cache gives, and the
+    cache holds the budget again after each rewind (per-head padding included; KVzip leaves layers where
+    some heads have a freed slot and others none, so a decode token grows the layer by a slot that must be
+    free again)."""
     context, question = context_question
     other = smol.tokenizer("\n\nName one country the speech mentions.", add_special_tokens=False).input_ids
     for name in ("snapkv", "adakv", "kvzip"):
@@ -107,14 +104,10 @@ def test_a_frozen_cache_never_asks_the_policy_again(smol, context_question):
 
 def test_answers_from_many_caches_at_once_equal_each_caches_own(smol, context_question):
     """`answer_many` stacks every policy's compressed cache (per-head padding, per-layer budgets, merged
-    values,
-    the full prompt) as one batch: each row's greedy tokens are its cache's own and their NLLs equal within
-    float
-    rounding, with a question chunk and without one (the prompt's logits), and with rows leaving the batch
-    early
-    (`done` stops the three widest caches after 3 tokens; compaction then drops them, and the padding that
-    only
-    they needed)."""
+    values, the full prompt) as one batch: each row's greedy tokens are its cache's own and their NLLs equal
+    within float rounding, with a question chunk and without one (the prompt's logits), and with rows leaving
+    the batch early (`done` stops the three widest caches after 3 tokens; compaction then drops them, and the
+    padding that only they needed)."""
     from kvlens.engine.batch_answer import answer_many
 
     context, question = context_question
@@ -147,8 +140,7 @@ def test_answers_from_many_caches_at_once_equal_each_caches_own(smol, context_qu
 
 def test_a_compacted_batch_drops_the_padding_only_the_dropped_caches_needed():
     """`_BatchLayer.keep`: dropping the widest cache moves the fed tokens up behind the longest remaining one;
-    each
-    remaining row still holds exactly its own slots and the fed tokens, nothing stale where they were."""
+    each remaining row still holds exactly its own slots and the fed tokens, nothing stale where they were."""
     from kvlens.engine.batch_answer import _BatchLayer
 
     def part(n):  # one cache's layer: 1 KV head, n slots holding positions 0..n-1, key = position
@@ -173,8 +165,7 @@ def test_a_ratio_keeps_kvpress_or_kvlens_rounded_count_on_an_odd_context(
     smol, context_question, rounding, kept
 ):
     """0.5 of 301 tokens: kvpress keeps int(301 * 0.5) = 150 (its `n_kept`), kvlens's earlier rounding 301 -
-    150;
-    StreamingLLM keeps its 4 sinks and the newest rest, in every layer and head."""
+    150; StreamingLLM keeps its 4 sinks and the newest rest, in every layer and head."""
     from kvlens.engine.shared_prefill import slots_for
 
     context = context_question[0] + context_question[1][:1]  # 301 tokens

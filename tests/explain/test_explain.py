@@ -1,6 +1,6 @@
-"""Cache patching (`kvlens explain`): structural facts exact, floats within float rounding (1e-4 on log-probs
-and
-logits of the embedded model in float32; the recovered share of the all-groups restore within 1e-3 of 1)."""
+"""Cache patching (`kvlens explain`): structural facts exact, floats within float rounding (1e-4 on
+log-probs and logits of the embedded model in float32; the recovered share of the all-groups restore
+within 1e-3 of 1)."""
 
 from __future__ import annotations
 

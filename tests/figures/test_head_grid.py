@@ -1,6 +1,6 @@
 """The head grid (`kvlens.figures.head_grid`): every recorded layer and head at one step, against the run's
-own
-tensors read independently; the per-layer status of `layer_cache` against `attention_grid`'s one-head view."""
+own tensors read independently; the per-layer status of `layer_cache` against `attention_grid`'s one-head
+view."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The kept-text view (`kvlens.figures.kept_text`) on the shipped runs, against what their tensors and
-decision log
-say directly: counts from `attn_pos/{layer}`, attention from `attn/{layer}`, statuses from the decisions."""
+decision log say directly: counts from `attn_pos/{layer}`, attention from `attn/{layer}`, statuses from the
+decisions."""
 
 from __future__ import annotations
 
@@ -93,10 +93,8 @@ def test_streaming_llm_keeps_its_sinks_in_every_head_at_every_step(shipped_runs)
 @pytest.mark.parametrize("step", [1, 39])
 def test_a_chosen_heads_statuses_follow_its_cache_and_the_decision_log(shipped_runs, step):
     """Every position seen by a step of cam's layer 15: in the head's cache -> kept (or holding merged
-    values),
-    gone after a merge that drew 1 -> merged away, gone otherwise -> evicted; later ones not yet seen. A
-    merged-away
-    position names the slots holding its values, or says they were evicted since."""
+    values), gone after a merge that drew 1 -> merged away, gone otherwise -> evicted; later ones not yet
+    seen. A merged-away position names the slots holding its values, or says they were evicted since."""
     run = shipped_runs["cam-attention"]
     d = run.decisions
     merges = d[(d["action"] == "merge") & (d["draw"] != 0) & (d["layer"] == 15) & (d["step"] < step)]

@@ -228,8 +228,7 @@ def test_a_batch_and_a_reused_cache_are_refused(hf, hf_prompt):
 def test_pipeline_answers_as_the_task_suite_does(hf, smol):
     """Two samples, three policies (one budget per head, one per layer shared by its heads, one with replay
     passes): `kvlens.pipeline`'s answers are those of `kvlens bench tasks --samples FILE --full-answers` (the
-    task
-    cell it runs), the question asked of the context compressed once."""
+    task cell it runs), the question asked of the context compressed once."""
     model, tok = hf
     count = lambda s: len(smol.tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
     haystack = " ".join(texts.bundled().values())

@@ -1,6 +1,6 @@
 """D2O (Wan et al., ICLR 2025): the token-level rule (H2O eviction, nearest kept key, EMA threshold, Eq. 12
-weights)
-and the layer allocation, each against the same rule written plainly here, on hand-made and random rows."""
+weights) and the layer allocation, each against the same rule written plainly here, on hand-made and random
+rows."""
 
 from __future__ import annotations
 
@@ -93,9 +93,8 @@ def test_d2o_merges_the_evicted_tokens_above_the_mean_similarity_into_their_near
 
 def plain_step(heads: list[dict], budget: int, sink: int, recent_ratio: float, beta: float, scope: str, tau):
     """One D2O compression of `heads` (per KV head {position: [key, value, abar]}, float64) written plainly,
-    in place.
-    Returns the new threshold and the log rows (kv_head, action, position, target, weight) in the policy's
-    order."""
+    in place. Returns the new threshold and the log rows (kv_head, action, position, target, weight) in the
+    policy's order."""
     found = []  # (head, source, best similarity, nearest kept position)
     for h, slots in enumerate(heads):
         order = sorted(slots)
@@ -218,8 +217,7 @@ def clustered_layer(
     seed: int, slots: int, prompt: int | None = None
 ) -> tuple[SlotRows, torch.Tensor, torch.Tensor]:
     """Keys drawn around 3 directions (many similar keys: several sources per target) and their values `(Hkv,
-    slots,
-    D)`; the layer holds the first `prompt` positions (all by default), with random Abar."""
+    slots, D)`; the layer holds the first `prompt` positions (all by default), with random Abar."""
     prompt = slots if prompt is None else prompt
     gen = torch.Generator().manual_seed(seed)
     base = torch.randn(3, D, generator=gen)

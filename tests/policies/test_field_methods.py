@@ -240,8 +240,7 @@ def test_kvzip_asks_to_repeat_each_chunk_quoting_the_previous_one(tiny):
 
 def test_kvzip_reconstructs_the_context_without_exactly_the_chat_templates_head(smol):
     """`reconstruct=context` (kvpress's): the passes start after the template's head, whose slots score 0 and
-    so
-    are the first to leave (the sinks aside); `prompt` (kvlens's) repeats the whole prompt."""
+    so are the first to leave (the sinks aside); `prompt` (kvlens's) repeats the whole prompt."""
     from kvlens.engine.shared_prefill import split_prompt, template_parts
 
     context, _ = split_prompt(smol, next(iter(texts.bundled(1).values()))[:400], "Who wrote this?")

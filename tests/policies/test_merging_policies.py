@@ -487,8 +487,7 @@ def test_scissorhands_counts_unimportant_steps_like_the_paper_or_important_ones(
     policy = make_policy("scissorhands", {"history": 4, "recent_ratio": 0.25, "count": count})
     shrink(policy, layer, 4, DecisionLog())  # recent window: slot 5; two of slots 0-4 go
     # unimportant counts 0, 2, 3, 1, 1: slots 2 and 1 go; the young slots 3 and 4 stay (seen only 2 and 1
-    # times)
-    # important counts 4, 2, 1, 1, 0: slot 4 goes, then slot 3 (tie with 2, smaller Abar)
+    # times) important counts 4, 2, 1, 1, 0: slot 4 goes, then slot 3 (tie with 2, smaller Abar)
     assert layer.in_position_order().pos[0].tolist() == kept
 
 

@@ -1,5 +1,5 @@
-"""Property tests of each eviction policy's rule (as its file cites the paper) on random caches and the
-tiny model."""
+"""Property tests of each eviction policy's rule (as its file cites the paper) on random caches and the tiny
+model."""
 
 from __future__ import annotations
 

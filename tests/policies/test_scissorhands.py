@@ -22,9 +22,8 @@ IDS = list(b"Persistence of importance: a token that mattered once keeps matteri
 
 def plain_marks(pos: list[int], valid: list[bool], att: list[float], threshold: str) -> list[int]:
     """The mark of each slot at one decode step, the rule written plainly: a free slot is unseen; a kept one
-    is
-    important if its attention reaches 1/t, where t is the query's position + 1 (the tokens it would attend to
-    without compression; the query is the newest position) under `position`, the slots it attends to under
+    is important if its attention reaches 1/t, where t is the query's position + 1 (the tokens it would attend
+    to without compression; the query is the newest position) under `position`, the slots it attends to under
     `slots`."""
     if threshold == "position":
         t = max(p for p, v in zip(pos, valid, strict=True) if v) + 1

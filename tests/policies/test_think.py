@@ -1,6 +1,6 @@
 """ThinK's channel-pruned keys (`kvlens.policies.think`, `kvlens.kvcache.channels`): what is stored, its
-bytes, and
-the refusals. Its channel choice against kvpress is in `tests/cross_checks/test_kvpress_crosscheck.py`."""
+bytes, and the refusals. Its channel choice against kvpress is in
+`tests/cross_checks/test_kvpress_crosscheck.py`."""
 
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ def prompt_cache(model, name: str, params: dict):
 @pytest.mark.parametrize("ratio", [0.25, 0.5])
 def test_the_pruned_share_of_key_bytes_leaves_the_cache(tiny, ratio):
     """Against the same eviction without ThinK: the bytes drop by the pruned channels of every kept key, less
-    the
-    channel indices each head stores; values and positions are the same."""
+    the channel indices each head stores; values and positions are the same."""
     base = {"base.window": 8, "window": 8, "ratio": ratio, "recent": 0}
     think = prompt_cache(tiny, "think", base)
     snapkv = prompt_cache(tiny, "snapkv", {"window": 8})

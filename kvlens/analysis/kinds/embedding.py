@@ -134,8 +134,7 @@ def embedding(
 
 def embedding_figure(run: Run, e: Embedding) -> go.Figure:
     """Queries (open circles), kept keys, evicted keys (grey x) and merged keys (orange diamonds, hollow when
-    the
-    Bernoulli draw moved nothing) linked to their prompt targets by thin lines; hover names each token."""
+    the Bernoulli draw moved nothing) linked to their prompt targets by thin lines; hover names each token."""
     tokens = [display_text(str(s)) for s in run.meta.get("prompt_token_strings") or []]
     tokens = tokens if len(tokens) == e.tokens else [""] * e.tokens
 

@@ -62,8 +62,8 @@ def rank_error(run: Run, kind: str = "key") -> RankBytes:
 
 def rank_bytes_figure(run: Run, error: float = 0.01) -> go.Figure:
     """Reconstruction error against bytes for keys and values, a line per layer (mean over heads) over the
-    ranks that
-    cost less than the model-dtype cache, and each layer's rank for `error` marked where it pays."""
+    ranks that cost less than the model-dtype cache, and each layer's rank for `error` marked where it
+    pays."""
     found = [rank_error(run, k) for k in ("key", "value")]
     fig = make_subplots(
         rows=1, cols=2, subplot_titles=["keys", "values"], shared_yaxes=True, horizontal_spacing=0.06

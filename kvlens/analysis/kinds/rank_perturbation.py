@@ -2,37 +2,25 @@
 ladder.
 
 `rank_bytes` prices a rank in reconstruction error and bytes; this replays it (xKV, Chang et al. 2025, and
-Palu,
-Chang et al. 2024, report the same trade in accuracy). The run's own tokens (prompt, then what it produced)
-are fed
-again teacher-forced through its model, under its policy and budget, with low-rank storage at rank r
-(`Storage(rank=r)`, `kvlens.kvcache.lowrank`) and the perturbation meter on
-(`kvlens.engine.perturbation.measured`),
-against an uncompressed forward over the same tokens:
+Palu, Chang et al. 2024, report the same trade in accuracy). The run's own tokens (prompt, then what it
+produced) are fed again teacher-forced through its model, under its policy and budget, with low-rank storage
+at rank r (`Storage(rank=r)`, `kvlens.kvcache.lowrank`) and the perturbation meter on
+(`kvlens.engine.perturbation.measured`), against an uncompressed forward over the same tokens:
 - end to end, over decode steps 1.. (step 0's logits come from the prompt's uncompressed forward, the same at
-every
-  rank): KL(p_full || p_r) (`measured`'s), the NLL change `NLL_r - NLL_full` of the fed tokens, and the top-1
-  agreement (share of steps whose most likely token is the full cache's);
+  every rank): KL(p_full || p_r) (`measured`'s), the NLL change `NLL_r - NLL_full` of the fed tokens, and the
+  top-1 agreement (share of steps whose most likely token is the full cache's);
 - the pooled output error `sum ||O - O_full|| / sum ||O_full||` split as for quantized storage
   (`kvlens.engine.perturbation.sources`): the choice of positions (the kept positions, original keys and
-  values),
-  what storage at rank r adds, and what the policy's merges add. A full-cache run has no positions or merging
-  part:
-  storage is all of it; an evicting run's positions part is its eviction's.
-The same replay in the model's dtype (`reference`) gives the policy's own cost end to end, so what rank r adds
-end to
-end is its row minus the reference. Bytes are the replay's peak KV bytes (the stored tensors: coefficients and
-each
-head's basis) over the reference's. The reconstruction errors are `rank_bytes`' (Eckart-Young on the recorded
-states
-of the whole prompt, mean over layers and KV heads), and each layer's rank for `error` is marked. The ladder
-defaults
-to D/16, D/8, D/4, D/2 and D (D the head size). At D storage adds nothing but float rounding when each head
-keeps at
-least D of the prompt's slots; a budget below D leaves the basis, fit on the kept slots, fewer than D
-dimensions, so
-the tokens that come later lose what lies outside it even at rank D (and the prompt's error above understates
-it).
+  values), what storage at rank r adds, and what the policy's merges add. A full-cache run has no positions or
+  merging part: storage is all of it; an evicting run's positions part is its eviction's. The same replay in
+  the model's dtype (`reference`) gives the policy's own cost end to end, so what rank r adds end to end is
+  its row minus the reference. Bytes are the replay's peak KV bytes (the stored tensors: coefficients and each
+  head's basis) over the reference's. The reconstruction errors are `rank_bytes`' (Eckart-Young on the
+  recorded states of the whole prompt, mean over layers and KV heads), and each layer's rank for `error` is
+  marked. The ladder defaults to D/16, D/8, D/4, D/2 and D (D the head size). At D storage adds nothing but
+  float rounding when each head keeps at least D of the prompt's slots; a budget below D leaves the basis, fit
+  on the kept slots, fewer than D dimensions, so the tokens that come later lose what lies outside it even at
+  rank D (and the prompt's error above understates it).
 """
 
 from __future__ import annotations
@@ -66,8 +54,7 @@ DTYPE = "model dtype"  # the reference row's label
 @dataclass
 class Replay:
     """One replay of a run: `rank` (None: the model's dtype), its peak KV bytes, KL, NLL change and top-1
-    agreement
-    over decode steps 1.., and its pooled output error by source (`sources`' keys)."""
+    agreement over decode steps 1.., and its pooled output error by source (`sources`' keys)."""
 
     rank: int | None
     kv_bytes: int
@@ -119,8 +106,8 @@ def default_ranks(head_dim: int) -> list[int]:
 
 def replay(model: LoadedModel, run: Run, rank: int | None, full: torch.Tensor) -> Replay:
     """`run`'s tokens teacher-forced under its policy and budget with storage at `rank` (None: the model's
-    dtype),
-    measured; `full` `(tokens, V)`: the uncompressed forward's log-probabilities of each produced token."""
+    dtype), measured; `full` `(tokens, V)`: the uncompressed forward's log-probabilities of each produced
+    token."""
     meta = run.meta
     prompt, tokens = list(meta["prompt_tokens"]), list(meta["tokens"])
     policy = make_policy(meta["policy"]["name"], meta["policy"]["params"])
@@ -181,9 +168,9 @@ def _tick(row: dict) -> str:
 
 
 def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0.01) -> go.Figure:
-    """Per rank (and the model's dtype), its bytes share under it: the pooled output error by source, stacked;
-    KL
-    (labelled with the top-1 agreement) and the NLL change end to end; and each layer's rank for `error`."""
+    """Per rank (and the model's dtype), its bytes share under it: the pooled output error by source,
+    stacked; KL (labelled with the top-1 agreement) and the NLL change end to end; and each layer's rank
+    for `error`."""
     rows = found.rows()
     ticks = [_tick(r) for r in rows]
     fig = make_subplots(

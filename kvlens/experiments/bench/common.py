@@ -48,8 +48,7 @@ class PolicySpec:
 
 def parse_policies(text: str) -> list[PolicySpec]:
     """A list of policy specs separated by ';', or by ',' where the next part is a name rather than a
-    parameter
-    (parameters are always `key=value`, a policy `name` or `name:key=value`): `full,h2o` and
+    parameter (parameters are always `key=value`, a policy `name` or `name:key=value`): `full,h2o` and
     `cam:base=h2o,span=8;tova` both read as expected."""
     specs = []
     for chunk in text.split(";"):

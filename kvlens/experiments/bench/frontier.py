@@ -2,30 +2,25 @@
 bytes.
 
 At each byte budget b (a share of the full cache's bytes in the model's dtype at the last step),
-`plan_frontier`
-makes `ppl` cells (`kvlens.experiments.sweep.ppl_cell`, teacher-forced perplexity on bundled texts) of:
+`plan_frontier` makes `ppl` cells (`kvlens.experiments.sweep.ppl_cell`, teacher-forced perplexity on bundled
+texts) of:
 - eviction alone and merging alone: the policy at b of the slots, in the model's dtype;
 - quantization alone: every slot (`full`) at each of `bits` (its share is what the bits cost, not b);
 - low rank alone (`kvlens.kvcache.lowrank`, `--kv-rank-share b`: the largest rank whose bytes, bases included,
-fit
-  in b): every slot (`full`) per KV head with later tokens projected (Palu-style) or at full width, and across
-  groups of `rank_layers` adjacent layers (xKV) with later tokens at full width (so that xKV and per-head rank
-  differ only in the sharing);
+  fit in b): every slot (`full`) per KV head with later tokens projected (Palu-style) or at full width, and
+  across groups of `rank_layers` adjacent layers (xKV) with later tokens at full width (so that xKV and
+  per-head rank differ only in the sharing);
 - mixes: the mix policy at b / q(bits) of the slots, stored at `bits`, for the bits where that share is below
   1 (q(bits) = bits / model bits + the zero points' and scales' share, `slot_cost`); the mix policy at sqrt(b)
-  of
-  the slots stored per head at rank share sqrt(b) (the two axes halving the bytes alike); and every slot at
-  rank
-  share b with 4-bit coefficients (Palu's quantized latents);
-plus the full cache itself once per text (the reference every share and ratio is taken against). Each row's
-`bytes_share` is measured: its `kv_bytes_peak` over the full cache's on the same text.
+  of the slots stored per head at rank share sqrt(b) (the two axes halving the bytes alike); and every slot at
+  rank share b with 4-bit coefficients (Palu's quantized latents); plus the full cache itself once per text
+  (the reference every share and ratio is taken against). Each row's `bytes_share` is measured: its
+  `kv_bytes_peak` over the full cache's on the same text.
 
 `plan_frontier_tasks` adds the same configurations as task cells (`kvlens.experiments.bench.tasks`:
-RULER-style
-samples, the context compressed once, the question appended; one shared prefill per sample and storage), at
-compression ratio 1 - b (mixes: 1 - b / q(bits)); their `bytes_share` is the compressed context's physical
-bytes
-over the full cache's on the same sample, and their quality the task score.
+RULER-style samples, the context compressed once, the question appended; one shared prefill per sample and
+storage), at compression ratio 1 - b (mixes: 1 - b / q(bits)); their `bytes_share` is the compressed context's
+physical bytes over the full cache's on the same sample, and their quality the task score.
 """
 
 from __future__ import annotations
@@ -65,9 +60,9 @@ def plan_frontier(
     low_rank: bool = True,
     rank_layers: int | None = 4,
 ) -> list[dict]:
-    """The frontier's cells (see the module docstring); `storage` gives the scheme, group and window of every
-    quantized cell; `low_rank`: the low-rank cells too (`rank_layers`: xKV's group of layers, None: no
-    xKV)."""
+    """The frontier's cells (see the module docstring); `storage` gives the scheme, group and window of
+    every quantized cell; `low_rank`: the low-rank cells too (`rank_layers`: xKV's group of layers, None:
+    no xKV)."""
     if not byte_shares or min(byte_shares) <= 0 or max(byte_shares) >= 1:
         raise KvlensError(
             "--byte-shares must be shares of the full cache between 0 and 1 (e.g. 0.5,0.25,0.125)."
@@ -136,10 +131,8 @@ def plan_frontier_tasks(
     rank_layers: int | None = 4,
 ) -> list[dict]:
     """The frontier's task cells (see the module docstring): per sample, one cell in the model's dtype
-    (eviction
-    and merging) and one per bits (the full cache, quantization alone, and the mix); the full cache in the
-    model's
-    dtype is in the first, as the reference."""
+    (eviction and merging) and one per bits (the full cache, quantization alone, and the mix); the full cache
+    in the model's dtype is in the first, as the reference."""
 
     def spec(name: str, params: dict) -> PolicySpec:
         return PolicySpec(name, tuple(sorted(params.items())))
@@ -178,8 +171,7 @@ def plan_frontier_tasks(
 
 def _task_records(rows: list[dict]) -> list[dict]:
     """One record per (sample, policy, ratio, bits) of the task cells, with its family, byte budget and bytes
-    share
-    (over the full cache's in the model's dtype on the same sample)."""
+    share (over the full cache's in the model's dtype on the same sample)."""
     records = []
     for row in rows:
         storage = Storage.of(row.get("storage"))
@@ -223,8 +215,7 @@ def _family(policy: str, storage: Storage, mergers: list[str]) -> str:
 
 def summarise_tasks(rows: list[dict]) -> list[dict]:
     """Per configuration over the task samples: bytes share (mean), the score (mean over tasks and lengths)
-    with a
-    bootstrap 95 % interval over samples, and the full cache's score on the same samples."""
+    with a bootstrap 95 % interval over samples, and the full cache's score on the same samples."""
     records = _task_records(rows)
     groups: dict[tuple, dict[tuple, list[dict]]] = {}
     for r in records:
@@ -274,8 +265,7 @@ def _rank_kind(storage: dict) -> str:
 
 def _series(family: str, policy: str, storage: dict | None) -> str:
     """The line a configuration belongs to in the figure: its policy and storage across byte budgets
-    (quantization
-    alone: one line across its bits)."""
+    (quantization alone: one line across its bits)."""
     storage = storage or {}
     if family == "quantization":
         return "all slots"
@@ -377,10 +367,8 @@ def table(summary: list[dict]) -> str:
 
 def figure(result: dict):
     """Quality against physical bytes (log scale), a line per policy and storage (colour: its family):
-    perplexity
-    over the full cache's on the same text (bars: min-max over texts) and, with task cells, the task score
-    (bars:
-    bootstrap 95 % intervals over samples) beside it."""
+    perplexity over the full cache's on the same text (bars: min-max over texts) and, with task cells, the
+    task score (bars: bootstrap 95 % intervals over samples) beside it."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 

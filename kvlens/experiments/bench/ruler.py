@@ -21,8 +21,8 @@ What differs from RULER:
   samples before the option); `stratified` (the default) spreads the grid's `count` samples evenly over the
   context, sample i of n at a boundary drawn from the seed within [i/n, (i+1)/n) of the haystack's sentences,
   and the k needles (or vt's chain lines) of one sample each in their own k-th of it, so that a grid of 8
-  samples
-  does not leave the depth to luck. A line's depth is its boundary's index over the haystack's sentence count.
+  samples does not leave the depth to luck. A line's depth is its boundary's index over the haystack's
+  sentence count.
 """
 
 from __future__ import annotations
@@ -284,8 +284,7 @@ def score_sample(outputs: Sequence[str], sample: Sample) -> float:
 
 def needle_spans(sample: Sample) -> list[tuple[int, int]]:
     """Character spans `[start, end)` of the needle sentences of the sample's expected answers in its context
-    (the
-    niah tasks'; none for other tasks)."""
+    (the niah tasks'; none for other tasks)."""
     spans = []
     for value in dict.fromkeys(a for answers in sample.answers for a in answers):
         pattern = (
@@ -359,10 +358,8 @@ def _essay(text: str, n: int) -> list[str]:
 
 def _cuts(rng: random.Random, total: int, lines: int, stratum: tuple[int, int] | None) -> list[int]:
     """Sentence boundaries (0..`total`) for `lines` lines, ascending: uniformly random (`stratum` None,
-    RULER's),
-    or line j of sample i of n (`stratum` (i, n)) at a random boundary within [(j + i/n)/k, (j + (i+1)/n)/k)
-    of
-    the text (k = `lines`)."""
+    RULER's), or line j of sample i of n (`stratum` (i, n)) at a random boundary within [(j + i/n)/k, (j +
+    (i+1)/n)/k) of the text (k = `lines`)."""
     if stratum is None:
         return sorted(rng.randint(0, total) for _ in range(lines))
     i, n = stratum
@@ -533,8 +530,7 @@ def generate(
     count: int = 8,
 ) -> Sample:
     """Sample `index` of `count` of `task` at `length` tokens: context plus longest question fill `length -
-    64`
-    tokens; its needles at `depths` (see the module docstring; `random` ignores `count`).
+    64` tokens; its needles at `depths` (see the module docstring; `random` ignores `count`).
 
     Deterministic in (task, length, index, seed, depths, count); `count_tokens` is the caller's tokenizer.
     """

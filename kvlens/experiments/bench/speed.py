@@ -24,10 +24,9 @@ step, which a machine shared with other processes disturbs less than wall time.
   (last rows) over `full`'s prefill, at the first evict length, the worse of the two.
 - every_policy_half_vs_full_at_N, every_policy_prefill_vs_full_at_N: the same two measurements for every
   policy in the lockstep (`every`: by default every registered policy, budget-free ones at their own size),
-  the
-  worst policy's ratio; `ratio_details` names it and lists each policy's. The prefill family leaves out the
-  methods whose algorithm is an extra forward over the prompt (replay passes: KVzip's reconstruction), which
-  `replay_vs_full_prefill_at_N` measures against their own target.
+  the worst policy's ratio; `ratio_details` names it and lists each policy's. The prefill family leaves out
+  the methods whose algorithm is an extra forward over the prompt (replay passes: KVzip's reconstruction),
+  which `replay_vs_full_prefill_at_N` measures against their own target.
 - every_policy_bytes_half_vs_full_at_N: KV bytes allocated (peak) by every budgeted policy at half the prompt
   over the full prompt's cache, the worst policy's (per-head budgets padded to a layer's largest head show
   here).
@@ -132,10 +131,8 @@ def model_loop_steps(model: LoadedModel, ids: list[int], steps: int) -> Generato
 
 def hf_generate_steps(model: LoadedModel, ids: list[int], steps: int) -> Generator[float, None, dict]:
     """transformers' `model.generate` with a `kvlens.cache(model, "full")`, one step per `next`: generate runs
-    in a
-    thread that a streamer holds after each token until the next `next`. Yields the prefill ms (prompt to
-    first
-    token), then each decode step's ms; returns the tokens."""
+    in a thread that a streamer holds after each token until the next `next`. Yields the prefill ms (prompt to
+    first token), then each decode step's ms; returns the tokens."""
     from kvlens.hf import cache
 
     gate = _Gate()

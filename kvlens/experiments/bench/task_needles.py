@@ -2,16 +2,12 @@
 leaderboard's rows.
 
 Each expected answer of a niah task is one needle (`ruler`: its number, at its sentence-boundary depth; the
-row's
-`needle_depths`, shaped as its `answers`), found when its question's answer holds it (RULER's string match,
-per
-string). `grid` counts the needles found per (policy, ratio, length, depth bin); `figure` draws one heatmap
-per
-policy at one ratio, depth down and length across (Kamradt's needle-in-a-haystack layout, kvpress's and
-RULER's
-depth x length figure). `fill_depths` recovers the depths of rows written before they were recorded: a
-generated
-sample is a function of its cell, so it is generated again (the answers must match the row's).
+row's `needle_depths`, shaped as its `answers`), found when its question's answer holds it (RULER's string
+match, per string). `grid` counts the needles found per (policy, ratio, length, depth bin); `figure` draws one
+heatmap per policy at one ratio, depth down and length across (Kamradt's needle-in-a-haystack layout,
+kvpress's and RULER's depth x length figure). `fill_depths` recovers the depths of rows written before they
+were recorded: a generated sample is a function of its cell, so it is generated again (the answers must match
+the row's).
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ BINS = 10  # depth bins of the figure: tenths of the context
 
 def fill_depths(rows: list[dict], count_tokens: Callable[[str], int], haystack: str) -> int:
     """Give each generated niah row without `needle_depths` its sample's (regenerated with its cell's seed,
-    depths
-    and count; rows from before the `depths` option: random). Returns how many rows got them."""
+    depths and count; rows from before the `depths` option: random). Returns how many rows got them."""
     filled = 0
     for row in rows:
         if (

@@ -1,9 +1,8 @@
 """Task accuracy under compression: RULER-style samples, the field's compress-once protocol, a leaderboard.
 
 Protocol (kvpress's `evaluation/`, question-agnostic by default): the chat template's user turn is the
-sample's
-context then its question; the context's tokens are compressed once to `int(len * (1 - ratio))` slots per KV
-head and layer (kvpress's compression ratio, the share removed, and its rounding; `rounding=kvlens`:
+sample's context then its question; the context's tokens are compressed once to `int(len * (1 - ratio))` slots
+per KV head and layer (kvpress's compression ratio, the share removed, and its rounding; `rounding=kvlens`:
 `len - int(len * ratio)`, the results made before the option), then the question is appended uncompressed and
 the answer generated greedily (`kvlens.engine.shared_prefill`). Several questions of one sample
 (`niah_multiquery`) are asked one after the other of the same compressed context, each from it afresh.
@@ -11,18 +10,15 @@ the answer generated greedily (`kvlens.engine.shared_prefill`). Several question
 
 A cell of the grid is one sample with every policy and ratio: its context is prefilled once and shared
 (`SharedPrefill`); each (policy, ratio) then costs its restore and compression (`prepare_ms`), its share of
-the
-method's own passes (`own_ms`: KVzip's replay of the prompt, run once for all its ratios, which is the method)
-and its answers (`answer_ms`). The summary's `cost_vs_answer` is (compression + answers) / answers, the
-method's
-own passes reported beside it (`own_vs_answer`). Scores are
-RULER's string match (`kvlens.experiments.bench.ruler.score`); a generated sample's needles sit at stratified
-depths (`depths`, `ruler.generate`), each row records them (`needle_depths`), and `needle_grid` scores each
-needle found by depth and length (the field's needle-in-a-haystack figure, `needle_figure`). A cell's optional
-`storage`
+the method's own passes (`own_ms`: KVzip's replay of the prompt, run once for all its ratios, which is the
+method) and its answers (`answer_ms`). The summary's `cost_vs_answer` is (compression + answers) / answers,
+the method's own passes reported beside it (`own_vs_answer`). Scores are RULER's string match
+(`kvlens.experiments.bench.ruler.score`); a generated sample's needles sit at stratified depths (`depths`,
+`ruler.generate`), each row records them (`needle_depths`), and `needle_grid` scores each needle found by
+depth and length (the field's needle-in-a-haystack figure, `needle_figure`). A cell's optional `storage`
 (`Storage.describe()`) quantizes every policy's compressed context and what follows (the bytes-quality
-frontier,
-`kvlens.experiments.bench.frontier`); each result reports the compressed context's physical `kv_bytes`.
+frontier, `kvlens.experiments.bench.frontier`); each result reports the compressed context's physical
+`kv_bytes`.
 """
 
 from __future__ import annotations
@@ -62,8 +58,7 @@ def context_token_spans(
     model: LoadedModel, context: str, spans: list[tuple[int, int]], chat: bool = True
 ) -> list[tuple[int, int]]:
     """Character spans of `context` -> the token spans `[start, end)` that cover them in `split_prompt`'s
-    context
-    ids (the tokens overlapping each span)."""
+    context ids (the tokens overlapping each span)."""
     head, _ = template_parts(model, chat)
     offsets = model.tokenizer(
         head + context, add_special_tokens=not chat, return_offsets_mapping=True
@@ -87,8 +82,7 @@ def _policy_major(specs: list[PolicySpec], ratios: list[float]) -> list[tuple[Po
 
 def _ratio_major(pairs: list[tuple[PolicySpec, float | None]]) -> list[tuple[PolicySpec, float | None]]:
     """The same pairs, the budget-free ones first, then by ratio, least compressed first: caches of one batch
-    keep
-    about as many slots (a batch pads every cache to its longest)."""
+    keep about as many slots (a batch pads every cache to its longest)."""
     return sorted(pairs, key=lambda pair: -1 if pair[1] is None else pair[1])
 
 
@@ -111,8 +105,7 @@ def sample_of(model: LoadedModel, texts: dict[str, str], cell: dict) -> ruler.Sa
 
 def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
     """One sample under every policy and ratio of the cell: `{"prompt_tokens", "shared_prefill_ms",
-    "results"}`,
-    a result per (policy, ratio) with its score, answers and costs."""
+    "results"}`, a result per (policy, ratio) with its score, answers and costs."""
     sample = sample_of(model, texts, cell)
     specs = [PolicySpec.parse(s) for s in cell["policies"]]
     parts = [split_prompt(model, sample.context, q, cell["chat"]) for q in sample.questions]
@@ -204,12 +197,11 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
 
 class _Batch:
     """Prepared (policy, ratio) caches of one prompt, answered together (`answer_many`) once the batch, each
-    cache
-    padded to the longest, holds `ANSWER_BATCH_BYTES`, or one by one (`batched=False`: quantized storage,
-    whose appended
-    tokens the batch would not quantize). A result's `answer_ms` is its share of the batch's time, by tokens
-    generated. `stop`: a row stops once every expected string of its question is in its answer (the score, a
-    share of strings found, cannot change after that; False: always RULER's answer-length limit)."""
+    cache padded to the longest, holds `ANSWER_BATCH_BYTES`, or one by one (`batched=False`: quantized
+    storage, whose appended tokens the batch would not quantize). A result's `answer_ms` is its share of the
+    batch's time, by tokens generated. `stop`: a row stops once every expected string of its question is in
+    its answer (the score, a share of strings found, cannot change after that; False: always RULER's
+    answer-length limit)."""
 
     def __init__(self, model, sample, prompt, asked, questions, stop: bool, batched: bool):
         self.model, self.sample, self.start, self.asked, self.questions = (
@@ -296,11 +288,11 @@ def plan_tasks(
     rounding: str = "kvpress",
     depths: str = "stratified",
 ) -> list[dict]:
-    """The grid's cells: one per sample (task x length x index), each with every policy and ratio; `source` is
-    the
-    digest of the haystack or of the user's samples file (not `generated`: `tasks`/`lengths` are the file's).
-    `stop_when_found` and `batch`: how answers are generated (`_Batch`); `rounding`: a ratio's kept count
-    (`slots_for`); `depths`: where generated needles sit (`ruler.generate`, over the `count` samples)."""
+    """The grid's cells: one per sample (task x length x index), each with every policy and ratio;
+    `source` is the digest of the haystack or of the user's samples file (not `generated`:
+    `tasks`/`lengths` are the file's). `stop_when_found` and `batch`: how answers are generated
+    (`_Batch`); `rounding`: a ratio's kept count (`slots_for`); `depths`: where generated needles sit
+    (`ruler.generate`, over the `count` samples)."""
     bad = [r for r in ratios if not 0 < r < 1]
     if bad:
         raise KvlensError(
@@ -411,12 +403,9 @@ def bootstrap(groups: list[list[float]], seed: int = 0, draws: int = 1000) -> tu
 
 def turns(records: list[dict]) -> list[dict] | None:
     """Each question in turn (question 1, 2, ...) over `records` whose samples ask several of one compressed
-    context
-    (niah_multiquery: does a question-agnostic cache degrade as questions go on?): its mean score and
-    bootstrap
-    95 % interval over the samples; None when a record asks one question, the records ask different numbers,
-    or
-    a row does not keep its outputs and expected answers."""
+    context (niah_multiquery: does a question-agnostic cache degrade as questions go on?): its mean score and
+    bootstrap 95 % interval over the samples; None when a record asks one question, the records ask different
+    numbers, or a row does not keep its outputs and expected answers."""
     if any(r.get("outputs") is None or r.get("answers") is None for r in records):
         return None
     counts = {len(r["outputs"]) for r in records}
@@ -432,10 +421,9 @@ def turns(records: list[dict]) -> list[dict] | None:
 
 def summarise(rows: list[dict]) -> list[dict]:
     """Leaderboard cells: per (policy, ratio, task, length), averaged over tasks ("all") at each length and
-    over
-    both ("all", "all"), the mean score, the samples, a bootstrap 95 % interval, the full cache's score on the
-    same samples, the costs and, for a task that asks several questions of one context, each turn's score
-    (`turns`)."""
+    over both ("all", "all"), the mean score, the samples, a bootstrap 95 % interval, the full cache's score
+    on the same samples, the costs and, for a task that asks several questions of one context, each turn's
+    score (`turns`)."""
     records = flatten(rows)
     cells: dict[tuple, dict[tuple, list[float]]] = {}
     for r in records:
@@ -487,8 +475,7 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 def table(summary: list[dict]) -> str:
     """The averaged leaderboard as a terminal table: a row per policy, a column per ratio; a budget-free
-    policy
-    (ratio None: it keeps what its own rule keeps) has its score in a column of its own, with its kept
+    policy (ratio None: it keeps what its own rule keeps) has its score in a column of its own, with its kept
     share."""
     avg = [s for s in summary if s["task"] == s["length"] == "all"]
     ratios = sorted({s["ratio"] for s in avg if s["policy"] != "full" and s["ratio"] is not None})
@@ -521,8 +508,7 @@ def figure(result: dict):
     """Score against compression ratio, one line per method (kvpress's leaderboard plot): averaged over tasks,
     then one panel per task; bars are bootstrap 95 % intervals over samples, points of one ratio are set
     slightly apart so that ties stay visible; the full cache is the star at ratio 0, a budget-free policy a
-    diamond
-    at the share its own rule removed (1 - kept share)."""
+    diamond at the share its own rule removed (1 - kept share)."""
     import plotly.colors
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
