@@ -239,3 +239,13 @@ def test_no_conditional_expression_chains_another():
     ]
     assert not found, found
     assert chained_conditionals("x = a if p else b if q else c") == [1]
+
+
+def test_no_module_of_the_cache_package_is_over_350_lines():
+    """The cache package is read by whoever writes a policy: each of its modules stays short enough to read."""
+    long = {
+        p.name: n
+        for p in sorted((PACKAGE / "kvcache").glob("*.py"))
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 350
+    }
+    assert not long, long
