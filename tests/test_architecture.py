@@ -242,7 +242,7 @@ def test_no_conditional_expression_chains_another():
 
 
 def test_no_module_of_the_cache_package_is_over_350_lines():
-    """The cache package is read by whoever writes a policy: each of its modules stays short enough to read."""
+    """Whoever writes a policy reads the cache package: each of its modules stays short enough to read."""
     long = {
         p.name: n
         for p in sorted((PACKAGE / "kvcache").glob("*.py"))
