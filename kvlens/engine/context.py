@@ -65,17 +65,22 @@ class RunContext:
             rotary  # positions -> (cos, sin) of the model's RoPE (`Prompt.rotary`), None without one
         )
         self.policy = policy
-        self.observers = list(observers)
+        self.observed_by(observers)
         for obs in self.observers:
             obs.on_start(policy)
-        needs = policy.needs()
-        self.needs_rows = needs.decode_rows or any(o.needs_rows for o in self.observers)
-        # the prompt's column sums cost a chunked pass over T x T; computed only when someone reads them
-        self.column_sums = needs.column_sums or any(o.needs_prefill_stats for o in self.observers)
-        self.prefill_rows = max([needs.prefill_rows] + [o.prefill_rows for o in self.observers])
         self._observed: list[tuple[SlotRows, torch.Tensor, torch.Tensor | None]] = []  # this step's rows
         self._replay: tuple[int, int] | None = None  # the prompt span a replay pass being fed reconstructs
         self._frozen = False  # compressed once for good (the task protocol): no statistics, no policy
+
+    def observed_by(self, observers: Sequence[Observer]) -> None:
+        """Hand the steps to `observers` from now on, and compute what the policy and they read: decode
+        attention rows, the prompt's column sums (a chunked pass over T x T, only when someone reads them),
+        its last rows."""
+        self.observers = list(observers)
+        needs = self.policy.needs()
+        self.needs_rows = needs.decode_rows or any(o.needs_rows for o in self.observers)
+        self.column_sums = needs.column_sums or any(o.needs_prefill_stats for o in self.observers)
+        self.prefill_rows = max([needs.prefill_rows] + [o.prefill_rows for o in self.observers])
 
     @property
     def frozen(self) -> bool:

@@ -475,14 +475,15 @@ def fork(loop: _Loop, progress: _Progress) -> Fork:
     summary only."""
     ctx = loop.ctx
     kept = ctx.observers, loop.recorder
-    ctx.observers, loop.recorder = [], Recorder()
+    ctx.observed_by([])
+    loop.recorder = Recorder()
     try:
         with torch.inference_mode():
             copy = deepcopy(loop, {id(loop.model): loop.model})
     finally:
-        ctx.observers, loop.recorder = kept
-    copy.ctx.observers = [copy.recorder]
-    copy.ctx.needs_rows = copy.policy.needs().decode_rows
+        ctx.observed_by(kept[0])
+        loop.recorder = kept[1]
+    copy.ctx.observed_by([copy.recorder])
     return Fork(copy, progress)
 
 
