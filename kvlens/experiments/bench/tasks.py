@@ -426,11 +426,12 @@ def summarise(rows: list[dict]) -> list[dict]:
     score (`turns`)."""
     records = flatten(rows)
     cells: dict[tuple, dict[tuple, list[float]]] = {}
+    members: dict[tuple, list[dict]] = {}  # each cell's records, gathered in the same pass
     for r in records:
         for task, length in [(r["task"], r["length"]), ("all", r["length"]), ("all", "all")]:
-            cells.setdefault((r["policy"], r["ratio"], task, length), {}).setdefault(
-                (r["task"], r["length"]), []
-            ).append(r["score"])
+            key = (r["policy"], r["ratio"], task, length)
+            cells.setdefault(key, {}).setdefault((r["task"], r["length"]), []).append(r["score"])
+            members.setdefault(key, []).append(r)
     full = {
         key[2:]: statistics.fmean(statistics.fmean(g) for g in groups.values())
         for key, groups in cells.items()
@@ -439,14 +440,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     out = []
     for (policy, ratio, task, length), groups in cells.items():
         low, high = bootstrap(list(groups.values()))
-        mine = [
-            r
-            for r in records
-            if r["policy"] == policy
-            and r["ratio"] == ratio
-            and task in ("all", r["task"])
-            and length in ("all", r["length"])
-        ]
+        mine = members[(policy, ratio, task, length)]
         out.append(
             {
                 "policy": policy,
