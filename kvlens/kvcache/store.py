@@ -30,7 +30,8 @@ class LayerBook:
     state: dict[str, Any] = field(default_factory=dict)  # the policy's run state for this layer
     n_kept: int = 0  # valid slots of the fullest KV head
     holes: torch.Tensor | None = None  # (Hkv, E) slots freed by `free`, to be reused first
-    pad: bool = False  # `retain` left padding (heads keeping different counts); never reused
+    pad: bool = False  # `retain` left padding (heads keeping different counts): each head's own free slots
+    fitted: bool = False  # `retain` fitted the buffers to the kept slots (the prompt's memory is freed)
     written: torch.Tensor | None = None  # (Hkv, q) the slots the latest `append` wrote
     # quantized storage: the latest `append`'s keys and values (Hkv, q, D) as fed
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -136,6 +137,18 @@ def first_valid(holes: torch.Tensor) -> torch.Tensor | None:
     holes = holes.gather(1, torch.sort((holes < 0).int(), dim=1, stable=True).indices)
     width = int((holes >= 0).sum(-1).max())
     return holes[:, :width] if width else None
+
+
+def free_slots(valid: torch.Tensor) -> torch.Tensor | None:
+    """`valid` `(R, S)` -> each row's free slots `(R, E)` ascending, rows with fewer padded with -1 (None: no
+    free slot)."""
+    free = ~valid
+    counts = free.sum(-1, keepdim=True)
+    width = int(counts.max())
+    if not width:
+        return None
+    slots = torch.sort(valid.int(), dim=1, stable=True).indices[:, :width]
+    return slots.masked_fill(torch.arange(width, device=valid.device) >= counts, -1)
 
 
 def padded_index(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,16 @@ import torch
 from kvlens.kvcache import tokens
 from kvlens.kvcache.contract import Slots
 from kvlens.kvcache.quantize import slot_mask
-from kvlens.kvcache.store import STATES, STATS, LayerBook, SlotStore, first_valid, padded_index
+from kvlens.kvcache.store import (
+    GROWTH,
+    STATES,
+    STATS,
+    LayerBook,
+    SlotStore,
+    first_valid,
+    free_slots,
+    padded_index,
+)
 
 Layout = Callable[["SlotRows", int], tuple[SlotStore, slice]]  # (view, capacity) -> (store, rows)
 
@@ -233,8 +242,10 @@ class SlotRows:
         """Evict slots `index` `(R, E)`; -1 entries pad rows that free fewer (heads keeping different counts).
         Later tokens reuse the freed slots.
 
-        When the slots in use exceed a layer's `limit` (the prompt's cache after its first
-        compression), the kept slots move into buffers of `limit` slots and the old ones are released.
+        When the slots in use exceed a layer's `limit` (the prompt's cache after its first compression), the
+        kept slots move into buffers of `limit` slots (or of its fullest head's count, when heads keep
+        different counts) and the old ones are released. Once fitted, a layer whose fullest head outgrows the
+        limit is refitted only when its free slots exceed `GROWTH`, not at every step.
         """
         store = self._live
         uneven = bool((index < 0).any())
@@ -264,8 +275,13 @@ class SlotRows:
                 )
             else:
                 book.n_kept -= part.shape[1]
-        limit = self.books[0].limit
-        if len(self.books) == 1 and limit is not None and store.n > limit:
+        (book, *more), limit = self.books, self.books[0].limit
+        if (
+            not more
+            and limit is not None
+            and store.n > limit
+            and (not book.fitted or store.n > book.n_kept + GROWTH)
+        ):
             kept, valid = padded_index(self.valid)
             self.retain(kept, valid if bool((~valid).any()) else None, capacity=limit)
 
@@ -312,12 +328,12 @@ class SlotRows:
             self.extra[name] = torch.cat([t, t.new_zeros((t.shape[0], capacity - s, *t.shape[2:]))], dim=1)
         store.order = None
         counts = self.valid.sum(-1)
-        spare = torch.arange(s, capacity, device=index.device).expand(index.shape[0], capacity - s)
-        for book, part, free in zip(
-            self.books, counts.chunk(len(self.books)), spare.chunk(len(self.books)), strict=True
+        for book, part, valid in zip(
+            self.books, counts.chunk(len(self.books)), self.valid.chunk(len(self.books)), strict=True
         ):
             book.n_kept, book.pad = int(part.max()), int(part.min()) < s
-            book.holes = free if capacity > s else None
+            book.holes = free_slots(valid)  # a head's padding, then the spare slots: its next tokens' slots
+            book.fitted = True
 
     def append(
         self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, chunked: bool = False
