@@ -46,6 +46,7 @@ TOTAL = "kvzip_total"  # per layer: the entries the layer keeps, over its heads
 PROMPT = "kvzip_prompt"  # per layer: the prompt's length (positions from it on are generated tokens)
 FIRST = "\n\nRepeat the previous context exactly."  # the first chunk's instruction (kvpress's words)
 LATER = "\n\nRepeat the part of the previous context exactly, starting with"  # a later chunk's
+ROWS = 64  # replay queries scored at once (each row's softmax is its own, so blocks give the same weights)
 OVERLAP = (
     8  # tokens of the previous chunk quoted by a later chunk's instruction (kvpress `prev_postfix_size`)
 )
@@ -118,14 +119,19 @@ class KVzip(Policy):
             [keys[:, :sink], keys[:, replay.start : replay.end], replay.keys], dim=1
         )  # (Hkv, K, D)
         q = replay.queries.shape[1]
-        logits = torch.matmul(replay.queries.view(hkv, -1, q, d), seen[:, None].transpose(-1, -2)).float()
+        queries, seen_t = replay.queries.view(hkv, -1, q, d), seen.transpose(1, 2)
+        g, chunk = queries.shape[1], slice(sink, sink + replay.end - replay.start)
         own = torch.ones(q, q, dtype=torch.bool, device=keys.device).triu(1)
-        probs = softmax_weights(logits, AttentionSpec(replay.scaling, replay.softcap), own)  # (Hkv, G, q, K)
+        spec = AttentionSpec(replay.scaling, replay.softcap)
+        best = torch.zeros(hkv, chunk.stop - sink, dtype=torch.float32, device=keys.device)
+        for a in range(0, q, ROWS):  # a block of rows at a time: (Hkv, G, ROWS, K) stays in cache
+            b = min(q, a + ROWS)
+            logits = torch.bmm(queries[:, :, a:b].reshape(hkv, g * (b - a), d), seen_t).float()
+            probs = softmax_weights(logits.view(hkv, g, b - a, -1), spec, own[a:b])  # (Hkv, G, b - a, K)
+            torch.maximum(best, probs[..., chunk].amax(dim=(1, 2)), out=best)
         state = rows.states[0]
         score = state.setdefault(SCORE, torch.zeros(hkv, t, dtype=torch.float32, device=keys.device))
-        score[:, replay.start : replay.end] = probs[..., sink : sink + replay.end - replay.start].amax(
-            dim=(1, 2)
-        )
+        score[:, replay.start : replay.end] = best
 
     def allocate(self, budget: int, layers: Sequence[CacheRows]) -> list[int]:
         """Which entries leave, over every layer and head (or per layer): each layer's kept total, and as its
