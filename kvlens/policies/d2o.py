@@ -306,9 +306,14 @@ def merge_into(
     """Eq. 11 in place on `states` `(R, S, D)` (keys or values): kept slot c <- w_c x_c + sum_{i -> c} w_i
     x_i."""
     d = states.shape[-1]
+    sent = states.gather(1, evicted[..., None].expand(-1, -1, d)).float() * w[..., None]  # (R, E, D)
+    if evicted.shape[1] == 1:  # a decode step: one source per row, so only its target changes (w_c = 1 else)
+        tidx = keep.gather(1, nearest)[..., None].expand(-1, -1, d)
+        new = states.gather(1, tidx).float() * w_self.gather(1, nearest)[..., None] + sent
+        states.scatter_(1, tidx, new.to(states.dtype))
+        return
     kidx = keep[..., None].expand(-1, -1, d)
     kept = states.gather(1, kidx).float()  # (R, B, D)
-    sent = states.gather(1, evicted[..., None].expand(-1, -1, d)).float() * w[..., None]  # (R, E, D)
     new = kept * w_self[..., None]
     new.scatter_add_(1, nearest[..., None].expand(-1, -1, d), sent)
     states.scatter_(1, kidx, new.to(states.dtype))
