@@ -23,7 +23,9 @@ import torch
 from kvlens.kvcache import CacheRows, Prompt, Step
 from kvlens.policies.base import Needs, Policy, free_logged, padded_slots, param, recent_mask, register
 
-MESSAGE = "corm_message"  # (Hkv, S, w) bool, newest message last
+# (Hkv, S) int32: the number of messages seen when the slot was last important (0: never); it says whether the
+# slot was important in any of the last w messages without keeping them
+MESSAGE = "corm_last_important"
 MESSAGES_SEEN = "corm_messages_seen"  # per layer: query messages observed so far in this run
 
 
@@ -64,9 +66,8 @@ class CORM(Policy):
             t - length + 1, t + 1, device=last.device, dtype=torch.float32
         )  # query i sees i+1 keys
         important = (last >= (1.0 / seen)[None, :, None]).view(r, hq // r, length, t).any(1)  # (R, L, T)
-        msg = torch.zeros(r, t, self.window, dtype=torch.bool, device=last.device)
-        msg[:, :, self.window - length :] = important.transpose(1, 2)
-        rows.extra[MESSAGE] = msg
+        count = torch.arange(1, length + 1, device=last.device, dtype=torch.int32)  # message i's number
+        rows.extra[MESSAGE] = (important * count[None, :, None]).amax(1)  # its latest important message
         for state in rows.states:
             state[MESSAGES_SEEN] = length
 
@@ -77,10 +78,17 @@ class CORM(Policy):
         else:
             t = rows.valid.sum(-1, keepdim=True)[:, None].float()  # (R, 1, 1)
         important = (probs >= 1.0 / t).any(1) & rows.valid  # (R, S)
-        msg = rows.extra[MESSAGE]
-        rows.extra[MESSAGE] = torch.cat([msg[:, :, 1:], important[:, :, None]], dim=2)
         for state in rows.states:
             state[MESSAGES_SEEN] = state.get(MESSAGES_SEEN, 0) + 1
+        rows.extra[MESSAGE] = torch.where(important, self._seen(rows), rows.extra[MESSAGE])
+
+    def _seen(self, rows: CacheRows) -> torch.Tensor:
+        """`(R, 1)` int32: each row's layer's messages seen so far."""
+        seen = [state.get(MESSAGES_SEEN, 0) for state in rows.states]
+        if len(set(seen)) == 1:
+            return torch.full((1, 1), seen[0], dtype=torch.int32, device=rows.pos.device)
+        counts = torch.tensor(seen, dtype=torch.int32, device=rows.pos.device)
+        return counts.repeat_interleave(rows.kv_heads)[:, None]
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         """Free, in place, each head's keys minor in all of the last `window` messages and older than the
@@ -88,6 +96,7 @@ class CORM(Policy):
         step)."""
         if min(state.get(MESSAGES_SEEN, 0) for state in rows.states) < self.window:
             return
-        drop = rows.valid & ~(rows.extra[MESSAGE].any(-1) | recent_mask(rows, self.recent))  # (R, S)
+        in_window = rows.extra[MESSAGE] > self._seen(rows) - self.window  # important in the last w messages
+        drop = rows.valid & ~(in_window | recent_mask(rows, self.recent))  # (R, S)
         if bool(drop.any()):
             free_logged(step, rows, padded_slots(drop))  # (R, E), -1 pads heads that free fewer

@@ -409,9 +409,10 @@ class SpyCORM(CORM):
         object.__setattr__(self, "checks", [])  # test-side record on a frozen policy
 
     def compress(self, rows, step):
-        if rows.states[0].get(MESSAGES_SEEN, 0) >= self.window:
+        seen = rows.states[0].get(MESSAGES_SEEN, 0)
+        if seen >= self.window:
             recent = rows.valid & (rows.pos > rows.pos.max() - self.recent)  # the `recent` newest tokens
-            must = (rows.extra[MESSAGE].any(-1) | recent) & rows.valid
+            must = ((rows.extra[MESSAGE] > seen - self.window) | recent) & rows.valid
             self.checks.append([set(rows.pos[h][must[h]].tolist()) for h in range(must.shape[0])])
             super().compress(rows, step)
             self.checks[-1] = [
