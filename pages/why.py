@@ -14,7 +14,7 @@ from kvlens.policies import make_policy, policy_names
 from kvlens.ui import url_state
 from kvlens.ui.charts import chart
 from kvlens.ui.page import page_top, selected_run
-from kvlens.ui.why import explain_run, explain_sample
+from kvlens.ui.why import explain_run, explain_sample, suite
 
 RUN, SAMPLE = "the selected run", "a task sample"
 SOURCES = [RUN, SAMPLE]
@@ -66,6 +66,8 @@ if not by:
     st.info("Pick at least one grouping.")
     st.stop()
 if source == SAMPLE:
+    conventions = suite()
+    samples = list(range(int(dict(conventions)["count"])))
     cols = st.columns(5)
     task = url_state.bound(
         lambda **kw: cols[0].selectbox("Task", list(TASKS), **kw),
@@ -84,10 +86,10 @@ if source == SAMPLE:
         1024,
     )
     index = url_state.bound(
-        lambda **kw: cols[2].selectbox("Sample", list(range(8)), **kw),
+        lambda **kw: cols[2].selectbox("Sample", samples, **kw),
         "index",
         "why_index",
-        list(range(8)),
+        samples,
         "sample index",
         0,
     )
@@ -107,7 +109,7 @@ if source == SAMPLE:
         "ratio",
         0.75,
     )
-    work = lambda: explain_sample(task, length, index, policy, ratio, tuple(by), span, minimal)  # noqa: E731
+    work = lambda: explain_sample(task, length, index, policy, ratio, tuple(by), span, minimal, conventions)  # noqa: E731
     name = f"why-{task}-{length}-{index}-{policy}-{ratio}"
     config = {"task": task, "length": length, "index": index, "policy": policy, "ratio": ratio}
     if not st.session_state.get(f"why_asked_{name}") and not st.button(

@@ -3,12 +3,27 @@ setting (a 1024-token sample takes minutes on a CPU, a short run seconds)."""
 
 from __future__ import annotations
 
+import json
+
 import streamlit as st
 
+from kvlens.ui.results import results_dir
 from kvlens.ui.state import get_model, open_run
 
-SUITE_SEED = 0  # the task suite's samples (`kvlens bench tasks`): generated from this seed
-SUITE = {"depths": "random", "rounding": "kvlens"}  # the conventions of the shipped results/bench_tasks.json
+# `kvlens bench tasks`'s sample conventions by default; those of a results file made before an option existed
+SUITE = {"seed": 0, "count": 8, "chat": True, "depths": "stratified", "rounding": "kvpress"}
+BEFORE_OPTION = {"depths": "random", "rounding": "kvlens"}
+
+
+def suite() -> tuple[tuple[str, object], ...]:
+    """The conventions of the task suite whose samples the page explains: those in the `config` of
+    `results/bench_tasks.json` (the leaderboard's), else `kvlens bench tasks`'s defaults; as items, a key of
+    `explain_sample`'s cache."""
+    try:
+        config = json.loads((results_dir() / "bench_tasks.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return tuple(SUITE.items())
+    return tuple((k, config.get(k, BEFORE_OPTION.get(k, v))) for k, v in SUITE.items())
 
 
 @st.cache_data(max_entries=16, show_spinner=False)
@@ -31,6 +46,7 @@ def explain_sample(
     by: tuple[str, ...],
     span: int,
     minimal: bool,
+    conventions: tuple[tuple[str, object], ...],
 ) -> dict:
     from kvlens.experiments.bench import ruler
     from kvlens.explain.case import sample_case
@@ -39,12 +55,20 @@ def explain_sample(
 
     model = get_model("default", "auto")
     count = lambda s: len(model.tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
+    conv: dict = dict(conventions)
     sample = ruler.generate(
-        task, length, index, count, " ".join(bundled().values()), seed=SUITE_SEED, depths=SUITE["depths"]
+        task,
+        length,
+        index,
+        count,
+        " ".join(bundled().values()),
+        seed=conv["seed"],
+        depths=conv["depths"],
+        count=conv["count"],
     )
-    about = {"length": length, "index": index, "seed": SUITE_SEED, **SUITE}
+    about = {"length": length, "index": index, **conv}
     return explain(
-        sample_case(model, sample, policy, ratio, about=about, rounding=SUITE["rounding"]),
+        sample_case(model, sample, policy, ratio, chat=conv["chat"], about=about, rounding=conv["rounding"]),
         list(by),
         span,
         minimal_by="head" if minimal else None,
