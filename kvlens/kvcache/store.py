@@ -17,6 +17,9 @@ from typing import Any
 import torch
 
 GROWTH = 32  # minimum slots added when a growing cache runs out of room
+FITTED_GROWTH = (
+    8  # slots added when a fitted layer's fullest head outgrows its buffers (heads keep different counts)
+)
 STATS = {"valid": False, "pos": -1, "abar": 0.0, "nobs": 0.0}  # per-slot statistics, and a free slot's
 STATES = ("keys", "values")  # (1, R, C, D); every other buffer is (R, C, ...)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.kvcache.store import GROWTH, LayerBook, SlotStore, first_valid
+from kvlens.kvcache.store import FITTED_GROWTH, GROWTH, LayerBook, SlotStore, first_valid
 
 
 def append(
@@ -77,7 +77,7 @@ class Writer:
         if bool((slot < 0).any()):
             end = store.n
             if end == store.capacity:
-                store.resize(end + GROWTH)
+                store.resize(end + (FITTED_GROWTH if book.fitted else GROWTH))
             store.n = end + 1
             rest = torch.cat([rest, torch.where(slot < 0, -1, end)[:, None]], dim=1)
             slot = torch.where(slot < 0, end, slot)
