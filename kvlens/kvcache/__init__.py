@@ -10,7 +10,7 @@ top.
 
 from kvlens.kvcache.contract import CacheRows, Phase, Prompt, Replay, Slots, Step
 from kvlens.kvcache.scores import AttentionSpec, group_mean, softmax_weights
-from kvlens.kvcache.store import padded_index
+from kvlens.kvcache.store import padded_index, padded_slots
 
 __all__ = [
     "AttentionSpec",
@@ -22,5 +22,6 @@ __all__ = [
     "Step",
     "group_mean",
     "padded_index",
+    "padded_slots",
     "softmax_weights",
 ]

@@ -17,9 +17,7 @@ from typing import Any
 import torch
 
 GROWTH = 32  # minimum slots added when a growing cache runs out of room
-FITTED_GROWTH = (
-    8  # slots added when a fitted layer's fullest head outgrows its buffers (heads keep different counts)
-)
+FITTED_GROWTH = 8  # slots added when a fitted layer's fullest head outgrows its buffers (uneven heads)
 STATS = {"valid": False, "pos": -1, "abar": 0.0, "nobs": 0.0}  # per-slot statistics, and a free slot's
 STATES = ("keys", "values")  # (1, R, C, D); every other buffer is (R, C, ...)
 
@@ -142,16 +140,15 @@ def first_valid(holes: torch.Tensor) -> torch.Tensor | None:
     return holes[:, :width] if width else None
 
 
-def free_slots(valid: torch.Tensor) -> torch.Tensor | None:
-    """`valid` `(R, S)` -> each row's free slots `(R, E)` ascending, rows with fewer padded with -1 (None: no
-    free slot)."""
-    free = ~valid
-    counts = free.sum(-1, keepdim=True)
-    width = int(counts.max())
-    if not width:
-        return None
-    slots = torch.sort(valid.int(), dim=1, stable=True).indices[:, :width]
-    return slots.masked_fill(torch.arange(width, device=valid.device) >= counts, -1)
+def padded_slots(gone: torch.Tensor) -> torch.Tensor:
+    """`gone` `(R, S)` bool -> each row's marked slots `(R, E)`, ascending, -1 padded (for `free`)."""
+    s = gone.shape[1]
+    slots = (
+        torch.where(gone, torch.arange(s, device=gone.device), s)
+        .sort(-1)
+        .values[:, : int(gone.sum(-1).max())]
+    )
+    return slots.masked_fill(slots == s, -1)
 
 
 def padded_index(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

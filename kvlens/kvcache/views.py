@@ -31,8 +31,8 @@ from kvlens.kvcache.store import (
     LayerBook,
     SlotStore,
     first_valid,
-    free_slots,
     padded_index,
+    padded_slots,
 )
 
 Layout = Callable[["SlotRows", int], tuple[SlotStore, slice]]  # (view, capacity) -> (store, rows)
@@ -332,7 +332,8 @@ class SlotRows:
             self.books, counts.chunk(len(self.books)), self.valid.chunk(len(self.books)), strict=True
         ):
             book.n_kept, book.pad = int(part.max()), int(part.min()) < s
-            book.holes = free_slots(valid)  # a head's padding, then the spare slots: its next tokens' slots
+            free = padded_slots(~valid)  # a head's padding, then the spare slots: its next tokens' slots
+            book.holes = free if free.shape[1] else None
             book.fitted = True
 
     def append(

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 
 from kvlens.errors import KvlensError
-from kvlens.kvcache import CacheRows, Prompt, Replay, Step
+from kvlens.kvcache import CacheRows, Prompt, Replay, Step, padded_slots
 from kvlens.params import Param, check_budget
 
 REGISTRY: dict[str, type[Policy]] = {}
@@ -321,17 +321,6 @@ def lowest_of_all_rows(rows: CacheRows, score: torch.Tensor, leaving: int) -> to
     return padded_slots(
         torch.zeros(r * s, dtype=torch.bool, device=valid.device).scatter_(0, lowest, True).view(r, s)
     )
-
-
-def padded_slots(gone: torch.Tensor) -> torch.Tensor:
-    """`gone` `(R, S)` bool -> each row's marked slots `(R, E)`, ascending, -1 padded (for `free`)."""
-    s = gone.shape[1]
-    slots = (
-        torch.where(gone, torch.arange(s, device=gone.device), s)
-        .sort(-1)
-        .values[:, : int(gone.sum(-1).max())]
-    )
-    return slots.masked_fill(slots == s, -1)
 
 
 def free_logged(step: Step, rows: CacheRows, slots: torch.Tensor) -> None:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.kvcache import CacheRows, Prompt, Step
-from kvlens.policies.base import Needs, Policy, free_logged, padded_slots, param, recent_mask, register
+from kvlens.kvcache import CacheRows, Prompt, Step, padded_slots
+from kvlens.policies.base import Needs, Policy, free_logged, param, recent_mask, register
 
 # (Hkv, S) int32: the number of messages seen when the slot was last important (0: never); it says whether the
 # slot was important in any of the last w messages without keeping them
@@ -85,10 +85,9 @@ class CORM(Policy):
     def _seen(self, rows: CacheRows) -> torch.Tensor:
         """`(R, 1)` int32: each row's layer's messages seen so far."""
         seen = [state.get(MESSAGES_SEEN, 0) for state in rows.states]
-        if len(set(seen)) == 1:
-            return torch.full((1, 1), seen[0], dtype=torch.int32, device=rows.pos.device)
-        counts = torch.tensor(seen, dtype=torch.int32, device=rows.pos.device)
-        return counts.repeat_interleave(rows.kv_heads)[:, None]
+        return torch.tensor(seen, dtype=torch.int32, device=rows.pos.device).repeat_interleave(rows.kv_heads)[
+            :, None
+        ]
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         """Free, in place, each head's keys minor in all of the last `window` messages and older than the
