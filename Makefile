@@ -42,8 +42,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m mypy
 
+# The suite runs on TEST_WORKERS processes (pytest-xdist; `auto`: one per core, at most 4), one thread each,
+# each process taking a whole test file at a time so that module fixtures are built once.
+TEST_WORKERS ?= auto
 test: model browser lint docs
-	$(PY) -m pytest -q --durations=25
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadscope --maxprocesses 4
 
 # The documentation site, built into site/ with no network (no CDN, no web fonts); --strict fails on any warning.
 docs: $(STAMP)
