@@ -12,6 +12,8 @@ The table gives each ratio (wall clock, and `(cpu)`: process CPU time, which oth
 its median [min, max] over the rounds, REV beside HEAD (this checkout). Every ratio is lower-is-better (the
 targets are upper bounds), so `worse` marks a ratio whose every HEAD round is above every REV round: a
 slowdown beyond the spread of either side. With one round it marks any increase; run it on a quiet machine.
+A ratio taken over every policy (`every_policy_*`) names its worst policy at HEAD (the one most rounds name),
+and each policy's own ratio follows as `RATIO: POLICY`, flagged the same way.
 """
 
 from __future__ import annotations
@@ -44,9 +46,25 @@ class Row:
 
 
 def ratios_of(result: dict) -> dict[str, float]:
-    """A `bench speed --json` result's ratios: wall clock under their names, CPU time as `NAME (cpu)`."""
+    """A `bench speed --json` result's ratios: wall clock under their names, CPU time as `NAME (cpu)`, each
+    policy's share of an every-policy ratio as `NAME: POLICY`."""
     cpu = {f"{k} (cpu)": v for k, v in result.get("ratios_cpu", {}).items()}
-    return {**result["ratios"], **cpu}
+    per_policy = {
+        f"{k}: {policy}": v
+        for k, details in result.get("ratio_details", {}).items()
+        for policy, v in details.get("per_policy", {}).items()
+    }
+    return {**result["ratios"], **cpu, **per_policy}
+
+
+def worst_of(results: list[dict]) -> dict[str, str]:
+    """Each every-policy ratio's worst policy, the one most of `results` (one side's rounds) name."""
+    named: dict[str, list[str]] = {}
+    for result in results:
+        for k, details in result.get("ratio_details", {}).items():
+            if "worst" in details:
+                named.setdefault(k, []).append(details["worst"])
+    return {k: statistics.mode(names) for k, names in named.items()}
 
 
 def summarize(rev: list[dict], head: list[dict]) -> list[Row]:
@@ -60,13 +78,18 @@ def cell(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
 
 
-def table(rows: list[Row], rev_name: str) -> str:
-    """The rows as a text table: median [min, max] at REV and at HEAD, and the `worse` flag."""
+def table(rows: list[Row], rev_name: str, worst: dict[str, str] | None = None) -> str:
+    """The rows as a text table: median [min, max] at REV and at HEAD, the `worse` flag and, for an
+    every-policy ratio, its worst policy at HEAD (`worst`, from `worst_of`)."""
+    worst = worst or {}
     width = max(len(r.ratio) for r in rows)
-    lines = [f"{'ratio':<{width}}  {rev_name[:26]:>26}  {'HEAD':>26}  worse"]
+    lines = [f"{'ratio':<{width}}  {rev_name[:26]:>26}  {'HEAD':>26}  worse  worst at HEAD"]
     for r in rows:
         flag = "WORSE" if r.worse else ""
-        lines.append(f"{r.ratio:<{width}}  {cell(r.rev):>26}  {cell(r.head):>26}  {flag}")
+        line = (
+            f"{r.ratio:<{width}}  {cell(r.rev):>26}  {cell(r.head):>26}  {flag:<5}  {worst.get(r.ratio, '')}"
+        )
+        lines.append(line.rstrip())
     rounds = len(rows[0].head) if rows else 0
     lines.append(f"(median [min, max] over {rounds} rounds; WORSE: every HEAD round above every REV round)")
     return "\n".join(lines)
@@ -123,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                     sides[name].append(bench(trees[name], extra))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT, check=False)
-    print(table(summarize(sides["rev"], sides["head"]), args.rev))
+    print(table(summarize(sides["rev"], sides["head"]), args.rev, worst_of(sides["head"])))
     return 0
 
 

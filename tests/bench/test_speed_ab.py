@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from scripts.speed_ab import parse, summarize, table
+from scripts.speed_ab import parse, summarize, table, worst_of
 
 
 def results(walls: dict[str, list[float]], cpus: dict[str, list[float]]) -> list[dict]:
@@ -38,7 +38,7 @@ def test_each_ratio_has_its_median_and_range_per_side_and_worse_only_beyond_both
     assert [r.worse for r in rows] == [True, False, False, False]
     assert rows[0].rev == [1.00, 1.02, 0.98] and rows[0].head == [1.11, 1.12, 1.10]
     lines = table(rows, "main").splitlines()
-    assert lines[0].split() == ["ratio", "main", "HEAD", "worse"]
+    assert lines[0].split() == ["ratio", "main", "HEAD", "worse", "worst", "at", "HEAD"]
     assert lines[1].split() == ["up", "1.000", "[0.980,", "1.020]", "1.110", "[1.100,", "1.120]", "WORSE"]
     assert lines[2].split() == ["overlap", "1.000", "[0.900,", "1.100]", "1.080", "[1.050,", "1.200]"]
     assert lines[3].split() == ["down", "1.000", "[1.000,", "1.000]", "0.600", "[0.500,", "0.700]"]
@@ -57,3 +57,21 @@ def test_arguments_other_than_rev_and_rounds_go_to_the_bench():
     assert bench == ["--policies", "full,streaming_llm", "--lengths", "128"]
     args, bench = parse(["HEAD~1"])
     assert (args.rev, args.rounds, bench) == ("HEAD~1", 3, ["--quick"])
+
+
+def test_an_every_policy_ratio_names_its_worst_policy_and_each_policy_gets_its_own_row():
+    def run(adakv: float, snapkv: float) -> dict:
+        worst = "adakv" if adakv >= snapkv else "snapkv"
+        details = {"worst": worst, "per_policy": {"adakv": adakv, "snapkv": snapkv}}
+        return {"ratios": {"every": max(adakv, snapkv)}, "ratio_details": {"every": details}}
+
+    rev = [run(2.0, 1.0), run(2.1, 1.0)]
+    head = [run(1.5, 1.2), run(1.0, 1.3), run(1.4, 1.1)]
+    rows = summarize(rev, head)
+    assert [r.ratio for r in rows] == ["every", "every: adakv", "every: snapkv"]
+    assert [r.worse for r in rows] == [False, False, True]  # snapkv got slower though the worst got faster
+    assert worst_of(head) == {"every": "adakv"}  # two of three rounds
+    lines = table(rows, "main", worst_of(head)).splitlines()
+    assert lines[1].split()[1:] == ["2.050", "[2.000,", "2.100]", "1.400", "[1.300,", "1.500]", "adakv"]
+    assert lines[2].split()[-1] == "1.500]"  # neither worse nor an every-policy ratio
+    assert lines[3].split()[-1] == "WORSE"
