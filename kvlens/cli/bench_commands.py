@@ -11,6 +11,7 @@ from pathlib import Path
 from kvlens.cli.common import add_model_args, add_storage_args, command_line, load, print_json
 from kvlens.cli.sweep_commands import add_executor_args, run_cells
 from kvlens.errors import KvlensError
+from kvlens.experiments.bench.ruler import SUITE
 from kvlens.policies import policy_names
 
 ALL_POLICIES = ";".join(policy_names())
@@ -66,8 +67,8 @@ def register(sub) -> None:
         "niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe,fwe)",
     )
     p.add_argument("--lengths", help="comma-separated context lengths in tokens (default 1024,2048,4096)")
-    p.add_argument("--count", type=int, help="samples per task and length (default 8)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated samples")
+    p.add_argument("--count", type=int, help=f"samples per task and length (default {SUITE['count']})")
+    p.add_argument("--seed", type=int, default=SUITE["seed"], help="seed of the generated samples")
     p.add_argument(
         "--samples",
         metavar="FILE.jsonl",
@@ -89,14 +90,14 @@ def register(sub) -> None:
     p.add_argument(
         "--rounding",
         choices=("kvpress", "kvlens"),
-        default="kvpress",
+        default=SUITE["rounding"],
         help="kept slots at a ratio: kvpress's int(T * (1 - ratio)) (default), or kvlens's earlier "
         "T - int(T * ratio), one more when T * ratio is not whole",
     )
     p.add_argument(
         "--depths",
         choices=("stratified", "random"),
-        default="stratified",
+        default=SUITE["depths"],
         help="needle depths: sample i of n in the i-th n-th of the context (default), or RULER's "
         "uniformly random boundaries (the samples made before this option)",
     )
@@ -123,7 +124,7 @@ def register(sub) -> None:
             **p.get_default("parser_defaults"),
             "tasks": DEFAULT_TASKS,
             "lengths": "1024,2048,4096",
-            "count": 8,
+            "count": SUITE["count"],
         }
     )
 
@@ -629,7 +630,7 @@ def cmd_tasks(args) -> int:
         tasks.summarise,
         tasks.figure,
         lambda result: tasks.table(result["summary"]),
-        implied=tasks.IMPLIED,
+        implied=ruler.IMPLIED,
         complete=lambda rows: _needle_depths(args, rows, texts),
         figures=(("_needles", _needle_figure),),
     )

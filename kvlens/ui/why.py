@@ -7,12 +7,9 @@ import json
 
 import streamlit as st
 
+from kvlens.experiments.bench.ruler import IMPLIED, SUITE
 from kvlens.ui.results import results_dir
 from kvlens.ui.state import get_model, open_run
-
-# `kvlens bench tasks`'s sample conventions by default; those of a results file made before an option existed
-SUITE = {"seed": 0, "count": 8, "chat": True, "depths": "stratified", "rounding": "kvpress"}
-BEFORE_OPTION = {"depths": "random", "rounding": "kvlens"}
 
 
 def suite() -> tuple[tuple[str, object], ...]:
@@ -23,7 +20,7 @@ def suite() -> tuple[tuple[str, object], ...]:
         config = json.loads((results_dir() / "bench_tasks.json").read_text())["config"]
     except (OSError, ValueError, KeyError, TypeError):
         return tuple(SUITE.items())
-    return tuple((k, config.get(k, BEFORE_OPTION.get(k, v))) for k, v in SUITE.items())
+    return tuple((k, config.get(k, IMPLIED.get(k, v))) for k, v in SUITE.items())
 
 
 @st.cache_data(max_entries=16, show_spinner=False)

@@ -3,7 +3,9 @@
 
 import json
 
-from kvlens.ui.why import SUITE, suite
+from kvlens.cli import build_parser
+from kvlens.experiments.bench.ruler import SUITE
+from kvlens.ui.why import suite
 
 
 def write_config(folder, config):
@@ -24,6 +26,14 @@ def test_without_a_leaderboard_the_suite_is_bench_tasks_defaults(tmp_path, monke
             "rounding": "kvpress",
         }
     )
+
+
+def test_the_suite_is_what_bench_tasks_runs_without_options():
+    args = build_parser().parse_args(["bench", "tasks"])
+    given = {key: getattr(args, key) for key in ("seed", "count")}
+    chosen = {key: args.parser_defaults[key] if value is None else value for key, value in given.items()}
+    ran = {**chosen, "chat": not args.no_chat, "depths": args.depths, "rounding": args.rounding}
+    assert ran == SUITE
 
 
 def test_a_leaderboard_made_before_the_options_keeps_random_depths_and_kvlens_rounding(tmp_path, monkeypatch):

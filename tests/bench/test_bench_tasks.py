@@ -332,7 +332,7 @@ def test_rows_from_before_the_options_resume_as_kvlens_rounding_and_random_depth
     )
     old = [{k: v for k, v in c.items() if k not in ("rounding", "depths")} | {"results": []} for c in cells]
     (tmp_path / "r.json").write_text(json.dumps({"rows": old}))
-    assert Results(tmp_path / "r.json", cells, {}, implied=tasks.IMPLIED).todo() == []
+    assert Results(tmp_path / "r.json", cells, {}, implied=ruler.IMPLIED).todo() == []
     assert len(Results(tmp_path / "r.json", cells, {}).todo()) == 2
     now = tasks.plan_tasks(
         parse_policies("h2o"),
@@ -347,7 +347,7 @@ def test_rows_from_before_the_options_resume_as_kvlens_rounding_and_random_depth
         source="x",
     )
     assert (
-        len(Results(tmp_path / "r.json", now, {}, implied=tasks.IMPLIED).todo()) == 2
+        len(Results(tmp_path / "r.json", now, {}, implied=ruler.IMPLIED).todo()) == 2
     )  # kvpress, stratified
 
 

@@ -41,6 +41,11 @@ from pathlib import Path
 from kvlens.errors import KvlensError
 
 CHAT_ROOM = 64  # tokens left for the chat template around context and question
+# the suite's sample conventions (`kvlens bench tasks`'s defaults): generator seed, samples per task and
+# length, chat template, needle depths, kept slots at a ratio (`kvlens.experiments.bench.tasks.slots_for`)
+SUITE = {"seed": 0, "count": 8, "chat": True, "depths": "stratified", "rounding": "kvpress"}
+# the conventions of a results file written before the `rounding` and `depths` options existed
+IMPLIED = {"rounding": "kvlens", "depths": "random"}
 
 
 @dataclass(frozen=True)
@@ -525,9 +530,9 @@ def generate(
     index: int,
     count_tokens: Callable[[str], int],
     haystack_text: str,
-    seed: int = 0,
-    depths: str = "stratified",
-    count: int = 8,
+    seed: int = SUITE["seed"],
+    depths: str = SUITE["depths"],
+    count: int = SUITE["count"],
 ) -> Sample:
     """Sample `index` of `count` of `task` at `length` tokens: context plus longest question fill `length -
     64` tokens; its needles at `depths` (see the module docstring; `random` ignores `count`).

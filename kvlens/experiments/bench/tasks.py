@@ -47,8 +47,6 @@ from kvlens.experiments.grid import digest
 from kvlens.kvcache.quantize import Storage
 from kvlens.policies import make_policy, resolve_budget
 
-# what a row written before the `rounding` and `depths` options had (`grid.Results`)
-IMPLIED = {"rounding": "kvlens", "depths": "random"}
 ANSWER_BATCH_BYTES = (
     1 << 30
 )  # a batch's slots, each cache padded to the longest: about this at most (plus one cache)
@@ -98,7 +96,7 @@ def sample_of(model: LoadedModel, texts: dict[str, str], cell: dict) -> ruler.Sa
         lambda s: len(model.tokenizer(s, add_special_tokens=False).input_ids),
         texts["haystack"],
         seed=cell["seed"],
-        depths=cell.get("depths") or IMPLIED["depths"],
+        depths=cell.get("depths") or ruler.IMPLIED["depths"],
         count=cell.get("count", 1),
     )
 
@@ -153,7 +151,7 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
             slots = (
                 None
                 if ratio is None
-                else slots_for(ratio, len(prompt), cell.get("rounding", IMPLIED["rounding"]))
+                else slots_for(ratio, len(prompt), cell.get("rounding", ruler.IMPLIED["rounding"]))
             )
             budget = (
                 None if ratio is None else resolve_budget(policy, slots, len(prompt), len(prompt) + extra)
