@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+PATIENCE_MS = 120_000  # a browser test's default wait (Playwright's is 30 s, `expect`'s 5 s)
+
 
 @pytest.fixture(scope="module")
 def external_requests() -> list[str]:
@@ -49,9 +51,14 @@ def chromium_app(runs_dir: Path):
 
 def offline_page(chromium, external_requests: list[str], width: int = 1500, height: int = 1000):
     """A page in a new browser context (no cookies, no session) whose requests off 127.0.0.1 are refused and
-    recorded in `external_requests` (the `offline` fixture then fails the test)."""
+    recorded in `external_requests` (the `offline` fixture then fails the test). Its waits and `expect`s allow
+    `PATIENCE_MS`: the suite runs beside other test processes, and a loaded machine paints slowly."""
+    from playwright.sync_api import expect
+
     from kvlens.ui.browser import refuse_external
 
     context = chromium.new_context(viewport={"width": width, "height": height})
+    context.set_default_timeout(PATIENCE_MS)
+    expect.set_options(timeout=PATIENCE_MS)
     refuse_external(context, external_requests)
     return context.new_page()
