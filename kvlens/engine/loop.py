@@ -148,6 +148,7 @@ class _Loop:
             limit=length if budget is None else budget + self.headroom,
             all_layers=budget is not None and opts.batch_layers and batchable(policy) and not once,
             chunked=bool(self.chunk),
+            paged=not opts.storage.packed and not policy.needs().pruned_keys,
         )
         self.log = DecisionLog() if opts.log_decisions else None
         self.ctx = RunContext(

@@ -6,7 +6,9 @@ really freed; later steps write into them in place. Caches that grow (full, budg
 chunks up to `limit` (the run's length). In all-layer mode (a budgeted policy the engine batches,
 `kvlens.engine.loop.batchable`) those buffers are one store of L * Hkv rows that the cache allocates itself
 when the first layer compresses, and each layer becomes a view of its rows: a decode step's one eviction per
-head then runs once for all layers. After the prompt's compression the stores may become packed
+head then runs once for all layers. A layer of its own store whose heads keep different counts may be laid
+out in pages instead (`kvlens.kvcache.paged`), each head holding its own slots, not its fullest head's count
+(in the all-layer store they stay padded). After the prompt's compression the stores may become packed
 (`kvlens.kvcache.quantized`). `nbytes` is what is allocated.
 """
 
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from kvlens.errors import KvlensError
+from kvlens.kvcache.paged import PagedStore
 from kvlens.kvcache.quantize import Storage
 from kvlens.kvcache.quantized import SHARED_STORE, pack, prune, seal_layers
 from kvlens.kvcache.store import STATS, LayerBook, SlotStore
@@ -35,13 +38,21 @@ class KVCache:
     layer will need (budget + 1, or the run's length for growing caches; per layer after `set_budgets`).
     `all_layers=True` (a budgeted policy the engine batches, `kvlens.engine.loop.batchable`): a compressed
     layer's slots go into the rows of one store for every layer (see the module docstring). `chunked`: a
-    chunked prefill, whose chunks fill freed slots first (`kvlens.kvcache.tokens.append`).
+    chunked prefill, whose chunks fill freed slots first (`kvlens.kvcache.tokens.append`). `paged`: a layer
+    with a store of its own whose heads keep different counts gets a `PagedStore` (no padding held; keys and
+    values in the model's dtype only, so not with packed storage or pruned keys; never in all-layer mode).
     """
 
     def __init__(
-        self, n_layers: int, limit: int | None = None, all_layers: bool = False, chunked: bool = False
+        self,
+        n_layers: int,
+        limit: int | None = None,
+        all_layers: bool = False,
+        chunked: bool = False,
+        paged: bool = False,
     ):
         self.all_layer_mode = all_layers
+        self.paged = paged and not all_layers
         self.chunked = chunked
         self.shared: SlotStore | None = None
         self.books = [LayerBook(layer=i, limit=limit) for i in range(n_layers)]
@@ -75,10 +86,13 @@ class KVCache:
         finally:
             self._replaying = False
 
-    def __call__(self, view: SlotRows, capacity: int) -> tuple[SlotStore, slice]:
-        """Where a layer's compressed layout goes: its rows of the all-layer store, or a store of its own."""
+    def __call__(self, view: SlotRows, capacity: int, padded: bool) -> tuple[SlotStore, slice]:
+        """Where a layer's compressed layout goes: its rows of the all-layer store, or a store of its own
+        (paged when `paged` and its heads keep different counts, `padded`)."""
         hkv = view.keys.shape[1]
         if not self.all_layer_mode or len(view.books) != 1 or capacity != view.books[0].limit:
+            if self.paged and padded and not view._live.tail_padding:
+                return PagedStore.like(view._live, hkv, capacity), slice(0, hkv)
             return view._live.empty_like(hkv, capacity), slice(0, hkv)
         if self.shared is None:
             self.shared = view._live.empty_like(hkv * len(self.layers), capacity)

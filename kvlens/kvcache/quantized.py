@@ -19,7 +19,7 @@ from kvlens.kvcache.kivi import QuantizedStates, seal
 from kvlens.kvcache.lowrank import LowRankStates, seal_cross_layer, seal_low_rank
 from kvlens.kvcache.quantize import Storage, slot_mask
 from kvlens.kvcache.rank import fit_rank
-from kvlens.kvcache.store import STATES, SlotStore
+from kvlens.kvcache.store import STATES, SlotStore, empty_buffers
 
 Packed = QuantizedStates | LowRankStates | ChannelStates
 SHARED_STORE = (
@@ -48,7 +48,7 @@ class PackedStore(SlotStore):
 
     def empty_like(self, rows: int, capacity: int) -> PackedStore:
         return PackedStore(
-            self._empty_buffers(rows, capacity),
+            empty_buffers(self.buffers, rows, capacity),
             0,
             {name: q.empty(rows, capacity) for name, q in self.packed.items()},
         )

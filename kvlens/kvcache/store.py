@@ -42,6 +42,8 @@ class LayerBook:
 class SlotStore:
     """Buffers of R rows x C slots (see the module docstring) and the count `n` of slots in use."""
 
+    tail_padding = False  # `SlotRows.retain` puts each row's padding after its kept slots (paged storage)
+
     def __init__(self, buffers: dict[str, torch.Tensor], n: int):
         self.buffers = buffers  # keys/values (1, R, C, D) unless packed, pos/abar/nobs/valid (R, C)
         self.extra: dict[str, torch.Tensor] = {}  # name -> (R, C, ...)
@@ -58,15 +60,7 @@ class SlotStore:
 
     def empty_like(self, rows: int, capacity: int) -> SlotStore:
         """A store of `rows` x `capacity` free slots with this one's buffers and storage (none in use)."""
-        return SlotStore(self._empty_buffers(rows, capacity), 0)
-
-    def _empty_buffers(self, rows: int, capacity: int) -> dict[str, torch.Tensor]:
-        return {
-            name: t.new_full(
-                (1, rows, capacity, t.shape[-1]) if name in STATES else (rows, capacity), STATS.get(name, 0)
-            )
-            for name, t in self.buffers.items()
-        }
+        return SlotStore(empty_buffers(self.buffers, rows, capacity), 0)
 
     def names(self) -> list[str]:
         """Every per-slot tensor the store holds: keys, values and the statistics."""
@@ -131,6 +125,16 @@ class SlotStore:
         )
 
 
+def empty_buffers(buffers: dict[str, torch.Tensor], rows: int, capacity: int) -> dict[str, torch.Tensor]:
+    """Free buffers of `rows` x `capacity` slots shaped and typed like `buffers`."""
+    return {
+        name: t.new_full(
+            (1, rows, capacity, t.shape[-1]) if name in STATES else (rows, capacity), STATS.get(name, 0)
+        )
+        for name, t in buffers.items()
+    }
+
+
 def first_valid(holes: torch.Tensor) -> torch.Tensor | None:
     """Freed slots `(Hkv, E)` with each row's real ones (not -1) first, in order; columns of -1 dropped."""
     if not bool((holes < 0).any()):
@@ -138,6 +142,14 @@ def first_valid(holes: torch.Tensor) -> torch.Tensor | None:
     holes = holes.gather(1, torch.sort((holes < 0).int(), dim=1, stable=True).indices)
     width = int((holes >= 0).sum(-1).max())
     return holes[:, :width] if width else None
+
+
+def lowest_first(holes: torch.Tensor) -> torch.Tensor:
+    """Freed slots `(Hkv, E)` ascending, -1 entries last: tokens reuse a row's lowest free slot, so a paged
+    row's pages stay few."""
+    top = torch.iinfo(holes.dtype).max
+    ordered = holes.masked_fill(holes < 0, top).sort(dim=1).values
+    return ordered.masked_fill_(ordered == top, -1)
 
 
 def padded_slots(gone: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,8 @@ memory is really freed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from typing import Any
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any, Protocol
 
 import torch
 
@@ -31,11 +31,20 @@ from kvlens.kvcache.store import (
     LayerBook,
     SlotStore,
     first_valid,
+    lowest_first,
     padded_index,
     padded_slots,
 )
 
-Layout = Callable[["SlotRows", int], tuple[SlotStore, slice]]  # (view, capacity) -> (store, rows)
+
+class Layout(Protocol):
+    """Where a view's compressed layout goes (`KVCache`); `paged`: padded layouts go into pages."""
+
+    paged: bool
+
+    def __call__(self, view: SlotRows, capacity: int, padded: bool) -> tuple[SlotStore, slice]:
+        """(view, capacity, padded: its heads keep different counts) -> (store, rows)."""
+        ...
 
 
 class ExtraView(MutableMapping[str, torch.Tensor]):
@@ -245,7 +254,8 @@ class SlotRows:
         When the slots in use exceed a layer's `limit` (the prompt's cache after its first compression), the
         kept slots move into buffers of `limit` slots (or of its fullest head's count, when heads keep
         different counts) and the old ones are released. Once fitted, a layer whose fullest head outgrows the
-        limit is refitted only when its free slots exceed `GROWTH`, not at every step.
+        limit is refitted only when its free slots exceed `GROWTH`, not at every step. A layer whose heads
+        come to keep different counts moves into pages when its owner pages (`KVCache`'s `paged`).
         """
         store = self._live
         uneven = bool((index < 0).any())
@@ -267,7 +277,8 @@ class SlotRows:
             store.order = None
         counts = self.valid.sum(-1).chunk(len(self.books)) if uneven else ()
         for i, (book, part) in enumerate(zip(self.books, index.chunk(len(self.books)), strict=True)):
-            book.holes = first_valid(part if book.holes is None else torch.cat([book.holes, part], dim=1))
+            holes = part if book.holes is None else torch.cat([book.holes, part], dim=1)
+            book.holes = first_valid(lowest_first(holes) if store.tail_padding else holes)
             if uneven:
                 book.n_kept, book.pad = (
                     int(counts[i].max()),
@@ -276,12 +287,11 @@ class SlotRows:
             else:
                 book.n_kept -= part.shape[1]
         (book, *more), limit = self.books, self.books[0].limit
-        if (
-            not more
-            and limit is not None
-            and store.n > limit
-            and (not book.fitted or store.n > book.n_kept + GROWTH)
-        ):
+        if more or limit is None:
+            return
+        outgrown = store.n > limit and (not book.fitted or store.n > book.n_kept + GROWTH)
+        to_pages = book.pad and not store.tail_padding and self.owner is not None and self.owner.paged
+        if outgrown or to_pages:
             kept, valid = padded_index(self.valid)
             self.retain(kept, valid if bool((~valid).any()) else None, capacity=limit)
 
@@ -290,12 +300,20 @@ class SlotRows:
     ) -> None:
         """Keep slots `index` `(R, S')`, in that slot order, and free the rest (new buffers, or the rows the
         cache allocates for a compressed layout). `valid` `(R, S')` marks padding when rows keep different
-        counts."""
+        counts; a store with `tail_padding` (paged) receives each row's kept slots first, then its padding."""
         s = index.shape[1]
         capacity = max(s, capacity or s)
         d = self.keys.shape[-1]
-        idx4 = index[None, :, :, None].expand(1, -1, -1, d)
         old, old_rows = self._live, self.rows
+        store, rows = (
+            self.owner(self, capacity, valid is not None)
+            if self.owner is not None
+            else (old.empty_like(index.shape[0], capacity), slice(0, index.shape[0]))
+        )
+        if valid is not None and store.tail_padding:
+            tail = torch.sort((~valid).int(), dim=1, stable=True).indices
+            index, valid = index.gather(1, tail), valid.gather(1, tail)
+        idx4 = index[None, :, :, None].expand(1, -1, -1, d)
         kept = {
             name: torch.gather(self._view(name), 2, idx4)
             if name in STATES
@@ -312,12 +330,7 @@ class SlotRows:
         if self.last_attn is not None:  # per query head: map each query head to its KV head's index
             group = self.last_attn.shape[0] // index.shape[0]
             self.last_attn = torch.gather(self.last_attn, 1, index.repeat_interleave(group, 0))
-        self.store, self.rows = (
-            self.owner(self, capacity)
-            if self.owner is not None
-            else (old.empty_like(index.shape[0], capacity), slice(0, index.shape[0]))
-        )
-        store = self.store
+        self.store, self.rows = store, rows
         store.n = capacity  # the spare slots are free ones, which the next tokens fill
         for name, t in kept.items():
             if name in store.buffers:

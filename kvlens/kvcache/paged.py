@@ -1,0 +1,175 @@
+"""`PagedStore`: a slot store whose keys and values live in pages, so heads that keep different counts
+(Ada-KV, KVzip) hold their own slots only, not a layout padded to the layer's fullest head.
+
+Keys and values are each a pool of pages `(P, PAGE, D)`; a page table `(R, ceil(C / PAGE))` names the page
+of each row's slots s .. s + PAGE - 1 (-1: none allocated), so slot s of row r is entry s % PAGE of page
+`table[r, s // PAGE]`. The statistics (`pos`, `abar`, `nobs`, `valid`, `extra`) stay `(R, C)` buffers. As
+in `kvlens.kvcache.quantized.PackedStore`, reading keys or values gathers the rows asked for into a working
+copy `(1, R', n, D)` (zeros where no page is allocated), and `commit` writes back the valid slots a policy
+changed in it. Writing a slot allocates its page; a page none of whose slots is valid is released for reuse.
+The pool grows by at least one page per row and never shrinks: `nbytes` counts all of it. `SlotRows.retain`
+lays a paged row out with its kept slots first, so a head's padding needs no page; a layer's store becomes
+paged there (`KVCache`'s `paged`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlens.kvcache.quantize import slot_mask
+from kvlens.kvcache.store import STATES, SlotStore, empty_buffers
+
+PAGE = 8  # slots per page
+
+
+class PagedStore(SlotStore):
+    """A `SlotStore` (module docstring) with `pools`: name ("keys"/"values") -> `(P, PAGE, D)`, and `table`
+    `(R, ceil(C / PAGE))` page ids."""
+
+    tail_padding = True
+
+    def __init__(self, buffers: dict[str, torch.Tensor], n: int, pools: dict[str, torch.Tensor]):
+        super().__init__(buffers, n)
+        self.pools = pools
+        self.table = torch.full((self.rows, _pages(self.capacity)), -1, device=buffers["pos"].device)
+        self.spare: list[int] = []  # released page ids, reused first
+        self.working: dict[tuple[str, int, int], torch.Tensor] = {}  # (name, first row, end row) -> copy
+
+    @classmethod
+    def like(cls, store: SlotStore, rows: int, capacity: int) -> PagedStore:
+        """An empty paged store of `rows` x `capacity` slots with `store`'s statistics, dtype, head size."""
+        stats = {k: t for k, t in store.buffers.items() if k not in STATES}
+        pools = {}
+        for name in STATES:
+            x = store.states(name, slice(0, 1))
+            pools[name] = x.new_zeros((0, PAGE, x.shape[-1]))
+        return cls(empty_buffers(stats, rows, capacity), 0, pools)
+
+    def empty_like(self, rows: int, capacity: int) -> PagedStore:
+        return PagedStore(
+            empty_buffers(self.buffers, rows, capacity),
+            0,
+            {name: p.new_zeros((0, *p.shape[1:])) for name, p in self.pools.items()},
+        )
+
+    def names(self) -> list[str]:
+        return [*self.buffers, *STATES]
+
+    def states(self, name: str, rows: slice) -> torch.Tensor:
+        """Keys or values `(1, R', n, D)` of `rows`: their working copy."""
+        start, stop, _ = rows.indices(self.rows)
+        key = (name, start, stop)
+        if key not in self.working:
+            self.commit(name)
+            self.working[key] = self._read(name, slice(start, stop))[None]
+        return self.working[key]
+
+    def _read(self, name: str, rows: slice) -> torch.Tensor:
+        """`(R', n, D)` of `rows` gathered from the pages, zeros where none is allocated."""
+        table, pool = self.table[rows], self.pools[name]
+        if not pool.shape[0]:
+            return pool.new_zeros((table.shape[0], self.n, pool.shape[-1]))
+        x = pool[table.clamp(min=0)].masked_fill((table < 0)[..., None, None], 0)  # (R', T, PAGE, D)
+        return x.flatten(1, 2)[:, : self.n]
+
+    def commit(self, name: str | None = None) -> None:
+        """Write the valid slots changed in the working copies (of `name`, or both) and drop the copies."""
+        for key in [k for k in self.working if name is None or k[0] == name]:
+            copy = self.working.pop(key)[0]
+            rows = slice(key[1], key[2])
+            if copy.shape[1] != self.n:
+                continue  # the slots in use changed since (a rewind): nothing a policy wrote
+            changed = (copy != self._read(key[0], rows)).any(-1) & self.buffers["valid"][rows, : self.n]
+            r, s = changed.nonzero(as_tuple=True)
+            if r.numel():
+                self._write(key[0], r + key[1], s, copy[r, s])
+
+    def _write(self, name: str, r: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> None:
+        """Slots `s` `(k,)` of rows `r` `(k,)` get `x` `(k, D)`, their pages allocated first when needed."""
+        col = s // PAGE
+        missing = self.table[r, col] < 0
+        if bool(missing.any()):
+            self._allocate(torch.unique(torch.stack([r[missing], col[missing]]), dim=1))
+        self.pools[name][self.table[r, col], s % PAGE] = x
+
+    def _allocate(self, where: torch.Tensor) -> None:
+        """A page for each (row, column) of `where` `(2, k)`; the pool grows when too few are spare."""
+        k = where.shape[1]
+        if len(self.spare) < k:
+            size = self.pools["keys"].shape[0]
+            grow = max(k - len(self.spare), self.rows)
+            for name, pool in self.pools.items():
+                self.pools[name] = torch.cat([pool, pool.new_zeros((grow, *pool.shape[1:]))])
+            self.spare.extend(range(size, size + grow))
+        ids, self.spare = self.spare[:k], self.spare[k:]
+        page = torch.tensor(ids, device=self.table.device)
+        for pool in self.pools.values():
+            pool[page] = 0
+        self.table[where[0], where[1]] = page
+
+    def write_states(
+        self,
+        rows: slice,
+        slots: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        """New tokens' keys and values `(1, R', q, D)` into `slots` `(R', q)` of `rows`."""
+        self.commit()
+        r = (torch.arange(slots.shape[0], device=slots.device)[:, None] + rows.start).expand_as(slots)
+        for name, x in (("keys", key), ("values", value)):
+            self._write(name, r.flatten(), slots.flatten(), x[0].flatten(0, 1))
+        return None
+
+    def forget(self, rows: slice, index: torch.Tensor) -> None:
+        """Slots `index` `(R', E)` are freed: the pages left without a valid slot are released."""
+        self.commit()
+        left = self.buffers["valid"][rows, : self.n] & ~slot_mask(index, self.n)
+        table = self.table[rows]
+        held = torch.nn.functional.pad(left, (0, table.shape[1] * PAGE - self.n))
+        empty = (table >= 0) & ~held.view(*table.shape, PAGE).any(-1)
+        if bool(empty.any()):
+            self.spare.extend(table[empty].tolist())
+            table.masked_fill_(empty, -1)
+
+    def take(
+        self, rows: slice, old: SlotStore, old_rows: slice, index: torch.Tensor, kept: dict[str, torch.Tensor]
+    ) -> None:
+        """The kept valid slots' keys and values (`kept`, `(1, R', S, D)`) into pages; padding gets none."""
+        r, s = kept["valid"].nonzero(as_tuple=True)
+        for name in STATES:
+            self._write(name, r + rows.start, s, kept[name][0][r, s])
+
+    def snapshot(self) -> torch.Tensor:
+        self.commit()
+        return self.table.clone()
+
+    def restore(self, saved: object) -> None:
+        """The page table of `snapshot`: pages allocated since are released (the appends since only wrote
+        slots that were free then)."""
+        if not isinstance(saved, torch.Tensor):
+            raise TypeError("kvlens: a paged store restores a page table")
+        self.working.clear()
+        self.table = torch.nn.functional.pad(saved, (0, self.table.shape[1] - saved.shape[1]), value=-1)
+        held = set(self.table[self.table >= 0].tolist())
+        self.spare = [p for p in range(self.pools["keys"].shape[0]) if p not in held]
+
+    def resize(self, capacity: int) -> None:
+        super().resize(capacity)
+        self.table = torch.nn.functional.pad(
+            self.table, (0, _pages(capacity) - self.table.shape[1]), value=-1
+        )
+
+    def nbytes(self, rows: slice) -> int:
+        """Bytes of the whole pool (spare pages included) for every row, else of the pages `rows` hold."""
+        pages = (
+            self.pools["keys"].shape[0]
+            if len(range(*rows.indices(self.rows))) == self.rows
+            else int((self.table[rows] >= 0).sum())
+        )
+        return pages * sum(PAGE * p.shape[-1] * p.element_size() for p in self.pools.values())
+
+
+def _pages(capacity: int) -> int:
+    return -(-capacity // PAGE)
