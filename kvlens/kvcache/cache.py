@@ -52,10 +52,9 @@ class KVCache:
         paged: bool = False,
     ):
         self.all_layer_mode = all_layers
-        self.paged = paged and not all_layers
         self.chunked = chunked
         self.shared: SlotStore | None = None
-        self.books = [LayerBook(layer=i, limit=limit) for i in range(n_layers)]
+        self.books = [LayerBook(i, limit, paged=paged and not all_layers) for i in range(n_layers)]
         self.layers = [SlotRows([book], owner=self) for book in self.books]
         self._positions: torch.Tensor | None = None
         self._replaying = False  # a replay pass is being fed: `update` caches nothing
@@ -88,10 +87,10 @@ class KVCache:
 
     def __call__(self, view: SlotRows, capacity: int, padded: bool) -> tuple[SlotStore, slice]:
         """Where a layer's compressed layout goes: its rows of the all-layer store, or a store of its own
-        (paged when `paged` and its heads keep different counts, `padded`)."""
+        (paged when its book pages and its heads keep different counts, `padded`)."""
         hkv = view.keys.shape[1]
         if not self.all_layer_mode or len(view.books) != 1 or capacity != view.books[0].limit:
-            if self.paged and padded and not view._live.tail_padding:
+            if view.books[0].paged and padded and not view._live.tail_padding:
                 return PagedStore.like(view._live, hkv, capacity), slice(0, hkv)
             return view._live.empty_like(hkv, capacity), slice(0, hkv)
         if self.shared is None:

@@ -33,6 +33,7 @@ class LayerBook:
     holes: torch.Tensor | None = None  # (Hkv, E) slots freed by `free`, to be reused first
     pad: bool = False  # `retain` left padding (heads keeping different counts): each head's own free slots
     fitted: bool = False  # `retain` fitted the buffers to the kept slots (the prompt's memory is freed)
+    paged: bool = False  # a padded layout goes into pages (`kvlens.kvcache.paged`)
     written: torch.Tensor | None = None  # (Hkv, q) the slots the latest `append` wrote
     # quantized storage: the latest `append`'s keys and values (Hkv, q, D) as fed
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -16,8 +16,8 @@ memory is really freed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, MutableMapping
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import Any
 
 import torch
 
@@ -36,15 +36,8 @@ from kvlens.kvcache.store import (
     padded_slots,
 )
 
-
-class Layout(Protocol):
-    """Where a view's compressed layout goes (`KVCache`); `paged`: padded layouts go into pages."""
-
-    paged: bool
-
-    def __call__(self, view: SlotRows, capacity: int, padded: bool) -> tuple[SlotStore, slice]:
-        """(view, capacity, padded: its heads keep different counts) -> (store, rows)."""
-        ...
+# (view, capacity, padded: its heads keep different counts) -> (store, rows)
+Layout = Callable[["SlotRows", int, bool], tuple[SlotStore, slice]]
 
 
 class ExtraView(MutableMapping[str, torch.Tensor]):
@@ -255,7 +248,7 @@ class SlotRows:
         kept slots move into buffers of `limit` slots (or of its fullest head's count, when heads keep
         different counts) and the old ones are released. Once fitted, a layer whose fullest head outgrows the
         limit is refitted only when its free slots exceed `GROWTH`, not at every step. A layer whose heads
-        come to keep different counts moves into pages when its owner pages (`KVCache`'s `paged`).
+        come to keep different counts moves into pages when its book says so (`LayerBook.paged`).
         """
         store = self._live
         uneven = bool((index < 0).any())
@@ -290,7 +283,7 @@ class SlotRows:
         if more or limit is None:
             return
         outgrown = store.n > limit and (not book.fitted or store.n > book.n_kept + GROWTH)
-        to_pages = book.pad and not store.tail_padding and self.owner is not None and self.owner.paged
+        to_pages = book.pad and book.paged and not store.tail_padding
         if outgrown or to_pages:
             kept, valid = padded_index(self.valid)
             self.retain(kept, valid if bool((~valid).any()) else None, capacity=limit)

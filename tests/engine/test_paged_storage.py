@@ -1,0 +1,133 @@
+"""Paged storage (`kvlens.kvcache.paged`): a layer whose heads keep different counts holds pages for its kept
+slots only (bytes = allocated pages x PAGE x (K + V) x D x dtype size), and its decisions and tokens are the
+padded layout's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvlens.engine.loop as loop_module
+from kvlens.engine.loop import RunOptions, run
+from kvlens.kvcache.cache import KVCache
+from kvlens.kvcache.paged import PAGE, PagedStore
+from kvlens.policies import make_policy
+from kvlens.texts import prefix_ids
+
+N, D = 32, 4  # the unit tests' prompt: 2 KV heads x 32 slots of width 4 (float32)
+PAGE_BYTES = PAGE * 2 * D * 4  # one page of keys and one of values
+
+
+def paged_layer(limit: int) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+    """A one-layer paged cache after its prompt's compression: head 0 keeps positions 20..31 (12 slots), head
+    1 positions 4..31 (28 slots); also the prompt's keys and values `(1, 2, N, D)`."""
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 2, N, D, generator=g), torch.randn(1, 2, N, D, generator=g)
+    cache = KVCache(1, limit=limit, paged=True)
+    with cache.feeding(torch.arange(N)):
+        cache.update(keys, values, 0)
+    gone = torch.tensor([list(range(20)), [0, 1, 2, 3] + [-1] * 16])
+    cache.layers[0].free(gone)
+    return cache, keys, values
+
+
+def append(cache: KVCache, position: int, value: float) -> None:
+    """One decode token at `position` whose keys and values are all `value`."""
+    x = torch.full((1, 2, 1, D), value)
+    with cache.feeding(torch.tensor([position])):
+        cache.update(x, x, 0)
+
+
+@pytest.mark.parametrize("limit", [29, 64], ids=["outgrown", "within-limit"])
+def test_uneven_heads_hold_pages_for_their_kept_slots_only(limit):
+    cache, keys, values = paged_layer(limit)
+    layer = cache.layers[0]
+    store = layer.store
+    assert isinstance(store, PagedStore)
+    capacity = max(limit, 28)
+    assert layer.valid.tolist() == [
+        [True] * 12 + [False] * (capacity - 12),
+        [True] * 28 + [False] * (capacity - 28),
+    ]
+    assert layer.pos[0, :12].tolist() == list(range(20, 32)) and layer.pos[1, :28].tolist() == list(
+        range(4, 32)
+    )
+    pages = -(-12 // PAGE) + -(-28 // PAGE)
+    assert int((store.table >= 0).sum()) == pages == store.pools["keys"].shape[0]
+    assert cache.nbytes == pages * PAGE_BYTES
+    assert torch.equal(layer.keys[0, 0, :12], keys[0, 0, 20:]) and torch.equal(
+        layer.keys[0, 1, :28], keys[0, 1, 4:]
+    )
+    assert torch.equal(layer.values[0, 0, :12], values[0, 0, 20:])
+    assert not layer.keys[0, 0, 12:].any()  # padding has no page: it reads zeros
+
+
+def test_a_page_left_without_a_valid_slot_is_released_and_reused():
+    cache, _, _ = paged_layer(29)
+    layer, store = cache.layers[0], cache.layers[0].store
+    assert isinstance(store, PagedStore)
+    page = int(store.table[0, 1])
+    layer.free(torch.tensor([[8, 9, 10, 11], [-1] * 4]))  # head 0's second page: slots 8..11 were its last
+    assert int(store.table[0, 1]) == -1 and store.spare == [page]
+    assert cache.nbytes == 6 * PAGE_BYTES  # the pool keeps its pages
+    append(cache, N, 5.0)  # head 0's lowest free slot is 8: the page comes back
+    assert int(store.table[0, 1]) == page and not store.spare
+    assert layer.pos[0, 8].item() == N and layer.keys[0, 0, 8].eq(5.0).all()
+    assert int(layer.pos[1, 28]) == N  # head 1's next slot after its kept ones, in its fourth page
+    assert store.pools["keys"].shape[0] == 6
+
+
+def test_a_new_page_grows_the_pool_by_a_page_per_row_and_rewind_releases_it():
+    cache, keys, _ = paged_layer(64)
+    layer, store = cache.layers[0], cache.layers[0].store
+    assert isinstance(store, PagedStore)
+    layer.free(torch.tensor([[-1], [4]]))  # head 1's tokens go into slots 4, 28..31: no new page
+    mark = cache.mark()
+    for step in range(5):  # head 0 fills slots 12..16: slot 16 opens its third page
+        append(cache, N + step, float(step))
+    assert layer.pos[1, 4].item() == N and int(layer.pos[0, 16]) == N + 4
+    assert store.pools["keys"].shape[0] == 6 + 2 and int((store.table >= 0).sum()) == 7
+    assert cache.nbytes == 8 * PAGE_BYTES
+    cache.rewind(mark)
+    assert int((store.table >= 0).sum()) == 6 and len(store.spare) == 2
+    assert torch.equal(layer.keys[0, 0, :12], keys[0, 0, 20:]) and layer.valid.sum(-1).tolist() == [12, 27]
+
+
+def test_what_a_policy_merges_into_the_working_copy_is_committed():
+    cache, _, values = paged_layer(29)
+    layer = cache.layers[0]
+    layer.values = layer.values * 2
+    cache.commit()
+    assert torch.equal(layer.values[0, 1, :28], values[0, 1, 4:] * 2)
+    assert not layer.values[0, 0, 12:].any()  # padding slots stay without a page
+
+
+def test_the_all_layer_store_is_never_paged():
+    assert not any(book.paged for book in KVCache(2, limit=8, all_layers=True, paged=True).books)
+
+
+class Padded(KVCache):
+    """The engine's cache with paging off: the padded layout to compare with."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "paged": False})
+
+
+@pytest.mark.parametrize("name", ["adakv", "kvzip"])
+def test_uneven_policies_hold_half_the_cache_at_budget_half_with_the_padded_layouts_decisions(
+    smol, long_text, monkeypatch, name
+):
+    """1024 prompt tokens, budget 512, 8 steps: peak bytes at most 0.52 of the prompt's full cache (PAGE 8;
+    the padded layout holds ~0.70), the same evictions and tokens as the padded layout."""
+    ids = prefix_ids(smol, long_text, 1024)
+    opts = RunOptions(budget=512, max_new_tokens=8, stop_at_eos=False, record="summary")
+    paged = run(smol, make_policy(name), ids, prefill=1024, steps=8, teacher=False, opts=opts)
+    monkeypatch.setattr(loop_module, "KVCache", Padded)
+    padded = run(smol, make_policy(name), ids, prefill=1024, steps=8, teacher=False, opts=opts)
+    m = paged.metrics
+    assert m["kv_bytes_peak"] / m["kv_bytes_prefill"] <= 0.52
+    assert padded.metrics["kv_bytes_peak"] / m["kv_bytes_prefill"] > 0.6
+    assert paged.meta["tokens"] == padded.meta["tokens"]
+    structural = ["step", "layer", "kv_head", "action", "position"]
+    a, b = (r.decisions[structural].sort_values(structural).reset_index(drop=True) for r in (paged, padded))
+    assert len(a) > 0 and a.equals(b)
