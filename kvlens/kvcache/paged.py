@@ -3,13 +3,14 @@
 
 Keys and values are each a pool of pages `(P, PAGE, D)`; a page table `(R, ceil(C / PAGE))` names the page
 of each row's slots s .. s + PAGE - 1 (-1: none allocated), so slot s of row r is entry s % PAGE of page
-`table[r, s // PAGE]`. The statistics (`pos`, `abar`, `nobs`, `valid`, `extra`) stay `(R, C)` buffers. As
-in `kvlens.kvcache.quantized.PackedStore`, reading keys or values gathers the rows asked for into a working
-copy `(1, R', n, D)` (zeros where no page is allocated), and `commit` writes back the valid slots a policy
-changed in it. Writing a slot allocates its page; a page none of whose slots is valid is released for reuse.
-The pool grows by at least one page per row and never shrinks: `nbytes` counts all of it. `SlotRows.retain`
-lays a paged row out with its kept slots first, so a head's padding needs no page; a layer's store becomes
-paged there (`KVCache`'s `paged`).
+`table[r, s // PAGE]`. Page 0 holds zeros and is never allocated: an entry of -1 reads it. The statistics
+(`pos`, `abar`, `nobs`, `valid`, `extra`) stay `(R, C)` buffers. As in
+`kvlens.kvcache.quantized.PackedStore`, reading keys or values gathers the rows asked for into a working copy
+`(1, R', n, D)` (zeros where no page is allocated), and `commit` writes back the valid slots a policy changed
+in it, then drops the copy. Writing a slot allocates its page; a page none of whose slots is valid is
+released for reuse. The pool grows by at least one page per row and never shrinks: `nbytes` counts all of it,
+page 0 included. `SlotRows.retain` lays a paged row out with its kept slots first, so a head's padding needs
+no page; a layer's store becomes paged there (`LayerBook.paged`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class PagedStore(SlotStore):
         super().__init__(buffers, n)
         self.pools = pools
         self.table = torch.full((self.rows, _pages(self.capacity)), -1, device=buffers["pos"].device)
-        self.spare: list[int] = []  # released page ids, reused first
+        self.spare: list[int] = []  # released page ids, reused first (page 0 holds zeros, never allocated)
         self.working: dict[tuple[str, int, int], torch.Tensor] = {}  # (name, first row, end row) -> copy
 
     @classmethod
@@ -42,14 +43,14 @@ class PagedStore(SlotStore):
         pools = {}
         for name in STATES:
             x = store.states(name, slice(0, 1))
-            pools[name] = x.new_zeros((0, PAGE, x.shape[-1]))
+            pools[name] = x.new_zeros((1, PAGE, x.shape[-1]))
         return cls(empty_buffers(stats, rows, capacity), 0, pools)
 
     def empty_like(self, rows: int, capacity: int) -> PagedStore:
         return PagedStore(
             empty_buffers(self.buffers, rows, capacity),
             0,
-            {name: p.new_zeros((0, *p.shape[1:])) for name, p in self.pools.items()},
+            {name: p.new_zeros((1, *p.shape[1:])) for name, p in self.pools.items()},
         )
 
     def names(self) -> list[str]:
@@ -65,12 +66,9 @@ class PagedStore(SlotStore):
         return self.working[key]
 
     def _read(self, name: str, rows: slice) -> torch.Tensor:
-        """`(R', n, D)` of `rows` gathered from the pages, zeros where none is allocated."""
-        table, pool = self.table[rows], self.pools[name]
-        if not pool.shape[0]:
-            return pool.new_zeros((table.shape[0], self.n, pool.shape[-1]))
-        x = pool[table.clamp(min=0)].masked_fill((table < 0)[..., None, None], 0)  # (R', T, PAGE, D)
-        return x.flatten(1, 2)[:, : self.n]
+        """`(R', n, D)` of `rows` gathered from the pages (page 0, zeros, where none is allocated)."""
+        table = self.table[rows, : _pages(self.n)].clamp(min=0)
+        return self.pools[name][table].flatten(1, 2)[:, : self.n]  # (R', T, PAGE, D) -> (R', n, D)
 
     def commit(self, name: str | None = None) -> None:
         """Write the valid slots changed in the working copies (of `name`, or both) and drop the copies."""
@@ -79,7 +77,10 @@ class PagedStore(SlotStore):
             rows = slice(key[1], key[2])
             if copy.shape[1] != self.n:
                 continue  # the slots in use changed since (a rewind): nothing a policy wrote
-            changed = (copy != self._read(key[0], rows)).any(-1) & self.buffers["valid"][rows, : self.n]
+            stored = self._read(key[0], rows)
+            if torch.equal(copy, stored):
+                continue
+            changed = (copy != stored).any(-1) & self.buffers["valid"][rows, : self.n]
             r, s = changed.nonzero(as_tuple=True)
             if r.numel():
                 self._write(key[0], r + key[1], s, copy[r, s])
@@ -89,12 +90,13 @@ class PagedStore(SlotStore):
         col = s // PAGE
         missing = self.table[r, col] < 0
         if bool(missing.any()):
-            self._allocate(torch.unique(torch.stack([r[missing], col[missing]]), dim=1))
+            self._allocate(torch.unique(r[missing] * self.table.shape[1] + col[missing]))
         self.pools[name][self.table[r, col], s % PAGE] = x
 
     def _allocate(self, where: torch.Tensor) -> None:
-        """A page for each (row, column) of `where` `(2, k)`; the pool grows when too few are spare."""
-        k = where.shape[1]
+        """A page for each entry of the table named in `where` `(k,)` (row x columns + column); the pool grows
+        when too few pages are spare."""
+        k = where.shape[0]
         if len(self.spare) < k:
             size = self.pools["keys"].shape[0]
             grow = max(k - len(self.spare), self.rows)
@@ -105,7 +107,7 @@ class PagedStore(SlotStore):
         page = torch.tensor(ids, device=self.table.device)
         for pool in self.pools.values():
             pool[page] = 0
-        self.table[where[0], where[1]] = page
+        self.table.view(-1)[where] = page
 
     def write_states(
         self,
@@ -123,8 +125,8 @@ class PagedStore(SlotStore):
         return None
 
     def forget(self, rows: slice, index: torch.Tensor) -> None:
-        """Slots `index` `(R', E)` are freed: the pages left without a valid slot are released."""
-        self.commit()
+        """Slots `index` `(R', E)` are freed: the pages left without a valid slot are released (a working copy
+        stays right: its valid slots keep their pages)."""
         left = self.buffers["valid"][rows, : self.n] & ~slot_mask(index, self.n)
         table = self.table[rows]
         held = torch.nn.functional.pad(left, (0, table.shape[1] * PAGE - self.n))
@@ -153,7 +155,7 @@ class PagedStore(SlotStore):
         self.working.clear()
         self.table = torch.nn.functional.pad(saved, (0, self.table.shape[1] - saved.shape[1]), value=-1)
         held = set(self.table[self.table >= 0].tolist())
-        self.spare = [p for p in range(self.pools["keys"].shape[0]) if p not in held]
+        self.spare = [p for p in range(1, self.pools["keys"].shape[0]) if p not in held]
 
     def resize(self, capacity: int) -> None:
         super().resize(capacity)

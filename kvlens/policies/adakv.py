@@ -9,10 +9,12 @@ blends each head's count with the floor, (1 - alpha) n_h + alpha B, a different 
 leave the newest position first, then the lower head. At a decode step the layer holds one new
 slot per head, so Hkv slots leave, chosen the same way.
 
-Heads keep different counts, so each layer's buffers are padded to its fullest head and the
-padding is masked: `kv_entries_max` counts the kept entries (L x Hkv x B), `kv_bytes_*` the
-allocated, padded buffers, which are what is really held. kvpress's AdaKV frees nothing: it keeps
-every key and masks the evicted ones with fake keys.
+Heads keep different counts, so each layer's keys and values are held in pages of 8 slots
+(`kvlens.kvcache.paged`): a head holds its own kept slots, not its fullest head's count.
+`kv_entries_max` counts the kept entries (L x Hkv x B), `kv_bytes_*` the allocated pages, which
+are what is really held. With packed storage (`--kv-bits`, `--kv-rank`) the buffers are padded
+to the fullest head instead, the padding masked. kvpress's AdaKV frees nothing: it keeps every key
+and masks the evicted ones with fake keys.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class AdaKV(Wrapper):
     kvpress = "AdaKVPress"
     kvpress_differs = (
         "kvpress keeps every key and masks the evicted ones, so its memory is the full cache's; "
-        "kvlens frees them (heads padded to the layer's fullest). kvpress compresses the prompt "
+        "kvlens frees them (each head holding its own slots, in pages). kvpress compresses the prompt "
         "only; kvlens keeps the budget at every decode step too."
     )
     competes = "layer"

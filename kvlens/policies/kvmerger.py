@@ -9,8 +9,9 @@ The policy: after prefill, per KV head, keep the `recent_ratio` newest slots and
 slots with the largest aggregated attention `Abar` (column sums of the attention map); group the
 rest into merging sets; per set the pivot is its slot with the largest `Abar`, and the merged key
 and value `sum_i w_i k_i`, `sum_i w_i v_i` replace the pivot's (it keeps its position and its own
-statistics). Generated tokens are appended. Budget-free: heads keep different counts, the layer
-is padded to the longest head, and the reached size is reported per layer and head
+statistics). Generated tokens are appended. Budget-free: heads keep different counts, each head's
+keys and values are held in pages (`kvlens.kvcache.paged`; padded to the longest head with packed
+storage), and the reached size is reported per layer and head
 (`steps/kv_slots`). `remerge_every` > 0 re-runs the merge during decoding (not in the paper).
 
 Shares: the paper's "Implementation details" (§6.1) keep recent 0.17 and attention top-k 0.12 of the

@@ -23,9 +23,10 @@ holds at every step as for every other policy) evicts, at each decode step, the 
 score over its heads, generated tokens scoring above every prompt slot (older ones lower), so
 the least reconstructed prompt slots leave first.
 
-Heads and layers keep different counts: buffers are padded to a layer's fullest head and the
-padding masked; `kv_entries_max` counts the kept entries (L x Hkv x budget), `kv_bytes_*` the
-allocated buffers.
+Heads and layers keep different counts: a layer's keys and values are held in pages of 8 slots
+(`kvlens.kvcache.paged`), each head its own kept slots (with packed storage, buffers padded to
+the layer's fullest head, the padding masked); `kv_entries_max` counts the kept entries (L x Hkv
+x budget), `kv_bytes_*` the allocated pages.
 """
 
 from __future__ import annotations

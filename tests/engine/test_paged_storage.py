@@ -1,6 +1,6 @@
 """Paged storage (`kvlens.kvcache.paged`): a layer whose heads keep different counts holds pages for its kept
-slots only (bytes = allocated pages x PAGE x (K + V) x D x dtype size), and its decisions and tokens are the
-padded layout's."""
+slots only (bytes = the pool's pages, the zero page included, x PAGE x (K + V) x D x dtype size), and its
+decisions and tokens are the padded layout's."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def test_uneven_heads_hold_pages_for_their_kept_slots_only(limit):
         range(4, 32)
     )
     pages = -(-12 // PAGE) + -(-28 // PAGE)
-    assert int((store.table >= 0).sum()) == pages == store.pools["keys"].shape[0]
-    assert cache.nbytes == pages * PAGE_BYTES
+    assert int((store.table >= 0).sum()) == pages == store.pools["keys"].shape[0] - 1  # page 0: zeros
+    assert cache.nbytes == (pages + 1) * PAGE_BYTES
     assert torch.equal(layer.keys[0, 0, :12], keys[0, 0, 20:]) and torch.equal(
         layer.keys[0, 1, :28], keys[0, 1, 4:]
     )
@@ -69,12 +69,12 @@ def test_a_page_left_without_a_valid_slot_is_released_and_reused():
     page = int(store.table[0, 1])
     layer.free(torch.tensor([[8, 9, 10, 11], [-1] * 4]))  # head 0's second page: slots 8..11 were its last
     assert int(store.table[0, 1]) == -1 and store.spare == [page]
-    assert cache.nbytes == 6 * PAGE_BYTES  # the pool keeps its pages
+    assert cache.nbytes == 7 * PAGE_BYTES  # the pool keeps its pages
     append(cache, N, 5.0)  # head 0's lowest free slot is 8: the page comes back
     assert int(store.table[0, 1]) == page and not store.spare
     assert layer.pos[0, 8].item() == N and layer.keys[0, 0, 8].eq(5.0).all()
     assert int(layer.pos[1, 28]) == N  # head 1's next slot after its kept ones, in its fourth page
-    assert store.pools["keys"].shape[0] == 6
+    assert store.pools["keys"].shape[0] == 7
 
 
 def test_a_new_page_grows_the_pool_by_a_page_per_row_and_rewind_releases_it():
@@ -86,8 +86,8 @@ def test_a_new_page_grows_the_pool_by_a_page_per_row_and_rewind_releases_it():
     for step in range(5):  # head 0 fills slots 12..16: slot 16 opens its third page
         append(cache, N + step, float(step))
     assert layer.pos[1, 4].item() == N and int(layer.pos[0, 16]) == N + 4
-    assert store.pools["keys"].shape[0] == 6 + 2 and int((store.table >= 0).sum()) == 7
-    assert cache.nbytes == 8 * PAGE_BYTES
+    assert store.pools["keys"].shape[0] == 7 + 2 and int((store.table >= 0).sum()) == 7
+    assert cache.nbytes == 9 * PAGE_BYTES
     cache.rewind(mark)
     assert int((store.table >= 0).sum()) == 6 and len(store.spare) == 2
     assert torch.equal(layer.keys[0, 0, :12], keys[0, 0, 20:]) and layer.valid.sum(-1).tolist() == [12, 27]
