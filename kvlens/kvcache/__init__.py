@@ -3,8 +3,9 @@
 `contract` holds what a policy is written against (`CacheRows`, `Step`, `Prompt`, `Replay`) and `scores` the
 attention math it shares with the engine; `store` (`SlotStore`), `views` (`SlotRows`, the rows a policy is
 handed), `tokens` (appending) and `cache` (`KVCache`, the model's `past_key_values`) the cache itself;
-`quantized` (`PackedStore`) the compressed storage a sealed cache may use: `quantize` and `kivi` (KIVI),
-`lowrank` and `rank` (low rank), `channels` (pruned key channels). Policies import only from this package's
+`paged` (`PagedStore`) the pages of a layer whose heads keep different counts; `quantized` (`PackedStore`)
+the compressed storage a sealed cache may use: `quantize` and `kivi` (KIVI), `lowrank` and `rank` (low rank),
+`channels` (pruned key channels). Policies import only from this package's
 top.
 """
 
