@@ -122,7 +122,6 @@ class PagedStore(SlotStore):
         r = (torch.arange(slots.shape[0], device=slots.device)[:, None] + rows.start).expand_as(slots)
         for name, x in (("keys", key), ("values", value)):
             self._write(name, r.flatten(), slots.flatten(), x[0].flatten(0, 1))
-        return None
 
     def forget(self, rows: slice, index: torch.Tensor) -> None:
         """Slots `index` `(R', E)` are freed: the pages left without a valid slot are released (a working copy
