@@ -119,7 +119,7 @@ class KVCache:
         if self._replaying:  # a replay pass attends to the cache and to itself, and leaves nothing behind
             return torch.cat([layer.keys, key_states], 2), torch.cat([layer.values, value_states], 2)
         layer.append(key_states, value_states, self.positions, self.chunked)
-        return layer.keys, layer.values
+        return layer.attended()
 
     def stores(self) -> list[SlotStore]:
         """Every store in use, once each."""

@@ -65,10 +65,19 @@ class PagedStore(SlotStore):
             self.working[key] = self._read(name, slice(start, stop))[None]
         return self.working[key]
 
+    def read(self, name: str, rows: slice) -> torch.Tensor:
+        """Keys or values `(1, R', n, D)` of `rows` gathered for attention: the working copy when a policy
+        holds one, else a fresh gather that is not kept (nothing to commit)."""
+        start, stop, _ = rows.indices(self.rows)
+        copy = self.working.get((name, start, stop))
+        return copy if copy is not None else self._read(name, slice(start, stop))[None]
+
     def _read(self, name: str, rows: slice) -> torch.Tensor:
         """`(R', n, D)` of `rows` gathered from the pages (page 0, zeros, where none is allocated)."""
-        table = self.table[rows, : _pages(self.n)].clamp(min=0)
-        return self.pools[name][table].flatten(1, 2)[:, : self.n]  # (R', T, PAGE, D) -> (R', n, D)
+        table = self.table[rows, : _pages(self.n)].clamp(min=0)  # (R', T)
+        pool = self.pools[name]
+        pages = pool.index_select(0, table.flatten())  # (R' * T, PAGE, D): faster than indexing with `table`
+        return pages.view(table.shape[0], -1, pool.shape[-1])[:, : self.n]
 
     def commit(self, name: str | None = None) -> None:
         """Write the valid slots changed in the working copies (of `name`, or both) and drop the copies."""
@@ -83,15 +92,20 @@ class PagedStore(SlotStore):
             changed = (copy != stored).any(-1) & self.buffers["valid"][rows, : self.n]
             r, s = changed.nonzero(as_tuple=True)
             if r.numel():
-                self._write(key[0], r + key[1], s, copy[r, s])
+                self._write(r + key[1], s, {key[0]: copy[r, s]})
 
-    def _write(self, name: str, r: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> None:
-        """Slots `s` `(k,)` of rows `r` `(k,)` get `x` `(k, D)`, their pages allocated first when needed."""
+    def _write(self, r: torch.Tensor, s: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
+        """Slots `s` `(k,)` of rows `r` `(k,)` get `states` (name -> `(k, D)`), their pages allocated first
+        when needed."""
         col = s // PAGE
-        missing = self.table[r, col] < 0
+        page = self.table[r, col]
+        missing = page < 0
         if bool(missing.any()):
             self._allocate(torch.unique(r[missing] * self.table.shape[1] + col[missing]))
-        self.pools[name][self.table[r, col], s % PAGE] = x
+            page = self.table[r, col]
+        at = s % PAGE
+        for name, x in states.items():
+            self.pools[name][page, at] = x
 
     def _allocate(self, where: torch.Tensor) -> None:
         """A page for each entry of the table named in `where` `(k,)` (row x columns + column); the pool grows
@@ -120,8 +134,9 @@ class PagedStore(SlotStore):
         """New tokens' keys and values `(1, R', q, D)` into `slots` `(R', q)` of `rows`."""
         self.commit()
         r = (torch.arange(slots.shape[0], device=slots.device)[:, None] + rows.start).expand_as(slots)
-        for name, x in (("keys", key), ("values", value)):
-            self._write(name, r.flatten(), slots.flatten(), x[0].flatten(0, 1))
+        self._write(
+            r.flatten(), slots.flatten(), {"keys": key[0].flatten(0, 1), "values": value[0].flatten(0, 1)}
+        )
 
     def forget(self, rows: slice, index: torch.Tensor) -> None:
         """Slots `index` `(R', E)` are freed: the pages left without a valid slot are released (a working copy
@@ -139,8 +154,7 @@ class PagedStore(SlotStore):
     ) -> None:
         """The kept valid slots' keys and values (`kept`, `(1, R', S, D)`) into pages; padding gets none."""
         r, s = kept["valid"].nonzero(as_tuple=True)
-        for name in STATES:
-            self._write(name, r + rows.start, s, kept[name][0][r, s])
+        self._write(r + rows.start, s, {name: kept[name][0][r, s] for name in STATES})
 
     def snapshot(self) -> torch.Tensor:
         self.commit()

@@ -71,6 +71,11 @@ class SlotStore:
         """Keys or values `(1, R', n, D)` of `rows`: a view of the buffer."""
         return self.buffers[name][:, rows, : self.n]
 
+    def read(self, name: str, rows: slice) -> torch.Tensor:
+        """Keys or values `(1, R', n, D)` of `rows` for attention, which changes nothing: `states` unless a
+        store keeps working copies (it then reads without keeping one)."""
+        return self.states(name, rows)
+
     def commit(self, name: str | None = None) -> None:
         """Store what a policy changed in the keys and values it read: nothing to do, it changed the
         buffers."""
@@ -146,11 +151,9 @@ def first_valid(holes: torch.Tensor) -> torch.Tensor | None:
 
 
 def lowest_first(holes: torch.Tensor) -> torch.Tensor:
-    """Freed slots `(Hkv, E)` ascending, -1 entries last: tokens reuse a row's lowest free slot, so a paged
-    row's pages stay few."""
-    top = torch.iinfo(holes.dtype).max
-    ordered = holes.masked_fill(holes < 0, top).sort(dim=1).values
-    return ordered.masked_fill_(ordered == top, -1)
+    """Freed slots `(Hkv, E)` ascending, -1 entries first (`first_valid` then moves them last): tokens reuse
+    a row's lowest free slot, so a paged row's pages stay few."""
+    return holes.sort(dim=1).values
 
 
 def padded_slots(gone: torch.Tensor) -> torch.Tensor:

@@ -128,6 +128,11 @@ class SlotRows:
             return store.states(name, self.rows)
         return store.buffers[name][self.rows, : store.n]
 
+    def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values `(1, R, n, D)` for attention, which changes neither (`SlotStore.read`)."""
+        store = self._live
+        return store.read("keys", self.rows), store.read("values", self.rows)
+
     def _assign(self, name: str, value: torch.Tensor) -> None:
         view = self._view(name)
         if view.shape != value.shape:

@@ -113,18 +113,41 @@ class Padded(KVCache):
         super().__init__(*args, **{**kwargs, "paged": False})
 
 
+class Kept(KVCache):
+    """The engine's cache, remembered (`made`) so a test can read its layout after the run."""
+
+    made: list[KVCache] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        Kept.made.append(self)
+
+
 @pytest.mark.parametrize("name", ["adakv", "kvzip"])
 def test_uneven_policies_hold_half_the_cache_at_budget_half_with_the_padded_layouts_decisions(
     smol, long_text, monkeypatch, name
 ):
-    """1024 prompt tokens, budget 512, 8 steps: peak bytes at most 0.52 of the prompt's full cache (PAGE 8;
-    the padded layout holds ~0.70), the same evictions and tokens as the padded layout."""
+    """1024 prompt tokens, budget 512, 8 steps: the bytes are the kept entries x (K + V) x D x dtype size plus
+    page rounding only (each head's last page, the zero page, spare pages: under 3 %), at most 0.52 of the
+    prompt's full cache (the padded layout holds ~0.70); the same evictions and tokens as the padded
+    layout."""
     ids = prefix_ids(smol, long_text, 1024)
     opts = RunOptions(budget=512, max_new_tokens=8, stop_at_eos=False, record="summary")
+    monkeypatch.setattr(loop_module, "KVCache", Kept)
     paged = run(smol, make_policy(name), ids, prefill=1024, steps=8, teacher=False, opts=opts)
+    cache = Kept.made.pop()
     monkeypatch.setattr(loop_module, "KVCache", Padded)
     padded = run(smol, make_policy(name), ids, prefill=1024, steps=8, teacher=False, opts=opts)
     m = paged.metrics
+    stores = [layer._live for layer in cache.layers]
+    assert all(isinstance(store, PagedStore) for store in stores)
+    kept = int(sum(layer.valid.sum() for layer in cache.layers))
+    pool = stores[0].pools["keys"]
+    entry = 2 * pool.shape[-1] * pool.element_size()  # one slot's key and value
+    pages = sum(store.pools["keys"].shape[0] for store in stores)
+    assert m["kv_bytes_final"] == pages * PAGE * entry  # what is allocated: every page of every pool
+    rows = sum(store.rows for store in stores)
+    assert kept == 512 * rows and kept * entry < m["kv_bytes_final"] < (kept + 2 * PAGE * rows) * entry
     assert m["kv_bytes_peak"] / m["kv_bytes_prefill"] <= 0.52
     assert padded.metrics["kv_bytes_peak"] / m["kv_bytes_prefill"] > 0.6
     assert paged.meta["tokens"] == padded.meta["tokens"]

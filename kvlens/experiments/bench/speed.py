@@ -28,7 +28,7 @@ step, which a machine shared with other processes disturbs less than wall time.
   the methods whose algorithm is an extra forward over the prompt (replay passes: KVzip's reconstruction),
   which `replay_vs_full_prefill_at_N` measures against their own target.
 - every_policy_bytes_half_vs_full_at_N: KV bytes allocated (peak) by every budgeted policy at half the prompt
-  over the full prompt's cache, the worst policy's (per-head budgets padded to a layer's largest head show
+  over the full prompt's cache, the worst policy's (per-head budgets in pages show their page rounding
   here).
 """
 
