@@ -4,20 +4,22 @@
 Keys and values are each a pool of pages `(P, PAGE, D)`; a page table `(R, ceil(C / PAGE))` names the page
 of each row's slots s .. s + PAGE - 1 (-1: none allocated), so slot s of row r is entry s % PAGE of page
 `table[r, s // PAGE]`. Page 0 holds zeros and is never allocated: an entry of -1 reads it. The statistics
-(`pos`, `abar`, `nobs`, `valid`, `extra`) stay `(R, C)` buffers. As in
-`kvlens.kvcache.quantized.PackedStore`, reading keys or values gathers the rows asked for into a working copy
-`(1, R', n, D)` (zeros where no page is allocated), and `commit` writes back the valid slots a policy changed
-in it, then drops the copy. Writing a slot allocates its page; a page none of whose slots is valid is
-released for reuse. The pool grows by at least one page per row and never shrinks: `nbytes` counts all of it,
-page 0 included. `SlotRows.retain` lays a paged row out with its kept slots first, so a head's padding needs
-no page; a layer's store becomes paged there (`LayerBook.paged`).
+(`pos`, `abar`, `nobs`, `valid`, `extra`) stay `(R, C)` buffers.
+
+- Reading: attention's reads (`read`) are gathered `(1, R', n, D)` and not kept. A policy reading keys or
+  values gets, as in `kvlens.kvcache.quantized.PackedStore`, a working copy (zeros where no page is
+  allocated), and `commit` writes back the valid slots it changed there, then drops the copy.
+- Writing a slot allocates its page; when none is spare, the pages none of whose slots is valid are
+  reclaimed first. The pool grows by at least one page per row and never shrinks: `nbytes` counts all of it,
+  page 0 included.
+- `SlotRows.retain` lays a paged row out with its kept slots first, so a head's padding needs no page; a
+  layer's store becomes paged there (`LayerBook.paged`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvlens.kvcache.quantize import slot_mask
 from kvlens.kvcache.store import STATES, SlotStore, empty_buffers
 
 PAGE = 8  # slots per page
@@ -101,16 +103,19 @@ class PagedStore(SlotStore):
         page = self.table[r, col]
         missing = page < 0
         if bool(missing.any()):
-            self._allocate(torch.unique(r[missing] * self.table.shape[1] + col[missing]))
+            self._allocate(torch.unique(r[missing] * self.table.shape[1] + col[missing]), page[~missing])
             page = self.table[r, col]
         at = s % PAGE
         for name, x in states.items():
             self.pools[name][page, at] = x
 
-    def _allocate(self, where: torch.Tensor) -> None:
-        """A page for each entry of the table named in `where` `(k,)` (row x columns + column); the pool grows
-        when too few pages are spare."""
+    def _allocate(self, where: torch.Tensor, writing: torch.Tensor) -> None:
+        """A page for each entry of the table named in `where` `(k,)` (row x columns + column): a spare one,
+        else one reclaimed (`_reclaim`; not the pages `writing` `(w,)` the same write fills), else the pool
+        grows."""
         k = where.shape[0]
+        if len(self.spare) < k:
+            self._reclaim(writing)
         if len(self.spare) < k:
             size = self.pools["keys"].shape[0]
             grow = max(k - len(self.spare), self.rows)
@@ -122,6 +127,19 @@ class PagedStore(SlotStore):
         for pool in self.pools.values():
             pool[page] = 0
         self.table.view(-1)[where] = page
+
+    def _reclaim(self, writing: torch.Tensor) -> None:
+        """The pages none of whose slots is valid (their slots freed since they were written) become spare,
+        except those in `writing` `(w,)`. Freeing slots releases nothing by itself: a decode step's eviction
+        is refilled by the next token, so pages are looked for only when one is needed."""
+        held = torch.nn.functional.pad(
+            self.buffers["valid"][:, : self.n], (0, self.table.shape[1] * PAGE - self.n)
+        )
+        empty = (self.table >= 0) & ~held.view(*self.table.shape, PAGE).any(-1)
+        empty &= ~torch.isin(self.table, writing)
+        if bool(empty.any()):
+            self.spare.extend(self.table[empty].tolist())
+            self.table.masked_fill_(empty, -1)
 
     def write_states(
         self,
@@ -137,17 +155,6 @@ class PagedStore(SlotStore):
         self._write(
             r.flatten(), slots.flatten(), {"keys": key[0].flatten(0, 1), "values": value[0].flatten(0, 1)}
         )
-
-    def forget(self, rows: slice, index: torch.Tensor) -> None:
-        """Slots `index` `(R', E)` are freed: the pages left without a valid slot are released (a working copy
-        stays right: its valid slots keep their pages)."""
-        left = self.buffers["valid"][rows, : self.n] & ~slot_mask(index, self.n)
-        table = self.table[rows]
-        held = torch.nn.functional.pad(left, (0, table.shape[1] * PAGE - self.n))
-        empty = (table >= 0) & ~held.view(*table.shape, PAGE).any(-1)
-        if bool(empty.any()):
-            self.spare.extend(table[empty].tolist())
-            table.masked_fill_(empty, -1)
 
     def take(
         self, rows: slice, old: SlotStore, old_rows: slice, index: torch.Tensor, kept: dict[str, torch.Tensor]

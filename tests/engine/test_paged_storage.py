@@ -62,19 +62,32 @@ def test_uneven_heads_hold_pages_for_their_kept_slots_only(limit):
     assert not layer.keys[0, 0, 12:].any()  # padding has no page: it reads zeros
 
 
-def test_a_page_left_without_a_valid_slot_is_released_and_reused():
+def test_a_page_left_without_a_valid_slot_stays_until_a_token_refills_it():
     cache, _, _ = paged_layer(29)
     layer, store = cache.layers[0], cache.layers[0].store
     assert isinstance(store, PagedStore)
     page = int(store.table[0, 1])
     layer.free(torch.tensor([[8, 9, 10, 11], [-1] * 4]))  # head 0's second page: slots 8..11 were its last
-    assert int(store.table[0, 1]) == -1 and store.spare == [page]
-    assert cache.nbytes == 7 * PAGE_BYTES  # the pool keeps its pages
-    append(cache, N, 5.0)  # head 0's lowest free slot is 8: the page comes back
+    assert int(store.table[0, 1]) == page and not store.spare and cache.nbytes == 7 * PAGE_BYTES
+    append(cache, N, 5.0)  # head 0's lowest free slot is 8, in that page
     assert int(store.table[0, 1]) == page and not store.spare
     assert layer.pos[0, 8].item() == N and layer.keys[0, 0, 8].eq(5.0).all()
     assert int(layer.pos[1, 28]) == N  # head 1's next slot after its kept ones, in its fourth page
     assert store.pools["keys"].shape[0] == 7
+
+
+def test_a_page_needed_reclaims_one_left_without_a_valid_slot_before_the_pool_grows():
+    cache, _, _ = paged_layer(64)
+    layer, store = cache.layers[0], cache.layers[0].store
+    assert isinstance(store, PagedStore)
+    emptied = int(store.table[0, 1])
+    layer.free(torch.tensor([list(range(12)), [-1] * 12]))  # head 0 keeps nothing; its two pages stay
+    for step in range(5):  # head 0 refills slots 0..4 (its first page); head 1 fills 28..31, then 32
+        append(cache, N + step, float(step))
+    assert store.pools["keys"].shape[0] == 7 and not store.spare  # head 0's emptied page, not a new one
+    assert int(store.table[0, 1]) == -1 and int(store.table[1, 4]) == emptied
+    assert layer.pos[0, :5].tolist() == list(range(N, N + 5)) and int(layer.pos[1, 32]) == N + 4
+    assert layer.keys[0, 1, 32].eq(4.0).all() and layer.keys[0, 0, 4].eq(4.0).all()
 
 
 def test_a_new_page_grows_the_pool_by_a_page_per_row_and_rewind_releases_it():
