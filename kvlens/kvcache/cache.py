@@ -119,7 +119,8 @@ class KVCache:
         if self._replaying:  # a replay pass attends to the cache and to itself, and leaves nothing behind
             return torch.cat([layer.keys, key_states], 2), torch.cat([layer.values, value_states], 2)
         layer.append(key_states, value_states, self.positions, self.chunked)
-        return layer.attended()
+        store = layer._live  # attention changes neither: no working copy is kept (`SlotStore.read`)
+        return store.read("keys", layer.rows), store.read("values", layer.rows)
 
     def stores(self) -> list[SlotStore]:
         """Every store in use, once each."""

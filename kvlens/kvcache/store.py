@@ -43,7 +43,8 @@ class LayerBook:
 class SlotStore:
     """Buffers of R rows x C slots (see the module docstring) and the count `n` of slots in use."""
 
-    tail_padding = False  # `SlotRows.retain` puts each row's padding after its kept slots (paged storage)
+    # paged: `retain` puts a row's padding after its kept slots, and freed slots are reused lowest first
+    tail_padding = False
 
     def __init__(self, buffers: dict[str, torch.Tensor], n: int):
         self.buffers = buffers  # keys/values (1, R, C, D) unless packed, pos/abar/nobs/valid (R, C)
@@ -148,12 +149,6 @@ def first_valid(holes: torch.Tensor) -> torch.Tensor | None:
     holes = holes.gather(1, torch.sort((holes < 0).int(), dim=1, stable=True).indices)
     width = int((holes >= 0).sum(-1).max())
     return holes[:, :width] if width else None
-
-
-def lowest_first(holes: torch.Tensor) -> torch.Tensor:
-    """Freed slots `(Hkv, E)` ascending, -1 entries first (`first_valid` then moves them last): tokens reuse
-    a row's lowest free slot, so a paged row's pages stay few."""
-    return holes.sort(dim=1).values
 
 
 def padded_slots(gone: torch.Tensor) -> torch.Tensor:

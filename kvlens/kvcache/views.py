@@ -31,7 +31,6 @@ from kvlens.kvcache.store import (
     LayerBook,
     SlotStore,
     first_valid,
-    lowest_first,
     padded_index,
     padded_slots,
 )
@@ -127,11 +126,6 @@ class SlotRows:
         if name in STATES:
             return store.states(name, self.rows)
         return store.buffers[name][self.rows, : store.n]
-
-    def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values `(1, R, n, D)` for attention, which changes neither (`SlotStore.read`)."""
-        store = self._live
-        return store.read("keys", self.rows), store.read("values", self.rows)
 
     def _assign(self, name: str, value: torch.Tensor) -> None:
         view = self._view(name)
@@ -276,7 +270,7 @@ class SlotRows:
         counts = self.valid.sum(-1).chunk(len(self.books)) if uneven else ()
         for i, (book, part) in enumerate(zip(self.books, index.chunk(len(self.books)), strict=True)):
             holes = part if book.holes is None else torch.cat([book.holes, part], dim=1)
-            book.holes = first_valid(lowest_first(holes) if store.tail_padding else holes)
+            book.holes = first_valid(holes.sort(dim=1).values if store.tail_padding else holes)
             if uneven:
                 book.n_kept, book.pad = (
                     int(counts[i].max()),
