@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvlens.kvcache import CacheRows, Step
 from kvlens.policies.base import NO_ATTENTION, Needs, ScoredEviction, register
@@ -34,7 +33,11 @@ class KeyDiff(ScoredEviction):
         return NO_ATTENTION
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
+        """Minus each slot's cosine to its row's anchor `(R, S)`, as two batched products over the keys
+        `(R, S, D)` (no normalised copy of them)."""
         keys = rows.keys[0].float()  # (R, S, D)
-        unit = F.normalize(keys, p=2, dim=-1) * rows.valid[..., None]
-        anchor = unit.sum(1, keepdim=True) / rows.valid.sum(-1)[:, None, None].clamp(min=1)  # (R, 1, D)
-        return -F.cosine_similarity(keys, anchor, dim=-1)
+        norm = torch.linalg.vector_norm(keys, dim=-1).clamp(min=1e-12)  # (R, S), F.normalize's floor
+        weight = rows.valid / norm / rows.valid.sum(-1, keepdim=True).clamp(min=1)  # (R, S)
+        anchor = torch.bmm(weight[:, None, :], keys)  # (R, 1, D): the mean of the kept unit keys
+        dot = torch.bmm(keys, anchor.transpose(1, 2))[..., 0]  # (R, S)
+        return -dot / (norm * torch.linalg.vector_norm(anchor, dim=-1)).clamp(min=1e-8)
