@@ -6,9 +6,9 @@ of each row's slots s .. s + PAGE - 1 (-1: none allocated), so slot s of row r i
 `table[r, s // PAGE]`. Page 0 holds zeros and is never allocated: an entry of -1 reads it. The statistics
 (`pos`, `abar`, `nobs`, `valid`, `extra`) stay `(R, C)` buffers.
 
-- Reading: attention's reads (`read`) are gathered `(1, R', n, D)` and not kept. A policy reading keys or
-  values gets, as in `kvlens.kvcache.quantized.PackedStore`, a working copy (zeros where no page is
-  allocated), and `commit` writes back the valid slots it changed there, then drops the copy.
+- Reading (`kvlens.kvcache.store.CopyingStore`): attention's reads are gathered `(1, R', n, D)` and not kept;
+  a policy reading keys or values gets a working copy (zeros where no page is allocated), and `commit` writes
+  back the valid slots it changed there, then drops the copy.
 - Writing a slot allocates its page; when none is spare, the pages none of whose slots is valid are
   reclaimed first. The pool grows by at least one page per row and never shrinks: `nbytes` counts all of it,
   page 0 included.
@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.kvcache.store import STATES, SlotStore, empty_buffers
+from kvlens.kvcache.store import STATES, CopyingStore, SlotStore, empty_buffers
 
 PAGE = 8  # slots per page
 
 
-class PagedStore(SlotStore):
-    """A `SlotStore` (module docstring) with `pools`: name ("keys"/"values") -> `(P, PAGE, D)`, and `table`
+class PagedStore(CopyingStore):
+    """A `CopyingStore` (module docstring) with `pools`: name ("keys"/"values") -> `(P, PAGE, D)`, and `table`
     `(R, ceil(C / PAGE))` page ids."""
 
     tail_padding = True
@@ -36,7 +36,6 @@ class PagedStore(SlotStore):
         self.pools = pools
         self.table = torch.full((self.rows, _pages(self.capacity)), -1, device=buffers["pos"].device)
         self.spare: list[int] = []  # released page ids, reused first (page 0 holds zeros, never allocated)
-        self.working: dict[tuple[str, int, int], torch.Tensor] = {}  # (name, first row, end row) -> copy
 
     @classmethod
     def like(cls, store: SlotStore, rows: int, capacity: int) -> PagedStore:
@@ -58,43 +57,16 @@ class PagedStore(SlotStore):
     def names(self) -> list[str]:
         return [*self.buffers, *STATES]
 
-    def states(self, name: str, rows: slice) -> torch.Tensor:
-        """Keys or values `(1, R', n, D)` of `rows`: their working copy."""
-        start, stop, _ = rows.indices(self.rows)
-        key = (name, start, stop)
-        if key not in self.working:
-            self.commit(name)
-            self.working[key] = self._read(name, slice(start, stop))[None]
-        return self.working[key]
-
-    def read(self, name: str, rows: slice) -> torch.Tensor:
-        """Keys or values `(1, R', n, D)` of `rows` gathered for attention: the working copy when a policy
-        holds one, else a fresh gather that is not kept (nothing to commit)."""
-        start, stop, _ = rows.indices(self.rows)
-        copy = self.working.get((name, start, stop))
-        return copy if copy is not None else self._read(name, slice(start, stop))[None]
-
-    def _read(self, name: str, rows: slice) -> torch.Tensor:
+    def _gather(self, name: str, rows: slice) -> torch.Tensor:
         """`(R', n, D)` of `rows` gathered from the pages (page 0, zeros, where none is allocated)."""
         table = self.table[rows, : _pages(self.n)].clamp(min=0)  # (R', T)
         pool = self.pools[name]
         pages = pool.index_select(0, table.flatten())  # (R' * T, PAGE, D): faster than indexing with `table`
         return pages.view(table.shape[0], -1, pool.shape[-1])[:, : self.n]
 
-    def commit(self, name: str | None = None) -> None:
-        """Write the valid slots changed in the working copies (of `name`, or both) and drop the copies."""
-        for key in [k for k in self.working if name is None or k[0] == name]:
-            copy = self.working.pop(key)[0]
-            rows = slice(key[1], key[2])
-            if copy.shape[1] != self.n:
-                continue  # the slots in use changed since (a rewind): nothing a policy wrote
-            stored = self._read(key[0], rows)
-            if torch.equal(copy, stored):
-                continue
-            changed = (copy != stored).any(-1) & self.buffers["valid"][rows, : self.n]
-            r, s = changed.nonzero(as_tuple=True)
-            if r.numel():
-                self._write(r + key[1], s, {key[0]: copy[r, s]})
+    def _store_changed(self, name: str, rows: slice, copy: torch.Tensor, changed: torch.Tensor) -> None:
+        r, s = changed.nonzero(as_tuple=True)
+        self._write(r + rows.start, s, {name: copy[r, s]})
 
     def _write(self, r: torch.Tensor, s: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
         """Slots `s` `(k,)` of rows `r` `(k,)` get `states` (name -> `(k, D)`), their pages allocated first

@@ -3,8 +3,9 @@ transformers' `QuantizedLayer` subclasses its dynamic layer.
 
 Packed storage is KIVI's quantization (`kvlens.kvcache.kivi`), low rank (`kvlens.kvcache.lowrank`) or
 channel-pruned keys (`kvlens.kvcache.channels`), one object per name with the same interface. Reading keys or
-values dequantizes the rows asked for into a working copy `(1, R', n, D)` (what the model's attention and the
-policy see), and `commit` stores back the slots a policy changed in it (merges), then drops the copy. The
+values dequantizes the rows asked for (`kvlens.kvcache.store.CopyingStore`): attention's read is not kept; a
+policy's is a working copy `(1, R', n, D)`, and `commit` stores back the slots it changed there (merges), then
+drops the copy. The
 statistics, and the values of channel-pruned storage, stay in the buffers. A store becomes packed after the
 prompt's compression (`pack`, `prune`, `seal_layers`).
 """
@@ -19,7 +20,7 @@ from kvlens.kvcache.kivi import QuantizedStates, seal
 from kvlens.kvcache.lowrank import LowRankStates, seal_cross_layer, seal_low_rank
 from kvlens.kvcache.quantize import Storage, slot_mask
 from kvlens.kvcache.rank import fit_rank
-from kvlens.kvcache.store import STATES, SlotStore, empty_buffers
+from kvlens.kvcache.store import STATES, CopyingStore, SlotStore, empty_buffers
 
 Packed = QuantizedStates | LowRankStates | ChannelStates
 SHARED_STORE = (
@@ -29,15 +30,12 @@ SHARED_STORE = (
 )
 
 
-class PackedStore(SlotStore):
-    """A `SlotStore` (module docstring) with `packed`: name ("keys"/"values") -> its packed storage."""
+class PackedStore(CopyingStore):
+    """A `CopyingStore` (module docstring) with `packed`: name ("keys"/"values") -> its packed storage."""
 
     def __init__(self, buffers: dict[str, torch.Tensor], n: int, packed: dict[str, Packed]):
         super().__init__(buffers, n)
         self.packed = packed
-        self.working: dict[
-            tuple[str, int, int], torch.Tensor
-        ] = {}  # (name, first row, end row) -> (1, R', n, D)
 
     @classmethod
     def of(cls, store: SlotStore, packed: dict[str, Packed]) -> PackedStore:
@@ -56,29 +54,11 @@ class PackedStore(SlotStore):
     def names(self) -> list[str]:
         return [*self.buffers, *self.packed]
 
-    def states(self, name: str, rows: slice) -> torch.Tensor:
-        """Keys or values `(1, R', n, D)` of `rows`: a view of the buffer, or (packed) the rows' working
-        copy."""
-        if name in self.buffers:
-            return super().states(name, rows)
-        start, stop, _ = rows.indices(self.rows)
-        key = (name, start, stop)
-        if key not in self.working:
-            self.commit(name)
-            self.working[key] = self.packed[name].read(slice(start, stop), self.n)[None]
-        return self.working[key]
+    def _gather(self, name: str, rows: slice) -> torch.Tensor:
+        return self.packed[name].read(rows, self.n)
 
-    def commit(self, name: str | None = None) -> None:
-        """Store the slots changed in the working copies (of `name`, or both) and drop the copies."""
-        for key in [k for k in self.working if name is None or k[0] == name]:
-            copy = self.working.pop(key)
-            rows = slice(key[1], key[2])
-            if copy.shape[2] != self.n:
-                continue  # the slots in use changed since (a rewind): nothing a policy wrote
-            stored = self.packed[key[0]].read(rows, self.n)
-            changed = (copy[0] != stored).any(-1)
-            if bool(changed.any()):
-                self.packed[key[0]].write(rows, copy[0], changed, self.buffers["valid"][rows, : self.n])
+    def _store_changed(self, name: str, rows: slice, copy: torch.Tensor, changed: torch.Tensor) -> None:
+        self.packed[name].write(rows, copy, changed, self.buffers["valid"][rows, : self.n])
 
     def write_states(
         self,

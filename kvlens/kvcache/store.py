@@ -5,8 +5,8 @@ Keys and values `(1, R, C, D)` after RoPE, and per slot `pos` (original position
 its query heads'), `nobs` (queries that observed it) and `valid` (False for free slots and for the padding of
 heads that keep fewer slots), all `(R, C)`, plus policy statistics `extra` `(R, C, ...)` that travel with
 their slots. Slots past the ones in use and freed slots hold zero `abar` and `nobs`. Compressed storage of the
-keys and values is a subclass, `kvlens.kvcache.quantized.PackedStore`; this class holds them in the model's
-dtype.
+keys and values is a `CopyingStore` (pages: `kvlens.kvcache.paged.PagedStore`; quantized, low-rank or
+channel-pruned: `kvlens.kvcache.quantized.PackedStore`); `SlotStore` holds them in the model's dtype.
 """
 
 from __future__ import annotations
@@ -130,6 +130,57 @@ class SlotStore:
         return sum(
             t.numel() // t.shape[1] * count * t.element_size() for n, t in self.buffers.items() if n in STATES
         )
+
+
+class CopyingStore(SlotStore):
+    """A `SlotStore` holding keys or values outside its buffers (pages, packed storage): a policy that
+    reads them (`states`) gets a working copy `(1, R', n, D)` gathered from there, and `commit` stores back
+    the valid slots it changed, then drops the copy; attention's `read` gathers without keeping one. A
+    subclass says how to gather (`_gather`) and to store the changed slots (`_store_changed`)."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor], n: int):
+        super().__init__(buffers, n)
+        self.working: dict[tuple[str, int, int], torch.Tensor] = {}  # (name, first row, end row) -> copy
+
+    def _gather(self, name: str, rows: slice) -> torch.Tensor:
+        """`(R', n, D)`: the slots in use of `rows` (a slice with a start and a stop)."""
+        raise NotImplementedError
+
+    def _store_changed(self, name: str, rows: slice, copy: torch.Tensor, changed: torch.Tensor) -> None:
+        """Store the `changed` `(R', n)` valid slots of `copy` `(R', n, D)`."""
+        raise NotImplementedError
+
+    def states(self, name: str, rows: slice) -> torch.Tensor:
+        """Keys or values `(1, R', n, D)` of `rows`: a view of the buffer, else the rows' working copy."""
+        if name in self.buffers:
+            return super().states(name, rows)
+        start, stop, _ = rows.indices(self.rows)
+        key = (name, start, stop)
+        if key not in self.working:
+            self.commit(name)
+            self.working[key] = self._gather(name, slice(start, stop))[None]
+        return self.working[key]
+
+    def read(self, name: str, rows: slice) -> torch.Tensor:
+        """Keys or values `(1, R', n, D)` of `rows` for attention: the working copy when a policy holds one,
+        else gathered and not kept (nothing to commit)."""
+        if name in self.buffers:
+            return super().states(name, rows)
+        start, stop, _ = rows.indices(self.rows)
+        copy = self.working.get((name, start, stop))
+        return copy if copy is not None else self._gather(name, slice(start, stop))[None]
+
+    def commit(self, name: str | None = None) -> None:
+        """Store the valid slots changed in the working copies (of `name`, or all) and drop the copies."""
+        for key in [k for k in self.working if name is None or k[0] == name]:
+            copy = self.working.pop(key)[0]
+            rows = slice(key[1], key[2])
+            if copy.shape[1] != self.n:
+                continue  # the slots in use changed since (a rewind): nothing a policy wrote
+            stored = self._gather(key[0], rows)
+            changed = (copy != stored).any(-1) & self.buffers["valid"][rows, : self.n]
+            if bool(changed.any()):
+                self._store_changed(key[0], rows, copy, changed)
 
 
 def empty_buffers(buffers: dict[str, torch.Tensor], rows: int, capacity: int) -> dict[str, torch.Tensor]:

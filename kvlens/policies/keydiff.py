@@ -40,4 +40,5 @@ class KeyDiff(ScoredEviction):
         weight = rows.valid / norm / rows.valid.sum(-1, keepdim=True).clamp(min=1)  # (R, S)
         anchor = torch.bmm(weight[:, None, :], keys)  # (R, 1, D): the mean of the kept unit keys
         dot = torch.bmm(keys, anchor.transpose(1, 2))[..., 0]  # (R, S)
-        return -dot / (norm * torch.linalg.vector_norm(anchor, dim=-1)).clamp(min=1e-8)
+        scale: torch.Tensor = norm * torch.linalg.vector_norm(anchor, dim=-1)  # (R, S)
+        return -dot / scale.clamp(min=1e-8)
