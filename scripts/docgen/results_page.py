@@ -21,6 +21,7 @@ CITED = {
     "bench_tasks.json": "Task accuracy under compression",
     "bench_frontier.json": "Quality at equal bytes: eviction, merging, quantized and low-rank storage",
     "bench_speed.json": "Speed and memory",
+    "decode_phases.json": "Where a decode step goes: what each method costs beyond an eviction",
     "bench_ppl.json": "Perplexity of the eviction and merging policies",
     "bench_needle.json": "Needle in a haystack",
     "sweep_cam_perturbation.json": "CaM: output perturbation against the budget",
@@ -227,6 +228,37 @@ def speed_section(obj: dict) -> str:
     return out + table(["ratio", "value", "target", "met"], rows) + "\n"
 
 
+def phases_section(obj: dict) -> str:
+    cfg = obj["config"]
+    out = (
+        f"Each policy generates {cfg['steps']} greedy tokens at budget {cfg['budget']}, the policies "
+        f"alternating over {cfg['rounds']} rounds; timers wrap the engine's phases of the decode steps "
+        "(ms per token, medians over rounds). `vs full`: the step's ratio to the full cache's in the same "
+        "round, median [lowest–highest]; `beyond full` and `beyond eviction`: the step minus the full "
+        f"cache's and minus `{cfg['eviction']}`'s (the cheapest eviction): what the method itself costs per "
+        "token. `statistic` is the policy's per-step statistic and the attention bookkeeping.\n\n"
+    )
+    for tokens, rows in obj["ms_per_token"].items():
+        out += f"{tokens}-token prompt:\n\n"
+        body = [
+            [
+                f"`{name}`",
+                f"{r['total']:.1f}",
+                spread(f"{r['vs_full'][0]:.2f}", f"{r['vs_full'][1]:.2f}", f"{r['vs_full'][2]:.2f}"),
+                f"{r['beyond_full']:+.1f}",
+                f"{r['beyond_eviction']:+.1f}" if "beyond_eviction" in r else "—",
+                f"{r['attention']:.1f}",
+                f"{r['cache']:.1f}",
+                f"{r['observe'] + r['accumulate']:.1f}",
+                f"{r['compress']:.1f}",
+            ]
+            for name, r in sorted(rows.items(), key=lambda item: item[1]["total"])
+        ]
+        heads = ["policy", "ms per token", "vs full", "beyond full", "beyond eviction", "attention", "cache"]
+        out += table([*heads, "statistic", "compress"], body) + "\n"
+    return out
+
+
 def ppl_section(obj: dict) -> str:
     cfg = obj["config"]
     out = (
@@ -356,6 +388,7 @@ BUILDERS = {
     "bench_tasks.json": tasks_section,
     "bench_frontier.json": frontier_section,
     "bench_speed.json": speed_section,
+    "decode_phases.json": phases_section,
     "bench_ppl.json": ppl_section,
     "bench_needle.json": needle_section,
     "sweep_cam_perturbation.json": sweep_section,

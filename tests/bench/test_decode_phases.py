@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvlens.engine import context, loop
 from kvlens.kvcache.cache import KVCache
 from kvlens.policies import REGISTRY
-from scripts.decode_phases import PHASES, Timers, decode_phases
+from scripts.decode_phases import PHASES, Timers, decode_phases, summarise
 from tests.conftest import TEXTS
 
 
@@ -39,3 +39,20 @@ def test_a_timer_counts_only_while_on():
     assert Owner.work() == 7 and timers.ms["compress"] > 0
     undo()
     assert Owner.work() == 7 and "work" in vars(Owner)
+
+
+def test_the_summary_pairs_each_round_with_the_full_caches_and_the_evictions_of_the_same_round():
+    def run(total: float) -> dict[str, float]:
+        return {**dict.fromkeys(PHASES, 0.0), "model": total, "total": total}
+
+    runs = {
+        "full": [run(100), run(50), run(80)],
+        "streaming_llm": [run(90), run(45), run(80)],
+        "snapkv": [run(150), run(50), run(120)],
+    }
+    table = summarise(runs)
+    assert table["snapkv"]["vs_full"] == [1.5, 1.0, 1.5]  # 1.5, 1.0, 1.5: the median and the extremes
+    assert table["snapkv"]["total"] == 120 and table["snapkv"]["beyond_full"] == 40  # median of 50, 0, 40
+    assert table["snapkv"]["beyond_eviction"] == 40  # median of 60, 5, 40
+    assert table["full"]["vs_full"] == [1.0, 1.0, 1.0] and table["streaming_llm"]["beyond_eviction"] == 0
+    assert "beyond_eviction" not in summarise({"full": runs["full"], "snapkv": runs["snapkv"]})["snapkv"]
