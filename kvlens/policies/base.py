@@ -312,15 +312,22 @@ def lowest_of_all_rows(rows: CacheRows, score: torch.Tensor, leaving: int) -> to
     """The `leaving` lowest scores over all the rows together (heads then keep different counts), for
     policies that share a budget across heads (Ada-KV, KVzip): ties leave the newest position first, then
     the lower row; free slots never count. Returns each row's leaving slots `(R, E)`, ascending, -1 padded
-    (for `free`)."""
+    (for `free`).
+
+    The cut is the `leaving`-th lowest score (`kthvalue`, linear time): every lower score leaves, and of the
+    scores equal to it, the newest positions (then the lower rows) fill what is left, so no sort runs over the
+    rows' R x S slots, only over those ties."""
     valid = rows.valid
     r, s = valid.shape
-    score = score.float().masked_fill(~valid, float("inf"))
-    by_age = torch.argsort(-rows.pos.flatten(), stable=True)
-    lowest = by_age[torch.argsort(score.flatten()[by_age], stable=True)[:leaving]]
-    return padded_slots(
-        torch.zeros(r * s, dtype=torch.bool, device=valid.device).scatter_(0, lowest, True).view(r, s)
-    )
+    flat = score.float().masked_fill(~valid, float("inf")).flatten()
+    gone = torch.zeros(r * s, dtype=torch.bool, device=valid.device)
+    if leaving > 0:
+        cut = flat.kthvalue(min(leaving, r * s)).values
+        gone = flat < cut
+        ties = (flat == cut).nonzero()[:, 0]  # ascending: lower rows first
+        newest = ties[torch.argsort(-rows.pos.flatten()[ties], stable=True)]
+        gone[newest[: leaving - int(gone.sum())]] = True
+    return padded_slots(gone.view(r, s))
 
 
 def free_logged(step: Step, rows: CacheRows, slots: torch.Tensor) -> None:

@@ -3,6 +3,8 @@ model."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,7 +15,7 @@ from kvlens.errors import KvlensError
 from kvlens.kvcache import Phase, Step
 from kvlens.kvcache.views import SlotRows
 from kvlens.policies import make_policy, parse_budget, parse_settings
-from kvlens.policies.base import newest_cut, select_lowest
+from kvlens.policies.base import lowest_of_all_rows, newest_cut, select_lowest
 from kvlens.policies.cam import DECODE_ATTN
 from kvlens.policies.scissorhands import HISTORY
 from kvlens.runs.decisions import DecisionLog
@@ -263,6 +265,27 @@ def test_selection_keeps_the_highest_scores_and_the_older_of_equal_ones(case, pe
         )
         by_pos = lambda slots, h=h: sorted(slots, key=lambda s: int(layer.pos[h, s]))  # noqa: E731
         assert keep[h].tolist() == by_pos(ranked[:budget]) and evicted[h].tolist() == by_pos(ranked[budget:])
+
+
+@settings(max_examples=examples(60))
+@given(st.integers(0, 10_000), st.integers(1, 5), st.integers(1, 40), st.floats(0.0, 1.0), st.booleans())
+def test_the_lowest_of_all_rows_leave_ties_newest_first_then_lower_row(seed, r, s, share, shared_pos):
+    """Ada-KV's and KVzip's selection over a layer's heads (a linear-time cut), against the rule written
+    plainly: lowest score, then newest position, then lower row; free slots never leave."""
+    gen = torch.Generator().manual_seed(seed)
+    valid = torch.rand(r, s, generator=gen) < 0.8
+    pos = torch.stack([torch.randperm(3 * s, generator=gen)[:s] for _ in range(r)])
+    pos = (pos[:1].expand(r, s) if shared_pos else pos).masked_fill(~valid, -1)  # GQA heads share positions
+    score = torch.randint(0, 3, (r, s), generator=gen).float()  # many ties
+    leaving = int(share * int(valid.sum()))
+    rows = SimpleNamespace(valid=valid, pos=pos)
+    gone = lowest_of_all_rows(rows, score, leaving)  # type: ignore[arg-type]
+    ranked = sorted(
+        ((h, j) for h in range(r) for j in range(s) if valid[h, j]),
+        key=lambda hj: (float(score[hj]), -int(pos[hj]), hj[0]),
+    )
+    want = [sorted(j for h2, j in ranked[:leaving] if h2 == h) for h in range(r)]
+    assert [[j for j in row if j >= 0] for row in gone.tolist()] == want
 
 
 @settings(max_examples=examples(40))
