@@ -449,7 +449,36 @@ def readme_summary() -> str:
         "length](results/bench_tasks_needles.png)\n"
     )
     out += cost_sentence(obj)
-    return out + "\n" + frontier_summary() + "\n" + explain_summary() + "\n"
+    return out + "\n" + frontier_summary() + "\n" + phases_summary() + "\n" + explain_summary() + "\n"
+
+
+def phases_summary() -> str:
+    """Decode at half budget against the full cache at each profiled length: the cheapest eviction's ratio,
+    and the methods that cost most per token beyond it (`results/decode_phases.json`)."""
+    obj = load("decode_phases.json")
+    cfg, env = obj["config"], obj["environment"]
+    parts = []
+    for tokens, rows in obj["ms_per_token"].items():
+        base = rows[cfg["eviction"]]
+        others = sorted(
+            ((n, r) for n, r in rows.items() if n not in ("full", cfg["eviction"])),
+            key=lambda item: -item[1]["beyond_eviction"],
+        )
+        under = sum(1 for _, r in others if r["vs_full"][0] <= 1.0)
+        costly = ", ".join(
+            f"`{n}` {r['beyond_eviction']:+.0f} ms ({r['vs_full'][0]:.2f}× full)" for n, r in others[:3]
+        )
+        parts.append(
+            f"at {tokens} tokens the full cache takes {rows['full']['total']:.0f} ms per token and "
+            f"`{cfg['eviction']}` {base['vs_full'][0]:.2f}× that; {under} of {len(others)} other methods "
+            f"decode faster than the full cache, and the most a method costs beyond the eviction is {costly}"
+        )
+    return (
+        f"Decode at budget {cfg['budget']} against the full cache (`{obj['command']}`, "
+        f"`results/decode_phases.json`, {env['time'][:10]}, {machine(env)}; ratios are medians over "
+        f"{cfg['rounds']} rounds run side by side): " + "; ".join(parts) + ". Each method's phases are in "
+        "[Benchmarks and results](docs/results.md).\n"
+    )
 
 
 def cost_sentence(obj: dict) -> str:

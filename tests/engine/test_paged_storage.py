@@ -126,14 +126,15 @@ class Padded(KVCache):
         super().__init__(*args, **{**kwargs, "paged": False})
 
 
-class Kept(KVCache):
-    """The engine's cache, remembered (`made`) so a test can read its layout after the run."""
+def remembered(made: list[KVCache]) -> type[KVCache]:
+    """The engine's cache, each one made appended to `made`, so a test can read its layout after the run."""
 
-    made: list[KVCache] = []
+    class Kept(KVCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        Kept.made.append(self)
+    return Kept
 
 
 @pytest.mark.parametrize("name", ["adakv", "kvzip"])
@@ -146,9 +147,10 @@ def test_uneven_policies_hold_half_the_cache_at_budget_half_with_the_padded_layo
     layout."""
     ids = prefix_ids(smol, long_text, 1024)
     opts = RunOptions(budget=512, max_new_tokens=8, stop_at_eos=False, record="summary")
-    monkeypatch.setattr(loop_module, "KVCache", Kept)
+    made: list[KVCache] = []
+    monkeypatch.setattr(loop_module, "KVCache", remembered(made))
     paged = run(smol, make_policy(name), ids, prefill=1024, steps=8, teacher=False, opts=opts)
-    cache = Kept.made.pop()
+    (cache,) = made
     monkeypatch.setattr(loop_module, "KVCache", Padded)
     padded = run(smol, make_policy(name), ids, prefill=1024, steps=8, teacher=False, opts=opts)
     m = paged.metrics
