@@ -211,6 +211,26 @@ def decode_rows(query, key, value, valid, spec: AttentionSpec):
     return out.reshape(1, 1, hq, d), probs
 
 
+def decode_pages(query, keys, entries, value, valid, spec: AttentionSpec):
+    """`decode_rows` with a paged layer's keys read where its pages lie (`kvlens.kvcache.paged`): every query
+    head scores every entry of the keys' pool in one product and the scores of its own slots are taken in
+    slot order, so no per-step gather of the keys is made. The softmax and the sum over the values run in
+    slot order as in `decode_rows`: the same floats wherever the pages lie.
+
+    query `(1, Hq, 1, D)`, keys the pool as `(E, D)` (E = pages x page size), entries `(Hkv, S)` each slot's
+    entry in it, value `(1, Hkv, S, D)` gathered, valid `(Hkv, S)` the slots the query may see. Returns out
+    `(1, 1, Hq, D)` and probs `(Hkv, G, S)` float32.
+    """
+    hq, d = query.shape[1], query.shape[-1]
+    hkv, s = entries.shape
+    g = hq // hkv
+    pooled = (query[0, :, 0] @ keys.T).view(hkv, g, -1)  # (Hkv, G, E)
+    scores = pooled.gather(2, entries[:, None, :].expand(hkv, g, s)).float()  # (Hkv, G, S)
+    probs = softmax_weights(scores, spec, ~valid[:, None, :])
+    out = torch.bmm(probs.to(value.dtype), value[0])  # (Hkv, G, D)
+    return out.reshape(1, 1, hq, d), probs
+
+
 def last_rows(query, key, spec: AttentionSpec, keep_rows: int) -> torch.Tensor:
     """The attention rows of a prompt's last `keep_rows` queries only (what TOVA and CORM read).
 

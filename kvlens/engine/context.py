@@ -15,6 +15,7 @@ import torch
 
 from kvlens.engine.attention import (
     attention_probs,
+    decode_pages,
     decode_rows,
     last_rows,
     prefill_stats,
@@ -25,6 +26,7 @@ from kvlens.engine.attention import (
 from kvlens.errors import KvlensError
 from kvlens.kvcache import AttentionSpec, Prompt, Replay, group_mean
 from kvlens.kvcache.cache import KVCache
+from kvlens.kvcache.paged import PagedStore
 from kvlens.kvcache.views import SlotRows
 from kvlens.policies import Policy
 
@@ -60,6 +62,8 @@ class RunContext:
         rotary=None,
     ):
         self.cache = cache
+        if cache is not None:
+            cache.attends_pages = True  # this context's attention reads paged layers where they lie
         self.windowed = windowed  # some layer slides: its queries see only part of the slots
         self.rotary = (
             rotary  # positions -> (cos, sin) of the model's RoPE (`Prompt.rotary`), None without one
@@ -112,27 +116,44 @@ class RunContext:
             return self._replayed(layer, query, key, value, spec)
         if query.shape[2] > 1:
             return self._prefill(layer, query, key, value, spec)
+        pages = self.cache.reads_pages(layer)  # `update` handed no keys: they are read where they lie
         if self.frozen:  # compressed for good: attend, tell nobody
-            if spec.plain and not layer.padded:
+            if spec.plain and not layer.padded and not pages:
                 return sdpa(query, key, value, spec.scaling)
             seen = (
                 layer.valid
                 if spec.window is None
                 else layer.valid & (self.cache.positions[-1] - layer.pos < spec.window)
             )
-            return decode_rows(query, key, value, seen, spec)[0]
-        if not self.needs_rows and spec.plain and not layer.padded:
+            return self._decode(layer, query, key, value, seen, spec, pages)[0]
+        if not self.needs_rows and spec.plain and not layer.padded and not pages:
             return sdpa(query, key, value, spec.scaling)
         seen = layer.valid if layer.padded else None  # None: every slot holds a token
         if spec.window is not None:
             seen = layer.valid & (self.cache.positions[-1] - layer.pos < spec.window)
-        out, probs = decode_rows(query, key, value, seen, spec)
+        out, probs = self._decode(layer, query, key, value, seen, spec, pages)
         self._observed.append((layer, probs, seen))
         layer.last_attn = probs.reshape(-1, probs.shape[-1])
         self.policy.observe(layer, probs)
         for obs in self.observers:
             obs.on_decode(layer, query, probs, out, spec)
         return out
+
+    @staticmethod
+    def _decode(layer: SlotRows, query, key, value, seen, spec: AttentionSpec, pages: bool):
+        """A decode step's attention, `decode_rows`'s out and probs: over the keys and values `update` handed,
+        or (`pages`) with the keys read where the layer's pages lie (`decode_pages`)."""
+        store = layer._live
+        if not pages or not isinstance(store, PagedStore):
+            return decode_rows(query, key, value, seen, spec)
+        return decode_pages(
+            query,
+            store.flat_pool("keys"),
+            store.entries(layer.rows),
+            value,
+            layer.valid if seen is None else seen,
+            spec,
+        )
 
     def accumulate(self) -> None:
         """After a decode step's forward, before compression: add its attention to every slot's `abar`

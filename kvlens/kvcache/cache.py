@@ -59,6 +59,8 @@ class KVCache:
         self._positions: torch.Tensor | None = None
         self._replaying = False  # a replay pass is being fed: `update` caches nothing
         self._everywhere: SlotRows | None = None
+        # the run's attention reads a paged layer's keys where they lie at a decode step (`reads_pages`)
+        self.attends_pages = False
 
     @property
     def positions(self) -> torch.Tensor:
@@ -120,7 +122,17 @@ class KVCache:
             return torch.cat([layer.keys, key_states], 2), torch.cat([layer.values, value_states], 2)
         layer.append(key_states, value_states, self.positions, self.chunked)
         store = layer._live  # attention changes neither: no working copy is kept (`SlotStore.read`)
+        if key_states.shape[2] == 1 and self.reads_pages(layer):  # attention reads the keys where they lie
+            return key_states[:, :, :0], store.read("values", layer.rows)
         return store.read("keys", layer.rows), store.read("values", layer.rows)
+
+    def reads_pages(self, layer: SlotRows) -> bool:
+        """Whether a decode step's attention on `layer` reads its keys where their pages lie
+        (`kvlens.engine.attention.decode_pages`), so `update` hands it no gathered keys (the values gathered):
+        the run's own attention does (`attends_pages`), the layer is paged and no policy holds a working
+        copy."""
+        store = layer._live
+        return self.attends_pages and isinstance(store, PagedStore) and not store.working
 
     def stores(self) -> list[SlotStore]:
         """Every store in use, once each."""

@@ -64,6 +64,18 @@ class PagedStore(CopyingStore):
         pages = pool.index_select(0, table.flatten())  # (R' * T, PAGE, D): faster than indexing with `table`
         return pages.view(table.shape[0], -1, pool.shape[-1])[:, : self.n]
 
+    def entries(self, rows: slice) -> torch.Tensor:
+        """`(R', n)` each slot's entry in the pools flattened to `(P * PAGE, D)` (page 0's where no page is
+        allocated: those slots are free)."""
+        table = self.table[rows, : _pages(self.n)].clamp(min=0)  # (R', T)
+        within = torch.arange(PAGE, device=table.device)
+        return (table[:, :, None] * PAGE + within).view(table.shape[0], -1)[:, : self.n]
+
+    def flat_pool(self, name: str) -> torch.Tensor:
+        """The pool of `name` as `(P * PAGE, D)` (a view)."""
+        pool = self.pools[name]
+        return pool.view(-1, pool.shape[-1])
+
     def _store_changed(self, name: str, rows: slice, copy: torch.Tensor, changed: torch.Tensor) -> None:
         r, s = changed.nonzero(as_tuple=True)
         self._write(r + rows.start, s, {name: copy[r, s]})

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import kvlens.engine.loop as loop_module
+from kvlens.engine.attention import decode_pages, decode_rows
 from kvlens.engine.loop import RunOptions, run
+from kvlens.kvcache import AttentionSpec
 from kvlens.kvcache.cache import KVCache
 from kvlens.kvcache.paged import PAGE, PagedStore
 from kvlens.policies import make_policy
@@ -113,6 +115,37 @@ def test_what_a_policy_merges_into_the_working_copy_is_committed():
     cache.commit()
     assert torch.equal(layer.values[0, 1, :28], values[0, 1, 4:] * 2)
     assert not layer.values[0, 0, 12:].any()  # padding slots stay without a page
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_attention_with_the_keys_where_they_lie_is_attention_over_the_gathered_slots(softcap):
+    """`decode_pages` (no gather of the keys) gives `decode_rows`'s output and probabilities on the gathered
+    keys, with GQA, a mask of the slots seen and soft-capping; the same floats wherever the pages lie (the
+    pool's pages shuffled and grown); and a run's cache hands its attention no keys, and the gathered values,
+    at a paged layer's decode step."""
+    cache, _, _ = paged_layer(29)
+    layer, store = cache.layers[0], cache.layers[0].store
+    assert isinstance(store, PagedStore)
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(1, 4, 1, D, generator=g)  # 2 query heads per KV head
+    seen = layer.valid & (torch.rand(layer.valid.shape, generator=g) < 0.7)
+    spec = AttentionSpec(scaling=0.5, softcap=softcap)
+    want = decode_rows(query, layer.keys, layer.values, seen, spec)
+    got = decode_pages(query, store.flat_pool("keys"), store.entries(layer.rows), layer.values, seen, spec)
+    assert torch.allclose(got[0], want[0], atol=1e-6) and torch.allclose(got[1], want[1], atol=1e-7)
+    assert not got[1].masked_select(~seen[:, None, :].expand_as(got[1])).any()  # unseen slots weigh 0
+    pages = store.pools["keys"].shape[0]
+    moved = torch.cat([torch.tensor([0]), torch.randperm(pages + 4, generator=g)[: pages - 1] + 1])
+    pool = store.pools["keys"].new_zeros(pages + 5, PAGE, D).index_copy_(0, moved, store.pools["keys"])
+    entries = moved[store.entries(layer.rows) // PAGE] * PAGE + store.entries(layer.rows) % PAGE
+    elsewhere = decode_pages(query, pool.view(-1, D), entries, layer.values, seen, spec)
+    assert torch.equal(elsewhere[0], got[0]) and torch.equal(elsewhere[1], got[1])
+    cache.attends_pages = True
+    x = torch.full((1, 2, 1, D), 0.5)
+    with cache.feeding(torch.tensor([40])):
+        k, v = cache.update(x, x, 0)
+    assert k.shape[2] == 0 and cache.reads_pages(layer)
+    assert torch.equal(v, store.read("values", layer.rows)) and v.shape[2] == int(layer.valid.sum(-1).max())
 
 
 def test_the_all_layer_store_is_never_paged():
