@@ -108,11 +108,10 @@ def summarise(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict]:
     out = {}
     for name, rounds in runs.items():
         row: dict = {key: statistics.median(r[key] for r in rounds) for key in (*PHASES, "total")}
-        ratios = [r["total"] / f["total"] for r, f in zip(rounds, runs["full"], strict=True)]
+        paired = list(zip(rounds, runs["full"], strict=True))
+        ratios = [r["total"] / f["total"] for r, f in paired]
         row["vs_full"] = [statistics.median(ratios), min(ratios), max(ratios)]
-        row["beyond_full"] = statistics.median(
-            r["total"] - f["total"] for r, f in zip(rounds, runs["full"], strict=True)
-        )
+        row["beyond_full"] = statistics.median(r["total"] - f["total"] for r, f in paired)
         if EVICTION in runs:
             row["beyond_eviction"] = statistics.median(
                 r["total"] - e["total"] for r, e in zip(rounds, runs[EVICTION], strict=True)

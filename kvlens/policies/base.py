@@ -319,14 +319,14 @@ def lowest_of_all_rows(rows: CacheRows, score: torch.Tensor, leaving: int) -> to
     rows' R x S slots, only over those ties."""
     valid = rows.valid
     r, s = valid.shape
+    if leaving <= 0:
+        return padded_slots(torch.zeros_like(valid))
     flat = score.float().masked_fill(~valid, float("inf")).flatten()
-    gone = torch.zeros(r * s, dtype=torch.bool, device=valid.device)
-    if leaving > 0:
-        cut = flat.kthvalue(min(leaving, r * s)).values
-        gone = flat < cut
-        ties = (flat == cut).nonzero()[:, 0]  # ascending: lower rows first
-        newest = ties[torch.argsort(-rows.pos.flatten()[ties], stable=True)]
-        gone[newest[: leaving - int(gone.sum())]] = True
+    cut = flat.kthvalue(min(leaving, r * s)).values
+    gone = flat < cut
+    ties = (flat == cut).nonzero()[:, 0]  # ascending: lower rows first
+    newest = ties[torch.argsort(-rows.pos.flatten()[ties], stable=True)]
+    gone[newest[: leaving - int(gone.sum())]] = True
     return padded_slots(gone.view(r, s))
 
 
