@@ -116,9 +116,9 @@ class RunContext:
             return self._replayed(layer, query, key, value, spec)
         if query.shape[2] > 1:
             return self._prefill(layer, query, key, value, spec)
-        pages = self.cache.reads_pages(layer)  # `update` handed no keys: they are read where they lie
+        pages = self.cache.reads_pages(layer)  # a store: `update` handed no keys, they are read in place
         if self.frozen:  # compressed for good: attend, tell nobody
-            if spec.plain and not layer.padded and not pages:
+            if spec.plain and not layer.padded and pages is None:
                 return sdpa(query, key, value, spec.scaling)
             seen = (
                 layer.valid
@@ -126,7 +126,7 @@ class RunContext:
                 else layer.valid & (self.cache.positions[-1] - layer.pos < spec.window)
             )
             return self._decode(layer, query, key, value, seen, spec, pages)[0]
-        if not self.needs_rows and spec.plain and not layer.padded and not pages:
+        if not self.needs_rows and spec.plain and not layer.padded and pages is None:
             return sdpa(query, key, value, spec.scaling)
         seen = layer.valid if layer.padded else None  # None: every slot holds a token
         if spec.window is not None:
@@ -140,16 +140,15 @@ class RunContext:
         return out
 
     @staticmethod
-    def _decode(layer: SlotRows, query, key, value, seen, spec: AttentionSpec, pages: bool):
+    def _decode(layer: SlotRows, query, key, value, seen, spec: AttentionSpec, pages: PagedStore | None):
         """A decode step's attention, `decode_rows`'s out and probs: over the keys and values `update` handed,
-        or (`pages`) with the keys read where the layer's pages lie (`decode_pages`)."""
-        store = layer._live
-        if not pages or not isinstance(store, PagedStore):
+        or with the keys read where the pages of `pages` lie (`decode_pages`)."""
+        if pages is None:
             return decode_rows(query, key, value, seen, spec)
         return decode_pages(
             query,
-            store.flat_pool("keys"),
-            store.entries(layer.rows),
+            pages.flat_pool("keys"),
+            pages.entries(layer.rows),
             value,
             layer.valid if seen is None else seen,
             spec,

@@ -122,17 +122,19 @@ class KVCache:
             return torch.cat([layer.keys, key_states], 2), torch.cat([layer.values, value_states], 2)
         layer.append(key_states, value_states, self.positions, self.chunked)
         store = layer._live  # attention changes neither: no working copy is kept (`SlotStore.read`)
-        if key_states.shape[2] == 1 and self.reads_pages(layer):  # attention reads the keys where they lie
+        if key_states.shape[2] == 1 and self.reads_pages(layer) is not None:  # attention reads keys in place
             return key_states[:, :, :0], store.read("values", layer.rows)
         return store.read("keys", layer.rows), store.read("values", layer.rows)
 
-    def reads_pages(self, layer: SlotRows) -> bool:
-        """Whether a decode step's attention on `layer` reads its keys where their pages lie
-        (`kvlens.engine.attention.decode_pages`), so `update` hands it no gathered keys (the values gathered):
-        the run's own attention does (`attends_pages`), the layer is paged and no policy holds a working
-        copy."""
+    def reads_pages(self, layer: SlotRows) -> PagedStore | None:
+        """The paged store whose keys a decode step's attention on `layer` reads where their pages lie
+        (`kvlens.engine.attention.decode_pages`), so `update` hands it no gathered keys (the values gathered);
+        None unless the run's own attention does (`attends_pages`), the layer is paged and no policy holds a
+        working copy."""
         store = layer._live
-        return self.attends_pages and isinstance(store, PagedStore) and not store.working
+        if self.attends_pages and isinstance(store, PagedStore) and not store.working:
+            return store
+        return None
 
     def stores(self) -> list[SlotStore]:
         """Every store in use, once each."""

@@ -59,7 +59,7 @@ class PagedStore(CopyingStore):
 
     def _gather(self, name: str, rows: slice) -> torch.Tensor:
         """`(R', n, D)` of `rows` gathered from the pages (page 0, zeros, where none is allocated)."""
-        table = self.table[rows, : _pages(self.n)].clamp(min=0)  # (R', T)
+        table = self._page_ids(rows)
         pool = self.pools[name]
         pages = pool.index_select(0, table.flatten())  # (R' * T, PAGE, D): faster than indexing with `table`
         return pages.view(table.shape[0], -1, pool.shape[-1])[:, : self.n]
@@ -67,9 +67,13 @@ class PagedStore(CopyingStore):
     def entries(self, rows: slice) -> torch.Tensor:
         """`(R', n)` each slot's entry in the pools flattened to `(P * PAGE, D)` (page 0's where no page is
         allocated: those slots are free)."""
-        table = self.table[rows, : _pages(self.n)].clamp(min=0)  # (R', T)
+        table = self._page_ids(rows)
         within = torch.arange(PAGE, device=table.device)
         return (table[:, :, None] * PAGE + within).view(table.shape[0], -1)[:, : self.n]
+
+    def _page_ids(self, rows: slice) -> torch.Tensor:
+        """`(R', T)` the pages of `rows`' first n slots (page 0, zeros, where none is allocated)."""
+        return self.table[rows, : _pages(self.n)].clamp(min=0)
 
     def flat_pool(self, name: str) -> torch.Tensor:
         """The pool of `name` as `(P * PAGE, D)` (a view)."""

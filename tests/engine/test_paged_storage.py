@@ -144,7 +144,7 @@ def test_attention_with_the_keys_where_they_lie_is_attention_over_the_gathered_s
     x = torch.full((1, 2, 1, D), 0.5)
     with cache.feeding(torch.tensor([40])):
         k, v = cache.update(x, x, 0)
-    assert k.shape[2] == 0 and cache.reads_pages(layer)
+    assert k.shape[2] == 0 and cache.reads_pages(layer) is store
     assert torch.equal(v, store.read("values", layer.rows)) and v.shape[2] == int(layer.valid.sum(-1).max())
 
 
