@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -192,28 +193,41 @@ def run_grid(
     results: Results, outcomes: Callable[[list[dict]], Iterable[tuple[dict, dict]]], desc: str
 ) -> Results:
     """Run the cells `results` still lacks through an executor's `outcomes(cells)`, recording each as it
-    finishes, with a progress bar (ETA) over the whole grid."""
+    finishes, with a progress bar (ETA) over the whole grid: redrawn on a terminal, a line per finished cell
+    otherwise (a log of a grid left running for hours)."""
     from tqdm import tqdm
 
     todo = results.todo()
     results.write()
+    terminal = sys.stderr.isatty()
     bar = tqdm(
         total=len(results.cells),
         initial=len(results.cells) - len(todo),
         desc=desc,
         unit="cell",
-        file=sys.stderr,
-        disable=not sys.stderr.isatty(),
-        dynamic_ncols=True,
+        file=sys.stderr if terminal else io.StringIO(),
+        dynamic_ncols=terminal,
+        bar_format=None
+        if terminal
+        else "{desc}: {n_fmt}/{total_fmt} cells, {elapsed} elapsed, {remaining} left{postfix}",
     )
     with bar:
         for cell, outcome in outcomes(todo):
             results.add(cell, outcome)
             bar.set_postfix_str(
-                f"{len(results.failed)} failed" if results.failed else cell.get("policy", ""), refresh=False
+                f"{len(results.failed)} failed" if results.failed else _label(cell), refresh=False
             )
             bar.update(1)
+            if not terminal:
+                print(bar, file=sys.stderr, flush=True)
     return results
+
+
+def _label(cell: dict) -> str:
+    """What a finished cell was, for the progress line: its policy, or its task, length and sample."""
+    if "policy" in cell:
+        return cell["policy"]
+    return " ".join(str(cell[k]) for k in ("suite_task", "length", "index") if k in cell)
 
 
 def report(results: Results) -> Iterator[str]:

@@ -14,7 +14,7 @@ import pytest
 
 from kvlens.cli import main
 from kvlens.errors import KvlensError
-from kvlens.experiments.grid import TIMINGS, Results, key, plan
+from kvlens.experiments.grid import TIMINGS, Results, key, plan, run_grid
 from kvlens.experiments.sweep import plan_ppl
 from kvlens.lists import parse_list
 from kvlens.policies import make_policy
@@ -162,6 +162,19 @@ def test_results_keep_finished_cells_and_other_grids_rows_retry_failed_ones_star
     out.write_text("not json")
     with pytest.raises(KvlensError, match="--fresh"):
         Results(out, cells, {})
+
+
+def test_a_grid_logged_to_a_file_prints_a_line_per_finished_cell_with_its_count_and_label(tmp_path, capsys):
+    cells = plan("ppl", [("full", {}), ("h2o", {})], [0.5], {}, {"model": "m"})
+    results = Results(tmp_path / "r.json", cells, {})
+    results.add(cells[0], {"row": {"ppl": 2.0}})  # done before: the count starts after it
+    run_grid(
+        Results(tmp_path / "r.json", cells, {}),
+        lambda todo: ((c, {"row": {"ppl": 1.0}}) for c in todo),
+        "grid",
+    )
+    lines = capsys.readouterr().err.splitlines()  # pytest's stderr is not a terminal
+    assert len(lines) == 1 and lines[0].startswith("grid: 2/2 cells, ") and lines[0].endswith(" left, h2o")
 
 
 def test_sweep_writes_json_and_csv_with_full_parameters(tiny_dir, tmp_path):
