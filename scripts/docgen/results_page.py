@@ -83,16 +83,24 @@ def task_summary(obj: dict) -> list[dict]:
     return [s for s in summary if s["task"] == "all" and s["length"] == "all"]
 
 
+# how a task grid compresses (`kvlens bench tasks [--query-aware]`), one file per protocol
+PROTOCOL = {
+    False: "question-agnostic: the context is compressed once to the ratio (the share removed,"
+    " as in kvpress), then each question is asked of that cache.",
+    True: "query-aware (`--query-aware`, SnapKV's setting): the context and one question are compressed "
+    "together to the ratio, and that question is answered.",
+}
+
+
 def tasks_section(obj: dict) -> str:
     cfg = obj["config"]
     rows = [r for r in obj["rows"] if isinstance(r.get("results"), list)]
     elsewhere = sorted({r["machine"] for r in rows if r.get("machine")})
     out = (
         f"Tasks {', '.join(f'`{t}`' for t in cfg['tasks'])} at context lengths "
-        f"{', '.join(map(str, cfg['lengths']))} tokens, {cfg['count']} samples each; the context "
-        "is compressed "
-        "once to the ratio (the share removed, as in kvpress), then the question is asked. "
-        "Score: the share of "
+        f"{', '.join(map(str, cfg['lengths']))} tokens, {cfg['count']} samples each; "
+        + PROTOCOL[bool(cfg.get("query_aware"))]
+        + " Score: the share of "
         "the expected strings found in the answers, averaged over tasks and lengths; in brackets "
         "the bootstrap "
         "95 % interval over samples. " + conventions(cfg)
