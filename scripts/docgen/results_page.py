@@ -21,12 +21,15 @@ CITED = {
     "bench_tasks.json": "Task accuracy under compression",
     "bench_frontier.json": "Quality at equal bytes: eviction, merging, quantized and low-rank storage",
     "bench_speed.json": "Speed and memory",
+    "bench_tasks_query_aware.json": "Task accuracy under compression, query-aware",
     "decode_phases.json": "Where a decode step goes: what each method costs beyond an eviction",
     "bench_ppl.json": "Perplexity of the eviction and merging policies",
     "bench_needle.json": "Needle in a haystack",
     "sweep_cam_perturbation.json": "CaM: output perturbation against the budget",
     "explain.json": "Why a compressed cache gets a needle wrong: the smallest sufficient restore",
 }
+# a grid that takes hours of its own, cited once its file is there (`kvlens bench tasks --query-aware`)
+OPTIONAL = {"bench_tasks_query_aware.json"}
 
 
 def load(name: str) -> dict:
@@ -72,6 +75,11 @@ def provenance(name: str, obj: dict) -> str:
     return out + ".\n\n"
 
 
+def finished(obj: dict) -> list[dict]:
+    """A task grid's finished samples (the rows holding their results)."""
+    return [r for r in obj["rows"] if isinstance(r.get("results"), list)]
+
+
 def task_summary(obj: dict) -> list[dict]:
     """The leaderboard cells averaged over tasks and lengths: the file's own summary (what the benchmark wrote
     with its rows), or one computed from its rows if it has none."""
@@ -79,7 +87,7 @@ def task_summary(obj: dict) -> list[dict]:
     if not isinstance(summary, list):
         from kvlens.experiments.bench import tasks
 
-        summary = tasks.summarise([r for r in obj["rows"] if isinstance(r.get("results"), list)])
+        summary = tasks.summarise(finished(obj))
     return [s for s in summary if s["task"] == "all" and s["length"] == "all"]
 
 
@@ -94,7 +102,7 @@ PROTOCOL = {
 
 def tasks_section(obj: dict) -> str:
     cfg = obj["config"]
-    rows = [r for r in obj["rows"] if isinstance(r.get("results"), list)]
+    rows = finished(obj)
     elsewhere = sorted({r["machine"] for r in rows if r.get("machine")})
     out = (
         f"Tasks {', '.join(f'`{t}`' for t in cfg['tasks'])} at context lengths "
@@ -394,6 +402,7 @@ def explain_section(obj: dict) -> str:
 
 BUILDERS = {
     "bench_tasks.json": tasks_section,
+    "bench_tasks_query_aware.json": tasks_section,
     "bench_frontier.json": frontier_section,
     "bench_speed.json": speed_section,
     "decode_phases.json": phases_section,
@@ -423,6 +432,8 @@ def page() -> str:
         "and settings but not its date and machine.\n\n"
     )
     for name, title in CITED.items():
+        if not (RESULTS / name).exists() and name in OPTIONAL:
+            continue
         obj = load(name)
         out += f"## {title}\n\n" + provenance(name, obj) + BUILDERS[name](obj) + "\n"
     return out.rstrip("\n") + "\n"
@@ -456,7 +467,7 @@ def readme_summary() -> str:
         "(`results/bench_tasks_needles.png`):\n\n![Needles found by depth and "
         "length](results/bench_tasks_needles.png)\n"
     )
-    out += cost_sentence(obj)
+    out += cost_sentence(obj) + protocols_sentence(obj)
     return out + "\n" + frontier_summary() + "\n" + phases_summary() + "\n" + explain_summary() + "\n"
 
 
@@ -489,12 +500,47 @@ def phases_summary() -> str:
     )
 
 
+def protocols_sentence(agnostic: dict) -> str:
+    """The methods query-aware by design under both protocols at ratio 0.5, paired on the samples both grids
+    ran; empty until the query-aware grid has a file."""
+    from kvlens.experiments.bench.protocols import QUERY_AWARE_BY_DESIGN, paired
+
+    if not (RESULTS / "bench_tasks_query_aware.json").exists():
+        return ""
+    aware = load("bench_tasks_query_aware.json")
+    words = {
+        "tie": "a tie",
+        "query-aware": "query-aware better",
+        "question-agnostic": "question-agnostic better",
+    }
+    found = [
+        p for name in QUERY_AWARE_BY_DESIGN if (p := paired(finished(agnostic), finished(aware), name, 0.5))
+    ]
+    if not found:
+        return ""
+    parts = [
+        f"`{p['policy']}` {p['agnostic']:.3f} → {p['aware']:.3f} (difference {p['diff']:+.3f} "
+        f"[{p['ci_low']:+.3f}–{p['ci_high']:+.3f}]: {words[p['verdict']]})"
+        for p in found
+    ]
+    env = aware["environment"]
+    return (
+        f"\nThe query-aware grid (`{aware['command']}`, `results/bench_tasks_query_aware.json`, "
+        f"{env['time'][:10]}, {machine(env)}) compresses the context together with the question, the setting "
+        f"SnapKV, PyramidKV and Ada-KV were designed for. At ratio 0.5 on the {found[0]['samples']} samples "
+        f"both grids ran ({', '.join(map(str, found[0]['lengths']))} tokens), question-agnostic → "
+        "query-aware score, with the paired bootstrap 95 % interval of the difference: "
+        + "; ".join(parts)
+        + ".\n"
+    )
+
+
 def cost_sentence(obj: dict) -> str:
     """What a cell costs against its answers at each length, the methods' own passes (KVzip's replay) apart;
     empty for a file whose rows do not record those passes (`own_ms`)."""
     from kvlens.experiments.bench import tasks
 
-    rows = [r for r in obj["rows"] if isinstance(r.get("results"), list)]
+    rows = finished(obj)
     if not any("own_ms" in res for r in rows for res in r["results"]):
         return ""
     summary = tasks.summarise(rows)
@@ -681,4 +727,4 @@ def explain_summary() -> str:
 
 
 def cited() -> list[Path]:
-    return [RESULTS / name for name in CITED]
+    return [RESULTS / name for name in CITED if name not in OPTIONAL or (RESULTS / name).exists()]

@@ -451,3 +451,21 @@ def test_the_summary_averages_tasks_at_each_length():
     assert (
         "h2o" in tasks.table(tasks.summarise(rows)) and tasks.table(tasks.summarise(rows)).count("h2o") == 1
     )
+
+
+def test_the_protocols_are_compared_sample_for_sample_on_what_both_grids_ran():
+    """Query-aware minus question-agnostic, paired by (task, length, sample): a gain whose interval excludes 0
+    is named, a spread that straddles it is a tie, and samples only one grid ran are left out."""
+    from kvlens.experiments.bench.protocols import paired
+
+    agnostic = _rows({("snapkv", 0.5): [0, 0, 1, 0], ("h2o", 0.5): [1, 0, 1, 0]}, "a", 1024) + _rows(
+        {("snapkv", 0.5): [0, 0], ("h2o", 0.5): [1, 1]}, "a", 4096
+    )
+    aware = _rows({("snapkv", 0.5): [1, 1, 1, 1], ("h2o", 0.5): [0, 1, 1, 0]}, "a", 1024)
+    snap = paired(agnostic, aware, "snapkv", 0.5)
+    assert (snap["samples"], snap["lengths"]) == (4, [1024])  # 4096 ran question-agnostic only
+    assert (snap["agnostic"], snap["aware"], snap["diff"]) == (0.25, 1.0, 0.75)
+    assert snap["verdict"] == "query-aware" and 0 < snap["ci_low"] <= 0.75 <= snap["ci_high"] <= 1
+    h2o = paired(agnostic, aware, "h2o", 0.5)  # one sample gained, one lost: a tie
+    assert h2o["diff"] == 0.0 and h2o["verdict"] == "tie" and h2o["ci_low"] < 0 < h2o["ci_high"]
+    assert paired(agnostic, aware, "snapkv", 0.25) is None
