@@ -16,12 +16,13 @@ def spread(value: str, low: str, high: str) -> str:
 
 
 RESULTS = ROOT / "results"
+QUERY_AWARE = "bench_tasks_query_aware.json"
 # The files the pages cite, in the order of the app's Benchmarks page, each with its section title.
 CITED = {
     "bench_tasks.json": "Task accuracy under compression",
     "bench_frontier.json": "Quality at equal bytes: eviction, merging, quantized and low-rank storage",
     "bench_speed.json": "Speed and memory",
-    "bench_tasks_query_aware.json": "Task accuracy under compression, query-aware",
+    QUERY_AWARE: "Task accuracy under compression, query-aware",
     "decode_phases.json": "Where a decode step goes: what each method costs beyond an eviction",
     "bench_ppl.json": "Perplexity of the eviction and merging policies",
     "bench_needle.json": "Needle in a haystack",
@@ -29,7 +30,7 @@ CITED = {
     "explain.json": "Why a compressed cache gets a needle wrong: the smallest sufficient restore",
 }
 # a grid that takes hours of its own, cited once its file is there (`kvlens bench tasks --query-aware`)
-OPTIONAL = {"bench_tasks_query_aware.json"}
+OPTIONAL = {QUERY_AWARE}
 
 
 def load(name: str) -> dict:
@@ -402,7 +403,7 @@ def explain_section(obj: dict) -> str:
 
 BUILDERS = {
     "bench_tasks.json": tasks_section,
-    "bench_tasks_query_aware.json": tasks_section,
+    QUERY_AWARE: tasks_section,
     "bench_frontier.json": frontier_section,
     "bench_speed.json": speed_section,
     "decode_phases.json": phases_section,
@@ -431,11 +432,9 @@ def page() -> str:
         "re-run with the same command resumes where it stopped. A sweep (`kvlens sweep`) records its command "
         "and settings but not its date and machine.\n\n"
     )
-    for name, title in CITED.items():
-        if not (RESULTS / name).exists() and name in OPTIONAL:
-            continue
-        obj = load(name)
-        out += f"## {title}\n\n" + provenance(name, obj) + BUILDERS[name](obj) + "\n"
+    for path in cited():
+        obj = load(path.name)
+        out += f"## {CITED[path.name]}\n\n" + provenance(path.name, obj) + BUILDERS[path.name](obj) + "\n"
     return out.rstrip("\n") + "\n"
 
 
@@ -505,17 +504,16 @@ def protocols_sentence(agnostic: dict) -> str:
     ran; empty until the query-aware grid has a file."""
     from kvlens.experiments.bench.protocols import QUERY_AWARE_BY_DESIGN, paired
 
-    if not (RESULTS / "bench_tasks_query_aware.json").exists():
+    if RESULTS / QUERY_AWARE not in cited():
         return ""
-    aware = load("bench_tasks_query_aware.json")
+    aware = load(QUERY_AWARE)
     words = {
         "tie": "a tie",
         "query-aware": "query-aware better",
         "question-agnostic": "question-agnostic better",
     }
-    found = [
-        p for name in QUERY_AWARE_BY_DESIGN if (p := paired(finished(agnostic), finished(aware), name, 0.5))
-    ]
+    first, second = finished(agnostic), finished(aware)
+    found = [p for name in QUERY_AWARE_BY_DESIGN if (p := paired(first, second, name, 0.5))]
     if not found:
         return ""
     parts = [
@@ -525,7 +523,7 @@ def protocols_sentence(agnostic: dict) -> str:
     ]
     env = aware["environment"]
     return (
-        f"\nThe query-aware grid (`{aware['command']}`, `results/bench_tasks_query_aware.json`, "
+        f"\nThe query-aware grid (`{aware['command']}`, `results/{QUERY_AWARE}`, "
         f"{env['time'][:10]}, {machine(env)}) compresses the context together with the question, the setting "
         f"SnapKV, PyramidKV and Ada-KV were designed for. At ratio 0.5 on the {found[0]['samples']} samples "
         f"both grids ran ({', '.join(map(str, found[0]['lengths']))} tokens), question-agnostic → "

@@ -38,25 +38,21 @@ def paired(agnostic: list[dict], aware: list[dict], policy: str, ratio: float) -
     both = sorted(first.keys() & second.keys())
     if not both:
         return None
-    groups: dict[tuple, list[float]] = {}
+    groups: dict[tuple, list[tuple[float, float]]] = {}  # (task, length) -> (agnostic, aware) per sample
     for key in both:
-        groups.setdefault(key[:2], []).append(second[key] - first[key])
-    low, high = bootstrap(list(groups.values()))
-
-    def mean(table: dict[tuple, float]) -> float:  # of the task-and-length means, as the leaderboard averages
-        by: dict[tuple, list[float]] = {}
-        for key in both:
-            by.setdefault(key[:2], []).append(table[key])
-        return statistics.fmean(statistics.fmean(v) for v in by.values())
-
+        groups.setdefault(key[:2], []).append((first[key], second[key]))
+    low, high = bootstrap([[b - a for a, b in pairs] for pairs in groups.values()])
+    # each protocol's mean of the task-and-length means, as the leaderboard averages
+    agnostic_mean = statistics.fmean(statistics.fmean(a for a, _ in pairs) for pairs in groups.values())
+    aware_mean = statistics.fmean(statistics.fmean(b for _, b in pairs) for pairs in groups.values())
     return {
         "policy": policy,
         "ratio": ratio,
         "samples": len(both),
         "lengths": sorted({key[1] for key in both}),
-        "agnostic": mean(first),
-        "aware": mean(second),
-        "diff": mean(second) - mean(first),
+        "agnostic": agnostic_mean,
+        "aware": aware_mean,
+        "diff": aware_mean - agnostic_mean,
         "ci_low": low,
         "ci_high": high,
         "verdict": verdict(low, high),
