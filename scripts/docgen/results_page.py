@@ -4,6 +4,7 @@ date and machine the file records and the spread of each number."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from docgen.common import ROOT, banner, table
@@ -141,15 +142,51 @@ def tasks_section(obj: dict) -> str:
             ]
         )
     out += table(["policy", *(f"ratio {r}" for r in ratios), "full or budget-free", "samples"], body)
-    return out + (
+    out += (
         "\nSorted by the score at ratio 0.5. The full cache and the budget-free policies (which decide their "
         "own size) have no ratio. The app's Benchmarks page shows each task and length.\n\n"
+    )
+    return out + ("" if cfg.get("query_aware") else turns_table(obj.get("summary") or []))
+
+
+def turns_table(summary: list[dict], ratio: float = 0.5) -> str:
+    """niah_multiquery question by question: the full cache's score on each turn, and the compressed policies'
+    at `ratio` as their mean difference from the full cache on the same turn (a question-agnostic cache that
+    degrades as questions go on loses more on later turns); empty without per-turn scores."""
+    cells = [s for s in summary if s.get("turns") and s["task"] != "all"]
+    full = {s["length"]: s["turns"] for s in cells if s["policy"] == "full"}
+    body = []
+    for length, reference in sorted(full.items()):
+        others = [s["turns"] for s in cells if s["length"] == length and s["ratio"] == ratio]
+        if not others:
+            continue
+        gaps = [statistics.fmean(t[k]["score"] for t in others) - f["score"] for k, f in enumerate(reference)]
+        body.append(
+            [
+                length,
+                " · ".join(f"{f['score']:.2f}" for f in reference),
+                " · ".join(f"{g:+.2f}" for g in gaps),
+                len(others),
+            ]
+        )
+    if not body:
+        return ""
+    return (
+        "`niah_multiquery` asks its four questions one after the other of one compressed context. Per turn "
+        "(question 1 · 2 · 3 · 4, the needles in shuffled order), the full cache's score and, at ratio "
+        f"{ratio}, "
+        "the policies' mean difference from it on the same turn; each policy's turns are on the app's "
+        "Benchmarks page:\n\n"
+        + table(["tokens", "full cache", f"policies at ratio {ratio} − full", "policies"], body)
+        + "\n"
     )
 
 
 def conventions(cfg: dict) -> str:
     """How the file counted a ratio's slots and placed its needles (a file from before the options: kvlens's
     rounding, random depths), and the options that resume it."""
+    from kvlens.experiments.bench import task_needles
+
     rounding, depths = cfg.get("rounding", "kvlens"), cfg.get("depths", "random")
     kept = (
         "int(T × (1 − ratio)), kvpress's"
@@ -163,8 +200,8 @@ def conventions(cfg: dict) -> str:
     )
     return (
         f"A context of T tokens keeps {kept}; needles sit {where}; `--rounding {rounding} --depths {depths}` "
-        "resumes the file. The needles found by depth and length, per policy at the grid's middle ratio: "
-        "`results/bench_tasks_needles.png`."
+        "resumes the file. The needles found by depth and length, per policy at the grid's middle ratio "
+        f"({task_needles.middle_ratio(cfg['ratios'])}): `results/bench_tasks_needles.png`."
     )
 
 
@@ -440,6 +477,8 @@ def page() -> str:
 
 def readme_summary() -> str:
     """The task leaderboard's top at ratio 0.5, for the README."""
+    from kvlens.experiments.bench import task_needles
+
     obj = load("bench_tasks.json")
     summary = task_summary(obj)
     full = next(s for s in summary if s["policy"] == "full")
@@ -462,9 +501,9 @@ def readme_summary() -> str:
         [[f"`{s['policy']}`", f"{s['score']:.3f} [{s['ci_low']:.3f}–{s['ci_high']:.3f}]"] for s in half],
     )
     out += (
-        "\nNeedles found by depth in the context and context length, per policy at the grid's middle ratio "
-        "(`results/bench_tasks_needles.png`):\n\n![Needles found by depth and "
-        "length](results/bench_tasks_needles.png)\n"
+        "\nNeedles found by depth in the context and context length, per policy at the grid's middle ratio, "
+        f"{task_needles.middle_ratio(obj['config']['ratios'])} (`results/bench_tasks_needles.png`):\n\n"
+        "![Needles found by depth and length](results/bench_tasks_needles.png)\n"
     )
     out += cost_sentence(obj) + protocols_sentence(obj)
     return out + "\n" + frontier_summary() + "\n" + phases_summary() + "\n" + explain_summary() + "\n"

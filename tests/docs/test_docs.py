@@ -173,3 +173,20 @@ def test_the_results_page_and_the_apps_benchmarks_page_open_on_the_same_benchmar
     lead = re.findall(r'\("(bench_\w+)", "[^"]+", "\w+", "kvlens bench \w+"\)', source)
     assert lead == ["bench_tasks", "bench_frontier", "bench_speed"]
     assert [p.stem for p in results_page.cited()][:3] == lead
+
+
+def test_the_multiquery_turns_table_gives_each_turn_against_the_full_caches_same_turn():
+    def cell(policy, ratio, scores, length=1024, task="niah_multiquery"):
+        turns = [{"score": s, "ci_low": s, "ci_high": s} for s in scores]
+        return {"policy": policy, "ratio": ratio, "task": task, "length": length, "turns": turns}
+
+    summary = [
+        cell("full", 0.0, [1.0, 0.5]),
+        cell("a", 0.5, [0.5, 0.5]),
+        cell("b", 0.5, [0.0, 0.25]),
+        cell("a", 0.75, [0.0, 0.0]),  # another ratio: not in the 0.5 row
+        cell("a", 0.5, [1.0, 1.0], task="all"),  # the average over tasks: not a task's turns
+    ]
+    text = results_page.turns_table(summary)
+    assert "| 1024 | 1.00 · 0.50 | -0.75 · -0.12 | 2 |" in text
+    assert results_page.turns_table([cell("a", 0.5, [0.5, 0.5])]) == ""  # no full cache to compare with

@@ -74,9 +74,15 @@ def grid(rows: list[dict], bins: int = BINS) -> list[dict]:
 
 
 def default_ratio(cells: list[dict]) -> float | None:
-    """The ratio the exported figure shows: the grid's middle one (upper median), None if it has none."""
-    ratios = sorted({c["ratio"] for c in cells if c["ratio"] not in (None, 0.0)})
-    return ratios[len(ratios) // 2] if ratios else None
+    """The ratio the exported figure shows: the grid's middle one (`middle_ratio`), None if it has none."""
+    return middle_ratio([c["ratio"] for c in cells])
+
+
+def middle_ratio(ratios: list[float | None]) -> float | None:
+    """The middle (upper median) of a grid's compression ratios, the full cache's and budget-free ones
+    aside."""
+    kept = sorted({r for r in ratios if r not in (None, 0.0)})
+    return kept[len(kept) // 2] if kept else None
 
 
 def figure(cells: list[dict], ratio: float | None, title: str = "", columns: int = 5):
