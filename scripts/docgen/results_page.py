@@ -118,7 +118,7 @@ def tasks_section(obj: dict) -> str:
     if elsewhere:
         n = sum(1 for r in rows if r.get("machine"))
         out += f" {n} of the {len(rows)} samples ran on another machine ({'; '.join(elsewhere)})."
-    out += "\n\n"
+    out += grid_time(rows) + "\n\n"
     summary = task_summary(obj)
     ratios = sorted({s["ratio"] for s in summary if s["ratio"]})
     by = {(s["policy"], s["ratio"]): s for s in summary}
@@ -147,6 +147,29 @@ def tasks_section(obj: dict) -> str:
         "own size) have no ratio. The app's Benchmarks page shows each task and length.\n\n"
     )
     return out + ("" if cfg.get("query_aware") else turns_table(obj.get("summary") or []))
+
+
+def grid_time(rows: list[dict]) -> str:
+    """How long the grid's samples took on the file's machine (rows run elsewhere aside): one worker's time,
+    each task and length counted as its median sample times its samples (a sample timed across a pause of
+    its worker does not count), and the cheapest and dearest task and length; empty without such rows."""
+    times: dict[tuple, list[float]] = {}
+    for r in rows:
+        if not r.get("machine"):
+            ms = r["shared_prefill_ms"] + sum(
+                x["prepare_ms"] + x["own_ms"] + x["answer_ms"] for x in r["results"]
+            )
+            times.setdefault((r["suite_task"], r["length"]), []).append(ms / 60_000)
+    if not times:
+        return ""
+    median = {key: statistics.median(v) for key, v in times.items()}
+    hours = sum(median[key] * len(v) for key, v in times.items()) / 60
+    (cheap, short), (dear, long) = min(median, key=median.get), max(median, key=median.get)
+    return (
+        f" Its samples took {hours:.1f} h of one worker's time on this machine (each task and length: its "
+        f"median sample's minutes times its samples), from {median[(cheap, short)]:.1f} min a sample "
+        f"(`{cheap}`, {short} tokens) to {median[(dear, long)]:.1f} min (`{dear}`, {long} tokens)."
+    )
 
 
 def turns_table(summary: list[dict], ratio: float = 0.5) -> str:
@@ -493,8 +516,9 @@ def readme_summary() -> str:
         "Task score at compression ratio 0.5 (half the context's cache removed), averaged over "
         "tasks and lengths, "
         f"{full['samples']} samples (`{obj['command']}`, `results/bench_tasks.json`, {env['time'][:10]}, "
-        f"{machine(env)}{grid}). The full cache scores {full['score']:.3f}; the five best of "
-        f"{len({s['policy'] for s in summary}) - 1} policies, with bootstrap 95 % intervals:\n\n"
+        f"{machine(env)}{grid}).{grid_time(finished(obj))} The full cache scores {full['score']:.3f}; "
+        f"the five best of {len({s['policy'] for s in summary}) - 1} policies, with bootstrap 95 % "
+        "intervals:\n\n"
     )
     out += table(
         ["policy", "score [95 % interval]"],
