@@ -82,15 +82,20 @@ def finished(obj: dict) -> list[dict]:
     return [r for r in obj["rows"] if isinstance(r.get("results"), list)]
 
 
-def task_summary(obj: dict) -> list[dict]:
-    """The leaderboard cells averaged over tasks and lengths: the file's own summary (what the benchmark wrote
-    with its rows), or one computed from its rows if it has none."""
+def summary_of(obj: dict) -> list[dict]:
+    """A task grid's leaderboard cells: the file's own summary (what the benchmark wrote with its rows), or
+    one computed from its rows if it has none."""
     summary = obj.get("summary")
-    if not isinstance(summary, list):
-        from kvlens.experiments.bench import tasks
+    if isinstance(summary, list):
+        return summary
+    from kvlens.experiments.bench import tasks
 
-        summary = tasks.summarise(finished(obj))
-    return [s for s in summary if s["task"] == "all" and s["length"] == "all"]
+    return tasks.summarise(finished(obj))
+
+
+def task_summary(obj: dict) -> list[dict]:
+    """The leaderboard cells averaged over tasks and lengths (`summary_of`)."""
+    return [s for s in summary_of(obj) if s["task"] == "all" and s["length"] == "all"]
 
 
 # how a task grid compresses (`kvlens bench tasks [--query-aware]`), one file per protocol
@@ -146,22 +151,24 @@ def tasks_section(obj: dict) -> str:
         "\nSorted by the score at ratio 0.5. The full cache and the budget-free policies (which decide their "
         "own size) have no ratio. The app's Benchmarks page shows each task and length.\n\n"
     )
-    return out + ("" if cfg.get("query_aware") else turns_table(obj.get("summary") or []))
+    return out + ("" if cfg.get("query_aware") else turns_table(summary_of(obj)))
 
 
 def grid_time(rows: list[dict]) -> str:
     """How long the grid's samples took on the file's machine (rows run elsewhere aside): one worker's time,
     each task and length counted as its median sample times its samples (a sample timed across a pause of
     its worker does not count), and the cheapest and dearest task and length; empty without such rows."""
-    times: dict[tuple, list[float]] = {}
-    for r in rows:
-        if not r.get("machine"):
-            ms = r["shared_prefill_ms"] + sum(
-                x["prepare_ms"] + x["own_ms"] + x["answer_ms"] for x in r["results"]
-            )
-            times.setdefault((r["suite_task"], r["length"]), []).append(ms / 60_000)
-    if not times:
+    from kvlens.experiments.bench.tasks import flatten
+
+    samples: dict[tuple, float] = {}  # (task, length, index) -> minutes: its policies' and ratios' `cell_ms`
+    for record in flatten([r for r in rows if not r.get("machine")]):
+        key = (record["task"], record["length"], record["index"])
+        samples[key] = samples.get(key, 0.0) + record["cell_ms"] / 60_000
+    if not samples:
         return ""
+    times: dict[tuple, list[float]] = {}
+    for (task, length, _), minutes in samples.items():
+        times.setdefault((task, length), []).append(minutes)
     median = {key: statistics.median(v) for key, v in times.items()}
     hours = sum(median[key] * len(v) for key, v in times.items()) / 60
     (cheap, short), (dear, long) = min(median, key=median.get), max(median, key=median.get)

@@ -193,20 +193,25 @@ def test_the_multiquery_turns_table_gives_each_turn_against_the_full_caches_same
 
 
 def test_the_grid_time_counts_each_task_and_length_at_its_median_sample_and_only_this_machines_rows():
-    def row(task, length, minutes, machine=None):
+    def row(task, length, index, minutes, machine=None):
         ms = minutes * 60_000
-        results = [{"prepare_ms": ms / 4, "own_ms": 0.0, "answer_ms": ms / 4}]
+        results = [{"prepare_ms": ms / 8, "own_ms": 0.0, "answer_ms": ms / 8}] * 2  # two (policy, ratio)
         return {
             "suite_task": task,
             "length": length,
+            "index": index,
             "shared_prefill_ms": ms / 2,
             "results": results,
             "machine": machine,
         }
 
-    rows = [row("a", 1024, 1.0), row("a", 1024, 1.0), row("a", 1024, 31.0)]  # one timed across a pause
-    rows += [row("b", 4096, 9.0), row("b", 4096, 500.0, machine="a GPU")]
+    rows = [
+        row("a", 1024, 0, 1.0),
+        row("a", 1024, 1, 1.0),
+        row("a", 1024, 2, 31.0),
+    ]  # one timed across a pause
+    rows += [row("b", 4096, 0, 9.0), row("b", 4096, 1, 500.0, machine="a GPU")]
     text = results_page.grid_time(rows)
     assert "took 0.2 h of one worker's time" in text  # (3 x 1 + 1 x 9) min; the pause and the GPU row apart
     assert "from 1.0 min a sample (`a`, 1024 tokens) to 9.0 min (`b`, 4096 tokens)" in text
-    assert results_page.grid_time([row("b", 4096, 9.0, machine="a GPU")]) == ""
+    assert results_page.grid_time([row("b", 4096, 0, 9.0, machine="a GPU")]) == ""
