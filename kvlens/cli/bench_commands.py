@@ -653,7 +653,8 @@ def _needle_depths(args, rows: list[dict], texts: dict[str, str]) -> None:
 
 def _needle_figure(result: dict):
     """The needle figure at the grid's middle ratio, None without niah rows that have depths."""
-    from kvlens.experiments.bench import task_needles
+    from kvlens.experiments.bench import task_needles, tasks
 
     cells = task_needles.grid(result["rows"])
-    return task_needles.figure(cells, task_needles.default_ratio(cells)) if cells else None
+    protocol = tasks.protocol(result["config"])
+    return task_needles.figure(cells, task_needles.default_ratio(cells), protocol) if cells else None

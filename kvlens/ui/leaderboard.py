@@ -97,7 +97,7 @@ def leaderboard(path: Path, settings: dict, raw: dict) -> None:
 
 def needles(path: Path, settings: dict, rows: list[dict], chosen: list[str]) -> None:
     """The needle figure (`task_needles`): each niah needle found or not, by depth and length, per policy."""
-    from kvlens.experiments.bench import task_needles
+    from kvlens.experiments.bench import task_needles, tasks
 
     st.markdown("**Needles by depth and context length**")
     cells = [c for c in task_needles.grid(rows) if c["policy"] in chosen]
@@ -116,7 +116,7 @@ def needles(path: Path, settings: dict, rows: list[dict], chosen: list[str]) -> 
         else task_needles.default_ratio(cells)
     )
     chart(
-        task_needles.figure(cells, ratio),
+        task_needles.figure(cells, ratio, tasks.protocol(settings.get("config", {}))),
         "tasks_needles_fig",
         name=f"{path.stem}_needles",
         config={"results": str(path), "ratio": ratio, **settings.get("config", {})},

@@ -154,28 +154,39 @@ def tasks_section(obj: dict) -> str:
     return out + ("" if cfg.get("query_aware") else turns_table(summary_of(obj)))
 
 
-def grid_time(rows: list[dict]) -> str:
-    """How long the grid's samples took on the file's machine (rows run elsewhere aside): one worker's time,
-    each task and length counted as its median sample times its samples (a sample timed across a pause of
-    its worker does not count), and the cheapest and dearest task and length; empty without such rows."""
+def sample_minutes(rows: list[dict]) -> dict[tuple, tuple[float, int]]:
+    """(task, length) -> (its median sample's minutes, its samples) over the rows run on the file's machine:
+    a sample's minutes are its policies' and ratios' `cell_ms`, and the median keeps a sample timed across a
+    pause of its worker from counting."""
     from kvlens.experiments.bench.tasks import flatten
 
-    samples: dict[tuple, float] = {}  # (task, length, index) -> minutes: its policies' and ratios' `cell_ms`
+    samples: dict[tuple, float] = {}  # (task, length, index) -> minutes
     for record in flatten([r for r in rows if not r.get("machine")]):
         key = (record["task"], record["length"], record["index"])
         samples[key] = samples.get(key, 0.0) + record["cell_ms"] / 60_000
-    if not samples:
-        return ""
     times: dict[tuple, list[float]] = {}
     for (task, length, _), minutes in samples.items():
         times.setdefault((task, length), []).append(minutes)
-    median = {key: statistics.median(v) for key, v in times.items()}
-    hours = sum(median[key] * len(v) for key, v in times.items()) / 60
-    (cheap, short), (dear, long) = min(median, key=median.get), max(median, key=median.get)
+    return {key: (statistics.median(v), len(v)) for key, v in times.items()}
+
+
+def worker_hours(minutes: dict[tuple, tuple[float, int]], lengths: set | None = None) -> float:
+    """One worker's hours for the (task, length) groups of `sample_minutes`, only `lengths` when given."""
+    return sum(m * n for (_, length), (m, n) in minutes.items() if lengths is None or length in lengths) / 60
+
+
+def grid_time(rows: list[dict]) -> str:
+    """How long the grid's samples took on the file's machine (rows run elsewhere aside; `sample_minutes`),
+    and the cheapest and dearest task and length; empty without such rows."""
+    minutes = sample_minutes(rows)
+    if not minutes:
+        return ""
+    (cheap, short), (dear, long) = (f(minutes, key=lambda k: minutes[k][0]) for f in (min, max))
+    least, most = minutes[(cheap, short)][0], minutes[(dear, long)][0]
     return (
-        f" Its samples took {hours:.1f} h of one worker's time on this machine (each task and length: its "
-        f"median sample's minutes times its samples), from {median[(cheap, short)]:.1f} min a sample "
-        f"(`{cheap}`, {short} tokens) to {median[(dear, long)]:.1f} min (`{dear}`, {long} tokens)."
+        f" Its samples took {worker_hours(minutes):.1f} h of one worker's time on this machine (each task "
+        f"and length: its median sample's minutes times its samples), from {least:.1f} min a sample "
+        f"(`{cheap}`, {short} tokens) to {most:.1f} min (`{dear}`, {long} tokens)."
     )
 
 
@@ -212,6 +223,11 @@ def turns_table(summary: list[dict], ratio: float = 0.5) -> str:
     )
 
 
+def needles_figure(cfg: dict) -> str:
+    """The needle figure `kvlens bench tasks` writes beside the grid's file (`<file stem>_needles.png`)."""
+    return f"results/{Path(QUERY_AWARE if cfg.get('query_aware') else 'bench_tasks.json').stem}_needles.png"
+
+
 def conventions(cfg: dict) -> str:
     """How the file counted a ratio's slots and placed its needles (a file from before the options: kvlens's
     rounding, random depths), and the options that resume it."""
@@ -231,7 +247,7 @@ def conventions(cfg: dict) -> str:
     return (
         f"A context of T tokens keeps {kept}; needles sit {where}; `--rounding {rounding} --depths {depths}` "
         "resumes the file. The needles found by depth and length, per policy at the grid's middle ratio "
-        f"({task_needles.middle_ratio(cfg['ratios'])}): `results/bench_tasks_needles.png`."
+        f"({task_needles.middle_ratio(cfg['ratios'])}): `{needles_figure(cfg)}`."
     )
 
 
@@ -533,8 +549,8 @@ def readme_summary() -> str:
     )
     out += (
         "\nNeedles found by depth in the context and context length, per policy at the grid's middle ratio, "
-        f"{task_needles.middle_ratio(obj['config']['ratios'])} (`results/bench_tasks_needles.png`):\n\n"
-        "![Needles found by depth and length](results/bench_tasks_needles.png)\n"
+        f"{task_needles.middle_ratio(obj['config']['ratios'])} (`{needles_figure(obj['config'])}`):\n\n"
+        f"![Needles found by depth and length]({needles_figure(obj['config'])})\n"
     )
     out += cost_sentence(obj) + protocols_sentence(obj)
     return out + "\n" + frontier_summary() + "\n" + phases_summary() + "\n" + explain_summary() + "\n"
@@ -595,11 +611,28 @@ def protocols_sentence(agnostic: dict) -> str:
     return (
         f"\nThe query-aware grid (`{aware['command']}`, `results/{QUERY_AWARE}`, "
         f"{env['time'][:10]}, {machine(env)}) compresses the context together with the question, the setting "
-        f"SnapKV, PyramidKV and Ada-KV were designed for. At ratio 0.5 on the {found[0]['samples']} samples "
+        "SnapKV, PyramidKV and Ada-KV were designed for."
+        + grid_time(second)
+        + skipped_lengths(agnostic, aware)
+        + f" At ratio 0.5 on the {found[0]['samples']} samples "
         f"both grids ran ({', '.join(map(str, found[0]['lengths']))} tokens), question-agnostic → "
         "query-aware score, with the paired bootstrap 95 % interval of the difference: "
         + "; ".join(parts)
         + ".\n"
+    )
+
+
+def skipped_lengths(agnostic: dict, aware: dict) -> str:
+    """Why the query-aware grid lacks some of the question-agnostic grid's lengths: what those lengths took
+    there on this machine, against what the query-aware grid took in all; empty when it ran them all."""
+    missing = set(agnostic["config"]["lengths"]) - set(aware["config"]["lengths"])
+    if not missing:
+        return ""
+    there = worker_hours(sample_minutes(finished(agnostic)), missing)
+    ran, skipped = " and ".join(map(str, aware["config"]["lengths"])), ", ".join(map(str, sorted(missing)))
+    return (
+        f" It runs at {ran} tokens only: the question-agnostic grid's {skipped}-token samples alone took "
+        f"{there:.1f} h of one worker's time on this machine."
     )
 
 

@@ -409,6 +409,9 @@ def test_the_needle_grid_counts_each_needle_found_by_depth_and_length():
         [1, None],
     ]  # depth x length
     assert task_needles.figure(grid, 0.75).data[0].name == "full" and task_needles.figure([], 0.5) is None
+    assert fig.layout.title.text == "Needles found by depth and context length, compression ratio 0.5"
+    aware = task_needles.figure(grid, 0.5, tasks.protocol({"query_aware": True}))
+    assert aware.layout.title.text.endswith("compression ratio 0.5 (query-aware)")
 
 
 def test_rows_without_depths_get_their_regenerated_samples(tmp_path):

@@ -192,19 +192,22 @@ def test_the_multiquery_turns_table_gives_each_turn_against_the_full_caches_same
     assert results_page.turns_table([cell("a", 0.5, [0.5, 0.5])]) == ""  # no full cache to compare with
 
 
-def test_the_grid_time_counts_each_task_and_length_at_its_median_sample_and_only_this_machines_rows():
-    def row(task, length, index, minutes, machine=None):
-        ms = minutes * 60_000
-        results = [{"prepare_ms": ms / 8, "own_ms": 0.0, "answer_ms": ms / 8}] * 2  # two (policy, ratio)
-        return {
-            "suite_task": task,
-            "length": length,
-            "index": index,
-            "shared_prefill_ms": ms / 2,
-            "results": results,
-            "machine": machine,
-        }
+def grid_row(task, length, index, minutes, machine=None):
+    """A finished task-grid sample that took `minutes`, spread over two (policy, ratio) cells."""
+    ms = minutes * 60_000
+    results = [{"prepare_ms": ms / 8, "own_ms": 0.0, "answer_ms": ms / 8}] * 2
+    return {
+        "suite_task": task,
+        "length": length,
+        "index": index,
+        "shared_prefill_ms": ms / 2,
+        "results": results,
+        "machine": machine,
+    }
 
+
+def test_the_grid_time_counts_each_task_and_length_at_its_median_sample_and_only_this_machines_rows():
+    row = grid_row
     rows = [
         row("a", 1024, 0, 1.0),
         row("a", 1024, 1, 1.0),
@@ -215,3 +218,22 @@ def test_the_grid_time_counts_each_task_and_length_at_its_median_sample_and_only
     assert "took 0.2 h of one worker's time" in text  # (3 x 1 + 1 x 9) min; the pause and the GPU row apart
     assert "from 1.0 min a sample (`a`, 1024 tokens) to 9.0 min (`b`, 4096 tokens)" in text
     assert results_page.grid_time([row("b", 4096, 0, 9.0, machine="a GPU")]) == ""
+
+
+def test_a_query_aware_grid_short_of_lengths_says_what_those_lengths_cost_the_other_grid():
+    agnostic = {
+        "config": {"lengths": [1024, 4096]},
+        "rows": [grid_row("a", 1024, 0, 1.0), grid_row("a", 4096, 0, 30.0), grid_row("a", 4096, 1, 60.0)],
+    }
+    aware = {"config": {"lengths": [1024]}, "rows": []}
+    text = results_page.skipped_lengths(agnostic, aware)
+    assert text == (
+        " It runs at 1024 tokens only: the question-agnostic grid's 4096-token samples alone took 1.5 h of "
+        "one worker's time on this machine."
+    )  # the median sample (45 min) times 2
+    assert results_page.skipped_lengths(agnostic, agnostic) == ""
+
+
+def test_each_protocol_names_its_own_needle_figure():
+    assert results_page.needles_figure({}) == "results/bench_tasks_needles.png"
+    assert results_page.needles_figure({"query_aware": True}) == "results/bench_tasks_query_aware_needles.png"

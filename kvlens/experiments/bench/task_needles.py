@@ -85,10 +85,10 @@ def middle_ratio(ratios: list[float | None]) -> float | None:
     return kept[len(kept) // 2] if kept else None
 
 
-def figure(cells: list[dict], ratio: float | None, title: str = "", columns: int = 5):
+def figure(cells: list[dict], ratio: float | None, protocol: str = "", columns: int = 5):
     """One heatmap per policy (the full cache and budget-free ones as they are): needle depth (rows, bins) x
-    context length (columns), colour = share of the needles found, at compression ratio `ratio`; None without
-    cells."""
+    context length (columns), colour = share of the needles found, at compression ratio `ratio`, the grid's
+    `protocol` (`tasks.protocol`) in the title; None without cells."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -139,8 +139,9 @@ def figure(cells: list[dict], ratio: float | None, title: str = "", columns: int
     for r in range(1, rows + 1):
         fig.update_yaxes(title_text="needle depth", row=r, col=1)
     at_ratio = "the full cache" if ratio is None else f"compression ratio {ratio:g}"
+    at_ratio += f" ({protocol})" if protocol else ""
     fig.update_layout(
-        title=title or f"Needles found by depth and context length, {at_ratio}",
+        title=f"Needles found by depth and context length, {at_ratio}",
         width=max(520, 200 * min(columns, len(policies)) + 160),
         height=140 + 260 * rows,
         template="kvlens",

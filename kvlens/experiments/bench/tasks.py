@@ -500,6 +500,11 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def protocol(config: dict) -> str:
+    """How a grid with this `config` compressed: "query-aware" (`--query-aware`) or "question-agnostic"."""
+    return "query-aware" if config.get("query_aware") else "question-agnostic"
+
+
 def figure(result: dict):
     """Score against compression ratio, one line per method (kvpress's leaderboard plot): averaged over tasks,
     then one panel per task; bars are bootstrap 95 % intervals over samples, points of one ratio are set
@@ -570,10 +575,8 @@ def figure(result: dict):
             col=col,
         )
     fig.update_yaxes(title_text="score (share of expected strings found)", range=[-0.02, 1.02], row=1, col=1)
-    cfg = result.get("config", {})
-    protocol = "query-aware" if cfg.get("query_aware") else "question-agnostic"
     fig.update_layout(
-        title=f"Task accuracy under compression ({protocol}, "
+        title=f"Task accuracy under compression ({protocol(result.get('config', {}))}, "
         f"{result.get('environment', {}).get('model', 'model')})",
         width=max(800, 330 * len(panels) + 220),
         height=max(480, 26 * len(policies) + 160),
