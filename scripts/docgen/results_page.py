@@ -547,10 +547,11 @@ def readme_summary() -> str:
         ["policy", "score [95 % interval]"],
         [[f"`{s['policy']}`", f"{s['score']:.3f} [{s['ci_low']:.3f}–{s['ci_high']:.3f}]"] for s in half],
     )
+    figure = needles_figure(obj["config"])
     out += (
         "\nNeedles found by depth in the context and context length, per policy at the grid's middle ratio, "
-        f"{task_needles.middle_ratio(obj['config']['ratios'])} (`{needles_figure(obj['config'])}`):\n\n"
-        f"![Needles found by depth and length]({needles_figure(obj['config'])})\n"
+        f"{task_needles.middle_ratio(obj['config']['ratios'])} (`{figure}`):\n\n"
+        f"![Needles found by depth and length]({figure})\n"
     )
     out += cost_sentence(obj) + protocols_sentence(obj)
     return out + "\n" + frontier_summary() + "\n" + phases_summary() + "\n" + explain_summary() + "\n"
@@ -624,7 +625,7 @@ def protocols_sentence(agnostic: dict) -> str:
 
 def skipped_lengths(agnostic: dict, aware: dict) -> str:
     """Why the query-aware grid lacks some of the question-agnostic grid's lengths: what those lengths took
-    there on this machine, against what the query-aware grid took in all; empty when it ran them all."""
+    there on this machine (`worker_hours`); empty when it ran them all."""
     missing = set(agnostic["config"]["lengths"]) - set(aware["config"]["lengths"])
     if not missing:
         return ""

@@ -207,17 +207,16 @@ def grid_row(task, length, index, minutes, machine=None):
 
 
 def test_the_grid_time_counts_each_task_and_length_at_its_median_sample_and_only_this_machines_rows():
-    row = grid_row
     rows = [
-        row("a", 1024, 0, 1.0),
-        row("a", 1024, 1, 1.0),
-        row("a", 1024, 2, 31.0),
+        grid_row("a", 1024, 0, 1.0),
+        grid_row("a", 1024, 1, 1.0),
+        grid_row("a", 1024, 2, 31.0),
     ]  # one timed across a pause
-    rows += [row("b", 4096, 0, 9.0), row("b", 4096, 1, 500.0, machine="a GPU")]
+    rows += [grid_row("b", 4096, 0, 9.0), grid_row("b", 4096, 1, 500.0, machine="a GPU")]
     text = results_page.grid_time(rows)
     assert "took 0.2 h of one worker's time" in text  # (3 x 1 + 1 x 9) min; the pause and the GPU row apart
     assert "from 1.0 min a sample (`a`, 1024 tokens) to 9.0 min (`b`, 4096 tokens)" in text
-    assert results_page.grid_time([row("b", 4096, 0, 9.0, machine="a GPU")]) == ""
+    assert results_page.grid_time([grid_row("b", 4096, 0, 9.0, machine="a GPU")]) == ""
 
 
 def test_a_query_aware_grid_short_of_lengths_says_what_those_lengths_cost_the_other_grid():
