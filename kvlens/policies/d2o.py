@@ -219,20 +219,34 @@ class D2O(Policy):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 9: each evicted key's best cosine similarity to the kept keys and that key's index in `keep`,
         both `(R, E)`. `keys` `(R, S, D)`; `keep` `(R, B)`, `evicted` `(R, E)` slot indices. The oldest kept
-        key wins a tie (`keep` is in position order). Computed in chunks of evicted keys (bounded memory)."""
-        d = keys.shape[-1]
-        unit = torch.nn.functional.normalize(keys.float(), dim=-1)
-        kept = unit.gather(1, keep[..., None].expand(-1, -1, d))  # (R, B, D)
-        r, b, e = keep.shape[0], keep.shape[1], evicted.shape[1]
-        chunk = max(1, CHUNK_ELEMENTS // max(1, r * b))
-        best, index = [], []
+        key wins a tie (`keep` is in position order).
+
+        One pass over the cache in place: the evicted keys' dot products with every slot `(R, E, S)` over the
+        norms' product (`F.normalize`'s eps), the slots outside `keep` masked, so no normalised or gathered
+        copy of the kept keys is made (a decode step's one evicted key per row costs one product with the
+        keys, as attention does). Computed in chunks of evicted keys (bounded memory)."""
+        r, s, d = keys.shape
+        e = evicted.shape[1]
+        norms = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32).clamp_min(1e-12)  # (R, S)
+        index = torch.full((r, s), -1, dtype=torch.long, device=keys.device)
+        index.scatter_(
+            1, keep, torch.arange(keep.shape[1], device=keys.device).expand_as(keep)
+        )  # slot -> keep
+        outside = index < 0
+        chunk = max(1, CHUNK_ELEMENTS // max(1, r * s))
+        best, where = [], []
         for lo in range(0, e, chunk):
-            part = unit.gather(1, evicted[:, lo : lo + chunk, None].expand(-1, -1, d))  # (R, e, D)
-            sim = part @ kept.transpose(1, 2)  # (R, e, B)
-            value, where = sim.max(-1)
-            best.append(value)
-            index.append(where)
-        return torch.cat(best, 1), torch.cat(index, 1)
+            part = evicted[:, lo : lo + chunk]  # (R, e)
+            sent = keys.gather(1, part[..., None].expand(-1, -1, d))  # (R, e, D)
+            sim = torch.bmm(sent, keys.transpose(1, 2)).float()  # (R, e, S)
+            sim = sim / (norms.gather(1, part)[..., None] * norms[:, None, :])
+            sim = sim.masked_fill(outside[:, None, :], float("-inf"))
+            value = sim.amax(-1, keepdim=True)  # (R, e, 1)
+            # the oldest of the best: the smallest index into `keep` (position order) among the ties
+            at = index[:, None, :].expand_as(sim).masked_fill(sim < value, keep.shape[1])
+            best.append(value[..., 0])
+            where.append(at.amin(-1))
+        return torch.cat(best, 1), torch.cat(where, 1)
 
     def threshold(self, rows: CacheRows, u: torch.Tensor) -> torch.Tensor:
         """Eq. 10: update each layer's EMA threshold with this compression's similarities `u` `(R, E)` and

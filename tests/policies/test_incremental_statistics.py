@@ -1,0 +1,46 @@
+"""The per-step statistics that decode-time methods keep cheaply, each against its rule written plainly here:
+the same decisions exactly (kept sets, targets), the same floats within rounding."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlens.policies.d2o import D2O
+from tests.conftest import examples
+
+
+def plain_nearest(keys: torch.Tensor, keep: torch.Tensor, evicted: torch.Tensor):
+    """D2O's Eq. 9 as written: every evicted key's cosine similarity to every kept key, one at a time; the
+    first (oldest, `keep` in position order) of the best."""
+    unit = F.normalize(keys.float(), dim=-1)
+    best = torch.zeros(evicted.shape, dtype=torch.float32)
+    where = torch.zeros(evicted.shape, dtype=torch.long)
+    for r in range(keys.shape[0]):
+        for i, slot in enumerate(evicted[r].tolist()):
+            sims = [float(unit[r, slot] @ unit[r, k]) for k in keep[r].tolist()]
+            top = max(sims)
+            best[r, i], where[r, i] = top, sims.index(top)
+    return best, where
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(st.integers(0, 10_000), st.integers(4, 40), st.integers(1, 12), st.booleans())
+def test_d2o_nearest_kept_key_is_eq9_with_the_oldest_of_ties(seed, slots, evicted, duplicates):
+    """One product with the cache in place (`D2O.nearest`) finds the same nearest kept key as comparing each
+    evicted key with each kept one, ties (duplicated keys) to the oldest kept; a decode step is E = 1."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, d = 3, 8
+    evicted = min(evicted, slots - 1)
+    keys = torch.randn(rows, slots, d, generator=gen)
+    if duplicates:  # exact ties: some kept keys repeat, some evicted keys equal a kept one
+        keys[:, 1::3] = keys[:, 0:1]
+    order = torch.stack([torch.randperm(slots, generator=gen) for _ in range(rows)])  # slot -> position rank
+    gone = order[:, :evicted].sort(-1).values
+    keep = order[:, evicted:].sort(-1).values  # in slot order: ascending = oldest first in this test
+    got_best, got_where = D2O.nearest(keys, keep, gone)
+    want_best, want_where = plain_nearest(keys, keep, gone)
+    assert torch.equal(got_where, want_where)
+    torch.testing.assert_close(got_best, want_best, rtol=1e-5, atol=1e-6)
