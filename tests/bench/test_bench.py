@@ -216,11 +216,13 @@ def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
         "prompt_tokens",
         "steps",
         "prefill_ms",
+        "prefill_cpu_ms",
         "ms_per_token",
         "cpu_ms_per_token",
         "kv_bytes_peak",
         "kv_bytes_prefill",
         "kv_slots_max",
+        "kv_slots_final_mean",
         "replay_passes",
         "replay_ms",
         "peak_rss",
@@ -329,11 +331,22 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
         every=every,
         tick=lambda: ticks.append(1),
     )
+    free = [n for n in every if make_policy(n).budget_free]
+    floors = {"floor", *(f"floor:{n}" for n in free)}  # half the prompt, and each budget-free policy's own
     assert (
-        len(ticks) == speed.ticks(1, [32], 1, [160], every) == 1 + 8 + len(every) + 1
-    )  # + full in the lockstep
+        len(ticks) == speed.ticks(1, [32], 1, [160], every) == 1 + 8 + 3 * (len(every) + 1 + len(floors))
+    )  # + full in the lockstep; every policy measured: 3 rounds at least
     details = result["ratio_details"]["evict_half_vs_full_at_160"]
-    assert set(details["ms_per_token"]) == {"full", *every}
+    assert set(details["ms_per_token"]) == {"full", *every, *floors}
+    assert details["floor_tokens"]["floor"] == 80
+    floor = result["ratio_details"]["every_policy_vs_floor_at_160"]
+    for name in every:
+        side = f"floor:{name}" if name in free else "floor"
+        mine, theirs = details["ms_per_token"][name], details["ms_per_token"][side]
+        ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
+        assert floor["per_policy"][name] == pytest.approx(sorted(ratios)[1])  # the median of 3 rounds
+        assert floor["spread"][name] == pytest.approx([min(ratios), max(ratios)])
+    assert result["ratios"]["every_policy_vs_floor_at_160"] == floor["per_policy"][floor["worst"]]
     replay = result["ratio_details"]["replay_vs_full_prefill_at_160"]
     assert set(replay["per_policy"]) == {"kvzip"}  # the one method whose algorithm is an extra forward
     assert result["ratios"]["replay_vs_full_prefill_at_160"] == replay["per_policy"]["kvzip"]
@@ -346,8 +359,8 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
         assert result["ratios"][key] == per[named["worst"]]
         measured, name = details[column], named["worst"]
         assert per[name] == pytest.approx(
-            measured[name][0] / measured["full"][0]
-        )  # one repeat: the ratio itself
+            sorted(a / b for a, b in zip(measured[name], measured["full"], strict=True))[1]
+        )  # the median of 3 rounds
     assert per["kvzip"] == pytest.approx(replay["per_policy"]["kvzip"])
     sizes = result["ratio_details"]["every_policy_bytes_half_vs_full_at_160"]
     budgeted = {n for n in every if not make_policy(n).budget_free}
