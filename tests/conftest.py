@@ -150,6 +150,18 @@ def shrink(policy, rows, budget: int | None, log=None, prompt: bool = False) -> 
 TINY_RUN_T = 160  # the prompt tokens of `tiny_run`
 
 
+def within_budget(policy, run, budget: int) -> bool:
+    """Whether a run of `policy` held its `budget` at every step (`steps/kv_slots` `(T, L, Hkv)`): a policy
+    that compresses at decode steps holds it (its total over layers and heads, and each head when its
+    selection is per head); one whose protocol compresses the prompt once (`Needs.decode_steps` false)
+    holds it after the prompt and grows by one slot per head per step after."""
+    kept = run.tensors["steps/kv_slots"].long()
+    t, layers, heads = kept.shape
+    grown = torch.zeros(t, dtype=torch.long) if policy.needs().decode_steps else torch.arange(t)
+    total = bool((kept.sum((1, 2)) <= (budget + grown) * layers * heads).all())
+    return total and (policy.competes != "head" or bool((kept.amax((1, 2)) <= budget + grown).all()))
+
+
 @functools.cache
 def tiny_run(tmp_dir: str | None = None):
     """A full-cache run of the tiny model with prefill states (TINY_RUN_T prompt tokens, 4 steps), saved if

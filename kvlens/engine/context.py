@@ -69,6 +69,9 @@ class RunContext:
             rotary  # positions -> (cos, sin) of the model's RoPE (`Prompt.rotary`), None without one
         )
         self.policy = policy
+        self._policy_done = (
+            False  # the policy compressed the prompt only (`policy_done`): it sees no more steps
+        )
         self.observed_by(observers)
         for obs in self.observers:
             obs.on_start(policy)
@@ -82,9 +85,20 @@ class RunContext:
         its last rows."""
         self.observers = list(observers)
         needs = self.policy.needs()
-        self.needs_rows = needs.decode_rows or any(o.needs_rows for o in self.observers)
+        policy_rows = needs.decode_rows and not self._policy_done
+        self.needs_rows = policy_rows or any(o.needs_rows for o in self.observers)
         self.column_sums = needs.column_sums or any(o.needs_prefill_stats for o in self.observers)
         self.prefill_rows = max([needs.prefill_rows] + [o.prefill_rows for o in self.observers])
+
+    def policy_done(self) -> None:
+        """The policy compressed the prompt and decodes with no further compression (its decode protocol,
+        `Needs.decode_steps` false): decode steps compute attention rows only for observers that read them,
+        and the policy is told nothing more."""
+        self._policy_done = True
+        self.observed_by(self.observers)
+        if not self.needs_rows:  # no decode step will set them: the prompt's last rows are not a step's
+            for layer in self.cache.layers:
+                layer.last_attn = None
 
     @property
     def frozen(self) -> bool:
@@ -132,9 +146,12 @@ class RunContext:
         if spec.window is not None:
             seen = layer.valid & (self.cache.positions[-1] - layer.pos < spec.window)
         out, probs = self._decode(layer, query, key, value, seen, spec, pages)
+        if not self.needs_rows:  # padded or paged heads: attention over the kept slots, nobody reads it
+            return out
         self._observed.append((layer, probs, seen))
         layer.last_attn = probs.reshape(-1, probs.shape[-1])
-        self.policy.observe(layer, probs)
+        if not self._policy_done:
+            self.policy.observe(layer, probs)
         for obs in self.observers:
             obs.on_decode(layer, query, probs, out, spec)
         return out

@@ -162,6 +162,7 @@ class _Loop:
         for name in policy.needs().model_data:
             for book, part in zip(self.cache.books, MODEL_DATA[name](model), strict=True):
                 book.state[name] = part
+        self.decodes = policy.needs().decode_steps  # compresses at decode steps (its decode protocol)
         self.budget = budget
         self.budgets: Sequence[int | None] = [budget] * model.shape()[
             "layers"
@@ -228,7 +229,9 @@ class _Loop:
                 self.budgets = budgets
         self.cache.commit()
         everywhere = self.cache.all_layers() if phase is Phase.DECODE else None
-        if everywhere is not None:
+        if phase is Phase.DECODE and not self.decodes:
+            pass  # the method's protocol compresses the prompt only: the cache grows by the step's token
+        elif everywhere is not None:
             self.policy.compress(everywhere, Step(index, phase, self.budget, self.log))
         else:
             for rows, budget in zip(self.cache.layers, self.budgets, strict=True):
@@ -243,6 +246,8 @@ class _Loop:
                 self.channels = torch.stack([channels for channels, _ in plans]).cpu()
         if last:
             self.kept.append(self.cache.kept_counts())
+            if index == 0 and not self.decodes:
+                self.ctx.policy_done()
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes)
 
     def event(self, step, token, nll, ms, logits) -> StepEvent:

@@ -10,7 +10,7 @@ top.
 """
 
 from kvlens.kvcache.contract import CacheRows, Phase, Prompt, Replay, Slots, Step
-from kvlens.kvcache.scores import AttentionSpec, group_mean, softmax_weights
+from kvlens.kvcache.scores import AttentionSpec, group_mean, layer_logits, softmax_weights
 from kvlens.kvcache.store import padded_index, padded_slots
 
 __all__ = [
@@ -24,5 +24,6 @@ __all__ = [
     "group_mean",
     "padded_index",
     "padded_slots",
+    "layer_logits",
     "softmax_weights",
 ]

@@ -33,13 +33,21 @@ def softmax_weights(
     (unless `scaled`: it was applied to the queries), tanh soft-capping (`softcap * tanh(s / softcap)`), -inf
     where `hidden` (bool, broadcasting to `(..., q, k)` over the last k keys; None: every key seen), softmax.
     """
+    scores = layer_logits(scores, spec, scaled)
+    if hidden is not None:
+        scores[..., scores.shape[-1] - hidden.shape[-1] :].masked_fill_(hidden, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def layer_logits(scores: torch.Tensor, spec: AttentionSpec, scaled: bool = False) -> torch.Tensor:
+    """float32 products `(..., S)` -> the layer's logits, in place: its scale (unless `scaled`), then tanh
+    soft-capping. `softmax_weights`'s first half, for a rule that needs the logits themselves (KVzip's
+    log-space scores)."""
     if not scaled:
         scores.mul_(spec.scaling)
     if spec.softcap is not None:
         scores.div_(spec.softcap).tanh_().mul_(spec.softcap)
-    if hidden is not None:
-        scores[..., scores.shape[-1] - hidden.shape[-1] :].masked_fill_(hidden, float("-inf"))
-    return torch.softmax(scores, dim=-1)
+    return scores
 
 
 def group_mean(probs: torch.Tensor) -> torch.Tensor:

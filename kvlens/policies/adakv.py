@@ -6,8 +6,11 @@ head's `alpha` x B best slots (by the `base` policy's score; at least one) are s
 protected slots too, and of the rest the layer's lowest scores leave, whichever head they belong
 to (kvpress's `AdaKVPress`, alpha = 0.2 as in the authors' GQA experiments; the official code
 blends each head's count with the floor, (1 - alpha) n_h + alpha B, a different rule). Ties
-leave the newest position first, then the lower head. At a decode step the layer holds one new
-slot per head, so Hkv slots leave, chosen the same way.
+leave the newest position first, then the lower head. Decoding follows the base's protocol: with
+SnapKV's default (`decoding=once`, the paper's and kvpress's) the prompt is compressed once and the
+cache grows by one slot per generated token; with a base that compresses at decode steps
+(`base.decoding=rolling`, or a decode-time scorer such as H2O) each step's Hkv new slots make Hkv
+slots leave, chosen the same way.
 
 Heads keep different counts, so each layer's keys and values are held in pages of 8 slots
 (`kvlens.kvcache.paged`): a head holds its own kept slots, not its fullest head's count.
@@ -59,14 +62,13 @@ class AdaKV(Wrapper):
     kvpress = "AdaKVPress"
     kvpress_differs = (
         "kvpress keeps every key and masks the evicted ones, so its memory is the full cache's; "
-        "kvlens frees them (each head holding its own slots, in pages). kvpress compresses the prompt "
-        "only; kvlens keeps the budget at every decode step too."
+        "kvlens frees them (each head holding its own slots, in pages)."
     )
     competes = "layer"
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         budget = step.budget
-        if budget is None:
+        if budget is None or not (step.prompt or self.base.needs().decode_steps):
             return
         valid = rows.valid
         r, s = valid.shape

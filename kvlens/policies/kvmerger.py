@@ -29,7 +29,7 @@ import torch
 
 from kvlens.errors import KvlensError
 from kvlens.kvcache import CacheRows, Step, padded_index
-from kvlens.policies.base import Policy, log_merges, param, register
+from kvlens.policies.base import Needs, Policy, log_merges, param, register
 
 
 def merging_sets(
@@ -189,6 +189,12 @@ class KVMerger(Policy):
         "budget50": {"recent_ratio": 0.17, "keep_ratio": 0.12},
         "budget35": {"recent_ratio": 0.08, "keep_ratio": 0.02},
     }
+
+    def needs(self) -> Needs:
+        """The prompt's column sums; attention rows and decode steps only when it re-merges while decoding
+        (the paper merges once, after prefill)."""
+        again = self.remerge_every > 0
+        return Needs(decode_rows=again, prefill_rows=0, decode_steps=again)
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         """Merge every row's sets of two or more slots at their pivots, all at once: the M sets' K members in

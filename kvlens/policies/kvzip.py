@@ -17,11 +17,11 @@ found as kvpress finds it; those slots then score 0 and leave first, the `n_sink
 prompt that does not begin with the head is reconstructed whole). The passes cost about twice the
 prompt's prefill; a run reports them as `replay_passes` and `replay_ms` (part of `prefill_ms`).
 
-Decoding (`decoding`): `once` compresses the prompt only, as the paper and kvpress do, and the cache
-then grows by one slot per generated token; `rolling` (kvlens's, the default, so that the budget
-holds at every step as for every other policy) evicts, at each decode step, the layer's lowest
-score over its heads, generated tokens scoring above every prompt slot (older ones lower), so
-the least reconstructed prompt slots leave first.
+Decoding (`decoding`): `once` (the default) compresses the prompt only, as the paper (the context is
+compressed once, query-agnostic, and reused for every query) and kvpress do, and the cache then grows by one
+slot per generated token; `rolling` (kvlens's, so that the budget holds at every step) evicts, at each decode
+step, the layer's lowest score over its heads, generated tokens scoring above every prompt slot (older ones
+lower), so the least reconstructed prompt slots leave first.
 
 Heads and layers keep different counts: a layer's keys and values are held in pages of 8 slots
 (`kvlens.kvcache.paged`), each head its own kept slots (with packed storage, buffers padded to
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kvlens.kvcache import AttentionSpec, CacheRows, Replay, Step, softmax_weights
+from kvlens.kvcache import AttentionSpec, CacheRows, Replay, Step, layer_logits
 from kvlens.policies.base import NO_ATTENTION, Needs, Policy, free_logged, lowest_of_all_rows, param, register
 
 # per layer until the budgets are allocated: (Hkv, T) by prompt position; then per slot (R, S)
@@ -66,11 +66,11 @@ class KVzip(Policy):
         "over all layers and heads leave (the paper's default).",
     )
     decoding: str = param(
-        "rolling",
-        "During decoding: keep the budget, evicting the least reconstructed prompt slot "
-        "of each layer (kvlens), or compress the prompt once and let the cache grow (the paper, "
-        "kvpress).",
-        choices=("rolling", "once"),
+        "once",
+        "During decoding: compress the prompt once and let the cache grow (the paper, "
+        "kvpress), or keep the budget, evicting the least reconstructed prompt slot of each "
+        "layer (kvlens).",
+        choices=("once", "rolling"),
     )
     reconstruct: str = param(
         "prompt",
@@ -87,8 +87,8 @@ class KVzip(Policy):
     kvpress = "KVzipPress"
     kvpress_differs = (
         "kvlens reconstructs the whole prompt by default (`reconstruct=context` skips the chat "
-        "template's head, as kvpress does), frees what it evicts (kvpress masks it) and keeps the "
-        "budget while decoding by default (`decoding=rolling`; `decoding=once` is kvpress's)."
+        "template's head, as kvpress does) and frees what it evicts (kvpress masks it); "
+        "`decoding=rolling` keeps the budget while decoding (kvpress compresses the prompt only)."
     )
     competes = "model"  # the prompt's lowest scores over every layer and head (`layerwise`: a layer's heads)
 
@@ -112,27 +112,36 @@ class KVzip(Policy):
         return passes
 
     def observe_replay(self, rows: CacheRows, replay: Replay) -> None:
-        """Scores `(Hkv, T)`: each slot of the chunk, the largest weight any query of the pass gives it."""
+        """Scores `(Hkv, T)`: each slot of the chunk, the largest weight any query of the pass gives it.
+
+        The weights are never materialised: per block of queries, the logits over the chunk's slots (and the
+        sinks) and over the pass's own keys give each query's log-normaliser `lse` (`logsumexp` of both), and
+        a slot's score is `exp(max_q (logit - lse_q))`, the largest softmax weight, taken in log space. The
+        prompt's keys are read where the prefill cached them."""
         keys = rows.keys[0]  # (Hkv, T, D): before the prompt's compression slot i holds position i
         hkv, t, d = keys.shape
         sink = min(self.n_sink, replay.start)
-        seen = torch.cat(
-            [keys[:, :sink], keys[:, replay.start : replay.end], replay.keys], dim=1
-        )  # (Hkv, K, D)
+        prompt = torch.cat([keys[:, :sink], keys[:, replay.start : replay.end]], dim=1)  # (Hkv, n, D)
         q = replay.queries.shape[1]
-        queries, seen_t = replay.queries.view(hkv, -1, q, d), seen.transpose(1, 2)
-        g, chunk = queries.shape[1], slice(sink, sink + replay.end - replay.start)
-        own = torch.ones(q, q, dtype=torch.bool, device=keys.device).triu(1)
+        queries = replay.queries.view(hkv, -1, q, d)
+        g = queries.shape[1]
+        own_future = torch.ones(q, q, dtype=torch.bool, device=keys.device).triu(1)
         spec = AttentionSpec(replay.scaling, replay.softcap)
-        best = torch.zeros(hkv, chunk.stop - sink, dtype=torch.float32, device=keys.device)
-        for a in range(0, q, ROWS):  # a block of rows at a time: (Hkv, G, ROWS, K) stays in cache
+        best = torch.full((hkv, replay.end - replay.start), float("-inf"), device=keys.device)
+        for a in range(0, q, ROWS):  # a block of rows at a time: (Hkv, G, ROWS, n) stays in cache
             b = min(q, a + ROWS)
-            logits = torch.bmm(queries[:, :, a:b].reshape(hkv, g * (b - a), d), seen_t).float()
-            probs = softmax_weights(logits.view(hkv, g, b - a, -1), spec, own[a:b])  # (Hkv, G, b - a, K)
-            torch.maximum(best, probs[..., chunk].amax(dim=(1, 2)), out=best)
+            rows_q = queries[:, :, a:b].reshape(hkv, g * (b - a), d)
+            seen = layer_logits(torch.bmm(rows_q, prompt.transpose(1, 2)).float(), spec)  # (Hkv, G * rows, n)
+            own = layer_logits(torch.bmm(rows_q, replay.keys.transpose(1, 2)).float(), spec).view(
+                hkv, g, b - a, q
+            )
+            own.masked_fill_(own_future[a:b], float("-inf"))
+            lse = torch.logaddexp(seen.logsumexp(-1), own.view(hkv, g * (b - a), q).logsumexp(-1))
+            block = (seen[..., sink:] - lse[..., None]).amax(1)  # (Hkv, chunk)
+            torch.maximum(best, block, out=best)
         state = rows.states[0]
         score = state.setdefault(SCORE, torch.zeros(hkv, t, dtype=torch.float32, device=keys.device))
-        score[:, replay.start : replay.end] = best
+        score[:, replay.start : replay.end] = best.exp()
 
     def allocate(self, budget: int, layers: Sequence[CacheRows]) -> list[int]:
         """Which entries leave, over every layer and head (or per layer): each layer's kept total, and as its

@@ -15,7 +15,8 @@ first layer, with the same total as B in every layer. `schedule` picks the sourc
 - `kvpress`: kvpress's `PyramidKVPress`: the window inside the share (`max = 2B - B / beta`, `min =
   B / beta`, rounded), and B everywhere unless `T >= max >= min >= w` (with SnapKV's window of 64,
   any budget under 1280 slots).
-Which slots each layer keeps is the `base` policy's rule (SnapKV in the paper and kvpress).
+Which slots each layer keeps is the `base` policy's rule (SnapKV in the paper and kvpress), and so is
+the decode protocol: SnapKV's default compresses the prompt once, as the paper and kvpress do.
 
 Each layer's own buffers hold its own budget + 1 slots, so the memory really follows the pyramid:
 `kv_entries_max` (every layer's kept slots together) stays at L x Hkv x B, while `kv_slots_max`
@@ -65,9 +66,7 @@ class PyramidKV(Wrapper):
     paper = "https://arxiv.org/abs/2406.02069"
     kvpress = "PyramidKVPress"
     kvpress_differs = (
-        "`schedule=kvpress` is kvpress's per-layer budgets; each layer's buffers hold its own "
-        "budget. kvpress compresses the prompt only; kvlens keeps the budget at every decode step "
-        "too."
+        "`schedule=kvpress` is kvpress's per-layer budgets; each layer's buffers hold its own budget."
     )
     competes = "model"  # per-layer budgets, decided together
 

@@ -9,14 +9,13 @@ kept beside the window, which is always kept; the budget counts the window (kvpr
 `SnapKVPress`: window 64, kernel 5, average pooling; the paper's LongBench runs use window 32,
 kernel 7, max pooling, preset `paper`).
 
-Decoding (`decoding`): `once` compresses the prompt only, as the paper does, and the cache then
-grows by one slot per generated token; `rolling` (the default) keeps the budget at every step, as
-kvpress's `DecodingPress` does, scoring with the attention the slots received from the last
-`window` queries (the prompt's last ones, then each step's), kept per slot as the queries came:
-kvpress recomputes those queries' attention over the current cache instead, whose softmax no
-longer counts the keys evicted since (the two differ by that normalisation), and pools within
-each query head before averaging them, where kvlens stores the KV head's average (equal for
-average pooling).
+Decoding (`decoding`): `once` (the default) compresses the prompt only, once, before generation, as the paper
+and kvpress's `SnapKVPress` do, and the cache then grows by one slot per generated token; `rolling` keeps the
+budget at every step, as kvpress's `DecodingPress` does, scoring with the attention the slots received from
+the last `window` queries (the prompt's last ones, then each step's), kept per slot as the queries came:
+kvpress recomputes those queries' attention over the current cache instead, whose softmax no longer counts the
+keys evicted since (the two differ by that normalisation), and pools within each query head before averaging
+them, where kvlens stores the KV head's average (equal for average pooling).
 """
 
 from __future__ import annotations
@@ -61,11 +60,11 @@ class SnapKV(ScoredEviction):
         choices=("avg", "max"),
     )
     decoding: str = param(
-        "rolling",
-        "During decoding: keep the budget at every step with a rolling window "
-        "(kvpress's DecodingPress), or compress the prompt once and let the cache grow (the "
-        "paper).",
-        choices=("rolling", "once"),
+        "once",
+        "During decoding: compress the prompt once and let the cache grow (the paper, "
+        "kvpress's SnapKVPress), or keep the budget at every step with a rolling window "
+        "(kvpress's DecodingPress).",
+        choices=("once", "rolling"),
     )
 
     name = "snapkv"
@@ -73,11 +72,12 @@ class SnapKV(ScoredEviction):
     paper = "https://arxiv.org/abs/2404.14469"
     kvpress = "SnapKVPress"
     kvpress_differs = (
-        "kvpress compresses the prompt only; kvlens keeps the budget at every decode step by "
-        "default (`decoding=rolling`; `decoding=once` is the paper's and kvpress's)."
+        "`decoding=rolling` keeps the budget at every decode step with the attention each slot "
+        "received from the last `window` queries, as they came (kvpress's DecodingPress recomputes "
+        "those queries' attention over the current cache)."
     )
     presets: ClassVar[dict[str, dict[str, Any]]] = {
-        "kvpress": {"window": 64, "kernel": 5, "pooling": "avg"},
+        "kvpress": {"window": 64, "kernel": 5, "pooling": "avg", "decoding": "once"},
         "paper": {"window": 32, "kernel": 7, "pooling": "max", "decoding": "once"},
     }
 

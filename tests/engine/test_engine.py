@@ -307,7 +307,8 @@ def test_full_perplexity_equals_model_loss(smol, long_text):
         ("cam", {"base": "tova"}, True, True),
         ("tova", {}, False, False),  # the engine's switch: layer by layer
         ("adakv", {"base": "h2o"}, True, False),
-        ("kvmerger", {}, True, False),
+        ("kvmerger", {}, True, False),  # merges after the prompt only (the paper's protocol)
+        ("snapkv", {"window": 4}, True, False),  # compresses the prompt once (the paper's protocol)
     ],
 )
 def test_batchable_policies_compress_every_layer_at_once_at_decode_steps(
@@ -316,7 +317,7 @@ def test_batchable_policies_compress_every_layer_at_once_at_decode_steps(
     """The engine picks all-layer or per-layer once, from the policy's `competes` (`batchable`) and
     `RunOptions.batch_layers`: the prompt's compression is per layer, each decode step's then one call on
     every layer's rows (per-slot extras such as CaM's decode attention travel with them); other policies
-    stay per layer."""
+    stay per layer, and one whose protocol compresses the prompt only is not called at decode steps."""
     policy = make_policy(name, params)
     calls = []
     original = type(policy).compress
@@ -329,7 +330,7 @@ def test_batchable_policies_compress_every_layer_at_once_at_decode_steps(
     layers = tuple(range(tiny.shape()["layers"]))
     assert [c for c in calls if c[0] == 0] == [(0, (i,)) for i in layers]
     decode = [c for c in calls if c[0] > 0]
-    per_layer = [(i, (j,)) for i in range(1, 8) for j in layers]
+    per_layer = [(i, (j,)) for i in range(1, 8) for j in layers] if policy.needs().decode_steps else []
     assert decode == ([(i, layers) for i in range(1, 8)] if together else per_layer)
 
 

@@ -18,10 +18,12 @@ PREFILL, STEPS, BUDGET = 90, 10, 16
 SETTINGS = [(name, {}) for name, cls in sorted(REGISTRY.items()) if not cls.budget_free] + [
     ("cam", {"base": "tova", "score": "decode"}),
     ("cam", {"base": "scissorhands"}),
-    ("snapkv", {"decoding": "once"}),
-    ("kvzip", {"layerwise": True}),
-    ("kvzip", {"decoding": "once"}),
+    ("snapkv", {"decoding": "rolling"}),
+    ("kvzip", {"layerwise": True, "decoding": "rolling"}),
+    ("kvzip", {"decoding": "rolling"}),
     ("adakv", {"base": "h2o"}),
+    ("adakv", {"base.decoding": "rolling"}),
+    ("pyramidkv", {"base.decoding": "rolling"}),
     ("pyramidkv", {"base": "tova", "window": 4}),
     ("think", {"base": "h2o"}),
 ]
@@ -50,8 +52,8 @@ def test_batched_and_layer_by_layer_decisions_are_identical(tiny, name, params):
         ("random", {}, True),
         ("weightedkv", {}, True),
         ("cam", {"base": "tova"}, True),
-        ("snapkv", {}, True),
-        ("snapkv", {"decoding": "once"}, False),  # the cache grows after the prompt: no all-layer store
+        ("snapkv", {"decoding": "rolling"}, True),
+        ("snapkv", {}, False),  # compressed once (the paper's): the cache grows after the prompt
         ("adakv", {}, False),  # a layer's heads compete
         ("pyramidkv", {}, False),  # the layers' budgets differ
         ("d2o", {}, False),

@@ -170,9 +170,12 @@ def remembered(made: list[KVCache]) -> type[KVCache]:
     return Kept
 
 
-@pytest.mark.parametrize("name", ["adakv", "kvzip"])
+@pytest.mark.parametrize(
+    "name,params",
+    [("adakv", {"base.decoding": "rolling"}), ("kvzip", {"decoding": "rolling"})],  # decode steps evict too
+)
 def test_uneven_policies_hold_half_the_cache_at_budget_half_with_the_padded_layouts_decisions(
-    smol, long_text, monkeypatch, name
+    smol, long_text, monkeypatch, name, params
 ):
     """1024 prompt tokens, budget 512, 8 steps: the bytes are the kept entries x (K + V) x D x dtype size plus
     page rounding only (each head's last page, the zero page, spare pages: under 3 %), at most 0.52 of the
@@ -182,10 +185,10 @@ def test_uneven_policies_hold_half_the_cache_at_budget_half_with_the_padded_layo
     opts = RunOptions(budget=512, max_new_tokens=8, stop_at_eos=False, record="summary")
     made: list[KVCache] = []
     monkeypatch.setattr(loop_module, "KVCache", remembered(made))
-    paged = run(smol, make_policy(name), ids, prefill=1024, steps=8, teacher=False, opts=opts)
+    paged = run(smol, make_policy(name, params), ids, prefill=1024, steps=8, teacher=False, opts=opts)
     (cache,) = made
     monkeypatch.setattr(loop_module, "KVCache", Padded)
-    padded = run(smol, make_policy(name), ids, prefill=1024, steps=8, teacher=False, opts=opts)
+    padded = run(smol, make_policy(name, params), ids, prefill=1024, steps=8, teacher=False, opts=opts)
     m = paged.metrics
     stores = [layer._live for layer in cache.layers]
     assert all(isinstance(store, PagedStore) for store in stores)

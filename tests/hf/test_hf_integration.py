@@ -27,7 +27,7 @@ from kvlens.experiments.bench.common import PolicySpec
 from kvlens.experiments.bench.tasks import plan_file, tasks_cell
 from kvlens.policies import make_policy, policy_names
 from kvlens.runs.run import load_run
-from tests.conftest import DEVICE
+from tests.conftest import DEVICE, within_budget
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 32
@@ -90,7 +90,7 @@ def test_the_run_is_saved_for_the_app_and_reloads(hf, hf_prompt, tmp_path):
     assert run.meta["policy"]["name"] == "snapkv"
     assert run.meta["budget"]["slots"] == ids.shape[1] - int(ids.shape[1] * 0.5)  # kvpress's kept count
     assert len(run.decisions) == len(cache.decisions) > 0
-    assert "attn/0" in run.tensors and run.metrics["kv_slots_max"] <= run.meta["budget"]["slots"] + 1
+    assert "attn/0" in run.tensors and within_budget(make_policy("snapkv"), run, run.meta["budget"]["slots"])
 
 
 def test_streamer_eos_and_seeded_sampling_work(hf, hf_prompt):

@@ -531,7 +531,7 @@ def test_every_preset_runs_and_is_recorded_resolved(tiny, name, preset):
     r = run(tiny, policy, IDS, prefill=80, steps=8, teacher=True, opts=RunOptions(budget=budget))
     assert r.meta["policy"]["params"] == {**r.meta["policy"]["params"], **REGISTRY[name].presets[preset]}
     assert "preset" not in r.meta["policy"]["params"] and math.isfinite(r.metrics["ppl"])
-    grows = policy.params().get("decoding") == "once"  # compressed once, then one slot per token
+    grows = not policy.needs().decode_steps  # compressed once, then one slot per token
     m = (
         policy.dropped(budget) if name == "scissorhands" else 1
     )  # m dropped at once, then one slot back per token
