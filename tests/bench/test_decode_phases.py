@@ -13,7 +13,7 @@ from tests.conftest import TEXTS
 def test_phases_of_an_evicting_and_an_observing_policy_and_nothing_left_patched(tiny):
     ids = list(tiny.tokenizer((TEXTS / "1961-Kennedy.txt").read_text()).input_ids)[:192]
     before = (context.decode_rows, context.sdpa, KVCache.update, context.RunContext.accumulate)
-    runs = {name: decode_phases(tiny, name, ids, 4, 0.5) for name in ("full", "h2o", "snapkv")}
+    runs = {name: decode_phases(tiny, name, ids, 4, 0.5) for name in ("full", "h2o", "scissorhands")}
     layers = len(tiny.model.model.layers)
     for ms, calls in runs.values():
         assert set(ms) == {*PHASES, "total"} and all(ms[p] >= 0 for p in PHASES[1:])
@@ -21,7 +21,8 @@ def test_phases_of_an_evicting_and_an_observing_policy_and_nothing_left_patched(
         steps = calls["steps"]  # the decode steps after the prompt's (not timed)
         assert steps == 3 and calls["cache"] == calls["attention"] == layers * steps
         assert calls["accumulate"] == calls["compress"] == steps
-    assert runs["snapkv"][1]["observe"] == layers * runs["snapkv"][1]["steps"]  # a statistic per layer
+    observed = runs["scissorhands"][1]
+    assert observed["observe"] == layers * observed["steps"]  # a statistic per layer
     assert (context.decode_rows, context.sdpa, KVCache.update, context.RunContext.accumulate) == before
     assert "observe" not in vars(REGISTRY["h2o"]) and "compress" in vars(loop._Loop)
 

@@ -28,8 +28,9 @@ step, which a machine shared with other processes disturbs less than wall time.
   the methods whose algorithm is an extra forward over the prompt (replay passes: KVzip's reconstruction),
   which `replay_vs_full_prefill_at_N` measures against their own target.
 - every_policy_bytes_half_vs_full_at_N: KV bytes allocated (peak) by every budgeted policy at half the prompt
-  over the full prompt's cache, the worst policy's (per-head budgets in pages show their page rounding
-  here).
+  over the full cache's (peak) after the same steps, the worst policy's: both hold the generated tokens, so a
+  method that compresses the prompt once and then grows is held to the same count as one that keeps its
+  budget (per-head budgets in pages show their page rounding here).
 - every_policy_vs_floor_at_N: each policy's decode ms/token over its **floor**, the full cache on as many
   tokens as the policy keeps, in the same lockstep: `full` on the prompt's first N/2 tokens for a policy at
   half budget, on the tokens it kept for a budget-free one (measured by an untimed run first). Both sides do
@@ -378,7 +379,7 @@ def evict_ratios(
         }
         for part, (wall, cpu, against) in families.items()
     }
-    whole = median(x["kv_bytes_prefill"] for x in sides["full"])  # the full prompt's cache
+    whole = median(x["kv_bytes_peak"] for x in sides["full"])  # the full cache after the same steps
     nbytes = {
         name: median(x["kv_bytes_peak"] for x in sides[name]) / whole
         for name in others
