@@ -135,8 +135,19 @@ def page() -> str:
     return out
 
 
+def decode_protocol(name: str) -> str:
+    """How a policy decodes by default: its prompt compressed once (the cache then grows) or its budget kept
+    at every step (`Needs.decode_steps`)."""
+    from kvlens.policies import make_policy
+
+    if name == "full":
+        return "—"
+    return "every step" if make_policy(name).needs().decode_steps else "prompt once"
+
+
 def readme_table() -> str:
-    """One line per policy: family, paper, parameters with defaults, kvpress equivalent, cross-checked."""
+    """One line per policy: family, paper, parameters with defaults, decode protocol, kvpress equivalent,
+    cross-checked."""
     from kvlens.policies import family, policy_class, policy_names
 
     checked = crosschecked()
@@ -147,8 +158,19 @@ def readme_table() -> str:
         crossed = "no" if cls.kvpress else "—"
         if name in checked:
             crossed = "yes"
-        rows.append([f"`{name}`", family(cls), paper_link(cls.paper), short_params(name), kvpress, crossed])
-    return table(["policy", "family", "paper", "parameters (defaults)", "kvpress", "cross-checked"], rows)
+        rows.append(
+            [
+                f"`{name}`",
+                family(cls),
+                paper_link(cls.paper),
+                short_params(name),
+                decode_protocol(name),
+                kvpress,
+                crossed,
+            ]
+        )
+    header = ["policy", "family", "paper", "parameters (defaults)", "decoding", "kvpress", "cross-checked"]
+    return table(header, rows)
 
 
 def names() -> list[str]:
