@@ -53,9 +53,10 @@ from kvlens.policies.base import (
     register,
 )
 
-HISTORY = (
-    "scissorhands_history"  # (Hkv, S, history) int8, newest step last: 0 unseen, 1 unimportant, 2 important
-)
+# (Hkv, S, history) int8, a ring of the last `history` steps' marks: 0 unseen, 1 unimportant, 2 important
+HISTORY = "scissorhands_history"
+COUNT = "scissorhands_count"  # (Hkv, S) int32: the ring's marks of the kind `count` counts
+NEXT = "scissorhands_next"  # per layer: the ring's column the next step's marks replace (its oldest)
 UNSEEN, UNIMPORTANT, IMPORTANT = 0, 1, 2
 
 # the paper's settings (§4.1: r = 10, w = 400, m = 0.5B; the threshold 1/t of §3.1 and Algorithm 2)
@@ -162,21 +163,43 @@ class Scissorhands(ScoredEviction):
         state = torch.where(seen[None], UNIMPORTANT + important.to(torch.int8), UNSEEN).to(torch.int8)
         hist = torch.zeros(r, s, self.history, dtype=torch.int8, device=last.device)
         hist[:, :, self.history - length :] = state.transpose(1, 2)
+        self.set_history(rows, hist)
+
+    def counted(self) -> int:
+        """The mark the window counts (`count`)."""
+        return IMPORTANT if self.count == "important" else UNIMPORTANT
+
+    def set_history(self, rows: CacheRows, hist: torch.Tensor) -> None:
+        """Start the window from `hist` `(R, S, history)`, oldest step first: its ring, its counts, and the
+        next step written over its oldest column."""
         rows.extra[HISTORY] = hist
+        rows.extra[COUNT] = (hist == self.counted()).sum(-1, dtype=torch.int32)
+        for state in rows.states:
+            state[NEXT] = 0
 
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
+        """This step's marks `(R, S)` replace the window's oldest in the ring, and each slot's count gains
+        the new mark and loses the old one: O(S) per step, never a pass over the window."""
         att = group_mean(probs)  # (R, S)
         if self.threshold == "position":  # t: the tokens the query attends to uncompressed, its position + 1
             t = rows.pos.max(-1, keepdim=True).values.float() + 1.0
         else:  # the slots it attends to
             t = rows.valid.sum(-1, keepdim=True).float()
-        state = torch.where(rows.valid, UNIMPORTANT + (att >= 1.0 / t).to(torch.int8), UNSEEN)
-        hist = rows.extra[HISTORY]
-        rows.extra[HISTORY] = torch.cat([hist[:, :, 1:], state.to(torch.int8)[:, :, None]], dim=2)
+        marks = torch.where(rows.valid, UNIMPORTANT + (att >= 1.0 / t).to(torch.int8), UNSEEN).to(torch.int8)
+        k = rows.states[0][NEXT]
+        ring = rows.extra[HISTORY]  # a view of the store's rows: written in place
+        gained = (marks == self.counted()).to(torch.int32) - (ring[:, :, k] == self.counted()).to(torch.int32)
+        ring[:, :, k] = marks
+        rows.extra[COUNT] = rows.extra[COUNT] + gained
+        for state in rows.states:
+            state[NEXT] = (k + 1) % self.history
+
+    def newest_marks(self, rows: CacheRows) -> torch.Tensor:
+        """`(R, S)` int8 the marks of the last step observed (the ring's newest column)."""
+        return rows.extra[HISTORY][:, :, (rows.states[0][NEXT] - 1) % self.history]
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
-        hist = rows.extra[HISTORY]
-        count = (hist == (IMPORTANT if self.count == "important" else UNIMPORTANT)).sum(-1, dtype=torch.int32)
+        count = rows.extra[COUNT]
         counted = count if self.count == "important" else -count  # int32 sums: half the time of int64's
         abar = rows.abar
         largest = by_layer(rows, abar).amax((1, 2))  # (L,) each layer's

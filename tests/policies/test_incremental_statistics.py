@@ -8,8 +8,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvlens.kvcache import Phase, Step
+from kvlens.policies import make_policy
 from kvlens.policies.d2o import D2O
-from tests.conftest import examples
+from kvlens.policies.scissorhands import COUNT, IMPORTANT, UNIMPORTANT
+from tests.conftest import examples, layer_rows
 
 
 def plain_nearest(keys: torch.Tensor, keep: torch.Tensor, evicted: torch.Tensor):
@@ -44,3 +47,35 @@ def test_d2o_nearest_kept_key_is_eq9_with_the_oldest_of_ties(seed, slots, evicte
     want_best, want_where = plain_nearest(keys, keep, gone)
     assert torch.equal(got_where, want_where)
     torch.testing.assert_close(got_best, want_best, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(
+    st.integers(0, 10_000),
+    st.integers(1, 6),
+    st.integers(1, 20),
+    st.sampled_from(["unimportant", "important"]),
+)
+def test_scissorhands_counts_over_a_ring_are_the_last_window_counted_plainly(seed, history, steps, count):
+    """Many decode steps (the ring wraps): each slot's count is its marks of the counted kind over exactly the
+    last `history` steps, the prompt's rows included, as a plain list of every step's marks counts them; and
+    so its eviction choice is the plain rule's."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = layer_rows()
+    slots, hkv, g = 12, 2, 2
+    layer.append(torch.randn(1, hkv, slots, 2), torch.randn(1, hkv, slots, 2), torch.arange(slots))
+    policy = make_policy("scissorhands", {"history": history, "count": count})
+    start = torch.randint(0, 3, (hkv, slots, history), generator=gen, dtype=torch.int8)
+    policy.set_history(layer, start.clone())
+    seen = [start[:, :, i] for i in range(history)]  # every step's marks, oldest first
+    for _ in range(steps):
+        probs = torch.softmax(torch.randn(hkv, g, slots, generator=gen) * 3, -1)
+        policy.observe(layer, probs)
+        t = float(slots)  # threshold=slots: every slot valid
+        seen.append(torch.where(layer.valid, 1 + (probs.mean(1) >= 1.0 / t).to(torch.int8), 0).to(torch.int8))
+        kind = IMPORTANT if count == "important" else UNIMPORTANT
+        plain = sum((marks == kind).int() for marks in seen[-history:])
+        assert torch.equal(layer.extra[COUNT], plain.to(torch.int32))
+        step = Step(1, Phase.DECODE, slots - 1)
+        score = policy.score(layer, step)
+        assert torch.equal(score.floor(), (plain if count == "important" else -plain).float())

@@ -481,11 +481,14 @@ def test_scissorhands_counts_unimportant_steps_like_the_paper_or_important_ones(
     layer.append(torch.randn(1, 1, 6, 2), torch.randn(1, 1, 6, 2), torch.arange(6))
     layer.abar = torch.tensor([[9.0, 5.0, 4.0, 3.0, 1.0, 1.0]])  # slot 3 < slot 2: the important count's tie
     # per slot, the last 4 steps: 0 not yet in the cache, 1 below the average attention, 2 at or above it
-    layer.extra[HISTORY] = torch.tensor(
-        [[[2, 2, 2, 2], [1, 1, 2, 2], [1, 1, 1, 2], [0, 0, 2, 1], [0, 0, 0, 1], [0, 0, 0, 2]]],
-        dtype=torch.int8,
-    )
     policy = make_policy("scissorhands", {"history": 4, "recent_ratio": 0.25, "count": count})
+    policy.set_history(
+        layer,
+        torch.tensor(
+            [[[2, 2, 2, 2], [1, 1, 2, 2], [1, 1, 1, 2], [0, 0, 2, 1], [0, 0, 0, 1], [0, 0, 0, 2]]],
+            dtype=torch.int8,
+        ),
+    )
     shrink(policy, layer, 4, DecisionLog())  # recent window: slot 5; two of slots 0-4 go
     # unimportant counts 0, 2, 3, 1, 1: slots 2 and 1 go; the young slots 3 and 4 stay (seen only 2 and 1
     # times) important counts 4, 2, 1, 1, 0: slot 4 goes, then slot 3 (tie with 2, smaller Abar)

@@ -93,20 +93,25 @@ def test_h2o_keeps_recent_window_and_heaviest_hitters(case, ratio):
     assert layer.n_kept == budget and layer.capacity == budget + 1 and not bool(layer.valid[:, budget:].any())
 
 
+def history_of(layer, hist: torch.Tensor) -> None:
+    """Scissorhands' window of marks `hist` `(R, S, 8)` in `layer` (its default count: unimportant steps)."""
+    make_policy("scissorhands", {"history": hist.shape[-1]}).set_history(layer, hist)
+
+
 @settings(max_examples=examples(40))
 @given(cases)
 def test_scissorhands_drops_least_persistent_then_smaller_abar(case):
     seed, slots, budget = case
     layer = random_layer(seed, slots)
     gen = torch.Generator().manual_seed(seed + 1)
-    layer.extra[HISTORY] = torch.randint(
-        0, 3, (HKV, slots, 8), generator=gen, dtype=torch.int8
+    policy = make_policy("scissorhands", {"history": 8, "recent_ratio": 0.25})
+    policy.set_history(
+        layer, torch.randint(0, 3, (HKV, slots, 8), generator=gen, dtype=torch.int8)
     )  # unseen/below/above
     counts, abar = (
         -(layer.extra[HISTORY] == 1).sum(-1),
         layer.abar.clone(),
     )  # fewest unimportant steps are kept
-    policy = make_policy("scissorhands", {"history": 8, "recent_ratio": 0.25})
     compress(policy, layer, budget)
     if slots <= budget:
         return
@@ -219,10 +224,8 @@ def test_decisions_do_not_depend_on_which_slot_holds_which_position(case, perm_s
     gen = torch.Generator().manual_seed(seed + 2)
     coarse = torch.randint(0, 4, (HKV * G + 2 * HKV, slots), generator=gen).float()  # many equal scores: ties
     layer.abar, layer.last_attn = coarse[:HKV], coarse[HKV : HKV + HKV * G] / slots
-    layer.extra = {
-        HISTORY: torch.randint(0, 3, (HKV, slots, 8), generator=gen, dtype=torch.int8),
-        DECODE_ATTN: coarse[-HKV:],
-    }
+    layer.extra = {DECODE_ATTN: coarse[-HKV:]}
+    history_of(layer, torch.randint(0, 3, (HKV, slots, 8), generator=gen, dtype=torch.int8))
     other = shuffled(layer, perm_seed)
     _, log = compress(policy, layer, budget)
     _, other_log = compress(policy, other, budget)
@@ -248,7 +251,7 @@ def test_selection_keeps_the_highest_scores_and_the_older_of_equal_ones(case, pe
     gen = torch.Generator().manual_seed(seed + 2)
     layer.abar = torch.randint(0, 3, (HKV, budget + leaving), generator=gen).float()  # ties
     layer.last_attn = torch.randint(0, 3, (HKV * G, budget + leaving), generator=gen).float()
-    layer.extra = {HISTORY: torch.randint(0, 3, (HKV, budget + leaving, 8), generator=gen, dtype=torch.int8)}
+    history_of(layer, torch.randint(0, 3, (HKV, budget + leaving, 8), generator=gen, dtype=torch.int8))
     layer = shuffled(layer, perm_seed)
     score, protected = (
         policy.score(layer, Step(1, Phase.DECODE, budget)).float(),

@@ -13,7 +13,7 @@ from kvlens.engine.context import Observer
 from kvlens.engine.loop import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy, parse_settings
-from kvlens.policies.scissorhands import HISTORY, IMPORTANT, UNIMPORTANT, UNSEEN
+from kvlens.policies.scissorhands import COUNT, HISTORY, IMPORTANT, UNIMPORTANT, UNSEEN
 from kvlens.runs.decisions import DecisionLog
 from tests.conftest import examples, layer_rows, shrink
 
@@ -38,6 +38,9 @@ def _label(a: float, v: bool, t: int) -> int:
     return IMPORTANT if a >= 1 / t else UNIMPORTANT
 
 
+SCISSORHANDS = make_policy("scissorhands")  # its default count (unimportant steps) and the window's helpers
+
+
 def decode_layer(positions: list[int], free: list[int] = ()):
     """One KV head with a history of 4 unseen steps at the given positions; `free` slots evicted (holes)."""
     layer = layer_rows()
@@ -45,7 +48,7 @@ def decode_layer(positions: list[int], free: list[int] = ()):
     layer.append(torch.randn(1, 1, n, 2), torch.randn(1, 1, n, 2), torch.tensor(positions))
     if free:
         layer.free(torch.tensor([list(free)]))
-    layer.extra[HISTORY] = torch.zeros(1, n, 4, dtype=torch.int8)
+    make_policy("scissorhands", {"history": 4}).set_history(layer, torch.zeros(1, n, 4, dtype=torch.int8))
     return layer
 
 
@@ -64,11 +67,12 @@ def test_scissorhands_threshold_is_one_over_t_with_t_the_query_position_plus_one
     make_policy("scissorhands", {"history": 4, "threshold": threshold}).observe(layer, probs)
     # position: t = 19 + 1 = 20, 1/t = 0.05: 0.051 is important and 0.049 is not (1/19 = 0.0526 would mark
     # 0.051 unimportant: t is the position + 1, not the position); slots: 6 valid slots, 1/6 = 0.167
-    assert layer.extra[HISTORY][0, :, -1].tolist() == marks
+    assert layer.extra[HISTORY][0, :, 0].tolist() == marks  # the ring's oldest column, replaced
     assert marks == plain_marks(
         [0, 3, 7, 12, -1, 15, 19], [True] * 4 + [False] + [True] * 2, mean.tolist(), threshold
     )
-    assert layer.extra[HISTORY][0, :, :-1].eq(UNSEEN).all()  # older steps shift left, untouched
+    assert layer.extra[HISTORY][0, :, 1:].eq(UNSEEN).all()  # the other steps untouched
+    assert layer.extra[COUNT][0].tolist() == [int(m == UNIMPORTANT) for m in marks]
 
 
 @settings(max_examples=examples(40))
@@ -90,15 +94,17 @@ def test_scissorhands_marks_follow_the_threshold_rule_on_random_rows(seed, slots
     holes = torch.rand(hkv, slots, generator=gen) < 0.2  # freed slots: position -1, not valid
     holes[:, 0] = False
     layer.pos, layer.valid = pos.masked_fill(holes, -1), ~holes
-    layer.extra[HISTORY] = torch.randint(0, 3, (hkv, slots, 5), generator=gen, dtype=torch.int8)
+    policy = make_policy("scissorhands", {"history": 5, "threshold": threshold})
+    policy.set_history(layer, torch.randint(0, 3, (hkv, slots, 5), generator=gen, dtype=torch.int8))
     before = layer.extra[HISTORY].clone()
     probs = torch.softmax(torch.randn(hkv, g, slots, generator=gen) * 2, -1).masked_fill(holes[:, None], 0.0)
-    make_policy("scissorhands", {"history": 5, "threshold": threshold}).observe(layer, probs)
+    policy.observe(layer, probs)
     att = probs.mean(1)
     for h in range(hkv):
         want = plain_marks(layer.pos[h].tolist(), (~holes[h]).tolist(), att[h].tolist(), threshold)
-        assert layer.extra[HISTORY][h, :, -1].tolist() == want
-    assert torch.equal(layer.extra[HISTORY][:, :, :-1], before[:, :, 1:])
+        assert layer.extra[HISTORY][h, :, 0].tolist() == want  # the oldest step's column, replaced
+    assert torch.equal(layer.extra[HISTORY][:, :, 1:], before[:, :, 1:])
+    assert torch.equal(layer.extra[COUNT], (layer.extra[HISTORY] == UNIMPORTANT).sum(-1, dtype=torch.int32))
 
 
 class Marks(Observer):
@@ -111,7 +117,7 @@ class Marks(Observer):
 
     def on_decode(self, layer, query, probs, out, spec):
         self.steps.setdefault(layer.layers[0], []).append(
-            (layer.pos.clone(), layer.valid.clone(), probs.mean(1), layer.extra[HISTORY][:, :, -1].clone())
+            (layer.pos.clone(), layer.valid.clone(), probs.mean(1), SCISSORHANDS.newest_marks(layer).clone())
         )
 
 
@@ -157,7 +163,7 @@ def test_scissorhands_recent_keeps_that_many_newest_slots_whatever_their_marks()
         [1, 1, 1],
         [1, 1, 1],
     ]
-    layer.extra[HISTORY] = torch.tensor([marks], dtype=torch.int8)
+    SCISSORHANDS.set_history(layer, torch.tensor([marks], dtype=torch.int8))
     policy = make_policy("scissorhands", {"history": 3, "recent": 3})
     assert policy.local_window(5) == 3 and policy.local_window(2) == 2  # never more than the size kept
     shrink(policy, layer, 5, DecisionLog())
@@ -185,7 +191,7 @@ def test_scissorhands_recent_and_drop_against_the_rule_written_plainly(seed, slo
         torch.arange(slots),
     )
     layer.abar = torch.stack([torch.randperm(slots, generator=gen) for _ in range(hkv)]).float()  # distinct
-    layer.extra[HISTORY] = torch.randint(0, 3, (hkv, slots, 6), generator=gen, dtype=torch.int8)
+    SCISSORHANDS.set_history(layer, torch.randint(0, 3, (hkv, slots, 6), generator=gen, dtype=torch.int8))
     unimportant, abar = (layer.extra[HISTORY] == UNIMPORTANT).sum(-1).tolist(), layer.abar.tolist()
     shrink(policy, layer, budget, DecisionLog())
     m = max(1, int(drop_ratio * budget)) if drop_ratio else drop
@@ -208,7 +214,7 @@ def test_scissorhands_recent_slots_equal_the_ratio_that_gives_as_many():
             torch.randn(1, 2, 30, 2, generator=gen), torch.randn(1, 2, 30, 2, generator=gen), torch.arange(30)
         )
         layer.abar = torch.rand(2, 30, generator=gen)
-        layer.extra[HISTORY] = torch.randint(0, 3, (2, 30, 8), generator=gen, dtype=torch.int8)
+        SCISSORHANDS.set_history(layer, torch.randint(0, 3, (2, 30, 8), generator=gen, dtype=torch.int8))
         shrink(make_policy("scissorhands", {"history": 8, **params}), layer, 12, DecisionLog())
         layers.append(layer.in_position_order().pos)
     assert torch.equal(layers[0], layers[1]) and torch.equal(layers[1], layers[2])
