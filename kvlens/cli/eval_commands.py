@@ -63,5 +63,5 @@ def cmd_eval(args) -> int:
         for task, metrics in out["results"]["results"].items():
             shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
             print(f"{task}: {shown}")
-        print(f"kept {summary['kept_bytes_share']:.3f} of the full cache's bytes; wrote {args.out}")
+        print(f"kept {summary['kept_share']:.3f} of the tokens fed; wrote {args.out}")
     return 0

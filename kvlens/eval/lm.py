@@ -33,15 +33,15 @@ from kvlens.hf.cache import KvlensCache, Settings, adopted, install
 @dataclasses.dataclass
 class Request:
     """One request's cache after it ran: `kind` (generate_until or loglikelihood), the tokens it was fed,
-    its budget (slots per KV head; None: budget-free), its decision log, its bytes and its time."""
+    its budget (slots per KV head; None: budget-free), its decision log, its bytes, slots and time."""
 
     kind: str
     prompt_tokens: int
     fed: int
     budget: int | None
     decisions: pd.DataFrame
-    kv_bytes: int  # the compressed cache's bytes at the end
-    full_bytes: int  # what a full cache of the fed tokens would hold
+    kv_bytes: int  # the cache's physical bytes at the end
+    kept_slots: float  # the slots it kept at the end, mean over layers and KV heads
     seconds: float
 
 
@@ -86,7 +86,7 @@ class KvlensLM(HFLM):
                 budget=loop.budget,
                 decisions=cache.decisions,
                 kv_bytes=int(loop.cache.nbytes),
-                full_bytes=round(loop.token_bytes * fed),
+                kept_slots=float(loop.cache.kept_counts().float().mean()),
                 seconds=time.perf_counter() - started,
             )
         )

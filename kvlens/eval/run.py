@@ -3,7 +3,8 @@ written into one folder.
 
 The folder holds `results.json` (lm-eval's own output: its `results` key per task and metric, `configs`,
 `versions`, `n-shot`, `config`; the per-sample log left out), `kvlens.json` (the policy, its settings, each
-request's kind, tokens, budget and kept bytes, the kept share of the full cache's bytes and the time) and
+request's kind, tokens fed, budget, kept slots and physical bytes, the share of the fed tokens kept and the
+time) and
 `tasks/`, the shipped tasks as lm-eval read them (`kvlens.eval.shipped`).
 """
 
@@ -67,7 +68,7 @@ def evaluate(
 
 
 def summarise(lm, policy: str, ratio: float | None, params: dict, seconds: float) -> dict:
-    """kvlens's side of an evaluation: the settings, each request's cache and the kept share of bytes."""
+    """kvlens's side of an evaluation: the settings, each request's cache and the share of tokens kept."""
     requests = [
         {
             "kind": r.kind,
@@ -75,20 +76,19 @@ def summarise(lm, policy: str, ratio: float | None, params: dict, seconds: float
             "fed": r.fed,
             "budget": r.budget,
             "kv_bytes": r.kv_bytes,
-            "full_bytes": r.full_bytes,
+            "kept_slots": r.kept_slots,
             "seconds": r.seconds,
         }
         for r in lm.requests
     ]
-    kept = sum(r["kv_bytes"] for r in requests)
-    full = sum(r["full_bytes"] for r in requests)
+    kept, fed = sum(r["kept_slots"] for r in requests), sum(r["fed"] for r in requests)
     return {
         "policy": policy,
         "ratio": ratio,
         "params": params,
         "requests": len(requests),
         "kv_bytes_mean": statistics.fmean(r["kv_bytes"] for r in requests) if requests else None,
-        "kept_bytes_share": kept / full if full else None,
+        "kept_share": kept / fed if fed else None,
         "seconds": seconds,
         "per_request": requests,
     }

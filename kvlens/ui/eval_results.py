@@ -46,7 +46,7 @@ def eval_table(folders: list[Path], root: Path) -> pd.DataFrame:
                             "task": task,
                             "metric": metric,
                             "value": value,
-                            "kept_bytes_share": summary.get("kept_bytes_share"),
+                            "kept_share": summary.get("kept_share"),
                             "requests": summary.get("requests"),
                             "seconds": summary.get("seconds"),
                         }

@@ -14,7 +14,7 @@ def _write(folder, policy: str, acc: float) -> None:
     folder.mkdir(parents=True)
     results = {"results": {"kvlens_cloze": {"alias": "kvlens_cloze", "sample_len": 2, "acc,none": acc}}}
     (folder / "results.json").write_text(json.dumps(results))
-    summary = {"policy": policy, "ratio": 0.5, "requests": 8, "kept_bytes_share": 0.5, "seconds": 3.0}
+    summary = {"policy": policy, "ratio": 0.5, "requests": 8, "kept_share": 0.5, "seconds": 3.0}
     (folder / "kvlens.json").write_text(json.dumps(summary))
 
 

@@ -46,7 +46,9 @@ def _evaluate(lm, folder, limit: int) -> dict:
 def test_the_full_cache_scores_exactly_as_lm_evals_own_hf_model(eval_model, tmp_path, no_network):
     model, tok = eval_model
     theirs = _evaluate(HFLM(pretrained=model, tokenizer=tok, batch_size=1), tmp_path, limit=3)
-    ours = _evaluate(KvlensLM(model, policy="full", tokenizer=tok), tmp_path, limit=3)
+    lm = KvlensLM(model, policy="full", tokenizer=tok)
+    ours = _evaluate(lm, tmp_path, limit=3)
+    assert all(r.kept_slots == r.fed and r.budget is None for r in lm.requests)  # nothing evicted
     assert ours["results"] == theirs["results"]
     assert {m for m in ours["results"]["kvlens_cloze"]} >= {"acc,none", "acc_norm,none"}
     said = [[s["resps"] for s in run["samples"]["kvlens_passkey"]] for run in (ours, theirs)]
@@ -77,7 +79,7 @@ def test_kvlens_eval_writes_lm_evals_results_and_kvlens_summary(tmp_path, capsys
     assert set(results["results"]["kvlens_cloze"]) >= {"acc,none", "acc_norm,none"}
     summary = json.loads((out / "kvlens.json").read_text())
     assert summary["policy"] == "snapkv" and summary["requests"] == 4
-    assert 0.4 < summary["kept_bytes_share"] < 0.6
+    assert 0.4 < summary["kept_share"] < 0.6
     assert "kvlens_cloze: acc" in capsys.readouterr().out
 
 
