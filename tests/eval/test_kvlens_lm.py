@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kvlens
+import kvlens.eval
 from kvlens.cli import main
 from kvlens.errors import KvlensError
 
@@ -72,22 +73,29 @@ def test_a_compressing_policy_keeps_every_requests_budget(eval_model, tmp_path, 
 
 
 def test_kvlens_eval_writes_lm_evals_results_and_kvlens_summary(tmp_path, capsys, no_network):
+    """A user's own task from --include-path (the shipped cloze task under another name), under snapkv."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    shipped_yaml = (shipped.write_tasks(tmp_path / "data") / "kvlens_cloze.yaml").read_text()
+    (mine / "my_cloze.yaml").write_text(shipped_yaml.replace("task: kvlens_cloze", "task: my_cloze"))
     out = tmp_path / "out"
-    assert main(["eval", "--tasks", "kvlens_cloze", "--policy", "snapkv", "--ratio", "0.5", "--limit", "1",
-                 "--out", str(out), "--device", "cpu", "--dtype", "float32"]) == 0  # fmt: skip
+    argv = ["eval", "--tasks", "my_cloze", "--policy", "snapkv", "--ratio", "0.5", "--limit", "1"]
+    assert main([*argv, "--include-path", str(mine), "--out", str(out), "--device", "cpu"]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert set(results["results"]["kvlens_cloze"]) >= {"acc,none", "acc_norm,none"}
+    assert set(results["results"]["my_cloze"]) >= {"acc,none", "acc_norm,none"}
     summary = json.loads((out / "kvlens.json").read_text())
     assert summary["policy"] == "snapkv" and summary["requests"] == 4
     assert 0.4 < summary["kept_share"] < 0.6
-    assert "kvlens_cloze: acc" in capsys.readouterr().out
+    assert "my_cloze: acc" in capsys.readouterr().out
 
 
 def test_batches_an_unknown_task_and_a_missing_extra_get_one_sentence(tmp_path, monkeypatch, capsys):
     with pytest.raises(KvlensError, match="^kvlens evaluates one request at a time.*not 4"):
-        KvlensLM(None, policy="full", batch_size=4)
+        kvlens.eval.KvlensLM(None, policy="full", batch_size=4)
     assert main(["eval", "--tasks", "no_such_task", "--policy", "full", "--out", str(tmp_path)]) == 2
     assert "lm-eval has no task no_such_task" in capsys.readouterr().err
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(KvlensError, match=r"pip install 'kvlens\[eval\]'"):
         require_lm_eval()
+    assert main(["eval", "--tasks", "kvlens_cloze", "--policy", "full", "--out", str(tmp_path)]) == 2
+    assert "needs lm-evaluation-harness, the optional extra" in capsys.readouterr().err
