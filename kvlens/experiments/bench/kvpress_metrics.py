@@ -225,7 +225,10 @@ def _infinite(task: str, output: str, answers: list[str], question: str) -> floa
         return float(label == _first_int(output))
     if task == "code_run":
         words = _words(output.strip(), "\n.`'\":")
-        return float(bool(words) and words[-1].isdigit() and int(words[-1]) == int(label))
+        try:
+            return float(bool(words) and int(words[-1]) == int(label))
+        except ValueError:
+            return 0.0
     if task in ("longbook_qa_eng",):
         return max(f1(normalize(output).split(), normalize(a).split()) for a in answers)
     if task == "longdialogue_qa_eng":
