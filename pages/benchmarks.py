@@ -8,6 +8,7 @@ unfinished, the sections re-read their file every few seconds and show the rows 
 import streamlit as st
 
 from kvlens.ui.charts import chart
+from kvlens.ui.eval_results import eval_section
 from kvlens.ui.leaderboard import leaderboard
 from kvlens.ui.page import page_top
 from kvlens.ui.results import (
@@ -112,10 +113,14 @@ def sweeps():
     )
 
 
-tab_lead, tab_other, tab_sweep = st.tabs(["Leaderboard, frontier, speed", "Other benchmarks", "Sweeps"])
+tab_lead, tab_eval, tab_other, tab_sweep = st.tabs(
+    ["Leaderboard, frontier, speed", "lm-eval tasks", "Other benchmarks", "Sweeps"]
+)
 with tab_lead:
     for spec in LEAD:
         lead_section(*spec)
+with tab_eval:
+    eval_section()
 with tab_other:
     others()
 with tab_sweep:

@@ -234,3 +234,21 @@ def tiny_dir(tmp_path_factory):
     tok.decoder = decoders.ByteLevel()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=chars[255]).save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """No network for the test: every connection attempt raises, and is listed in the yielded list (code
+    that swallows the error is still caught)."""
+    import socket
+
+    attempts: list = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args)
+        raise OSError(f"a network connection was attempted in an offline test: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    return attempts

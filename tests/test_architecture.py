@@ -31,6 +31,7 @@ LAYERS = [  # bottom first; a module belongs to the layer of its longest matchin
         "explain",
         ["kvlens.explain"],
     ),  # cache patching: patches the engine's caches of the task suite's samples
+    ("eval", ["kvlens.eval"]),  # lm-evaluation-harness: its HF model under kvlens caches
     ("interfaces", ["kvlens.ui", "kvlens.cli", "kvlens.__main__", "kvlens"]),
 ]
 

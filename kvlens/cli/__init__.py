@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "kvlens.cli.bench_commands",
     "kvlens.cli.compare_commands",
     "kvlens.cli.explain_commands",
+    "kvlens.cli.eval_commands",
 ]
 
 

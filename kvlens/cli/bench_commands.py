@@ -72,7 +72,8 @@ def register(sub) -> None:
     p.add_argument(
         "--samples",
         metavar="FILE.jsonl",
-        help='your own samples instead, one {"context", "question", "answers", "task"} per line',
+        help='your own samples instead, one {"context", "question", "answers", "task"} per line, or a '
+        "kvpress benchmark file (.parquet or JSON lines with its columns), scored with kvpress's metric",
     )
     p.add_argument("--dump-samples", metavar="FILE.jsonl", help="write the generated samples there and stop")
     p.add_argument(
@@ -575,7 +576,10 @@ def cmd_tasks(args) -> int:
         rounding=args.rounding,
     )
     if args.samples:
-        text = ruler.read_text(args.samples)
+        from kvlens.experiments.bench import kvpress_format
+
+        kvpress = kvpress_format.is_kvpress(args.samples)
+        text = kvpress_format.to_jsonl(args.samples) if kvpress else ruler.read_text(args.samples)
         samples = ruler.parse_lines(text, args.samples)
         texts = {"samples": text}
         cells = tasks.plan_file(samples, policies, ratios, text=text, **settings)

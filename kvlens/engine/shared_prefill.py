@@ -41,14 +41,15 @@ SLOT = "\x00question\x00"  # where the user's text goes in the chat template
 
 
 def split_prompt(
-    model: LoadedModel, context: str, question: str, chat: bool = True
+    model: LoadedModel, context: str, question: str, chat: bool = True, answer_prefix: str = ""
 ) -> tuple[list[int], list[int]]:
     """Token ids of the context part (template start + context) and of the question part (question + template
-    end, up to the assistant's turn), tokenized apart so the compressed span is exactly the context's."""
+    end, up to the assistant's turn, then `answer_prefix`, as kvpress's pipeline appends it), tokenized apart
+    so the compressed span is exactly the context's."""
     tok = model.tokenizer
     head, tail = template_parts(model, chat)
     ids = tok(head + context, add_special_tokens=not chat).input_ids
-    return list(ids), list(tok("\n\n" + question + tail, add_special_tokens=False).input_ids)
+    return list(ids), list(tok("\n\n" + question + tail + answer_prefix, add_special_tokens=False).input_ids)
 
 
 def template_parts(model: LoadedModel, chat: bool) -> tuple[str, str]:

@@ -1,10 +1,11 @@
 """kvlens's attention on a model the caller loaded with transformers, and the hooks that run its caches.
 
 `adopt(model, tokenizer)` wraps the caller's `AutoModelForCausalLM` object (any device, dtype or
-`device_map`) as the `LoadedModel` the engine runs, after the probe `kvlens check-model` runs: what it refuses
-is refused here with the same sentence. `attach(model)` switches the model's attention implementation to
-kvlens's for a block and restores it afterwards.
-
+`device_map`) as the `LoadedModel` the engine runs, after the probe `kvlens check-model` runs: what it
+refuses is refused here with the same sentence. A tokenizer is optional: only KVzip's reconstruction prompt,
+Q-Filters' calibration, run files and the pipeline need one, and no hub is contacted unless the caller names
+one. `attach(model)` switches the model's attention implementation to kvlens's for a block and restores it
+afterwards.
 """
 
 from __future__ import annotations
@@ -51,14 +52,19 @@ def attach(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 
 def adopt(model: torch.nn.Module, tokenizer=None) -> LoadedModel:
-    """The caller's model as a `LoadedModel`, probed and refused as `kvlens check-model` would; `tokenizer`
-    defaults to the one saved beside the model (`model.name_or_path`)."""
+    """The caller's model as a `LoadedModel`, probed and refused as `kvlens check-model` would.
+
+    `tokenizer`: a tokenizer, a local path or hub id to load one from (the one place a hub is contacted),
+    or None: the one saved beside the model (`model.name_or_path`), read from local files only, else none
+    (`require_tokenizer` asks for it where a policy or a call needs one)."""
     with attach(model):
         support = inspect_model(model)
     support.require()
     source = getattr(model, "name_or_path", "") or type(model).__name__
-    if tokenizer is None:
-        tokenizer = _saved_tokenizer(source)
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = _load_tokenizer(str(tokenizer), local=False)
+    elif tokenizer is None and getattr(model, "name_or_path", ""):
+        tokenizer = _load_tokenizer(str(source), local=True)
     param = next(model.parameters())
     return LoadedModel(
         model=model,
@@ -71,13 +77,25 @@ def adopt(model: torch.nn.Module, tokenizer=None) -> LoadedModel:
     )
 
 
-def _saved_tokenizer(source: str):
+def require_tokenizer(model: LoadedModel, needed_for: str) -> None:
+    """Refuse, in one sentence, a model adopted without a tokenizer where `needed_for` needs one."""
+    if model.tokenizer is None:
+        raise KvlensError(
+            f"{needed_for} needs the model's tokenizer, and none is saved beside the model "
+            f"({model.spec}); pass tokenizer=... (a tokenizer object or its local path)."
+        )
+
+
+def _load_tokenizer(source: str, local: bool):
+    """The tokenizer at `source`; with `local`, from local files only (None when there is none)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(source, local_files_only=local)
     except (OSError, ValueError) as err:
+        if local:
+            return None
         raise KvlensError(
-            f"No tokenizer is saved beside the model ({source}); pass tokenizer=... "
-            f"(kvlens needs it for run files and for KVzip's reconstruction prompt)."
+            f"No tokenizer could be loaded from {source}; pass a tokenizer object or the local directory "
+            f"that holds one."
         ) from err

@@ -30,7 +30,7 @@ from kvlens.engine.loop import RunOptions, _Loop, _make_run, new_loop
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.shared_prefill import slots_for
 from kvlens.errors import KvlensError
-from kvlens.hf.attach import adopt, switch
+from kvlens.hf.attach import adopt, require_tokenizer, switch
 from kvlens.kvcache.quantize import Storage
 from kvlens.levels import RecordLevel
 from kvlens.policies import Policy, make_policy
@@ -270,6 +270,7 @@ class KvlensCache(Cache):
         """The generation as a kvlens `Run`. `sequences`: `generate`'s output `(1, T)`, whose last token the
         model never fed back (without it the run ends at the last token fed)."""
         loop = self._ran()
+        require_tokenizer(self.model, "A run's files (cache.run, cache.save_run)")
         tokens, nlls = list(self.tokens), list(self.nlls)
         if sequences is not None:
             fed = [*self.prompt, *tokens]
@@ -334,10 +335,19 @@ def cache(
 
     `ratio`: the share of the prompt removed (kvpress's), or `budget`: slots per KV head, or a float in (0, 1]
     the share kept; `record`: summary, states or attention; `kv_bits`: quantized storage; `params`: the
-    policy's parameters. The model is probed first and refused as `kvlens check-model` would; two forward
-    hooks then stay on it, inert unless a kvlens cache is passed.
+    policy's parameters; `tokenizer`: needed only by KVzip, Q-Filters and `save_run` (default: the one saved
+    beside the model, local files only). The model is probed first and refused as `kvlens check-model`
+    would; two forward hooks then stay on it, inert unless a kvlens cache is passed.
     """
     settings = Settings.of(policy, ratio, budget, record, kv_bits, params)
-    loaded = adopt(model, tokenizer)
+    loaded = adopted(model, tokenizer, settings)
     install(model)
     return KvlensCache(loaded, settings)
+
+
+def adopted(model: torch.nn.Module, tokenizer, settings: Settings) -> LoadedModel:
+    """`adopt(model, tokenizer)`, refused at once when the policy needs a tokenizer and there is none."""
+    loaded = adopt(model, tokenizer)
+    if settings.policy.needs().tokenizer:
+        require_tokenizer(loaded, f"Policy {settings.policy.name}")
+    return loaded

@@ -16,7 +16,7 @@ import torch
 
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.shared_prefill import QUIET, answer, prepare, split_prompt
-from kvlens.hf.attach import adopt, attach
+from kvlens.hf.attach import adopt, attach, require_tokenizer
 from kvlens.hf.cache import Settings
 from kvlens.policies import resolve_budget
 
@@ -76,4 +76,6 @@ class Pipeline:
 def pipeline(model: torch.nn.Module, tokenizer=None) -> Pipeline:
     """A question-answering pipeline on the caller's model (probed and refused as `kvlens check-model`
     would)."""
-    return Pipeline(adopt(model, tokenizer))
+    loaded = adopt(model, tokenizer)
+    require_tokenizer(loaded, "kvlens.pipeline")
+    return Pipeline(loaded)

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
-from kvlens.hf.attach import adopt, attach
-from kvlens.hf.cache import KvlensCache, Settings, install
+from kvlens.hf.attach import attach
+from kvlens.hf.cache import KvlensCache, Settings, adopted, install
 
 
 @contextmanager
@@ -33,7 +33,7 @@ def press(
     list of the caches it made, newest last (`caches[-1].save_run(path, output)`). The model is as it was
     afterwards."""
     settings = Settings.of(policy, ratio, budget, record, kv_bits, params)
-    loaded = adopt(model, tokenizer)
+    loaded = adopted(model, tokenizer, settings)
     made: list[KvlensCache] = []
 
     def fresh(module, args, kwargs):

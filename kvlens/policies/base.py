@@ -56,6 +56,7 @@ class Needs:
     model_data: tuple[str, ...] = ()  # per-layer data of the model put in the run state (`MODEL_DATA` names)
     decode_steps: bool = True  # compresses at decode steps (False: the prompt only; the cache then grows)
     pruned_keys: bool = False  # keys stored channel-pruned after the prompt's compression (`key_channels`)
+    tokenizer: bool = False  # the model's tokenizer (a reconstruction prompt, calibration texts)
 
 
 NO_ATTENTION = Needs(decode_rows=False, prefill_rows=0, column_sums=False)  # scores without attention

@@ -93,7 +93,7 @@ class KVzip(Policy):
     competes = "model"  # the prompt's lowest scores over every layer and head (`layerwise`: a layer's heads)
 
     def needs(self) -> Needs:
-        return dataclasses.replace(NO_ATTENTION, decode_steps=self.decoding == "rolling")
+        return dataclasses.replace(NO_ATTENTION, decode_steps=self.decoding == "rolling", tokenizer=True)
 
     def min_budget(self) -> int:
         return self.n_sink + 1

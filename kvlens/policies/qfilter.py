@@ -36,7 +36,7 @@ class QFilter(ScoredEviction):
     )
 
     def needs(self) -> Needs:
-        return dataclasses.replace(NO_ATTENTION, model_data=(FILTERS,))
+        return dataclasses.replace(NO_ATTENTION, model_data=(FILTERS,), tokenizer=True)
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         filters = torch.cat([state[FILTERS] for state in rows.states]).float()  # (R, D)

@@ -212,6 +212,12 @@ class Sample:
     max_new_tokens: int
     # per expected answer, its needle's depth in a generated sample (None: no needles, or read from JSON)
     depths: tuple[tuple[float, ...], ...] | None = dataclasses.field(default=None, compare=False)
+    answer_prefix: str = (
+        ""  # the start of the assistant's turn, after the question (kvpress's `answer_prefix`)
+    )
+    # a kvpress benchmark sample: its dataset and what its metric reads besides the answers
+    # (`kvlens.experiments.bench.kvpress_metrics`); None: RULER's string match
+    kvpress: dict | None = dataclasses.field(default=None, compare=False)
 
     def to_json(self) -> dict:
         """`question` a string and `answers` a list for one question, lists of them for several.
@@ -227,6 +233,10 @@ class Sample:
         }
         if self.max_new_tokens != _default_max_new_tokens(self.task):
             obj["max_new_tokens"] = self.max_new_tokens
+        if self.answer_prefix:
+            obj["answer_prefix"] = self.answer_prefix
+        if self.kvpress is not None:
+            obj["kvpress"] = self.kvpress
         return obj
 
     @classmethod
@@ -263,7 +273,13 @@ class Sample:
         limit = obj.get("max_new_tokens", _default_max_new_tokens(task))
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise KvlensError(f"{bad} has a 'max_new_tokens' that is not a positive integer.")
-        return cls(task, context, tuple(questions), tuple(tuple(a) for a in answer_lists), limit)
+        prefix, kvpress = obj.get("answer_prefix", ""), obj.get("kvpress")
+        if not isinstance(prefix, str) or not (kvpress is None or isinstance(kvpress, dict)):
+            raise KvlensError(
+                f"{bad} has an 'answer_prefix' that is not a string or a 'kvpress' that is not an object."
+            )
+        answers_ = tuple(tuple(a) for a in answer_lists)
+        return cls(task, context, tuple(questions), answers_, limit, answer_prefix=prefix, kvpress=kvpress)
 
 
 def _default_max_new_tokens(task: str) -> int:

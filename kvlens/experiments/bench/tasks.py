@@ -42,7 +42,7 @@ from kvlens.engine.shared_prefill import (
     template_parts,
 )
 from kvlens.errors import KvlensError
-from kvlens.experiments.bench import ruler
+from kvlens.experiments.bench import kvpress_metrics, ruler
 from kvlens.experiments.bench.common import PolicySpec
 from kvlens.experiments.grid import digest
 from kvlens.kvcache.quantize import Storage
@@ -107,7 +107,9 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
     "results"}`, a result per (policy, ratio) with its score, answers and costs."""
     sample = sample_of(model, texts, cell)
     specs = [PolicySpec.parse(s) for s in cell["policies"]]
-    parts = [split_prompt(model, sample.context, q, cell["chat"]) for q in sample.questions]
+    parts = [
+        split_prompt(model, sample.context, q, cell["chat"], sample.answer_prefix) for q in sample.questions
+    ]
     context = parts[0][0]
     prompts = (
         [(c + q, [i]) for i, (c, q) in enumerate(parts)]
@@ -140,7 +142,7 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
             prompt,
             asked,
             questions,
-            cell.get("stop_when_found", True),
+            cell.get("stop_when_found", True) and sample.kvpress is None,  # kvpress's metrics read it all
             batched=cell.get("batch", True) and not opts.storage.packed,
         )
         replay_ms: dict[
@@ -174,7 +176,7 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
             {
                 "policy": label,
                 "ratio": 0.0 if label == "full" else ratio,
-                "score": ruler.score_sample(outputs, sample),
+                "score": kvpress_metrics.score_sample(outputs, sample),
                 "outputs": outputs,
                 "kept_share": statistics.fmean(out["kept"]),
                 "kv_bytes": statistics.fmean(out["bytes"]),
