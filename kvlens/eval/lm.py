@@ -5,8 +5,8 @@ Each request gets a fresh `KvlensCache` (`kvlens.cache`'s, on the model adopted 
 
 - `generate_until`: `model.generate` with the cache, as HFLM generates. lm-eval's prompt holds the question,
   so the prompt, question included, is compressed once after its prefill (the query-aware protocol, SnapKV's
-  setting); the policy then keeps its budget at decode steps as `kvlens.cache` does (`decoding=once`, where a
-  policy has it, compresses the prompt only, as kvpress does).
+  setting); it then decodes with the method's own protocol, as `kvlens.cache` does (SnapKV's family and
+  KVzip let the cache grow, as kvpress does; decode-time methods keep their budget at each step).
 - `loglikelihood` (and `loglikelihood_rolling`): the context but its last token is the prompt, compressed
   after its prefill; its last token and the continuation are then fed one at a time, teacher-forced, so that
   every scored token is predicted from the compressed cache (a context of one token is not compressed).
