@@ -221,29 +221,32 @@ class D2O(Policy):
         both `(R, E)`. `keys` `(R, S, D)`; `keep` `(R, B)`, `evicted` `(R, E)` slot indices. The oldest kept
         key wins a tie (`keep` is in position order).
 
-        One pass over the cache in place: the evicted keys' dot products with every slot `(R, E, S)` over the
-        norms' product (`F.normalize`'s eps), the slots outside `keep` masked, so no normalised or gathered
-        copy of the kept keys is made (a decode step's one evicted key per row costs one product with the
-        keys, as attention does). Computed in chunks of evicted keys (bounded memory)."""
+        The evicted keys' dot products over the norms' product (`F.normalize`'s eps), never a normalised copy
+        of the cache. A decode step's one evicted key per row is held against every slot in place, the slots
+        outside `keep` masked (one product with the keys, as attention's); a prompt's many against the kept
+        keys gathered once. Computed in chunks of evicted keys (bounded memory)."""
         r, s, d = keys.shape
-        e = evicted.shape[1]
+        b, e = keep.shape[1], evicted.shape[1]
         norms = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32).clamp_min(1e-12)  # (R, S)
-        index = torch.full((r, s), -1, dtype=torch.long, device=keys.device)
-        index.scatter_(
-            1, keep, torch.arange(keep.shape[1], device=keys.device).expand_as(keep)
-        )  # slot -> keep
-        outside = index < 0
-        chunk = max(1, CHUNK_ELEMENTS // max(1, r * s))
+        if e == 1:
+            against, against_norms = keys, norms
+            index = torch.full((r, s), b, dtype=torch.long, device=keys.device)  # slot -> its place in keep
+            index.scatter_(1, keep, torch.arange(b, device=keys.device).expand_as(keep))
+        else:
+            against, against_norms = keys.gather(1, keep[..., None].expand(-1, -1, d)), norms.gather(1, keep)
+            index = torch.arange(b, device=keys.device).expand(r, b)
+        outside = index == b
+        chunk = max(1, CHUNK_ELEMENTS // max(1, r * index.shape[1]))
         best, where = [], []
         for lo in range(0, e, chunk):
             part = evicted[:, lo : lo + chunk]  # (R, e)
             sent = keys.gather(1, part[..., None].expand(-1, -1, d))  # (R, e, D)
-            sim = torch.bmm(sent, keys.transpose(1, 2)).float()  # (R, e, S)
-            sim = sim / (norms.gather(1, part)[..., None] * norms[:, None, :])
+            sim = torch.bmm(sent, against.transpose(1, 2)).float()  # (R, e, S or B)
+            sim = sim / (norms.gather(1, part)[..., None] * against_norms[:, None, :])
             sim = sim.masked_fill(outside[:, None, :], float("-inf"))
             value = sim.amax(-1, keepdim=True)  # (R, e, 1)
             # the oldest of the best: the smallest index into `keep` (position order) among the ties
-            at = index[:, None, :].expand_as(sim).masked_fill(sim < value, keep.shape[1])
+            at = index[:, None, :].expand_as(sim).masked_fill(sim < value, b)
             best.append(value[..., 0])
             where.append(at.amin(-1))
         return torch.cat(best, 1), torch.cat(where, 1)
