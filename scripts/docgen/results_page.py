@@ -325,7 +325,52 @@ def speed_section(obj: dict) -> str:
         shown = spread(f"{value:.3f}", f"{min(each):.3f}", f"{max(each):.3f}") if each else f"{value:.3f}"
         target = obj.get("targets", {}).get(name, {})
         rows.append([f"`{name}`", shown, target.get("target", ""), "yes" if target.get("met") else "no"])
-    return out + table(["ratio", "value", "target", "met"], rows) + "\n"
+    return out + table(["ratio", "value", "target", "met"], rows) + "\n" + every_policy_table(obj)
+
+
+EVERY = (  # the every-policy families of `kvlens bench speed`: (ratio name, column, measured in)
+    ("every_policy_half_vs_full_at_{n}", "decode vs full", "wall"),
+    ("every_policy_vs_floor_at_{n}", "decode vs floor", "wall"),
+    ("every_policy_prefill_vs_full_at_{n}", "prefill vs full (CPU)", "cpu"),
+    ("every_policy_bytes_half_vs_full_at_{n}", "bytes vs full", "wall"),
+)
+
+
+def every_policy_table(obj: dict) -> str:
+    """Every policy at half budget, at each length of the lockstep: decode against the full cache and against
+    its floor, prefill against full in CPU time and bytes against full, each the median [lowest–highest] over
+    the rounds; the worst policy of each column named below the table. Empty for a file without them."""
+    details = obj.get("ratio_details", {})
+    lengths = sorted(int(k.rsplit("_", 1)[1]) for k in details if k.startswith("every_policy_vs_floor_at_"))
+    if not lengths:
+        return ""
+    out = (
+        "\nEvery policy at half budget against the full cache, in one lockstep per prompt length: "
+        "its **floor** is the full cache on the tokens it keeps (the same model work over as many slots), so "
+        "`decode vs floor` is what the method itself costs per step. Medians over "
+        f"{max(3, obj['config']['repeats'])} rounds, [lowest–highest]:\n\n"
+    )
+    rows, worst = [], []
+    for n in lengths:
+        families = [(details.get(name.format(n=n), {}), column, unit) for name, column, unit in EVERY]
+        for policy in sorted(families[1][0].get("per_policy", {})):
+            cells = []
+            for family, _, unit in families:
+                median_of = family.get("cpu" if unit == "cpu" else "per_policy", {})
+                bounds = family.get("cpu_spread" if unit == "cpu" else "spread", {}).get(policy)
+                if policy not in median_of:
+                    cells.append("—")
+                elif bounds:
+                    cells.append(spread(f"{median_of[policy]:.2f}", f"{bounds[0]:.2f}", f"{bounds[1]:.2f}"))
+                else:
+                    cells.append(f"{median_of[policy]:.3f}")
+            rows.append([f"`{policy}`", n, *cells])
+        for family, column, unit in families:
+            name = family.get("worst_cpu" if unit == "cpu" else "worst")
+            if name:
+                worst.append(f"{column} at {n}: `{name}`")
+    out += table(["policy", "prompt tokens", *(column for _, column, _ in EVERY)], rows)
+    return out + "\nWorst policy: " + "; ".join(worst) + ".\n"
 
 
 def phases_section(obj: dict) -> str:

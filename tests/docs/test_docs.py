@@ -236,3 +236,25 @@ def test_a_query_aware_grid_short_of_lengths_says_what_those_lengths_cost_the_ot
 def test_each_protocol_names_its_own_needle_figure():
     assert results_page.needles_figure({}) == "results/bench_tasks_needles.png"
     assert results_page.needles_figure({"query_aware": True}) == "results/bench_tasks_query_aware_needles.png"
+
+
+def test_the_speed_section_tables_every_policy_against_full_and_its_floor_with_the_worst_named():
+    """Each policy's row carries its median [lowest–highest] of each family, prefill in CPU time, and the
+    worst policy of each column is named, from the file's own `ratio_details`."""
+    fam = {"per_policy": {"h2o": 1.05, "adakv": 1.2}, "spread": {"h2o": [1.0, 1.1], "adakv": [1.1, 1.3]}}
+    cpu = {"cpu": {"h2o": 1.1, "adakv": 1.4}, "cpu_spread": {"h2o": [1.0, 1.2], "adakv": [1.3, 1.5]}}
+    details = {
+        "every_policy_half_vs_full_at_4096": {**fam, "worst": "adakv"},
+        "every_policy_vs_floor_at_4096": {**fam, "worst": "adakv"},
+        "every_policy_prefill_vs_full_at_4096": {**fam, **cpu, "worst": "h2o", "worst_cpu": "adakv"},
+        "every_policy_bytes_half_vs_full_at_4096": {
+            "per_policy": {"h2o": 0.5, "adakv": 0.51},
+            "worst": "adakv",
+        },
+    }
+    text = results_page.every_policy_table({"ratio_details": details, "config": {"repeats": 3}})
+    row = next(line for line in text.splitlines() if line.startswith("| `adakv`"))
+    cells = [cell.replace("\u2060", "").replace("\u00a0", " ") for cell in row.split(" | ")[1:]]
+    assert cells == ["4096", "1.20 [1.10–1.30]", "1.20 [1.10–1.30]", "1.40 [1.30–1.50]", "0.510 |"]
+    assert "prefill vs full (CPU) at 4096: `adakv`" in text and "decode vs floor at 4096: `adakv`" in text
+    assert results_page.every_policy_table({"ratio_details": {}, "config": {"repeats": 3}}) == ""
