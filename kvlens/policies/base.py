@@ -54,7 +54,9 @@ class Needs:
     prefill_rows: int = 1  # the last prefill attention rows `observe_prefill` reads (`prompt.last`)
     column_sums: bool = True  # the prompt's accumulated attention `rows.abar` (a chunked T x T pass)
     model_data: tuple[str, ...] = ()  # per-layer data of the model put in the run state (`MODEL_DATA` names)
-    decode_steps: bool = True  # compresses at decode steps (False: the prompt only; the cache then grows)
+    # compresses at decode steps; False (the decode protocol of SnapKV's and KVzip's papers): the prompt only,
+    # after which the engine neither calls the policy nor computes attention rows for it, and the cache grows
+    decode_steps: bool = True
     pruned_keys: bool = False  # keys stored channel-pruned after the prompt's compression (`key_channels`)
     tokenizer: bool = False  # the model's tokenizer (a reconstruction prompt, calibration texts)
 
