@@ -202,15 +202,24 @@ def first_valid(holes: torch.Tensor) -> torch.Tensor | None:
     return holes[:, :width] if width else None
 
 
+def trimmed(holes: torch.Tensor) -> torch.Tensor | None:
+    """Freed slots `(Hkv, E)` already with each row's real ones first: the columns no row uses dropped (None
+    when none is left)."""
+    width = int((holes >= 0).sum(-1).max())
+    return holes[:, :width] if width else None
+
+
 def padded_slots(gone: torch.Tensor) -> torch.Tensor:
-    """`gone` `(R, S)` bool -> each row's marked slots `(R, E)`, ascending, -1 padded (for `free`)."""
-    s = gone.shape[1]
-    slots = (
-        torch.where(gone, torch.arange(s, device=gone.device), s)
-        .sort(-1)
-        .values[:, : int(gone.sum(-1).max())]
-    )
-    return slots.masked_fill(slots == s, -1)
+    """`gone` `(R, S)` bool -> each row's marked slots `(R, E)`, ascending, -1 padded (for `free`).
+
+    Each marked slot's place is its rank among its row's marks (a running count), so the slots are scattered
+    into place in O(S), with no sort; the unmarked ones all land in one spare column, dropped."""
+    r, s = gone.shape
+    width = int(gone.sum(-1).max()) if s else 0
+    place = torch.where(gone, gone.cumsum(-1) - 1, width)  # (R, S): a mark's rank, else the spare column
+    slots = torch.full((r, width + 1), -1, dtype=torch.long, device=gone.device)
+    slots.scatter_(1, place, torch.arange(s, device=gone.device).expand(r, s))
+    return slots[:, :width]
 
 
 def padded_index(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.kvcache.store import FITTED_GROWTH, GROWTH, LayerBook, SlotStore, first_valid
+from kvlens.kvcache.store import FITTED_GROWTH, GROWTH, LayerBook, SlotStore, first_valid, trimmed
 
 
 def append(
@@ -74,7 +74,8 @@ class Writer:
         counts), every head gets one more slot at the end: a freed one for the heads that had theirs."""
         book, store = self.book, self.store
         slot, rest = holes[:, 0], holes[:, 1:]  # (Hkv,): -1 where a head has no freed slot
-        if bool((slot < 0).any()):
+        lacking = bool((slot < 0).any())
+        if lacking:
             end = store.n
             if end == store.capacity:
                 store.resize(end + (FITTED_GROWTH if book.fitted else GROWTH))
@@ -82,7 +83,8 @@ class Writer:
             rest = torch.cat([rest, torch.where(slot < 0, -1, end)[:, None]], dim=1)
             slot = torch.where(slot < 0, end, slot)
             store.order = None
-        book.holes = first_valid(rest) if rest.shape[1] else None
+        # each row's freed slots stay first when every head had one: only the emptied columns go (no sort)
+        book.holes = None if not rest.shape[1] else first_valid(rest) if lacking else trimmed(rest)
         self.write_into(slot[:, None], key, value, positions)
         book.written = slot[:, None]
 

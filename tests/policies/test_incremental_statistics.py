@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlens.kvcache import Phase, Step
+from kvlens.kvcache import Phase, Step, padded_slots
 from kvlens.policies import make_policy
 from kvlens.policies.d2o import D2O
 from kvlens.policies.scissorhands import COUNT, IMPORTANT, UNIMPORTANT
@@ -79,3 +79,16 @@ def test_scissorhands_counts_over_a_ring_are_the_last_window_counted_plainly(see
         step = Step(1, Phase.DECODE, slots - 1)
         score = policy.score(layer, step)
         assert torch.equal(score.floor(), (plain if count == "important" else -plain).float())
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 5), st.integers(0, 40), st.floats(0.0, 1.0))
+def test_marked_slots_are_scattered_into_place_as_a_sort_would_order_them(seed, rows, slots, share):
+    """`padded_slots` (every eviction's list of slots to free) ranks each row's marks by a running count: the
+    slots ascending, -1 padded, exactly as sorting the marked slot indices gives."""
+    gen = torch.Generator().manual_seed(seed)
+    gone = torch.rand(rows, slots, generator=gen) < share
+    width = int(gone.sum(-1).max()) if slots else 0
+    want = [sorted(torch.nonzero(row)[:, 0].tolist()) for row in gone]
+    want = [w + [-1] * (width - len(w)) for w in want]
+    assert padded_slots(gone).tolist() == want
