@@ -33,6 +33,7 @@ from kvlens.kvcache.store import (
     first_valid,
     padded_index,
     padded_slots,
+    trimmed,
 )
 
 # (view, capacity, padded: its heads keep different counts) -> (store, rows)
@@ -270,7 +271,10 @@ class SlotRows:
         counts = self.valid.sum(-1).chunk(len(self.books)) if uneven else ()
         for i, (book, part) in enumerate(zip(self.books, index.chunk(len(self.books)), strict=True)):
             holes = part if book.holes is None else torch.cat([book.holes, part], dim=1)
-            book.holes = first_valid(holes.sort(dim=1).values if store.tail_padding else holes)
+            # a paged row refills its freed slots in slot order: marked and listed in O(S), no sort
+            book.holes = (
+                trimmed(padded_slots(slot_mask(holes, store.n))) if store.tail_padding else first_valid(holes)
+            )
             if uneven:
                 book.n_kept, book.pad = (
                     int(counts[i].max()),
