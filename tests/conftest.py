@@ -77,7 +77,12 @@ class ByteTokenizer:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
     def convert_ids_to_tokens(self, ids):
-        return [chr(i) for i in ids]
+        """GPT-2's byte-level symbols of the bytes (a str for one id, as Hugging Face's tokenizers do)."""
+        from kvlens.runs.token_text import symbol_of_byte
+
+        if isinstance(ids, int):
+            return symbol_of_byte(ids % 256)
+        return [symbol_of_byte(int(i) % 256) for i in ids]
 
 
 def tiny_model(layers: int = 3, seed: int = 0) -> LoadedModel:
