@@ -202,7 +202,7 @@ def test_benchmarks_reads_a_saved_sweep(app, tmp_path):
         for b in (32, 64, 128)
     ]
     (results / "sweep_broken.json").write_text("{not json")
-    os.utime(results / "sweep_broken.json", (1, 1))  # older: the newest sweep is shown first
+    os.utime(results / "sweep_broken.json", (1, 1))  # newer or not, a file that reads is offered first
     (results / "sweep_demo.json").write_text(json.dumps({"text": "demo", "rows": rows}))
     at = open_page(app, "benchmarks")
     ppl = charts(at)[0]
@@ -475,7 +475,7 @@ def test_benchmarks_opens_on_the_leaderboard_then_the_frontier_then_speed(app, t
         "bench_frontier",
         "bench_needle",
         "bench_tasks",
-    ):  # the last written is the newest
+    ):  # the last written is the newest, which changes nothing
         (results / f"{name}.json").write_text(
             json.dumps({"config": {}, "rows": [], "command": f"kvlens {name}"})
         )
@@ -489,9 +489,40 @@ def test_benchmarks_opens_on_the_leaderboard_then_the_frontier_then_speed(app, t
     assert at.selectbox(key="bench_tasks_bench_file").value == results / "bench_tasks.json"
     assert at.selectbox(key="bench_speed_bench_file").value == results / "bench_speed.json"
     assert at.selectbox(key="bench_bench_file").options == [
-        "bench_needle.json"
+        "bench_needle.json (published)"
     ]  # the others, in their own tab
     assert "Made by `kvlens bench_speed`." in [c.value for c in at.caption]
+
+
+def test_benchmarks_opens_on_the_published_files_whatever_is_newer(app, tmp_path):
+    """Newer quick files beside the shipped ones are listed after them, by name; the speed file is drawn,
+    the worst policy of each measure named; a task file without context lengths has no length picker."""
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("bench_tasks", "bench_tasks_query_aware", "bench_frontier", "bench_speed"):
+        (results / f"{name}.json").symlink_to(ROOT / "results" / f"{name}.json")
+    shipped = json.loads((ROOT / "results" / "bench_tasks.json").read_text(encoding="utf-8"))
+    quick = [{**r, "length": None} for r in shipped["rows"][:2]]  # a held-out run: no context lengths
+    (results / "bench_tasks_quick.json").write_text(json.dumps({"config": {}, "rows": quick}))
+    (results / "bench_speed_quick.json").write_text(json.dumps({"config": {}, "rows": []}))
+    (results / "bench_frontier_heldout.json").write_text(json.dumps({"config": {}, "rows": []}))
+    at = open_page(app, "benchmarks")
+    assert not at.exception
+    assert at.selectbox(key="bench_tasks_bench_file").options == [
+        "bench_tasks.json (published)",
+        "bench_tasks_query_aware.json (published)",
+        "bench_tasks_quick.json",
+    ]
+    for key, name in (("tasks", "bench_tasks"), ("frontier", "bench_frontier"), ("speed", "bench_speed")):
+        assert at.selectbox(key=f"bench_{key}_bench_file").value == results / f"{name}.json"
+    speed = next(c for c in charts(at) if c["layout"].get("meta", {}).get("benchmark") == "speed")
+    assert {t["name"] for t in speed["data"]} == {"256 tokens", "1024 tokens", "2048 tokens"}
+    worst = next(d.value for d in at.dataframe if "worst policy" in d.value.columns)
+    decode = worst[worst["measure"].str.startswith("decode")]
+    assert len(decode) == 3 and set(decode["worst policy"]) <= set(shipped["config"]["policies"])
+    assert len(at.json) == sum(len(e.json) for e in at.expander)  # raw JSON only behind expanders
+    at.selectbox(key="bench_tasks_bench_file").set_value(results / "bench_tasks_quick.json").run()
+    assert not at.exception and not [s for s in at.selectbox if s.label == "Context length"]
 
 
 def test_a_measured_sweep_shows_no_speed_and_says_why(app, tmp_path):
@@ -1036,7 +1067,7 @@ def test_the_perturbation_pages_saved_sweep_is_in_the_link(link, tmp_path):
     ]
     for name in ("sweep_old.json", "sweep_new.json"):
         (results / name).write_text(json.dumps({"rows": rows}))
-    os.utime(results / "sweep_old.json", (1, 1))  # the newest, shown first, is sweep_new
+    os.utime(results / "sweep_old.json", (1, 1))  # by name, sweep_new is shown first
     at = link("perturbation", run="cam-attention", sweep="sweep_old.json")
     assert not at.warning and at.selectbox(key="pert_sweep_file").value == results / "sweep_old.json"
     assert "sweep_old.json" in charts(at)[-1]["layout"]["title"]["text"]
