@@ -93,7 +93,7 @@ def _from_rows(rows: list[dict]) -> list[Family]:
 
 def policy_table(found: list[Family]) -> pd.DataFrame:
     """A row per policy, a column per family (`decode @ 1024`, ...): the chart's numbers."""
-    policies = list(dict.fromkeys(p for f in found for p in f.per_policy))
+    policies = sorted({p for f in found for p in f.per_policy})
     return pd.DataFrame(
         [{"policy": p, **{f"{f.measure} @ {f.length}": f.per_policy.get(p) for f in found}} for p in policies]
     )
@@ -121,7 +121,7 @@ def speed_figure(found: list[Family]) -> go.Figure:
     a dotted line at 1 (as costly as the full cache, or as its floor)."""
     measures = list(dict.fromkeys(f.measure for f in found))
     lengths = sorted({f.length for f in found})
-    policies = list(dict.fromkeys(p for f in found for p in sorted(f.per_policy)))
+    policies = sorted({p for f in found for p in f.per_policy})
     fig = make_subplots(
         rows=1,
         cols=len(measures),
