@@ -160,7 +160,8 @@ def summary(row: TokenRow) -> str:
     return (
         f"Token {row.step} «{_md(label(row.token))}» came from the query of «{_md(label(row.query))}» "
         f"(position {row.query_position}), which attended to "
-        f"{row.in_cache} cache slots of the {len(row.positions)} positions seen so far ({parts})."
+        f"{row.in_cache} cache slots of the {len(row.positions)} positions seen so far in layer {row.layer}, "
+        f"KV head {row.kv_head} ({parts})."
     )
 
 

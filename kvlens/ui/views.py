@@ -8,6 +8,7 @@ import streamlit as st
 
 from kvlens.figures.plots import storage_label
 from kvlens.policies import changed_params
+from kvlens.runs.decisions import counts
 from kvlens.runs.run import Run
 from kvlens.runs.token_text import TokenText
 
@@ -66,6 +67,20 @@ def metric_row(run: Run) -> None:
         "KL to full",
         f"{kl:.4f}" if kl is not None else "not measured",
         help="Mean KL(p_full || p_policy) per step; measured runs only (--measure)",
+    )
+
+
+def decision_counts(run: Run) -> str:
+    """The sentence every page uses for a run's evictions and merges (`kvlens.runs.decisions.counts`)."""
+    c = counts(run.decisions)
+    zero = (
+        f" ({c.drew_zero:,} of them merges whose Bernoulli draw was 0, which moved nothing)"
+        if c.drew_zero
+        else ""
+    )
+    return (
+        f"In all layers, KV heads and steps: {c.evicted:,} positions evicted{zero} and {c.merged:,} merged "
+        "into kept slots."
     )
 
 

@@ -66,6 +66,30 @@ def test_overview_lists_shipped_runs_and_defaults_to_a_measured_merging_run(app)
     assert max(kept["y"]) <= run.meta["budget"]["slots"]
 
 
+@pytest.mark.parametrize("name", sorted(p.parent.name for p in CACHED_RUNS.glob("*/run.json")))
+def test_overview_merges_and_attention_state_the_same_eviction_and_merge_counts(app, name):
+    """One truth per run: the sentence of `kvlens.ui.views.decision_counts` on every page, counting a merge
+    whose Bernoulli draw was 0 (it moved nothing) as an eviction."""
+    d = load_run(CACHED_RUNS / name).decisions
+    evicted = 0 if d is None else int(((d["action"] == "evict") | (d["draw"] == 0)).sum())
+    merged = 0 if d is None else int(((d["action"] == "merge") & (d["draw"] != 0)).sum())
+    want = f"{evicted:,} positions evicted"
+    said = {}
+    for page in ("overview", "merges", "attention"):
+        at = open_page(app, page, name)
+        assert not at.exception
+        said[page] = [
+            t.value for t in [*at.caption, *at.markdown] if "In all layers, KV heads and steps" in t.value
+        ]
+    assert (
+        len(said["overview"]) == 1
+        and want in said["overview"][0]
+        and f"{merged:,} merged" in said["overview"][0]
+    )
+    assert said["merges"] in ([], said["overview"])  # a run without decisions: Merges offers other runs
+    assert all(s.startswith(said["overview"][0]) for s in said["attention"])
+
+
 def test_attention_map_marks_evictions_and_stays_small(app):
     at = open_page(app, "attention", "streaming_llm-attention")
     run = load_run(CACHED_RUNS / "streaming_llm-attention")
