@@ -125,6 +125,8 @@ def test_similarity_shows_three_lower_triangular_maps(app):
     for m in maps:
         assert len(m["z"]) == n and len(m["z"][0]) == n
         assert m["z"][0][1] is None and abs(m["z"][5][5] - 1) < 1e-3  # upper triangle blank, diagonal 1
+    lowest = min(v for m in maps for row in m["z"] for v in row if v is not None)
+    assert all(m["zmin"] == pytest.approx(lowest) and m["zmax"] == 1 for m in maps)  # one colour range
     adjacency = charts(at)[3]
     assert any(t.get("name") == "keys" and len(t["x"]) == 6 for t in adjacency["data"])
 
@@ -135,6 +137,10 @@ def test_spectra_has_one_line_per_recorded_layer_for_keys_and_values(app):
     lines = [t for t in traces(charts(at)[0], "scatter") if t.get("name", "").startswith("layer")]
     assert len(lines) == 2 * 6 and all(len(t["y"]) == 32 for t in lines)
     assert all(abs(t["y"][0] - 1) < 1e-6 for t in lines)  # normalised by the largest
+    colours = {t["name"]: t["line"]["color"] for t in lines}
+    assert len(set(colours.values())) == 6  # six layers: a discrete colour each, named in the legend
+    assert [t["name"] for t in lines if t.get("showlegend") is not False] == list(colours)
+    assert not any(t.get("marker", {}).get("showscale") for t in traces(charts(at)[0], "scatter"))
 
 
 def test_spectra_draws_what_low_rank_storage_buys_at_the_chosen_error(app):

@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 
 from kvlens.analysis.registry import Analysis, Param, register_analysis
 from kvlens.analysis.states import kind_code, kind_name, recorded_layers, states
-from kvlens.figures.plots import SCALE, finish, run_model
+from kvlens.figures.plots import COLORS, SCALE, finish, run_model
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
 
@@ -74,6 +74,27 @@ def _sample(scale: str, n: int) -> list[str]:
     return sample_colorscale(scale, [i / max(1, n - 1) for i in range(n)])
 
 
+def _colour_bar(fig: go.Figure, layers: list[int]) -> None:
+    """A colour bar of the layers (an invisible marker trace carries it)."""
+    fig.add_trace(
+        go.Scatter(
+            x=[None],
+            y=[None],
+            mode="markers",
+            showlegend=False,
+            hoverinfo="skip",
+            marker=dict(
+                colorscale=SCALE,
+                cmin=layers[0],
+                cmax=layers[-1],
+                color=[layers[0]],
+                showscale=True,
+                colorbar=dict(title=dict(text="layer"), thickness=14),
+            ),
+        )
+    )
+
+
 def spectrum_figure(run: Run, components: int = 64) -> go.Figure:
     """Normalised singular values of keys and values, one line per layer (mean over heads), log scale."""
     specs = [spectrum(run, k, components) for k in ("key", "value")]
@@ -81,7 +102,8 @@ def spectrum_figure(run: Run, components: int = 64) -> go.Figure:
         rows=1, cols=2, subplot_titles=["keys", "values"], shared_yaxes=True, horizontal_spacing=0.06
     )
     n = len(specs[0].layers)
-    colors = _sample(SCALE, n)
+    few = n <= len(COLORS)  # a handful of layers: a colour each, named in the legend; more: a colour bar
+    colors = COLORS[:n] if few else _sample(SCALE, n)
     for col, spec in enumerate(specs, start=1):
         for i, layer in enumerate(spec.layers):
             y = spec.values[i].mean(0).tolist()
@@ -92,30 +114,15 @@ def spectrum_figure(run: Run, components: int = 64) -> go.Figure:
                     mode="lines",
                     name=f"layer {layer}",
                     legendgroup=f"{layer}",
-                    showlegend=False,
+                    showlegend=few and col == 1,
                     line=dict(color=colors[i], width=1.5),
                 ),
                 row=1,
                 col=col,
             )
         fig.update_xaxes(title_text="singular value index", row=1, col=col)
-    fig.add_trace(
-        go.Scatter(
-            x=[None],
-            y=[None],
-            mode="markers",
-            showlegend=False,
-            hoverinfo="skip",
-            marker=dict(
-                colorscale=SCALE,
-                cmin=specs[0].layers[0],
-                cmax=specs[0].layers[-1],
-                color=[specs[0].layers[0]],
-                showscale=True,
-                colorbar=dict(title=dict(text="layer"), thickness=14),
-            ),
-        )
-    )
+    if not few:
+        _colour_bar(fig, specs[0].layers)
     fig.update_yaxes(
         type="log",
         dtick=1,
