@@ -127,10 +127,9 @@ with right:
     live_chart = st.empty()
     live_text = st.empty()
     if not go_clicked:
-        status.info("Set up a run on the left and press **Run**. Plots appear here while it runs.")
-        if st.session_state.get(
-            "run_last"
-        ):  # the run this page saved last: its report, and its tokens inspected
+        if not st.session_state.get("run_last"):
+            status.info("Set up a run on the left and press **Run**. Plots appear here while it runs.")
+        else:  # the run this page saved last: its report, its text, and its tokens inspected
             last = open_run(st.session_state.run_last)
             head, report = st.columns([4, 1], vertical_alignment="bottom")
             head.subheader("Your last run")

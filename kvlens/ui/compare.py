@@ -18,17 +18,17 @@ from kvlens.ui.views import diverging_text, escaped
 
 # `kvlens compare --json` row keys -> the page's column names and number formats
 COLUMNS = {
-    "policy": ("policy", None),
-    "first_divergence": ("diverges at token", None),
-    "top1_agreement": ("top-1 agrees with full", "percent"),
-    "ppl": ("ppl on full's text", "%.3f"),
-    "kl": ("KL to full (mean)", "%.4f"),
-    "perturbation": ("perturbation (mean)", "%.3f"),
-    "attention_loss": ("attention loss", "%.3f"),
-    "kv_slots_max": ("max slots", None),
-    "kv_bytes_peak": ("peak KV bytes", "localized"),
-    "ms_per_token": ("ms / token (measured pass)", "%.0f"),
-    "generated_steps": ("tokens generated (own text)", None),
+    "policy": ("policy", None, "The policy and its budget"),
+    "first_divergence": ("diverges at", None, "The first new token where its choice differs from full's"),
+    "top1_agreement": ("top-1 agrees", "percent", "Share of steps where its choice is full's token"),
+    "ppl": ("ppl", "%.3f", "Perplexity on the full cache's text"),
+    "kl": ("KL", "%.4f", "Mean KL(p_full || p_policy) per step"),
+    "perturbation": ("perturbation", "%.3f", "Mean output perturbation of the cache it used"),
+    "attention_loss": ("attn. loss", "%.3f", "Mean attention mass on what it no longer holds"),
+    "kv_slots_max": ("max slots", None, "Most slots one KV head held"),
+    "kv_bytes_peak": ("peak KV bytes", "localized", "Allocated KV bytes at the peak"),
+    "ms_per_token": ("ms/token", "%.0f", "Wall time per step of the measured pass, measuring included"),
+    "generated_steps": ("own tokens", None, "Tokens its own text generated after leaving the measured pass"),
 }
 
 
@@ -41,8 +41,16 @@ def result_cache() -> ResultCache:
 
 def show_table(results: list[Result]) -> None:
     """The rows of `kvlens.experiments.compare.table`, with the page's column names."""
-    frame = pd.DataFrame(table(results))[list(COLUMNS)].rename(columns={k: v[0] for k, v in COLUMNS.items()})
-    config = {name: st.column_config.NumberColumn(format=fmt) for name, fmt in COLUMNS.values() if fmt}
+    frame = pd.DataFrame(table(results))[list(COLUMNS)]
+    for k in ("kl", "perturbation", "attention_loss"):  # non-negative: a float's -1e-9 is 0, not "-0.000"
+        frame[k] = frame[k].clip(lower=0.0)
+    frame = frame.rename(columns={k: v[0] for k, v in COLUMNS.items()})
+    config = {
+        name: st.column_config.NumberColumn(format=fmt, help=text)
+        if fmt
+        else st.column_config.Column(help=text)
+        for name, fmt, text in COLUMNS.values()
+    }
     st.dataframe(frame, hide_index=True, width="stretch", column_config=config)
 
 

@@ -65,7 +65,7 @@ def metric_row(run: Run) -> None:
     kl = m.get("kl")
     cols[4].metric(
         "KL to full",
-        f"{kl:.4f}" if kl is not None else "not measured",
+        f"{max(kl, 0.0):.4f}" if kl is not None else "not measured",  # KL >= 0: no "-0.0000"
         help="Mean KL(p_full || p_policy) per step; measured runs only (--measure)",
     )
 

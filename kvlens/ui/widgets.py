@@ -102,10 +102,12 @@ def policy_picker(prefix: str, default: str = "h2o", label: str = "Policy", budg
     budget, budget_slot = None, st
     try:
         if not cls.budget_free:
+            key = f"{prefix}_{name}_budget"
             text = st.text_input(
                 "Budget",
-                value=budget_default,
-                key=f"{prefix}_{name}_budget",
+                # a budget the link (`url_state.bind_policy`) already put in the session: no default beside it
+                **({} if key in st.session_state else {"value": budget_default}),
+                key=key,
                 help="Slots per KV head per layer (e.g. 64) or a share of the prompt (e.g. 0.5).",
             )
             budget_slot = st.empty()
