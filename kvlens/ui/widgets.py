@@ -94,7 +94,12 @@ def policy_picker(prefix: str, default: str = "h2o", label: str = "Policy", budg
     name = st.selectbox(
         label,
         names,
-        index=names.index(default) if default in names else 0,
+        # a policy the link already put in the session: no default beside it
+        **(
+            {}
+            if f"{prefix}_policy" in st.session_state
+            else {"index": names.index(default) if default in names else 0}
+        ),
         key=f"{prefix}_policy",
         help="\n\n".join(f"**{n}**: {REGISTRY[n].description}" for n in names),
     )
