@@ -74,6 +74,15 @@ def _sample(scale: str, n: int) -> list[str]:
     return sample_colorscale(scale, [i / max(1, n - 1) for i in range(n)])
 
 
+def layer_colours(fig: go.Figure, layers: list[int]) -> tuple[list[str], bool]:
+    """A colour per layer, and whether the lines name their layers in the legend: a handful of layers get
+    discrete colours; more, a colour scale whose colour bar is added to `fig`."""
+    if len(layers) <= len(COLORS):
+        return COLORS[: len(layers)], True
+    _colour_bar(fig, layers)
+    return _sample(SCALE, len(layers)), False
+
+
 def _colour_bar(fig: go.Figure, layers: list[int]) -> None:
     """A colour bar of the layers (an invisible marker trace carries it)."""
     fig.add_trace(
@@ -102,8 +111,7 @@ def spectrum_figure(run: Run, components: int = 64) -> go.Figure:
         rows=1, cols=2, subplot_titles=["keys", "values"], shared_yaxes=True, horizontal_spacing=0.06
     )
     n = len(specs[0].layers)
-    few = n <= len(COLORS)  # a handful of layers: a colour each, named in the legend; more: a colour bar
-    colors = COLORS[:n] if few else _sample(SCALE, n)
+    colors, few = layer_colours(fig, specs[0].layers)
     for col, spec in enumerate(specs, start=1):
         for i, layer in enumerate(spec.layers):
             y = spec.values[i].mean(0).tolist()
@@ -121,8 +129,6 @@ def spectrum_figure(run: Run, components: int = 64) -> go.Figure:
                 col=col,
             )
         fig.update_xaxes(title_text="singular value index", row=1, col=col)
-    if not few:
-        _colour_bar(fig, specs[0].layers)
     fig.update_yaxes(
         type="log",
         dtick=1,
