@@ -72,14 +72,14 @@ def chromium_page(tmp_path_factory):
 FIGURES = every_figure()
 
 
-@pytest.mark.parametrize("width", [900, 1300])  # the app draws at its column's width
+@pytest.mark.parametrize("width", [900, 1300])  # the app draws every figure at its column's width
 @pytest.mark.parametrize("name", list(FIGURES))
 def test_no_titles_or_legends_overlap(chromium_page, name, width):
     fig = FIGURES[name]
     spec = json.loads(fig.to_json())
     chromium_page.evaluate(
         "([spec, width]) => { const f = document.getElementById('f'); Plotly.purge(f);"
-        " const layout = {...spec.layout, width: spec.layout.width || width};"
+        " const layout = {...spec.layout, width};"
         " return Plotly.newPlot(f, spec.data, layout, {staticPlot: true}); }",
         [spec, width],
     )
