@@ -199,8 +199,9 @@ def compare_figure(results: list[Result]) -> go.Figure:
         fig.update_xaxes(title_text="new token", row=1, col=col)
     fig.update_yaxes(rangemode="tozero", row=1, col=3)
     fig.update_layout(
-        height=380,
-        legend=dict(orientation="h", y=-0.25),
+        height=410,
+        margin=dict(b=110),
+        legend=dict(orientation="h", yref="container", y=0.02, yanchor="bottom"),
         title=dict(text="Policies side by side"),
         meta={"analysis": "compare", "policies": [r.entry.label for r in results]},
     )
