@@ -15,6 +15,7 @@ from kvlens.ui.charts import chart
 from kvlens.ui.inspector import token_view
 from kvlens.ui.page import browse_page, level_need, pick_head, pick_layer, pick_step
 from kvlens.ui.state import run_figure
+from kvlens.ui.views import decision_counts
 
 run = browse_page("Attention", need=level_need(RecordLevel.ATTENTION, "The attention map"))
 c1, c2, c3 = st.columns([1, 1, 3])
@@ -34,6 +35,7 @@ step = (
     else 0
 )
 cfg = {"run": str(run.path), "layer": layer, "head": head}
+st.caption(decision_counts(run) + " The map below is one layer and query head.")
 chart(attention_map_figure(run, grid, step), "attn_map", name=f"attention-L{layer}-H{head}", config=cfg)
 left, right = st.columns(2)
 with left:

@@ -19,6 +19,7 @@ from kvlens.ui.results import (
     result_files,
     sweep_section,
 )
+from kvlens.ui.speed import speed_section
 
 REFRESH_S = 5
 # The benchmarks the page opens on, in this order: (results file name, title, URL key, the command that makes
@@ -45,6 +46,8 @@ def show(picked) -> None:
     path, settings, frame, raw = picked
     if path.name.startswith("bench_tasks"):
         leaderboard(path, settings, raw)
+    elif path.name.startswith("bench_speed"):
+        speed_section(path, settings, frame, raw)
     else:
         builder = bench_figure(path.name)
         if builder is not None and len(frame):
@@ -66,13 +69,7 @@ def show(picked) -> None:
             with st.expander(f"Every cell ({len(frame)})"):
                 st.dataframe(frame, hide_index=True, width="stretch")
         else:
-            if path.name.startswith("bench_speed"):
-                st.caption("Unmeasured runs: each row's ms per token is the median decode step of one run.")
             st.dataframe(frame, hide_index=True, width="stretch")
-        for key in ("ratios", "targets", "growth"):
-            if isinstance(raw.get(key), dict):
-                st.markdown(f"**{key}**")
-                st.json(raw[key], expanded=True)
     if settings.get("command"):
         st.caption(f"Made by `{settings['command']}`.")
     with st.expander("Settings of this benchmark"):

@@ -3,6 +3,7 @@
 import streamlit as st
 
 from kvlens.experiments.compare import Entry, compare, entries_with_reference
+from kvlens.runs.token_text import decode
 from kvlens.ui.compare import result_cache, show_results, show_text
 from kvlens.ui.jobs import PageJob
 from kvlens.ui.live import check_storage
@@ -67,28 +68,32 @@ if go_clicked and all(p is not None for p in picks):
             }
 
     def draw(events):
-        for label, piece, event in events:
+        for label, piece, fed, event in events:
             state = live[label]
             if (
                 state["diff"] is None and int(event.logits.argmax()) != event.token
             ):  # teacher-forced on full's text
                 state["diff"] = event.step
             state["pieces"].append(piece)
-            state["full"].append(event.text)
+            state["full"].append(fed)
             state["bar"].progress(
                 (event.step + 1) / new_tokens, text=f"{label}: token {event.step + 1} of {new_tokens}"
             )
-        for label in {label for label, _, _ in events}:
+        for label in {label for label, *_ in events}:
             state = live[label]
             with state["text"].container():
                 show_text(
-                    label, state["pieces"], state["diff"], None if label == runs[0].label else state["full"]
+                    label,
+                    decode(state["pieces"]),
+                    state["diff"],
+                    None if label == runs[0].label else decode(state["full"]),
                 )
 
     def work(model):
         def on_step(put):
+            names = model.tokenizer.convert_ids_to_tokens
             return lambda entry, event: put(
-                (entry.label, model.tokenizer.decode([int(event.logits.argmax())]), event)
+                (entry.label, names(int(event.logits.argmax())), names(event.token), event)
             )
 
         for e in entries:

@@ -10,6 +10,7 @@ from kvlens.ui import url_state
 from kvlens.ui.charts import chart
 from kvlens.ui.page import analysis_need, browse_page, fits, offer_runs, pick_head, pick_layer
 from kvlens.ui.state import run_figure
+from kvlens.ui.views import decision_counts
 
 run = browse_page(
     "Merges",
@@ -26,12 +27,7 @@ else:
     layer = pick_layer(layers, "merge_layer", c1, default=layers[0])  # in the URL, as the Gaussian's below
     head = pick_head(run, "merge_head", c2, kv=True)
     merges = d[d["action"] == "merge"]
-    n_draw0 = int((merges["draw"] == 0).sum())
-    st.markdown(
-        f"{(d['action'] == 'evict').sum()} evictions and {len(merges)} merges in all layers"
-        + (f" ({n_draw0} of them drew 0 from the Bernoulli mask and merged nothing)" if n_draw0 else "")
-        + "."
-    )
+    st.markdown(decision_counts(run))
     cfg = {"run": str(run.path), "layer": layer, "kv_head": head}
     chart(
         run_figure(run, "decisions", layer=layer, kv_head=head),

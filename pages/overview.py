@@ -7,7 +7,7 @@ from kvlens.ui.charts import chart
 from kvlens.ui.inspector import token_inspector
 from kvlens.ui.page import browse_page
 from kvlens.ui.state import run_figure
-from kvlens.ui.views import metric_row, token_text
+from kvlens.ui.views import decision_counts, metric_row, token_text
 
 run = browse_page(
     "kvlens",
@@ -19,6 +19,7 @@ left, right = st.columns([3, 2])
 with left:
     st.subheader("Text")
     token_text(run)
+    st.caption(decision_counts(run))
 with right:
     chart(
         run_figure(run, "occupancy"),

@@ -12,6 +12,7 @@ from kvlens.ui.jobs import PageJob
 from kvlens.ui.live import Live, RunSettings, parse_layers
 from kvlens.ui.page import page_top, report_button
 from kvlens.ui.state import list_runs, open_run, user_runs_dir
+from kvlens.ui.views import token_text
 from kvlens.ui.widgets import policy_picker, storage_picker
 
 page_top("Run", "Run a policy on a prompt, watch it work, and save the run for the other pages.")
@@ -126,14 +127,15 @@ with right:
     live_chart = st.empty()
     live_text = st.empty()
     if not go_clicked:
-        status.info("Set up a run on the left and press **Run**. Plots appear here while it runs.")
-        if st.session_state.get(
-            "run_last"
-        ):  # the run this page saved last: its report, and its tokens inspected
+        if not st.session_state.get("run_last"):
+            status.info("Set up a run on the left and press **Run**. Plots appear here while it runs.")
+        else:  # the run this page saved last: its report, its text, and its tokens inspected
             last = open_run(st.session_state.run_last)
             head, report = st.columns([4, 1], vertical_alignment="bottom")
-            head.subheader("Token inspector of your last run")
+            head.subheader("Your last run")
             report_button([last], "run_report", report)
+            token_text(last)
+            st.markdown("**Token inspector**")
             token_inspector(last, "run_insp")
 
 if go_clicked and picked is not None and storage is not None:
@@ -142,6 +144,7 @@ if go_clicked and picked is not None and storage is not None:
     frame = [0]
 
     def work(model):
+        live.names = model.tokenizer.convert_ids_to_tokens
         layers = None if record == RecordLevel.SUMMARY else parse_layers(layers_text, model.shape()["layers"])
         return RunSettings(
             policy,
@@ -166,7 +169,9 @@ if go_clicked and picked is not None and storage is not None:
             "Press **Stop** to cancel."
         )
         live_chart.plotly_chart(live.figure(), key=f"run_live_{frame[0]}")
-        live_text.markdown(f"**Output so far:** {live.text}")
+        with live_text.container():
+            st.markdown("**Output so far:**")
+            st.text(live.text)
 
     with st.spinner("Running…"):
         run = job.run(work, draw, status)

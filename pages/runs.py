@@ -53,8 +53,14 @@ event = st.dataframe(
     selection_mode="multi-row",
     key=key,
 )
+texts = shown["text"].nunique()
 st.caption(
     f"{len(shown)} of {len(frame)} runs"
+    + (
+        f" on {texts} different texts: ppl, KL and perturbation compare only runs of one letter in `text`"
+        if texts > 1
+        else ""
+    )
     + (f" · {len(skipped)} folders could not be read: " + " ".join(skipped) if skipped else "")
 )
 if imported:

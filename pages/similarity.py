@@ -33,10 +33,13 @@ kinds = url_state.bound_many(
 if not kinds:
     st.info("Pick at least one of query, key, value.")
 group = run.shape["heads"] // kv_heads
+heads = {kind: head * group if kind == "query" else head for kind in kinds}
+figures = {kind: run_figure(run, "similarity", layer=layer, head=h, state=kind) for kind, h in heads.items()}
+lo = min((min(t.zmin for t in fig.data if t.type == "heatmap") for fig in figures.values()), default=0.0)
 for col, kind in zip(st.columns(max(1, len(kinds))), kinds, strict=False):
-    h = head * group if kind == "query" else head
+    h, fig = heads[kind], figures[kind]
     with col:
-        fig = run_figure(run, "similarity", layer=layer, head=h, state=kind)
+        fig.update_traces(zmin=lo, zmax=1, selector=dict(type="heatmap"))  # one colour range for every panel
         fig.update_layout(title=dict(text=f"layer {layer}, {'query' if kind == 'query' else 'KV'} head {h}"))
         chart(
             fig,

@@ -9,12 +9,14 @@ import streamlit as st
 
 from kvlens.experiments.bench.ruler import TASKS
 from kvlens.explain.groups import GROUPINGS
+from kvlens.explain.search import BATCH
 from kvlens.figures.why import figures
 from kvlens.policies import make_policy, policy_names
 from kvlens.ui import url_state
 from kvlens.ui.charts import chart
 from kvlens.ui.page import page_top, selected_run
-from kvlens.ui.why import explain_run, explain_sample, suite
+from kvlens.ui.views import escaped
+from kvlens.ui.why import explain_run, explain_sample, patch_count, suite
 
 RUN, SAMPLE = "the selected run", "a task sample"
 SOURCES = [RUN, SAMPLE]
@@ -124,6 +126,19 @@ else:
         st.stop()
     work = lambda: explain_run(str(run.path), tuple(by), span, minimal)  # noqa: E731
     name, config = f"why-{run.path.name}", {"run": str(run.path)}
+    asked = f"why_asked_{name}-{'-'.join(by)}-{span}-{minimal}"
+    patches = patch_count(run, by, span, minimal)
+    if not st.session_state.get(asked) and not st.button(
+        "Explain this run",
+        help="Then kept for these settings",
+    ):
+        st.caption(
+            f"About {patches:,} patched caches for these groups, scored {BATCH} at a time: about "
+            f"{-(-patches // BATCH):,} forwards of the answer (seconds to a minute on a CPU)."
+        )
+        url_state.share_link()
+        st.stop()
+    st.session_state[asked] = True
 url_state.share_link()
 t = time.perf_counter()
 with st.spinner("Patching the cache (seconds for a short run, minutes for a 1024-token sample on a CPU)…"):
@@ -142,7 +157,9 @@ c3.metric("No group restored", f"{result['no_groups']['recovered_share']:.3f}", 
 c4.metric("Entries removed", f"{result['slots_removed']:,}")
 if "compressed" in answers:
     st.markdown(
-        f"**Full cache:** {answers['full'][:160]!r}  \n**Compressed:** {answers['compressed'][:160]!r}"
+        f"<div style='white-space:pre-wrap'><b>Full cache:</b> {escaped(answers['full'][:160])}<br>"
+        f"<b>Compressed:</b> {escaped(answers['compressed'][:160])}</div>",
+        unsafe_allow_html=True,
     )
 m = result.get("minimal")
 if m and m["found"]:

@@ -4,6 +4,7 @@ shipped runs, the `kvlens` command and the examples of docs/extending.md."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import subprocess
@@ -77,7 +78,12 @@ class ByteTokenizer:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
     def convert_ids_to_tokens(self, ids):
-        return [chr(i) for i in ids]
+        """GPT-2's byte-level symbols of the bytes (a str for one id, as Hugging Face's tokenizers do)."""
+        from kvlens.runs.token_text import symbol_of_byte
+
+        if isinstance(ids, int):
+            return symbol_of_byte(ids % 256)
+        return [symbol_of_byte(int(i) % 256) for i in ids]
 
 
 def tiny_model(layers: int = 3, seed: int = 0) -> LoadedModel:
@@ -252,3 +258,43 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", refuse)
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
     return attempts
+
+
+def _published(name: str) -> dict:
+    return json.loads((ROOT / "results" / f"{name}.json").read_text(encoding="utf-8"))
+
+
+@functools.cache
+def every_figure() -> dict:
+    """{name: figure} of each run analysis on the first shipped run that has what it needs, and of each
+    published benchmark's figures (`results/`): what the figure layout and export tests go through."""
+    from kvlens import load_run
+    from kvlens.analysis.registry import analyses, analysis_figure, get_analysis, lacks
+    from kvlens.experiments.bench import frontier, needle, ppl, task_needles, tasks
+    from kvlens.figures.speed import families, speed_figure
+
+    runs = [load_run(p.parent) for p in sorted(CACHED_RUNS.glob("*/run.json"))]
+    out = {}
+    for kind in analyses():
+        analysis = get_analysis(kind)
+        if analysis.inputs != "run" or analysis.replays:
+            continue
+        usable = [r for r in runs if lacks(analysis, r) is None]
+        if usable:
+            try:
+                out[f"{kind} ({usable[0].path.name})"] = analysis_figure(kind, usable[0])
+            except Exception as err:  # a run too short for it (variance): one sentence, tested elsewhere
+                if type(err).__name__ != "KvlensError":
+                    raise
+    for name in ("bench_tasks", "bench_tasks_query_aware"):
+        result = _published(name)
+        cells = task_needles.grid(result["rows"])
+        out[name] = tasks.figure(result)
+        out[f"{name} needles"] = task_needles.figure(
+            cells, task_needles.default_ratio(cells), tasks.protocol(result.get("config", {}))
+        )
+    out["bench_frontier"] = frontier.figure(_published("bench_frontier"))
+    out["bench_needle"] = needle.figure(_published("bench_needle"))
+    out["bench_ppl"] = ppl.figure(_published("bench_ppl"))
+    out["bench_speed"] = speed_figure(families(_published("bench_speed")))
+    return out

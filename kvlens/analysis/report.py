@@ -24,6 +24,7 @@ from kvlens.analysis.registry import analysis_figure, get_analysis, lacks
 from kvlens.errors import KvlensError
 from kvlens.figures.kept_text import kept_text, kept_text_html
 from kvlens.figures.plots import model_label, storage_label
+from kvlens.runs.decisions import counts, outcome
 from kvlens.runs.run import Run
 from kvlens.version import __version__
 
@@ -242,9 +243,10 @@ def _decisions(run: Run) -> str:
     if d is None or not len(d):
         return '<p class="sub">No evictions or merges: the cache was never compressed.</p>'
     layers = list(range(int(run.shape["layers"])))
-    kinds = {"evictions": d[d["action"] == "evict"], "merges": d[(d["action"] == "merge") & (d["draw"] != 0)]}
-    if bool(((d["action"] == "merge") & (d["draw"] == 0)).any()):
-        kinds["merges that merged nothing (a Bernoulli draw of 0)"] = d[
+    left = outcome(d)
+    kinds = {"evicted": d[left == "evicted"], "merged": d[left == "merged"]}
+    if counts(d).drew_zero:
+        kinds["of the evicted: merges whose Bernoulli draw was 0 (they moved nothing)"] = d[
             (d["action"] == "merge") & (d["draw"] == 0)
         ]
     rows = []

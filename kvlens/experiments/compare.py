@@ -55,6 +55,7 @@ from kvlens.experiments.api import encode, generate
 from kvlens.kvcache.quantize import Storage
 from kvlens.policies import changed_params, make_policy
 from kvlens.runs.run import Run
+from kvlens.runs.token_text import TokenText, decode
 
 MAX_POLICIES = 4
 FULL = "full"
@@ -87,10 +88,10 @@ class Result:
     run: Run
     picks: list[int]  # the greedy choice at each step (the full cache: its own tokens)
     first_diff: int | None  # first step whose choice differs from full's token (None: never)
-    pieces: list[str]  # each pick decoded on its own, for the texts
+    text: TokenText  # the picks decoded jointly, each pick mapped to its characters
     logprobs: torch.Tensor | None = None  # the full cache's: its next-token log-probs per step (steps, V)
     own: Run | None = None  # its own greedy generation, as `kvlens generate` runs it (`own_text`)
-    own_pieces: list[str] | None = None  # its tokens decoded one by one
+    written: TokenText | None = None  # its own tokens decoded jointly
     generate_s: float | None = None  # seconds of that generation
     own_diff: int | None = None  # first token where that text differs from the full cache's own (None: never)
     own_from: int | None = (
@@ -240,7 +241,7 @@ def _with_own(
     return dataclasses.replace(
         result,
         own=own,
-        own_pieces=_pieces(model, own.meta["tokens"]),
+        written=_decoded(model, own.meta["tokens"]),
         generate_s=seconds,
         own_diff=diff,
         own_from=start,
@@ -308,9 +309,9 @@ def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, canc
     )
     out.meta["metrics"].update(summary(out.tensors))
     if reference is None:
-        result = Result(e, out, picks, None, _pieces(model, picks), logprobs)
+        result = Result(e, out, picks, None, _decoded(model, picks), logprobs)
     else:
-        result = Result(e, out, picks, first_difference(tokens, picks), _pieces(model, picks))
+        result = Result(e, out, picks, first_difference(tokens, picks), _decoded(model, picks))
     if not forks:
         return result
     t = time.perf_counter()
@@ -318,8 +319,8 @@ def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, canc
     return _with_own(model, result, own, time.perf_counter() - t, forks[0].progress.step, reference)
 
 
-def _pieces(model: LoadedModel, tokens: list[int]) -> list[str]:
-    return [model.tokenizer.decode([t]) for t in tokens]
+def _decoded(model: LoadedModel, tokens: list[int]) -> TokenText:
+    return decode(model.tokenizer.convert_ids_to_tokens(tokens))
 
 
 def table(results: list[Result]) -> list[dict]:

@@ -158,6 +158,9 @@ def pool_blocks(weights: np.ndarray, status: np.ndarray, br: int, bc: int) -> tu
     )
 
 
+STATUS_META = {"value": "the cell's status code", "codes": {code: name for code, (name, _) in STATUS.items()}}
+
+
 def status_scale(colors: dict[int, str] | None = None) -> list:
     """A plotly colour scale mapping each status code (`zmin=-0.5`, `zmax=len(STATUS) - 0.5`) to its colour
     (`colors` overrides some)."""
@@ -189,6 +192,7 @@ def attention_map_figure(
             showscale=False,
             customdata=names,
             name="status",
+            meta=STATUS_META,
             hovertemplate="position %{x}, query row %{y}: %{customdata}<extra></extra>",
         )
     )
@@ -203,6 +207,7 @@ def attention_map_figure(
             colorscale="Viridis",
             customdata=names,
             name="attention",
+            meta={"value": "log10_attention: log10 of the attention weight (a cached cell under 1e-6 at -6)"},
             colorbar=dict(
                 title=dict(text="attention"),
                 tickvals=[-4, -3, -2, -1, 0],

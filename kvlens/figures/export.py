@@ -1,8 +1,9 @@
 """Write a figure as PNG, SVG or PDF (kaleido with a system Chromium), plus its data (CSV) and config (JSON).
 
 `export_figure(fig, "out/fig.png")` writes `out/fig.png`, `out/fig.csv` (every trace's points in
-long form: trace, x, y, z, error) and `out/fig.json` (the analysis, its parameters, the run and the
-command that recorded it, kvlens version). Image export needs Chromium: `/usr/bin/chromium`
+long form: trace, x, y, value, meaning, error) and `out/fig.json` (the analysis, its parameters, the run
+and the command that recorded it, kvlens version, and what every CSV column, heatmap value and code
+means). Image export needs Chromium: `/usr/bin/chromium`
 (Debian's `chromium` package) or a Chrome/Chromium on PATH; without one, a clear `KvlensError`.
 """
 
@@ -49,18 +50,34 @@ def image_bytes(fig: go.Figure, fmt: str, scale: float = 2.0) -> bytes:
     return fig.to_image(format=fmt, scale=scale if fmt == "png" else 1)
 
 
+COLUMNS = ["trace", "x", "y", "value", "meaning", "error"]
+
+
+def _trace_meta(trace) -> dict:
+    return trace.meta if isinstance(trace.meta, dict) else {}
+
+
 def figure_rows(fig: go.Figure) -> list[dict]:
-    """Every trace's points in long form: heatmaps one row per cell (empty cells left out), lines one row per
-    point."""
+    """Every trace's points in long form (`COLUMNS`): heatmaps one row per cell (empty cells left out,
+    `value` the cell's, `meaning` its code's name where the trace has codes), lines one row per point
+    (`value` empty)."""
     rows = []
     for i, tr in enumerate(fig.data):
         name = tr.name or f"trace {i}"
         if tr.type == "heatmap":
+            codes = {int(k): v for k, v in (_trace_meta(tr).get("codes") or {}).items()}
             z = tr.z or []
             xs = list(tr.x) if tr.x is not None else list(range(len(z[0]) if z else 0))
             ys = list(tr.y) if tr.y is not None else list(range(len(z)))
             rows += [
-                {"trace": name, "x": xs[c], "y": ys[r], "z": v, "error": None}
+                {
+                    "trace": name,
+                    "x": xs[c],
+                    "y": ys[r],
+                    "value": v,
+                    "meaning": codes.get(int(v)) if codes else None,
+                    "error": None,
+                }
                 for r, zr in enumerate(z)
                 for c, v in enumerate(zr)
                 if v is not None and v == v
@@ -76,16 +93,52 @@ def figure_rows(fig: go.Figure) -> list[dict]:
             else [None] * len(ys)
         )
         rows += [
-            {"trace": name, "x": x, "y": y, "z": None, "error": e}
+            {"trace": name, "x": x, "y": y, "value": None, "meaning": None, "error": e}
             for x, y, e in zip(xs, ys, err, strict=False)
         ]
     return rows
 
 
+def _axis_title(fig: go.Figure, letter: str) -> str:
+    titles = [
+        fig.layout[k].title.text
+        for k in fig.layout
+        if k.startswith(f"{letter}axis") and fig.layout[k].title.text
+    ]
+    return "; ".join(dict.fromkeys(titles)) or "(untitled axis)"
+
+
+def describe_columns(fig: go.Figure) -> dict:
+    """What every column of the figure's CSV means, and each heatmap trace's value and codes: written into
+    the figure's JSON beside the CSV (`columns`, `values`)."""
+    values = {}
+    for i, tr in enumerate(fig.data):
+        if tr.type != "heatmap":
+            continue
+        meta = _trace_meta(tr)
+        bar = tr.colorbar.title.text if tr.colorbar is not None and tr.colorbar.title is not None else None
+        what = meta.get("value") or (f"the cell's colour value: {bar}" if bar else "the cell's colour value")
+        entry: dict = {"value": what}
+        if meta.get("codes"):
+            entry["codes"] = {str(k): v for k, v in meta["codes"].items()}
+        values[tr.name or f"trace {i}"] = entry
+    return {
+        "columns": {
+            "trace": "the series (the legend's name, or the heatmap's)",
+            "x": f"the horizontal axis: {_axis_title(fig, 'x')}",
+            "y": f"the vertical axis: {_axis_title(fig, 'y')} (for a line, the plotted value)",
+            "value": "a heatmap cell's value (see `values`: what each trace's value is); empty for lines",
+            "meaning": "the name of a heatmap cell's code, for traces whose values are codes (see `values`)",
+            "error": "the error bar's size at the point (empty: none)",
+        },
+        "values": values,
+    }
+
+
 def write_csv(fig: go.Figure, path: str | Path) -> Path:
     path = Path(path)
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["trace", "x", "y", "z", "error"])
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         for row in figure_rows(fig):
             writer.writerow({k: f"{v:.7g}" if isinstance(v, float) else v for k, v in row.items()})
@@ -95,7 +148,7 @@ def write_csv(fig: go.Figure, path: str | Path) -> Path:
 def figure_config(fig: go.Figure) -> dict:
     """What reproduces the figure: the builder's `layout.meta` (analysis, parameters, run) plus versions."""
     meta = fig.layout.meta if isinstance(fig.layout.meta, dict) else {}
-    return {"kvlens_version": __version__, "title": fig.layout.title.text, **meta}
+    return {"kvlens_version": __version__, "title": fig.layout.title.text, **meta, **describe_columns(fig)}
 
 
 def export_figure(

@@ -28,6 +28,7 @@ from kvlens.figures.attention import (
     MERGED_AWAY,
     SINK,
     STATUS,
+    STATUS_META,
     layer_cache,
     pool_blocks,
     recorded_attention_layers,
@@ -177,6 +178,7 @@ def rows_figure(grid: HeadGrid, step: int, gap: int = 3) -> go.Figure:
             showscale=False,
             hoverinfo="skip",
             name="status",
+            meta=STATUS_META,
         )
     )
     fig.add_trace(
@@ -188,6 +190,7 @@ def rows_figure(grid: HeadGrid, step: int, gap: int = 3) -> go.Figure:
             colorscale="Viridis",
             hoverinfo="skip",
             name="attention",
+            meta={"value": "log10_attention: log10 of the attention weight (a cached cell under 1e-6 at -6)"},
             colorbar=dict(
                 title=dict(text="attention"),
                 tickvals=[-4, -3, -2, -1, 0],
@@ -260,6 +263,7 @@ def summary_figure(grid: HeadGrid, step: int, metric: str = "kept share") -> go.
             colorscale="Viridis",
             zmin=0,
             zmax=1 if metric != "output perturbation" else None,
+            meta={"value": f"{metric} of each layer (row) and query head (column)"},
             hoverinfo="skip",
             text=[[f"{v:.2f}" for v in row] for row in z.tolist()],
             texttemplate="%{text}" if z.size <= 400 else None,

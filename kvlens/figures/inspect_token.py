@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
 
 from kvlens.errors import KvlensError
 from kvlens.figures import provenance
 from kvlens.figures.attention import FUTURE, STATUS, attention_grid, recorded_attention_layers
 from kvlens.levels import RecordLevel
 from kvlens.policies import policy_class
+from kvlens.runs import token_text
 from kvlens.runs.run import Run
 
 
@@ -51,22 +51,11 @@ class TokenRow:
         return sum(not math.isnan(w) for w in self.weights)
 
 
-@cache
-def _byte_level():
-    from tokenizers.decoders import ByteLevel
-
-    return ByteLevel()
-
-
-def display_text(token: str) -> str:
-    """A tokenizer's token string as text: GPT-2 byte-level symbols decoded (`Ġof` -> ` of`), SentencePiece's
-    `▁` as a space; a token holding part of a character shows `�`."""
-    return _byte_level().decode([token]).replace("▁", " ")
-
-
 def token_strings(run: Run) -> list[str]:
-    """The text of each generated (or scored) token, in step order."""
-    return [display_text(str(s)) for s in run.meta.get("token_strings") or []]
+    """The text of each generated (or scored) token, in step order, decoded jointly
+    (`kvlens.runs.token_text`): a token holding part of a character shows its group, marked `(k/n)`."""
+    text = token_text.generated(run.meta)
+    return [text.label(i) for i in range(len(text.spans))]
 
 
 def has_rows(run: Run) -> bool:
@@ -92,9 +81,9 @@ def inspect_token(run: Run, step: int, layer: int, head: int) -> TokenRow:
             f"Step {step} is out of range: this run recorded rows for tokens 0 to {n_rows - 1}."
         )
     grid = attention_grid(run, layer, head, max_cells=1 << 30)  # one cell per position and row: no pooling
-    prompt = [display_text(str(s)) for s in run.meta.get("prompt_token_strings") or []]
     query_position = grid.prompt_len - 1 + step
-    context = prompt + strings
+    joint = token_text.context(run.meta)
+    context = [joint.label(i) for i in range(len(joint.spans))]
     kv_head = head // (run.shape["heads"] // run.shape["kv_heads"])
     seen = [i for i, code in enumerate(grid.status[step].tolist()) if code != FUTURE]
     prov = slot_provenance(run, layer, kv_head, step)

@@ -28,7 +28,8 @@ from kvlens.figures.attention import (
     layer_cache,
     recorded_attention_layers,
 )
-from kvlens.figures.inspect_token import display_text, merged_into, slot_provenance, token_strings
+from kvlens.figures.inspect_token import merged_into, slot_provenance
+from kvlens.runs import token_text
 from kvlens.runs.run import Run
 
 CACHED = (KEPT, HOLDS_MERGE, SINK)  # the status codes of a position held in a slot
@@ -38,12 +39,13 @@ QUERY_OUTLINE = "2px solid #111111"
 
 @dataclass(frozen=True)
 class KeptText:
-    """Every token of a run at step `step`, N = prompt + new tokens: `texts` (N,) their text; `kept` (N,) how
-    many of the `pairs` recorded (layer, KV head) pairs hold each position; `attention` (N,) what each
-    received at this step: the chosen query head's (NaN where it is not cached) or, with no head chosen, the
-    mean over every recorded query head (0 where not cached, NaN where no head caches it). With a head:
-    `status` (N,) its status codes, `merged_into` {position: slots holding its merged values} and `holds`
-    {slot: {position: weight}} of its KV head; otherwise `status` is None and both are empty."""
+    """Every token of a run at step `step`, N = prompt + new tokens: `texts` (N,) their text (a token
+    holding part of a character: its group's, marked `(k/n)`), `flow` (N,) their shares of the running text;
+    `kept` (N,) how many of the `pairs` recorded (layer, KV head) pairs hold each position; `attention` (N,)
+    what each received at this step: the chosen query head's (NaN where it is not cached) or, with no head
+    chosen, the mean over every recorded query head (0 where not cached, NaN where no head caches it). With a
+    head: `status` (N,) its status codes, `merged_into` {position: slots holding its merged values} and
+    `holds` {slot: {position: weight}} of its KV head; otherwise `status` is None and both are empty."""
 
     policy: str
     step: int
@@ -53,6 +55,7 @@ class KeptText:
     kv_head: int | None
     prompt_len: int
     texts: list[str]
+    flow: list[str]
     kept: list[int]
     pairs: int
     attention: list[float]
@@ -89,8 +92,9 @@ def kept_text(run: Run, step: int, layer: int | None = None, head: int | None = 
     n_tokens = prompt_len + len(run.meta["tokens"])
     pad = n_tokens - n_pos  # the last generated token was never fed back: no step saw it
     kept = torch.isin(status[:, step], torch.tensor(CACHED, dtype=status.dtype)).sum((0, 1))  # (P,)
-    texts = [display_text(str(s)) for s in run.meta.get("prompt_token_strings") or []] + token_strings(run)
-    texts = (texts + [""] * n_tokens)[:n_tokens]
+    joint = token_text.context(run.meta)
+    texts = ([joint.label(i) for i in range(len(joint.spans))] + [""] * n_tokens)[:n_tokens]
+    flow = ([joint.flow(i) for i in range(len(joint.spans))] + [""] * n_tokens)[:n_tokens]
     common = dict(
         policy=run.meta["policy"]["name"],
         step=step,
@@ -99,6 +103,7 @@ def kept_text(run: Run, step: int, layer: int | None = None, head: int | None = 
         head=head,
         prompt_len=prompt_len,
         texts=texts,
+        flow=flow,
         kept=kept.tolist() + [0] * pad,
         pairs=len(layers) * hkv,
     )
@@ -192,7 +197,7 @@ def _token(view: KeptText, p: int) -> str:
         style += ["text-decoration:underline", "text-decoration-color:#777777", "text-underline-offset:4px"]
     return (
         f'<span style="{";".join(style)}" title="{html.escape(_tooltip(view, p))}">'
-        f"{html.escape(view.texts[p])}</span>"
+        f"{html.escape(view.flow[p])}</span>"
     )
 
 

@@ -69,6 +69,33 @@ def finish(fig: go.Figure, title: str, analysis: str, run: Run | None = None, **
         meta["run_command"] = run.meta.get("command")
         meta["model"] = run.meta["model"].get("spec")
     fig.update_layout(template="kvlens", title=dict(text=title), meta=meta)
+    return integer_ticks(fig)
+
+
+def integer_ticks(fig: go.Figure, span: int = 12) -> go.Figure:
+    """Ticks at whole numbers on every axis whose points are all whole numbers spanning at most `span` (plotly
+    would otherwise tick steps or positions at 0.5)."""
+    values: dict[str, list] = {}
+    for trace in fig.data:
+        if trace.type not in ("scatter", "bar"):
+            continue
+        for letter in ("x", "y"):
+            axis = (getattr(trace, f"{letter}axis", None) or letter).replace(letter, f"{letter}axis", 1)
+            points = getattr(trace, letter)
+            values.setdefault(axis, []).extend([] if points is None else list(points))
+    for axis, points in values.items():
+        numbers = [v for v in points if v is not None]
+        if (
+            numbers
+            and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer()
+                for v in numbers
+            )
+            and max(numbers) - min(numbers) <= span
+            and fig.layout[axis].type in (None, "-", "linear")
+            and fig.layout[axis].dtick is None
+        ):
+            fig.layout[axis].dtick = 1
     return fig
 
 

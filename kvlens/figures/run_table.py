@@ -1,8 +1,9 @@
 """The runs table: one row per run directory, read from its run.json alone (no tensors are loaded).
 
-`run_table([(path, source), ...])` gives a DataFrame (policy, parameters, budget, KV storage, model, tokens,
-perplexity, KL, perturbation, peak KV, saved date, path) and the sentences of the folders it could
-not read; `filter_table(frame, text, policies)` narrows it. In a notebook:
+`run_table([(path, source), ...])` gives a DataFrame (the prompt's first words, its text group, policy,
+parameters, budget, KV storage, model, tokens, perplexity, KL, perturbation, peak KV, saved date, path) and
+the sentences of the folders it could not read; `filter_table(frame, text, policies)` narrows it. In a
+notebook:
 
     frame, skipped = run_table([(p, "shipped") for p in Path("cached_runs").iterdir()])
 """
@@ -23,6 +24,8 @@ from kvlens.runs.run import RUN_JSON, read_meta
 COLUMNS = [
     "name",
     "source",
+    "prompt",
+    "text",
     "policy",
     "params",
     "budget",
@@ -42,6 +45,7 @@ COLUMNS = [
 SEARCHED = [
     "name",
     "source",
+    "prompt",
     "policy",
     "params",
     "budget",
@@ -60,6 +64,14 @@ def _budget(meta: dict) -> str:
     return f"{slots} slots" + (f" ({requested:g} of the prompt)" if isinstance(requested, float) else "")
 
 
+PROMPT_WORDS = 6
+
+
+def _first_words(prompt: str) -> str:
+    words = prompt.split()
+    return " ".join(words[:PROMPT_WORDS]) + (" …" if len(words) > PROMPT_WORDS else "")
+
+
 def run_row(path: str | Path, source: str) -> dict:
     """The table row of one run directory (a KvlensError if its run.json is not a valid manifest)."""
     path = Path(path)
@@ -72,6 +84,8 @@ def run_row(path: str | Path, source: str) -> dict:
     return {
         "name": path.name,
         "source": source,
+        "prompt": _first_words(str(meta.get("prompt", ""))),
+        "text": tuple(meta["prompt_tokens"]),  # replaced by its group's letter in `run_table`
         "policy": name,
         "params": ", ".join(f"{k}={v}" for k, v in params.items()),
         "budget": _budget(meta),
@@ -98,9 +112,17 @@ def run_table(entries: Iterable[tuple[str | Path, str]]) -> tuple[pd.DataFrame, 
             rows.append(run_row(path, source))
         except (KvlensError, OSError) as err:
             skipped.append(str(err))
+    groups: dict[tuple, str] = {}
+    for row in rows:  # runs on the same prompt tokens share a letter: their metrics compare
+        row["text"] = groups.setdefault(row["text"], _letter(len(groups)))
     return pd.DataFrame(rows, columns=COLUMNS).astype(
         {"ppl": float, "KL": float, "perturbation": float, "peak KV (MiB)": float}
     ), skipped
+
+
+def _letter(i: int) -> str:
+    """A, B, ..., Z, AA, AB, ..."""
+    return ("" if i < 26 else _letter(i // 26 - 1)) + chr(ord("A") + i % 26)
 
 
 def filter_table(frame: pd.DataFrame, text: str = "", policies: Iterable[str] = ()) -> pd.DataFrame:

@@ -5,6 +5,8 @@ same way."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import plotly.graph_objects as go
 
@@ -16,7 +18,7 @@ def _title(result: dict) -> str:
     where = (
         f"{case['task']} sample {case['index']}, r = {case['ratio']}"
         if case["source"] == "sample"
-        else f"run {case['run']}, budget {result['budget']}"
+        else f"run {Path(case['run']).name}, budget {result['budget']}"
     )
     return f"{case['policy']} on {where}"
 
@@ -150,6 +152,14 @@ def minimal_strips(result: dict, gap: int = 3) -> go.Figure:
             showscale=False,
             customdata=image(restored).tolist(),
             name="minimal set",
+            meta={
+                "value": "the block's code",
+                "codes": {
+                    0: "kept by the policy",
+                    1: "removed by the policy",
+                    2: "restored by the minimal set",
+                },
+            },
             hovertemplate="%{y}: %{customdata:.0%} of the block restored<extra></extra>",
         )
     )

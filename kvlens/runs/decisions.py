@@ -193,3 +193,30 @@ def decisions_frame(columns: dict[str, np.ndarray] | None = None) -> pd.DataFram
             "draw": "int8",
         }
     )
+
+
+@dataclass(frozen=True)
+class Counts:
+    """How many positions left a run's cache, every layer, KV head and step together: `evicted` with nothing
+    kept of them (evictions, and merges whose Bernoulli draw was 0: they moved nothing), `merged` with their
+    values folded into kept slots; `drew_zero` the merges counted in `evicted`."""
+
+    evicted: int
+    merged: int
+    drew_zero: int
+
+
+def outcome(d: pd.DataFrame) -> pd.Series:
+    """Each decision row's outcome for its position: "merged" (values folded into kept slots) or "evicted"
+    (nothing kept: an eviction, or a merge whose Bernoulli draw was 0)."""
+    merged = (d["action"] == "merge") & (d["draw"] != 0)
+    return pd.Series(np.where(merged, "merged", "evicted"), index=d.index)
+
+
+def counts(d: pd.DataFrame | None) -> Counts:
+    """The eviction and merge counts of a decision log, as every page and the report state them."""
+    if d is None or not len(d):
+        return Counts(0, 0, 0)
+    left = outcome(d)
+    zero = int(((d["action"] == "merge") & (d["draw"] == 0)).sum())
+    return Counts(int((left == "evicted").sum()), int((left == "merged").sum()), zero)

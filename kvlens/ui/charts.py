@@ -19,6 +19,7 @@ import streamlit as st
 import kvlens.figures.plots  # noqa: F401  (registers the "kvlens" plotly template used below)
 from kvlens.errors import KvlensError
 from kvlens.figures import export
+from kvlens.figures.plots import integer_ticks
 from kvlens.ui import session
 
 MIME = {
@@ -55,6 +56,7 @@ def chart(
         fig.update_layout(template="kvlens")
     if height:
         fig.update_layout(height=height)
+    integer_ticks(fig)
     event = st.plotly_chart(
         fig,
         key=f"{key}_chart",
@@ -111,6 +113,5 @@ def _image(fig: go.Figure, fmt: str) -> bytes:
 
 
 def _csv(fig: go.Figure, data: pd.DataFrame | None) -> str:
-    columns = ["trace", "x", "y", "z", "error"]
-    frame = data if data is not None else pd.DataFrame(export.figure_rows(fig), columns=columns)
+    frame = data if data is not None else pd.DataFrame(export.figure_rows(fig), columns=export.COLUMNS)
     return frame.to_csv(index=False)

@@ -3,8 +3,6 @@ charts."""
 
 from __future__ import annotations
 
-import html
-
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
@@ -12,24 +10,25 @@ from plotly.subplots import make_subplots
 
 from kvlens.experiments.compare import Result, ResultCache, table
 from kvlens.figures.plots import line_style
+from kvlens.runs.token_text import TokenText
 from kvlens.ui.charts import chart
 from kvlens.ui.inspector import inspect_pair
 from kvlens.ui.page import report_button
-from kvlens.ui.views import diverging_text
+from kvlens.ui.views import diverging_text, escaped
 
 # `kvlens compare --json` row keys -> the page's column names and number formats
 COLUMNS = {
-    "policy": ("policy", None),
-    "first_divergence": ("diverges at token", None),
-    "top1_agreement": ("top-1 agrees with full", "percent"),
-    "ppl": ("ppl on full's text", "%.3f"),
-    "kl": ("KL to full (mean)", "%.4f"),
-    "perturbation": ("perturbation (mean)", "%.3f"),
-    "attention_loss": ("attention loss", "%.3f"),
-    "kv_slots_max": ("max slots", None),
-    "kv_bytes_peak": ("peak KV bytes", "localized"),
-    "ms_per_token": ("ms / token (measured pass)", "%.0f"),
-    "generated_steps": ("tokens generated (own text)", None),
+    "policy": ("policy", None, "The policy and its budget"),
+    "first_divergence": ("diverges at", None, "The first new token where its choice differs from full's"),
+    "top1_agreement": ("top-1 agrees", "percent", "Share of steps where its choice is full's token"),
+    "ppl": ("ppl", "%.3f", "Perplexity on the full cache's text"),
+    "kl": ("KL", "%.4f", "Mean KL(p_full || p_policy) per step"),
+    "perturbation": ("perturbation", "%.3f", "Mean output perturbation of the cache it used"),
+    "attention_loss": ("attn. loss", "%.3f", "Mean attention mass on what it no longer holds"),
+    "kv_slots_max": ("max slots", None, "Most slots one KV head held"),
+    "kv_bytes_peak": ("peak KV bytes", "localized", "Allocated KV bytes at the peak"),
+    "ms_per_token": ("ms/token", "%.0f", "Wall time per step of the measured pass, measuring included"),
+    "generated_steps": ("own tokens", None, "Tokens its own text generated after leaving the measured pass"),
 }
 
 
@@ -42,28 +41,37 @@ def result_cache() -> ResultCache:
 
 def show_table(results: list[Result]) -> None:
     """The rows of `kvlens.experiments.compare.table`, with the page's column names."""
-    frame = pd.DataFrame(table(results))[list(COLUMNS)].rename(columns={k: v[0] for k, v in COLUMNS.items()})
-    config = {name: st.column_config.NumberColumn(format=fmt) for name, fmt in COLUMNS.values() if fmt}
+    frame = pd.DataFrame(table(results))[list(COLUMNS)]
+    for k in ("kl", "perturbation", "attention_loss"):  # non-negative: a float's -1e-9 is 0, not "-0.000"
+        frame[k] = frame[k].clip(lower=0.0)
+    frame = frame.rename(columns={k: v[0] for k, v in COLUMNS.items()})
+    config = {
+        name: st.column_config.NumberColumn(format=fmt, help=text)
+        if fmt
+        else st.column_config.Column(help=text)
+        for name, fmt, text in COLUMNS.values()
+    }
     st.dataframe(frame, hide_index=True, width="stretch", column_config=config)
 
 
 def show_text(
     label: str,
-    pieces: list[str],
+    text: TokenText,
     first_diff: int | None,
-    reference: list[str] | None = None,
+    reference: TokenText | None = None,
     agree: int | None = None,
 ) -> None:
     """The reference's own text (`reference` None), or a policy's greedy choice at each step of the
-    reference's text (its pieces), everything from its first divergence highlighted; `agree`: steps where the
-    two agree."""
+    reference's text (decoded jointly), everything from its first divergence highlighted; `agree`: steps where
+    the two agree."""
     st.markdown(f"**{label}**")
-    diverging_text(pieces, first_diff, reference=reference is None)
-    if first_diff is not None and reference is not None and first_diff < len(reference):
+    diverging_text(text, first_diff, reference=reference is None)
+    if first_diff is not None and reference is not None and first_diff < len(reference.spans):
         st.caption(
-            f"It writes {pieces[first_diff]!r} where the full cache writes {reference[first_diff]!r}. "
-            "Highlighted: its choice at each later step of the full cache's text, on which it is scored"
-            + (f"; it agrees at {agree} of {len(pieces)} steps." if agree is not None else ".")
+            f"It writes {text.label(first_diff)!r} where the full cache writes "
+            f"{reference.label(first_diff)!r}. Highlighted: its choice at each later step of the full "
+            "cache's text, on which it is scored"
+            + (f"; it agrees at {agree} of {len(text.spans)} steps." if agree is not None else ".")
         )
 
 
@@ -72,12 +80,14 @@ def show_own_text(r: Result, reference: Result) -> None:
     and the full cache's text from that token, highlighted too: the divergence marked in both."""
     st.markdown(f"**{r.entry.label}**")
     if r is reference:
-        diverging_text(r.own_pieces, None, reference=True)
+        diverging_text(r.written, None, reference=True)
         return
-    diverging_text(r.own_pieces, r.own_diff)
+    diverging_text(r.written, r.own_diff)
     if r.own_diff is not None:
-        same = html.escape("".join(reference.own_pieces[max(0, r.own_diff - 6) : r.own_diff]))
-        rest = html.escape("".join(reference.own_pieces[r.own_diff :]))
+        full = reference.written
+        start = full.spans[r.own_diff][0] if r.own_diff < len(full.spans) else len(full.text)
+        same = escaped(full.text[:start][-40:])
+        rest = escaped(full.after(r.own_diff))
         st.markdown(
             f"<div style='white-space:pre-wrap;font-size:0.85em;color:#555'>full cache: …{same}<span "
             f"style='background:#cfe3f7' title='the full cache from the same token'>{rest}</span></div>",
@@ -87,7 +97,7 @@ def show_own_text(r: Result, reference: Result) -> None:
 
 def show_results(results: list[Result]) -> None:
     """The texts side by side, the table and the aligned charts of a finished comparison."""
-    reference = results[0].pieces
+    reference = results[0].text
     report_button(
         [r.run for r in results], "cmp_report", st.columns([7, 1])[1]
     )  # the measured passes' report
@@ -109,7 +119,7 @@ def show_results(results: list[Result]) -> None:
         with col, st.container(border=True):
             show_text(
                 r.entry.label,
-                r.pieces,
+                r.text,
                 r.first_diff,
                 None if r is results[0] else reference,
                 round(r.agreement * len(r.picks)),
@@ -122,7 +132,7 @@ def show_results(results: list[Result]) -> None:
         name="compare",
         config={
             "prompt": results[0].run.meta["prompt"],
-            "new_tokens": len(reference),
+            "new_tokens": len(reference.spans),
             "policies": [
                 {
                     "policy": r.entry.policy,
@@ -146,8 +156,8 @@ def show_pair(results: list[Result]) -> None:
     b = c2.selectbox("Right", labels, index=2 if len(labels) > 2 else 0, key="cmp_pair_b")
     step = c3.select_slider(
         "Token of the full cache's text",
-        list(range(len(results[0].pieces))),
-        format_func=lambda i: f"{i}: {results[0].pieces[i]!r}",
+        list(range(len(results[0].text.spans))),
+        format_func=lambda i: f"{i}: {results[0].text.label(i)!r}",
         key="cmp_pair_step",
     )
     runs = {r.entry.label: r.run for r in results}
@@ -189,8 +199,9 @@ def compare_figure(results: list[Result]) -> go.Figure:
         fig.update_xaxes(title_text="new token", row=1, col=col)
     fig.update_yaxes(rangemode="tozero", row=1, col=3)
     fig.update_layout(
-        height=380,
-        legend=dict(orientation="h", y=-0.25),
+        height=410,
+        margin=dict(b=110),
+        legend=dict(orientation="h", yref="container", y=0.02, yanchor="bottom"),
         title=dict(text="Policies side by side"),
         meta={"analysis": "compare", "policies": [r.entry.label for r in results]},
     )

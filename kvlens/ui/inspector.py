@@ -13,7 +13,15 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from kvlens.figures.attention import HOLDS_MERGE, KEPT, SINK, STATUS, recorded_attention_layers, status_scale
+from kvlens.figures.attention import (
+    HOLDS_MERGE,
+    KEPT,
+    SINK,
+    STATUS,
+    STATUS_META,
+    recorded_attention_layers,
+    status_scale,
+)
 from kvlens.figures.inspect_token import TokenRow, has_rows, inspect_token, token_strings
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
@@ -160,7 +168,8 @@ def summary(row: TokenRow) -> str:
     return (
         f"Token {row.step} «{_md(label(row.token))}» came from the query of «{_md(label(row.query))}» "
         f"(position {row.query_position}), which attended to "
-        f"{row.in_cache} cache slots of the {len(row.positions)} positions seen so far ({parts})."
+        f"{row.in_cache} cache slots of the {len(row.positions)} positions seen so far in layer {row.layer}, "
+        f"KV head {row.kv_head} ({parts})."
     )
 
 
@@ -226,6 +235,7 @@ def token_row_figure(row: TokenRow, policy: str, height: int = 460) -> go.Figure
             zmax=len(codes) - 0.5,
             colorscale=scale,
             showscale=False,
+            meta=STATUS_META,
             hovertext=[hover],
             hoverinfo="text",
             name="status",

@@ -59,12 +59,15 @@ def leaderboard(path: Path, settings: dict, raw: dict) -> None:
         format_func=lambda t: "average over tasks" if t == "all" else t,
     )
     lengths = sorted({s["length"] for s in summary if s["task"] == task}, key=str)
-    length = middle.selectbox(
-        "Context length",
-        lengths,
-        key="tasks_length",
-        format_func=lambda n: "all lengths" if n == "all" else f"{n} tokens",
-    )
+    if any(n not in (None, "all") for n in lengths):
+        length = middle.selectbox(
+            "Context length",
+            lengths,
+            key="tasks_length",
+            format_func=lambda n: "all lengths" if n == "all" else f"{n} tokens",
+        )
+    else:  # a file that records no context lengths: nothing to pick
+        length = "all" if "all" in lengths else lengths[0]
     names = list(dict.fromkeys(s["policy"] for s in summary))
     chosen = right.multiselect("Policies", names, default=names, key="tasks_policies")
     shown = [s for s in summary if s["policy"] in chosen]

@@ -8,6 +8,7 @@ the page draws while the run goes on.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import plotly.graph_objects as go
@@ -18,6 +19,7 @@ from kvlens.errors import KvlensError
 from kvlens.experiments.api import generate, perplexity
 from kvlens.kvcache.quantize import Storage
 from kvlens.lists import parse_list
+from kvlens.runs.token_text import decode
 
 
 @dataclass
@@ -145,23 +147,31 @@ class Live:
     steps: list[int] = field(default_factory=list)
     nll: list[float] = field(default_factory=list)
     slots: list[float] = field(default_factory=list)
-    text: str = ""
+    tokens: list[int] = field(default_factory=list)
     attention: dict | None = None
     perturbation: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # measured runs only
     quantized: bool = False  # quantized storage: the meter's `perturbation_stored` is drawn too
+    names: Callable[[list[int]], list[str]] | None = (
+        None  # the tokenizer's `convert_ids_to_tokens`, once loaded
+    )
 
     def add(self, events: list[StepEvent]) -> None:
         for e in events:
             self.steps.append(e.step)
             self.nll.append(e.nll)
             self.slots.append(max(e.kv_slots))
-            self.text += e.text
+            self.tokens.append(e.token)
             self.attention = e.attention or self.attention
             for name in ("perturbation_used", "perturbation_evict") + (
                 "perturbation_stored",
             ) * self.quantized:
                 if name in e.extra:
                     self.perturbation.setdefault(name, []).append((e.step, e.extra[name]))
+
+    @property
+    def text(self) -> str:
+        """The text so far, its tokens decoded jointly (empty until `names` is set)."""
+        return "" if self.names is None else decode(self.names(self.tokens)).text
 
     def seconds(self) -> float:
         return time.perf_counter() - self.t0

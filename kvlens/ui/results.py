@@ -23,6 +23,16 @@ from kvlens.ui.charts import chart
 from kvlens.ui.state import ROOT
 
 MAX_BYTES = 32 << 20
+# The results that results/ ships and the docs cite, in the order the page offers them (before any other file)
+PUBLISHED = (
+    "bench_tasks",
+    "bench_tasks_query_aware",
+    "bench_frontier",
+    "bench_speed",
+    "bench_needle",
+    "bench_ppl",
+    "sweep_cam_perturbation",
+)
 
 
 def results_dir() -> Path:
@@ -53,8 +63,12 @@ def read_results(path: str, mtime: float) -> tuple[dict, pd.DataFrame, dict] | s
 
 
 def result_files(kind: str) -> list[Path]:
+    """`results/{kind}_*.json`: the published files first (`PUBLISHED`'s order), then the others by name."""
     folder = results_dir()
-    return sorted(folder.glob(f"{kind}_*.json"), key=lambda p: -p.stat().st_mtime) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    rank = {name: i for i, name in enumerate(PUBLISHED)}
+    return sorted(folder.glob(f"{kind}_*.json"), key=lambda p: (rank.get(p.stem, len(rank)), p.name))
 
 
 def of_benchmark(path: Path, names: tuple[str, ...]) -> bool:
@@ -81,14 +95,14 @@ def pick_results(
     param: str | None = None,
     make: str = "",
 ):
-    """A select box over `results/{kind}_*.json` (newest first, files holding the `want` columns before the
-    others; `only`/`without`: the files of these benchmarks only, or all but theirs; the file's name kept in
-    the URL as `?{param or kind}=`); returns (path, settings, frame, whole object) or None (after saying why,
-    with `make`, the command that writes such a file, if given)."""
+    """A select box over `results/{kind}_*.json` (`result_files`' order, files holding the `want` columns
+    before the others; `only`/`without`: the files of these benchmarks only, or all but theirs; the file's
+    name kept in the URL as `?{param or kind}=`); returns (path, settings, frame, whole object) or None (after
+    saying why, with `make`, the command that writes such a file, if given)."""
     files = [
         p for p in result_files(kind) if (not only or of_benchmark(p, only)) and not of_benchmark(p, without)
     ]
-    files.sort(key=lambda p: not _usable(p, want))  # stable: keeps newest first within each group
+    files.sort(key=lambda p: not _usable(p, want))  # stable: keeps the published first within each group
     if not files:
         pattern = " or ".join(f"`{n}*.json`" for n in only) if only else f"`{kind}_*.json`"
         st.info(
@@ -104,7 +118,7 @@ def pick_results(
         return None
     param = param or kind
     path = url_state.bound(
-        lambda **kw: st.selectbox(f"Saved {label}", files, format_func=lambda p: p.name, **kw),
+        lambda **kw: st.selectbox(f"Saved {label}", files, format_func=_file_name, **kw),
         param,
         f"{prefix}_{kind}_file",
         files,
@@ -118,6 +132,10 @@ def pick_results(
         return None
     cells_status(path, got[0])
     return path, *got
+
+
+def _file_name(path: Path) -> str:
+    return f"{path.name} (published)" if path.stem in PUBLISHED else path.name
 
 
 def cells_status(path: Path, settings: dict) -> None:

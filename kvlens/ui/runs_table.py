@@ -28,6 +28,8 @@ IMPORTED = "runs_imported"  # uploaded file id -> the sentence its import gave (
 
 ORDER = [
     "name",
+    "text",
+    "prompt",
     "source",
     "policy",
     "params",
@@ -46,6 +48,13 @@ ORDER = [
 ]  # what tells runs apart first
 COLUMN_CONFIG = {
     "name": st.column_config.TextColumn("name", width="medium", pinned=True),
+    "text": st.column_config.TextColumn(
+        "text",
+        width=40,
+        help="Runs with the same letter ran on the same prompt tokens; ppl, KL and perturbation compare only "
+        "within one letter",
+    ),
+    "prompt": st.column_config.TextColumn("prompt", width="medium", help="The prompt's first words"),
     "source": st.column_config.TextColumn(
         "source", width="small", help="shipped: cached_runs/; yours: runs/"
     ),

@@ -8,7 +8,9 @@ import streamlit as st
 
 from kvlens.figures.plots import storage_label
 from kvlens.policies import changed_params
+from kvlens.runs.decisions import counts
 from kvlens.runs.run import Run
+from kvlens.runs.token_text import TokenText
 
 
 def _budget(run: Run) -> str:
@@ -63,33 +65,56 @@ def metric_row(run: Run) -> None:
     kl = m.get("kl")
     cols[4].metric(
         "KL to full",
-        f"{kl:.4f}" if kl is not None else "not measured",
+        f"{max(kl, 0.0):.4f}" if kl is not None else "not measured",  # KL >= 0: no "-0.0000"
         help="Mean KL(p_full || p_policy) per step; measured runs only (--measure)",
     )
 
 
+def decision_counts(run: Run) -> str:
+    """The sentence every page uses for a run's evictions and merges (`kvlens.runs.decisions.counts`)."""
+    c = counts(run.decisions)
+    zero = (
+        f" ({c.drew_zero:,} of them merges whose Bernoulli draw was 0, which moved nothing)"
+        if c.drew_zero
+        else ""
+    )
+    return (
+        f"In all layers, KV heads and steps: {c.evicted:,} positions evicted{zero} and {c.merged:,} merged "
+        "into kept slots."
+    )
+
+
+def escaped(text: str) -> str:
+    """`text` for HTML inside `st.markdown`: escaped, its newlines as `&#10;` (a blank line would end the HTML
+    block for the markdown parser)."""
+    return html.escape(text).replace("\n", "&#10;")
+
+
 def token_text(run: Run) -> None:
     """Prompt in grey, generated (or scored) text in black."""
-    prompt = html.escape(run.meta.get("prompt", ""))
-    text = html.escape(run.meta.get("text", ""))
+    prompt = escaped(run.meta.get("prompt", ""))
+    text = escaped(run.meta.get("text", ""))
     st.markdown(
         f"<div style='white-space:pre-wrap;line-height:1.5'><span style='color:#888'>{prompt}</span>"
-        f"<span style='background:#e8f0fe'>{text}</span></div>",
+        f"<span class='kvlens-generated' style='background:#e8f0fe'>{text}</span></div>",
         unsafe_allow_html=True,
     )
 
 
-def diverging_text(text_tokens: list[str], first_diff: int | None, reference: bool = False) -> None:
-    """Generated text with everything from the first token that differs from the full cache highlighted."""
+def diverging_text(text: TokenText, first_diff: int | None, reference: bool = False) -> None:
+    """Generated text with everything from the first token that differs from the full cache highlighted
+    (from the start of its character, when that token holds part of one)."""
     if first_diff is None:
-        body = html.escape("".join(text_tokens))
-        st.markdown(f"<div style='white-space:pre-wrap'>{body}</div>", unsafe_allow_html=True)
+        body = escaped(text.text)
+        st.markdown(
+            f"<div class='kvlens-text' style='white-space:pre-wrap'>{body}</div>", unsafe_allow_html=True
+        )
         st.caption("The reference." if reference else "Same as the full cache.")
         return
-    same = html.escape("".join(text_tokens[:first_diff]))
-    diff = html.escape("".join(text_tokens[first_diff:]))
+    same = escaped(text.before(first_diff))
+    diff = escaped(text.after(first_diff))
     st.markdown(
-        f"<div style='white-space:pre-wrap'>{same}<span style='background:#ffd8a8' "
+        f"<div class='kvlens-text' style='white-space:pre-wrap'>{same}<span style='background:#ffd8a8' "
         f"title='differs from the full cache from here'>{diff}</span></div>",
         unsafe_allow_html=True,
     )

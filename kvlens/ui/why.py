@@ -8,6 +8,7 @@ import json
 import streamlit as st
 
 from kvlens.experiments.bench.ruler import IMPLIED, SUITE
+from kvlens.runs.run import Run
 from kvlens.ui.results import results_dir
 from kvlens.ui.state import get_model, open_run
 
@@ -21,6 +22,16 @@ def suite() -> tuple[tuple[str, object], ...]:
     except (OSError, ValueError, KeyError, TypeError):
         return tuple(SUITE.items())
     return tuple((k, config.get(k, IMPLIED.get(k, v))) for k, v in SUITE.items())
+
+
+def patch_count(run: Run, by: list[str], span: int, minimal: bool) -> int:
+    """About how many patched caches `explain` scores for `run` with these groups (a cache per group, the
+    smallest set's head groups when asked; its search adds a few), before computing any: the Why page's
+    estimate."""
+    layers, heads, tokens = run.shape["layers"], run.shape["kv_heads"], len(run.meta["prompt_tokens"])
+    sizes = {"layer": layers, "head": layers * heads, "span": -(-tokens // span), "kind": 2, "sinks": 1}
+    kinds = list(by) + (["head"] if minimal and "head" not in by else [])
+    return sum(sizes.get(kind, 0) for kind in kinds)
 
 
 @st.cache_data(max_entries=16, show_spinner=False)

@@ -94,7 +94,12 @@ def policy_picker(prefix: str, default: str = "h2o", label: str = "Policy", budg
     name = st.selectbox(
         label,
         names,
-        index=names.index(default) if default in names else 0,
+        # a policy the link already put in the session: no default beside it
+        **(
+            {}
+            if f"{prefix}_policy" in st.session_state
+            else {"index": names.index(default) if default in names else 0}
+        ),
         key=f"{prefix}_policy",
         help="\n\n".join(f"**{n}**: {REGISTRY[n].description}" for n in names),
     )
@@ -102,10 +107,12 @@ def policy_picker(prefix: str, default: str = "h2o", label: str = "Policy", budg
     budget, budget_slot = None, st
     try:
         if not cls.budget_free:
+            key = f"{prefix}_{name}_budget"
             text = st.text_input(
                 "Budget",
-                value=budget_default,
-                key=f"{prefix}_{name}_budget",
+                # a budget the link (`url_state.bind_policy`) already put in the session: no default beside it
+                **({} if key in st.session_state else {"value": budget_default}),
+                key=key,
                 help="Slots per KV head per layer (e.g. 64) or a share of the prompt (e.g. 0.5).",
             )
             budget_slot = st.empty()

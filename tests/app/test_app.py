@@ -66,6 +66,30 @@ def test_overview_lists_shipped_runs_and_defaults_to_a_measured_merging_run(app)
     assert max(kept["y"]) <= run.meta["budget"]["slots"]
 
 
+@pytest.mark.parametrize("name", sorted(p.parent.name for p in CACHED_RUNS.glob("*/run.json")))
+def test_overview_merges_and_attention_state_the_same_eviction_and_merge_counts(app, name):
+    """One truth per run: the sentence of `kvlens.ui.views.decision_counts` on every page, counting a merge
+    whose Bernoulli draw was 0 (it moved nothing) as an eviction."""
+    d = load_run(CACHED_RUNS / name).decisions
+    evicted = 0 if d is None else int(((d["action"] == "evict") | (d["draw"] == 0)).sum())
+    merged = 0 if d is None else int(((d["action"] == "merge") & (d["draw"] != 0)).sum())
+    want = f"{evicted:,} positions evicted"
+    said = {}
+    for page in ("overview", "merges", "attention"):
+        at = open_page(app, page, name)
+        assert not at.exception
+        said[page] = [
+            t.value for t in [*at.caption, *at.markdown] if "In all layers, KV heads and steps" in t.value
+        ]
+    assert (
+        len(said["overview"]) == 1
+        and want in said["overview"][0]
+        and f"{merged:,} merged" in said["overview"][0]
+    )
+    assert said["merges"] in ([], said["overview"])  # a run without decisions: Merges offers other runs
+    assert all(s.startswith(said["overview"][0]) for s in said["attention"])
+
+
 def test_attention_map_marks_evictions_and_stays_small(app):
     at = open_page(app, "attention", "streaming_llm-attention")
     run = load_run(CACHED_RUNS / "streaming_llm-attention")
@@ -101,6 +125,8 @@ def test_similarity_shows_three_lower_triangular_maps(app):
     for m in maps:
         assert len(m["z"]) == n and len(m["z"][0]) == n
         assert m["z"][0][1] is None and abs(m["z"][5][5] - 1) < 1e-3  # upper triangle blank, diagonal 1
+    lowest = min(v for m in maps for row in m["z"] for v in row if v is not None)
+    assert all(m["zmin"] == pytest.approx(lowest) and m["zmax"] == 1 for m in maps)  # one colour range
     adjacency = charts(at)[3]
     assert any(t.get("name") == "keys" and len(t["x"]) == 6 for t in adjacency["data"])
 
@@ -111,6 +137,10 @@ def test_spectra_has_one_line_per_recorded_layer_for_keys_and_values(app):
     lines = [t for t in traces(charts(at)[0], "scatter") if t.get("name", "").startswith("layer")]
     assert len(lines) == 2 * 6 and all(len(t["y"]) == 32 for t in lines)
     assert all(abs(t["y"][0] - 1) < 1e-6 for t in lines)  # normalised by the largest
+    colours = {t["name"]: t["line"]["color"] for t in lines}
+    assert len(set(colours.values())) == 6  # six layers: a discrete colour each, named in the legend
+    assert [t["name"] for t in lines if t.get("showlegend") is not False] == list(colours)
+    assert not any(t.get("marker", {}).get("showscale") for t in traces(charts(at)[0], "scatter"))
 
 
 def test_spectra_draws_what_low_rank_storage_buys_at_the_chosen_error(app):
@@ -202,7 +232,7 @@ def test_benchmarks_reads_a_saved_sweep(app, tmp_path):
         for b in (32, 64, 128)
     ]
     (results / "sweep_broken.json").write_text("{not json")
-    os.utime(results / "sweep_broken.json", (1, 1))  # older: the newest sweep is shown first
+    os.utime(results / "sweep_broken.json", (1, 1))  # newer or not, a file that reads is offered first
     (results / "sweep_demo.json").write_text(json.dumps({"text": "demo", "rows": rows}))
     at = open_page(app, "benchmarks")
     ppl = charts(at)[0]
@@ -475,7 +505,7 @@ def test_benchmarks_opens_on_the_leaderboard_then_the_frontier_then_speed(app, t
         "bench_frontier",
         "bench_needle",
         "bench_tasks",
-    ):  # the last written is the newest
+    ):  # the last written is the newest, which changes nothing
         (results / f"{name}.json").write_text(
             json.dumps({"config": {}, "rows": [], "command": f"kvlens {name}"})
         )
@@ -489,9 +519,40 @@ def test_benchmarks_opens_on_the_leaderboard_then_the_frontier_then_speed(app, t
     assert at.selectbox(key="bench_tasks_bench_file").value == results / "bench_tasks.json"
     assert at.selectbox(key="bench_speed_bench_file").value == results / "bench_speed.json"
     assert at.selectbox(key="bench_bench_file").options == [
-        "bench_needle.json"
+        "bench_needle.json (published)"
     ]  # the others, in their own tab
     assert "Made by `kvlens bench_speed`." in [c.value for c in at.caption]
+
+
+def test_benchmarks_opens_on_the_published_files_whatever_is_newer(app, tmp_path):
+    """Newer quick files beside the shipped ones are listed after them, by name; the speed file is drawn,
+    the worst policy of each measure named; a task file without context lengths has no length picker."""
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("bench_tasks", "bench_tasks_query_aware", "bench_frontier", "bench_speed"):
+        (results / f"{name}.json").symlink_to(ROOT / "results" / f"{name}.json")
+    shipped = json.loads((ROOT / "results" / "bench_tasks.json").read_text(encoding="utf-8"))
+    quick = [{**r, "length": None} for r in shipped["rows"][:2]]  # a held-out run: no context lengths
+    (results / "bench_tasks_quick.json").write_text(json.dumps({"config": {}, "rows": quick}))
+    (results / "bench_speed_quick.json").write_text(json.dumps({"config": {}, "rows": []}))
+    (results / "bench_frontier_heldout.json").write_text(json.dumps({"config": {}, "rows": []}))
+    at = open_page(app, "benchmarks")
+    assert not at.exception
+    assert at.selectbox(key="bench_tasks_bench_file").options == [
+        "bench_tasks.json (published)",
+        "bench_tasks_query_aware.json (published)",
+        "bench_tasks_quick.json",
+    ]
+    for key, name in (("tasks", "bench_tasks"), ("frontier", "bench_frontier"), ("speed", "bench_speed")):
+        assert at.selectbox(key=f"bench_{key}_bench_file").value == results / f"{name}.json"
+    speed = next(c for c in charts(at) if c["layout"].get("meta", {}).get("benchmark") == "speed")
+    assert {t["name"] for t in speed["data"]} == {"256 tokens", "1024 tokens", "2048 tokens"}
+    worst = next(d.value for d in at.dataframe if "worst policy" in d.value.columns)
+    decode = worst[worst["measure"].str.startswith("decode")]
+    assert len(decode) == 3 and set(decode["worst policy"]) <= set(shipped["config"]["policies"])
+    assert len(at.json) == sum(len(e.json) for e in at.expander)  # raw JSON only behind expanders
+    at.selectbox(key="bench_tasks_bench_file").set_value(results / "bench_tasks_quick.json").run()
+    assert not at.exception and not [s for s in at.selectbox if s.label == "Context length"]
 
 
 def test_a_measured_sweep_shows_no_speed_and_says_why(app, tmp_path):
@@ -705,16 +766,14 @@ def test_compare_page_shows_the_table_kvlens_compare_computes(app, smol):
     want = table(compare(smol, prompt, [Entry("streaming_llm", {}, 0.5), Entry("h2o", {}, 0.5)], 4))
     assert list(shown["policy"]) == [r["policy"] for r in want] == ["full", "streaming_llm @0.5", "h2o @0.5"]
     for column, key in (
-        ("ppl on full's text", "ppl"),
-        ("KL to full (mean)", "kl"),
+        ("ppl", "ppl"),
+        ("KL", "kl"),
         ("peak KV bytes", "kv_bytes_peak"),
-        ("perturbation (mean)", "perturbation"),
+        ("perturbation", "perturbation"),
     ):
         assert list(shown[column]) == pytest.approx([r[key] for r in want], rel=1e-4, abs=1e-7), column
-    assert [None if d != d else d for d in shown["diverges at token"]] == [
-        r["first_divergence"] for r in want
-    ]
-    generated = list(shown["tokens generated (own text)"])
+    assert [None if d != d else d for d in shown["diverges at"]] == [r["first_divergence"] for r in want]
+    generated = list(shown["own tokens"])
     assert generated == [r["generated_steps"] for r in want] and all(1 <= g <= 4 for g in generated)
     drawn = charts(at)
     assert sum(len(c["data"]) == 3 * 3 for c in drawn) == 1  # three aligned panels, one line per run
@@ -1036,7 +1095,7 @@ def test_the_perturbation_pages_saved_sweep_is_in_the_link(link, tmp_path):
     ]
     for name in ("sweep_old.json", "sweep_new.json"):
         (results / name).write_text(json.dumps({"rows": rows}))
-    os.utime(results / "sweep_old.json", (1, 1))  # the newest, shown first, is sweep_new
+    os.utime(results / "sweep_old.json", (1, 1))  # by name, sweep_new is shown first
     at = link("perturbation", run="cam-attention", sweep="sweep_old.json")
     assert not at.warning and at.selectbox(key="pert_sweep_file").value == results / "sweep_old.json"
     assert "sweep_old.json" in charts(at)[-1]["layout"]["title"]["text"]

@@ -305,3 +305,23 @@ def test_runs_page_deletes_one_of_your_runs_after_confirming(runs_page, mine_run
     runs_page.button(key="runs_delete_yes").click().run()
     assert not runs_page.exception and not (mine_runs_dir / "mine").exists()
     assert shown_names(runs_page) == [p.name for p, _ in shipped()]
+
+
+def test_the_table_shows_each_prompt_and_groups_runs_by_their_text():
+    frame, _ = run_table(shipped())
+    by = frame.set_index("name")
+    prompts = {p.name: load_run(p).meta["prompt_tokens"] for p, _ in shipped()}
+    for a in prompts:
+        assert by.loc[a, "prompt"].split()[:3] == load_run(CACHED_RUNS / a).meta["prompt"].split()[:3]
+        for b in prompts:
+            assert (by.loc[a, "text"] == by.loc[b, "text"]) == (prompts[a] == prompts[b]), (a, b)
+    assert by.loc["full-states", "text"] != by.loc["h2o-attention", "text"]  # 4.25 and 2.72: other texts
+
+
+def test_the_runs_page_says_when_its_metrics_span_several_texts(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLENS_RUNS", str(tmp_path / "runs"))  # the shipped runs only
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.run()
+    at.switch_page("pages/runs.py").run()
+    assert not at.exception
+    assert any("on 2 different texts" in c.value for c in at.caption)

@@ -472,3 +472,14 @@ def test_the_protocols_are_compared_sample_for_sample_on_what_both_grids_ran():
     h2o = paired(agnostic, aware, "h2o", 0.5)  # one sample gained, one lost: a tie
     assert h2o["diff"] == 0.0 and h2o["verdict"] == "tie" and h2o["ci_low"] < 0 < h2o["ci_high"]
     assert paired(agnostic, aware, "snapkv", 0.25) is None
+
+
+def test_twenty_policies_get_twenty_distinct_styles_on_a_grid_of_panels():
+    names = [f"p{i}" for i in range(20)]
+    rows = _rows({(n, 0.5): [1, 0] for n in names}, "a", 1024) + _rows(
+        {(n, 0.5): [0, 1] for n in names}, "b", 1024
+    )
+    fig = tasks.figure({"summary": tasks.summarise(rows)})
+    shown = [t for t in fig.data if t.showlegend]
+    assert len({(t.line.color, t.line.dash, t.marker.symbol) for t in shown}) == len(shown) == 20
+    assert [a.text for a in fig.layout.annotations] == ["average over tasks", "a", "b"]

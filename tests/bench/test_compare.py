@@ -31,7 +31,7 @@ def test_the_full_cache_comes_first_and_every_policy_is_scored_on_its_text(tiny)
         assert (
             r.run.meta["mode"] == "teacher" and r.run.meta["tokens"] == reference
         )  # perplexity on full's text
-        assert len(r.picks) == len(r.pieces) == 8
+        assert len(r.picks) == len(r.text.spans) == 8
     rows = table(out)
     assert [r["policy"] for r in rows] == ["full", "streaming_llm @16 (sink=2)", "tova @12"]
     assert rows[0]["kl"] == pytest.approx(0, abs=1e-5) and rows[0]["perturbation"] == pytest.approx(

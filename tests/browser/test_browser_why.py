@@ -23,6 +23,12 @@ def why_page(tmp_path_factory, external_requests):
         page = offline_page(chromium, external_requests, 1500, 1100)
         start = time.perf_counter()
         page.goto(f"{url}/why?run={RUN}&source=run&by=layer,head,span,sinks&minimal=true")
+        wait_idle(page, "Why")
+        # nothing is computed before the button: the estimate (30 layers, 30 x 3 heads, 4 spans, sinks)
+        page.get_by_text("About 125 patched caches for these groups").wait_for()
+        assert not page.locator(PLOTS).count()
+        page.get_by_role("button", name="Explain this run").click()
+        page.get_by_text("All groups restored").wait_for(timeout=EXPLAIN_MS)
         wait_idle(page, "Why", timeout_ms=EXPLAIN_MS)
         print(f"\nWhy page of {RUN}: {time.perf_counter() - start:.1f} s")
         yield page
@@ -37,7 +43,7 @@ def _figures(page) -> dict[str, dict]:
 def test_the_why_page_draws_the_shares_and_the_minimal_set(why_page):
     figures = _figures(why_page)
     titles = list(figures)
-    assert any("Recovered share by layer and KV head: h2o on run" in t for t in titles), titles
+    assert any(f"Recovered share by layer and KV head: h2o on run {RUN}," in t for t in titles), titles
     assert any("Recovered share by position span" in t for t in titles), titles
     minimal = next(t for t in titles if "Minimal sufficient set" in t)
     assert figures[minimal]["minimal set"] == "heatmap"

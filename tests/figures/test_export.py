@@ -14,7 +14,7 @@ from kvlens.analysis.kinds.similarity import similarity_figure
 from kvlens.cli import main
 from kvlens.errors import KvlensError
 from kvlens.figures import export
-from tests.conftest import tiny_run
+from tests.conftest import every_figure, tiny_run
 
 CHROMIUM = os.path.exists("/usr/bin/chromium")
 needs_chromium = pytest.mark.skipif(
@@ -63,7 +63,7 @@ def test_heatmap_csv_is_long_form(tmp_path):
     rows = export.figure_rows(fig)
     assert len(rows) == 55 and {r["trace"] for r in rows} == {"key"}  # lower triangle: empty cells left out
     assert (rows[1]["x"], rows[1]["y"]) == (fig.data[0].x[0], fig.data[0].y[1])
-    assert rows[1]["z"] == fig.data[0].z[1][0]
+    assert rows[1]["value"] == fig.data[0].z[1][0]
 
 
 def test_missing_chromium_is_one_clear_sentence(fig, tmp_path, monkeypatch):
@@ -160,3 +160,23 @@ def test_a_notebooks_run_figure_is_the_cli_figure(tmp_path, capsys):
             "sigmas": ["mean_distance", "eq7", 2.0],
         }
     )
+
+
+@pytest.mark.parametrize("name", list(every_figure()))
+def test_every_exported_csv_column_heatmap_value_and_code_is_described(name, tmp_path):
+    fig = every_figure()[name]
+    written = export.export_figure(fig, tmp_path / "fig.csv")
+    header = next(csv.reader(written[0].open()))
+    described = json.loads(written[1].read_text())
+    assert header == export.COLUMNS and set(described["columns"]) == set(header)
+    heatmaps = {t.name for t in fig.data if t.type == "heatmap"}
+    assert set(described["values"]) == heatmaps
+    for trace, what in described["values"].items():
+        assert what["value"] != "the cell's colour value", (
+            f"{name}: heatmap {trace!r} says nothing of its value"
+        )
+    rows = list(csv.DictReader(written[0].open()))
+    for row in rows:
+        codes = described["values"].get(row["trace"], {}).get("codes")
+        if codes:
+            assert row["meaning"] == codes[str(int(float(row["value"])))]

@@ -24,9 +24,9 @@ import torch
 from kvlens.analysis.registry import LAYER, Analysis, Param, register_analysis
 from kvlens.analysis.states import head_states, layer_or_middle
 from kvlens.errors import KvlensError
-from kvlens.figures.inspect_token import display_text
 from kvlens.figures.plots import COLORS, finish, run_model
 from kvlens.levels import RecordLevel
+from kvlens.runs import token_text
 from kvlens.runs.run import Run
 
 METHODS = ("pca", "tsne")
@@ -135,7 +135,8 @@ def embedding(
 def embedding_figure(run: Run, e: Embedding) -> go.Figure:
     """Queries (open circles), kept keys, evicted keys (grey x) and merged keys (orange diamonds, hollow when
     the Bernoulli draw moved nothing) linked to their prompt targets by thin lines; hover names each token."""
-    tokens = [display_text(str(s)) for s in run.meta.get("prompt_token_strings") or []]
+    prompt = token_text.decode(list(run.meta.get("prompt_token_strings") or []))
+    tokens = [prompt.label(i) for i in range(len(prompt.spans))]
     tokens = tokens if len(tokens) == e.tokens else [""] * e.tokens
 
     def hover(what: str, positions: list[int], extra: dict[int, str] | None = None) -> list[str]:

@@ -77,8 +77,9 @@ class PerturbationAnalysis(Analysis):
         fig.update_yaxes(rangemode="tozero", row=1, col=2)
         fig.update_layout(
             title=dict(text="Perturbation over steps (means over layers and heads)"),
-            height=380,
-            legend=dict(orientation="h", y=-0.2),
+            height=400,
+            margin=dict(b=110),
+            legend=dict(orientation="h", yref="container", y=0.02, yanchor="bottom"),
             meta={"analysis": "perturbation", "run": str(run.path) if run.path else None},
         )
         return fig

@@ -78,8 +78,9 @@ class PerturbationLayersAnalysis(Analysis):
         fig.update_yaxes(title_text="layer", row=1, col=2)
         fig.update_layout(
             title=dict(text="Perturbation across layers"),
-            height=400,
-            legend=dict(orientation="h", y=-0.2),
+            height=420,
+            margin=dict(b=110),
+            legend=dict(orientation="h", yref="container", y=0.02, yanchor="bottom"),
             meta={"analysis": "perturbation-layers", "run": str(run.path) if run.path else None},
         )
         return fig

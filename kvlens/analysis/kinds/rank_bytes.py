@@ -17,10 +17,10 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from kvlens.analysis.kinds.spectrum import _sample
+from kvlens.analysis.kinds.spectrum import layer_colours
 from kvlens.analysis.registry import Analysis, Param, register_analysis
 from kvlens.analysis.states import kind_code, kind_name, recorded_layers, states
-from kvlens.figures.plots import SCALE, finish, run_model
+from kvlens.figures.plots import finish, run_model
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
 
@@ -69,7 +69,7 @@ def rank_bytes_figure(run: Run, error: float = 0.01) -> go.Figure:
         rows=1, cols=2, subplot_titles=["keys", "values"], shared_yaxes=True, horizontal_spacing=0.06
     )
     layers = found[0].layers
-    colors = _sample(SCALE, len(layers))
+    colors, few = layer_colours(fig, layers)
     for col, res in enumerate(found, start=1):
         share = res.bytes_share()
         paying = int((share < 1).sum())  # ranks that store fewer bytes than the model's dtype
@@ -82,7 +82,8 @@ def rank_bytes_figure(run: Run, error: float = 0.01) -> go.Figure:
                     y=y[shown].tolist(),
                     mode="lines",
                     name=f"layer {layer}",
-                    showlegend=False,
+                    legendgroup=f"{layer}",
+                    showlegend=few and col == 1,
                     customdata=torch.arange(1, paying + 1)[shown].tolist(),
                     line=dict(color=colors[i], width=1.5),
                     hovertemplate=f"layer {layer}, rank %{{customdata}}<br>bytes %{{x:.3f}} of the "
@@ -113,23 +114,6 @@ def rank_bytes_figure(run: Run, error: float = 0.01) -> go.Figure:
         fig.update_xaxes(
             title_text="KV bytes at that rank, share of the model-dtype cache", range=[0, 1], row=1, col=col
         )
-    fig.add_trace(
-        go.Scatter(
-            x=[None],
-            y=[None],
-            mode="markers",
-            showlegend=False,
-            hoverinfo="skip",
-            marker=dict(
-                colorscale=SCALE,
-                cmin=layers[0],
-                cmax=layers[-1],
-                color=[layers[0]],
-                showscale=True,
-                colorbar=dict(title=dict(text="layer"), thickness=14),
-            ),
-        )
-    )
     fig.update_yaxes(
         type="log",
         exponentformat="power",

@@ -41,6 +41,7 @@ from kvlens.engine.models import LoadedModel
 from kvlens.engine.perturbation import full_logprobs, measured, sources
 from kvlens.errors import KvlensError
 from kvlens.figures.perturbation_sources import COLORS
+from kvlens.figures.plots import COLORS as LINE_COLORS
 from kvlens.figures.plots import SCALE, finish, run_model
 from kvlens.kvcache.quantize import Storage
 from kvlens.levels import RecordLevel
@@ -226,6 +227,8 @@ def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0
             col=2,
         )
     layers = found.errors["key"].layers
+    few = len(layers) <= len(LINE_COLORS)  # a handful of layers: Spectra's discrete colours
+    colours = LINE_COLORS[: len(layers)] if few else _sample(SCALE, len(layers))
     for (kind, res), symbol in zip(found.errors.items(), ("circle", "diamond-open"), strict=True):
         need = res.rank_for(error).float().mean(1)  # (L,) mean over KV heads
         fig.add_trace(
@@ -234,7 +237,7 @@ def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0
                 y=layers,
                 mode="markers",
                 name=f"{kind}s' rank",
-                marker=dict(symbol=symbol, size=8, color=_sample(SCALE, len(layers))),
+                marker=dict(symbol=symbol, size=8, color=colours),
                 hovertemplate=f"layer %{{y}}: {kind}s need rank %{{x:.1f}}<extra></extra>",
             ),
             row=1,

@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 
 from kvlens.analysis.registry import Analysis, Param, register_analysis
 from kvlens.analysis.states import kind_code, kind_name, recorded_layers, states
-from kvlens.figures.plots import SCALE, finish, run_model
+from kvlens.figures.plots import COLORS, SCALE, finish, run_model
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
 
@@ -74,6 +74,36 @@ def _sample(scale: str, n: int) -> list[str]:
     return sample_colorscale(scale, [i / max(1, n - 1) for i in range(n)])
 
 
+def layer_colours(fig: go.Figure, layers: list[int]) -> tuple[list[str], bool]:
+    """A colour per layer, and whether the lines name their layers in the legend: a handful of layers get
+    discrete colours; more, a colour scale whose colour bar is added to `fig`."""
+    if len(layers) <= len(COLORS):
+        return COLORS[: len(layers)], True
+    _colour_bar(fig, layers)
+    return _sample(SCALE, len(layers)), False
+
+
+def _colour_bar(fig: go.Figure, layers: list[int]) -> None:
+    """A colour bar of the layers (an invisible marker trace carries it)."""
+    fig.add_trace(
+        go.Scatter(
+            x=[None],
+            y=[None],
+            mode="markers",
+            showlegend=False,
+            hoverinfo="skip",
+            marker=dict(
+                colorscale=SCALE,
+                cmin=layers[0],
+                cmax=layers[-1],
+                color=[layers[0]],
+                showscale=True,
+                colorbar=dict(title=dict(text="layer"), thickness=14),
+            ),
+        )
+    )
+
+
 def spectrum_figure(run: Run, components: int = 64) -> go.Figure:
     """Normalised singular values of keys and values, one line per layer (mean over heads), log scale."""
     specs = [spectrum(run, k, components) for k in ("key", "value")]
@@ -81,7 +111,7 @@ def spectrum_figure(run: Run, components: int = 64) -> go.Figure:
         rows=1, cols=2, subplot_titles=["keys", "values"], shared_yaxes=True, horizontal_spacing=0.06
     )
     n = len(specs[0].layers)
-    colors = _sample(SCALE, n)
+    colors, few = layer_colours(fig, specs[0].layers)
     for col, spec in enumerate(specs, start=1):
         for i, layer in enumerate(spec.layers):
             y = spec.values[i].mean(0).tolist()
@@ -92,30 +122,13 @@ def spectrum_figure(run: Run, components: int = 64) -> go.Figure:
                     mode="lines",
                     name=f"layer {layer}",
                     legendgroup=f"{layer}",
-                    showlegend=False,
+                    showlegend=few and col == 1,
                     line=dict(color=colors[i], width=1.5),
                 ),
                 row=1,
                 col=col,
             )
         fig.update_xaxes(title_text="singular value index", row=1, col=col)
-    fig.add_trace(
-        go.Scatter(
-            x=[None],
-            y=[None],
-            mode="markers",
-            showlegend=False,
-            hoverinfo="skip",
-            marker=dict(
-                colorscale=SCALE,
-                cmin=specs[0].layers[0],
-                cmax=specs[0].layers[-1],
-                color=[specs[0].layers[0]],
-                showscale=True,
-                colorbar=dict(title=dict(text="layer"), thickness=14),
-            ),
-        )
-    )
     fig.update_yaxes(
         type="log",
         dtick=1,

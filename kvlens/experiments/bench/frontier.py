@@ -377,10 +377,12 @@ def figure(result: dict):
     summary = result.get("summary") or summarise(result["rows"])
     panels = [m for m in ("ppl", "score") if any(s["metric"] == m for s in summary)]
     c = result["config"]
-    titles = {
-        "ppl": f"perplexity / the full cache's ({c['prefill']} prompt + {c['tokens']} tokens, "
-        f"{len(c['texts'])} texts)",
-        "score": f"task score ({', '.join(c.get('tasks') or [])}, {c.get('task_count')} samples each)",
+    titles = {"ppl": "perplexity ÷ the full cache's", "score": "task score"}
+    details = {
+        "ppl": f"perplexity: {c['prefill']} prompt + {c['tokens']} tokens, {len(c['texts'])} texts "
+        "(bars: min-max over texts)",
+        "score": f"task score: {', '.join(c.get('tasks') or [])}, {c.get('task_count')} samples each "
+        "(bars: 95 % intervals)",
     }
     fig = make_subplots(
         rows=1, cols=len(panels), subplot_titles=[titles[m] for m in panels], horizontal_spacing=0.08
@@ -428,10 +430,16 @@ def figure(result: dict):
         fig.update_xaxes(title_text="KV cache bytes, share of the full cache", type="log", row=1, col=col)
         fig.update_yaxes(title_text="perplexity / full" if metric == "ppl" else "score", row=1, col=col)
     fig.update_layout(
-        title="Quality against KV bytes, a colour per family (bars: min-max over texts; 95 % "
-        "intervals over samples)",
+        title=dict(
+            text="Quality against KV bytes, a colour per family"
+            + "".join(f"<br><sup>{details[m]}</sup>" for m in panels),
+            yref="container",
+            y=0.98,
+            yanchor="top",
+        ),
         width=760 * len(panels) + 240,
-        height=540,
+        height=580,
+        margin=dict(t=150),
         template="kvlens",
     )
     return fig

@@ -160,8 +160,21 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
+def short_titles(labels: list[str]) -> list[str]:
+    """Each policy label's name alone (`cam:score=...` -> `cam`), numbered where one name has several
+    settings; the full label is in the hover."""
+    names = [lab.split(":")[0] for lab in labels]
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if names.count(name) == 1 else f"{name} ({seen[name]})")
+    return out
+
+
 def figure(result: dict):
-    """One heatmap per policy: depth (rows) x context length (columns), green = found."""
+    """One heatmap per policy (its name as the subplot title, its settings in the hover): depth (rows) x
+    context length (columns), green = found."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -173,7 +186,11 @@ def figure(result: dict):
     )  # `cells`: files from before the grid
     policies = list(dict.fromkeys(label(r) for r in rows))
     fig = make_subplots(
-        rows=1, cols=len(policies), subplot_titles=policies, shared_yaxes=True, horizontal_spacing=0.02
+        rows=1,
+        cols=len(policies),
+        subplot_titles=short_titles(policies),
+        shared_yaxes=True,
+        horizontal_spacing=0.02,
     )
     score_of = {(label(r), r["length"], r["depth"]): r["score"] for r in rows}
     for i, policy in enumerate(policies, 1):
@@ -188,6 +205,8 @@ def figure(result: dict):
                 colorscale=[[0, "#d73027"], [1, "#1a9850"]],
                 showscale=False,
                 name=policy,
+                meta={"value": "score: the share of the expected string found (1: found, 0: missed)"},
+                hovertemplate=f"{policy}<br>%{{x}} tokens, depth %{{y}}: %{{z}}<extra></extra>",
                 xgap=2,
                 ygap=2,
             ),

@@ -124,6 +124,7 @@ def figure(cells: list[dict], ratio: float | None, protocol: str = "", columns: 
                 showscale=i == 0,
                 colorbar={"title": "found"},
                 name=policy,
+                meta={"value": "the share of the needles at that depth and length found in the answer"},
                 xgap=2,
                 ygap=2,
                 customdata=[[0 if c is None else c["needles"] for c in line] for line in got],

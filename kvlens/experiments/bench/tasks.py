@@ -520,16 +520,21 @@ def figure(result: dict):
 
     summary = result["summary"]
     panels = ["all", *sorted({s["task"] for s in summary if s["task"] != "all"})]
+    grid_rows = 1 if len(panels) <= 3 else 2
+    grid_cols = -(-len(panels) // grid_rows)
     fig = make_subplots(
-        rows=1,
-        cols=len(panels),
+        rows=grid_rows,
+        cols=grid_cols,
         shared_yaxes=True,
-        horizontal_spacing=0.03,
+        horizontal_spacing=0.04,
+        vertical_spacing=0.16,
         subplot_titles=["average over tasks" if p == "all" else p for p in panels],
     )
     policies = list(dict.fromkeys(s["policy"] for s in summary))
-    palette = plotly.colors.qualitative.Dark24  # 24 distinct colours: every registered policy its own
-    for col, panel in enumerate(panels, 1):
+    palette = plotly.colors.qualitative.T10  # 10 colours, then again dotted with squares: 20 distinct styles
+    for n, panel in enumerate(panels):
+        row, col = divmod(n, grid_cols)
+        row, col = row + 1, col + 1
         for i, policy in enumerate(policies):
             pts = {}  # ratio -> mean over the panel's lengths
             for s in summary:
@@ -556,9 +561,15 @@ def figure(result: dict):
                     mode=mode,
                     name=policy,
                     legendgroup=policy,
-                    showlegend=col == 1,
-                    line={"color": palette[i % len(palette)]},
-                    marker={"symbol": symbol, "size": 6 if symbol == "circle" else 11},
+                    showlegend=n == 0,
+                    line={
+                        "color": palette[i % len(palette)],
+                        "dash": "dot" if i // len(palette) % 2 else "solid",
+                    },
+                    marker={
+                        "symbol": "square" if symbol == "circle" and i // len(palette) % 2 else symbol,
+                        "size": 6 if symbol == "circle" else 11,
+                    },
                     error_y={
                         "type": "data",
                         "symmetric": False,
@@ -567,21 +578,23 @@ def figure(result: dict):
                         "thickness": 1,
                     },
                 ),
-                1,
+                row,
                 col,
             )
         fig.update_xaxes(
-            title_text="compression ratio (share removed)" if col == 1 else None,
+            title_text="compression ratio (share removed)" if (row, col) == (grid_rows, 1) else None,
             range=[-0.06, 0.98],
-            row=1,
+            row=row,
             col=col,
         )
-    fig.update_yaxes(title_text="score (share of expected strings found)", range=[-0.02, 1.02], row=1, col=1)
+    fig.update_yaxes(range=[-0.02, 1.02])
+    for row in range(1, grid_rows + 1):
+        fig.update_yaxes(title_text="score (share found)", row=row, col=1)
     fig.update_layout(
         title=f"Task accuracy under compression ({protocol(result.get('config', {}))}, "
         f"{result.get('environment', {}).get('model', 'model')})",
-        width=max(800, 330 * len(panels) + 220),
-        height=max(480, 26 * len(policies) + 160),
+        width=max(800, 330 * grid_cols + 220),
+        height=max(380 * grid_rows + 120, 26 * len(policies) + 160),
         legend={"tracegroupgap": 0},
         template="kvlens",
     )

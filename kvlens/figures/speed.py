@@ -1,0 +1,164 @@
+"""The speed benchmark's results (`results/bench_speed.json`) drawn: each policy's decode, prefill and KV
+bytes against the full cache (and decode against its floor, where measured), one panel per measure, a bar per
+policy and prompt length.
+
+The ratios come from the file's `every_policy_*` families (`ratio_details[name]["per_policy"]`, measured in
+lockstep); a file without them gets the same three measures from its rows (one run per policy and length,
+each over `full`'s run of that length).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from kvlens.figures.plots import COLORS
+
+# measure -> (panel title, what the ratio divides)
+MEASURES = {
+    "decode": ("decode ms/token ÷ full", "decode ms per token over the full cache's"),
+    "prefill": ("prefill ms ÷ full", "prefill (and step-0 compression) ms over the full cache's"),
+    "bytes": ("KV bytes ÷ full", "peak KV bytes over the full prompt's cache"),
+    "floor": ("decode ms/token ÷ its floor", "decode ms per token over the full cache on as many slots"),
+}
+_FAMILY = re.compile(r"every_policy_(half_vs_full|prefill_vs_full|bytes_half_vs_full|vs_floor)_at_(\d+)")
+_MEASURE = {"half_vs_full": "decode", "prefill_vs_full": "prefill", "bytes_half_vs_full": "bytes"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One measure at one prompt length: {policy: ratio}, the worst policy, and the file's key and target."""
+
+    measure: str
+    length: int
+    per_policy: dict[str, float]
+    worst: str
+    key: str
+    target: str | None = None
+    met: bool | None = None
+
+
+def families(raw: dict) -> list[Family]:
+    """The file's `every_policy_*` families, or (none there) the ratios its rows give; by measure, then
+    length."""
+    details = raw.get("ratio_details") if isinstance(raw.get("ratio_details"), dict) else {}
+    targets = raw.get("targets") if isinstance(raw.get("targets"), dict) else {}
+    out = []
+    for key, d in details.items():
+        match = _FAMILY.fullmatch(key)
+        if match and isinstance(d, dict) and isinstance(d.get("per_policy"), dict) and d["per_policy"]:
+            per = {str(p): float(v) for p, v in d["per_policy"].items()}
+            t = targets.get(key) if isinstance(targets.get(key), dict) else {}
+            out.append(
+                Family(
+                    _MEASURE.get(match.group(1), "floor"),
+                    int(match.group(2)),
+                    per,
+                    str(d.get("worst") or max(per, key=per.__getitem__)),
+                    key,
+                    t.get("target"),
+                    t.get("met"),
+                )
+            )
+    if not out:
+        out = _from_rows([r for r in raw.get("rows", []) if isinstance(r, dict)])
+    order = list(MEASURES)
+    return sorted(out, key=lambda f: (order.index(f.measure), f.length))
+
+
+def _from_rows(rows: list[dict]) -> list[Family]:
+    """Decode, prefill and bytes of each policy over `full`'s row of the same prompt length."""
+    out = []
+    columns = {"decode": "ms_per_token", "prefill": "prefill_ms", "bytes": "kv_bytes_peak"}
+    for length in sorted({r.get("prompt_tokens") for r in rows if isinstance(r.get("prompt_tokens"), int)}):
+        here = {r["policy"]: r for r in rows if r.get("prompt_tokens") == length and "policy" in r}
+        full = here.get("full")
+        if full is None:
+            continue
+        for measure, column in columns.items():
+            per = {
+                p: r[column] / full[column]
+                for p, r in here.items()
+                if p != "full" and isinstance(r.get(column), (int, float)) and full.get(column)
+            }
+            if per:
+                worst = max(per, key=per.__getitem__)
+                out.append(Family(measure, length, per, worst, f"rows: {column} at {length}"))
+    return out
+
+
+def policy_table(found: list[Family]) -> pd.DataFrame:
+    """A row per policy, a column per family (`decode @ 1024`, ...): the chart's numbers."""
+    policies = sorted({p for f in found for p in f.per_policy})
+    return pd.DataFrame(
+        [{"policy": p, **{f"{f.measure} @ {f.length}": f.per_policy.get(p) for f in found}} for p in policies]
+    )
+
+
+def worst_table(found: list[Family]) -> pd.DataFrame:
+    """A row per family: the measure, the prompt length, the worst policy, its ratio and the target."""
+    return pd.DataFrame(
+        [
+            {
+                "measure": MEASURES[f.measure][1],
+                "prompt tokens": f.length,
+                "worst policy": f.worst,
+                "its ratio": f.per_policy[f.worst],
+                "target": f.target or "",
+                "met": {None: "", True: "yes", False: "no"}[f.met],
+            }
+            for f in found
+        ]
+    )
+
+
+def speed_figure(found: list[Family]) -> go.Figure:
+    """A panel per measure, a horizontal bar per policy and prompt length (the policies on a shared axis),
+    a dotted line at 1 (as costly as the full cache, or as its floor)."""
+    measures = list(dict.fromkeys(f.measure for f in found))
+    lengths = sorted({f.length for f in found})
+    policies = sorted({p for f in found for p in f.per_policy})
+    fig = make_subplots(
+        rows=1,
+        cols=len(measures),
+        shared_yaxes=True,
+        horizontal_spacing=0.04,
+        subplot_titles=[MEASURES[m][0] for m in measures],
+    )
+    for col, measure in enumerate(measures, start=1):
+        for i, length in enumerate(lengths):
+            family = next((f for f in found if f.measure == measure and f.length == length), None)
+            if family is None:
+                continue
+            fig.add_trace(
+                go.Bar(
+                    y=policies,
+                    x=[family.per_policy.get(p) for p in policies],
+                    orientation="h",
+                    name=f"{length} tokens",
+                    legendgroup=str(length),
+                    showlegend=col == 1,
+                    marker_color=COLORS[(i + 1) % len(COLORS)],
+                    hovertemplate="%{y}: %{x:.3f}<extra>" + f"{length} tokens</extra>",
+                ),
+                row=1,
+                col=col,
+            )
+        fig.add_vline(x=1.0, line=dict(color="#777777", dash="dot", width=1), row=1, col=col)
+        fig.update_xaxes(title_text="ratio", rangemode="tozero", row=1, col=col)
+    fig.update_yaxes(autorange="reversed", row=1, col=1)
+    fig.update_layout(
+        template="kvlens",
+        barmode="group",
+        width=None,
+        height=160 + 16 * len(policies) * max(1, len(lengths)),
+        margin=dict(l=120, r=20, t=90, b=100),
+        legend=dict(orientation="h", x=0, y=0, yanchor="bottom", yref="container", title_text="prompt"),
+        title=dict(text="Speed and memory of each policy against the full cache"),
+        meta={"benchmark": "speed", "families": [f.key for f in found]},
+    )
+    return fig

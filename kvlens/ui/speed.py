@@ -1,0 +1,78 @@
+"""The Benchmarks page's Speed and memory section: the ratios of `kvlens.figures.speed` as a chart and two
+tables (the worst policy of each measure, then every policy), the headline ratios against their targets, and
+the raw JSON behind an expander."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from kvlens.figures.speed import families, policy_table, speed_figure, worst_table
+from kvlens.ui.charts import chart
+
+
+def speed_section(path: Path, settings: dict, frame: pd.DataFrame, raw: dict) -> None:
+    found = families(raw)
+    if not found:
+        st.info(f"{path.name} holds no policy measured against the full cache of its prompt length.")
+    else:
+        lockstep = not found[0].key.startswith("rows:")
+        chart(
+            speed_figure(found),
+            f"bench_fig_{path.stem}",
+            name=path.stem,
+            config={"results": str(path), **settings.get("config", {})},
+            data=policy_table(found),
+        )
+        st.caption(
+            "Each bar: a policy's cost over the full cache's at that prompt length (below 1: cheaper). "
+            + (
+                "Measured in lockstep, the median over rounds (`ratio_details`)."
+                if lockstep
+                else "From the rows: one unmeasured run per policy and length, over full's run of that "
+                "length (this file has no every-policy lockstep families)."
+            )
+        )
+        st.markdown("**The worst policy of each measure**")
+        st.dataframe(
+            worst_table(found),
+            hide_index=True,
+            width="stretch",
+            column_config={"its ratio": st.column_config.NumberColumn(format="%.3f")},
+        )
+    headline = _targets(raw)
+    if len(headline):
+        st.markdown("**Targets**")
+        st.dataframe(
+            headline,
+            hide_index=True,
+            width="stretch",
+            column_config={"ratio": st.column_config.NumberColumn(format="%.3f")},
+        )
+    with st.expander(f"Every run ({len(frame)} rows)"):
+        st.dataframe(frame, hide_index=True, width="stretch")
+    with st.expander("Raw ratios, targets and growth (JSON)"):
+        st.json(
+            {k: raw[k] for k in ("ratios", "ratios_cpu", "targets", "growth", "ratio_details") if k in raw}
+        )
+
+
+def _targets(raw: dict) -> pd.DataFrame:
+    """A row per ratio that has a target: its value, the target and whether it was met."""
+    ratios = raw.get("ratios") if isinstance(raw.get("ratios"), dict) else {}
+    targets = raw.get("targets") if isinstance(raw.get("targets"), dict) else {}
+    return pd.DataFrame(
+        [
+            {
+                "ratio name": k,
+                "ratio": ratios.get(k),
+                "target": t.get("target"),
+                "met": "yes" if t.get("met") else "no",
+            }
+            for k, t in targets.items()
+            if isinstance(t, dict)
+        ],
+        columns=["ratio name", "ratio", "target", "met"],
+    )
