@@ -11,14 +11,17 @@ from __future__ import annotations
 import importlib.util
 
 from kvlens.errors import KvlensError
+from kvlens.eval.offline import quiet_datasets
 
 
 def require_lm_eval() -> None:
-    """Refuse, in one sentence, when lm-eval is not installed."""
+    """Refuse, in one sentence, when lm-eval is not installed; then keep its data loading off the network for
+    local files (`quiet_datasets`)."""
     if importlib.util.find_spec("lm_eval") is None:
         raise KvlensError(
             "kvlens eval needs lm-evaluation-harness, the optional extra: pip install 'kvlens[eval]'."
         )
+    quiet_datasets()
 
 
 def __getattr__(name: str):

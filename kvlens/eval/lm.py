@@ -28,7 +28,10 @@ from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 from kvlens.errors import KvlensError
+from kvlens.eval.offline import quiet_datasets
 from kvlens.hf.cache import KvlensCache, Settings, adopted, install
+
+quiet_datasets()  # lm-eval loads its tasks' data through `datasets`: local files contact no host
 
 
 @dataclasses.dataclass

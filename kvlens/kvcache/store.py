@@ -209,6 +209,16 @@ def trimmed(holes: torch.Tensor) -> torch.Tensor | None:
     return holes[:, :width] if width else None
 
 
+def freed(holes: torch.Tensor, n: int, slot_order: bool) -> torch.Tensor | None:
+    """A row's freed slots `(R, E)` (-1 entries name none) as it will refill them: in slot order (a paged
+    row's), listed from their mask in O(n) with no sort, or in the order they were freed (`first_valid`);
+    -1 padded, None when there are none."""
+    if not slot_order:
+        return first_valid(holes)
+    mask = torch.zeros(holes.shape[0], n + 1, dtype=torch.bool, device=holes.device)
+    return trimmed(padded_slots(mask.scatter_(1, holes.masked_fill(holes < 0, n), True)[:, :n]))
+
+
 def padded_slots(gone: torch.Tensor) -> torch.Tensor:
     """`gone` `(R, S)` bool -> each row's marked slots `(R, E)`, ascending, -1 padded (for `free`).
 

@@ -84,7 +84,9 @@ class Writer:
             slot = torch.where(slot < 0, end, slot)
             store.order = None
         # each row's freed slots stay first when every head had one: only the emptied columns go (no sort)
-        book.holes = None if not rest.shape[1] else first_valid(rest) if lacking else trimmed(rest)
+        book.holes = None
+        if rest.shape[1]:
+            book.holes = first_valid(rest) if lacking else trimmed(rest)
         self.write_into(slot[:, None], key, value, positions)
         book.written = slot[:, None]
 

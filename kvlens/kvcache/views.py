@@ -30,10 +30,9 @@ from kvlens.kvcache.store import (
     STATS,
     LayerBook,
     SlotStore,
-    first_valid,
+    freed,
     padded_index,
     padded_slots,
-    trimmed,
 )
 
 # (view, capacity, padded: its heads keep different counts) -> (store, rows)
@@ -271,10 +270,7 @@ class SlotRows:
         counts = self.valid.sum(-1).chunk(len(self.books)) if uneven else ()
         for i, (book, part) in enumerate(zip(self.books, index.chunk(len(self.books)), strict=True)):
             holes = part if book.holes is None else torch.cat([book.holes, part], dim=1)
-            # a paged row refills its freed slots in slot order: marked and listed in O(S), no sort
-            book.holes = (
-                trimmed(padded_slots(slot_mask(holes, store.n))) if store.tail_padding else first_valid(holes)
-            )
+            book.holes = freed(holes, store.n, store.tail_padding)
             if uneven:
                 book.n_kept, book.pad = (
                     int(counts[i].max()),
