@@ -247,106 +247,55 @@ def last_rows(query, key, spec: AttentionSpec, keep_rows: int) -> torch.Tensor:
 
 
 def prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
-    """Causal attention of a whole prompt, with the statistics policies need, computed in row chunks.
+    """Causal attention of a whole prompt, computed in row chunks, with the statistics policies need.
 
     query `(1, Hq, T, D)`, key/value `(1, Hkv, T, D)`. Returns
     out `(1, T, Hq, D)`; colsum `(Hkv, T)` float32, each KV head's column sums of its query heads'
     mean attention (H2O's accumulated score); last `(Hq, L, T)` float32, the last `keep_rows` rows.
-    A plain layer's output is SDPA's, the full cache's own (`sdpa_with_lse`), and its statistics that output's
-    weights recomputed from SDPA's log-normalisers, `exp(q k / sqrt(d) - lse)`: one product per chunk of rows
-    over the causal triangle, no softmax and no second product with the values. Other layers (soft-capping,
-    sliding windows) take one eager pass whose output comes from the same weights.
+    The output comes from the same probabilities as the statistics (one eager pass over the causal
+    triangle: a chunk of rows a..b-1 scores keys 0..b-1 only), which costs less than SDPA's output
+    plus a second, scoring pass.
     """
-    if spec.plain:
-        return _plain_prefill_stats(query, key, value, spec, keep_rows)
     _, hq, t, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
     qg = query[0].view(hkv, g, t, d)
     k, v = key[0], value[0]
+    chunk = max(
+        1, min(CHUNK_ELEMENTS // (hq * t), max(64, t // 8))
+    )  # >= 8 chunks: the causal triangle is skipped
+    scaled = spec.plain and math.frexp(spec.scaling)[0] == 0.5  # a power of two scales exactly: once on Q
+    if scaled:
+        qg = qg * spec.scaling
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).triu(
+        1
+    )  # a diagonal block's masked keys
     out = torch.empty(hkv, g, t, d, dtype=value.dtype, device=value.device)
-    stats = _Stats(hkv, hq, t, keep_rows, key.device)
+    colsum = torch.zeros(hkv, t, dtype=torch.float32, device=key.device)
+    first_kept = t - keep_rows
+    last = torch.zeros(hq, max(keep_rows, 0), t, dtype=torch.float32, device=key.device)
     cols = torch.arange(t, device=key.device)
-    for a, b in _row_chunks(hq, t):
-        probs = attention_probs(
-            qg[:, :, a:b], k, spec, visible(cols[a:b], cols, spec.window)
-        )  # (Hkv, G, q, T)
-        out[:, :, a:b] = torch.einsum("hgqs,hsd->hgqd", probs.to(v.dtype), v)
-        stats.add(probs, a, b)
-    return out.reshape(hq, t, d).transpose(0, 1).unsqueeze(0), stats.colsum, stats.last
-
-
-def sdpa_with_lse(query, key, value, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sdpa`'s causal prompt attention and each query's log-normaliser: out `(1, T, Hq, D)` (the same floats
-    as `sdpa` on the CPU, whose SDPA is this flash kernel) and lse `(Hq, T)` float32. Elsewhere the
-    log-normalisers come from a chunked pass over the logits."""
-    _, hq, t, d = query.shape
-    g = hq // key.shape[1]
-    if query.device.type == "cpu":
-        k, v = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, k, v, 0.0, True, scale=scaling
-        )
-        return out.transpose(1, 2).contiguous(), lse[0].float()
-    qg, k = query[0].view(-1, g, t, d), key[0]
-    lse = torch.empty(hq, t, dtype=torch.float32, device=query.device)
-    for a, b in _row_chunks(hq, t):
-        scores = torch.bmm(qg[:, :, a:b].reshape(-1, g * (b - a), d), k[:, :b].transpose(1, 2)).float()
-        scores = scores.view(-1, g, b - a, b).mul_(scaling)
-        scores[..., a:b].masked_fill_(_future(b - a, scores.device), float("-inf"))
-        lse[:, a:b] = scores.logsumexp(-1).reshape(hq, b - a)
-    return sdpa(query, key, value, scaling), lse
-
-
-def _plain_prefill_stats(query, key, value, spec: AttentionSpec, keep_rows: int):
-    """`prefill_stats` of a plain layer: SDPA's output and log-normalisers, then each chunk's weights."""
-    _, hq, t, d = query.shape
-    hkv = key.shape[1]
-    g = hq // hkv
-    out, lse = sdpa_with_lse(query, key, value, spec.scaling)
-    lse = lse.view(hkv, g, t)
-    scaled = math.frexp(spec.scaling)[0] == 0.5  # a power of two scales exactly: once on Q
-    qg = query[0].view(hkv, g, t, d) * spec.scaling if scaled else query[0].view(hkv, g, t, d)
-    k = key[0]
-    stats = _Stats(hkv, hq, t, keep_rows, key.device)
-    for a, b in _row_chunks(hq, t):
-        # the rows a..b-1 see keys 0..b-1 only: batched over KV heads with the group's rows stacked, K read
-        # as is; only the diagonal block is masked
-        scores = torch.bmm(qg[:, :, a:b].reshape(hkv, g * (b - a), d), k[:, :b].transpose(1, 2)).float()
-        scores = scores.view(hkv, g, b - a, b)
-        if not scaled:
-            scores.mul_(spec.scaling)
-        probs = scores.sub_(lse[:, :, a:b, None]).exp_()
-        probs[..., a:b].masked_fill_(_future(b - a, probs.device), 0.0)
-        stats.add(probs, a, b)
-    return out, stats.colsum, stats.last
-
-
-def _row_chunks(hq: int, t: int) -> list[tuple[int, int]]:
-    """The prompt's rows in chunks of about `CHUNK_ELEMENTS` scores, at least 8 chunks (the causal triangle
-    is skipped)."""
-    chunk = max(1, min(CHUNK_ELEMENTS // (hq * t), max(64, t // 8)))
-    return [(a, min(t, a + chunk)) for a in range(0, t, chunk)]
-
-
-def _future(n: int, device) -> torch.Tensor:
-    """`(n, n)` bool: a diagonal block's keys after each row's own (masked)."""
-    return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
-
-
-class _Stats:
-    """What `prefill_stats` gathers from each chunk's weights `(Hkv, G, rows, width)`: the column sums of the
-    query heads' mean `(Hkv, T)` and the last `keep_rows` rows `(Hq, L, T)`."""
-
-    def __init__(self, hkv: int, hq: int, t: int, keep_rows: int, device):
-        self.g, self.first_kept, self.keep_rows = hq // hkv, t - keep_rows, keep_rows
-        self.colsum = torch.zeros(hkv, t, dtype=torch.float32, device=device)
-        self.last = torch.zeros(hq, max(keep_rows, 0), t, dtype=torch.float32, device=device)
-
-    def add(self, probs: torch.Tensor, a: int, b: int) -> None:
+    for a in range(0, t, chunk):
+        b = min(t, a + chunk)
+        if spec.plain:  # causal: the rows a..b-1 see keys 0..b-1 only; mask just the diagonal block
+            # batched over KV heads with the group's rows stacked: K is read as is, never copied per query
+            # head
+            rows = qg[:, :, a:b].reshape(hkv, g * (b - a), d)
+            scores = torch.bmm(rows, k[:, :b].transpose(1, 2)).float().view(hkv, g, b - a, b)
+            probs = softmax_weights(scores, spec, future[: b - a, : b - a], scaled=scaled)  # (Hkv, G, q, b)
+            out[:, :, a:b] = torch.bmm(probs.to(v.dtype).view(hkv, g * (b - a), b), v[:, :b]).view(
+                hkv, g, b - a, d
+            )
+        else:
+            probs = attention_probs(
+                qg[:, :, a:b], k, spec, visible(cols[a:b], cols, spec.window)
+            )  # (Hkv, G, q, T)
+            out[:, :, a:b] = torch.einsum("hgqs,hsd->hgqd", probs.to(v.dtype), v)
         width = probs.shape[-1]
-        self.colsum[:, :width] += probs.sum((1, 2)) / self.g
-        if b > self.first_kept and self.keep_rows > 0:
-            lo = max(a, self.first_kept)
-            part = probs[:, :, lo - a :].reshape(-1, b - lo, width)
-            self.last[:, lo - self.first_kept : b - self.first_kept, :width] = part
+        colsum[:, :width] += probs.sum((1, 2)) / g
+        if b > first_kept and keep_rows > 0:
+            lo = max(a, first_kept)
+            last[:, lo - first_kept : b - first_kept, :width] = probs[:, :, lo - a :].reshape(
+                hq, b - lo, width
+            )
+    return out.reshape(hq, t, d).transpose(0, 1).unsqueeze(0), colsum, last
