@@ -28,11 +28,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_policy_args(p: argparse.ArgumentParser) -> None:
+def add_policy_name_args(p: argparse.ArgumentParser) -> None:
+    """`--policy NAME` and its repeatable `--set KEY=VALUE` parameters."""
     p.add_argument("--policy", required=True, help="policy name (see `kvlens policies`)")
-    p.add_argument(
-        "--budget", help="slots per KV head per layer (e.g. 64) or a share of the prompt (e.g. 0.5)"
-    )
     p.add_argument(
         "--set",
         dest="settings",
@@ -40,6 +38,13 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="a policy parameter; repeat for several",
+    )
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    add_policy_name_args(p)
+    p.add_argument(
+        "--budget", help="slots per KV head per layer (e.g. 64) or a share of the prompt (e.g. 0.5)"
     )
     p.add_argument(
         "--prefill-chunk",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvlens.cli.common import add_model_args, load, print_json
+from kvlens.cli.common import add_model_args, add_policy_name_args, load, print_json
 
 
 def register(sub) -> None:
@@ -16,16 +16,8 @@ def register(sub) -> None:
         help="comma-separated lm-eval task names (shipped: kvlens_passkey, kvlens_cloze; lm-eval's own; "
         "those under --include-path)",
     )
-    p.add_argument("--policy", required=True, help="policy name (see `kvlens policies`)")
+    add_policy_name_args(p)
     p.add_argument("--ratio", type=float, help="the share of each prompt removed, as in kvpress")
-    p.add_argument(
-        "--set",
-        dest="settings",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a policy parameter; repeat for several",
-    )
     p.add_argument("--limit", type=int, help="at most this many documents per task")
     p.add_argument("--include-path", help="a folder of your own lm-eval task YAML files")
     p.add_argument("--out", required=True, help="folder for results.json, kvlens.json and tasks/")

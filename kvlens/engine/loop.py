@@ -229,11 +229,9 @@ class _Loop:
                 self.budgets = budgets
         self.cache.commit()
         everywhere = self.cache.all_layers() if phase is Phase.DECODE else None
-        if phase is Phase.DECODE and not self.decodes:
-            pass  # the method's protocol compresses the prompt only: the cache grows by the step's token
-        elif everywhere is not None:
+        if everywhere is not None:
             self.policy.compress(everywhere, Step(index, phase, self.budget, self.log))
-        else:
+        elif phase is Phase.PREFILL or self.decodes:  # else its protocol compresses the prompt only
             for rows, budget in zip(self.cache.layers, self.budgets, strict=True):
                 self.policy.compress(rows, Step(index, phase, budget, self.log))
         self.cache.commit()  # quantized storage: what the policy merged is quantized again
