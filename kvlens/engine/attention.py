@@ -211,24 +211,27 @@ def decode_rows(query, key, value, valid, spec: AttentionSpec):
     return out.reshape(1, 1, hq, d), probs
 
 
-def decode_pages(query, keys, entries, value, valid, spec: AttentionSpec):
-    """`decode_rows` with a paged layer's keys read where its pages lie (`kvlens.kvcache.paged`): every query
-    head scores every entry of the keys' pool in one product and the scores of its own slots are taken in
-    slot order, so no per-step gather of the keys is made. The softmax and the sum over the values run in
-    slot order as in `decode_rows`: the same floats wherever the pages lie.
+def decode_segments(query, store, rows: slice, counts: list[int], spec: AttentionSpec) -> torch.Tensor:
+    """A decode step's attention on a paged layer laid out in segments (`PagedStore.reserve`): KV head r's
+    `counts[r]` slots are one run of the pools' entries, read in place (`PagedStore.segment`), no gather. One
+    attention per KV head, its group's query heads as the queries (SDPA, or `decode_rows` when soft-capped).
 
-    query `(1, Hq, 1, D)`, keys the pool as `(E, D)` (E = pages x page size), entries `(Hkv, S)` each slot's
-    entry in it, value `(1, Hkv, S, D)` gathered, valid `(Hkv, S)` the slots the query may see. Returns out
-    `(1, 1, Hq, D)` and probs `(Hkv, G, S)` float32.
+    query `(1, Hq, 1, D)`, `rows` the layer's rows of `store`. Returns out `(1, 1, Hq, D)`.
     """
     hq, d = query.shape[1], query.shape[-1]
-    hkv, s = entries.shape
-    g = hq // hkv
-    pooled = (query[0, :, 0] @ keys.T).view(hkv, g, -1)  # (Hkv, G, E)
-    scores = pooled.gather(2, entries[:, None, :].expand(hkv, g, s)).float()  # (Hkv, G, S)
-    probs = softmax_weights(scores, spec, ~valid[:, None, :])
-    out = torch.bmm(probs.to(value.dtype), value[0])  # (Hkv, G, D)
-    return out.reshape(1, 1, hq, d), probs
+    g = hq // len(counts)
+    groups = query[0, :, 0].view(len(counts), g, d)
+    outs = []
+    for r, n in enumerate(counts):
+        key, value = (store.segment(name, rows.start + r, n)[None, None] for name in ("keys", "values"))
+        if spec.plain:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                groups[r][None, None], key, value, scale=spec.scaling
+            )  # (1, 1, G, D)
+        else:
+            out = decode_rows(groups[r].view(1, g, 1, d), key, value, None, spec)[0]
+        outs.append(out)
+    return torch.cat(outs, dim=2)
 
 
 def last_rows(query, key, spec: AttentionSpec, keep_rows: int) -> torch.Tensor:

@@ -15,8 +15,8 @@ import torch
 
 from kvlens.engine.attention import (
     attention_probs,
-    decode_pages,
     decode_rows,
+    decode_segments,
     last_rows,
     prefill_stats,
     replayed,
@@ -26,7 +26,6 @@ from kvlens.engine.attention import (
 from kvlens.errors import KvlensError
 from kvlens.kvcache import AttentionSpec, Prompt, Replay, group_mean
 from kvlens.kvcache.cache import KVCache
-from kvlens.kvcache.paged import PagedStore
 from kvlens.kvcache.views import SlotRows
 from kvlens.policies import Policy
 
@@ -62,8 +61,6 @@ class RunContext:
         rotary=None,
     ):
         self.cache = cache
-        if cache is not None:
-            cache.attends_pages = True  # this context's attention reads paged layers where they lie
         self.windowed = windowed  # some layer slides: its queries see only part of the slots
         self.rotary = (
             rotary  # positions -> (cos, sin) of the model's RoPE (`Prompt.rotary`), None without one
@@ -87,6 +84,8 @@ class RunContext:
         needs = self.policy.needs()
         policy_rows = needs.decode_rows and not self._policy_done
         self.needs_rows = policy_rows or any(o.needs_rows for o in self.observers)
+        if self.cache is not None:  # nobody reads a decode step's attention rows: paged layers read in place
+            self.cache.attends_pages = not (self.needs_rows or self.windowed)
         self.column_sums = needs.column_sums or any(o.needs_prefill_stats for o in self.observers)
         self.prefill_rows = max([needs.prefill_rows] + [o.prefill_rows for o in self.observers])
 
@@ -130,22 +129,26 @@ class RunContext:
             return self._replayed(layer, query, key, value, spec)
         if query.shape[2] > 1:
             return self._prefill(layer, query, key, value, spec)
-        pages = self.cache.reads_pages(layer)  # a store: `update` handed no keys, they are read in place
+        pages = self.cache.reads_pages(
+            layer
+        )  # a store: `update` handed nothing, its segments are read in place
+        if pages is not None:
+            return decode_segments(query, pages, layer.rows, layer.valid.sum(-1).tolist(), spec)
         if self.frozen:  # compressed for good: attend, tell nobody
-            if spec.plain and not layer.padded and pages is None:
+            if spec.plain and not layer.padded:
                 return sdpa(query, key, value, spec.scaling)
             seen = (
                 layer.valid
                 if spec.window is None
                 else layer.valid & (self.cache.positions[-1] - layer.pos < spec.window)
             )
-            return self._decode(layer, query, key, value, seen, spec, pages)[0]
-        if not self.needs_rows and spec.plain and not layer.padded and pages is None:
+            return decode_rows(query, key, value, seen, spec)[0]
+        if not self.needs_rows and spec.plain and not layer.padded:
             return sdpa(query, key, value, spec.scaling)
         seen = layer.valid if layer.padded else None  # None: every slot holds a token
         if spec.window is not None:
             seen = layer.valid & (self.cache.positions[-1] - layer.pos < spec.window)
-        out, probs = self._decode(layer, query, key, value, seen, spec, pages)
+        out, probs = decode_rows(query, key, value, seen, spec)
         if not self.needs_rows:  # padded or paged heads: attention over the kept slots, nobody reads it
             return out
         self._observed.append((layer, probs, seen))
@@ -155,21 +158,6 @@ class RunContext:
         for obs in self.observers:
             obs.on_decode(layer, query, probs, out, spec)
         return out
-
-    @staticmethod
-    def _decode(layer: SlotRows, query, key, value, seen, spec: AttentionSpec, pages: PagedStore | None):
-        """A decode step's attention, `decode_rows`'s out and probs: over the keys and values `update` handed,
-        or with the keys read where the pages of `pages` lie (`decode_pages`)."""
-        if pages is None:
-            return decode_rows(query, key, value, seen, spec)
-        return decode_pages(
-            query,
-            pages.flat_pool("keys"),
-            pages.entries(layer.rows),
-            value,
-            layer.valid if seen is None else seen,
-            spec,
-        )
 
     def accumulate(self) -> None:
         """After a decode step's forward, before compression: add its attention to every slot's `abar`

@@ -164,6 +164,8 @@ class _Loop:
                 book.state[name] = part
         self.decodes = policy.needs().decode_steps  # compresses at decode steps (its decode protocol)
         self.budget = budget
+        self.length = length  # the most tokens the run feeds (None: not known, inside `model.generate`)
+        self.prompt_length: int | None = None  # set by `prefill`
         self.budgets: Sequence[int | None] = [budget] * model.shape()[
             "layers"
         ]  # each layer's (`Policy.allocate`)
@@ -201,6 +203,7 @@ class _Loop:
         """Feed the prompt, in chunks of `prefill_chunk` tokens if set, and compress it: after each chunk, all
         of them step 0's compressions (one chunk: exactly the unchunked run). The last token's logits."""
         size = self.chunk or len(prompt)
+        self.prompt_length = len(prompt)
         logits = self.forward(prompt[:size], 0)
         self.after_prompt(prompt[:size], last=size >= len(prompt))
         for start in range(size, len(prompt), size):
@@ -246,6 +249,8 @@ class _Loop:
             self.kept.append(self.cache.kept_counts())
             if index == 0 and not self.decodes:
                 self.ctx.policy_done()
+                if self.length is not None and self.prompt_length is not None:
+                    self.cache.reserve(self.length - self.prompt_length)
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes)
 
     def event(self, step, token, nll, ms, logits) -> StepEvent:

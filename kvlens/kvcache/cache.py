@@ -26,6 +26,7 @@ from kvlens.kvcache.paged import PagedStore
 from kvlens.kvcache.quantize import Storage
 from kvlens.kvcache.quantized import SHARED_STORE, pack, prune, seal_layers
 from kvlens.kvcache.store import STATS, LayerBook, SlotStore
+from kvlens.kvcache.tokens import reserve_room
 from kvlens.kvcache.views import SlotRows
 
 
@@ -59,7 +60,7 @@ class KVCache:
         self._positions: torch.Tensor | None = None
         self._replaying = False  # a replay pass is being fed: `update` caches nothing
         self._everywhere: SlotRows | None = None
-        # the run's attention reads a paged layer's keys where they lie at a decode step (`reads_pages`)
+        # the run's attention reads a paged layer's segments in place at a decode step (`reads_pages`)
         self.attends_pages = False
 
     @property
@@ -121,20 +122,27 @@ class KVCache:
         if self._replaying:  # a replay pass attends to the cache and to itself, and leaves nothing behind
             return torch.cat([layer.keys, key_states], 2), torch.cat([layer.values, value_states], 2)
         layer.append(key_states, value_states, self.positions, self.chunked)
+        if key_states.shape[2] == 1 and self.reads_pages(layer) is not None:  # attention reads them in place
+            return key_states[:, :, :0], value_states[:, :, :0]
         store = layer._live  # attention changes neither: no working copy is kept (`SlotStore.read`)
-        if key_states.shape[2] == 1 and self.reads_pages(layer) is not None:  # attention reads keys in place
-            return key_states[:, :, :0], store.read("values", layer.rows)
         return store.read("keys", layer.rows), store.read("values", layer.rows)
 
     def reads_pages(self, layer: SlotRows) -> PagedStore | None:
-        """The paged store whose keys a decode step's attention on `layer` reads where their pages lie
-        (`kvlens.engine.attention.decode_pages`), so `update` hands it no gathered keys (the values gathered);
-        None unless the run's own attention does (`attends_pages`), the layer is paged and no policy holds a
-        working copy."""
+        """The paged store whose segments (`PagedStore.reserve`) a decode step's attention on `layer` reads in
+        place (`kvlens.engine.attention.decode_segments`), so `update` hands it no keys or values; None unless
+        the run's attention does (`attends_pages`: it reads no attention rows and no layer slides), the layer
+        is laid out in segments and no policy holds a working copy."""
         store = layer._live
-        if self.attends_pages and isinstance(store, PagedStore) and not store.working:
-            return store
+        if self.attends_pages and isinstance(store, PagedStore) and store.segments is not None:
+            return None if store.working else store
         return None
+
+    def reserve(self, tokens: int) -> None:
+        """Nothing leaves any more and at most `tokens` more tokens come (a policy that compressed the prompt
+        only): each layer of its own store gets room for exactly them (`kvlens.kvcache.tokens.reserve`)."""
+        for view in self.layers:
+            if view.store is not None and view.store is not self.shared:
+                reserve_room(view.books[0], view.store, view.rows, tokens)
 
     def stores(self) -> list[SlotStore]:
         """Every store in use, once each."""

@@ -36,6 +36,9 @@ class PagedStore(CopyingStore):
         self.pools = pools
         self.table = torch.full((self.rows, _pages(self.capacity)), -1, device=buffers["pos"].device)
         self.spare: list[int] = []  # released page ids, reused first (page 0 holds zeros, never allocated)
+        self.segments: list[tuple[int, int]] | None = (
+            None  # `reserve`'s layout: each row's (first entry, pages)
+        )
 
     @classmethod
     def like(cls, store: SlotStore, rows: int, capacity: int) -> PagedStore:
@@ -64,21 +67,50 @@ class PagedStore(CopyingStore):
         pages = pool.index_select(0, table.flatten())  # (R' * T, PAGE, D): faster than indexing with `table`
         return pages.view(table.shape[0], -1, pool.shape[-1])[:, : self.n]
 
-    def entries(self, rows: slice) -> torch.Tensor:
-        """`(R', n)` each slot's entry in the pools flattened to `(P * PAGE, D)` (page 0's where no page is
-        allocated: those slots are free)."""
-        table = self._page_ids(rows)
-        within = torch.arange(PAGE, device=table.device)
-        return (table[:, :, None] * PAGE + within).view(table.shape[0], -1)[:, : self.n]
-
     def _page_ids(self, rows: slice) -> torch.Tensor:
         """`(R', T)` the pages of `rows`' first n slots (page 0, zeros, where none is allocated)."""
         return self.table[rows, : _pages(self.n)].clamp(min=0)
+
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` more slots per row once nothing leaves (a policy done with the prompt):
+        each row's pages laid out one after another in a new pool, followed by pages for its `tokens` next
+        slots, so that its slots 0 .. n_r - 1 are entries `segments[r][0]` .. + n_r - 1 of the flat pool
+        (`segment`), read with no gather. Needs each row's valid slots first (`retain`'s layout); nothing
+        changes otherwise."""
+        self.commit()
+        valid = self.buffers["valid"][:, : self.n]
+        counts = valid.sum(-1)
+        if not bool((valid == (torch.arange(self.n, device=valid.device) < counts[:, None])).all()):
+            return
+        pages = -(-(counts + tokens) // PAGE)  # (R,)
+        starts = 1 + pages.cumsum(0) - pages  # page 0 holds zeros
+        capacity = int(pages.max()) * PAGE
+        if capacity > self.capacity:
+            super().resize(capacity)
+        col = torch.arange(_pages(self.capacity), device=pages.device)[None]
+        table = torch.where(col < pages[:, None], starts[:, None] + col, -1)
+        old = torch.nn.functional.pad(self.table, (0, table.shape[1] - self.table.shape[1]), value=-1)
+        moved = (old >= 0) & (table >= 0)
+        for name, pool in self.pools.items():
+            new = pool.new_zeros((1 + int(pages.sum()), *pool.shape[1:]))
+            new[table[moved]] = pool[old[moved]]
+            self.pools[name] = new
+        self.table, self.spare = table, []
+        self.segments = list(zip((starts * PAGE).tolist(), pages.tolist(), strict=True))
 
     def flat_pool(self, name: str) -> torch.Tensor:
         """The pool of `name` as `(P * PAGE, D)` (a view)."""
         pool = self.pools[name]
         return pool.view(-1, pool.shape[-1])
+
+    def segment(self, name: str, row: int, n: int) -> torch.Tensor:
+        """`(n, D)` keys or values of `row`'s first n slots, a view of the pool laid out by `reserve`."""
+        if self.segments is None:
+            raise RuntimeError("kvlens: a paged store's rows are segments only after `reserve`")
+        start, pages = self.segments[row]
+        if n > pages * PAGE:
+            raise RuntimeError(f"kvlens: row {row} holds {pages * PAGE} reserved slots, not {n}")
+        return self.flat_pool(name)[start : start + n]
 
     def _store_changed(self, name: str, rows: slice, copy: torch.Tensor, changed: torch.Tensor) -> None:
         r, s = changed.nonzero(as_tuple=True)
@@ -102,6 +134,7 @@ class PagedStore(CopyingStore):
         else one reclaimed (`_reclaim`; not the pages `writing` `(w,)` the same write fills), else the pool
         grows."""
         k = where.shape[0]
+        self.segments = None  # a page outside the reserved layout
         if len(self.spare) < k:
             self._reclaim(writing)
         if len(self.spare) < k:
@@ -161,6 +194,7 @@ class PagedStore(CopyingStore):
         if not isinstance(saved, torch.Tensor):
             raise TypeError("kvlens: a paged store restores a page table")
         self.working.clear()
+        self.segments = None
         self.table = torch.nn.functional.pad(saved, (0, self.table.shape[1] - saved.shape[1]), value=-1)
         held = set(self.table[self.table >= 0].tolist())
         self.spare = [p for p in range(1, self.pools["keys"].shape[0]) if p not in held]

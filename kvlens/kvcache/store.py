@@ -124,6 +124,13 @@ class SlotStore:
                 new.narrow(axis, 0, n).copy_(t.narrow(axis, 0, n))
                 group[name] = new
 
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` more tokens once no slot is freed any more: the buffers sized to hold exactly
+        them beside the fullest row's kept slots (the others' free slots take theirs first)."""
+        need = int(self.buffers["valid"][:, : self.n].sum(-1).max()) + tokens if self.n else tokens
+        if need > self.capacity:
+            self.resize(need)
+
     def nbytes(self, rows: slice) -> int:
         """Bytes allocated for the keys and values of `rows`."""
         count = len(range(*rows.indices(self.rows)))

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from kvlens.kvcache.store import FITTED_GROWTH, GROWTH, LayerBook, SlotStore, first_valid, trimmed
+from kvlens.kvcache.store import (
+    FITTED_GROWTH,
+    GROWTH,
+    LayerBook,
+    SlotStore,
+    first_valid,
+    padded_slots,
+    trimmed,
+)
 
 
 def append(
@@ -37,6 +45,18 @@ def append(
     book.n_kept += q
     book.last_attn = None  # the slots changed: the next query's attention replaces it
     return store, rows
+
+
+def reserve_room(book: LayerBook, store: SlotStore, rows: slice, tokens: int) -> None:
+    """Room for `tokens` more tokens in a layer's own store once nothing leaves it (`SlotStore.reserve`): its
+    buffers hold exactly them, so they never grow by chunks; a paged layer's slots past each head's kept
+    ones become that head's free slots, filled in slot order, on the pages reserved for them."""
+    if len(range(*rows.indices(store.rows))) != store.rows:
+        return  # rows of the all-layer store: they hold the budget
+    store.reserve(tokens)
+    if store.tail_padding:
+        store.n = store.capacity
+        book.holes = trimmed(padded_slots(~store.buffers["valid"][rows, : store.n]))
 
 
 def _adopt(book: LayerBook, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> SlotStore:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvlens.engine.loop as loop_module
-from kvlens.engine.attention import decode_pages, decode_rows
+from kvlens.engine.attention import decode_rows, decode_segments
 from kvlens.engine.loop import RunOptions, run
 from kvlens.kvcache import AttentionSpec
 from kvlens.kvcache.cache import KVCache
@@ -117,35 +117,56 @@ def test_what_a_policy_merges_into_the_working_copy_is_committed():
     assert not layer.values[0, 0, 12:].any()  # padding slots stay without a page
 
 
-@pytest.mark.parametrize("softcap", [None, 5.0])
-def test_attention_with_the_keys_where_they_lie_is_attention_over_the_gathered_slots(softcap):
-    """`decode_pages` (no gather of the keys) gives `decode_rows`'s output and probabilities on the gathered
-    keys, with GQA, a mask of the slots seen and soft-capping; the same floats wherever the pages lie (the
-    pool's pages shuffled and grown); and a run's cache hands its attention no keys, and the gathered values,
-    at a paged layer's decode step."""
-    cache, _, _ = paged_layer(29)
+def test_reserve_lays_each_head_out_in_one_segment_with_room_for_the_tokens_to_come():
+    """After `reserve(5)` head 0 (12 kept) holds 17 slots on 3 pages and head 1 (28 kept) 33 on 5, one run of
+    the pool each after the zero page: 9 pages of bytes; the kept keys and values are unchanged; the 5 tokens
+    fill each head's next slots on those pages (no page allocated, the layout kept), and so do 7 more (head
+    0's third page is full at 24 slots); a 13th token leaves the layout."""
+    cache, keys, values = paged_layer(29)
     layer, store = cache.layers[0], cache.layers[0].store
     assert isinstance(store, PagedStore)
-    g = torch.Generator().manual_seed(1)
-    query = torch.randn(1, 4, 1, D, generator=g)  # 2 query heads per KV head
-    seen = layer.valid & (torch.rand(layer.valid.shape, generator=g) < 0.7)
+    cache.reserve(5)
+    assert store.segments == [(1 * PAGE, 3), (4 * PAGE, 5)] and cache.nbytes == 9 * PAGE_BYTES
+    assert torch.equal(store.segment("keys", 0, 12), keys[0, 0, 20:])
+    assert torch.equal(store.segment("values", 1, 28), values[0, 1, 4:])
+    for step in range(5):
+        append(cache, N + step, float(step + 1))
+    assert store.segments is not None and store.pools["keys"].shape[0] == 9
+    assert layer.valid.sum(-1).tolist() == [17, 33] and layer.pos[0, 12:17].tolist() == list(range(N, N + 5))
+    assert torch.equal(store.segment("keys", 0, 17)[12:, 0], torch.arange(1.0, 6.0))
+    assert torch.equal(layer.keys[0, 1, :33], store.segment("keys", 1, 33))
+    for step in range(5, 12):
+        append(cache, N + step, float(step + 1))
+    assert store.segments is not None and layer.valid.sum(-1).tolist() == [24, 40]
+    append(cache, N + 12, 13.0)  # head 0's 25th slot needs a page outside its segment
+    assert store.segments is None and layer.valid.sum(-1).tolist() == [25, 41]
+    assert torch.equal(layer.keys[0, 0, :25, 0], torch.cat([keys[0, 0, 20:, 0], torch.arange(1.0, 14.0)]))
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_attention_on_the_segments_is_attention_over_the_gathered_slots(softcap):
+    """`decode_segments` (each head's keys and values read in place) gives `decode_rows`'s output on the
+    gathered slots, with GQA and soft-capping; a run's cache hands such a layer's attention no keys or
+    values at a decode step, only while nobody reads attention rows (`attends_pages`)."""
+    cache, _, _ = paged_layer(29)
+    layer, store = cache.layers[0], cache.layers[0].store
+    cache.reserve(3)
+    append(cache, N, 0.25)
+    query = torch.randn(1, 4, 1, D, generator=torch.Generator().manual_seed(1))  # 2 query heads per KV head
     spec = AttentionSpec(scaling=0.5, softcap=softcap)
-    want = decode_rows(query, layer.keys, layer.values, seen, spec)
-    got = decode_pages(query, store.flat_pool("keys"), store.entries(layer.rows), layer.values, seen, spec)
-    assert torch.allclose(got[0], want[0], atol=1e-6) and torch.allclose(got[1], want[1], atol=1e-7)
-    assert not got[1].masked_select(~seen[:, None, :].expand_as(got[1])).any()  # unseen slots weigh 0
-    pages = store.pools["keys"].shape[0]
-    moved = torch.cat([torch.tensor([0]), torch.randperm(pages + 4, generator=g)[: pages - 1] + 1])
-    pool = store.pools["keys"].new_zeros(pages + 5, PAGE, D).index_copy_(0, moved, store.pools["keys"])
-    entries = moved[store.entries(layer.rows) // PAGE] * PAGE + store.entries(layer.rows) % PAGE
-    elsewhere = decode_pages(query, pool.view(-1, D), entries, layer.values, seen, spec)
-    assert torch.equal(elsewhere[0], got[0]) and torch.equal(elsewhere[1], got[1])
-    cache.attends_pages = True
+    counts = layer.valid.sum(-1).tolist()
+    want = decode_rows(query, layer.keys, layer.values, layer.valid, spec)[0]
+    got = decode_segments(query, store, layer.rows, counts, spec)
+    assert counts == [13, 29] and torch.allclose(got, want, atol=1e-6)
     x = torch.full((1, 2, 1, D), 0.5)
-    with cache.feeding(torch.tensor([40])):
+    assert cache.reads_pages(layer) is None  # the run's attention reads rows: keys and values gathered
+    with cache.feeding(torch.tensor([N + 1])):
         k, v = cache.update(x, x, 0)
-    assert k.shape[2] == 0 and cache.reads_pages(layer) is store
-    assert torch.equal(v, store.read("values", layer.rows)) and v.shape[2] == int(layer.valid.sum(-1).max())
+    assert k.shape[2] == v.shape[2] == layer.valid.shape[1]
+    cache.attends_pages = True
+    with cache.feeding(torch.tensor([N + 2])):
+        k, v = cache.update(x, x, 0)
+    assert k.shape[2] == v.shape[2] == 0 and cache.reads_pages(layer) is store
 
 
 def test_the_all_layer_store_is_never_paged():
