@@ -14,6 +14,9 @@ of each row's slots s .. s + PAGE - 1 (-1: none allocated), so slot s of row r i
   page 0 included.
 - `SlotRows.retain` lays a paged row out with its kept slots first, so a head's padding needs no page; a
   layer's store becomes paged there (`LayerBook.paged`).
+- Once nothing leaves (a policy that compresses the prompt only), `reserve` lays each row's pages out as one
+  run of the pool with pages for the tokens to come: a decode step's attention then reads each head's keys
+  and values in place (`segment`, `kvlens.engine.attention.decode_segments`), with no gather.
 """
 
 from __future__ import annotations
