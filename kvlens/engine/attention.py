@@ -25,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlens.errors import KvlensError
-from kvlens.kvcache.scores import AttentionSpec, softmax_weights
+from kvlens.kvcache.scores import AttentionSpec, layer_logits, softmax_weights
 
 ATTENTION_NAME = "kvlens"
 CONTEXT_KWARG = "kvlens_context"
@@ -169,18 +169,50 @@ def dense(query, key, value, spec: AttentionSpec) -> torch.Tensor:
     return out.reshape(b, hq, q, d).transpose(1, 2).contiguous()
 
 
-def replayed(query, key, value, spec: AttentionSpec) -> torch.Tensor:
-    """The q queries of a pass fed after S - q cached slots (all visible), causal among themselves: SDPA with
-    a `(q, S)` mask, or `dense` when the layer soft-caps. query `(1, Hq, q, D)`, key/value `(1, Hkv, S, D)` ->
-    `(1, q, Hq, D)`."""
-    if not spec.plain:
-        return dense(query, key, value, spec)
+def replayed(query, key, value, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q queries of a pass fed after S - q cached slots (all visible), causal among themselves.
+
+    query `(1, Hq, q, D)`, key/value `(1, Hkv, S, D)` -> out `(1, q, Hq, D)` and each query's logsumexp over
+    the pass's own keys `(Hq, q)` float32 (what KVzip's scores normalise by, beside the prompt's). On the CPU
+    and a plain layer, two flash attentions (the cached slots, then the pass's own keys causally) give both,
+    their outputs combined by their log-normalisers; else SDPA with a `(q, S)` mask (`dense` when the layer
+    soft-caps) and the own keys' logits computed apart.
+    """
     q, s = query.shape[2], key.shape[2]
-    cols = torch.arange(s, device=key.device)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=visible(cols[s - q :], cols, None), scale=spec.scaling, enable_gqa=True
+    if spec.plain and key.device.type == "cpu":
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        seen, seen_lse = flash(query, key[:, :, : s - q], value[:, :, : s - q], scale=spec.scaling)
+        own, own_lse = flash(
+            query, key[:, :, s - q :], value[:, :, s - q :], is_causal=True, scale=spec.scaling
+        )
+        lse = torch.logaddexp(seen_lse, own_lse)
+        out = seen * (seen_lse - lse).exp()[..., None] + own * (own_lse - lse).exp()[..., None]
+        return out.transpose(1, 2).contiguous().to(query.dtype), own_lse[0]
+    if spec.plain:
+        cols = torch.arange(s, device=key.device)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=visible(cols[s - q :], cols, None),
+            scale=spec.scaling,
+            enable_gqa=True,
+        ).transpose(1, 2)
+    else:
+        out = dense(query, key, value, spec)
+    return out.contiguous(), own_logsumexp(query[0], key[0, :, s - q :], spec)
+
+
+def own_logsumexp(query, key, spec: AttentionSpec) -> torch.Tensor:
+    """`(Hq, q)` float32: each of q queries' logsumexp of its logits over q keys of its own pass, causal.
+    query `(Hq, q, D)`, key `(Hkv, q, D)`."""
+    hq, q, d = query.shape
+    hkv = key.shape[0]
+    logits = layer_logits(
+        torch.matmul(query.view(hkv, hq // hkv, q, d), key[:, None].transpose(-1, -2)).float(), spec
     )
-    return out.transpose(1, 2).contiguous()
+    future = torch.ones(q, q, dtype=torch.bool, device=key.device).triu(1)
+    return logits.masked_fill_(future, float("-inf")).logsumexp(-1).view(hq, q)
 
 
 def sdpa(query, key, value, scaling: float) -> torch.Tensor:

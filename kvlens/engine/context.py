@@ -243,7 +243,8 @@ class RunContext:
             )
         q = query.shape[2]
         start, end = self._replay
+        out, own_lse = replayed(query, key, value, spec)
         self.policy.observe_replay(
-            layer, Replay(start, end, query[0], key[0, :, -q:], spec.scaling, spec.softcap)
+            layer, Replay(start, end, query[0], key[0, :, -q:], own_lse, spec.scaling, spec.softcap)
         )
-        return replayed(query, key, value, spec)
+        return out

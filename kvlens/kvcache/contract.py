@@ -64,6 +64,7 @@ class Replay:
     end: int
     queries: torch.Tensor  # (Hq, q, D) the pass's queries after RoPE
     keys: torch.Tensor  # (Hkv, q, D) its own keys after RoPE (causal among themselves)
+    own_lse: torch.Tensor  # (Hq, q) float32 each query's logsumexp of its logits over those own keys (causal)
     scaling: float  # the layer's logit scale
     softcap: float | None = None  # its tanh soft-capping
 

@@ -115,9 +115,9 @@ class KVzip(Policy):
         """Scores `(Hkv, T)`: each slot of the chunk, the largest weight any query of the pass gives it.
 
         The weights are never materialised: per block of queries, the logits over the chunk's slots (and the
-        sinks) and over the pass's own keys give each query's log-normaliser `lse` (`logsumexp` of both), and
-        a slot's score is `exp(max_q (logit - lse_q))`, the largest softmax weight, taken in log space. The
-        prompt's keys are read where the prefill cached them."""
+        sinks) and the pass's logsumexp over its own keys (`Replay.own_lse`, from the engine's attention) give
+        each query's log-normaliser `lse`, and a slot's score is `exp(max_q (logit - lse_q))`, the largest
+        softmax weight, taken in log space. The prompt's keys are read where the prefill cached them."""
         keys = rows.keys[0]  # (Hkv, T, D): before the prompt's compression slot i holds position i
         hkv, t, d = keys.shape
         sink = min(self.n_sink, replay.start)
@@ -125,18 +125,14 @@ class KVzip(Policy):
         q = replay.queries.shape[1]
         queries = replay.queries.view(hkv, -1, q, d)
         g = queries.shape[1]
-        own_future = torch.ones(q, q, dtype=torch.bool, device=keys.device).triu(1)
+        own_lse = replay.own_lse.view(hkv, g, q)
         spec = AttentionSpec(replay.scaling, replay.softcap)
         best = torch.full((hkv, replay.end - replay.start), float("-inf"), device=keys.device)
         for a in range(0, q, ROWS):  # a block of rows at a time: (Hkv, G, ROWS, n) stays in cache
             b = min(q, a + ROWS)
             rows_q = queries[:, :, a:b].reshape(hkv, g * (b - a), d)
             seen = layer_logits(torch.bmm(rows_q, prompt.transpose(1, 2)).float(), spec)  # (Hkv, G * rows, n)
-            own = layer_logits(torch.bmm(rows_q, replay.keys.transpose(1, 2)).float(), spec).view(
-                hkv, g, b - a, q
-            )
-            own.masked_fill_(own_future[a:b], float("-inf"))
-            lse = torch.logaddexp(seen.logsumexp(-1), own.view(hkv, g * (b - a), q).logsumexp(-1))
+            lse = torch.logaddexp(seen.logsumexp(-1), own_lse[:, :, a:b].reshape(hkv, g * (b - a)))
             block = (seen[..., sink:] - lse[..., None]).amax(1)  # (Hkv, chunk)
             torch.maximum(best, block, out=best)
         state = rows.states[0]

@@ -55,3 +55,25 @@ def test_quantized_storage_replaces_the_store_and_keeps_the_slots():
     assert isinstance(layer.store, PackedStore) and "keys" not in layer.store.buffers
     assert layer.pos[0].tolist() == list(range(8))
     assert torch.allclose(layer.keys, x, atol=0.05) and torch.allclose(layer.values, x, atol=0.05)
+
+
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_a_replay_pass_attends_as_dense_causal_attention_and_returns_its_own_keys_logsumexp(softcap):
+    """`replayed` (two flash attentions combined on a plain CPU layer, masked attention when soft-capped)
+    equals `dense` over the cached slots and the pass's own keys, causal among them, with GQA; its own-key
+    logsumexp is the plain formula's."""
+    from kvlens.engine.attention import dense, replayed
+    from kvlens.kvcache import AttentionSpec
+
+    g = torch.Generator().manual_seed(3)
+    t, q, d = 20, 7, 8
+    query = torch.randn(1, 6, q, d, generator=g)  # 3 query heads per KV head
+    key, value = torch.randn(1, 2, t + q, d, generator=g), torch.randn(1, 2, t + q, d, generator=g)
+    spec = AttentionSpec(scaling=0.4, softcap=softcap)
+    out, own_lse = replayed(query, key, value, spec)
+    assert torch.allclose(out, dense(query, key, value, spec), atol=1e-6)
+    logits = 0.4 * query.view(2, 3, q, d) @ key[0, :, t:][:, None].transpose(-1, -2)  # (Hkv, G, q, q)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    future = torch.ones(q, q, dtype=torch.bool).triu(1)
+    assert torch.allclose(own_lse, logits.masked_fill(future, -torch.inf).logsumexp(-1).view(6, q), atol=1e-6)

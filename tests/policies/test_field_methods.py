@@ -286,7 +286,12 @@ def test_kvzip_scores_each_slot_by_the_largest_weight_of_the_repeating_queries(s
     layer = random_layer(seed, t)
     gen = torch.Generator().manual_seed(seed + 1)
     queries, own = torch.randn(HKV * G, q, D, generator=gen), torch.randn(HKV, q, D, generator=gen)
-    make_policy("kvzip", {"n_sink": sinks}).observe_replay(layer, Replay(start, end, queries, own, 0.5))
+    mask = torch.ones(q, q, dtype=torch.bool).triu(1)  # the pass's own logsumexp, written plainly
+    own_lse = (0.5 * queries.view(HKV, G, q, D) @ own[:, None].transpose(-1, -2)).masked_fill(
+        mask, -torch.inf
+    )
+    replay = Replay(start, end, queries, own, own_lse.logsumexp(-1).view(HKV * G, q), 0.5)
+    make_policy("kvzip", {"n_sink": sinks}).observe_replay(layer, replay)
     got = layer.states[0]["kvzip_score"]
     keys = layer.keys[0]
     s = min(sinks, start)
