@@ -9,12 +9,13 @@ One `StepEvent` per produced token goes to `on_step`, so callers can plot live; 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 
@@ -297,25 +298,45 @@ def run(
     teacher=True scores `ids[prefill:prefill+steps]` (teacher forcing); otherwise tokens are
     generated (greedy, or seeded sampling) and `ids` beyond `prefill` are ignored.
     """
-    loop = prepare_run(model, policy, ids, prefill, steps, teacher, opts, observers)
+    with freed_on_oom(prefill, steps):
+        events = _steps(
+            prepare_run(model, policy, ids, prefill, steps, teacher, opts, observers),
+            ids,
+            prefill,
+            steps,
+            teacher,
+            meta,
+        )
+        return _follow(events, on_step, cancel)
+
+
+def _follow(events: Generator[StepEvent, None, Run], on_step, cancel) -> Run:
+    """Drive a run's steps to its `Run`, each event to `on_step`; `Cancelled` once `cancel` is set."""
+    while True:
+        try:
+            event = next(events)
+        except StopIteration as done:
+            return done.value
+        if on_step is not None:
+            with torch.inference_mode():
+                on_step(event)
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("The run was stopped before it finished; nothing was saved.")
+
+
+@contextlib.contextmanager
+def freed_on_oom(prefill: int, steps: int) -> Iterator[None]:
+    """Out of memory inside: the runs' memory is freed (what only the frames inside held) and one sentence
+    raised instead."""
     try:
-        events = _steps(loop, ids, prefill, steps, teacher, meta)
-        while True:
-            try:
-                event = next(events)
-            except StopIteration as done:
-                return done.value
-            if on_step is not None:
-                with torch.inference_mode():
-                    on_step(event)
-            if cancel is not None and cancel.is_set():
-                raise Cancelled("The run was stopped before it finished; nothing was saved.")
+        yield
     except (MemoryError, RuntimeError) as err:
         if not _is_oom(err):
             raise
         message = str(err).splitlines()[0][:200]
-    del loop, events  # free the cache before telling the caller
-    gc.collect()
+    else:
+        return
+    gc.collect()  # the failed frames are gone: free their caches before telling the caller
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     raise KvlensError(

@@ -55,7 +55,17 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.engine.lockstep import Row, lockstep, prefilled
-from kvlens.engine.loop import Fork, RunOptions, StepEvent, decode_from, prepare_run, resume, resumed, run
+from kvlens.engine.loop import (
+    Fork,
+    RunOptions,
+    StepEvent,
+    decode_from,
+    freed_on_oom,
+    prepare_run,
+    resume,
+    resumed,
+    run,
+)
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.perturbation import PerturbationMeter, kl_per_step, summary
 from kvlens.errors import KvlensError
@@ -225,7 +235,10 @@ def compare(
         found[0] = _own_text(model, prompt, todo[0], new_tokens, found[0], None, cancel)
     missing = [e for e, r in zip(todo, found, strict=True) if r is None]
     measure = _measure_many if batched else _measure_each
-    fresh = iter(measure(model, ids, missing, found[0], opts, on_step, cancel, own_text) if missing else [])
+    with freed_on_oom(len(ids), new_tokens):
+        fresh = iter(
+            measure(model, ids, missing, found[0], opts, on_step, cancel, own_text) if missing else []
+        )
     results: list[Result] = []
     for e, key, result in zip(todo, keys, found, strict=True):
         if result is None:

@@ -8,6 +8,7 @@ import pytest
 
 import kvlens.experiments.compare as cmp
 from kvlens.engine.loop import RunOptions
+from kvlens.errors import KvlensError
 from kvlens.experiments.api import generate
 from kvlens.experiments.compare import Entry, ResultCache, compare, first_difference, table
 from tests.conftest import TEXTS, kvlens, one_sentence
@@ -216,6 +217,21 @@ def test_batched_compare_is_the_unbatched_one_in_one_forward_per_step(tiny, monk
     assert batches[0] == (1, prompt)  # one prefill for all five (every pass records attention: one kernel)
     own_rows = [sum(r.own_from <= step for r in batched) for step in range(n - 1)]
     assert batches[1:] == [(5 + own_rows[step], 1) for step in range(n - 1)]
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one by one"])
+def test_running_out_of_memory_is_one_sentence_on_either_path(tiny, monkeypatch, batched):
+    forward, calls = tiny.model.forward, []
+
+    def short_of_memory(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:  # past the prefill, inside the decode steps
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2 GB")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(tiny.model, "forward", short_of_memory)
+    with pytest.raises(KvlensError, match=r"^Out of memory on \d+ \+ 8 tokens .* the memory was freed"):
+        compare(tiny, PROMPT, BATCHED, 8, batched=batched)
 
 
 @pytest.mark.slow
