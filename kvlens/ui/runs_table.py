@@ -51,14 +51,14 @@ ORDER = [
 ]
 KEY_WIDTH = 820  # px: the app's content at a 1280-px-wide window (wide layout, sidebar open)
 COLUMN_CONFIG = {
-    "name": st.column_config.TextColumn("name", width=140, pinned=True),
+    "name": st.column_config.TextColumn("name", width=160, pinned=True),
     "text": st.column_config.TextColumn(
         "text",
         width=40,
         help="Runs with the same letter ran on the same prompt tokens; ppl, KL and perturbation compare only "
         "within one letter",
     ),
-    "prompt": st.column_config.TextColumn("prompt", width=150, help="The prompt's first words"),
+    "prompt": st.column_config.TextColumn("prompt", width=130, help="The prompt's first words"),
     "policy": st.column_config.TextColumn("policy", width=105),
     "source": st.column_config.TextColumn(
         "source", width="small", help="shipped: cached_runs/; yours: runs/"
