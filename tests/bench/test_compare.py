@@ -1,4 +1,5 @@
-"""`kvlens.experiments.compare` (one measured pass per policy, results reused) and `kvlens compare --json`."""
+"""`kvlens.experiments.compare` (one measured pass per policy, batched or one by one, results reused) and
+`kvlens compare --json`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from kvlens.engine.loop import RunOptions
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import generate
 from kvlens.experiments.compare import Entry, ResultCache, compare, first_difference, table
+from kvlens.kvcache.quantize import Storage
 from tests.conftest import TEXTS, kvlens, one_sentence
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
@@ -181,7 +183,6 @@ def assert_batched_is_unbatched(batched: list, alone: list) -> None:
         for x, y in ((a.run, b.run), (a.own, b.own)):
             exact = [c for c in x.decisions.columns if c not in FLOAT_COLUMNS]
             assert x.decisions[exact].equals(y.decisions[exact])
-            assert len(x.decisions) > 0 or a.entry.policy == "full"  # every policy decides something
             for column in FLOAT_COLUMNS:
                 for u, v in zip(x.decisions[column], y.decisions[column], strict=True):
                     assert u == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True)
@@ -211,12 +212,34 @@ def test_batched_compare_is_the_unbatched_one_in_one_forward_per_step(tiny, monk
     monkeypatch.setattr(tiny.model, "forward", counted)
     batched = compare(tiny, PROMPT, BATCHED, n)
     assert_batched_is_unbatched(batched, alone)
+    assert all(len(r.run.decisions) and len(r.own.decisions) for r in batched[1:])  # each one decides
     resumed = [r.own_from for r in batched[1:] if r.own_from < n - 1]
     assert resumed  # some own texts leave the measured one early and run in the batch from there
     prompt = len(batched[0].run.meta["prompt_tokens"])
     assert batches[0] == (1, prompt)  # one prefill for all five (every pass records attention: one kernel)
     own_rows = [sum(r.own_from <= step for r in batched) for step in range(n - 1)]
     assert batches[1:] == [(5 + own_rows[step], 1) for step in range(n - 1)]
+
+
+MIXES = {
+    "quantized": [
+        Entry("full", {}, None, Storage(bits=4, group=16)),
+        Entry("h2o", {}, 12, Storage(bits=2, group=16)),
+    ],
+    "budget-free": [Entry("kvmerger", {}, None), Entry("corm", {}, None)],
+    "per-head budgets": [Entry("adakv", {"base": "snapkv", "base.window": 4}, 12)],
+    "replay passes": [Entry("kvzip", {}, 12), Entry("snapkv", {"window": 4}, 12)],
+    "merging": [Entry("d2o", {}, 12), Entry("weightedkv", {}, 12), Entry("scissorhands", {}, 12)],
+}
+
+
+@pytest.mark.parametrize("entries", MIXES.values(), ids=MIXES.keys())
+def test_batched_compare_is_the_unbatched_one_for_every_kind_of_policy(tiny, entries):
+    """Quantized storage, budget-free policies, per-head budgets, replay passes (KVzip) and merging policies
+    batch as exactly as evicting ones."""
+    assert_batched_is_unbatched(
+        compare(tiny, PROMPT, entries, 12), compare(tiny, PROMPT, entries, 12, batched=False)
+    )
 
 
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "one by one"])
