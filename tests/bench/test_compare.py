@@ -288,7 +288,7 @@ def test_compare_json_rows_agree_with_generate_and_ppl(smol, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert out["wall_s"] > 0 and out["generate_s"] > 0
+    assert out["wall_s"] > 0 and out["generate_s"] > 0 and out["generation_s"] > 0
     full, stream = out["rows"]
     assert [full["name"], stream["name"]] == ["full", "streaming_llm"]
     assert full["first_divergence"] is None and full["kl"] == pytest.approx(0, abs=1e-4)
