@@ -9,13 +9,12 @@ One `StepEvent` per produced token goes to `on_step`, so callers can plot live; 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import math
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 
@@ -298,16 +297,16 @@ def run(
     teacher=True scores `ids[prefill:prefill+steps]` (teacher forcing); otherwise tokens are
     generated (greedy, or seeded sampling) and `ids` beyond `prefill` are ignored.
     """
-    with freed_on_oom(prefill, steps):
-        events = _steps(
-            prepare_run(model, policy, ids, prefill, steps, teacher, opts, observers),
-            ids,
-            prefill,
-            steps,
-            teacher,
-            meta,
-        )
+    loop = prepare_run(model, policy, ids, prefill, steps, teacher, opts, observers)
+    try:
+        events = _steps(loop, ids, prefill, steps, teacher, meta)
         return _follow(events, on_step, cancel)
+    except (MemoryError, RuntimeError) as err:
+        if not is_oom(err):
+            raise
+        message = str(err).splitlines()[0][:200]
+    del loop, events  # free the cache before telling the caller
+    raise out_of_memory(prefill, steps, message)
 
 
 def _follow(events: Generator[StepEvent, None, Run], on_step, cancel) -> Run:
@@ -324,22 +323,13 @@ def _follow(events: Generator[StepEvent, None, Run], on_step, cancel) -> Run:
             raise Cancelled("The run was stopped before it finished; nothing was saved.")
 
 
-@contextlib.contextmanager
-def freed_on_oom(prefill: int, steps: int) -> Iterator[None]:
-    """Out of memory inside: the runs' memory is freed (what only the frames inside held) and one sentence
-    raised instead."""
-    try:
-        yield
-    except (MemoryError, RuntimeError) as err:
-        if not _is_oom(err):
-            raise
-        message = str(err).splitlines()[0][:200]
-    else:
-        return
-    gc.collect()  # the failed frames are gone: free their caches before telling the caller
+def out_of_memory(prefill: int, steps: int, message: str) -> KvlensError:
+    """The sentence for a run of `prefill` + `steps` tokens that ran out of memory (`message`: the error's
+    first line), once the memory is freed: call it outside the `except` block, once nothing holds the runs."""
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    raise KvlensError(
+    return KvlensError(
         f"Out of memory on {prefill} + {steps} tokens ({message}); the memory was freed: "
         f"try a shorter text, fewer tokens or a smaller model."
     )
@@ -417,7 +407,8 @@ def new_loop(
     return _Loop(model, policy, opts, list(observers), budget, length)
 
 
-def _is_oom(err: BaseException) -> bool:
+def is_oom(err: BaseException) -> bool:
+    """Whether `err` says the memory ran out (CPU or CUDA)."""
     return (
         isinstance(err, (MemoryError, torch.OutOfMemoryError))
         or "can't allocate memory" in str(err)

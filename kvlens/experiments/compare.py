@@ -60,7 +60,8 @@ from kvlens.engine.loop import (
     RunOptions,
     StepEvent,
     decode_from,
-    freed_on_oom,
+    is_oom,
+    out_of_memory,
     prepare_run,
     resume,
     resumed,
@@ -235,10 +236,20 @@ def compare(
         found[0] = _own_text(model, prompt, todo[0], new_tokens, found[0], None, cancel)
     missing = [e for e, r in zip(todo, found, strict=True) if r is None]
     measure = _measure_many if batched else _measure_each
-    with freed_on_oom(len(ids), new_tokens):
-        fresh = iter(
-            measure(model, ids, missing, found[0], opts, on_step, cancel, own_text) if missing else []
-        )
+    try:
+        fresh = measure(model, ids, missing, found[0], opts, on_step, cancel, own_text) if missing else []
+    except (MemoryError, RuntimeError) as err:
+        if not is_oom(err):
+            raise
+        message = str(err).splitlines()[0][:200]
+    else:
+        return _collected(model, prompt, todo, keys, found, iter(fresh), new_tokens, cache, own_text, cancel)
+    raise out_of_memory(len(ids), new_tokens, message)  # the passes' frames are gone: their memory is freed
+
+
+def _collected(model, prompt, todo, keys, found, fresh, new_tokens, cache, own_text, cancel) -> list[Result]:
+    """The results in `todo`'s order, each reused (`found`) or measured now (the next of `fresh`), with its
+    own text if asked; all kept in `cache`."""
     results: list[Result] = []
     for e, key, result in zip(todo, keys, found, strict=True):
         if result is None:
