@@ -16,12 +16,12 @@ page_top(
     "Compare",
     "Several policies on one prompt, each against the full cache: where its text first differs, "
     "perplexity on the full cache's continuation, KL and output perturbation, memory and speed. "
-    "One measured pass per policy, teacher-forced on the full cache's text; earlier results are "
-    "reused.",
+    "One measured pass per policy, teacher-forced on the full cache's text, all of them together (one "
+    "prefill, then one batched forward per token); earlier results are reused.",
 )
 
 job = PageJob("cmp", "Stopped. Nothing was compared.")
-job.begin()
+stopped = job.begin()
 prompt = st.text_area(
     "Prompt",
     key="cmp_prompt",
@@ -52,20 +52,23 @@ go_clicked = b1.button(
 )
 job.stop_button(b2)
 
+failed = False
 if go_clicked and all(p is not None for p in picks):
     entries = [Entry(*p) for p in picks]
     runs = entries_with_reference(entries)  # settings were checked by the pickers
     status = st.empty()
+    cards = st.empty()  # each pass's progress and text so far, cleared if the comparison fails
     live = {}
-    for e, col in zip(runs, st.columns(len(runs))):
-        with col, st.container(border=True):
-            live[e.label] = {
-                "bar": st.progress(0.0, text=f"{e.label}: waiting (or reused)"),
-                "text": st.empty(),
-                "pieces": [],
-                "full": [],
-                "diff": None,
-            }
+    with cards.container():
+        for e, col in zip(runs, st.columns(len(runs))):
+            with col, st.container(border=True):
+                live[e.label] = {
+                    "bar": st.progress(0.0, text=f"{e.label}: waiting (or reused)"),
+                    "text": st.empty(),
+                    "pieces": [],
+                    "full": [],
+                    "diff": None,
+                }
 
     def draw(events):
         for label, piece, fed, event in events:
@@ -105,12 +108,16 @@ if go_clicked and all(p is not None for p in picks):
     if result is not None:
         st.session_state.cmp_result = result
         st.rerun()
+    cards.empty()
+    failed = True  # `status` says why
 
 results = st.session_state.get("cmp_result")
-if not results:
+if results:
+    if failed:
+        st.caption("Below: the last comparison that finished, not the one asked for above.")
+    show_results(results)
+elif not (failed or stopped):
     st.info(
         "Pick the policies and press **Compare**. The full cache is always run too, as the reference (in the "
         "model's dtype; pick `full` with quantized storage to see what quantization alone does)."
     )
-else:
-    show_results(results)

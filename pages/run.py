@@ -19,7 +19,7 @@ page_top("Run", "Run a policy on a prompt, watch it work, and save the run for t
 url_state.share_link()  # the policy, preset and budget below are in the link
 
 job = PageJob("run", "Stopped. The run was cancelled and nothing was saved.")
-job.begin()
+stopped = job.begin()
 saved = st.session_state.pop("run_saved", None)
 if saved:
     st.success(f"Saved {saved}; it is now selected in the sidebar, so every page shows it.")
@@ -128,7 +128,8 @@ with right:
     live_text = st.empty()
     if not go_clicked:
         if not st.session_state.get("run_last"):
-            status.info("Set up a run on the left and press **Run**. Plots appear here while it runs.")
+            if not stopped:
+                status.info("Set up a run on the left and press **Run**. Plots appear here while it runs.")
         else:  # the run this page saved last: its report, its text, and its tokens inspected
             last = open_run(st.session_state.run_last)
             head, report = st.columns([4, 1], vertical_alignment="bottom")
@@ -183,3 +184,5 @@ if go_clicked and picked is not None and storage is not None:
         st.session_state.run_saved = path.name
         st.session_state.run_last = str(path)
         st.rerun()
+    live_chart.empty()  # the failed run's plots: `status` says why it stopped
+    live_text.empty()

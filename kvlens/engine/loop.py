@@ -50,6 +50,12 @@ class StepEvent:
     extra: dict = field(default_factory=dict)  # observers' per-step numbers (e.g. perturbation)
     logits: torch.Tensor | None = None  # (V,) the logits this step's token was chosen or scored from
     fork: Callable[[], Fork] | None = None  # a copy of the run before this step's token (while paused here)
+    last: bool = False  # the run's last token: nothing more is fed
+
+
+Fed = tuple[
+    torch.Tensor, float
+]  # a step's logits (V,) fed by a batched forward, and this run's seconds of it
 
 
 @dataclass
@@ -253,7 +259,7 @@ class _Loop:
                     self.cache.reserve(self.length - self.prompt_length)
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes)
 
-    def event(self, step, token, nll, ms, logits) -> StepEvent:
+    def event(self, step, token, nll, ms, logits, final: bool) -> StepEvent:
         last = self.cache.layers[-1]
         attention = None
         if last.last_attn is not None:
@@ -273,6 +279,7 @@ class _Loop:
             ms=ms,
             attention=attention,
             logits=logits,
+            last=final,
         )
 
 
@@ -295,28 +302,39 @@ def run(
     teacher=True scores `ids[prefill:prefill+steps]` (teacher forcing); otherwise tokens are
     generated (greedy, or seeded sampling) and `ids` beyond `prefill` are ignored.
     """
-    loop = _prepare(model, policy, ids, prefill, steps, teacher, opts, observers)
+    loop = prepare_run(model, policy, ids, prefill, steps, teacher, opts, observers)
     try:
         events = _steps(loop, ids, prefill, steps, teacher, meta)
-        while True:
-            try:
-                event = next(events)
-            except StopIteration as done:
-                return done.value
-            if on_step is not None:
-                with torch.inference_mode():
-                    on_step(event)
-            if cancel is not None and cancel.is_set():
-                raise Cancelled("The run was stopped before it finished; nothing was saved.")
+        return _follow(events, on_step, cancel)
     except (MemoryError, RuntimeError) as err:
-        if not _is_oom(err):
+        if not is_oom(err):
             raise
         message = str(err).splitlines()[0][:200]
     del loop, events  # free the cache before telling the caller
+    raise out_of_memory(prefill, steps, message)
+
+
+def _follow(events: Generator[StepEvent, None, Run], on_step, cancel) -> Run:
+    """Drive a run's steps to its `Run`, each event to `on_step`; `Cancelled` once `cancel` is set."""
+    while True:
+        try:
+            event = next(events)
+        except StopIteration as done:
+            return done.value
+        if on_step is not None:
+            with torch.inference_mode():
+                on_step(event)
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("The run was stopped before it finished; nothing was saved.")
+
+
+def out_of_memory(prefill: int, steps: int, message: str) -> KvlensError:
+    """The sentence for a run of `prefill` + `steps` tokens that ran out of memory (`message`: the error's
+    first line), once the memory is freed: call it outside the `except` block, once nothing holds the runs."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    raise KvlensError(
+    return KvlensError(
         f"Out of memory on {prefill} + {steps} tokens ({message}); the memory was freed: "
         f"try a shorter text, fewer tokens or a smaller model."
     )
@@ -340,7 +358,7 @@ def run_steps(
     whatever slows the machine down meanwhile hits all of them alike. `total_s` counts only the
     run's own time, not the time spent suspended between steps.
     """
-    loop = _prepare(model, policy, ids, prefill, steps, teacher, opts, observers)
+    loop = prepare_run(model, policy, ids, prefill, steps, teacher, opts, observers)
     return (yield from _steps(loop, ids, prefill, steps, teacher, meta))
 
 
@@ -361,7 +379,7 @@ def _check_chunk(policy: Policy, opts: RunOptions, observers) -> None:
         )
 
 
-def _prepare(model: LoadedModel, policy: Policy, ids, prefill, steps, teacher, opts, observers) -> _Loop:
+def prepare_run(model: LoadedModel, policy: Policy, ids, prefill, steps, teacher, opts, observers) -> _Loop:
     """Check the request and set up the run's state (budget, cache, context)."""
     if prefill < 1:
         raise KvlensError("The prompt is empty: give at least one token.")
@@ -394,7 +412,8 @@ def new_loop(
     return _Loop(model, policy, opts, list(observers), budget, length)
 
 
-def _is_oom(err: BaseException) -> bool:
+def is_oom(err: BaseException) -> bool:
+    """Whether `err` says the memory ran out (CPU or CUDA)."""
     return (
         isinstance(err, (MemoryError, torch.OutOfMemoryError))
         or "can't allocate memory" in str(err)
@@ -430,8 +449,11 @@ class _Progress:
 
 def _decode(
     loop: _Loop, done: _Progress, ids, steps, teacher, meta, t0: float
-) -> Generator[StepEvent, None, Run]:
-    """Choose (or score) a token, yield its event, feed it and compress, from `done.step` to `steps`."""
+) -> Generator[StepEvent, Fed | None, Run]:
+    """Choose (or score) a token, yield its event, feed it and compress, from `done.step` to `steps`. A driver
+    may send the fed token's logits and this run's seconds of a batched forward (`kvlens.engine.lockstep`);
+    then only the compression runs here. `ids` is read at each step (teacher forcing on a text still being
+    written: the driver extends it)."""
     model, opts = loop.model, loop.opts
     gen = torch.Generator().manual_seed(opts.seed)
     eos = model.tokenizer.eos_token_id
@@ -447,7 +469,8 @@ def _decode(
             nlls.append(nll)
             if i:
                 ms.append(step_ms)
-            event = loop.event(i, token, nll, step_ms, logits)
+            last = i == steps - 1 or (not teacher and opts.stop_at_eos and token == eos)
+            event = loop.event(i, token, nll, step_ms, logits, last)
         event.fork = (
             lambda i=i, logits=logits, step_ms=step_ms: fork(
                 loop,
@@ -457,17 +480,29 @@ def _decode(
             )
         )
         paused = time.perf_counter()
-        yield event
+        fed = yield event
         suspended += time.perf_counter() - paused
-        if i == steps - 1 or (not teacher and opts.stop_at_eos and token == eos):
+        if last:
             break
         t = time.perf_counter()
         with torch.inference_mode():
-            logits = loop.forward([token], prefill + i)
+            logits = loop.forward([token], prefill + i) if fed is None else fed[0]
             loop.compress(i + 1)
         step_ms = (time.perf_counter() - t) * 1000
+        if fed is not None:  # this run's share of the batched forward is its own time
+            step_ms += fed[1] * 1000
+            suspended -= fed[1]
     total_s = time.perf_counter() - t0 - suspended
     return _make_run(loop, model, done.prompt, tokens, nlls, ms, done.prefill_ms, total_s, teacher, meta)
+
+
+def decode_from(
+    loop: _Loop, prompt: list[int], logits: torch.Tensor, prefill_ms: float, ids, steps: int, teacher: bool
+) -> Generator[StepEvent, Fed | None, Run]:
+    """The decode steps of a loop whose prompt is in its cache already (restored from a shared prefill that,
+    with its compression, took this run `prefill_ms`), from the prompt's last logits `(V,)`."""
+    done = _Progress(list(prompt), 0, logits, [], [], [], prefill_ms, prefill_ms)
+    return _decode(loop, done, ids, steps, teacher, None, time.perf_counter() - prefill_ms / 1000)
 
 
 @dataclass
@@ -477,6 +512,11 @@ class Fork:
 
     loop: _Loop
     progress: _Progress
+
+    @property
+    def before_s(self) -> float:
+        """Seconds the run had spent before the fork: its prefill and its steps."""
+        return (self.progress.prefill_ms + sum(self.progress.ms)) / 1000
 
 
 def fork(loop: _Loop, progress: _Progress) -> Fork:
@@ -499,17 +539,21 @@ def fork(loop: _Loop, progress: _Progress) -> Fork:
 def resume(point: Fork, steps: int, meta: dict | None = None) -> Run:
     """Greedy generation from a fork up to `steps` tokens in all, or the end-of-sequence token: the run
     `kvlens generate` would make if its choices before the fork's step were the tokens the fork had. Its
-    `total_s` counts what the fork had done before (prefill and steps) and the steps generated here."""
-    loop, done = point.loop, point.progress
-    loop.opts = dataclasses.replace(loop.opts, temperature=0.0, stop_at_eos=True)
-    before = (done.prefill_ms + sum(done.ms)) / 1000
-    progress = dataclasses.replace(done, tokens=list(done.tokens), nlls=list(done.nlls), ms=list(done.ms))
-    events = _decode(loop, progress, done.prompt, steps, False, meta, time.perf_counter() - before)
+    `total_s` counts what the fork had done before (`Fork.before_s`) and the steps generated here."""
+    events = resumed(point, steps, meta)
     while True:
         try:
             next(events)
         except StopIteration as finished:
             return finished.value
+
+
+def resumed(point: Fork, steps: int, meta: dict | None = None) -> Generator[StepEvent, Fed | None, Run]:
+    """`resume` one step at a time (a decode generator, `kvlens.engine.lockstep` drives several)."""
+    loop, done = point.loop, point.progress
+    loop.opts = dataclasses.replace(loop.opts, temperature=0.0, stop_at_eos=True)
+    progress = dataclasses.replace(done, tokens=list(done.tokens), nlls=list(done.nlls), ms=list(done.ms))
+    return _decode(loop, progress, done.prompt, steps, False, meta, time.perf_counter() - point.before_s)
 
 
 def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, total_s, teacher, meta) -> Run:

@@ -121,7 +121,9 @@ class _Capture(RunContext):
 class SharedPrefill:
     """One context's prefill, kept for every policy in `policies` (at most two forwards: SDPA and eager)."""
 
-    def __init__(self, model: LoadedModel, ids: list[int], policies: list[Policy]):
+    def __init__(self, model: LoadedModel, ids: list[int], policies: list[Policy | RunContext]):
+        """`policies`: each a policy (what its own run computes in its prefill) or a run's context (what it
+        computes with its observers)."""
         model.supported().require()
         _check_length(model, len(ids))
         self.model, self.ids, self.groups, self.logits = model, list(ids), {}, {}
@@ -129,10 +131,9 @@ class SharedPrefill:
             Policy, tuple[int, list[dict]]
         ] = {}  # per policy: its passes, what they left per layer
         t = time.perf_counter()
-        for sums in sorted({_ctx_of(model, p).column_sums for p in policies}):
-            rows = max(
-                _ctx_of(model, p).prefill_rows for p in policies if _ctx_of(model, p).column_sums == sums
-            )
+        needs = [_ctx_of(model, p) for p in policies]
+        for sums in sorted({ctx.column_sums for ctx in needs}):
+            rows = max(ctx.prefill_rows for ctx in needs if ctx.column_sums == sums)
             cache = KVCache(model.shape()["layers"], limit=len(ids))
             ctx = _Capture(
                 cache,
@@ -191,8 +192,11 @@ class SharedPrefill:
             book.state.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
 
 
-def _ctx_of(model: LoadedModel, policy: Policy) -> RunContext:
-    """What a policy's own run would compute in its prefill (its context, without a cache)."""
+def _ctx_of(model: LoadedModel, policy: Policy | RunContext) -> RunContext:
+    """What a policy's own run would compute in its prefill (its context, without a cache), or a run's
+    context as it is."""
+    if isinstance(policy, RunContext):
+        return policy
     return RunContext(None, policy, windowed=bool(model.supported().sliding))
 
 

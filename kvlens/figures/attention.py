@@ -301,7 +301,7 @@ def attention_row_figure(grid: AttentionGrid, row: int) -> go.Figure:
                 )
             )
     fig.update_xaxes(title_text="token position")
-    fig.update_yaxes(title_text="attention", type="log")
+    fig.update_yaxes(title_text="attention", type="log", dtick=1, exponentformat="power")  # powers of ten
     fig.update_layout(
         title=dict(text=f"Attention row at query row {grid.rows[r]}"),
         barmode="overlay",

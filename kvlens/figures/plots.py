@@ -74,7 +74,8 @@ def finish(fig: go.Figure, title: str, analysis: str, run: Run | None = None, **
 
 def integer_ticks(fig: go.Figure, span: int = 12) -> go.Figure:
     """Ticks at whole numbers on every axis whose points are all whole numbers spanning at most `span` (plotly
-    would otherwise tick steps or positions at 0.5)."""
+    would otherwise tick steps or positions at 0.5); an axis drawn from zero (`rangemode="tozero"`) spans
+    from zero (48 kept slots on an axis from 0 would get 49 labels)."""
     values: dict[str, list] = {}
     for trace in fig.data:
         if trace.type not in ("scatter", "bar"):
@@ -85,6 +86,8 @@ def integer_ticks(fig: go.Figure, span: int = 12) -> go.Figure:
             values.setdefault(axis, []).extend([] if points is None else list(points))
     for axis, points in values.items():
         numbers = [v for v in points if v is not None]
+        if numbers and fig.layout[axis].rangemode == "tozero":
+            numbers.append(0)
         if (
             numbers
             and all(

@@ -51,7 +51,7 @@ def show_table(results: list[Result]) -> None:
         else st.column_config.Column(help=text)
         for name, fmt, text in COLUMNS.values()
     }
-    st.dataframe(frame, hide_index=True, width="stretch", column_config=config)
+    st.dataframe(frame, hide_index=True, width="stretch", column_config=config, placeholder="–")
 
 
 def show_text(

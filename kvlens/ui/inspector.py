@@ -262,7 +262,7 @@ def token_row_figure(row: TokenRow, policy: str, height: int = 460) -> go.Figure
                 col=1,
             )
     fig.add_vline(x=row.query_position, line=dict(color="#d62728", width=1, dash="dot"))
-    fig.update_yaxes(title_text="attention", type="log", row=1, col=1)
+    fig.update_yaxes(title_text="attention", type="log", dtick=1, exponentformat="power", row=1, col=1)
     fig.update_yaxes(showticklabels=False, row=2, col=1)
     fig.update_xaxes(title_text="token position (red dotted: the query)", row=2, col=1)
     fig.update_layout(

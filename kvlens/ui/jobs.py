@@ -72,10 +72,13 @@ class PageJob:
         self.prefix, self.message = prefix, stopped
         self.running, self.stopped = f"{prefix}_running", f"{prefix}_stopped"
 
-    def begin(self) -> None:
+    def begin(self) -> bool:
+        """Whether a job was stopped (said in a warning): the page then shows no empty-state hint."""
         st.session_state[self.running] = False
-        if st.session_state.pop(self.stopped, False):
+        stopped = st.session_state.pop(self.stopped, False)
+        if stopped:
             st.warning(self.message)
+        return bool(stopped)
 
     def stop_button(self, where=st, **kwargs) -> None:
         where.button(

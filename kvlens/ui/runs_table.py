@@ -26,35 +26,40 @@ PENDING = "runs_pending_delete"  # the runs whose Delete was pressed, until the 
 VERSION = "runs_version"  # bumped after a delete: the table's selection starts afresh
 IMPORTED = "runs_imported"  # uploaded file id -> the sentence its import gave (each upload is imported once)
 
-ORDER = [
+KEY_COLUMNS = [
     "name",
     "text",
     "prompt",
-    "source",
     "policy",
-    "params",
     "budget",
-    "storage",
     "ppl",
+    "peak KV (MiB)",
     "KL",
     "perturbation",
-    "peak KV (MiB)",
+]  # what tells runs apart first: in view without scrolling sideways (`KEY_WIDTH`)
+ORDER = [
+    *KEY_COLUMNS,
+    "params",
+    "storage",
+    "source",
     "prompt tokens",
     "new tokens",
     "mode",
     "level",
     "model",
     "saved",
-]  # what tells runs apart first
+]
+KEY_WIDTH = 820  # px: the app's content at a 1280-px-wide window (wide layout, sidebar open)
 COLUMN_CONFIG = {
-    "name": st.column_config.TextColumn("name", width="medium", pinned=True),
+    "name": st.column_config.TextColumn("name", width=160, pinned=True),
     "text": st.column_config.TextColumn(
         "text",
         width=40,
         help="Runs with the same letter ran on the same prompt tokens; ppl, KL and perturbation compare only "
         "within one letter",
     ),
-    "prompt": st.column_config.TextColumn("prompt", width="medium", help="The prompt's first words"),
+    "prompt": st.column_config.TextColumn("prompt", width=130, help="The prompt's first words"),
+    "policy": st.column_config.TextColumn("policy", width=105),
     "source": st.column_config.TextColumn(
         "source", width="small", help="shipped: cached_runs/; yours: runs/"
     ),
@@ -63,6 +68,7 @@ COLUMN_CONFIG = {
     ),
     "budget": st.column_config.TextColumn(
         "budget",
+        width=70,
         help="Slots per KV head per layer (none: the policy keeps "
         "what it decides, e.g. full, KVMerger, CORM)",
     ),
@@ -71,22 +77,24 @@ COLUMN_CONFIG = {
         width=100,
         help="How keys and values were stored: the model's dtype, or quantized to this many bits (--kv-bits)",
     ),
-    "ppl": st.column_config.NumberColumn(
-        "ppl", format="%.3f", width="small", help="Perplexity of the new tokens"
-    ),
+    "ppl": st.column_config.NumberColumn("ppl", format="%.3f", width=60, help="Perplexity of the new tokens"),
     "KL": st.column_config.NumberColumn(
         "KL",
         format="%.4f",
-        width="small",
+        width=65,
         help="Mean KL(p_full ‖ p_policy) per step (runs made with --measure)",
     ),
     "perturbation": st.column_config.NumberColumn(
-        "perturbation",
+        "perturb.",
         format="%.4f",
+        width=70,
         help="Mean output perturbation ‖O − O_full‖ / ‖O_full‖ (runs made with --measure)",
     ),
     "peak KV (MiB)": st.column_config.NumberColumn(
-        "peak KV (MiB)", format="%.2f", help="Largest allocated K+V bytes after any compression"
+        "peak KV",
+        format="%.2f MiB",
+        width=85,
+        help="Largest allocated K+V bytes after any compression, in MiB",
     ),
     "prompt tokens": st.column_config.NumberColumn(
         "prompt", width="small", help="Prompt (or prefill) tokens"

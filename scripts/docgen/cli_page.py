@@ -60,9 +60,11 @@ NOTES = {
         "attention loss, kept slots, peak KV bytes, `first_divergence`, `top1_agreement`, its "
         "own `generated` "
         "text and `generated_steps`, the tokens of it generated after its divergence) plus "
-        "`wall_s` (the whole comparison) and `generate_s` (the part spent on the policies' own "
+        "`wall_s` (the whole comparison), `generate_s` (the part spent on the policies' own "
         "texts; "
-        "`--no-generate` skips them)."
+        "`--no-generate` skips them) and `generation_s` (one plain `kvlens generate` of the full cache "
+        "with the same settings, timed before the comparison: `wall_s / generation_s` is its cost in "
+        "generations)."
     ),
 }
 

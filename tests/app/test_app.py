@@ -1119,3 +1119,32 @@ def test_browse_pages_and_the_run_page_offer_the_report_built_only_when_clicked(
     at.run()
     assert not at.exception and "Report" in [b.label for b in at.get("download_button")]
     assert not built
+
+
+@pytest.mark.parametrize(
+    "page, prefix, hint",
+    [("compare", "cmp", "Pick the policies and press"), ("run", "run", "Set up a run on the left")],
+)
+def test_no_empty_state_hint_or_live_card_stays_after_a_failed_or_stopped_job(
+    app, monkeypatch, page, prefix, hint
+):
+    """Run and Compare show their empty-state hint until something is tried; after a failure only the reason
+    stays (no hint, no progress of the failed job), and after Stop only the warning."""
+    import kvlens.ui.jobs
+    from kvlens.errors import KvlensError
+
+    def refuse(spec, device):
+        raise KvlensError("The model could not be loaded.")
+
+    monkeypatch.setattr(kvlens.ui.jobs, "get_model", refuse)
+    at = open_page(app, page)
+    assert any(hint in i.value for i in at.info)  # nothing tried yet
+    at.button(key=f"{prefix}_go").click().run()
+    assert not at.exception and [e.value for e in at.error] == ["The model could not be loaded."]
+    assert not any(hint in i.value for i in at.info) and not at.get("progress")
+    at.session_state[f"{prefix}_running"] = True  # as while a job runs: Stop's callback records it
+    at.button(key=f"{prefix}_stop").click().run()
+    assert [w.value.split(".")[0] for w in at.warning] == ["Stopped"]
+    assert not any(hint in i.value for i in at.info)
+    at.button(key=f"{prefix}_stop").click().run()  # nothing stopped: the hint again
+    assert any(hint in i.value for i in at.info)

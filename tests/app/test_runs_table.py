@@ -325,3 +325,18 @@ def test_the_runs_page_says_when_its_metrics_span_several_texts(tmp_path, monkey
     at.switch_page("pages/runs.py").run()
     assert not at.exception
     assert any("on 2 different texts" in c.value for c in at.caption)
+
+
+def test_the_key_columns_come_first_and_fit_a_laptop_window_without_scrolling_sideways():
+    """Name, text, prompt, policy, budget, ppl, peak KV, KL and perturbation lead the table, each with a width
+    in pixels, and together (with the selection column) fit the content of a 1280-px window."""
+    from kvlens.ui import runs_table as rt
+
+    assert rt.ORDER[: len(rt.KEY_COLUMNS)] == rt.KEY_COLUMNS
+    assert rt.KEY_COLUMNS[:5] == ["name", "text", "prompt", "policy", "budget"]
+    assert {"ppl", "peak KV (MiB)"} <= set(rt.KEY_COLUMNS)
+    frame, _ = run_table(shipped())
+    assert set(rt.ORDER) <= set(frame.columns)  # every column shown is one the table has
+    widths = [rt.COLUMN_CONFIG[c]["width"] for c in rt.KEY_COLUMNS]
+    assert all(isinstance(w, int) for w in widths)
+    assert sum(widths) + 35 <= rt.KEY_WIDTH  # 35 px: the row selection's check boxes

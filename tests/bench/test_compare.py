@@ -1,4 +1,5 @@
-"""`kvlens.experiments.compare` (one measured pass per policy, results reused) and `kvlens compare --json`."""
+"""`kvlens.experiments.compare` (one measured pass per policy, batched or one by one, results reused) and
+`kvlens compare --json`."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import pytest
 
 import kvlens.experiments.compare as cmp
 from kvlens.engine.loop import RunOptions
+from kvlens.errors import KvlensError
 from kvlens.experiments.api import generate
 from kvlens.experiments.compare import Entry, ResultCache, compare, first_difference, table
-from tests.conftest import kvlens, one_sentence
+from kvlens.kvcache.quantize import Storage
+from tests.conftest import TEXTS, kvlens, one_sentence
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
 ENTRIES = [Entry("streaming_llm", {"sink": 2}, 16), Entry("tova", {}, 12), Entry("full", {}, None)]
@@ -80,13 +83,17 @@ def test_each_ones_own_text_is_what_generate_writes_and_its_divergence_is_from_t
 
 def test_identical_inputs_reuse_results_and_run_only_what_changed(tiny, monkeypatch):
     passes = []
-    engine_run = cmp.run
+    engine_run, measure_many = cmp.run, cmp._measure_many
 
     def counted(model, policy, *args, **kwargs):
         passes.append(policy.name)
         return engine_run(model, policy, *args, **kwargs)
 
-    monkeypatch.setattr(cmp, "run", counted)
+    def counted_many(model, ids, entries, *args):
+        passes.extend(e.policy for e in entries)
+        return measure_many(model, ids, entries, *args)
+
+    monkeypatch.setattr(cmp, "_measure_many", counted_many)
     monkeypatch.setattr("kvlens.experiments.api.run", counted)
     cache = ResultCache()
     first = compare(tiny, PROMPT, ENTRIES, 6, cache=cache)
@@ -131,9 +138,10 @@ def test_own_texts_resume_from_the_divergence_and_generate_only_what_follows(tin
 )
 def test_a_resumed_own_text_is_generates_run_generating_only_the_tokens_after_the_divergence(tiny, entry):
     """Resumed from its fork, the own text has `kvlens generate`'s tokens, text and decisions (kept slots at
-    each step included), and the row counts only the steps after the first divergence."""
+    each step included), and the row counts only the steps after the first divergence (the unbatched path,
+    whose floats are those of a run alone; the batched one is compared with it below)."""
     n = 12
-    full, r = compare(tiny, PROMPT, [entry], n)
+    full, r = compare(tiny, PROMPT, [entry], n, batched=False)
     row = table([full, r])[1]
     own = generate(
         tiny, PROMPT, entry.policy, entry.params, opts=RunOptions(budget=entry.budget, max_new_tokens=n)
@@ -143,6 +151,121 @@ def test_a_resumed_own_text_is_generates_run_generating_only_the_tokens_after_th
     assert r.own.decisions.equals(own.decisions)
     assert r.own.tensors["steps/kv_slots"].equal(own.tensors["steps/kv_slots"])
     assert row["generated_steps"] == n - r.first_diff
+
+
+BATCHED = [
+    Entry("streaming_llm", {"sink": 2}, 16),
+    Entry("h2o", {}, 12),
+    Entry("cam", {}, 12),
+    Entry("tova", {}, 12),
+]
+FLOAT_COLUMNS = ("weights", "prob")  # the decisions' floats (merge weights, merge probabilities)
+# measured: the batched and the unbatched rows differ by at most ~1e-6 relative in perplexity and ~1e-7 in KL,
+# perturbation and attention loss (the tiny model and SmolLM2, float32); the bounds leave a margin of 10-100
+TOLERANCE = {
+    "ppl": (1e-5, 0),
+    "kl": (1e-4, 1e-6),
+    "perturbation": (1e-4, 1e-6),
+    "attention_loss": (1e-4, 1e-6),
+}
+
+
+def assert_batched_is_unbatched(batched: list, alone: list) -> None:
+    """The same texts, choices, decisions (their floats within rounding) and kept slots, measured and own,
+    and the same rows up to the float envelope `TOLERANCE`."""
+    for a, b in zip(batched, alone, strict=True):
+        assert a.run.meta["tokens"] == b.run.meta["tokens"] and a.picks == b.picks
+        assert (a.first_diff, a.own_from, a.own.meta["tokens"]) == (
+            b.first_diff,
+            b.own_from,
+            b.own.meta["tokens"],
+        )
+        for x, y in ((a.run, b.run), (a.own, b.own)):
+            exact = [c for c in x.decisions.columns if c not in FLOAT_COLUMNS]
+            assert x.decisions[exact].equals(y.decisions[exact])
+            for column in FLOAT_COLUMNS:
+                for u, v in zip(x.decisions[column], y.decisions[column], strict=True):
+                    assert u == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True)
+            assert x.tensors["steps/kv_slots"].equal(y.tensors["steps/kv_slots"])
+        row_a, row_b = a.row(), b.row()
+        for key, (rel, abs_) in TOLERANCE.items():
+            assert row_a[key] == pytest.approx(row_b[key], rel=rel, abs=abs_), key
+        floats = set(TOLERANCE) | {"ms_per_token"}
+        assert {k: v for k, v in row_a.items() if k not in floats} == {
+            k: v for k, v in row_b.items() if k not in floats
+        }
+
+
+def test_batched_compare_is_the_unbatched_one_in_one_forward_per_step(tiny, monkeypatch):
+    """One shared prefill, then one batched forward per step for the full cache's generation, every policy's
+    teacher-forced pass and each own text from its fork on; the results are the unbatched path's (decisions
+    exactly, numbers within the float envelope)."""
+    n = 12
+    alone = compare(tiny, PROMPT, BATCHED, n, batched=False)
+    batches = []
+    forward = tiny.model.forward
+
+    def counted(*args, **kwargs):
+        batches.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(tiny.model, "forward", counted)
+    batched = compare(tiny, PROMPT, BATCHED, n)
+    assert_batched_is_unbatched(batched, alone)
+    assert all(len(r.run.decisions) and len(r.own.decisions) for r in batched[1:])  # each one decides
+    resumed = [r.own_from for r in batched[1:] if r.own_from < n - 1]
+    assert resumed  # some own texts leave the measured one early and run in the batch from there
+    prompt = len(batched[0].run.meta["prompt_tokens"])
+    assert batches[0] == (1, prompt)  # one prefill for all five (every pass records attention: one kernel)
+    own_rows = [sum(r.own_from <= step for r in batched) for step in range(n - 1)]
+    assert batches[1:] == [(5 + own_rows[step], 1) for step in range(n - 1)]
+
+
+MIXES = {
+    "quantized": [
+        Entry("full", {}, None, Storage(bits=4, group=16)),
+        Entry("h2o", {}, 12, Storage(bits=2, group=16)),
+    ],
+    "budget-free": [Entry("kvmerger", {}, None), Entry("corm", {}, None)],
+    "per-head budgets": [Entry("adakv", {"base": "snapkv", "base.window": 4}, 12)],
+    "replay passes": [Entry("kvzip", {}, 12), Entry("snapkv", {"window": 4}, 12)],
+    "merging": [Entry("d2o", {}, 12), Entry("weightedkv", {}, 12), Entry("scissorhands", {}, 12)],
+}
+
+
+@pytest.mark.parametrize("entries", MIXES.values(), ids=MIXES.keys())
+def test_batched_compare_is_the_unbatched_one_for_every_kind_of_policy(tiny, entries):
+    """Quantized storage, budget-free policies, per-head budgets, replay passes (KVzip) and merging policies
+    batch as exactly as evicting ones."""
+    assert_batched_is_unbatched(
+        compare(tiny, PROMPT, entries, 12), compare(tiny, PROMPT, entries, 12, batched=False)
+    )
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one by one"])
+def test_running_out_of_memory_is_one_sentence_on_either_path(tiny, monkeypatch, batched):
+    forward, calls = tiny.model.forward, []
+
+    def short_of_memory(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:  # past the prefill, inside the decode steps
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2 GB")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(tiny.model, "forward", short_of_memory)
+    with pytest.raises(KvlensError, match=r"^Out of memory on \d+ \+ 8 tokens .* the memory was freed"):
+        compare(tiny, PROMPT, BATCHED, 8, batched=batched)
+
+
+@pytest.mark.slow
+def test_batched_compare_of_smollm2_is_the_unbatched_one(smol):
+    """The issue's comparison (streaming_llm, h2o and cam at half the prompt) on SmolLM2: decisions, texts and
+    kept slots exactly the unbatched path's, numbers within the float envelope."""
+    prompt = (TEXTS / "1986-Reagan.txt").read_text()[2000:2420]
+    entries = [Entry(p, {}, 0.5) for p in ("streaming_llm", "h2o", "cam")]
+    assert_batched_is_unbatched(
+        compare(smol, prompt, entries, 24), compare(smol, prompt, entries, 24, batched=False)
+    )
 
 
 @pytest.mark.slow
@@ -165,7 +288,7 @@ def test_compare_json_rows_agree_with_generate_and_ppl(smol, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert out["wall_s"] > 0 and out["generate_s"] > 0
+    assert out["wall_s"] > 0 and out["generate_s"] > 0 and out["generation_s"] > 0
     full, stream = out["rows"]
     assert [full["name"], stream["name"]] == ["full", "streaming_llm"]
     assert full["first_divergence"] is None and full["kl"] == pytest.approx(0, abs=1e-4)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlens.engine.loop import RunOptions, _prepare, run
+from kvlens.engine.loop import RunOptions, prepare_run, run
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy
 
@@ -36,7 +36,7 @@ def test_chunks_add_up_to_the_whole_prompts_attention_statistics(tiny):
     whole prompt's, and so are the logits."""
 
     def prefilled(chunk):
-        loop = _prepare(
+        loop = prepare_run(
             tiny, make_policy("h2o"), IDS, 64, 50, True, RunOptions(budget=100, prefill_chunk=chunk), []
         )
         with torch.inference_mode():

@@ -14,7 +14,7 @@ from kvlens.analysis.kinds.similarity import similarity_figure
 from kvlens.cli import main
 from kvlens.errors import KvlensError
 from kvlens.figures import export
-from tests.conftest import every_figure, tiny_run
+from tests.conftest import ROOT, every_figure, tiny_run
 
 CHROMIUM = os.path.exists("/usr/bin/chromium")
 needs_chromium = pytest.mark.skipif(
@@ -180,3 +180,22 @@ def test_every_exported_csv_column_heatmap_value_and_code_is_described(name, tmp
         codes = described["values"].get(row["trace"], {}).get("codes")
         if codes:
             assert row["meaning"] == codes[str(int(float(row["value"])))]
+
+
+SHIPPED = sorted((ROOT / "docs" / "img").glob("*.csv"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_figure_csv_has_the_exporters_columns_and_its_json_describes_them(path):
+    """docs/img's figure data reads as `kvlens figure` writes it now: the exporter's plain column names (a
+    heatmap's cells in `value`, no log column) and, in the JSON beside it, a sentence for every column and
+    for the value of every heatmap trace the CSV holds."""
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+        header = list(rows[0]) if rows else []
+    described = json.loads(path.with_suffix(".json").read_text())
+    assert header == export.COLUMNS and set(described["columns"]) == set(export.COLUMNS)
+    assert all(isinstance(v, str) and v for v in described["columns"].values())
+    cells = {r["trace"] for r in rows if r["value"] != ""}  # heatmap rows carry a value
+    assert cells == set(described["values"])
+    assert all(described["values"][t]["value"] != "the cell's colour value" for t in cells)

@@ -195,3 +195,19 @@ def test_inspect_pair_shows_two_policies_rows_for_one_token():
         ": layer 0, head 0" in json.loads(c.proto.spec)["layout"]["title"]["text"]
         for c in at.get("plotly_chart")
     )
+
+
+def test_the_attention_axes_tick_at_powers_of_ten_only(cam):
+    """The inspector's and the attention row's log axes label 10^-3, 10^-2, ... and not the 2s and 5s between
+    them, which piled up on the Compare page's two inspectors."""
+    from kvlens.figures.attention import attention_grid, attention_row_figure
+    from kvlens.ui.inspector import token_row_figure
+
+    fig = token_row_figure(inspect_token(cam, 10, 15, 4), "cam")
+    assert (fig.layout.yaxis.type, fig.layout.yaxis.dtick, fig.layout.yaxis.exponentformat) == (
+        "log",
+        1,
+        "power",
+    )
+    row = attention_row_figure(attention_grid(cam, 15, 4), 3)
+    assert (row.layout.yaxis.type, row.layout.yaxis.dtick) == ("log", 1)
