@@ -221,6 +221,8 @@ class _Loop:
         """What follows the forward of the prompt (or of its first chunk): the policy's replay passes, then
         step 0's compression (`last`: no chunk follows)."""
         self.token_bytes = self.cache.nbytes / len(prompt)
+        if self.prompt_length is None:  # fed whole (a chunked `prefill` has set the whole prompt's length)
+            self.prompt_length = len(prompt)
         self.replay(prompt)
         self.compress(0, last=last)
 
