@@ -14,13 +14,14 @@ import gc
 import math
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from kvlens.engine import qfilters
+from kvlens.engine import hidden, qfilters, scorers
 from kvlens.engine.architectures import rotary_of
 from kvlens.engine.attention import CONTEXT_KWARG
 from kvlens.engine.context import Observer, RunContext
@@ -108,9 +109,12 @@ def feed(model: LoadedModel, cache: KVCache, ctx: RunContext, ids: list[int], st
     return out.logits[0, -1]
 
 
-MODEL_DATA = {
-    "qfilters": qfilters.filters_for
-}  # what `Needs.model_data` may name: model -> per-layer tensors
+# what `Needs.model_data` may name, `NAME` or `NAME=ARGUMENT`: (model, argument) -> one entry per layer
+MODEL_DATA: dict[str, Callable[[LoadedModel, str], Iterable[Any]]] = {
+    "qfilters": lambda model, _: qfilters.filters_for(model),
+    hidden.O_GRAM: lambda model, _: hidden.output_grams(model),
+    scorers.SCORER: scorers.layers_for,
+}
 
 
 def batchable(policy: Policy) -> bool:
@@ -160,8 +164,11 @@ class _Loop:
         )
         # e.g. the model's Q-Filters, one entry per layer, in the layers' run state
         for name in policy.needs().model_data:
-            for book, part in zip(self.cache.books, MODEL_DATA[name](model), strict=True):
+            kind, _, argument = name.partition("=")
+            for book, part in zip(self.cache.books, MODEL_DATA[kind](model, argument), strict=True):
                 book.state[name] = part
+        if policy.needs().hidden_states:
+            hidden.tap(model.model)
         self.decodes = policy.needs().decode_steps  # compresses at decode steps (its decode protocol)
         self.budget = budget
         self.budgets: Sequence[int | None] = [budget] * model.shape()[
