@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvlens.engine.attention import CONTEXT_KWARG
+from kvlens.errors import KvlensError
 from kvlens.kvcache import HIDDEN, O_GRAM
 
 __all__ = ["HIDDEN", "O_GRAM", "attention_modules", "output_grams", "tap"]
@@ -25,10 +26,18 @@ TAPPED = "_kvlens_hidden_tap"  # set on a model whose attention modules carry th
 
 
 def attention_modules(model: torch.nn.Module) -> list[Any]:
-    """The model's attention modules (an int `layer_idx` and an output projection `o_proj`), by layer."""
+    """The model's attention modules, by layer: one per layer, each with an int `layer_idx` and an output
+    projection `o_proj` (the Llama family's names); a model without them is refused in one sentence."""
     found: list[Any] = [
         m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "o_proj")
     ]
+    layers = getattr(model.config, "num_hidden_layers", None)
+    if not found or len(found) != layers:
+        raise KvlensError(
+            f"This model's attention modules ({type(model).__name__}) have no `o_proj` output projection "
+            f"with a layer index on each of its {layers} layers, where kvlens reads the state entering the "
+            f"attention and W_O (KVzap, KVzip+), so those cannot run on it."
+        )
     return sorted(found, key=lambda m: m.layer_idx)
 
 

@@ -533,6 +533,11 @@ def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, tota
         "kv_entries_max": int(kept.sum((1, 2)).max()),
         "kv_entries_budget": None if loop.budget is None else loop.budget * kept.shape[1] * kept.shape[2],
         "kv_slots_final_mean": float(kept[-1].float().mean()),
+        # the share of the KV pairs seen so far that are gone (kvpress's compression ratio): after the
+        # prompt's compression, and after the last step's (prompt + len(tokens) - 1 tokens fed)
+        "compression_ratio_prompt": 1 - float(kept[0].sum()) / (kept[0].numel() * len(prompt_ids)),
+        "compression_ratio_final": 1
+        - float(kept[-1].sum()) / (kept[-1].numel() * (len(prompt_ids) + len(tokens) - 1)),
         "kv_bytes_final": loop.cache.nbytes,
         "kv_bytes_peak": loop.peak_bytes,
         "kv_bytes_prefill": loop.prefill_bytes,
