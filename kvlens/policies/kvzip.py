@@ -17,6 +17,15 @@ found as kvpress finds it; those slots then score 0 and leave first, the `n_sink
 prompt that does not begin with the head is reconstructed whole). The passes cost about twice the
 prompt's prefill; a run reports them as `replay_passes` and `replay_ms` (part of `prefill_ms`).
 
+Score (`score`): `attention` (KVzip's), or `plus`, KVzap's KVzip+ (Jégou & Jeblick, 2026,
+https://arxiv.org/abs/2601.07891, as kvpress's `kvzap/data.py` computes its training targets): each weight
+a_hji of query j of the pass times `||v_i W_O^h|| / ||h_j||`, the value's contribution to the residual stream
+through query head h's slice of the output projection over the norm of the state entering the layer's
+attention at j, maximised over j and the KV head's query heads. kvpress computes it in one forward of the
+templated prompt and its copy (no sinks, no chunks); kvlens in its replay passes, as `attention`. It is the
+target `kvlens train-scorer` fits and the `kvzap` policy predicts; kvpress has no press computing it, so it is
+checked against its formula (tests), not against kvpress's code.
+
 Decoding (`decoding`): `once` (the default) compresses the prompt only, as the paper (the context is
 compressed once, query-agnostic, and reused for every query) and kvpress do, and the cache then grows by one
 slot per generated token; `rolling` (kvlens's, so that the budget holds at every step) evicts, at each decode
