@@ -34,6 +34,22 @@ def test_ridge_recovers_a_known_linear_map_and_scores_it_a_perfect_held_out_fit(
     assert exact == {"r2": 1.0, "spearman": 1.0} and 0.5 < fit["r2"] < 0.99 and fit["spearman"] < 1.0
 
 
+def test_the_mlp_fits_a_saturating_target_that_a_linear_map_cannot_and_the_same_seed_gives_the_same_net():
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(3, 10, generator=gen), torch.randn(3, generator=gen)
+    x, held = torch.randn(2000, 10, generator=gen), torch.randn(300, 10, generator=gen)
+    cfg = st.Training(kind="mlp", hidden=32, epochs=150, batch=128, lr=1e-2)
+    mlp = st.fit_mlp(x, torch.tanh(x @ w.T) + b, cfg)
+    data = {"hidden": held[None], "target": (torch.tanh(held @ w.T) + b)[None]}
+    (fit,) = st.held_out_fit([mlp], data)
+    (linear,) = st.held_out_fit([st.fit_linear(x, torch.tanh(x @ w.T) + b, 1.0)], data)
+    assert fit["r2"] > 0.99 and linear["r2"] < 0.85
+    again = st.fit_mlp(x, torch.tanh(x @ w.T) + b, cfg)
+    assert all(
+        torch.equal(p, q) for p, q in zip(mlp.tensors(0).values(), again.tensors(0).values(), strict=True)
+    )
+
+
 def test_ridge_penalises_the_weights_but_not_the_intercept():
     x = torch.randn(50, 4, generator=torch.Generator().manual_seed(1))
     layer = st.fit_linear(x, torch.full((50, 2), 7.0), alpha=1e3)
@@ -120,3 +136,40 @@ def test_auto_finds_the_scorer_trained_for_the_model_and_refuses_when_none_is(tm
         scorers.find(model)
     mine = saved(tmp_path / "c-mine.safetensors", model)
     assert scorers.find(model) == mine
+
+
+def test_train_scorer_writes_a_scorer_kvzap_finds_and_reports_its_held_out_fit_per_layer(
+    tiny_dir, tmp_path, capsys
+):
+    import json
+
+    from kvlens.cli import main
+    from kvlens.engine.models import load_model
+
+    files = []
+    for name, text in sources().items():
+        files.append(tmp_path / f"{name}.txt")
+        files[-1].write_text(text, encoding="utf-8")
+    out = tmp_path / "scorers" / "tiny.safetensors"
+    args = ["--model", str(tiny_dir), "--texts", *map(str, files), "--tokens", "128", "--samples", "32"]
+    args += ["--held-out", "1", "--cache", str(tmp_path / "cache"), "--out", str(out), "--json"]
+    assert main(["train-scorer", *args]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["held_out_fit"]) == 3 and report["train_positions"] == 4 * 32
+    assert report["held_out_positions"] == 2 * 32 and report["seconds"]["wall"] > 0
+    model = load_model(str(tiny_dir), device="cpu", dtype="float32")
+    layers, info = scorers.load(out, model)
+    assert scorers.fit_of(info) == report["held_out_fit"] and "--held-out 1" in info["command"]
+
+
+def test_train_scorer_refuses_bad_settings_in_one_sentence(tmp_path, capsys):
+    from kvlens.cli import main
+
+    for bad, words in (
+        (["--held-out", "0"], "--held-out must be at least 1"),
+        (["--out", "scorer.bin"], "--out must name a .safetensors file"),
+        (["--tokens", "0"], "--tokens must be at least 1"),
+    ):
+        assert main(["train-scorer", "--out", "x.safetensors", *bad]) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
