@@ -104,8 +104,9 @@ class RunContext:
 
     def hidden_in(self, layer_idx: int, hidden: torch.Tensor) -> None:
         """The state `(1, q, d_model)` entering layer `layer_idx`'s attention in this forward
-        (`kvlens.engine.hidden.tap`), into the layer's run state for the policy, unless frozen."""
-        if not self._frozen:
+        (`kvlens.engine.hidden.tap`), into the layer's run state for the policy, unless it sees no more
+        steps (frozen, or done with the prompt)."""
+        if not (self._frozen or self._policy_done):
             self.cache.books[layer_idx].state[HIDDEN] = hidden[0]
 
     @property

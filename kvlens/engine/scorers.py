@@ -54,6 +54,12 @@ class LayerScorer:
             x = F.gelu(x) @ self.w2.T + self.b2
         return x.T
 
+    def to(self, device: torch.device) -> LayerScorer:
+        """The same scorer with its tensors on `device`."""
+        w2 = None if self.w2 is None else self.w2.to(device)
+        b2 = None if self.b2 is None else self.b2.to(device)
+        return LayerScorer(self.w1.to(device), self.b1.to(device), w2, b2)
+
     def tensors(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's tensors as the file names them."""
         named = {"w1": self.w1, "b1": self.b1, "w2": self.w2, "b2": self.b2}
@@ -99,7 +105,8 @@ def load(path: Path, model: LoadedModel) -> tuple[list[LayerScorer], dict[str, s
             f"{path} was trained for another model (fingerprint {info['fingerprint']}, this model's is "
             f"{mine}), so its scores mean nothing here; {TRAIN}."
         )
-    return _read(str(path), path.stat().st_mtime_ns, model.shape()["layers"]), info
+    layers = _read(str(path), path.stat().st_mtime_ns, model.shape()["layers"])
+    return [layer.to(model.device) for layer in layers], info
 
 
 @functools.lru_cache(maxsize=8)
