@@ -19,7 +19,11 @@ Two modes (`mode`):
 
 Decoding (`decoding`): `rolling` (the default) also scores and prunes each generated token, as the paper's
 method does (`DMSPress(decoding=True)`); `once` compresses the prompt only (`DMSPress`'s default).
-Divergence: kvpress masks pruned pairs out of attention, kvlens frees them.
+Divergences: kvpress masks pruned pairs out of attention, kvlens frees them; kvlens's surrogates are trained
+on the bundled texts with kvlens's KVzip replay (`kvlens.experiments.scorer_training` names how that differs
+from kvpress's `kvzap/train.py`), not downloaded. Cross-checked against kvpress 0.5.5's `KVzapPress` alone and
+inside `DMSPress`, built around the shipped scorer held in memory (`scripts/crosscheck_kvpress.py`): the same
+positions removed per layer and KV head.
 """
 
 from __future__ import annotations
