@@ -90,6 +90,7 @@ def test_a_threshold_run_prunes_in_prefill_and_decoding_and_reports_per_head_cou
     assert r.meta["budget"]["slots"] is None
 
 
+@pytest.mark.slow
 def test_the_shipped_scorer_drives_kvzap_on_the_embedded_model(smol, long_text):
     from kvlens.experiments.api import encode
 
@@ -106,6 +107,7 @@ def test_the_shipped_scorer_drives_kvzap_on_the_embedded_model(smol, long_text):
     assert 0 < r.metrics["compression_ratio_prompt"] < 1 and r.tensors["steps/nll"].isfinite().all()
 
 
+@pytest.mark.slow
 def test_a_missing_corrupt_or_foreign_scorer_is_refused_in_one_sentence_on_the_command_line(tmp_path, tiny):
     foreign = write_scorer(tiny, tmp_path / "tiny.safetensors")  # the embedded model runs here
     corrupt = tmp_path / "corrupt.safetensors"
