@@ -110,16 +110,23 @@ class KVzap(ScoredEviction):
         rows.extra[SCORE] = state[f"{SCORER}={self.scorer}"](state[HIDDEN])
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
+        """`(R, S)` the slots' surrogate scores; at a decode step the token it added is scored first, so that
+        a wrapper selecting with them (CaM, Ada-KV) sees it scored. Over a wrapper, a token fed while the
+        cache is below its budget (no selection that step) keeps score 0."""
+        if not step.prompt:
+            self._score_newest(rows)
         return rows.extra[SCORE]
 
     def compress(self, rows: CacheRows, step: Step) -> None:
-        """Score the token a decode step added, then drop (threshold) or evict to the budget (ratio)."""
-        if not step.prompt:
-            self._score_newest(rows)
+        """Score a decode step's token, then evict to the budget (ratio) or drop what scores below the
+        threshold outside the window."""
         if self.mode == "ratio":
-            super().compress(rows, step)
+            if step.budget is not None and rows.n_kept > step.budget:
+                super().compress(rows, step)  # selects with `score`, which scores the step's token
+            elif not step.prompt:
+                self._score_newest(rows)  # nothing leaves, but the token's score is needed later
             return
-        drop = rows.valid & ~recent_mask(rows, self.window) & (rows.extra[SCORE] < self.threshold)
+        drop = rows.valid & ~recent_mask(rows, self.window) & (self.score(rows, step) < self.threshold)
         if bool(drop.any()):
             free_logged(step, rows, padded_slots(drop))  # (R, E), -1 pads heads that drop fewer
 

@@ -67,6 +67,23 @@ def test_ratio_mode_keeps_each_heads_budget_of_best_surrogate_scores():
     assert kept(layer) == [set(row.topk(8).indices.tolist()) for row in scorer(hidden)]
 
 
+def test_ratio_mode_decoding_keeps_the_budgets_best_of_every_position_seen_also_those_fed_below_budget():
+    gen = torch.Generator().manual_seed(8)
+    scorer = LayerScorer(torch.randn(HKV, DM, generator=gen), torch.randn(HKV, generator=gen))
+    hidden = torch.randn(22, DM, generator=gen)  # 10 prompt tokens, then 12 generated
+    score, budget = scorer(hidden), 14  # the first 4 decode steps fit the budget: nothing leaves
+    policy = make_policy("kvzap", {"mode": "ratio"})
+    layer = layer_with(scorer, hidden[:10])
+    policy.observe_prefill(layer, Prompt(torch.zeros(HKV, 0, 10)))
+    policy.compress(layer, Step(0, Phase.PREFILL, budget))
+    for seen in range(10, 22):
+        layer.append(torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D), torch.tensor([seen]))
+        layer.states[0][HIDDEN] = hidden[seen : seen + 1]
+        policy.compress(layer, Step(seen - 9, Phase.DECODE, budget))
+        want = [set(row[: seen + 1].topk(min(budget, seen + 1)).indices.tolist()) for row in score]
+        assert kept(layer) == want, seen
+
+
 def test_a_threshold_run_prunes_in_prefill_and_decoding_and_reports_per_head_counts_and_its_ratio(
     tiny, tmp_path
 ):
