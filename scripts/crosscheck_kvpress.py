@@ -38,7 +38,12 @@ prompt, which has no chat template's prefix to skip). AdaKV and KVzip keep every
 evicted ones (fake keys); their removed positions are the masked ones. ThinK: `ComposedPress` of that
 SnapKV and `ThinKPress` (window 32) pruning THINK_RATIOS of the key channels, which it zeroes; the
 channels each layer and KV head kept are the ones not all zero, and the removed positions are matched on
-them.
+them. KVzap: kvpress's `KVzapPress` (0.5.5 downloads `nvidia/KVzap-{linear,mlp}-{model}` from the hub
+in `post_init_from_model` unless its `kvzap_model_name` already is that name, so `kvzap_press` sets the
+name and a `KVzapModel` holding kvlens's shipped scorer, `scorers/smollm2-135m-instruct-linear.safetensors`,
+in memory), alone at the two ratios (kvlens `kvzap`, `mode=ratio`) and inside `DMSPress` (threshold
+KVZAP_THRESHOLD, a window of KVZAP_WINDOW, the prompt only: kvlens `mode=threshold`, `decoding=once`; the
+same removal at both ratios, which it ignores).
 
 The task protocol (`task_cases`, `tests/data/kvpress_task_reference.json`): 4 samples of the task suite
 (`TASK_SAMPLES`, written by kvlens to `tests/data/kvpress_task_samples.jsonl`, answers of TASK_TOKENS
@@ -72,6 +77,8 @@ TEXT = ROOT / "kvlens" / "data" / "state_union" / "1946-Truman.txt"
 PREFILL, STEPS, BUDGET, SINK, RECENT_RATIO = 64, 12, 24, 4, 0.5
 PROMPT_TEXTS = ("1946-Truman.txt", "1961-Kennedy.txt")
 PROMPT_LEN, RATIOS, WINDOW, PROMPT_STEPS = 256, (0.5, 0.75), 16, 2
+SCORER = ROOT / "scorers" / "smollm2-135m-instruct-linear.safetensors"  # kvlens's shipped KVzap scorer
+KVZAP_THRESHOLD, KVZAP_WINDOW = -4.0, 64  # DMSPress: kvpress's README threshold, a window inside PROMPT_LEN
 THINK_WINDOW, THINK_RATIOS = (
     32,
     {"think_snapkv": 0.5, "think_snapkv_quarter": 0.25},
@@ -89,6 +96,11 @@ PROMPT_CASES = {
     "knorm": ("knorm", {}),
     "keydiff": ("keydiff", {}),
     "kvzip": ("kvzip", {"chunk": 128, "decoding": "once"}),
+    "kvzap": ("kvzap", {"mode": "ratio", "decoding": "once"}),
+    "kvzap_threshold": (
+        "kvzap",
+        {"mode": "threshold", "threshold": KVZAP_THRESHOLD, "window": KVZAP_WINDOW, "decoding": "once"},
+    ),
     **{
         case: (
             "think",
@@ -375,6 +387,7 @@ def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None)
     from kvpress import (
         AdaKVPress,
         ComposedPress,
+        DMSPress,
         ExpectedAttentionPress,
         KeyDiffPress,
         KnormPress,
@@ -401,6 +414,10 @@ def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None)
         "knorm": lambda r: KnormPress(r),
         "keydiff": lambda r: KeyDiffPress(r),
         "kvzip": lambda r: WholePromptKVzip(r, chunk_size=128),
+        "kvzap": lambda r: kvzap_press(model, r),
+        "kvzap_threshold": lambda r: DMSPress(
+            kvzap_press(model, 0.0), threshold=KVZAP_THRESHOLD, sliding_window_size=KVZAP_WINDOW
+        ),
         **{
             case: lambda r, k=k: ComposedPress(
                 [SnapKVPress(r, window_size=WINDOW, kernel_size=5), ThinKPress(k, window_size=THINK_WINDOW)]
@@ -482,6 +499,27 @@ def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None)
         out[case] = {"policy": policy, "params": params, "runs": runs}
         print(f"{case}: done")
     return out
+
+
+def kvzap_press(model, ratio: float):
+    """kvpress's `KVzapPress` around kvlens's shipped scorer held in memory. Its `post_init_from_model`
+    downloads `nvidia/KVzap-{model_type}-{name}` only when `kvzap_model_name` is not that name, so the name
+    and a `KVzapModel` holding the scorer's weights (`L.w1`, `L.b1`: each layer's `nn.Linear`) are set
+    first."""
+    from kvpress import KVzapPress
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+    from safetensors.torch import load_file
+
+    weights = load_file(SCORER)
+    out_dim, in_dim = weights["0.w1"].shape
+    config = KVzapConfig(input_dim=in_dim, output_dim=out_dim, n_modules=model.config.num_hidden_layers)
+    surrogate = KVzapModel(config)
+    for i, layer in enumerate(surrogate.layers):
+        layer.weight.data, layer.bias.data = weights[f"{i}.w1"], weights[f"{i}.b1"]
+    press = KVzapPress(compression_ratio=ratio, model_type="linear")
+    press.kvzap_model_name = f"nvidia/KVzap-linear-{model.config.name_or_path.split('/')[-1]}"
+    press.kvzap_model = surrogate
+    return press
 
 
 def task_references(model_dir: str, tok, torch) -> dict:

@@ -120,6 +120,38 @@ def tiny():
     return tiny_model()
 
 
+def write_scorer(model: LoadedModel, path: Path, seed: int = 0) -> Path:
+    """A KVzap scorer file for `model` with random linear weights (`kvlens.engine.scorers`)."""
+    from kvlens.engine import scorers
+
+    gen = torch.Generator().manual_seed(seed)
+    shape = model.shape()
+    width = model.model.config.hidden_size
+    layers = [
+        scorers.LayerScorer(
+            torch.randn(shape["kv_heads"], width, generator=gen),
+            torch.randn(shape["kv_heads"], generator=gen),
+        )
+        for _ in range(shape["layers"])
+    ]
+    scorers.save(path, layers, model, {"fit": "[]", "command": "tests.conftest.write_scorer"})
+    return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tiny_scorer(tmp_path_factory):
+    """The tiny model's KVzap scorer (random weights) where `kvzap:scorer=auto` finds it ($KVLENS_SCORERS)."""
+    folder = tmp_path_factory.mktemp("scorers")
+    write_scorer(tiny_model(), folder / "tiny.safetensors")
+    before = os.environ.get("KVLENS_SCORERS")
+    os.environ["KVLENS_SCORERS"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("KVLENS_SCORERS", None)
+    else:
+        os.environ["KVLENS_SCORERS"] = before
+
+
 @pytest.fixture(scope="session")
 def smol():
     from kvlens.engine.models import load_model

@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "kvlens.cli.compare_commands",
     "kvlens.cli.explain_commands",
     "kvlens.cli.eval_commands",
+    "kvlens.cli.scorer_commands",
 ]
 
 

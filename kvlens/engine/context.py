@@ -23,6 +23,7 @@ from kvlens.engine.attention import (
     sdpa,
     visible,
 )
+from kvlens.engine.hidden import HIDDEN
 from kvlens.errors import KvlensError
 from kvlens.kvcache import AttentionSpec, Prompt, Replay, group_mean
 from kvlens.kvcache.cache import KVCache
@@ -75,6 +76,7 @@ class RunContext:
         self._observed: list[tuple[SlotRows, torch.Tensor, torch.Tensor | None]] = []  # this step's rows
         self._replay: tuple[int, int] | None = None  # the prompt span a replay pass being fed reconstructs
         self._frozen = False  # compressed once for good (the task protocol): no statistics, no policy
+        self.wants_hidden = policy.needs().hidden_states  # the attention layers' input (`hidden_in`)
 
     def observed_by(self, observers: Sequence[Observer]) -> None:
         """Hand the steps to `observers` from now on, and compute what the policy and they read: decode
@@ -98,6 +100,13 @@ class RunContext:
         if not self.needs_rows:  # no decode step will set them: the prompt's last rows are not a step's
             for layer in self.cache.layers:
                 layer.last_attn = None
+
+    def hidden_in(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        """The state `(1, q, d_model)` entering layer `layer_idx`'s attention in this forward
+        (`kvlens.engine.hidden.tap`), into the layer's run state for the policy, unless it sees no more
+        steps (frozen, or done with the prompt)."""
+        if not (self._frozen or self._policy_done):
+            self.cache.books[layer_idx].state[HIDDEN] = hidden[0]
 
     @property
     def frozen(self) -> bool:

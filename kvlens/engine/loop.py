@@ -14,13 +14,14 @@ import gc
 import math
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from kvlens.engine import qfilters
+from kvlens.engine import hidden, qfilters, scorers
 from kvlens.engine.architectures import rotary_of
 from kvlens.engine.attention import CONTEXT_KWARG
 from kvlens.engine.context import Observer, RunContext
@@ -114,9 +115,12 @@ def feed(model: LoadedModel, cache: KVCache, ctx: RunContext, ids: list[int], st
     return out.logits[0, -1]
 
 
-MODEL_DATA = {
-    "qfilters": qfilters.filters_for
-}  # what `Needs.model_data` may name: model -> per-layer tensors
+# what `Needs.model_data` may name, `NAME` or `NAME=ARGUMENT`: (model, argument) -> one entry per layer
+MODEL_DATA: dict[str, Callable[[LoadedModel, str], Iterable[Any]]] = {
+    "qfilters": lambda model, _: qfilters.filters_for(model),
+    hidden.O_GRAM: lambda model, _: hidden.output_grams(model),
+    scorers.SCORER: scorers.layers_for,
+}
 
 
 def batchable(policy: Policy) -> bool:
@@ -166,8 +170,11 @@ class _Loop:
         )
         # e.g. the model's Q-Filters, one entry per layer, in the layers' run state
         for name in policy.needs().model_data:
-            for book, part in zip(self.cache.books, MODEL_DATA[name](model), strict=True):
+            kind, _, argument = name.partition("=")
+            for book, part in zip(self.cache.books, MODEL_DATA[kind](model, argument), strict=True):
                 book.state[name] = part
+        if policy.needs().hidden_states:
+            hidden.tap(model.model)
         self.decodes = policy.needs().decode_steps  # compresses at decode steps (its decode protocol)
         self.budget = budget
         self.length = length  # the most tokens the run feeds (None: not known, inside `model.generate`)
@@ -577,6 +584,11 @@ def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, tota
         "kv_entries_max": int(kept.sum((1, 2)).max()),
         "kv_entries_budget": None if loop.budget is None else loop.budget * kept.shape[1] * kept.shape[2],
         "kv_slots_final_mean": float(kept[-1].float().mean()),
+        # the share of the KV pairs seen so far that are gone (kvpress's compression ratio): after the
+        # prompt's compression, and after the last step's (prompt + len(tokens) - 1 tokens fed)
+        "compression_ratio_prompt": 1 - float(kept[0].sum()) / (kept[0].numel() * len(prompt_ids)),
+        "compression_ratio_final": 1
+        - float(kept[-1].sum()) / (kept[-1].numel() * (len(prompt_ids) + len(tokens) - 1)),
         "kv_bytes_final": loop.cache.nbytes,
         "kv_bytes_peak": loop.peak_bytes,
         "kv_bytes_prefill": loop.prefill_bytes,

@@ -29,6 +29,7 @@ import torch
 from kvlens.engine.architectures import rotary_of
 from kvlens.engine.attention import last_rows
 from kvlens.engine.context import RunContext
+from kvlens.engine.hidden import HIDDEN, tap
 from kvlens.engine.loop import RunOptions, _check_length, _Loop, feed
 from kvlens.engine.models import LoadedModel
 from kvlens.errors import KvlensError
@@ -95,6 +96,9 @@ class _Layer:
     by_rows: dict[int, torch.Tensor] = field(
         default_factory=dict
     )  # SDPA layers: last rows recomputed, by count
+    hidden: torch.Tensor | None = (
+        None  # (T, d_model) the state entering the attention, when a policy reads it
+    )
 
     def last_for(self, rows: int) -> torch.Tensor:
         """The last `rows` attention rows exactly as a policy's own prefill computes them."""
@@ -109,13 +113,20 @@ class _Capture(RunContext):
     """A run context that computes the prompt's statistics for a group of policies and keeps them per
     layer."""
 
-    def __init__(self, cache: KVCache, column_sums: bool, rows: int, windowed: bool, rotary):
+    def __init__(self, cache: KVCache, column_sums: bool, rows: int, windowed: bool, rotary, hidden: bool):
         super().__init__(cache, make_policy("full"), windowed=windowed, rotary=rotary)
         self.column_sums, self.prefill_rows = column_sums, rows
         self.layers: list[_Layer] = []
+        self.wants_hidden = hidden  # some policy reads the attention's input
+        self.hidden: dict[int, torch.Tensor] = {}  # by layer
+
+    def hidden_in(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        self.hidden[layer_idx] = hidden[0]
 
     def observe_prompt(self, layer, query, key, value, spec, abar, last) -> None:
-        self.layers.append(_Layer(query, key, value, spec, abar, last))
+        self.layers.append(
+            _Layer(query, key, value, spec, abar, last, hidden=self.hidden.get(layer.layers[0]))
+        )
 
 
 class SharedPrefill:
@@ -141,7 +152,10 @@ class SharedPrefill:
                 min(rows, len(ids)),
                 bool(model.supported().sliding),
                 rotary_of(model.model, model.supported()),
+                hidden=any(p.needs().hidden_states for p in policies),
             )
+            if ctx.wants_hidden:
+                tap(model.model)
             with torch.inference_mode():
                 self.logits[sums] = feed(model, cache, ctx, self.ids, 0)
             self.groups[sums] = ctx.layers
@@ -155,6 +169,8 @@ class SharedPrefill:
         with cache.feeding(positions):
             for view, kept in zip(cache.layers, self.groups[ctx.column_sums], strict=True):
                 view.append(kept.key.clone(), kept.value.clone(), positions)
+                if ctx.wants_hidden and kept.hidden is not None:
+                    view.states[0][HIDDEN] = kept.hidden
                 ctx.observe_prompt(
                     view, kept.query, view.keys, view.values, kept.spec, kept.abar, kept.last_for(keep)
                 )

@@ -9,11 +9,14 @@ the compressed storage a sealed cache may use: `quantize` and `kivi` (KIVI), `lo
 top.
 """
 
-from kvlens.kvcache.contract import CacheRows, Phase, Prompt, Replay, Slots, Step
+from kvlens.kvcache.contract import HIDDEN, O_GRAM, SCORER, CacheRows, Phase, Prompt, Replay, Slots, Step
 from kvlens.kvcache.scores import AttentionSpec, group_mean, layer_logits, softmax_weights
 from kvlens.kvcache.store import padded_index, padded_slots
 
 __all__ = [
+    "HIDDEN",
+    "O_GRAM",
+    "SCORER",
     "AttentionSpec",
     "CacheRows",
     "Phase",

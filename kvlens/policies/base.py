@@ -59,6 +59,9 @@ class Needs:
     decode_steps: bool = True
     pruned_keys: bool = False  # keys stored channel-pruned after the prompt's compression (`key_channels`)
     tokenizer: bool = False  # the model's tokenizer (a reconstruction prompt, calibration texts)
+    # the state entering each attention layer, `(q, d_model)` of the latest forward, in the run state
+    # (`kvlens.engine.hidden.HIDDEN`): KVzap's surrogate input, KVzip+'s normaliser
+    hidden_states: bool = False
 
 
 NO_ATTENTION = Needs(decode_rows=False, prefill_rows=0, column_sums=False)  # scores without attention

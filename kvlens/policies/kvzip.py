@@ -17,6 +17,15 @@ found as kvpress finds it; those slots then score 0 and leave first, the `n_sink
 prompt that does not begin with the head is reconstructed whole). The passes cost about twice the
 prompt's prefill; a run reports them as `replay_passes` and `replay_ms` (part of `prefill_ms`).
 
+Score (`score`): `attention` (KVzip's), or `plus`, KVzap's KVzip+ (Jégou & Jeblick, 2026,
+https://arxiv.org/abs/2601.07891, as kvpress's `kvzap/data.py` computes its training targets): each weight
+a_hji of query j of the pass times `||v_i W_O^h|| / ||h_j||`, the value's contribution to the residual stream
+through query head h's slice of the output projection over the norm of the state entering the layer's
+attention at j, maximised over j and the KV head's query heads. kvpress computes it in one forward of the
+templated prompt and its copy (no sinks, no chunks); kvlens in its replay passes, as `attention`. It is the
+target `kvlens train-scorer` fits and the `kvzap` policy predicts; kvpress has no press computing it, so it is
+checked against its formula (tests), not against kvpress's code.
+
 Decoding (`decoding`): `once` (the default) compresses the prompt only, as the paper (the context is
 compressed once, query-agnostic, and reused for every query) and kvpress do, and the cache then grows by one
 slot per generated token; `rolling` (kvlens's, so that the budget holds at every step) evicts, at each decode
@@ -38,7 +47,7 @@ from typing import Any
 
 import torch
 
-from kvlens.kvcache import AttentionSpec, CacheRows, Replay, Step, layer_logits
+from kvlens.kvcache import HIDDEN, O_GRAM, AttentionSpec, CacheRows, Replay, Step, layer_logits
 from kvlens.policies.base import NO_ATTENTION, Needs, Policy, free_logged, lowest_of_all_rows, param, register
 
 # per layer until the budgets are allocated: (Hkv, T) by prompt position; then per slot (R, S)
@@ -47,6 +56,7 @@ TOTAL = "kvzip_total"  # per layer: the entries the layer keeps, over its heads
 PROMPT = "kvzip_prompt"  # per layer: the prompt's length (positions from it on are generated tokens)
 FIRST = "\n\nRepeat the previous context exactly."  # the first chunk's instruction (kvpress's words)
 LATER = "\n\nRepeat the part of the previous context exactly, starting with"  # a later chunk's
+GENERATED = 2.0**60  # a generated token's score while decoding (`rolling`), above any reconstruction score
 ROWS = 64  # replay queries scored at once (each row's softmax is its own, so blocks give the same weights)
 OVERLAP = (
     8  # tokens of the previous chunk quoted by a later chunk's instruction (kvpress `prev_postfix_size`)
@@ -72,6 +82,13 @@ class KVzip(Policy):
         "layer (kvlens).",
         choices=("once", "rolling"),
     )
+    score: str = param(
+        "attention",
+        "A slot's score: its largest replay attention weight (KVzip), or KVzap's KVzip+, that weight "
+        "times ||v W_O^h|| / ||h_j|| (the value's contribution to the residual stream over the query's "
+        "hidden-state norm).",
+        choices=("attention", "plus"),
+    )
     reconstruct: str = param(
         "prompt",
         "What the replay passes repeat: the whole prompt (kvlens), or the context "
@@ -93,7 +110,14 @@ class KVzip(Policy):
     competes = "model"  # the prompt's lowest scores over every layer and head (`layerwise`: a layer's heads)
 
     def needs(self) -> Needs:
-        return dataclasses.replace(NO_ATTENTION, decode_steps=self.decoding == "rolling", tokenizer=True)
+        plus = self.score == "plus"  # the attention's input and W_O's Gram matrices (KVzip+)
+        return dataclasses.replace(
+            NO_ATTENTION,
+            decode_steps=self.decoding == "rolling",
+            tokenizer=True,
+            hidden_states=plus,
+            model_data=(O_GRAM,) if plus else (),
+        )
 
     def min_budget(self) -> int:
         return self.n_sink + 1
@@ -112,32 +136,49 @@ class KVzip(Policy):
         return passes
 
     def observe_replay(self, rows: CacheRows, replay: Replay) -> None:
-        """Scores `(Hkv, T)`: each slot of the chunk, the largest weight any query of the pass gives it.
+        """Scores `(Hkv, T)`: each slot of the chunk, the largest weight any query of the pass gives it
+        (`plus`: times `||v W_O^h|| / ||h_j||`, `_plus_terms`), over the pass's queries j and the KV head's
+        query heads h.
 
         The weights are never materialised: per block of queries, the logits over the chunk's slots (and the
         sinks) and the pass's logsumexp over its own keys (`Replay.own_lse`, from the engine's attention) give
-        each query's log-normaliser `lse`, and a slot's score is `exp(max_q (logit - lse_q))`, the largest
-        softmax weight, taken in log space. The prompt's keys are read where the prefill cached them."""
+        each query's log-normaliser `lse`, and a slot's score is `exp(max (logit - lse_q [+ terms]))`, in
+        log space. The prompt's keys (and values) are read where the prefill cached them."""
         keys = rows.keys[0]  # (Hkv, T, D): before the prompt's compression slot i holds position i
         hkv, t, d = keys.shape
         sink = min(self.n_sink, replay.start)
         prompt = torch.cat([keys[:, :sink], keys[:, replay.start : replay.end]], dim=1)  # (Hkv, n, D)
         q = replay.queries.shape[1]
         queries = replay.queries.view(hkv, -1, q, d)
-        g = queries.shape[1]
+        g, n = queries.shape[1], replay.end - replay.start
         own_lse = replay.own_lse.view(hkv, g, q)
         spec = AttentionSpec(replay.scaling, replay.softcap)
-        best = torch.full((hkv, replay.end - replay.start), float("-inf"), device=keys.device)
+        rows_term, slots_term = self._plus_terms(rows, replay, g) if self.score == "plus" else (None, None)
+        best = torch.full((hkv, n), float("-inf"), device=keys.device)
         for a in range(0, q, ROWS):  # a block of rows at a time: (Hkv, G, ROWS, n) stays in cache
             b = min(q, a + ROWS)
             rows_q = queries[:, :, a:b].reshape(hkv, g * (b - a), d)
             seen = layer_logits(torch.bmm(rows_q, prompt.transpose(1, 2)).float(), spec)  # (Hkv, G * rows, n)
             lse = torch.logaddexp(seen.logsumexp(-1), own_lse[:, :, a:b].reshape(hkv, g * (b - a)))
-            block = (seen[..., sink:] - lse[..., None]).amax(1)  # (Hkv, chunk)
-            torch.maximum(best, block, out=best)
+            block = (seen[..., sink:] - lse[..., None]).view(hkv, g, b - a, n)  # log weights
+            if rows_term is not None and slots_term is not None:
+                block = block + rows_term[a:b, None] + slots_term[:, :, None]
+            torch.maximum(best, block.amax((1, 2)), out=best)
         state = rows.states[0]
         score = state.setdefault(SCORE, torch.zeros(hkv, t, dtype=torch.float32, device=keys.device))
         score[:, replay.start : replay.end] = best.exp()
+
+    @staticmethod
+    def _plus_terms(rows: CacheRows, replay: Replay, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """KVzip+'s log factors: `-log ||h_j||` per query of the pass `(q,)` (the state entering the layer's
+        attention) and `log ||v_i W_O^h||` per query head and chunk slot `(Hkv, G, n)`, from the output
+        projection's Gram matrices `G_h = W_O^h (W_O^h)^T` (`||v W||^2 = v G v^T`)."""
+        state = rows.states[0]
+        hidden = state[HIDDEN].float()  # (q, d_model)
+        gram = state[O_GRAM].view(rows.kv_heads, g, *state[O_GRAM].shape[1:])  # (Hkv, G, D, D)
+        values = rows.values[0][:, replay.start : replay.end].float()  # (Hkv, n, D)
+        squared = torch.einsum("knd,kgde,kne->kgn", values, gram, values)
+        return -hidden.norm(dim=-1).log(), 0.5 * squared.clamp_min(0).log()
 
     def allocate(self, budget: int, layers: Sequence[CacheRows]) -> list[int]:
         """Which entries leave, over every layer and head (or per layer): each layer's kept total, and as its
@@ -174,10 +215,8 @@ class KVzip(Policy):
         leaving = int(rows.valid.sum()) - state[TOTAL]
         if leaving <= 0:
             return
-        generated = (
-            rows.pos >= state[PROMPT]
-        )  # above every prompt slot (scores are weights <= 1), older lower
-        score = torch.where(generated, 2.0 + rows.pos.float() / 2**24, rows.extra[SCORE])
+        generated = rows.pos >= state[PROMPT]  # above every prompt slot's score, older lower
+        score = torch.where(generated, GENERATED * (1 + rows.pos.float() / 2**20), rows.extra[SCORE])
         free_logged(step, rows, lowest_of_all_rows(rows, score, leaving))
 
 

@@ -362,6 +362,12 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
             sorted(a / b for a, b in zip(measured[name], measured["full"], strict=True))[1]
         )  # the median of 3 rounds
     assert per["kvzip"] == pytest.approx(replay["per_policy"]["kvzip"])
+    learned = result["ratio_details"]["kvzap_vs_kvzip_prefill_at_160"]  # the surrogate over the replay
+    rounds = sorted(
+        a / b for a, b in zip(details["prefill_ms"]["kvzap"], details["prefill_ms"]["kvzip"], strict=True)
+    )
+    assert result["ratios"]["kvzap_vs_kvzip_prefill_at_160"] == learned["wall"] == pytest.approx(rounds[1])
+    assert learned["prefill_ms"] == {p: details["prefill_ms"][p] for p in ("kvzap", "kvzip")}
     sizes = result["ratio_details"]["every_policy_bytes_half_vs_full_at_160"]
     budgeted = {n for n in every if not make_policy(n).budget_free}
     assert set(sizes["per_policy"]) == budgeted and sizes["worst"] == max(

@@ -6,7 +6,8 @@ CaM with every Bernoulli draw 1, H2O as a raw-sum scorer with kvlens's recent wi
 without kvpress's newest-token pin; each compressed right after prefill and at every decode step.
 Prompt cases: the methods kvpress applies to the prompt only (SnapKV, PyramidKV, Ada-KV over SnapKV
 and over Expected Attention, Expected Attention, KNorm, KeyDiff, KVzip, ThinK over SnapKV at two channel
-ratios), as shipped, on two texts at two compression ratios: the positions each layer and KV head lost
+ratios, KVzap as `KVzapPress` and as `DMSPress(KVzapPress)` around kvlens's shipped scorer), as shipped,
+on two texts at two compression ratios: the positions each layer and KV head lost
 (ThinK: and the key channels each kept), and the next two tokens' NLL (largest deviation measured
 across the same kernel sets and thread counts: 2.4e-5). The task protocol
 (`tests/data/kvpress_task_reference.json`): kvpress's own pipeline on 4 task samples for the full cache,
@@ -61,14 +62,16 @@ def test_the_reference_covers_every_policy_both_define_the_same_way():
         "keydiff",
         "kvzip",
         "think",
+        "kvzap",
     }
     for case in REFERENCE[
         "prompt_cases"
     ].values():  # two texts x two ratios, each removing what its ratio says
         assert len({(r["text"], r["ratio"]) for r in case["runs"]}) == 4
+        budget_free = make_policy(case["policy"], case["params"]).budget_free  # KVzap's threshold mode
         for r in case["runs"]:
             kept = [REFERENCE["prompt"]["prefill"] - len(head) for layer in r["removed"] for head in layer]
-            assert sum(kept) == r["budget"] * len(kept)
+            assert budget_free or sum(kept) == r["budget"] * len(kept)
             if (
                 case["policy"] == "think"
             ):  # every layer and head keeps the channels its ratio says (head size 64)
@@ -112,7 +115,7 @@ def test_same_positions_removed_from_the_prompt_and_next_tokens_nll_as_kvpress(s
     got = removed_by_step(r.decisions[r.decisions.step == 0], 1, shape["layers"], shape["kv_heads"])[0]
     tie_broken_otherwise = False
     for layer, (mine, theirs) in enumerate(zip(got, ref["removed"], strict=True)):
-        if spec["policy"] == "knorm" and layer == 0 and mine != theirs:  # see `same_tokens`
+        if spec["policy"] in ("knorm", "kvzap") and layer == 0 and mine != theirs:  # see `same_tokens`
             mine, theirs, tie_broken_otherwise = same_tokens(mine, ids), same_tokens(theirs, ids), True
         assert mine == theirs, f"layer {layer}: kvlens and kvpress removed different positions"
     if (
@@ -151,7 +154,8 @@ def same_tokens(removed: list[list[int]], ids: list[int]) -> list[list[int]]:
     """Per head, the sorted token ids at the removed positions. In layer 0 a token's key is the same vector at
     every position before RoPE, and RoPE rotates without scaling, so KNorm scores every copy of a token alike:
     float rounding, not the rule, picks which copies leave (kvlens keeps the older on ties, kvpress's `topk`
-    any). What must agree there is which tokens, and how many of each, leave."""
+    any). KVzap's layer-0 input is the token's normalised embedding, position-free, so its copies tie too.
+    What must agree there is which tokens, and how many of each, leave."""
     return [sorted(ids[p] for p in head) for head in removed]
 
 

@@ -27,7 +27,7 @@ from kvlens.engine.loop import RunOptions, run
 from kvlens.engine.models import load_model
 from kvlens.errors import KvlensError
 from kvlens.policies import REGISTRY, make_policy
-from tests.conftest import DEVICE, within_budget
+from tests.conftest import DEVICE, within_budget, write_scorer
 
 PREFILL, STEPS = 40, 40  # 80 tokens: five times the sliding windows below
 WINDOW = 16
@@ -353,6 +353,7 @@ def test_ppl_command_equals_the_models_own_loss(name, family_dir, long_text, tmp
 REFUSALS = {
     **{("expected_attention", n): "rotary embedding" for n in ("gpt2", "gpt_neox", "gemma3")},
     **{("kvzip", n): "sliding-window" for n in ("mistral", "qwen2 (sliding layers)", "gemma2", "gemma3")},
+    **{("kvzap", n): "no `o_proj`" for n in ("gpt_neox", "gpt2")},  # KVzap reads the attention's input there
 }
 # windows that fit the matrix's 40-token prompts (their defaults, 64, need longer ones)
 SMALL_PROMPT = {
@@ -364,17 +365,18 @@ SMALL_PROMPT = {
 
 
 @pytest.mark.parametrize("name", list(MATRIX))
-def test_every_policy_runs_within_its_budget(name, loaded, llama_ids):
+def test_every_policy_runs_within_its_budget(name, loaded, llama_ids, tmp_path):
     """Every registered policy runs on every architecture; a policy that needs what a model lacks (`REFUSALS`)
     is refused in one sentence. Each keeps its budget: every layer and head,
     or, for a policy whose selection spans heads or layers, the total over layers and heads."""
     lm = loaded(name)
+    small = {**SMALL_PROMPT, "kvzap": {"scorer": str(write_scorer(lm, tmp_path / "scorer.safetensors"))}}
     for policy, cls in REGISTRY.items():
         budget = None if cls.budget_free else BUDGET
         try:
             r = run(
                 lm,
-                make_policy(policy, SMALL_PROMPT.get(policy, {})),
+                make_policy(policy, small.get(policy, {})),
                 llama_ids,
                 prefill=PREFILL,
                 steps=6,
@@ -386,7 +388,7 @@ def test_every_policy_runs_within_its_budget(name, loaded, llama_ids):
             continue
         assert math.isfinite(r.metrics["nll"]), policy
         if budget is not None:
-            assert within_budget(make_policy(policy, SMALL_PROMPT.get(policy, {})), r, budget), policy
+            assert within_budget(make_policy(policy, small.get(policy, {})), r, budget), policy
 
 
 def test_sliding_layer_attends_only_its_window(loaded, llama_ids):

@@ -12,7 +12,8 @@ from kvlens.engine.shared_prefill import SharedPrefill, answer, prepare
 from kvlens.policies import make_policy
 
 # both prefill kernels (SDPA; the eager column-sum pass), last rows of several counts, per-head padding
-# (Ada-KV), per-layer budgets (PyramidKV), replay passes (KVzip), merging (CaM), a budget-free policy (CORM)
+# (Ada-KV), per-layer budgets (PyramidKV), replay passes (KVzip), merging (CaM), a budget-free policy (CORM),
+# the hidden states entering each attention layer (KVzap)
 POLICIES = [
     "full",
     "snapkv",
@@ -24,6 +25,7 @@ POLICIES = [
     "cam",
     "corm",
     "expected_attention",
+    "kvzap",
 ]
 
 

@@ -122,3 +122,28 @@ def test_layer_cache_status_follows_the_cache_and_the_decision_log(name):
             assert got[EVICTED] == set(range(prompt + row)) - present - away
     if name != "streaming_llm-attention":
         assert (status == MERGED_AWAY).any() and (status == HOLDS_MERGE).any()
+
+
+def test_a_kvzap_threshold_run_opens_on_the_head_grid_with_each_heads_own_count(tiny):
+    """Threshold mode's heads keep different counts: at decode step r each head's row covers the slots its
+    cache kept after compression r - 1, plus the step's own token."""
+    from kvlens.engine.loop import RunOptions, run
+    from kvlens.policies import make_policy
+
+    policy = make_policy("kvzap", {"mode": "threshold", "window": 8, "threshold": 0.0})
+    r = run(
+        tiny,
+        policy,
+        list(range(40, 140)),
+        prefill=60,
+        steps=10,
+        teacher=True,
+        opts=RunOptions(record="attention"),
+    )
+    grid, counts = head_grid(r), r.tensors["steps/kv_slots"].numpy()  # (steps, L, Hkv)
+    assert len(np.unique(counts[-1])) > 1  # the heads differ
+    group = grid.heads // counts.shape[2]
+    for step in range(1, grid.steps):
+        cached = (~np.isnan(grid.weights[step])).sum(-1)[:, ::group]  # (L, Hkv)
+        assert (cached == counts[step - 1] + 1).all(), step
+    summary_figure(grid, grid.steps - 1, "kept share")

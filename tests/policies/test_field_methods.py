@@ -277,6 +277,15 @@ def test_kvzip_reconstructs_the_context_without_exactly_the_chat_templates_head(
     assert not (r.decisions.position < 4).any()
 
 
+def own_logsumexp(queries: torch.Tensor, own: torch.Tensor, scale: float) -> torch.Tensor:
+    """`(Hq, q)` a replay pass's logsumexp over its own keys `(Hkv, q, D)`, causal, written plainly."""
+    q = own.shape[1]
+    logits = scale * queries.view(HKV, G, q, D) @ own[:, None].transpose(-1, -2)
+    return (
+        logits.masked_fill(torch.ones(q, q, dtype=torch.bool).triu(1), -torch.inf).logsumexp(-1).view(-1, q)
+    )
+
+
 @settings(max_examples=examples(10))
 @given(st.integers(0, 10_000), st.integers(0, 6), st.integers(1, 5))
 def test_kvzip_scores_each_slot_by_the_largest_weight_of_the_repeating_queries(seed, start, sinks):
@@ -305,6 +314,41 @@ def test_kvzip_scores_each_slot_by_the_largest_weight_of_the_repeating_queries(s
                 best = torch.maximum(best, torch.softmax(logits, 0)[s : s + end - start])
         torch.testing.assert_close(got[kv, start:end], best, rtol=1e-5, atol=1e-7)
         assert (got[kv, :start] == 0).all() and (got[kv, end:] == 0).all()  # other chunks: other passes
+
+
+@settings(max_examples=examples(10))
+@given(st.integers(0, 10_000), st.integers(0, 6), st.integers(1, 5))
+def test_kvzip_plus_is_the_largest_weight_times_the_values_output_norm_over_the_querys_hidden_norm(
+    seed, start, sinks
+):
+    """KVzap's KVzip+ (arXiv 2601.07891; kvpress `kvzap/data.py`): max over the pass's queries j and the KV
+    head's query heads h of a_hji * ||v_i W_O^h|| / ||h_j||, computed here from the plain softmax."""
+    from kvlens.kvcache import HIDDEN, O_GRAM, Replay
+
+    t, q, end, dm = 16, 5, min(16, start + 7), 12
+    layer = random_layer(seed, t)
+    gen = torch.Generator().manual_seed(seed + 1)
+    queries, own = torch.randn(HKV * G, q, D, generator=gen), torch.randn(HKV, q, D, generator=gen)
+    hidden, w_o = torch.randn(q, dm, generator=gen) * 3, torch.randn(HKV * G, D, dm, generator=gen)
+    layer.states[0][HIDDEN], layer.states[0][O_GRAM] = hidden, w_o @ w_o.transpose(1, 2)
+    make_policy("kvzip", {"n_sink": sinks, "score": "plus"}).observe_replay(
+        layer, Replay(start, end, queries, own, own_logsumexp(queries, own, 0.5), 0.5)
+    )
+    got = layer.states[0]["kvzip_score"]
+    keys, values = layer.keys[0], layer.values[0]
+    s = min(sinks, start)
+    for kv in range(HKV):
+        seen = torch.cat([keys[kv, :s], keys[kv, start:end], own[kv]])
+        best = torch.zeros(end - start)
+        for g in range(G):
+            out_norm = (values[kv, start:end] @ w_o[kv * G + g]).norm(dim=-1)  # ||v_i W_O^h||
+            for i in range(q):
+                logits = 0.5 * seen @ queries[kv * G + g, i]
+                logits[s + end - start + i + 1 :] = float("-inf")
+                weight = torch.softmax(logits, 0)[s : s + end - start]
+                best = torch.maximum(best, weight * out_norm / hidden[i].norm())
+        torch.testing.assert_close(got[kv, start:end], best, rtol=1e-4, atol=1e-7)
+        assert (got[kv, :start] == 0).all() and (got[kv, end:] == 0).all()
 
 
 @settings(max_examples=examples(10))

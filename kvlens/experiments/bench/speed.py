@@ -26,7 +26,9 @@ step, which a machine shared with other processes disturbs less than wall time.
   policy in the lockstep (`every`: by default every registered policy, budget-free ones at their own size),
   the worst policy's ratio; `ratio_details` names it and lists each policy's. The prefill family leaves out
   the methods whose algorithm is an extra forward over the prompt (replay passes: KVzip's reconstruction),
-  which `replay_vs_full_prefill_at_N` measures against their own target.
+  which `replay_vs_full_prefill_at_N` measures against their own target; `kvzap_vs_kvzip_prefill_at_N` is
+  KVzap's prefill (its surrogate's matmuls) over KVzip's (its replay), the cost the learned score saves (no
+  target), and each one's decode over full is in `every_policy_half_vs_full_at_N`.
 - every_policy_bytes_half_vs_full_at_N: KV bytes allocated (peak) by every budgeted policy at half the prompt
   over the full cache's (peak) after the same steps, the worst policy's: both hold the generated tokens, so a
   method that compresses the prompt once and then grows is held to the same count as one that keeps its
@@ -58,6 +60,10 @@ from kvlens.experiments.bench.common import PeakRSS, PolicySpec, environment, me
 from kvlens.policies import make_policy
 from kvlens.texts import prefix_ids
 
+# KVzap's surrogate (prefill and one matmul per layer per token) against the KVzip replay it approximates:
+# `kvzap_vs_kvzip_prefill_at_N`, their prefills' median per-round ratio (wall and CPU time); no target
+LEARNED = ("kvzap", "kvzip")
+TIMES = {"wall": "prefill_ms", "cpu": "prefill_cpu_ms"}
 TARGETS = {
     "engine_vs_model_loop": 1.03,
     "hf_generate_vs_engine": 1.10,
@@ -403,6 +409,8 @@ def evict_ratios(
     }
     if every:
         out["worst_bytes"] = max((name for name in every if name in nbytes), key=nbytes.__getitem__)
+    if all(name in others for name in LEARNED):  # the surrogate's prefill over the replay it approximates
+        out["learned"] = {t: ratio(LEARNED[0], key, LEARNED[1]) for t, key in TIMES.items()}
     return out
 
 
@@ -495,6 +503,10 @@ def bench_speed(
     if every:
         for e in evict.values():
             m = e["prompt_tokens"]  # 8192 is capped at the context minus the steps
+            if "learned" in e:
+                name = f"{LEARNED[0]}_vs_{LEARNED[1]}_prefill_at_{m}"
+                ratios[name], ratios_cpu[name] = e["learned"]["wall"], e["learned"]["cpu"]
+                every_details[name] = {"prefill_ms": {p: e["prefill_ms"][p] for p in LEARNED}, **e["learned"]}
             ratios[f"every_policy_bytes_half_vs_full_at_{m}"] = e["bytes"][e["worst_bytes"]]
             if e["replay"]:
                 ratios[f"replay_vs_full_prefill_at_{m}"] = max(e["replay"].values())
