@@ -40,6 +40,13 @@ class _Rows:
     def __init__(self, loops: Sequence[_Loop]):
         self.loops = loops
         self.seconds = [0.0] * len(loops)
+        self.wants_hidden = any(loop.ctx.wants_hidden for loop in loops)  # `kvlens.engine.hidden.tap`
+
+    def hidden_in(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        """The attention's input `(B, 1, d_model)`: row b's to `loops[b]`'s context, where it is read."""
+        for b, loop in enumerate(self.loops):
+            if loop.ctx.wants_hidden:
+                loop.ctx.hidden_in(layer_idx, hidden[b : b + 1])
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         """query `(B, Hq, 1, D)`, key/value `(B, Hkv, 1, D)` of the new tokens -> out `(B, 1, Hq, D)`."""

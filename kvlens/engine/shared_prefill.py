@@ -152,7 +152,7 @@ class SharedPrefill:
                 min(rows, len(ids)),
                 bool(model.supported().sliding),
                 rotary_of(model.model, model.supported()),
-                hidden=any(p.needs().hidden_states for p in policies),
+                hidden=any(c.policy.needs().hidden_states for c in needs),
             )
             if ctx.wants_hidden:
                 tap(model.model)

@@ -230,13 +230,14 @@ MIXES = {
     "per-head budgets": [Entry("adakv", {"base": "snapkv", "base.window": 4}, 12)],
     "replay passes": [Entry("kvzip", {}, 12), Entry("snapkv", {"window": 4}, 12)],
     "merging": [Entry("d2o", {}, 12), Entry("weightedkv", {}, 12), Entry("scissorhands", {}, 12)],
+    "learned scores": [Entry("kvzap", {}, 12), Entry("kvzap", {"mode": "threshold", "window": 4}, None)],
 }
 
 
 @pytest.mark.parametrize("entries", MIXES.values(), ids=MIXES.keys())
 def test_batched_compare_is_the_unbatched_one_for_every_kind_of_policy(tiny, entries):
-    """Quantized storage, budget-free policies, per-head budgets, replay passes (KVzip) and merging policies
-    batch as exactly as evicting ones."""
+    """Quantized storage, budget-free policies, per-head budgets, replay passes (KVzip), merging policies and
+    learned scores (KVzap, each row's hidden states its own) batch as exactly as evicting ones."""
     assert_batched_is_unbatched(
         compare(tiny, PROMPT, entries, 12), compare(tiny, PROMPT, entries, 12, batched=False)
     )
