@@ -178,7 +178,7 @@ class _Loop:
         self.decodes = policy.needs().decode_steps  # compresses at decode steps (its decode protocol)
         self.budget = budget
         self.length = length  # the most tokens the run feeds (None: not known, inside `model.generate`)
-        self.prompt_length: int | None = None  # set by `prefill`
+        self.prompt_length: int | None = None  # set by `after_prompt`
         self.budgets: Sequence[int | None] = [budget] * model.shape()[
             "layers"
         ]  # each layer's (`Policy.allocate`)
@@ -216,20 +216,18 @@ class _Loop:
         """Feed the prompt, in chunks of `prefill_chunk` tokens if set, and compress it: after each chunk, all
         of them step 0's compressions (one chunk: exactly the unchunked run). The last token's logits."""
         size = self.chunk or len(prompt)
-        self.prompt_length = len(prompt)
         logits = self.forward(prompt[:size], 0)
-        self.after_prompt(prompt[:size], last=size >= len(prompt))
+        self.after_prompt(prompt[:size], last=size >= len(prompt), length=len(prompt))
         for start in range(size, len(prompt), size):
             logits = self.forward(prompt[start : start + size], start)
             self.compress(0, first=False, last=start + size >= len(prompt))
         return logits
 
-    def after_prompt(self, prompt: list[int], last: bool = True) -> None:
+    def after_prompt(self, prompt: list[int], last: bool = True, length: int | None = None) -> None:
         """What follows the forward of the prompt (or of its first chunk): the policy's replay passes, then
-        step 0's compression (`last`: no chunk follows)."""
+        step 0's compression (`last`: no chunk follows; `length`: the whole prompt's, when chunked)."""
         self.token_bytes = self.cache.nbytes / len(prompt)
-        if self.prompt_length is None:  # fed whole (a chunked `prefill` has set the whole prompt's length)
-            self.prompt_length = len(prompt)
+        self.prompt_length = length or len(prompt)
         self.replay(prompt)
         self.compress(0, last=last)
 

@@ -133,8 +133,8 @@ class KVCache:
         the run's attention does (`attends_pages`: it reads no attention rows and no layer slides), the layer
         is laid out in segments and no policy holds a working copy."""
         store = layer._live
-        if self.attends_pages and isinstance(store, PagedStore) and store.segments is not None:
-            return None if store.working else store
+        if isinstance(store, PagedStore) and store.segments is not None and not store.working:
+            return store if self.attends_pages else None
         return None
 
     def reserve(self, tokens: int) -> None:
