@@ -128,7 +128,8 @@ def cmd_train_scorer(args) -> int:
     cache = Path(args.cache or cache_root() / "scorer_targets")
     layers, fit, sizes = st.train(model, sources, cfg, cache, advance)
     bar.close()
-    seconds = {"wall": round(time.perf_counter() - start, 1), "cpu": round(time.process_time() - cpu, 1)}
+    # to the millisecond: a short training (a tiny model) must not read 0 s
+    seconds = {"wall": round(time.perf_counter() - start, 3), "cpu": round(time.process_time() - cpu, 3)}
     meta = {
         "fit": json.dumps(fit),
         "command": command(args),
@@ -150,7 +151,7 @@ def _print(report: dict, as_json: bool) -> None:
     print(f"KVzap {report['kind']} scorer for {report['model']} -> {report['out']}")
     print(
         f"{report['train_positions']} training and {report['held_out_positions']} held-out positions; "
-        f"{seconds['wall']} s wall, {seconds['cpu']} s CPU ({report['machine']})"
+        f"{seconds['wall']:.1f} s wall, {seconds['cpu']:.1f} s CPU ({report['machine']})"
     )
     print("layer  held-out R²  Spearman")
     for i, row in enumerate(report["held_out_fit"]):
