@@ -27,7 +27,10 @@ def register(sub) -> None:
     p.add_argument("--index", type=int, default=0, help="the sample's line among the file's samples (from 0)")
     p.add_argument("--policy", help="with --samples: the policy (name or `name:key=value,...`)")
     p.add_argument(
-        "--ratio", type=float, help="with --samples: the compression ratio, the share removed (0.75)"
+        "--ratio",
+        type=float,
+        help="with --samples: the compression ratio, the share removed (0.75); none for a policy that "
+        "keeps its own budget (CORM, kvzap:mode=threshold)",
     )
     p.add_argument(
         "--by",
@@ -73,8 +76,8 @@ def cmd_explain(args) -> int:
         raise KvlensError(
             f"Unknown --minimal-by '{args.minimal_by}'; the groupings are {', '.join(GROUPINGS)}."
         )
-    if args.samples and (args.policy is None or args.ratio is None):
-        raise KvlensError("--samples needs --policy and --ratio.")
+    if args.samples and args.policy is None:
+        raise KvlensError("--samples needs --policy (and --ratio, unless the policy keeps its own budget).")
     if args.run:
         from kvlens.runs.run import load_run
 

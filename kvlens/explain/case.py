@@ -27,13 +27,14 @@ from kvlens.runs.run import load_run
 @dataclass
 class Case:
     """What to explain: `context` ids (compressed), `question` ids (fed after it, uncompressed), the policy
-    and its budget (slots per KV head), the sample (tasks) or the tokens to score (`text`: a run's)."""
+    and its budget (slots per KV head; None for a policy that keeps what its own rule keeps: CORM, kvzap's
+    threshold mode), the sample (tasks) or the tokens to score (`text`: a run's)."""
 
     model: LoadedModel
     context: list[int]
     question: list[int]
     policy: PolicySpec
-    budget: int
+    budget: int | None
     about: dict  # JSON-able: where the case comes from
     sample: ruler.Sample | None = None
     needles: list[tuple[int, int]] = field(default_factory=list)  # the needle's token spans in the context
@@ -56,27 +57,26 @@ def sample_case(
     model: LoadedModel,
     sample: ruler.Sample,
     policy: str,
-    ratio: float,
+    ratio: float | None,
     chat: bool = True,
     about: dict | None = None,
     rounding: str = "kvpress",
 ) -> Case:
     """A task sample under `policy` at compression ratio `ratio` (its kept count rounded as `rounding`,
-    `slots_for`); `about`: where the sample comes from."""
-    if not 0 < ratio < 1:
-        raise KvlensError(f"A compression ratio is the share of the context removed, in (0, 1); got {ratio}.")
+    `slots_for`; None, and ignored, for a budget-free policy); `about`: where the sample comes from."""
     spec = PolicySpec.parse(policy)
-    context, question = split_prompt(model, sample.context, sample.questions[0], chat)
-    budget = resolve_budget(
-        make_policy(spec.name, dict(spec.params)),
-        slots_for(ratio, len(context), rounding),
-        len(context),
-        len(context) + len(question) + sample.max_new_tokens,
-    )
-    if budget is None:
+    made = make_policy(spec.name, dict(spec.params))
+    if made.budget_free:
+        ratio = None
+    elif ratio is None:
         raise KvlensError(
-            f"Policy {spec.name} keeps what its own rule keeps; explain needs a budgeted policy."
+            f"Policy {spec.label} compresses to a budget; give its compression ratio (--ratio)."
         )
+    elif not 0 < ratio < 1:
+        raise KvlensError(f"A compression ratio is the share of the context removed, in (0, 1); got {ratio}.")
+    context, question = split_prompt(model, sample.context, sample.questions[0], chat)
+    slots = None if ratio is None else slots_for(ratio, len(context), rounding)
+    budget = resolve_budget(made, slots, len(context), len(context) + len(question) + sample.max_new_tokens)
     needles = tasks.context_token_spans(model, sample.context, ruler.needle_spans(sample), chat)
     about = {"source": "sample", **(about or {}), "task": sample.task, "policy": spec.label, "ratio": ratio}
     return Case(model, context, question, spec, budget, about, sample, needles, None, sample.max_new_tokens)
@@ -92,8 +92,6 @@ def run_case(model: LoadedModel, directory: str) -> Case:
         )
     meta = run.meta
     budget = meta.get("budget", {}).get("slots")
-    if budget is None:
-        raise KvlensError(f"The run at {directory} ran without a budget; explain needs a budgeted policy.")
     tokens = list(meta["tokens"])
     if len(tokens) < 2:
         raise KvlensError(

@@ -33,6 +33,11 @@ def explain(
     return explain_built(build(case, shared), by, span, reverse, minimal_by, batch)
 
 
+def _budget(case: Case) -> str:
+    """The case's budget in words."""
+    return "under its own rule" if case.budget is None else f"at {case.budget} slots"
+
+
 def explain_built(
     built: Built,
     by: list[str],
@@ -46,8 +51,8 @@ def explain_built(
     case = built.case
     if not bool(built.pair.removed.any()):
         raise KvlensError(
-            f"{case.policy.label} removed nothing from this {len(case.context)}-token prompt at "
-            f"{case.budget} slots; there is nothing to explain."
+            f"{case.policy.label} removed nothing from this {len(case.context)}-token prompt "
+            f"({_budget(case)}); there is nothing to explain."
         )
     groups = make_groups(
         built.pair, by + ([minimal_by] if minimal_by and minimal_by not in by else []), span, case.needles

@@ -122,6 +122,20 @@ def test_a_merged_slots_restore_gives_back_its_original_key_and_value(smol, samp
     assert int(((pos[head] == position) & valid[head]).sum()) == 1
 
 
+def test_a_threshold_policy_is_explained_at_the_budget_its_own_rule_reached(smol, samples):
+    """kvzap's threshold mode has no budget: explain takes no ratio, removes per head what scores below the
+    threshold outside the window, and restoring every group closes the gap."""
+    case = sample_case(smol, file_sample(samples, 0), "kvzap:mode=threshold", None, about={"index": 0})
+    built = build(case)
+    removed = built.pair.removed  # (L, Hkv, T)
+    assert case.budget is None and case.about["ratio"] is None
+    assert not removed[..., -128:].any() and removed.any()
+    assert len(set(removed.sum(-1).flatten().tolist())) > 1  # each head keeps as many as pass
+    out = explain_built(built, ["layer"])
+    assert out["budget"] is None and out["slots_removed"] == int(removed.sum())
+    assert out["all_groups"]["recovered_share"] == pytest.approx(1.0, abs=1e-3)
+
+
 def test_patched_caches_in_a_batch_equal_each_alone(snapkv):
     pair = snapkv.pair
     masks = [g.mask for g in make_groups(pair, ["layer"])[::7]]
@@ -194,7 +208,8 @@ def test_bad_input_is_one_sentence(samples, capsys, tmp_path):
             ["--samples", str(samples), "--policy", "snapkv", "--ratio", "0.75", "--by", "row"],
             "Unknown grouping",
         ),
-        (["--samples", str(samples), "--policy", "snapkv"], "needs --policy and --ratio"),
+        (["--samples", str(samples), "--policy", "snapkv"], "give its compression ratio"),
+        (["--samples", str(samples), "--ratio", "0.5"], "needs --policy"),
         (
             ["--samples", str(tmp_path / "none.jsonl"), "--policy", "snapkv", "--ratio", "0.5"],
             "no samples file",
