@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from kvlens.engine import hidden, qfilters, scorers
 from kvlens.engine.architectures import rotary_of
@@ -85,16 +86,14 @@ def _check_length(model: LoadedModel, n: int) -> None:
 
 
 def _choose(logits: torch.Tensor, opts: RunOptions, gen: torch.Generator) -> int:
+    """The next token from `logits` `(V,)`: the argmax at temperature 0, else a draw from the softmax at
+    `temperature` restricted to the top-p nucleus (transformers' own logits warpers, as `model.generate`)."""
     if opts.temperature <= 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / opts.temperature, dim=-1)
+    scores = TemperatureLogitsWarper(opts.temperature)(None, logits.float()[None])
     if opts.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        cut = torch.cumsum(sorted_p, 0) - sorted_p >= opts.top_p
-        probs = probs.clone()
-        probs[order[cut]] = 0
-        probs /= probs.sum()
-    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+        scores = TopPLogitsWarper(opts.top_p)(None, scores)
+    return int(torch.multinomial(torch.softmax(scores[0], -1).cpu(), 1, generator=gen))
 
 
 def feed(model: LoadedModel, cache: KVCache, ctx: RunContext, ids: list[int], start: int) -> torch.Tensor:

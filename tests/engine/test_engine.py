@@ -149,6 +149,21 @@ def test_greedy_is_deterministic_and_sampling_is_seeded(tiny):
     assert gen(3, 1.0) != gen(4, 1.0)
 
 
+def test_sampling_draws_from_the_top_p_nucleus_only():
+    """Probabilities 0.6, 0.3, 0.1: top-p 0.5 keeps the first token alone, 0.8 the first two, 1.0 all three
+    (the smallest set whose mass reaches p, as transformers' `TopPLogitsWarper`)."""
+    from kvlens.engine.loop import _choose
+
+    logits = torch.tensor([0.6, 0.3, 0.1]).log()
+    gen = torch.Generator().manual_seed(0)
+
+    def drawn(top_p: float) -> set[int]:
+        return {_choose(logits, RunOptions(temperature=1.0, top_p=top_p), gen) for _ in range(300)}
+
+    assert (drawn(0.5), drawn(0.8), drawn(1.0)) == ({0}, {0, 1}, {0, 1, 2})
+    assert _choose(logits, RunOptions(temperature=0.0, top_p=0.1), gen) == 0
+
+
 def test_cancel_stops_within_one_step(tiny):
     stop = threading.Event()
     seen = []
