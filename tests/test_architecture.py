@@ -17,7 +17,15 @@ PACKAGE = ROOT / "kvlens"
 LAYERS = [  # bottom first; a module belongs to the layer of its longest matching prefix
     (
         "base",
-        ["kvlens.version", "kvlens.errors", "kvlens.lists", "kvlens.levels", "kvlens.params", "kvlens.texts"],
+        [
+            "kvlens.version",
+            "kvlens.errors",
+            "kvlens.lists",
+            "kvlens.levels",
+            "kvlens.params",
+            "kvlens.texts",
+            "kvlens.progress",
+        ],
     ),
     ("runs", ["kvlens.runs"]),
     ("cache", ["kvlens.kvcache"]),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 from kvlens.cli.common import add_model_args, add_storage_args, command_line, load, print_json
@@ -139,7 +138,9 @@ def register(sub) -> None:
         default="0.5,0.25,0.125",
         help="comma-separated byte budgets, shares of the full cache's bytes (default 0.5,0.25,0.125)",
     )
-    p.add_argument("--evict", default="h2o;tova;snapkv", help="';'-separated eviction policies ('' for none)")
+    p.add_argument(
+        "--evict", default="h2o;tova;snapkv;kvzip;kvzap", help="';'-separated eviction policies ('' for none)"
+    )
     p.add_argument("--merge", default="cam;weightedkv", help="';'-separated merging policies ('' for none)")
     p.add_argument("--bits", default="8,4,2", help="quantization alone: every slot at these bits")
     p.add_argument("--mix", default="h2o", help="the eviction policy of the mixes ('' for none)")
@@ -245,12 +246,6 @@ def _apply_quick(args) -> str:
         if getattr(args, key) is None:
             setattr(args, key, value)
     return "_quick" if args.quick else ""
-
-
-def _bar(total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not sys.stderr.isatty(), dynamic_ncols=True)
 
 
 def _finish(args, result: dict, rows: list[dict], fig, stem: str, text: str) -> int:
@@ -492,6 +487,7 @@ def cmd_speed(args) -> int:
     from kvlens.experiments.bench import speed
     from kvlens.experiments.bench.common import parse_policies
     from kvlens.lists import parse_list
+    from kvlens.progress import Progress
 
     suffix = _apply_quick(args)
     policies = parse_policies(args.policies)
@@ -502,7 +498,8 @@ def cmd_speed(args) -> int:
     model = load(args)
     text = bundled.read(bundled.ids()[0])  # the longest-running address (1946 Truman, ~40k tokens)
     every = _lockstep(args.lockstep)
-    bar = _bar(speed.ticks(len(policies), lengths, args.repeats, evict_lengths, every), "bench speed")
+    ticks = speed.ticks(len(policies), lengths, args.repeats, evict_lengths, every)
+    bar = Progress("bench speed", ticks, "measurement", log=True)
     rows_file = Path(args.out_dir) / f"bench_speed{suffix}.rows.jsonl"  # each row as soon as it is measured
     rows_file.parent.mkdir(parents=True, exist_ok=True)
     rows_file.write_text("", encoding="utf-8")
@@ -523,7 +520,7 @@ def cmd_speed(args) -> int:
             ratio_length=args.ratio_length,
             evict_lengths=evict_lengths,
             every=every,
-            tick=lambda: bar.update(1),
+            tick=bar.advance,
             on_row=on_row,
         )
     lines = [speed.markdown_table(result), ""]

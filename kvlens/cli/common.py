@@ -162,21 +162,14 @@ def print_json(obj) -> None:
     print(json.dumps(obj, indent=1, default=str))
 
 
-def progress(total: int, desc: str, enabled: bool = True):
-    """A tqdm bar on stderr, and the `on_step` callback that advances it."""
-    from tqdm import tqdm
+def progress(total: int, desc: str):
+    """A progress bar over generated tokens (`kvlens.progress`), and the `on_step` callback that advances it
+    (showing the fullest head's slots)."""
+    from kvlens.progress import Progress
 
-    bar = tqdm(
-        total=total,
-        desc=desc,
-        unit="tok",
-        file=sys.stderr,
-        disable=not enabled or not sys.stderr.isatty(),
-        leave=False,
-    )
+    bar = Progress(desc, total, "tok")
 
     def on_step(event):
-        bar.update(1)
-        bar.set_postfix(slots=max(event.kv_slots), refresh=False)
+        bar.advance(note=f"slots={max(event.kv_slots)}")
 
     return bar, on_step

@@ -120,24 +120,13 @@ def _per_layer(values: dict) -> str:
 
 
 def cmd_qfilters(args) -> int:
-    import sys
-
-    from tqdm import tqdm
-
     from kvlens.engine import qfilters
+    from kvlens.progress import Progress
 
     model = load(args)
     path = qfilters.path_for(model)
-    bar = tqdm(
-        total=qfilters.TEXTS,
-        desc="Q-Filters",
-        unit="text",
-        file=sys.stderr,
-        leave=False,
-        disable=not sys.stderr.isatty(),
-    )
-    filters = qfilters.filters_for(model, fresh=args.fresh, progress=lambda done, _: bar.update(done - bar.n))
-    bar.close()
+    with Progress("Q-Filters", qfilters.TEXTS, "text") as bar:
+        filters = qfilters.filters_for(model, fresh=args.fresh, progress=lambda done, _: bar.to(done))
     report = {
         "model": args.model,
         "path": str(path),

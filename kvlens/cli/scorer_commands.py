@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import platform
 import shlex
-import sys
 import time
 from pathlib import Path
 
@@ -100,11 +99,10 @@ def machine() -> str:
 def cmd_train_scorer(args) -> int:
     import json
 
-    from tqdm import tqdm
-
     from kvlens.engine import scorers
     from kvlens.engine.models import cache_root
     from kvlens.experiments import scorer_training as st
+    from kvlens.progress import Progress
 
     _check(args)
     cfg = st.Training(
@@ -116,18 +114,12 @@ def cmd_train_scorer(args) -> int:
         epochs=args.epochs,
     )
     model, sources = load(args), _texts(args)
-    bar = tqdm(
-        desc="KVzip+ targets", unit="piece", file=sys.stderr, leave=False, disable=not sys.stderr.isatty()
-    )
-
-    def advance(done: int, total: int, cached: bool) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
     start, cpu = time.perf_counter(), time.process_time()
     cache = Path(args.cache or cache_root() / "scorer_targets")
-    layers, fit, sizes = st.train(model, sources, cfg, cache, advance)
-    bar.close()
+    with Progress("KVzip+ targets", None, "piece") as bar:
+        layers, fit, sizes = st.train(
+            model, sources, cfg, cache, lambda done, total, _cached: bar.to(done, total)
+        )
     # to the millisecond: a short training (a tiny model) must not read 0 s
     seconds = {"wall": round(time.perf_counter() - start, 3), "cpu": round(time.process_time() - cpu, 3)}
     meta = {

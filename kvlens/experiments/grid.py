@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import io
 import itertools
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -195,31 +193,15 @@ def run_grid(
     """Run the cells `results` still lacks through an executor's `outcomes(cells)`, recording each as it
     finishes, with a progress bar (ETA) over the whole grid: redrawn on a terminal, a line per finished cell
     otherwise (a log of a grid left running for hours)."""
-    from tqdm import tqdm
+    from kvlens.progress import Progress
 
     todo = results.todo()
     results.write()
-    terminal = sys.stderr.isatty()
-    bar = tqdm(
-        total=len(results.cells),
-        initial=len(results.cells) - len(todo),
-        desc=desc,
-        unit="cell",
-        file=sys.stderr if terminal else io.StringIO(),
-        dynamic_ncols=terminal,
-        bar_format=None
-        if terminal
-        else "{desc}: {n_fmt}/{total_fmt} cells, {elapsed} elapsed, {remaining} left{postfix}",
-    )
-    with bar:
+    total = len(results.cells)
+    with Progress(desc, total, "cell", initial=total - len(todo), log=True) as bar:
         for cell, outcome in outcomes(todo):
             results.add(cell, outcome)
-            bar.set_postfix_str(
-                f"{len(results.failed)} failed" if results.failed else _label(cell), refresh=False
-            )
-            bar.update(1)
-            if not terminal:
-                print(bar, file=sys.stderr, flush=True)
+            bar.advance(note=f"{len(results.failed)} failed" if results.failed else _label(cell))
     return results
 
 

@@ -352,3 +352,17 @@ def test_sweep_refuses_bad_settings_before_loading(monkeypatch, tmp_path, capsys
     assert main(["sweep", "--policies", "h2o", "--budgets", "0.5", "--out", str(tmp_path / "x.json")]) == 2
     assert "--texts N" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_progress_whose_total_is_known_late_logs_its_count_of_that_total(capsys):
+    """`Progress.to`: the count reached, of a total given only then (`kvlens train-scorer`'s pieces), one
+    line per advance when stderr is a log; silent there when not asked to log."""
+    from kvlens.progress import Progress
+
+    with Progress("targets", None, "piece", log=True) as bar:
+        bar.to(2, 5)
+        bar.to(5)
+    with Progress("quiet", 3, "tok") as bar:
+        bar.advance(note="slots=4")
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(",")[0] for line in lines] == ["targets: 2/5 pieces", "targets: 5/5 pieces"]
