@@ -287,9 +287,11 @@ def cmd_generate(args) -> int:
     m = run.metrics
     print(run.meta["text"])
     ms = f"{m['ms_per_token']:.1f} ms/token" if m["ms_per_token"] else "one token"
+    reached = f"compression ratio {m['compression_ratio_prompt']:.3f} after the prompt, "
+    reached += f"{m['compression_ratio_final']:.3f} at the end"
     print(
         f"\n[{args.policy}] {len(run.meta['tokens'])} tokens, {ms}, kv slots max {m['kv_slots_max']}, "
-        f"{len(run.decisions)} decisions -> {path}"
+        f"{reached}, {len(run.decisions)} decisions -> {path}"
     )
     return 0
 

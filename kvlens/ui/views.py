@@ -14,9 +14,11 @@ from kvlens.runs.token_text import TokenText
 
 
 def _budget(run: Run) -> str:
+    """The run's budget in words; a budget-free run's, the compression ratio its own rule reached."""
     b = run.meta.get("budget") or {}
     if b.get("slots") is None:
-        return "no budget"
+        reached = (run.meta.get("metrics") or {}).get("compression_ratio_final")
+        return "no budget" if reached is None else f"no budget: compression ratio {reached:.3f} reached"
     req = b.get("requested")
     return f"budget {b['slots']} slots" + (f" ({req:g} of the prompt)" if isinstance(req, float) else "")
 

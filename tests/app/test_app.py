@@ -1148,3 +1148,13 @@ def test_no_empty_state_hint_or_live_card_stays_after_a_failed_or_stopped_job(
     assert not any(hint in i.value for i in at.info)
     at.button(key=f"{prefix}_stop").click().run()  # nothing stopped: the hint again
     assert any(hint in i.value for i in at.info)
+
+
+def test_a_budget_free_runs_header_names_the_compression_ratio_its_rule_reached():
+    from kvlens.runs.run import Run
+    from kvlens.ui.views import _budget
+
+    free = Run(meta={"budget": {"slots": None}, "metrics": {"compression_ratio_final": 0.4861}}, tensors={})
+    budgeted = Run(meta={"budget": {"slots": 64, "requested": 0.5}, "metrics": {}}, tensors={})
+    assert _budget(free) == "no budget: compression ratio 0.486 reached"
+    assert _budget(budgeted) == "budget 64 slots (0.5 of the prompt)"

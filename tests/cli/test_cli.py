@@ -95,6 +95,8 @@ def test_generate_then_show(tmp_path):
     assert proc.returncode == 0, proc.stderr
     shown = json.loads(kvlens("show", "--run", str(out), "--json").stdout)
     assert shown["policy"]["name"] == "h2o" and shown["budget"]["slots"] == 8
+    ratios = [f"{shown['metrics'][f'compression_ratio_{k}']:.3f}" for k in ("prompt", "final")]
+    assert f"compression ratio {ratios[0]} after the prompt, {ratios[1]} at the end" in proc.stdout
     prompt_len = len(kvlens_run_tokens(out))
     assert shown["tensors"]["prefill/q/5"] == [9, prompt_len, 64] and "prefill/q/1" not in shown["tensors"]
     assert shown["command"].startswith("kvlens generate --policy h2o")
