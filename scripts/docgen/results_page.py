@@ -563,6 +563,8 @@ def page() -> str:
     for path in cited():
         obj = load(path.name)
         out += f"## {CITED[path.name]}\n\n" + provenance(path.name, obj) + BUILDERS[path.name](obj) + "\n"
+    learned = learned_summary()
+    out += f"## A learned score: kvzap against KVzip\n\n{learned}\n" if learned else ""
     return out.rstrip("\n") + "\n"
 
 
@@ -599,6 +601,8 @@ def readme_summary() -> str:
         f"![Needles found by depth and length]({figure})\n"
     )
     out += cost_sentence(obj) + protocols_sentence(obj)
+    learned = learned_summary()
+    out += "\n" + learned if learned else ""
     return out + "\n" + frontier_summary() + "\n" + phases_summary() + "\n" + explain_summary() + "\n"
 
 
@@ -870,6 +874,92 @@ def explain_summary() -> str:
         f"[{one['ci'][0]:.0%}–{one['ci'][1]:.0%}]. The minimal sets concentrate in a few "
         "upper-middle layers: "
         f"{shown[0]} and {shown[1]} of them (bootstrap 95 % intervals over cases)."
+    )
+
+
+LEARNED = RESULTS / "kvzap"  # kvzap against the KVzip it learns: its task grids and its `bench speed` run
+LEARNED_SIDES = (
+    ("kvzap", 0.5, "`kvzap` at ratio 0.5"),
+    ("kvzap:mode=threshold", None, "`kvzap:mode=threshold`"),
+)
+
+
+def learned_grid(name: str, protocol: str) -> str:
+    """One protocol's kvzap cells against `kvzip` at ratio 0.5 on the same samples, paired (`against`)."""
+    from kvlens.experiments.bench.protocols import against
+
+    obj = json.loads((LEARNED / name).read_text(encoding="utf-8"))
+    rows, env = finished(obj), obj["environment"]
+    parts = []
+    for policy, ratio, label in LEARNED_SIDES:
+        d = against(rows, ("kvzip", 0.5), (policy, ratio))
+        if d is None:
+            continue
+        kept = "" if ratio is not None else f", keeping {d['kept_share']:.0%} of the context on average"
+        verdict = "a tie" if d["verdict"] == "tie" else f"`{d['verdict']}` better"
+        parts.append(
+            f"{label}{kept} scores {d['second']:.3f} against `kvzip`'s {d['first']:.3f} (difference "
+            f"{d['diff']:+.3f} [{d['ci_low']:+.3f}–{d['ci_high']:+.3f}]: {verdict})"
+        )
+    done, total = obj.get("cells_done"), obj.get("cells_total")
+    unfinished = f"; {done} of {total} cells done" if isinstance(done, int) and done < total else ""
+    return (
+        f"{protocol} (`{obj['command']}`, `results/kvzap/{name}`, {env['time'][:10]}, {machine(env)}"
+        f"{unfinished}; {len(rows)} samples at {', '.join(map(str, obj['config']['lengths']))} tokens, "
+        "paired bootstrap 95 % intervals): " + "; ".join(parts) + "."
+    )
+
+
+def learned_cost(obj: dict) -> str:
+    """kvzap's prefill over KVzip's (its replay included) and each one's decode over the full cache, from one
+    `bench speed` run's lockstep, medians with the [lowest–highest] round."""
+    details, parts = obj["ratio_details"], []
+    for name in sorted((k for k in obj["ratios"] if k.startswith("kvzap_vs_kvzip_prefill_at_")), key=len):
+        n = name.rsplit("_", 1)[1]
+        prefill = details[name]["prefill_ms"]
+        each = [a / b for a, b in zip(prefill["kvzap"], prefill["kvzip"], strict=True)]
+        decode = details.get(f"every_policy_half_vs_full_at_{n}", {})
+        spreads = decode.get("spread", {})
+        decoded = ", ".join(
+            f"`{p}` "
+            + spread(f"{decode['per_policy'][p]:.2f}", f"{spreads[p][0]:.2f}", f"{spreads[p][1]:.2f}")
+            for p in ("kvzap", "kvzip")
+            if p in decode.get("per_policy", {})
+        )
+        parts.append(
+            f"at {n} tokens `kvzap`'s prefill takes "
+            + spread(f"{obj['ratios'][name]:.2f}", f"{min(each):.2f}", f"{max(each):.2f}")
+            + "× `kvzip`'s (its replay included)"
+            + (f", and decoding at half budget over the full cache's is {decoded}" if decoded else "")
+        )
+    env = obj["environment"]
+    return (
+        f"What each costs (`{obj['command']}`, `results/kvzap/bench_speed.json`, {env['time'][:10]}, "
+        f"{machine(env)}, medians over {obj['config']['repeats']} lockstep rounds): " + "; ".join(parts) + "."
+    )
+
+
+def learned_summary() -> str:
+    """kvzap, the surrogate `kvlens train-scorer` ships for the embedded model, against the KVzip scores it
+    learns: each protocol's paired task scores and the cost of each; empty before its files exist."""
+    grids = [
+        learned_grid(name, protocol)
+        for name, protocol in (("bench_tasks.json", "Question-agnostic"), (QUERY_AWARE, "query-aware"))
+        if (LEARNED / name).exists()
+    ]
+    if not grids:
+        return ""
+    speed = LEARNED / "bench_speed.json"
+    cost = " " + learned_cost(json.loads(speed.read_text(encoding="utf-8"))) if speed.exists() else ""
+    return (
+        "A learned score against the one it learns: `kvzap` with the scorer `kvlens train-scorer` ships for "
+        "the embedded model (`scorers/`), beside `kvzip` on the leaderboard's samples. Its ratio mode is "
+        "kvpress's `KVzapPress` alone (each head's lowest predicted scores leave, no window of recent tokens "
+        "kept); its threshold mode is the paper's protocol (kvpress's `DMSPress`: what scores below -4 "
+        "leaves once older than the 128 newest positions, so each head keeps its own share). "
+        + "; ".join(grids)
+        + cost
+        + "\n"
     )
 
 

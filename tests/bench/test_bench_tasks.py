@@ -474,6 +474,28 @@ def test_the_protocols_are_compared_sample_for_sample_on_what_both_grids_ran():
     assert paired(agnostic, aware, "snapkv", 0.25) is None
 
 
+def test_two_policies_of_one_grid_are_compared_sample_for_sample_with_the_share_the_second_kept():
+    """kvzap (its threshold mode at its own size, ratio None) against kvzip at 0.5 in the same cells: the
+    difference's interval names the better one or a tie, and the mean share kept is the second's own."""
+    from kvlens.experiments.bench.protocols import against
+
+    rows = _rows(
+        {
+            ("kvzip", 0.5): [1, 1, 1, 1],
+            ("kvzap", 0.5): [0, 0, 0, 1],
+            ("kvzap:mode=threshold", None): [1, 0, 1, 1],
+        },
+        "a",
+        1024,
+    )
+    worse = against(rows, ("kvzip", 0.5), ("kvzap", 0.5))
+    assert (worse["first"], worse["second"], worse["diff"]) == (1.0, 0.25, -0.75)
+    assert worse["verdict"] == "kvzip" and worse["ci_high"] < 0 and worse["kept_share"] == 0.5
+    tie = against(rows, ("kvzip", 0.5), ("kvzap:mode=threshold", None))
+    assert tie["verdict"] == "tie" and tie["ci_low"] < 0 <= tie["ci_high"] and tie["kept_share"] == 1.0
+    assert against(rows, ("kvzip", 0.25), ("kvzap", 0.5)) is None
+
+
 def test_twenty_policies_get_twenty_distinct_styles_on_a_grid_of_panels():
     names = [f"p{i}" for i in range(20)]
     rows = _rows({(n, 0.5): [1, 0] for n in names}, "a", 1024) + _rows(
