@@ -163,9 +163,14 @@ def test_the_site_builds_strict_and_references_nothing_outside_itself(tmp_path):
         assert not external.search(html), f"{page.name} loads {external.search(html).group(0)}"
     css = " ".join(p.read_text(encoding="utf-8", errors="replace") for p in site.rglob("*.css"))
     assert "fonts.googleapis" not in css and "fonts.gstatic" not in css
-    assert "load_run" in (site / "api.html").read_text(
-        encoding="utf-8"
-    )  # mkdocstrings rendered the docstrings
+    api = (site / "api.html").read_text(encoding="utf-8")  # mkdocstrings rendered the docstrings
+    assert "load_run" in api
+    for name in (
+        "kvlens.policies.base.Policy",
+        "kvlens.policies.base.Needs",
+        "kvlens.kvcache.contract.CacheRows",
+    ):
+        assert f'id="{name}"' in api, name  # the policy contract, rendered with its members
 
 
 def test_the_results_page_and_the_apps_benchmarks_page_open_on_the_same_benchmarks_in_the_same_order():
