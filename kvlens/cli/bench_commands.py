@@ -27,7 +27,15 @@ def register(sub) -> None:
         "perplexity, needle in a haystack",
     )
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH", parser_class=type(bench))
+    _register_ppl(bsub)
+    _register_needle(bsub)
+    _register_tasks(bsub)
+    _register_frontier(bsub)
+    _register_speed(bsub)
 
+
+def _register_ppl(bsub) -> None:
+    """`kvlens bench ppl`: perplexity."""
     p = bsub.add_parser("ppl", help="teacher-forced perplexity, policies x budgets x bundled texts")
     _common(p, ALL_POLICIES)
     p.add_argument(
@@ -40,6 +48,9 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_ppl)
     _quick(p, policies="full;streaming_llm;h2o;cam", budgets="0.5", texts=2, prefill=192, tokens=32)
 
+
+def _register_needle(bsub) -> None:
+    """`kvlens bench needle`: needle in a haystack."""
     p = bsub.add_parser("needle", help="needle in a haystack: context length x depth heatmap per policy")
     _common(p, "full;streaming_llm;h2o;tova;cam;weightedkv;kvmerger")
     p.add_argument("--lengths", default="256,512,1024", help="comma-separated context lengths in tokens")
@@ -51,6 +62,9 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_needle)
     _quick(p, policies="full;streaming_llm;h2o", lengths="256,512", depths="0.5,1")
 
+
+def _register_tasks(bsub) -> None:
+    """`kvlens bench tasks`: task accuracy."""
     p = bsub.add_parser(
         "tasks", help="task accuracy (RULER-style) under compression: policies x ratios x tasks x lengths"
     )
@@ -128,6 +142,9 @@ def register(sub) -> None:
         }
     )
 
+
+def _register_frontier(bsub) -> None:
+    """`kvlens bench frontier`: quality at equal bytes."""
     p = bsub.add_parser(
         "frontier",
         help="perplexity and task score against KV bytes: eviction, merging, "
@@ -183,6 +200,9 @@ def register(sub) -> None:
         task_count=0,
     )
 
+
+def _register_speed(bsub) -> None:
+    """`kvlens bench speed`: speed and memory."""
     p = bsub.add_parser("speed", help="prefill, ms/token, KV bytes, peak memory per policy; target ratios")
     _common(p, ALL_POLICIES)
     p.add_argument("--lengths", default="256,1024,2048", help="comma-separated prompt lengths")
