@@ -428,6 +428,57 @@ def ticks(
     )
 
 
+def engine_pairs(model: LoadedModel, ids: list[int], steps: int, budget: float, repeats: int, tick) -> dict:
+    """The engine's own ratios on prompt `ids`, each two sides paired in lockstep (`paired`): the engine's
+    full cache against the model's own loop, transformers' `generate` against the engine, CaM against
+    StreamingLLM, and recording attention against recording nothing."""
+    full, sl, cam = PolicySpec("full"), PolicySpec("streaming_llm"), PolicySpec("cam")
+    engine = lambda: engine_steps(model, full, ids, steps, budget)  # noqa: E731
+    return {
+        "engine_vs_model_loop": paired(engine, lambda: model_loop_steps(model, ids, steps), repeats, tick),
+        "hf_generate_vs_engine": paired(lambda: hf_generate_steps(model, ids, steps), engine, repeats, tick),
+        "cam_vs_streaming_llm": paired(
+            lambda: engine_steps(model, cam, ids, steps, budget),
+            lambda: engine_steps(model, sl, ids, steps, budget),
+            repeats,
+            tick,
+        ),
+        "record_full_vs_none": paired(
+            lambda: engine_steps(model, full, ids, steps, budget, record="attention"), engine, repeats, tick
+        ),
+    }
+
+
+def every_policy_ratios(e: dict) -> tuple[dict, dict, dict]:
+    """The `every_policy_*` ratios (and KVzap's prefill over KVzip's) of one evict lockstep `e`
+    (`evict_ratios` with `every`): in wall-clock time, in CPU time, and their details (each policy's median
+    and spread, the worst named)."""
+    m = e["prompt_tokens"]  # 8192 is capped at the context minus the steps
+    ratios, ratios_cpu, details = {}, {}, {}
+    if "learned" in e:
+        name = f"{LEARNED[0]}_vs_{LEARNED[1]}_prefill_at_{m}"
+        ratios[name], ratios_cpu[name] = e["learned"]["wall"], e["learned"]["cpu"]
+        details[name] = {"prefill_ms": {p: e["prefill_ms"][p] for p in LEARNED}, **e["learned"]}
+    name = f"every_policy_bytes_half_vs_full_at_{m}"
+    ratios[name] = e["bytes"][e["worst_bytes"]]
+    details[name] = {"worst": e["worst_bytes"], "per_policy": e["bytes"]}
+    if e["replay"]:
+        name = f"replay_vs_full_prefill_at_{m}"
+        ratios[name] = max(e["replay"].values())
+        details[name] = {"worst": max(e["replay"], key=e["replay"].__getitem__), "per_policy": e["replay"]}
+    for name, part in (
+        (f"every_policy_half_vs_full_at_{m}", "decode"),
+        (f"every_policy_prefill_vs_full_at_{m}", "prefill"),
+        (f"every_policy_vs_floor_at_{m}", "floor"),
+    ):
+        ranked = [p for p in e["rounds"][part] if part != "prefill" or p not in e["replay"]]
+        family = family_details(e["rounds"][part], ranked)
+        ratios[name] = family["per_policy"][family["worst"]]
+        ratios_cpu[name] = family["cpu"][family["worst_cpu"]]
+        details[name] = family
+    return ratios, ratios_cpu, details
+
+
 def bench_speed(
     model: LoadedModel,
     policies: list[PolicySpec],
@@ -465,62 +516,25 @@ def bench_speed(
             tick()
     evict = {n: evict_ratios(model, text, n, steps, 0.5, repeats, tick, list(every)) for n in evict_lengths}
     ids = prefix_ids(model, text, ratio_length, "The text")
-    full, sl, cam = PolicySpec("full"), PolicySpec("streaming_llm"), PolicySpec("cam")
-    engine = lambda: engine_steps(model, full, ids, steps, budget)  # noqa: E731
-    loop = paired(engine, lambda: model_loop_steps(model, ids, steps), repeats, tick)
-    hf = paired(lambda: hf_generate_steps(model, ids, steps), engine, repeats, tick)
-    cam_pair = paired(
-        lambda: engine_steps(model, cam, ids, steps, budget),
-        lambda: engine_steps(model, sl, ids, steps, budget),
-        repeats,
-        tick,
-    )
-    record = paired(
-        lambda: engine_steps(model, full, ids, steps, budget, record="attention"), engine, repeats, tick
-    )
+    pairs = engine_pairs(model, ids, steps, budget, repeats, tick)
+    sl, full = PolicySpec("streaming_llm"), PolicySpec("full")
     half = engine_once(model, sl, ids, steps, 0.5)
     whole = engine_once(model, full, ids, steps, None)
     ratios = {
-        "engine_vs_model_loop": loop["ratio"],
-        "hf_generate_vs_engine": hf["ratio"],
-        "cam_vs_streaming_llm": cam_pair["ratio"],
-        "record_full_vs_none": record["ratio"],
+        **{k: d["ratio"] for k, d in pairs.items()},
         "kv_bytes_half_budget_vs_full": half["kv_bytes_peak"] / whole["kv_bytes_prefill"],
         **{f"evict_half_vs_full_at_{n}": e["ratio"] for n, e in evict.items()},
     }
     if evict:
         ratios["prefill_stats_vs_full"] = evict[evict_lengths[0]]["prefill_ratio"]
-    ratios_cpu = {
-        k: d["cpu_ratio"]
-        for k, d in (
-            ("engine_vs_model_loop", loop),
-            ("hf_generate_vs_engine", hf),
-            ("cam_vs_streaming_llm", cam_pair),
-            ("record_full_vs_none", record),
-        )
-    }
+    ratios_cpu = {k: d["cpu_ratio"] for k, d in pairs.items()}
     every_details: dict[str, dict] = {}
     if every:
         for e in evict.values():
-            m = e["prompt_tokens"]  # 8192 is capped at the context minus the steps
-            if "learned" in e:
-                name = f"{LEARNED[0]}_vs_{LEARNED[1]}_prefill_at_{m}"
-                ratios[name], ratios_cpu[name] = e["learned"]["wall"], e["learned"]["cpu"]
-                every_details[name] = {"prefill_ms": {p: e["prefill_ms"][p] for p in LEARNED}, **e["learned"]}
-            ratios[f"every_policy_bytes_half_vs_full_at_{m}"] = e["bytes"][e["worst_bytes"]]
-            if e["replay"]:
-                ratios[f"replay_vs_full_prefill_at_{m}"] = max(e["replay"].values())
-            for key, part in (("half", "decode"), ("prefill", "prefill"), ("vs_floor", "floor")):
-                name = (
-                    f"every_policy_{key}_at_{m}"
-                    if key == "vs_floor"
-                    else f"every_policy_{key}_vs_full_at_{m}"
-                )
-                ranked = [p for p in e["rounds"][part] if part != "prefill" or p not in e["replay"]]
-                details = family_details(e["rounds"][part], ranked)
-                ratios[name] = details["per_policy"][details["worst"]]
-                ratios_cpu[name] = details["cpu"][details["worst_cpu"]]
-                every_details[name] = details
+            more, more_cpu, details = every_policy_ratios(e)
+            ratios.update(more)
+            ratios_cpu.update(more_cpu)
+            every_details.update(details)
     return {
         "config": {
             "policies": [p.label for p in policies],
@@ -536,28 +550,9 @@ def bench_speed(
         "ratios": ratios,
         "ratios_cpu": ratios_cpu,
         "ratio_details": {
-            "engine_vs_model_loop": loop,
-            "hf_generate_vs_engine": hf,
-            "cam_vs_streaming_llm": cam_pair,
-            "record_full_vs_none": record,
+            **pairs,
             **{f"evict_half_vs_full_at_{n}": e for n, e in evict.items()},
             **every_details,
-            **{
-                f"every_policy_bytes_half_vs_full_at_{e['prompt_tokens']}": {
-                    "worst": e["worst_bytes"],
-                    "per_policy": e["bytes"],
-                }
-                for e in evict.values()
-                if every
-            },
-            **{
-                f"replay_vs_full_prefill_at_{e['prompt_tokens']}": {
-                    "worst": max(e["replay"], key=e["replay"].__getitem__),
-                    "per_policy": e["replay"],
-                }
-                for e in evict.values()
-                if every and e["replay"]
-            },
             "kv_bytes_half_budget_vs_full": {
                 "half_bytes": half["kv_bytes_peak"],
                 "full_prompt_bytes": whole["kv_bytes_prefill"],
