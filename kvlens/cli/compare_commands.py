@@ -104,8 +104,16 @@ def cmd_compare(args) -> int:
     }
     if args.json:
         print_json(out)
-        return 0
-    print(f"full cache: {reference['text']!r}\n")
+    else:
+        _print_table(out)
+    return 0
+
+
+def _print_table(out: dict) -> None:
+    """`kvlens compare`'s result as text: the full cache's text, a row per policy, each one's own text and
+    the times."""
+    rows, generate_s = out["rows"], out["generate_s"]
+    print(f"full cache: {out['reference_text']!r}\n")
     print(
         f"{'policy':<28}{'diverges':>9}{'agree':>7}{'ppl':>9}{'KL':>9}"
         f"{'perturb.':>9}{'KV MiB':>8}{'ms/tok':>8}"
@@ -138,8 +146,10 @@ def cmd_compare(args) -> int:
         if generate_s is None
         else f", of which each one's own text after its divergence {generate_s:.1f} s"
     )
-    print(f"\ncompared in {wall:.1f} s{base}; one plain generation of the full cache: {generation_s:.1f} s")
-    return 0
+    print(
+        f"\ncompared in {out['wall_s']:.1f} s{base}; one plain generation of the full cache: "
+        f"{out['generation_s']:.1f} s"
+    )
 
 
 def _fmt(value, spec: str) -> str:

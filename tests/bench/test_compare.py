@@ -356,3 +356,18 @@ def test_compare_json_rows_agree_with_generate_and_ppl(smol, tmp_path):
 def test_compare_refuses_bad_input_in_one_sentence(args, words):
     done = kvlens("compare", *args, "--prompt", "Hello")
     assert done.returncode == 2 and one_sentence(done.stderr) and words in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+def test_compare_prints_a_row_per_policy_each_ones_own_text_and_the_times():
+    done = kvlens("compare", "--policies", "streaming_llm,h2o", "--budget", "0.5", "--max-new-tokens", "4")
+    assert done.returncode == 2  # no prompt: refused before the model loads
+    prompt = "The President spoke to the Congress about the state of the economy, and"
+    done = kvlens(
+        "compare", "--policies", "streaming_llm", "--budget", "8", "--max-new-tokens", "4", "--prompt", prompt
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("full cache: ") and any(line.startswith("streaming_llm @8") for line in lines)
+    assert "Each one's own text:" in lines and lines[-1].startswith("compared in ")
+    assert "one plain generation of the full cache" in lines[-1]
