@@ -606,19 +606,7 @@ def cmd_tasks(args) -> int:
         lengths = parse_list(args.lengths, "--lengths", minimum=1)
         texts = {"haystack": " ".join(bundled.bundled().values())}
         if args.dump_samples:
-            model = load(args)
-            count = lambda s: len(model.tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
-            out = [
-                ruler.generate(
-                    t, n, i, count, texts["haystack"], seed=args.seed, depths=args.depths, count=args.count
-                )
-                for t in names
-                for n in lengths
-                for i in range(args.count)
-            ]
-            ruler.write_samples(out, args.dump_samples)
-            print(f"wrote {len(out)} samples to {args.dump_samples}")
-            return 0
+            return _dump_samples(args, names, lengths, texts["haystack"])
         cells = tasks.plan_tasks(
             policies,
             ratios,
@@ -655,6 +643,23 @@ def cmd_tasks(args) -> int:
         complete=lambda rows: _needle_depths(args, rows, texts),
         figures=(("_needles", _needle_figure),),
     )
+
+
+def _dump_samples(args, names: list[str], lengths: list[int], haystack: str) -> int:
+    """`--dump-samples FILE`: the grid's generated samples written there, nothing run."""
+    from kvlens.experiments.bench import ruler
+
+    model = load(args)
+    count = lambda s: len(model.tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
+    out = [
+        ruler.generate(t, n, i, count, haystack, seed=args.seed, depths=args.depths, count=args.count)
+        for t in names
+        for n in lengths
+        for i in range(args.count)
+    ]
+    ruler.write_samples(out, args.dump_samples)
+    print(f"wrote {len(out)} samples to {args.dump_samples}")
+    return 0
 
 
 def _needle_depths(args, rows: list[dict], texts: dict[str, str]) -> None:
