@@ -878,6 +878,9 @@ def explain_summary() -> str:
 
 
 LEARNED = RESULTS / "kvzap"  # kvzap against the KVzip it learns: its task grids and its `bench speed` run
+# the `bench speed` runs that time kvzap's prefill against KVzip's, the first one that has it cited
+LEARNED_SPEED = (RESULTS / "bench_speed.json", LEARNED / "bench_speed_quick.json")
+LEARNED_PREFILL = "kvzap_vs_kvzip_prefill_at_"
 LEARNED_SIDES = (
     ("kvzap", 0.5, "`kvzap` at ratio 0.5"),
     ("kvzap:mode=threshold", None, "`kvzap:mode=threshold`"),
@@ -901,6 +904,18 @@ def learned_grid(name: str, protocol: str) -> str:
             f"{label}{kept} scores {d['second']:.3f} against `kvzip`'s {d['first']:.3f} (difference "
             f"{d['diff']:+.3f} [{d['ci_low']:+.3f}–{d['ci_high']:+.3f}]: {verdict})"
         )
+    from kvlens.experiments.bench import tasks
+
+    own = [
+        c["own_vs_answer"]
+        for c in tasks.summarise(rows)
+        if (c["policy"], c["ratio"], c["task"], c["length"]) == ("kvzip", 0.5, "all", "all")
+    ]
+    if own:
+        parts.append(
+            f"in these cells `kvzip`'s replay took {own[0]:.2f}× its answers' time (median over samples), "
+            "`kvzap` has no pass of its own"
+        )
     done, total = obj.get("cells_done"), obj.get("cells_total")
     unfinished = f"; {done} of {total} cells done" if isinstance(done, int) and done < total else ""
     return (
@@ -914,7 +929,7 @@ def learned_cost(obj: dict) -> str:
     """kvzap's prefill over KVzip's (its replay included) and each one's decode over the full cache, from one
     `bench speed` run's lockstep, medians with the [lowest–highest] round."""
     details, parts = obj["ratio_details"], []
-    for name in sorted((k for k in obj["ratios"] if k.startswith("kvzap_vs_kvzip_prefill_at_")), key=len):
+    for name in sorted((k for k in obj["ratios"] if k.startswith(LEARNED_PREFILL)), key=len):
         n = name.rsplit("_", 1)[1]
         prefill = details[name]["prefill_ms"]
         each = [a / b for a, b in zip(prefill["kvzap"], prefill["kvzip"], strict=True)]
@@ -934,7 +949,7 @@ def learned_cost(obj: dict) -> str:
         )
     env = obj["environment"]
     return (
-        f"What each costs (`{obj['command']}`, `results/kvzap/bench_speed.json`, {env['time'][:10]}, "
+        f"What each costs (`{obj['command']}`, `{obj['file']}`, {env['time'][:10]}, "
         f"{machine(env)}, medians over {obj['config']['repeats']} lockstep rounds): " + "; ".join(parts) + "."
     )
 
@@ -944,20 +959,25 @@ def learned_summary() -> str:
     learns: each protocol's paired task scores and the cost of each; empty before its files exist."""
     grids = [
         learned_grid(name, protocol)
-        for name, protocol in (("bench_tasks.json", "Question-agnostic"), (QUERY_AWARE, "query-aware"))
+        for name, protocol in (("bench_tasks.json", "Question-agnostic"), (QUERY_AWARE, "Query-aware"))
         if (LEARNED / name).exists()
     ]
     if not grids:
         return ""
-    speed = LEARNED / "bench_speed.json"
-    cost = " " + learned_cost(json.loads(speed.read_text(encoding="utf-8"))) if speed.exists() else ""
+    speeds = [
+        {**json.loads(p.read_text(encoding="utf-8")), "file": str(p.relative_to(ROOT))}
+        for p in LEARNED_SPEED
+        if p.exists()
+    ]
+    timed = [obj for obj in speeds if any(k.startswith(LEARNED_PREFILL) for k in obj.get("ratios", {}))]
+    cost = " " + learned_cost(timed[0]) if timed else ""
     return (
         "A learned score against the one it learns: `kvzap` with the scorer `kvlens train-scorer` ships for "
         "the embedded model (`scorers/`), beside `kvzip` on the leaderboard's samples. Its ratio mode is "
         "kvpress's `KVzapPress` alone (each head's lowest predicted scores leave, no window of recent tokens "
         "kept); its threshold mode is the paper's protocol (kvpress's `DMSPress`: what scores below -4 "
         "leaves once older than the 128 newest positions, so each head keeps its own share). "
-        + "; ".join(grids)
+        + " ".join(grids)
         + cost
         + "\n"
     )
