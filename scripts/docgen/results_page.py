@@ -82,6 +82,13 @@ def finished(obj: dict) -> list[dict]:
     return [r for r in obj["rows"] if isinstance(r.get("results"), list)]
 
 
+def cells_left(obj: dict) -> str:
+    """ "; D of T cells done" for a grid that is not finished, else nothing."""
+    done, total = obj.get("cells_done"), obj.get("cells_total")
+    unfinished = isinstance(done, int) and isinstance(total, int) and done < total
+    return f"; {done} of {total} cells done" if unfinished else ""
+
+
 def summary_of(obj: dict) -> list[dict]:
     """A task grid's leaderboard cells: the file's own summary (what the benchmark wrote with its rows), or
     one computed from its rows if it has none."""
@@ -577,9 +584,7 @@ def readme_summary() -> str:
     full = next(s for s in summary if s["policy"] == "full")
     half = sorted((s for s in summary if s["ratio"] == 0.5), key=lambda s: -s["score"])[:5]
     env = obj["environment"]
-    done, total = obj.get("cells_done"), obj.get("cells_total")
-    unfinished = isinstance(done, int) and isinstance(total, int) and done < total
-    grid = f"; {done} of {total} cells done" if unfinished else ""
+    grid = cells_left(obj)
     elsewhere = sum(1 for r in obj["rows"] if r.get("machine"))
     grid += f"; {elsewhere} samples on another machine" if elsewhere else ""
     out = (
@@ -753,12 +758,7 @@ def frontier_summary() -> str:
     per-head rank."""
     obj = load("bench_frontier.json")
     cfg, env = obj["config"], obj["environment"]
-    done, total = obj.get("cells_done"), obj.get("cells_total")
-    grid = (
-        f"; {done} of {total} cells done"
-        if isinstance(done, int) and isinstance(total, int) and done < total
-        else ""
-    )
+    grid = cells_left(obj)
     ppl = [s for s in frontier_rows(obj) if s["metric"] == "ppl"]
     scored = [s for s in frontier_rows(obj) if s["metric"] == "score"]
     out = (
@@ -904,11 +904,9 @@ def learned_grid(name: str, protocol: str) -> str:
             f"{label}{kept} scores {d['second']:.3f} against `kvzip`'s {d['first']:.3f} (difference "
             f"{d['diff']:+.3f} [{d['ci_low']:+.3f}–{d['ci_high']:+.3f}]: {verdict})"
         )
-    from kvlens.experiments.bench import tasks
-
     own = [
         c["own_vs_answer"]
-        for c in tasks.summarise(rows)
+        for c in summary_of(obj)
         if (c["policy"], c["ratio"], c["task"], c["length"]) == ("kvzip", 0.5, "all", "all")
     ]
     if own:
@@ -916,11 +914,9 @@ def learned_grid(name: str, protocol: str) -> str:
             f"in these cells `kvzip`'s replay took {own[0]:.2f}× its answers' time (median over samples), "
             "`kvzap` has no pass of its own"
         )
-    done, total = obj.get("cells_done"), obj.get("cells_total")
-    unfinished = f"; {done} of {total} cells done" if isinstance(done, int) and done < total else ""
     return (
         f"{protocol} (`{obj['command']}`, `results/kvzap/{name}`, {env['time'][:10]}, {machine(env)}"
-        f"{unfinished}; {len(rows)} samples at {', '.join(map(str, obj['config']['lengths']))} tokens, "
+        f"{cells_left(obj)}; {len(rows)} samples at {', '.join(map(str, obj['config']['lengths']))} tokens, "
         "paired bootstrap 95 % intervals): " + "; ".join(parts) + "."
     )
 
@@ -957,6 +953,8 @@ def learned_cost(obj: dict) -> str:
 def learned_summary() -> str:
     """kvzap, the surrogate `kvlens train-scorer` ships for the embedded model, against the KVzip scores it
     learns: each protocol's paired task scores and the cost of each; empty before its files exist."""
+    from kvlens.policies import make_policy
+
     grids = [
         learned_grid(name, protocol)
         for name, protocol in (("bench_tasks.json", "Question-agnostic"), (QUERY_AWARE, "Query-aware"))
@@ -971,15 +969,14 @@ def learned_summary() -> str:
     ]
     timed = [obj for obj in speeds if any(k.startswith(LEARNED_PREFILL) for k in obj.get("ratios", {}))]
     cost = " " + learned_cost(timed[0]) if timed else ""
+    kvzap = make_policy("kvzap")  # its threshold mode's defaults (the grids' cells name the mode only)
     return (
         "A learned score against the one it learns: `kvzap` with the scorer `kvlens train-scorer` ships for "
         "the embedded model (`scorers/`), beside `kvzip` on the leaderboard's samples. Its ratio mode is "
         "kvpress's `KVzapPress` alone (each head's lowest predicted scores leave, no window of recent tokens "
-        "kept); its threshold mode is the paper's protocol (kvpress's `DMSPress`: what scores below -4 "
-        "leaves once older than the 128 newest positions, so each head keeps its own share). "
-        + " ".join(grids)
-        + cost
-        + "\n"
+        f"kept); its threshold mode is the paper's protocol (kvpress's `DMSPress`: what scores below "
+        f"{kvzap.threshold:g} leaves once older than the {kvzap.window} newest positions, so each head keeps "
+        "its own share). " + " ".join(grids) + cost + "\n"
     )
 
 
