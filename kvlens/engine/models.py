@@ -102,40 +102,47 @@ def _check_gguf(path: Path) -> None:
 def convert_gguf(gguf: Path) -> Path:
     """De-quantize a GGUF once into a safetensors + tokenizer directory; return that directory.
 
-    Atomic: written into a temporary directory beside the target, then renamed.
+    Atomic: written into a temporary directory beside the target, then renamed. Two processes converting the
+    same file at once both succeed: the one that renames second finds the target written and uses it.
     """
     target = _converted_dir(gguf)
     if (target / "config.json").is_file():
         return target
     _check_gguf(gguf)
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     with _convert_lock:
         if (target / "config.json").is_file():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
         try:
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-            )
-            config = model.config
-            if hasattr(config, "quantization_config"):
-                del config.quantization_config  # weights are plain fp32 now
-            config.save_pretrained(tmp)
-            save_model(model, str(tmp / "model.safetensors"))
-            tok.save_pretrained(tmp)
-            if getattr(model, "generation_config", None) is not None:
-                model.generation_config.save_pretrained(tmp)
+            _write_converted(gguf, tmp)
             os.replace(tmp, target)
         except Exception as err:
             shutil.rmtree(tmp, ignore_errors=True)
+            if (target / "config.json").is_file():
+                return target  # another process converted the same file meanwhile
             if isinstance(err, KvlensError):
                 raise
             raise KvlensError(f"Could not convert {gguf.name}: {err}") from err
     return target
+
+
+def _write_converted(gguf: Path, out: Path) -> None:
+    """The GGUF's de-quantized weights (fp32 safetensors), config, tokenizer and generation config into
+    `out`."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # weights are plain fp32 now
+    config.save_pretrained(out)
+    save_model(model, str(out / "model.safetensors"))
+    tok.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
 
 
 def model_path(spec: str = DEFAULT_SPEC) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +75,27 @@ def test_concurrent_runs_on_the_embedded_model(smol):
     for t in threads:
         t.join()
     assert [out[0], out[1]] == alone
+
+
+def test_two_processes_converting_the_embedded_model_at_once_both_get_it(tmp_path, monkeypatch):
+    """The second rename of a conversion finds the first one's directory in place: it uses that one and leaves
+    no temporary directory, where it used to fail with "Directory not empty"."""
+    import os
+
+    from kvlens.engine import models
+
+    monkeypatch.setenv("KVLENS_CACHE", str(tmp_path))
+    real_replace = os.replace
+
+    def other_process_first(src, dst):
+        os.makedirs(dst)
+        (Path(dst) / "config.json").write_text("{}")  # the other process's finished conversion
+        real_replace(src, dst)  # now fails: the target is a directory that is not empty
+
+    monkeypatch.setattr(
+        models, "_write_converted", lambda gguf, out: (out / "config.json").write_text("mine")
+    )
+    monkeypatch.setattr(models.os, "replace", other_process_first)
+    target = models.convert_gguf(models.default_gguf())
+    assert (target / "config.json").read_text() == "{}"
+    assert [p.name for p in target.parent.iterdir()] == [target.name]
