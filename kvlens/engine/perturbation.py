@@ -83,29 +83,40 @@ class PerturbationMeter(Observer):
         k_full, v_full = self.shadow_k[i], self.shadow_v[i]  # (Hkv, T, D); slot index = position
         hkv, t, d = k_full.shape
         hq = query.shape[1]
+        o_used = out[0, 0].view(hkv, hq // hkv, d).float()
+        store = layer.store
+        packed = isinstance(store, PackedStore)
+        if not packed and not self.merges and int(layer.valid.sum()) == hkv * t:
+            # every position held as written (the full cache, or a budget not reached yet): O_full, O_evict
+            # and O_stored are the run's own output, and no attention is lost
+            self._record(i, *[torch.zeros(hq)] * 4, o_used.norm(dim=-1).flatten().cpu())
+            return
         q = query[0, :, 0].view(hkv, hq // hkv, 1, d).float()  # (Hkv, G, 1, D)
         now = torch.tensor([t - 1], device=k_full.device)
         seen = visible(now, torch.arange(t, device=k_full.device), spec.window)  # (1, T): the layer's window
         a_full = attention_probs(q, k_full.float(), spec, seen)[:, :, 0]  # (Hkv, G, T)
         o_full = torch.einsum("hgt,htd->hgd", a_full, v_full.float())
         pos = layer.pos.clamp(min=0, max=t - 1)  # (Hkv, S); free slots and padding masked below
-        idx = pos[..., None].expand(-1, -1, d)
-        k_kept, v_kept = torch.gather(k_full, 1, idx), torch.gather(v_full, 1, idx)  # (Hkv, S, D)
-        kept_seen = layer.valid & visible(now, layer.pos, spec.window)[:, 0]  # (Hkv, S)
-        # the run's own kernel over the same slots: where nothing was merged, O_evict is O_used exactly
-        o_evict = (
-            decode_rows(query, k_kept[None], v_kept[None], kept_seen, spec)[0][0, 0].view(hkv, -1, d).float()
-        )
-        o_used = out[0, 0].view(hkv, hq // hkv, d).float()
+        if packed or self.merges:
+            idx = pos[..., None].expand(-1, -1, d)
+            k_kept, v_kept = torch.gather(k_full, 1, idx), torch.gather(v_full, 1, idx)  # (Hkv, S, D)
+            kept_seen = layer.valid & visible(now, layer.pos, spec.window)[:, 0]  # (Hkv, S)
+            # the run's own kernel over the same slots: where nothing was merged, O_evict is O_used exactly
+            o_evict = (
+                decode_rows(query, k_kept[None], v_kept[None], kept_seen, spec)[0][0, 0]
+                .view(hkv, -1, d)
+                .float()
+            )
+        else:  # nothing merged, keys and values as written: O_evict is the run's own output
+            o_evict = o_used
         o_stored = o_evict
-        store = layer.store
-        if isinstance(store, PackedStore) and not self.merges:  # nothing merged: the run's own output
+        if packed and not self.merges:  # nothing merged: the run's own output
             o_stored = o_used
-        elif isinstance(store, PackedStore):
-            packed = store.packed  # keys and values, or keys only (channel-pruned)
+        elif packed:
+            pieces = store.packed  # keys and values, or keys only (channel-pruned)
             k_q, v_q = (
-                packed[name].roundtrip(layer.rows, t, layer.valid) if name in packed else t
-                for name, t in (("keys", k_kept), ("values", v_kept))
+                pieces[name].roundtrip(layer.rows, t, layer.valid) if name in pieces else kept
+                for name, kept in (("keys", k_kept), ("values", v_kept))
             )
             o_stored = (
                 decode_rows(query, k_q[None], v_q[None], kept_seen, spec)[0][0, 0].view(hkv, -1, d).float()
@@ -115,11 +126,21 @@ class PerturbationMeter(Observer):
         kept = torch.zeros(hkv, t + 1, device=pos.device).scatter_(1, pos.masked_fill(~layer.valid, t), 1.0)[
             :, :t
         ]
-        self.used.setdefault(i, []).append(((o_used - o_full).norm(dim=-1) / norm).flatten().cpu())
-        self.evict.setdefault(i, []).append(((o_evict - o_full).norm(dim=-1) / norm).flatten().cpu())
-        self.stored.setdefault(i, []).append(((o_stored - o_full).norm(dim=-1) / norm).flatten().cpu())
-        self.loss.setdefault(i, []).append((1 - (a_full * kept[:, None, :]).sum(-1)).flatten().cpu())
-        self.full_norm.setdefault(i, []).append(full_norm.flatten().cpu())
+        self._record(
+            i,
+            *(((o - o_full).norm(dim=-1) / norm).flatten().cpu() for o in (o_used, o_evict, o_stored)),
+            (1 - (a_full * kept[:, None, :]).sum(-1)).flatten().cpu(),
+            full_norm.flatten().cpu(),
+        )
+
+    def _record(self, layer: int, used, evict, stored, loss, full_norm) -> None:
+        """One step's values `(Hq,)` of one layer."""
+        for d, value in zip(
+            (self.used, self.evict, self.stored, self.loss, self.full_norm),
+            (used, evict, stored, loss, full_norm),
+            strict=True,
+        ):
+            d.setdefault(layer, []).append(value)
 
     def latest(self) -> dict:
         """The last decode step's perturbation, mean over layers and heads (empty before the first step)."""
