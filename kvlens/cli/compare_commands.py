@@ -34,6 +34,12 @@ def register(sub) -> None:
         help="skip each policy's own text (the rows' `generated`, resumed from its divergence, and "
         "`generate_s`)",
     )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time `floor_s`: transformers' own batched forward of as many rows as the comparison "
+        "measures (the full cache and each policy) over the same steps, the least this machine needs",
+    )
     p.add_argument("--json", action="store_true")
     add_model_args(p)
     p.set_defaults(func=cmd_compare)
@@ -62,7 +68,7 @@ def policy_entries(text: str, budget: str):
 def cmd_compare(args) -> int:
     from kvlens.engine.loop import RunOptions
     from kvlens.experiments.api import generate
-    from kvlens.experiments.compare import compare, entries_with_reference, table
+    from kvlens.experiments.compare import batched_floor, compare, entries_with_reference, table
 
     entries = policy_entries(args.policies, args.budget)
     entries_with_reference(entries)  # the count and every setting checked before the model loads
@@ -88,6 +94,7 @@ def cmd_compare(args) -> int:
             own_text=not args.no_generate,
         )
     wall = time.perf_counter() - t
+    floor_s = batched_floor(model, prompt, len(results), args.max_new_tokens)[0] if args.floor else None
     generate_s = None if args.no_generate else sum(r.generate_s for r in results)
     rows = table(results)
     reference = results[0].run.meta
@@ -101,6 +108,7 @@ def cmd_compare(args) -> int:
         "wall_s": wall,
         "generate_s": generate_s,
         "generation_s": generation_s,
+        "floor_s": floor_s,
     }
     if args.json:
         print_json(out)
@@ -150,6 +158,8 @@ def _print_table(out: dict) -> None:
         f"\ncompared in {out['wall_s']:.1f} s{base}; one plain generation of the full cache: "
         f"{out['generation_s']:.1f} s"
     )
+    if out["floor_s"] is not None:
+        print(f"transformers' own batched forward of the {len(rows)} measured rows: {out['floor_s']:.1f} s")
 
 
 def _fmt(value, spec: str) -> str:

@@ -437,6 +437,36 @@ def _measure_many(
     return results
 
 
+def batched_floor(model: LoadedModel, prompt: str, rows: int, new_tokens: int) -> tuple[float, list[int]]:
+    """The least any lockstep of `rows` passes can cost on this machine, and the text it wrote: transformers'
+    own forward (SDPA, its `DynamicCache`, no kvlens attention, statistics, policy or meter) over one prefill
+    of `prompt`, then `new_tokens - 1` greedy decode forwards of `rows` copies of the full cache in one batch
+    `(rows, 1)`, every row fed the first row's choice. A comparison measures the full cache and each policy,
+    so `rows` is their count; each own text joins the batch from its fork on, so the comparison's batch is at
+    least this wide at every step. Seconds, and the `new_tokens` tokens of the first row (the full cache's
+    greedy text)."""
+    from transformers import DynamicCache
+
+    ids = torch.tensor([encode(model, prompt)], device=model.device)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        logits = model.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        cache.batch_repeat_interleave(rows)
+        tokens = [int(logits[0, -1].argmax())]
+        for step in range(new_tokens - 1):
+            position = torch.full((rows, 1), ids.shape[1] + step, device=model.device)
+            logits = model.model(
+                input_ids=torch.full((rows, 1), tokens[-1], device=model.device),
+                position_ids=position,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
+            tokens.append(int(logits[0, -1].argmax()))
+    return time.perf_counter() - t, tokens
+
+
 def _decoded(model: LoadedModel, tokens: list[int]) -> TokenText:
     return decode(model.tokenizer.convert_ids_to_tokens(tokens))
 

@@ -8,10 +8,11 @@ import json
 import pytest
 
 import kvlens.experiments.compare as cmp
+from kvlens.engine.attention import CONTEXT_KWARG
 from kvlens.engine.loop import RunOptions
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import generate
-from kvlens.experiments.compare import Entry, ResultCache, compare, first_difference, table
+from kvlens.experiments.compare import Entry, ResultCache, batched_floor, compare, first_difference, table
 from kvlens.kvcache.quantize import Storage
 from tests.conftest import TEXTS, kvlens, one_sentence
 
@@ -219,6 +220,27 @@ def test_batched_compare_is_the_unbatched_one_in_one_forward_per_step(tiny, monk
     assert batches[0] == (1, prompt)  # one prefill for all five (every pass records attention: one kernel)
     own_rows = [sum(r.own_from <= step for r in batched) for step in range(n - 1)]
     assert batches[1:] == [(5 + own_rows[step], 1) for step in range(n - 1)]
+
+
+def test_the_floor_is_one_prefill_then_one_forward_of_every_measured_row_per_step(tiny, monkeypatch):
+    """`kvlens compare --floor`'s yardstick: transformers' own forward, one prefill, then each step one batch
+    of as many rows as the comparison measures, each decoding the full cache's own greedy text."""
+    n = 6
+    batches = []
+    forward = tiny.model.forward
+
+    def counted(*args, **kwargs):
+        batches.append(tuple(kwargs["input_ids"].shape))
+        assert CONTEXT_KWARG not in kwargs  # no kvlens attention: the model's own SDPA
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(tiny.model, "forward", counted)
+    seconds, tokens = batched_floor(tiny, PROMPT, 4, n)
+    prompt = len(tiny.tokenizer(PROMPT).input_ids)
+    assert seconds > 0 and batches == [(1, prompt)] + [(4, 1)] * (n - 1)
+    monkeypatch.setattr(tiny.model, "forward", forward)
+    full = generate(tiny, PROMPT, "full", opts=RunOptions(max_new_tokens=n, stop_at_eos=False))
+    assert tokens == full.meta["tokens"]
 
 
 MIXES = {
