@@ -53,8 +53,11 @@ class PerturbationMeter(Observer):
     needs_rows = True
 
     def __init__(self):
-        self.shadow_k: dict[int, torch.Tensor] = {}  # layer -> (Hkv, T, D)
+        self.shadow_k: dict[
+            int, torch.Tensor
+        ] = {}  # layer -> (Hkv, capacity, D), the first `seen` slots held
         self.shadow_v: dict[int, torch.Tensor] = {}
+        self.seen: dict[int, int] = {}  # layer -> positions in its shadow
         self.used: dict[int, list[torch.Tensor]] = {}  # layer -> [(Hq,)] per step
         self.evict: dict[int, list[torch.Tensor]] = {}
         self.stored: dict[int, list[torch.Tensor]] = {}
@@ -66,8 +69,20 @@ class PerturbationMeter(Observer):
         self.merges = policy.merge_rule is not None
 
     def on_prefill(self, layer, query, key, value, last_rows) -> None:
-        self.shadow_k[layer.layers[0]] = key[0].detach().clone()
-        self.shadow_v[layer.layers[0]] = value[0].detach().clone()
+        i = layer.layers[0]
+        self.shadow_k[i], self.shadow_v[i] = (_room_for(x[0].detach(), SHADOW_ROOM) for x in (key, value))
+        self.seen[i] = key.shape[2]
+
+    def _shadow(self, i: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `i`'s shadow with the step's key and value `(Hkv, 1, D)` written after its positions (in
+        place, the buffers doubled when full): its keys and values `(Hkv, T, D)`, slot index = position."""
+        t = self.seen[i]
+        if t == self.shadow_k[i].shape[1]:
+            self.shadow_k[i], self.shadow_v[i] = (_room_for(x[i], t) for x in (self.shadow_k, self.shadow_v))
+        self.shadow_k[i][:, t : t + 1] = key
+        self.shadow_v[i][:, t : t + 1] = value
+        self.seen[i] = t + 1
+        return self.shadow_k[i][:, : t + 1], self.shadow_v[i][:, : t + 1]
 
     def on_decode(self, layer, query, probs, out, spec: AttentionSpec) -> None:
         i = layer.layers[0]
@@ -78,9 +93,7 @@ class PerturbationMeter(Observer):
         else:
             new = layer.written[..., None].expand(-1, -1, layer.keys.shape[-1])  # (Hkv, 1, D)
             key, value = torch.gather(layer.keys[0], 1, new), torch.gather(layer.values[0], 1, new)
-        self.shadow_k[i] = torch.cat([self.shadow_k[i], key], dim=1)
-        self.shadow_v[i] = torch.cat([self.shadow_v[i], value], dim=1)
-        k_full, v_full = self.shadow_k[i], self.shadow_v[i]  # (Hkv, T, D); slot index = position
+        k_full, v_full = self._shadow(i, key, value)  # (Hkv, T, D)
         hkv, t, d = k_full.shape
         hq = query.shape[1]
         o_used = out[0, 0].view(hkv, hq // hkv, d).float()
@@ -170,6 +183,16 @@ class PerturbationMeter(Observer):
             "perturbation/attention_loss": stack(self.loss),
             "perturbation/full_norm": stack(self.full_norm),
         }
+
+
+SHADOW_ROOM = 64  # decode steps the shadow has room for after the prompt before its buffers double
+
+
+def _room_for(x: torch.Tensor, more: int) -> torch.Tensor:
+    """`x` `(Hkv, T, D)` at the start of a new buffer `(Hkv, T + more, D)`."""
+    out = x.new_empty(x.shape[0], x.shape[1] + more, x.shape[2])
+    out[:, : x.shape[1]] = x
+    return out
 
 
 def full_logprobs(model: LoadedModel, ids: list[int]) -> torch.Tensor:
