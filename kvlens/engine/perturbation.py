@@ -128,7 +128,7 @@ class PerturbationMeter(Observer):
         elif packed:
             pieces = store.packed  # keys and values, or keys only (channel-pruned)
             k_q, v_q = (
-                pieces[name].roundtrip(layer.rows, t, layer.valid) if name in pieces else kept
+                pieces[name].roundtrip(layer.rows, kept, layer.valid) if name in pieces else kept
                 for name, kept in (("keys", k_kept), ("values", v_kept))
             )
             o_stored = (
