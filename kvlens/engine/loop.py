@@ -130,7 +130,8 @@ def batchable(policy: Policy) -> bool:
 
 
 class _Loop:
-    """State of one run; `run()` drives it."""
+    """State of one run; `run()` drives it through its phases: `prefill` (with `after_prompt`: the replay
+    passes and `compress_prompt`), then one `decode_step` per token (its forward and `compress_step`)."""
 
     def __init__(
         self,
@@ -143,22 +144,13 @@ class _Loop:
         once: bool = False,
     ):
         self.model, self.policy, self.opts = model, policy, opts
+        self.budget = budget
+        self.length = length  # the most tokens the run feeds (None: not known, inside `model.generate`)
         self.recorder = Recorder(opts.record, opts.record_layers)
-        # a compressed layer never holds more than budget + the step's token; others grow up to the run's
-        # length all layers' rows in one store when a decode step may run once on them (`batchable`, chosen
-        # once); `once`: compressed after the prompt only (`freeze`), later tokens are appended, so each layer
-        # its own store
-        self.chunk = (
-            opts.prefill_chunk
-        )  # a chunked prefill: compressed layers hold up to budget + chunk slots
+        # a chunked prefill: compressed layers hold up to budget + chunk slots
+        self.chunk = opts.prefill_chunk
         self.headroom = self.chunk or 1  # slots past the budget: a decode step's token, or a prefill chunk
-        self.cache = KVCache(
-            model.shape()["layers"],
-            limit=length if budget is None else budget + self.headroom,
-            all_layers=budget is not None and opts.batch_layers and batchable(policy) and not once,
-            chunked=bool(self.chunk),
-            paged=not opts.storage.packed and not policy.needs().pruned_keys,
-        )
+        self.cache = self._new_cache(once)
         self.log = DecisionLog() if opts.log_decisions else None
         self.ctx = RunContext(
             self.cache,
@@ -167,30 +159,40 @@ class _Loop:
             windowed=bool(model.supported().sliding),
             rotary=rotary_of(model.model, model.supported()),
         )
-        # e.g. the model's Q-Filters, one entry per layer, in the layers' run state
-        for name in policy.needs().model_data:
-            kind, _, argument = name.partition("=")
-            for book, part in zip(self.cache.books, MODEL_DATA[kind](model, argument), strict=True):
-                book.state[name] = part
-        if policy.needs().hidden_states:
-            hidden.tap(model.model)
+        self._load_model_data()
         self.decodes = policy.needs().decode_steps  # compresses at decode steps (its decode protocol)
-        self.budget = budget
-        self.length = length  # the most tokens the run feeds (None: not known, inside `model.generate`)
         self.prompt_length: int | None = None  # set by `after_prompt`
-        self.budgets: Sequence[int | None] = [budget] * model.shape()[
-            "layers"
-        ]  # each layer's (`Policy.allocate`)
+        self.budgets: Sequence[int | None] = [budget] * model.shape()["layers"]  # each layer's (`allocate`)
         self.kept: list[torch.Tensor] = []  # (L, Hkv) per step
         self.peak_bytes = 0  # largest cache after compression
         self.replay_ms, self.replay_passes = 0.0, 0  # the policy's replay passes (KVzip), part of the prefill
-        self.prefill_bytes = (
-            0  # the largest cache of the prefill, before compression (the whole prompt unchunked)
-        )
+        # the largest cache of the prefill, before compression (the whole prompt unchunked)
+        self.prefill_bytes = 0
         self.token_bytes = 0.0  # one prompt token's keys and values in the model's dtype, all layers
-        self.channels: torch.Tensor | None = (
-            None  # (L, Hkv, K) the key channels kept (a policy that prunes keys)
+        self.channels: torch.Tensor | None = None  # (L, Hkv, K) the key channels kept (a policy that prunes)
+
+    def _new_cache(self, once: bool) -> KVCache:
+        """The run's cache: a compressed layer never holds more than budget + headroom slots, others grow up
+        to the run's length; all layers' rows in one store when a decode step may run once on them
+        (`batchable`); `once` (compressed after the prompt only, later tokens appended): a store per layer."""
+        opts, policy = self.opts, self.policy
+        return KVCache(
+            self.model.shape()["layers"],
+            limit=self.length if self.budget is None else self.budget + self.headroom,
+            all_layers=self.budget is not None and opts.batch_layers and batchable(policy) and not once,
+            chunked=bool(self.chunk),
+            paged=not opts.storage.packed and not policy.needs().pruned_keys,
         )
+
+    def _load_model_data(self) -> None:
+        """What the policy reads of the model (`Needs.model_data`, e.g. its Q-Filters), one entry per layer in
+        the layers' run state; the attention layers' input tapped if it reads hidden states."""
+        for name in self.policy.needs().model_data:
+            kind, _, argument = name.partition("=")
+            for book, part in zip(self.cache.books, MODEL_DATA[kind](self.model, argument), strict=True):
+                book.state[name] = part
+        if self.policy.needs().hidden_states:
+            hidden.tap(self.model.model)
 
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
         return feed(self.model, self.cache, self.ctx, ids, start)
@@ -219,7 +221,7 @@ class _Loop:
         self.after_prompt(prompt[:size], last=size >= len(prompt), length=len(prompt))
         for start in range(size, len(prompt), size):
             logits = self.forward(prompt[start : start + size], start)
-            self.compress(0, first=False, last=start + size >= len(prompt))
+            self.compress_prompt(first=False, last=start + size >= len(prompt))
         return logits
 
     def after_prompt(self, prompt: list[int], last: bool = True, length: int | None = None) -> None:
@@ -228,35 +230,49 @@ class _Loop:
         self.token_bytes = self.cache.nbytes / len(prompt)
         self.prompt_length = length or len(prompt)
         self.replay(prompt)
-        self.compress(0, last=last)
+        self.compress_prompt(last=last)
 
-    def compress(self, index: int, first: bool = True, last: bool = True) -> None:
-        """Compression `index` (0: the prompt's), on every layer's rows at once once they share one store.
-        Before the prompt's, the policy allocates each layer's budget (the same everywhere unless it
-        allocates). A chunked prefill compresses after each chunk (`first`: after the first chunk, `last`:
-        after the last)."""
-        phase = Phase.PREFILL if index == 0 else Phase.DECODE
-        if index == 0:
-            self.prefill_bytes = max(self.prefill_bytes, self.cache.nbytes)
-            if self.budget is not None and first:
-                budgets = self.policy.allocate(self.budget, self.cache.layers)
-                self.cache.set_budgets(budgets, self.headroom)
-                self.budgets = budgets
+    def compress_prompt(self, first: bool = True, last: bool = True) -> None:
+        """Step 0's compression, layer by layer (`first`: after the prompt or its first chunk, `last`: no
+        chunk follows). Before it the policy allocates each layer's budget (the same everywhere unless it
+        allocates); after it the storage is sealed (`_seal`)."""
+        self.prefill_bytes = max(self.prefill_bytes, self.cache.nbytes)
+        if self.budget is not None and first:
+            self.budgets = self.policy.allocate(self.budget, self.cache.layers)
+            self.cache.set_budgets(self.budgets, self.headroom)
+        self._compress_layers(0, Phase.PREFILL)
+        if first:
+            self._seal()
+        self._settle(0, last)
+
+    def compress_step(self, index: int) -> None:
+        """Decode step `index`'s compression: on every layer's rows at once when they share one store, else
+        layer by layer, unless the policy's protocol compresses the prompt only."""
+        self._compress_layers(index, Phase.DECODE)
+        self._settle(index, True)
+
+    def _compress_layers(self, index: int, phase: Phase) -> None:
         self.cache.commit()
         everywhere = self.cache.all_layers() if phase is Phase.DECODE else None
         if everywhere is not None:
             self.policy.compress(everywhere, Step(index, phase, self.budget, self.log))
-        elif phase is Phase.PREFILL or self.decodes:  # else its protocol compresses the prompt only
+        elif phase is Phase.PREFILL or self.decodes:
             for rows, budget in zip(self.cache.layers, self.budgets, strict=True):
                 self.policy.compress(rows, Step(index, phase, budget, self.log))
         self.cache.commit()  # quantized storage: what the policy merged is quantized again
-        if index == 0 and first:
-            self.cache.quantize(self.opts.storage)  # the policy chose from the prompt in full precision
-            # ThinK: the key channels it keeps, from the compressed prompt
-            if self.policy.needs().pruned_keys:
-                plans = [self.policy.key_channels(rows) for rows in self.cache.layers]
-                self.cache.prune_keys(plans)
-                self.channels = torch.stack([channels for channels, _ in plans]).cpu()
+
+    def _seal(self) -> None:
+        """The compressed prompt's storage: quantized (the policy chose from it in full precision), and the
+        key channels a pruning policy keeps (ThinK)."""
+        self.cache.quantize(self.opts.storage)
+        if self.policy.needs().pruned_keys:
+            plans = [self.policy.key_channels(rows) for rows in self.cache.layers]
+            self.cache.prune_keys(plans)
+            self.channels = torch.stack([channels for channels, _ in plans]).cpu()
+
+    def _settle(self, index: int, last: bool) -> None:
+        """After a compression: the kept counts (`last`: of the whole prompt or of a step); a policy done with
+        the prompt stops seeing steps, and the cache reserves room for the tokens to come; the peak bytes."""
         if last:
             self.kept.append(self.cache.kept_counts())
             if index == 0 and not self.decodes:
@@ -264,6 +280,21 @@ class _Loop:
                 if self.length is not None and self.prompt_length is not None:
                     self.cache.reserve(self.length - self.prompt_length)
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes)
+
+    def decode_step(
+        self, token: int, position: int, index: int, fed: Fed | None
+    ) -> tuple[torch.Tensor, float]:
+        """Decode step `index`: feed `token` at `position` (or take the logits and seconds of a driver's
+        batched forward, `fed`), then `compress_step`. The logits `(V,)` and the step's ms (its share of the
+        batched forward included)."""
+        t = time.perf_counter()
+        with torch.inference_mode():
+            if fed is None:
+                logits, shared = self.forward([token], position), 0.0
+            else:
+                logits, shared = fed
+            self.compress_step(index)
+        return logits, (time.perf_counter() - t + shared) * 1000
 
     def event(self, step, token, nll, ms, logits, final: bool) -> StepEvent:
         last = self.cache.layers[-1]
@@ -311,7 +342,7 @@ def run(
     loop = prepare_run(model, policy, ids, prefill, steps, teacher, opts, observers)
     try:
         events = _steps(loop, ids, prefill, steps, teacher, meta)
-        return _follow(events, on_step, cancel)
+        return drain(events, on_step, cancel)
     except (MemoryError, RuntimeError) as err:
         if not is_oom(err):
             raise
@@ -320,7 +351,9 @@ def run(
     raise out_of_memory(prefill, steps, message)
 
 
-def _follow(events: Generator[StepEvent, None, Run], on_step, cancel) -> Run:
+def drain(
+    events: Generator[StepEvent, None, Run], on_step=None, cancel: threading.Event | None = None
+) -> Run:
     """Drive a run's steps to its `Run`, each event to `on_step`; `Cancelled` once `cancel` is set."""
     while True:
         try:
@@ -452,6 +485,21 @@ class _Progress:
     prefill_ms: float
     step_ms: float  # ms of the forward that produced `logits`
 
+    def finished(self, loop: _Loop, total_s: float, teacher: bool, meta: dict | None) -> Run:
+        """The run that got here in `total_s` seconds, ended."""
+        return _make_run(
+            loop,
+            loop.model,
+            self.prompt,
+            self.tokens,
+            self.nlls,
+            self.ms,
+            self.prefill_ms,
+            total_s,
+            teacher,
+            meta,
+        )
+
 
 def _decode(
     loop: _Loop, done: _Progress, ids, steps, teacher, meta, t0: float
@@ -460,46 +508,47 @@ def _decode(
     may send the fed token's logits and this run's seconds of a batched forward (`kvlens.engine.lockstep`);
     then only the compression runs here. `ids` is read at each step (teacher forcing on a text still being
     written: the driver extends it)."""
-    model, opts = loop.model, loop.opts
-    gen = torch.Generator().manual_seed(opts.seed)
-    eos = model.tokenizer.eos_token_id
+    gen = torch.Generator().manual_seed(loop.opts.seed)
     prefill, logits, step_ms = len(done.prompt), done.logits, done.step_ms
-    tokens, nlls, ms = done.tokens, done.nlls, done.ms
     suspended = 0.0  # time spent between a yield and the next step
     for i in range(done.step, steps):
         with torch.inference_mode():
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            token = ids[prefill + i] if teacher else _choose(logits, opts, gen)
-            nll = float(-logp[token])
-            tokens.append(token)
-            nlls.append(nll)
-            if i:
-                ms.append(step_ms)
-            last = i == steps - 1 or (not teacher and opts.stop_at_eos and token == eos)
-            event = loop.event(i, token, nll, step_ms, logits, last)
-        event.fork = (
-            lambda i=i, logits=logits, step_ms=step_ms: fork(
-                loop,
-                _Progress(  # ms holds steps 1..i
-                    done.prompt, i, logits, tokens[:i], nlls[:i], ms[:i], done.prefill_ms, step_ms
-                ),
-            )
-        )
+            token = ids[prefill + i] if teacher else _choose(logits, loop.opts, gen)
+        event = _produced(loop, done, i, token, logits, step_ms, teacher, i == steps - 1)
         paused = time.perf_counter()
         fed = yield event
         suspended += time.perf_counter() - paused
-        if last:
+        if event.last:
             break
-        t = time.perf_counter()
-        with torch.inference_mode():
-            logits = loop.forward([token], prefill + i) if fed is None else fed[0]
-            loop.compress(i + 1)
-        step_ms = (time.perf_counter() - t) * 1000
+        logits, step_ms = loop.decode_step(token, prefill + i, i + 1, fed)
         if fed is not None:  # this run's share of the batched forward is its own time
-            step_ms += fed[1] * 1000
             suspended -= fed[1]
-    total_s = time.perf_counter() - t0 - suspended
-    return _make_run(loop, model, done.prompt, tokens, nlls, ms, done.prefill_ms, total_s, teacher, meta)
+    return done.finished(loop, time.perf_counter() - t0 - suspended, teacher, meta)
+
+
+def _produced(
+    loop: _Loop, done: _Progress, i: int, token: int, logits, step_ms: float, teacher: bool, end: bool
+) -> StepEvent:
+    """Step `i`'s token chosen (or scored) from `logits` `(V,)`, which took `step_ms`: into `done`'s record
+    (its NLL, the step's ms from step 1 on), and its event, which can fork the run as it stands before it.
+    The run's last step at `end`, or at the end-of-sequence token when generating and asked to stop."""
+    with torch.inference_mode():
+        nll = float(-torch.log_softmax(logits.float(), dim=-1)[token])
+        done.tokens.append(token)
+        done.nlls.append(nll)
+        if i:
+            done.ms.append(step_ms)
+        eos = not teacher and loop.opts.stop_at_eos and token == loop.model.tokenizer.eos_token_id
+        event = loop.event(i, token, nll, step_ms, logits, end or eos)
+    event.fork = (
+        lambda: fork(
+            loop,
+            _Progress(  # ms holds steps 1..i
+                done.prompt, i, logits, done.tokens[:i], done.nlls[:i], done.ms[:i], done.prefill_ms, step_ms
+            ),
+        )
+    )
+    return event
 
 
 def decode_from(
@@ -546,12 +595,7 @@ def resume(point: Fork, steps: int, meta: dict | None = None) -> Run:
     """Greedy generation from a fork up to `steps` tokens in all, or the end-of-sequence token: the run
     `kvlens generate` would make if its choices before the fork's step were the tokens the fork had. Its
     `total_s` counts what the fork had done before (`Fork.before_s`) and the steps generated here."""
-    events = resumed(point, steps, meta)
-    while True:
-        try:
-            next(events)
-        except StopIteration as finished:
-            return finished.value
+    return drain(resumed(point, steps, meta))
 
 
 def resumed(point: Fork, steps: int, meta: dict | None = None) -> Generator[StepEvent, Fed | None, Run]:
@@ -563,64 +607,28 @@ def resumed(point: Fork, steps: int, meta: dict | None = None) -> Generator[Step
 
 
 def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, total_s, teacher, meta) -> Run:
-    tok = model.tokenizer
-    kept = torch.stack(
-        loop.kept[: len(tokens)]
-    )  # (tokens, L, Hkv): after the prompt's compression, then each step's
-    nll = sum(nlls) / len(nlls)
+    """The finished run: its recorded tensors, run.json's entries (`meta` added last) and its decisions."""
+    # (tokens, L, Hkv): the kept counts after the prompt's compression, then after each step's
+    kept = torch.stack(loop.kept[: len(tokens)])
     tensors = loop.recorder.finish()
     tensors["steps/nll"] = torch.tensor(nlls, dtype=torch.float32)
     tensors["steps/kv_slots"] = kept.to(torch.int32)
     if loop.channels is not None:
         tensors["kv_channels"] = loop.channels.to(torch.int32)  # (L, Hkv, K) each KV head's kept key channels
-    policy, opts = loop.policy, loop.opts
-    metrics = {
-        "nll": nll,
-        "ppl": math.exp(nll),
-        "kv_slots_max": int(kept.max()),
-        "kv_entries_max": int(kept.sum((1, 2)).max()),
-        "kv_entries_budget": None if loop.budget is None else loop.budget * kept.shape[1] * kept.shape[2],
-        "kv_slots_final_mean": float(kept[-1].float().mean()),
-        # the share of the KV pairs seen so far that are gone (kvpress's compression ratio): after the
-        # prompt's compression, and after the last step's (prompt + len(tokens) - 1 tokens fed)
-        "compression_ratio_prompt": 1 - float(kept[0].sum()) / (kept[0].numel() * len(prompt_ids)),
-        "compression_ratio_final": 1
-        - float(kept[-1].sum()) / (kept[-1].numel() * (len(prompt_ids) + len(tokens) - 1)),
-        "kv_bytes_final": loop.cache.nbytes,
-        "kv_bytes_peak": loop.peak_bytes,
-        "kv_bytes_prefill": loop.prefill_bytes,
-        "kv_bytes_prompt": round(loop.token_bytes * len(prompt_ids)),
-        "ms_per_token": (sum(ms) / len(ms)) if ms else None,
-        "prefill_ms": prefill_ms,
-        "total_s": total_s,
-        "replay_passes": loop.replay_passes,
-        "replay_ms": loop.replay_ms,
-    }
+    nll = sum(nlls) / len(nlls)
     info = {
         "mode": "teacher" if teacher else "generate",
-        "model": {
-            "spec": model.spec,
-            "shape": model.shape(),
-            "device": str(model.device),
-            "dtype": str(model.dtype).removeprefix("torch."),
+        **_settings(loop, model),
+        **_texts(model.tokenizer, prompt_ids, tokens),
+        "metrics": {
+            "nll": nll,
+            "ppl": math.exp(nll),
+            **_cache_metrics(loop, kept, len(prompt_ids), len(tokens)),
+            **_time_metrics(loop, ms, prefill_ms, total_s),
         },
-        "policy": {"name": policy.name, "params": policy.params()},
-        "storage": opts.storage.describe(),
-        "prefill_chunk": opts.prefill_chunk,
-        "budget": {"requested": opts.budget, "slots": loop.budget},
-        "seed": opts.seed,
-        "temperature": opts.temperature,
-        "top_p": opts.top_p,
-        "prompt": tok.decode(prompt_ids),
-        "prompt_tokens": list(prompt_ids),
-        "prompt_token_strings": tok.convert_ids_to_tokens(list(prompt_ids)),
-        "tokens": tokens,
-        "token_strings": tok.convert_ids_to_tokens(tokens),
-        "text": tok.decode(tokens),
-        "metrics": metrics,
         "record": {
             "level": str(loop.recorder.level),
-            "layers": opts.record_layers,
+            "layers": loop.opts.record_layers,
             "dtype": str(loop.recorder.dtype).removeprefix("torch."),
         },
     }
@@ -629,3 +637,65 @@ def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, tota
     if loop.log is not None:
         run_.decisions = loop.log.frame()
     return run_
+
+
+def _settings(loop: _Loop, model: LoadedModel) -> dict:
+    """run.json's model, policy, storage, budget and sampling entries."""
+    opts = loop.opts
+    return {
+        "model": {
+            "spec": model.spec,
+            "shape": model.shape(),
+            "device": str(model.device),
+            "dtype": str(model.dtype).removeprefix("torch."),
+        },
+        "policy": {"name": loop.policy.name, "params": loop.policy.params()},
+        "storage": opts.storage.describe(),
+        "prefill_chunk": opts.prefill_chunk,
+        "budget": {"requested": opts.budget, "slots": loop.budget},
+        "seed": opts.seed,
+        "temperature": opts.temperature,
+        "top_p": opts.top_p,
+    }
+
+
+def _texts(tok, prompt_ids: list[int], tokens: list[int]) -> dict:
+    """run.json's prompt and produced tokens, each as ids, token strings and text."""
+    return {
+        "prompt": tok.decode(prompt_ids),
+        "prompt_tokens": list(prompt_ids),
+        "prompt_token_strings": tok.convert_ids_to_tokens(list(prompt_ids)),
+        "tokens": tokens,
+        "token_strings": tok.convert_ids_to_tokens(tokens),
+        "text": tok.decode(tokens),
+    }
+
+
+def _cache_metrics(loop: _Loop, kept: torch.Tensor, prompt: int, produced: int) -> dict:
+    """What the cache held: kept slots and entries from `kept` `(produced, L, Hkv)`, the compression ratio
+    reached and its bytes."""
+    return {
+        "kv_slots_max": int(kept.max()),
+        "kv_entries_max": int(kept.sum((1, 2)).max()),
+        "kv_entries_budget": None if loop.budget is None else loop.budget * kept.shape[1] * kept.shape[2],
+        "kv_slots_final_mean": float(kept[-1].float().mean()),
+        # the share of the KV pairs seen so far that are gone (kvpress's compression ratio): after the
+        # prompt's compression, and after the last step's (prompt + produced - 1 tokens fed)
+        "compression_ratio_prompt": 1 - float(kept[0].sum()) / (kept[0].numel() * prompt),
+        "compression_ratio_final": 1 - float(kept[-1].sum()) / (kept[-1].numel() * (prompt + produced - 1)),
+        "kv_bytes_final": loop.cache.nbytes,
+        "kv_bytes_peak": loop.peak_bytes,
+        "kv_bytes_prefill": loop.prefill_bytes,
+        "kv_bytes_prompt": round(loop.token_bytes * prompt),
+    }
+
+
+def _time_metrics(loop: _Loop, ms: list[float], prefill_ms: float, total_s: float) -> dict:
+    """What the run took: ms per decode step, the prefill's (its replay passes included) and the total."""
+    return {
+        "ms_per_token": (sum(ms) / len(ms)) if ms else None,
+        "prefill_ms": prefill_ms,
+        "total_s": total_s,
+        "replay_passes": loop.replay_passes,
+        "replay_ms": loop.replay_ms,
+    }

@@ -242,7 +242,7 @@ def prepare(
             loop.replay(context)
         else:
             shared.replay(loop)
-        loop.compress(0)
+        loop.compress_prompt()
     loop.freeze()
     return loop, logits
 

@@ -219,7 +219,7 @@ class KvlensCache(Cache):
             with torch.no_grad():
                 self.loop.ctx.accumulate()
                 if self.tokens:
-                    self.loop.compress(len(self.tokens))
+                    self.loop.compress_step(len(self.tokens))
                 else:
                     self.loop.after_prompt(self.prompt)
             self.logits = output.logits[0, -1].detach()
