@@ -202,13 +202,8 @@ def reference(model_dir: str, only: list[str] | None = None) -> int:
     """Inside the kvpress virtualenv: score the text under each case and write the JSON (`only`: those prompt
     cases, the rest as stored, written by the same versions)."""
     from importlib.metadata import version
-    from unittest import mock
 
     import torch
-    import torch.nn.functional as F
-    from kvpress import CAMPress, DecodingPress, PrefillDecodingPress, StreamingLLMPress
-    from kvpress.presses.scorer_press import ScorerPress
-    from kvpress.utils import compute_n_kept
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
@@ -226,23 +221,72 @@ def reference(model_dir: str, only: list[str] | None = None) -> int:
     ids = tok(TEXT.read_text(encoding="utf-8"))["input_ids"][: PREFILL + STEPS]
     ratio = (PREFILL - BUDGET) / PREFILL
     assert int(PREFILL * (1 - ratio)) == BUDGET, "pick PREFILL and BUDGET whose ratio rounds exactly"
-
-    def kept(scores, n_kept):
-        """The `n_kept` highest-scoring slots of each KV head, in position order (kvpress issue #173)."""
-        return scores.topk(n_kept, dim=-1).indices.sort(-1).values
-
-    def gather(module, keys, values, index):
-        index = index.unsqueeze(-1).expand(-1, -1, -1, module.head_dim)
-        return keys.gather(2, index).contiguous(), values.gather(2, index).contiguous()
-
-    def sorted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
-        """`ScorerPress.compress` with the kept indices in position order."""
-        if self.compression_ratio == 0:
-            return keys, values
-        scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
-        return gather(
-            module, keys, values, kept(scores, compute_n_kept(keys.shape[2], self.compression_ratio))
+    nll, removed = decode_references(model, ids, ratio, torch)
+    prompt_cases = prompt_references(model_dir, tok, torch)
+    task = task_references(model_dir, tok, torch)
+    TASK_OUT.write_text(
+        json.dumps(
+            {"command": "python scripts/crosscheck_kvpress.py", "versions": versions, **task}, indent=1
         )
+        + "\n",
+        encoding="utf-8",
+    )
+    result = {
+        "command": "python scripts/crosscheck_kvpress.py",
+        "text": TEXT.relative_to(ROOT).as_posix(),
+        "ids": ids,
+        "prefill": PREFILL,
+        "steps": STEPS,
+        "budget": BUDGET,
+        "versions": versions,
+        "cases": {
+            case: {
+                "policy": CASES[case][0],
+                "params": CASES[case][1],
+                "nll": nll[case],
+                "removed": removed[case],
+            }
+            for case in nll
+        },
+        "prompt": {
+            "texts": [f"kvlens/data/state_union/{t}" for t in PROMPT_TEXTS],
+            "prefill": PROMPT_LEN,
+            "steps": PROMPT_STEPS,
+            "ratios": list(RATIOS),
+        },
+        "prompt_cases": prompt_cases,
+    }
+    return write(result)
+
+
+def kept_in_order(scores, n_kept):
+    """The `n_kept` highest-scoring slots of each KV head, in position order (kvpress issue #173)."""
+    return scores.topk(n_kept, dim=-1).indices.sort(-1).values
+
+
+def gather_kept(module, keys, values, index):
+    """The keys and values `(B, Hkv, S, D)` at the slots `index` `(B, Hkv, kept)`."""
+    index = index.unsqueeze(-1).expand(-1, -1, -1, module.head_dim)
+    return keys.gather(2, index).contiguous(), values.gather(2, index).contiguous()
+
+
+def sorted_compress(self, module, hidden_states, keys, values, attentions, kwargs):
+    """Inside the kvpress virtualenv: `ScorerPress.compress` with the kept indices in position order."""
+    from kvpress.utils import compute_n_kept
+
+    if self.compression_ratio == 0:
+        return keys, values
+    scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+    return gather_kept(
+        module, keys, values, kept_in_order(scores, compute_n_kept(keys.shape[2], self.compression_ratio))
+    )
+
+
+def h2o_scorer():
+    """Inside the kvpress virtualenv: a `ScorerPress` with H2O's score (see the module docstring)."""
+    import torch.nn.functional as F
+    from kvpress.presses.scorer_press import ScorerPress
+    from kvpress.utils import compute_n_kept
 
     @dataclass
     class H2OScorer(ScorerPress):
@@ -271,17 +315,25 @@ def reference(model_dir: str, only: list[str] | None = None) -> int:
             scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
             if self.compression_ratio == 0:
                 return keys, values
-            index = kept(scores, compute_n_kept(keys.shape[2], self.compression_ratio))
+            index = kept_in_order(scores, compute_n_kept(keys.shape[2], self.compression_ratio))
             self.sums[module.layer_idx] = self.sums[module.layer_idx].gather(2, index)
-            return gather(module, keys, values, index)
+            return gather_kept(module, keys, values, index)
 
-    UnpinnedTOVAPress = unpinned_tova()
+    return H2OScorer
+
+
+def decode_presses(ratio: float) -> dict:
+    """Inside the kvpress virtualenv: each decode case's press, the prompt compressed at `ratio`, then every
+    decode step back to BUDGET (see the module docstring)."""
+    from kvpress import CAMPress, DecodingPress, PrefillDecodingPress, StreamingLLMPress
+
+    H2OScorer, UnpinnedTOVAPress = h2o_scorer(), unpinned_tova()
 
     def decoding(scorer_press):
         return DecodingPress(base_press=scorer_press, compression_interval=1, target_size=BUDGET)
 
     recent, sums = int(BUDGET * RECENT_RATIO), {}
-    presses = {
+    return {
         "streaming_llm": PrefillDecodingPress(
             prefilling_press=StreamingLLMPress(compression_ratio=ratio, n_sink=SINK),
             decoding_press=decoding(StreamingLLMPress(n_sink=SINK)),
@@ -304,6 +356,16 @@ def reference(model_dir: str, only: list[str] | None = None) -> int:
             decoding_press=decoding(UnpinnedTOVAPress()),
         ),
     }
+
+
+def decode_references(model, ids: list[int], ratio: float, torch) -> tuple[dict, dict]:
+    """Inside the kvpress virtualenv: each decode case's per-step NLL and removed positions (`score`), with
+    `ScorerPress.compress` keeping its indices in position order and every Bernoulli draw 1."""
+    from unittest import mock
+
+    from kvpress.presses.scorer_press import ScorerPress
+
+    presses = decode_presses(ratio)
     nll, removed = {}, {}
     with (
         mock.patch.object(ScorerPress, "compress", sorted_compress),
@@ -312,46 +374,7 @@ def reference(model_dir: str, only: list[str] | None = None) -> int:
     ):
         for case, press in presses.items():
             nll[case], removed[case] = score(model, press, ids, torch)
-    prompt_cases = prompt_references(model_dir, tok, torch)
-    task = task_references(model_dir, tok, torch)
-    TASK_OUT.write_text(
-        json.dumps(
-            {
-                "command": "python scripts/crosscheck_kvpress.py",
-                "versions": {p: version(p) for p in ("kvpress", "torch", "transformers")},
-                **task,
-            },
-            indent=1,
-        )
-        + "\n",
-        encoding="utf-8",
-    )
-    result = {
-        "command": "python scripts/crosscheck_kvpress.py",
-        "text": TEXT.relative_to(ROOT).as_posix(),
-        "ids": ids,
-        "prefill": PREFILL,
-        "steps": STEPS,
-        "budget": BUDGET,
-        "versions": versions,
-        "cases": {
-            case: {
-                "policy": CASES[case][0],
-                "params": CASES[case][1],
-                "nll": nll[case],
-                "removed": removed[case],
-            }
-            for case in presses
-        },
-        "prompt": {
-            "texts": [f"kvlens/data/state_union/{t}" for t in PROMPT_TEXTS],
-            "prefill": PROMPT_LEN,
-            "steps": PROMPT_STEPS,
-            "ratios": list(RATIOS),
-        },
-        "prompt_cases": prompt_cases,
-    }
-    return write(result)
+    return nll, removed
 
 
 def write(result: dict) -> int:
@@ -381,9 +404,9 @@ def unpinned_tova():
     return UnpinnedTOVAPress
 
 
-def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None) -> dict:
-    """Inside the kvpress virtualenv: every prompt case (or those in `only`) on every text and ratio (see the
-    module docstring)."""
+def prompt_presses(model) -> dict:
+    """Inside the kvpress virtualenv: each prompt case's press at a compression ratio, `{case: ratio ->
+    press}` (see the module docstring)."""
     from kvpress import (
         AdaKVPress,
         ComposedPress,
@@ -396,7 +419,6 @@ def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None)
         SnapKVPress,
         ThinKPress,
     )
-    from transformers import AutoModelForCausalLM, DynamicCache
 
     class WholePromptKVzip(KVzipPress):
         """`KVzipPress` reconstructing the whole prompt: it has no chat template's prefix to skip."""
@@ -405,7 +427,7 @@ def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None)
             self.prefix_length = 0
             super()._perform_kvzip_compression(model, tokenizer)
 
-    presses = {
+    return {
         "snapkv": lambda r: SnapKVPress(r, window_size=WINDOW, kernel_size=5),
         "pyramidkv": lambda r: PyramidKVPress(r, window_size=WINDOW, kernel_size=5, beta=4),
         "adakv_snapkv": lambda r: AdaKVPress(SnapKVPress(r, window_size=WINDOW, kernel_size=5), 0.2),
@@ -425,9 +447,14 @@ def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None)
             for case, k in THINK_RATIOS.items()
         },
     }
-    assert set(presses) == set(PROMPT_CASES)
-    channels: dict[int, torch.Tensor] = {}  # layer -> (Hkv, D) bool, the channels ThinK kept
 
+
+def think_channels() -> dict:
+    """Inside the kvpress virtualenv: `ThinKPress.compress` patched to record the key channels each layer
+    kept; the record, `{layer: (Hkv, D) bool}`, filled by each compression."""
+    from kvpress import ThinKPress
+
+    channels: dict = {}
     think_compress = ThinKPress.compress
 
     def tracked(self, module, hidden_states, keys, values, attentions, kwargs):
@@ -436,12 +463,22 @@ def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None)
         return keys, values
 
     ThinKPress.compress = tracked
+    return channels
+
+
+def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None) -> dict:
+    """Inside the kvpress virtualenv: every prompt case (or those in `only`) on every text and ratio (see the
+    module docstring)."""
+    from transformers import AutoModelForCausalLM
+
+    channels = think_channels()  # layer -> (Hkv, D) bool, the channels ThinK kept
     # AdaKV and KVzip refuse eager attention (they mask keys inside SDPA)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, torch_dtype=torch.float32, attn_implementation="sdpa"
     )
     model.eval()
-    layers = [layer.self_attn for layer in model.model.layers]
+    presses = prompt_presses(model)
+    assert set(presses) == set(PROMPT_CASES)
     out = {}
     for case, make in presses.items():
         if only and case not in only:
@@ -449,56 +486,74 @@ def prompt_references(model_dir: str, tok, torch, only: list[str] | None = None)
         policy, params = PROMPT_CASES[case]
         runs = []
         for name in PROMPT_TEXTS:
-            ids = tok((ROOT / "kvlens" / "data" / "state_union" / name).read_text(encoding="utf-8"))[
-                "input_ids"
-            ]
-            ids = ids[: PROMPT_LEN + PROMPT_STEPS]
-            prompt = torch.tensor([ids[:PROMPT_LEN]])
-            with torch.no_grad():
-                full = DynamicCache()
-                model(input_ids=prompt, past_key_values=full)
-                for ratio in RATIOS:
-                    cache = DynamicCache()
-                    channels.clear()
-                    with make(ratio)(model):
-                        logits = model(input_ids=prompt, past_key_values=cache).logits[0, -1]
-                    # ThinK zeroes its pruned channels: match the keys on the kept ones
-                    kept = [channels.get(i) for i in range(len(layers))]
-                    removed = [
-                        removed_from(
-                            full.layers[i].keys[0]
-                            if kept[i] is None
-                            else full.layers[i].keys[0] * kept[i][:, None, :],
-                            cache.layers[i].keys[0],
-                            getattr(layers[i], "masked_key_indices", None),
-                            torch,
-                        )
-                        for i in range(len(layers))
-                    ]
-                    nll = [float(-torch.log_softmax(logits.float(), -1)[ids[PROMPT_LEN]])]
-                    logits = model(
-                        input_ids=torch.tensor([[ids[PROMPT_LEN]]]),
-                        past_key_values=cache,
-                        position_ids=torch.tensor([[PROMPT_LEN]]),
-                    ).logits[0, -1]
-                    nll.append(float(-torch.log_softmax(logits.float(), -1)[ids[PROMPT_LEN + 1]]))
-                    for module in layers:
-                        module.masked_key_indices = None
-                    entry = {
-                        "text": name,
-                        "ratio": ratio,
-                        "budget": int(PROMPT_LEN * (1 - ratio)),
-                        "nll": nll,
-                        "removed": removed,
-                    }
-                    if case in THINK_RATIOS:
-                        d = kept[0].shape[-1]
-                        assert all(int(k.sum(-1).min()) == d - int(d * THINK_RATIOS[case]) for k in kept)
-                        entry["channels"] = [[h.nonzero()[:, 0].tolist() for h in k] for k in kept]
-                    runs.append(entry)
+            runs += prompt_text_runs(model, case, make, name, tok, channels, torch)
         out[case] = {"policy": policy, "params": params, "runs": runs}
         print(f"{case}: done")
     return out
+
+
+def prompt_text_runs(model, case: str, make, name: str, tok, channels: dict, torch) -> list[dict]:
+    """Inside the kvpress virtualenv: one prompt case's press `make` at each ratio on the bundled text `name`:
+    the budget, the NLL of the next two tokens, the positions removed and (ThinK) the key channels kept."""
+    from transformers import DynamicCache
+
+    ids = tok((ROOT / "kvlens" / "data" / "state_union" / name).read_text(encoding="utf-8"))["input_ids"]
+    ids = ids[: PROMPT_LEN + PROMPT_STEPS]
+    prompt = torch.tensor([ids[:PROMPT_LEN]])
+    runs = []
+    with torch.no_grad():
+        full = DynamicCache()
+        model(input_ids=prompt, past_key_values=full)
+        for ratio in RATIOS:
+            nll, removed, kept = compressed_prompt(model, make(ratio), ids, prompt, full, channels, torch)
+            entry = {
+                "text": name,
+                "ratio": ratio,
+                "budget": int(PROMPT_LEN * (1 - ratio)),
+                "nll": nll,
+                "removed": removed,
+            }
+            if case in THINK_RATIOS:
+                d = kept[0].shape[-1]
+                assert all(int(k.sum(-1).min()) == d - int(d * THINK_RATIOS[case]) for k in kept)
+                entry["channels"] = [[h.nonzero()[:, 0].tolist() for h in k] for k in kept]
+            runs.append(entry)
+    return runs
+
+
+def compressed_prompt(model, press, ids: list[int], prompt, full, channels: dict, torch) -> tuple:
+    """Inside the kvpress virtualenv: `prompt` `(1, PROMPT_LEN)` compressed by `press`, then one decode step
+    of `ids`' next token: the NLL of the next two tokens, the positions each layer's KV heads lost against the
+    uncompressed cache `full`, and each layer's key channels ThinK kept (`(Hkv, D)` bool, None without
+    ThinK)."""
+    from transformers import DynamicCache
+
+    layers = [layer.self_attn for layer in model.model.layers]
+    cache = DynamicCache()
+    channels.clear()
+    with press(model):
+        logits = model(input_ids=prompt, past_key_values=cache).logits[0, -1]
+    # ThinK zeroes its pruned channels: match the keys on the kept ones
+    kept = [channels.get(i) for i in range(len(layers))]
+    removed = [
+        removed_from(
+            full.layers[i].keys[0] if kept[i] is None else full.layers[i].keys[0] * kept[i][:, None, :],
+            cache.layers[i].keys[0],
+            getattr(layers[i], "masked_key_indices", None),
+            torch,
+        )
+        for i in range(len(layers))
+    ]
+    nll = [float(-torch.log_softmax(logits.float(), -1)[ids[PROMPT_LEN]])]
+    logits = model(
+        input_ids=torch.tensor([[ids[PROMPT_LEN]]]),
+        past_key_values=cache,
+        position_ids=torch.tensor([[PROMPT_LEN]]),
+    ).logits[0, -1]
+    nll.append(float(-torch.log_softmax(logits.float(), -1)[ids[PROMPT_LEN + 1]]))
+    for module in layers:
+        module.masked_key_indices = None
+    return nll, removed, kept
 
 
 def kvzap_press(model, ratio: float):
@@ -522,19 +577,12 @@ def kvzap_press(model, ratio: float):
     return press
 
 
-def task_references(model_dir: str, tok, torch) -> dict:
-    """Inside the kvpress virtualenv: every task case on every sample and ratio (see the module docstring)."""
-    from kvpress import (
-        AdaKVPress,
-        ExpectedAttentionPress,
-        KVPressTextGenerationPipeline,
-        KVzipPress,
-        SnapKVPress,
-        StreamingLLMPress,
-    )
-    from transformers import AutoModelForCausalLM, DynamicCache
+def task_presses() -> dict:
+    """Inside the kvpress virtualenv: each task case's press at a compression ratio, `{case: ratio -> press}`
+    (the full cache: None; see the module docstring)."""
+    from kvpress import AdaKVPress, ExpectedAttentionPress, KVzipPress, SnapKVPress, StreamingLLMPress
 
-    presses = {
+    return {
         "full": lambda r: None,
         "streaming_llm": lambda r: StreamingLLMPress(r, n_sink=SINK),
         "snapkv": lambda r: SnapKVPress(r, window_size=WINDOW, kernel_size=5),
@@ -543,6 +591,14 @@ def task_references(model_dir: str, tok, torch) -> dict:
         "kvzip": KVzipPress,
         "adakv": lambda r: AdaKVPress(SnapKVPress(r, window_size=WINDOW, kernel_size=5), 0.2),
     }
+
+
+def task_references(model_dir: str, tok, torch) -> dict:
+    """Inside the kvpress virtualenv: every task case on every sample and ratio (see the module docstring)."""
+    from kvpress import KVPressTextGenerationPipeline
+    from transformers import AutoModelForCausalLM
+
+    presses = task_presses()
     assert set(presses) == set(TASK_CASES)
     models = {
         kind: AutoModelForCausalLM.from_pretrained(
@@ -559,48 +615,17 @@ def task_references(model_dir: str, tok, torch) -> dict:
         questions = ["\n\n" + q for q in asked]  # as kvlens's split_prompt asks them
         for case, make in presses.items():
             model = models["sdpa" if case in ("kvzip", "adakv") else "eager"]  # AdaKV, KVzip refuse eager
-            layers = [layer.self_attn for layer in model.model.layers]
             pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok)
             inputs = pipe.preprocess(sample["context"], questions, "", 10**10)
-            context = inputs["context_ids"]
             if case == "full":
                 ids.append(
                     {
-                        "context": context[0].tolist(),
+                        "context": inputs["context_ids"][0].tolist(),
                         "questions": [q[0].tolist() for q in inputs["questions_ids"]],
                     }
                 )
-            with torch.no_grad():
-                full = DynamicCache()
-                model.model(input_ids=context, past_key_values=full)
-                for ratio in [0.0] if case == "full" else TASK_RATIOS:
-                    answers = pipe(
-                        sample["context"],
-                        questions=questions,
-                        press=make(ratio),
-                        max_new_tokens=sample["max_new_tokens"],
-                    )["answers"]
-                    removed = []
-                    if case != "full":
-                        cache = DynamicCache()
-                        with make(ratio)(model):
-                            model.model(input_ids=context, past_key_values=cache)
-                        removed = [
-                            removed_digest(
-                                removed_from(
-                                    full.layers[i].keys[0],
-                                    cache.layers[i].keys[0],
-                                    getattr(layers[i], "masked_key_indices", None),
-                                    torch,
-                                )
-                            )
-                            for i in range(len(layers))
-                        ]
-                    for module in layers:
-                        module.masked_key_indices = None
-                    cases[case]["runs"].append(
-                        {"sample": index, "ratio": ratio, "answers": answers, "removed": removed}
-                    )
+            runs = task_runs(model, pipe, case, make, sample, questions, inputs["context_ids"], torch)
+            cases[case]["runs"] += [{"sample": index, **run} for run in runs]
         print(f"task sample {index}: done")
     return {
         "samples": TASK_SAMPLES_FILE.relative_to(ROOT).as_posix(),
@@ -608,6 +633,46 @@ def task_references(model_dir: str, tok, torch) -> dict:
         "ids": ids,
         "cases": cases,
     }
+
+
+def task_runs(model, pipe, case: str, make, sample: dict, questions: list[str], context, torch) -> list[dict]:
+    """Inside the kvpress virtualenv: one task case's press `make` at each ratio (the full cache: at 0) on one
+    sample, `context` its context's ids `(1, T)`: the ratio, the pipeline's answers and per layer the digest
+    of the positions each KV head lost."""
+    from transformers import DynamicCache
+
+    layers = [layer.self_attn for layer in model.model.layers]
+    runs = []
+    with torch.no_grad():
+        full = DynamicCache()
+        model.model(input_ids=context, past_key_values=full)
+        for ratio in [0.0] if case == "full" else TASK_RATIOS:
+            answers = pipe(
+                sample["context"],
+                questions=questions,
+                press=make(ratio),
+                max_new_tokens=sample["max_new_tokens"],
+            )["answers"]
+            removed = []
+            if case != "full":
+                cache = DynamicCache()
+                with make(ratio)(model):
+                    model.model(input_ids=context, past_key_values=cache)
+                removed = [
+                    removed_digest(
+                        removed_from(
+                            full.layers[i].keys[0],
+                            cache.layers[i].keys[0],
+                            getattr(layers[i], "masked_key_indices", None),
+                            torch,
+                        )
+                    )
+                    for i in range(len(layers))
+                ]
+            for module in layers:
+                module.masked_key_indices = None
+            runs.append({"ratio": ratio, "answers": answers, "removed": removed})
+    return runs
 
 
 def removed_from(before, after, masked, torch) -> list[list[int]]:

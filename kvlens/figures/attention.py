@@ -171,66 +171,58 @@ def status_scale(colors: dict[int, str] | None = None) -> list:
     return scale
 
 
-def attention_map_figure(
-    run: Run, grid: AttentionGrid, step: int | None = None, max_dots: int = 20000
-) -> go.Figure:
-    """Heatmap of log10 attention over kept cells on a status background (evicted grey, merged away
-    orange); slots holding merged values get red dots (at most `max_dots`), sinks a black triangle
-    above their column; `step` draws a guide line."""
-    fig = go.Figure()
-    codes = sorted(STATUS)
-    scale = status_scale()
-    names = [[STATUS[int(c)][0] for c in row] for row in grid.status.tolist()]
-    fig.add_trace(
-        go.Heatmap(
-            z=grid.status.tolist(),
-            x=grid.cols,
-            y=grid.rows,
-            zmin=-0.5,
-            zmax=len(codes) - 0.5,
-            colorscale=scale,
-            showscale=False,
-            customdata=names,
-            name="status",
-            meta=STATUS_META,
-            hovertemplate="position %{x}, query row %{y}: %{customdata}<extra></extra>",
-        )
+def status_heatmap(z, **where) -> go.Heatmap:
+    """The status codes `z` `(rows, columns)` as a heatmap in their colours (`status_scale`), no colour bar;
+    `where`: its coordinates and hover."""
+    return go.Heatmap(
+        z=z,
+        zmin=-0.5,
+        zmax=len(STATUS) - 0.5,
+        colorscale=status_scale(),
+        showscale=False,
+        name="status",
+        meta=STATUS_META,
+        **where,
     )
-    logw = torch.log10(grid.weights.clamp(min=1e-6))
-    fig.add_trace(
-        go.Heatmap(
-            z=logw.tolist(),
-            x=grid.cols,
-            y=grid.rows,
-            zmin=-4,
-            zmax=0,
-            colorscale="Viridis",
-            customdata=names,
-            name="attention",
-            meta={"value": "log10_attention: log10 of the attention weight (a cached cell under 1e-6 at -6)"},
-            colorbar=dict(
-                title=dict(text="attention"),
-                tickvals=[-4, -3, -2, -1, 0],
-                ticktext=["≤1e-4", "1e-3", "0.01", "0.1", "1"],
-                thickness=14,
-            ),
-            hovertemplate="position %{x}, query row %{y}<br>attention 10^%{z:.2f}"
-            "<br>%{customdata}<extra></extra>",
-        )
+
+
+def attention_heatmap(z, thickness: int, **where) -> go.Heatmap:
+    """log10 attention `z` `(rows, columns)` as a Viridis heatmap from 1e-4 to 1, its colour bar `thickness`
+    wide; `where`: its coordinates and hover."""
+    return go.Heatmap(
+        z=z,
+        zmin=-4,
+        zmax=0,
+        colorscale="Viridis",
+        name="attention",
+        meta={"value": "log10_attention: log10 of the attention weight (a cached cell under 1e-6 at -6)"},
+        colorbar=dict(
+            title=dict(text="attention"),
+            tickvals=[-4, -3, -2, -1, 0],
+            ticktext=["≤1e-4", "1e-3", "0.01", "0.1", "1"],
+            thickness=thickness,
+        ),
+        **where,
     )
-    for code in (EVICTED, MERGED_AWAY):
-        if bool((grid.status == code).any()):
-            fig.add_trace(
-                go.Scatter(
-                    x=[None],
-                    y=[None],
-                    mode="markers",
-                    name=STATUS[code][0],
-                    marker=dict(
-                        symbol="square", size=12, color=STATUS[code][1], line=dict(color="#555", width=1)
-                    ),
-                )
-            )
+
+
+def status_legend(codes: tuple[int, ...], status) -> list[go.Scatter]:
+    """A legend square for each of `codes` that occurs in `status` (the status heatmap has no legend)."""
+    return [
+        go.Scatter(
+            x=[None],
+            y=[None],
+            mode="markers",
+            name=STATUS[code][0],
+            marker=dict(symbol="square", size=12, color=STATUS[code][1], line=dict(color="#555", width=1)),
+        )
+        for code in codes
+        if bool((status == code).any())
+    ]
+
+
+def _add_merge_dots(fig: go.Figure, grid: AttentionGrid, max_dots: int) -> None:
+    """A red dot on each cell holding merged values (every k-th of them past `max_dots`)."""
     holds = (grid.status == HOLDS_MERGE).nonzero()  # (n, 2) cells drawn over the attention as dots
     if len(holds):
         holds = holds[:: max(1, len(holds) // max_dots)]
@@ -244,6 +236,10 @@ def attention_map_figure(
                 marker=dict(symbol="circle", size=3, color=STATUS[HOLDS_MERGE][1]),
             )
         )
+
+
+def _add_sinks(fig: go.Figure, grid: AttentionGrid) -> None:
+    """A black triangle above each column that is a sink at some row."""
     sinks = sorted({grid.cols[c] for c in (grid.status == SINK).any(0).nonzero().flatten().tolist()})
     if sinks:
         fig.add_trace(
@@ -257,6 +253,37 @@ def attention_map_figure(
                 hovertemplate="sink position %{x}<extra></extra>",
             )
         )
+
+
+def attention_map_figure(
+    run: Run, grid: AttentionGrid, step: int | None = None, max_dots: int = 20000
+) -> go.Figure:
+    """Heatmap of log10 attention over kept cells on a status background (evicted grey, merged away
+    orange); slots holding merged values get red dots (at most `max_dots`), sinks a black triangle
+    above their column; `step` draws a guide line."""
+    fig = go.Figure()
+    names = [[STATUS[int(c)][0] for c in row] for row in grid.status.tolist()]
+    where = dict(x=grid.cols, y=grid.rows, customdata=names)
+    fig.add_trace(
+        status_heatmap(
+            grid.status.tolist(),
+            hovertemplate="position %{x}, query row %{y}: %{customdata}<extra></extra>",
+            **where,
+        )
+    )
+    fig.add_trace(
+        attention_heatmap(
+            torch.log10(grid.weights.clamp(min=1e-6)).tolist(),
+            14,
+            hovertemplate="position %{x}, query row %{y}<br>attention 10^%{z:.2f}"
+            "<br>%{customdata}<extra></extra>",
+            **where,
+        )
+    )
+    for trace in status_legend((EVICTED, MERGED_AWAY), grid.status):
+        fig.add_trace(trace)
+    _add_merge_dots(fig, grid, max_dots)
+    _add_sinks(fig, grid)
     fig.add_vline(x=grid.prompt_len - 0.5, line=dict(color="#444", dash="dot", width=1))
     if step is not None:
         fig.add_hline(y=step, line=dict(color="#d62728", width=1))

@@ -27,12 +27,12 @@ from kvlens.figures.attention import (
     HOLDS_MERGE,
     MERGED_AWAY,
     SINK,
-    STATUS,
-    STATUS_META,
+    attention_heatmap,
     layer_cache,
     pool_blocks,
     recorded_attention_layers,
-    status_scale,
+    status_heatmap,
+    status_legend,
 )
 from kvlens.runs.run import Run
 
@@ -144,6 +144,29 @@ def _hover(grid: HeadGrid, values: dict[str, np.ndarray], li: int, h: int) -> st
     return "<br>".join(parts + ["click to open it on the Attention page"])
 
 
+def _strip_image(t: np.ndarray, layers: int, heads: int, gap: int) -> np.ndarray:
+    """`t` `(L * Hq, width)` laid out as one image `(L, Hq * (width + gap) - gap)`, each layer's heads side by
+    side, NaN in the `gap` between strips."""
+    width = t.shape[1]
+    t = np.pad(
+        t.astype(np.float32).reshape(layers, heads, width), ((0, 0), (0, 0), (0, gap)), constant_values=np.nan
+    )
+    return t.reshape(layers, -1)[:, :-gap]
+
+
+def _strip_axes(fig: go.Figure, grid: HeadGrid, centers: list[float], width: int, gap: int) -> None:
+    """Heads across the top at the strips' `centers`, layers down."""
+    fig.update_xaxes(
+        tickvals=centers,
+        ticktext=[f"head {h}" for h in range(grid.heads)],
+        side="top",
+        showgrid=False,
+        zeroline=False,
+        range=[-0.5, grid.heads * (width + gap) - gap - 0.5],
+    )
+    fig.update_yaxes(autorange="reversed", showgrid=False, title_text="layer")
+
+
 def rows_figure(grid: HeadGrid, step: int, gap: int = 3) -> go.Figure:
     """Each head's attention row at `step` as a strip (log10 attention on its status colours), layers down,
     heads across; positions pooled to at most `MAX_STRIP` per strip."""
@@ -154,64 +177,13 @@ def rows_figure(grid: HeadGrid, step: int, gap: int = 3) -> go.Figure:
     st = grid.head_status(step)[..., :n_pos].reshape(-1, n_pos)
     w, st = pool_blocks(w, st, 1, block)
     n_layers, width = len(grid.layers), w.shape[1]
-
-    def image(
-        t: np.ndarray,
-    ) -> np.ndarray:  # (L * Hq, width) -> (L, Hq * (width + gap) - gap), NaN between strips
-        t = np.pad(
-            t.astype(np.float32).reshape(n_layers, grid.heads, width),
-            ((0, 0), (0, 0), (0, gap)),
-            constant_values=np.nan,
-        )
-        return t.reshape(n_layers, -1)[:, :-gap]
-
-    w_img, st_img = image(w), image(st)
+    w_img, st_img = (_strip_image(t, n_layers, grid.heads, gap) for t in (w, st))
     y = [f"L{la}" for la in grid.layers]
     fig = go.Figure()
-    fig.add_trace(
-        go.Heatmap(
-            z=st_img,
-            y=y,
-            zmin=-0.5,
-            zmax=len(STATUS) - 0.5,
-            colorscale=status_scale(),
-            showscale=False,
-            hoverinfo="skip",
-            name="status",
-            meta=STATUS_META,
-        )
-    )
-    fig.add_trace(
-        go.Heatmap(
-            z=np.log10(np.maximum(w_img, 1e-6)),
-            y=y,
-            zmin=-4,
-            zmax=0,
-            colorscale="Viridis",
-            hoverinfo="skip",
-            name="attention",
-            meta={"value": "log10_attention: log10 of the attention weight (a cached cell under 1e-6 at -6)"},
-            colorbar=dict(
-                title=dict(text="attention"),
-                tickvals=[-4, -3, -2, -1, 0],
-                ticktext=["≤1e-4", "1e-3", "0.01", "0.1", "1"],
-                thickness=12,
-            ),
-        )
-    )
-    for code in (EVICTED, MERGED_AWAY, SINK):
-        if bool((st == code).any()):
-            fig.add_trace(
-                go.Scatter(
-                    x=[None],
-                    y=[None],
-                    mode="markers",
-                    name=STATUS[code][0],
-                    marker=dict(
-                        symbol="square", size=12, color=STATUS[code][1], line=dict(color="#555", width=1)
-                    ),
-                )
-            )
+    fig.add_trace(status_heatmap(st_img, y=y, hoverinfo="skip"))
+    fig.add_trace(attention_heatmap(np.log10(np.maximum(w_img, 1e-6)), 12, y=y, hoverinfo="skip"))
+    for trace in status_legend((EVICTED, MERGED_AWAY, SINK), st):
+        fig.add_trace(trace)
     values = grid.metrics(step)
     centers = [h * (width + gap) + (width - 1) / 2 for h in range(grid.heads)]
     cells = [(li, h) for li in range(n_layers) for h in range(grid.heads)]
@@ -223,15 +195,7 @@ def rows_figure(grid: HeadGrid, step: int, gap: int = 3) -> go.Figure:
         [h for _, h in cells],
         [_hover(grid, values, li, h) for li, h in cells],
     )
-    fig.update_xaxes(
-        tickvals=centers,
-        ticktext=[f"head {h}" for h in range(grid.heads)],
-        side="top",
-        showgrid=False,
-        zeroline=False,
-        range=[-0.5, grid.heads * (width + gap) - gap - 0.5],
-    )
-    fig.update_yaxes(autorange="reversed", showgrid=False, title_text="layer")
+    _strip_axes(fig, grid, centers, width, gap)
     pooled = f", positions in blocks of {block}" if block > 1 else ""
     fig.update_layout(
         title=dict(

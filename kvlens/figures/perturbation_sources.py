@@ -56,25 +56,11 @@ def shares(sources: dict) -> dict[str, float]:
     return {k: sources[k] / total if total else 0.0 for k, *_ in PARTS}
 
 
-def sources_figure(run: Run) -> go.Figure:
-    """The waterfall of the pooled error (choice of positions + quantized storage + merging = cache used) and
-    the three pooled errors per layer."""
-    src = run.metrics["perturbation_sources"]
-    per_layer = pooled_per_layer(run)
-    layers = list(range(len(per_layer["used"])))
-    fig = make_subplots(
-        rows=1,
-        cols=2,
-        horizontal_spacing=0.1,
-        column_widths=[0.36, 0.64],
-        subplot_titles=["pooled output error, by source", "per layer (pooled over steps and heads)"],
-    )
-    values = [src[k] for k, *_ in PARTS]
-    used = sum(values)
+def _add_waterfall(fig: go.Figure, values: list[float]) -> None:
+    """The first panel: a bar per part (`PARTS`' order, each from the last one's end), then the cache used,
+    their sum."""
     start = 0.0
-    for (key, label, tick), value, color in zip(
-        PARTS, values, COLORS, strict=True
-    ):  # each from the last one's end
+    for (key, label, tick), value, color in zip(PARTS, values, COLORS, strict=True):
         fig.add_trace(
             go.Bar(
                 x=[tick],
@@ -92,6 +78,7 @@ def sources_figure(run: Run) -> go.Figure:
             col=1,
         )
         start += value
+    used = sum(values)
     fig.add_trace(
         go.Bar(
             x=["cache used"],
@@ -107,6 +94,31 @@ def sources_figure(run: Run) -> go.Figure:
         row=1,
         col=1,
     )
+
+
+def _waterfall_range(values: list[float]) -> list[float]:
+    """The first panel's y range: every running total and 0, with room for the numbers above the bars."""
+    running = [sum(values[: i + 1]) for i in range(len(values))]
+    low, high = min(0.0, *running), max(0.0, *running)
+    pad = 0.15 * (high - low or 1.0)
+    return [low - pad if low < 0 else 0, high + pad]
+
+
+def sources_figure(run: Run) -> go.Figure:
+    """The waterfall of the pooled error (choice of positions + quantized storage + merging = cache used) and
+    the three pooled errors per layer."""
+    src = run.metrics["perturbation_sources"]
+    per_layer = pooled_per_layer(run)
+    layers = list(range(len(per_layer["used"])))
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        horizontal_spacing=0.1,
+        column_widths=[0.36, 0.64],
+        subplot_titles=["pooled output error, by source", "per layer (pooled over steps and heads)"],
+    )
+    values = [src[k] for k, *_ in PARTS]
+    _add_waterfall(fig, values)
     for key, label, color, dash, symbol in CURVES:
         fig.add_trace(
             go.Scatter(
@@ -120,12 +132,7 @@ def sources_figure(run: Run) -> go.Figure:
             row=1,
             col=2,
         )
-    running = [sum(values[: i + 1]) for i in range(len(values))]
-    low, high = min(0.0, *running), max(0.0, *running)
-    pad = 0.15 * (high - low or 1.0)  # room for the numbers above the bars
-    fig.update_yaxes(
-        title_text="‖O − O_full‖ / ‖O_full‖", range=[low - pad if low < 0 else 0, high + pad], row=1, col=1
-    )
+    fig.update_yaxes(title_text="‖O − O_full‖ / ‖O_full‖", range=_waterfall_range(values), row=1, col=1)
     fig.update_yaxes(rangemode="tozero", row=1, col=2)
     fig.update_xaxes(tickangle=0, row=1, col=1)
     fig.update_xaxes(title_text="layer", row=1, col=2)

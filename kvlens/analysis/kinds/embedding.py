@@ -132,49 +132,50 @@ def embedding(
     )
 
 
-def embedding_figure(run: Run, e: Embedding) -> go.Figure:
-    """Queries (open circles), kept keys, evicted keys (grey x) and merged keys (orange diamonds, hollow when
-    the Bernoulli draw moved nothing) linked to their prompt targets by thin lines; hover names each token."""
+def _prompt_labels(run: Run, tokens: int) -> list[str]:
+    """Each prompt position's token as the hover shows it (blank when the run's token strings are not the
+    embedding's `tokens`)."""
     prompt = token_text.decode(list(run.meta.get("prompt_token_strings") or []))
-    tokens = [prompt.label(i) for i in range(len(prompt.spans))]
-    tokens = tokens if len(tokens) == e.tokens else [""] * e.tokens
+    labels = [prompt.label(i) for i in range(len(prompt.spans))]
+    return labels if len(labels) == tokens else [""] * tokens
 
-    def hover(what: str, positions: list[int], extra: dict[int, str] | None = None) -> list[str]:
-        return [f"{what} {p}: {tokens[p]!r}" + ((extra or {}).get(p, "")) for p in positions]
 
-    def points(
-        xy: torch.Tensor, positions: list[int], name: str, rank: int, marker: dict, text: list[str]
-    ) -> go.Scatter:
-        sel = xy[positions] if positions else xy[:0]
-        return go.Scatter(
-            x=sel[:, 0].tolist(),
-            y=sel[:, 1].tolist(),
-            mode="markers",
-            name=name,
-            marker=marker,
-            hovertext=text,
-            hoverinfo="text",
-            legendrank=rank,
-        )
+def _hover(
+    labels: list[str], what: str, positions: list[int], extra: dict[int, str] | None = None
+) -> list[str]:
+    """One hover text per position: what it is, where, its token, and its `extra` line if any."""
+    return [f"{what} {p}: {labels[p]!r}" + ((extra or {}).get(p, "")) for p in positions]
 
-    q, k, t = e.queries, e.keys, e.tokens
-    merged_at = {m["position"]: m for m in e.merged}
-    gone = set(e.evicted) | set(merged_at)
-    kept = [p for p in range(t) if p not in gone]
-    moved = [p for p, m in merged_at.items() if m["draw"] != 0]
-    nothing = [p for p, m in merged_at.items() if m["draw"] == 0]
-    into = {p: f"<br>merged at step {m['step']} into {m['targets']}" for p, m in merged_at.items()}
+
+def _points(
+    xy: torch.Tensor, positions: list[int], name: str, rank: int, marker: dict, text: list[str]
+) -> go.Scatter:
+    """The rows `positions` of `xy` `(T, 2)` as one legend entry of markers."""
+    sel = xy[positions] if positions else xy[:0]
+    return go.Scatter(
+        x=sel[:, 0].tolist(),
+        y=sel[:, 1].tolist(),
+        mode="markers",
+        name=name,
+        marker=marker,
+        hovertext=text,
+        hoverinfo="text",
+        legendrank=rank,
+    )
+
+
+def _add_merge_links(fig: go.Figure, keys: torch.Tensor, merges: list[dict]) -> None:
+    """Thin lines from each of `merges`' keys (`keys` `(T, 2)`) to the prompt targets it moved weight to (a
+    generated target has no recorded key); no trace when there is none."""
     lx: list[float | None] = []
     ly: list[float | None] = []
-    for p in moved:
-        m = merged_at[p]
+    for m in merges:
+        p = m["position"]
         weights = m["weights"] if len(m["weights"]) == len(m["targets"]) else [1.0] * len(m["targets"])
         for target, w in zip(m["targets"], weights, strict=True):
-            if target < t and w != 0:  # a generated target has no recorded key
-                lx += [float(k[p, 0]), float(k[target, 0]), None]
-                ly += [float(k[p, 1]), float(k[target, 1]), None]
-    # drawn bottom to top: links, queries, evicted keys, kept keys, merged keys; listed in legendrank order
-    fig = go.Figure()
+            if target < len(keys) and w != 0:
+                lx += [float(keys[p, 0]), float(keys[target, 0]), None]
+                ly += [float(keys[p, 1]), float(keys[target, 1]), None]
     if lx:
         fig.add_trace(
             go.Scatter(
@@ -188,59 +189,75 @@ def embedding_figure(run: Run, e: Embedding) -> go.Figure:
                 legendrank=6,
             )
         )
-    fig.add_trace(
-        points(
+
+
+def _point_traces(e: Embedding, labels: list[str], merged_at: dict[int, dict]) -> list[go.Scatter]:
+    """Queries, evicted keys, kept keys, merged keys that moved something and those that moved nothing, in
+    that drawing order (the groups with no position left out)."""
+    q, k, t = e.queries, e.keys, e.tokens
+    gone = set(e.evicted) | set(merged_at)
+    kept = [p for p in range(t) if p not in gone]
+    moved = [p for p, m in merged_at.items() if m["draw"] != 0]
+    nothing = [p for p, m in merged_at.items() if m["draw"] == 0]
+    into = {p: f"<br>merged at step {m['step']} into {m['targets']}" for p, m in merged_at.items()}
+    traces = [
+        _points(
             q,
             list(range(t)),
             f"queries (query head {e.query_head})",
             1,
             dict(color=COLORS[1], symbol="circle-open", size=6, opacity=0.7),
-            hover("query", list(range(t))),
+            _hover(labels, "query", list(range(t))),
         )
-    )
+    ]
     if e.evicted:
-        fig.add_trace(
-            points(
+        traces.append(
+            _points(
                 k,
                 e.evicted,
                 f"evicted keys ({len(e.evicted)})",
                 3,
                 dict(color=EVICTED_COLOR, symbol="x-thin", size=8, line=dict(color=EVICTED_COLOR, width=1.5)),
-                hover("evicted key", e.evicted),
+                _hover(labels, "evicted key", e.evicted),
             )
         )
-    fig.add_trace(
-        points(
+    traces.append(
+        _points(
             k,
             kept,
             f"kept keys ({len(kept)})",
             2,
             dict(color=COLORS[0], symbol="circle", size=6),
-            hover("key", kept),
+            _hover(labels, "key", kept),
         )
     )
     if moved:
-        fig.add_trace(
-            points(
+        traces.append(
+            _points(
                 k,
                 moved,
                 f"merged keys ({len(moved)})",
                 4,
                 dict(color=MERGED_COLOR, symbol="diamond", size=8, line=dict(color="white", width=0.5)),
-                hover("merged key", moved, into),
+                _hover(labels, "merged key", moved, into),
             )
         )
     if nothing:
-        fig.add_trace(
-            points(
+        traces.append(
+            _points(
                 k,
                 nothing,
                 f"merged, nothing moved ({len(nothing)})",
                 5,
                 dict(color=MERGED_COLOR, symbol="diamond-open", size=8),
-                hover("merged key", nothing, into),
+                _hover(labels, "merged key", nothing, into),
             )
         )
+    return traces
+
+
+def _axis_titles(fig: go.Figure, e: Embedding) -> None:
+    """PCA's axes with their share of the variance, or t-SNE's."""
     if e.method == "pca":
         for axis, (update, share) in enumerate(
             zip((fig.update_xaxes, fig.update_yaxes), e.explained_variance, strict=True), start=1
@@ -249,6 +266,18 @@ def embedding_figure(run: Run, e: Embedding) -> go.Figure:
     else:
         fig.update_xaxes(title_text="t-SNE 1")
         fig.update_yaxes(title_text="t-SNE 2")
+
+
+def embedding_figure(run: Run, e: Embedding) -> go.Figure:
+    """Queries (open circles), kept keys, evicted keys (grey x) and merged keys (orange diamonds, hollow when
+    the Bernoulli draw moved nothing) linked to their prompt targets by thin lines; hover names each token."""
+    merged_at = {m["position"]: m for m in e.merged}
+    # drawn bottom to top: links, queries, evicted keys, kept keys, merged keys; listed in legendrank order
+    fig = go.Figure()
+    _add_merge_links(fig, e.keys, [m for m in merged_at.values() if m["draw"] != 0])
+    for trace in _point_traces(e, _prompt_labels(run, e.tokens), merged_at):
+        fig.add_trace(trace)
+    _axis_titles(fig, e)
     upto = "" if e.step is None else f", decisions to step {e.step}"
     title = (
         f"Queries and keys, layer {e.layer}, KV head {e.head}{upto} "

@@ -168,23 +168,8 @@ def _tick(row: dict) -> str:
     return f"{'dtype' if row['rank'] is None else row['rank']}<br>{row['bytes_share']:.0%}"
 
 
-def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0.01) -> go.Figure:
-    """Per rank (and the model's dtype), its bytes share under it: the pooled output error by source,
-    stacked; KL (labelled with the top-1 agreement) and the NLL change end to end; and each layer's rank
-    for `error`."""
-    rows = found.rows()
-    ticks = [_tick(r) for r in rows]
-    fig = make_subplots(
-        rows=1,
-        cols=3,
-        horizontal_spacing=0.08,
-        column_widths=[0.36, 0.36, 0.28],
-        subplot_titles=[
-            "output error by source (pooled)",
-            "end to end, against the full cache",
-            f"each layer's rank for {error:g} error",
-        ],
-    )
+def _add_sources(fig: go.Figure, rows: list[dict], ticks: list[str]) -> None:
+    """The first panel: each replay's pooled output error by source, one bar trace per source."""
     for (key, label), color in zip(PARTS, COLORS, strict=True):
         y = [r["sources"][key] for r in rows]
         fig.add_trace(
@@ -199,6 +184,10 @@ def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0
             row=1,
             col=1,
         )
+
+
+def _add_end_to_end(fig: go.Figure, rows: list[dict], ticks: list[str]) -> None:
+    """The second panel: KL (labelled with the top-1 agreement) and the NLL change of each replay."""
     agree = [f"{r['top1_agreement']:.0%}" for r in rows]
     for key, short, label, color, dash, text in (
         ("kl", "KL", "KL(p_full ‖ p) (labels: top-1 agreement)", "#000000", "solid", agree),
@@ -226,6 +215,11 @@ def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0
             row=1,
             col=2,
         )
+
+
+def _add_layer_ranks(fig: go.Figure, found: RankPerturbation, ranks: list[int], error: float) -> None:
+    """The third panel: the rank each layer's keys and values need for `error` (mean over KV heads), the
+    ladder's `ranks` as dotted lines."""
     layers = found.errors["key"].layers
     few = len(layers) <= len(LINE_COLORS)  # a handful of layers: Spectra's discrete colours
     colours = LINE_COLORS[: len(layers)] if few else _sample(SCALE, len(layers))
@@ -243,8 +237,13 @@ def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0
             row=1,
             col=3,
         )
-    for rank in (r["rank"] for r in rows[:-1]):
+    for rank in ranks:
         fig.add_vline(x=rank, line_dash="dot", line_color="#999", row=1, col=3)
+
+
+def _axes(fig: go.Figure, replays: int, ranks: list[int], head_dim: int) -> None:
+    """The three panels' axes: `replays` ticks on the first two, the log rank up to `head_dim` on the
+    third."""
     fig.update_yaxes(title_text="‖O − O_full‖ / ‖O_full‖", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="nats per token", row=1, col=2)
     fig.update_yaxes(title_text="layer", row=1, col=3)
@@ -252,18 +251,42 @@ def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0
         fig.update_xaxes(
             title_text="rank<br>KV bytes, share of the model dtype's",
             tickangle=0,
-            range=[-0.7, len(rows) - 0.5],
+            range=[-0.7, replays - 0.5],
             row=1,
             col=col,
         )  # room for the labels left of the points
     fig.update_xaxes(
         type="log",
         title_text="rank (mean over KV heads)",
-        range=[0, 1.08 * math.log10(found.head_dim)],
-        tickvals=[r["rank"] for r in rows[:-1]],
+        range=[0, 1.08 * math.log10(head_dim)],
+        tickvals=ranks,
         row=1,
         col=3,
     )
+
+
+def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0.01) -> go.Figure:
+    """Per rank (and the model's dtype), its bytes share under it: the pooled output error by source,
+    stacked; KL (labelled with the top-1 agreement) and the NLL change end to end; and each layer's rank
+    for `error`."""
+    rows = found.rows()
+    ticks = [_tick(r) for r in rows]
+    ranks = [r["rank"] for r in rows[:-1]]
+    fig = make_subplots(
+        rows=1,
+        cols=3,
+        horizontal_spacing=0.08,
+        column_widths=[0.36, 0.36, 0.28],
+        subplot_titles=[
+            "output error by source (pooled)",
+            "end to end, against the full cache",
+            f"each layer's rank for {error:g} error",
+        ],
+    )
+    _add_sources(fig, rows, ticks)
+    _add_end_to_end(fig, rows, ticks)
+    _add_layer_ranks(fig, found, ranks, error)
+    _axes(fig, len(rows), ranks, found.head_dim)
     meta = run.meta
     budget = (meta.get("budget") or {}).get("requested")
     policy = meta["policy"]["name"] + ("" if budget is None else f" @{budget:g}")
@@ -271,7 +294,7 @@ def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0
         f"What each rank costs: the run replayed with low-rank KV storage ({run_model(run)}, {policy}, "
         f"{found.steps} decode steps)"
     )
-    fig = finish(fig, title, "rank_perturbation", run, error=error, ranks=[r["rank"] for r in rows[:-1]])
+    fig = finish(fig, title, "rank_perturbation", run, error=error, ranks=ranks)
     fig.update_layout(
         width=1200,
         height=460,

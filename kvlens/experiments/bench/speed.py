@@ -479,6 +479,56 @@ def every_policy_ratios(e: dict) -> tuple[dict, dict, dict]:
     return ratios, ratios_cpu, details
 
 
+def _policy_rows(
+    model: LoadedModel,
+    policies: list[PolicySpec],
+    lengths: list[int],
+    text: str,
+    steps: int,
+    budget: float,
+    tick: Callable[[], None],
+    on_row: Callable[[dict], None],
+) -> list[dict]:
+    """The policy table: one run per policy and length, each row handed to `on_row` when measured."""
+    # untimed warm-up: the process's first run pays one-off costs (allocator, kernels) that would land in row
+    # one
+    engine_once(model, PolicySpec("full"), prefix_ids(model, text, min(lengths), "The text"), 2, None)
+    rows = []
+    for n in lengths:
+        ids = prefix_ids(model, text, n, "The text")
+        for spec in policies:
+            res = engine_once(model, spec, ids, steps, budget)
+            res.pop("tokens")
+            rows.append({"policy": spec.label, "prompt_tokens": n, "steps": steps, **res})
+            on_row(rows[-1])
+            tick()
+    return rows
+
+
+def _speed_ratios(
+    pairs: dict, evict: dict[int, dict], half: dict, whole: dict, every: Sequence[str]
+) -> tuple[dict, dict, dict]:
+    """The ratios in wall-clock time, in CPU time, and the details of the `every_policy_*` ones, from the
+    engine's `pairs`, the evict lockstep at each length (the first's prefill ratio too) and a StreamingLLM run
+    at half the budget (`half`) beside the full cache's (`whole`)."""
+    ratios = {
+        **{k: d["ratio"] for k, d in pairs.items()},
+        "kv_bytes_half_budget_vs_full": half["kv_bytes_peak"] / whole["kv_bytes_prefill"],
+        **{f"evict_half_vs_full_at_{n}": e["ratio"] for n, e in evict.items()},
+    }
+    if evict:
+        ratios["prefill_stats_vs_full"] = next(iter(evict.values()))["prefill_ratio"]
+    ratios_cpu = {k: d["cpu_ratio"] for k, d in pairs.items()}
+    every_details: dict[str, dict] = {}
+    if every:
+        for e in evict.values():
+            more, more_cpu, details = every_policy_ratios(e)
+            ratios.update(more)
+            ratios_cpu.update(more_cpu)
+            every_details.update(details)
+    return ratios, ratios_cpu, every_details
+
+
 def bench_speed(
     model: LoadedModel,
     policies: list[PolicySpec],
@@ -502,39 +552,14 @@ def bench_speed(
     """
     if repeats < 1 or steps < 2:
         raise KvlensError("Speed needs at least one repeat and two generated tokens.")
-    # untimed warm-up: the process's first run pays one-off costs (allocator, kernels) that would land in row
-    # one
-    engine_once(model, PolicySpec("full"), prefix_ids(model, text, min(lengths), "The text"), 2, None)
-    rows = []
-    for n in lengths:
-        ids = prefix_ids(model, text, n, "The text")
-        for spec in policies:
-            res = engine_once(model, spec, ids, steps, budget)
-            res.pop("tokens")
-            rows.append({"policy": spec.label, "prompt_tokens": n, "steps": steps, **res})
-            on_row(rows[-1])
-            tick()
+    rows = _policy_rows(model, policies, lengths, text, steps, budget, tick, on_row)
     evict = {n: evict_ratios(model, text, n, steps, 0.5, repeats, tick, list(every)) for n in evict_lengths}
     ids = prefix_ids(model, text, ratio_length, "The text")
     pairs = engine_pairs(model, ids, steps, budget, repeats, tick)
     sl, full = PolicySpec("streaming_llm"), PolicySpec("full")
     half = engine_once(model, sl, ids, steps, 0.5)
     whole = engine_once(model, full, ids, steps, None)
-    ratios = {
-        **{k: d["ratio"] for k, d in pairs.items()},
-        "kv_bytes_half_budget_vs_full": half["kv_bytes_peak"] / whole["kv_bytes_prefill"],
-        **{f"evict_half_vs_full_at_{n}": e["ratio"] for n, e in evict.items()},
-    }
-    if evict:
-        ratios["prefill_stats_vs_full"] = evict[evict_lengths[0]]["prefill_ratio"]
-    ratios_cpu = {k: d["cpu_ratio"] for k, d in pairs.items()}
-    every_details: dict[str, dict] = {}
-    if every:
-        for e in evict.values():
-            more, more_cpu, details = every_policy_ratios(e)
-            ratios.update(more)
-            ratios_cpu.update(more_cpu)
-            every_details.update(details)
+    ratios, ratios_cpu, every_details = _speed_ratios(pairs, evict, half, whole, every)
     return {
         "config": {
             "policies": [p.label for p in policies],

@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from kvlens.engine.batch_answer import Kept, answer_many
+from kvlens.engine.loop import RunOptions
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.shared_prefill import (
     QUIET,
@@ -102,6 +103,77 @@ def sample_of(model: LoadedModel, texts: dict[str, str], cell: dict) -> ruler.Sa
     )
 
 
+def _prompts(cell: dict, parts: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
+    """The prompts prefilled, each with the questions it asks (indices into `parts`, each question's context
+    and question ids): the context once, every question appended after it, or (query-aware) context and
+    question together, one prompt per question."""
+    if cell["query_aware"]:
+        return [(c + q, [i]) for i, (c, q) in enumerate(parts)]
+    return [(parts[0][0], list(range(len(parts))))]
+
+
+def _budget(policy, ratio: float | None, prompt: int, extra: int, rounding: str) -> int | None:
+    """The budget keeping a `prompt`-token context compressed at `ratio` (`slots_for`), `extra` tokens to
+    come; None for a budget-free policy (ratio None)."""
+    if ratio is None:
+        return None
+    return resolve_budget(policy, slots_for(ratio, prompt, rounding), prompt, prompt + extra)
+
+
+def _prepare_pairs(
+    model: LoadedModel,
+    cell: dict,
+    pairs: list[tuple[PolicySpec, float | None]],
+    runs: dict[tuple, dict],
+    prompt: list[int],
+    extra: int,
+    shared: SharedPrefill,
+    batch: _Batch,
+    opts: RunOptions,
+) -> None:
+    """Every (policy, ratio) of `pairs`, ratio by ratio (`_ratio_major`), prepared from the `shared` prefill
+    of `prompt` and handed to `batch`; its costs, kept share and bytes added to its entry of `runs`. A
+    policy's replay passes (KVzip) run for its first ratio; each of its ratios counts a share of them."""
+    replay_ms: dict[str, float] = {}
+    for spec, ratio in _ratio_major(pairs):
+        policy = make_policy(spec.name, dict(spec.params))
+        share = 1 if ratio is None else len(cell["ratios"])
+        rounding = cell.get("rounding", ruler.IMPLIED["rounding"])
+        budget = _budget(policy, ratio, len(prompt), extra, rounding)
+        out = runs[(spec.label, ratio)]
+        t = time.perf_counter()
+        loop, logits = prepare(model, policy, prompt, budget, extra, shared, opts)
+        replay_ms[spec.label] = replay_ms.get(spec.label) or loop.replay_ms
+        out["prepare_ms"] += (time.perf_counter() - t) * 1000 - loop.replay_ms
+        out["own_ms"] += replay_ms[spec.label] / share
+        out["kept"].append(loop.kept[0].float().mean().item() / len(prompt))
+        out["bytes"].append(loop.cache.nbytes)
+        batch.add(out, loop, logits)
+
+
+def _results(runs: dict[tuple, dict], sample: ruler.Sample, questions: int) -> list[dict]:
+    """One result per (policy, ratio) of `runs`: its score over the `questions` answers, the answers, the
+    kept share and bytes, NLL and costs."""
+    results = []
+    for (label, ratio), out in runs.items():
+        outputs = [out["outputs"][i] for i in range(questions)]
+        results.append(
+            {
+                "policy": label,
+                "ratio": 0.0 if label == "full" else ratio,
+                "score": kvpress_metrics.score_sample(outputs, sample),
+                "outputs": outputs,
+                "kept_share": statistics.fmean(out["kept"]),
+                "kv_bytes": statistics.fmean(out["bytes"]),
+                "nll": statistics.fmean(out["nlls"]),
+                "prepare_ms": out["prepare_ms"],
+                "own_ms": out["own_ms"],
+                "answer_ms": out["answer_ms"],
+            }
+        )
+    return results
+
+
 def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
     """One sample under every policy and ratio of the cell: `{"prompt_tokens", "shared_prefill_ms",
     "results"}`, a result per (policy, ratio) with its score, answers and costs."""
@@ -110,12 +182,6 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
     parts = [
         split_prompt(model, sample.context, q, cell["chat"], sample.answer_prefix) for q in sample.questions
     ]
-    context = parts[0][0]
-    prompts = (
-        [(c + q, [i]) for i, (c, q) in enumerate(parts)]
-        if cell["query_aware"]
-        else [(context, list(range(len(parts))))]
-    )
     opts = dataclasses.replace(QUIET, storage=Storage.of(cell.get("storage")))
     pairs = _policy_major(specs, cell["ratios"])
     runs = {
@@ -131,7 +197,7 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
         for spec, ratio in pairs
     }
     shared_ms = 0.0
-    for prompt, asked in prompts:  # one prompt (questions appended), or one per question (query-aware)
+    for prompt, asked in _prompts(cell, parts):
         questions = [[] if cell["query_aware"] else parts[i][1] for i in asked]
         extra = max(len(q) for q in questions) + sample.max_new_tokens
         shared = SharedPrefill(model, prompt, [make_policy(s.name, dict(s.params)) for s in specs])
@@ -145,54 +211,15 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
             cell.get("stop_when_found", True) and sample.kvpress is None,  # kvpress's metrics read it all
             batched=cell.get("batch", True) and not opts.storage.packed,
         )
-        replay_ms: dict[
-            str, float
-        ] = {}  # a policy's replay passes (KVzip), run for its first ratio, shared by all
-        for spec, ratio in _ratio_major(pairs):
-            policy = make_policy(spec.name, dict(spec.params))
-            share = 1 if ratio is None else len(cell["ratios"])
-            slots = (
-                None
-                if ratio is None
-                else slots_for(ratio, len(prompt), cell.get("rounding", ruler.IMPLIED["rounding"]))
-            )
-            budget = (
-                None if ratio is None else resolve_budget(policy, slots, len(prompt), len(prompt) + extra)
-            )
-            out = runs[(spec.label, ratio)]
-            t = time.perf_counter()
-            loop, logits = prepare(model, policy, prompt, budget, extra, shared, opts)
-            replay_ms[spec.label] = replay_ms.get(spec.label) or loop.replay_ms
-            out["prepare_ms"] += (time.perf_counter() - t) * 1000 - loop.replay_ms
-            out["own_ms"] += replay_ms[spec.label] / share
-            out["kept"].append(loop.kept[0].float().mean().item() / len(prompt))
-            out["bytes"].append(loop.cache.nbytes)
-            batch.add(out, loop, logits)
+        _prepare_pairs(model, cell, pairs, runs, prompt, extra, shared, batch, opts)
         batch.flush()
-    results = []
-    for (label, ratio), out in runs.items():
-        outputs = [out["outputs"][i] for i in range(len(parts))]
-        results.append(
-            {
-                "policy": label,
-                "ratio": 0.0 if label == "full" else ratio,
-                "score": kvpress_metrics.score_sample(outputs, sample),
-                "outputs": outputs,
-                "kept_share": statistics.fmean(out["kept"]),
-                "kv_bytes": statistics.fmean(out["bytes"]),
-                "nll": statistics.fmean(out["nlls"]),
-                "prepare_ms": out["prepare_ms"],
-                "own_ms": out["own_ms"],
-                "answer_ms": out["answer_ms"],
-            }
-        )
     depths = None if sample.depths is None else [list(d) for d in sample.depths]
     return {
-        "prompt_tokens": len(context),
+        "prompt_tokens": len(parts[0][0]),
         "answers": [list(a) for a in sample.answers],
         "needle_depths": depths,
         "shared_prefill_ms": shared_ms,
-        "results": results,
+        "results": _results(runs, sample, len(parts)),
     }
 
 
@@ -507,13 +534,66 @@ def protocol(config: dict) -> str:
     return "query-aware" if config.get("query_aware") else "question-agnostic"
 
 
+def _panel_points(summary: list[dict], policy: str, panel: str) -> tuple[dict[float, list[dict]], bool]:
+    """`policy`'s summary cells in one panel by compression ratio (the "all" panel: those over all lengths), a
+    budget-free policy's at the share its own rule removed (1 - kept share); and whether it is budget-free."""
+    pts: dict = {}
+    for s in summary:
+        if s["policy"] == policy and s["task"] == panel and (panel != "all" or s["length"] == "all"):
+            pts.setdefault(s["ratio"], []).append(s)
+    free = pts.pop(None, None)  # a budget-free policy: at the share it removed
+    if free:
+        pts[round(1 - statistics.fmean(s["kept_share"] for s in free), 4)] = free
+    return pts, bool(free)
+
+
+def _policy_line(policy: str, i: int, policies: int, pts: dict[float, list[dict]], free: bool, legend: bool):
+    """One policy's line in a panel: the mean score at each ratio of `pts` with its mean 95 % interval,
+    points set apart by the policy's index `i` of `policies` (the full cache's not); styled by `i` (10
+    colours, then again dotted with squares), the full cache a star, a budget-free policy a diamond."""
+    import plotly.colors
+    import plotly.graph_objects as go
+
+    palette = plotly.colors.qualitative.T10  # 10 colours, then again dotted with squares: 20 distinct styles
+    xs = sorted(pts)
+    ys = [statistics.fmean(s["score"] for s in pts[x]) for x in xs]
+    lo = [y - statistics.fmean(s["ci_low"] for s in pts[x]) for x, y in zip(xs, ys, strict=True)]
+    hi = [statistics.fmean(s["ci_high"] for s in pts[x]) - y for x, y in zip(xs, ys, strict=True)]
+    mode = "markers" if policy == "full" or free else "lines+markers"
+    symbol = "diamond" if free else "circle"
+    if policy == "full":
+        symbol = "star"
+    dodge = 0.08 * (i / max(1, policies - 1) - 0.5)  # ties stay visible side by side
+    return go.Scatter(
+        x=[x + dodge * (policy != "full") for x in xs],
+        y=ys,
+        mode=mode,
+        name=policy,
+        legendgroup=policy,
+        showlegend=legend,
+        line={
+            "color": palette[i % len(palette)],
+            "dash": "dot" if i // len(palette) % 2 else "solid",
+        },
+        marker={
+            "symbol": "square" if symbol == "circle" and i // len(palette) % 2 else symbol,
+            "size": 6 if symbol == "circle" else 11,
+        },
+        error_y={
+            "type": "data",
+            "symmetric": False,
+            "array": hi,
+            "arrayminus": lo,
+            "thickness": 1,
+        },
+    )
+
+
 def figure(result: dict):
     """Score against compression ratio, one line per method (kvpress's leaderboard plot): averaged over tasks,
     then one panel per task; bars are bootstrap 95 % intervals over samples, points of one ratio are set
     slightly apart so that ties stay visible; the full cache is the star at ratio 0, a budget-free policy a
     diamond at the share its own rule removed (1 - kept share)."""
-    import plotly.colors
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     import kvlens.figures.plots  # noqa: F401  registers the "kvlens" paper template
@@ -531,56 +611,13 @@ def figure(result: dict):
         subplot_titles=["average over tasks" if p == "all" else p for p in panels],
     )
     policies = list(dict.fromkeys(s["policy"] for s in summary))
-    palette = plotly.colors.qualitative.T10  # 10 colours, then again dotted with squares: 20 distinct styles
     for n, panel in enumerate(panels):
         row, col = divmod(n, grid_cols)
         row, col = row + 1, col + 1
         for i, policy in enumerate(policies):
-            pts = {}  # ratio -> mean over the panel's lengths
-            for s in summary:
-                if s["policy"] == policy and s["task"] == panel and (panel != "all" or s["length"] == "all"):
-                    pts.setdefault(s["ratio"], []).append(s)
-            free = pts.pop(None, None)  # a budget-free policy: at the share it removed
-            if free:
-                pts[round(1 - statistics.fmean(s["kept_share"] for s in free), 4)] = free
-            xs = sorted(pts)
-            if not xs:
-                continue
-            ys = [statistics.fmean(s["score"] for s in pts[x]) for x in xs]
-            lo = [y - statistics.fmean(s["ci_low"] for s in pts[x]) for x, y in zip(xs, ys, strict=True)]
-            hi = [statistics.fmean(s["ci_high"] for s in pts[x]) - y for x, y in zip(xs, ys, strict=True)]
-            mode = "markers" if policy == "full" or free else "lines+markers"
-            symbol = "diamond" if free else "circle"
-            if policy == "full":
-                symbol = "star"
-            dodge = 0.08 * (i / max(1, len(policies) - 1) - 0.5)  # ties stay visible side by side
-            fig.add_trace(
-                go.Scatter(
-                    x=[x + dodge * (policy != "full") for x in xs],
-                    y=ys,
-                    mode=mode,
-                    name=policy,
-                    legendgroup=policy,
-                    showlegend=n == 0,
-                    line={
-                        "color": palette[i % len(palette)],
-                        "dash": "dot" if i // len(palette) % 2 else "solid",
-                    },
-                    marker={
-                        "symbol": "square" if symbol == "circle" and i // len(palette) % 2 else symbol,
-                        "size": 6 if symbol == "circle" else 11,
-                    },
-                    error_y={
-                        "type": "data",
-                        "symmetric": False,
-                        "array": hi,
-                        "arrayminus": lo,
-                        "thickness": 1,
-                    },
-                ),
-                row,
-                col,
-            )
+            pts, free = _panel_points(summary, policy, panel)
+            if pts:
+                fig.add_trace(_policy_line(policy, i, len(policies), pts, free, n == 0), row, col)
         fig.update_xaxes(
             title_text="compression ratio (share removed)" if (row, col) == (grid_rows, 1) else None,
             range=[-0.06, 0.98],
