@@ -4,9 +4,9 @@
 attention math it shares with the engine; `store` (`SlotStore`), `views` (`SlotRows`, the rows a policy is
 handed), `tokens` (appending) and `cache` (`KVCache`, the model's `past_key_values`) the cache itself;
 `paged` (`PagedStore`) the pages of a layer whose heads keep different counts; `quantized` (`PackedStore`)
-the compressed storage a sealed cache may use: `quantize` and `kivi` (KIVI), `lowrank` and `rank` (low rank),
-`channels` (pruned key channels). Policies import only from this package's
-top.
+the compressed storage a sealed cache may use, each kind a `packed.PackedStates`: `quantize` and `kivi`
+(KIVI), `lowrank` and `rank` (low rank), `channels` (pruned key channels). Policies import only from this
+package's top.
 """
 
 from kvlens.kvcache.contract import HIDDEN, O_GRAM, SCORER, CacheRows, Phase, Prompt, Replay, Slots, Step

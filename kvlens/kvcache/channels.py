@@ -11,20 +11,21 @@ costs D numbers in all.
 `ChannelStates` holds the keys of R rows x C slots: the kept channels `(R, C, K)` in the model's dtype,
 each row's channels `(R, D)` (long: the K kept ones ascending, then the pruned ones ascending) and the
 pruned channels of whole keys `(R, W, D - K)` with their slots `(R, W)` (-1: an empty entry; W grows as
-tokens arrive). It has the interface of `kvlens.kvcache.kivi.QuantizedStates`,
-so the cache treats it like the other packed storages (`kvlens.kvcache.quantized.PackedStore`).
+tokens arrive). It is a `kvlens.kvcache.packed.PackedStates`, so the cache treats it like the other packed
+storages (`kvlens.kvcache.quantized.PackedStore`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvlens.kvcache.packed import PackedStates, follow, leaving
 from kvlens.kvcache.quantize import slot_mask
 
 GROWTH = 8  # whole-key entries added when every one is taken
 
 
-class ChannelStates:
+class ChannelStates(PackedStates):
     """A store's keys with each row's kept channels only (module docstring)."""
 
     def __init__(self, order: torch.Tensor, k: int, capacity: int, dtype: torch.dtype):
@@ -60,18 +61,13 @@ class ChannelStates:
         channels."""
         return rows * sum(t[0].numel() * t.element_size() for t in (self.kept, self.order, self.whole))
 
-    def clone(self) -> ChannelStates:
-        new = object.__new__(ChannelStates)
-        vars(new).update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()})
-        return new
-
     def _index(self, rows: slice, n: int, kept: bool = True) -> torch.Tensor:
         """`(R', n, K)` the rows' kept channels for n slots each (`kept=False`: the pruned ones, `(R', n, D -
         K)`)."""
         order = self.order[rows]
         return (order[:, : self.k] if kept else order[:, self.k :])[:, None, :].expand(-1, n, -1)
 
-    # -- the storage interface (`kvlens.kvcache.kivi.QuantizedStates`'s) --------------------------------
+    # -- the storage interface (`PackedStates`') ---------------------------------------------------------
     def read(self, rows: slice, n: int) -> torch.Tensor:
         """`(R', n, D)` the rows' first `n` slots: the kept channels, zeros elsewhere; whole keys as they
         are."""
@@ -123,11 +119,8 @@ class ChannelStates:
         self.order[rows] = other.order[other_rows]
         old = other.whole_slot[other_rows]
         if old.numel():
-            s, n_old = index.shape[1], max(int(index.max()), int(old.max())) + 1
-            inverse = torch.full((index.shape[0], n_old + 1), -1, dtype=torch.long, device=index.device)
-            inverse.scatter_(1, index, torch.arange(s, device=index.device).expand_as(index).contiguous())
             self._room(old.shape[1])
-            self.whole_slot[rows, : old.shape[1]] = torch.gather(inverse, 1, old.masked_fill(old < 0, n_old))
+            self.whole_slot[rows, : old.shape[1]] = follow(old, index)
             self.whole[rows, : old.shape[1]] = other.whole[other_rows]
         valid = valid[:, : index.shape[1]]
         self.write(rows, x, valid.clone(), valid)
@@ -136,8 +129,7 @@ class ChannelStates:
         """Freed slots `gone` `(R', n)` bool give back their whole-key entries."""
         slot = self.whole_slot[rows]
         if slot.numel():
-            out = (slot >= 0) & torch.gather(gone, 1, slot.clamp(min=0, max=gone.shape[1] - 1))
-            self.whole_slot[rows] = slot.masked_fill(out, -1)
+            self.whole_slot[rows] = slot.masked_fill(leaving(slot, gone), -1)
 
     def append(
         self, rows: slice, slots: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor

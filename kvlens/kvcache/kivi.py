@@ -1,6 +1,6 @@
 """KIVI's quantized storage of one of a store's keys or values: `QuantizedStates` (Liu et al., ICML 2024,
 "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", Sec. 3-4), with the quantizer of
-`kvlens.kvcache.quantize`.
+`kvlens.kvcache.quantize`; a `kvlens.kvcache.packed.PackedStates`.
 
 `QuantizedStates` holds one of keys or values for R rows (KV heads) x C slots: codes `(R, C, D * bits / 8)`
 uint8, zero points and scales `(R, ceil(C / group), D)` (per channel) or `(R, C, D / group)` (per token)
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from kvlens.kvcache.packed import PackedStates, follow, leaving, overlay
 from kvlens.kvcache.quantize import Storage, dequantize, pack, quantize, slot_mask, unpack
 
 
-class QuantizedStates:
+class QuantizedStates(PackedStates):
     """One of a store's keys or values, quantized and packed, with its full-precision window (module
     docstring).
 
@@ -84,11 +85,6 @@ class QuantizedStates:
             self.storage, self.name, rows, capacity, self.dim, self.dtype, self.codes.device
         )
 
-    def clone(self) -> QuantizedStates:
-        new = object.__new__(QuantizedStates)
-        vars(new).update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()})
-        return new
-
     # -- reading --------------------------------------------------------------------------------------------
     def read(self, rows: slice, n: int) -> torch.Tensor:
         """`(R', n, D)` the rows' first `n` slots dequantized, the window's slots in full precision."""
@@ -100,11 +96,7 @@ class QuantizedStates:
         else:
             lo, scale = self.lo[rows, :n], self.scale[rows, :n]
         out = dequantize(codes, lo, scale, self.group, self.along, self.dtype)[:, :n]
-        slot = self.window_slot[rows]
-        if slot.numel() and bool((slot >= 0).any()):
-            r, e = (slot >= 0).nonzero(as_tuple=True)
-            out[r, slot[r, e]] = self.window[rows][r, e]
-        return out
+        return overlay(out, self.window_slot[rows], self.window[rows])
 
     def in_window(self, rows: slice, n: int) -> torch.Tensor:
         """`(R', n)` bool: the slots held in full precision."""
@@ -184,11 +176,7 @@ class QuantizedStates:
         s = index.shape[1]
         old = other.window_slot[other_rows]
         if old.numel():
-            n_old = int(index.max()) + 1 if index.numel() else 0
-            n_old = max(n_old, int(old.max()) + 1)
-            inverse = torch.full((index.shape[0], n_old + 1), -1, dtype=torch.long, device=index.device)
-            inverse.scatter_(1, index, torch.arange(s, device=index.device).expand_as(index).contiguous())
-            new = torch.where(old >= 0, torch.gather(inverse, 1, old.masked_fill(old < 0, n_old)), -1)
+            new = follow(old, index)
             self.window_slot[rows] = new
             self.window_pos[rows] = other.window_pos[other_rows].masked_fill(new < 0, -1)
             self.window[rows] = other.window[other_rows]
@@ -200,7 +188,7 @@ class QuantizedStates:
         slot = self.window_slot[rows]
         if not slot.numel():
             return
-        out = (slot >= 0) & torch.gather(gone, 1, slot.clamp(min=0).clamp(max=gone.shape[1] - 1))
+        out = leaving(slot, gone)
         if bool(out.any()):
             self.window_slot[rows] = slot.masked_fill(out, -1)
             self.window_pos[rows] = self.window_pos[rows].masked_fill(out, -1)

@@ -30,9 +30,8 @@ Where this differs from the papers:
 `LowRankStates` holds one of keys or values for R rows x C slots: coefficients `(R, C, r)` (cross-layer: `(1,
 C, r)`, the same tensor in every layer of the group, its bytes counted by the first), or their codes `(R, C, r
 * bits / 8)` uint8 with float16 zero points and scales `(R, C, r / group)`; bases `(R, D, r)`; full-width
-tokens `(R, W, D)` with their slots `(R, W)` (-1: a free entry). It has the interface of
-`kvlens.kvcache.kivi.QuantizedStates`, so the cache treats both storages alike
-(`kvlens.kvcache.quantized.PackedStore`).
+tokens `(R, W, D)` with their slots `(R, W)` (-1: a free entry). It is a `kvlens.kvcache.packed.PackedStates`,
+so the cache treats it like the other packed storages (`kvlens.kvcache.quantized.PackedStore`).
 """
 
 from __future__ import annotations
@@ -40,11 +39,12 @@ from __future__ import annotations
 import torch
 
 from kvlens.errors import KvlensError
+from kvlens.kvcache.packed import PackedStates, leaving, overlay
 from kvlens.kvcache.quantize import dequantize, pack, quantize, unpack
 from kvlens.kvcache.rank import top_vectors
 
 
-class LowRankStates:
+class LowRankStates(PackedStates):
     """One of a store's keys or values at rank `rank` (module docstring)."""
 
     def __init__(
@@ -117,17 +117,9 @@ class LowRankStates:
             return rows * per_row + self.owner * sum(t.numel() * t.element_size() for t in coef)
         return rows * (per_row + sum(t[0].numel() * t.element_size() for t in coef))
 
-    def clone(self) -> LowRankStates:
-        """A copy; shared coefficients stay shared (they are never written)."""
-        new = object.__new__(LowRankStates)
-        same = ("coef", "lo", "scale") if self.shared else ()
-        vars(new).update(
-            {
-                k: v.clone() if isinstance(v, torch.Tensor) and k not in same else v
-                for k, v in vars(self).items()
-            }
-        )
-        return new
+    def _shared_tensors(self) -> tuple[str, ...]:
+        """A copy keeps shared coefficients shared (they are never written)."""
+        return ("coef", "lo", "scale") if self.shared else ()
 
     def sharing(self) -> LowRankStates:
         """Another layer's storage over these shared coefficients (their bytes counted by this one's)."""
@@ -203,17 +195,13 @@ class LowRankStates:
         self.wide = torch.nn.functional.pad(self.wide, (0, 0, 0, more))
         self.wide_slot = torch.nn.functional.pad(self.wide_slot, (0, more), value=-1)
 
-    # -- the storage interface (`kvlens.kvcache.kivi.QuantizedStates`'s) --------------------------------
+    # -- the storage interface (`PackedStates`') ---------------------------------------------------------
     def read(self, rows: slice, n: int) -> torch.Tensor:
         """`(R', n, D)` the rows' first `n` slots, reconstructed (full-width ones as held)."""
         out = torch.matmul(self._coefficients(rows, n), self.basis[rows].float().transpose(1, 2)).to(
             self.dtype
         )
-        slot = self.wide_slot[rows]
-        if slot.numel() and bool((slot >= 0).any()):
-            r, e = (slot >= 0).nonzero(as_tuple=True)
-            out[r, slot[r, e]] = self.wide[rows][r, e]
-        return out
+        return overlay(out, self.wide_slot[rows], self.wide[rows])
 
     def in_window(self, rows: slice, n: int) -> torch.Tensor:
         """`(R', n)` bool: the slots held at full width."""
@@ -281,7 +269,7 @@ class LowRankStates:
         slot = self.wide_slot[rows]
         if not slot.numel():
             return
-        out = (slot >= 0) & torch.gather(gone, 1, slot.clamp(min=0, max=gone.shape[1] - 1))
+        out = leaving(slot, gone)
         if bool(out.any()):
             self.wide_slot[rows] = slot.masked_fill(out, -1)
 

@@ -20,7 +20,8 @@ with no eviction the groups are KIVI's exactly. Re-quantizing a group whose rang
 the same codes.
 
 This module holds the storage axis and the quantizer (`quantize`, `dequantize`, `pack`, `unpack`); the packed
-storage of a store's keys or values is `kvlens.kvcache.kivi.QuantizedStates`.
+storage of a store's keys or values is `kvlens.kvcache.kivi.QuantizedStates` (a
+`kvlens.kvcache.packed.PackedStates`).
 """
 
 from __future__ import annotations

@@ -2,12 +2,11 @@
 transformers' `QuantizedLayer` subclasses its dynamic layer.
 
 Packed storage is KIVI's quantization (`kvlens.kvcache.kivi`), low rank (`kvlens.kvcache.lowrank`) or
-channel-pruned keys (`kvlens.kvcache.channels`), one object per name with the same interface. Reading keys or
-values dequantizes the rows asked for (`kvlens.kvcache.store.CopyingStore`): attention's read is not kept; a
-policy's is a working copy `(1, R', n, D)`, and `commit` stores back the slots it changed there (merges), then
-drops the copy. The
-statistics, and the values of channel-pruned storage, stay in the buffers. A store becomes packed after the
-prompt's compression (`pack`, `prune`, `seal_layers`).
+channel-pruned keys (`kvlens.kvcache.channels`), one `kvlens.kvcache.packed.PackedStates` per name.
+Reading keys or values dequantizes the rows asked for (`kvlens.kvcache.store.CopyingStore`): attention's read
+is not kept; a policy's is a working copy `(1, R', n, D)`, and `commit` stores back the slots it changed there
+(merges), then drops the copy. The statistics, and the values of channel-pruned storage, stay in the buffers.
+A store becomes packed after the prompt's compression (`pack`, `prune`, `seal_layers`).
 """
 
 from __future__ import annotations
@@ -15,14 +14,14 @@ from __future__ import annotations
 import torch
 
 from kvlens.errors import KvlensError
-from kvlens.kvcache.channels import ChannelStates, seal_channels
-from kvlens.kvcache.kivi import QuantizedStates, seal
-from kvlens.kvcache.lowrank import LowRankStates, seal_cross_layer, seal_low_rank
+from kvlens.kvcache.channels import seal_channels
+from kvlens.kvcache.kivi import seal
+from kvlens.kvcache.lowrank import seal_cross_layer, seal_low_rank
+from kvlens.kvcache.packed import PackedStates
 from kvlens.kvcache.quantize import Storage, slot_mask
 from kvlens.kvcache.rank import fit_rank
 from kvlens.kvcache.store import STATES, CopyingStore, SlotStore, empty_buffers
 
-Packed = QuantizedStates | LowRankStates | ChannelStates
 SHARED_STORE = (
     "Cross-layer low rank (--kv-rank-layers) shares each token's coefficients across the heads of adjacent "
     "layers (xKV), so every head must keep the same tokens, and this policy keeps different ones: leave "
@@ -33,12 +32,12 @@ SHARED_STORE = (
 class PackedStore(CopyingStore):
     """A `CopyingStore` (module docstring) with `packed`: name ("keys"/"values") -> its packed storage."""
 
-    def __init__(self, buffers: dict[str, torch.Tensor], n: int, packed: dict[str, Packed]):
+    def __init__(self, buffers: dict[str, torch.Tensor], n: int, packed: dict[str, PackedStates]):
         super().__init__(buffers, n)
         self.packed = packed
 
     @classmethod
-    def of(cls, store: SlotStore, packed: dict[str, Packed]) -> PackedStore:
+    def of(cls, store: SlotStore, packed: dict[str, PackedStates]) -> PackedStore:
         """`store`'s slots with the `packed` names out of its buffers (their storage now holds them)."""
         new = cls({k: t for k, t in store.buffers.items() if k not in packed}, store.n, packed)
         new.extra, new.order = store.extra, store.order
@@ -94,9 +93,9 @@ class PackedStore(CopyingStore):
             raise TypeError("kvlens: packed rows are taken from a packed store")
         valid = self.buffers["valid"][rows, : self.n]
         for name, q in self.packed.items():
-            q.take(rows, old.packed[name], old_rows, index, kept[name][0], valid)  # type: ignore[arg-type]
+            q.take(rows, old.packed[name], old_rows, index, kept[name][0], valid)
 
-    def snapshot(self) -> dict[str, Packed]:
+    def snapshot(self) -> dict[str, PackedStates]:
         self.commit()
         return {k: q.clone() for k, q in self.packed.items()}
 
@@ -123,7 +122,7 @@ def pack(store: SlotStore, storage: Storage, slots: int) -> PackedStore:
     `slots`: the most each row will hold (low rank's byte share is of those)."""
     valid, pos = store.buffers["valid"][:, : store.n], store.buffers["pos"][:, : store.n]
     states = {name: store.buffers[name][0, :, : store.n] for name in STATES}
-    packed: dict[str, Packed]
+    packed: dict[str, PackedStates]
     if storage.low_rank:
         x = states["keys"]
         rank = fit_rank(storage, x.shape[2], 1, max(slots, store.n), store.n, x.element_size())
