@@ -169,14 +169,16 @@ def dense(query, key, value, spec: AttentionSpec) -> torch.Tensor:
     return out.reshape(b, hq, q, d).transpose(1, 2).contiguous()
 
 
-def replayed(query, key, value, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def replayed(
+    query, key, value, spec: AttentionSpec
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The q queries of a pass fed after S - q cached slots (all visible), causal among themselves.
 
-    query `(1, Hq, q, D)`, key/value `(1, Hkv, S, D)` -> out `(1, q, Hq, D)` and each query's logsumexp over
-    the pass's own keys `(Hq, q)` float32 (what KVzip's scores normalise by, beside the prompt's). On the CPU
-    and a plain layer, two flash attentions (the cached slots, then the pass's own keys causally) give both,
-    their outputs combined by their log-normalisers; else SDPA with a `(q, S)` mask (`dense` when the layer
-    soft-caps) and the own keys' logits computed apart.
+    query `(1, Hq, q, D)`, key/value `(1, Hkv, S, D)` -> out `(1, q, Hq, D)`, each query's logsumexp over the
+    pass's own keys `(Hq, q)` float32 (what KVzip's scores normalise by, beside the prompt's) and over the
+    cached slots (or None). On the CPU and a plain layer, two flash attentions (the cached slots, then the
+    pass's own keys causally) give all three, their outputs combined by their log-normalisers; else SDPA with
+    a `(q, S)` mask (`dense` when the layer soft-caps) and the own keys' logits computed apart.
     """
     q, s = query.shape[2], key.shape[2]
     if spec.plain and key.device.type == "cpu":
@@ -187,7 +189,7 @@ def replayed(query, key, value, spec: AttentionSpec) -> tuple[torch.Tensor, torc
         )
         lse = torch.logaddexp(seen_lse, own_lse)
         out = seen * (seen_lse - lse).exp()[..., None] + own * (own_lse - lse).exp()[..., None]
-        return out.transpose(1, 2).contiguous().to(query.dtype), own_lse[0]
+        return out.transpose(1, 2).contiguous().to(query.dtype), own_lse[0], seen_lse[0]
     if spec.plain:
         cols = torch.arange(s, device=key.device)
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -200,7 +202,7 @@ def replayed(query, key, value, spec: AttentionSpec) -> tuple[torch.Tensor, torc
         ).transpose(1, 2)
     else:
         out = dense(query, key, value, spec)
-    return out.contiguous(), own_logsumexp(query[0], key[0, :, s - q :], spec)
+    return out.contiguous(), own_logsumexp(query[0], key[0, :, s - q :], spec), None
 
 
 def own_logsumexp(query, key, spec: AttentionSpec) -> torch.Tensor:

@@ -252,8 +252,7 @@ class RunContext:
             )
         q = query.shape[2]
         start, end = self._replay
-        out, own_lse = replayed(query, key, value, spec)
-        self.policy.observe_replay(
-            layer, Replay(start, end, query[0], key[0, :, -q:], own_lse, spec.scaling, spec.softcap)
-        )
+        out, own_lse, cached_lse = replayed(query, key, value, spec)
+        replay = Replay(start, end, query[0], key[0, :, -q:], own_lse, spec.scaling, spec.softcap, cached_lse)
+        self.policy.observe_replay(layer, replay)
         return out

@@ -152,15 +152,19 @@ class KVzip(Policy):
         queries = replay.queries.view(hkv, -1, q, d)
         g, n = queries.shape[1], replay.end - replay.start
         own_lse = replay.own_lse.view(hkv, g, q)
+        lse = None  # each query's log-normaliser, where the engine's attention gave it over the same keys
+        if replay.cached_lse is not None and replay.end - replay.start == t and keys.dtype == torch.float32:
+            lse = torch.logaddexp(
+                replay.cached_lse.view(hkv, g, q), own_lse
+            )  # every cached slot is the chunk
         spec = AttentionSpec(replay.scaling, replay.softcap)
         rows_term, slots_term = self._plus_terms(rows, replay, g) if self.score == "plus" else (None, None)
         best = torch.full((hkv, n), float("-inf"), device=keys.device)
         for a in range(0, q, ROWS):  # a block of rows at a time: (Hkv, G, ROWS, n) stays in cache
             b = min(q, a + ROWS)
             rows_q = queries[:, :, a:b].reshape(hkv, g * (b - a), d)
-            seen = layer_logits(torch.bmm(rows_q, prompt.transpose(1, 2)).float(), spec)  # (Hkv, G * rows, n)
-            lse = torch.logaddexp(seen.logsumexp(-1), own_lse[:, :, a:b].reshape(hkv, g * (b - a)))
-            block = (seen[..., sink:] - lse[..., None]).view(hkv, g, b - a, n)  # log weights
+            given = None if lse is None else lse[:, :, a:b]
+            block = _log_weights(rows_q, prompt, sink, spec, own_lse[:, :, a:b], given).view(hkv, g, b - a, n)
             if rows_term is not None and slots_term is not None:
                 block = block + rows_term[a:b, None] + slots_term[:, :, None]
             torch.maximum(best, block.amax((1, 2)), out=best)
@@ -218,6 +222,27 @@ class KVzip(Policy):
         generated = rows.pos >= state[PROMPT]  # above every prompt slot's score, older lower
         score = torch.where(generated, GENERATED * (1 + rows.pos.float() / 2**20), rows.extra[SCORE])
         free_logged(step, rows, lowest_of_all_rows(rows, score, leaving))
+
+
+def _log_weights(
+    rows_q: torch.Tensor,
+    prompt: torch.Tensor,
+    sink: int,
+    spec: AttentionSpec,
+    own_lse: torch.Tensor,
+    lse: torch.Tensor | None,
+) -> torch.Tensor:
+    """Log attention weights `(Hkv, G * rows, n)` of a block of a pass's queries `(Hkv, G * rows, D)` on the
+    chunk's n slots, `prompt` `(Hkv, sink + n, D)` being the sinks' keys and then the chunk's: their logits
+    less each query's log-normaliser. That is `lse` `(Hkv, G, rows)` where the engine gave it (a plain layer
+    whose cached slots are all the chunk: one fused product), else the logsumexp of the logits over the sinks
+    and the chunk beside the pass's own keys' `own_lse` `(Hkv, G, rows)`."""
+    hkv, rows, _ = rows_q.shape
+    if lse is not None:
+        return torch.baddbmm(-lse.reshape(hkv, rows, 1), rows_q, prompt.transpose(1, 2), alpha=spec.scaling)
+    seen = layer_logits(torch.bmm(rows_q, prompt.transpose(1, 2)).float(), spec)  # (Hkv, G * rows, sink + n)
+    total = torch.logaddexp(seen.logsumexp(-1), own_lse.reshape(hkv, rows))
+    return seen[..., sink:] - total[..., None]
 
 
 def template_around(tokenizer: Any) -> tuple[str, str]:
