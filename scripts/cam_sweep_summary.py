@@ -18,6 +18,7 @@ import json
 import statistics
 from collections import defaultdict
 
+from kvlens.experiments.bench.common import bootstrap
 from kvlens.policies import make_policy, presets
 
 METRICS = ("ppl", "perturbation_used_pooled", "perturbation_evict_pooled", "kl")
@@ -39,15 +40,6 @@ def variant(row: dict) -> str:
 def spread(values: list[float]) -> str:
     mean = statistics.fmean(values)
     return f"{mean:.4g} ± {statistics.stdev(values):.2g}" if len(values) > 1 else f"{mean:.4g}"
-
-
-def bootstrap(values: list[float], rounds: int = 2000) -> tuple[float, float]:
-    """95 % percentile interval of the mean (seeded resampling)."""
-    import random
-
-    rng = random.Random(0)
-    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(rounds))
-    return means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
 
 
 def main() -> int:
@@ -86,8 +78,8 @@ def main() -> int:
                 )
                 for t in texts
             ]
-            r_lo, r_hi = bootstrap(ratio) if ratio else (float("nan"),) * 2
-            d_lo, d_hi = bootstrap(diff)
+            r_lo, r_hi = bootstrap([ratio]) if ratio else (float("nan"),) * 2
+            d_lo, d_hi = bootstrap([diff])
             print(
                 f"| {name} | {len(cells)} ({len(texts)}) | "
                 + " | ".join(cols)

@@ -23,8 +23,7 @@ import torch
 from kvlens.engine.models import load_model
 from kvlens.engine.shared_prefill import SharedPrefill
 from kvlens.experiments.bench import ruler
-from kvlens.experiments.bench.common import environment, save_results
-from kvlens.experiments.bench.tasks import bootstrap
+from kvlens.experiments.bench.common import bootstrap, environment, save_results
 from kvlens.explain.case import build, sample_case
 from kvlens.explain.explain import explain_built
 from kvlens.policies import make_policy

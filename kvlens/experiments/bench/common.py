@@ -9,9 +9,11 @@ import platform
 import statistics
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import psutil
 import torch
 
@@ -79,6 +81,51 @@ def spread(values) -> dict:
         "max": max(values),
         "n": len(values),
     }
+
+
+def bootstrap(groups: list[list[float]], seed: int = 0, resamples: int = 9999) -> tuple[float, float]:
+    """95 % bootstrap interval of the mean of the groups' means (each group, e.g. a task at one length, weighs
+    the same however many values it holds), through `scipy.stats.bootstrap`: each group is a sample of its
+    own, resampled within itself (`paired=False`: a value never moves to another group) `resamples` times by
+    numpy's generator seeded with `seed`; the interval is BCa (bias-corrected and accelerated).
+
+    Degenerate inputs: a group that resampling cannot move (one value, or all its values equal) enters the
+    mean as a constant (scipy resamples samples of two values or more); when no group can move, the interval
+    is (mean, mean); when BCa is undefined (nan, e.g. the whole bootstrap distribution on one side of the
+    estimate) the interval is the percentile one of the same resamples. ValueError when a group is empty or
+    there is none."""
+    from scipy import stats
+
+    arrays = [np.asarray(g, dtype=float) for g in groups]
+    if not arrays or any(a.size == 0 for a in arrays):
+        raise ValueError("bootstrap needs at least one group, each with at least one value.")
+    varying = [a for a in arrays if np.ptp(a) > 0]
+    fixed = sum(float(a.mean()) for a in arrays if np.ptp(a) == 0)
+    if not varying:
+        mean = fixed / len(arrays)
+        return mean, mean
+
+    def statistic(*samples, axis=-1):
+        return (fixed + sum(np.mean(s, axis=axis) for s in samples)) / len(arrays)
+
+    # BCa's nan (an infinite bias correction) is handled below: no warning for it
+    with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore"):
+        warnings.simplefilter("ignore", stats.DegenerateDataWarning)
+        res = stats.bootstrap(
+            varying,
+            statistic,
+            n_resamples=resamples,
+            paired=False,
+            vectorized=True,
+            method="BCa",
+            rng=np.random.default_rng(seed),
+        )
+        low, high = res.confidence_interval
+        if np.isnan(low) or np.isnan(high):
+            low, high = stats.bootstrap(
+                varying, statistic, n_resamples=0, method="percentile", bootstrap_result=res
+            ).confidence_interval
+    return float(low), float(high)
 
 
 class PeakRSS:

@@ -31,7 +31,7 @@ import statistics
 
 from kvlens.errors import KvlensError
 from kvlens.experiments.bench import tasks as task_suite
-from kvlens.experiments.bench.common import PolicySpec, spread
+from kvlens.experiments.bench.common import PolicySpec, bootstrap, spread
 from kvlens.experiments.sweep import plan_ppl
 from kvlens.kvcache.quantize import Storage
 
@@ -228,7 +228,7 @@ def summarise_tasks(rows: list[dict]) -> list[dict]:
     out = []
     for (family, config, target, series), by_task in groups.items():
         scores = [[r["score"] for r in g] for g in by_task.values()]
-        low, high = task_suite.bootstrap(scores)
+        low, high = bootstrap(scores)
         every = [r for g in by_task.values() for r in g]
         out.append(
             {

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import statistics
 
-from kvlens.experiments.bench.tasks import bootstrap, flatten
+from kvlens.experiments.bench.common import bootstrap
+from kvlens.experiments.bench.tasks import flatten
 
 QUERY_AWARE_BY_DESIGN = ("snapkv", "pyramidkv", "adakv")  # methods whose paper scores with the question
 PROTOCOL_SIDES = {"first": "question-agnostic", "second": "query-aware", "tie": "tie"}

@@ -27,8 +27,6 @@ import dataclasses
 import statistics
 import time
 
-import numpy as np
-
 from kvlens.engine.batch_answer import Kept, answer_many
 from kvlens.engine.loop import RunOptions
 from kvlens.engine.models import LoadedModel
@@ -44,7 +42,7 @@ from kvlens.engine.shared_prefill import (
 )
 from kvlens.errors import KvlensError
 from kvlens.experiments.bench import kvpress_metrics, ruler
-from kvlens.experiments.bench.common import PolicySpec
+from kvlens.experiments.bench.common import PolicySpec, bootstrap
 from kvlens.experiments.grid import digest
 from kvlens.kvcache.quantize import Storage
 from kvlens.policies import make_policy, resolve_budget
@@ -418,18 +416,6 @@ def flatten(rows: list[dict]) -> list[dict]:
         for r in rows
         for res in r["results"]
     ]
-
-
-def bootstrap(groups: list[list[float]], seed: int = 0, draws: int = 1000) -> tuple[float, float]:
-    """95 % interval of the mean of the groups' means, resampling samples within each group (`draws`
-    resamples of every group at once, numpy's generator seeded with `seed`)."""
-    rng = np.random.default_rng(seed)
-    means = np.zeros(draws)
-    for g in groups:
-        values = np.asarray(g, dtype=float)
-        means += values[rng.integers(0, len(values), (draws, len(values)))].mean(1)
-    means = np.sort(means / len(groups))
-    return float(means[int(0.025 * draws)]), float(means[int(0.975 * draws) - 1])
 
 
 def turns(records: list[dict]) -> list[dict] | None:
