@@ -192,7 +192,7 @@ def cmd_policies(args) -> int:
             "family": family(REGISTRY[name]),
             "description": REGISTRY[name].description,
             "paper": REGISTRY[name].paper,
-            "budget_free": REGISTRY[name].budget_free,
+            "budget_free": REGISTRY[name]().budget_free,
             "merges": REGISTRY[name].merge_rule is not None,
             "parameters": [p.describe() for p in parameters(name)],
             "presets": presets(name),

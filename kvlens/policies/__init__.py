@@ -38,7 +38,8 @@ def family(cls: type[Policy]) -> str:
     """`reference` (keeps everything), `eviction` or `merging`: how lists of policies are grouped."""
     if cls.merge_rule is not None:
         return "merging"
-    return "reference" if cls.budget_free and not cls().needs().decode_rows else "eviction"
+    needs = cls().needs()  # with its defaults
+    return "reference" if needs.budget_free and not needs.decode_rows else "eviction"
 
 
 def policy_names() -> list[str]:

@@ -22,10 +22,12 @@ and masks the evicted ones with fake keys.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvlens.kvcache import CacheRows, Step
 from kvlens.policies.base import (
+    Needs,
     ScoredEviction,
     Wrapper,
     free_logged,
@@ -64,7 +66,9 @@ class AdaKV(Wrapper):
         "kvpress keeps every key and masks the evicted ones, so its memory is the full cache's; "
         "kvlens frees them (each head holding its own slots, in pages)."
     )
-    competes = "layer"
+
+    def needs(self) -> Needs:
+        return dataclasses.replace(self.base.needs(), competes="layer")
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         budget = step.budget

@@ -2,10 +2,11 @@
 
 A policy is a frozen dataclass registered with `@register`. Its fields are hyperparameters
 declared with `param()` (default, help text, bounds, choices), validated here once for all
-policies; its capabilities are class attributes (`competes`, `budget_free`, `merge_rule`, ...) and
-what the engine prepares for it is one declaration, `needs()`. It holds no run state: what changes
-during a run lives in the `CacheRows` it is handed (`rows.extra` per slot, `rows.states` per layer),
-so one instance serves any number of runs and threads with identical decisions.
+policies; what the engine prepares for an instance and what the instance is capable of (`competes`,
+`budget_free`) is one declaration, `needs()`; class attributes say only what no parameter changes
+(`merge_rule`, ...). It holds no run state: what changes during a run lives in the `CacheRows` it is
+handed (`rows.extra` per slot, `rows.states` per layer), so one instance serves any number of runs
+and threads with identical decisions.
 
 One shape. Every hook takes `CacheRows` (`kvlens.kvcache.contract`) and is written for one layer's
 rows `(Hkv, S)`. `competes` says how a selection competes: within each KV head (`head`), across the
@@ -24,9 +25,9 @@ more each serve one method and earn their place by being a step of the run no ot
 `replay_passes` and `observe_replay` (KVzip: forward passes the engine feeds after the prompt, whose
 queries exist nowhere else) and `key_channels` (ThinK: a storage layout applied to the compressed
 prompt, after every layer's compression and before quantization). `validate` checks parameters at
-construction. Four capabilities: `competes`, `budget_free`, `merge_rule` (set: the policy merges) and
-`chunked_prefill`; `presets` are named parameter settings, metadata like `name` and `paper`. Budgets
-are resolved by `resolve_budget` and `check_slots` from `min_budget`.
+construction. Capabilities: `competes` and `budget_free` (from `needs()`, per instance), `merge_rule` (set:
+the policy merges) and `chunked_prefill`; `presets` are named parameter settings, metadata like `name` and
+`paper`. Budgets are resolved by `resolve_budget` and `check_slots` from `min_budget`.
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ class Needs:
     # the state entering each attention layer, `(q, d_model)` of the latest forward, in the run state
     # (`kvlens.engine.hidden.HIDDEN`): KVzap's surrogate input, KVzip+'s normaliser
     hidden_states: bool = False
+    # what its selection competes over: each KV head keeps the budget (`head`), a layer's heads share the
+    # layer's (`layer`), or layers and heads share the model's (`model`); beyond `head`, counts differ
+    competes: Competes = "head"
+    budget_free: bool = False  # decides its own size (reports the size it reached); no budget is asked
 
 
 NO_ATTENTION = Needs(decode_rows=False, prefill_rows=0, column_sums=False)  # scores without attention
@@ -108,10 +113,6 @@ class Policy:
     paper: ClassVar[str] = ""
     kvpress: ClassVar[str] = ""  # the NVIDIA kvpress press implementing the same method, if any
     kvpress_differs: ClassVar[str] = ""  # where kvlens differs from that press on purpose
-    # what its selection competes over: each KV head keeps the budget (`head`), a layer's heads share the
-    # layer's (`layer`), or layers and heads share the model's (`model`); beyond `head`, counts differ
-    competes: ClassVar[Competes] = "head"
-    budget_free: ClassVar[bool] = False  # decides its own size (reports the size it reached)
     # set when it merges evicted entries into kept ones (Merges page, provenance): how provenance replays
     # its merges, "add", "convex" or "set"
     merge_rule: ClassVar[str | None] = None
@@ -151,10 +152,21 @@ class Policy:
         return out
 
     def needs(self) -> Needs:
-        """What the engine prepares for a run of this policy, asked once per run: attention rows, the prompt's
-        statistics, model data, channel-pruned keys, and whether it compresses at decode steps. Returns a
-        `Needs` (default: attention rows at decode steps, the last prefill row and the column sums)."""
+        """What the engine prepares for a run of this instance, asked once per run: attention rows, the
+        prompt's statistics, model data, channel-pruned keys, whether it compresses at decode steps, what its
+        selection competes over and whether it is budget-free. Returns a `Needs` (default: attention rows at
+        decode steps, the last prefill row and the column sums, per-head selection under a budget)."""
         return Needs()
+
+    @property
+    def competes(self) -> Competes:
+        """What this instance's selection competes over (`Needs.competes`)."""
+        return self.needs().competes
+
+    @property
+    def budget_free(self) -> bool:
+        """Whether this instance decides its own size (`Needs.budget_free`)."""
+        return self.needs().budget_free
 
     def min_budget(self) -> int:
         """The slots per KV head the policy always protects (sinks, windows); a smaller budget is refused."""

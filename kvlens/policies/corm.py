@@ -53,10 +53,9 @@ class CORM(Policy):
         "Budget-free: drop keys minor for all of the last `window` queries (GQA: every head of the group)."
     )
     paper = "https://arxiv.org/abs/2404.15949"
-    budget_free = True
 
     def needs(self) -> Needs:
-        return Needs(prefill_rows=self.window, column_sums=False)  # reads only the last prefill rows
+        return Needs(prefill_rows=self.window, column_sums=False, budget_free=True)  # the last prefill rows
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
         last = prompt.last  # (Hq, L, T)

@@ -55,7 +55,7 @@ from typing import ClassVar
 import torch
 
 from kvlens.kvcache import CacheRows, Step
-from kvlens.policies.base import Policy, log_evictions, param, recent_mask, register, select_lowest
+from kvlens.policies.base import Needs, Policy, log_evictions, param, recent_mask, register, select_lowest
 
 THRESHOLD = (
     "d2o_threshold"  # per layer: the EMA threshold tau, a 0-d tensor (scope layer) or (Hkv,) (scope head)
@@ -164,7 +164,9 @@ class D2O(Policy):
     merge_rule: ClassVar[str] = (
         "set"  # provenance: per step, target <- w_c target + sum_i w_i source_i, sum = 1
     )
-    competes = "model"  # per-layer budgets, decided together
+
+    def needs(self) -> Needs:
+        return Needs(competes="model")  # per-layer budgets, decided together
 
     def min_budget(self) -> int:
         return self.sink + 1

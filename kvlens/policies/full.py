@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvlens.kvcache import CacheRows, Step
@@ -17,10 +18,9 @@ class Full(Policy):
     chunked_prefill = True  # never compresses (`--prefill-chunk`)
     description = "Keep every key and value (the uncompressed reference)."
     paper = ""
-    budget_free = True
 
     def needs(self) -> Needs:
-        return NO_ATTENTION
+        return dataclasses.replace(NO_ATTENTION, budget_free=True)
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         return None

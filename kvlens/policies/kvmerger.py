@@ -183,7 +183,6 @@ class KVMerger(Policy):
         "(Gaussian weights)."
     )
     paper = "https://arxiv.org/abs/2407.08454"
-    budget_free = True
     merge_rule: ClassVar[str] = "set"  # provenance: per step, target <- w_p target + sum_i w_i source_i
     presets: ClassVar[dict[str, dict[str, Any]]] = {
         "budget50": {"recent_ratio": 0.17, "keep_ratio": 0.12},
@@ -194,7 +193,7 @@ class KVMerger(Policy):
         """The prompt's column sums; attention rows and decode steps only when it re-merges while decoding
         (the paper merges once, after prefill)."""
         again = self.remerge_every > 0
-        return Needs(decode_rows=again, prefill_rows=0, decode_steps=again)
+        return Needs(decode_rows=again, prefill_rows=0, decode_steps=again, budget_free=True)
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         """Merge every row's sets of two or more slots at their pivots, all at once: the M sets' K members in

@@ -29,7 +29,7 @@ positions removed per layer and KV head.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -45,14 +45,6 @@ from kvlens.policies.base import (
 )
 
 SCORE = "kvzap_score"  # per slot (R, S): the surrogate's predicted log KVzip+ score
-
-
-class ByMode:
-    """`budget_free`: true in threshold mode (an instance's mode, or on the class its default)."""
-
-    def __get__(self, policy: KVzap | None, owner: type[KVzap]) -> bool:
-        mode = next(f.default for f in fields(owner) if f.name == "mode") if policy is None else policy.mode
-        return bool(mode == "threshold")
 
 
 @register
@@ -94,7 +86,6 @@ class KVzap(ScoredEviction):
         "NVIDIA's for a few 8B-32B models; threshold mode is DMSPress's protocol, with pruned pairs freed "
         "rather than masked; ratio mode is KVzapPress alone as a ScorerPress."
     )
-    budget_free = ByMode()
 
     def needs(self) -> Needs:
         return dataclasses.replace(
@@ -102,6 +93,7 @@ class KVzap(ScoredEviction):
             hidden_states=True,
             model_data=(f"{SCORER}={self.scorer}",),
             decode_steps=self.decoding == "rolling",
+            budget_free=self.mode == "threshold",
         )
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:

@@ -107,7 +107,6 @@ class KVzip(Policy):
         "template's head, as kvpress does) and frees what it evicts (kvpress masks it); "
         "`decoding=rolling` keeps the budget while decoding (kvpress compresses the prompt only)."
     )
-    competes = "model"  # the prompt's lowest scores over every layer and head (`layerwise`: a layer's heads)
 
     def needs(self) -> Needs:
         plus = self.score == "plus"  # the attention's input and W_O's Gram matrices (KVzip+)
@@ -117,6 +116,8 @@ class KVzip(Policy):
             tokenizer=True,
             hidden_states=plus,
             model_data=(O_GRAM,) if plus else (),
+            # the prompt's lowest scores over every layer and head, or (`layerwise`) over a layer's heads
+            competes="layer" if self.layerwise else "model",
         )
 
     def min_budget(self) -> int:

@@ -25,11 +25,12 @@ Each layer's own buffers hold its own budget + 1 slots, so the memory really fol
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvlens.kvcache import CacheRows, Step
-from kvlens.policies.base import ScoredEviction, Wrapper, param, register, scored_eviction_names
+from kvlens.policies.base import Needs, ScoredEviction, Wrapper, param, register, scored_eviction_names
 from kvlens.policies.snapkv import SnapKV
 
 
@@ -68,7 +69,9 @@ class PyramidKV(Wrapper):
     kvpress_differs = (
         "`schedule=kvpress` is kvpress's per-layer budgets; each layer's buffers hold its own budget."
     )
-    competes = "model"  # per-layer budgets, decided together
+
+    def needs(self) -> Needs:
+        return dataclasses.replace(self.base.needs(), competes="model")  # per-layer budgets, decided together
 
     def allocate(self, budget: int, layers: Sequence[CacheRows]) -> list[int]:
         n, t, w = len(layers), layers[0].n_kept, self.window

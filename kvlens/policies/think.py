@@ -23,7 +23,7 @@ Divergences, each a parameter or noted here:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -44,17 +44,6 @@ from kvlens.policies.snapkv import SnapKV
 QUERIES = (
     "think_queries"  # per layer, until the prompt's compression: (Hkv, D) the window queries' mean squares
 )
-
-
-class FromBase:
-    """A capability that is the `base` policy's: an instance's base, or on the class its default base."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, policy: Wrapper | None, owner: type[Wrapper]) -> Any:
-        base = next(f.default for f in fields(owner) if f.name == "base") if policy is None else policy.base
-        return getattr(base, self.name)
 
 
 @register
@@ -94,7 +83,6 @@ class ThinK(Wrapper):
         "the newest 32 whole."
     )
     presets: ClassVar[dict[str, dict[str, Any]]] = {"kvpress": {"recent": 0}, "paper": {"recent": 32}}
-    budget_free = FromBase()  # over full: no budget
 
     def validate(self) -> None:
         check(

@@ -106,7 +106,7 @@ def policy_picker(prefix: str, default: str = "h2o", label: str = "Policy", budg
     cls = REGISTRY[name]
     budget, budget_slot = None, st
     try:
-        if not cls.budget_free:
+        if not cls().budget_free:  # with its defaults
             key = f"{prefix}_{name}_budget"
             text = st.text_input(
                 "Budget",

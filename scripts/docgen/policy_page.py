@@ -65,9 +65,10 @@ def properties(cls) -> str:
     from kvlens.policies import family
 
     props = [f"Family: **{family(cls)}**"]
-    if cls.budget_free:
+    defaults = cls()
+    if defaults.budget_free:
         props.append("budget-free (decides its own size)")
-    if cls.competes != "head":
+    if defaults.competes != "head":
         props.append("layers or heads keep different counts (their total is the budget's)")
     if cls.chunked_prefill:
         props.append("accepts `--prefill-chunk`")

@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 IDS = list(b"Batched or layer by layer, a policy keeps the same slots at every step. " * 2)
 PREFILL, STEPS, BUDGET = 90, 10, 16
 # every budgeted policy with its defaults, and the settings that change its competition or its decode steps
-SETTINGS = [(name, {}) for name, cls in sorted(REGISTRY.items()) if not cls.budget_free] + [
+SETTINGS = [(name, {}) for name, cls in sorted(REGISTRY.items()) if not cls().budget_free] + [
     ("cam", {"base": "tova", "score": "decode"}),
     ("cam", {"base": "scissorhands"}),
     ("snapkv", {"decoding": "rolling"}),

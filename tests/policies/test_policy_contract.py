@@ -142,3 +142,40 @@ def test_every_policy_on_the_embedded_model(smol, long_text, name):
     r = run(smol, policy, ids, prefill=budget + 36, steps=4, teacher=True, opts=RunOptions(budget=budget))
     assert r.tensors["steps/nll"].isfinite().all()
     assert policy.budget_free or within_budget(policy, r, budget)
+
+
+CAPABILITIES = ("competes", "budget_free")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_what_a_policy_is_capable_of_is_declared_by_its_instance_in_needs_alone(name):
+    """`competes` and `budget_free` come from the instance's `needs()`: no policy class sets them as class
+    attributes (which an instance's parameters could contradict)."""
+    from kvlens.policies.base import Policy
+
+    for klass in REGISTRY[name].__mro__[: REGISTRY[name].__mro__.index(Policy)]:
+        assert not set(CAPABILITIES) & set(vars(klass)), f"{klass.__name__} sets a capability itself"
+    assert all(isinstance(vars(Policy)[attr], property) for attr in CAPABILITIES)  # read from needs()
+    policy = make_policy(name)
+    assert (policy.competes, policy.budget_free) == (policy.needs().competes, policy.needs().budget_free)
+
+
+@pytest.mark.parametrize(
+    "name, settings, competes, budget_free",
+    [
+        ("kvzip", {}, "model", False),
+        ("kvzip", {"layerwise": "true"}, "layer", False),  # a layer's heads share its count
+        ("kvzap", {}, "head", False),
+        ("kvzap", {"mode": "threshold"}, "head", True),
+        ("think", {}, "head", False),
+        ("think", {"base": "full"}, "head", True),  # over full: no budget
+        ("adakv", {}, "layer", False),
+        ("pyramidkv", {}, "model", False),
+        ("corm", {}, "head", True),
+    ],
+)
+def test_an_instances_parameters_decide_what_its_selection_competes_over_and_whether_it_is_budget_free(
+    name, settings, competes, budget_free
+):
+    policy = make_policy(name, parse_settings(name, [f"{k}={v}" for k, v in settings.items()]))
+    assert (policy.competes, policy.budget_free) == (competes, budget_free)
