@@ -7,16 +7,16 @@ per-step statistic (`observe`), the attention bookkeeping (`accumulate`) and the
 Each policy generates `--steps` greedy tokens after a `--tokens` prompt of the bundled texts at budget
 `--budget` (`kvlens bench speed`'s decode lockstep, `engine_steps`), the policies alternating over `--rounds`
 rounds. Wall-clock timers wrap the engine's phases for the decode steps only (the prompt's prefill and
-compression are not counted): `attention` is the decode attention (`decode_rows`, `decode_segments` or
-SDPA), `cache` the cache's `update` (the new token's writes and the keys and values handed to attention),
-`observe` the policy's
-per-step statistic, `accumulate` the slots' accumulated attention, `compress` the step's compression (the
-policy's scores and selection, the eviction or merge); `model` is the rest of the step (projections, MLP,
-norms, rotary embedding, Python). Each cell is the median over rounds of the mean ms per token; `vs full` the
-median [lowest, highest] over rounds of the step's ratio to the full cache's in the same round; `beyond full`
-the policy's step minus the full cache's (what it costs per token beyond attending to the full cache) and
-`beyond eviction` minus StreamingLLM's (beyond the cheapest eviction: what the method itself costs). Timers
-cost a few microseconds per call; compare rows of one run, on a quiet machine.
+compression are not counted): `attention` is the decode attention (`decode_rows`, `decode_segments` or SDPA),
+`cache` the cache's `update` (the new token's writes and the keys and values handed to attention), `observe`
+the policy's per-step statistic, `accumulate` the slots' accumulated attention, `compress` the step's
+compression (`compress_step`: the policy's scores and selection, the eviction or merge); `model` is the rest
+of the step (projections, MLP, norms, rotary embedding, Python). Each cell is the median over rounds of the
+mean ms per token; `vs full` the median [lowest, highest] over rounds of the step's ratio to the full cache's
+in the same round; `beyond full` the policy's step minus the full cache's (what it costs per token beyond
+attending to the full cache) and `beyond eviction` minus StreamingLLM's (beyond the cheapest eviction: what
+the method itself costs). Timers cost a few microseconds per call; compare rows of one run, on a quiet
+machine.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def decode_phases(
         timers.wrap(KVCache, "update", "cache"),
         timers.wrap(REGISTRY[name], "observe", "observe"),
         timers.wrap(context.RunContext, "accumulate", "accumulate"),
-        timers.wrap(loop._Loop, "compress", "compress"),
+        timers.wrap(loop._Loop, "compress_step", "compress"),
     ]
     try:
         run = engine_steps(model, PolicySpec(name), ids, steps, budget)

@@ -24,7 +24,7 @@ def test_phases_of_an_evicting_and_an_observing_policy_and_nothing_left_patched(
     observed = runs["scissorhands"][1]
     assert observed["observe"] == layers * observed["steps"]  # a statistic per layer
     assert (context.decode_rows, context.sdpa, KVCache.update, context.RunContext.accumulate) == before
-    assert "observe" not in vars(REGISTRY["h2o"]) and "compress" in vars(loop._Loop)
+    assert "observe" not in vars(REGISTRY["h2o"]) and "compress_step" in vars(loop._Loop)
 
 
 def test_a_timer_counts_only_while_on():
