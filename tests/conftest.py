@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -176,6 +177,28 @@ def layer_rows(limit: int | None = None):
     from kvlens.kvcache.cache import KVCache
 
     return KVCache(1, limit=limit).layers[0]
+
+
+class Slots(NamedTuple):
+    """Rows' kept slots in position order (oldest first; free and padding slots last, position -1)."""
+
+    pos: torch.Tensor  # (R, S)
+    keys: torch.Tensor  # (1, R, S, D)
+    values: torch.Tensor  # (1, R, S, D)
+    valid: torch.Tensor  # (R, S)
+
+
+def in_position_order(rows) -> Slots:
+    """The kept slots of `rows` (a `SlotRows`) in position order, `n_kept` per row (a copy): what an
+    append-only cache would hold."""
+    order = rows.position_order()[:, : rows.n_kept]
+    idx = order[None, :, :, None].expand(1, -1, -1, rows.keys.shape[-1])
+    return Slots(
+        rows.pos.masked_fill(~rows.valid, -1).gather(1, order),
+        rows.keys.gather(2, idx),
+        rows.values.gather(2, idx),
+        rows.valid.gather(1, order),
+    )
 
 
 def shrink(policy, rows, budget: int | None, log=None, prompt: bool = False) -> None:

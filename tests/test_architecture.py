@@ -191,28 +191,34 @@ def test_no_policy_touches_a_private_attribute_of_the_cache():
         assert not private, private
 
 
-def test_both_views_of_the_cache_implement_the_row_contract(tiny, monkeypatch):
-    """The per-layer and the all-layer view a policy is handed both implement the protocol."""
+def test_a_policy_is_only_ever_handed_one_layer(tiny, monkeypatch):
+    """Every hook of a batched policy (h2o) and of a merging one (CaM) gets one layer's rows, which implement
+    the protocol, at the prompt and at every decode step."""
     from kvlens.engine.loop import RunOptions, run
     from kvlens.kvcache import CacheRows
     from kvlens.policies import make_policy
 
-    policy, seen = make_policy("h2o"), []
-    original = type(policy).compress
-    monkeypatch.setattr(
-        type(policy), "compress", lambda self, rows, step: seen.append(rows) or original(self, rows, step)
-    )
-    run(
-        tiny,
-        policy,
-        list(b"The quick brown fox jumps over the lazy dog. " * 3),
-        prefill=60,
-        steps=3,
-        teacher=True,
-        opts=RunOptions(budget=10),
-    )
-    assert {len(rows.layers) for rows in seen} == {1, tiny.shape()["layers"]}
-    assert all(isinstance(rows, CacheRows) for rows in seen) and not isinstance(object(), CacheRows)
+    for name in ("h2o", "cam"):
+        policy, seen = make_policy(name), []
+        for hook in ("compress", "observe", "observe_prefill", "score"):
+            original = getattr(type(policy), hook, None)
+            if original is not None:
+                monkeypatch.setattr(
+                    type(policy),
+                    hook,
+                    lambda self, rows, *a, _o=original, _seen=seen: _seen.append(rows) or _o(self, rows, *a),
+                )
+        run(
+            tiny,
+            policy,
+            list(b"The quick brown fox jumps over the lazy dog. " * 3),
+            prefill=60,
+            steps=3,
+            teacher=True,
+            opts=RunOptions(budget=10),
+        )
+        assert seen and {len(rows.books) for rows in seen} == {1}, name
+        assert all(isinstance(rows, CacheRows) for rows in seen) and not isinstance(object(), CacheRows)
 
 
 def test_every_policy_hook_is_annotated_with_the_row_contract():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 
@@ -28,7 +29,7 @@ from kvlens.errors import KvlensError
 from kvlens.kvcache import AttentionSpec, Prompt, Replay, group_mean
 from kvlens.kvcache.cache import KVCache
 from kvlens.kvcache.views import SlotRows
-from kvlens.policies import Policy
+from kvlens.policies import Policy, Replays
 
 
 class Observer:
@@ -86,8 +87,8 @@ class RunContext:
         needs = self.policy.needs()
         policy_rows = needs.decode_rows and not self._policy_done
         self.needs_rows = policy_rows or any(o.needs_rows for o in self.observers)
-        if self.cache is not None:  # nobody reads a decode step's attention rows: paged layers read in place
-            self.cache.attends_pages = not (self.needs_rows or self.windowed)
+        # nobody reads a decode step's attention rows: paged layers are read in place (`KVCache.feeding`)
+        self.in_place = not (self.needs_rows or self.windowed)
         self.column_sums = needs.column_sums or any(o.needs_prefill_stats for o in self.observers)
         self.prefill_rows = max([needs.prefill_rows] + [o.prefill_rows for o in self.observers])
 
@@ -121,7 +122,7 @@ class RunContext:
     @contextlib.contextmanager
     def replaying(self, start: int, end: int) -> Iterator[None]:
         """A replay pass fed inside: it reconstructs the prompt's positions start..end - 1
-        (`Policy.replay_passes`), the policy reads its attention (`observe_replay`) and the cache keeps
+        (`Replays.replay_passes`), the policy reads its attention (`observe_replay`) and the cache keeps
         nothing of it."""
         self._replay = (start, end)
         try:
@@ -248,11 +249,11 @@ class RunContext:
         if spec.window is not None:
             raise KvlensError(
                 f"{self.policy.name}'s replay pass cannot run on sliding-window layers (layer "
-                f"{layer.layers[0]}): the pass would not see the whole prompt it reconstructs."
+                f"{layer.layer}): the pass would not see the whole prompt it reconstructs."
             )
         q = query.shape[2]
         start, end = self._replay
         out, own_lse, cached_lse = replayed(query, key, value, spec)
         replay = Replay(start, end, query[0], key[0, :, -q:], own_lse, spec.scaling, spec.softcap, cached_lse)
-        self.policy.observe_replay(layer, replay)
+        cast(Replays, self.policy).observe_replay(layer, replay)  # the loop replays only for a `Replays`
         return out

@@ -70,7 +70,7 @@ def forward_many(
     t = time.perf_counter()
     with contextlib.ExitStack() as stack:
         for loop, p in zip(loops, pos, strict=True):
-            stack.enter_context(loop.cache.feeding(p[None]))
+            stack.enter_context(loop.cache.feeding(p[None], loop.ctx.in_place))
         out = model.model(
             input_ids=torch.tensor(tokens, device=model.device)[:, None],
             position_ids=pos[:, None],

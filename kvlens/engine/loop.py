@@ -25,6 +25,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 from kvlens.engine import hidden, qfilters, scorers
 from kvlens.engine.architectures import rotary_of
 from kvlens.engine.attention import CONTEXT_KWARG
+from kvlens.engine.batching import batchable, evict_all_layers
 from kvlens.engine.context import Observer, RunContext
 from kvlens.engine.models import LoadedModel
 from kvlens.engine.record import Recorder
@@ -32,7 +33,7 @@ from kvlens.errors import Cancelled, KvlensError
 from kvlens.kvcache import Phase, Step
 from kvlens.kvcache.cache import KVCache
 from kvlens.kvcache.quantize import Storage
-from kvlens.policies import REGISTRY, Policy, resolve_budget
+from kvlens.policies import REGISTRY, Policy, PrunesKeys, Replays, ScoredEviction, resolve_budget
 from kvlens.runs.decisions import DecisionLog
 from kvlens.runs.run import Run
 
@@ -101,7 +102,7 @@ def feed(model: LoadedModel, cache: KVCache, ctx: RunContext, ids: list[int], st
     logits."""
     dev = model.device
     positions = torch.arange(start, start + len(ids), device=dev)
-    with cache.feeding(positions):
+    with cache.feeding(positions, ctx.in_place):
         out = model.model(
             input_ids=torch.tensor([ids], device=dev),
             position_ids=positions[None],
@@ -120,13 +121,6 @@ MODEL_DATA: dict[str, Callable[[LoadedModel, str], Iterable[Any]]] = {
     hidden.O_GRAM: lambda model, _: hidden.output_grams(model),
     scorers.SCORER: scorers.layers_for,
 }
-
-
-def batchable(policy: Policy) -> bool:
-    """Whether the engine may run a decode step's compression once on every layer's rows `(L * Hkv, S)`: the
-    policy's selection competes within each KV head (`Policy.competes`) and it compresses at decode steps (the
-    all-layer store holds the budget, it cannot grow)."""
-    return policy.competes == "head" and policy.needs().decode_steps
 
 
 class _Loop:
@@ -203,8 +197,10 @@ class _Loop:
         self.ctx.freeze()
 
     def replay(self, prompt: list[int]) -> None:
-        """The policy's replay passes over the prompt's cache (`Policy.replay_passes`), before its
+        """The policy's replay passes over the prompt's cache (`Replays.replay_passes`), before its
         compression."""
+        if not isinstance(self.policy, Replays):
+            return
         t = time.perf_counter()
         passes = self.policy.replay_passes(self.model.tokenizer, prompt)
         for start, end, ids in passes:
@@ -254,8 +250,10 @@ class _Loop:
     def _compress_layers(self, index: int, phase: Phase) -> None:
         self.cache.commit()
         everywhere = self.cache.all_layers() if phase is Phase.DECODE else None
-        if everywhere is not None:
-            self.policy.compress(everywhere, Step(index, phase, self.budget, self.log))
+        if everywhere is not None and isinstance(self.policy, ScoredEviction):
+            evict_all_layers(
+                self.policy, everywhere, self.cache.layers, Step(index, phase, self.budget, self.log)
+            )
         elif phase is Phase.PREFILL or self.decodes:
             for rows, budget in zip(self.cache.layers, self.budgets, strict=True):
                 self.policy.compress(rows, Step(index, phase, budget, self.log))
@@ -265,7 +263,7 @@ class _Loop:
         """The compressed prompt's storage: quantized (the policy chose from it in full precision), and the
         key channels a pruning policy keeps (ThinK)."""
         self.cache.quantize(self.opts.storage)
-        if self.policy.needs().pruned_keys:
+        if isinstance(self.policy, PrunesKeys):
             plans = [self.policy.key_channels(rows) for rows in self.cache.layers]
             self.cache.prune_keys(plans)
             self.channels = torch.stack([channels for channels, _ in plans]).cpu()

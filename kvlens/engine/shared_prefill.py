@@ -170,7 +170,7 @@ class SharedPrefill:
             for view, kept in zip(cache.layers, self.groups[ctx.column_sums], strict=True):
                 view.append(kept.key.clone(), kept.value.clone(), positions)
                 if ctx.wants_hidden and kept.hidden is not None:
-                    view.states[0][HIDDEN] = kept.hidden
+                    view.state[HIDDEN] = kept.hidden
                 ctx.observe_prompt(
                     view, kept.query, view.keys, view.values, kept.spec, kept.abar, kept.last_for(keep)
                 )

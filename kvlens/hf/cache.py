@@ -205,7 +205,9 @@ class KvlensCache(Cache):
         else:
             self._choose(ids[0])
         self._entered.enter_context(
-            self.loop.cache.feeding(torch.arange(seen, seen + len(ids), device=self.model.device))
+            self.loop.cache.feeding(
+                torch.arange(seen, seen + len(ids), device=self.model.device), self.loop.ctx.in_place
+            )
         )
         self._t = time.perf_counter()
         return {**kwargs, CONTEXT_KWARG: self.loop.ctx}

@@ -9,7 +9,7 @@ the compressed storage a sealed cache may use, each kind a `packed.PackedStates`
 package's top.
 """
 
-from kvlens.kvcache.contract import HIDDEN, O_GRAM, SCORER, CacheRows, Phase, Prompt, Replay, Slots, Step
+from kvlens.kvcache.contract import HIDDEN, O_GRAM, SCORER, CacheRows, Phase, Prompt, Replay, Step
 from kvlens.kvcache.scores import AttentionSpec, group_mean, layer_logits, softmax_weights
 from kvlens.kvcache.store import padded_index, padded_slots
 
@@ -22,7 +22,6 @@ __all__ = [
     "Phase",
     "Prompt",
     "Replay",
-    "Slots",
     "Step",
     "group_mean",
     "padded_index",

@@ -3,8 +3,8 @@
 Memory. The prompt's cache is the prefill's own tensors; the first compression below `limit` slots moves the
 kept slots into buffers of exactly `limit` slots (budget + the one token of a step), so the prompt's memory is
 really freed; later steps write into them in place. Caches that grow (full, budget-free policies) grow by
-chunks up to `limit` (the run's length). In all-layer mode (a budgeted policy the engine batches,
-`kvlens.engine.loop.batchable`) those buffers are one store of L * Hkv rows that the cache allocates itself
+chunks up to `limit` (the run's length). In all-layer mode (a budgeted policy the engine batches:
+`kvlens.engine.batching`) those buffers are one store of L * Hkv rows that the cache allocates itself
 when the first layer compresses, and each layer becomes a view of its rows: a decode step's one eviction per
 head then runs once for all layers. A layer of its own store whose heads keep different counts may be laid
 out in pages instead (`kvlens.kvcache.paged`), each head holding its own slots, not its fullest head's count
@@ -37,7 +37,7 @@ class KVCache:
     writes them and returns the layer's slots in use (views, no copy); inside `replaying()` as well it writes
     nothing and returns the slots in use followed by the pass's own keys and values. `limit`: the most slots a
     layer will need (budget + 1, or the run's length for growing caches; per layer after `set_budgets`).
-    `all_layers=True` (a budgeted policy the engine batches, `kvlens.engine.loop.batchable`): a compressed
+    `all_layers=True` (a budgeted policy the engine batches, `kvlens.engine.batching.batchable`): a compressed
     layer's slots go into the rows of one store for every layer (see the module docstring). `chunked`: a
     chunked prefill, whose chunks fill freed slots first (`kvlens.kvcache.tokens.append`). `paged`: a layer
     with a store of its own whose heads keep different counts gets a `PagedStore` (no padding held; keys and
@@ -60,8 +60,7 @@ class KVCache:
         self._positions: torch.Tensor | None = None
         self._replaying = False  # a replay pass is being fed: `update` caches nothing
         self._everywhere: SlotRows | None = None
-        # the run's attention reads a paged layer's segments in place at a decode step (`reads_pages`)
-        self.attends_pages = False
+        self._in_place = False  # inside `feeding`: the forward's attention reads paged segments in place
 
     @property
     def positions(self) -> torch.Tensor:
@@ -71,13 +70,15 @@ class KVCache:
         return self._positions
 
     @contextlib.contextmanager
-    def feeding(self, positions: torch.Tensor) -> Iterator[None]:
-        """One forward of the tokens at `positions` `(q,)`."""
-        before, self._positions = self._positions, positions
+    def feeding(self, positions: torch.Tensor, in_place: bool = False) -> Iterator[None]:
+        """One forward of the tokens at `positions` `(q,)`; `in_place`: its attention reads a paged layer's
+        segments where they lie at a decode step (`reads_pages`; the run reads no attention rows and no layer
+        slides)."""
+        before, self._positions, self._in_place = self._positions, positions, in_place
         try:
             yield
         finally:
-            self._positions = before
+            self._positions, self._in_place = before, False
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[None]:
@@ -130,11 +131,11 @@ class KVCache:
     def reads_pages(self, layer: SlotRows) -> PagedStore | None:
         """The paged store whose segments (`PagedStore.reserve`) a decode step's attention on `layer` reads in
         place (`kvlens.engine.attention.decode_segments`), so `update` hands it no keys or values; None unless
-        the run's attention does (`attends_pages`: it reads no attention rows and no layer slides), the layer
+        the forward's attention does (`feeding(..., in_place=True)`), the layer
         is laid out in segments and no policy holds a working copy."""
         store = layer._live
         if isinstance(store, PagedStore) and store.segments is not None and not store.working:
-            return store if self.attends_pages else None
+            return store if self._in_place else None
         return None
 
     def reserve(self, tokens: int) -> None:

@@ -1,9 +1,8 @@
 """`CacheRows`: the contract every policy is written against, and what a compression is told (`Step`) and may
 read of a prompt (`Prompt`) or of a replay pass (`Replay`).
 
-Shapes: R rows (KV heads; a view of several layers stacks each layer's `kv_heads` rows), S slots in use per
-row (`n_slots`: free slots and padding included), D the head size, Hq query heads, G = Hq / Hkv query heads
-per KV head.
+Shapes: R rows (one layer's KV heads), S slots in use per row (free slots and padding included), D the head
+size, Hq query heads, G = Hq / Hkv query heads per KV head.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -61,8 +60,8 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Replay:
-    """One replay pass of one layer (`Policy.replay_passes`, KVzip's reconstruction): tokens fed after the
-    prompt, before its compression, whose keys are never cached; what `Policy.observe_replay` may read beside
+    """One replay pass of one layer (`Replays.replay_passes`, KVzip's reconstruction): tokens fed after the
+    prompt, before its compression, whose keys are never cached; what `Replays.observe_replay` may read beside
     the rows."""
 
     start: int  # the prompt's positions start..end - 1 are what this pass reconstructs
@@ -77,28 +76,18 @@ class Replay:
     cached_lse: torch.Tensor | None = None
 
 
-class Slots(NamedTuple):
-    """Rows' kept slots in position order (oldest first; free and padding slots last, position -1)."""
-
-    pos: torch.Tensor  # (R, S)
-    keys: torch.Tensor  # (1, R, S, D)
-    values: torch.Tensor  # (1, R, S, D)
-    valid: torch.Tensor  # (R, S)
-
-
 @runtime_checkable
 class CacheRows(Protocol):
-    """What a policy may read and change: the slots of some rows (KV heads) of the cache.
+    """What a policy may read and change: one layer's slots, R = Hkv rows (its KV heads) of S slots.
 
-    Rows come in blocks of `kv_heads`, one block per layer in `layers`; `states` holds each
-    layer's run state (counters, random generators), so policies stay immutable configuration.
-    Tensors are views `[:, :n_slots]` of the rows' buffers; assigning one copies into them.
+    `state` holds the layer's run state (counters, random generators), so policies stay immutable
+    configuration. Tensors are views `[:, :S]` of the rows' buffers; assigning one copies into them. The
+    engine may hold several layers' rows in one store and select for all of them at once
+    (`kvlens.engine.batching`); a policy never sees that.
     """
 
     @property
-    def layers(self) -> tuple[int, ...]: ...  # the model layers whose rows these are, in row order
-    @property
-    def kv_heads(self) -> int: ...  # rows per layer
+    def layer(self) -> int: ...  # the model layer whose rows these are
 
     keys: torch.Tensor  # (1, R, S, D) after RoPE
     values: torch.Tensor  # (1, R, S, D)
@@ -110,18 +99,10 @@ class CacheRows(Protocol):
     last_attn: torch.Tensor | None  # (R * G, S) float32, the latest query's attention (G query heads per row)
 
     @property
-    def states(self) -> list[dict[str, Any]]: ...  # per layer in `layers`: the policy's run state
-    @property
-    def n_slots(self) -> int: ...  # slots in use per row (free slots and padding included)
+    def state(self) -> dict[str, Any]: ...  # the policy's run state for this layer
     @property
     def n_kept(self) -> int: ...  # valid slots of the fullest row
-    @property
-    def padded(self) -> bool: ...  # some row has a free or padding slot among its n_slots
 
-    def kept_per_row(self) -> torch.Tensor: ...  # (R,) valid slots per row
     def position_order(self) -> torch.Tensor: ...  # (R, S) slot indices oldest first, free/padding last
-    def in_position_order(self) -> Slots: ...  # the kept slots in position order (a copy, n_kept per row)
-    def one_to_evict(self, budget: int) -> bool: ...  # budget + 1 slots per row, none free: one leaves
-    def free(self, index: torch.Tensor) -> None: ...  # evict slots (R, E); later tokens reuse them
+    def free(self, index: torch.Tensor) -> None: ...  # evict slots (R, E), -1 pads; later tokens reuse them
     def retain(self, index: torch.Tensor, valid: torch.Tensor | None = None) -> None: ...  # keep (R, S') only
-    def per_layer(self, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]: ...  # (R, ...) -> [(layer, rows)]

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from kvlens.kvcache import tokens
-from kvlens.kvcache.contract import Slots
 from kvlens.kvcache.quantize import slot_mask
 from kvlens.kvcache.store import (
     GROWTH,
@@ -168,8 +167,16 @@ class SlotRows:
             book.last_attn = part
 
     @property
-    def states(self) -> list[dict[str, Any]]:
-        return [b.state for b in self.books]
+    def layer(self) -> int:
+        """The model layer of a one-layer view (`CacheRows.layer`)."""
+        (book,) = self.books
+        return book.layer
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The policy's run state of a one-layer view (`CacheRows.state`)."""
+        (book,) = self.books
+        return book.state
 
     @property
     def n_slots(self) -> int:
@@ -206,34 +213,14 @@ class SlotRows:
     def position_order(self) -> torch.Tensor:
         """`(R, S)` slot indices sorted by position, oldest first, free and padding slots last."""
         store = self._live
-        if store.order is not None and store.order.shape[1] == store.n and self._whole_store():
-            return store.order
+        if store.order is not None and store.order.shape[1] == store.n:
+            return store.order[self.rows]
         order = torch.argsort(
             self.pos.masked_fill(~self.valid, torch.iinfo(self.pos.dtype).max), dim=-1, stable=True
         )
         if self._whole_store():
             store.order = order
         return order
-
-    def in_position_order(self) -> Slots:
-        """The kept slots in position order (a copy, `n_kept` per row): what an append-only cache would
-        hold."""
-        order = self.position_order()[:, : self.n_kept]
-        idx = order[None, :, :, None].expand(1, -1, -1, self.keys.shape[-1])
-        return Slots(
-            self.pos.masked_fill(~self.valid, -1).gather(1, order),
-            self.keys.gather(2, idx),
-            self.values.gather(2, idx),
-            self.valid.gather(1, order),
-        )
-
-    def one_to_evict(self, budget: int) -> bool:
-        """A decode step's compression: each row holds budget + 1 slots, none free, so exactly one leaves."""
-        return all(b.n_kept == budget + 1 and b.holes is None and not b.pad for b in self.books)
-
-    def per_layer(self, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """`(R, ...)` -> each layer's index and its `(Hkv, ...)` rows."""
-        return list(zip(self.layers, t.chunk(len(self.books)), strict=True))
 
     def _whole_store(self) -> bool:
         return self._n_rows() == self._live.rows

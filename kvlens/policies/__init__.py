@@ -19,12 +19,15 @@ from kvlens.params import Param, parse_budget
 from kvlens.policies.base import (
     REGISTRY,
     Policy,
+    PrunesKeys,
+    Replays,
     ScoredEviction,
     check_slots,
     param,
     register,
     resolve_budget,
     scored_eviction_names,
+    select_lowest,
 )
 
 for _module in pkgutil.iter_modules(__path__):
@@ -166,6 +169,8 @@ __all__ = [
     "REGISTRY",
     "Param",
     "Policy",
+    "PrunesKeys",
+    "Replays",
     "ScoredEviction",
     "changed_params",
     "check_slots",
@@ -182,5 +187,6 @@ __all__ = [
     "register",
     "resolve_budget",
     "scored_eviction_names",
+    "select_lowest",
     "with_preset",
 ]

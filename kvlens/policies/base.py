@@ -3,38 +3,36 @@
 A policy is a frozen dataclass registered with `@register`. Its fields are hyperparameters
 declared with `param()` (default, help text, bounds, choices), validated here once for all
 policies; what the engine prepares for an instance and what the instance is capable of (`competes`,
-`budget_free`) is one declaration, `needs()`; class attributes say only what no parameter changes
-(`merge_rule`, ...). It holds no run state: what changes during a run lives in the `CacheRows` it is
-handed (`rows.extra` per slot, `rows.states` per layer), so one instance serves any number of runs
-and threads with identical decisions.
+`budget_free`, `min_budget`) is one declaration, `needs()`; class attributes say only what no parameter
+changes (`merge_rule`, ...). It holds no run state: what changes during a run lives in the `CacheRows` it is
+handed (`rows.extra` per slot, `rows.state` per layer), so one instance serves any number of runs and threads
+with identical decisions.
 
-One shape. Every hook takes `CacheRows` (`kvlens.kvcache.contract`) and is written for one layer's
-rows `(Hkv, S)`. `competes` says how a selection competes: within each KV head (`head`), across the
-heads of a layer (`layer`: Ada-KV, KVzip's decoding), or across every layer and head (`model`: the
-budgets of KVzip, PyramidKV and D2O, decided in `allocate`). Where the selection is per head, the
-engine may hand one call every layer's rows at once `(L * Hkv, S)` (one store, one eviction per
-row for all layers): a rule over a layer's heads reads them through `by_layer`, and per-layer run
-state is `rows.states` (one dict per layer in `rows.layers`), so the code is the same for one layer
-or all and never branches on the number of layers. `compress` is told its `Step` (index, phase,
-budget, decision log) explicitly. Policies never record or plot: they report what they did to the
-step's `DecisionLog`.
+One shape. Every hook takes one layer's `CacheRows` `(Hkv, S)` (`kvlens.kvcache.contract`). `competes` says
+how a selection competes: within each KV head (`head`), across the heads of a layer (`layer`: Ada-KV, KVzip's
+decoding), or across every layer and head (`model`: the budgets of KVzip, PyramidKV and D2O, decided in
+`allocate`, which sees every layer). Where a `ScoredEviction` selects per head at decode steps, the engine may
+stack the layers' scores and run one selection and one free for all of them (`kvlens.engine.batching`); the
+policy's code is the same either way. `compress` is told its `Step` (index, phase, budget, decision log)
+explicitly. Policies never record or plot: they report what they did to the step's `DecisionLog`.
 
-Surface. Six hooks carry every policy's rule: `needs` (what the engine prepares), `min_budget`,
-`allocate` (the layers' budgets), `observe_prefill`, `observe` (statistics) and `compress`; three
-more each serve one method and earn their place by being a step of the run no other hook sees:
-`replay_passes` and `observe_replay` (KVzip: forward passes the engine feeds after the prompt, whose
-queries exist nowhere else) and `key_channels` (ThinK: a storage layout applied to the compressed
-prompt, after every layer's compression and before quantization). `validate` checks parameters at
-construction. Capabilities: `competes` and `budget_free` (from `needs()`, per instance), `merge_rule` (set:
-the policy merges) and `chunked_prefill`; `presets` are named parameter settings, metadata like `name` and
-`paper`. Budgets are resolved by `resolve_budget` and `check_slots` from `min_budget`.
+Surface. Six hooks carry every policy's rule: `needs` (what the engine prepares and what the instance can
+do), `validate` (checks across parameters), `allocate` (the layers' budgets), `observe_prefill`, `observe`
+(statistics) and `compress`. Two optional capabilities each serve one method, as mixins the engine looks for:
+`Replays` (KVzip: forward passes the engine feeds after the prompt, whose queries exist nowhere else) and
+`PrunesKeys` (ThinK: a storage layout of the compressed prompt's keys, applied after every layer's compression
+and before quantization). Class attributes: `merge_rule` (set: the policy merges), `chunked_prefill` and
+`presets` (named parameter settings), metadata like `name` and `paper`. Budgets are resolved by
+`resolve_budget` and `check_slots` from `Needs.min_budget`.
 """
 
 from __future__ import annotations
 
+import abc
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, final
 
 import torch
 
@@ -67,6 +65,9 @@ class Needs:
     # layer's (`layer`), or layers and heads share the model's (`model`); beyond `head`, counts differ
     competes: Competes = "head"
     budget_free: bool = False  # decides its own size (reports the size it reached); no budget is asked
+    min_budget: int = (
+        1  # the slots per KV head it always protects (sinks, windows); a smaller budget is refused
+    )
 
 
 NO_ATTENTION = Needs(decode_rows=False, prefill_rows=0, column_sums=False)  # scores without attention
@@ -136,9 +137,12 @@ class Policy:
         return out
 
     def validate(self) -> None:
-        """Checks across several parameters (single fields are checked from their `param()`); raises a
-        one-sentence `KvlensError` (`check`)."""
+        """Checks across several parameters, at construction (single fields are checked from their `param()`).
 
+        Raises:
+            KvlensError: one sentence naming the bad combination (`check`)."""
+
+    @final
     def params(self) -> dict[str, Any]:
         """Resolved parameters, nested policies flattened as `base` + `base.PARAM`."""
         out: dict[str, Any] = {}
@@ -152,10 +156,13 @@ class Policy:
         return out
 
     def needs(self) -> Needs:
-        """What the engine prepares for a run of this instance, asked once per run: attention rows, the
-        prompt's statistics, model data, channel-pruned keys, whether it compresses at decode steps, what its
-        selection competes over and whether it is budget-free. Returns a `Needs` (default: attention rows at
-        decode steps, the last prefill row and the column sums, per-head selection under a budget)."""
+        """What the engine prepares for a run of this instance and what it can do, asked once per run.
+
+        Returns:
+            Needs: attention rows, the prompt's statistics, model data, channel-pruned keys, whether it
+                compresses at decode steps, what its selection competes over, whether it is budget-free and
+                its least budget (default: attention rows at decode steps, the last prefill row and the column
+                sums, per-head selection under a budget of at least 1)."""
         return Needs()
 
     @property
@@ -168,47 +175,82 @@ class Policy:
         """Whether this instance decides its own size (`Needs.budget_free`)."""
         return self.needs().budget_free
 
-    def min_budget(self) -> int:
-        """The slots per KV head the policy always protects (sinks, windows); a smaller budget is refused."""
-        return 1
-
     def allocate(self, budget: int, layers: Sequence[CacheRows]) -> list[int]:
-        """Each layer's budget (slots per KV head), decided once the prompt is prefilled, before its
-        compression: `budget` the run's, `layers` each layer's rows `(Hkv, T)` with the prompt's statistics.
-        Returns one int per layer: the same `budget` everywhere unless the policy's selection competes across
-        layers (PyramidKV, D2O, KVzip); an allocation keeps the total, `budget` x layers."""
+        """Each layer's budget, decided once the prompt is prefilled, before its compression; the only hook
+        that sees every layer, one `CacheRows` each.
+
+        Args:
+            budget: the run's budget, slots per KV head.
+            layers: each layer's rows `(Hkv, T)`, with the prompt's statistics.
+
+        Returns:
+            list[int]: one budget per layer, the same `budget` everywhere unless the selection competes across
+                layers (PyramidKV, D2O, KVzip); an allocation keeps the total, `budget` x layers."""
         return [budget] * len(layers)
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
-        """Initialise statistics from one layer's prompt, `rows` `(Hkv, T)`: its last attention rows
-        `prompt.last` `(Hkv * G, L, T)`, queries `(Hkv * G, T, D)`, positions `(T,)` (`abar` and `nobs` are
-        already set). Writes into `rows.extra` / `rows.states`; returns nothing."""
+        """Initialise statistics from one layer's prompt; writes into `rows.extra` and `rows.state`.
 
-    def replay_passes(self, tokenizer: Any, prompt: list[int]) -> list[tuple[int, int, list[int]]]:
-        """Extra passes the engine feeds after the `prompt` (its token ids; `tokenizer` the model's), before
-        its compression, each `(start, end, ids)`: `ids` reconstruct the prompt's positions start..end - 1
-        (KVzip). Their keys are never cached. None by default."""
-        return []
-
-    def observe_replay(self, rows: CacheRows, replay: Replay) -> None:
-        """Read one replay pass on one layer's rows `(Hkv, T)`: its queries `replay.queries` `(Hkv * G, q, D)`
-        over the prompt's slots and its own keys `replay.keys` `(Hkv, q, D)`. Returns nothing."""
+        Args:
+            rows: the layer's rows `(Hkv, T)`, their `abar` and `nobs` already set.
+            prompt: its last attention rows `prompt.last` `(Hq, L, T)`, queries `(Hq, T, D)` and positions
+                `(T,)`."""
 
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
-        """Update statistics after a decode step's attention on one layer's rows `(Hkv, S)`: `probs`
-        `(Hkv, G, S)`, each query head's weights over the slots (as the layer attends, before `compress`)."""
+        """Update statistics after a decode step's attention, before `compress`.
 
-    def key_channels(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """A policy that needs `pruned_keys`, after the prompt's compression, on one layer's rows `(Hkv, S)`:
-        the key channels each row keeps `(Hkv, K)`, ascending, and the slots that keep every channel
-        `(Hkv, S)` bool (`kvlens.kvcache.channels`)."""
-        raise NotImplementedError
+        Args:
+            rows: the layer's rows `(Hkv, S)`.
+            probs: `(Hkv, G, S)` each query head's weights over the slots, as the layer attended."""
 
     def compress(self, rows: CacheRows, step: Step) -> None:
-        """Shrink `rows` `(R, S)` to `step.budget` slots per KV head (in total over the heads or layers it
-        competes across), through `rows.free` / `rows.retain`, logging to `step.log`; returns nothing. `R` is
-        one layer's `Hkv`, or `L * Hkv` at a decode step the engine batches (`competes == "head"`)."""
+        """Shrink the layer's rows through `rows.free` / `rows.retain`, logging to `step.log`.
+
+        Args:
+            rows: the layer's rows `(Hkv, S)`.
+            step: the compression's index, phase, budget (slots per KV head, in total over the heads or layers
+                it competes across; None when budget-free) and decision log."""
         raise NotImplementedError
+
+
+class Replays(abc.ABC):
+    """A policy that reads forward passes fed after the prompt, before its compression (KVzip's
+    reconstruction): the engine feeds `replay_passes` and hands each layer's attention to `observe_replay`."""
+
+    @abc.abstractmethod
+    def replay_passes(self, tokenizer: Any, prompt: list[int]) -> list[tuple[int, int, list[int]]]:
+        """The passes the engine feeds after the prompt; their keys are never cached.
+
+        Args:
+            tokenizer: the model's.
+            prompt: the prompt's token ids.
+
+        Returns:
+            list: each pass `(start, end, ids)`, `ids` reconstructing the prompt's positions start..end-1."""
+
+    @abc.abstractmethod
+    def observe_replay(self, rows: CacheRows, replay: Replay) -> None:
+        """Read one replay pass of one layer.
+
+        Args:
+            rows: the layer's rows `(Hkv, T)`, the uncompressed prompt.
+            replay: the pass's queries `(Hq, q, D)` over the prompt's slots, its own keys `(Hkv, q, D)` and
+                log-normalisers `(Hq, q)`."""
+
+
+class PrunesKeys(abc.ABC):
+    """A policy that stores the compressed prompt's keys channel-pruned (ThinK, `Needs.pruned_keys`)."""
+
+    @abc.abstractmethod
+    def key_channels(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layout of one layer's compressed prompt keys, after every layer's compression.
+
+        Args:
+            rows: the layer's compressed rows `(Hkv, S)`.
+
+        Returns:
+            tuple: the key channels each row keeps `(Hkv, K)`, ascending, and the slots that keep every
+                channel `(Hkv, S)` bool (`kvlens.kvcache.channels`)."""
 
 
 def resolve_budget(
@@ -232,8 +274,8 @@ def resolve_budget(
 def check_slots(policy: Policy, slots: int, total_len: int | None = None) -> int:
     """`slots` if `policy` can compress to it (and, given `total_len`, would ever compress)."""
     check(
-        slots >= policy.min_budget(),
-        f"Budget {slots} is below the {policy.min_budget()} slots that {policy.name} always keeps.",
+        slots >= policy.needs().min_budget,
+        f"Budget {slots} is below the {policy.needs().min_budget} slots that {policy.name} always keeps.",
     )
     check(
         total_len is None or slots < total_len,
@@ -252,22 +294,48 @@ class ScoredEviction(Policy):
     """
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
-        """`(R, S)` keep-scores at `step` (its phase tells the prompt's compression from a decode step's):
-        higher is kept."""
+        """Keep-scores of the layer's slots: higher is kept.
+
+        Args:
+            rows: the layer's rows `(Hkv, S)`.
+            step: the compression (its phase tells the prompt's from a decode step's; its budget is `keeps`').
+
+        Returns:
+            Tensor: `(Hkv, S)` scores."""
         raise NotImplementedError
 
     def protected(self, rows: CacheRows, budget: int) -> torch.Tensor | None:
-        """`(R, S)` bool of slots that must stay, or None."""
+        """Slots that must stay.
+
+        Args:
+            rows: the layer's rows `(Hkv, S)`.
+            budget: the slots each row keeps.
+
+        Returns:
+            Tensor | None: `(Hkv, S)` bool, or None when nothing is protected."""
         return None
 
     def local_window(self, budget: int) -> int:
         """How many of the newest kept slots form the policy's local window (all of them by default)."""
         return budget
 
+    def keeps(self, budget: int) -> int:
+        """The slots each row keeps when rows over `budget` are compressed (`budget`; fewer for a policy that
+        drops several at once, Scissorhands)."""
+        return budget
+
+    def no_selection(self, rows: CacheRows, step: Step) -> None:
+        """A compression at which nothing is selected: the run is budget-free or the rows hold at most the
+        budget. Nothing by default (KVzap scores the step's token, or drops by its threshold)."""
+
+    @final
     def compress(self, rows: CacheRows, step: Step) -> None:
+        """Rows over the budget keep `keeps(budget)` slots: `select` on `score` and `protected`, then `free`;
+        else `no_selection`. Final: the engine runs the same selection on every layer's rows at once."""
         if step.budget is None or rows.n_kept <= step.budget:
+            self.no_selection(rows, step)
             return
-        _, evicted = self.select(rows, step)
+        _, evicted = self.select(rows, dataclasses.replace(step, budget=self.keeps(step.budget)))
         log_evictions(step, rows, rows.pos.gather(1, evicted))
         rows.free(evicted)
 
@@ -290,9 +358,6 @@ class Wrapper(Policy):
     def needs(self) -> Needs:
         return self.base.needs()
 
-    def min_budget(self) -> int:
-        return self.base.min_budget()
-
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
         self.base.observe_prefill(rows, prompt)
 
@@ -305,7 +370,8 @@ def select_lowest(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The selection rule of every scored eviction: keep the `budget` highest scores of each row, the
     protected slots first; among equal scores the older position stays. Returns the kept `(R, budget)` and the
-    evicted `(R, n_kept - budget)` slots, each in position order. Free slots never count.
+    evicted `(R, n_kept - budget)` slots, each in position order. Free slots never count. `rows` are one
+    layer's, or every layer's stacked by the engine (`kvlens.engine.batching`).
 
     When exactly one slot per row leaves (a decode step), the lowest score is found without a sort: the
     newest position among the lowest; otherwise a stable sort by score over the position order.
@@ -316,7 +382,7 @@ def select_lowest(
         s = s.masked_fill(protected & rows.valid, float("inf"))
     s = s.gather(1, order)  # by position
     n = rows.n_kept
-    if rows.one_to_evict(budget):
+    if n == budget + 1 == order.shape[1] and bool(rows.valid.all()):  # budget + 1 slots per row, none free
         lowest = s[:, :n] == s[:, :n].min(-1, keepdim=True).values
         last = n - 1 - lowest.flip(-1).int().argmax(-1, keepdim=True)  # the newest of the lowest
         leaves = torch.zeros(lowest.shape, dtype=torch.bool, device=s.device).scatter_(1, last, True)
@@ -355,10 +421,9 @@ def free_logged(step: Step, rows: CacheRows, slots: torch.Tensor) -> None:
 
 
 def log_evictions(step: Step, rows: CacheRows, positions: torch.Tensor) -> None:
-    """Log evicted `positions` `(R, n)` (-1 = none) at `step`, layer by layer."""
+    """Log one layer's evicted `positions` `(Hkv, n)` (-1 = none) at `step`."""
     if step.log is not None:
-        for layer, part in rows.per_layer(positions):
-            step.log.evict(step.index, layer, part)
+        step.log.evict(step.index, rows.layer, positions)
 
 
 def log_merges(
@@ -370,13 +435,10 @@ def log_merges(
     prob: torch.Tensor,
     draw: torch.Tensor,
 ) -> None:
-    """`DecisionLog.merges` at `step`, layer by layer: `source` `(R, E)` positions, `targets` `(R, E, K)`
-    (ascending, -1 pads), `weight`, `prob`, `draw` `(R, E)`."""
-    if step.log is None:
-        return
-    parts = [rows.per_layer(x) for x in (source, targets, weight, prob, draw)]
-    for (layer, s), (_, t), (_, w), (_, p), (_, d) in zip(*parts, strict=True):
-        step.log.merges(step.index, layer, s, t, w, p, d)
+    """`DecisionLog.merges` of one layer at `step`: `source` `(Hkv, E)` positions, `targets` `(Hkv, E, K)`
+    (ascending, -1 pads), `weight`, `prob`, `draw` `(Hkv, E)`."""
+    if step.log is not None:
+        step.log.merges(step.index, rows.layer, source, targets, weight, prob, draw)
 
 
 def scored_eviction_names() -> tuple[str, ...]:
@@ -403,10 +465,3 @@ def newest_cut(pos: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
     if bool(((masked >= guess).sum(-1) == k).all()):
         return guess
     return masked.topk(min(k, pos.shape[1]), dim=-1).values[:, -1:]
-
-
-def by_layer(rows: CacheRows, x: torch.Tensor) -> torch.Tensor:
-    """`x` `(R * n, ...)`, n rows per KV head (1, or a row's G query heads), as a view `(L, Hkv * n, ...)`:
-    one block per layer of `rows`, so a rule over a layer's heads (TOVA's mean, a layer's largest `abar`) is
-    one code for one layer's rows or every layer's."""
-    return x.view(-1, x.shape[0] // rows.pos.shape[0] * rows.kv_heads, *x.shape[1:])

@@ -237,7 +237,7 @@ class CaM(Wrapper):
             raise ValueError(
                 "kvlens: cam's score=current reads the latest query's attention, not recorded here"
             )
-        return last.view(rows.pos.shape[0], -1, rows.n_slots).mean(1)
+        return last.view(*rows.pos.shape[:1], -1, rows.pos.shape[1]).mean(1)
 
     def _merge(
         self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, step: Step, budget: int
@@ -393,18 +393,13 @@ class CaM(Wrapper):
     def _draw(
         self, rows: CacheRows, p: torch.Tensor, found: torch.Tensor, m: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The merge mask and each target's weight `(R, E)`: Bernoulli(p) from each layer's generator, drawn
-        step by step (the k-th evicted slot of every row of a layer together), or 1 wherever a target exists;
+        """The merge mask and each target's weight `(R, E)`: Bernoulli(p) from the layer's generator, drawn
+        step by step (the k-th evicted slot of every row together), or 1 wherever a target exists;
         divided by m or by the number of targets found."""
         if self.mask == "always":
             draw = (found > 0).float()
         else:
-            u = torch.cat(
-                [
-                    torch.rand((p.shape[1], rows.kv_heads), generator=self.generator(state, layer)).T
-                    for layer, state in zip(rows.layers, rows.states, strict=True)
-                ]
-            )
+            u = torch.rand((p.shape[1], p.shape[0]), generator=self.generator(rows.state, rows.layer)).T
             draw = (u.to(p.device) < p).float()
         return draw, draw / (found.clamp(min=1).float() if self.divide == "found" else float(max(m, 1)))
 

@@ -67,8 +67,7 @@ class CORM(Policy):
         important = (last >= (1.0 / seen)[None, :, None]).view(r, hq // r, length, t).any(1)  # (R, L, T)
         count = torch.arange(1, length + 1, device=last.device, dtype=torch.int32)  # message i's number
         rows.extra[MESSAGE] = (important * count[None, :, None]).amax(1)  # its latest important message
-        for state in rows.states:
-            state[MESSAGES_SEEN] = length
+        rows.state[MESSAGES_SEEN] = length
 
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
         t: float | torch.Tensor
@@ -77,22 +76,19 @@ class CORM(Policy):
         else:
             t = rows.valid.sum(-1, keepdim=True)[:, None].float()  # (R, 1, 1)
         important = (probs >= 1.0 / t).any(1) & rows.valid  # (R, S)
-        for state in rows.states:
-            state[MESSAGES_SEEN] = state.get(MESSAGES_SEEN, 0) + 1
-        rows.extra[MESSAGE] = torch.where(important, self._seen(rows), rows.extra[MESSAGE])
+        rows.state[MESSAGES_SEEN] = rows.state.get(MESSAGES_SEEN, 0) + 1
+        rows.extra[MESSAGE] = rows.extra[MESSAGE].masked_fill(important, self._seen(rows))
 
-    def _seen(self, rows: CacheRows) -> torch.Tensor:
-        """`(R, 1)` int32: each row's layer's messages seen so far."""
-        seen = [state.get(MESSAGES_SEEN, 0) for state in rows.states]
-        return torch.tensor(seen, dtype=torch.int32, device=rows.pos.device).repeat_interleave(rows.kv_heads)[
-            :, None
-        ]
+    def _seen(self, rows: CacheRows) -> int:
+        """The layer's messages seen so far."""
+        seen: int = rows.state.get(MESSAGES_SEEN, 0)
+        return seen
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         """Free, in place, each head's keys minor in all of the last `window` messages and older than the
         `recent` newest positions (later tokens fill the freed slots: no re-layout of the layer at each
         step)."""
-        if min(state.get(MESSAGES_SEEN, 0) for state in rows.states) < self.window:
+        if self._seen(rows) < self.window:
             return
         in_window = rows.extra[MESSAGE] > self._seen(rows) - self.window  # important in the last w messages
         drop = rows.valid & ~(in_window | recent_mask(rows, self.recent))  # (R, S)

@@ -166,10 +166,7 @@ class D2O(Policy):
     )
 
     def needs(self) -> Needs:
-        return Needs(competes="model")  # per-layer budgets, decided together
-
-    def min_budget(self) -> int:
-        return self.sink + 1
+        return Needs(competes="model", min_budget=self.sink + 1)  # per-layer budgets, decided together
 
     def local_window(self, budget: int) -> int:
         return int(budget * self.recent_ratio)
@@ -188,7 +185,7 @@ class D2O(Policy):
         if self.allocation == "uniform" or n == 1:
             return [budget] * n
         shares = torch.softmax(-self.layer_scores(layers).double(), 0).tolist()
-        return bounded_shares(shares, budget * n, self.min_budget(), max(layers[0].n_kept, budget))
+        return bounded_shares(shares, budget * n, self.needs().min_budget, max(layers[0].n_kept, budget))
 
     # -- token level
     # ---------------------------------------------------------------------------------------------
@@ -254,16 +251,13 @@ class D2O(Policy):
         return torch.cat(best, 1), torch.cat(where, 1)
 
     def threshold(self, rows: CacheRows, u: torch.Tensor) -> torch.Tensor:
-        """Eq. 10: update each layer's EMA threshold with this compression's similarities `u` `(R, E)` and
-        return it per row `(R, 1)`. The run state holds it (`rows.states`, one per layer)."""
-        out = []
-        for (_, part), state in zip(rows.per_layer(u), rows.states, strict=True):
-            seen = part.mean() if self.threshold_scope == "layer" else part.mean(-1)
-            prev = state.get(THRESHOLD)
-            tau = seen if prev is None else self.beta * seen + (1 - self.beta) * prev
-            state[THRESHOLD] = tau
-            out.append(tau.expand(part.shape[0]))
-        return torch.cat(out)[:, None]
+        """Eq. 10: update the layer's EMA threshold with this compression's similarities `u` `(Hkv, E)` and
+        return it per row `(Hkv, 1)`. The layer's run state holds it."""
+        seen = u.mean() if self.threshold_scope == "layer" else u.mean(-1)
+        prev = rows.state.get(THRESHOLD)
+        tau = seen if prev is None else self.beta * seen + (1 - self.beta) * prev
+        rows.state[THRESHOLD] = tau
+        return tau.expand(u.shape[0])[:, None]
 
     def _log(
         self,
@@ -296,10 +290,7 @@ class D2O(Policy):
             source, target = block(src, -1), block(tgt, -1)
             weight = block(wt, 0.0)
             nan, none = torch.full_like(weight, float("nan")), torch.full_like(source, -1)
-            for (layer, s), (_, t), (_, ww), (_, p), (_, dr) in zip(
-                *[rows.per_layer(x) for x in (source, target[..., None], weight, nan, none)], strict=True
-            ):
-                step.log.merges(step.index, layer, s, t, ww, p, dr)
+            step.log.merges(step.index, rows.layer, source, target[..., None], weight, nan, none)
         log_evictions(step, rows, pos_ev.masked_fill(merged, -1))
 
 

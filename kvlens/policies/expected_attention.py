@@ -19,13 +19,14 @@ recent queries. kvpress's evaluation registers this method as Ada-KV over it wit
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from kvlens.errors import KvlensError
 from kvlens.kvcache import CacheRows, Prompt, Step
-from kvlens.policies.base import NO_ATTENTION, Needs, ScoredEviction, by_layer, param, register
+from kvlens.policies.base import NO_ATTENTION, Needs, ScoredEviction, param, register
 
 FUTURE = "expected_attention_future"  # per layer: mu' (Hq, D) and Sigma' (Hq, D, D) or None
 LOGIT = "expected_attention_logit"  # per slot (R, S, G): the expected logit of each query head of the row
@@ -65,10 +66,7 @@ class ExpectedAttention(ScoredEviction):
     )
 
     def needs(self) -> Needs:
-        return NO_ATTENTION
-
-    def min_budget(self) -> int:
-        return self.n_sink + 1
+        return dataclasses.replace(NO_ATTENTION, min_budget=self.n_sink + 1)
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
         rotary, queries, positions = prompt.rotary, prompt.queries, prompt.positions
@@ -96,8 +94,8 @@ class ExpectedAttention(ScoredEviction):
             0
         )  # (D, D)
         future = (mean @ rotation.T, None if cov is None else rotation @ cov @ rotation.T)
-        rows.states[0][FUTURE] = (*future, prompt.scaling)
-        rows.extra[LOGIT] = self._logits(rows.keys[0].float(), *rows.states[0][FUTURE])
+        rows.state[FUTURE] = (*future, prompt.scaling)
+        rows.extra[LOGIT] = self._logits(rows.keys[0].float(), *rows.state[FUTURE])
         rows.extra[SCORED] = torch.ones(rows.pos.shape, dtype=torch.bool, device=q.device)
 
     def _logits(
@@ -114,26 +112,13 @@ class ExpectedAttention(ScoredEviction):
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         todo = rows.valid & ~rows.extra[SCORED]
-        if bool(
-            todo.any()
-        ):  # new tokens since the last compression: their logits, with their layer's statistics
+        heads, slots = todo.nonzero(as_tuple=True)
+        if heads.numel():  # new tokens since the last compression: their logits, with the layer's statistics
             logits = rows.extra[LOGIT]
-            for (layer_todo, keys, layer_logits), state in zip(
-                zip(
-                    by_layer(rows, todo),
-                    by_layer(rows, rows.keys[0]),
-                    by_layer(rows, logits),
-                    strict=True,
-                ),
-                rows.states,
-                strict=True,
-            ):
-                heads, slots = layer_todo.nonzero(as_tuple=True)
-                if heads.numel():
-                    new = self._logits(
-                        keys[heads, slots][:, None].float(), *_rows_of(state[FUTURE], heads, rows.kv_heads)
-                    )
-                    layer_logits[heads, slots] = new[:, 0]
+            keys = rows.keys[0][heads, slots][:, None].float()
+            logits[heads, slots] = self._logits(keys, *_rows_of(rows.state[FUTURE], heads, todo.shape[0]))[
+                :, 0
+            ]
             rows.extra[LOGIT] = logits
             rows.extra[SCORED] = rows.extra[SCORED] | todo
         sink = rows.pos < self.n_sink

@@ -198,9 +198,8 @@ class KVMerger(Policy):
     def compress(self, rows: CacheRows, step: Step) -> None:
         """Merge every row's sets of two or more slots at their pivots, all at once: the M sets' K members in
         one flat order (row by row, set by set, ascending), the order of the decision log."""
-        count = rows.states[0].get(COMPRESSIONS, 0)
-        for state in rows.states:
-            state[COMPRESSIONS] = count + 1
+        count = rows.state.get(COMPRESSIONS, 0)
+        rows.state[COMPRESSIONS] = count + 1
         if count and not (self.remerge_every and count % self.remerge_every == 0):
             return
         keys, values = rows.keys[0], rows.values[0]  # (R, S, D), merged in place

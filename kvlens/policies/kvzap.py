@@ -98,7 +98,7 @@ class KVzap(ScoredEviction):
 
     def observe_prefill(self, rows: CacheRows, prompt: Prompt) -> None:
         """Score every prompt slot `(Hkv, T)` from the prompt's hidden states `(T, d_model)`."""
-        state = rows.states[0]
+        state = rows.state
         rows.extra[SCORE] = state[f"{SCORER}={self.scorer}"](state[HIDDEN])
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
@@ -109,14 +109,13 @@ class KVzap(ScoredEviction):
             self._score_newest(rows)
         return rows.extra[SCORE]
 
-    def compress(self, rows: CacheRows, step: Step) -> None:
-        """Score a decode step's token, then evict to the budget (ratio) or drop what scores below the
-        threshold outside the window."""
+    def no_selection(self, rows: CacheRows, step: Step) -> None:
+        """Ratio mode within the budget: score a decode step's token (nothing leaves, but its score is needed
+        later; over the budget `score` does it). Threshold mode: drop what scores below the threshold outside
+        the window."""
         if self.mode == "ratio":
-            if step.budget is not None and rows.n_kept > step.budget:
-                super().compress(rows, step)  # selects with `score`, which scores the step's token
-            elif not step.prompt:
-                self._score_newest(rows)  # nothing leaves, but the token's score is needed later
+            if not step.prompt:
+                self._score_newest(rows)
             return
         drop = rows.valid & ~recent_mask(rows, self.window) & (self.score(rows, step) < self.threshold)
         if bool(drop.any()):
@@ -125,6 +124,6 @@ class KVzap(ScoredEviction):
     def _score_newest(self, rows: CacheRows) -> None:
         """The slot of each row's newest position takes its layer's surrogate score of the step's state."""
         key = f"{SCORER}={self.scorer}"
-        new = torch.cat([state[key](state[HIDDEN][-1:]) for state in rows.states])  # (R, 1)
+        new = rows.state[key](rows.state[HIDDEN][-1:])  # (Hkv, 1)
         newest = rows.pos == rows.pos.max(-1, keepdim=True).values
         rows.extra[SCORE] = torch.where(newest, new, rows.extra[SCORE])

@@ -48,7 +48,16 @@ from typing import Any
 import torch
 
 from kvlens.kvcache import HIDDEN, O_GRAM, AttentionSpec, CacheRows, Replay, Step, layer_logits
-from kvlens.policies.base import NO_ATTENTION, Needs, Policy, free_logged, lowest_of_all_rows, param, register
+from kvlens.policies.base import (
+    NO_ATTENTION,
+    Needs,
+    Policy,
+    Replays,
+    free_logged,
+    lowest_of_all_rows,
+    param,
+    register,
+)
 
 # per layer until the budgets are allocated: (Hkv, T) by prompt position; then per slot (R, S)
 SCORE = "kvzip_score"
@@ -65,7 +74,7 @@ OVERLAP = (
 
 @register
 @dataclass(frozen=True)
-class KVzip(Policy):
+class KVzip(Policy, Replays):
     n_sink: int = param(
         4, "First positions never evicted, also in every pass's softmax (kvpress: 4).", minimum=0
     )
@@ -118,10 +127,8 @@ class KVzip(Policy):
             model_data=(O_GRAM,) if plus else (),
             # the prompt's lowest scores over every layer and head, or (`layerwise`) over a layer's heads
             competes="layer" if self.layerwise else "model",
+            min_budget=self.n_sink + 1,
         )
-
-    def min_budget(self) -> int:
-        return self.n_sink + 1
 
     def replay_passes(self, tokenizer: Any, prompt: list[int]) -> list[tuple[int, int, list[int]]]:
         head_text, suffix_text = template_around(tokenizer)
@@ -169,7 +176,7 @@ class KVzip(Policy):
             if rows_term is not None and slots_term is not None:
                 block = block + rows_term[a:b, None] + slots_term[:, :, None]
             torch.maximum(best, block.amax((1, 2)), out=best)
-        state = rows.states[0]
+        state = rows.state
         score = state.setdefault(SCORE, torch.zeros(hkv, t, dtype=torch.float32, device=keys.device))
         score[:, replay.start : replay.end] = best.exp()
 
@@ -178,9 +185,9 @@ class KVzip(Policy):
         """KVzip+'s log factors: `-log ||h_j||` per query of the pass `(q,)` (the state entering the layer's
         attention) and `log ||v_i W_O^h||` per query head and chunk slot `(Hkv, G, n)`, from the output
         projection's Gram matrices `G_h = W_O^h (W_O^h)^T` (`||v W||^2 = v G v^T`)."""
-        state = rows.states[0]
+        state = rows.state
         hidden = state[HIDDEN].float()  # (q, d_model)
-        gram = state[O_GRAM].view(rows.kv_heads, g, *state[O_GRAM].shape[1:])  # (Hkv, G, D, D)
+        gram = state[O_GRAM].view(rows.pos.shape[0], g, *state[O_GRAM].shape[1:])  # (Hkv, G, D, D)
         values = rows.values[0][:, replay.start : replay.end].float()  # (Hkv, n, D)
         squared = torch.einsum("knd,kgde,kne->kgn", values, gram, values)
         return -hidden.norm(dim=-1).log(), 0.5 * squared.clamp_min(0).log()
@@ -202,7 +209,7 @@ class KVzip(Policy):
         widths = []
         for rows, layer_score, gone in zip(layers, score, leaving, strict=True):
             rows.extra[SCORE] = layer_score
-            state = rows.states[0]
+            state = rows.state
             state[TOTAL], state[PROMPT] = hkv * t - gone, t
             left = (lowest_of_all_rows(rows, layer_score, gone) >= 0).sum(-1) if gone else torch.zeros(hkv)
             widths.append(t - int(left.min()))
@@ -210,13 +217,13 @@ class KVzip(Policy):
 
     def _scores(self, rows: CacheRows) -> torch.Tensor:
         """One layer's replay scores `(Hkv, T)`, the first `n_sink` positions above every other."""
-        score: torch.Tensor = rows.states[0].pop(SCORE)
+        score: torch.Tensor = rows.state.pop(SCORE)
         return score.masked_fill(rows.pos < self.n_sink, float("inf"))
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         if not step.prompt and self.decoding == "once":
             return
-        state = rows.states[0]
+        state = rows.state
         leaving = int(rows.valid.sum()) - state[TOTAL]
         if leaving <= 0:
             return

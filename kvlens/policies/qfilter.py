@@ -39,5 +39,5 @@ class QFilter(ScoredEviction):
         return dataclasses.replace(NO_ATTENTION, model_data=(FILTERS,), tokenizer=True)
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
-        filters = torch.cat([state[FILTERS] for state in rows.states]).float()  # (R, D)
-        return -(rows.keys[0].float() * filters[:, None, :]).sum(-1)
+        filters: torch.Tensor = rows.state[FILTERS]  # (Hkv, D)
+        return -(rows.keys[0].float() * filters.float()[:, None, :]).sum(-1)

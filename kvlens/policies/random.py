@@ -32,8 +32,6 @@ class Random(ScoredEviction):
         return NO_ATTENTION
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
-        draws = []
-        for layer, state in zip(rows.layers, rows.states, strict=True):
-            gen = state.setdefault(GENERATOR, torch.Generator().manual_seed(self.seed * 1_000_003 + layer))
-            draws.append(torch.rand((rows.kv_heads, rows.n_slots), generator=gen))
-        return torch.cat(draws).to(rows.pos.device)
+        seed = self.seed * 1_000_003 + rows.layer
+        gen = rows.state.setdefault(GENERATOR, torch.Generator().manual_seed(seed))
+        return torch.rand(rows.pos.shape, generator=gen).to(rows.pos.device)

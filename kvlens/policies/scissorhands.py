@@ -36,7 +36,6 @@ apply when scissorhands runs on its own.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -46,7 +45,6 @@ from kvlens.kvcache import CacheRows, Prompt, Step, group_mean
 from kvlens.policies.base import (
     Needs,
     ScoredEviction,
-    by_layer,
     check,
     param,
     recent_mask,
@@ -138,9 +136,9 @@ class Scissorhands(ScoredEviction):
         return max(1, int(self.drop_ratio * budget)) if self.drop_ratio else self.drop
 
     def needs(self) -> Needs:
-        return Needs(prefill_rows=self.history)
+        return Needs(prefill_rows=self.history, min_budget=self._least_budget())
 
-    def min_budget(self) -> int:
+    def _least_budget(self) -> int:
         if not self.recent:
             return 1 if self.drop_ratio else self.drop
         # the least budget that, m dropped, still keeps the recent window and one slot chosen by importance
@@ -174,8 +172,7 @@ class Scissorhands(ScoredEviction):
         next step written over its oldest column."""
         rows.extra[HISTORY] = hist
         rows.extra[COUNT] = (hist == self.counted()).sum(-1, dtype=torch.int32)
-        for state in rows.states:
-            state[NEXT] = 0
+        rows.state[NEXT] = 0
 
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
         """This step's marks `(R, S)` replace the window's oldest in the ring, and each slot's count gains
@@ -186,26 +183,22 @@ class Scissorhands(ScoredEviction):
         else:  # the slots it attends to
             t = rows.valid.sum(-1, keepdim=True).float()
         marks = torch.where(rows.valid, UNIMPORTANT + (att >= 1.0 / t).to(torch.int8), UNSEEN).to(torch.int8)
-        k = rows.states[0][NEXT]
+        k = rows.state[NEXT]
         ring = rows.extra[HISTORY]  # a view of the store's rows: written in place
         gained = (marks == self.counted()).to(torch.int32) - (ring[:, :, k] == self.counted()).to(torch.int32)
         ring[:, :, k] = marks
         rows.extra[COUNT] = rows.extra[COUNT] + gained
-        for state in rows.states:
-            state[NEXT] = (k + 1) % self.history
+        rows.state[NEXT] = (k + 1) % self.history
 
     def newest_marks(self, rows: CacheRows) -> torch.Tensor:
         """`(R, S)` int8 the marks of the last step observed (the ring's newest column)."""
-        return rows.extra[HISTORY][:, :, (rows.states[0][NEXT] - 1) % self.history]
+        return rows.extra[HISTORY][:, :, (rows.state[NEXT] - 1) % self.history]
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         count = rows.extra[COUNT]
         counted = count if self.count == "important" else -count  # int32 sums: half the time of int64's
         abar = rows.abar
-        largest = by_layer(rows, abar).amax((1, 2))  # (L,) each layer's
-        tie = rows.abar / (
-            largest.repeat_interleave(rows.kv_heads)[:, None] + 1.0
-        )  # in [0, 1): breaks ties only
+        tie = abar / (abar.amax() + 1.0)  # in [0, 1): breaks ties only
         return counted.float() + tie
 
     def local_window(self, budget: int) -> int:
@@ -214,8 +207,5 @@ class Scissorhands(ScoredEviction):
     def protected(self, rows: CacheRows, budget: int) -> torch.Tensor | None:
         return recent_mask(rows, self.local_window(budget))
 
-    def compress(self, rows: CacheRows, step: Step) -> None:
-        if step.budget is not None and rows.n_kept > step.budget:
-            super().compress(
-                rows, dataclasses.replace(step, budget=step.budget + 1 - self.dropped(step.budget))
-            )
+    def keeps(self, budget: int) -> int:
+        return budget + 1 - self.dropped(budget)

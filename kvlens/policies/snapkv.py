@@ -30,7 +30,6 @@ from kvlens.kvcache import CacheRows, Prompt, Step, group_mean
 from kvlens.policies.base import (
     Needs,
     ScoredEviction,
-    by_layer,
     check,
     param,
     recent_mask,
@@ -88,10 +87,12 @@ class SnapKV(ScoredEviction):
         )
 
     def needs(self) -> Needs:
-        return Needs(prefill_rows=self.window, column_sums=False, decode_steps=self.decoding == "rolling")
-
-    def min_budget(self) -> int:
-        return self.window + 1
+        return Needs(
+            prefill_rows=self.window,
+            column_sums=False,
+            decode_steps=self.decoding == "rolling",
+            min_budget=self.window + 1,
+        )
 
     def local_window(self, budget: int) -> int:
         return self.window
@@ -105,30 +106,24 @@ class SnapKV(ScoredEviction):
         ]  # (Hq, T - w), per query head (kvpress)
         score = pooled.new_zeros(r, t)
         score[:, : t - w] = pooled.view(r, hq // r, t - w).mean(1)
-        for layer_rows, state in zip(by_layer(rows, score), rows.states, strict=True):
-            state[PROMPT_SCORE] = layer_rows
+        rows.state[PROMPT_SCORE] = score
         if self.decoding == "rolling":
             ring = group_mean(last.view(r, hq // r, w, t)).transpose(1, 2)  # (R, T, w), oldest query first
             rows.extra[WINDOW] = torch.cat([ring.new_zeros(r, t, self.window - w), ring], dim=2)
-            for state in rows.states:
-                state[NEXT] = 0
+            rows.state[NEXT] = 0
 
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
         if self.decoding == "rolling":
-            ring, k = rows.extra[WINDOW], rows.states[0][NEXT]
+            ring, k = rows.extra[WINDOW], rows.state[NEXT]
             ring[:, :, k] = group_mean(probs)  # (R, S): this query's attention replaces the oldest one's
-            for state in rows.states:
-                state[NEXT] = (k + 1) % self.window
-
-    def compress(self, rows: CacheRows, step: Step) -> None:
-        if step.prompt or self.decoding == "rolling":
-            super().compress(rows, step)
+            rows.state[NEXT] = (k + 1) % self.window
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         """The prompt's pooled window attention at its compression; at a decode step the same over the ring
         of the last `window` queries (the recent window, protected, counts as zero in the pooling)."""
         if step.prompt:
-            return torch.cat([state.pop(PROMPT_SCORE) for state in rows.states])
+            score: torch.Tensor = rows.state.pop(PROMPT_SCORE)
+            return score
         order = rows.position_order()  # pooling runs over neighbouring positions
         recent = recent_mask(rows, self.window)
         mean = rows.extra[WINDOW].mean(-1).masked_fill(recent | ~rows.valid, 0.0).gather(1, order)

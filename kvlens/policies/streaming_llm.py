@@ -8,6 +8,7 @@ positions for every policy), which differs from the paper's rolling positions.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +35,7 @@ class StreamingLLM(ScoredEviction):
     )
 
     def needs(self) -> Needs:
-        return NO_ATTENTION
-
-    def min_budget(self) -> int:
-        return self.sink + 1
+        return dataclasses.replace(NO_ATTENTION, min_budget=self.sink + 1)
 
     def local_window(self, budget: int) -> int:
         return budget - self.sink

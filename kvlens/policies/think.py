@@ -32,6 +32,7 @@ from kvlens.kvcache import CacheRows, Prompt, Step
 from kvlens.policies.base import (
     Needs,
     Policy,
+    PrunesKeys,
     Wrapper,
     check,
     param,
@@ -48,7 +49,7 @@ QUERIES = (
 
 @register
 @dataclass(frozen=True)
-class ThinK(Wrapper):
+class ThinK(Wrapper, PrunesKeys):
     base: Policy = param(
         SnapKV(),
         "Eviction policy that compresses the prompt first (any scored eviction policy, "
@@ -101,15 +102,15 @@ class ThinK(Wrapper):
                 "kvlens: think scores the channels with the prompt's queries, which were not passed"
             )
         q = prompt.queries[:, -self.window :].float().pow(2).mean(1)  # (Hq, D)
-        rows.states[0][QUERIES] = q.view(rows.kv_heads, -1, q.shape[-1]).mean(1)
+        rows.state[QUERIES] = q.view(rows.pos.shape[0], -1, q.shape[-1]).mean(1)
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         self.base.compress(rows, step)
 
     def key_channels(self, rows: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's kept channels `(R, K)`, ascending, by the window queries' and the kept keys' mean
+        """Each row's kept channels `(Hkv, K)`, ascending, by the window queries' and the kept keys' mean
         squares; the `recent` newest slots keep every channel."""
-        queries = torch.cat([state.pop(QUERIES) for state in rows.states])  # (R, D)
+        queries = rows.state.pop(QUERIES)  # (Hkv, D)
         keys, valid = rows.keys[0].float(), rows.valid
         keys = (keys.pow(2) * valid[..., None]).sum(1) / valid.sum(-1, keepdim=True)  # (R, D)
         d = keys.shape[-1]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.kvcache import CacheRows, Step
-from kvlens.policies.base import Needs, ScoredEviction, by_layer, register
+from kvlens.policies.base import Needs, ScoredEviction, register
 
 
 @register
@@ -34,9 +34,8 @@ class TOVA(ScoredEviction):
         return Needs(column_sums=False)  # reads only the last prefill rows
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
-        # mean over all query heads of each layer; identical for every KV head of the layer
-        attn = rows.last_attn  # (L * Hq, S)
+        # mean over all query heads of the layer; identical for every KV head
+        attn = rows.last_attn  # (Hq, S)
         if attn is None:
             raise ValueError("kvlens: tova scores the latest query's attention, which is not recorded")
-        per_layer = by_layer(rows, attn).mean(1)  # (L, S)
-        return per_layer.repeat_interleave(rows.kv_heads, dim=0)
+        return attn.mean(0).expand(rows.pos.shape)

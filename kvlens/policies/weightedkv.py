@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from kvlens.kvcache import CacheRows, Step
-from kvlens.policies.base import Policy, log_evictions, log_merges, param, register
+from kvlens.policies.base import Needs, Policy, log_evictions, log_merges, param, register
 
 
 @register
@@ -44,8 +44,8 @@ class WeightedKV(Policy):
     paper = "https://arxiv.org/abs/2503.01330"
     merge_rule: ClassVar[str] = "convex"  # provenance: target <- (1 - w) target + w source, row by row
 
-    def min_budget(self) -> int:
-        return self.sink + 1
+    def needs(self) -> Needs:
+        return Needs(min_budget=self.sink + 1)
 
     def recent(self, budget: int) -> int:
         return max(1, int(budget * self.recent_ratio) - self.sink)

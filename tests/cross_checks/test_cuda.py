@@ -96,7 +96,7 @@ def test_bf16_full_is_transformers_own_bf16_forward(models, smol_ids):
 def test_every_policy_runs_in_bf16_within_its_budget(models, smol_ids, name):
     bf16 = models["cuda", "bfloat16"]
     policy = make_policy(name)
-    budget = max(BUDGET, policy.min_budget())
+    budget = max(BUDGET, policy.needs().min_budget)
     r = run(
         bf16, policy, smol_ids, prefill=PREFILL, steps=STEPS, teacher=True, opts=RunOptions(budget=budget)
     )

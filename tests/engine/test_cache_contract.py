@@ -21,7 +21,5 @@ def test_a_layer_is_the_contract_and_the_all_layer_view_waits_for_the_shared_sto
     with cache.feeding(torch.arange(3)):
         cache.update(states, states, 0)
     layer, everywhere = views(cache)
-    assert (
-        isinstance(layer, CacheRows) and layer.layers == (0,) and layer.n_slots == 3 and layer.kv_heads == 2
-    )
+    assert isinstance(layer, CacheRows) and layer.layer == 0 and layer.pos.shape == (2, 3)
     assert everywhere is None

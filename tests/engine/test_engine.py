@@ -316,11 +316,12 @@ def test_full_perplexity_equals_model_loss(smol, long_text):
     [
         ("streaming_llm", {}, True, True),
         ("h2o", {}, True, True),
-        ("cam", {}, True, True),
-        ("cam", {"score": "decode"}, True, True),
         ("tova", {}, True, True),
-        ("cam", {"base": "tova"}, True, True),
+        ("scissorhands", {}, True, True),
         ("tova", {}, False, False),  # the engine's switch: layer by layer
+        ("cam", {}, True, False),  # merges: its own compress, layer by layer
+        ("cam", {"score": "decode"}, True, False),
+        ("weightedkv", {}, True, False),
         ("adakv", {"base": "h2o"}, True, False),
         ("kvmerger", {}, True, False),  # merges after the prompt only (the paper's protocol)
         ("snapkv", {"window": 4}, True, False),  # compresses the prompt once (the paper's protocol)
@@ -329,17 +330,26 @@ def test_full_perplexity_equals_model_loss(smol, long_text):
 def test_batchable_policies_compress_every_layer_at_once_at_decode_steps(
     tiny, monkeypatch, name, params, batch, together
 ):
-    """The engine picks all-layer or per-layer once, from the policy's `competes` (`batchable`) and
-    `RunOptions.batch_layers`: the prompt's compression is per layer, each decode step's then one call on
-    every layer's rows (per-slot extras such as CaM's decode attention travel with them); other policies
-    stay per layer, and one whose protocol compresses the prompt only is not called at decode steps."""
+    """The engine picks all-layer or per-layer once, from the policy (`batchable`) and
+    `RunOptions.batch_layers`: the prompt's compression is per layer, each decode step's then one selection
+    over every layer's stacked scores (`evict_all_layers`); other policies stay per layer, and one whose
+    protocol compresses the prompt only is not called at decode steps."""
+    from kvlens.engine import loop
+
     policy = make_policy(name, params)
     calls = []
-    original = type(policy).compress
+    compress, everywhere = type(policy).compress, loop.evict_all_layers
     monkeypatch.setattr(
         type(policy),
         "compress",
-        lambda self, rows, step: calls.append((step.index, rows.layers)) or original(self, rows, step),
+        lambda self, rows, step: calls.append((step.index, (rows.layer,))) or compress(self, rows, step),
+    )
+    monkeypatch.setattr(
+        loop,
+        "evict_all_layers",
+        lambda p, rows, layers, step: (
+            calls.append((step.index, tuple(r.layer for r in layers))) or everywhere(p, rows, layers, step)
+        ),
     )
     run(tiny, policy, IDS, prefill=40, steps=8, teacher=True, opts=RunOptions(budget=10, batch_layers=batch))
     layers = tuple(range(tiny.shape()["layers"]))

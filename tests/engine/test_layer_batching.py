@@ -1,6 +1,6 @@
-"""A policy is written for one layer's rows; the engine batches every layer's rows into one call at decode
-steps where the selection is per head (`kvlens.engine.loop.batchable`). Batched or layer by layer
-(`RunOptions.batch_layers`), every policy decides exactly the same; `competes` says whether it is batched."""
+"""A policy is written for one layer's rows; at decode steps where a scored eviction selects per head
+(`kvlens.engine.batching.batchable`) the engine stacks every layer's scores into one selection. Batched or
+layer by layer (`RunOptions.batch_layers`), every policy decides exactly the same."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from kvlens.engine.loop import RunOptions, batchable, run
+from kvlens.engine.batching import batchable
+from kvlens.engine.loop import RunOptions, run
 from kvlens.policies import REGISTRY, make_policy, policy_class
 from tests.conftest import ROOT
 
@@ -31,7 +32,7 @@ SETTINGS = [(name, {}) for name, cls in sorted(REGISTRY.items()) if not cls().bu
 
 def decisions(tiny, name: str, params: dict, batch: bool):
     policy = make_policy(name, params)
-    opts = RunOptions(budget=max(BUDGET, policy.min_budget()), batch_layers=batch)
+    opts = RunOptions(budget=max(BUDGET, policy.needs().min_budget), batch_layers=batch)
     return run(tiny, policy, IDS, prefill=PREFILL, steps=STEPS, teacher=True, opts=opts).decisions
 
 
@@ -50,8 +51,8 @@ def test_batched_and_layer_by_layer_decisions_are_identical(tiny, name, params):
     [
         ("h2o", {}, True),
         ("random", {}, True),
-        ("weightedkv", {}, True),
-        ("cam", {"base": "tova"}, True),
+        ("weightedkv", {}, False),  # merges: its compress is its own, layer by layer
+        ("cam", {"base": "tova"}, False),
         ("snapkv", {"decoding": "rolling"}, True),
         ("snapkv", {}, False),  # compressed once (the paper's): the cache grows after the prompt
         ("adakv", {}, False),  # a layer's heads compete
@@ -65,9 +66,11 @@ def test_only_policies_whose_selection_is_per_head_are_batched(name, params, tog
 
 
 def test_no_policy_file_handles_the_all_layer_shape_itself():
-    """A policy never declares the engine's batching nor reshapes by the number of layers it is handed: a rule
-    over a layer's heads goes through `by_layer`, per-layer state through `rows.states`."""
-    shape = re.compile(r"cross_layer|len\(rows\.(layers|states)\)|\.chunk\(len\(|all_layers")
+    """A policy never declares the engine's batching nor handles several layers' rows: no `by_layer`, no
+    `rows.states` or `rows.layers`, no reshaping by a number of layers."""
+    shape = re.compile(
+        r"cross_layer|by_layer|rows\.(layers|states)\b|\.per_layer\(|\.chunk\(len\(|all_layers|\.kv_heads"
+    )
     files = {
         ROOT / "kvlens" / "policies" / f"{policy_class(n).__module__.rsplit('.', 1)[1]}.py" for n in REGISTRY
     }

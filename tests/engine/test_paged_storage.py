@@ -147,7 +147,7 @@ def test_reserve_lays_each_head_out_in_one_segment_with_room_for_the_tokens_to_c
 def test_attention_on_the_segments_is_attention_over_the_gathered_slots(softcap):
     """`decode_segments` (each head's keys and values read in place) gives `decode_rows`'s output on the
     gathered slots, with GQA and soft-capping; a run's cache hands such a layer's attention no keys or
-    values at a decode step, only while nobody reads attention rows (`attends_pages`)."""
+    values at a decode step, only in a forward whose attention reads them in place (`in_place`)."""
     cache, _, _ = paged_layer(29)
     layer, store = cache.layers[0], cache.layers[0].store
     cache.reserve(3)
@@ -163,10 +163,10 @@ def test_attention_on_the_segments_is_attention_over_the_gathered_slots(softcap)
     with cache.feeding(torch.tensor([N + 1])):
         k, v = cache.update(x, x, 0)
     assert k.shape[2] == v.shape[2] == layer.valid.shape[1]
-    cache.attends_pages = True
-    with cache.feeding(torch.tensor([N + 2])):
+    with cache.feeding(torch.tensor([N + 2]), in_place=True):
         k, v = cache.update(x, x, 0)
-    assert k.shape[2] == v.shape[2] == 0 and cache.reads_pages(layer) is store
+        assert cache.reads_pages(layer) is store
+    assert k.shape[2] == v.shape[2] == 0 and cache.reads_pages(layer) is None
 
 
 def test_the_all_layer_store_is_never_paged():

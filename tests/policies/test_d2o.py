@@ -18,7 +18,7 @@ from kvlens.kvcache.views import SlotRows
 from kvlens.policies import make_policy
 from kvlens.policies.d2o import THRESHOLD, bounded_shares
 from kvlens.runs.decisions import DecisionLog
-from tests.conftest import examples, layer_rows, shrink
+from tests.conftest import examples, in_position_order, layer_rows, shrink
 
 HKV, D = 2, 4
 IDS = list(b"Dense layers keep more; similar keys merge into the nearest kept one. " * 3)
@@ -76,8 +76,8 @@ def test_d2o_merges_the_evicted_tokens_above_the_mean_similarity_into_their_near
         (0, "evict", 5, -1),
     ]
     assert [r[4] for r in rows[:3]] == pytest.approx([w[1], w[4], w[3]], rel=1e-5)
-    assert float(layer.states[0][THRESHOLD]) == pytest.approx(tau, rel=1e-6)
-    kept = layer.in_position_order()
+    assert float(layer.state[THRESHOLD]) == pytest.approx(tau, rel=1e-6)
+    kept = in_position_order(layer)
     assert kept.pos[0].tolist() == [0, 2, 6, 7]
     w0, w2 = math.e / (s0 + math.e), math.e / (s2 + math.e)
     for states, original in ((kept.keys, keys), (kept.values, values)):  # Eq. 11: keys and values alike
@@ -192,11 +192,11 @@ def test_d2o_prompt_and_decode_compressions_equal_the_rule_written_plainly(
         got = frame_rows(log, start)
         assert [r[:4] for r in got] == [r[:4] for r in want], step
         assert [r[4] for r in got] == pytest.approx([r[4] for r in want], rel=1e-5)
-        state = layer.states[0][THRESHOLD]
+        state = layer.state[THRESHOLD]
         assert state.tolist() == pytest.approx(
             tau[0] if scope == "layer" else [tau[h] for h in range(HKV)], rel=1e-5
         )
-        kept = layer.in_position_order()
+        kept = in_position_order(layer)
         for h in range(HKV):
             assert kept.pos[h].tolist() == sorted(heads[h])
             torch.testing.assert_close(
@@ -271,7 +271,7 @@ def test_d2o_decisions_do_not_depend_on_which_slot_holds_which_position(seed, sl
     for rows, log in zip((layer, other), logs, strict=True):
         shrink(make_policy("d2o"), rows, budget, log, prompt=True)
     assert logs[0].frame().equals(logs[1].frame())
-    a, b = layer.in_position_order(), other.in_position_order()
+    a, b = in_position_order(layer), in_position_order(other)
     assert torch.equal(a.pos, b.pos) and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
@@ -282,7 +282,7 @@ def test_d2o_without_merging_sinks_or_reallocation_is_h2o():
     shrink(make_policy("d2o", {"merge": False, "sink": 0, "recent_ratio": 0.25}), a, 12, log_a, prompt=True)
     shrink(make_policy("h2o", {"recent_ratio": 0.25}), b, 12, log_b, prompt=True)
     assert log_a.frame().equals(log_b.frame()) and (log_a.frame().action == "evict").all()
-    a, b = a.in_position_order(), b.in_position_order()
+    a, b = in_position_order(a), in_position_order(b)
     assert torch.equal(a.pos, b.pos) and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 

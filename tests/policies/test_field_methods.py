@@ -14,7 +14,7 @@ from kvlens.kvcache import Phase, Prompt, Step
 from kvlens.policies import make_policy
 from kvlens.policies.expected_attention import rotate_half
 from kvlens.runs.decisions import DecisionLog
-from tests.conftest import examples, layer_rows, shrink, within_budget
+from tests.conftest import examples, in_position_order, layer_rows, shrink, within_budget
 
 HKV, G, D = 2, 2, 8
 IDS = list(b"Observation windows, pyramids and filters: which keys does each method keep? " * 3)
@@ -32,7 +32,7 @@ def random_layer(seed: int, slots: int):
 
 
 def kept(layer) -> list[list[int]]:
-    return layer.in_position_order().pos.tolist()
+    return in_position_order(layer).pos.tolist()
 
 
 @settings(max_examples=examples(25))
@@ -301,7 +301,7 @@ def test_kvzip_scores_each_slot_by_the_largest_weight_of_the_repeating_queries(s
     )
     replay = Replay(start, end, queries, own, own_lse.logsumexp(-1).view(HKV * G, q), 0.5)
     make_policy("kvzip", {"n_sink": sinks}).observe_replay(layer, replay)
-    got = layer.states[0]["kvzip_score"]
+    got = layer.state["kvzip_score"]
     keys = layer.keys[0]
     s = min(sinks, start)
     for kv in range(HKV):
@@ -330,11 +330,11 @@ def test_kvzip_plus_is_the_largest_weight_times_the_values_output_norm_over_the_
     gen = torch.Generator().manual_seed(seed + 1)
     queries, own = torch.randn(HKV * G, q, D, generator=gen), torch.randn(HKV, q, D, generator=gen)
     hidden, w_o = torch.randn(q, dm, generator=gen) * 3, torch.randn(HKV * G, D, dm, generator=gen)
-    layer.states[0][HIDDEN], layer.states[0][O_GRAM] = hidden, w_o @ w_o.transpose(1, 2)
+    layer.state[HIDDEN], layer.state[O_GRAM] = hidden, w_o @ w_o.transpose(1, 2)
     make_policy("kvzip", {"n_sink": sinks, "score": "plus"}).observe_replay(
         layer, Replay(start, end, queries, own, own_logsumexp(queries, own, 0.5), 0.5)
     )
-    got = layer.states[0]["kvzip_score"]
+    got = layer.state["kvzip_score"]
     keys, values = layer.keys[0], layer.values[0]
     s = min(sinks, start)
     for kv in range(HKV):
@@ -368,7 +368,7 @@ def test_kvzip_evicts_the_lowest_scores_over_every_layer_and_head_and_never_the_
             torch.randn(1, HKV, t, D, generator=gen),
             torch.arange(t),
         )
-        rows.states[0]["kvzip_score"] = score.clone()
+        rows.state["kvzip_score"] = score.clone()
     policy = make_policy("kvzip", {"n_sink": 2, "layerwise": layerwise})
     widths = policy.allocate(budget, layers)
     for rows, width in zip(layers, widths, strict=True):

@@ -21,7 +21,7 @@ def layer_with(scorer: LayerScorer, hidden: torch.Tensor):
     layer = layer_rows()
     t = hidden.shape[0]
     layer.append(torch.randn(1, HKV, t, D), torch.randn(1, HKV, t, D), torch.arange(t))
-    layer.states[0][KEY], layer.states[0][HIDDEN] = scorer, hidden
+    layer.state[KEY], layer.state[HIDDEN] = scorer, hidden
     return layer
 
 
@@ -51,7 +51,7 @@ def test_threshold_mode_keeps_exactly_the_window_and_the_pairs_that_pass_at_pref
         if step == 12:
             break
         layer.append(torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D), torch.tensor([seen]))
-        layer.states[0][HIDDEN] = hidden[seen : seen + 1]
+        layer.state[HIDDEN] = hidden[seen : seen + 1]
         policy.compress(layer, Step(step + 1, Phase.DECODE, None))
     assert any(score[:, :seen].lt(threshold).sum(-1))  # something was pruned
 
@@ -78,7 +78,7 @@ def test_ratio_mode_decoding_keeps_the_budgets_best_of_every_position_seen_also_
     policy.compress(layer, Step(0, Phase.PREFILL, budget))
     for seen in range(10, 22):
         layer.append(torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D), torch.tensor([seen]))
-        layer.states[0][HIDDEN] = hidden[seen : seen + 1]
+        layer.state[HIDDEN] = hidden[seen : seen + 1]
         policy.compress(layer, Step(seen - 9, Phase.DECODE, budget))
         want = [set(row[: seen + 1].topk(min(budget, seen + 1)).indices.tolist()) for row in score]
         assert kept(layer) == want, seen

@@ -20,7 +20,7 @@ from kvlens.policies.corm import CORM, MESSAGE, MESSAGES_SEEN
 from kvlens.policies.kvmerger import gaussian_weights, merging_sets
 from kvlens.policies.scissorhands import HISTORY
 from kvlens.runs.decisions import DecisionLog
-from tests.conftest import examples, layer_rows, shrink
+from tests.conftest import examples, in_position_order, layer_rows, shrink
 
 HKV, G, D = 2, 2, 8
 IDS = list(b"Attention sinks and heavy hitters keep the cache small. " * 3)
@@ -86,7 +86,7 @@ def test_cam_preset_on_a_hand_computed_step(preset):
         and row.targets == [2, 3, 4, 5, 6]
         and row.weights == pytest.approx([w] * 5)
     )
-    kept = layer.in_position_order()
+    kept = in_position_order(layer)
     assert kept.pos[0].tolist() == [0, 2, 3, 4, 5, 6]
     expected = values[0, 0, [0, 2, 3, 4, 5, 6]].clone()
     expected[1:] += w * values[0, 0, 1]
@@ -130,7 +130,7 @@ def test_cam_bernoulli_probability_is_clamped_attention_ratio():
     shrink(make_policy("cam", {"preset": "paper", "seed": 3}), layer, 16, log)
     frame = log.frame()
     assert frame.prob.tolist() == pytest.approx([0.0, 0.25])
-    kept = layer.in_position_order().values[0, 0]
+    kept = in_position_order(layer).values[0, 0]
     assert frame.draw.iloc[0] == 0 and torch.equal(kept, values[0, 0, [p for p in range(17) if p != 4]])
     with pytest.raises(KvlensError, match="Policy cam has no preset 'qa' \\(its presets: paper, official-qa"):
         make_policy("cam", {"preset": "qa"})
@@ -206,7 +206,7 @@ def test_cam_merge_in_tensor_form_equals_the_sequential_loop(params, budget, blo
         (h, i, t, d) for h, i, t, d, _, _ in rows
     ]
     assert merges.prob.tolist() == pytest.approx([r[5] for r in rows], rel=1e-5)
-    kept = layer.in_position_order()
+    kept = in_position_order(layer)
     for h in range(HKV):
         slots = [int((reference.pos[h] == q).nonzero()) for q in kept.pos[h].tolist()]
         torch.testing.assert_close(kept.values[0, h], values[h, slots])
@@ -228,7 +228,7 @@ def test_cam_bulk_step0_merge_equals_the_same_evictions_one_at_a_time(params):
     shrink(policy, bulk, 12, log_bulk, prompt=True)  # streaming_llm: positions 4..31 leave at once
     for budget in range(39, 11, -1):  # the same positions leave one per call, oldest first
         shrink(policy, single, budget, log_single, prompt=True)
-    bulk, single = bulk.in_position_order(), single.in_position_order()
+    bulk, single = in_position_order(bulk), in_position_order(single)
     assert bulk.pos.equal(single.pos) and bulk.pos[0].tolist() == [0, 1, 2, 3, *range(32, 40)]
     torch.testing.assert_close(bulk.values, single.values)
     columns = ["kv_head", "position", "targets", "weights", "draw"]
@@ -301,7 +301,7 @@ def test_weightedkv_merges_least_attended_value_into_right_neighbour_on_the_segm
     avg = layer.abar / layer.nobs
     keys, values = layer.keys.clone(), layer.values.clone()
     shrink(make_policy("weightedkv"), layer, 20, DecisionLog())  # protected: 4 sinks + 10 - 4 = 6 recent
-    layer = layer.in_position_order()
+    layer = in_position_order(layer)
     for h in range(HKV):
         j = 4 + int(avg[h, 4:15].argmin())
         kept = [p for p in range(21) if p != j]
@@ -324,7 +324,7 @@ def test_weightedkv_eviction_ablation_keeps_values():
     log = DecisionLog()
     shrink(make_policy("weightedkv", {"merge": False}), layer, 12, log, prompt=True)
     assert layer.n_kept == 12 and (log.frame().action == "evict").all()
-    kept = layer.in_position_order()
+    kept = in_position_order(layer)
     for h in range(HKV):
         assert torch.equal(kept.values[0, h], values[0, h, kept.pos[h]])
 
@@ -409,7 +409,7 @@ class SpyCORM(CORM):
         object.__setattr__(self, "checks", [])  # test-side record on a frozen policy
 
     def compress(self, rows, step):
-        seen = rows.states[0].get(MESSAGES_SEEN, 0)
+        seen = rows.state.get(MESSAGES_SEEN, 0)
         if seen >= self.window:
             recent = rows.valid & (rows.pos > rows.pos.max() - self.recent)  # the `recent` newest tokens
             must = ((rows.extra[MESSAGE] > seen - self.window) | recent) & rows.valid
@@ -492,7 +492,7 @@ def test_scissorhands_counts_unimportant_steps_like_the_paper_or_important_ones(
     shrink(policy, layer, 4, DecisionLog())  # recent window: slot 5; two of slots 0-4 go
     # unimportant counts 0, 2, 3, 1, 1: slots 2 and 1 go; the young slots 3 and 4 stay (seen only 2 and 1
     # times) important counts 4, 2, 1, 1, 0: slot 4 goes, then slot 3 (tie with 2, smaller Abar)
-    assert layer.in_position_order().pos[0].tolist() == kept
+    assert in_position_order(layer).pos[0].tolist() == kept
 
 
 def test_scissorhands_prefill_history_marks_unseen_slots_and_drop_compresses_m_at_once(tiny):
@@ -530,7 +530,7 @@ def test_scissorhands_prefill_history_marks_unseen_slots_and_drop_compresses_m_a
 @pytest.mark.parametrize("name,preset", [(n, p) for n in REGISTRY for p in REGISTRY[n].presets])
 def test_every_preset_runs_and_is_recorded_resolved(tiny, name, preset):
     policy = make_policy(name, parse_settings(name, [f"preset={preset}"]))
-    budget = None if policy.budget_free else max(20, policy.min_budget())
+    budget = None if policy.budget_free else max(20, policy.needs().min_budget)
     r = run(tiny, policy, IDS, prefill=80, steps=8, teacher=True, opts=RunOptions(budget=budget))
     assert r.meta["policy"]["params"] == {**r.meta["policy"]["params"], **REGISTRY[name].presets[preset]}
     assert "preset" not in r.meta["policy"]["params"] and math.isfinite(r.metrics["ppl"])

@@ -19,7 +19,7 @@ from kvlens.policies.base import lowest_of_all_rows, newest_cut, select_lowest
 from kvlens.policies.cam import DECODE_ATTN
 from kvlens.policies.scissorhands import HISTORY
 from kvlens.runs.decisions import DecisionLog
-from tests.conftest import examples, layer_rows, shrink
+from tests.conftest import examples, in_position_order, layer_rows, shrink
 
 HKV, G, D = 2, 2, 4
 
@@ -39,7 +39,7 @@ def random_layer(seed: int, slots: int, first_pos: int = 0) -> SlotRows:
 
 def kept_positions(layer) -> list[list[int]]:
     """Each row's kept positions, oldest first."""
-    return layer.in_position_order().pos.tolist()
+    return in_position_order(layer).pos.tolist()
 
 
 def compress(policy, layer, budget):
@@ -219,7 +219,7 @@ def test_decisions_do_not_depend_on_which_slot_holds_which_position(case, perm_s
     seed, slots, budget = case
     name, params = SLOT_FREE[which]
     policy = make_policy(name, params)
-    budget = max(budget, policy.min_budget())
+    budget = max(budget, policy.needs().min_budget)
     layer = random_layer(seed, slots)
     gen = torch.Generator().manual_seed(seed + 2)
     coarse = torch.randint(0, 4, (HKV * G + 2 * HKV, slots), generator=gen).float()  # many equal scores: ties
@@ -230,7 +230,7 @@ def test_decisions_do_not_depend_on_which_slot_holds_which_position(case, perm_s
     _, log = compress(policy, layer, budget)
     _, other_log = compress(policy, other, budget)
     assert log.frame().equals(other_log.frame())
-    a, b = layer.in_position_order(), other.in_position_order()
+    a, b = in_position_order(layer), in_position_order(other)
     assert torch.equal(a.pos, b.pos) and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
@@ -246,7 +246,7 @@ def test_selection_keeps_the_highest_scores_and_the_older_of_equal_ones(case, pe
     plainly."""
     seed, slots, _ = case
     policy = make_policy(name)
-    budget = max(slots - leaving, policy.min_budget())
+    budget = max(slots - leaving, policy.needs().min_budget)
     layer = random_layer(seed, budget + leaving)
     gen = torch.Generator().manual_seed(seed + 2)
     layer.abar = torch.randint(0, 3, (HKV, budget + leaving), generator=gen).float()  # ties

@@ -35,7 +35,7 @@ class KeptSets(Observer):
 
 
 def budget_of(policy) -> int:
-    return max(BUDGET, policy.min_budget())
+    return max(BUDGET, policy.needs().min_budget)
 
 
 def go(policy, observers=()):
@@ -179,3 +179,25 @@ def test_an_instances_parameters_decide_what_its_selection_competes_over_and_whe
 ):
     policy = make_policy(name, parse_settings(name, [f"{k}={v}" for k, v in settings.items()]))
     assert (policy.competes, policy.budget_free) == (competes, budget_free)
+
+
+def test_policy_has_at_most_six_hooks_and_the_row_contract_at_most_fourteen_members():
+    """The surface a policy author learns: `Policy`'s hooks (its public methods that are not final) and the
+    members of `CacheRows`, each member documented with its shape or meaning on its line."""
+    import inspect
+
+    from kvlens.kvcache import CacheRows
+    from kvlens.policies.base import Policy
+
+    hooks = {
+        name
+        for name, value in vars(Policy).items()
+        if inspect.isfunction(value) and not name.startswith("_") and not getattr(value, "__final__", False)
+    }
+    assert hooks == {"needs", "validate", "allocate", "observe_prefill", "observe", "compress"}
+
+    members = {name for name in vars(CacheRows) if not name.startswith("_")} | set(CacheRows.__annotations__)
+    assert len(members) <= 14, sorted(members)
+    source = inspect.getsource(CacheRows).splitlines()
+    undocumented = [m for m in members if not any(f" {m}" in line and "#" in line for line in source)]
+    assert not undocumented, undocumented

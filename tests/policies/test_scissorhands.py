@@ -15,7 +15,7 @@ from kvlens.errors import KvlensError
 from kvlens.policies import make_policy, parse_settings
 from kvlens.policies.scissorhands import COUNT, HISTORY, IMPORTANT, UNIMPORTANT, UNSEEN
 from kvlens.runs.decisions import DecisionLog
-from tests.conftest import examples, layer_rows, shrink
+from tests.conftest import examples, in_position_order, layer_rows, shrink
 
 IDS = list(b"Persistence of importance: a token that mattered once keeps mattering. " * 3)
 
@@ -168,7 +168,7 @@ def test_scissorhands_recent_keeps_that_many_newest_slots_whatever_their_marks()
     assert policy.local_window(5) == 3 and policy.local_window(2) == 2  # never more than the size kept
     shrink(policy, layer, 5, DecisionLog())
     # recent 6, 7, 8; then the two fewest unimportant steps among 0-5: slots 0 (0) and 2 (1)
-    assert layer.in_position_order().pos[0].tolist() == [0, 2, 6, 7, 8]
+    assert in_position_order(layer).pos[0].tolist() == [0, 2, 6, 7, 8]
 
 
 @settings(max_examples=examples(40))
@@ -180,7 +180,7 @@ def test_scissorhands_recent_and_drop_against_the_rule_written_plainly(seed, slo
     policy = make_policy(
         "scissorhands", {"history": 6, "recent": recent, "drop": drop, "drop_ratio": drop_ratio}
     )
-    budget = max(policy.min_budget(), slots // 2)
+    budget = max(policy.needs().min_budget, slots // 2)
     if budget >= slots:
         return
     hkv = 2
@@ -200,7 +200,7 @@ def test_scissorhands_recent_and_drop_against_the_rule_written_plainly(seed, slo
     for h in range(hkv):
         newest = list(range(slots - recent, slots))
         older = sorted(range(slots - recent), key=lambda j, h=h: (unimportant[h][j], -abar[h][j], j))
-        assert layer.in_position_order().pos[h].tolist() == sorted(older[: size - recent] + newest)
+        assert in_position_order(layer).pos[h].tolist() == sorted(older[: size - recent] + newest)
 
 
 def test_scissorhands_recent_slots_equal_the_ratio_that_gives_as_many():
@@ -216,18 +216,20 @@ def test_scissorhands_recent_slots_equal_the_ratio_that_gives_as_many():
         layer.abar = torch.rand(2, 30, generator=gen)
         SCISSORHANDS.set_history(layer, torch.randint(0, 3, (2, 30, 8), generator=gen, dtype=torch.int8))
         shrink(make_policy("scissorhands", {"history": 8, **params}), layer, 12, DecisionLog())
-        layers.append(layer.in_position_order().pos)
+        layers.append(in_position_order(layer).pos)
     assert torch.equal(layers[0], layers[1]) and torch.equal(layers[1], layers[2])
 
 
 def test_scissorhands_min_budget_keeps_room_for_the_recent_window():
-    assert make_policy("scissorhands").min_budget() == 1
-    assert make_policy("scissorhands", {"drop": 3}).min_budget() == 3
-    assert make_policy("scissorhands", {"drop_ratio": 0.5}).min_budget() == 1
-    assert make_policy("scissorhands", {"recent": 10}).min_budget() == 11  # 10 recent + 1 by importance
-    assert make_policy("scissorhands", {"recent": 3, "drop": 4}).min_budget() == 7  # 7 + 1 - 4 = 4 = 3 + 1
+    assert make_policy("scissorhands").needs().min_budget == 1
+    assert make_policy("scissorhands", {"drop": 3}).needs().min_budget == 3
+    assert make_policy("scissorhands", {"drop_ratio": 0.5}).needs().min_budget == 1
+    assert make_policy("scissorhands", {"recent": 10}).needs().min_budget == 11  # 10 recent + 1 by importance
+    assert (
+        make_policy("scissorhands", {"recent": 3, "drop": 4}).needs().min_budget == 7
+    )  # 7 + 1 - 4 = 4 = 3 + 1
     # m = floor(B / 2): B = 19 keeps 19 + 1 - 9 = 11 = r + 1; B = 18 would keep 18 + 1 - 9 = 10
-    assert make_policy("scissorhands", {"recent": 10, "drop_ratio": 0.5}).min_budget() == 19
+    assert make_policy("scissorhands", {"recent": 10, "drop_ratio": 0.5}).needs().min_budget == 19
     with pytest.raises(KvlensError, match="drop_ratio=1 of scissorhands drops the whole budget"):
         make_policy("scissorhands", {"recent": 10, "drop_ratio": 1.0})
     with pytest.raises(KvlensError, match="drop_ratio of scissorhands must be in"):
