@@ -57,10 +57,18 @@ class Budget(_Section):
     slots: int | None = None
 
 
+def _level(value: Any) -> RecordLevel:
+    """A record level by name (`full`, its name in older runs, is `attention`)."""
+    try:
+        return RecordLevel.parse(str(value))
+    except KvlensError:
+        raise ValueError(f"has an unknown record level '{str(value)[:40]}'") from None
+
+
 class Record(_Section):
     """What the run recorded: the level, the layers (None: all) and the recorded tensors' dtype."""
 
-    level: Annotated[RecordLevel, BeforeValidator(lambda v: RecordLevel.parse(str(v)))] = RecordLevel.SUMMARY
+    level: Annotated[RecordLevel, BeforeValidator(_level)] = RecordLevel.SUMMARY
     layers: list[int] | None = None
     dtype: str = "float16"
 
@@ -158,8 +166,9 @@ def _readable(data: Any, path: Path) -> None:
 
 
 def _sentence(path: Path, err: ValidationError) -> str:
-    """One sentence for the first thing wrong with run.json: a check's own words, or the bad entry."""
+    """One sentence for the first thing wrong with run.json: a check's own words (which follow the path),
+    or the bad entry's dotted name (`model.spec`, `tokens.3`)."""
     first = err.errors()[0]
     if first["type"] == "value_error":
         return f"{path} {first['ctx']['error']}."
-    return f"{path} lacks a valid '{first['loc'][0] if first['loc'] else 'run'}' entry."
+    return f"{path} lacks a valid '{'.'.join(map(str, first['loc']))}' entry."
