@@ -88,32 +88,43 @@ class RunMeta(_Section):
     mode: Literal["generate", "teacher"] = "generate"
     """`generate`: the run chose its tokens; `teacher`: it scored given ones (perplexity)."""
     model: ModelInfo
+    """The model the run ran."""
     policy: PolicyInfo
+    """The compression policy and its parameters."""
     storage: dict[str, Any] | None = None
-    """How the cache stored keys and values (`KVStorage.describe()`); None in runs older than storage."""
+    """How the cache stored keys and values (`Storage.describe()`); None in runs older than storage."""
     prefill_chunk: int | None = None
     """Tokens per prefill chunk (None: the prompt in one pass)."""
     budget: Budget = Field(default_factory=Budget)
+    """The budget asked for and the slots it gave."""
     seed: int | None = None
+    """The sampling seed."""
     temperature: float | None = None
+    """The sampling temperature (0: greedy)."""
     top_p: float | None = None
+    """The nucleus sampling share (1: all tokens)."""
     prompt: str = ""
     """The prompt (or prefilled text) decoded."""
     prompt_tokens: list[int]
+    """The prompt's (or prefill's) token ids."""
     prompt_token_strings: list[str] = Field(default_factory=list)
+    """The prompt's tokens as the tokenizer's strings."""
     tokens: list[int]
     """The generated (or scored) token ids."""
     token_strings: list[str] = Field(default_factory=list)
+    """The generated (or scored) tokens as the tokenizer's strings."""
     text: str = ""
     """The generated (or scored) tokens decoded."""
     metrics: dict[str, Any] = Field(default_factory=dict)
     """The loop's metrics (nll, ppl, cache sizes, times) and any measured later (perturbation, memory)."""
     record: Record = Field(default_factory=Record)
+    """What the run recorded."""
     command: str | None = None
     """The command line (or call) that made the run."""
     made_in: str | None = None
     """Where the run was made when not on the command line (`app`)."""
     schema_version: int = Field(default=SCHEMA_VERSION, alias="schema")
+    """run.json's format version (`schema` in the file)."""
     kvlens_version: str | None = None
     """The kvlens that saved the run."""
     tensors: dict[str, TensorInfo] = Field(default_factory=dict)

@@ -2,7 +2,7 @@
 
 Saving is atomic (a temporary directory beside the target, then a rename). Loading is safe for
 files from strangers: no pickle, fixed file names (never taken from the manifest), size limits,
-schema version checked, every tensor's name, dtype and shape checked against the manifest.
+every run.json entry validated (`RunMeta`), every tensor's dtype and shape checked against the manifest.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _analyses(what: str) -> Callable:
 
 @dataclass
 class Run:
-    """One recorded run: `meta` is run.json, `tensors` named CPU tensors, `decisions` a table."""
+    """One recorded run: `meta` its run.json (`RunMeta`), `tensors` named CPU tensors, `decisions` a table."""
 
     meta: RunMeta
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
