@@ -37,7 +37,7 @@ else:
     )
     if not len(merges):
         st.info(
-            f"{run.meta['policy']['name']} only evicts, so no slot holds merged values. "
+            f"{run.meta.policy.name} only evicts, so no slot holds merged values. "
             "Open a merging run to see provenance."
         )
         offer_runs(lambda e: e.merging, "merge_offer")

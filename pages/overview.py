@@ -34,7 +34,7 @@ st.subheader(
 )
 token_inspector(run, "ov_insp")
 with st.expander("How this run was made, and what it recorded"):
-    st.code(run.meta.get("command") or "(made in the app)", language="bash", wrap_lines=True)
+    st.code(run.meta.command or "(made in the app)", language="bash", wrap_lines=True)
     st.dataframe(
         {"tensor": list(run.tensors), "shape": [str(list(t.shape)) for t in run.tensors.values()]},
         hide_index=True,

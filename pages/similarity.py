@@ -52,7 +52,7 @@ left, right = st.columns(2)
 with left:
     chart(run_figure(run, "adjacency"), "sim_adj", name="adjacency", config={"run": str(run.path)})
 with right:
-    n = len(run.meta["prompt_tokens"])
+    n = len(run.meta.prompt_tokens)
     token = pick_step(
         "Token t",
         n - 1,

@@ -11,11 +11,11 @@ so that the Head grid shows a whole model (Ada-KV gives each head its own share 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
+from kvlens.runs.run import read_meta
 from kvlens.texts import read
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,9 +131,9 @@ def main(names: list[str]) -> int:
         cmd = [sys.executable, "-m", "kvlens", "generate", *RUNS[name], "--out", f"cached_runs/{name}"]
         print(f"run  {name}", flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-        meta = json.loads((OUT / name / "run.json").read_text())
+        meta = read_meta(OUT / name)
         size = sum(f.stat().st_size for f in (OUT / name).iterdir())
-        print(f"     {len(meta['tokens'])} tokens, {size / 1e6:.2f} MB: {meta['text'][:60]!r}")
+        print(f"     {len(meta.tokens)} tokens, {size / 1e6:.2f} MB: {meta.text[:60]!r}")
     total = sum(f.stat().st_size for f in OUT.rglob("*") if f.is_file())
     print(f"cached_runs/: {total / 1e6:.2f} MB")
     return 0

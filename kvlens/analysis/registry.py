@@ -116,7 +116,7 @@ def get_analysis(name: str) -> Analysis:
 
 def run_level(run: Run) -> RecordLevel:
     """The level a run was recorded at."""
-    return RecordLevel.parse((run.meta.get("record") or {}).get("level") or RecordLevel.SUMMARY)
+    return RecordLevel.parse(run.meta.record.level or RecordLevel.SUMMARY)
 
 
 def nan_to_none(t) -> list:
@@ -181,8 +181,8 @@ def replay_model(run: Run, device: str = "auto", dtype: str | None = None):
     """The model `run` was made with (its spec; its dtype unless `dtype`), for the analyses that replay it."""
     from kvlens.engine.models import load_model
 
-    made = run.meta["model"]
-    return load_model(made["spec"], device=device, dtype=dtype or made.get("dtype") or "auto")
+    made = run.meta.model
+    return load_model(made.spec, device=device, dtype=dtype or made.dtype or "auto")
 
 
 def _with_model(analysis: Analysis, source, model, params: dict) -> dict:

@@ -138,45 +138,41 @@ def write_report(runs: list[Run], out: str | Path, explained: Sequence[dict] = (
 
 
 def _name(run: Run, i: int) -> str:
-    return run.path.name if run.path else f"unsaved {run.meta['policy']['name']} run {i + 1}"
+    return run.path.name if run.path else f"unsaved {run.meta.policy.name} run {i + 1}"
 
 
 def _settings(run: Run) -> dict[str, str]:
     """The run's settings as table rows: policy, parameters, budget, storage, model, tokens, recording,
     sampling."""
     meta = run.meta
-    params = meta["policy"].get("params") or {}
-    budget = meta.get("budget") or {}
-    requested = budget.get("requested")
-    rec = meta.get("record") or {}
-    shape = meta["model"].get("shape") or {}
+    params = meta.policy.params
+    budget = meta.budget
+    requested = budget.requested
+    rec = meta.record
+    shape = meta.model.shape
     rows = {
-        "policy": meta["policy"]["name"],
+        "policy": meta.policy.name,
         "parameters": ", ".join(f"{k}={v}" for k, v in params.items()) or "none",
         "budget": "no budget"
-        if budget.get("slots") is None
-        else f"{budget['slots']} slots per KV head"
+        if budget.slots is None
+        else f"{budget.slots} slots per KV head"
         + (f" ({requested:g} of the prompt)" if isinstance(requested, float) else ""),
     }
-    if (meta.get("storage") or {}).get("bits") is not None:
-        rows["KV storage"] = storage_label(meta["storage"])
+    if meta.storage and meta.storage.get("bits") is not None:
+        rows["KV storage"] = storage_label(meta.storage)
     rows["model"] = (
-        f"{model_label(str(meta['model'].get('spec', '?')))} ({shape.get('layers')} layers, "
+        f"{model_label(meta.model.spec)} ({shape.get('layers')} layers, "
         f"{shape.get('heads')} query heads, {shape.get('kv_heads')} KV heads), "
-        f"{meta['model'].get('dtype', '?')} on {meta['model'].get('device', '?')}"
+        f"{meta.model.dtype or '?'} on {meta.model.device or '?'}"
     )
-    rows["tokens"] = (
-        f"{meta.get('mode', 'generate')}: {len(meta['prompt_tokens'])} prompt + {len(meta['tokens'])} new"
-    )
+    rows["tokens"] = f"{meta.mode}: {len(meta.prompt_tokens)} prompt + {len(meta.tokens)} new"
     rows["recorded"] = (
-        str(rec.get("level", "summary"))
-        + (f" (layers {', '.join(map(str, rec['layers']))})" if rec.get("layers") else "")
+        str(rec.level)
+        + (f" (layers {', '.join(map(str, rec.layers))})" if rec.layers else "")
         + (", measured (--measure)" if run.has("perturbation/used") else "")
     )
-    rows["sampling"] = (
-        f"seed {meta.get('seed')}, temperature {meta.get('temperature')}, top-p {meta.get('top_p')}"
-    )
-    rows["kvlens"] = str(meta.get("kvlens_version", "?"))
+    rows["sampling"] = f"seed {meta.seed}, temperature {meta.temperature}, top-p {meta.top_p}"
+    rows["kvlens"] = meta.kvlens_version or "?"
     return rows
 
 
@@ -263,15 +259,15 @@ def _text(run: Run) -> str:
     """The prompt (grey) and the generated text, for runs without attention rows."""
     return (
         f'<div style="white-space:pre-wrap;line-height:1.6"><span style="color:#777">'
-        f'{html.escape(run.meta.get("prompt", ""))}</span><span style="background:#e8f0fe">'
-        f"{html.escape(run.meta.get('text', ''))}</span></div>"
+        f'{html.escape(run.meta.prompt)}</span><span style="background:#e8f0fe">'
+        f"{html.escape(run.meta.text)}</span></div>"
     )
 
 
 def _kept_text(run: Run) -> str:
     """The kept-text view at the run's last step, or its plain text and the sentence saying why not."""
     try:
-        steps = len(run.meta["tokens"])
+        steps = len(run.meta.tokens)
         return kept_text_html(kept_text(run, steps - 1))
     except KvlensError as err:
         return f'<p class="note">{html.escape(str(err))}</p>{_text(run)}'
@@ -280,7 +276,7 @@ def _kept_text(run: Run) -> str:
 def _run_section(run: Run, name: str, number: int) -> str:
     settings = _settings(run)
     rows = [[html.escape(k), html.escape(v)] for k, v in settings.items()]
-    command = run.meta.get("command")
+    command = run.meta.command
     metrics = [[_metric_label(k), html.escape(_value(k, v))] for k, v in _scalars(run).items()]
     figures = [
         _figure(kind, run, f"run{number}-{kind}")

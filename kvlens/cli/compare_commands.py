@@ -101,9 +101,9 @@ def cmd_compare(args) -> int:
     out = {
         "command": command_line(),
         "model": args.model,
-        "prompt_tokens": len(reference["prompt_tokens"]),
+        "prompt_tokens": len(reference.prompt_tokens),
         "new_tokens": args.max_new_tokens,
-        "reference_text": reference["text"],
+        "reference_text": reference.text,
         "rows": rows,
         "wall_s": wall,
         "generate_s": generate_s,

@@ -273,9 +273,9 @@ def cmd_generate(args) -> int:
             meta={"command": command_line()},
             measure=args.measure,
         )
-    run.meta["metrics"].update({"rss_peak": rss.peak, "rss_growth": rss.peak - rss.start})
+    run.meta.metrics.update({"rss_peak": rss.peak, "rss_growth": rss.peak - rss.start})
     if args.measure:
-        run.meta["metrics"].update(
+        run.meta.metrics.update(
             base_baseline(
                 make_policy(args.policy, params),
                 lambda name, base: generate(
@@ -285,12 +285,12 @@ def cmd_generate(args) -> int:
         )
     path = run.save(args.out)
     m = run.metrics
-    print(run.meta["text"])
+    print(run.meta.text)
     ms = f"{m['ms_per_token']:.1f} ms/token" if m["ms_per_token"] else "one token"
     reached = f"compression ratio {m['compression_ratio_prompt']:.3f} after the prompt, "
     reached += f"{m['compression_ratio_final']:.3f} at the end"
     print(
-        f"\n[{args.policy}] {len(run.meta['tokens'])} tokens, {ms}, kv slots max {m['kv_slots_max']}, "
+        f"\n[{args.policy}] {len(run.meta.tokens)} tokens, {ms}, kv slots max {m['kv_slots_max']}, "
         f"{reached}, {len(run.decisions)} decisions -> {path}"
     )
     return 0
@@ -320,9 +320,9 @@ def cmd_ppl(args) -> int:
             meta={"command": command_line()},
             measure=args.measure,
         )
-    run.meta["metrics"].update({"rss_peak": rss.peak, "rss_growth": rss.peak - rss.start})
+    run.meta.metrics.update({"rss_peak": rss.peak, "rss_growth": rss.peak - rss.start})
     if args.measure:
-        run.meta["metrics"].update(
+        run.meta.metrics.update(
             base_baseline(
                 make_policy(args.policy, params),
                 lambda name, base: perplexity(
@@ -335,8 +335,8 @@ def cmd_ppl(args) -> int:
     m = run.metrics
     result = {
         "policy": args.policy,
-        "params": run.meta["policy"]["params"],
-        "budget": run.meta["budget"]["slots"],
+        "params": run.meta.policy.params,
+        "budget": run.meta.budget.slots,
         "budget_requested": opts.budget,
         "prefill": args.prefill,
         "tokens": args.tokens,
@@ -375,24 +375,24 @@ def cmd_show(args) -> int:
     run = load_run(args.run)
     meta = run.meta
     summary = {
-        "model": meta["model"],
-        "policy": meta["policy"],
-        "budget": meta.get("budget"),
-        "mode": meta.get("mode"),
-        "prompt": meta.get("prompt"),
-        "text": meta.get("text"),
-        "metrics": meta.get("metrics"),
+        "model": meta.model.model_dump(),
+        "policy": meta.policy.model_dump(),
+        "budget": meta.budget.model_dump(),
+        "mode": meta.mode,
+        "prompt": meta.prompt,
+        "text": meta.text,
+        "metrics": meta.metrics,
         "decisions": len(run.decisions),
-        "record": meta.get("record"),
-        "command": meta.get("command"),
+        "record": meta.record.model_dump(),
+        "command": meta.command,
         "tensors": {k: list(v.shape) for k, v in sorted(run.tensors.items())},
     }
     if args.json:
         print_json(summary)
         return 0
-    pol = meta["policy"]
-    print(f"run       {run.path}\nmodel     {meta['model'].get('spec')} {meta['model']['shape']}")
-    print(f"policy    {pol['name']} {pol.get('params')}  budget {summary['budget']}")
+    pol = meta.policy
+    print(f"run       {run.path}\nmodel     {meta.model.spec} {meta.model.shape}")
+    print(f"policy    {pol.name} {pol.params}  budget {summary['budget']}")
     print(f"prompt    {summary['prompt']!r}\ntext      {summary['text']!r}")
     for k, v in (summary["metrics"] or {}).items():
         print(f"  {k:<20} {v}")

@@ -35,6 +35,7 @@ from kvlens.kvcache.cache import KVCache
 from kvlens.kvcache.quantize import Storage
 from kvlens.policies import REGISTRY, Policy, PrunesKeys, Replays, ScoredEviction, resolve_budget
 from kvlens.runs.decisions import DecisionLog
+from kvlens.runs.meta import Budget, ModelInfo, PolicyInfo, Record, RunMeta
 from kvlens.runs.run import Run
 
 
@@ -605,7 +606,8 @@ def resumed(point: Fork, steps: int, meta: dict | None = None) -> Generator[Step
 
 
 def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, total_s, teacher, meta) -> Run:
-    """The finished run: its recorded tensors, run.json's entries (`meta` added last) and its decisions."""
+    """The finished run: its recorded tensors, its `RunMeta` (with `meta`'s extra entries: `command`,
+    `made_in`) and its decisions."""
     # (tokens, L, Hkv): the kept counts after the prompt's compression, then after each step's
     kept = torch.stack(loop.kept[: len(tokens)])
     tensors = loop.recorder.finish()
@@ -614,51 +616,51 @@ def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, tota
     if loop.channels is not None:
         tensors["kv_channels"] = loop.channels.to(torch.int32)  # (L, Hkv, K) each KV head's kept key channels
     nll = sum(nlls) / len(nlls)
-    info = {
-        "mode": "teacher" if teacher else "generate",
+    info = RunMeta(
+        mode="teacher" if teacher else "generate",
         **_settings(loop, model),
         **_texts(model.tokenizer, prompt_ids, tokens),
-        "metrics": {
+        metrics={
             "nll": nll,
             "ppl": math.exp(nll),
             **_cache_metrics(loop, kept, len(prompt_ids), len(tokens)),
             **_time_metrics(loop, ms, prefill_ms, total_s),
         },
-        "record": {
-            "level": str(loop.recorder.level),
-            "layers": loop.opts.record_layers,
-            "dtype": str(loop.recorder.dtype).removeprefix("torch."),
-        },
-    }
-    info.update(meta or {})
+        record=Record(
+            level=loop.recorder.level,
+            layers=loop.opts.record_layers,
+            dtype=str(loop.recorder.dtype).removeprefix("torch."),
+        ),
+        **(meta or {}),
+    )
     run_ = Run(meta=info, tensors=tensors)
     if loop.log is not None:
         run_.decisions = loop.log.frame()
     return run_
 
 
-def _settings(loop: _Loop, model: LoadedModel) -> dict:
-    """run.json's model, policy, storage, budget and sampling entries."""
+def _settings(loop: _Loop, model: LoadedModel) -> dict[str, Any]:
+    """`RunMeta`'s model, policy, storage, budget and sampling entries."""
     opts = loop.opts
     return {
-        "model": {
-            "spec": model.spec,
-            "shape": model.shape(),
-            "device": str(model.device),
-            "dtype": str(model.dtype).removeprefix("torch."),
-        },
-        "policy": {"name": loop.policy.name, "params": loop.policy.params()},
+        "model": ModelInfo(
+            spec=model.spec,
+            shape=model.shape(),
+            device=str(model.device),
+            dtype=str(model.dtype).removeprefix("torch."),
+        ),
+        "policy": PolicyInfo(name=loop.policy.name, params=loop.policy.params()),
         "storage": opts.storage.describe(),
         "prefill_chunk": opts.prefill_chunk,
-        "budget": {"requested": opts.budget, "slots": loop.budget},
+        "budget": Budget(requested=opts.budget, slots=loop.budget),
         "seed": opts.seed,
         "temperature": opts.temperature,
         "top_p": opts.top_p,
     }
 
 
-def _texts(tok, prompt_ids: list[int], tokens: list[int]) -> dict:
-    """run.json's prompt and produced tokens, each as ids, token strings and text."""
+def _texts(tok, prompt_ids: list[int], tokens: list[int]) -> dict[str, Any]:
+    """`RunMeta`'s prompt and produced tokens, each as ids, token strings and text."""
     return {
         "prompt": tok.decode(prompt_ids),
         "prompt_tokens": list(prompt_ids),
@@ -669,7 +671,7 @@ def _texts(tok, prompt_ids: list[int], tokens: list[int]) -> dict:
     }
 
 
-def _cache_metrics(loop: _Loop, kept: torch.Tensor, prompt: int, produced: int) -> dict:
+def _cache_metrics(loop: _Loop, kept: torch.Tensor, prompt: int, produced: int) -> dict[str, Any]:
     """What the cache held: kept slots and entries from `kept` `(produced, L, Hkv)`, the compression ratio
     reached and its bytes."""
     return {
@@ -688,7 +690,7 @@ def _cache_metrics(loop: _Loop, kept: torch.Tensor, prompt: int, produced: int) 
     }
 
 
-def _time_metrics(loop: _Loop, ms: list[float], prefill_ms: float, total_s: float) -> dict:
+def _time_metrics(loop: _Loop, ms: list[float], prefill_ms: float, total_s: float) -> dict[str, Any]:
     """What the run took: ms per decode step, the prefill's (its replay passes included) and the total."""
     return {
         "ms_per_token": (sum(ms) / len(ms)) if ms else None,

@@ -224,13 +224,13 @@ def measured(model: LoadedModel, go: Callable, observers=(), on_step=None) -> Ru
             on_step(event)
 
     run = go([*observers, meter], collect)
-    ids = run.meta["prompt_tokens"] + run.meta["tokens"]
-    n = len(run.meta["tokens"])
+    ids = run.meta.prompt_tokens + run.meta.tokens
+    n = len(run.meta.tokens)
     full = full_logprobs(model, ids[:-1])[len(ids) - 1 - n :]  # (n, V): predicts each produced token
     kl = kl_per_step(full, logits[:n])
     run.tensors.update(meter.tensors())
     run.tensors["perturbation/kl"] = kl
-    run.meta["metrics"].update(summary(run.tensors))
+    run.meta.metrics.update(summary(run.tensors))
     return run
 
 

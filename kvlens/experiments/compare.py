@@ -123,16 +123,16 @@ class Result:
     @property
     def agreement(self) -> float:
         """Share of steps whose choice is the full cache's token."""
-        return sum(a == b for a, b in zip(self.picks, self.run.meta["tokens"])) / len(self.picks)
+        return sum(a == b for a, b in zip(self.picks, self.run.meta.tokens)) / len(self.picks)
 
     def row(self) -> dict:
         m = self.run.metrics
         return {
             "policy": self.entry.label,
             "name": self.entry.policy,
-            "params": self.run.meta["policy"]["params"],
+            "params": self.run.meta.policy.params,
             "budget": self.entry.budget,
-            "budget_slots": self.run.meta["budget"]["slots"],
+            "budget_slots": self.run.meta.budget.slots,
             "first_divergence": self.first_diff,
             "top1_agreement": self.agreement,
             "ppl": m["ppl"],
@@ -143,9 +143,9 @@ class Result:
             "kv_bytes_peak": m["kv_bytes_peak"],
             "ms_per_token": m["ms_per_token"],
             "storage": self.entry.storage.describe(),
-            "generated": None if self.own is None else self.own.meta["text"],
+            "generated": None if self.own is None else self.own.meta.text,
             "generated_divergence": self.own_diff,
-            "generated_steps": None if self.own is None else len(self.own.meta["tokens"]) - self.own_from,
+            "generated_steps": None if self.own is None else len(self.own.meta.tokens) - self.own_from,
         }
 
 
@@ -281,11 +281,11 @@ def _with_own(
 ) -> Result:
     """`result` with its own text `own` (`seconds` to generate it from token `start` on) and where that text
     leaves the full cache's own (`reference`'s; None for the reference itself)."""
-    diff = None if reference is None else first_difference(reference.own.meta["tokens"], own.meta["tokens"])
+    diff = None if reference is None else first_difference(reference.own.meta.tokens, own.meta.tokens)
     return dataclasses.replace(
         result,
         own=own,
-        written=_decoded(model, own.meta["tokens"]),
+        written=_decoded(model, own.meta.tokens),
         generate_s=seconds,
         own_diff=diff,
         own_from=start,
@@ -295,7 +295,7 @@ def _with_own(
 def _resumed(model, result: Result, point: Fork, own: Run, reference: Result | None) -> Result:
     """`result` with its own text `own`, generated from the fork `point` on (timed by the run itself: what it
     spent after the fork)."""
-    seconds = own.meta["metrics"]["total_s"] - point.before_s
+    seconds = own.meta.metrics["total_s"] - point.before_s
     return _with_own(model, result, own, seconds, point.progress.step, reference)
 
 
@@ -339,11 +339,11 @@ class _Measured:
         out.tensors["perturbation/kl"] = kl_per_step(
             logprobs if reference is None else reference.logprobs, self.logits
         )
-        out.meta["metrics"].update(summary(out.tensors))
+        out.meta.metrics.update(summary(out.tensors))
         if reference is None:
             return Result(e, out, picks, None, _decoded(model, picks), logprobs)
         return Result(
-            e, out, picks, first_difference(reference.run.meta["tokens"], picks), _decoded(model, picks)
+            e, out, picks, first_difference(reference.run.meta.tokens, picks), _decoded(model, picks)
         )
 
 
@@ -367,7 +367,7 @@ def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, canc
     with the perturbation meter on (`kvlens.engine.perturbation.measured`, p_full from the reference), then
     (`own_text`) its own text resumed from its fork (`_Measured`)."""
     measured = _Measured(model, e, opts, own_text, on_step)
-    tokens = [] if reference is None else reference.run.meta["tokens"]
+    tokens = [] if reference is None else reference.run.meta.tokens
     out = run(
         model,
         make_policy(e.policy, e.params),
@@ -394,7 +394,7 @@ def _measure_many(
     (`kvlens.engine.lockstep`): the full cache's generation, if it is among them, writes the text the others
     are teacher-forced on as it goes, and each own text joins the batch from its fork on."""
     n = opts.max_new_tokens
-    text = list(ids) + ([] if reference is None else reference.run.meta["tokens"])
+    text = list(ids) + ([] if reference is None else reference.run.meta.tokens)
     passes = [_Measured(model, e, opts, own_text, on_step) for e in entries]
     loops = [
         prepare_run(

@@ -83,7 +83,7 @@ def ppl_cell(model, texts: dict[str, str], cell: dict) -> dict:
     m = run.metrics
     cached = prefill + tokens - 1  # tokens in a full cache at the last step
     out = {
-        "budget_slots": run.meta["budget"]["slots"],
+        "budget_slots": run.meta.budget.slots,
         "nll": m["nll"],
         "ppl": m["ppl"],
         "kept_final_mean": m["kv_slots_final_mean"],

@@ -91,28 +91,28 @@ def run_case(model: LoadedModel, directory: str) -> Case:
             "removed nothing); explain needs them."
         )
     meta = run.meta
-    budget = meta.get("budget", {}).get("slots")
-    tokens = list(meta["tokens"])
+    budget = meta.budget.slots
+    tokens = list(meta.tokens)
     if len(tokens) < 2:
         raise KvlensError(
             f"The run at {directory} has fewer than 2 tokens after its prompt; nothing to score."
         )
-    spec = PolicySpec(meta["policy"]["name"], tuple(sorted(meta["policy"]["params"].items())))
+    spec = PolicySpec(meta.policy.name, tuple(sorted(meta.policy.params.items())))
     about = {
         "source": "run",
         "run": str(directory),
         "policy": spec.name,
         "budget": budget,
-        "mode": meta["mode"],
+        "mode": meta.mode,
     }
     return Case(
         model,
-        list(meta["prompt_tokens"]),
+        list(meta.prompt_tokens),
         [],
         spec,
         budget,
         about,
-        text=tokens if meta["mode"] == "teacher" else None,
+        text=tokens if meta.mode == "teacher" else None,
         max_new_tokens=len(tokens),
     )
 

@@ -96,7 +96,7 @@ def layer_cache(run: Run, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     pos = run.tensor(f"attn_pos/{layer}").long()  # (R, Hkv, Smax)
     n_rows, hq, _ = attn.shape
     hkv = pos.shape[1]
-    prompt_len = len(run.meta["prompt_tokens"])
+    prompt_len = len(run.meta.prompt_tokens)
     n_pos = prompt_len + n_rows - 1
     valid = (pos >= 0) & (pos < n_pos)
     slot = torch.where(valid, pos, n_pos)  # column n_pos collects the empty slots, dropped below
@@ -112,7 +112,7 @@ def layer_cache(run: Run, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     status[~present & (rows > merged_at)] = MERGED_AWAY
     status[present] = KEPT
     status[present & (rows > holds_from)] = HOLDS_MERGE
-    sink = int(run.meta["policy"].get("params", {}).get("sink", 0) or 0)
+    sink = int(run.meta.policy.params.get("sink", 0) or 0)
     if sink:
         status[..., :sink][present[..., :sink]] = SINK
     return weights, status
@@ -124,7 +124,7 @@ def attention_grid(run: Run, layer: int, head: int, max_cells: int = 512) -> Att
     hq, hkv = weights.shape[1], status.shape[1]
     if not 0 <= head < hq:
         raise KvlensError(f"Head {head} is out of range: the model has query heads 0 to {hq - 1}.")
-    prompt_len = len(run.meta["prompt_tokens"])
+    prompt_len = len(run.meta.prompt_tokens)
     return _pool(layer, head, weights[:, head], status[:, head // (hq // hkv)], max_cells, prompt_len)
 
 
@@ -292,7 +292,7 @@ def attention_map_figure(
     ylabel = "query row (0 = last prompt token)" + (f" (blocks of {grid.block[0]})" if pooled else "")
     fig.update_xaxes(title_text=xlabel, range=[-0.5, grid.cols[-1] + grid.block[1] - 0.5])
     fig.update_yaxes(title_text=ylabel, autorange="reversed")
-    pol = run.meta["policy"]["name"]
+    pol = run.meta.policy.name
     fig.update_layout(
         title=dict(
             text=f"Attention of layer {grid.layer}, head {grid.head} under {pol} (dotted: end of prompt)"
@@ -303,7 +303,7 @@ def attention_map_figure(
             "analysis": "attention",
             "params": {"layer": grid.layer, "head": grid.head, "step": step},
             "run": str(run.path) if run.path else None,
-            "run_command": run.meta.get("command"),
+            "run_command": run.meta.command,
         },
     )
     return fig

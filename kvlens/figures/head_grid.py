@@ -110,8 +110,8 @@ def head_grid(run: Run) -> HeadGrid:
         layers,
         torch.stack([w for w, _ in caches], dim=1).numpy(),
         torch.stack([s for _, s in caches], dim=1).numpy(),
-        len(run.meta["prompt_tokens"]),
-        run.meta["policy"]["name"],
+        len(run.meta.prompt_tokens),
+        run.meta.policy.name,
         measured,
     )
 

@@ -60,7 +60,7 @@ def token_strings(run: Run) -> list[str]:
 
 def has_rows(run: Run) -> bool:
     """Whether the run kept attention rows (`--record attention`)."""
-    level = (run.meta.get("record") or {}).get("level", RecordLevel.SUMMARY)
+    level = run.meta.record.level
     return RecordLevel.parse(str(level)).includes(RecordLevel.ATTENTION) and any(
         n.startswith("attn/") for n in run.tensors
     )
@@ -69,7 +69,7 @@ def has_rows(run: Run) -> bool:
 def inspect_token(run: Run, step: int, layer: int, head: int) -> TokenRow:
     """The attention row of generated token `step` in `layer` and query head `head` (see module docstring)."""
     if not has_rows(run):
-        level = (run.meta.get("record") or {}).get("level", RecordLevel.SUMMARY)
+        level = run.meta.record.level
         raise KvlensError(
             f"This run was recorded at '{level}', which keeps no attention rows; record it with "
             f"--record {RecordLevel.ATTENTION} to inspect tokens."
@@ -107,7 +107,7 @@ def inspect_token(run: Run, step: int, layer: int, head: int) -> TokenRow:
 def slot_provenance(run: Run, layer: int, kv_head: int, step: int) -> dict[int, dict[int, float]]:
     """{slot: {source position: weight}} of the slots holding merged values when step `step` attended
     (decisions of steps before it); sources a Bernoulli draw of 0 added with weight 0 are left out."""
-    rule = policy_class(run.meta["policy"]["name"]).merge_rule
+    rule = policy_class(run.meta.policy.name).merge_rule
     d = run.decisions
     if rule is None or d is None or not len(d):
         return {}

@@ -88,15 +88,15 @@ def kept_text(run: Run, step: int, layer: int | None = None, head: int | None = 
         raise KvlensError(f"Step {step} is out of range: this run recorded steps 0 to {n_rows - 1}.")
     if head is not None and not 0 <= head < hq:
         raise KvlensError(f"Head {head} is out of range: the model has query heads 0 to {hq - 1}.")
-    prompt_len = len(run.meta["prompt_tokens"])
-    n_tokens = prompt_len + len(run.meta["tokens"])
+    prompt_len = len(run.meta.prompt_tokens)
+    n_tokens = prompt_len + len(run.meta.tokens)
     pad = n_tokens - n_pos  # the last generated token was never fed back: no step saw it
     kept = torch.isin(status[:, step], torch.tensor(CACHED, dtype=status.dtype)).sum((0, 1))  # (P,)
     joint = token_text.context(run.meta)
     texts = ([joint.label(i) for i in range(len(joint.spans))] + [""] * n_tokens)[:n_tokens]
     flow = ([joint.flow(i) for i in range(len(joint.spans))] + [""] * n_tokens)[:n_tokens]
     common = dict(
-        policy=run.meta["policy"]["name"],
+        policy=run.meta.policy.name,
         step=step,
         layers=layers,
         layer=layer,

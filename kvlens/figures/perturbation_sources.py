@@ -137,7 +137,7 @@ def sources_figure(run: Run) -> go.Figure:
     fig.update_xaxes(tickangle=0, row=1, col=1)
     fig.update_xaxes(title_text="layer", row=1, col=2)
     fig = finish(
-        fig, f"Output error by source ({storage_label(run.meta.get('storage'))})", "perturbation-sources", run
+        fig, f"Output error by source ({storage_label(run.meta.storage)})", "perturbation-sources", run
     )
     fig.update_layout(
         width=None,

@@ -66,8 +66,8 @@ def finish(fig: go.Figure, title: str, analysis: str, run: Run | None = None, **
     meta: dict[str, Any] = {"analysis": analysis, "params": params}
     if run is not None:
         meta["run"] = str(run.path) if run.path else None
-        meta["run_command"] = run.meta.get("command")
-        meta["model"] = run.meta["model"].get("spec")
+        meta["run_command"] = run.meta.command
+        meta["model"] = run.meta.model.spec
     fig.update_layout(template="kvlens", title=dict(text=title), meta=meta)
     return integer_ticks(fig)
 
@@ -141,4 +141,4 @@ def rank_label(storage: dict, short: bool = False) -> str:
 
 def run_model(run: Run) -> str:
     """The model a run was recorded with, as a figure title shows it (`model_label` of its spec)."""
-    return model_label(str(run.meta["model"].get("spec", "model")))
+    return model_label(str(run.meta.model.spec))

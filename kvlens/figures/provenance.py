@@ -72,7 +72,7 @@ def _apply_set(state, pending) -> None:
 
 def table(run) -> pd.DataFrame:
     """Provenance of a run's merged slots: columns layer, kv_head, slot, source, weight."""
-    rule = policy_class(run.meta["policy"]["name"]).merge_rule
+    rule = policy_class(run.meta.policy.name).merge_rule
     rows: list[tuple[int, int, int, int, float]] = []
     if rule is not None and run.decisions is not None and len(run.decisions):
         for (layer, head), slots in sorted(replay(run.decisions, rule).items()):

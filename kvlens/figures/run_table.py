@@ -19,6 +19,7 @@ import pandas as pd
 from kvlens.errors import KvlensError
 from kvlens.figures.plots import model_label, storage_label
 from kvlens.policies import changed_params
+from kvlens.runs.meta import RunMeta
 from kvlens.runs.run import RUN_JSON, read_meta
 
 COLUMNS = [
@@ -56,9 +57,8 @@ SEARCHED = [
 ]  # what the text filter reads
 
 
-def _budget(meta: dict) -> str:
-    b = meta.get("budget") or {}
-    slots, requested = b.get("slots"), b.get("requested")
+def _budget(meta: RunMeta) -> str:
+    slots, requested = meta.budget.slots, meta.budget.requested
     if slots is None:
         return "none"
     return f"{slots} slots" + (f" ({requested:g} of the prompt)" if isinstance(requested, float) else "")
@@ -76,29 +76,29 @@ def run_row(path: str | Path, source: str) -> dict:
     """The table row of one run directory (a KvlensError if its run.json is not a valid manifest)."""
     path = Path(path)
     meta = read_meta(path)
-    policy = meta["policy"]
-    name = str(policy.get("name", "?"))
-    params = changed_params(name, policy.get("params") or {})
-    metrics = meta.get("metrics") or {}
+    policy = meta.policy
+    name = policy.name
+    params = changed_params(name, policy.params)
+    metrics = meta.metrics
     peak = metrics.get("kv_bytes_peak")
     return {
         "name": path.name,
         "source": source,
-        "prompt": _first_words(str(meta.get("prompt", ""))),
-        "text": tuple(meta["prompt_tokens"]),  # replaced by its group's letter in `run_table`
+        "prompt": _first_words(meta.prompt),
+        "text": tuple(meta.prompt_tokens),  # replaced by its group's letter in `run_table`
         "policy": name,
         "params": ", ".join(f"{k}={v}" for k, v in params.items()),
         "budget": _budget(meta),
-        "storage": storage_label(meta.get("storage"), short=True),
-        "model": model_label(str(meta["model"].get("spec", "?"))),
-        "mode": str(meta.get("mode", "generate")),
-        "prompt tokens": len(meta["prompt_tokens"]),
-        "new tokens": len(meta["tokens"]),
+        "storage": storage_label(meta.storage, short=True),
+        "model": model_label(meta.model.spec),
+        "mode": meta.mode,
+        "prompt tokens": len(meta.prompt_tokens),
+        "new tokens": len(meta.tokens),
         "ppl": metrics.get("ppl"),
         "KL": metrics.get("kl"),
         "perturbation": metrics.get("perturbation_used"),
         "peak KV (MiB)": peak / 2**20 if isinstance(peak, (int, float)) else None,
-        "level": str((meta.get("record") or {}).get("level", "summary")),
+        "level": str(meta.record.level),
         "saved": datetime.fromtimestamp((path / RUN_JSON).stat().st_mtime, UTC).replace(tzinfo=None),
         "path": str(path),
     }

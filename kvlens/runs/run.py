@@ -2,14 +2,12 @@
 
 Saving is atomic (a temporary directory beside the target, then a rename). Loading is safe for
 files from strangers: no pickle, fixed file names (never taken from the manifest), size limits,
-schema version checked, every tensor's name, dtype and shape checked against the manifest.
+every run.json entry validated (`RunMeta`), every tensor's dtype and shape checked against the manifest.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -22,13 +20,12 @@ import torch
 from kvlens.errors import KvlensError
 from kvlens.levels import RecordLevel
 from kvlens.runs.decisions import COLUMNS, decisions_frame
+from kvlens.runs.meta import SCHEMA_VERSION, RunMeta, TensorInfo
 from kvlens.version import __version__
 
-SCHEMA_VERSION = 1
 RUN_JSON, TENSORS, DECISIONS = "run.json", "tensors.safetensors", "decisions.parquet"
 MAX_JSON_BYTES = 64 << 20
 MAX_TENSOR_BYTES = 8 << 30
-TENSOR_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}(/[A-Za-z0-9_.-]{1,64}){0,4}")
 
 
 # What `Run.figure` and `Run.analyze` call: the analyses sit above the run format, so this module names
@@ -53,24 +50,24 @@ def _analyses(what: str) -> Callable:
 
 @dataclass
 class Run:
-    """One recorded run: `meta` is run.json, `tensors` named CPU tensors, `decisions` a table."""
+    """One recorded run: `meta` its run.json (`RunMeta`), `tensors` named CPU tensors, `decisions` a table."""
 
-    meta: dict
+    meta: RunMeta
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     decisions: pd.DataFrame = field(default_factory=decisions_frame)
     path: Path | None = None
 
     @property
     def shape(self) -> dict:
-        return self.meta["model"]["shape"]
+        return self.meta.model.shape
 
     @property
     def metrics(self) -> dict:
-        return self.meta.get("metrics", {})
+        return self.meta.metrics
 
     def tokens(self) -> list[int]:
         """Prompt (or prefill) tokens followed by the generated (or scored) tokens."""
-        return list(self.meta["prompt_tokens"]) + list(self.meta["tokens"])
+        return self.meta.prompt_tokens + self.meta.tokens
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -100,17 +97,17 @@ class Run:
             if not target.is_dir() or any(target.iterdir()):
                 raise KvlensError(f"{target} exists and is not a kvlens run; choose another --out.")
         target.parent.mkdir(parents=True, exist_ok=True)
-        meta = dict(self.meta)
-        meta["schema"] = SCHEMA_VERSION
-        meta["kvlens_version"] = __version__
-        meta["tensors"] = {
-            k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+        meta = self.meta.model_copy(deep=True)
+        meta.schema_version = SCHEMA_VERSION
+        meta.kvlens_version = __version__
+        meta.tensors = {
+            k: TensorInfo(dtype=str(v.dtype).removeprefix("torch."), shape=list(v.shape))
             for k, v in sorted(self.tensors.items())
         }
-        meta["decisions"] = len(self.decisions)
+        meta.decisions = len(self.decisions)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            (tmp / RUN_JSON).write_text(json.dumps(meta, indent=1, allow_nan=True))
+            (tmp / RUN_JSON).write_text(meta.to_json())
             save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(tmp / TENSORS))
             self.decisions.to_parquet(tmp / DECISIONS, index=False)
             old = None
@@ -141,46 +138,15 @@ def _inside(directory: Path, name: str) -> Path:
     return path
 
 
-def read_meta(directory: str | Path) -> dict:
-    """The checked run.json of a run directory, without reading its tensors (listings use this)."""
-    directory = Path(directory)
-    path = _inside(directory, RUN_JSON)
+def read_meta(directory: str | Path) -> RunMeta:
+    """The validated run.json of a run directory, without reading its tensors (listings use this)."""
+    path = _inside(Path(directory), RUN_JSON)
     if path.stat().st_size > MAX_JSON_BYTES:
         raise KvlensError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MB; refusing to read it.")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise KvlensError(f"{path} is not valid JSON ({err.__class__.__name__}).") from err
-    if not isinstance(meta, dict) or not isinstance(meta.get("schema"), int):
-        raise KvlensError(f"{path} is not a kvlens run manifest (no integer 'schema').")
-    if meta["schema"] > SCHEMA_VERSION:
-        raise KvlensError(
-            f"{directory} was written by a newer kvlens ({meta.get('kvlens_version', '?')}, "
-            f"schema {meta['schema']}); upgrade kvlens to read it."
-        )
-    if meta["schema"] < 1:
-        raise KvlensError(f"{path} has an unknown schema version {meta['schema']}.")
-    for name in meta.get("tensors") or {}:
-        if not isinstance(name, str) or not TENSOR_NAME.fullmatch(name) or ".." in name.split("/"):
-            raise KvlensError(
-                f"{path} names a tensor '{str(name)[:80]}' that is not a plain kvlens tensor name."
-            )
-    for key, kind in (
-        ("tensors", dict),
-        ("model", dict),
-        ("policy", dict),
-        ("prompt_tokens", list),
-        ("tokens", list),
-    ):
-        if not isinstance(meta.get(key), kind):
-            raise KvlensError(f"{path} lacks a valid '{key}' entry.")
-    record = meta.get("record")
-    if isinstance(record, dict) and "level" in record:  # older runs call the attention level `full`
-        record["level"] = str(RecordLevel.parse(str(record["level"])))
-    return meta
+    return RunMeta.from_json(path.read_bytes(), path)
 
 
-def _read_tensors(directory: Path, manifest: dict) -> dict[str, torch.Tensor]:
+def _read_tensors(directory: Path, manifest: dict[str, TensorInfo]) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 
     path = _inside(directory, TENSORS)
@@ -196,11 +162,7 @@ def _read_tensors(directory: Path, manifest: dict) -> dict[str, torch.Tensor]:
             for name in names:
                 t = f.get_tensor(name)
                 want = manifest[name]
-                if (
-                    not isinstance(want, dict)
-                    or list(t.shape) != want.get("shape")
-                    or str(t.dtype).removeprefix("torch.") != want.get("dtype")
-                ):
+                if list(t.shape) != want.shape or str(t.dtype).removeprefix("torch.") != want.dtype:
                     raise KvlensError(
                         f"Tensor '{name[:80]}' in {path} has shape {list(t.shape)}, "
                         f"which contradicts run.json."
@@ -213,7 +175,7 @@ def _read_tensors(directory: Path, manifest: dict) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _read_decisions(directory: Path, count) -> pd.DataFrame:
+def _read_decisions(directory: Path, count: int | None) -> pd.DataFrame:
     import pyarrow.parquet as pq
 
     path = _inside(directory, DECISIONS)
@@ -221,7 +183,7 @@ def _read_decisions(directory: Path, count) -> pd.DataFrame:
         table = pq.read_table(path)
     except Exception as err:  # pyarrow raises several unrelated types for corrupt files
         raise KvlensError(f"{path} is truncated or corrupt ({type(err).__name__}).") from err
-    if table.column_names != COLUMNS or (isinstance(count, int) and table.num_rows != count):
+    if table.column_names != COLUMNS or (count is not None and table.num_rows != count):
         raise KvlensError(f"{path} does not hold the decision table that run.json describes.")
     return table.to_pandas()
 
@@ -232,6 +194,6 @@ def load_run(path: str | Path) -> Run:
     if not directory.is_dir():
         raise KvlensError(f"{directory} is not a run directory.")
     meta = read_meta(directory)
-    tensors = _read_tensors(directory, meta["tensors"])
-    decisions = _read_decisions(directory, meta.get("decisions"))
+    tensors = _read_tensors(directory, meta.tensors)
+    decisions = _read_decisions(directory, meta.decisions)
     return Run(meta=meta, tensors=tensors, decisions=decisions, path=directory)

@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
+from kvlens.runs.meta import RunMeta
+
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -132,11 +134,11 @@ def decode(tokens: list[str]) -> TokenText:
     return TokenText("".join(c for _, _, c in chars), spans, parts)
 
 
-def generated(meta: dict) -> TokenText:
-    """A run's generated (or scored) tokens (`meta["token_strings"]`) decoded jointly."""
-    return decode(list(meta.get("token_strings") or []))
+def generated(meta: RunMeta) -> TokenText:
+    """A run's generated (or scored) tokens (`meta.token_strings`) decoded jointly."""
+    return decode(meta.token_strings)
 
 
-def context(meta: dict) -> TokenText:
+def context(meta: RunMeta) -> TokenText:
     """A run's prompt and generated tokens decoded jointly, position by position."""
-    return decode(list(meta.get("prompt_token_strings") or []) + list(meta.get("token_strings") or []))
+    return decode(meta.prompt_token_strings + meta.token_strings)

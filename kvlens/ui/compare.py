@@ -131,7 +131,7 @@ def show_results(results: list[Result]) -> None:
         "cmp_fig",
         name="compare",
         config={
-            "prompt": results[0].run.meta["prompt"],
+            "prompt": results[0].run.meta.prompt,
             "new_tokens": len(reference.spans),
             "policies": [
                 {

@@ -69,7 +69,7 @@ def lacks_rows(run: Run) -> bool:
     """Say (one sentence) that `run` kept no attention rows and which level keeps them; True if so."""
     if has_rows(run):
         return False
-    level = (run.meta.get("record") or {}).get("level", RecordLevel.SUMMARY)
+    level = run.meta.record.level
     st.info(NEED.why.replace("{have}", str(level)))
     return True
 
@@ -81,7 +81,7 @@ def token_inspector(run: Run, key: str) -> None:
         return
     strings = token_strings(run)
     steps = list(range(run.tensor(f"attn/{recorded_attention_layers(run)[0]}").shape[0]))
-    label = "Generated token" if run.meta.get("mode", "generate") == "generate" else "Scored token"
+    label = "Generated token" if run.meta.mode == "generate" else "Scored token"
     if len(steps) <= MAX_PILLS:
         names = pill_names([shown(t) for t in strings[: len(steps)]])
 
@@ -111,7 +111,7 @@ def token_view(run: Run, key: str, step: int, layer: int, head: int) -> None:
     left, right = st.columns([5, 2]) if row.provenance else (st.container(), None)
     with left:
         chart(
-            token_row_figure(row, run.meta["policy"]["name"]),
+            token_row_figure(row, run.meta.policy.name),
             f"{key}_row",
             name=f"token-{step}-L{layer}-H{head}",
             config={"run": str(run.path), "step": step, "layer": layer, "head": head},
@@ -149,9 +149,9 @@ def inspect_pair(run_a: Run, run_b: Run, step: int, key: str = "pair") -> None:
         with col:
             st.markdown(summary(row))
             chart(
-                token_row_figure(row, run.meta["policy"]["name"], height=380),
+                token_row_figure(row, run.meta.policy.name, height=380),
                 f"{key}_row{i}",
-                name=f"token-{step}-L{layer}-H{head}-{run.meta['policy']['name']}",
+                name=f"token-{step}-L{layer}-H{head}-{run.meta.policy.name}",
                 config={
                     "run": str(run.path) if run.path else None,
                     "step": step,

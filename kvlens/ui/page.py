@@ -85,7 +85,7 @@ def browse_page(title: str, caption: str = "", need: Need | None = None) -> Run:
 
 def report_button(runs: list[Run], key: str, where=st) -> None:
     """A download of the runs' report (what `kvlens report` writes), built only when the button is clicked."""
-    stem = "-".join(run.path.name if run.path else run.meta["policy"]["name"] for run in runs)[:80]
+    stem = "-".join(run.path.name if run.path else run.meta.policy.name for run in runs)[:80]
     where.download_button(
         "Report",
         data=lambda: report_html(runs),

@@ -9,7 +9,6 @@ copy of every tensor on each rerun. Figures of registered analyses (`run_figure`
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ import streamlit as st
 from kvlens.errors import KvlensError
 from kvlens.levels import RecordLevel
 from kvlens.policies import REGISTRY
-from kvlens.runs.run import RUN_JSON, Run
+from kvlens.runs.run import RUN_JSON, Run, read_meta
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHED_DIR = ROOT / "cached_runs"
@@ -60,17 +59,15 @@ class RunEntry:
 
 
 def _entry(directory: Path, source: str) -> RunEntry | None:
-    manifest = directory / RUN_JSON
     try:
-        meta = json.loads(manifest.read_text(encoding="utf-8"))
-        policy = str(meta["policy"]["name"])
-        level = RecordLevel.parse(str((meta.get("record") or {}).get("level", RecordLevel.SUMMARY)))
-        measured = "perturbation/used" in (meta.get("tensors") or {})
-        return RunEntry(
-            str(directory), source, directory.name, policy, level, manifest.stat().st_mtime, measured
-        )
-    except (OSError, ValueError, KeyError, TypeError):
+        meta = read_meta(directory)
+        mtime = (directory / RUN_JSON).stat().st_mtime
+    except (OSError, KvlensError):
         return None  # not a run (or unreadable): left out of the picker
+    measured = "perturbation/used" in meta.tensors
+    return RunEntry(
+        str(directory), source, directory.name, meta.policy.name, meta.record.level, mtime, measured
+    )
 
 
 @st.cache_data(ttl=5, max_entries=4, show_spinner=False)
@@ -146,7 +143,7 @@ def _figure(kind: str, path: str, mtime: float, params: tuple):
 
     run = _open_run(path, mtime)
     if get_analysis(kind).replays:  # the app's own copy of the run's model (`get_model`: no local paths)
-        return run.figure(kind, model=get_model(run.meta["model"]["spec"], "auto"), **dict(params))
+        return run.figure(kind, model=get_model(run.meta.model.spec, "auto"), **dict(params))
     return run.figure(kind, **dict(params))
 
 

@@ -15,31 +15,31 @@ from kvlens.runs.token_text import TokenText
 
 def _budget(run: Run) -> str:
     """The run's budget in words; a budget-free run's, the compression ratio its own rule reached."""
-    b = run.meta.get("budget") or {}
-    if b.get("slots") is None:
-        reached = (run.meta.get("metrics") or {}).get("compression_ratio_final")
+    b = run.meta.budget
+    if b.slots is None:
+        reached = run.meta.metrics.get("compression_ratio_final")
         return "no budget" if reached is None else f"no budget: compression ratio {reached:.3f} reached"
-    req = b.get("requested")
-    return f"budget {b['slots']} slots" + (f" ({req:g} of the prompt)" if isinstance(req, float) else "")
+    req = b.requested
+    return f"budget {b.slots} slots" + (f" ({req:g} of the prompt)" if isinstance(req, float) else "")
 
 
 def _storage(run: Run) -> str:
     """ " · KV 4-bit kivi, group 64" for quantized storage; nothing for the model's dtype (and older runs)."""
-    storage = run.meta.get("storage")
+    storage = run.meta.storage
     return f" · KV {storage_label(storage)}" if storage and storage.get("bits") is not None else ""
 
 
 def run_header(run: Run) -> None:
     """One line naming the run: policy, parameters, budget, KV storage (when quantized), mode, model,
     level."""
-    pol = run.meta["policy"]
-    params = ", ".join(f"{k}={v}" for k, v in changed_params(pol["name"], pol.get("params") or {}).items())
-    rec = run.meta.get("record") or {}
-    layers = rec.get("layers")
+    pol = run.meta.policy
+    params = ", ".join(f"{k}={v}" for k, v in changed_params(pol.name, pol.params).items())
+    rec = run.meta.record
+    layers = rec.layers
     st.markdown(
-        f"**{pol['name']}**" + (f" ({params})" if params else "") + f" · {_budget(run)}{_storage(run)} · "
-        f"{run.meta.get('mode', 'generate')} · {len(run.meta['prompt_tokens'])} prompt + "
-        f"{len(run.meta['tokens'])} new tokens · recorded `{rec.get('level', 'summary')}`"
+        f"**{pol.name}**" + (f" ({params})" if params else "") + f" · {_budget(run)}{_storage(run)} · "
+        f"{run.meta.mode} · {len(run.meta.prompt_tokens)} prompt + "
+        f"{len(run.meta.tokens)} new tokens · recorded `{rec.level}`"
         + (f" (layers {', '.join(map(str, layers))})" if layers else "")
         + f" · `{run.path.name if run.path else 'unsaved'}`"
     )
@@ -54,7 +54,7 @@ def metric_row(run: Run) -> None:
     cols[1].metric(
         "Peak KV cache",
         f"{m['kv_bytes_peak'] / 2**20:.2f} MiB",
-        help=f"Allocated bytes after compression, stored as {storage_label(run.meta.get('storage'))}; "
+        help=f"Allocated bytes after compression, stored as {storage_label(run.meta.storage)}; "
         f"the uncompressed prompt took {m.get('kv_bytes_prefill', 0) / 2**20:.2f} MiB",
     )
     cols[2].metric("Max slots / head", m["kv_slots_max"])
@@ -94,8 +94,8 @@ def escaped(text: str) -> str:
 
 def token_text(run: Run) -> None:
     """Prompt in grey, generated (or scored) text in black."""
-    prompt = escaped(run.meta.get("prompt", ""))
-    text = escaped(run.meta.get("text", ""))
+    prompt = escaped(run.meta.prompt)
+    text = escaped(run.meta.text)
     st.markdown(
         f"<div style='white-space:pre-wrap;line-height:1.5'><span style='color:#888'>{prompt}</span>"
         f"<span class='kvlens-generated' style='background:#e8f0fe'>{text}</span></div>",

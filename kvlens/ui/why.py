@@ -28,7 +28,7 @@ def patch_count(run: Run, by: list[str], span: int, minimal: bool) -> int:
     """About how many patched caches `explain` scores for `run` with these groups (a cache per group, the
     smallest set's head groups when asked; its search adds a few), before computing any: the Why page's
     estimate."""
-    layers, heads, tokens = run.shape["layers"], run.shape["kv_heads"], len(run.meta["prompt_tokens"])
+    layers, heads, tokens = run.shape["layers"], run.shape["kv_heads"], len(run.meta.prompt_tokens)
     sizes = {"layer": layers, "head": layers * heads, "span": -(-tokens // span), "kind": 2, "sinks": 1}
     kinds = list(by) + (["head"] if minimal and "head" not in by else [])
     return sum(sizes.get(kind, 0) for kind in kinds)
@@ -40,7 +40,7 @@ def explain_run(path: str, by: tuple[str, ...], span: int, minimal: bool) -> dic
     from kvlens.explain.explain import explain
 
     run = open_run(path)
-    model = get_model(run.meta["model"]["spec"], "auto")
+    model = get_model(run.meta.model.spec, "auto")
     return explain(run_case(model, path), list(by), span, minimal_by="head" if minimal else None)
 
 

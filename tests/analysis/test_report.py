@@ -72,8 +72,8 @@ def test_every_figure_of_every_run_and_the_comparison_is_drawn(two):
 
 def test_the_kept_text_command_settings_and_decisions_of_each_run(report_runs, two):
     for run in report_runs[:2]:
-        assert kept_text_html(kept_text(run, len(run.meta["tokens"]) - 1)) in two
-        assert f"<pre>{html.escape(run.meta['command'])}</pre>" in two
+        assert kept_text_html(kept_text(run, len(run.meta.tokens) - 1)) in two
+        assert f"<pre>{html.escape(run.meta.command)}</pre>" in two
         d = run.decisions
         evicted = (
             ((d["action"] == "evict") | (d["draw"] == 0)).groupby(d["layer"]).sum()
@@ -106,13 +106,13 @@ def test_a_summary_run_gets_its_text_and_says_how_to_record_the_rest(report_runs
     page = report_html([report_runs[2]])
     assert FIGURE_IDS.findall(page) == ["run1-occupancy"]
     assert "record it with --record attention" in page and 'class="kvlens-kept-text"' not in page
-    assert html.escape(report_runs[2].meta["text"]) in page
+    assert html.escape(report_runs[2].meta.text) in page
 
 
 def test_everything_a_run_says_is_escaped(report_runs):
     run = copy.deepcopy(report_runs[2])
-    run.meta["command"] = "kvlens generate --prompt '</pre><script>alert(1)</script>'"
-    run.meta["policy"]["params"] = {"<b>x</b>": "<i>"}
+    run.meta.command = "kvlens generate --prompt '</pre><script>alert(1)</script>'"
+    run.meta.policy.params = {"<b>x</b>": "<i>"}
     page = outside_plotly(report_html([run]))
     assert "<script>alert(1)" not in page and "&lt;/pre&gt;&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert "<b>x" not in page and "&lt;b&gt;x&lt;/b&gt;=&lt;i&gt;" in page

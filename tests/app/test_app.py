@@ -59,11 +59,11 @@ def test_overview_lists_shipped_runs_and_defaults_to_a_measured_merging_run(app)
     shipped = sorted(d.name for d in CACHED_RUNS.iterdir() if (d / "run.json").is_file())
     assert len(options) == len(shipped) >= 5
     run = load_run(app.sidebar.selectbox(key="app_run").value)
-    assert run.meta["policy"]["name"] in ("cam", "kvmerger") and run.has("perturbation/used")
+    assert run.meta.policy.name in ("cam", "kvmerger") and run.has("perturbation/used")
     occupancy = charts(app)[0]
     kept = traces(occupancy, "scatter")[-1]
     assert len(kept["y"]) == run.tensor("steps/kv_slots").shape[0]
-    assert max(kept["y"]) <= run.meta["budget"]["slots"]
+    assert max(kept["y"]) <= run.meta.budget.slots
 
 
 @pytest.mark.parametrize("name", sorted(p.parent.name for p in CACHED_RUNS.glob("*/run.json")))
@@ -98,7 +98,7 @@ def test_attention_map_marks_evictions_and_stays_small(app):
     heat = traces(charts(at)[0], "heatmap")
     assert len(heat) == 2  # status background + attention
     rows = run.tensor("attn/15").shape[0]
-    prompt = len(run.meta["prompt_tokens"])
+    prompt = len(run.meta.prompt_tokens)
     assert len(heat[1]["z"]) == rows and len(heat[1]["z"][0]) == prompt + rows - 1
     statuses = {c for row in heat[0]["customdata"] for c in row}
     assert {"evicted", "sink", "kept"} <= statuses
@@ -119,7 +119,7 @@ def test_attention_asks_for_attention_recording_on_a_summary_run(app):
 
 def test_similarity_shows_three_lower_triangular_maps(app):
     at = open_page(app, "similarity", "full-states")
-    n = len(load_run(CACHED_RUNS / "full-states").meta["prompt_tokens"])
+    n = len(load_run(CACHED_RUNS / "full-states").meta.prompt_tokens)
     assert at.multiselect(key="sim_kinds").value == ["query", "key", "value"]
     maps = [traces(c, "heatmap")[0] for c in charts(at)[:3]]
     for m in maps:
@@ -355,7 +355,7 @@ def test_run_page_generates_and_saves_a_run(app, tmp_path):
     saved = list((tmp_path / "runs").iterdir())
     assert len(saved) == 1
     run = load_run(saved[0])
-    assert run.meta["policy"]["name"] == "streaming_llm" and len(run.meta["tokens"]) == 4
+    assert run.meta.policy.name == "streaming_llm" and len(run.meta.tokens) == 4
     assert sorted(int(n.split("/")[1]) for n in run.tensors if n.startswith("attn/")) == [0, 29]
     assert at.sidebar.selectbox(key="app_run").value == str(saved[0])  # the new run is selected
     at.switch_page("pages/attention.py").run()
@@ -842,16 +842,16 @@ def test_run_page_stores_the_kv_cache_as_chosen(app, tmp_path):
     plain = load_run(at.sidebar.selectbox(key="app_run").value)
     at = run_from_page(at, "h2o", 4, scheme="token", group=32)
     packed = load_run(at.sidebar.selectbox(key="app_run").value)
-    assert plain.meta["storage"] == {"bits": None}
-    assert packed.meta["storage"] == {
+    assert plain.meta.storage == {"bits": None}
+    assert packed.meta.storage == {
         "bits": 4,
         "scheme": "token",
         "group": 32,
         "residual": 0,
         "scale_dtype": "float16",
     }
-    assert "--kv-bits 4 --kv-scheme token --kv-group 32" in packed.meta["command"]
-    assert packed.meta["prompt_tokens"] == plain.meta["prompt_tokens"]
+    assert "--kv-bits 4 --kv-scheme token --kv-group 32" in packed.meta.command
+    assert packed.meta.prompt_tokens == plain.meta.prompt_tokens
     # float32 -> 4-bit codes + a float16 zero point and scale per 32 channels: 40 of 256 bytes a row
     assert packed.metrics["kv_bytes_peak"] < 0.2 * plain.metrics["kv_bytes_peak"]
     at = open_page(at, "overview", str(packed.path))
@@ -863,12 +863,12 @@ def test_run_page_prefills_in_chunks_with_the_summary_only(app):
     at = run_from_page(app, "h2o", 0, measure=True, chunk=64)
     assert at.selectbox(key="run_record").disabled and at.checkbox(key="run_measure").disabled
     run = load_run(at.sidebar.selectbox(key="app_run").value)
-    assert run.meta["prefill_chunk"] == 64 and "--prefill-chunk 64" in run.meta["command"]
-    assert run.meta["record"]["level"] == "summary" and "perturbation/kl" not in run.tensors
-    budget = run.meta["budget"]["slots"]
-    assert len(run.meta["prompt_tokens"]) > budget + 64  # the prompt never sat in the cache whole
+    assert run.meta.prefill_chunk == 64 and "--prefill-chunk 64" in run.meta.command
+    assert run.meta.record.level == "summary" and "perturbation/kl" not in run.tensors
+    budget = run.meta.budget.slots
+    assert len(run.meta.prompt_tokens) > budget + 64  # the prompt never sat in the cache whole
     assert run.metrics["kv_bytes_prefill"] <= run.metrics["kv_bytes_prompt"] * (budget + 64) / len(
-        run.meta["prompt_tokens"]
+        run.meta.prompt_tokens
     )
 
 
@@ -915,7 +915,7 @@ def test_compare_page_passes_each_policys_kv_storage(app):
     assert not at.exception and not at.error, [e.value for e in at.exception] + [e.value for e in at.error]
     results = at.session_state.cmp_result
     assert [r.entry.label for r in results] == ["full", "full · 2-bit", "h2o @0.5 · 4-bit"]
-    assert [r.run.meta["storage"]["bits"] for r in results] == [
+    assert [r.run.meta.storage["bits"] for r in results] == [
         None,
         2,
         4,
@@ -1151,10 +1151,18 @@ def test_no_empty_state_hint_or_live_card_stays_after_a_failed_or_stopped_job(
 
 
 def test_a_budget_free_runs_header_names_the_compression_ratio_its_rule_reached():
+    from kvlens.runs.meta import Budget, ModelInfo, PolicyInfo, RunMeta
     from kvlens.runs.run import Run
     from kvlens.ui.views import _budget
 
-    free = Run(meta={"budget": {"slots": None}, "metrics": {"compression_ratio_final": 0.4861}}, tensors={})
-    budgeted = Run(meta={"budget": {"slots": 64, "requested": 0.5}, "metrics": {}}, tensors={})
+    def made(budget: Budget, metrics: dict) -> Run:
+        model, policy = ModelInfo(spec="tiny", shape={}), PolicyInfo(name="h2o")
+        meta = RunMeta(
+            model=model, policy=policy, prompt_tokens=[], tokens=[], budget=budget, metrics=metrics
+        )
+        return Run(meta=meta)
+
+    free = made(Budget(slots=None), {"compression_ratio_final": 0.4861})
+    budgeted = made(Budget(slots=64, requested=0.5), {})
     assert _budget(free) == "no budget: compression ratio 0.486 reached"
     assert _budget(budgeted) == "budget 64 slots (0.5 of the prompt)"

@@ -21,7 +21,7 @@ def test_live_figure_plots_per_step_perturbation_of_a_measured_run(tiny):
     )
     live = Live(names=tiny.tokenizer.convert_ids_to_tokens)
     run = settings.work(tiny)(lambda e: live.add([e]), None)
-    assert live.text == run.meta["text"]
+    assert live.text == run.meta.text
     used = live.perturbation["perturbation_used"]
     assert [s for s, _ in used] == list(range(1, 10))  # every decode step, as it happened
     want = run.tensors["perturbation/used"].mean(dim=(1, 2))  # (steps - 1,)

@@ -121,7 +121,7 @@ def test_import_never_overwrites_a_run(mine_runs_dir):
     second = import_run(zip_of(top), mine_runs_dir, "mine.zip")  # files at the top: named after the zip
     assert (first.name, second.name) == ("mine-2", "mine-3")
     assert {name: (mine_runs_dir / "mine" / name).read_bytes() for name in FILES} == before
-    assert load_run(second).meta["policy"]["name"] == "h2o"
+    assert load_run(second).meta.policy.name == "h2o"
 
 
 def _bad_archives(tmp_path: Path) -> dict[str, tuple[object, str]]:
@@ -310,9 +310,9 @@ def test_runs_page_deletes_one_of_your_runs_after_confirming(runs_page, mine_run
 def test_the_table_shows_each_prompt_and_groups_runs_by_their_text():
     frame, _ = run_table(shipped())
     by = frame.set_index("name")
-    prompts = {p.name: load_run(p).meta["prompt_tokens"] for p, _ in shipped()}
+    prompts = {p.name: load_run(p).meta.prompt_tokens for p, _ in shipped()}
     for a in prompts:
-        assert by.loc[a, "prompt"].split()[:3] == load_run(CACHED_RUNS / a).meta["prompt"].split()[:3]
+        assert by.loc[a, "prompt"].split()[:3] == load_run(CACHED_RUNS / a).meta.prompt.split()[:3]
         for b in prompts:
             assert (by.loc[a, "text"] == by.loc[b, "text"]) == (prompts[a] == prompts[b]), (a, b)
     assert by.loc["full-states", "text"] != by.loc["h2o-attention", "text"]  # 4.25 and 2.72: other texts

@@ -29,12 +29,10 @@ def test_first_difference():
 def test_the_full_cache_comes_first_and_every_policy_is_scored_on_its_text(tiny):
     out = compare(tiny, PROMPT, ENTRIES, 8)
     assert [r.entry.policy for r in out] == ["full", "streaming_llm", "tova"]  # full once, as the reference
-    reference = out[0].run.meta["tokens"]
-    assert out[0].run.meta["mode"] == "generate" and out[0].picks == reference and out[0].first_diff is None
+    reference = out[0].run.meta.tokens
+    assert out[0].run.meta.mode == "generate" and out[0].picks == reference and out[0].first_diff is None
     for r in out[1:]:
-        assert (
-            r.run.meta["mode"] == "teacher" and r.run.meta["tokens"] == reference
-        )  # perplexity on full's text
+        assert r.run.meta.mode == "teacher" and r.run.meta.tokens == reference  # perplexity on full's text
         assert len(r.picks) == len(r.text.spans) == 8
     rows = table(out)
     assert [r["policy"] for r in rows] == ["full", "streaming_llm @16 (sink=2)", "tova @12"]
@@ -47,7 +45,7 @@ def test_the_full_cache_comes_first_and_every_policy_is_scored_on_its_text(tiny)
 
 def test_the_divergence_read_from_the_scored_pass_is_that_of_the_policys_own_generation(tiny):
     out = compare(tiny, PROMPT, ENTRIES, 8)
-    reference = out[0].run.meta["tokens"]
+    reference = out[0].run.meta.tokens
     for r in out[1:]:
         own = generate(
             tiny,
@@ -56,8 +54,8 @@ def test_the_divergence_read_from_the_scored_pass_is_that_of_the_policys_own_gen
             r.entry.params,
             opts=RunOptions(budget=r.entry.budget, max_new_tokens=8, stop_at_eos=False),
         )
-        assert r.first_diff == first_difference(reference, own.meta["tokens"])
-        assert r.picks[: r.first_diff + 1] == own.meta["tokens"][: r.first_diff + 1]
+        assert r.first_diff == first_difference(reference, own.meta.tokens)
+        assert r.picks[: r.first_diff + 1] == own.meta.tokens[: r.first_diff + 1]
 
 
 def test_each_ones_own_text_is_what_generate_writes_and_its_divergence_is_from_the_full_caches(tiny):
@@ -70,11 +68,11 @@ def test_each_ones_own_text_is_what_generate_writes_and_its_divergence_is_from_t
             r.entry.params,
             opts=RunOptions(budget=r.entry.budget, max_new_tokens=8),
         )
-        assert r.own.meta["tokens"] == own.meta["tokens"] and row["generated"] == own.meta["text"]
+        assert r.own.meta.tokens == own.meta.tokens and row["generated"] == own.meta.text
         assert r.generate_s > 0
-        full = out[0].own.meta["tokens"]
+        full = out[0].own.meta.tokens
         assert row["generated_divergence"] == (
-            None if r is out[0] else first_difference(full, own.meta["tokens"])
+            None if r is out[0] else first_difference(full, own.meta.tokens)
         )
     assert any(
         row["generated_divergence"] is not None for row in table(out)[1:]
@@ -126,9 +124,9 @@ def test_own_texts_resume_from_the_divergence_and_generate_only_what_follows(tin
     assert out[0].own_from == 7 and rows[0]["generated_steps"] == 1  # full: its own text is its measured one
     for r, row in zip(out[1:], rows[1:], strict=True):
         start = 7 if r.first_diff is None else r.first_diff
-        assert r.own_from == start and row["generated_steps"] == len(r.own.meta["tokens"]) - start
-        assert r.own.meta["tokens"][:start] == out[0].run.meta["tokens"][:start]
-        assert r.own.decisions["step"].max() == len(r.own.meta["tokens"]) - 1  # its log goes on past the fork
+        assert r.own_from == start and row["generated_steps"] == len(r.own.meta.tokens) - start
+        assert r.own.meta.tokens[:start] == out[0].run.meta.tokens[:start]
+        assert r.own.decisions["step"].max() == len(r.own.meta.tokens) - 1  # its log goes on past the fork
     assert any(r.first_diff is not None and r.first_diff < 7 for r in out[1:])  # something was resumed
 
 
@@ -147,8 +145,8 @@ def test_a_resumed_own_text_is_generates_run_generating_only_the_tokens_after_th
     own = generate(
         tiny, PROMPT, entry.policy, entry.params, opts=RunOptions(budget=entry.budget, max_new_tokens=n)
     )
-    assert r.first_diff is not None and len(own.meta["tokens"]) == n  # it diverges, and runs to the end
-    assert row["generated"] == own.meta["text"] and r.own.meta["tokens"] == own.meta["tokens"]
+    assert r.first_diff is not None and len(own.meta.tokens) == n  # it diverges, and runs to the end
+    assert row["generated"] == own.meta.text and r.own.meta.tokens == own.meta.tokens
     assert r.own.decisions.equals(own.decisions)
     assert r.own.tensors["steps/kv_slots"].equal(own.tensors["steps/kv_slots"])
     assert row["generated_steps"] == n - r.first_diff
@@ -175,11 +173,11 @@ def assert_batched_is_unbatched(batched: list, alone: list) -> None:
     """The same texts, choices, decisions (their floats within rounding) and kept slots, measured and own,
     and the same rows up to the float envelope `TOLERANCE`."""
     for a, b in zip(batched, alone, strict=True):
-        assert a.run.meta["tokens"] == b.run.meta["tokens"] and a.picks == b.picks
-        assert (a.first_diff, a.own_from, a.own.meta["tokens"]) == (
+        assert a.run.meta.tokens == b.run.meta.tokens and a.picks == b.picks
+        assert (a.first_diff, a.own_from, a.own.meta.tokens) == (
             b.first_diff,
             b.own_from,
-            b.own.meta["tokens"],
+            b.own.meta.tokens,
         )
         for x, y in ((a.run, b.run), (a.own, b.own)):
             exact = [c for c in x.decisions.columns if c not in FLOAT_COLUMNS]
@@ -216,7 +214,7 @@ def test_batched_compare_is_the_unbatched_one_in_one_forward_per_step(tiny, monk
     assert all(len(r.run.decisions) and len(r.own.decisions) for r in batched[1:])  # each one decides
     resumed = [r.own_from for r in batched[1:] if r.own_from < n - 1]
     assert resumed  # some own texts leave the measured one early and run in the batch from there
-    prompt = len(batched[0].run.meta["prompt_tokens"])
+    prompt = len(batched[0].run.meta.prompt_tokens)
     assert batches[0] == (1, prompt)  # one prefill for all five (every pass records attention: one kernel)
     own_rows = [sum(r.own_from <= step for r in batched) for step in range(n - 1)]
     assert batches[1:] == [(5 + own_rows[step], 1) for step in range(n - 1)]
@@ -240,7 +238,7 @@ def test_the_floor_is_one_prefill_then_one_forward_of_every_measured_row_per_ste
     assert seconds > 0 and batches == [(1, prompt)] + [(4, 1)] * (n - 1)
     monkeypatch.setattr(tiny.model, "forward", forward)
     full = generate(tiny, PROMPT, "full", opts=RunOptions(max_new_tokens=n, stop_at_eos=False))
-    assert tokens == full.meta["tokens"]
+    assert tokens == full.meta.tokens
 
 
 MIXES = {

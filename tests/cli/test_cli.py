@@ -154,7 +154,7 @@ def test_the_same_command_twice_gives_bit_identical_runs(tmp_path, command):
     assert {k: v for k, v in a.metrics.items() if k not in TIMINGS} == {
         k: v for k, v in b.metrics.items() if k not in TIMINGS
     }
-    assert a.meta["tokens"] == b.meta["tokens"]
+    assert a.meta.tokens == b.meta.tokens
 
 
 def kvlens_run_tokens(path):

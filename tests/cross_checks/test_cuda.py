@@ -125,7 +125,7 @@ def test_the_transformers_example_runs_in_bf16(models, smol_ids, name, tmp_path)
     cache = kvlens.cache(model, name, budget=BUDGET, tokenizer=bf16.tokenizer)
     out = model.generate(prompt, past_key_values=cache, max_new_tokens=32, do_sample=False)
     ref = generate(bf16, text, name, opts=RunOptions(budget=BUDGET, max_new_tokens=32))
-    assert out[0, prompt.shape[1] :].tolist() == ref.meta["tokens"]
+    assert out[0, prompt.shape[1] :].tolist() == ref.meta.tokens
     assert cache.decisions.reset_index(drop=True).equals(ref.decisions.reset_index(drop=True))
     saved = load_run(cache.save_run(tmp_path / "mine", out))
-    assert saved.meta["tokens"] == ref.meta["tokens"]
+    assert saved.meta.tokens == ref.meta.tokens

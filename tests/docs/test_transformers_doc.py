@@ -23,10 +23,8 @@ def test_every_block_of_the_transformers_doc_runs_in_order(tmp_path, monkeypatch
         exec(compile(code, f"docs/transformers.md block {i + 1}", "exec"), namespace)
     out = capsys.readouterr().out
     run = load_run(tmp_path / "runs" / "mine")
-    assert (
-        run.meta["policy"]["name"] == "snapkv" and len(run.decisions) == len(namespace["cache"].decisions) > 0
-    )
-    assert run.meta["tokens"] == namespace["out"][0, namespace["ids"].shape[1] :].tolist()
+    assert run.meta.policy.name == "snapkv" and len(run.decisions) == len(namespace["cache"].decisions) > 0
+    assert run.meta.tokens == namespace["out"][0, namespace["ids"].shape[1] :].tolist()
     assert "decisions in the pressed generation" in out and "'answer':" in out
     assert namespace["model"].config._attn_implementation == "sdpa"
 
@@ -41,5 +39,5 @@ def test_the_readmes_transformers_example_runs_as_written(tmp_path, monkeypatch)
     namespace: dict = {}
     exec(compile(code, "README.md (transformers)", "exec"), namespace)
     run = load_run(tmp_path / "runs" / "mine")
-    assert run.meta["tokens"] == namespace["out"][0, namespace["ids"].shape[1] :].tolist()
-    assert run.meta["policy"]["name"] == "snapkv" and len(run.decisions) > 0
+    assert run.meta.tokens == namespace["out"][0, namespace["ids"].shape[1] :].tolist()
+    assert run.meta.policy.name == "snapkv" and len(run.decisions) > 0

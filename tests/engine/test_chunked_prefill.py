@@ -60,7 +60,7 @@ def test_a_chunked_prefill_never_holds_more_than_budget_plus_the_chunk(tiny, pol
     assert whole.metrics["kv_bytes_prefill"] == shape["layers"] * 200 * per_slot
     assert chunked.metrics["kv_bytes_prefill"] <= shape["layers"] * (32 + 24) * per_slot
     assert bool((chunked.tensors["steps/kv_slots"] == 32).all())
-    assert chunked.meta["prefill_chunk"] == 24
+    assert chunked.meta.prefill_chunk == 24
 
     def evicted_at_prefill(r):
         d = r.decisions[(r.decisions["step"] == 0) & (r.decisions["action"] == "evict")]

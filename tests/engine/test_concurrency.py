@@ -30,7 +30,7 @@ def _go(model, name, budget, text):
             budget=budget, temperature=0.8, seed=7, stop_at_eos=False, record="attention", record_layers=[1]
         ),
     )
-    return r.meta["tokens"], r.decisions, r.tensors["attn/1"]
+    return r.meta.tokens, r.decisions, r.tensors["attn/1"]
 
 
 def test_concurrent_runs_match_their_single_thread_results(tiny):
@@ -62,7 +62,7 @@ def test_concurrent_runs_on_the_embedded_model(smol):
         ids = smol.tokenizer(prompt).input_ids
         return run(
             smol, make_policy(name), ids, prefill=len(ids), steps=16, teacher=False, opts=RunOptions(budget=6)
-        ).meta["tokens"]
+        ).meta.tokens
 
     alone = [go(p, n) for p, n in zip(prompts, ("h2o", "tova"))]
     out = {}

@@ -142,7 +142,7 @@ def test_greedy_is_deterministic_and_sampling_is_seeded(tiny):
             steps=15,
             teacher=False,
             opts=RunOptions(budget=10, seed=seed, temperature=temperature, stop_at_eos=False),
-        ).meta["tokens"]
+        ).meta.tokens
 
     assert gen(0, 0.0) == gen(5, 0.0)
     assert gen(3, 1.0) == gen(3, 1.0)

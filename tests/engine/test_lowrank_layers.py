@@ -71,7 +71,7 @@ def test_later_tokens_at_full_width_cost_their_bytes_and_are_held_exactly(tiny):
 def test_quantized_coefficients_cost_their_codes_and_scales(tiny):
     plain = run(tiny)
     eight = run(tiny, rank=16, bits=8)  # every channel, coefficients at 8 bits: one group of 16 a token
-    assert eight.meta["storage"]["bits"] == 8
+    assert eight.meta.storage["bits"] == 8
     assert eight.metrics["kv_bytes_peak"] == 2 * ROWS * (SLOTS * (16 + 4) + 16 * 16 * 4)
     assert torch.allclose(eight.tensors["steps/nll"], plain.tensors["steps/nll"], atol=0.05)
     four = run(tiny, rank_share=0.5, bits=4)

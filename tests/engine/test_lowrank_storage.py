@@ -45,7 +45,7 @@ def test_full_rank_is_the_uncompressed_cache_and_a_lower_rank_stores_fewer_bytes
     whole = perplexity(tiny, TEXT, "full", prefill=200, tokens=24, opts=opts(rank=16))  # head_dim 16
     quarter = perplexity(tiny, TEXT, "full", prefill=200, tokens=24, opts=opts(rank_share=0.25))
     assert torch.allclose(whole.tensors["steps/nll"], plain.tensors["steps/nll"], atol=1e-4)
-    assert whole.meta["storage"] == {
+    assert whole.meta.storage == {
         "bits": None,
         "rank": 16,
         "rank_share": None,

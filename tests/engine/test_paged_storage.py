@@ -222,7 +222,7 @@ def test_uneven_policies_hold_half_the_cache_at_budget_half_with_the_padded_layo
     assert kept == 512 * rows and kept * entry < m["kv_bytes_final"] < (kept + 2 * PAGE * rows) * entry
     assert m["kv_bytes_peak"] / m["kv_bytes_prefill"] <= 0.52
     assert padded.metrics["kv_bytes_peak"] / m["kv_bytes_prefill"] > 0.6
-    assert paged.meta["tokens"] == padded.meta["tokens"]
+    assert paged.meta.tokens == padded.meta.tokens
     structural = ["step", "layer", "kv_head", "action", "position"]
     a, b = (r.decisions[structural].sort_values(structural).reset_index(drop=True) for r in (paged, padded))
     assert len(a) > 0 and a.equals(b)

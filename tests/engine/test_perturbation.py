@@ -163,7 +163,7 @@ def test_generate_measure_scores_the_generated_tokens(tiny):
 
     opts = RunOptions(budget=20, max_new_tokens=8, stop_at_eos=False)
     r = generate(tiny, bytes(IDS[:80]).decode(), "tova", opts=opts, measure=True)
-    assert len(r.meta["tokens"]) == 8 and r.tensors["perturbation/used"].shape == (7, 3, 4)
+    assert len(r.meta.tokens) == 8 and r.tensors["perturbation/used"].shape == (7, 3, 4)
     assert r.metrics["kl"] >= 0 and r.metrics["perturbation_used"] > 0
 
 

@@ -196,7 +196,7 @@ def test_the_prompts_decisions_do_not_depend_on_the_storage_and_eviction_adds_no
     assert m["perturbation_sources"]["merging"] == 0 and m["merge_better_share"] == 0
     assert m["perturbation_sources"]["storage"] > 0
     assert "perturbation_sources" not in plain.metrics
-    assert packed.meta["storage"] == Storage(bits=4).describe()
+    assert packed.meta.storage == Storage(bits=4).describe()
     cam = go("cam", Storage(bits=4)).metrics
     assert cam["perturbation_sources"]["merging"] != 0
 

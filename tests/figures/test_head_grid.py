@@ -23,7 +23,7 @@ def adakv():
 def test_kept_share_is_the_cached_positions_of_each_kv_head_over_the_positions_seen(adakv):
     grid = head_grid(adakv)
     assert grid.layers == list(range(30)) and grid.heads == 9
-    prompt = len(adakv.meta["prompt_tokens"])
+    prompt = len(adakv.meta.prompt_tokens)
     for step in (0, 7, grid.steps - 1):
         kept = grid.metrics(step)["kept share"]
         for layer in (0, 14, 29):
@@ -103,7 +103,7 @@ def test_layer_cache_status_follows_the_cache_and_the_decision_log(name):
     _, status = layer_cache(run, 15)
     d = run.decisions
     merges = d[(d["action"] == "merge") & (d["layer"] == 15) & (d["draw"] != 0)]
-    prompt = len(run.meta["prompt_tokens"])
+    prompt = len(run.meta.prompt_tokens)
     for row in (0, 10, status.shape[0] - 1):
         for kv in range(3):
             pos = run.tensor("attn_pos/15")[row, kv]

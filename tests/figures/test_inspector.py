@@ -23,7 +23,7 @@ def test_a_row_is_the_recorded_attention_of_the_slots_then_cached(cam):
     pos = cam.tensor(f"attn_pos/{layer}")[step, kv].tolist()
     attn = cam.tensor(f"attn/{layer}")[step, head].float().tolist()
     recorded = {p: a for p, a in zip(pos, attn, strict=False) if p >= 0}
-    prompt = len(cam.meta["prompt_tokens"])
+    prompt = len(cam.meta.prompt_tokens)
     assert row.query_position == prompt - 1 + step and row.positions == list(range(prompt + step))
     assert row.token == token_strings(cam)[step]
     assert row.query == token_strings(cam)[step - 1]
@@ -77,7 +77,7 @@ def _closure(merged: dict[int, set[int]], slot: int) -> set[int]:
 
 def test_step_zero_attends_to_the_whole_prompt_before_any_decision(cam):
     row = inspect_token(cam, 0, 29, 0)
-    assert row.in_cache == len(row.positions) == len(cam.meta["prompt_tokens"])
+    assert row.in_cache == len(row.positions) == len(cam.meta.prompt_tokens)
     assert set(row.status) <= {"kept", "sink"} and row.provenance == {} and row.merged_into == {}
 
 
@@ -177,7 +177,7 @@ def test_inspect_pair_shows_two_policies_rows_for_one_token():
     titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
     assert [t.split(" under ")[1].split(":")[0] for t in titles] == ["cam", "streaming_llm"]
     texts = [
-        load_run(CACHED_RUNS / n).meta["token_strings"][:11]
+        load_run(CACHED_RUNS / n).meta.token_strings[:11]
         for n in ("cam-attention", "streaming_llm-attention")
     ]
     assert [t.split(" under ")[0] for t in titles] == [

@@ -36,7 +36,7 @@ def shipped_runs():
 
 
 def layers(run) -> list[int]:
-    return run.meta["record"]["layers"]
+    return run.meta.record.layers
 
 
 def token_spans(fragment: str) -> list[tuple[str, str, str]]:
@@ -65,22 +65,22 @@ def test_counts_and_mean_attention_are_what_the_recorded_rows_hold(shipped_runs,
                     if p >= 0:
                         mass[p] += float(attn[h, slot])
         heads += attn.shape[0]
-    assert view.pairs == 9 and len(view.texts) == len(run.meta["prompt_tokens"]) + len(run.meta["tokens"])
+    assert view.pairs == 9 and len(view.texts) == len(run.meta.prompt_tokens) + len(run.meta.tokens)
     assert view.kept == [kept[p] for p in range(len(view.texts))]
     for p, weight in enumerate(view.attention):
         assert math.isnan(weight) if not kept[p] else weight == pytest.approx(mass[p] / heads, abs=1e-6)
-    assert view.query_position == len(run.meta["prompt_tokens"]) - 1 + step and kept[view.query_position] == 9
+    assert view.query_position == len(run.meta.prompt_tokens) - 1 + step and kept[view.query_position] == 9
     assert not any(view.kept[view.query_position + 1 :])  # nothing after the query is in any cache
 
 
 def test_the_text_is_the_runs_prompt_and_generated_text(shipped_runs):
     run = shipped_runs["cam-attention"]
-    assert "".join(kept_text(run, 5).texts) == run.meta["prompt"] + run.meta["text"]
+    assert "".join(kept_text(run, 5).texts) == run.meta.prompt + run.meta.text
 
 
 def test_streaming_llm_keeps_its_sinks_in_every_head_at_every_step(shipped_runs):
     run = shipped_runs["streaming_llm-attention"]
-    sink = run.meta["policy"]["params"]["sink"]
+    sink = run.meta.policy.params["sink"]
     for step in (0, 20, 39):
         assert kept_text(run, step).kept[:sink] == [9] * sink
         for layer in layers(run):
@@ -151,13 +151,13 @@ def test_the_html_outlines_the_query_underlines_generated_tokens_and_colours_by_
 
 def test_tokens_are_escaped_and_whitespace_kept(shipped_runs):
     run = copy.deepcopy(shipped_runs["h2o-attention"])
-    run.meta["prompt_token_strings"][3] = '<script>alert("x")</script>'
-    run.meta["token_strings"][0] = "Ċ&amp;"  # byte-level "\n" followed by text that looks like an entity
+    run.meta.prompt_token_strings[3] = '<script>alert("x")</script>'
+    run.meta.token_strings[0] = "Ċ&amp;"  # byte-level "\n" followed by text that looks like an entity
     fragment = kept_text_html(kept_text(run, 39))
     assert "<script>" not in fragment and "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in fragment
     spans = token_spans(fragment)
     assert spans[3][2] == '<script>alert("x")</script>' and '«<script>alert("x")</script>»' in spans[3][1]
-    assert spans[len(run.meta["prompt_tokens"])][2] == "\n&amp;"
+    assert spans[len(run.meta.prompt_tokens)][2] == "\n&amp;"
     assert "white-space:pre-wrap" in fragment
 
 

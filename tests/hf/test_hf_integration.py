@@ -69,12 +69,12 @@ def test_generate_with_a_kvlens_cache_is_kvlens_generate(name, hf, smol, hf_prom
     out = model.generate(ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False)
     opts = RunOptions(budget=_budget(name).get("budget"), max_new_tokens=NEW_TOKENS)
     ref = generate(smol, hf_prompt, name, opts=opts)
-    assert out[0, ids.shape[1] :].tolist() == ref.meta["tokens"]
+    assert out[0, ids.shape[1] :].tolist() == ref.meta.tokens
     pd.testing.assert_frame_equal(
         cache.decisions.reset_index(drop=True), ref.decisions.reset_index(drop=True)
     )
     run = cache.run(out)
-    assert run.meta["tokens"] == ref.meta["tokens"]
+    assert run.meta.tokens == ref.meta.tokens
     assert torch.equal(run.tensors["steps/kv_slots"], ref.tensors["steps/kv_slots"])
     assert model.config._attn_implementation == "sdpa"
 
@@ -86,11 +86,11 @@ def test_the_run_is_saved_for_the_app_and_reloads(hf, hf_prompt, tmp_path):
     out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
     path = cache.save_run(tmp_path / "mine", out)
     run = load_run(path)
-    assert run.meta["tokens"] == out[0, ids.shape[1] :].tolist()
-    assert run.meta["policy"]["name"] == "snapkv"
-    assert run.meta["budget"]["slots"] == ids.shape[1] - int(ids.shape[1] * 0.5)  # kvpress's kept count
+    assert run.meta.tokens == out[0, ids.shape[1] :].tolist()
+    assert run.meta.policy.name == "snapkv"
+    assert run.meta.budget.slots == ids.shape[1] - int(ids.shape[1] * 0.5)  # kvpress's kept count
     assert len(run.decisions) == len(cache.decisions) > 0
-    assert "attn/0" in run.tensors and within_budget(make_policy("snapkv"), run, run.meta["budget"]["slots"])
+    assert "attn/0" in run.tensors and within_budget(make_policy("snapkv"), run, run.meta.budget.slots)
 
 
 def test_streamer_eos_and_seeded_sampling_work(hf, hf_prompt):
@@ -104,7 +104,7 @@ def test_streamer_eos_and_seeded_sampling_work(hf, hf_prompt):
     out = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False, eos_token_id=stop)
     new = out[0, ids.shape[1] :].tolist()
     assert new[-1] == stop and stop not in new[:-1] and len(new) <= 5
-    assert len(cache.run(out).meta["tokens"]) == len(new)
+    assert len(cache.run(out).meta.tokens) == len(new)
 
     class Collect(TextStreamer):
         def on_finalized_text(self, text, stream_end=False):

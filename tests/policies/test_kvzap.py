@@ -104,7 +104,7 @@ def test_a_threshold_run_prunes_in_prefill_and_decoding_and_reports_per_head_cou
     assert torch.equal(counts[:, :, 0], seen[:, None].expand(20, 3).int())
     assert (counts[:, :, 1] == window).all()
     assert r.metrics["compression_ratio_final"] == pytest.approx(0.5 * (1 - window / 79))
-    assert r.meta["budget"]["slots"] is None
+    assert r.meta.budget.slots is None
 
 
 @pytest.mark.slow

@@ -254,7 +254,7 @@ def test_cam_mask_never_reproduces_its_base(tiny, base):
             teacher=teacher,
             opts=opts,
         )
-        assert a.meta["tokens"] == b.meta["tokens"] and a.metrics["ppl"] == b.metrics["ppl"]
+        assert a.meta.tokens == b.meta.tokens and a.metrics["ppl"] == b.metrics["ppl"]
         assert a.decisions.equals(b.decisions) and len(a.decisions)
 
 
@@ -532,8 +532,8 @@ def test_every_preset_runs_and_is_recorded_resolved(tiny, name, preset):
     policy = make_policy(name, parse_settings(name, [f"preset={preset}"]))
     budget = None if policy.budget_free else max(20, policy.needs().min_budget)
     r = run(tiny, policy, IDS, prefill=80, steps=8, teacher=True, opts=RunOptions(budget=budget))
-    assert r.meta["policy"]["params"] == {**r.meta["policy"]["params"], **REGISTRY[name].presets[preset]}
-    assert "preset" not in r.meta["policy"]["params"] and math.isfinite(r.metrics["ppl"])
+    assert r.meta.policy.params == {**r.meta.policy.params, **REGISTRY[name].presets[preset]}
+    assert "preset" not in r.meta.policy.params and math.isfinite(r.metrics["ppl"])
     grows = not policy.needs().decode_steps  # compressed once, then one slot per token
     m = (
         policy.dropped(budget) if name == "scissorhands" else 1

@@ -162,7 +162,7 @@ def test_fraction_budget_is_share_of_prompt(tiny):
         teacher=True,
         opts=RunOptions(budget=0.25),
     )
-    assert r.meta["budget"]["slots"] == 20 and r.metrics["kv_slots_max"] == 20
+    assert r.meta.budget.slots == 20 and r.metrics["kv_slots_max"] == 20
 
 
 def test_parameters_are_validated_with_one_sentence():

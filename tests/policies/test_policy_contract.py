@@ -62,12 +62,12 @@ def test_budget_is_respected_or_the_policy_is_budget_free(name):
     policy = make_policy(name)
     r = go(policy)
     if policy.budget_free:
-        assert r.meta["budget"]["slots"] is None
+        assert r.meta.budget.slots is None
         assert 0 < r.metrics["kv_slots_final_mean"] <= PREFILL + STEPS
     else:
         budget = budget_of(policy)
         prompt = r.tensors["steps/kv_slots"][0]  # (L, Hkv) after the prompt's compression
-        assert r.meta["budget"]["slots"] == budget and int(prompt.sum()) == r.metrics["kv_entries_budget"]
+        assert r.meta.budget.slots == budget and int(prompt.sum()) == r.metrics["kv_entries_budget"]
         assert r.metrics["kv_entries_budget"] == budget * TINY.shape()["layers"] * TINY.shape()["kv_heads"]
         assert within_budget(policy, r, budget)
         assert policy.competes != "head" or int(prompt.max()) == budget  # else every layer and head keeps it

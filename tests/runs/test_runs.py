@@ -47,10 +47,10 @@ def edit_meta(path: Path, change) -> None:
 
 def test_round_trip_keeps_everything(saved):
     r = kvlens.load_run(saved)
-    assert r.meta["policy"]["name"] == "h2o" and r.meta["budget"]["slots"] == 20
+    assert r.meta.policy.name == "h2o" and r.meta.budget.slots == 20
     assert r.tensor("attn/0").shape[0] == 10 and r.tensor("prefill/k/1").shape == (2, 60, 16)
     assert r.tensor("steps/kv_slots").max() == 20
-    assert len(r.decisions) == r.meta["decisions"] > 0
+    assert len(r.decisions) == r.meta.decisions > 0
     assert list(r.decisions.columns)[:5] == ["step", "layer", "kv_head", "action", "position"]
     with pytest.raises(KvlensError, match="--record"):
         r.tensor("attn/99")
@@ -65,9 +65,9 @@ def test_save_replaces_a_run_but_never_other_data(saved, tmp_path):
         r.save(target)
     assert (target / "thesis.tex").read_text() == "years of work"
     again = r.save(tmp_path / "again")
-    r.meta["seed"] = 99
+    r.meta.seed = 99
     r.save(again)
-    assert kvlens.load_run(again).meta["seed"] == 99
+    assert kvlens.load_run(again).meta.seed == 99
 
 
 @pytest.mark.parametrize("failure", [RuntimeError("disk full"), KeyboardInterrupt()])
@@ -91,7 +91,7 @@ def test_interrupted_overwrite_keeps_the_old_run(saved, tmp_path, monkeypatch):
     )
     with pytest.raises(OSError):
         r.save(old)
-    assert kvlens.load_run(old).meta["policy"]["name"] == "h2o"
+    assert kvlens.load_run(old).meta.policy.name == "h2o"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
@@ -171,3 +171,31 @@ def test_cli_show_refuses_a_corrupt_run_with_exit_2(saved, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
     assert "not a kvlens run manifest" in proc.stderr
+
+
+ILL_TYPED = {
+    "token not an id": (lambda m: m["tokens"].__setitem__(0, "x"), "lacks a valid 'tokens.0' entry"),
+    "no model spec": (lambda m: m["model"].pop("spec"), "lacks a valid 'model.spec' entry"),
+    "policy a string": (lambda m: m.update(policy="h2o"), "lacks a valid 'policy' entry"),
+    "unknown mode": (lambda m: m.update(mode="sing"), "lacks a valid 'mode' entry"),
+    "unknown level": (lambda m: m["record"].update(level="most"), "has an unknown record level 'most'"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ILL_TYPED))
+def test_ill_typed_entries_are_refused_with_one_sentence(saved, tmp_path, kind):
+    bad = copy_run(saved, tmp_path)
+    change, message = ILL_TYPED[kind]
+    edit_meta(bad, change)
+    with pytest.raises(KvlensError, match=message) as err:
+        kvlens.load_run(bad)
+    assert str(err.value).startswith(str(bad / RUN_JSON)) and str(err.value).count(".\n") == 0
+
+
+def test_older_level_name_and_missing_entries_still_load(saved, tmp_path):
+    old = copy_run(saved, tmp_path)
+    edit_meta(old, lambda m: (m["record"].update(level="full"), m.pop("storage"), m.pop("prefill_chunk")))
+    r = kvlens.load_run(old)
+    assert r.meta.record.level == "attention" and r.meta.storage is None
+    r.save(tmp_path / "again")  # what run.json lacked stays out
+    assert "storage" not in json.loads((tmp_path / "again" / RUN_JSON).read_text())

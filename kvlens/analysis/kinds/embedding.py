@@ -135,7 +135,7 @@ def embedding(
 def _prompt_labels(run: Run, tokens: int) -> list[str]:
     """Each prompt position's token as the hover shows it (blank when the run's token strings are not the
     embedding's `tokens`)."""
-    prompt = token_text.decode(list(run.meta.get("prompt_token_strings") or []))
+    prompt = token_text.decode(list(run.meta.prompt_token_strings or []))
     labels = [prompt.label(i) for i in range(len(prompt.spans))]
     return labels if len(labels) == tokens else [""] * tokens
 

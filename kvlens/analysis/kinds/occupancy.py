@@ -31,7 +31,7 @@ class OccupancyAnalysis(Analysis):
         """Kept slots per KV head after each step's compression (mean, min and max over layers and heads)."""
         flat = self.compute(run).float()  # (steps + 1, L * Hkv)
         steps = list(range(flat.shape[0]))
-        prompt_len = len(run.meta["prompt_tokens"])
+        prompt_len = len(run.meta.prompt_tokens)
         fig = go.Figure()
         fig.add_trace(
             go.Scatter(
@@ -61,7 +61,7 @@ class OccupancyAnalysis(Analysis):
                 line=dict(color="#0072B2", width=2),
             )
         )
-        budget = (run.meta.get("budget") or {}).get("slots")
+        budget = run.meta.budget.slots
         if budget:
             fig.add_hline(
                 y=budget,

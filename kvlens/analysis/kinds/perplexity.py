@@ -31,9 +31,9 @@ class PerplexityCurve:
 def log_perplexity_curve(run: Run, label: str | None = None) -> PerplexityCurve:
     """Running mean of `steps/nll` `(N,)` over the run's scored (or generated) tokens."""
     nll = run.tensor("steps/nll").double()  # (N,)
-    start = len(run.meta["prompt_tokens"])
+    start = len(run.meta.prompt_tokens)
     running = nll.cumsum(0) / torch.arange(1, nll.shape[0] + 1)
-    label = label or run.meta["policy"]["name"]
+    label = label or run.meta.policy.name
     return PerplexityCurve(label, torch.arange(start, start + nll.shape[0]), running.float())
 
 

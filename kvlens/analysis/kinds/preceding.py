@@ -66,7 +66,7 @@ class PrecedingAnalysis(Analysis):
     )
 
     def _args(self, run, layer, token, window, state):
-        token = len(run.meta["prompt_tokens"]) - 1 if token is None else token
+        token = len(run.meta.prompt_tokens) - 1 if token is None else token
         return layer_or_middle(run, layer), token, window, parse_states(state, many=False)[0]
 
     def compute(self, run, **params):

@@ -110,11 +110,9 @@ def replay(model: LoadedModel, run: Run, rank: int | None, full: torch.Tensor) -
     dtype), measured; `full` `(tokens, V)`: the uncompressed forward's log-probabilities of each produced
     token."""
     meta = run.meta
-    prompt, tokens = list(meta["prompt_tokens"]), list(meta["tokens"])
-    policy = make_policy(meta["policy"]["name"], meta["policy"]["params"])
-    opts = RunOptions(
-        budget=(meta.get("budget") or {}).get("requested"), storage=Storage(rank=rank), log_decisions=False
-    )
+    prompt, tokens = list(meta.prompt_tokens), list(meta.tokens)
+    policy = make_policy(meta.policy.name, meta.policy.params)
+    opts = RunOptions(budget=meta.budget.requested, storage=Storage(rank=rank), log_decisions=False)
     logits: list[torch.Tensor] = []
 
     def go(observers, on_step):
@@ -154,7 +152,7 @@ def rank_perturbation(run: Run, model: LoadedModel, ranks: list[int] | None = No
             f"--ranks: {ranks[-1]} is above the model's head size ({head_dim}); a rank of "
             f"{head_dim} stores every channel."
         )
-    prompt, tokens = run.meta["prompt_tokens"], run.meta["tokens"]
+    prompt, tokens = run.meta.prompt_tokens, run.meta.tokens
     if len(tokens) < 2:
         raise KvlensError("The run has fewer than 2 tokens after its prompt: no decode step to measure.")
     full = full_logprobs(model, (prompt + tokens)[:-1])[len(prompt) - 1 :]  # (tokens, V): predicts each token
@@ -288,8 +286,8 @@ def rank_perturbation_figure(run: Run, found: RankPerturbation, error: float = 0
     _add_layer_ranks(fig, found, ranks, error)
     _axes(fig, len(rows), ranks, found.head_dim)
     meta = run.meta
-    budget = (meta.get("budget") or {}).get("requested")
-    policy = meta["policy"]["name"] + ("" if budget is None else f" @{budget:g}")
+    budget = meta.budget.requested
+    policy = meta.policy.name + ("" if budget is None else f" @{budget:g}")
     title = (
         f"What each rank costs: the run replayed with low-rank KV storage ({run_model(run)}, {policy}, "
         f"{found.steps} decode steps)"

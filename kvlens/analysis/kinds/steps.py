@@ -22,7 +22,7 @@ def _labels(runs: list, label: list) -> list[str]:
         elif run.path:
             base = run.path.name
         else:
-            base = run.meta["policy"]["name"]
+            base = run.meta.policy.name
         out.append(base if base not in out else f"{base} ({i + 1})")
     return out
 

@@ -133,10 +133,10 @@ def needle_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
         teacher=False,
         opts=RunOptions(budget=cell["budget"], max_new_tokens=n, seed=cell["seed"], log_decisions=False),
     )
-    text = r.meta["text"]
+    text = r.meta.text
     return {
         "prompt_tokens": len(ids),
-        "budget_slots": r.meta["budget"]["slots"],
+        "budget_slots": r.meta.budget.slots,
         "score": score(text, cell["answer"]),
         "output": text,
     }

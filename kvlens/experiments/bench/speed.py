@@ -120,7 +120,7 @@ def engine_steps(
                 "kv_slots_final_mean": m["kv_slots_final_mean"],
                 "replay_passes": m["replay_passes"],
                 "replay_ms": m["replay_ms"],
-                "tokens": done.value.meta["tokens"],
+                "tokens": done.value.meta.tokens,
             }
         yield event.ms
 
