@@ -354,11 +354,8 @@ def _measure_each(
     generation, the reference of the others)."""
     results: list[Result] = []
     for e in entries:
-        results.append(
-            _measure(
-                model, ids, e, reference or (results[0] if results else None), opts, on_step, cancel, own_text
-            )
-        )
+        results.append(_measure(model, ids, e, reference, opts, on_step, cancel, own_text))
+        reference = reference or results[0]
     return results
 
 
@@ -367,7 +364,7 @@ def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, canc
     with the perturbation meter on (`kvlens.engine.perturbation.measured`, p_full from the reference), then
     (`own_text`) its own text resumed from its fork (`_Measured`)."""
     measured = _Measured(model, e, opts, own_text, on_step)
-    tokens = [] if reference is None else reference.run.meta["tokens"]
+    tokens = _reference_tokens(reference)
     out = run(
         model,
         make_policy(e.policy, e.params),
@@ -387,6 +384,11 @@ def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, canc
     return _resumed(model, result, measured.fork, own, reference)
 
 
+def _reference_tokens(reference: Result | None) -> list[int]:
+    """The tokens a pass is teacher-forced on: the reference's generation (none for the reference itself)."""
+    return [] if reference is None else reference.run.meta["tokens"]
+
+
 def _measure_many(
     model, ids, entries: list[Entry], reference: Result | None, opts, on_step, cancel, own_text: bool
 ) -> list[Result]:
@@ -394,7 +396,7 @@ def _measure_many(
     (`kvlens.engine.lockstep`): the full cache's generation, if it is among them, writes the text the others
     are teacher-forced on as it goes, and each own text joins the batch from its fork on."""
     n = opts.max_new_tokens
-    text = list(ids) + ([] if reference is None else reference.run.meta["tokens"])
+    text = list(ids) + _reference_tokens(reference)
     passes = [_Measured(model, e, opts, own_text, on_step) for e in entries]
     loops = [
         prepare_run(
@@ -430,10 +432,11 @@ def _measure_many(
 
     lockstep(rows, on_event, cancel)
     results: list[Result] = []
+    ref = reference
     for k, (p, row) in enumerate(zip(passes, rows, strict=True)):
-        ref = reference or (results[0] if results else None)
         result = p.result(model, row.run, ref)
         results.append(result if k not in owns else _resumed(model, result, p.fork, owns[k].run, ref))
+        ref = ref or results[0]
     return results
 
 

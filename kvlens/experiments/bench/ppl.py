@@ -67,7 +67,7 @@ def markdown_table(summary: list[dict]) -> str:
     ]
     for p in policies:
         row = (
-            [cell[(p, own[p])] + (f" ({own[p]})" if own[p] != "full" else "") for _ in budgets]
+            [cell[(p, own[p])] + {"full": ""}.get(own[p], f" ({own[p]})") for _ in budgets]
             if p in own
             else [cell.get((p, b), "") for b in budgets]
         )
@@ -108,8 +108,8 @@ def figure(result: dict):
         fig.add_trace(
             go.Scatter(
                 x=names,
-                y=[group[b]["ppl_mean"] if b in group else None for b in budgets],
-                error_y={"array": [group[b]["ppl_std"] if b in group else None for b in budgets]},
+                y=[group.get(b, {}).get("ppl_mean") for b in budgets],
+                error_y={"array": [group.get(b, {}).get("ppl_std") for b in budgets]},
                 name=policy,
                 mode="lines+markers",
                 **line_style(i),

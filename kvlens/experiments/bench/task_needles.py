@@ -112,10 +112,10 @@ def figure(cells: list[dict], ratio: float | None, protocol: str = "", columns: 
     )
     at = {(c["policy"], c["length"], c["depth"]): c for c in shown}
     for i, policy in enumerate(policies):
-        got = [[at.get((policy, n, d)) for n in lengths] for d in depths]
+        got = [[at.get((policy, n, d), {}) for n in lengths] for d in depths]  # {}: no cell there
         fig.add_trace(
             go.Heatmap(
-                z=[[None if c is None else c["found"] for c in line] for line in got],
+                z=[[c.get("found") for c in line] for line in got],
                 x=[str(n) for n in lengths],
                 y=[f"{d:.0%}" for d in depths],
                 zmin=0,
@@ -127,7 +127,7 @@ def figure(cells: list[dict], ratio: float | None, protocol: str = "", columns: 
                 meta={"value": "the share of the needles at that depth and length found in the answer"},
                 xgap=2,
                 ygap=2,
-                customdata=[[0 if c is None else c["needles"] for c in line] for line in got],
+                customdata=[[c.get("needles", 0) for c in line] for line in got],
                 hovertemplate="%{x} tokens, depth %{y}: %{z:.0%} of %{customdata} needles<extra>"
                 + policy
                 + "</extra>",
