@@ -220,13 +220,14 @@ def cmd_analyze(args) -> int:
         _print_list(args.json)
         return 0
     result = _call(args, analysis_json)
-    text = None if args.json else get_analysis(args.kind).text(result)
     if args.json:
         print_json(result)
-    elif text is not None:
-        print(text)
-    else:
+        return 0
+    text = get_analysis(args.kind).text(result)
+    if text is None:
         _print_text(result)
+    else:
+        print(text)
     return 0
 
 

@@ -175,7 +175,7 @@ def ray_cluster(
             )
         try:
             resources = ray.cluster_resources()
-            gpus = int(resources.get("GPU", 0)) if job.device != "cpu" else 0
+            gpus = int(resources.get("GPU", 0)) * (job.device != "cpu")
             cpus = int(resources.get("CPU", 1))
             n = workers or gpus or cpus
             # more actors than GPUs (or CPUs) share them, rather than waiting for a free one forever

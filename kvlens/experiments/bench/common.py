@@ -160,7 +160,12 @@ def label(row: dict) -> str:
     from kvlens.policies import changed_params
 
     changed = changed_params(row["policy"], row.get("params") or {})
-    return row["policy"] + (":" + ",".join(f"{k}={v}" for k, v in changed.items()) if changed else "")
+    return row["policy"] + suffix(":{}", ",".join(f"{k}={v}" for k, v in changed.items()))
+
+
+def suffix(template: str, value) -> str:
+    """`template` filled in with `value` (a name's optional part); "" when `value` is empty (None, 0, "")."""
+    return template.format(value) if value else ""
 
 
 def environment(model=None) -> dict:

@@ -31,7 +31,7 @@ import statistics
 
 from kvlens.errors import KvlensError
 from kvlens.experiments.bench import tasks as task_suite
-from kvlens.experiments.bench.common import PolicySpec, bootstrap, spread
+from kvlens.experiments.bench.common import PolicySpec, bootstrap, spread, suffix
 from kvlens.experiments.sweep import plan_ppl
 from kvlens.kvcache.quantize import Storage
 
@@ -206,18 +206,23 @@ def _cost(storage: Storage) -> float:
     costs."""
     if storage.low_rank:
         return storage.rank_share
-    return slot_cost(storage) if storage.quantized else 1.0
+    if storage.quantized:
+        return slot_cost(storage)
+    return 1.0
+
+
+_STORED_FAMILIES = {  # the full cache (policy "full"), low rank, quantized -> family; any other: "mix"
+    (True, True, False): "low_rank",
+    (True, False, True): "quantization",
+    (True, False, False): "reference",
+}
 
 
 def _family(policy: str, storage: Storage, mergers: list[str]) -> str:
     """A task result's family: how its bytes were saved."""
-    if storage.low_rank:
-        return "low_rank" if policy == "full" and not storage.quantized else "mix"
-    if policy == "full":
-        return "quantization" if storage.quantized else "reference"
-    if storage.quantized:
-        return "mix"
-    return "merging" if policy in mergers else "eviction"
+    if policy != "full" and not storage.packed:
+        return "merging" if policy in mergers else "eviction"
+    return _STORED_FAMILIES.get((policy == "full", storage.low_rank, storage.quantized), "mix")
 
 
 def summarise_tasks(rows: list[dict]) -> list[dict]:
@@ -279,7 +284,7 @@ def _series(family: str, policy: str, storage: dict | None) -> str:
     name = "all slots" if policy == "full" and family != "reference" else policy
     if storage.get("rank_share") is not None:
         name += f", {_rank_kind(storage)}"
-    return name + _at(storage.get("bits"))
+    return name + suffix(" @ {} bits", storage.get("bits"))
 
 
 def _stored(name: str, storage: dict | None) -> str:
@@ -290,13 +295,8 @@ def _stored(name: str, storage: dict | None) -> str:
         name = "all slots"
     if ranked:
         name += f", {_rank_kind(storage)} at {storage['rank_share']:g} of its bytes"
-        return name + _at(bits, "-bit coefficients")
-    return name + _at(bits)
-
-
-def _at(bits: int | None, unit: str = " bits") -> str:
-    """A name's suffix for its quantized storage (none unquantized)."""
-    return f" @ {bits}{unit}" if bits else ""
+        return name + suffix(" @ {}-bit coefficients", bits)
+    return name + suffix(" @ {} bits", bits)
 
 
 def _config(row: dict) -> str:

@@ -419,7 +419,7 @@ def ticks(
 ) -> int:
     """How many times `bench_speed` calls `tick`."""
     free = [n for n in every if PolicySpec(n).budget_free]
-    floors = (len(free) + (len(free) < len(every))) if every else 0
+    floors = len(free) + (len(free) < len(every))  # one per budget-free policy, one for the budgeted ones
     sides = len(lockstep_names(list(every))) + floors
     return (
         n_policies * len(lengths)

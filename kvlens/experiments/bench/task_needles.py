@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Callable
 
 from kvlens.experiments.bench import ruler
+from kvlens.experiments.bench.common import suffix
 
 BINS = 10  # depth bins of the figure: tenths of the context
 
@@ -140,7 +141,7 @@ def figure(cells: list[dict], ratio: float | None, protocol: str = "", columns: 
     for r in range(1, rows + 1):
         fig.update_yaxes(title_text="needle depth", row=r, col=1)
     at_ratio = "the full cache" if ratio is None else f"compression ratio {ratio:g}"
-    at_ratio += f" ({protocol})" if protocol else ""
+    at_ratio += suffix(" ({})", protocol)
     fig.update_layout(
         title=f"Needles found by depth and context length, {at_ratio}",
         width=max(520, 200 * min(columns, len(policies)) + 160),

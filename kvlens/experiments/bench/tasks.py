@@ -270,7 +270,7 @@ class _Batch:
                     question,
                     self.start,
                     self.sample.max_new_tokens,
-                    None if question else [lg for _, _, lg in pending],
+                    [lg for _, _, lg in pending],  # answered from when no question is appended
                     done,
                     release=turn == len(self.asked) - 1,
                 )
@@ -284,7 +284,7 @@ class _Batch:
                             question,
                             self.start,
                             self.sample.max_new_tokens,
-                            None if question else logits,
+                            logits,  # answered from when no question is appended
                             lambda tokens: done(0, tokens),
                         )
                     )
