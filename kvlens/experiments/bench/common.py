@@ -71,6 +71,12 @@ def median(values) -> float | None:
     return statistics.median(values) if values else None
 
 
+def mean(values) -> float | None:
+    """The mean of some numbers, None without any."""
+    values = list(values)
+    return statistics.fmean(values) if values else None
+
+
 def spread(values) -> dict:
     """mean, sample standard deviation, min and max of a list of numbers."""
     values = list(values)

@@ -31,7 +31,7 @@ import statistics
 
 from kvlens.errors import KvlensError
 from kvlens.experiments.bench import tasks as task_suite
-from kvlens.experiments.bench.common import PolicySpec, bootstrap, spread, suffix
+from kvlens.experiments.bench.common import PolicySpec, bootstrap, mean, spread, suffix
 from kvlens.experiments.sweep import plan_ppl
 from kvlens.kvcache.quantize import Storage
 
@@ -236,7 +236,7 @@ def summarise_tasks(rows: list[dict]) -> list[dict]:
         groups.setdefault(
             (r["family"], config, r["target"], _series(r["family"], r["policy"], r["storage"])), {}
         ).setdefault(r["sample"][:2], []).append(r)
-    full = statistics.fmean(r["score"] for r in records if r["family"] == "reference") if records else None
+    full = mean(r["score"] for r in records if r["family"] == "reference")  # records: only samples with one
     out = []
     for (family, config, target, series), by_task in groups.items():
         scores = [[r["score"] for r in g] for g in by_task.values()]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from kvlens.experiments.bench.common import label, spread
+from kvlens.experiments.bench.common import label, mean, spread
 
 
 def budget_key(row: dict) -> int | float | str:
@@ -34,7 +34,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     for row in rows:
         groups.setdefault((label(row), budget_key(row)), []).append(row)
     full = groups.get(("full", "full"))
-    full_mean = spread(r["ppl"] for r in full)["mean"] if full else None
+    full_mean = mean(r["ppl"] for r in full or [])
     out = []
     for (policy, budget), group in groups.items():
         s = spread(r["ppl"] for r in group)
