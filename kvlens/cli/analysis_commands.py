@@ -73,9 +73,9 @@ def _add_kind(kinds, name: str, cls, command: str) -> None:
     level = (
         ""
         if cls.inputs == "model"
-        else f", recorded with --record {cls.level} or more" + (" and --measure" if cls.measured else "")
+        else f", recorded with --record {cls.level} or more" + " and --measure" * cls.measured
     )
-    replays = "; replays the run's tokens through its model" if cls.replays else ""
+    replays = "; replays the run's tokens through its model" * cls.replays
     k = kinds.add_parser(
         name,
         help=cls.paper,
@@ -88,10 +88,9 @@ def _add_kind(kinds, name: str, cls, command: str) -> None:
             action="append",
             default=[],
             metavar="DIR",
-            help="recorded run" + ("; repeat for several" if cls.inputs == "runs" else ""),
+            help="recorded run" + "; repeat for several" * (cls.inputs == "runs"),
         )
     for prm in cls.params:
-        shown = "" if prm.default in (None, ()) else f" (default {prm.default})"
         k.add_argument(
             prm.flag,
             dest=f"param_{prm.name}",
@@ -99,7 +98,7 @@ def _add_kind(kinds, name: str, cls, command: str) -> None:
             default=argparse.SUPPRESS,
             type=_flag_type(prm),
             action="append" if prm.many else "store",
-            help=prm.help + shown,
+            help=prm.help + _shown_default(prm.default),
         )
     if cls.inputs == "model":
         add_model_args(k)
@@ -177,13 +176,17 @@ def _print_list(as_json: bool) -> None:
         needs = (
             INPUTS[d["inputs"]]
             + (f" at --record {d['level']}" if d["level"] else "")
-            + (", made with --measure" if d["measured"] else "")
-            + (", and replays it" if d["replays"] else "")
+            + ", made with --measure" * d["measured"]
+            + ", and replays it" * d["replays"]
         )
         print(f"{d['name']:<20} {d['paper']}; reads {needs}")
         for p in d["params"]:
-            shown = "" if p["default"] in (None, ()) else f" (default {p['default']})"
-            print(f"{'':<4}{p['flag']:<13} {p['help']}{shown}")
+            print(f"{'':<4}{p['flag']:<13} {p['help']}{_shown_default(p['default'])}")
+
+
+def _shown_default(default) -> str:
+    """A parameter's default, as its help ends (none when it has none)."""
+    return "" if default in (None, ()) else f" (default {default})"
 
 
 def _print_text(result: dict) -> None:
@@ -217,13 +220,14 @@ def cmd_analyze(args) -> int:
         _print_list(args.json)
         return 0
     result = _call(args, analysis_json)
-    text = None if args.json else get_analysis(args.kind).text(result)
     if args.json:
         print_json(result)
-    elif text is not None:
-        print(text)
-    else:
+        return 0
+    text = get_analysis(args.kind).text(result)
+    if text is None:
         _print_text(result)
+    else:
+        print(text)
     return 0
 
 

@@ -265,14 +265,15 @@ def _apply_quick(args) -> str:
     for key, value in chosen.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    return "_quick" if args.quick else ""
+    return "_quick" * args.quick
 
 
-def _finish(args, result: dict, rows: list[dict], fig, stem: str, text: str) -> int:
+def _finish(args, result: dict, rows: list[dict], stem: str, text: str) -> int:
+    """Save a benchmark that has no figure (its result, rows and table), then show its table or JSON."""
     from kvlens.experiments.bench.common import save_results
 
     result["command"] = command_line()
-    paths = save_results(result, rows, None if args.no_figure else fig, args.out_dir, stem)
+    paths = save_results(result, rows, None, args.out_dir, stem)
     if args.json:
         print_json(result)
     else:
@@ -328,7 +329,7 @@ def _run_grid(
     else:
         print(table(result))
         print("\n" + "\n".join(report(results)) + "\nwrote " + ", ".join(str(p) for p in paths))
-    return 0 if not results.failed else 1
+    return int(bool(results.failed))
 
 
 def cmd_ppl(args) -> int:
@@ -409,10 +410,11 @@ def cmd_frontier(args) -> int:
     cells = frontier.plan_frontier(
         shares, texts, prefill=args.prefill, tokens=args.tokens, model=args.model, **families
     )
-    names = parse_list(args.tasks, "--tasks", kind=str) if args.task_count else []
-    lengths = parse_list(args.task_lengths, "--task-lengths", minimum=1) if args.task_count else []
-    haystack = {"haystack": " ".join(bundled.bundled().values())} if args.task_count else {}
+    names, lengths, haystack = [], [], {}  # the task cells' (none without them)
     if args.task_count:
+        names = parse_list(args.tasks, "--tasks", kind=str)
+        lengths = parse_list(args.task_lengths, "--task-lengths", minimum=1)
+        haystack = {"haystack": " ".join(bundled.bundled().values())}
         cells += frontier.plan_frontier_tasks(
             shares,
             tasks=names,
@@ -554,7 +556,7 @@ def cmd_speed(args) -> int:
             + (f"  (worst: {worst})" if worst else "")
             + (f"  (CPU time: {cpu:.3f})" if cpu is not None else "")
         )
-    return _finish(args, result, result["rows"], None, "bench_speed" + suffix, "\n".join(lines))
+    return _finish(args, result, result["rows"], "bench_speed" + suffix, "\n".join(lines))
 
 
 def _lockstep(text: str) -> list[str]:
@@ -562,8 +564,9 @@ def _lockstep(text: str) -> list[str]:
     from kvlens.policies import policy_names
 
     known = [name for name in policy_names() if name != "full"]
-    if text.strip() in ("all", "none"):
-        return known if text.strip() == "all" else []
+    named = {"all": known, "none": []}
+    if text.strip() in named:
+        return named[text.strip()]
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown or not names:
@@ -618,9 +621,9 @@ def cmd_tasks(args) -> int:
             depths=args.depths,
             **settings,
         )
-        stem = "bench_tasks" + suffix + ("_query_aware" if args.query_aware else "")
+        stem = "bench_tasks" + suffix + "_query_aware" * args.query_aware
     config = {
-        "policies": cells[0]["policies"] if cells else [],
+        "policies": cells[0]["policies"],  # a samples file has samples, a generated grid tasks and lengths
         "ratios": ratios,
         "samples_file": args.samples,
         "tasks": sorted({c["suite_task"] for c in cells}),
@@ -683,4 +686,4 @@ def _needle_figure(result: dict):
 
     cells = task_needles.grid(result["rows"])
     protocol = tasks.protocol(result["config"])
-    return task_needles.figure(cells, task_needles.default_ratio(cells), protocol) if cells else None
+    return task_needles.figure(cells, task_needles.default_ratio(cells), protocol)

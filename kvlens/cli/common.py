@@ -154,6 +154,11 @@ def read_text(path: str) -> str:
     return text
 
 
+def prompt_text(args) -> str:
+    """The prompt: `--prompt`, or the text of `--prompt-file`."""
+    return args.prompt if args.prompt is not None else read_text(args.prompt_file)
+
+
 def command_line() -> str:
     return "kvlens " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 

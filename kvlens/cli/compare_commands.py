@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvlens.cli.common import add_model_args, command_line, load, print_json, progress, read_text
+from kvlens.cli.common import add_model_args, command_line, load, print_json, progress, prompt_text
 from kvlens.errors import KvlensError
 
 
@@ -72,7 +72,7 @@ def cmd_compare(args) -> int:
 
     entries = policy_entries(args.policies, args.budget)
     entries_with_reference(entries)  # the count and every setting checked before the model loads
-    prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file)
+    prompt = prompt_text(args)
     if args.max_new_tokens < 1:
         raise KvlensError("--max-new-tokens must be at least 1.")
     model = load(args)
@@ -127,7 +127,7 @@ def _print_table(out: dict) -> None:
         f"{'perturb.':>9}{'KV MiB':>8}{'ms/tok':>8}"
     )
     for r in rows:
-        div = "-" if r["first_divergence"] is None else str(r["first_divergence"])
+        div = _fmt(r["first_divergence"], "d")
         cells = [
             _fmt(r[k], f)
             for k, f in (

@@ -11,6 +11,7 @@ from kvlens.cli.common import (
     load,
     print_json,
     progress,
+    prompt_text,
     read_text,
     storage,
 )
@@ -162,7 +163,7 @@ def cmd_check_model(args) -> int:
     report = {"model": args.model, "path": str(model.path), **model.shape(), **sup.as_dict()}
     if args.json:
         print_json(report)
-        return 0 if sup.refusal is None else 1
+        return int(sup.refusal is not None)
     rows = [
         ("model", f"{args.model} ({model.path})"),
         ("architecture", f"{report['architecture']} ({sup.model_class})"),
@@ -180,7 +181,7 @@ def cmd_check_model(args) -> int:
     ]
     for label, value in rows:
         print(f"{label:<13}{value}")
-    return 0 if sup.refusal is None else 1
+    return int(sup.refusal is not None)
 
 
 def cmd_policies(args) -> int:
@@ -245,7 +246,7 @@ def cmd_generate(args) -> int:
     from kvlens.policies import make_policy
 
     params = _policy(args)
-    prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file)
+    prompt = prompt_text(args)
     if not prompt.strip():
         raise KvlensError("The prompt is empty: give some text.")
     if args.max_new_tokens < 1:

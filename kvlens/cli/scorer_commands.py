@@ -83,7 +83,7 @@ def command(args) -> str:
         "--held-out",
         str(args.held_out),
     ]
-    parts += ["--epochs", str(args.epochs)] if args.kind == "mlp" else []
+    parts += ["--epochs", str(args.epochs)] * (args.kind == "mlp")
     parts += ["--texts", *args.texts] if args.texts else []
     return shlex.join([*parts, "--out", args.out])
 

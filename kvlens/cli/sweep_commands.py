@@ -181,4 +181,4 @@ def cmd_sweep(args) -> int:
     if args.json:
         print_json(results.ordered())
     print("\n".join(report(results)))
-    return 0 if not results.failed else 1
+    return int(bool(results.failed))

@@ -67,7 +67,7 @@ def generate(
             meta=meta,
         )
 
-    return measured(model, go, observers, on_step) if measure else go(observers, on_step)
+    return _go(model, go, observers, on_step, measure)
 
 
 def perplexity(
@@ -108,4 +108,9 @@ def perplexity(
             meta=meta,
         )
 
+    return _go(model, go, observers, on_step, measure)
+
+
+def _go(model: LoadedModel, go: Callable, observers, on_step, measure: bool) -> Run:
+    """`go(observers, on_step)`, with the perturbation meter on (`measured`) if `measure`."""
     return measured(model, go, observers, on_step) if measure else go(observers, on_step)

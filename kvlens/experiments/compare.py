@@ -48,6 +48,7 @@ No Streamlit here.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import threading
 import time
@@ -74,6 +75,7 @@ from kvlens.engine.models import LoadedModel
 from kvlens.engine.perturbation import PerturbationMeter, kl_per_step, summary
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import encode, generate
+from kvlens.experiments.bench.common import suffix
 from kvlens.kvcache.quantize import Storage
 from kvlens.policies import changed_params, make_policy
 from kvlens.runs.run import Run
@@ -99,7 +101,7 @@ class Entry:
         extra = ", ".join(f"{k}={v}" for k, v in changed_params(self.policy, self.params).items())
         budget = "" if self.budget is None else f" @{self.budget:g}"
         kv = f" · {storage_label(self.storage.describe(), short=True)}" if self.storage.packed else ""
-        return f"{self.policy}{budget}" + (f" ({extra})" if extra else "") + kv
+        return f"{self.policy}{budget}" + suffix(" ({})", extra) + kv
 
 
 @dataclass
@@ -151,10 +153,10 @@ class Result:
 
 def first_difference(reference: list[int], tokens: list[int]) -> int | None:
     """Index of the first token where the two sequences differ (None if equal)."""
-    for i, (a, b) in enumerate(zip(reference, tokens)):
+    for i, (a, b) in enumerate(itertools.zip_longest(reference, tokens)):  # the shorter one ends in None
         if a != b:
             return i
-    return None if len(reference) == len(tokens) else min(len(reference), len(tokens))
+    return None
 
 
 class ResultCache:
@@ -234,7 +236,8 @@ def compare(
     opts = RunOptions(max_new_tokens=new_tokens, stop_at_eos=False, record="attention")
     todo = entries_with_reference(entries)
     keys = [ResultCache.key(model, prompt, e, new_tokens) for e in todo]
-    found = [cache.get(key) if cache is not None else None for key in keys]
+    cache = cache or ResultCache()  # none given: this call's own
+    found = [cache.get(key) for key in keys]
     if own_text and found[0] is not None and found[0].own is None:  # the policies' own texts compare to it
         found[0] = _own_text(model, prompt, todo[0], new_tokens, found[0], None, cancel)
     missing = [e for e, r in zip(todo, found, strict=True) if r is None]
@@ -259,8 +262,7 @@ def _collected(model, prompt, todo, keys, found, fresh, new_tokens, cache, own_t
             result = next(fresh)
         elif own_text and result.own is None:  # measured earlier without its own text: generate it afresh
             result = _own_text(model, prompt, e, new_tokens, result, results[0], cancel)
-        if cache is not None:
-            cache.put(key, result)
+        cache.put(key, result)
         results.append(result)
     return results
 
@@ -354,11 +356,8 @@ def _measure_each(
     generation, the reference of the others)."""
     results: list[Result] = []
     for e in entries:
-        results.append(
-            _measure(
-                model, ids, e, reference or (results[0] if results else None), opts, on_step, cancel, own_text
-            )
-        )
+        results.append(_measure(model, ids, e, reference, opts, on_step, cancel, own_text))
+        reference = reference or results[0]
     return results
 
 
@@ -367,7 +366,7 @@ def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, canc
     with the perturbation meter on (`kvlens.engine.perturbation.measured`, p_full from the reference), then
     (`own_text`) its own text resumed from its fork (`_Measured`)."""
     measured = _Measured(model, e, opts, own_text, on_step)
-    tokens = [] if reference is None else reference.run.meta.tokens
+    tokens = _reference_tokens(reference)
     out = run(
         model,
         make_policy(e.policy, e.params),
@@ -387,6 +386,11 @@ def _measure(model, ids, e: Entry, reference: Result | None, opts, on_step, canc
     return _resumed(model, result, measured.fork, own, reference)
 
 
+def _reference_tokens(reference: Result | None) -> list[int]:
+    """The tokens a pass is teacher-forced on: the reference's generation (none for the reference itself)."""
+    return [] if reference is None else reference.run.meta.tokens
+
+
 def _measure_many(
     model, ids, entries: list[Entry], reference: Result | None, opts, on_step, cancel, own_text: bool
 ) -> list[Result]:
@@ -394,7 +398,7 @@ def _measure_many(
     (`kvlens.engine.lockstep`): the full cache's generation, if it is among them, writes the text the others
     are teacher-forced on as it goes, and each own text joins the batch from its fork on."""
     n = opts.max_new_tokens
-    text = list(ids) + ([] if reference is None else reference.run.meta.tokens)
+    text = list(ids) + _reference_tokens(reference)
     passes = [_Measured(model, e, opts, own_text, on_step) for e in entries]
     loops = [
         prepare_run(
@@ -430,10 +434,13 @@ def _measure_many(
 
     lockstep(rows, on_event, cancel)
     results: list[Result] = []
+    ref = reference
     for k, (p, row) in enumerate(zip(passes, rows, strict=True)):
-        ref = reference or (results[0] if results else None)
         result = p.result(model, row.run, ref)
-        results.append(result if k not in owns else _resumed(model, result, p.fork, owns[k].run, ref))
+        if k in owns:
+            result = _resumed(model, result, p.fork, owns[k].run, ref)
+        results.append(result)
+        ref = ref or results[0]
     return results
 
 

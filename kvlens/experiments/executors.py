@@ -59,11 +59,7 @@ def outcome(model, texts: dict[str, str], cell: dict) -> dict:
     except KvlensError as err:
         return {"error": str(err)}
     except Exception as err:  # a cell that fails for any reason is recorded and retried next time
-        return {
-            "error": one_line(
-                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no message'}"
-            )
-        }
+        return {"error": one_line(f"{type(err).__name__}: {(str(err).splitlines() or ['no message'])[0]}")}
 
 
 def in_process(model_loader: Callable, job: Job) -> Callable[[list[dict]], Iterator[tuple[dict, dict]]]:
@@ -179,7 +175,7 @@ def ray_cluster(
             )
         try:
             resources = ray.cluster_resources()
-            gpus = int(resources.get("GPU", 0)) if job.device != "cpu" else 0
+            gpus = int(resources.get("GPU", 0)) * (job.device != "cpu")
             cpus = int(resources.get("CPU", 1))
             n = workers or gpus or cpus
             # more actors than GPUs (or CPUs) share them, rather than waiting for a free one forever

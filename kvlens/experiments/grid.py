@@ -82,6 +82,11 @@ def plan(
     return json.loads(json.dumps(cells))  # tuples as lists, as they read back from the results file
 
 
+def present(**items) -> dict:
+    """The items whose value is set (not None, 0 or empty): a field written only when it says something."""
+    return {k: v for k, v in items.items() if v}
+
+
 def key(cell: dict) -> str:
     """The identity of a cell: its parameters as canonical JSON."""
     return json.dumps(cell, sort_keys=True)
@@ -174,7 +179,7 @@ class Results:
             "status": "done" if done else "running",
             "rows": rows,
             "failed": [self.failed[k] for k in sorted(self.failed, key=self.order.__getitem__)],
-            **({"other_rows": self.other} if self.other else {}),
+            **present(other_rows=self.other),
         }
         _write_atomic(self.path, lambda f: f.write(json.dumps(obj, indent=1, default=str)))
         columns = list(dict.fromkeys(c for r in rows for c in r if c not in CSV_SKIP))

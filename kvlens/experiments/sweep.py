@@ -18,7 +18,7 @@ from kvlens.engine.loop import RunOptions
 from kvlens.engine.perturbation import summary
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import perplexity
-from kvlens.experiments.grid import digest, plan
+from kvlens.experiments.grid import digest, plan, present
 from kvlens.kvcache.quantize import Storage
 
 
@@ -52,7 +52,7 @@ def plan_ppl(
                 "text_digest": digest(text),
                 "tokens": tokens,
                 "measure": measure,
-                **({"prefill_chunk": prefill_chunk} if prefill_chunk else {}),
+                **present(prefill_chunk=prefill_chunk),
             },
             seeds,
         )

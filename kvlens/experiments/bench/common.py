@@ -71,6 +71,12 @@ def median(values) -> float | None:
     return statistics.median(values) if values else None
 
 
+def mean(values) -> float | None:
+    """The mean of some numbers, None without any."""
+    values = list(values)
+    return statistics.fmean(values) if values else None
+
+
 def spread(values) -> dict:
     """mean, sample standard deviation, min and max of a list of numbers."""
     values = list(values)
@@ -160,7 +166,12 @@ def label(row: dict) -> str:
     from kvlens.policies import changed_params
 
     changed = changed_params(row["policy"], row.get("params") or {})
-    return row["policy"] + (":" + ",".join(f"{k}={v}" for k, v in changed.items()) if changed else "")
+    return row["policy"] + suffix(":{}", ",".join(f"{k}={v}" for k, v in changed.items()))
+
+
+def suffix(template: str, value) -> str:
+    """`template` filled in with `value` (a name's optional part); "" when `value` is empty (None, 0, "")."""
+    return template.format(value) if value else ""
 
 
 def environment(model=None) -> dict:

@@ -31,17 +31,23 @@ import statistics
 
 from kvlens.errors import KvlensError
 from kvlens.experiments.bench import tasks as task_suite
-from kvlens.experiments.bench.common import PolicySpec, bootstrap, spread
+from kvlens.experiments.bench.common import PolicySpec, bootstrap, mean, spread, suffix
 from kvlens.experiments.sweep import plan_ppl
 from kvlens.kvcache.quantize import Storage
 
 FAMILIES = ("eviction", "merging", "quantization", "low_rank", "mix")
+_FAMILY_ORDER = {family: i for i, family in enumerate(FAMILIES)}  # any other family (the reference): first
 
 
 def slot_cost(storage: Storage, model_bits: int = 32) -> float:
     """Bytes of a slot stored this way over the model's dtype: codes plus a float16 zero point and scale per
     `group` values (the full-precision window not counted)."""
     return (storage.bits + 32 / storage.group) / model_bits
+
+
+def _at_bits(storage: Storage, bits: int) -> dict:
+    """`storage` at `bits`, described (a cell's `storage`)."""
+    return dataclasses.replace(storage, bits=bits).describe()
 
 
 def plan_frontier(
@@ -72,25 +78,25 @@ def plan_frontier(
     def slots(share: float) -> int:
         return max(1, round(share * cached))
 
-    def cells(family, policies, budgets, bits_=None, target=None, described=None):
+    def cells(family, policies, budgets, target=None, described=None):
         out = plan_ppl(policies, budgets, texts, [prefill], tokens=tokens, model=model)
-        described = dataclasses.replace(storage, bits=bits_).describe() if bits_ else described
         return [{**c, "family": family, "storage": described, "target": target} for c in out]
 
     plan = cells("reference", [("full", {})], [None])
     for b in byte_shares:
-        plan += cells("eviction", evictors, [slots(b)], target=b) if evictors else []
-        plan += cells("merging", mergers, [slots(b)], target=b) if mergers else []
-        for k in mix_bits if mix else []:
+        for family, policies in (("eviction", evictors), ("merging", mergers)):
+            if policies:
+                plan += cells(family, policies, [slots(b)], target=b)
+        for k in mix_bits * bool(mix):
             share = b / slot_cost(dataclasses.replace(storage, bits=k))
             if share < 1:
-                plan += cells("mix", [mix], [slots(share)], k, target=b)
-        for family, policy, kept, ranked in low_rank_cells(b, mix, rank_layers) if low_rank else []:
+                plan += cells("mix", [mix], [slots(share)], target=b, described=_at_bits(storage, k))
+        for family, policy, kept, ranked in low_rank_cells(b, mix, rank_layers) * low_rank:
             plan += cells(
                 family, [policy], [None if kept == 1 else slots(kept)], target=b, described=ranked.describe()
             )
     for k in bits:
-        plan += cells("quantization", [("full", {})], [None], k)
+        plan += cells("quantization", [("full", {})], [None], described=_at_bits(storage, k))
     return plan
 
 
@@ -139,8 +145,7 @@ def plan_frontier_tasks(
 
     mergers_ = [spec(*p).label for p in mergers]
 
-    def cells(policies, ratios, bits_, described=None):
-        described = dataclasses.replace(storage, bits=bits_).describe() if bits_ else described
+    def cells(policies, ratios, described=None):
         out = task_suite.plan_tasks(
             policies,
             ratios,
@@ -155,17 +160,18 @@ def plan_frontier_tasks(
         )
         return [{**c, "storage": described, "mergers": mergers_} for c in out]
 
-    plan = cells([spec(*p) for p in evictors + mergers], [1 - b for b in byte_shares], None)
-    for k in sorted(set(bits) | set(mix_bits if mix else []), reverse=True):
+    mix_bits = mix_bits * bool(mix)  # no mix, no mix cells
+    plan = cells([spec(*p) for p in evictors + mergers], [1 - b for b in byte_shares])
+    for k in sorted(set(bits) | set(mix_bits), reverse=True):
         cost = slot_cost(dataclasses.replace(storage, bits=k))
-        ratios = [1 - b / cost for b in byte_shares if b / cost < 1] if mix and k in mix_bits else []
+        ratios = [1 - b / cost for b in byte_shares if b / cost < 1 and k in mix_bits]
         plan += cells(
-            [spec(*mix)] if ratios else [], ratios, k
+            [spec(*mix)] if ratios else [], ratios, _at_bits(storage, k)
         )  # the full cache at k bits is always in a cell
-    for b in byte_shares if low_rank else []:  # a cell per storage: its policy, or the full cache alone
+    for b in byte_shares * low_rank:  # a cell per storage: its policy, or the full cache alone
         for _, policy, kept, ranked in low_rank_cells(b, mix, rank_layers):
             evicting = kept < 1
-            plan += cells([spec(*policy)] * evicting, [1 - kept] * evicting, None, ranked.describe())
+            plan += cells([spec(*policy)] * evicting, [1 - kept] * evicting, ranked.describe())
     return plan
 
 
@@ -187,11 +193,12 @@ def _task_records(rows: list[dict]) -> list[dict]:
                 }
             )
     full = {r["sample"]: r["kv_bytes"] for r in records if r["family"] == "reference"}
+    records = [r for r in records if r["sample"] in full]
     for r in records:
-        r["bytes_share"] = r["kv_bytes"] / full[r["sample"]] if r["sample"] in full else None
+        r["bytes_share"] = r["kv_bytes"] / full[r["sample"]]
         kept = 1 - (r["ratio"] or 0)
         r["target"] = None if r["family"] in ("reference", "quantization") else round(kept * r["cost"], 4)
-    return [r for r in records if r["bytes_share"] is not None]
+    return records
 
 
 def _cost(storage: Storage) -> float:
@@ -199,18 +206,23 @@ def _cost(storage: Storage) -> float:
     costs."""
     if storage.low_rank:
         return storage.rank_share
-    return slot_cost(storage) if storage.quantized else 1.0
+    if storage.quantized:
+        return slot_cost(storage)
+    return 1.0
+
+
+_STORED_FAMILIES = {  # the full cache (policy "full"), low rank, quantized -> family; any other: "mix"
+    (True, True, False): "low_rank",
+    (True, False, True): "quantization",
+    (True, False, False): "reference",
+}
 
 
 def _family(policy: str, storage: Storage, mergers: list[str]) -> str:
     """A task result's family: how its bytes were saved."""
-    if storage.low_rank:
-        return "low_rank" if policy == "full" and not storage.quantized else "mix"
-    if policy == "full":
-        return "quantization" if storage.quantized else "reference"
-    if storage.quantized:
-        return "mix"
-    return "merging" if policy in mergers else "eviction"
+    if policy != "full" and not storage.packed:
+        return "merging" if policy in mergers else "eviction"
+    return _STORED_FAMILIES.get((policy == "full", storage.low_rank, storage.quantized), "mix")
 
 
 def summarise_tasks(rows: list[dict]) -> list[dict]:
@@ -224,7 +236,7 @@ def summarise_tasks(rows: list[dict]) -> list[dict]:
         groups.setdefault(
             (r["family"], config, r["target"], _series(r["family"], r["policy"], r["storage"])), {}
         ).setdefault(r["sample"][:2], []).append(r)
-    full = statistics.fmean(r["score"] for r in records if r["family"] == "reference") if records else None
+    full = mean(r["score"] for r in records if r["family"] == "reference")  # records: only samples with one
     out = []
     for (family, config, target, series), by_task in groups.items():
         scores = [[r["score"] for r in g] for g in by_task.values()]
@@ -251,7 +263,7 @@ def summarise_tasks(rows: list[dict]) -> list[dict]:
 def _ordered(summary: list[dict]) -> list[dict]:
     return sorted(
         summary,
-        key=lambda s: (FAMILIES.index(s["family"]) if s["family"] in FAMILIES else -1, -s["bytes_share"]),
+        key=lambda s: (_FAMILY_ORDER.get(s["family"], -1), -s["bytes_share"]),
     )
 
 
@@ -260,7 +272,7 @@ def _rank_kind(storage: dict) -> str:
     layers."""
     if storage.get("rank_layers"):
         return f"xKV low rank, {storage['rank_layers']} layers"
-    return "low rank per head" + (", full-width new tokens" if storage.get("rank_append") == "full" else "")
+    return "low rank per head" + {"full": ", full-width new tokens"}.get(storage.get("rank_append"), "")
 
 
 def _series(family: str, policy: str, storage: dict | None) -> str:
@@ -272,7 +284,7 @@ def _series(family: str, policy: str, storage: dict | None) -> str:
     name = "all slots" if policy == "full" and family != "reference" else policy
     if storage.get("rank_share") is not None:
         name += f", {_rank_kind(storage)}"
-    return name + (f" @ {storage['bits']} bits" if storage.get("bits") else "")
+    return name + suffix(" @ {} bits", storage.get("bits"))
 
 
 def _stored(name: str, storage: dict | None) -> str:
@@ -283,8 +295,8 @@ def _stored(name: str, storage: dict | None) -> str:
         name = "all slots"
     if ranked:
         name += f", {_rank_kind(storage)} at {storage['rank_share']:g} of its bytes"
-        return name + (f" @ {bits}-bit coefficients" if bits else "")
-    return name + (f" @ {bits} bits" if bits else "")
+        return name + suffix(" @ {}-bit coefficients", bits)
+    return name + suffix(" @ {} bits", bits)
 
 
 def _config(row: dict) -> str:
@@ -297,9 +309,7 @@ def _config(row: dict) -> str:
 def summarise(rows: list[dict]) -> list[dict]:
     """The perplexity cells' summary (`summarise_ppl`), then the task cells' (`summarise_tasks`), if any."""
     scored = [r for r in rows if r.get("task") == "tasks"]
-    return summarise_ppl([r for r in rows if r.get("task") != "tasks"]) + (
-        summarise_tasks(scored) if scored else []
-    )
+    return summarise_ppl([r for r in rows if r.get("task") != "tasks"]) + summarise_tasks(scored)
 
 
 def summarise_ppl(rows: list[dict]) -> list[dict]:
@@ -378,6 +388,11 @@ def figure(result: dict):
     panels = [m for m in ("ppl", "score") if any(s["metric"] == m for s in summary)]
     c = result["config"]
     titles = {"ppl": "perplexity ÷ the full cache's", "score": "task score"}
+    y_titles = {"ppl": "perplexity / full", "score": "score"}
+    columns = {  # the value, and its bar's ends
+        "ppl": ("ppl_vs_full", "ppl_vs_full_min", "ppl_vs_full_max"),
+        "score": ("score", "ci_low", "ci_high"),
+    }
     details = {
         "ppl": f"perplexity: {c['prefill']} prompt + {c['tokens']} tokens, {len(c['texts'])} texts "
         "(bars: min-max over texts)",
@@ -389,11 +404,7 @@ def figure(result: dict):
     )
     colors = dict(zip(FAMILIES, ["#222222", "#0072B2", "#D55E00", "#CC79A7", "#009E73"], strict=True))
     for col, metric in enumerate(panels, 1):
-        y, low, high = (
-            ("ppl_vs_full", "ppl_vs_full_min", "ppl_vs_full_max")
-            if metric == "ppl"
-            else ("score", "ci_low", "ci_high")
-        )
+        y, low, high = columns[metric]
         rows = [s for s in summary if s["metric"] == metric]
         for family in FAMILIES:
             lines = list(dict.fromkeys(s.get("series", s["config"]) for s in rows if s["family"] == family))
@@ -428,7 +439,7 @@ def figure(result: dict):
                 )
         fig.add_hline(y=1.0, line_dash="dot", line_color="#555", annotation_text="full cache", row=1, col=col)
         fig.update_xaxes(title_text="KV cache bytes, share of the full cache", type="log", row=1, col=col)
-        fig.update_yaxes(title_text="perplexity / full" if metric == "ppl" else "score", row=1, col=col)
+        fig.update_yaxes(title_text=y_titles[metric], row=1, col=col)
     fig.update_layout(
         title=dict(
             text="Quality against KV bytes, a colour per family"

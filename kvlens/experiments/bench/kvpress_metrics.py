@@ -97,7 +97,7 @@ def dataset_of(task: str, columns: set[str]) -> str:
 
 def needed(dataset: str, task: str) -> None:
     """Refuse, in one sentence, a task whose metric needs a package that is not installed."""
-    packages = ["rouge_score"] if dataset == "needle_in_haystack" else []
+    packages = {"needle_in_haystack": ["rouge_score"]}.get(dataset, [])
     if dataset == "longbench":
         packages = PACKAGES.get(LONGBENCH_METRIC[task.removesuffix("-e")], [])
     if task == "longbook_sum_eng":
@@ -179,7 +179,7 @@ def _longbench(metric: str, output: str, truth: str, classes: list[str]) -> floa
     if metric == "count":
         return _numbers_equal(output, str(truth))
     if metric in ("retrieval", "retrieval_zh"):
-        pattern = r"Paragraph (\d+)" if metric == "retrieval" else r"段落(\d+)"
+        pattern = {"retrieval": r"Paragraph (\d+)", "retrieval_zh": r"段落(\d+)"}[metric]
         return _numbers_equal(output, re.findall(pattern, truth)[0])
     if metric == "classification":
         matched = [c for c in classes if c in output]
@@ -271,7 +271,7 @@ def _after_prefix(text: str, prefixes: tuple[str, ...], starts: list[str]) -> bo
 def _choice(task: str, output: str, label: list[str]) -> bool:
     """`code_debug` and `longbook_choice_eng` (`label`: the option's text, its letter): the last standalone
     option letter, else the answer's start, else what follows an answer prefix."""
-    letters = "A-J" if task == "code_debug" else "A-D"
+    letters = {"code_debug": "A-J"}.get(task, "A-D")
     found = re.search(rf"\b[{letters}]\b(?!.*\b[{letters}]\b)", output)
     if found and found.group(0) in (label[1:] if task == "code_debug" else label):
         return True

@@ -34,7 +34,7 @@ def score(output: str, answer: str) -> float:
     key = normalise(answer)
     if not key:
         raise KvlensError("The needle's answer has no letters or digits to look for.")
-    return 1.0 if key in normalise(output) else 0.0
+    return float(key in normalise(output))
 
 
 def sentences(text: str) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from kvlens.experiments.bench.common import label, spread
+from kvlens.experiments.bench.common import label, mean, spread
 
 
 def budget_key(row: dict) -> int | float | str:
@@ -34,7 +34,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     for row in rows:
         groups.setdefault((label(row), budget_key(row)), []).append(row)
     full = groups.get(("full", "full"))
-    full_mean = spread(r["ppl"] for r in full)["mean"] if full else None
+    full_mean = mean(r["ppl"] for r in full or [])
     out = []
     for (policy, budget), group in groups.items():
         s = spread(r["ppl"] for r in group)
@@ -67,7 +67,7 @@ def markdown_table(summary: list[dict]) -> str:
     ]
     for p in policies:
         row = (
-            [cell[(p, own[p])] + (f" ({own[p]})" if own[p] != "full" else "") for _ in budgets]
+            [cell[(p, own[p])] + {"full": ""}.get(own[p], f" ({own[p]})") for _ in budgets]
             if p in own
             else [cell.get((p, b), "") for b in budgets]
         )
@@ -108,8 +108,8 @@ def figure(result: dict):
         fig.add_trace(
             go.Scatter(
                 x=names,
-                y=[group[b]["ppl_mean"] if b in group else None for b in budgets],
-                error_y={"array": [group[b]["ppl_std"] if b in group else None for b in budgets]},
+                y=[group.get(b, {}).get("ppl_mean") for b in budgets],
+                error_y={"array": [group.get(b, {}).get("ppl_std") for b in budgets]},
                 name=policy,
                 mode="lines+markers",
                 **line_style(i),

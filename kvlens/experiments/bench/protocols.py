@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 
-from kvlens.experiments.bench.common import bootstrap
+from kvlens.experiments.bench.common import bootstrap, mean
 from kvlens.experiments.bench.tasks import flatten
 
 QUERY_AWARE_BY_DESIGN = ("snapkv", "pyramidkv", "adakv")  # methods whose paper scores with the question
@@ -88,5 +88,4 @@ def against(
         r["kept_share"] for r in flatten(rows) if (r["policy"], r["ratio"]) == other and "kept_share" in r
     ]
     wins = {"tie": "tie", "first": reference[0], "second": other[0]}
-    mean_kept = statistics.fmean(kept) if kept else None
-    return {**d, "kept_share": mean_kept, "verdict": wins[favoured(d["ci_low"], d["ci_high"])]}
+    return {**d, "kept_share": mean(kept), "verdict": wins[favoured(d["ci_low"], d["ci_high"])]}

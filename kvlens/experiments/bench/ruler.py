@@ -224,13 +224,14 @@ class Sample:
 
         `max_new_tokens` is written only when it is not the task's default, so `from_json` restores it.
         """
-        one = len(self.questions) == 1
         obj = {
             "task": self.task,
             "context": self.context,
-            "question": self.questions[0] if one else list(self.questions),
-            "answers": list(self.answers[0]) if one else [list(a) for a in self.answers],
+            "question": list(self.questions),
+            "answers": [list(a) for a in self.answers],
         }
+        if len(self.questions) == 1:
+            obj["question"], obj["answers"] = self.questions[0], list(self.answers[0])
         if self.max_new_tokens != _default_max_new_tokens(self.task):
             obj["max_new_tokens"] = self.max_new_tokens
         if self.answer_prefix:
@@ -504,7 +505,7 @@ def _builders(
     if task == "vt":
         return [functools.partial(_vt, stratum=stratum)]
     if task == "cwe":
-        repeats = ([(30, 3)] if length >= 4096 else []) + [(6, 1), (3, 1), (2, 1)]
+        repeats = [(30, 3)] * (length >= 4096) + [(6, 1), (3, 1), (2, 1)]
         return [functools.partial(_cwe, text=text, common=c, uncommon=u) for c, u in repeats]
     return [functools.partial(_fwe, length=length)]
 

@@ -265,8 +265,8 @@ def paired(a: Callable[[], Steps], b: Callable[[], Steps], repeats: int, tick: C
     ratios."""
     sides: dict[str, list[dict]] = {"a": [], "b": []}
     for r in range(repeats):
-        order = "ab" if r % 2 == 0 else "ba"
-        res = lockstep({side: (a if side == "a" else b) for side in order})
+        order = ("ab", "ba")[r % 2]
+        res = lockstep({side: {"a": a, "b": b}[side] for side in order})
         for side in order:
             sides[side].append(res[side])
             tick()
@@ -419,7 +419,7 @@ def ticks(
 ) -> int:
     """How many times `bench_speed` calls `tick`."""
     free = [n for n in every if PolicySpec(n).budget_free]
-    floors = (len(free) + (len(free) < len(every))) if every else 0
+    floors = len(free) + (len(free) < len(every))  # one per budget-free policy, one for the budgeted ones
     sides = len(lockstep_names(list(every))) + floors
     return (
         n_policies * len(lengths)
@@ -614,7 +614,7 @@ def verdicts(ratios: dict, slot_share: float, ratios_cpu: dict | None = None) ->
         judged = k.startswith(CPU_TARGETS) and k in cpu
         got = cpu[k] if judged else ratios.get(k)
         if got is not None:
-            out[k] = {"target": f"<= {t}" + (" (CPU time)" if judged else ""), "met": got <= t}
+            out[k] = {"target": f"<= {t}" + " (CPU time)" * judged, "met": got <= t}
     got = ratios["kv_bytes_half_budget_vs_full"]
     out["kv_bytes_half_budget_vs_full"] = {
         "target": f"proportional ({slot_share:.3f}) and <= 0.52",

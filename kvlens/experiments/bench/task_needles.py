@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Callable
 
 from kvlens.experiments.bench import ruler
+from kvlens.experiments.bench.common import suffix
 
 BINS = 10  # depth bins of the figure: tenths of the context
 
@@ -112,10 +113,10 @@ def figure(cells: list[dict], ratio: float | None, protocol: str = "", columns: 
     )
     at = {(c["policy"], c["length"], c["depth"]): c for c in shown}
     for i, policy in enumerate(policies):
-        got = [[at.get((policy, n, d)) for n in lengths] for d in depths]
+        got = [[at.get((policy, n, d), {}) for n in lengths] for d in depths]  # {}: no cell there
         fig.add_trace(
             go.Heatmap(
-                z=[[None if c is None else c["found"] for c in line] for line in got],
+                z=[[c.get("found") for c in line] for line in got],
                 x=[str(n) for n in lengths],
                 y=[f"{d:.0%}" for d in depths],
                 zmin=0,
@@ -127,7 +128,7 @@ def figure(cells: list[dict], ratio: float | None, protocol: str = "", columns: 
                 meta={"value": "the share of the needles at that depth and length found in the answer"},
                 xgap=2,
                 ygap=2,
-                customdata=[[0 if c is None else c["needles"] for c in line] for line in got],
+                customdata=[[c.get("needles", 0) for c in line] for line in got],
                 hovertemplate="%{x} tokens, depth %{y}: %{z:.0%} of %{customdata} needles<extra>"
                 + policy
                 + "</extra>",
@@ -140,7 +141,7 @@ def figure(cells: list[dict], ratio: float | None, protocol: str = "", columns: 
     for r in range(1, rows + 1):
         fig.update_yaxes(title_text="needle depth", row=r, col=1)
     at_ratio = "the full cache" if ratio is None else f"compression ratio {ratio:g}"
-    at_ratio += f" ({protocol})" if protocol else ""
+    at_ratio += suffix(" ({})", protocol)
     fig.update_layout(
         title=f"Needles found by depth and context length, {at_ratio}",
         width=max(520, 200 * min(columns, len(policies)) + 160),

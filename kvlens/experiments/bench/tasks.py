@@ -101,13 +101,15 @@ def sample_of(model: LoadedModel, texts: dict[str, str], cell: dict) -> ruler.Sa
     )
 
 
-def _prompts(cell: dict, parts: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
+def _prompts(
+    cell: dict, parts: list[tuple[list[int], list[int]]]
+) -> list[tuple[list[int], list[int], list[list[int]]]]:
     """The prompts prefilled, each with the questions it asks (indices into `parts`, each question's context
-    and question ids): the context once, every question appended after it, or (query-aware) context and
-    question together, one prompt per question."""
+    and question ids) and the ids appended after it for each: the context once, every question appended after
+    it, or (query-aware) context and question together, one prompt per question, nothing appended."""
     if cell["query_aware"]:
-        return [(c + q, [i]) for i, (c, q) in enumerate(parts)]
-    return [(parts[0][0], list(range(len(parts))))]
+        return [(c + q, [i], [[]]) for i, (c, q) in enumerate(parts)]
+    return [(parts[0][0], list(range(len(parts))), [q for _, q in parts])]
 
 
 def _budget(policy, ratio: float | None, prompt: int, extra: int, rounding: str) -> int | None:
@@ -195,8 +197,7 @@ def tasks_cell(model: LoadedModel, texts: dict[str, str], cell: dict) -> dict:
         for spec, ratio in pairs
     }
     shared_ms = 0.0
-    for prompt, asked in _prompts(cell, parts):
-        questions = [[] if cell["query_aware"] else parts[i][1] for i in asked]
+    for prompt, asked, questions in _prompts(cell, parts):
         extra = max(len(q) for q in questions) + sample.max_new_tokens
         shared = SharedPrefill(model, prompt, [make_policy(s.name, dict(s.params)) for s in specs])
         shared_ms += shared.ms
@@ -269,7 +270,7 @@ class _Batch:
                     question,
                     self.start,
                     self.sample.max_new_tokens,
-                    None if question else [lg for _, _, lg in pending],
+                    [lg for _, _, lg in pending],  # answered from when no question is appended
                     done,
                     release=turn == len(self.asked) - 1,
                 )
@@ -283,7 +284,7 @@ class _Batch:
                             question,
                             self.start,
                             self.sample.max_new_tokens,
-                            None if question else logits,
+                            logits,  # answered from when no question is appended
                             lambda tokens: done(0, tokens),
                         )
                     )
@@ -493,26 +494,21 @@ def table(summary: list[dict]) -> str:
     full = next((s for s in avg if s["policy"] == "full"), None)
     lines = [f"{'policy':<24}" + "".join(f"{f'r={r:g}':>20}" for r in ratios) + f"{'own budget':>20}"]
     if full:
-        lines.append(f"{'full (r=0)':<24}{full['score']:>8.1%} [{full['ci_low']:.0%}, {full['ci_high']:.0%}]")
+        lines.append(f"{'full (r=0)':<24}{_scored(full)}")
     for policy in dict.fromkeys(s["policy"] for s in avg if s["policy"] != "full"):
         by = {s["ratio"]: s for s in avg if s["policy"] == policy}
         own = by.get(None)
         lines.append(
             f"{policy:<24}"
-            + "".join(
-                f"{by[r]['score']:>8.1%} [{by[r]['ci_low']:.0%}, {by[r]['ci_high']:.0%}]".rjust(20)
-                if r in by
-                else f"{'':>20}"
-                for r in ratios
-            )
-            + (
-                f"{own['score']:>8.1%} [{own['ci_low']:.0%}, {own['ci_high']:.0%}]"
-                f" keeps {own['kept_share']:.0%}"
-                if own
-                else ""
-            )
+            + "".join(_scored(by.get(r)).rjust(20) for r in ratios)
+            + _scored(own, " keeps {kept_share:.0%}")
         )
     return "\n".join(lines)
+
+
+def _scored(s: dict | None, tail: str = "") -> str:
+    """A summary cell's score and 95 % interval, then `tail` (formatted with the cell); "" without one."""
+    return f"{s['score']:>8.1%} [{s['ci_low']:.0%}, {s['ci_high']:.0%}]{tail.format(**s)}" if s else ""
 
 
 def protocol(config: dict) -> str:
@@ -545,10 +541,12 @@ def _policy_line(policy: str, i: int, policies: int, pts: dict[float, list[dict]
     ys = [statistics.fmean(s["score"] for s in pts[x]) for x in xs]
     lo = [y - statistics.fmean(s["ci_low"] for s in pts[x]) for x, y in zip(xs, ys, strict=True)]
     hi = [statistics.fmean(s["ci_high"] for s in pts[x]) - y for x, y in zip(xs, ys, strict=True)]
-    mode = "markers" if policy == "full" or free else "lines+markers"
-    symbol = "diamond" if free else "circle"
+    again = i // len(palette) % 2  # the second round of colours
+    mode, symbol, size = "lines+markers", ("circle", "square")[again], 6
+    if free:
+        mode, symbol, size = "markers", "diamond", 11
     if policy == "full":
-        symbol = "star"
+        mode, symbol, size = "markers", "star", 11
     dodge = 0.08 * (i / max(1, policies - 1) - 0.5)  # ties stay visible side by side
     return go.Scatter(
         x=[x + dodge * (policy != "full") for x in xs],
@@ -559,12 +557,9 @@ def _policy_line(policy: str, i: int, policies: int, pts: dict[float, list[dict]
         showlegend=legend,
         line={
             "color": palette[i % len(palette)],
-            "dash": "dot" if i // len(palette) % 2 else "solid",
+            "dash": ("solid", "dot")[again],
         },
-        marker={
-            "symbol": "square" if symbol == "circle" and i // len(palette) % 2 else symbol,
-            "size": 6 if symbol == "circle" else 11,
-        },
+        marker={"symbol": symbol, "size": size},
         error_y={
             "type": "data",
             "symmetric": False,
@@ -586,7 +581,7 @@ def figure(result: dict):
 
     summary = result["summary"]
     panels = ["all", *sorted({s["task"] for s in summary if s["task"] != "all"})]
-    grid_rows = 1 if len(panels) <= 3 else 2
+    grid_rows = 1 + (len(panels) > 3)
     grid_cols = -(-len(panels) // grid_rows)
     fig = make_subplots(
         rows=grid_rows,
@@ -594,7 +589,7 @@ def figure(result: dict):
         shared_yaxes=True,
         horizontal_spacing=0.04,
         vertical_spacing=0.16,
-        subplot_titles=["average over tasks" if p == "all" else p for p in panels],
+        subplot_titles=[{"all": "average over tasks"}.get(p, p) for p in panels],
     )
     policies = list(dict.fromkeys(s["policy"] for s in summary))
     for n, panel in enumerate(panels):
