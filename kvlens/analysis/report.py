@@ -24,6 +24,7 @@ from kvlens.analysis.registry import analysis_figure, get_analysis, lacks
 from kvlens.errors import KvlensError
 from kvlens.figures.kept_text import kept_text, kept_text_html
 from kvlens.figures.plots import model_label, storage_label
+from kvlens.figures.wording import layers_note, of_prompt, when
 from kvlens.runs.decisions import counts, outcome
 from kvlens.runs.run import Run
 from kvlens.version import __version__
@@ -96,7 +97,7 @@ def report_html(runs: list[Run], explained: Sequence[dict] = ()) -> str:
     ) + "".join(f'<a href="#why-{i + 1}">{html.escape(name)}</a>' for i, name in enumerate(whys))
     body = [
         f'<h1>kvlens report</h1><p class="sub">{len(runs)} run{"s" * (len(runs) != 1)}'
-        + (f", {len(explained)} explained" if explained else "")
+        + when(explained, f", {len(explained)} explained")
         + f", written by kvlens {__version__}</p>"
         f"<nav>{nav}</nav>"
     ]
@@ -147,7 +148,6 @@ def _settings(run: Run) -> dict[str, str]:
     meta = run.meta
     params = meta["policy"].get("params") or {}
     budget = meta.get("budget") or {}
-    requested = budget.get("requested")
     rec = meta.get("record") or {}
     shape = meta["model"].get("shape") or {}
     rows = {
@@ -155,8 +155,7 @@ def _settings(run: Run) -> dict[str, str]:
         "parameters": ", ".join(f"{k}={v}" for k, v in params.items()) or "none",
         "budget": "no budget"
         if budget.get("slots") is None
-        else f"{budget['slots']} slots per KV head"
-        + (f" ({requested:g} of the prompt)" if isinstance(requested, float) else ""),
+        else f"{budget['slots']} slots per KV head" + of_prompt(budget.get("requested")),
     }
     if (meta.get("storage") or {}).get("bits") is not None:
         rows["KV storage"] = storage_label(meta["storage"])
@@ -170,8 +169,8 @@ def _settings(run: Run) -> dict[str, str]:
     )
     rows["recorded"] = (
         str(rec.get("level", "summary"))
-        + (f" (layers {', '.join(map(str, rec['layers']))})" if rec.get("layers") else "")
-        + (", measured (--measure)" if run.has("perturbation/used") else "")
+        + layers_note(rec.get("layers"))
+        + when(run.has("perturbation/used"), ", measured (--measure)")
     )
     rows["sampling"] = (
         f"seed {meta.get('seed')}, temperature {meta.get('temperature')}, top-p {meta.get('top_p')}"
@@ -200,7 +199,8 @@ def _table(header: list[str], rows: list[list[str]], numeric_from: int = 1) -> s
     right."""
 
     def cell(tag, i, text):
-        return f'<{tag} class="num">{text}</{tag}>' if i >= numeric_from else f"<{tag}>{text}</{tag}>"
+        attrs = when(i >= numeric_from, ' class="num"')
+        return f"<{tag}{attrs}>{text}</{tag}>"
 
     head = "".join(cell("th", i, h) for i, h in enumerate(header))
     body = "".join("<tr>" + "".join(cell("td", i, c) for i, c in enumerate(row)) + "</tr>" for row in rows)
