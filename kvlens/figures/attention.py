@@ -20,6 +20,7 @@ import plotly.graph_objects as go
 import torch
 
 from kvlens.errors import KvlensError
+from kvlens.figures.plots import run_path
 from kvlens.runs.run import Run
 
 # status codes, in pooling priority (higher wins when blocks are pooled)
@@ -302,7 +303,7 @@ def attention_map_figure(
         meta={
             "analysis": "attention",
             "params": {"layer": grid.layer, "head": grid.head, "step": step},
-            "run": str(run.path) if run.path else None,
+            "run": run_path(run),
             "run_command": run.meta.get("command"),
         },
     )

@@ -136,7 +136,7 @@ def _hex(rgb) -> str:
 
 
 def _count_colour(kept: int, pairs: int) -> str:
-    share = kept / pairs if pairs else 0.0
+    share = kept / max(pairs, 1)  # kept <= pairs: 0 when there are no pairs
     return _hex(lo + (hi - lo) * share for lo, hi in zip(LOW, HIGH))
 
 

@@ -23,6 +23,7 @@ from kvlens.figures.attention import (
     status_scale,
 )
 from kvlens.figures.inspect_token import TokenRow, has_rows, inspect_token, token_strings
+from kvlens.figures.plots import run_path
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
 from kvlens.ui import url_state
@@ -153,7 +154,7 @@ def inspect_pair(run_a: Run, run_b: Run, step: int, key: str = "pair") -> None:
                 f"{key}_row{i}",
                 name=f"token-{step}-L{layer}-H{head}-{run.meta['policy']['name']}",
                 config={
-                    "run": str(run.path) if run.path else None,
+                    "run": run_path(run),
                     "step": step,
                     "layer": layer,
                     "head": head,

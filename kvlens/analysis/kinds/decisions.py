@@ -9,6 +9,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from kvlens.analysis.registry import Analysis, Param, register_analysis
+from kvlens.figures.plots import run_path
 
 MAX_POINTS = 20000  # the figure draws at most this many decisions
 
@@ -84,7 +85,7 @@ class DecisionsAnalysis(Analysis):
             meta={
                 "analysis": "decisions",
                 "params": {"layer": layer, "kv_head": kv_head},
-                "run": str(run.path) if run.path else None,
+                "run": run_path(run),
             },
         )
         return fig

@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlens.analysis.registry import Analysis, Param, nan_to_none, register_analysis
-from kvlens.figures.plots import finish, line_style
+from kvlens.figures.plots import finish, line_style, run_path
 
 
 def _labels(runs: list, label: list) -> list[str]:
@@ -51,7 +51,7 @@ class StepsAnalysis(Analysis):
             curves.append(
                 {
                     "label": lab,
-                    "run": str(run.path) if run.path else None,
+                    "run": run_path(run),
                     "nll": run.tensor("steps/nll").float(),
                     "kept_slots": run.tensor("steps/kv_slots").float().flatten(1).mean(1),
                     "perturbation": None if pert is None else pert.float().mean(dim=(1, 2)),
