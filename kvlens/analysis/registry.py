@@ -136,9 +136,12 @@ def checked_params(name: str, **params) -> dict:
     known = {p.name: p for p in analysis.params}
     unknown = [k for k in params if k not in known]
     if unknown:
-        takes = f"it takes {', '.join(known)}" if known else "it takes none"
+        takes = "it takes " + (", ".join(known) or "none")
         raise KvlensError(f"The analysis '{analysis.name}' has no parameter '{unknown[0]}'; {takes}.")
     return {name: p.check(params.get(name, p.default)) for name, p in known.items()}
+
+
+READS = {"run": "one run", "runs": "runs"}  # what an analysis of each input reads, in words
 
 
 def _checked_source(analysis: Analysis, source):
@@ -154,9 +157,7 @@ def _checked_source(analysis: Analysis, source):
             "loaded model, not a run."
         )
     if analysis.inputs != "model" and (not runs or analysis.inputs == "run" and len(runs) > 1):
-        raise KvlensError(
-            f"The analysis '{analysis.name}' reads {'one run' if analysis.inputs == 'run' else 'runs'}."
-        )
+        raise KvlensError(f"The analysis '{analysis.name}' reads {READS[analysis.inputs]}.")
     for run in runs:
         if why := lacks(analysis, run):
             raise KvlensError(why)

@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 
 from kvlens.analysis.registry import Analysis, Param, register_analysis
 from kvlens.figures.plots import run_path
+from kvlens.figures.wording import when
 
 MAX_POINTS = 20000  # the figure draws at most this many decisions
 
@@ -48,7 +49,7 @@ class DecisionsAnalysis(Analysis):
                 f"{action} position {p} at step {s}"
                 + (
                     f"<br>into {list(map(int, t))}<br>weights {[round(float(x), 3) for x in w]}"
-                    + ("" if pr != pr else f"<br>p = {pr:.3f}, draw {dr}")
+                    + when(pr == pr, f"<br>p = {pr:.3f}, draw {dr}")
                     if action == "merge"
                     else ""
                 )

@@ -25,11 +25,13 @@ from kvlens.analysis.registry import LAYER, Analysis, Param, register_analysis
 from kvlens.analysis.states import head_states, layer_or_middle
 from kvlens.errors import KvlensError
 from kvlens.figures.plots import COLORS, finish, run_model
+from kvlens.figures.wording import when
 from kvlens.levels import RecordLevel
 from kvlens.runs import token_text
 from kvlens.runs.run import Run
 
 METHODS = ("pca", "tsne")
+METHOD_NAMES = {"pca": "PCA", "tsne": "t-SNE"}  # as figure titles name them
 SEED = 0  # random_state of PCA's and t-SNE's solvers
 EVICTED_COLOR, MERGED_COLOR = "#888888", "#D55E00"  # as the decision log's figure
 
@@ -278,10 +280,10 @@ def embedding_figure(run: Run, e: Embedding) -> go.Figure:
     for trace in _point_traces(e, _prompt_labels(run, e.tokens), merged_at):
         fig.add_trace(trace)
     _axis_titles(fig, e)
-    upto = "" if e.step is None else f", decisions to step {e.step}"
+    upto = when(e.step is not None, f", decisions to step {e.step}")
     title = (
         f"Queries and keys, layer {e.layer}, KV head {e.head}{upto} "
-        f"({'PCA' if e.method == 'pca' else 't-SNE'}, {run_model(run)})"
+        f"({METHOD_NAMES[e.method]}, {run_model(run)})"
     )
     fig = finish(
         fig,

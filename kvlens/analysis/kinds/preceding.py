@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 import torch
 
 from kvlens.analysis.registry import LAYER, Analysis, Param, nan_to_none, register_analysis
-from kvlens.analysis.states import layer_or_middle, parse_states, states, unit
+from kvlens.analysis.states import HEADS, kind_code, layer_or_middle, parse_states, states, unit
 from kvlens.errors import KvlensError
 from kvlens.figures.plots import finish, line_style, run_model
 from kvlens.levels import RecordLevel
@@ -43,7 +43,7 @@ def preceding_figure(run: Run, layer: int, token: int, window: int = 32, kind: s
                 x=list(range(1, window + 1)),
                 y=row.tolist(),
                 mode="lines+markers",
-                name=f"{'query' if kind == 'query' else 'KV'} head {h}",
+                name=f"{HEADS[kind_code(kind)]} head {h}",
                 **line_style(h),
             )
         )

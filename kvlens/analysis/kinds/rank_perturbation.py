@@ -43,6 +43,7 @@ from kvlens.errors import KvlensError
 from kvlens.figures.perturbation_sources import COLORS
 from kvlens.figures.plots import COLORS as LINE_COLORS
 from kvlens.figures.plots import SCALE, finish, run_model
+from kvlens.figures.wording import when
 from kvlens.kvcache.quantize import Storage
 from kvlens.levels import RecordLevel
 from kvlens.policies import make_policy
@@ -202,7 +203,7 @@ def _add_end_to_end(fig: go.Figure, rows: list[dict], ticks: list[str]) -> None:
             go.Scatter(
                 x=ticks,
                 y=[r[key] for r in rows],
-                mode="lines+markers+text" if text else "lines+markers",
+                mode="lines+markers" + when(text, "+text"),
                 name=label,
                 text=text,
                 textposition="bottom left",

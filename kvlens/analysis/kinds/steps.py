@@ -10,6 +10,7 @@ from plotly.subplots import make_subplots
 
 from kvlens.analysis.registry import Analysis, Param, nan_to_none, register_analysis
 from kvlens.figures.plots import finish, line_style, run_path
+from kvlens.figures.wording import when
 
 
 def _labels(runs: list, label: list) -> list[str]:
@@ -23,7 +24,7 @@ def _labels(runs: list, label: list) -> list[str]:
             base = run.path.name
         else:
             base = run.meta["policy"]["name"]
-        out.append(base if base not in out else f"{base} ({i + 1})")
+        out.append(base + when(base in out, f" ({i + 1})"))
     return out
 
 
