@@ -24,6 +24,7 @@ from kvlens.figures.attention import (
 )
 from kvlens.figures.inspect_token import TokenRow, has_rows, inspect_token, token_strings
 from kvlens.figures.plots import run_path
+from kvlens.figures.wording import when
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
 from kvlens.ui import url_state
@@ -186,7 +187,7 @@ def _context(row: TokenRow, before: int = 24) -> str:
     word = row.token.lstrip() or row.token
     space = row.token[: len(row.token) - len(word)]  # a leading space stays outside the highlight
     return (
-        f"<div style='white-space:pre-wrap;line-height:1.6'><span style='color:#888'>{'…' if cut else ''}"
+        f"<div style='white-space:pre-wrap;line-height:1.6'><span style='color:#888'>{when(cut, '…')}"
         f"{html.escape(lead + space)}</span><span style='background:#ffe08a;font-weight:600' "
         f"title='token {row.step}'>{html.escape(word)}</span></div>"
     )

@@ -76,8 +76,10 @@ class RunSettings:
             parts += (
                 ["--kv-rank", str(s.rank)] if s.rank is not None else ["--kv-rank-share", str(s.rank_share)]
             )
-            parts += ["--kv-rank-layers", str(s.rank_layers)] if s.rank_layers else []
-            parts += ["--kv-rank-append", s.rank_append] if s.rank_append != "project" else []
+            if s.rank_layers:
+                parts += ["--kv-rank-layers", str(s.rank_layers)]
+            if s.rank_append != "project":
+                parts += ["--kv-rank-append", s.rank_append]
         if self.prefill_chunk:
             parts += ["--prefill-chunk", str(self.prefill_chunk)]
         parts += ["--record", self.record]

@@ -146,7 +146,7 @@ def meets(need: Need, key: str) -> bool:
     if fits(need):
         return True
     entry = st.session_state.get(session.RUN_ENTRY)
-    st.warning(need.why.replace("{have}", entry.level if entry else "none"))
+    st.warning(need.why.replace("{have}", getattr(entry, "level", "none")))  # none: no run entry
     offer_runs(need.accept, key)
     return False
 

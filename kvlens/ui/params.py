@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import streamlit as st
 
+from kvlens.figures.wording import when
 from kvlens.params import Param
 
 WIDGETS = {"choice": "select", "policy": "select", "bool": "check", "int": "number", "float": "number"}
+NUMBERS = {"int": (1, None, int), "float": (0.05, "%.3g", float)}  # a number input's step, format and type
 
 
 def widget_of(p: Param) -> str:
@@ -36,22 +38,17 @@ def param_widget(p: Param, value, key: str, where=st, owner: str = ""):
     if widget == "check":
         return where.checkbox(p.name, value=bool(value), key=key, help=help_)
     if widget == "number":
+        step, fmt, kind = NUMBERS[p.kind]
         number = where.number_input(
-            p.name,
-            value=value,
-            step=1 if p.kind == "int" else 0.05,
-            key=key,
-            help=help_,
-            format=None if p.kind == "int" else "%.3g",
-            placeholder="default",
+            p.name, value=value, step=step, key=key, help=help_, format=fmt, placeholder="default"
         )
         if number is None:
             return None
-        return int(number) if p.kind == "int" else float(number)
+        return kind(number)
     shown = "" if value is None else str(value)
     if isinstance(value, (tuple, list)):
         shown = ",".join(map(str, value))
     text = where.text_input(
-        p.name, value=shown, key=key, help=(help_ or "") + (" (comma-separated)" if p.many else "")
+        p.name, value=shown, key=key, help=(help_ or "") + when(p.many, " (comma-separated)")
     )
     return p.parse(text, owner=owner)

@@ -16,6 +16,7 @@ from typing import Any
 import streamlit as st
 
 from kvlens.errors import KvlensError
+from kvlens.figures.wording import when
 from kvlens.params import Param
 from kvlens.policies import policy_names, presets
 from kvlens.ui.params import widget_of
@@ -56,7 +57,7 @@ def bind(
     if text in by_text:
         st.session_state[key] = by_text[text]
         return
-    shown = ", ".join(list(by_text)[:12]) + (", …" if len(by_text) > 12 else "")
+    shown = ", ".join(list(by_text)[:12]) + when(len(by_text) > 12, ", …")
     st.warning(f"The link's {what} {_quote(text)} is not one of {shown}; it was ignored.")
 
 
@@ -167,7 +168,7 @@ def _flag(value: bool) -> str:
 
 
 def _quote(text: str) -> str:
-    text = text if len(text) <= 40 else text[:40] + "…"
+    text = text[:40] + when(len(text) > 40, "…")
     return "'" + "".join(c if c.isprintable() else "?" for c in text) + "'"
 
 
