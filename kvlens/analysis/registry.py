@@ -21,6 +21,7 @@ import pkgutil
 from typing import ClassVar
 
 from kvlens.errors import KvlensError
+from kvlens.figures.plots import run_name
 from kvlens.levels import RecordLevel
 from kvlens.params import Param
 from kvlens.runs.run import Run, set_analyses
@@ -167,7 +168,7 @@ def _checked_source(analysis: Analysis, source):
 def lacks(analysis: Analysis, run: Run) -> str | None:
     """The sentence saying what `run` lacks for `analysis` (the tensors of --measure, a record level), or
     None."""
-    name = run.path.name if run.path else "this run"
+    name = run_name(run, "this run")
     if analysis.measured and not run.has("perturbation/used"):
         return f"The analysis '{analysis.name}' needs a run made with --measure; {name} was not measured."
     if not run_level(run).includes(analysis.level):

@@ -23,7 +23,7 @@ import kvlens.figures.plots  # noqa: F401  (registers the "kvlens" plotly templa
 from kvlens.analysis.registry import analysis_figure, get_analysis, lacks
 from kvlens.errors import KvlensError
 from kvlens.figures.kept_text import kept_text, kept_text_html
-from kvlens.figures.plots import model_label, storage_label
+from kvlens.figures.plots import model_label, run_name, storage_label
 from kvlens.figures.wording import layers_note, of_prompt, when
 from kvlens.runs.decisions import counts, outcome
 from kvlens.runs.run import Run
@@ -75,6 +75,9 @@ font-variant-numeric:tabular-nums}code{font-size:12px;color:#666}
 .scroll{overflow-x:auto}pre{white-space:pre-wrap;word-break:break-all;background:#f3f4f6;border-radius:6px;
 padding:10px 12px;font-size:12px;margin:0}
 """
+
+
+ANSWERS = {True: "right", False: "wrong"}  # whether the minimal set's answer is the full cache's
 
 
 def report_html(runs: list[Run], explained: Sequence[dict] = ()) -> str:
@@ -139,7 +142,7 @@ def write_report(runs: list[Run], out: str | Path, explained: Sequence[dict] = (
 
 
 def _name(run: Run, i: int) -> str:
-    return run.path.name if run.path else f"unsaved {run.meta['policy']['name']} run {i + 1}"
+    return run_name(run, f"unsaved {run.meta['policy']['name']} run {i + 1}")
 
 
 def _settings(run: Run) -> dict[str, str]:
@@ -333,7 +336,7 @@ def _why_section(result: dict, name: str, number: int) -> str:
                     f"{len(m['groups'])} {m['by']} groups ({', '.join(m['groups'])}), "
                     f"{m['slots']:,} slots in layers "
                     f"{', '.join(map(str, m['layers']))}; recovers {m['recovered_share']:.2f} of the gap"
-                    + (f"; answer {'right' if m['right'] else 'wrong'}" if "right" in m else "")
+                    + when("right" in m, f"; answer {ANSWERS.get(m.get('right'))}")
                 ),
             ]
         )

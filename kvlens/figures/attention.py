@@ -21,6 +21,7 @@ import torch
 
 from kvlens.errors import KvlensError
 from kvlens.figures.plots import run_path
+from kvlens.figures.wording import when
 from kvlens.runs.run import Run
 
 # status codes, in pooling priority (higher wins when blocks are pooled)
@@ -289,8 +290,8 @@ def attention_map_figure(
     if step is not None:
         fig.add_hline(y=step, line=dict(color="#d62728", width=1))
     pooled = grid.block != (1, 1)
-    xlabel = "token position" + (f" (blocks of {grid.block[1]})" if pooled else "")
-    ylabel = "query row (0 = last prompt token)" + (f" (blocks of {grid.block[0]})" if pooled else "")
+    xlabel = "token position" + when(pooled, f" (blocks of {grid.block[1]})")
+    ylabel = "query row (0 = last prompt token)" + when(pooled, f" (blocks of {grid.block[0]})")
     fig.update_xaxes(title_text=xlabel, range=[-0.5, grid.cols[-1] + grid.block[1] - 0.5])
     fig.update_yaxes(title_text=ylabel, autorange="reversed")
     pol = run.meta["policy"]["name"]

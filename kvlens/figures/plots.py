@@ -78,6 +78,11 @@ def run_path(run: Run) -> str | None:
     return None if run.path is None else str(run.path)
 
 
+def run_name(run: Run, unsaved: str) -> str:
+    """The run's folder name, or `unsaved` for a run that was never saved."""
+    return unsaved if run.path is None else run.path.name
+
+
 def integer_ticks(fig: go.Figure, span: int = 12) -> go.Figure:
     """Ticks at whole numbers on every axis whose points are all whole numbers spanning at most `span` (plotly
     would otherwise tick steps or positions at 0.5); an axis drawn from zero (`rangemode="tozero"`) spans

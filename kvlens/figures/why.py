@@ -11,6 +11,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from kvlens.errors import KvlensError
+from kvlens.figures.wording import when
 
 
 def _title(result: dict) -> str:
@@ -188,7 +189,8 @@ def minimal_strips(result: dict, gap: int = 3) -> go.Figure:
         title={
             "text": f"Minimal sufficient set: {len(m['groups'])} {m['by']} groups, {m['slots']} "
             f"slots ({_title(result)}; a strip = positions 0-{result['context_tokens'] - 1}"
-            + (f" in blocks of {block})" if block > 1 else ")")
+            + when(block > 1, f" in blocks of {block}")
+            + ")"
         },
         height=max(360, 90 + 22 * layers),
         width=1100,

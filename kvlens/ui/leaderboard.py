@@ -64,7 +64,7 @@ def leaderboard(path: Path, settings: dict, raw: dict) -> None:
             "Context length",
             lengths,
             key="tasks_length",
-            format_func=lambda n: "all lengths" if n == "all" else f"{n} tokens",
+            format_func=lambda n: {"all": "all lengths"}.get(n, f"{n} tokens"),
         )
     else:  # a file that records no context lengths: nothing to pick
         length = "all" if "all" in lengths else lengths[0]

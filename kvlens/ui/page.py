@@ -16,6 +16,7 @@ import streamlit as st
 from kvlens.analysis.registry import get_analysis
 from kvlens.analysis.report import report_html
 from kvlens.errors import KvlensError
+from kvlens.figures.plots import run_name
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
 from kvlens.ui import session, url_state
@@ -85,7 +86,7 @@ def browse_page(title: str, caption: str = "", need: Need | None = None) -> Run:
 
 def report_button(runs: list[Run], key: str, where=st) -> None:
     """A download of the runs' report (what `kvlens report` writes), built only when the button is clicked."""
-    stem = "-".join(run.path.name if run.path else run.meta["policy"]["name"] for run in runs)[:80]
+    stem = "-".join(run_name(run, run.meta["policy"]["name"]) for run in runs)[:80]
     where.download_button(
         "Report",
         data=lambda: report_html(runs),

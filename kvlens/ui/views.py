@@ -6,7 +6,7 @@ import html
 
 import streamlit as st
 
-from kvlens.figures.plots import storage_label
+from kvlens.figures.plots import run_name, storage_label
 from kvlens.figures.wording import layers_note, of_prompt, when
 from kvlens.policies import changed_params
 from kvlens.runs.decisions import counts
@@ -40,7 +40,7 @@ def run_header(run: Run) -> None:
         f"{run.meta.get('mode', 'generate')} · {len(run.meta['prompt_tokens'])} prompt + "
         f"{len(run.meta['tokens'])} new tokens · recorded `{rec.get('level', 'summary')}`"
         + layers_note(rec.get("layers"))
-        + f" · `{run.path.name if run.path else 'unsaved'}`"
+        + f" · `{run_name(run, 'unsaved')}`"
     )
 
 

@@ -155,7 +155,7 @@ DTYPE = 0  # the "KV storage" option of the model's dtype (None would draw the s
 
 
 def storage_option(bits: int) -> str:
-    return "model dtype (no quantization)" if bits == DTYPE else f"{bits} bits (quantized)"
+    return {DTYPE: "model dtype (no quantization)"}.get(bits, f"{bits} bits (quantized)")
 
 
 def storage_picker(prefix: str) -> Storage | None:
