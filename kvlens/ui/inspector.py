@@ -83,7 +83,7 @@ def token_inspector(run: Run, key: str) -> None:
         return
     strings = token_strings(run)
     steps = list(range(run.tensor(f"attn/{recorded_attention_layers(run)[0]}").shape[0]))
-    label = "Generated token" if run.meta.get("mode", "generate") == "generate" else "Scored token"
+    label = {"generate": "Generated token"}.get(run.meta.get("mode", "generate"), "Scored token")
     if len(steps) <= MAX_PILLS:
         names = pill_names([shown(t) for t in strings[: len(steps)]])
 
