@@ -326,7 +326,8 @@ def attention_row_figure(grid: AttentionGrid, row: int) -> go.Figure:
                     x=xs,
                     y=w[mask].tolist(),
                     name=STATUS[code][0],
-                    marker=dict(color="#1f77b4" if code == KEPT else STATUS[code][1]),
+                    # kept: darker than in the map
+                    marker=dict(color={KEPT: "#1f77b4"}.get(code, STATUS[code][1])),
                 )
             )
     fig.update_xaxes(title_text="token position")

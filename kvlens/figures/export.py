@@ -18,7 +18,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from kvlens.errors import KvlensError
-from kvlens.figures.wording import when
+from kvlens.figures.wording import if_none, when
 from kvlens.version import __version__
 
 FORMATS = ("png", "svg", "pdf")
@@ -69,8 +69,8 @@ def figure_rows(fig: go.Figure) -> list[dict]:
         if tr.type == "heatmap":
             codes = {int(k): v for k, v in (_meta(tr).get("codes") or {}).items()}
             z = tr.z or []
-            xs = list(tr.x) if tr.x is not None else list(range(len(z[0]) if z else 0))
-            ys = list(tr.y) if tr.y is not None else list(range(len(z)))
+            xs = list(if_none(tr.x, range(max(map(len, z), default=0))))
+            ys = list(if_none(tr.y, range(len(z))))
             rows += [
                 {
                     "trace": name,
@@ -88,12 +88,8 @@ def figure_rows(fig: go.Figure) -> list[dict]:
         xs, ys = tr.x, tr.y
         if ys is None or all(v is None for v in ys):
             continue
-        xs = list(xs) if xs is not None else list(range(len(ys)))
-        err = (
-            list(tr.error_y.array)
-            if getattr(tr, "error_y", None) is not None and tr.error_y.array is not None
-            else [None] * len(ys)
-        )
+        xs = list(if_none(xs, range(len(ys))))
+        err = list(if_none(getattr(getattr(tr, "error_y", None), "array", None), [None] * len(ys)))
         rows += [
             {"trace": name, "x": x, "y": y, "value": None, "meaning": None, "error": e}
             for x, y, e in zip(xs, ys, err, strict=False)
@@ -118,7 +114,7 @@ def describe_columns(fig: go.Figure) -> dict:
         if tr.type != "heatmap":
             continue
         meta = _meta(tr)
-        bar = tr.colorbar.title.text if tr.colorbar is not None and tr.colorbar.title is not None else None
+        bar = tr.colorbar.title.text
         what = meta.get("value") or "the cell's colour value" + when(bar, f": {bar}")
         entry: dict = {"value": what}
         if meta.get("codes"):

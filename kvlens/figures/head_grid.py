@@ -227,7 +227,7 @@ def summary_figure(grid: HeadGrid, step: int, metric: str = "kept share") -> go.
             y=y,
             colorscale="Viridis",
             zmin=0,
-            zmax=1 if metric != "output perturbation" else None,
+            zmax={"output perturbation": None}.get(metric, 1),  # shares up to 1; the perturbation unbounded
             meta={"value": f"{metric} of each layer (row) and query head (column)"},
             hoverinfo="skip",
             text=[[f"{v:.2f}" for v in row] for row in z.tolist()],

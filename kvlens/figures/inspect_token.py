@@ -68,7 +68,7 @@ def has_rows(run: Run) -> bool:
 
 def _text_at(texts: list[str], i: int) -> str:
     """`texts[i]`, or "" past the end (the last generated token was never fed back: no row shows it)."""
-    return texts[i] if i < len(texts) else ""
+    return "".join(texts[i : i + 1])
 
 
 def inspect_token(run: Run, step: int, layer: int, head: int) -> TokenRow:

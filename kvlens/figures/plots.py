@@ -15,7 +15,7 @@ from typing import Any
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from kvlens.figures.wording import when
+from kvlens.figures.wording import if_none, when
 from kvlens.runs.run import Run
 
 FONT = dict(family="Helvetica, Arial, sans-serif", size=14, color="#111111")
@@ -75,12 +75,12 @@ def finish(fig: go.Figure, title: str, analysis: str, run: Run | None = None, **
 
 def run_path(run: Run) -> str | None:
     """The run's folder as a figure's metadata records it; None for an unsaved run."""
-    return None if run.path is None else str(run.path)
+    return run.path and str(run.path)
 
 
 def run_name(run: Run, unsaved: str) -> str:
     """The run's folder name, or `unsaved` for a run that was never saved."""
-    return unsaved if run.path is None else run.path.name
+    return getattr(run.path, "name", unsaved)
 
 
 def integer_ticks(fig: go.Figure, span: int = 12) -> go.Figure:
@@ -94,7 +94,7 @@ def integer_ticks(fig: go.Figure, span: int = 12) -> go.Figure:
         for letter in ("x", "y"):
             axis = (getattr(trace, f"{letter}axis", None) or letter).replace(letter, f"{letter}axis", 1)
             points = getattr(trace, letter)
-            values.setdefault(axis, []).extend([] if points is None else list(points))
+            values.setdefault(axis, []).extend(if_none(points, ()))
     for axis, points in values.items():
         numbers = [v for v in points if v is not None]
         if numbers and fig.layout[axis].rangemode == "tozero":
@@ -115,7 +115,7 @@ def integer_ticks(fig: go.Figure, span: int = 12) -> go.Figure:
 
 def model_label(spec: str) -> str:
     """A model spec as a figure shows it: the embedded default by name, else the last path part."""
-    return "SmolLM2-135M-Instruct" if spec == "default" else spec.rstrip("/").split("/")[-1]
+    return {"default": "SmolLM2-135M-Instruct"}.get(spec, spec.rstrip("/").split("/")[-1])
 
 
 def storage_label(storage: dict | None, short: bool = False) -> str:

@@ -36,13 +36,13 @@ def share_heatmap(result: dict) -> go.Figure:
     by_layer = [g for g in result["groups"] if g["kind"] == "layer"]
     if not by_head and not by_layer:
         raise KvlensError("This result has no layer or head groups; explain it with --by layer or head.")
-    cols = heads if by_head else 1
+    x = [f"KV head {h}" for h in range(heads)] if by_head else ["all KV heads"]
+    cols = len(x)
     z = np.full((layers, cols), np.nan)
     slots = np.zeros((layers, cols), dtype=int)
     for g in by_head or by_layer:
         z[g["layer"], g.get("head", 0)] = g["recovered_share"]
         slots[g["layer"], g.get("head", 0)] = g["slots"]
-    x = [f"KV head {h}" for h in range(cols)] if by_head else ["all KV heads"]
     y = [f"L{i}" for i in range(layers)]
     fig = go.Figure(
         go.Heatmap(
