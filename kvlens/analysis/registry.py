@@ -192,7 +192,7 @@ def _with_model(analysis: Analysis, source, model, params: dict) -> dict:
     given)."""
     if not analysis.replays:
         return params
-    return {**params, "model": model if model is not None else replay_model(source)}
+    return {**params, "model": model or replay_model(source)}
 
 
 def analysis_json(name: str, source, model=None, **params) -> dict:

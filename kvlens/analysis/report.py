@@ -280,6 +280,11 @@ def _kept_text(run: Run) -> str:
         return f'<p class="note">{html.escape(str(err))}</p>{_text(run)}'
 
 
+def _command(command: str | None) -> str:
+    """The command that made a run or a result, as a block; nothing when it records none."""
+    return when(command, f"<pre>{html.escape(str(command))}</pre>")
+
+
 def _run_section(run: Run, name: str, number: int) -> str:
     settings = _settings(run)
     rows = [[html.escape(k), html.escape(v)] for k, v in settings.items()]
@@ -296,13 +301,10 @@ def _run_section(run: Run, name: str, number: int) -> str:
         f"{html.escape(settings['tokens'])} tokens</p>"
         f"<h3>Settings</h3>{_table(['setting', 'value'], rows, numeric_from=2)}"
         "<h3>Command</h3>"
-        + (
-            f"<pre>{html.escape(command)}</pre>"
-            if command
-            else '<p class="sub">run.json records no command.</p>'
-        )
-        + f"<h3>Metrics</h3>{_table(['metric', 'value'], metrics) if metrics else '<p>No metrics.</p>'}"
-        f"<h3>Text and the cache at the last step</h3>{_kept_text(run)}"
+        + (_command(command) or '<p class="sub">run.json records no command.</p>')
+        + "<h3>Metrics</h3>"
+        + (when(metrics, _table(["metric", "value"], metrics)) or "<p>No metrics.</p>")
+        + f"<h3>Text and the cache at the last step</h3>{_kept_text(run)}"
         f"<h3>Evictions and merges</h3>{_decisions(run)}"
         f'<h3>Figures</h3><div class="cols">{"".join(figures)}</div></section>'
     )
@@ -350,7 +352,7 @@ def _why_section(result: dict, name: str, number: int) -> str:
     return (
         f'<section id="why-{number}"><h2>Why {number}. {html.escape(name)}</h2>'
         f"<h3>Case and result</h3>{_table(['', 'value'], rows, numeric_from=2)}"
-        + (f"<h3>Command</h3><pre>{html.escape(command)}</pre>" if command else "")
+        + when(command, "<h3>Command</h3>" + _command(command))
         + f'<h3>Figures</h3><div class="cols">{"".join(plots)}</div></section>'
     )
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from kvlens.errors import KvlensError
+from kvlens.figures.wording import if_none
 from kvlens.runs.run import Run
 
 KINDS = {"query": "q", "key": "k", "value": "v"}
@@ -124,7 +125,7 @@ def aggregated_attention(run: Run, layer: int) -> torch.Tensor:
 def layer_or_middle(run: Run, layer: int | None, kind: str = "key") -> int:
     """`layer` checked against the recorded layers, or the middle recorded layer when None."""
     layers = recorded_layers(run, kind)
-    layer = layers[len(layers) // 2] if layer is None else layer
+    layer = if_none(layer, layers[len(layers) // 2])
     check_layer(run, layer, kind)
     return layer
 

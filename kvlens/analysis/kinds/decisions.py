@@ -14,6 +14,8 @@ from kvlens.figures.wording import when
 
 MAX_POINTS = 20000  # the figure draws at most this many decisions
 
+UNDRAWN = {0: "circle-open"}  # the marker of a merge whose Bernoulli draw was 0 (it moved nothing)
+
 
 @register_analysis
 class DecisionsAnalysis(Analysis):
@@ -65,7 +67,7 @@ class DecisionsAnalysis(Analysis):
             ]
             marker = dict(style)
             if action == "merge":
-                marker["symbol"] = ["circle-open" if dr == 0 else "circle" for dr in rows["draw"]]
+                marker["symbol"] = [UNDRAWN.get(dr, "circle") for dr in rows["draw"]]
             fig.add_trace(
                 go.Scatter(
                     x=rows["step"].tolist(),

@@ -25,7 +25,7 @@ from kvlens.analysis.registry import LAYER, Analysis, Param, register_analysis
 from kvlens.analysis.states import head_states, layer_or_middle
 from kvlens.errors import KvlensError
 from kvlens.figures.plots import COLORS, finish, run_model
-from kvlens.figures.wording import when
+from kvlens.figures.wording import if_none, when
 from kvlens.levels import RecordLevel
 from kvlens.runs import token_text
 from kvlens.runs.run import Run
@@ -95,7 +95,7 @@ def embedding(
     the evictions and merges of that KV head's prompt keys at steps `<= step` (all when None)."""
     keys = head_states(run, "key", layer, head)  # (T, D); an out-of-range head is one sentence
     group = run.shape["heads"] // run.shape["kv_heads"]
-    query_head = head * group if query_head is None else query_head
+    query_head = if_none(query_head, head * group)
     if query_head // group != head:
         raise KvlensError(
             f"Query head {query_head} does not read KV head {head}: KV head {head} serves query heads "
@@ -153,7 +153,7 @@ def _points(
     xy: torch.Tensor, positions: list[int], name: str, rank: int, marker: dict, text: list[str]
 ) -> go.Scatter:
     """The rows `positions` of `xy` `(T, 2)` as one legend entry of markers."""
-    sel = xy[positions] if positions else xy[:0]
+    sel = xy[positions]
     return go.Scatter(
         x=sel[:, 0].tolist(),
         y=sel[:, 1].tolist(),

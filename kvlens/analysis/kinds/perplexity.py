@@ -54,7 +54,7 @@ def perplexity_figure(runs: list[Run], labels: list[str] | None = None) -> go.Fi
         )
     fig.update_xaxes(title_text="position (tokens)")
     fig.update_yaxes(title_text="log perplexity (mean NLL so far, nats)")
-    model = f" ({run_model(runs[0])})" if runs else ""
+    model = "".join(f" ({run_model(run)})" for run in runs[:1])
     return finish(
         fig,
         f"Log-perplexity over position{model}",

@@ -13,6 +13,7 @@ from kvlens.analysis.registry import LAYER, Analysis, Param, nan_to_none, regist
 from kvlens.analysis.states import HEADS, kind_code, layer_or_middle, parse_states, states, unit
 from kvlens.errors import KvlensError
 from kvlens.figures.plots import finish, line_style, run_model
+from kvlens.figures.wording import if_none
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
 
@@ -66,7 +67,7 @@ class PrecedingAnalysis(Analysis):
     )
 
     def _args(self, run, layer, token, window, state):
-        token = len(run.meta["prompt_tokens"]) - 1 if token is None else token
+        token = if_none(token, len(run.meta["prompt_tokens"]) - 1)
         return layer_or_middle(run, layer), token, window, parse_states(state, many=False)[0]
 
     def compute(self, run, **params):
