@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 
 import plotly.graph_objects as go
 import streamlit as st
@@ -177,7 +178,7 @@ def summary(row: TokenRow) -> str:
 
 def _md(text: str) -> str:
     """`text` with Markdown's special characters escaped."""
-    return "".join("\\" + c if c in "\\`*_[]<>#|~$" else c for c in text)
+    return re.sub(r"([\\`*_\[\]<>#|~$])", r"\\\1", text)
 
 
 def _context(row: TokenRow, before: int = 24) -> str:

@@ -112,13 +112,17 @@ def pick_layer(
     )
 
 
+# by `kv`: the shape's count of heads and the select box's label
+HEADS = {True: ("kv_heads", "KV head"), False: ("heads", "Query head")}
+
+
 def pick_head(
     run: Run, key: str, where=st, kv: bool = False, help: str | None = None, param: str = "head"
 ) -> int:
     """A query-head select box (a KV-head one when `kv`) kept in the URL (`?head=`, or `param`); a query
     head's help names its KV head."""
-    heads = list(range(run.shape["kv_heads" if kv else "heads"]))
-    what = "KV head" if kv else "Query head"
+    shape, what = HEADS[kv]
+    heads = list(range(run.shape[shape]))
     if help is None and not kv:
         help = f"KV head = query head // {run.shape['heads'] // run.shape['kv_heads']} (GQA)"
     return url_state.bound(

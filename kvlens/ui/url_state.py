@@ -49,7 +49,7 @@ def bind(
             st.warning(f"The link's {what} is not a short line of text; it was ignored.")
             return
         try:
-            st.session_state[key] = text if parse is None else parse(text)
+            st.session_state[key] = (parse or str)(text)
         except KvlensError as err:
             st.warning(f"The link's {what} was ignored: {err}")
         return
@@ -140,7 +140,7 @@ def bind_param(p: Param, key: str, owner: str) -> None:
 def publish_param(p: Param, key: str) -> None:
     """After `param_widget(p, ..., key)`: its value (a text field's text) into the URL; none for an empty
     number."""
-    publish(p.name, st.session_state.get(key), _flag if widget_of(p) == "check" else str)
+    publish(p.name, st.session_state.get(key), {"check": _flag}.get(widget_of(p), str))
 
 
 def bind_policy(prefix: str) -> None:
