@@ -17,7 +17,7 @@ class RecordLevel(StrEnum):
     @classmethod
     def parse(cls, text: str) -> RecordLevel:
         """A level by name; `full`, its name in older runs, is `attention`."""
-        name = "attention" if text == "full" else text
+        name = {"full": "attention"}.get(text, text)
         if name not in cls._value2member_map_:
             raise KvlensError(f"Unknown record level '{text}'; choose one of: {', '.join(LEVELS)}.")
         return cls(name)

@@ -65,7 +65,7 @@ class Param:
         """The choices, resolved (None when any value of the kind is allowed)."""
         if callable(self.choices):
             return tuple(self.choices())
-        return tuple(self.choices) if self.choices else None
+        return tuple(self.choices or ()) or None
 
     def check(self, value, owner: str = "") -> Any:
         """`value` normalised (floats as float, numbers as a tuple, `many` as a list), or one sentence."""
@@ -96,7 +96,7 @@ class Param:
 
     def describe(self) -> dict:
         """What listings show: name, kind, default, choices, bounds, help (and `many`, the flag)."""
-        default = self.default.name if self.kind == "policy" else self.default
+        default = getattr(self.default, "name", self.default)  # a policy by its name
         choices = self.allowed()
         return {
             "name": self.name,
@@ -183,7 +183,7 @@ class Param:
         return f"comma-separated {_MANY[self.kind]}" if plural else _WHAT[self.kind]
 
     def _where(self, owner: str) -> str:
-        return f"{self.name} of {owner}" if owner else self.name
+        return " of ".join(filter(None, (self.name, owner)))
 
     def _bad(self, value, owner: str, plural: bool = False) -> KvlensError:
         shown = getattr(value, "name", value)

@@ -21,6 +21,7 @@ import pkgutil
 from typing import ClassVar
 
 from kvlens.errors import KvlensError
+from kvlens.figures.plots import run_name
 from kvlens.levels import RecordLevel
 from kvlens.params import Param
 from kvlens.runs.run import Run, set_analyses
@@ -136,9 +137,12 @@ def checked_params(name: str, **params) -> dict:
     known = {p.name: p for p in analysis.params}
     unknown = [k for k in params if k not in known]
     if unknown:
-        takes = f"it takes {', '.join(known)}" if known else "it takes none"
+        takes = "it takes " + (", ".join(known) or "none")
         raise KvlensError(f"The analysis '{analysis.name}' has no parameter '{unknown[0]}'; {takes}.")
     return {name: p.check(params.get(name, p.default)) for name, p in known.items()}
+
+
+READS = {"run": "one run", "runs": "runs"}  # what an analysis of each input reads, in words
 
 
 def _checked_source(analysis: Analysis, source):
@@ -154,9 +158,7 @@ def _checked_source(analysis: Analysis, source):
             "loaded model, not a run."
         )
     if analysis.inputs != "model" and (not runs or analysis.inputs == "run" and len(runs) > 1):
-        raise KvlensError(
-            f"The analysis '{analysis.name}' reads {'one run' if analysis.inputs == 'run' else 'runs'}."
-        )
+        raise KvlensError(f"The analysis '{analysis.name}' reads {READS[analysis.inputs]}.")
     for run in runs:
         if why := lacks(analysis, run):
             raise KvlensError(why)
@@ -166,7 +168,7 @@ def _checked_source(analysis: Analysis, source):
 def lacks(analysis: Analysis, run: Run) -> str | None:
     """The sentence saying what `run` lacks for `analysis` (the tensors of --measure, a record level), or
     None."""
-    name = run.path.name if run.path else "this run"
+    name = run_name(run, "this run")
     if analysis.measured and not run.has("perturbation/used"):
         return f"The analysis '{analysis.name}' needs a run made with --measure; {name} was not measured."
     if not run_level(run).includes(analysis.level):
@@ -190,7 +192,7 @@ def _with_model(analysis: Analysis, source, model, params: dict) -> dict:
     given)."""
     if not analysis.replays:
         return params
-    return {**params, "model": model if model is not None else replay_model(source)}
+    return {**params, "model": model or replay_model(source)}
 
 
 def analysis_json(name: str, source, model=None, **params) -> dict:

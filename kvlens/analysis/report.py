@@ -23,7 +23,8 @@ import kvlens.figures.plots  # noqa: F401  (registers the "kvlens" plotly templa
 from kvlens.analysis.registry import analysis_figure, get_analysis, lacks
 from kvlens.errors import KvlensError
 from kvlens.figures.kept_text import kept_text, kept_text_html
-from kvlens.figures.plots import model_label, storage_label
+from kvlens.figures.plots import model_label, run_name, storage_label
+from kvlens.figures.wording import layers_note, of_prompt, when
 from kvlens.runs.decisions import counts, outcome
 from kvlens.runs.run import Run
 from kvlens.version import __version__
@@ -76,6 +77,9 @@ padding:10px 12px;font-size:12px;margin:0}
 """
 
 
+ANSWERS = {True: "right", False: "wrong"}  # whether the minimal set's answer is the full cache's
+
+
 def report_html(runs: list[Run], explained: Sequence[dict] = ()) -> str:
     """The report of `runs` and of `explained` (`kvlens explain` results; at least one of either) as one HTML
     document (see module docstring)."""
@@ -96,7 +100,7 @@ def report_html(runs: list[Run], explained: Sequence[dict] = ()) -> str:
     ) + "".join(f'<a href="#why-{i + 1}">{html.escape(name)}</a>' for i, name in enumerate(whys))
     body = [
         f'<h1>kvlens report</h1><p class="sub">{len(runs)} run{"s" * (len(runs) != 1)}'
-        + (f", {len(explained)} explained" if explained else "")
+        + when(explained, f", {len(explained)} explained")
         + f", written by kvlens {__version__}</p>"
         f"<nav>{nav}</nav>"
     ]
@@ -138,7 +142,7 @@ def write_report(runs: list[Run], out: str | Path, explained: Sequence[dict] = (
 
 
 def _name(run: Run, i: int) -> str:
-    return run.path.name if run.path else f"unsaved {run.meta.policy.name} run {i + 1}"
+    return run_name(run, f"unsaved {run.meta.policy.name} run {i + 1}")
 
 
 def _settings(run: Run) -> dict[str, str]:
@@ -147,7 +151,6 @@ def _settings(run: Run) -> dict[str, str]:
     meta = run.meta
     params = meta.policy.params
     budget = meta.budget
-    requested = budget.requested
     rec = meta.record
     shape = meta.model.shape
     rows = {
@@ -155,8 +158,7 @@ def _settings(run: Run) -> dict[str, str]:
         "parameters": ", ".join(f"{k}={v}" for k, v in params.items()) or "none",
         "budget": "no budget"
         if budget.slots is None
-        else f"{budget.slots} slots per KV head"
-        + (f" ({requested:g} of the prompt)" if isinstance(requested, float) else ""),
+        else f"{budget.slots} slots per KV head" + of_prompt(budget.requested),
     }
     if meta.storage and meta.storage.get("bits") is not None:
         rows["KV storage"] = storage_label(meta.storage)
@@ -168,8 +170,8 @@ def _settings(run: Run) -> dict[str, str]:
     rows["tokens"] = f"{meta.mode}: {len(meta.prompt_tokens)} prompt + {len(meta.tokens)} new"
     rows["recorded"] = (
         str(rec.level)
-        + (f" (layers {', '.join(map(str, rec.layers))})" if rec.layers else "")
-        + (", measured (--measure)" if run.has("perturbation/used") else "")
+        + layers_note(rec.layers)
+        + when(run.has("perturbation/used"), ", measured (--measure)")
     )
     rows["sampling"] = f"seed {meta.seed}, temperature {meta.temperature}, top-p {meta.top_p}"
     rows["kvlens"] = meta.kvlens_version or "?"
@@ -196,7 +198,8 @@ def _table(header: list[str], rows: list[list[str]], numeric_from: int = 1) -> s
     right."""
 
     def cell(tag, i, text):
-        return f'<{tag} class="num">{text}</{tag}>' if i >= numeric_from else f"<{tag}>{text}</{tag}>"
+        attrs = when(i >= numeric_from, ' class="num"')
+        return f"<{tag}{attrs}>{text}</{tag}>"
 
     head = "".join(cell("th", i, h) for i, h in enumerate(header))
     body = "".join("<tr>" + "".join(cell("td", i, c) for i, c in enumerate(row)) + "</tr>" for row in rows)
@@ -273,6 +276,11 @@ def _kept_text(run: Run) -> str:
         return f'<p class="note">{html.escape(str(err))}</p>{_text(run)}'
 
 
+def _command(command: str | None) -> str:
+    """The command that made a run or a result, as a block; nothing when it records none."""
+    return when(command, f"<pre>{html.escape(str(command))}</pre>")
+
+
 def _run_section(run: Run, name: str, number: int) -> str:
     settings = _settings(run)
     rows = [[html.escape(k), html.escape(v)] for k, v in settings.items()]
@@ -289,13 +297,10 @@ def _run_section(run: Run, name: str, number: int) -> str:
         f"{html.escape(settings['tokens'])} tokens</p>"
         f"<h3>Settings</h3>{_table(['setting', 'value'], rows, numeric_from=2)}"
         "<h3>Command</h3>"
-        + (
-            f"<pre>{html.escape(command)}</pre>"
-            if command
-            else '<p class="sub">run.json records no command.</p>'
-        )
-        + f"<h3>Metrics</h3>{_table(['metric', 'value'], metrics) if metrics else '<p>No metrics.</p>'}"
-        f"<h3>Text and the cache at the last step</h3>{_kept_text(run)}"
+        + (_command(command) or '<p class="sub">run.json records no command.</p>')
+        + "<h3>Metrics</h3>"
+        + (when(metrics, _table(["metric", "value"], metrics)) or "<p>No metrics.</p>")
+        + f"<h3>Text and the cache at the last step</h3>{_kept_text(run)}"
         f"<h3>Evictions and merges</h3>{_decisions(run)}"
         f'<h3>Figures</h3><div class="cols">{"".join(figures)}</div></section>'
     )
@@ -329,7 +334,7 @@ def _why_section(result: dict, name: str, number: int) -> str:
                     f"{len(m['groups'])} {m['by']} groups ({', '.join(m['groups'])}), "
                     f"{m['slots']:,} slots in layers "
                     f"{', '.join(map(str, m['layers']))}; recovers {m['recovered_share']:.2f} of the gap"
-                    + (f"; answer {'right' if m['right'] else 'wrong'}" if "right" in m else "")
+                    + when("right" in m, f"; answer {ANSWERS.get(m.get('right'))}")
                 ),
             ]
         )
@@ -343,7 +348,7 @@ def _why_section(result: dict, name: str, number: int) -> str:
     return (
         f'<section id="why-{number}"><h2>Why {number}. {html.escape(name)}</h2>'
         f"<h3>Case and result</h3>{_table(['', 'value'], rows, numeric_from=2)}"
-        + (f"<h3>Command</h3><pre>{html.escape(command)}</pre>" if command else "")
+        + when(command, "<h3>Command</h3>" + _command(command))
         + f'<h3>Figures</h3><div class="cols">{"".join(plots)}</div></section>'
     )
 

@@ -15,10 +15,12 @@ from collections.abc import Iterator
 import torch
 
 from kvlens.errors import KvlensError
+from kvlens.figures.wording import if_none
 from kvlens.runs.run import Run
 
 KINDS = {"query": "q", "key": "k", "value": "v"}
 NAMES = {code: name for name, code in KINDS.items()}  # "q" -> "query"
+HEADS = {"q": "query", "k": "KV", "v": "KV"}  # whose heads a state's tensor has, by its letter
 CHUNK_ELEMENTS = 1 << 22  # float32 scores per attention chunk (~16 MB)
 
 
@@ -73,7 +75,7 @@ def head_states(run: Run, kind: str, layer: int, head: int) -> torch.Tensor:
     """One head's prefill states `(T, D)`; `head` indexes query heads for queries, KV heads otherwise."""
     x = states(run, kind, layer)
     if not 0 <= head < x.shape[0]:
-        what = "query" if kind_code(kind) == "q" else "KV"
+        what = HEADS[kind_code(kind)]
         raise KvlensError(
             f"Head {head} is out of range: layer {layer} has {what} heads 0 to {x.shape[0] - 1}."
         )
@@ -81,20 +83,20 @@ def head_states(run: Run, kind: str, layer: int, head: int) -> torch.Tensor:
 
 
 def attention_chunks(
-    q: torch.Tensor, k: torch.Tensor, start: int = 0, stop: int | None = None, scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, start: int = 0, stop: int | None = None
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Causal softmax attention of query rows `[start, stop)`, a chunk of rows at a time.
 
     q `(Hq, T, D)`, k `(Hkv, T, D)` with Hq a multiple of Hkv (GQA: query head h reads KV head
-    h // (Hq / Hkv)). `scale` defaults to 1/sqrt(head_dim) (Llama-family models; runs do not record
+    h // (Hq / Hkv)). Scores scale by 1/sqrt(head_dim) (Llama-family models; runs do not record
     another). Yields `(a, b, probs (Hq, b - a, T))`, zero above the diagonal, so a long
     prompt never materialises T x T for every head at once.
     """
     hq, t, _ = q.shape
     group = hq // k.shape[0]
     kk = k.repeat_interleave(group, dim=0)  # (Hq, T, D)
-    stop = t if stop is None else stop
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    stop = stop or t  # callers' stops are at least 1
+    scale = q.shape[-1] ** -0.5
     chunk = max(1, CHUNK_ELEMENTS // (hq * t))
     cols = torch.arange(t)
     for a in range(start, stop, chunk):
@@ -123,7 +125,7 @@ def aggregated_attention(run: Run, layer: int) -> torch.Tensor:
 def layer_or_middle(run: Run, layer: int | None, kind: str = "key") -> int:
     """`layer` checked against the recorded layers, or the middle recorded layer when None."""
     layers = recorded_layers(run, kind)
-    layer = layers[len(layers) // 2] if layer is None else layer
+    layer = if_none(layer, layers[len(layers) // 2])
     check_layer(run, layer, kind)
     return layer
 

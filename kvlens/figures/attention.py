@@ -20,6 +20,8 @@ import plotly.graph_objects as go
 import torch
 
 from kvlens.errors import KvlensError
+from kvlens.figures.plots import run_path
+from kvlens.figures.wording import when
 from kvlens.runs.run import Run
 
 # status codes, in pooling priority (higher wins when blocks are pooled)
@@ -288,8 +290,8 @@ def attention_map_figure(
     if step is not None:
         fig.add_hline(y=step, line=dict(color="#d62728", width=1))
     pooled = grid.block != (1, 1)
-    xlabel = "token position" + (f" (blocks of {grid.block[1]})" if pooled else "")
-    ylabel = "query row (0 = last prompt token)" + (f" (blocks of {grid.block[0]})" if pooled else "")
+    xlabel = "token position" + when(pooled, f" (blocks of {grid.block[1]})")
+    ylabel = "query row (0 = last prompt token)" + when(pooled, f" (blocks of {grid.block[0]})")
     fig.update_xaxes(title_text=xlabel, range=[-0.5, grid.cols[-1] + grid.block[1] - 0.5])
     fig.update_yaxes(title_text=ylabel, autorange="reversed")
     pol = run.meta.policy.name
@@ -302,7 +304,7 @@ def attention_map_figure(
         meta={
             "analysis": "attention",
             "params": {"layer": grid.layer, "head": grid.head, "step": step},
-            "run": str(run.path) if run.path else None,
+            "run": run_path(run),
             "run_command": run.meta.command,
         },
     )
@@ -324,7 +326,8 @@ def attention_row_figure(grid: AttentionGrid, row: int) -> go.Figure:
                     x=xs,
                     y=w[mask].tolist(),
                     name=STATUS[code][0],
-                    marker=dict(color="#1f77b4" if code == KEPT else STATUS[code][1]),
+                    # kept: darker than in the map
+                    marker=dict(color={KEPT: "#1f77b4"}.get(code, STATUS[code][1])),
                 )
             )
     fig.update_xaxes(title_text="token position")

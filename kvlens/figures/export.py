@@ -18,6 +18,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from kvlens.errors import KvlensError
+from kvlens.figures.wording import if_none, when
 from kvlens.version import __version__
 
 FORMATS = ("png", "svg", "pdf")
@@ -53,8 +54,9 @@ def image_bytes(fig: go.Figure, fmt: str, scale: float = 2.0) -> bytes:
 COLUMNS = ["trace", "x", "y", "value", "meaning", "error"]
 
 
-def _trace_meta(trace) -> dict:
-    return trace.meta if isinstance(trace.meta, dict) else {}
+def _meta(obj) -> dict:
+    """The `meta` of a trace or a layout: the dict a builder put there, else none."""
+    return obj.meta if isinstance(obj.meta, dict) else {}
 
 
 def figure_rows(fig: go.Figure) -> list[dict]:
@@ -65,10 +67,10 @@ def figure_rows(fig: go.Figure) -> list[dict]:
     for i, tr in enumerate(fig.data):
         name = tr.name or f"trace {i}"
         if tr.type == "heatmap":
-            codes = {int(k): v for k, v in (_trace_meta(tr).get("codes") or {}).items()}
+            codes = {int(k): v for k, v in (_meta(tr).get("codes") or {}).items()}
             z = tr.z or []
-            xs = list(tr.x) if tr.x is not None else list(range(len(z[0]) if z else 0))
-            ys = list(tr.y) if tr.y is not None else list(range(len(z)))
+            xs = list(if_none(tr.x, range(max(map(len, z), default=0))))
+            ys = list(if_none(tr.y, range(len(z))))
             rows += [
                 {
                     "trace": name,
@@ -86,12 +88,8 @@ def figure_rows(fig: go.Figure) -> list[dict]:
         xs, ys = tr.x, tr.y
         if ys is None or all(v is None for v in ys):
             continue
-        xs = list(xs) if xs is not None else list(range(len(ys)))
-        err = (
-            list(tr.error_y.array)
-            if getattr(tr, "error_y", None) is not None and tr.error_y.array is not None
-            else [None] * len(ys)
-        )
+        xs = list(if_none(xs, range(len(ys))))
+        err = list(if_none(getattr(getattr(tr, "error_y", None), "array", None), [None] * len(ys)))
         rows += [
             {"trace": name, "x": x, "y": y, "value": None, "meaning": None, "error": e}
             for x, y, e in zip(xs, ys, err, strict=False)
@@ -115,9 +113,9 @@ def describe_columns(fig: go.Figure) -> dict:
     for i, tr in enumerate(fig.data):
         if tr.type != "heatmap":
             continue
-        meta = _trace_meta(tr)
-        bar = tr.colorbar.title.text if tr.colorbar is not None and tr.colorbar.title is not None else None
-        what = meta.get("value") or (f"the cell's colour value: {bar}" if bar else "the cell's colour value")
+        meta = _meta(tr)
+        bar = tr.colorbar.title.text
+        what = meta.get("value") or "the cell's colour value" + when(bar, f": {bar}")
         entry: dict = {"value": what}
         if meta.get("codes"):
             entry["codes"] = {str(k): v for k, v in meta["codes"].items()}
@@ -147,7 +145,7 @@ def write_csv(fig: go.Figure, path: str | Path) -> Path:
 
 def figure_config(fig: go.Figure) -> dict:
     """What reproduces the figure: the builder's `layout.meta` (analysis, parameters, run) plus versions."""
-    meta = fig.layout.meta if isinstance(fig.layout.meta, dict) else {}
+    meta = _meta(fig.layout)
     return {"kvlens_version": __version__, "title": fig.layout.title.text, **meta, **describe_columns(fig)}
 
 

@@ -34,6 +34,7 @@ from kvlens.figures.attention import (
     status_heatmap,
     status_legend,
 )
+from kvlens.figures.wording import when
 from kvlens.runs.run import Run
 
 METRICS = {  # name: (description, measured run only)
@@ -196,7 +197,7 @@ def rows_figure(grid: HeadGrid, step: int, gap: int = 3) -> go.Figure:
         [_hover(grid, values, li, h) for li, h in cells],
     )
     _strip_axes(fig, grid, centers, width, gap)
-    pooled = f", positions in blocks of {block}" if block > 1 else ""
+    pooled = when(block > 1, f", positions in blocks of {block}")
     fig.update_layout(
         title=dict(
             text=f"Attention of every head at step {step} under {grid.policy} "
@@ -226,7 +227,7 @@ def summary_figure(grid: HeadGrid, step: int, metric: str = "kept share") -> go.
             y=y,
             colorscale="Viridis",
             zmin=0,
-            zmax=1 if metric != "output perturbation" else None,
+            zmax={"output perturbation": None}.get(metric, 1),  # shares up to 1; the perturbation unbounded
             meta={"value": f"{metric} of each layer (row) and query head (column)"},
             hoverinfo="skip",
             text=[[f"{v:.2f}" for v in row] for row in z.tolist()],

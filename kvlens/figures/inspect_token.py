@@ -66,6 +66,11 @@ def has_rows(run: Run) -> bool:
     )
 
 
+def _text_at(texts: list[str], i: int) -> str:
+    """`texts[i]`, or "" past the end (the last generated token was never fed back: no row shows it)."""
+    return "".join(texts[i : i + 1])
+
+
 def inspect_token(run: Run, step: int, layer: int, head: int) -> TokenRow:
     """The attention row of generated token `step` in `layer` and query head `head` (see module docstring)."""
     if not has_rows(run):
@@ -92,11 +97,11 @@ def inspect_token(run: Run, step: int, layer: int, head: int) -> TokenRow:
         layer=layer,
         head=head,
         kv_head=kv_head,
-        token=strings[step] if step < len(strings) else "",
-        query=context[query_position] if query_position < len(context) else "",
+        token=_text_at(strings, step),
+        query=_text_at(context, query_position),
         query_position=query_position,
         positions=seen,
-        texts=[context[i] if i < len(context) else "" for i in seen],
+        texts=[_text_at(context, i) for i in seen],
         weights=[float(grid.weights[step, i]) for i in seen],
         status=[STATUS[int(grid.status[step, i])][0] for i in seen],
         provenance=prov,

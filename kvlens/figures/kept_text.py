@@ -78,8 +78,9 @@ def kept_text(run: Run, step: int, layer: int | None = None, head: int | None = 
             "Give both a layer and a query head (that head's cache), or neither (how many recorded "
             "heads keep each token)."
         )
-    chosen = None if layer is None else layer_cache(run, layer)  # one sentence if that layer was not recorded
-    caches = [chosen if n == layer else layer_cache(run, n) for n in layers]
+    if layer not in (None, *layers):
+        layer_cache(run, layer)  # the one sentence for a layer that was not recorded
+    caches = [layer_cache(run, n) for n in layers]
     weights = torch.stack([w for w, _ in caches])  # (L, R, Hq, P)
     status = torch.stack([s for _, s in caches])  # (L, R, Hkv, P)
     n_rows, hq, n_pos = weights.shape[1:]
@@ -136,7 +137,7 @@ def _hex(rgb) -> str:
 
 
 def _count_colour(kept: int, pairs: int) -> str:
-    share = kept / pairs if pairs else 0.0
+    share = kept / max(pairs, 1)  # kept <= pairs: 0 when there are no pairs
     return _hex(lo + (hi - lo) * share for lo, hi in zip(LOW, HIGH))
 
 
@@ -235,7 +236,7 @@ def kept_text_html(view: KeptText) -> str:
     q = view.query_position
     query = _quoted(view.texts[q]) if q < len(view.texts) else "?"
     produced = view.prompt_len + view.step
-    made = f"; it produced {_quoted(view.texts[produced])}" if produced < len(view.texts) else ""
+    made = "".join(f"; it produced {_quoted(text)}" for text in view.texts[produced : produced + 1])
     whose = (
         f"layer {view.layer}, query head {view.head} (KV head {view.kv_head})"
         if view.head is not None

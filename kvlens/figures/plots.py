@@ -15,6 +15,7 @@ from typing import Any
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from kvlens.figures.wording import if_none, when
 from kvlens.runs.run import Run
 
 FONT = dict(family="Helvetica, Arial, sans-serif", size=14, color="#111111")
@@ -65,11 +66,21 @@ def finish(fig: go.Figure, title: str, analysis: str, run: Run | None = None, **
     `kvlens.figures.export` writes as the figure's JSON config."""
     meta: dict[str, Any] = {"analysis": analysis, "params": params}
     if run is not None:
-        meta["run"] = str(run.path) if run.path else None
+        meta["run"] = run_path(run)
         meta["run_command"] = run.meta.command
         meta["model"] = run.meta.model.spec
     fig.update_layout(template="kvlens", title=dict(text=title), meta=meta)
     return integer_ticks(fig)
+
+
+def run_path(run: Run) -> str | None:
+    """The run's folder as a figure's metadata records it; None for an unsaved run."""
+    return run.path and str(run.path)
+
+
+def run_name(run: Run, unsaved: str) -> str:
+    """The run's folder name, or `unsaved` for a run that was never saved."""
+    return getattr(run.path, "name", unsaved)
 
 
 def integer_ticks(fig: go.Figure, span: int = 12) -> go.Figure:
@@ -83,7 +94,7 @@ def integer_ticks(fig: go.Figure, span: int = 12) -> go.Figure:
         for letter in ("x", "y"):
             axis = (getattr(trace, f"{letter}axis", None) or letter).replace(letter, f"{letter}axis", 1)
             points = getattr(trace, letter)
-            values.setdefault(axis, []).extend([] if points is None else list(points))
+            values.setdefault(axis, []).extend(if_none(points, ()))
     for axis, points in values.items():
         numbers = [v for v in points if v is not None]
         if numbers and fig.layout[axis].rangemode == "tozero":
@@ -104,7 +115,7 @@ def integer_ticks(fig: go.Figure, span: int = 12) -> go.Figure:
 
 def model_label(spec: str) -> str:
     """A model spec as a figure shows it: the embedded default by name, else the last path part."""
-    return "SmolLM2-135M-Instruct" if spec == "default" else spec.rstrip("/").split("/")[-1]
+    return {"default": "SmolLM2-135M-Instruct"}.get(spec, spec.rstrip("/").split("/")[-1])
 
 
 def storage_label(storage: dict | None, short: bool = False) -> str:
@@ -117,13 +128,17 @@ def storage_label(storage: dict | None, short: bool = False) -> str:
         return "model dtype"
     bits, scheme, group, residual = (storage.get(k) for k in ("bits", "scheme", "group", "residual"))
     if short:
-        extra = [scheme] if scheme not in (None, "kivi") else []
-        extra += [f"group {group}"] if group not in (None, 64) else []
-        extra += [f"window {residual}"] if residual else []
-        return f"{bits}-bit" + (f" ({', '.join(extra)})" if extra else "")
-    return f"{bits}-bit {scheme}, group {group}" + (
-        f", last {residual} in full precision" if residual else ""
-    )
+        extra = [
+            text
+            for text, differs in [
+                (scheme, scheme not in (None, "kivi")),
+                (f"group {group}", group not in (None, 64)),
+                (f"window {residual}", residual),
+            ]
+            if differs
+        ]
+        return f"{bits}-bit" + when(extra, f" ({', '.join(extra)})")
+    return f"{bits}-bit {scheme}, group {group}" + when(residual, f", last {residual} in full precision")
 
 
 def rank_label(storage: dict, short: bool = False) -> str:
@@ -131,11 +146,11 @@ def rank_label(storage: dict, short: bool = False) -> str:
     projected)"; records made before `rank_append` existed gave `rank_share` as a share of the head size."""
     unit = "of the bytes" if "rank_append" in storage else "of the head size"
     rank = f"rank {storage['rank']}" if storage.get("rank") else f"rank at {storage['rank_share']:g} {unit}"
-    rank += f", {storage['bits']}-bit coefficients" if storage.get("bits") else ""
+    rank += when(storage.get("bits"), f", {storage.get('bits')}-bit coefficients")
     if short:
         return rank
     where = f"xKV over {storage['rank_layers']} layers" if storage.get("rank_layers") else "per head"
-    later = "full width" if storage.get("rank_append") == "full" else "projected"
+    later = {"full": "full width"}.get(storage.get("rank_append"), "projected")
     return f"low-rank, {rank}, {where} (later tokens {later})"
 
 

@@ -18,6 +18,7 @@ import pandas as pd
 
 from kvlens.errors import KvlensError
 from kvlens.figures.plots import model_label, storage_label
+from kvlens.figures.wording import of_prompt, when
 from kvlens.policies import changed_params
 from kvlens.runs.meta import RunMeta
 from kvlens.runs.run import RUN_JSON, read_meta
@@ -58,10 +59,10 @@ SEARCHED = [
 
 
 def _budget(meta: RunMeta) -> str:
-    slots, requested = meta.budget.slots, meta.budget.requested
+    slots = meta.budget.slots
     if slots is None:
         return "none"
-    return f"{slots} slots" + (f" ({requested:g} of the prompt)" if isinstance(requested, float) else "")
+    return f"{slots} slots" + of_prompt(meta.budget.requested)
 
 
 PROMPT_WORDS = 6
@@ -69,7 +70,7 @@ PROMPT_WORDS = 6
 
 def _first_words(prompt: str) -> str:
     words = prompt.split()
-    return " ".join(words[:PROMPT_WORDS]) + (" …" if len(words) > PROMPT_WORDS else "")
+    return " ".join(words[:PROMPT_WORDS]) + when(len(words) > PROMPT_WORDS, " …")
 
 
 def run_row(path: str | Path, source: str) -> dict:

@@ -42,17 +42,22 @@ class Family:
     met: bool | None = None
 
 
+def dict_at(raw: dict, key: str) -> dict:
+    """The dict under `key`, or an empty one (a results file missing it or holding something else)."""
+    value = raw.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def families(raw: dict) -> list[Family]:
     """The file's `every_policy_*` families, or (none there) the ratios its rows give; by measure, then
     length."""
-    details = raw.get("ratio_details") if isinstance(raw.get("ratio_details"), dict) else {}
-    targets = raw.get("targets") if isinstance(raw.get("targets"), dict) else {}
+    details, targets = dict_at(raw, "ratio_details"), dict_at(raw, "targets")
     out = []
     for key, d in details.items():
         match = _FAMILY.fullmatch(key)
         if match and isinstance(d, dict) and isinstance(d.get("per_policy"), dict) and d["per_policy"]:
             per = {str(p): float(v) for p, v in d["per_policy"].items()}
-            t = targets.get(key) if isinstance(targets.get(key), dict) else {}
+            t = dict_at(targets, key)
             out.append(
                 Family(
                     _MEASURE.get(match.group(1), "floor"),

@@ -11,6 +11,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from kvlens.errors import KvlensError
+from kvlens.figures.wording import when
 
 
 def _title(result: dict) -> str:
@@ -35,13 +36,13 @@ def share_heatmap(result: dict) -> go.Figure:
     by_layer = [g for g in result["groups"] if g["kind"] == "layer"]
     if not by_head and not by_layer:
         raise KvlensError("This result has no layer or head groups; explain it with --by layer or head.")
-    cols = heads if by_head else 1
+    x = [f"KV head {h}" for h in range(heads)] if by_head else ["all KV heads"]
+    cols = len(x)
     z = np.full((layers, cols), np.nan)
     slots = np.zeros((layers, cols), dtype=int)
     for g in by_head or by_layer:
         z[g["layer"], g.get("head", 0)] = g["recovered_share"]
         slots[g["layer"], g.get("head", 0)] = g["slots"]
-    x = [f"KV head {h}" for h in range(cols)] if by_head else ["all KV heads"]
     y = [f"L{i}" for i in range(layers)]
     fig = go.Figure(
         go.Heatmap(
@@ -188,7 +189,8 @@ def minimal_strips(result: dict, gap: int = 3) -> go.Figure:
         title={
             "text": f"Minimal sufficient set: {len(m['groups'])} {m['by']} groups, {m['slots']} "
             f"slots ({_title(result)}; a strip = positions 0-{result['context_tokens'] - 1}"
-            + (f" in blocks of {block})" if block > 1 else ")")
+            + when(block > 1, f" in blocks of {block}")
+            + ")"
         },
         height=max(360, 90 + 22 * layers),
         width=1100,

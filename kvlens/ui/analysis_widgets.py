@@ -33,7 +33,7 @@ def pick_analysis(kinds: list[str], key: str) -> str:
 def _drop_left() -> None:
     """The select box's callback: the URL still names the analysis left, whose parameters go."""
     left = analyses().get(st.query_params.get(PARAM))
-    for prm in left.params if left else ():
+    for prm in getattr(left, "params", ()):  # none: the URL named no analysis
         url_state.publish(prm.name, None)
 
 

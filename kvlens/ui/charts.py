@@ -100,8 +100,9 @@ def chart(
             width="stretch",
             help="The settings that reproduce this figure",
         )
-    points = event.selection.points if clicked and event else []
-    return points[0] if points else None
+    if not (clicked and event):
+        return None
+    return next(iter(event.selection.points), None)
 
 
 def _image(fig: go.Figure, fmt: str) -> bytes:

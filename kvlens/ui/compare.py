@@ -10,6 +10,7 @@ from plotly.subplots import make_subplots
 
 from kvlens.experiments.compare import Result, ResultCache, table
 from kvlens.figures.plots import line_style
+from kvlens.figures.wording import when
 from kvlens.runs.token_text import TokenText
 from kvlens.ui.charts import chart
 from kvlens.ui.inspector import inspect_pair
@@ -71,7 +72,8 @@ def show_text(
             f"It writes {text.label(first_diff)!r} where the full cache writes "
             f"{reference.label(first_diff)!r}. Highlighted: its choice at each later step of the full "
             "cache's text, on which it is scored"
-            + (f"; it agrees at {agree} of {len(text.spans)} steps." if agree is not None else ".")
+            + when(agree is not None, f"; it agrees at {agree} of {len(text.spans)} steps")
+            + "."
         )
 
 
@@ -152,8 +154,9 @@ def show_pair(results: list[Result]) -> None:
     st.subheader("Token inspector")
     labels = [r.entry.label for r in results]
     c1, c2, c3 = st.columns([1, 1, 2])
-    a = c1.selectbox("Left", labels, index=1 if len(labels) > 1 else 0, key="cmp_pair_a")
-    b = c2.selectbox("Right", labels, index=2 if len(labels) > 2 else 0, key="cmp_pair_b")
+    # the first two after the reference when there are (else the reference)
+    a = c1.selectbox("Left", labels, index=int(len(labels) > 1), key="cmp_pair_a")
+    b = c2.selectbox("Right", labels, index=2 * (len(labels) > 2), key="cmp_pair_b")
     step = c3.select_slider(
         "Token of the full cache's text",
         list(range(len(results[0].text.spans))),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 
 import plotly.graph_objects as go
 import streamlit as st
@@ -23,6 +24,8 @@ from kvlens.figures.attention import (
     status_scale,
 )
 from kvlens.figures.inspect_token import TokenRow, has_rows, inspect_token, token_strings
+from kvlens.figures.plots import run_path
+from kvlens.figures.wording import when
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
 from kvlens.ui import url_state
@@ -153,7 +156,7 @@ def inspect_pair(run_a: Run, run_b: Run, step: int, key: str = "pair") -> None:
                 f"{key}_row{i}",
                 name=f"token-{step}-L{layer}-H{head}-{run.meta.policy.name}",
                 config={
-                    "run": str(run.path) if run.path else None,
+                    "run": run_path(run),
                     "step": step,
                     "layer": layer,
                     "head": head,
@@ -175,7 +178,7 @@ def summary(row: TokenRow) -> str:
 
 def _md(text: str) -> str:
     """`text` with Markdown's special characters escaped."""
-    return "".join("\\" + c if c in "\\`*_[]<>#|~$" else c for c in text)
+    return re.sub(r"([\\`*_\[\]<>#|~$])", r"\\\1", text)
 
 
 def _context(row: TokenRow, before: int = 24) -> str:
@@ -185,7 +188,7 @@ def _context(row: TokenRow, before: int = 24) -> str:
     word = row.token.lstrip() or row.token
     space = row.token[: len(row.token) - len(word)]  # a leading space stays outside the highlight
     return (
-        f"<div style='white-space:pre-wrap;line-height:1.6'><span style='color:#888'>{'…' if cut else ''}"
+        f"<div style='white-space:pre-wrap;line-height:1.6'><span style='color:#888'>{when(cut, '…')}"
         f"{html.escape(lead + space)}</span><span style='background:#ffe08a;font-weight:600' "
         f"title='token {row.step}'>{html.escape(word)}</span></div>"
     )

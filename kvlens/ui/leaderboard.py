@@ -39,7 +39,7 @@ PROTOCOLS = {
 
 def _turns(turns: list[dict] | None) -> str:
     """Each question's score in turn, e.g. "100% · 88% · 75%" (a task that asks several of one context)."""
-    return "" if not turns else " · ".join(f"{t['score']:.0%}" for t in turns)
+    return " · ".join(f"{t['score']:.0%}" for t in turns or ())
 
 
 def leaderboard(path: Path, settings: dict, raw: dict) -> None:
@@ -56,7 +56,7 @@ def leaderboard(path: Path, settings: dict, raw: dict) -> None:
         "Task",
         ["all", *sorted({s["task"] for s in summary} - {"all"})],
         key="tasks_task",
-        format_func=lambda t: "average over tasks" if t == "all" else t,
+        format_func=lambda t: {"all": "average over tasks"}.get(t, t),
     )
     lengths = sorted({s["length"] for s in summary if s["task"] == task}, key=str)
     if any(n not in (None, "all") for n in lengths):
@@ -64,7 +64,7 @@ def leaderboard(path: Path, settings: dict, raw: dict) -> None:
             "Context length",
             lengths,
             key="tasks_length",
-            format_func=lambda n: "all lengths" if n == "all" else f"{n} tokens",
+            format_func=lambda n: {"all": "all lengths"}.get(n, f"{n} tokens"),
         )
     else:  # a file that records no context lengths: nothing to pick
         length = "all" if "all" in lengths else lengths[0]

@@ -21,6 +21,8 @@ from kvlens.kvcache.quantize import Storage
 from kvlens.lists import parse_list
 from kvlens.runs.token_text import decode
 
+COMMANDS = {True: "ppl", False: "generate"}  # the CLI command, by `teacher`
+
 
 @dataclass
 class RunSettings:
@@ -51,7 +53,7 @@ class RunSettings:
 
     def command(self) -> str:
         """The equivalent CLI command (the prompt itself is not repeated)."""
-        parts = ["kvlens", "ppl" if self.teacher else "generate", "--policy", self.policy]
+        parts = ["kvlens", COMMANDS[self.teacher], "--policy", self.policy]
         if self.budget is not None:
             parts += ["--budget", str(self.budget)]
         for k, v in self.params.items():
@@ -76,8 +78,10 @@ class RunSettings:
             parts += (
                 ["--kv-rank", str(s.rank)] if s.rank is not None else ["--kv-rank-share", str(s.rank_share)]
             )
-            parts += ["--kv-rank-layers", str(s.rank_layers)] if s.rank_layers else []
-            parts += ["--kv-rank-append", s.rank_append] if s.rank_append != "project" else []
+            if s.rank_layers:
+                parts += ["--kv-rank-layers", str(s.rank_layers)]
+            if s.rank_append != "project":
+                parts += ["--kv-rank-append", s.rank_append]
         if self.prefill_chunk:
             parts += ["--prefill-chunk", str(self.prefill_chunk)]
         parts += ["--record", self.record]

@@ -16,6 +16,7 @@ import streamlit as st
 from kvlens.analysis.registry import get_analysis
 from kvlens.analysis.report import report_html
 from kvlens.errors import KvlensError
+from kvlens.figures.plots import run_name
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
 from kvlens.ui import session, url_state
@@ -85,7 +86,7 @@ def browse_page(title: str, caption: str = "", need: Need | None = None) -> Run:
 
 def report_button(runs: list[Run], key: str, where=st) -> None:
     """A download of the runs' report (what `kvlens report` writes), built only when the button is clicked."""
-    stem = "-".join(run.path.name if run.path else run.meta.policy.name for run in runs)[:80]
+    stem = "-".join(run_name(run, run.meta.policy.name) for run in runs)[:80]
     where.download_button(
         "Report",
         data=lambda: report_html(runs),
@@ -111,13 +112,17 @@ def pick_layer(
     )
 
 
+# by `kv`: the shape's count of heads and the select box's label
+HEADS = {True: ("kv_heads", "KV head"), False: ("heads", "Query head")}
+
+
 def pick_head(
     run: Run, key: str, where=st, kv: bool = False, help: str | None = None, param: str = "head"
 ) -> int:
     """A query-head select box (a KV-head one when `kv`) kept in the URL (`?head=`, or `param`); a query
     head's help names its KV head."""
-    heads = list(range(run.shape["kv_heads" if kv else "heads"]))
-    what = "KV head" if kv else "Query head"
+    shape, what = HEADS[kv]
+    heads = list(range(run.shape[shape]))
     if help is None and not kv:
         help = f"KV head = query head // {run.shape['heads'] // run.shape['kv_heads']} (GQA)"
     return url_state.bound(
@@ -146,7 +151,7 @@ def meets(need: Need, key: str) -> bool:
     if fits(need):
         return True
     entry = st.session_state.get(session.RUN_ENTRY)
-    st.warning(need.why.replace("{have}", entry.level if entry else "none"))
+    st.warning(need.why.replace("{have}", getattr(entry, "level", "none")))  # none: no run entry
     offer_runs(need.accept, key)
     return False
 

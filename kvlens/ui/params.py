@@ -10,9 +10,22 @@ from __future__ import annotations
 
 import streamlit as st
 
+from kvlens.figures.wording import if_none, when
 from kvlens.params import Param
 
 WIDGETS = {"choice": "select", "policy": "select", "bool": "check", "int": "number", "float": "number"}
+NUMBERS = {"int": (1, None, int), "float": (0.05, "%.3g", float)}  # a number input's step, format and type
+
+
+def start_index(options: list, value) -> int:
+    """Where a select box of `options` starts: at `value`, else at the first option."""
+    return next((i for i, option in enumerate(options) if option == value), 0)
+
+
+def unset(key: str, **start) -> dict:
+    """A widget's `start` arguments (`value=`, `index=`), or none when the link or the user already put its
+    value in the session under `key` (Streamlit would warn about a default beside it)."""
+    return {k: v for k, v in start.items() if key not in st.session_state}
 
 
 def widget_of(p: Param) -> str:
@@ -30,28 +43,21 @@ def param_widget(p: Param, value, key: str, where=st, owner: str = ""):
     if widget == "select":
         options = list(p.allowed() or ())
         start = getattr(value, "name", value)
-        return where.selectbox(
-            p.name, options, index=options.index(start) if start in options else 0, key=key, help=help_
-        )
+        return where.selectbox(p.name, options, index=start_index(options, start), key=key, help=help_)
     if widget == "check":
         return where.checkbox(p.name, value=bool(value), key=key, help=help_)
     if widget == "number":
+        step, fmt, kind = NUMBERS[p.kind]
         number = where.number_input(
-            p.name,
-            value=value,
-            step=1 if p.kind == "int" else 0.05,
-            key=key,
-            help=help_,
-            format=None if p.kind == "int" else "%.3g",
-            placeholder="default",
+            p.name, value=value, step=step, key=key, help=help_, format=fmt, placeholder="default"
         )
         if number is None:
             return None
-        return int(number) if p.kind == "int" else float(number)
-    shown = "" if value is None else str(value)
+        return kind(number)
+    shown = str(if_none(value, ""))
     if isinstance(value, (tuple, list)):
         shown = ",".join(map(str, value))
     text = where.text_input(
-        p.name, value=shown, key=key, help=(help_ or "") + (" (comma-separated)" if p.many else "")
+        p.name, value=shown, key=key, help=(help_ or "") + when(p.many, " (comma-separated)")
     )
     return p.parse(text, owner=owner)

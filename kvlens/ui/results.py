@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from kvlens.figures.plots import line_style
+from kvlens.figures.wording import when
 from kvlens.policies import changed_params
 from kvlens.ui import url_state
 from kvlens.ui.charts import chart
@@ -33,6 +34,17 @@ PUBLISHED = (
     "bench_ppl",
     "sweep_cam_perturbation",
 )
+# What to say when there is no results file of a kind (`pick_results`' `make` says it instead when given)
+MAKE = {
+    "sweep": "Make one with `kvlens sweep ... --out results/sweep_NAME.json`.",
+    "bench": "Make one with the benchmark commands (`kvlens bench --help`), which write "
+    "`results/bench_*.json`.",
+}
+# A frontier summary row's measure by its metric: (name, its interval's low and high columns, what it is over)
+FRONTIER_MEASURES = {
+    "ppl": ("perplexity", "ppl_min", "ppl_max", "texts"),
+    "score": ("task score", "ci_low", "ci_high", "samples"),
+}
 
 
 def results_dir() -> Path:
@@ -104,17 +116,8 @@ def pick_results(
     ]
     files.sort(key=lambda p: not _usable(p, want))  # stable: keeps the published first within each group
     if not files:
-        pattern = " or ".join(f"`{n}*.json`" for n in only) if only else f"`{kind}_*.json`"
-        st.info(
-            f"No saved {label} yet: {results_dir()} holds no {pattern}. "
-            + (
-                make or "Make one with `kvlens sweep ... --out results/sweep_NAME.json`."
-                if kind == "sweep"
-                else make
-                or "Make one with the benchmark commands (`kvlens bench --help`), which write "
-                "`results/bench_*.json`."
-            )
-        )
+        pattern = " or ".join(f"`{n}*.json`" for n in only or [f"{kind}_"])
+        st.info(f"No saved {label} yet: {results_dir()} holds no {pattern}. " + (make or MAKE[kind]))
         return None
     param = param or kind
     path = url_state.bound(
@@ -135,7 +138,7 @@ def pick_results(
 
 
 def _file_name(path: Path) -> str:
-    return f"{path.name} (published)" if path.stem in PUBLISHED else path.name
+    return path.name + when(path.stem in PUBLISHED, " (published)")
 
 
 def cells_status(path: Path, settings: dict) -> None:
@@ -143,8 +146,8 @@ def cells_status(path: Path, settings: dict) -> None:
     total, done, failed = (settings.get(k) for k in ("cells_total", "cells_done", "cells_failed"))
     if not isinstance(total, int) or not isinstance(done, int) or total < 1:
         return
-    text = f"{done} of {total} cells done" + (
-        f", {failed} failed (re-run the command to retry them)" if failed else ""
+    text = f"{done} of {total} cells done" + when(
+        failed, f", {failed} failed (re-run the command to retry them)"
     )
     if settings.get("status") == "done":
         st.caption(text + ".")
@@ -161,17 +164,17 @@ def metric_figure(frame: pd.DataFrame, x: str, ys: list[str], title: str) -> go.
     """One line per policy (and per y column) of `ys` against `x`."""
     fig = go.Figure()
     i = 0
-    keys = ["policy", "params"] if "params" in frame.columns else ["policy"]
+    keys = [c for c in ("policy", "params") if c in frame.columns]  # the caller checks there is a policy
     for key, rows in frame.groupby(keys, sort=False):
         policy = key[0]
         params = (
             json.loads(key[1]) if len(key) > 1 and isinstance(key[1], str) and key[1].startswith("{") else {}
         )
         extra = ", ".join(f"{k}={v}" for k, v in changed_params(policy, params).items())
-        series = f"{policy} ({extra})" if extra else policy
+        series = policy + when(extra, f" ({extra})")
         rows = rows.sort_values(x)
         for y in ys:
-            name = series if len(ys) == 1 else f"{series}: {y}"
+            name = series + when(len(ys) > 1, f": {y}")
             fig.add_trace(
                 go.Scatter(
                     x=rows[x].tolist(), y=rows[y].tolist(), mode="lines+markers", name=name, **line_style(i)
@@ -187,11 +190,8 @@ def metric_figure(frame: pd.DataFrame, x: str, ys: list[str], title: str) -> go.
 def measured(frame: pd.DataFrame, settings: dict) -> pd.Series:
     """Which rows of a sweep ran with the perturbation meter (`--measure`): their own flag, the file's, or the
     perturbation they report."""
-    flag = (
-        frame["measure"].fillna(False).astype(bool)
-        if "measure" in frame.columns
-        else pd.Series(bool(settings.get("measure")), index=frame.index)
-    )
+    flag = frame.get("measure", pd.Series(bool(settings.get("measure")), index=frame.index))
+    flag = flag.fillna(False).astype(bool)
     if "perturbation_used" in frame.columns:
         flag = flag | frame["perturbation_used"].notna()
     return flag
@@ -229,9 +229,7 @@ def sweep_section(prefix: str, charts: list[tuple[str, list[str]]]) -> None:
                 )
         missing = [y for y in ys if y not in shown.columns or shown[y].isna().all()]
         if missing:
-            hint = (
-                " (run the sweep with `--measure`)" if missing[0].startswith(("perturbation", "kl")) else ""
-            )
+            hint = when(missing[0].startswith(("perturbation", "kl")), " (run the sweep with `--measure`)")
             st.info(f"{path.name} has no `{missing[0]}` column{hint}.")
             continue
         chart(
@@ -259,17 +257,19 @@ def bench_figure(name: str):
 def frontier_table(summary: list[dict]) -> pd.DataFrame:
     """The bytes-quality frontier's summary as the Benchmarks page shows it: a row per configuration and
     measure."""
-    rows = [
-        {
-            "family": s["family"],
-            "configuration": s["config"],
-            "measure": "perplexity" if s["metric"] == "ppl" else "task score",
-            "bytes share": s["bytes_share"],
-            "value": s[s["metric"]],
-            "low": s["ppl_min" if s["metric"] == "ppl" else "ci_low"],
-            "high": s["ppl_max" if s["metric"] == "ppl" else "ci_high"],
-            "over": f"{s['texts']} texts" if s["metric"] == "ppl" else f"{s['samples']} samples",
-        }
-        for s in summary
-    ]
+    rows = []
+    for s in summary:
+        measure, low, high, over = FRONTIER_MEASURES[s["metric"]]
+        rows.append(
+            {
+                "family": s["family"],
+                "configuration": s["config"],
+                "measure": measure,
+                "bytes share": s["bytes_share"],
+                "value": s[s["metric"]],
+                "low": s[low],
+                "high": s[high],
+                "over": f"{s[over]} {over}",
+            }
+        )
     return pd.DataFrame(rows)

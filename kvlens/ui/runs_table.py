@@ -17,10 +17,9 @@ from kvlens.analysis.registry import analysis_figure
 from kvlens.errors import KvlensError
 from kvlens.figures.run_table import run_table
 from kvlens.runs.archive import delete_run, export_run, import_run
-from kvlens.runs.run import RUN_JSON
 from kvlens.ui import session
 from kvlens.ui.charts import chart
-from kvlens.ui.state import RunEntry, list_runs, open_run, user_runs_dir
+from kvlens.ui.state import RunEntry, list_runs, open_run, stamp, user_runs_dir
 
 PENDING = "runs_pending_delete"  # the runs whose Delete was pressed, until the dialog is answered
 VERSION = "runs_version"  # bumped after a delete: the table's selection starts afresh
@@ -108,11 +107,6 @@ COLUMN_CONFIG = {
 }
 
 
-def _stamp(path: str) -> float:
-    manifest = Path(path) / RUN_JSON
-    return manifest.stat().st_mtime if manifest.exists() else 0.0
-
-
 @st.cache_data(max_entries=4, show_spinner=False)
 def _table(entries: tuple[tuple[str, str, float], ...]) -> tuple[pd.DataFrame, list[str]]:
     return run_table((path, source) for path, source, _ in entries)
@@ -121,7 +115,7 @@ def _table(entries: tuple[tuple[str, str, float], ...]) -> tuple[pd.DataFrame, l
 def runs_frame(entries: list[RunEntry]) -> tuple[pd.DataFrame, list[str]]:
     """The table of the picker's runs (cached per run and modification time) and the sentences of those left
     out."""
-    return _table(tuple((e.path, e.source, _stamp(e.path)) for e in entries))
+    return _table(tuple((e.path, e.source, stamp(e.path)) for e in entries))
 
 
 def table_key(version: int, text: str, policies: list[str]) -> str:
@@ -163,7 +157,7 @@ def _zip(path: str, mtime: float) -> bytes:
 def download_button(column, path: str, name: str) -> None:
     """A download button with the run as a zip (or the sentence saying why it cannot be zipped)."""
     try:
-        data = _zip(path, _stamp(path))
+        data = _zip(path, stamp(path))
     except KvlensError as err:
         column.error(str(err))
         return

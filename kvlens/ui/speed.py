@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from kvlens.figures.speed import families, policy_table, speed_figure, worst_table
+from kvlens.figures.speed import dict_at, families, policy_table, speed_figure, worst_table
 from kvlens.ui.charts import chart
 
 
@@ -61,8 +61,7 @@ def speed_section(path: Path, settings: dict, frame: pd.DataFrame, raw: dict) ->
 
 def _targets(raw: dict) -> pd.DataFrame:
     """A row per ratio that has a target: its value, the target and whether it was met."""
-    ratios = raw.get("ratios") if isinstance(raw.get("ratios"), dict) else {}
-    targets = raw.get("targets") if isinstance(raw.get("targets"), dict) else {}
+    ratios, targets = dict_at(raw, "ratios"), dict_at(raw, "targets")
     return pd.DataFrame(
         [
             {

@@ -16,6 +16,7 @@ from pathlib import Path
 import streamlit as st
 
 from kvlens.errors import KvlensError
+from kvlens.figures.wording import when
 from kvlens.levels import RecordLevel
 from kvlens.policies import REGISTRY
 from kvlens.runs.run import RUN_JSON, Run, read_meta
@@ -53,9 +54,7 @@ class RunEntry:
 
     @property
     def label(self) -> str:
-        return f"{self.name}  ·  {self.policy}  ·  {self.level}" + (
-            "" if self.source == "shipped" else "  (yours)"
-        )
+        return f"{self.name}  ·  {self.policy}  ·  {self.level}" + when(self.source != "shipped", "  (yours)")
 
 
 def _entry(directory: Path, source: str) -> RunEntry | None:
@@ -101,9 +100,13 @@ def _open_run(path: str, mtime: float) -> Run:
 
 def open_run(path: str) -> Run:
     """A loaded run (bounded shared cache; reloaded when the directory changes)."""
+    return _open_run(path, stamp(path))
+
+
+def stamp(path: str) -> float:
+    """When the run's manifest last changed (0 without one): what the caches of a run directory key on."""
     manifest = Path(path) / RUN_JSON
-    mtime = manifest.stat().st_mtime if manifest.exists() else 0.0
-    return _open_run(path, mtime)
+    return manifest.stat().st_mtime if manifest.exists() else 0.0
 
 
 def check_app_model(spec: str) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import streamlit as st
 
 from kvlens.errors import KvlensError
+from kvlens.figures.wording import when
 from kvlens.params import Param
 from kvlens.policies import policy_names, presets
 from kvlens.ui.params import widget_of
@@ -48,7 +49,7 @@ def bind(
             st.warning(f"The link's {what} is not a short line of text; it was ignored.")
             return
         try:
-            st.session_state[key] = text if parse is None else parse(text)
+            st.session_state[key] = (parse or str)(text)
         except KvlensError as err:
             st.warning(f"The link's {what} was ignored: {err}")
         return
@@ -56,7 +57,7 @@ def bind(
     if text in by_text:
         st.session_state[key] = by_text[text]
         return
-    shown = ", ".join(list(by_text)[:12]) + (", …" if len(by_text) > 12 else "")
+    shown = ", ".join(list(by_text)[:12]) + when(len(by_text) > 12, ", …")
     st.warning(f"The link's {what} {_quote(text)} is not one of {shown}; it was ignored.")
 
 
@@ -139,7 +140,7 @@ def bind_param(p: Param, key: str, owner: str) -> None:
 def publish_param(p: Param, key: str) -> None:
     """After `param_widget(p, ..., key)`: its value (a text field's text) into the URL; none for an empty
     number."""
-    publish(p.name, st.session_state.get(key), _flag if widget_of(p) == "check" else str)
+    publish(p.name, st.session_state.get(key), {"check": _flag}.get(widget_of(p), str))
 
 
 def bind_policy(prefix: str) -> None:
@@ -167,7 +168,7 @@ def _flag(value: bool) -> str:
 
 
 def _quote(text: str) -> str:
-    text = text if len(text) <= 40 else text[:40] + "…"
+    text = text[:40] + when(len(text) > 40, "…")
     return "'" + "".join(c if c.isprintable() else "?" for c in text) + "'"
 
 

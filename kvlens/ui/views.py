@@ -6,7 +6,8 @@ import html
 
 import streamlit as st
 
-from kvlens.figures.plots import storage_label
+from kvlens.figures.plots import run_name, storage_label
+from kvlens.figures.wording import layers_note, of_prompt, when
 from kvlens.policies import changed_params
 from kvlens.runs.decisions import counts
 from kvlens.runs.run import Run
@@ -19,14 +20,13 @@ def _budget(run: Run) -> str:
     if b.slots is None:
         reached = run.meta.metrics.get("compression_ratio_final")
         return "no budget" if reached is None else f"no budget: compression ratio {reached:.3f} reached"
-    req = b.requested
-    return f"budget {b.slots} slots" + (f" ({req:g} of the prompt)" if isinstance(req, float) else "")
+    return f"budget {b.slots} slots" + of_prompt(b.requested)
 
 
 def _storage(run: Run) -> str:
     """ " · KV 4-bit kivi, group 64" for quantized storage; nothing for the model's dtype (and older runs)."""
     storage = run.meta.storage
-    return f" · KV {storage_label(storage)}" if storage and storage.get("bits") is not None else ""
+    return when(storage and storage.get("bits") is not None, f" · KV {storage_label(storage)}")
 
 
 def run_header(run: Run) -> None:
@@ -35,13 +35,12 @@ def run_header(run: Run) -> None:
     pol = run.meta.policy
     params = ", ".join(f"{k}={v}" for k, v in changed_params(pol.name, pol.params).items())
     rec = run.meta.record
-    layers = rec.layers
     st.markdown(
-        f"**{pol.name}**" + (f" ({params})" if params else "") + f" · {_budget(run)}{_storage(run)} · "
+        f"**{pol.name}**" + when(params, f" ({params})") + f" · {_budget(run)}{_storage(run)} · "
         f"{run.meta.mode} · {len(run.meta.prompt_tokens)} prompt + "
         f"{len(run.meta.tokens)} new tokens · recorded `{rec.level}`"
-        + (f" (layers {', '.join(map(str, layers))})" if layers else "")
-        + f" · `{run.path.name if run.path else 'unsaved'}`"
+        + layers_note(rec.layers)
+        + f" · `{run_name(run, 'unsaved')}`"
     )
 
 
@@ -75,10 +74,8 @@ def metric_row(run: Run) -> None:
 def decision_counts(run: Run) -> str:
     """The sentence every page uses for a run's evictions and merges (`kvlens.runs.decisions.counts`)."""
     c = counts(run.decisions)
-    zero = (
-        f" ({c.drew_zero:,} of them merges whose Bernoulli draw was 0, which moved nothing)"
-        if c.drew_zero
-        else ""
+    zero = when(
+        c.drew_zero, f" ({c.drew_zero:,} of them merges whose Bernoulli draw was 0, which moved nothing)"
     )
     return (
         f"In all layers, KV heads and steps: {c.evicted:,} positions evicted{zero} and {c.merged:,} merged "

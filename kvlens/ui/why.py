@@ -12,6 +12,8 @@ from kvlens.runs.run import Run
 from kvlens.ui.results import results_dir
 from kvlens.ui.state import get_model, open_run
 
+MINIMAL_BY = {True: "head", False: None}  # `explain`'s minimal_by for the "smallest set" box
+
 
 def suite() -> tuple[tuple[str, object], ...]:
     """The conventions of the task suite whose samples the page explains: those in the `config` of
@@ -41,7 +43,7 @@ def explain_run(path: str, by: tuple[str, ...], span: int, minimal: bool) -> dic
 
     run = open_run(path)
     model = get_model(run.meta.model.spec, "auto")
-    return explain(run_case(model, path), list(by), span, minimal_by="head" if minimal else None)
+    return explain(run_case(model, path), list(by), span, minimal_by=MINIMAL_BY[minimal])
 
 
 @st.cache_data(max_entries=16, show_spinner=False)
@@ -79,5 +81,5 @@ def explain_sample(
         sample_case(model, sample, policy, ratio, chat=conv["chat"], about=about, rounding=conv["rounding"]),
         list(by),
         span,
-        minimal_by="head" if minimal else None,
+        minimal_by=MINIMAL_BY[minimal],
     )

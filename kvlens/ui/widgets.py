@@ -18,7 +18,7 @@ from kvlens.policies import (
     presets,
     with_preset,
 )
-from kvlens.ui.params import param_widget
+from kvlens.ui.params import param_widget, start_index, unset
 
 DEFAULTS = "(defaults)"
 
@@ -94,12 +94,8 @@ def policy_picker(prefix: str, default: str = "h2o", label: str = "Policy", budg
     name = st.selectbox(
         label,
         names,
-        # a policy the link already put in the session: no default beside it
-        **(
-            {}
-            if f"{prefix}_policy" in st.session_state
-            else {"index": names.index(default) if default in names else 0}
-        ),
+        # none beside a policy the link already put in the session
+        **unset(f"{prefix}_policy", index=start_index(names, default)),
         key=f"{prefix}_policy",
         help="\n\n".join(f"**{n}**: {REGISTRY[n].description}" for n in names),
     )
@@ -110,8 +106,8 @@ def policy_picker(prefix: str, default: str = "h2o", label: str = "Policy", budg
             key = f"{prefix}_{name}_budget"
             text = st.text_input(
                 "Budget",
-                # a budget the link (`url_state.bind_policy`) already put in the session: no default beside it
-                **({} if key in st.session_state else {"value": budget_default}),
+                # none beside a budget the link (`url_state.bind_policy`) already put in the session
+                **unset(key, value=budget_default),
                 key=key,
                 help="Slots per KV head per layer (e.g. 64) or a share of the prompt (e.g. 0.5).",
             )
@@ -155,7 +151,7 @@ DTYPE = 0  # the "KV storage" option of the model's dtype (None would draw the s
 
 
 def storage_option(bits: int) -> str:
-    return "model dtype (no quantization)" if bits == DTYPE else f"{bits} bits (quantized)"
+    return {DTYPE: "model dtype (no quantization)"}.get(bits, f"{bits} bits (quantized)")
 
 
 def storage_picker(prefix: str) -> Storage | None:

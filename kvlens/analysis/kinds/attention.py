@@ -9,6 +9,7 @@ and token inspector use too): `weights` and `status` `(R', P')`, block-pooled to
 
 from kvlens.analysis.registry import Analysis, Param, nan_to_none, register_analysis
 from kvlens.figures.attention import STATUS, attention_grid, attention_map_figure, recorded_attention_layers
+from kvlens.figures.wording import if_none
 from kvlens.levels import RecordLevel
 
 
@@ -40,7 +41,7 @@ class AttentionAnalysis(Analysis):
 
     def compute(self, run, layer, head, max_cells, **params):
         layers = recorded_attention_layers(run)
-        return attention_grid(run, layers[len(layers) // 2] if layer is None else layer, head, max_cells)
+        return attention_grid(run, if_none(layer, layers[len(layers) // 2]), head, max_cells)
 
     def to_json(self, grid, **params) -> dict:
         return {

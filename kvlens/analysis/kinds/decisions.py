@@ -9,8 +9,12 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from kvlens.analysis.registry import Analysis, Param, register_analysis
+from kvlens.figures.plots import run_path
+from kvlens.figures.wording import when
 
 MAX_POINTS = 20000  # the figure draws at most this many decisions
+
+UNDRAWN = {0: "circle-open"}  # the marker of a merge whose Bernoulli draw was 0 (it moved nothing)
 
 
 @register_analysis
@@ -47,7 +51,7 @@ class DecisionsAnalysis(Analysis):
                 f"{action} position {p} at step {s}"
                 + (
                     f"<br>into {list(map(int, t))}<br>weights {[round(float(x), 3) for x in w]}"
-                    + ("" if pr != pr else f"<br>p = {pr:.3f}, draw {dr}")
+                    + when(pr == pr, f"<br>p = {pr:.3f}, draw {dr}")
                     if action == "merge"
                     else ""
                 )
@@ -63,7 +67,7 @@ class DecisionsAnalysis(Analysis):
             ]
             marker = dict(style)
             if action == "merge":
-                marker["symbol"] = ["circle-open" if dr == 0 else "circle" for dr in rows["draw"]]
+                marker["symbol"] = [UNDRAWN.get(dr, "circle") for dr in rows["draw"]]
             fig.add_trace(
                 go.Scatter(
                     x=rows["step"].tolist(),
@@ -84,7 +88,7 @@ class DecisionsAnalysis(Analysis):
             meta={
                 "analysis": "decisions",
                 "params": {"layer": layer, "kv_head": kv_head},
-                "run": str(run.path) if run.path else None,
+                "run": run_path(run),
             },
         )
         return fig

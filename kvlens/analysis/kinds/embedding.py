@@ -25,11 +25,13 @@ from kvlens.analysis.registry import LAYER, Analysis, Param, register_analysis
 from kvlens.analysis.states import head_states, layer_or_middle
 from kvlens.errors import KvlensError
 from kvlens.figures.plots import COLORS, finish, run_model
+from kvlens.figures.wording import if_none, when
 from kvlens.levels import RecordLevel
 from kvlens.runs import token_text
 from kvlens.runs.run import Run
 
 METHODS = ("pca", "tsne")
+METHOD_NAMES = {"pca": "PCA", "tsne": "t-SNE"}  # as figure titles name them
 SEED = 0  # random_state of PCA's and t-SNE's solvers
 EVICTED_COLOR, MERGED_COLOR = "#888888", "#D55E00"  # as the decision log's figure
 
@@ -93,7 +95,7 @@ def embedding(
     the evictions and merges of that KV head's prompt keys at steps `<= step` (all when None)."""
     keys = head_states(run, "key", layer, head)  # (T, D); an out-of-range head is one sentence
     group = run.shape["heads"] // run.shape["kv_heads"]
-    query_head = head * group if query_head is None else query_head
+    query_head = if_none(query_head, head * group)
     if query_head // group != head:
         raise KvlensError(
             f"Query head {query_head} does not read KV head {head}: KV head {head} serves query heads "
@@ -151,7 +153,7 @@ def _points(
     xy: torch.Tensor, positions: list[int], name: str, rank: int, marker: dict, text: list[str]
 ) -> go.Scatter:
     """The rows `positions` of `xy` `(T, 2)` as one legend entry of markers."""
-    sel = xy[positions] if positions else xy[:0]
+    sel = xy[positions]
     return go.Scatter(
         x=sel[:, 0].tolist(),
         y=sel[:, 1].tolist(),
@@ -278,10 +280,10 @@ def embedding_figure(run: Run, e: Embedding) -> go.Figure:
     for trace in _point_traces(e, _prompt_labels(run, e.tokens), merged_at):
         fig.add_trace(trace)
     _axis_titles(fig, e)
-    upto = "" if e.step is None else f", decisions to step {e.step}"
+    upto = when(e.step is not None, f", decisions to step {e.step}")
     title = (
         f"Queries and keys, layer {e.layer}, KV head {e.head}{upto} "
-        f"({'PCA' if e.method == 'pca' else 't-SNE'}, {run_model(run)})"
+        f"({METHOD_NAMES[e.method]}, {run_model(run)})"
     )
     fig = finish(
         fig,

@@ -18,6 +18,7 @@ from kvlens.analysis.registry import LAYER, THRESHOLD, Analysis, Param, check_th
 from kvlens.analysis.states import aggregated_attention, head_states, layer_or_middle
 from kvlens.errors import KvlensError
 from kvlens.figures.plots import finish, line_style, run_model
+from kvlens.figures.wording import if_none, when
 from kvlens.levels import RecordLevel
 from kvlens.policies.kvmerger import SIGMA_RULES, KVMerger, gaussian_weights, merging_sets
 from kvlens.runs.run import Run
@@ -46,7 +47,7 @@ class GaussianSet:
         """How a sigma is named in figures: the rule and the paper section defining it, or the value."""
         if isinstance(sigma, str):
             name, section = SIGMA_SOURCES[sigma]
-            return f"{name} ({section}{', default' if sigma == POLICY_RULE else ''})"
+            return f"{name} ({section}{when(sigma == POLICY_RULE, ', default')})"
         return f"σ = {sigma:g}"
 
 
@@ -81,7 +82,7 @@ def gaussian_set(
     abar = aggregated_attention(run, layer)[head]  # (T,)
     idx = torch.tensor(chosen)
     p = int(abar[idx].argmax())
-    weights = {("eq7" if s is None else s): gaussian_weights(keys[idx], p, s) for s in sigmas}
+    weights = {if_none(s, "eq7"): gaussian_weights(keys[idx], p, s) for s in sigmas}
     return GaussianSet(layer, head, threshold, chosen, chosen[p], weights)
 
 

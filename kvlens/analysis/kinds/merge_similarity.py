@@ -44,7 +44,7 @@ def merge_future_similarity(
     attention weight of this layer; its knock-on effect on later layers' queries is not modelled),
     which makes the measure exact for the layer itself and cheap.
     """
-    layers = recorded_layers(run, "q") if layers is None else layers
+    layers = layers or recorded_layers(run, "q")  # callers give none or a non-empty list
     out, merged = [], []
     for layer in layers:
         q, k = states(run, "q", layer), states(run, "k", layer)

@@ -85,7 +85,7 @@ def merging_ratio_figure(ratios: list[MergingRatio], labels: list[str], note: st
         )
     fig.update_xaxes(title_text="layer")
     fig.update_yaxes(title_text="compression ratio (1 − sets / tokens)", range=[0, 1])
-    threshold = ratios[0].threshold if ratios else None
+    threshold = next((r.threshold for r in ratios), None)
     return finish(
         fig,
         f"Merging-set compression ratio per layer, threshold {threshold}{note}",

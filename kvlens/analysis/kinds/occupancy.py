@@ -10,6 +10,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from kvlens.analysis.registry import Analysis, register_analysis
+from kvlens.figures.plots import run_path
 
 
 @register_analysis
@@ -75,6 +76,6 @@ class OccupancyAnalysis(Analysis):
             title=dict(text="Cache occupancy"),
             height=340,
             legend=dict(orientation="h", y=1.12),
-            meta={"analysis": "occupancy", "run": str(run.path) if run.path else None},
+            meta={"analysis": "occupancy", "run": run_path(run)},
         )
         return fig

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 import torch
 
 from kvlens.analysis.registry import Analysis, Param, register_analysis
-from kvlens.figures.plots import finish, line_style, run_model
+from kvlens.figures.plots import finish, line_style, run_model, run_path
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
 
@@ -54,13 +54,13 @@ def perplexity_figure(runs: list[Run], labels: list[str] | None = None) -> go.Fi
         )
     fig.update_xaxes(title_text="position (tokens)")
     fig.update_yaxes(title_text="log perplexity (mean NLL so far, nats)")
-    model = f" ({run_model(runs[0])})" if runs else ""
+    model = "".join(f" ({run_model(run)})" for run in runs[:1])
     return finish(
         fig,
         f"Log-perplexity over position{model}",
         "perplexity",
         labels=[str(x) for x in labels],
-        runs=[str(r.path) if r.path else None for r in runs],
+        runs=[run_path(r) for r in runs],
     )
 
 

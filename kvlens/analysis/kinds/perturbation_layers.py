@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlens.analysis.registry import Analysis, register_analysis
+from kvlens.figures.plots import run_path
 
 
 @register_analysis
@@ -81,6 +82,6 @@ class PerturbationLayersAnalysis(Analysis):
             height=420,
             margin=dict(b=110),
             legend=dict(orientation="h", yref="container", y=0.02, yanchor="bottom"),
-            meta={"analysis": "perturbation-layers", "run": str(run.path) if run.path else None},
+            meta={"analysis": "perturbation-layers", "run": run_path(run)},
         )
         return fig

@@ -10,9 +10,10 @@ import plotly.graph_objects as go
 import torch
 
 from kvlens.analysis.registry import LAYER, Analysis, Param, nan_to_none, register_analysis
-from kvlens.analysis.states import layer_or_middle, parse_states, states, unit
+from kvlens.analysis.states import HEADS, kind_code, layer_or_middle, parse_states, states, unit
 from kvlens.errors import KvlensError
 from kvlens.figures.plots import finish, line_style, run_model
+from kvlens.figures.wording import if_none
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
 
@@ -43,7 +44,7 @@ def preceding_figure(run: Run, layer: int, token: int, window: int = 32, kind: s
                 x=list(range(1, window + 1)),
                 y=row.tolist(),
                 mode="lines+markers",
-                name=f"{'query' if kind == 'query' else 'KV'} head {h}",
+                name=f"{HEADS[kind_code(kind)]} head {h}",
                 **line_style(h),
             )
         )
@@ -66,7 +67,7 @@ class PrecedingAnalysis(Analysis):
     )
 
     def _args(self, run, layer, token, window, state):
-        token = len(run.meta.prompt_tokens) - 1 if token is None else token
+        token = if_none(token, len(run.meta.prompt_tokens) - 1)
         return layer_or_middle(run, layer), token, window, parse_states(state, many=False)[0]
 
     def compute(self, run, **params):

@@ -43,6 +43,7 @@ from kvlens.errors import KvlensError
 from kvlens.figures.perturbation_sources import COLORS
 from kvlens.figures.plots import COLORS as LINE_COLORS
 from kvlens.figures.plots import SCALE, finish, run_model
+from kvlens.figures.wording import if_none, when
 from kvlens.kvcache.quantize import Storage
 from kvlens.levels import RecordLevel
 from kvlens.policies import make_policy
@@ -163,7 +164,7 @@ def rank_perturbation(run: Run, model: LoadedModel, ranks: list[int] | None = No
 
 def _tick(row: dict) -> str:
     """A rank's tick: the rank (or the model dtype) over its share of the model dtype's KV bytes."""
-    return f"{'dtype' if row['rank'] is None else row['rank']}<br>{row['bytes_share']:.0%}"
+    return f"{if_none(row['rank'], 'dtype')}<br>{row['bytes_share']:.0%}"
 
 
 def _add_sources(fig: go.Figure, rows: list[dict], ticks: list[str]) -> None:
@@ -200,7 +201,7 @@ def _add_end_to_end(fig: go.Figure, rows: list[dict], ticks: list[str]) -> None:
             go.Scatter(
                 x=ticks,
                 y=[r[key] for r in rows],
-                mode="lines+markers+text" if text else "lines+markers",
+                mode="lines+markers" + when(text, "+text"),
                 name=label,
                 text=text,
                 textposition="bottom left",
@@ -360,7 +361,7 @@ class RankPerturbationAnalysis(Analysis):
         for row in found["rows"]:
             src = row["sources"]
             lines.append(
-                f"{DTYPE if row['rank'] is None else row['rank']:>11} {row['bytes_share']:>6.1%} "
+                f"{if_none(row['rank'], DTYPE):>11} {row['bytes_share']:>6.1%} "
                 f"{row['key_error']:>8.2e} {row['value_error']:>9.2e} {row['kl']:>8.4f} "
                 f"{row['nll_change']:>+8.4f} {row['top1_agreement']:>6.1%}  "
                 + " ".join(f"{src[k]:>{w}.4f}" for k, w in (("selection", 9), ("storage", 8), ("merging", 8)))

@@ -19,6 +19,7 @@ from kvlens.analysis.registry import LAYER, Analysis, Param, nan_to_none, regist
 from kvlens.analysis.states import head_states, kind_name, layer_or_middle, parse_states, unit
 from kvlens.errors import KvlensError
 from kvlens.figures.plots import PLURAL, SCALE, WIDTH, finish, run_model
+from kvlens.figures.wording import when
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
 
@@ -109,7 +110,7 @@ def similarity_figure(
             row=1,
             col=i,
         )
-        unit_text = "token" if m.block == 1 else f"token (mean over blocks of {m.block})"
+        unit_text = "token" + when(m.block != 1, f" (mean over blocks of {m.block})")
         fig.update_xaxes(title_text=f"earlier {unit_text}", row=1, col=i, constrain="domain")
         fig.update_yaxes(
             title_text=unit_text if i == 1 else None,
@@ -120,7 +121,7 @@ def similarity_figure(
             constrain="domain",
         )
     which = "KV head" if "query" not in kinds else "query head"
-    head_text = f"{head} (KV head {head // group})" if mixed else f"{head}"
+    head_text = f"{head}" + when(mixed, f" (KV head {head // group})")
     names = " and ".join(m.kind for m in maps)
     title = f"Cosine similarity of {names} states, layer {layer}, {which} {head_text} ({run_model(run)})"
     fig = finish(fig, title, "similarity", run, layer=layer, head=head, kind=kinds, max_size=max_size)

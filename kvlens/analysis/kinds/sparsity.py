@@ -40,7 +40,7 @@ def corm_sparsity(run: Run, layers: list[int] | None = None, start: int = 0) -> 
     Row i (0-based) sees t = i + 1 keys; key j is important if `A[i, j] >= 1/t`. Rows before
     `start` are skipped (the paper does not say which rows it averages; default: all of them).
     """
-    layers = recorded_layers(run, "q") if layers is None else layers
+    layers = layers or recorded_layers(run, "q")  # callers give none or a parsed, non-empty list
     out = []
     for layer in layers:
         q, k = states(run, "q", layer), states(run, "k", layer)

@@ -61,8 +61,8 @@ def spectrum(run: Run, kind: str = "key", components: int = 64, top: int = 8) ->
         vs, es = [], []
         for head in x:
             s, total = singular_values(head, components)
-            vs.append(s / s[0] if s[0] > 0 else s)
-            es.append(float((s[:top].double() ** 2).sum()) / total if total > 0 else 0.0)
+            vs.append(s / (float(s[0]) or 1.0))  # all zero: as they are
+            es.append(float((s[:top].double() ** 2).sum()) / (total or 1.0))
         values.append(torch.stack(vs))
         energy.append(torch.tensor(es))
     return Spectrum(kind_name(code), layers, torch.stack(values), torch.stack(energy), top)

@@ -9,7 +9,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlens.analysis.registry import Analysis, Param, nan_to_none, register_analysis
-from kvlens.figures.plots import finish, line_style
+from kvlens.figures.plots import finish, line_style, run_path
+from kvlens.figures.wording import when
 
 
 def _labels(runs: list, label: list) -> list[str]:
@@ -23,7 +24,7 @@ def _labels(runs: list, label: list) -> list[str]:
             base = run.path.name
         else:
             base = run.meta.policy.name
-        out.append(base if base not in out else f"{base} ({i + 1})")
+        out.append(base + when(base in out, f" ({i + 1})"))
     return out
 
 
@@ -51,7 +52,7 @@ class StepsAnalysis(Analysis):
             curves.append(
                 {
                     "label": lab,
-                    "run": str(run.path) if run.path else None,
+                    "run": run_path(run),
                     "nll": run.tensor("steps/nll").float(),
                     "kept_slots": run.tensor("steps/kv_slots").float().flatten(1).mean(1),
                     "perturbation": None if pert is None else pert.float().mean(dim=(1, 2)),

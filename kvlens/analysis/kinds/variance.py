@@ -16,6 +16,7 @@ from kvlens.analysis.registry import LAYER, Analysis, Param, register_analysis
 from kvlens.analysis.states import attention_chunks, layer_or_middle, states
 from kvlens.errors import KvlensError
 from kvlens.figures.plots import COLORS, finish, line_style, run_model
+from kvlens.figures.wording import if_none
 from kvlens.levels import RecordLevel
 from kvlens.runs.run import Run
 
@@ -49,7 +50,7 @@ def attention_variance(
     hq, t, _ = q.shape
     if head is not None and not 0 <= head < hq:
         raise KvlensError(f"Head {head} is out of range: layer {layer} has query heads 0 to {hq - 1}.")
-    rows = t // 2 if rows is None else rows
+    rows = if_none(rows, t // 2)
     first = t - rows
     if rows < 2 or first < group or group < 1:
         raise KvlensError(
