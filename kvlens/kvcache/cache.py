@@ -134,8 +134,13 @@ class KVCache:
         the forward's attention does (`feeding(..., in_place=True)`), the layer
         is laid out in segments and no policy holds a working copy."""
         store = layer._live
-        if isinstance(store, PagedStore) and store.segments is not None and not store.working:
-            return store if self._in_place else None
+        if (
+            self._in_place
+            and isinstance(store, PagedStore)
+            and store.segments is not None
+            and not store.working
+        ):
+            return store
         return None
 
     def reserve(self, tokens: int) -> None:
@@ -183,7 +188,7 @@ class KVCache:
 
     def _replace(self, old: SlotStore, new: SlotStore) -> None:
         """Every view of `old` now reads `new` (the same slots, in packed storage)."""
-        for view in [*self.layers, *([self._everywhere] if self._everywhere is not None else [])]:
+        for view in filter(None, [*self.layers, self._everywhere]):
             if view.store is old:
                 view.store = new
         if self.shared is old:

@@ -22,6 +22,11 @@ STATS = {"valid": False, "pos": -1, "abar": 0.0, "nobs": 0.0}  # per-slot statis
 STATES = ("keys", "values")  # (1, R, C, D); every other buffer is (R, C, ...)
 
 
+def slot_axis(name: str) -> int:
+    """The slot dimension of buffer `name`: 2 for keys and values `(1, R, C, D)`, else 1."""
+    return 1 + (name in STATES)
+
+
 @dataclass
 class LayerBook:
     """One layer's bookkeeping beside its rows' buffers."""
@@ -117,7 +122,7 @@ class SlotStore:
         n = self.n
         for group in (self.buffers, self.extra):
             for name, t in group.items():
-                axis = 2 if name in STATES and group is self.buffers else 1
+                axis = 1 + (name in STATES and group is self.buffers)  # extras are (R, C, ...)
                 shape = list(t.shape)
                 shape[axis] = capacity
                 new = t.new_zeros(shape)
@@ -127,7 +132,7 @@ class SlotStore:
     def reserve(self, tokens: int) -> None:
         """Room for `tokens` more tokens once no slot is freed any more: the buffers sized to hold exactly
         them beside the fullest row's kept slots (the others' free slots take theirs first)."""
-        need = int(self.buffers["valid"][:, : self.n].sum(-1).max()) + tokens if self.n else tokens
+        need = int(self.buffers["valid"][:, : self.n].sum(-1).max()) + tokens  # n = 0: 0 + tokens
         if need > self.capacity:
             self.resize(need)
 
@@ -204,9 +209,7 @@ def first_valid(holes: torch.Tensor) -> torch.Tensor | None:
     """Freed slots `(Hkv, E)` with each row's real ones (not -1) first, in order; columns of -1 dropped."""
     if not bool((holes < 0).any()):
         return holes
-    holes = holes.gather(1, torch.sort((holes < 0).int(), dim=1, stable=True).indices)
-    width = int((holes >= 0).sum(-1).max())
-    return holes[:, :width] if width else None
+    return trimmed(holes.gather(1, torch.sort((holes < 0).int(), dim=1, stable=True).indices))
 
 
 def trimmed(holes: torch.Tensor) -> torch.Tensor | None:
@@ -232,7 +235,7 @@ def padded_slots(gone: torch.Tensor) -> torch.Tensor:
     Each marked slot's place is its rank among its row's marks (a running count), so the slots are scattered
     into place in O(S), with no sort; the unmarked ones all land in one spare column, dropped."""
     r, s = gone.shape
-    width = int(gone.sum(-1).max()) if s else 0
+    width = int(gone.sum(-1).max())  # 0 when s = 0 (R >= 1 rows)
     place = torch.where(gone, gone.cumsum(-1) - 1, width)  # (R, S): a mark's rank, else the spare column
     slots = torch.full((r, width + 1), -1, dtype=torch.long, device=gone.device)
     slots.scatter_(1, place, torch.arange(s, device=gone.device).expand(r, s))

@@ -32,6 +32,7 @@ from kvlens.kvcache.store import (
     freed,
     padded_index,
     padded_slots,
+    slot_axis,
 )
 
 # (view, capacity, padded: its heads keep different counts) -> (store, rows)
@@ -64,12 +65,15 @@ class ExtraView(MutableMapping[str, torch.Tensor]):
         raise TypeError("a per-slot statistic stays for the whole run")
 
     def __iter__(self) -> Iterator[str]:
-        store = self._rows.store
-        return iter(() if store is None else store.extra)
+        return iter(self._names())
 
     def __len__(self) -> int:
-        store = self._rows.store
-        return 0 if store is None else len(store.extra)
+        return len(self._names())
+
+    def _names(self) -> dict[str, torch.Tensor]:
+        """The store's statistics (none before the rows hold any token: no store, `None`, yet)."""
+        names: dict[str, torch.Tensor] = getattr(self._rows.store, "extra", {})
+        return names
 
 
 class RowTensor:
@@ -94,7 +98,8 @@ class SlotRows:
         books: list[LayerBook],
         store: SlotStore | None = None,
         rows: slice = slice(0, 0),
-        owner: Layout | None = None,
+        *,
+        owner: Layout,
     ):
         self.books = books
         self.store = store
@@ -151,12 +156,17 @@ class SlotRows:
         for name, t in values.items():
             self.extra[name] = t
 
+    def _joined(self, parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """The books' `parts` (one each) as one tensor along rows: None unless every book has one; a lone
+        book's own (no copy)."""
+        held = [p for p in parts if p is not None]
+        if len(held) < len(self.books):
+            return None
+        return held[0] if len(held) == 1 else torch.cat(held)
+
     @property
     def last_attn(self) -> torch.Tensor | None:
-        rows = [b.last_attn for b in self.books if b.last_attn is not None]
-        if len(rows) < len(self.books):
-            return None
-        return rows[0] if len(rows) == 1 else torch.cat(rows)
+        return self._joined([b.last_attn for b in self.books])
 
     @last_attn.setter
     def last_attn(self, value: torch.Tensor | None) -> None:
@@ -197,10 +207,7 @@ class SlotRows:
     @property
     def written(self) -> torch.Tensor | None:
         """`(R, q)` the slots the latest `append` wrote."""
-        parts = [b.written for b in self.books if b.written is not None]
-        if len(parts) < len(self.books):
-            return None
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self._joined([b.written for b in self.books])
 
     @property
     def nbytes(self) -> int:
@@ -284,11 +291,7 @@ class SlotRows:
         capacity = max(s, capacity or s)
         d = self.keys.shape[-1]
         old, old_rows = self._live, self.rows
-        store, rows = (
-            self.owner(self, capacity, valid is not None)
-            if self.owner is not None
-            else (old.empty_like(index.shape[0], capacity), slice(0, index.shape[0]))
-        )
+        store, rows = self.owner(self, capacity, valid is not None)
         if valid is not None and store.tail_padding:
             tail = torch.sort((~valid).int(), dim=1, stable=True).indices
             index, valid = index.gather(1, tail), valid.gather(1, tail)
@@ -313,8 +316,7 @@ class SlotRows:
         store.n = capacity  # the spare slots are free ones, which the next tokens fill
         for name, t in kept.items():
             if name in store.buffers:
-                view = self._view(name)
-                (view[:, :, :s] if name in STATES else view[:, :s]).copy_(t)
+                self._view(name).narrow(slot_axis(name), 0, s).copy_(t)
         store.take(self.rows, old, old_rows, index, kept)  # storage outside the buffers (packed keys, values)
         for name, t in extras.items():
             self.extra[name] = torch.cat([t, t.new_zeros((t.shape[0], capacity - s, *t.shape[2:]))], dim=1)
