@@ -177,7 +177,7 @@ def seal_channels(
     order = torch.cat([channels, pruned.nonzero()[:, 1].view(r, d - channels.shape[1])], dim=1)
     states = ChannelStates(order, channels.shape[1], capacity, x.dtype)
     states.write(slice(0, r), x, valid.clone(), valid)
-    width = int(whole.sum(-1).max()) if whole.numel() else 0
+    width = int(whole.sum(-1).max())  # rows R >= 1: no slot (n = 0) gives 0
     if width:
         slots = torch.where(whole, torch.arange(n, device=x.device), n).sort(-1).values[:, :width]
         slots = slots.masked_fill(slots == n, -1)

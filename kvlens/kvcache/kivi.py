@@ -145,10 +145,9 @@ class QuantizedStates(PackedStates):
             return
         end = -(-n // self.group) * self.group
         pad = end - n
-        xs = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
-        members = valid & ~self.in_window(rows, n)
-        members = torch.nn.functional.pad(members, (0, pad)) if pad else members
-        touched = torch.nn.functional.pad(changed, (0, pad)) if pad else changed
+        xs = _padded(x, pad)
+        members = _padded(valid & ~self.in_window(rows, n), pad)
+        touched = _padded(changed, pad)
         touched = touched.view(x.shape[0], end // self.group, self.group).any(-1)  # (R', groups)
         codes, lo, scale = quantize(xs, self.bits, self.group, "slots", members)
         old_codes = unpack(self.codes[rows, :n], self.bits)
@@ -262,6 +261,11 @@ class QuantizedStates(PackedStates):
             changed = torch.zeros(values.shape[:2], dtype=torch.bool, device=values.device)
             changed[r, slots] = True
             self.write(rows, values, changed, valid)
+
+
+def _padded(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """`t` `(R', n, ...)` with `pad` zero slots after its `n` (`t` itself, no copy, when `pad` is 0)."""
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) if pad else t
 
 
 def seal(

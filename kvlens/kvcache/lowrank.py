@@ -69,9 +69,11 @@ class LowRankStates(PackedStates):
         )  # coefficients shared by a group's layers (never written); owner:
         # this storage counts their bytes
         coef_rows = 1 if shared else rows
+        self.coef_names: tuple[str, ...] = ("coef",)  # the coefficients' tensors
         if bits is None:
             self.coef = torch.zeros(coef_rows, capacity, rank, dtype=dtype, device=device)
         else:
+            self.coef_names = ("coef", "lo", "scale")
             self.coef = torch.zeros(coef_rows, capacity, rank * bits // 8, dtype=torch.uint8, device=device)
             self.lo = torch.zeros(coef_rows, capacity, rank // self.width, dtype=torch.float16, device=device)
             self.scale = torch.zeros_like(self.lo)
@@ -102,7 +104,7 @@ class LowRankStates(PackedStates):
         instead."""
         if capacity <= self.capacity or self.shared or self.appending == "full":
             return
-        for name in ("coef", "lo", "scale") if self.bits else ("coef",):
+        for name in self.coef_names:
             old = getattr(self, name)
             new = old.new_zeros(old.shape[0], capacity, old.shape[2])
             new[:, : old.shape[1]] = old
@@ -111,7 +113,7 @@ class LowRankStates(PackedStates):
     def nbytes(self, rows: int) -> int:
         """Bytes of `rows` rows: coefficients (shared ones by their owner only), bases and full-width
         tokens."""
-        coef = [self.coef, self.lo, self.scale] if self.bits else [self.coef]
+        coef: list[torch.Tensor] = [getattr(self, name) for name in self.coef_names]
         per_row = sum(t[0].numel() * t.element_size() for t in [self.basis, self.wide])
         if self.shared:
             return rows * per_row + self.owner * sum(t.numel() * t.element_size() for t in coef)
@@ -119,7 +121,7 @@ class LowRankStates(PackedStates):
 
     def _shared_tensors(self) -> tuple[str, ...]:
         """A copy keeps shared coefficients shared (they are never written)."""
-        return ("coef", "lo", "scale") if self.shared else ()
+        return self.coef_names if self.shared else ()
 
     def sharing(self) -> LowRankStates:
         """Another layer's storage over these shared coefficients (their bytes counted by this one's)."""
@@ -140,13 +142,10 @@ class LowRankStates(PackedStates):
         """`(R', n, r)` float32 coefficients of the rows' first `n` slots (zero past the ones stored)."""
         r = self.basis[rows].shape[0]
         m = min(n, self.capacity)
-        c = self.coef[:, :m] if self.shared else self.coef[rows, :m]
+        held = slice(None) if self.shared else rows  # shared coefficients: their one row
+        c = self.coef[held, :m]
         if self.bits:
-            lo, scale = (
-                (self.lo[:, :m], self.scale[:, :m])
-                if self.shared
-                else (self.lo[rows, :m], self.scale[rows, :m])
-            )
+            lo, scale = self.lo[held, :m], self.scale[held, :m]
             c = dequantize(unpack(c, self.bits), lo, scale, self.width, "channels", torch.float32)
         c = c.float().expand(r, -1, -1)
         return torch.nn.functional.pad(c, (0, 0, 0, n - m))
@@ -325,9 +324,7 @@ def seal_cross_layer(
     )
     slots = valid.nonzero()[:, 0]
     first._store(torch.zeros_like(slots), slots, torch.matmul(joined, bases)[slots])
-    out = []
-    for i, basis in enumerate(bases.view(g, h, d, rank)):
-        states = first if i == 0 else first.sharing()
+    out = [first, *(first.sharing() for _ in range(g - 1))]
+    for states, basis in zip(out, bases.view(g, h, d, rank), strict=True):
         states.basis = basis.to(dtype).contiguous()
-        out.append(states)
     return out

@@ -65,11 +65,9 @@ class PackedStates(ABC):
         """A copy whose tensors are copies too (but those `_shared_tensors` names)."""
         new = object.__new__(type(self))
         same = self._shared_tensors()
+        vars(new).update(vars(self))
         vars(new).update(
-            {
-                k: v.clone() if isinstance(v, torch.Tensor) and k not in same else v
-                for k, v in vars(self).items()
-            }
+            {k: v.clone() for k, v in vars(self).items() if isinstance(v, torch.Tensor) and k not in same}
         )
         return new
 

@@ -36,6 +36,7 @@ from kvlens.errors import KvlensError
 BITS = (2, 4, 8)
 SCHEMES = ("kivi", "token")
 APPENDS = ("project", "full")
+WINDOWS = {"slots": "block", "channels": "slide"}  # how a grouping leaves the full-precision window
 
 
 @dataclass(frozen=True)
@@ -119,9 +120,10 @@ class Storage:
         their `kv_heads` heads' channels), quantized coefficients that do not pack or tile into groups, or a
         group that does not tile a head's `head_dim` channels (groups of channels: KIVI's values, both for the
         token scheme); a group of `head_dim` or more is one group per token."""
-        width = head_dim * kv_heads * self.rank_layers if self.rank_layers else head_dim
+        width, what = head_dim, "the model's head size"
+        if self.rank_layers:
+            width, what = head_dim * kv_heads * self.rank_layers, f"the {self.rank_layers} layers' channels"
         if self.rank is not None and self.rank > width:
-            what = f"the {self.rank_layers} layers' channels" if self.rank_layers else "the model's head size"
             raise KvlensError(
                 f"--kv-rank {self.rank} is above {what} ({width}); a rank of {width} stores every channel."
             )
@@ -151,7 +153,7 @@ class Storage:
     def window(self, name: str) -> str:
         """How `name` leaves the full-precision window: "block" (all at once, KIVI's keys) or "slide"
         (oldest)."""
-        return "block" if self.along(name) == "slots" else "slide"
+        return WINDOWS[self.along(name)]
 
     @classmethod
     def of(cls, described: dict[str, Any] | None) -> Storage:
