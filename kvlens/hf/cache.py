@@ -181,7 +181,7 @@ class KvlensCache(Cache):
             switch(module, ATTENTION_NAME)
         ]  # before the run starts: it may probe the model (Q-Filters)
         self._entered.enter_context(torch.inference_mode())  # as the engine runs its forwards
-        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = kwargs.get("input_ids", next(iter(args), None))
         if ids is None:
             raise KvlensError("A kvlens cache needs input_ids (token ids), not inputs_embeds.")
         if ids.shape[0] != 1:

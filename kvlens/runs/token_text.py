@@ -64,7 +64,8 @@ def _chars(data: bytes) -> list[tuple[int, int, str]]:
     while i < len(data):
         n = _length(data[i])
         try:
-            char = data[i : i + n].decode("utf-8") if n and i + n <= len(data) else None
+            # a byte that starts no character (n = 0), or one cut short by the end, does not decode
+            char = data[i : i + max(n, 1)].decode("utf-8")
         except UnicodeDecodeError:
             char = None
         if char is None:
@@ -103,11 +104,15 @@ class TokenText:
 
     def before(self, i: int) -> str:
         """The text before token i (all of it for i = number of tokens)."""
-        return self.text if i >= len(self.spans) else self.text[: self.spans[i][0]]
+        return self.text[: self._start(i)]
 
     def after(self, i: int) -> str:
         """The text from token i on."""
-        return "" if i >= len(self.spans) else self.text[self.spans[i][0] :]
+        return self.text[self._start(i) :]
+
+    def _start(self, i: int) -> int:
+        """The first character token i shows (the text's end past the last token)."""
+        return self.spans[i][0] if i < len(self.spans) else len(self.text)
 
 
 def decode(tokens: list[str]) -> TokenText:
