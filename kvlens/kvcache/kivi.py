@@ -189,8 +189,12 @@ class QuantizedStates(PackedStates):
             return
         out = leaving(slot, gone)
         if bool(out.any()):
-            self.window_slot[rows] = slot.masked_fill(out, -1)
-            self.window_pos[rows] = self.window_pos[rows].masked_fill(out, -1)
+            self._leave(rows, out)
+
+    def _leave(self, rows: slice, out: torch.Tensor) -> None:
+        """Window entries `out` `(R', W)` bool leave the window."""
+        self.window_slot[rows] = self.window_slot[rows].masked_fill(out, -1)
+        self.window_pos[rows] = self.window_pos[rows].masked_fill(out, -1)
 
     def _store_tokens(self, r: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> None:
         """Per-token groups: quantize tokens `x` `(E, D)` into rows `r` and slots `s` `(E,)` (absolute
@@ -250,17 +254,15 @@ class QuantizedStates(PackedStates):
         leaving = leaving & (slot >= 0)
         r, e = leaving.nonzero(as_tuple=True)
         slots = slot[r, e]  # a copy: `slot` is a view of the window, cleared below
-        values = (
-            self.read(rows, valid.shape[1]) if self.along == "slots" else None
-        )  # the leaving ones as they are
-        self.window_slot[rows] = slot.masked_fill(leaving, -1)  # out of the window, so that they are stored
-        self.window_pos[rows] = self.window_pos[rows].masked_fill(leaving, -1)
-        if values is None:  # along channels: the leaving tokens are stored from the window
+        if self.along == "channels":  # the leaving tokens are stored from the window
             self._store_tokens(r + (rows.start or 0), slots, self.window[rows][r, e])
-        else:
-            changed = torch.zeros(values.shape[:2], dtype=torch.bool, device=values.device)
-            changed[r, slots] = True
-            self.write(rows, values, changed, valid)
+            self._leave(rows, leaving)
+            return
+        values = self.read(rows, valid.shape[1])  # the leaving ones as they are
+        self._leave(rows, leaving)  # out of the window, so that they are stored
+        changed = torch.zeros(values.shape[:2], dtype=torch.bool, device=values.device)
+        changed[r, slots] = True
+        self.write(rows, values, changed, valid)
 
 
 def _padded(t: torch.Tensor, pad: int) -> torch.Tensor:

@@ -41,7 +41,7 @@ import torch
 from kvlens.errors import KvlensError
 from kvlens.kvcache.packed import PackedStates, leaving, overlay
 from kvlens.kvcache.quantize import dequantize, pack, quantize, unpack
-from kvlens.kvcache.rank import top_vectors
+from kvlens.kvcache.rank import coefficient_slots, top_vectors
 
 
 class LowRankStates(PackedStates):
@@ -298,7 +298,7 @@ def seal_low_rank(
     """A prompt's compressed keys or values `x` `(R, n, D)` (validity `(R, n)`) at rank `rank`, per head;
     `capacity` slots of coefficients (append "full": the `n` sealed ones only)."""
     r, n, d = x.shape
-    slots = n if append == "full" else capacity
+    slots = coefficient_slots(append, capacity, n)
     states = LowRankStates(
         min(rank, d), r, slots, d, x.dtype, x.device, bits=bits, group=group, append=append
     )

@@ -36,6 +36,7 @@ from kvlens.errors import KvlensError
 BITS = (2, 4, 8)
 SCHEMES = ("kivi", "token")
 APPENDS = ("project", "full")
+ALONG = {("kivi", "keys"): "slots"}  # (scheme, name) grouped per channel, in groups of slots; else "channels"
 WINDOWS = {"slots": "block", "channels": "slide"}  # how a grouping leaves the full-precision window
 
 
@@ -148,7 +149,7 @@ class Storage:
 
     def along(self, name: str) -> str:
         """How `name` ("keys"/"values") is grouped: "slots" (per channel, groups of slots) or "channels"."""
-        return "slots" if self.scheme == "kivi" and name == "keys" else "channels"
+        return ALONG.get((self.scheme, name), "channels")
 
     def window(self, name: str) -> str:
         """How `name` leaves the full-precision window: "block" (all at once, KIVI's keys) or "slide"

@@ -16,6 +16,12 @@ def coefficient_bytes(rank: int, elem: int, bits: int | None, group: int) -> int
     return rank * bits // 8 + 4 * -(-rank // min(group, rank))
 
 
+def coefficient_slots(append: str, slots: int, sealed: int) -> int:
+    """Of a row's `slots`, those that hold coefficients: every one when later tokens are projected (append
+    "project"), the `sealed` ones when they are held at full width ("full")."""
+    return slots if append == "project" else sealed
+
+
 def fits(rank: int, bits: int | None, group: int) -> bool:
     """Whether quantized coefficients of `rank` pack into bytes and tile into groups (always, unquantized)."""
     return bits is None or (rank % (8 // bits) == 0 and (rank <= group or rank % group == 0))
@@ -31,7 +37,7 @@ def fit_rank(storage: Storage, dim: int, members: int, slots: int, sealed: int, 
         return storage.rank
     if storage.rank_share is None:
         raise ValueError("kvlens: low-rank storage needs a rank or a byte share")
-    coef_slots = slots if storage.rank_append == "project" else sealed
+    coef_slots = coefficient_slots(storage.rank_append, slots, sealed)
     budget = storage.rank_share * members * slots * dim * elem - members * (slots - coef_slots) * dim * elem
     ranks = [r for r in range(1, members * dim + 1) if fits(r, storage.bits, storage.group)]
     cost = {

@@ -122,7 +122,7 @@ def _columns(chunk) -> dict[str, np.ndarray]:
 
 
 def _row_columns(row: tuple) -> dict[str, np.ndarray]:
-    return {k: _objects([v]) if k in ("targets", "weights") else np.array([v]) for k, v in zip(COLUMNS, row)}
+    return {k: LIST_COLUMNS.get(k, np.array)([v]) for k, v in zip(COLUMNS, row)}
 
 
 def _empty(n: int) -> np.ndarray:
@@ -136,6 +136,9 @@ def _objects(items: list) -> np.ndarray:
     out = np.empty(len(items), dtype=object)
     out[:] = items
     return out
+
+
+LIST_COLUMNS = {"targets": _objects, "weights": _objects}  # columns of lists; the others plain arrays
 
 
 def _evict_columns(step: int, layer: int, evicted_pos: torch.Tensor) -> dict[str, np.ndarray]:
