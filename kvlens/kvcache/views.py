@@ -71,7 +71,7 @@ class ExtraView(MutableMapping[str, torch.Tensor]):
         return len(self._names())
 
     def _names(self) -> dict[str, torch.Tensor]:
-        """The store's statistics (none before the rows hold any token: no store, `None`, yet)."""
+        """The store's per-slot statistics: none while the rows have no store (`None`, before any token)."""
         names: dict[str, torch.Tensor] = getattr(self._rows.store, "extra", {})
         return names
 
