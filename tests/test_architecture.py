@@ -256,6 +256,39 @@ def test_no_conditional_expression_chains_another():
     assert chained_conditionals("x = a if p else b if q else c") == [1]
 
 
+MAX_CONDITIONALS_PER_1000_LINES = 11
+
+
+def conditional_density(paths: list[Path]) -> float:
+    """Conditional expressions (`a if p else b`) per 1,000 lines of `paths`."""
+    sources = [path.read_text(encoding="utf-8") for path in paths]
+    found = sum(isinstance(node, ast.IfExp) for source in sources for node in ast.walk(ast.parse(source)))
+    return 1000 * found / sum(len(source.splitlines()) for source in sources)
+
+
+def test_conditional_expressions_stay_rare_in_the_package(tmp_path):
+    """A choice is a statement, a default or a table, rarely an inline conditional: at most 11 per 1,000 lines
+    of the package (kvpress: about 3). The measure counts what it should."""
+    density = conditional_density(sorted(PACKAGE.rglob("*.py")))
+    assert density <= MAX_CONDITIONALS_PER_1000_LINES, f"{density:.1f} per 1,000 lines"
+    sample = tmp_path / "sample.py"
+    sample.write_text("x = a if p else b\ny = [c if q else d for c in e]\n", encoding="utf-8")
+    assert conditional_density([sample]) == 1000.0
+
+
+def test_the_loops_phases_are_short():
+    """The run loop reads as named phases, like gpt-fast's: each of them at most 30 lines."""
+    from kvlens.engine import loop
+
+    phases = ("prefill", "after_prompt", "compress_prompt", "compress_step", "decode_step")
+    source = (PACKAGE / "engine" / "loop.py").read_text(encoding="utf-8")
+    long = [
+        name for name, _, _ in long_functions(source, 30) if name.rsplit(".", 1)[-1] in {*phases, "drain"}
+    ]
+    assert not long, long
+    assert all(hasattr(loop._Loop, phase) for phase in phases) and hasattr(loop, "drain")
+
+
 def test_no_module_of_the_cache_package_is_over_350_lines():
     """Whoever writes a policy reads the cache package: each of its modules stays short enough to read."""
     long = {

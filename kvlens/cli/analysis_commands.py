@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvlens.cli.common import add_model_args, command_line, load, print_json
 from kvlens.errors import KvlensError
+from kvlens.experiments.bench.common import suffix
 
 INPUTS = {
     "run": "a run (--run DIR)",
@@ -175,7 +176,7 @@ def _print_list(as_json: bool) -> None:
     for d in described:
         needs = (
             INPUTS[d["inputs"]]
-            + (f" at --record {d['level']}" if d["level"] else "")
+            + suffix(" at --record {}", d["level"])
             + ", made with --measure" * d["measured"]
             + ", and replays it" * d["replays"]
         )

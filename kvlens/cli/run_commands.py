@@ -16,6 +16,7 @@ from kvlens.cli.common import (
     storage,
 )
 from kvlens.errors import KvlensError
+from kvlens.experiments.bench.common import suffix
 from kvlens.levels import LEVELS
 
 MEASURED = (
@@ -177,7 +178,7 @@ def cmd_check_model(args) -> int:
         ("scaling", ", ".join(f"{x:.6g}" for x in sorted(set(sup.scaling))) or "n/a"),
         ("sliding", _per_layer(sup.sliding)),
         ("softcap", _per_layer(sup.softcap)),
-        ("verdict", sup.verdict + (f": {sup.refusal}" if sup.refusal else "")),
+        ("verdict", sup.verdict + suffix(": {}", sup.refusal)),
     ]
     for label, value in rows:
         print(f"{label:<13}{value}")

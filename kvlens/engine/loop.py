@@ -615,7 +615,7 @@ def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, tota
     tensors["steps/kv_slots"] = kept.to(torch.int32)
     if loop.channels is not None:
         tensors["kv_channels"] = loop.channels.to(torch.int32)  # (L, Hkv, K) each KV head's kept key channels
-    nll = sum(nlls) / len(nlls)
+    nll, dtype = sum(nlls) / len(nlls), str(loop.recorder.dtype).removeprefix("torch.")
     info = RunMeta(
         mode="teacher" if teacher else "generate",
         **_settings(loop, model),
@@ -626,11 +626,7 @@ def _make_run(loop: _Loop, model, prompt_ids, tokens, nlls, ms, prefill_ms, tota
             **_cache_metrics(loop, kept, len(prompt_ids), len(tokens)),
             **_time_metrics(loop, ms, prefill_ms, total_s),
         },
-        record=Record(
-            level=loop.recorder.level,
-            layers=loop.opts.record_layers,
-            dtype=str(loop.recorder.dtype).removeprefix("torch."),
-        ),
+        record=Record(level=loop.recorder.level, layers=loop.opts.record_layers, dtype=dtype),
         **(meta or {}),
     )
     run_ = Run(meta=info, tensors=tensors)

@@ -99,7 +99,7 @@ class Entry:
         from kvlens.figures.plots import storage_label
 
         extra = ", ".join(f"{k}={v}" for k, v in changed_params(self.policy, self.params).items())
-        budget = "" if self.budget is None else f" @{self.budget:g}"
+        budget = suffix(" @{:g}", self.budget)
         kv = f" · {storage_label(self.storage.describe(), short=True)}" if self.storage.packed else ""
         return f"{self.policy}{budget}" + suffix(" ({})", extra) + kv
 
