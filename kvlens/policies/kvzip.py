@@ -124,7 +124,7 @@ class KVzip(Policy, Replays):
             decode_steps=self.decoding == "rolling",
             tokenizer=True,
             hidden_states=plus,
-            model_data=(O_GRAM,) if plus else (),
+            model_data=(O_GRAM,) * plus,
             # the prompt's lowest scores over every layer and head, or (`layerwise`) over a layer's heads
             competes="layer" if self.layerwise else "model",
             min_budget=self.n_sink + 1,
@@ -211,7 +211,7 @@ class KVzip(Policy, Replays):
             rows.extra[SCORE] = layer_score
             state = rows.state
             state[TOTAL], state[PROMPT] = hkv * t - gone, t
-            left = (lowest_of_all_rows(rows, layer_score, gone) >= 0).sum(-1) if gone else torch.zeros(hkv)
+            left = (lowest_of_all_rows(rows, layer_score, gone) >= 0).sum(-1)  # nothing leaving: zeros
             widths.append(t - int(left.min()))
         return widths
 
