@@ -134,7 +134,7 @@ class KVzip(Policy, Replays):
         head_text, suffix_text = template_around(tokenizer)
         suffix = tokenizer.encode(suffix_text, add_special_tokens=False)
         head = tokenizer.encode(head_text, add_special_tokens=False) if self.reconstruct == "context" else []
-        first = len(head) if prompt[: len(head)] == head else 0
+        first = len(head) * (prompt[: len(head)] == head)  # past the head, where the prompt starts with it
         passes = []
         for start in range(first, len(prompt), self.chunk):
             end = min(start + self.chunk, len(prompt))
