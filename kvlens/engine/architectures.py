@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvlens.engine.attention import CONTEXT_KWARG, dense, sdpa
+from kvlens.engine.attention import CONTEXT_KWARG, plain_forward
 from kvlens.errors import KvlensError
 from kvlens.kvcache import AttentionSpec
 from kvlens.kvcache.cache import KVCache
@@ -60,7 +60,7 @@ class _Probe:
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         self.specs.setdefault(layer_idx, []).append(spec)
-        return sdpa(query, key, value, spec.scaling) if spec.plain else dense(query, key, value, spec)
+        return plain_forward(query, key, value, spec)
 
 
 def _positions(model: torch.nn.Module) -> str:
@@ -182,7 +182,7 @@ def inspect_model(model: torch.nn.Module) -> Support:
     except Exception as err:  # noqa: BLE001 - any failure of the probe is a refusal, said in one sentence
         support.refusal = (
             f"The model's forward fails with kvlens' KV cache ({type(err).__name__}: "
-            f"{str(err).splitlines()[0][:160] if str(err) else 'no message'}), so kvlens cannot run it."
+            f"{(str(err) or 'no message').splitlines()[0][:160]}), so kvlens cannot run it."
         )
         return support
     support.refusal = _probe_refusal(model.config, layers, specs, cache)

@@ -145,13 +145,13 @@ def visible(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch
     return ok & (diff < window) if window is not None else ok
 
 
-def attention_probs(qg, key, spec: AttentionSpec, allowed: torch.Tensor | None) -> torch.Tensor:
+def attention_probs(qg, key, spec: AttentionSpec, allowed: torch.Tensor) -> torch.Tensor:
     """Softmax attention of grouped queries: qg `(..., Hkv, G, q, D)`, key `(..., Hkv, S, D)`.
 
-    `allowed` broadcasts to `(..., Hkv, G, q, S)` (None = every key). Returns float32 `(..., Hkv, G, q, S)`.
+    `allowed` broadcasts to `(..., Hkv, G, q, S)`. Returns float32 `(..., Hkv, G, q, S)`.
     """
     scores = torch.matmul(qg, key.unsqueeze(-3).transpose(-1, -2)).float()
-    return softmax_weights(scores, spec, None if allowed is None else ~allowed)
+    return softmax_weights(scores, spec, ~allowed)
 
 
 def dense(query, key, value, spec: AttentionSpec) -> torch.Tensor:
@@ -227,6 +227,12 @@ def sdpa(query, key, value, scaling: float) -> torch.Tensor:
         query, key, value, is_causal=q > 1, scale=scaling, enable_gqa=True
     )
     return out.transpose(1, 2).contiguous()
+
+
+def plain_forward(query, key, value, spec: AttentionSpec) -> torch.Tensor:
+    """One call's causal attention outside a run (a probe, a calibration forward): `sdpa` on a plain layer,
+    else `dense`."""
+    return sdpa(query, key, value, spec.scaling) if spec.plain else dense(query, key, value, spec)
 
 
 def decode_rows(query, key, value, valid, spec: AttentionSpec):

@@ -44,6 +44,11 @@ class Kept:
         kept.model, kept.layers = model, list(layers)
         return kept
 
+    @classmethod
+    def each(cls, caches: Sequence) -> list[Kept]:
+        """`caches` (`Kept`, or loops whose slots are copied) as `Kept`."""
+        return [c if isinstance(c, cls) else cls(c) for c in caches]
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for layer in self.layers for t in layer)
@@ -153,7 +158,7 @@ def score_many(
     """Teacher-forced scores of frozen caches in one batched forward: `ids` fed at positions start.., each of
     its last `scored` tokens scored from the logits before it (`scored` < len(ids)). Returns log-probabilities
     `(B, scored)` float32 and whether each token is the greedy choice `(B, scored)` bool."""
-    kept = [c if isinstance(c, Kept) else Kept(c) for c in caches]
+    kept = Kept.each(caches)
     model = kept[0].model
     with torch.inference_mode():
         ctx = _BatchContext(kept, len(ids))
@@ -179,7 +184,7 @@ def answer_many(
     last logits). A row stops at the end-of-sequence token, after `max_new_tokens`, or once `done(row,
     tokens)`. `release`: the caches' `Kept` slots are freed as the batch copies them. Returns each row's
     tokens and NLLs."""
-    kept = [c if isinstance(c, Kept) else Kept(c) for c in caches]
+    kept = Kept.each(caches)
     model = kept[0].model
     eos = model.tokenizer.eos_token_id
     results: list[tuple[list[int], list[float]]] = [([], []) for _ in kept]

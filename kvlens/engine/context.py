@@ -147,17 +147,11 @@ class RunContext:
         if self.frozen:  # compressed for good: attend, tell nobody
             if spec.plain and not layer.padded:
                 return sdpa(query, key, value, spec.scaling)
-            seen = (
-                layer.valid
-                if spec.window is None
-                else layer.valid & (self.cache.positions[-1] - layer.pos < spec.window)
-            )
-            return decode_rows(query, key, value, seen, spec)[0]
+            return decode_rows(query, key, value, self._in_window(layer, spec, layer.valid), spec)[0]
         if not self.needs_rows and spec.plain and not layer.padded:
             return sdpa(query, key, value, spec.scaling)
-        seen = layer.valid if layer.padded else None  # None: every slot holds a token
-        if spec.window is not None:
-            seen = layer.valid & (self.cache.positions[-1] - layer.pos < spec.window)
+        # None: every slot holds a token
+        seen = self._in_window(layer, spec, layer.valid if layer.padded else None)
         out, probs = decode_rows(query, key, value, seen, spec)
         if not self.needs_rows:  # padded or paged heads: attention over the kept slots, nobody reads it
             return out
@@ -169,12 +163,19 @@ class RunContext:
             obs.on_decode(layer, query, probs, out, spec)
         return out
 
+    def _in_window(
+        self, layer: SlotRows, spec: AttentionSpec, seen: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """`seen` `(Hkv, S)` (None: every slot), or with a sliding window the valid slots inside it."""
+        if spec.window is None:
+            return seen
+        return layer.valid & (self.cache.positions[-1] - layer.pos < spec.window)
+
     def accumulate(self) -> None:
         """After a decode step's forward, before compression: add its attention to every slot's `abar`
         and its query to `nobs`; once for all layers when they share one store and no layer slides."""
         observed, self._observed = self._observed, []
-        everywhere = self.cache.all_layers() if observed and not self.windowed else None
-        if everywhere is not None:
+        if observed and not self.windowed and (everywhere := self.cache.all_layers()) is not None:
             probs = torch.stack([p for _, p, _ in observed])  # (L, Hkv, G, S)
             everywhere.abar.add_(group_mean(probs.flatten(0, 1)))
             everywhere.nobs.add_(1)

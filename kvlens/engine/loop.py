@@ -250,8 +250,11 @@ class _Loop:
 
     def _compress_layers(self, index: int, phase: Phase) -> None:
         self.cache.commit()
-        everywhere = self.cache.all_layers() if phase is Phase.DECODE else None
-        if everywhere is not None and isinstance(self.policy, ScoredEviction):
+        if (
+            phase is Phase.DECODE
+            and isinstance(self.policy, ScoredEviction)
+            and (everywhere := self.cache.all_layers()) is not None
+        ):
             evict_all_layers(
                 self.policy, everywhere, self.cache.layers, Step(index, phase, self.budget, self.log)
             )

@@ -203,12 +203,13 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+AUTO_DTYPES = {"cpu": torch.float32}  # device type -> `auto`'s dtype; any other device: bf16
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """`auto` is bf16 on GPUs, fp32 on CPU."""
     if dtype in (None, "", "auto"):
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        return AUTO_DTYPES.get(device.type, torch.bfloat16)
     if dtype not in DTYPES:
         raise KvlensError(f"Unknown dtype '{dtype}' (use auto, float32, bfloat16 or float16).")
     return DTYPES[dtype]

@@ -262,8 +262,11 @@ def summary(tensors: dict[str, torch.Tensor]) -> dict:
     def mean(t):
         return float(t.mean()) if t.numel() else None
 
-    def pooled(t, dims=None):
-        return _pooled(t, norm, dims) if some and norm is not None else None
+    def pooled(t):
+        return float(_pooled(t, norm)) if some and norm is not None else None
+
+    def median(t):
+        return float(t.median()) if some else None
 
     def per_layer(t):
         return t.mean(dim=(0, 2)).tolist() if t.numel() else []
@@ -271,10 +274,10 @@ def summary(tensors: dict[str, torch.Tensor]) -> dict:
     out = {
         "perturbation_used": mean(used),
         "perturbation_evict": mean(evict),
-        "perturbation_used_median": float(used.median()) if some else None,
-        "perturbation_evict_median": float(evict.median()) if some else None,
-        "perturbation_used_pooled": _float(pooled(used)),
-        "perturbation_evict_pooled": _float(pooled(evict)),
+        "perturbation_used_median": median(used),
+        "perturbation_evict_median": median(evict),
+        "perturbation_used_pooled": pooled(used),
+        "perturbation_evict_pooled": pooled(evict),
         "merge_better_share": mean((used < versus - TIE * versus).float()),
         "merge_worse_share": mean((used > versus + TIE * versus).float()),
         "merge_sign_per_layer": [],
@@ -285,16 +288,16 @@ def summary(tensors: dict[str, torch.Tensor]) -> dict:
         "perturbation_evict_per_layer": per_layer(evict),
     }
     if some and norm is not None:
-        gain = pooled(versus, (0, 2)) - pooled(used, (0, 2))
+        gain = _pooled(versus, norm, (0, 2)) - _pooled(used, norm, (0, 2))
         out["merge_sign_per_layer"] = (
-            torch.where(gain.abs() <= TIE * pooled(versus, (0, 2)), 0, torch.sign(gain)).int().tolist()
+            torch.where(gain.abs() <= TIE * _pooled(versus, norm, (0, 2)), 0, torch.sign(gain)).int().tolist()
         )
     if quantized:
         out.update(
             {
                 "perturbation_stored": mean(stored),
-                "perturbation_stored_median": float(stored.median()) if some else None,
-                "perturbation_stored_pooled": _float(pooled(stored)),
+                "perturbation_stored_median": median(stored),
+                "perturbation_stored_pooled": pooled(stored),
                 "perturbation_stored_per_layer": per_layer(stored),
             }
         )
@@ -318,12 +321,7 @@ def sources(tensors: dict[str, torch.Tensor]) -> dict | None:
 def _pooled(t: torch.Tensor, norm: torch.Tensor, dims=None) -> torch.Tensor:
     """`sum ||O - O_full|| / sum ||O_full||` of relative errors `t` weighted by `norm` (over `dims`, or
     all)."""
-    total = (t * norm).sum(dims) if dims else (t * norm).sum()
-    return total / (norm.sum(dims) if dims else norm.sum()).clamp(min=1e-30)
-
-
-def _float(t):
-    return None if t is None else float(t)
+    return (t * norm).sum(dims) / norm.sum(dims).clamp(min=1e-30)
 
 
 def baseline_policy(policy) -> tuple[str, dict] | None:

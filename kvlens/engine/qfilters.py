@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kvlens import texts
-from kvlens.engine.attention import CONTEXT_KWARG, dense, sdpa
+from kvlens.engine.attention import CONTEXT_KWARG, plain_forward
 from kvlens.engine.models import LoadedModel, cache_root
 from kvlens.errors import KvlensError
 from kvlens.kvcache import AttentionSpec
@@ -42,7 +42,7 @@ class QueryTap:
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
         self.queries[layer_idx] = query[0].detach().float().cpu()
-        return sdpa(query, key, value, spec.scaling) if spec.plain else dense(query, key, value, spec)
+        return plain_forward(query, key, value, spec)
 
 
 def fingerprint(model: LoadedModel) -> str:

@@ -29,10 +29,10 @@ class Recorder(Observer):
         dtype: torch.dtype = torch.float16,
     ):
         self.level = RecordLevel.parse(level)
-        self.layers = None if layers is None else set(layers)
+        self.layers = layers  # None: every layer
         self.dtype = dtype
         self.needs_rows = self.level is RecordLevel.ATTENTION
-        self.prefill_rows = 1 if self.needs_rows else 0
+        self.prefill_rows = int(self.needs_rows)
         self.needs_prefill_stats = self.level is not RecordLevel.SUMMARY  # `prefill/abar/{layer}`
         self.tensors: dict[str, torch.Tensor] = {}
         self._rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}

@@ -56,9 +56,7 @@ class LayerScorer:
 
     def to(self, device: torch.device) -> LayerScorer:
         """The same scorer with its tensors on `device`."""
-        w2 = None if self.w2 is None else self.w2.to(device)
-        b2 = None if self.b2 is None else self.b2.to(device)
-        return LayerScorer(self.w1.to(device), self.b1.to(device), w2, b2)
+        return LayerScorer(**{k: v.to(device) for k, v in vars(self).items() if v is not None})
 
     def tensors(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's tensors as the file names them."""

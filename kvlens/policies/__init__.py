@@ -137,7 +137,7 @@ def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
 
 
 def _unknown(policy: str, key: str, values: dict[str, Any] | None) -> KvlensError:
-    names = [p.name for p in parameters(policy, values)] + (["preset"] if presets(policy) else [])
+    names = [p.name for p in parameters(policy, values)] + ["preset"] * bool(presets(policy))
     allowed = ", ".join(names) or "none"
     return KvlensError(f"Policy {policy} has no parameter '{key}' (its parameters: {allowed}).")
 

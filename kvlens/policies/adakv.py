@@ -83,7 +83,7 @@ class AdaKV(Wrapper):
         protected = self.base.protected(rows, budget)
         if protected is not None:
             score = score.masked_fill(protected, float("inf"))
-        safe = max(1, int(budget * self.alpha)) if self.alpha > 0 else 0
+        safe = max(int(self.alpha > 0), int(budget * self.alpha))  # at least one slot when alpha > 0
         if safe:
             score = score.scatter(
                 1, score.masked_fill(~valid, float("-inf")).topk(min(safe, s), dim=-1).indices, float("inf")

@@ -271,7 +271,7 @@ class CaM(Wrapper):
         n_c = pool + n_ev
         members = torch.empty(r, n_c, dtype=keep.dtype, device=keep.device)
         members.scatter_(1, c, evicted).scatter_(1, at_pool, pool_slots)  # (R, C) slots in position order
-        reach = min(local if self.targets == "local" else n_c, n_c)
+        reach = {"local": local, "kept": n_c}[self.targets]  # local: the pool itself (n_c = local + n_ev)
         after = n_c - 1 - c
         found, window = after.clamp(max=min(m, reach)), after.clamp(max=reach)
         all_scores = self.attention(rows).float()
@@ -378,7 +378,7 @@ class CaM(Wrapper):
                 else a_i.new_full((a_i.shape[0], 1), float("-inf")),
             )
         else:
-            span = found if self.denominator == "targets_mean" else window
+            span = {"targets_mean": found, "window_mean": window}[self.denominator]
             sums = torch.cat([score.new_zeros(score.shape[0], 1), score.double().cumsum(-1)], dim=1)
             ref = ((sums.gather(1, c + 1 + span) - sums.gather(1, c + 1)) / span.clamp(min=1)).float()
         p = (a_i / ref.clamp(min=1e-30)).clamp(self.clamp[0], self.clamp[1])
@@ -387,7 +387,7 @@ class CaM(Wrapper):
     def _sizes(self, budget: int) -> tuple[int, int, int]:
         """The base's local window, the pool of merge targets and m (how many after i receive)."""
         local = self.base.local_window(budget)
-        pool = local if self.targets == "local" else budget
+        pool = {"local": local, "kept": budget}[self.targets]
         return local, pool, self.span or pool
 
     def _draw(

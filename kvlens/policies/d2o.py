@@ -60,6 +60,8 @@ from kvlens.policies.base import Needs, Policy, log_evictions, param, recent_mas
 THRESHOLD = (
     "d2o_threshold"  # per layer: the EMA threshold tau, a 0-d tensor (scope layer) or (Hkv,) (scope head)
 )
+# `threshold_scope` -> the dimension of `u` `(Hkv, E)` its similarities are averaged over (None: all)
+SCOPE_DIM: dict[str, int | None] = {"layer": None, "head": -1}
 CHUNK_ELEMENTS = 1 << 24  # similarity entries (rows x evicted x kept) computed at once
 
 
@@ -253,7 +255,7 @@ class D2O(Policy):
     def threshold(self, rows: CacheRows, u: torch.Tensor) -> torch.Tensor:
         """Eq. 10: update the layer's EMA threshold with this compression's similarities `u` `(Hkv, E)` and
         return it per row `(Hkv, 1)`. The layer's run state holds it."""
-        seen = u.mean() if self.threshold_scope == "layer" else u.mean(-1)
+        seen = u.mean(SCOPE_DIM[self.threshold_scope])
         prev = rows.state.get(THRESHOLD)
         tau = seen if prev is None else self.beta * seen + (1 - self.beta) * prev
         rows.state[THRESHOLD] = tau

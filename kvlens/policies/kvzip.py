@@ -124,7 +124,7 @@ class KVzip(Policy, Replays):
             decode_steps=self.decoding == "rolling",
             tokenizer=True,
             hidden_states=plus,
-            model_data=(O_GRAM,) if plus else (),
+            model_data=(O_GRAM,) * plus,
             # the prompt's lowest scores over every layer and head, or (`layerwise`) over a layer's heads
             competes="layer" if self.layerwise else "model",
             min_budget=self.n_sink + 1,
@@ -134,7 +134,7 @@ class KVzip(Policy, Replays):
         head_text, suffix_text = template_around(tokenizer)
         suffix = tokenizer.encode(suffix_text, add_special_tokens=False)
         head = tokenizer.encode(head_text, add_special_tokens=False) if self.reconstruct == "context" else []
-        first = len(head) if prompt[: len(head)] == head else 0
+        first = len(head) * (prompt[: len(head)] == head)  # past the head, where the prompt starts with it
         passes = []
         for start in range(first, len(prompt), self.chunk):
             end = min(start + self.chunk, len(prompt))
@@ -211,7 +211,7 @@ class KVzip(Policy, Replays):
             rows.extra[SCORE] = layer_score
             state = rows.state
             state[TOTAL], state[PROMPT] = hkv * t - gone, t
-            left = (lowest_of_all_rows(rows, layer_score, gone) >= 0).sum(-1) if gone else torch.zeros(hkv)
+            left = (lowest_of_all_rows(rows, layer_score, gone) >= 0).sum(-1)  # nothing leaving: zeros
             widths.append(t - int(left.min()))
         return widths
 

@@ -26,12 +26,20 @@ Each layer's own buffers hold its own budget + 1 slots, so the memory really fol
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvlens.kvcache import CacheRows, Step
 from kvlens.policies.base import Needs, ScoredEviction, Wrapper, param, register, scored_eviction_names
 from kvlens.policies.snapkv import SnapKV
+
+# `schedule` paper or official (kvpress's is its own branch of `allocate`) -> its division, and how a
+# layer's share is made whole
+ARITHMETIC: dict[str, tuple[Callable[[float, float], float], Callable[[float], int]]] = {
+    "paper": (operator.truediv, round),
+    "official": (operator.floordiv, int),
+}
 
 
 @register
@@ -83,21 +91,19 @@ class PyramidKV(Wrapper):
                 low = budget * 2 - high
             if not t >= high >= low >= w:
                 return [budget] * n
-            step = (high - low) / (n - 1) if n > 1 else 0.0
+            step = (high - low) / max(n - 1, 1)
             return [round(high - i * step) for i in range(n)]
         base = budget - w
         if t < 2 * base:
             return [budget] * n
-        low = base // self.beta if self.schedule == "official" else base / self.beta
+        divide, whole = ARITHMETIC[self.schedule]
+        low = divide(base, self.beta)
         high = base * 2 - low
         if high >= t - w:
             high = t - w
             low = base * 2 - high
-        if self.schedule == "official":
-            step = (high - low) // (n - 1) if n > 1 else 0
-            return [int(high - i * step) + w for i in range(n)]
-        step = (high - low) / (n - 1) if n > 1 else 0.0
-        return [round(high - i * step) + w for i in range(n)]
+        step = divide(high - low, max(n - 1, 1))
+        return [whole(high - i * step) + w for i in range(n)]
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         self.base.compress(rows, step)  # the step carries this layer's own budget

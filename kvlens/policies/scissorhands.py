@@ -56,6 +56,7 @@ HISTORY = "scissorhands_history"
 COUNT = "scissorhands_count"  # (Hkv, S) int32: the ring's marks of the kind `count` counts
 NEXT = "scissorhands_next"  # per layer: the ring's column the next step's marks replace (its oldest)
 UNSEEN, UNIMPORTANT, IMPORTANT = 0, 1, 2
+COUNTED = {"important": IMPORTANT, "unimportant": UNIMPORTANT}  # `count` -> the mark it counts
 
 # the paper's settings (§4.1: r = 10, w = 400, m = 0.5B; the threshold 1/t of §3.1 and Algorithm 2)
 PRESETS: dict[str, dict[str, Any]] = {
@@ -139,8 +140,6 @@ class Scissorhands(ScoredEviction):
         return Needs(prefill_rows=self.history, min_budget=self._least_budget())
 
     def _least_budget(self) -> int:
-        if not self.recent:
-            return 1 if self.drop_ratio else self.drop
         # the least budget that, m dropped, still keeps the recent window and one slot chosen by importance
         budget = self.recent + 1
         while budget + 1 - self.dropped(budget) < self.recent + 1:
@@ -165,7 +164,7 @@ class Scissorhands(ScoredEviction):
 
     def counted(self) -> int:
         """The mark the window counts (`count`)."""
-        return IMPORTANT if self.count == "important" else UNIMPORTANT
+        return COUNTED[self.count]
 
     def set_history(self, rows: CacheRows, hist: torch.Tensor) -> None:
         """Start the window from `hist` `(R, S, history)`, oldest step first: its ring, its counts, and the

@@ -20,6 +20,7 @@ them, where kvlens stores the KV head's average (equal for average pooling).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -39,6 +40,10 @@ from kvlens.policies.base import (
 WINDOW = "snapkv_window"  # per slot (R, S, window): attention from each of the last `window` queries (a ring)
 NEXT = "snapkv_next"  # per layer: the ring column the next query writes
 PROMPT_SCORE = "snapkv_prompt_score"  # per layer, until the prompt's compression: (Hkv, T) by prompt position
+POOLS: dict[str, Callable[..., torch.Tensor]] = {
+    "avg": F.avg_pool1d,
+    "max": F.max_pool1d,
+}  # `pooling` -> its pooling over neighbours
 
 
 @register
@@ -137,5 +142,4 @@ class SnapKV(ScoredEviction):
         """`(N, 1, L)` pooled over `kernel` neighbours (stride 1; zero padding counted, max ignores it)."""
         if self.kernel == 1:
             return x
-        pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
-        return pool(x, kernel_size=self.kernel, padding=self.kernel // 2, stride=1)
+        return POOLS[self.pooling](x, kernel_size=self.kernel, padding=self.kernel // 2, stride=1)
