@@ -138,7 +138,7 @@ class Results:
             raise KvlensError(
                 f"{self.path} exists but is not a results file; use --fresh to replace it."
             ) from None
-        fields = list(self.cells[0]) if self.cells else []
+        fields = list(next(iter(self.cells), {}))
         for entry, into in [(r, self.rows) for r in rows + old.get("other_rows", [])] + [
             (f, self.failed) for f in failed
         ]:

@@ -100,7 +100,7 @@ class TokenText:
     def flow(self, i: int) -> str:
         """Token i's share of the running text: its group's characters at the group's first token, nothing at
         the others (so that joining every token's flow gives `text`)."""
-        return self.piece(i) if self.parts[i][0] == 1 else ""
+        return self.piece(i) * (self.parts[i][0] == 1)
 
     def before(self, i: int) -> str:
         """The text before token i (all of it for i = number of tokens)."""

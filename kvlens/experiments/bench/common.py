@@ -205,7 +205,7 @@ def save_results(result: dict, rows: list[dict], fig, out_dir: str | Path, stem:
     paths = [out / f"{stem}.json", out / f"{stem}.csv"]
     paths[0].write_text(json.dumps(result, indent=1, default=str))
     with paths[1].open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
+        writer = csv.DictWriter(f, fieldnames=list(next(iter(rows), {})))
         writer.writeheader()
         writer.writerows(rows)
     if fig is not None:
