@@ -132,29 +132,31 @@ class RunContext:
             self._replay = None
 
     def attend(self, layer_idx: int, query, key, value, spec: AttentionSpec) -> torch.Tensor:
-        """One layer's attention in this run; a sliding window hides the slots outside it (see
-        `attention`)."""
+        """One layer's attention in this run, by what is fed: a replay pass, the prompt (or a chunk of it), or
+        a decode step's token; a sliding window hides the slots outside it (see `attention`)."""
         layer = self.cache.layers[layer_idx]
         if self._replay is not None:
             return self._replayed(layer, query, key, value, spec)
         if query.shape[2] > 1:
             return self._prefill(layer, query, key, value, spec)
-        pages = self.cache.reads_pages(
-            layer
-        )  # a store: `update` handed nothing, its segments are read in place
+        return self._decode(layer, query, key, value, spec)
+
+    def _decode(self, layer: SlotRows, query, key, value, spec: AttentionSpec) -> torch.Tensor:
+        """A decode step's attention: a paged store's segments read where they lie (`update` handed nothing);
+        else, when nobody reads the rows (compressed for good, or no reader), SDPA over a layer whose every
+        slot holds a token, or the masked rows; else the rows, handed to the statistics, the policy and the
+        observers."""
+        pages = self.cache.reads_pages(layer)
         if pages is not None:
             return decode_segments(query, pages, layer.rows, layer.valid.sum(-1).tolist(), spec)
-        if self.frozen:  # compressed for good: attend, tell nobody
-            if spec.plain and not layer.padded:
+        seen = self._in_window(
+            layer, spec, layer.valid if layer.padded else None
+        )  # None: every slot is a token
+        if self.frozen or not self.needs_rows:
+            if seen is None and spec.plain:
                 return sdpa(query, key, value, spec.scaling)
-            return decode_rows(query, key, value, self._in_window(layer, spec, layer.valid), spec)[0]
-        if not self.needs_rows and spec.plain and not layer.padded:
-            return sdpa(query, key, value, spec.scaling)
-        # None: every slot holds a token
-        seen = self._in_window(layer, spec, layer.valid if layer.padded else None)
+            return decode_rows(query, key, value, seen, spec)[0]
         out, probs = decode_rows(query, key, value, seen, spec)
-        if not self.needs_rows:  # padded or paged heads: attention over the kept slots, nobody reads it
-            return out
         self._observed.append((layer, probs, seen))
         layer.last_attn = probs.reshape(-1, probs.shape[-1])
         if not self._policy_done:
