@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvlens.cli.common import add_model_args, command_line, load, print_json
 from kvlens.errors import KvlensError
-from kvlens.experiments.bench.common import suffix
+from kvlens.figures.wording import suffix
 
 INPUTS = {
     "run": "a run (--run DIR)",

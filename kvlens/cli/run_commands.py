@@ -16,7 +16,7 @@ from kvlens.cli.common import (
     storage,
 )
 from kvlens.errors import KvlensError
-from kvlens.experiments.bench.common import suffix
+from kvlens.figures.wording import suffix
 from kvlens.levels import LEVELS
 
 MEASURED = (

@@ -75,7 +75,7 @@ from kvlens.engine.models import LoadedModel
 from kvlens.engine.perturbation import PerturbationMeter, kl_per_step, summary
 from kvlens.errors import KvlensError
 from kvlens.experiments.api import encode, generate
-from kvlens.experiments.bench.common import suffix
+from kvlens.figures.wording import suffix
 from kvlens.kvcache.quantize import Storage
 from kvlens.policies import changed_params, make_policy
 from kvlens.runs.run import Run

@@ -14,6 +14,13 @@ def when(cond: object, text: str) -> str:
     return text if cond else ""
 
 
+def suffix(template: str, value: object) -> str:
+    """`template` filled in with `value` (a name's optional part); "" when `value` is empty (None, 0, "")."""
+    if not value:
+        return ""  # not `when`: `template` may not format an empty value (`"{:g}".format(None)` raises)
+    return template.format(value)
+
+
 def if_none(value: T | None, default: T) -> T:
     """`value`, or `default` when it is None (`default` is built either way: only for one that always builds
     and costs nothing)."""

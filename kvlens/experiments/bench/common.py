@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from kvlens.errors import KvlensError
+from kvlens.figures.wording import suffix
 from kvlens.policies import make_policy, parse_settings
 from kvlens.version import __version__
 
@@ -167,11 +168,6 @@ def label(row: dict) -> str:
 
     changed = changed_params(row["policy"], row.get("params") or {})
     return row["policy"] + suffix(":{}", ",".join(f"{k}={v}" for k, v in changed.items()))
-
-
-def suffix(template: str, value) -> str:
-    """`template` filled in with `value` (a name's optional part); "" when `value` is empty (None, 0, "")."""
-    return template.format(value) if value else ""
 
 
 def environment(model=None) -> dict:

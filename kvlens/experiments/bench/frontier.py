@@ -31,8 +31,9 @@ import statistics
 
 from kvlens.errors import KvlensError
 from kvlens.experiments.bench import tasks as task_suite
-from kvlens.experiments.bench.common import PolicySpec, bootstrap, mean, spread, suffix
+from kvlens.experiments.bench.common import PolicySpec, bootstrap, mean, spread
 from kvlens.experiments.sweep import plan_ppl
+from kvlens.figures.wording import suffix
 from kvlens.kvcache.quantize import Storage
 
 FAMILIES = ("eviction", "merging", "quantization", "low_rank", "mix")

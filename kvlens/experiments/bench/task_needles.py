@@ -16,7 +16,7 @@ import statistics
 from collections.abc import Callable
 
 from kvlens.experiments.bench import ruler
-from kvlens.experiments.bench.common import suffix
+from kvlens.figures.wording import suffix
 
 BINS = 10  # depth bins of the figure: tenths of the context
 
