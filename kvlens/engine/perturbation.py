@@ -69,7 +69,7 @@ class PerturbationMeter(Observer):
         self.merges = policy.merge_rule is not None
 
     def on_prefill(self, layer, query, key, value, last_rows) -> None:
-        i = layer.layers[0]
+        i = layer.layer
         self.shadow_k[i], self.shadow_v[i] = (_room_for(x[0].detach(), SHADOW_ROOM) for x in (key, value))
         self.seen[i] = key.shape[2]
 
@@ -85,7 +85,7 @@ class PerturbationMeter(Observer):
         return self.shadow_k[i][:, : t + 1], self.shadow_v[i][:, : t + 1]
 
     def on_decode(self, layer, query, probs, out, spec: AttentionSpec) -> None:
-        i = layer.layers[0]
+        i = layer.layer
         # the token just fed is in the slots the cache wrote last (compression runs after the forward)
         book = layer.books[0]
         if book.fresh is not None:  # quantized storage: the token as fed, not as stored

@@ -41,7 +41,7 @@ class Recorder(Observer):
         return self.layers is None or layer in self.layers
 
     def on_prefill(self, layer, query, key, value, last_rows) -> None:
-        i = layer.layers[0]
+        i = layer.layer
         if self.level is RecordLevel.SUMMARY or not self.wants(i):
             return
         self.tensors[f"prefill/q/{i}"] = self._cpu(query[0])
@@ -55,12 +55,12 @@ class Recorder(Observer):
             )
 
     def on_decode(self, layer, query, probs, out, spec) -> None:
-        if not self.needs_rows or not self.wants(layer.layers[0]):
+        if not self.needs_rows or not self.wants(layer.layer):
             return
         order = layer.position_order()  # saved oldest first, free slots and padding last (-1)
         pos = layer.pos.masked_fill(~layer.valid, -1).gather(1, order)
         rows = probs.gather(2, order[:, None, :].expand_as(probs)).reshape(-1, probs.shape[-1])
-        self._rows.setdefault(layer.layers[0], []).append((rows.detach(), pos.detach()))
+        self._rows.setdefault(layer.layer, []).append((rows.detach(), pos.detach()))
 
     def _cpu(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to("cpu", self.dtype, copy=True).contiguous()  # the cache reuses its buffers

@@ -124,9 +124,7 @@ class _Capture(RunContext):
         self.hidden[layer_idx] = hidden[0]
 
     def observe_prompt(self, layer, query, key, value, spec, abar, last) -> None:
-        self.layers.append(
-            _Layer(query, key, value, spec, abar, last, hidden=self.hidden.get(layer.layers[0]))
-        )
+        self.layers.append(_Layer(query, key, value, spec, abar, last, hidden=self.hidden.get(layer.layer)))
 
 
 class SharedPrefill:
