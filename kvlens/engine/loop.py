@@ -33,7 +33,7 @@ from kvlens.errors import Cancelled, KvlensError
 from kvlens.kvcache import Phase, Step
 from kvlens.kvcache.cache import KVCache
 from kvlens.kvcache.quantize import Storage
-from kvlens.policies import REGISTRY, Policy, PrunesKeys, Replays, ScoredEviction, resolve_budget
+from kvlens.policies import REGISTRY, Policy, PrunesKeys, Replays, resolve_budget
 from kvlens.runs.decisions import DecisionLog
 from kvlens.runs.meta import Budget, ModelInfo, PolicyInfo, Record, RunMeta
 from kvlens.runs.run import Run
@@ -250,11 +250,7 @@ class _Loop:
 
     def _compress_layers(self, index: int, phase: Phase) -> None:
         self.cache.commit()
-        if (
-            phase is Phase.DECODE
-            and isinstance(self.policy, ScoredEviction)
-            and (everywhere := self.cache.all_layers()) is not None
-        ):
+        if phase is Phase.DECODE and (everywhere := self.cache.all_layers()) is not None:
             evict_all_layers(
                 self.policy, everywhere, self.cache.layers, Step(index, phase, self.budget, self.log)
             )

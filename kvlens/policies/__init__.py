@@ -18,6 +18,7 @@ from kvlens.errors import KvlensError
 from kvlens.params import Param, parse_budget
 from kvlens.policies.base import (
     REGISTRY,
+    MergesEvicted,
     Policy,
     PrunesKeys,
     Replays,
@@ -167,6 +168,7 @@ def parse_settings(policy: str, settings: list[str] | None) -> dict[str, Any]:
 
 __all__ = [
     "REGISTRY",
+    "MergesEvicted",
     "Param",
     "Policy",
     "PrunesKeys",

@@ -315,6 +315,9 @@ class ScoredEviction(Policy):
             Tensor | None: `(Hkv, S)` bool, or None when nothing is protected."""
         return None
 
+    # among equal scores the older slot leaves first (WeightedKV's argmin), not the newer
+    older_leaves_first: ClassVar[bool] = False
+
     def local_window(self, budget: int) -> int:
         """How many of the newest kept slots form the policy's local window (all of them by default)."""
         return budget
@@ -344,7 +347,8 @@ class ScoredEviction(Policy):
         (`select_lowest` on this policy's score and protection)."""
         if step.budget is None:
             raise ValueError("kvlens: a scored eviction selects at a step with a budget")
-        return select_lowest(rows, self.score(rows, step), self.protected(rows, step.budget), step.budget)
+        score, protected = self.score(rows, step), self.protected(rows, step.budget)
+        return select_lowest(rows, score, protected, step.budget, self.older_leaves_first)
 
 
 @dataclass(frozen=True)
@@ -365,16 +369,53 @@ class Wrapper(Policy):
         self.base.observe(rows, probs)
 
 
+class MergesEvicted(Policy):
+    """A policy whose `selector`, a scored eviction, chooses what leaves, and which merges the leaving slots'
+    values into kept ones first (CaM, WeightedKV). Its `compress` is final: the selector's selection,
+    `merge_evicted`, then `free`, so the engine may run the selection and the free on every layer's rows at
+    once and `merge_evicted` layer by layer (`kvlens.engine.batching`)."""
+
+    @property
+    @abc.abstractmethod
+    def selector(self) -> ScoredEviction:
+        """The scored eviction whose selection (`select`) chooses the leaving slots."""
+
+    @final
+    def compress(self, rows: CacheRows, step: Step) -> None:
+        if step.budget is None or rows.n_kept <= step.budget:
+            return
+        keep, evicted = self.selector.select(rows, step)
+        self.merge_evicted(rows, keep, evicted, step)
+        rows.free(evicted)
+
+    @abc.abstractmethod
+    def merge_evicted(self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, step: Step) -> None:
+        """Merge the leaving slots' values into kept slots, in place, and log each decision; they are freed
+        after.
+
+        Args:
+            rows: the layer's rows `(Hkv, S)`.
+            keep: `(Hkv, B)` the kept slots, in position order (B = `step.budget`).
+            evicted: `(Hkv, E)` the leaving slots, in position order.
+            step: the compression."""
+
+
 def select_lowest(
-    rows: CacheRows, score: torch.Tensor, protected: torch.Tensor | None, budget: int
+    rows: CacheRows,
+    score: torch.Tensor,
+    protected: torch.Tensor | None,
+    budget: int,
+    older_leaves_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The selection rule of every scored eviction: keep the `budget` highest scores of each row, the
-    protected slots first; among equal scores the older position stays. Returns the kept `(R, budget)` and the
-    evicted `(R, n_kept - budget)` slots, each in position order. Free slots never count. `rows` are one
-    layer's, or every layer's stacked by the engine (`kvlens.engine.batching`).
+    protected slots first; among equal scores the older position stays (the newer with `older_leaves_first`).
+    Returns the kept `(R, budget)` and the evicted `(R, n_kept - budget)` slots, each in position order. Free
+    slots never count. `rows` are one layer's, or every layer's stacked by the engine
+    (`kvlens.engine.batching`).
 
     When exactly one slot per row leaves (a decode step), the lowest score is found without a sort: the
-    newest position among the lowest; otherwise a stable sort by score over the position order.
+    newest (oldest) position among the lowest; otherwise a stable sort by score over the position order
+    (reversed).
     """
     order = rows.position_order()  # (R, S): the positions' order, kept in step by the cache
     s = score.float().masked_fill(~rows.valid, float("-inf"))
@@ -384,10 +425,16 @@ def select_lowest(
     n = rows.n_kept
     if n == budget + 1 == order.shape[1] and bool(rows.valid.all()):  # budget + 1 slots per row, none free
         lowest = s[:, :n] == s[:, :n].min(-1, keepdim=True).values
-        last = n - 1 - lowest.flip(-1).int().argmax(-1, keepdim=True)  # the newest of the lowest
+        if older_leaves_first:
+            last = lowest.int().argmax(-1, keepdim=True)  # the oldest of the lowest
+        else:
+            last = n - 1 - lowest.flip(-1).int().argmax(-1, keepdim=True)  # the newest of the lowest
         leaves = torch.zeros(lowest.shape, dtype=torch.bool, device=s.device).scatter_(1, last, True)
         return order[:, :n][~leaves].view(s.shape[0], n - 1), order.gather(1, last)
-    rank = torch.argsort(s, dim=-1, descending=True, stable=True)
+    if older_leaves_first:  # among equal scores the newer comes first: a stable sort of the reversed order
+        rank = s.shape[1] - 1 - torch.argsort(s.flip(-1), dim=-1, descending=True, stable=True)
+    else:
+        rank = torch.argsort(s, dim=-1, descending=True, stable=True)
     keep, evicted = rank[:, :budget].sort(-1).values, rank[:, budget:n].sort(-1).values
     return order.gather(1, keep), order.gather(1, evicted)
 

@@ -50,6 +50,7 @@ import torch
 
 from kvlens.kvcache import CacheRows, Step, group_mean
 from kvlens.policies.base import (
+    MergesEvicted,
     Needs,
     ScoredEviction,
     Wrapper,
@@ -121,7 +122,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @register
 @dataclass(frozen=True)
-class CaM(Wrapper):
+class CaM(Wrapper, MergesEvicted):
     """Defaults = the `official-qa` preset: the authors' code behind the paper's main results (Table
     1, accuracy on lm-eval QA tasks, `cam_hf/utils_lm_eval`), so what "CaM" means in the numbers
     the paper reports. `kvpress` is reproduced exactly but is a third party's extension (bulk
@@ -216,15 +217,18 @@ class CaM(Wrapper):
         generator: torch.Generator = state[GENERATOR]
         return generator
 
-    def compress(self, rows: CacheRows, step: Step) -> None:
-        if step.budget is None or rows.n_kept <= step.budget:
-            return
-        keep, evicted = self.base.select(rows, step)  # (R, B), (R, E) slots, in position order
+    @property
+    def selector(self) -> ScoredEviction:
+        """The base: what it evicts is merged."""
+        return self.base
+
+    def merge_evicted(self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, step: Step) -> None:
+        """The base's leaving slots `(R, E)` merge into `keep` `(R, B)` (both in position order), unless the
+        mask is `never` or the prompt's compression only evicts (`prefill=evict`)."""
         if self.mask != "never" and not (step.prompt and self.prefill == "evict"):
-            self._merge(rows, keep, evicted, step, step.budget)
+            self._merge(rows, keep, evicted, step)
         else:
             log_evictions(step, rows, rows.pos.gather(1, evicted))
-        rows.free(evicted)
 
     def attention(self, rows: CacheRows) -> torch.Tensor:
         """`(R, S)` the attention A that p compares, per `score`."""
@@ -239,9 +243,7 @@ class CaM(Wrapper):
             )
         return last.view(*rows.pos.shape[:1], -1, rows.pos.shape[1]).mean(1)
 
-    def _merge(
-        self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, step: Step, budget: int
-    ) -> None:
+    def _merge(self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, step: Step) -> None:
         """Merge the evicted slots one at a time in position order, each carrying what earlier ones sent it,
         in tensor form (no loop over slots); a decode step's one eviction is the case E = 1.
 
@@ -254,7 +256,7 @@ class CaM(Wrapper):
         candidate then adds its senders' `w_i V_i`, a range sum over its place (a difference array).
         """
         r, b, n_ev = rows.pos.shape[0], keep.shape[1], evicted.shape[1]
-        local, pool, m = self._sizes(budget)
+        local, pool, m = self._sizes(b)  # B: the budget
         pool_slots = keep[:, b - pool :]  # (R, P)
         pos_pool, pos_ev = (
             rows.pos.gather(1, pool_slots).contiguous(),
@@ -414,6 +416,8 @@ def receives(place: torch.Tensor, c: torch.Tensor, found: torch.Tensor) -> torch
 def window_max(x: torch.Tensor, length: int) -> torch.Tensor:
     """`(..., n)` -> the max of `x[..., i : i + length]` at each i (fewer at the end): exact, log2(length)
     steps."""
+    if length >= x.shape[-1]:  # every window runs to the end (a decode step's one evicted slot): suffix max
+        return x.flip(-1).cummax(-1).values.flip(-1)
     out, span = x, 1
     pad = x.new_full((*x.shape[:-1], length), float("-inf"))
     while span * 2 <= length:  # out[i] = max of x[i : i + span]

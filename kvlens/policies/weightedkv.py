@@ -8,24 +8,57 @@ dropped (the right neighbour keeps its own). Protected: the first `sink` positio
 window of `int(budget * recent_ratio) - sink` slots (paper: 4 sinks and budget/2 - 4 recent).
 When the prompt is compressed after prefill, the single-step rule is applied repeatedly until
 the budget is reached (the paper's online algorithm, run over the prompt's slots), in tensor form
-with the one-at-a-time loop's decisions and arithmetic (`first_above`, `merge_in_turn`).
+with the one-at-a-time loop's decisions and arithmetic (`first_above`, `merge_in_turn`). The
+selection is a scored eviction (`LeastAveraged`), so at decode steps the engine selects for every
+layer at once and the merge runs per layer.
 `merge=False` is the paper's eviction ablation (key and value dropped).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar
 
 import torch
 
 from kvlens.kvcache import CacheRows, Step
-from kvlens.policies.base import Needs, Policy, log_evictions, log_merges, param, register
+from kvlens.policies.base import (
+    MergesEvicted,
+    Needs,
+    ScoredEviction,
+    log_evictions,
+    log_merges,
+    param,
+    recent_mask,
+    register,
+)
+
+
+@dataclass(frozen=True)
+class LeastAveraged(ScoredEviction):
+    """WeightedKV's selection: the lowest average attention `abar = Abar / n` leaves, the older first among
+    equal ones (the paper's argmin); the first `sink` positions and the `recent` newest slots stay."""
+
+    sink: int = param(4, "First positions always kept.", minimum=0)
+    recent_ratio: float = param(0.5, "Share of the budget for the sinks plus the recent window.", minimum=0.0)
+
+    name = "weightedkv-selection"
+    older_leaves_first = True
+
+    def recent(self, budget: int) -> int:
+        return max(1, int(budget * self.recent_ratio) - self.sink)
+
+    def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
+        return rows.abar / rows.nobs.clamp(min=1)
+
+    def protected(self, rows: CacheRows, budget: int) -> torch.Tensor:
+        return (rows.pos < self.sink) | recent_mask(rows, self.recent(budget))
 
 
 @register
 @dataclass(frozen=True)
-class WeightedKV(Policy):
+class WeightedKV(MergesEvicted):
     sink: int = param(4, "First positions always kept (the paper keeps 4 sinks).", minimum=0)
     recent_ratio: float = param(
         0.5,
@@ -47,39 +80,44 @@ class WeightedKV(Policy):
     def needs(self) -> Needs:
         return Needs(min_budget=self.sink + 1)
 
-    def recent(self, budget: int) -> int:
-        return max(1, int(budget * self.recent_ratio) - self.sink)
+    @cached_property
+    def selector(self) -> LeastAveraged:
+        return LeastAveraged(self.sink, self.recent_ratio)
 
-    def compress(self, rows: CacheRows, step: Step) -> None:
-        """The single-step rule `n - budget` times, in tensor form: the averages never change, so the keys
-        leave in the order of their averages (ties: the older first), each into the first rank still there at
-        its turn (`first_above`); the values then merge in that order (`merge_in_turn`)."""
-        budget = step.budget
-        if budget is None or rows.n_kept <= budget:
-            return
-        r, s = rows.pos.shape
-        n = rows.n_kept
-        perm = rows.position_order()  # (R, S) rank -> slot; "right" and "recent" count in position order
-        pos = rows.pos.gather(1, perm)
-        rank = torch.arange(s, device=pos.device)
-        protected = (pos < self.sink) | (rank >= n - self.recent(budget))[None, :]  # (R, S) by rank
-        avg = (rows.abar / rows.nobs.clamp(min=1)).gather(1, perm)  # (R, S) by rank
-        alive = (rank < n)[None, :].expand(r, s)
-        leaving = n - budget
-        turns = torch.arange(leaving, device=pos.device).expand(r, -1)  # (R, E)
-        score = avg.masked_fill(protected | ~alive, float("inf"))
-        j = score.argmin(-1, keepdim=True) if leaving == 1 else score.sort(stable=True).indices[:, :leaving]
-        turn = torch.full((r, s), leaving, device=pos.device).scatter_(
-            1, j, turns
-        )  # each rank's turn (E: never)
-        right = first_above(turn.masked_fill(~alive, -1), j + 1, turns, leaving)  # (R, E) ranks
-        a_j, a_r = avg.gather(1, j), avg.gather(1, right)
+    def merge_evicted(self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, step: Step) -> None:
+        """The single-step rule once per leaving slot: each leaving value merges into its right neighbour
+        (`pairs`), weighted by the two averages."""
+        src, dst = self.pairs(rows, keep, evicted)
+        avg = self.selector.score(rows, step)
+        a_j, a_r = avg.gather(1, src), avg.gather(1, dst)
         total = a_j + a_r
         w = torch.where(total > 0, a_j / total.clamp(min=1e-30), torch.full_like(total, 0.5))  # (R, E)
         if self.merge:
-            merge_in_turn(rows.values[0], perm.gather(1, j), perm.gather(1, right), w)
-        self._log(step, rows, pos.gather(1, j), pos.gather(1, right), w)
-        rows.free(perm.gather(1, j.sort(-1).values))
+            merge_in_turn(rows.values[0], src, dst, w)
+        if step.log is not None:
+            self._log(step, rows, rows.pos.gather(1, src), rows.pos.gather(1, dst), w)
+
+    def pairs(
+        self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(R, E)` each leaving slot in its turn and its right neighbour at that turn. The averages never
+        change, so the keys leave in the order of their averages (ties: the older first), each into the first
+        rank still there at its turn (`first_above`). One leaving slot (a decode step): the next kept
+        position."""
+        if evicted.shape[1] == 1:
+            after = torch.searchsorted(rows.pos.gather(1, keep), rows.pos.gather(1, evicted))
+            return evicted, keep.gather(1, after)
+        (r, s), n, leaving = rows.pos.shape, rows.n_kept, evicted.shape[1]
+        perm = rows.position_order()  # (R, S) rank -> slot; "right" counts in position order
+        rank = torch.arange(s, device=perm.device)
+        rank_of = torch.empty_like(perm).scatter_(1, perm, rank.expand(r, s))  # slot -> rank
+        avg = (rows.abar / rows.nobs.clamp(min=1)).gather(1, perm)  # (R, S) by rank
+        j = rank_of.gather(1, evicted)  # (R, E) ranks, ascending
+        j = j.gather(1, avg.gather(1, j).sort(stable=True).indices)  # in turn: by average, the older first
+        turns = torch.arange(leaving, device=perm.device).expand(r, -1)  # (R, E)
+        turn = torch.full((r, s), leaving, device=perm.device).scatter_(1, j, turns)  # each rank's (E: never)
+        right = first_above(turn.masked_fill((rank >= n)[None, :], -1), j + 1, turns, leaving)  # (R, E) ranks
+        return perm.gather(1, j), perm.gather(1, right)
 
     def _log(
         self, step: Step, rows: CacheRows, pos_j: torch.Tensor, pos_right: torch.Tensor, w: torch.Tensor
@@ -115,6 +153,11 @@ def merge_in_turn(values: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, w:
     all it will and whose target has received the merges before it, so each reads what the one-at-a-time
     loop would read."""
     r, e = src.shape
+    if e == 1:  # one merge per row (a decode step)
+        d = values.shape[-1]
+        a, b, wk = src[..., None].expand(-1, -1, d), dst[..., None].expand(-1, -1, d), w[..., None]
+        values.scatter_(1, b, (wk * values.gather(1, a) + (1 - wk) * values.gather(1, b)).to(values.dtype))
+        return
     turns = torch.arange(e, device=src.device).expand(r, -1)
     by_target = torch.argsort(dst * e + turns, dim=-1)  # (R, E) the merges grouped by target, in turn
     grouped = dst.gather(1, by_target)

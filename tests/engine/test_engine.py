@@ -319,9 +319,9 @@ def test_full_perplexity_equals_model_loss(smol, long_text):
         ("tova", {}, True, True),
         ("scissorhands", {}, True, True),
         ("tova", {}, False, False),  # the engine's switch: layer by layer
-        ("cam", {}, True, False),  # merges: its own compress, layer by layer
-        ("cam", {"score": "decode"}, True, False),
-        ("weightedkv", {}, True, False),
+        ("cam", {}, True, True),  # its base's selection at once, its merge layer by layer
+        ("cam", {"score": "decode"}, True, True),
+        ("weightedkv", {}, True, True),
         ("adakv", {"base": "h2o"}, True, False),
         ("kvmerger", {}, True, False),  # merges after the prompt only (the paper's protocol)
         ("snapkv", {"window": 4}, True, False),  # compresses the prompt once (the paper's protocol)

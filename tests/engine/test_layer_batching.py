@@ -51,8 +51,9 @@ def test_batched_and_layer_by_layer_decisions_are_identical(tiny, name, params):
     [
         ("h2o", {}, True),
         ("random", {}, True),
-        ("weightedkv", {}, False),  # merges: its compress is its own, layer by layer
-        ("cam", {"base": "tova"}, False),
+        ("weightedkv", {}, True),  # its selection at once, its merge layer by layer
+        ("cam", {"base": "tova"}, True),  # merges what its base's selection evicts: the selection is batched
+        ("cam", {"base": "snapkv"}, False),  # its base compresses the prompt once
         ("snapkv", {"decoding": "rolling"}, True),
         ("snapkv", {}, False),  # compressed once (the paper's): the cache grows after the prompt
         ("adakv", {}, False),  # a layer's heads compete
