@@ -240,10 +240,13 @@ def test_decisions_do_not_depend_on_which_slot_holds_which_position(case, perm_s
     st.integers(1, 10_000),
     st.sampled_from(["streaming_llm", "h2o", "tova", "scissorhands"]),
     st.integers(1, 4),
+    st.booleans(),
 )
-def test_selection_keeps_the_highest_scores_and_the_older_of_equal_ones(case, perm_seed, name, leaving):
+def test_selection_keeps_the_highest_scores_and_the_older_of_equal_ones(
+    case, perm_seed, name, leaving, older
+):
     """`select_lowest`, with (one leaving: no sort) or without its fast path, against the rule written
-    plainly."""
+    plainly; with `older_leaves_first` (WeightedKV's selection) the newer of equal scores stays."""
     seed, slots, _ = case
     policy = make_policy(name)
     budget = max(slots - leaving, policy.needs().min_budget)
@@ -257,13 +260,13 @@ def test_selection_keeps_the_highest_scores_and_the_older_of_equal_ones(case, pe
         policy.score(layer, Step(1, Phase.DECODE, budget)).float(),
         policy.protected(layer, budget),
     )
-    keep, evicted = select_lowest(layer, score, protected, budget)
+    keep, evicted = select_lowest(layer, score, protected, budget, older)
     for h in range(HKV):
         ranked = sorted(
             range(layer.n_slots),
             key=lambda s, h=h: (
                 -(float("inf") if protected is not None and protected[h, s] else float(score[h, s])),
-                int(layer.pos[h, s]),
+                -int(layer.pos[h, s]) if older else int(layer.pos[h, s]),
             ),
         )
         by_pos = lambda slots, h=h: sorted(slots, key=lambda s: int(layer.pos[h, s]))  # noqa: E731
