@@ -87,8 +87,8 @@ class WeightedKV(MergesEvicted):
     def merge_evicted(self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, step: Step) -> None:
         """The single-step rule once per leaving slot: each leaving value merges into its right neighbour
         (`pairs`), weighted by the two averages."""
-        src, dst = self.pairs(rows, keep, evicted)
-        avg = self.selector.score(rows, step)
+        avg = self.selector.score(rows, step)  # (R, S)
+        src, dst = self.pairs(rows, keep, evicted, avg)
         a_j, a_r = avg.gather(1, src), avg.gather(1, dst)
         total = a_j + a_r
         w = torch.where(total > 0, a_j / total.clamp(min=1e-30), torch.full_like(total, 0.5))  # (R, E)
@@ -98,12 +98,12 @@ class WeightedKV(MergesEvicted):
             self._log(step, rows, rows.pos.gather(1, src), rows.pos.gather(1, dst), w)
 
     def pairs(
-        self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor
+        self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, avg: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(R, E)` each leaving slot in its turn and its right neighbour at that turn. The averages never
-        change, so the keys leave in the order of their averages (ties: the older first), each into the first
-        rank still there at its turn (`first_above`). One leaving slot (a decode step): the next kept
-        position."""
+        """`(R, E)` each leaving slot (`evicted`, in position order) in its turn and its right neighbour at
+        that turn; `avg` `(R, S)` the slots' averages. The averages never change, so the keys leave in the
+        order of their averages (ties: the older first), each into the first rank still there at its turn
+        (`first_above`). One leaving slot (a decode step): the next kept position."""
         if evicted.shape[1] == 1:
             after = torch.searchsorted(rows.pos.gather(1, keep), rows.pos.gather(1, evicted))
             return evicted, keep.gather(1, after)
@@ -111,9 +111,8 @@ class WeightedKV(MergesEvicted):
         perm = rows.position_order()  # (R, S) rank -> slot; "right" counts in position order
         rank = torch.arange(s, device=perm.device)
         rank_of = torch.empty_like(perm).scatter_(1, perm, rank.expand(r, s))  # slot -> rank
-        avg = (rows.abar / rows.nobs.clamp(min=1)).gather(1, perm)  # (R, S) by rank
-        j = rank_of.gather(1, evicted)  # (R, E) ranks, ascending
-        j = j.gather(1, avg.gather(1, j).sort(stable=True).indices)  # in turn: by average, the older first
+        turn_order = avg.gather(1, evicted).sort(stable=True).indices  # by average, the older first
+        j = rank_of.gather(1, evicted).gather(1, turn_order)  # (R, E) ranks, in turn
         turns = torch.arange(leaving, device=perm.device).expand(r, -1)  # (R, E)
         turn = torch.full((r, s), leaving, device=perm.device).scatter_(1, j, turns)  # each rank's (E: never)
         right = first_above(turn.masked_fill((rank >= n)[None, :], -1), j + 1, turns, leaving)  # (R, E) ranks
