@@ -18,6 +18,7 @@ cache keeps, and its budget counts every kept slot, in the window or not.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -170,26 +171,31 @@ def dense(query, key, value, spec: AttentionSpec) -> torch.Tensor:
 
 
 def replayed(
-    query, key, value, spec: AttentionSpec
+    query, key, value, spec: AttentionSpec, span: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The q queries of a pass fed after S - q cached slots (all visible), causal among themselves.
 
-    query `(1, Hq, q, D)`, key/value `(1, Hkv, S, D)` -> out `(1, q, Hq, D)`, each query's logsumexp over the
-    pass's own keys `(Hq, q)` float32 (what KVzip's scores normalise by, beside the prompt's) and over the
-    cached slots (or None). On the CPU and a plain layer, two flash attentions (the cached slots, then the
-    pass's own keys causally) give all three, their outputs combined by their log-normalisers; else SDPA with
-    a `(q, S)` mask (`dense` when the layer soft-caps) and the own keys' logits computed apart.
+    query `(1, Hq, q, D)`, key/value `(1, Hkv, S, D)`; `span` the cached slots start..end - 1 the pass
+    reconstructs. Returns out `(1, q, Hq, D)`, each query's logsumexp over the pass's own keys `(Hq, q)`
+    float32 and over the span's slots (or None): what KVzip's scores normalise by. On the CPU and a plain
+    layer, flash attentions over the span, the other cached slots and the pass's own keys (causally) give
+    all three, their outputs combined by their log-normalisers; else SDPA with a `(q, S)` mask (`dense`
+    when the layer soft-caps) and the own keys' logits computed apart.
     """
     q, s = query.shape[2], key.shape[2]
     if spec.plain and key.device.type == "cpu":
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        seen, seen_lse = flash(query, key[:, :, : s - q], value[:, :, : s - q], scale=spec.scaling)
-        own, own_lse = flash(
-            query, key[:, :, s - q :], value[:, :, s - q :], is_causal=True, scale=spec.scaling
-        )
-        lse = torch.logaddexp(seen_lse, own_lse)
-        out = seen * (seen_lse - lse).exp()[..., None] + own * (own_lse - lse).exp()[..., None]
-        return out.transpose(1, 2).contiguous().to(query.dtype), own_lse[0], seen_lse[0]
+        start, end = span
+        parts = [flash(query, key[:, :, start:end], value[:, :, start:end], scale=spec.scaling)]
+        if end - start < s - q:  # the cached slots outside the span
+            rest = (slice(0, start), slice(end, s - q))
+            k_rest, v_rest = (torch.cat([x[:, :, cut] for cut in rest], 2) for x in (key, value))
+            parts.append(flash(query, k_rest, v_rest, scale=spec.scaling))
+        own = flash(query, key[:, :, s - q :], value[:, :, s - q :], is_causal=True, scale=spec.scaling)
+        parts.append(own)
+        lse = functools.reduce(torch.logaddexp, [part_lse for _, part_lse in parts])
+        out = sum(part * (part_lse - lse).exp()[..., None] for part, part_lse in parts)
+        return out.transpose(1, 2).contiguous().to(query.dtype), own[1][0], parts[0][1][0]
     if spec.plain:
         cols = torch.arange(s, device=key.device)
         out = torch.nn.functional.scaled_dot_product_attention(

@@ -256,7 +256,7 @@ class RunContext:
             )
         q = query.shape[2]
         start, end = self._replay
-        out, own_lse, cached_lse = replayed(query, key, value, spec)
-        replay = Replay(start, end, query[0], key[0, :, -q:], own_lse, spec.scaling, spec.softcap, cached_lse)
+        out, own_lse, span_lse = replayed(query, key, value, spec, (start, end))
+        replay = Replay(start, end, query[0], key[0, :, -q:], own_lse, spec.scaling, spec.softcap, span_lse)
         cast(Replays, self.policy).observe_replay(layer, replay)  # the loop replays only for a `Replays`
         return out

@@ -71,9 +71,9 @@ class Replay:
     own_lse: torch.Tensor  # (Hq, q) float32 each query's logsumexp of its logits over those own keys (causal)
     scaling: float  # the layer's logit scale
     softcap: float | None = None  # its tanh soft-capping
-    # (Hq, q) float32 each query's logsumexp over every cached slot (all visible to it), where the engine's
+    # (Hq, q) float32 each query's logsumexp over the cached slots start..end - 1, where the engine's
     # attention computed it (a plain layer on the CPU); None elsewhere
-    cached_lse: torch.Tensor | None = None
+    span_lse: torch.Tensor | None = None
 
 
 @runtime_checkable

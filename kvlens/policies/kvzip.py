@@ -148,10 +148,11 @@ class KVzip(Policy, Replays):
         (`plus`: times `||v W_O^h|| / ||h_j||`, `_plus_terms`), over the pass's queries j and the KV head's
         query heads h.
 
-        The weights are never materialised: per block of queries, the logits over the chunk's slots (and the
-        sinks) and the pass's logsumexp over its own keys (`Replay.own_lse`, from the engine's attention) give
-        each query's log-normaliser `lse`, and a slot's score is `exp(max (logit - lse_q [+ terms]))`, in
-        log space. The prompt's keys (and values) are read where the prefill cached them."""
+        The weights are never materialised: each query's log-normaliser `lse` over the sinks, the chunk and
+        the pass's own keys comes from the engine's attention (`Replay.own_lse`, `Replay.span_lse`, and the
+        few sinks' logits) or, where it gave none, from a block's logits; a slot's score is
+        `exp(max (logit - lse_q [+ terms]))`, in log space, a block of queries at a time. The prompt's keys
+        (and values) are read where the prefill cached them."""
         keys = rows.keys[0]  # (Hkv, T, D): before the prompt's compression slot i holds position i
         hkv, t, d = keys.shape
         sink = min(self.n_sink, replay.start)
@@ -160,12 +161,12 @@ class KVzip(Policy, Replays):
         queries = replay.queries.view(hkv, -1, q, d)
         g, n = queries.shape[1], replay.end - replay.start
         own_lse = replay.own_lse.view(hkv, g, q)
-        lse = None  # each query's log-normaliser, where the engine's attention gave it over the same keys
-        if replay.cached_lse is not None and replay.end - replay.start == t and keys.dtype == torch.float32:
-            lse = torch.logaddexp(
-                replay.cached_lse.view(hkv, g, q), own_lse
-            )  # every cached slot is the chunk
         spec = AttentionSpec(replay.scaling, replay.softcap)
+        lse = None  # each query's log-normaliser, where the engine's attention gave it over the chunk
+        if replay.span_lse is not None and keys.dtype == torch.float32:
+            sinks = layer_logits((queries @ keys[:, None, :sink].transpose(-1, -2)).float(), spec)
+            lse = torch.logaddexp(replay.span_lse.view(hkv, g, q), own_lse)
+            lse = torch.logaddexp(lse, sinks.logsumexp(-1))  # (Hkv, G, q); no sink: -inf, no change
         rows_term, slots_term = self._plus_terms(rows, replay, g) if self.score == "plus" else (None, None)
         best = torch.full((hkv, n), float("-inf"), device=keys.device)
         for a in range(0, q, ROWS):  # a block of rows at a time: (Hkv, G, ROWS, n) stays in cache
@@ -242,12 +243,13 @@ def _log_weights(
 ) -> torch.Tensor:
     """Log attention weights `(Hkv, G * rows, n)` of a block of a pass's queries `(Hkv, G * rows, D)` on the
     chunk's n slots, `prompt` `(Hkv, sink + n, D)` being the sinks' keys and then the chunk's: their logits
-    less each query's log-normaliser. That is `lse` `(Hkv, G, rows)` where the engine gave it (a plain layer
-    whose cached slots are all the chunk: one fused product), else the logsumexp of the logits over the sinks
-    and the chunk beside the pass's own keys' `own_lse` `(Hkv, G, rows)`."""
+    less each query's log-normaliser. That is `lse` `(Hkv, G, rows)` where the engine's attention gave it (a
+    plain layer: one fused product), else the logsumexp of the logits over the sinks and the chunk beside the
+    pass's own keys' `own_lse` `(Hkv, G, rows)`."""
     hkv, rows, _ = rows_q.shape
     if lse is not None:
-        return torch.baddbmm(-lse.reshape(hkv, rows, 1), rows_q, prompt.transpose(1, 2), alpha=spec.scaling)
+        chunk = prompt[:, sink:].transpose(1, 2)
+        return torch.baddbmm(-lse.reshape(hkv, rows, 1), rows_q, chunk, alpha=spec.scaling)
     seen = layer_logits(torch.bmm(rows_q, prompt.transpose(1, 2)).float(), spec)  # (Hkv, G * rows, sink + n)
     total = torch.logaddexp(seen.logsumexp(-1), own_lse.reshape(hkv, rows))
     return seen[..., sink:] - total[..., None]

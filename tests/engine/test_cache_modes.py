@@ -57,11 +57,12 @@ def test_quantized_storage_replaces_the_store_and_keeps_the_slots():
     assert torch.allclose(layer.keys, x, atol=0.05) and torch.allclose(layer.values, x, atol=0.05)
 
 
-@pytest.mark.parametrize("softcap", [None, 4.0])
-def test_a_replay_pass_attends_as_dense_causal_attention_and_returns_its_own_keys_logsumexp(softcap):
-    """`replayed` (two flash attentions combined on a plain CPU layer, masked attention when soft-capped)
-    equals `dense` over the cached slots and the pass's own keys, causal among them, with GQA; its own-key
-    logsumexp is the plain formula's, and so is its cached-slot logsumexp where it gives one (plain layer)."""
+@pytest.mark.parametrize("softcap, span", [(None, (0, 20)), (None, (5, 12)), (None, (0, 9)), (4.0, (5, 12))])
+def test_a_replay_pass_attends_as_dense_causal_attention_and_returns_its_logsumexps(softcap, span):
+    """`replayed` (flash attentions over the span, the other cached slots and the pass's own keys, combined,
+    on a plain CPU layer; masked attention when soft-capped) equals `dense` over the cached slots and the
+    pass's own keys, causal among them, with GQA; its own-key logsumexp is the plain formula's, and so is its
+    span's logsumexp where it gives one (plain layer)."""
     from kvlens.engine.attention import dense, replayed
     from kvlens.kvcache import AttentionSpec
 
@@ -70,7 +71,7 @@ def test_a_replay_pass_attends_as_dense_causal_attention_and_returns_its_own_key
     query = torch.randn(1, 6, q, d, generator=g)  # 3 query heads per KV head
     key, value = torch.randn(1, 2, t + q, d, generator=g), torch.randn(1, 2, t + q, d, generator=g)
     spec = AttentionSpec(scaling=0.4, softcap=softcap)
-    out, own_lse, cached_lse = replayed(query, key, value, spec)
+    out, own_lse, span_lse = replayed(query, key, value, spec, span)
     assert torch.allclose(out, dense(query, key, value, spec), atol=1e-6)
     logits = 0.4 * query.view(2, 3, q, d) @ key[0][:, None].transpose(-1, -2)  # (Hkv, G, q, t + q)
     if softcap is not None:
@@ -79,6 +80,6 @@ def test_a_replay_pass_attends_as_dense_causal_attention_and_returns_its_own_key
     own = logits[..., t:].masked_fill(future, -torch.inf).logsumexp(-1).view(6, q)
     assert torch.allclose(own_lse, own, atol=1e-6)
     if softcap is None:
-        assert torch.allclose(cached_lse, logits[..., :t].logsumexp(-1).view(6, q), atol=1e-6)
+        assert torch.allclose(span_lse, logits[..., span[0] : span[1]].logsumexp(-1).view(6, q), atol=1e-6)
     else:
-        assert cached_lse is None
+        assert span_lse is None

@@ -287,8 +287,12 @@ def own_logsumexp(queries: torch.Tensor, own: torch.Tensor, scale: float) -> tor
 
 
 @settings(max_examples=examples(10))
-@given(st.integers(0, 10_000), st.integers(0, 6), st.integers(1, 5))
-def test_kvzip_scores_each_slot_by_the_largest_weight_of_the_repeating_queries(seed, start, sinks):
+@given(st.integers(0, 10_000), st.integers(0, 6), st.integers(1, 5), st.booleans())
+def test_kvzip_scores_each_slot_by_the_largest_weight_of_the_repeating_queries(
+    seed, start, sinks, engine_lse
+):
+    """The same scores whether the chunk's log-normaliser comes from the engine's attention (`span_lse`) or
+    from the scores' own logits."""
     from kvlens.kvcache import Replay
 
     t, q, end = 16, 5, min(16, start + 7)
@@ -299,10 +303,14 @@ def test_kvzip_scores_each_slot_by_the_largest_weight_of_the_repeating_queries(s
     own_lse = (0.5 * queries.view(HKV, G, q, D) @ own[:, None].transpose(-1, -2)).masked_fill(
         mask, -torch.inf
     )
-    replay = Replay(start, end, queries, own, own_lse.logsumexp(-1).view(HKV * G, q), 0.5)
+    keys = layer.keys[0]
+    span_lse = None
+    if engine_lse:
+        chunk_logits = 0.5 * queries.view(HKV, G, q, D) @ keys[:, None, start:end].transpose(-1, -2)
+        span_lse = chunk_logits.logsumexp(-1).view(HKV * G, q)
+    replay = Replay(start, end, queries, own, own_lse.logsumexp(-1).view(HKV * G, q), 0.5, None, span_lse)
     make_policy("kvzip", {"n_sink": sinks}).observe_replay(layer, replay)
     got = layer.state["kvzip_score"]
-    keys = layer.keys[0]
     s = min(sinks, start)
     for kv in range(HKV):
         seen = torch.cat([keys[kv, :s], keys[kv, start:end], own[kv]])  # sinks, the chunk, the pass itself
