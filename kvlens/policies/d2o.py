@@ -224,13 +224,13 @@ class D2O(Policy):
 
         The evicted keys' dot products over the norms' product (`F.normalize`'s eps), never a normalised copy
         of the cache. A decode step's one evicted key per row is held against every slot in place
-        (`_nearest_slot`: one product with the keys, as attention's); a prompt's many against the kept keys
+        (`nearest_slot`: one product with the keys, as attention's); a prompt's many against the kept keys
         gathered once, in chunks of evicted keys (bounded memory)."""
         r, s, d = keys.shape
         b, e = keep.shape[1], evicted.shape[1]
         norms = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32).clamp_min(1e-12)  # (R, S)
         if e == 1:
-            return D2O._nearest_slot(keys, norms, keep, evicted)
+            return nearest_slot(keys, norms, keep, evicted)
         against, against_norms = keys.gather(1, keep[..., None].expand(-1, -1, d)), norms.gather(1, keep)
         chunk = max(1, CHUNK_ELEMENTS // max(1, r * b))
         best, where = [], []
@@ -243,25 +243,6 @@ class D2O(Policy):
             best.append(value)
             where.append(at)
         return torch.cat(best, 1), torch.cat(where, 1)
-
-    @staticmethod
-    def _nearest_slot(
-        keys: torch.Tensor, norms: torch.Tensor, keep: torch.Tensor, evicted: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`nearest` for a decode step's one evicted key per row `(R, 1)`: held against every slot in place
-        (norms `(R, S)`), the slots outside `keep` masked; a slot's place in `keep` breaks ties (slots are not
-        in position order)."""
-        r, s, d = keys.shape
-        b = keep.shape[1]
-        index = torch.full((r, s), b, dtype=torch.long, device=keys.device)  # slot -> its place in keep
-        index.scatter_(1, keep, torch.arange(b, device=keys.device).expand_as(keep))
-        sent = keys.gather(1, evicted[..., None].expand(-1, -1, d))  # (R, 1, D)
-        sim = torch.bmm(sent, keys.transpose(1, 2)).float()  # (R, 1, S)
-        sim = sim / (norms.gather(1, evicted)[..., None] * norms[:, None, :])
-        sim = sim.masked_fill(index[:, None, :] == b, float("-inf"))
-        value = sim.amax(-1, keepdim=True)  # (R, 1, 1)
-        at = index[:, None, :].expand_as(sim).masked_fill(sim < value, b)
-        return value[..., 0], at.amin(-1)
 
     def threshold(self, rows: CacheRows, u: torch.Tensor) -> torch.Tensor:
         """Eq. 10: update the layer's EMA threshold with this compression's similarities `u` `(Hkv, E)` and
@@ -305,6 +286,25 @@ class D2O(Policy):
             nan, none = torch.full_like(weight, float("nan")), torch.full_like(source, -1)
             step.log.merges(step.index, rows.layer, source, target[..., None], weight, nan, none)
         log_evictions(step, rows, pos_ev.masked_fill(merged, -1))
+
+
+def nearest_slot(
+    keys: torch.Tensor, norms: torch.Tensor, keep: torch.Tensor, evicted: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`nearest` for a decode step's one evicted key per row `(R, 1)`: held against every slot in place
+    (norms `(R, S)`), the slots outside `keep` masked; a slot's place in `keep` breaks ties (slots are not
+    in position order)."""
+    r, s, d = keys.shape
+    b = keep.shape[1]
+    index = torch.full((r, s), b, dtype=torch.long, device=keys.device)  # slot -> its place in keep
+    index.scatter_(1, keep, torch.arange(b, device=keys.device).expand_as(keep))
+    sent = keys.gather(1, evicted[..., None].expand(-1, -1, d))  # (R, 1, D)
+    sim = torch.bmm(sent, keys.transpose(1, 2)).float()  # (R, 1, S)
+    sim = sim / (norms.gather(1, evicted)[..., None] * norms[:, None, :])
+    sim = sim.masked_fill(index[:, None, :] == b, float("-inf"))
+    value = sim.amax(-1, keepdim=True)  # (R, 1, 1)
+    at = index[:, None, :].expand_as(sim).masked_fill(sim < value, b)
+    return value[..., 0], at.amin(-1)
 
 
 def merge_weights(
