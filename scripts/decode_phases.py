@@ -7,8 +7,8 @@ per-step statistic (`observe`), the attention bookkeeping (`accumulate`) and the
 Each policy generates `--steps` greedy tokens after a `--tokens` prompt of the bundled texts at budget
 `--budget` (`kvlens bench speed`'s decode lockstep, `engine_steps`), the policies alternating over `--rounds`
 rounds. Wall-clock timers wrap the engine's phases for the decode steps only (the prompt's prefill and
-compression are not counted): `attention` is the decode attention (`decode_rows`, `decode_segments` or SDPA),
-`cache` the cache's `update` (the new token's writes and the keys and values handed to attention), `observe`
+compression are not counted): `attention` is the decode attention (`decode_rows`, `decode_segments`,
+`decode_channels` or SDPA), `cache` the cache's `update` (the new token's writes and the keys and values handed to attention), `observe`
 the policy's per-step statistic, `accumulate` the slots' accumulated attention, `compress` the step's
 compression (`compress_step`: the policy's scores and selection, the eviction or merge); `model` is the rest
 of the step (projections, MLP, norms, rotary embedding, Python). Each cell is the median over rounds of the
@@ -79,6 +79,7 @@ def decode_phases(
         timers.wrap(context, "decode_rows", "attention"),
         timers.wrap(context, "sdpa", "attention"),
         timers.wrap(context, "decode_segments", "attention"),
+        timers.wrap(context, "decode_channels", "attention"),
         timers.wrap(KVCache, "update", "cache"),
         timers.wrap(REGISTRY[name], "observe", "observe"),
         timers.wrap(context.RunContext, "accumulate", "accumulate"),

@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvlens.errors import KvlensError
+from kvlens.kvcache.channels import ChannelStates
 from kvlens.kvcache.scores import AttentionSpec, layer_logits, softmax_weights
 
 ATTENTION_NAME = "kvlens"
@@ -247,14 +248,32 @@ def decode_rows(query, key, value, valid, spec: AttentionSpec):
     query `(1, Hq, 1, D)`, key/value `(1, Hkv, S, D)`, valid `(Hkv, S)` (the slots the query may
     see) or None (all of them). Returns out `(1, 1, Hq, D)` and probs `(Hkv, G, S)` float32.
     """
-    hq, d = query.shape[1], query.shape[-1]
-    hkv = key.shape[1]
-    qg = query[0, :, 0].reshape(hkv, hq // hkv, d)
+    qg = query_groups(query, key.shape[1])
     # batched over KV heads, the group's queries as rows: no broadcast copy of K (`attention_probs`'s layout)
-    scores = torch.bmm(qg, key[0].transpose(1, 2)).float()  # (Hkv, G, S)
+    return decode_weighted(torch.bmm(qg, key[0].transpose(1, 2)).float(), value, valid, spec)
+
+
+def query_groups(query, hkv: int) -> torch.Tensor:
+    """A decode step's query `(1, Hq, 1, D)` as each KV head's group of query heads `(Hkv, G, D)`."""
+    return query[0, :, 0].reshape(hkv, query.shape[1] // hkv, query.shape[-1])
+
+
+def decode_weighted(scores, value, valid, spec: AttentionSpec):
+    """A decode step's attention from its logits `scores` `(Hkv, G, S)` float32: values `(1, Hkv, S, D)`,
+    `valid` `(Hkv, S)` or None as in `decode_rows`. Returns out `(1, 1, Hq, D)` and probs `(Hkv, G, S)`."""
+    hkv, g, _ = scores.shape
     probs = softmax_weights(scores, spec, None if valid is None else ~valid[:, None, :])
     out = torch.bmm(probs.to(value.dtype), value[0])  # (Hkv, G, D)
-    return out.reshape(1, 1, hq, d), probs
+    return out.reshape(1, 1, hkv * g, value.shape[-1]), probs
+
+
+def decode_channels(query, keys: ChannelStates, rows: slice, value, valid, spec: AttentionSpec):
+    """A decode step's attention on channel-pruned keys (ThinK, `kvlens.kvcache.channels`): the logits on
+    each row's kept channels (and a whole key's pruned ones), read in place, with no key rebuilt. query
+    `(1, Hq, 1, D)`, `rows` the layer's rows of the store, value `(1, Hkv, S, D)`, valid `(Hkv, S)` or
+    None. Returns out `(1, 1, Hq, D)`."""
+    qg = query_groups(query, value.shape[1])
+    return decode_weighted(keys.logits(rows, value.shape[2], qg), value, valid, spec)[0]
 
 
 def decode_segments(query, store, rows: slice, counts: list[int], spec: AttentionSpec) -> torch.Tensor:

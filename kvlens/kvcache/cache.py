@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from kvlens.errors import KvlensError
+from kvlens.kvcache.channels import ChannelStates
 from kvlens.kvcache.paged import PagedStore
 from kvlens.kvcache.quantize import Storage
-from kvlens.kvcache.quantized import SHARED_STORE, pack, prune, seal_layers
+from kvlens.kvcache.quantized import SHARED_STORE, PackedStore, pack, prune, seal_layers
 from kvlens.kvcache.store import STATS, LayerBook, SlotStore
 from kvlens.kvcache.tokens import reserve_room
 from kvlens.kvcache.views import SlotRows
@@ -126,6 +127,8 @@ class KVCache:
         if key_states.shape[2] == 1 and self.reads_pages(layer) is not None:  # attention reads them in place
             return key_states[:, :, :0], value_states[:, :, :0]
         store = layer._live  # attention changes neither: no working copy is kept (`SlotStore.read`)
+        if key_states.shape[2] == 1 and self.reads_channels(layer) is not None:  # keys read in place
+            return key_states[:, :, :0], store.read("values", layer.rows)
         return store.read("keys", layer.rows), store.read("values", layer.rows)
 
     def reads_pages(self, layer: SlotRows) -> PagedStore | None:
@@ -141,6 +144,17 @@ class KVCache:
             and not store.working
         ):
             return store
+        return None
+
+    def reads_channels(self, layer: SlotRows) -> ChannelStates | None:
+        """The channel-pruned keys (ThinK) a decode step's attention on `layer` reads in place
+        (`kvlens.engine.attention.decode_channels`), so `update` hands it no keys; None unless the forward's
+        attention does (`feeding(..., in_place=True)`) and no policy holds a working copy."""
+        store = layer._live
+        if self._in_place and isinstance(store, PackedStore) and not store.working:
+            keys = store.packed.get("keys")
+            if isinstance(keys, ChannelStates):
+                return keys
         return None
 
     def reserve(self, tokens: int) -> None:

@@ -2,11 +2,11 @@
 
 Xu et al. 2024, "ThinK: Thinner Key Cache by Query-Driven Pruning", https://arxiv.org/abs/2407.21018: a KV
 head keeps K of its D key channels (`kvlens.policies.think` chooses them); a slot's key costs K numbers
-instead of D, plus the channel indices per head. Attention with a pruned key is the query restricted to
-the kept channels: `read` puts zeros in the pruned ones, which add nothing to q.k. Some slots keep their
-whole key: the prompt's newest ones and every later token, as the authors' code keeps its recent window
-and the tokens it generates unpruned; their pruned channels are held apart (`whole`), so such a slot
-costs D numbers in all.
+instead of D, plus the channel indices per head. Attention with a pruned key is the query restricted to the
+kept channels: a decode step's attention computes its logits there (`logits`, no key rebuilt); `read` puts
+zeros in the pruned ones, which add nothing to q.k. Some slots keep their whole key: the prompt's newest ones
+and every later token, as the authors' code keeps its recent window and the tokens it generates unpruned;
+their pruned channels are held apart (`whole`), so such a slot costs D numbers in all.
 
 `ChannelStates` holds the keys of R rows x C slots: the kept channels `(R, C, K)` in the model's dtype,
 each row's channels `(R, D)` (long: the K kept ones ascending, then the pruned ones ascending) and the
@@ -78,6 +78,21 @@ class ChannelStates(PackedStates):
         out[r[:, None], slot[r, e][:, None], self.order[rows][r, self.k :]] = self.whole[rows][r, e]
         return out
 
+    def logits(self, rows: slice, n: int, query: torch.Tensor) -> torch.Tensor:
+        """`(R', G, n)` float32 each query's dot product with the rows' first `n` keys, on the kept channels
+        plus, for whole keys, the pruned ones: what `read`'s keys give, with no key rebuilt (the paper's
+        attention on the pruned cache). `query` `(R', G, D)`: each row's group of query heads."""
+        order = self.order[rows][:, None, :].expand(-1, query.shape[1], -1)
+        kept = self.kept[rows, :n].to(query.dtype)
+        out = torch.bmm(torch.gather(query, 2, order[..., : self.k]), kept.transpose(1, 2)).float()
+        slot = self.whole_slot[rows]
+        if not slot.numel():
+            return out
+        whole = torch.bmm(torch.gather(query, 2, order[..., self.k :]), self.whole[rows].to(query.dtype).mT)
+        spare = out.new_zeros(out.shape[0], out.shape[1], 1)  # where the empty entries (-1) land
+        at = slot.masked_fill(slot < 0, n)[:, None, :].expand(-1, query.shape[1], -1)
+        return torch.cat([out, spare], 2).scatter_add_(2, at, whole.float())[..., :n]
+
     def in_window(self, rows: slice, n: int) -> torch.Tensor:
         """`(R', n)` bool: the slots whose whole key is stored."""
         return slot_mask(self.whole_slot[rows], n)
@@ -141,19 +156,21 @@ class ChannelStates(PackedStates):
 
     def keep_whole(self, rows: slice, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Hold the pruned channels of the whole keys `x` `(R', q, D)` of `slots` `(R', q)` (-1: none for that
-        row)."""
-        x = torch.gather(x, 2, self._index(rows, x.shape[1], kept=False))
-        for j in range(slots.shape[1]):
-            slot, row = self.whole_slot[rows], torch.arange(slots.shape[0], device=slots.device)
-            free = slot < 0
-            if not bool(free.any(-1).all()):
-                self._room(slot.shape[1] + GROWTH)
-                slot, free = self.whole_slot[rows], self.whole_slot[rows] < 0
-            entry = free.int().argmax(-1)
-            take = slots[:, j] >= 0
-            base = rows.start or 0
-            self.whole_slot[(row + base)[take], entry[take]] = slots[take, j]
-            self.whole[(row + base)[take], entry[take]] = x[take, j].to(self.dtype)
+        row): the j-th goes into its row's j-th free entry (a -1 leaves that entry free)."""
+        x = torch.gather(x, 2, self._index(rows, x.shape[1], kept=False)).to(self.dtype)
+        q = slots.shape[1]
+        free = self.whole_slot[rows] < 0
+        short = q - int(free.sum(-1).min()) if free.shape[1] else q
+        if short > 0:
+            self._room(self.whole_slot.shape[1] + GROWTH * -(-short // GROWTH))
+            free = self.whole_slot[rows] < 0
+        rank = free.cumsum(-1) - 1  # each free entry's rank among its row's
+        place = torch.where(free & (rank < q), rank, q)
+        width = free.shape[1]
+        entry = slots.new_zeros(slots.shape[0], q + 1)
+        entry = entry.scatter_(1, place, torch.arange(width, device=slots.device).expand_as(place))[:, :q]
+        self.whole_slot[rows].scatter_(1, entry, slots)
+        self.whole[rows].scatter_(1, entry[..., None].expand_as(x), x)
 
     def _room(self, width: int) -> None:
         """At least `width` whole-key entries per row."""

@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvlens.engine.attention import decode_channels, decode_rows
 from kvlens.engine.loop import RunOptions, new_loop, run
 from kvlens.errors import KvlensError
+from kvlens.kvcache.cache import KVCache
 from kvlens.kvcache.channels import seal_channels
 from kvlens.kvcache.quantize import Storage
+from kvlens.kvcache.scores import AttentionSpec
 from kvlens.policies import make_policy, parse_settings
 
 IDS = list(b"Thinner keys: the channels the last queries weigh least leave every key of the prompt. " * 2)
@@ -84,6 +87,58 @@ def test_the_newest_prompt_keys_and_later_tokens_keep_every_channel():
     gone[:, 4] = True
     states.forget(slice(0, 2), gone)
     assert not states.in_window(slice(0, 2), 7)[:, 4].any() and states.in_window(slice(0, 2), 7)[:, 5:].all()
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_a_decode_step_attends_on_the_kept_channels_as_on_the_keys_read_back(softcap):
+    """`decode_channels` (the logits on each row's kept channels, plus a whole key's pruned ones, no key
+    rebuilt) gives `decode_rows`' output on the keys `read` rebuilds, with a padding slot hidden and a freed
+    whole-key entry left out."""
+    gen = torch.Generator().manual_seed(1)
+    hkv, g, n, d = 2, 3, 7, 8
+    x = torch.randn(hkv, n, d, generator=gen)
+    whole = torch.zeros(hkv, n, dtype=torch.bool)
+    whole[:, 3:] = True
+    states = seal_channels(
+        torch.tensor([[0, 2, 5], [1, 6, 7]]), x, torch.ones(hkv, n, dtype=torch.bool), whole, 8
+    )
+    gone = torch.zeros(hkv, n, dtype=torch.bool)
+    gone[0, 4] = True  # its whole-key entry becomes empty (-1)
+    states.forget(slice(0, hkv), gone)
+    valid = ~gone
+    query, value = torch.randn(1, hkv * g, 1, d, generator=gen), torch.randn(1, hkv, n, d, generator=gen)
+    spec = AttentionSpec(scaling=0.4, softcap=softcap)
+    rows = slice(0, hkv)
+    expected = decode_rows(query, states.read(rows, n)[None], value, valid, spec)[0]
+    assert torch.allclose(decode_channels(query, states, rows, value, valid, spec), expected, atol=1e-6)
+
+
+def test_decode_steps_read_the_pruned_keys_in_place_with_the_rebuilt_keys_losses(tiny, monkeypatch):
+    """In a run, each decode step's attention reads the channel-pruned keys where they lie
+    (`KVCache.reads_channels`); its losses are those of attention over the keys `read` rebuilds."""
+
+    def losses():
+        r = run(
+            tiny,
+            make_policy("think", {"base.window": 8}),
+            IDS,
+            prefill=PREFILL,
+            steps=6,
+            teacher=True,
+            opts=RunOptions(budget=BUDGET),
+        )
+        return r.tensors["steps/nll"]
+
+    in_place = []
+    reads = KVCache.reads_channels
+    monkeypatch.setattr(
+        KVCache, "reads_channels", lambda self, layer: in_place.append(reads(self, layer)) or in_place[-1]
+    )
+    fast = losses()
+    monkeypatch.setattr(KVCache, "reads_channels", lambda self, layer: None)
+    decode_steps = 5  # the first token comes from the prompt's forward
+    assert sum(s is not None for s in in_place) == 2 * tiny.shape()["layers"] * decode_steps  # update, attend
+    assert torch.allclose(fast, losses(), atol=1e-5)
 
 
 def test_think_runs_over_other_evictions_and_keeps_their_decisions(tiny):
