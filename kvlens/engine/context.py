@@ -143,10 +143,10 @@ class RunContext:
         return self._decode(layer, query, key, value, spec)
 
     def _decode(self, layer: SlotRows, query, key, value, spec: AttentionSpec) -> torch.Tensor:
-        """A decode step's attention: a paged store's segments read where they lie (`update` handed nothing), or
-        channel-pruned keys on their kept channels (`update` handed the values only); else, when nobody reads
-        the rows (compressed for good, or no reader), SDPA over a layer whose every slot holds a token, or the
-        masked rows; else the rows, handed to the statistics, the policy and the observers."""
+        """A decode step's attention: a paged store's segments read where they lie (`update` handed
+        nothing), or channel-pruned keys on their kept channels (`update` handed the values only); else, when
+        nobody reads the rows (compressed for good, or no reader), SDPA over a layer whose every slot holds a
+        token, or the masked rows; else the rows, handed to the statistics, the policy and the observers."""
         pages = self.cache.reads_pages(layer)
         if pages is not None:
             return decode_segments(query, pages, layer.rows, layer.valid.sum(-1).tolist(), spec)

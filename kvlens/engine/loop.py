@@ -177,6 +177,7 @@ class _Loop:
             all_layers=self.budget is not None and opts.batch_layers and batchable(policy) and not once,
             chunked=bool(self.chunk),
             paged=not opts.storage.packed and not policy.needs().pruned_keys,
+            compacts=self.budget is None and opts.storage.rank_layers is None,  # xKV: layers share one layout
         )
 
     def _load_model_data(self) -> None:

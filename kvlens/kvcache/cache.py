@@ -43,6 +43,8 @@ class KVCache:
     chunked prefill, whose chunks fill freed slots first (`kvlens.kvcache.tokens.append`). `paged`: a layer
     with a store of its own whose heads keep different counts gets a `PagedStore` (no padding held; keys and
     values in the model's dtype only, so not with packed storage or pruned keys; never in all-layer mode).
+    `compacts`: a layer whose slots in use are mostly freed ones is laid out again (a budget-free policy frees
+    in place, `SlotRows.free`).
     """
 
     def __init__(
@@ -52,11 +54,14 @@ class KVCache:
         all_layers: bool = False,
         chunked: bool = False,
         paged: bool = False,
+        compacts: bool = False,
     ):
         self.all_layer_mode = all_layers
         self.chunked = chunked
         self.shared: SlotStore | None = None
-        self.books = [LayerBook(i, limit, paged=paged and not all_layers) for i in range(n_layers)]
+        self.books = [
+            LayerBook(i, limit, paged=paged and not all_layers, compacts=compacts) for i in range(n_layers)
+        ]
         self.layers = [SlotRows([book], owner=self) for book in self.books]
         self._positions: torch.Tensor | None = None
         self._replaying = False  # a replay pass is being fed: `update` caches nothing

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 GROWTH = 32  # minimum slots added when a growing cache runs out of room
+HOLES = 1.25  # compacted: a layer using more slots than this times its fullest head's kept ones + GROWTH
 FITTED_GROWTH = 8  # slots added when a fitted layer's fullest head outgrows its buffers (uneven heads)
 STATS = {"valid": False, "pos": -1, "abar": 0.0, "nobs": 0.0}  # per-slot statistics, and a free slot's
 STATES = ("keys", "values")  # (1, R, C, D); every other buffer is (R, C, ...)
@@ -39,6 +40,7 @@ class LayerBook:
     pad: bool = False  # `retain` left padding (heads keeping different counts): each head's own free slots
     fitted: bool = False  # `retain` fitted the buffers to the kept slots (the prompt's memory is freed)
     paged: bool = False  # a padded layout goes into pages (`kvlens.kvcache.paged`)
+    compacts: bool = False  # freed in place (no budget): laid out again once mostly holes (`HOLES`)
     written: torch.Tensor | None = None  # (Hkv, q) the slots the latest `append` wrote
     # quantized storage: the latest `append`'s keys and values (Hkv, q, D) as fed
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -25,6 +25,7 @@ from kvlens.kvcache import tokens
 from kvlens.kvcache.quantize import slot_mask
 from kvlens.kvcache.store import (
     GROWTH,
+    HOLES,
     STATES,
     STATS,
     LayerBook,
@@ -241,7 +242,10 @@ class SlotRows:
         kept slots move into buffers of `limit` slots (or of its fullest head's count, when heads keep
         different counts) and the old ones are released. Once fitted, a layer whose fullest head outgrows the
         limit is refitted only when its free slots exceed `GROWTH`, not at every step. A layer whose heads
-        come to keep different counts moves into pages when its book says so (`LayerBook.paged`).
+        come to keep different counts moves into pages when its book says so (`LayerBook.paged`). A layer
+        whose slots in use are mostly freed ones (a budget-free policy frees in place, and tokens refill one
+        per step) is compacted, when its book says so (`LayerBook.compacts`), to its kept slots once they
+        exceed `HOLES` times its fullest head's count, so a step attends to the kept slots, not the prompt's.
         """
         store = self._live
         uneven = bool((index < 0).any())
@@ -273,13 +277,17 @@ class SlotRows:
             else:
                 book.n_kept -= part.shape[1]
         (book, *more), limit = self.books, self.books[0].limit
-        if more or limit is None:
+        if more:
             return
-        outgrown = store.n > limit and (not book.fitted or store.n > book.n_kept + GROWTH)
+        outgrown = (
+            limit is not None and store.n > limit and (not book.fitted or store.n > book.n_kept + GROWTH)
+        )
         to_pages = book.pad and book.paged and not store.tail_padding
-        if outgrown or to_pages:
+        holey = book.compacts and store.n > HOLES * book.n_kept + GROWTH  # freed in place: mostly holes
+        if outgrown or to_pages or holey:
             kept, valid = padded_index(self.valid)
-            self.retain(kept, valid if bool((~valid).any()) else None, capacity=limit)
+            capacity = limit if outgrown or to_pages else None  # a holey layer grows again by chunks
+            self.retain(kept, valid if bool((~valid).any()) else None, capacity=capacity)
 
     def retain(
         self, index: torch.Tensor, valid: torch.Tensor | None = None, capacity: int | None = None

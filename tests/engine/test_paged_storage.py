@@ -10,9 +10,10 @@ import torch
 import kvlens.engine.loop as loop_module
 from kvlens.engine.attention import decode_rows, decode_segments
 from kvlens.engine.loop import RunOptions, run
-from kvlens.kvcache import AttentionSpec
+from kvlens.kvcache import AttentionSpec, views
 from kvlens.kvcache.cache import KVCache
 from kvlens.kvcache.paged import PAGE, PagedStore
+from kvlens.kvcache.store import GROWTH, HOLES
 from kvlens.policies import make_policy
 from kvlens.texts import prefix_ids
 
@@ -226,3 +227,41 @@ def test_uneven_policies_hold_half_the_cache_at_budget_half_with_the_padded_layo
     structural = ["step", "layer", "kv_head", "action", "position"]
     a, b = (r.decisions[structural].sort_values(structural).reset_index(drop=True) for r in (paged, padded))
     assert len(a) > 0 and a.equals(b)
+
+
+def test_a_layer_mostly_freed_in_place_is_compacted_and_decides_the_same(smol, long_text, monkeypatch):
+    """CORM frees in place (budget-free) and a token refills one freed slot per step: once a layer's slots in
+    use exceed `HOLES` x its fullest head's kept ones + `GROWTH`, its kept slots are laid out again, so steps
+    attend to them only. The decisions and losses are the uncompacted layout's."""
+    ids = prefix_ids(smol, long_text, 212)
+
+    def corm() -> tuple[object, list[KVCache]]:
+        made: list[KVCache] = []
+        monkeypatch.setattr(loop_module, "KVCache", remembered(made))
+        r = run(
+            smol,
+            make_policy("corm", {"window": 4, "recent": 4}),
+            ids,
+            prefill=200,
+            steps=12,
+            teacher=True,
+            opts=RunOptions(record="summary"),
+        )
+        return r, made
+
+    compact, (cache,) = corm()
+    monkeypatch.setattr(views, "HOLES", float("inf"))
+    holey, (old,) = corm()
+    structural = ["step", "layer", "kv_head", "action", "position"]
+    a, b = (r.decisions[structural].sort_values(structural).reset_index(drop=True) for r in (compact, holey))
+    assert len(a) > 0 and a.equals(b)  # a step logs its evictions in slot order, which compaction changes
+    torch.testing.assert_close(compact.tensors["steps/nll"], holey.tensors["steps/nll"], rtol=1e-5, atol=1e-6)
+    compacted = 0
+    for new, was in zip(cache.layers, old.layers, strict=True):
+        assert new.store.n <= HOLES * int(new.valid.sum(-1).max()) + GROWTH
+        compacted += new.store.n < was.store.n
+        for head in range(new.pos.shape[0]):  # the same positions kept, in other slots
+            assert torch.equal(
+                new.pos[head][new.valid[head]].sort().values, was.pos[head][was.valid[head]].sort().values
+            )
+    assert compacted > len(cache.layers) // 2
