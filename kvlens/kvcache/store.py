@@ -221,14 +221,15 @@ def trimmed(holes: torch.Tensor) -> torch.Tensor | None:
     return holes[:, :width] if width else None
 
 
-def freed(holes: torch.Tensor, n: int, slot_order: bool) -> torch.Tensor | None:
-    """A row's freed slots `(R, E)` (-1 entries name none) as it will refill them: in slot order (a paged
-    row's), listed from their mask in O(n) with no sort, or in the order they were freed (`first_valid`);
-    -1 padded, None when there are none."""
-    if not slot_order:
+def freed(holes: torch.Tensor, free: torch.Tensor | None) -> torch.Tensor | None:
+    """Rows' freed slots `(R, E)` (-1 entries name none) as they will refill them: in slot order when `free`
+    `(R, n)` bool marks every free slot in use (a paged row's: each is one), listed from that mask in O(n)
+    with no sort; else the slots `holes` in the order they were freed (`first_valid`). None when there are
+    none."""
+    if free is None:
         return first_valid(holes)
-    mask = torch.zeros(holes.shape[0], n + 1, dtype=torch.bool, device=holes.device)
-    return trimmed(padded_slots(mask.scatter_(1, holes.masked_fill(holes < 0, n), True)[:, :n]))
+    slots = padded_slots(free)
+    return slots if slots.shape[1] else None
 
 
 def padded_slots(gone: torch.Tensor) -> torch.Tensor:

@@ -266,9 +266,12 @@ class SlotRows:
         else:
             store.order = None
         counts = self.valid.sum(-1).chunk(len(self.books)) if uneven else ()
+        valid = self.valid.chunk(len(self.books))
         for i, (book, part) in enumerate(zip(self.books, index.chunk(len(self.books)), strict=True)):
-            holes = part if book.holes is None else torch.cat([book.holes, part], dim=1)
-            book.holes = freed(holes, store.n, store.tail_padding)
+            if store.tail_padding:  # a paged row's free slots are its invalid ones, refilled lowest first
+                book.holes = freed(part, ~valid[i])
+            else:
+                book.holes = freed(part if book.holes is None else torch.cat([book.holes, part], dim=1), None)
             if uneven:
                 book.n_kept, book.pad = (
                     int(counts[i].max()),
@@ -286,7 +289,7 @@ class SlotRows:
         holey = book.compacts and store.n > HOLES * book.n_kept + GROWTH  # freed in place: mostly holes
         if outgrown or to_pages or holey:
             kept, valid = padded_index(self.valid)
-            capacity = limit if outgrown or to_pages else None  # a holey layer grows again by chunks
+            capacity = limit if outgrown or to_pages else book.n_kept + GROWTH  # a holey layer: room to grow
             self.retain(kept, valid if bool((~valid).any()) else None, capacity=capacity)
 
     def retain(

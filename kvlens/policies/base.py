@@ -462,8 +462,9 @@ def lowest_of_all_rows(rows: CacheRows, score: torch.Tensor, leaving: int) -> to
 
 
 def free_logged(step: Step, rows: CacheRows, slots: torch.Tensor) -> None:
-    """Evict `slots` `(R, E)` (-1 pads) and log their positions."""
-    log_evictions(step, rows, rows.pos.gather(1, slots.clamp(min=0)).masked_fill(slots < 0, -1))
+    """Evict `slots` `(R, E)` (-1 pads) and log their positions (when the run keeps a log)."""
+    if step.log is not None:
+        log_evictions(step, rows, rows.pos.gather(1, slots.clamp(min=0)).masked_fill(slots < 0, -1))
     rows.free(slots)
 
 
