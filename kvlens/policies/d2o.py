@@ -206,12 +206,33 @@ class D2O(Policy):
             log_evictions(step, rows, pos_ev)
             rows.free(evicted)
             return
+        if evicted.shape[1] == 1:  # a decode step: one source per row, merged into one target slot
+            self._merge_one(step, rows, evicted, pos_ev)
+            return
         u, nearest = self.nearest(rows.keys[0], keep, evicted)  # (R, E) best similarity, index into keep
         merged = u >= self.threshold(rows, u)  # (R, E)
         w, w_self = merge_weights(u, nearest, merged, keep.shape[1])
         for states in (rows.keys[0], rows.values[0]):  # (R, S, D) views of the cache: merged in place
             merge_into(states, keep, evicted, nearest, w, w_self)
         self._log(step, rows, pos_ev, rows.pos.gather(1, keep).gather(1, nearest), w, merged)
+        rows.free(evicted)
+
+    def _merge_one(self, step: Step, rows: CacheRows, evicted: torch.Tensor, pos_ev: torch.Tensor) -> None:
+        """`compress`'s rule for one evicted slot per row `(R, 1)` (a decode step), with no kept-slot list:
+        its nearest kept key (`nearest_slot`), the threshold, Eq. 12's weights of one source (`w_i = exp(u_i)
+        / (exp(u_i) + e)`, `w_c = e / (exp(u_i) + e)`) and Eq. 11 on the target slot alone."""
+        u, target = nearest_slot(rows.keys[0], rows.valid, rows.pos, evicted)  # (R, 1) each
+        merged = u >= self.threshold(rows, u)
+        eu = torch.exp(u.float()) * merged
+        denom = eu + math.e
+        w, w_self = eu / denom, math.e / denom  # a source that does not merge: w = 0, w_c = 1
+        for states in (rows.keys[0], rows.values[0]):
+            d = states.shape[-1]
+            at = target[..., None].expand(-1, -1, d)
+            sent = states.gather(1, evicted[..., None].expand(-1, -1, d)).float() * w[..., None]
+            new = states.gather(1, at).float() * w_self[..., None] + sent
+            states.scatter_(1, at, new.to(states.dtype))
+        self._log(step, rows, pos_ev, rows.pos.gather(1, target), w, merged)
         rows.free(evicted)
 
     @staticmethod
@@ -223,14 +244,11 @@ class D2O(Policy):
         key wins a tie (`keep` is in position order).
 
         The evicted keys' dot products over the norms' product (`F.normalize`'s eps), never a normalised copy
-        of the cache. A decode step's one evicted key per row is held against every slot in place
-        (`nearest_slot`: one product with the keys, as attention's); a prompt's many against the kept keys
-        gathered once, in chunks of evicted keys (bounded memory)."""
+        of the cache: the kept keys gathered once, the evicted ones in chunks (bounded memory). A decode
+        step's one evicted key per row goes to `nearest_slot` instead."""
         r, s, d = keys.shape
         b, e = keep.shape[1], evicted.shape[1]
         norms = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32).clamp_min(1e-12)  # (R, S)
-        if e == 1:
-            return nearest_slot(keys, norms, keep, evicted)
         against, against_norms = keys.gather(1, keep[..., None].expand(-1, -1, d)), norms.gather(1, keep)
         chunk = max(1, CHUNK_ELEMENTS // max(1, r * b))
         best, where = [], []
@@ -289,22 +307,21 @@ class D2O(Policy):
 
 
 def nearest_slot(
-    keys: torch.Tensor, norms: torch.Tensor, keep: torch.Tensor, evicted: torch.Tensor
+    keys: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor, evicted: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`nearest` for a decode step's one evicted key per row `(R, 1)`: held against every slot in place
-    (norms `(R, S)`), the slots outside `keep` masked; a slot's place in `keep` breaks ties (slots are not
-    in position order)."""
-    r, s, d = keys.shape
-    b = keep.shape[1]
-    index = torch.full((r, s), b, dtype=torch.long, device=keys.device)  # slot -> its place in keep
-    index.scatter_(1, keep, torch.arange(b, device=keys.device).expand_as(keep))
+    """Eq. 9 for one evicted key per row `(R, 1)` (a decode step): its best cosine similarity to the other
+    valid slots and that slot, both `(R, 1)`. `keys` `(R, S, D)` are held in place (one product, as
+    attention's), `valid` and `pos` `(R, S)`; the oldest position wins a tie (slots are not in position
+    order)."""
+    d = keys.shape[-1]
+    norms = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32).clamp_min(1e-12)  # (R, S)
     sent = keys.gather(1, evicted[..., None].expand(-1, -1, d))  # (R, 1, D)
-    sim = torch.bmm(sent, keys.transpose(1, 2)).float()  # (R, 1, S)
-    sim = sim / (norms.gather(1, evicted)[..., None] * norms[:, None, :])
-    sim = sim.masked_fill(index[:, None, :] == b, float("-inf"))
-    value = sim.amax(-1, keepdim=True)  # (R, 1, 1)
-    at = index[:, None, :].expand_as(sim).masked_fill(sim < value, b)
-    return value[..., 0], at.amin(-1)
+    sim = torch.bmm(sent, keys.transpose(1, 2)).float()[:, 0]  # (R, S)
+    sim = sim / (norms.gather(1, evicted) * norms)
+    sim = sim.masked_fill(~valid, float("-inf")).scatter_(1, evicted, float("-inf"))
+    value = sim.amax(-1, keepdim=True)  # (R, 1)
+    oldest = pos.masked_fill(sim < value, torch.iinfo(pos.dtype).max).argmin(-1, keepdim=True)
+    return value, oldest
 
 
 def merge_weights(

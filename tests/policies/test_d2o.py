@@ -216,15 +216,18 @@ def test_d2o_prompt_and_decode_compressions_equal_the_rule_written_plainly(
 @pytest.mark.parametrize("evicted", [[[0, 4]], [[4]]])
 def test_d2o_nearest_gives_the_oldest_of_equally_similar_kept_keys(evicted):
     """Eq. 9's argmax with ties: the kept key earliest in `keep` (position order) wins, for a prompt's many
-    evicted keys (one product with the kept keys) and a decode step's one (against every slot in place,
-    where a later slot may hold an older position)."""
-    from kvlens.policies.d2o import D2O
+    evicted keys (one product with the kept keys); a decode step's one is held against every valid slot in
+    place (`nearest_slot`), where a later slot may hold an older position."""
+    from kvlens.policies.d2o import D2O, nearest_slot
 
     keys = torch.tensor([[[0.0, 1.0], [2.0, 0.0], [1.0, 0.0], [0.0, 3.0], [1.0, 0.1]]])  # (1, S, 2)
     keep = torch.tensor([[3, 2, 1]])  # positions in order: slot 3 before slots 2 and 1 (equal directions)
     u, nearest = D2O.nearest(keys, keep, torch.tensor(evicted))
     assert nearest[0, -1].item() == 1  # slot 2, the first of the two kept keys along (1, 0)
     assert u[0, -1].item() == pytest.approx(1 / math.sqrt(1.01))
+    pos, valid = torch.tensor([[9, 2, 1, 0, 5]]), torch.tensor([[False, True, True, True, True]])
+    u, slot = nearest_slot(keys, valid, pos, torch.tensor([[4]]))
+    assert slot.item() == 2 and u.item() == pytest.approx(1 / math.sqrt(1.01))  # slot 0 is free
 
 
 def clustered_layer(

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvlens.kvcache import Phase, Step, padded_slots
 from kvlens.policies import make_policy
-from kvlens.policies.d2o import D2O
+from kvlens.policies.d2o import D2O, nearest_slot
 from kvlens.policies.scissorhands import COUNT, IMPORTANT, UNIMPORTANT
 from tests.conftest import examples, layer_rows
 
@@ -31,6 +31,8 @@ def plain_nearest(keys: torch.Tensor, keep: torch.Tensor, evicted: torch.Tensor)
 
 @settings(max_examples=examples(25), deadline=None)
 @given(st.integers(0, 10_000), st.integers(4, 40), st.integers(1, 12), st.booleans())
+@example(0, 12, 1, True).via("a decode step with ties")
+@example(1, 5, 1, False).via("a decode step")
 def test_d2o_nearest_kept_key_is_eq9_with_the_oldest_of_ties(seed, slots, evicted, duplicates):
     """One product with the cache in place (`D2O.nearest`) finds the same nearest kept key as comparing each
     evicted key with each kept one, ties (duplicated keys) to the oldest kept; a decode step is E = 1."""
@@ -47,6 +49,12 @@ def test_d2o_nearest_kept_key_is_eq9_with_the_oldest_of_ties(seed, slots, evicte
     want_best, want_where = plain_nearest(keys, keep, gone)
     assert torch.equal(got_where, want_where)
     torch.testing.assert_close(got_best, want_best, rtol=1e-5, atol=1e-6)
+    if evicted == 1:  # a decode step's search, against every other slot in place (positions: slot order)
+        got_best, slot = nearest_slot(
+            keys, torch.ones(rows, slots, dtype=torch.bool), torch.arange(slots).expand(rows, -1), gone
+        )
+        assert torch.equal(slot, keep.gather(1, want_where))
+        torch.testing.assert_close(got_best, want_best, rtol=1e-5, atol=1e-6)
 
 
 @settings(max_examples=examples(20), deadline=None)
