@@ -429,8 +429,8 @@ def select_lowest(
             last = lowest.int().argmax(-1, keepdim=True)  # the oldest of the lowest
         else:
             last = n - 1 - lowest.flip(-1).int().argmax(-1, keepdim=True)  # the newest of the lowest
-        leaves = torch.zeros(lowest.shape, dtype=torch.bool, device=s.device).scatter_(1, last, True)
-        return order[:, :n][~leaves].view(s.shape[0], n - 1), order.gather(1, last)
+        stay = torch.arange(n - 1, device=s.device).expand(s.shape[0], -1)
+        return order.gather(1, stay + (stay >= last)), order.gather(1, last)  # every place but `last`
     if older_leaves_first:  # among equal scores the newer comes first: a stable sort of the reversed order
         rank = s.shape[1] - 1 - torch.argsort(s.flip(-1), dim=-1, descending=True, stable=True)
     else:
