@@ -279,7 +279,8 @@ def decode_channels(query, keys: ChannelStates, rows: slice, value, valid, spec:
 def decode_segments(query, store, rows: slice, counts: list[int], spec: AttentionSpec) -> torch.Tensor:
     """A decode step's attention on a paged layer laid out in segments (`PagedStore.reserve`): KV head r's
     `counts[r]` slots are one run of the pools' entries, read in place (`PagedStore.segment`), no gather. One
-    attention per KV head, its group's query heads as the queries (SDPA, or `decode_rows` when soft-capped).
+    attention per KV head over its group's query heads (SDPA, as heads, so that its threads share them; or
+    `decode_rows` when soft-capped).
 
     query `(1, Hq, 1, D)`, `rows` the layer's rows of `store`. Returns out `(1, 1, Hq, D)`.
     """
@@ -291,8 +292,8 @@ def decode_segments(query, store, rows: slice, counts: list[int], spec: Attentio
         key, value = (store.segment(name, rows.start + r, n)[None, None] for name in ("keys", "values"))
         if spec.plain:
             out = torch.nn.functional.scaled_dot_product_attention(
-                groups[r][None, None], key, value, scale=spec.scaling
-            )  # (1, 1, G, D)
+                groups[r][None, :, None], key, value, scale=spec.scaling, enable_gqa=True
+            ).transpose(1, 2)  # (1, 1, G, D)
         else:
             out = decode_rows(groups[r].view(1, g, 1, d), key, value, None, spec)[0]
         outs.append(out)
