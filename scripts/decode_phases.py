@@ -8,15 +8,15 @@ Each policy generates `--steps` greedy tokens after a `--tokens` prompt of the b
 `--budget` (`kvlens bench speed`'s decode lockstep, `engine_steps`), the policies alternating over `--rounds`
 rounds. Wall-clock timers wrap the engine's phases for the decode steps only (the prompt's prefill and
 compression are not counted): `attention` is the decode attention (`decode_rows`, `decode_segments`,
-`decode_channels` or SDPA), `cache` the cache's `update` (the new token's writes and the keys and values handed to attention), `observe`
-the policy's per-step statistic, `accumulate` the slots' accumulated attention, `compress` the step's
-compression (`compress_step`: the policy's scores and selection, the eviction or merge); `model` is the rest
-of the step (projections, MLP, norms, rotary embedding, Python). Each cell is the median over rounds of the
-mean ms per token; `vs full` the median [lowest, highest] over rounds of the step's ratio to the full cache's
-in the same round; `beyond full` the policy's step minus the full cache's (what it costs per token beyond
-attending to the full cache) and `beyond eviction` minus StreamingLLM's (beyond the cheapest eviction: what
-the method itself costs). Timers cost a few microseconds per call; compare rows of one run, on a quiet
-machine.
+`decode_channels` or SDPA), `cache` the cache's `update` (the new token's writes and the keys and values
+handed to attention), `observe` the policy's per-step statistic, `accumulate` the slots' accumulated
+attention, `compress` the step's compression (`compress_step`: the policy's scores and selection, the eviction
+or merge); `model` is the rest of the step (projections, MLP, norms, rotary embedding, Python). Each cell is
+the median over rounds of the mean ms per token; `vs full` the median [lowest, highest] over rounds of the
+step's ratio to the full cache's in the same round; `beyond full` the policy's step minus the full cache's
+(what it costs per token beyond attending to the full cache) and `beyond eviction` minus StreamingLLM's
+(beyond the cheapest eviction: what the method itself costs). Timers cost a few microseconds per call; compare
+rows of one run, on a quiet machine.
 """
 
 from __future__ import annotations

@@ -266,10 +266,9 @@ class SlotRows:
         else:
             store.order = None
         counts = self.valid.sum(-1).chunk(len(self.books)) if uneven else ()
-        valid = self.valid.chunk(len(self.books))
         for i, (book, part) in enumerate(zip(self.books, index.chunk(len(self.books)), strict=True)):
             if store.tail_padding:  # a paged row's free slots are its invalid ones, refilled lowest first
-                book.holes = freed(part, ~valid[i])
+                book.holes = freed(part, ~self.valid.chunk(len(self.books))[i])
             else:
                 book.holes = freed(part if book.holes is None else torch.cat([book.holes, part], dim=1), None)
             if uneven:
