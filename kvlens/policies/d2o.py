@@ -246,7 +246,7 @@ class D2O(Policy):
         The evicted keys' dot products over the norms' product (`F.normalize`'s eps), never a normalised copy
         of the cache: the kept keys gathered once, the evicted ones in chunks (bounded memory). A decode
         step's one evicted key per row goes to `nearest_slot` instead."""
-        r, s, d = keys.shape
+        r, _, d = keys.shape
         b, e = keep.shape[1], evicted.shape[1]
         norms = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32).clamp_min(1e-12)  # (R, S)
         against, against_norms = keys.gather(1, keep[..., None].expand(-1, -1, d)), norms.gather(1, keep)
@@ -344,14 +344,9 @@ def merge_into(
     w_self: torch.Tensor,
 ) -> None:
     """Eq. 11 in place on `states` `(R, S, D)` (keys or values): kept slot c <- w_c x_c + sum_{i -> c} w_i
-    x_i."""
+    x_i, for a prompt's many sources per row (a decode step's one: `D2O._merge_one`)."""
     d = states.shape[-1]
     sent = states.gather(1, evicted[..., None].expand(-1, -1, d)).float() * w[..., None]  # (R, E, D)
-    if evicted.shape[1] == 1:  # a decode step: one source per row, so only its target changes (w_c = 1 else)
-        tidx = keep.gather(1, nearest)[..., None].expand(-1, -1, d)
-        new = states.gather(1, tidx).float() * w_self.gather(1, nearest)[..., None] + sent
-        states.scatter_(1, tidx, new.to(states.dtype))
-        return
     kidx = keep[..., None].expand(-1, -1, d)
     kept = states.gather(1, kidx).float()  # (R, B, D)
     new = kept * w_self[..., None]
