@@ -265,3 +265,5 @@ def test_a_layer_mostly_freed_in_place_is_compacted_and_decides_the_same(smol, l
                 new.pos[head][new.valid[head]].sort().values, was.pos[head][was.valid[head]].sort().values
             )
     assert compacted > len(cache.layers) // 2
+    # a budget-free policy reading attention rows is never paged: a step would gather every page
+    assert not any(isinstance(layer._live, PagedStore) for layer in cache.layers)
