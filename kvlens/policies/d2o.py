@@ -243,20 +243,23 @@ class D2O(Policy):
         both `(R, E)`. `keys` `(R, S, D)`; `keep` `(R, B)`, `evicted` `(R, E)` slot indices. The oldest kept
         key wins a tie (`keep` is in position order).
 
-        The evicted keys' dot products over the norms' product (`F.normalize`'s eps), never a normalised copy
-        of the cache: the kept keys gathered once, the evicted ones in chunks (bounded memory). A decode
-        step's one evicted key per row goes to `nearest_slot` instead."""
+        The kept keys are gathered and scaled to unit length once, the evicted ones in chunks (bounded
+        memory), in float32; a chunk's similarities are one product. A decode step's one evicted key per row
+        goes to `nearest_slot` instead."""
         r, _, d = keys.shape
         b, e = keep.shape[1], evicted.shape[1]
         norms = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32).clamp_min(1e-12)  # (R, S)
-        against, against_norms = keys.gather(1, keep[..., None].expand(-1, -1, d)), norms.gather(1, keep)
+
+        def unit(slots: torch.Tensor) -> torch.Tensor:  # (R, n) -> (R, n, D), `F.normalize`'s eps
+            return (
+                keys.gather(1, slots[..., None].expand(-1, -1, d)).float() / norms.gather(1, slots)[..., None]
+            )
+
+        against = unit(keep).transpose(1, 2)  # (R, D, B)
         chunk = max(1, CHUNK_ELEMENTS // max(1, r * b))
         best, where = [], []
         for lo in range(0, e, chunk):
-            part = evicted[:, lo : lo + chunk]  # (R, e)
-            sent = keys.gather(1, part[..., None].expand(-1, -1, d))  # (R, e, D)
-            sim = torch.bmm(sent, against.transpose(1, 2)).float()  # (R, e, B)
-            sim.div_(norms.gather(1, part)[..., None] * against_norms[:, None, :])
+            sim = torch.bmm(unit(evicted[:, lo : lo + chunk]), against)  # (R, e, B)
             value, at = sim.max(-1)  # the first of the best: the oldest (`keep` is in position order)
             best.append(value)
             where.append(at)
