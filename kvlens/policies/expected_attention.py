@@ -123,7 +123,11 @@ class ExpectedAttention(ScoredEviction):
             rows.extra[SCORED] = rows.extra[SCORED] | todo
         sink = rows.pos < self.n_sink
         hidden = (sink | ~rows.valid)[..., None]
-        probs = torch.softmax(rows.extra[LOGIT].masked_fill(hidden, float("-inf")), dim=1).mean(-1)  # (R, S)
+        logits = rows.extra[LOGIT].masked_fill(hidden, float("-inf")).transpose(1, 2)  # (R, G, S)
+        probs = torch.softmax(logits, dim=-1).mean(
+            1
+        )  # (R, S): over the slots, by rows (a strided softmax over
+        # dim 1 of (R, S, G) took twice as long)
         probs = torch.nan_to_num(probs, nan=0.0)
         if self.vnorm:
             probs = (probs + self.epsilon) * rows.values[0].float().norm(dim=-1)

@@ -138,7 +138,7 @@ def test_adakv_keeps_the_total_at_every_decode_step_and_pads_the_heads(tiny):
 def test_expected_attention_recovers_the_queries_before_rope_and_scores_as_the_formula(tiny):
     from kvlens.engine.architectures import rotary_of
 
-    rope = rotary_of(tiny.model, tiny.support)
+    rope = rotary_of(tiny.model, tiny.supported())
     gen = torch.Generator().manual_seed(5)
     t, d = 24, 16
     before = torch.randn(HKV * G, t, d, generator=gen)
