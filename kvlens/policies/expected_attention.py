@@ -93,37 +93,34 @@ class ExpectedAttention(ScoredEviction):
         rotation = (cos_f[:, None, :] * torch.eye(d, device=q.device) + sin_f[:, None, :] * swap).mean(
             0
         )  # (D, D)
-        future = (mean @ rotation.T, None if cov is None else rotation @ cov @ rotation.T)
-        rows.state[FUTURE] = (*future, prompt.scaling)
+        hkv = rows.pos.shape[0]  # the statistics grouped by KV head: (Hkv, G, D) and (Hkv, G, D, D)
+        moved = (mean @ rotation.T).view(hkv, -1, d)
+        spread = None if cov is None else (rotation @ cov @ rotation.T).view(hkv, -1, d, d)
+        rows.state[FUTURE] = (moved, spread, prompt.scaling)
         rows.extra[LOGIT] = self._logits(rows.keys[0].float(), *rows.state[FUTURE])
         rows.extra[SCORED] = torch.ones(rows.pos.shape, dtype=torch.bool, device=q.device)
 
     def _logits(
         self, keys: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor | None, scale: float
     ) -> torch.Tensor:
-        """Expected logits `(Hkv, S, G)` of keys `(Hkv, S, D)` under one layer's future query statistics."""
-        hkv = keys.shape[0]
-        m = mean.view(hkv, -1, mean.shape[-1])  # (Hkv, G, D)
-        logits = torch.einsum("hsd,hgd->hsg", keys, m) * scale
+        """Expected logits `(H, S, G)` of keys `(H, S, D)` under their KV heads' future query statistics: mean
+        `(H, G, D)`, covariance `(H, G, D, D)`."""
+        logits = torch.einsum("hsd,hgd->hsg", keys, mean) * scale
         if cov is not None:
-            c = cov.view(hkv, -1, *cov.shape[-2:])  # (Hkv, G, D, D)
-            logits += torch.einsum("hsi,hgij,hsj->hsg", keys, c, keys) * (scale * scale / 2)
+            logits += torch.einsum("hsi,hgij,hsj->hsg", keys, cov, keys) * (scale * scale / 2)
         return logits
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
-        todo = rows.valid & ~rows.extra[SCORED]
-        heads, slots = todo.nonzero(as_tuple=True)
+        scored = rows.extra[SCORED]  # the per-slot statistics are views of the store's: written in place
+        heads, slots = (rows.valid & ~scored).nonzero(as_tuple=True)
         if heads.numel():  # new tokens since the last compression: their logits, with the layer's statistics
-            logits = rows.extra[LOGIT]
-            keys = rows.keys[0][heads, slots][:, None].float()
-            logits[heads, slots] = self._logits(keys, *_rows_of(rows.state[FUTURE], heads, todo.shape[0]))[
-                :, 0
-            ]
-            rows.extra[LOGIT] = logits
-            rows.extra[SCORED] = rows.extra[SCORED] | todo
-        sink = rows.pos < self.n_sink
-        hidden = (sink | ~rows.valid)[..., None]
-        logits = rows.extra[LOGIT].masked_fill(hidden, float("-inf")).transpose(1, 2)  # (R, G, S)
+            mean, cov, scale = rows.state[FUTURE]  # (Hkv, G, D), (Hkv, G, D, D) or None
+            keys = rows.keys[0][heads, slots][:, None].float()  # (n, 1, D)
+            new = self._logits(keys, mean[heads], None if cov is None else cov[heads], scale)
+            rows.extra[LOGIT][heads, slots] = new[:, 0]
+            scored[heads, slots] = True
+        hidden = (rows.pos < self.n_sink) | ~rows.valid
+        logits = rows.extra[LOGIT].masked_fill(hidden[..., None], float("-inf")).transpose(1, 2)  # (R, G, S)
         probs = torch.softmax(logits, dim=-1).mean(
             1
         )  # (R, S): over the slots, by rows (a strided softmax over
@@ -135,17 +132,3 @@ class ExpectedAttention(ScoredEviction):
 
     def protected(self, rows: CacheRows, budget: int) -> torch.Tensor:
         return rows.pos < self.n_sink
-
-
-def _rows_of(
-    future: tuple[torch.Tensor, torch.Tensor | None, float], heads: torch.Tensor, kv_heads: int
-) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-    """The statistics of the query heads of KV heads `heads` `(n,)`: mean `(n x G, D)`, covariance, scale."""
-    mean, cov, scale = future
-    g = mean.shape[0] // kv_heads
-    return _group(mean, heads, g), None if cov is None else _group(cov, heads, g), scale
-
-
-def _group(x: torch.Tensor, heads: torch.Tensor, g: int) -> torch.Tensor:
-    """`(Hq, ...)` -> `(n, G, ...)`: the query heads of each KV head in `heads`."""
-    return x.view(-1, g, *x.shape[1:])[heads].flatten(0, 1)
