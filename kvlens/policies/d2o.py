@@ -251,9 +251,8 @@ class D2O(Policy):
         norms = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32).clamp_min(1e-12)  # (R, S)
 
         def unit(slots: torch.Tensor) -> torch.Tensor:  # (R, n) -> (R, n, D), `F.normalize`'s eps
-            return (
-                keys.gather(1, slots[..., None].expand(-1, -1, d)).float() / norms.gather(1, slots)[..., None]
-            )
+            gathered: torch.Tensor = keys.gather(1, slots[..., None].expand(-1, -1, d)).float()
+            return torch.div(gathered, norms.gather(1, slots)[..., None])
 
         against = unit(keep).transpose(1, 2)  # (R, D, B)
         chunk = max(1, CHUNK_ELEMENTS // max(1, r * b))
