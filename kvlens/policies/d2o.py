@@ -221,16 +221,16 @@ class D2O(Policy):
         """`compress`'s rule for one evicted slot per row `(R, 1)` (a decode step), with no kept-slot list:
         its nearest kept key (`nearest_slot`), the threshold, Eq. 12's weights of one source (`w_i = exp(u_i)
         / (exp(u_i) + e)`, `w_c = e / (exp(u_i) + e)`) and Eq. 11 on the target slot alone."""
-        u, target = nearest_slot(rows.keys[0], rows.valid, rows.pos, evicted)  # (R, 1) each
+        keys, values = rows.keys[0], rows.values[0]
+        u, target = nearest_slot(keys, rows.valid, rows.pos, evicted)  # (R, 1) each, u float32
         merged = u >= self.threshold(rows, u)
-        eu = torch.exp(u.float()) * merged
+        eu = torch.exp(u) * merged
         denom = eu + math.e
         w, w_self = eu / denom, math.e / denom  # a source that does not merge: w = 0, w_c = 1
-        for states in (rows.keys[0], rows.values[0]):
-            d = states.shape[-1]
-            at = target[..., None].expand(-1, -1, d)
-            sent = states.gather(1, evicted[..., None].expand(-1, -1, d)).float() * w[..., None]
-            new = states.gather(1, at).float() * w_self[..., None] + sent
+        by_source, by_self = w[..., None], w_self[..., None]  # (R, 1, 1)
+        for states in (keys, values):  # (R, S, D), D may differ between keys and values
+            at, sent = (slot[..., None].expand(-1, -1, states.shape[-1]) for slot in (target, evicted))
+            new = states.gather(1, at).float() * by_self + states.gather(1, sent).float() * by_source
             states.scatter_(1, at, new.to(states.dtype))
         self._log(step, rows, pos_ev, rows.pos.gather(1, target), w, merged)
         rows.free(evicted)
