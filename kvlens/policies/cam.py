@@ -208,7 +208,10 @@ class CaM(Wrapper, MergesEvicted):
         super().observe(rows, probs)
         if self.score == "decode":
             att = group_mean(probs)  # (R, S)
-            rows.extra[DECODE_ATTN] = rows.extra.get(DECODE_ATTN, torch.zeros_like(att)) + att
+            if DECODE_ATTN in rows.extra:
+                rows.extra[DECODE_ATTN].add_(att)  # a view of the store's rows: in place
+            else:
+                rows.extra[DECODE_ATTN] = att
 
     def generator(self, state: dict[str, Any], layer: int) -> torch.Generator:
         """A layer's Bernoulli generator for this run (created in its run state on first use)."""

@@ -77,7 +77,7 @@ class CORM(Policy):
             t = rows.valid.sum(-1, keepdim=True)[:, None].float()  # (R, 1, 1)
         important = (probs >= 1.0 / t).any(1) & rows.valid  # (R, S)
         rows.state[MESSAGES_SEEN] = rows.state.get(MESSAGES_SEEN, 0) + 1
-        rows.extra[MESSAGE] = rows.extra[MESSAGE].masked_fill(important, self._seen(rows))
+        rows.extra[MESSAGE].masked_fill_(important, self._seen(rows))  # a view of the store's rows: in place
 
     def _seen(self, rows: CacheRows) -> int:
         """The layer's messages seen so far."""

@@ -186,7 +186,7 @@ class Scissorhands(ScoredEviction):
         ring = rows.extra[HISTORY]  # a view of the store's rows: written in place
         gained = (marks == self.counted()).to(torch.int32) - (ring[:, :, k] == self.counted()).to(torch.int32)
         ring[:, :, k] = marks
-        rows.extra[COUNT] = rows.extra[COUNT] + gained
+        rows.extra[COUNT].add_(gained)  # in place, as the ring
         rows.state[NEXT] = (k + 1) % self.history
 
     def newest_marks(self, rows: CacheRows) -> torch.Tensor:
