@@ -121,10 +121,8 @@ class ExpectedAttention(ScoredEviction):
             scored[heads, slots] = True
         hidden = (rows.pos < self.n_sink) | ~rows.valid
         logits = rows.extra[LOGIT].masked_fill(hidden[..., None], float("-inf")).transpose(1, 2)  # (R, G, S)
-        probs = torch.softmax(logits, dim=-1).mean(
-            1
-        )  # (R, S): over the slots, by rows (a strided softmax over
-        # dim 1 of (R, S, G) took twice as long)
+        # over the slots of each row (a strided softmax over dim 1 of (R, S, G) took twice as long)
+        probs = torch.softmax(logits, dim=-1).mean(1)  # (R, S)
         probs = torch.nan_to_num(probs, nan=0.0)
         if self.vnorm:
             probs = (probs + self.epsilon) * rows.values[0].float().norm(dim=-1)
