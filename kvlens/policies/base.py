@@ -501,6 +501,12 @@ def recent_mask(rows: CacheRows, recent: int) -> torch.Tensor:
     return rows.valid & (rows.pos >= newest_cut(rows.pos, rows.valid, recent))
 
 
+def protected_window(rows: CacheRows, recent: int) -> torch.Tensor:
+    """`recent_mask` for a policy that protects the window at every compression, so each row holds all of its
+    `recent` newest positions: a cut below the newest, with no search and no check. `(R, S)`."""
+    return rows.valid & (rows.pos > rows.pos.max() - recent)
+
+
 def newest_cut(pos: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
     """`(R, 1)` a cut such that `mask & (pos >= cut)` are each row's k newest slots of `mask`
     (all of them when it has fewer). Positions are distinct within a row.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.kvcache import CacheRows, Prompt, Step, padded_slots
-from kvlens.policies.base import Needs, Policy, free_logged, param, register
+from kvlens.policies.base import Needs, Policy, free_logged, param, protected_window, register
 
 # (Hkv, S) int32: the number of messages seen when the slot was last important (0: never); it says whether the
 # slot was important in any of the last w messages without keeping them
@@ -91,8 +91,6 @@ class CORM(Policy):
         if self._seen(rows) < self.window:
             return
         in_window = rows.extra[MESSAGE] > self._seen(rows) - self.window  # important in the last w messages
-        # the `recent` newest positions are never dropped, so each row holds all of them: a cut, not a search
-        recent = rows.pos > rows.pos.max() - self.recent
-        drop = rows.valid & ~(in_window | recent)  # (R, S)
+        drop = rows.valid & ~(in_window | protected_window(rows, self.recent))  # (R, S)
         if bool(drop.any()):
             free_logged(step, rows, padded_slots(drop))  # (R, E), -1 pads heads that free fewer

@@ -55,7 +55,15 @@ from typing import ClassVar
 import torch
 
 from kvlens.kvcache import CacheRows, Step
-from kvlens.policies.base import Needs, Policy, log_evictions, param, register, select_lowest
+from kvlens.policies.base import (
+    Needs,
+    Policy,
+    log_evictions,
+    param,
+    protected_window,
+    register,
+    select_lowest,
+)
 
 THRESHOLD = (
     "d2o_threshold"  # per layer: the EMA threshold tau, a 0-d tensor (scope layer) or (Hkv,) (scope head)
@@ -193,9 +201,7 @@ class D2O(Policy):
     # ---------------------------------------------------------------------------------------------
     def select(self, rows: CacheRows, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
         """H2O's choice: kept `(R, budget)` and evicted `(R, E)` slots, each in position order."""
-        # every compression protects the window, so each row holds all of its newest positions: a cut suffices
-        recent = rows.pos > rows.pos.max() - self.local_window(budget)  # free slots hold position -1
-        protected = recent | (rows.valid & (rows.pos < self.sink))
+        protected = protected_window(rows, self.local_window(budget)) | (rows.valid & (rows.pos < self.sink))
         return select_lowest(rows, rows.abar, protected, budget)
 
     def compress(self, rows: CacheRows, step: Step) -> None:
