@@ -18,7 +18,7 @@ import torch
 
 from kvlens.kvcache import Step
 from kvlens.kvcache.views import SlotRows
-from kvlens.policies import MergesEvicted, Policy, ScoredEviction, select_lowest
+from kvlens.policies import MergesEvicted, Policy, ScoredEviction, evicted_lowest, select_lowest
 
 
 def selector(policy: Policy) -> Policy:
@@ -55,11 +55,14 @@ def evict_all_layers(policy: Policy, everywhere: SlotRows, layers: Sequence[Slot
     score = torch.cat([chooser.score(rows, chosen) for rows in layers])  # (L * Hkv, S)
     protected = [p for rows in layers if (p := chooser.protected(rows, chosen.budget)) is not None]
     mask = torch.cat(protected) if len(protected) == len(layers) else None
-    keep, evicted = select_lowest(everywhere, score, mask, chosen.budget, chooser.older_leaves_first)
-    n = len(layers)
-    for rows, kept, leaving in zip(layers, keep.chunk(n), evicted.chunk(n), strict=True):
-        if isinstance(policy, MergesEvicted):
+    n, order = len(layers), (chosen.budget, chooser.older_leaves_first)
+    if merging:
+        keep, evicted = select_lowest(everywhere, score, mask, *order)
+        for rows, kept, leaving in zip(layers, keep.chunk(n), evicted.chunk(n), strict=True):
             policy.merge_evicted(rows, kept, leaving, chosen)
-        elif step.log is not None:
-            step.log.evict(step.index, rows.layer, rows.pos.gather(1, leaving))
+    else:  # the kept slots are not needed
+        evicted = evicted_lowest(everywhere, score, mask, *order)
+        if step.log is not None:
+            for rows, leaving in zip(layers, evicted.chunk(n), strict=True):
+                step.log.evict(step.index, rows.layer, rows.pos.gather(1, leaving))
     everywhere.free(evicted)

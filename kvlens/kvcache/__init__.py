@@ -11,7 +11,7 @@ package's top.
 
 from kvlens.kvcache.contract import HIDDEN, O_GRAM, SCORER, CacheRows, Phase, Prompt, Replay, Step
 from kvlens.kvcache.scores import AttentionSpec, group_mean, layer_logits, softmax_weights
-from kvlens.kvcache.store import padded_index, padded_slots
+from kvlens.kvcache.store import padded_index, padded_slots, without
 
 __all__ = [
     "HIDDEN",
@@ -28,4 +28,5 @@ __all__ = [
     "padded_slots",
     "layer_logits",
     "softmax_weights",
+    "without",
 ]

@@ -232,6 +232,19 @@ def freed(holes: torch.Tensor, free: torch.Tensor | None) -> torch.Tensor | None
     return slots if slots.shape[1] else None
 
 
+def without(order: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """A position order `order` `(R, S)` after slots `index` `(R, E)` are freed: the rest in their order,
+    then the freed slots in the order they were freed (refilled first, by the newest tokens). One freed slot
+    per row (a decode step) is found by comparison, not a boolean mask."""
+    if index.shape[1] == 1:
+        place = (order == index).int().argmax(-1, keepdim=True)  # (R, 1) its place in the order
+        stay = torch.arange(order.shape[1] - 1, device=order.device).expand(order.shape[0], -1)
+        return torch.cat([order.gather(1, stay + (stay >= place)), index], dim=1)
+    gone = torch.zeros(order.shape, dtype=torch.bool, device=index.device).scatter_(1, index, True)
+    left = torch.gather(gone, 1, order)
+    return torch.cat([order[~left].view(left.shape[0], -1), index], dim=1)
+
+
 def padded_slots(gone: torch.Tensor) -> torch.Tensor:
     """`gone` `(R, S)` bool -> each row's marked slots `(R, E)`, ascending, -1 padded (for `free`).
 

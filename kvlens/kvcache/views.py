@@ -34,6 +34,7 @@ from kvlens.kvcache.store import (
     padded_index,
     padded_slots,
     slot_axis,
+    without,
 )
 
 # (view, capacity, padded: its heads keep different counts) -> (store, rows)
@@ -258,17 +259,15 @@ class SlotRows:
             for name, fill in STATS.items():
                 store.buffers[name][self.rows].scatter_(1, index, fill)
         if store.order is not None and self._whole_store() and not self.padded and not uneven:
-            gone = torch.zeros(store.order.shape, dtype=torch.bool, device=index.device).scatter_(
-                1, index, True
-            )
-            left = torch.gather(gone, 1, store.order)  # freed slots go last, in the order they were freed
-            store.order = torch.cat([store.order[~left].view(left.shape[0], -1), index], dim=1)
+            store.order = without(store.order, index)
         else:
             store.order = None
         counts = self.valid.sum(-1).chunk(len(self.books)) if uneven else ()
         for i, (book, part) in enumerate(zip(self.books, index.chunk(len(self.books)), strict=True)):
             if store.tail_padding:  # a paged row's free slots are its invalid ones, refilled lowest first
                 book.holes = freed(part, ~self.valid.chunk(len(self.books))[i])
+            elif book.holes is None and not uneven:  # every row frees as many: already in order
+                book.holes = part
             else:
                 book.holes = freed(part if book.holes is None else torch.cat([book.holes, part], dim=1), None)
             if uneven:

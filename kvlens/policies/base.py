@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, final
 import torch
 
 from kvlens.errors import KvlensError
-from kvlens.kvcache import CacheRows, Prompt, Replay, Step, padded_slots
+from kvlens.kvcache import CacheRows, Prompt, Replay, Step, padded_slots, without
 from kvlens.params import Param, check_budget
 
 REGISTRY: dict[str, type[Policy]] = {}
@@ -418,25 +418,56 @@ def select_lowest(
     (reversed).
     """
     order = rows.position_order()  # (R, S): the positions' order, kept in step by the cache
-    s = score.float().masked_fill(~rows.valid, float("-inf"))
-    if protected is not None:
-        s = s.masked_fill(protected & rows.valid, float("inf"))
+    s, one = _ranking_scores(rows, score, protected, budget)
+    if one:
+        last = _lowest_one(rows, s, older_leaves_first)
+        return without(order, last)[:, :-1], last  # every slot but `last`, in position order
     s = s.gather(1, order)  # by position
-    n = rows.n_kept
-    if n == budget + 1 == order.shape[1] and bool(rows.valid.all()):  # budget + 1 slots per row, none free
-        lowest = s[:, :n] == s[:, :n].min(-1, keepdim=True).values
-        if older_leaves_first:
-            last = lowest.int().argmax(-1, keepdim=True)  # the oldest of the lowest
-        else:
-            last = n - 1 - lowest.flip(-1).int().argmax(-1, keepdim=True)  # the newest of the lowest
-        stay = torch.arange(n - 1, device=s.device).expand(s.shape[0], -1)
-        return order.gather(1, stay + (stay >= last)), order.gather(1, last)  # every place but `last`
     if older_leaves_first:  # among equal scores the newer comes first: a stable sort of the reversed order
         rank = s.shape[1] - 1 - torch.argsort(s.flip(-1), dim=-1, descending=True, stable=True)
     else:
         rank = torch.argsort(s, dim=-1, descending=True, stable=True)
-    keep, evicted = rank[:, :budget].sort(-1).values, rank[:, budget:n].sort(-1).values
+    keep, evicted = rank[:, :budget].sort(-1).values, rank[:, budget : rows.n_kept].sort(-1).values
     return order.gather(1, keep), order.gather(1, evicted)
+
+
+def evicted_lowest(
+    rows: CacheRows,
+    score: torch.Tensor,
+    protected: torch.Tensor | None,
+    budget: int,
+    older_leaves_first: bool = False,
+) -> torch.Tensor:
+    """`select_lowest`'s evicted slots alone `(R, n_kept - budget)`: a decode step's one slot per row is found
+    without ordering the kept ones (the engine's all-layer eviction, which frees them)."""
+    s, one = _ranking_scores(rows, score, protected, budget)
+    if one:
+        return _lowest_one(rows, s, older_leaves_first)
+    return select_lowest(rows, score, protected, budget, older_leaves_first)[1]
+
+
+def _ranking_scores(
+    rows: CacheRows, score: torch.Tensor, protected: torch.Tensor | None, budget: int
+) -> tuple[torch.Tensor, bool]:
+    """`(R, S)` float scores in slot order as the selection ranks them (free slots -inf, protected ones +inf),
+    and whether exactly one slot per row leaves, none free (a decode step)."""
+    valid = rows.valid
+    full = bool(valid.all())  # no slot is free
+    s = score.float()
+    if not full:
+        s = s.masked_fill(~valid, float("-inf"))
+    if protected is not None:
+        s = torch.where(protected if full else protected & valid, float("inf"), s)
+    return s, full and rows.n_kept == budget + 1 == s.shape[1]
+
+
+def _lowest_one(rows: CacheRows, s: torch.Tensor, older_leaves_first: bool) -> torch.Tensor:
+    """`(R, 1)` each row's slot of lowest score `s` `(R, S)`: the newest position among equal lowest ones (the
+    oldest with `older_leaves_first`)."""
+    lowest = s == s.min(-1, keepdim=True).values
+    if older_leaves_first:
+        return rows.pos.masked_fill(~lowest, torch.iinfo(rows.pos.dtype).max).argmin(-1, keepdim=True)
+    return rows.pos.masked_fill(~lowest, -1).argmax(-1, keepdim=True)
 
 
 def lowest_of_all_rows(rows: CacheRows, score: torch.Tensor, leaving: int) -> torch.Tensor:

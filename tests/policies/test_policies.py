@@ -15,7 +15,7 @@ from kvlens.errors import KvlensError
 from kvlens.kvcache import Phase, Step
 from kvlens.kvcache.views import SlotRows
 from kvlens.policies import make_policy, parse_budget, parse_settings
-from kvlens.policies.base import lowest_of_all_rows, newest_cut, select_lowest
+from kvlens.policies.base import evicted_lowest, lowest_of_all_rows, newest_cut, select_lowest
 from kvlens.policies.cam import DECODE_ATTN
 from kvlens.policies.scissorhands import HISTORY
 from kvlens.runs.decisions import DecisionLog
@@ -245,8 +245,9 @@ def test_decisions_do_not_depend_on_which_slot_holds_which_position(case, perm_s
 def test_selection_keeps_the_highest_scores_and_the_older_of_equal_ones(
     case, perm_seed, name, leaving, older
 ):
-    """`select_lowest`, with (one leaving: no sort) or without its fast path, against the rule written
-    plainly; with `older_leaves_first` (WeightedKV's selection) the newer of equal scores stays."""
+    """`select_lowest`, with (one leaving: no sort) or without its fast path, and `evicted_lowest` (its
+    evicted slots alone), against the rule written plainly; with `older_leaves_first` (WeightedKV's
+    selection) the newer of equal scores stays."""
     seed, slots, _ = case
     policy = make_policy(name)
     budget = max(slots - leaving, policy.needs().min_budget)
@@ -261,6 +262,7 @@ def test_selection_keeps_the_highest_scores_and_the_older_of_equal_ones(
         policy.protected(layer, budget),
     )
     keep, evicted = select_lowest(layer, score, protected, budget, older)
+    assert torch.equal(evicted_lowest(layer, score, protected, budget, older), evicted)
     for h in range(HKV):
         ranked = sorted(
             range(layer.n_slots),
