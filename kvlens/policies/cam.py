@@ -260,6 +260,8 @@ class CaM(Wrapper, MergesEvicted):
         """
         r, b, n_ev = rows.pos.shape[0], keep.shape[1], evicted.shape[1]
         local, pool, m = self._sizes(b)  # B: the budget
+        if n_ev == 1 and pool and self.denominator == "max":
+            return self._merge_one(rows, keep, evicted, step)
         pool_slots = keep[:, b - pool :]  # (R, P)
         pos_pool, pos_ev = (
             rows.pos.gather(1, pool_slots).contiguous(),
@@ -291,6 +293,40 @@ class CaM(Wrapper, MergesEvicted):
         places = (c[..., None] + 1 + k).clamp(max=n_c - 1)  # (R, E, K)
         targets = pos.gather(1, places.flatten(1)).view_as(places).masked_fill(k >= found[..., None], -1)
         log_merges(step, rows, pos_ev, targets, w, p, draw)
+        log_evictions(step, rows, pos_ev.masked_fill(found > 0, -1))
+
+    def _merge_one(self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, step: Step) -> None:
+        """`_merge` of a decode step's one evicted slot per row `(R, 1)` under `denominator=max`, on the pool
+        `(R, P)` alone: i's place c among the candidates is the count of pool positions before it, its targets
+        are the pool slots c .. c + found - 1, and its reference is the max over i, the pool after it and the
+        kept slots outside the pool (the window of the `max` reference runs to the end: `window_max`'s
+        suffix). The same p, draws and sums as the general path."""
+        b = keep.shape[1]
+        local, pool, m = self._sizes(b)
+        pool_slots = keep[:, b - pool :]  # (R, P)
+        pos_pool, pos_ev = rows.pos.gather(1, pool_slots), rows.pos.gather(1, evicted)
+        c = (pos_pool < pos_ev).sum(-1, keepdim=True)  # (R, 1)
+        reach = {"local": local, "kept": pool + 1}[self.targets]
+        found = (pool - c).clamp(max=min(m, reach))
+        later = torch.arange(pool, device=keep.device) >= c  # (R, P) the pool after i
+        all_scores = self.attention(rows).float()
+        a_i = all_scores.gather(1, evicted)
+        ref = torch.maximum(
+            a_i, all_scores.gather(1, pool_slots).masked_fill(~later, float("-inf")).amax(-1, True)
+        )
+        if b > pool:  # the kept slots outside the pool (the sinks, heavy hitters)
+            ref = torch.maximum(ref, all_scores.gather(1, keep[:, : b - pool]).amax(-1, keepdim=True))
+        p = (a_i / ref.clamp(min=1e-30)).clamp(self.clamp[0], self.clamp[1])
+        p = torch.where(found > 0, p, torch.zeros_like(p))
+        draw, w = self._draw(rows, p, found, m)
+        self._add_values(
+            rows, evicted, c, later.long() + torch.arange(pool, device=keep.device), pool_slots, found, w
+        )
+        if step.log is None:
+            return
+        k = torch.arange(max(int(found.max()), 1), device=keep.device)  # target j of i is pool slot c + j
+        targets = pos_pool.gather(1, (c + k).clamp(max=pool - 1)).masked_fill(k >= found, -1)
+        log_merges(step, rows, pos_ev, targets[:, None], w, p, draw)
         log_evictions(step, rows, pos_ev.masked_fill(found > 0, -1))
 
     def _add_values(
