@@ -55,14 +55,13 @@ def evict_all_layers(policy: Policy, everywhere: SlotRows, layers: Sequence[Slot
     score = torch.cat([chooser.score(rows, chosen) for rows in layers])  # (L * Hkv, S)
     protected = [p for rows in layers if (p := chooser.protected(rows, chosen.budget)) is not None]
     mask = torch.cat(protected) if len(protected) == len(layers) else None
-    n, order = len(layers), (chosen.budget, chooser.older_leaves_first)
-    if merging:
+    order = (chosen.budget, chooser.older_leaves_first)
+    if isinstance(policy, MergesEvicted):
         keep, evicted = select_lowest(everywhere, score, mask, *order)
-        for rows, kept, leaving in zip(layers, keep.chunk(n), evicted.chunk(n), strict=True):
-            policy.merge_evicted(rows, kept, leaving, chosen)
+        policy.merge_evicted_layers(layers, everywhere, keep, evicted, chosen)
     else:  # the kept slots are not needed
         evicted = evicted_lowest(everywhere, score, mask, *order)
         if step.log is not None:
-            for rows, leaving in zip(layers, evicted.chunk(n), strict=True):
+            for rows, leaving in zip(layers, evicted.chunk(len(layers)), strict=True):
                 step.log.evict(step.index, rows.layer, rows.pos.gather(1, leaving))
     everywhere.free(evicted)

@@ -399,6 +399,21 @@ class MergesEvicted(Policy):
             evicted: `(Hkv, E)` the leaving slots, in position order.
             step: the compression."""
 
+    def merge_evicted_layers(
+        self,
+        layers: Sequence[CacheRows],
+        everywhere: CacheRows,
+        keep: torch.Tensor,
+        evicted: torch.Tensor,
+        step: Step,
+    ) -> None:
+        """`merge_evicted` on each of `layers`, one-layer views of the store that `everywhere` views whole,
+        given every layer's `keep` and `evicted` stacked `(L * Hkv, .)` (the engine's all-layer eviction,
+        `kvlens.engine.batching`): layer by layer, unless the policy merges every layer's rows at once."""
+        n = len(layers)
+        for rows, kept, leaving in zip(layers, keep.chunk(n), evicted.chunk(n), strict=True):
+            self.merge_evicted(rows, kept, leaving, step)
+
 
 def select_lowest(
     rows: CacheRows,

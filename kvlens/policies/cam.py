@@ -43,6 +43,7 @@ lets the base choose per head. Bernoulli draws come from a generator per layer a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -260,8 +261,8 @@ class CaM(Wrapper, MergesEvicted):
         """
         r, b, n_ev = rows.pos.shape[0], keep.shape[1], evicted.shape[1]
         local, pool, m = self._sizes(b)  # B: the budget
-        if n_ev == 1 and pool and self.denominator == "max":
-            return self._merge_one(rows, keep, evicted, step)
+        if n_ev == 1 and self._merges_one(pool):
+            return self._merge_one(rows, keep, evicted, step, [rows])
         pool_slots = keep[:, b - pool :]  # (R, P)
         pos_pool, pos_ev = (
             rows.pos.gather(1, pool_slots).contiguous(),
@@ -284,7 +285,7 @@ class CaM(Wrapper, MergesEvicted):
         all_scores = self.attention(rows).float()
         score = all_scores.gather(1, members)  # (R, C)
         p = self._probabilities(score, c, found, window, all_scores.gather(1, keep[:, : b - pool]), reach)
-        draw, w = self._draw(rows, p, found, m)  # (R, E)
+        draw, w = self._draw([rows], p, found, m)  # (R, E)
         self._add_values(rows, evicted, c, at_pool, pool_slots, found, w)
         if step.log is None:
             return
@@ -295,12 +296,40 @@ class CaM(Wrapper, MergesEvicted):
         log_merges(step, rows, pos_ev, targets, w, p, draw)
         log_evictions(step, rows, pos_ev.masked_fill(found > 0, -1))
 
-    def _merge_one(self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, step: Step) -> None:
+    def merge_evicted_layers(
+        self,
+        layers: Sequence[CacheRows],
+        everywhere: CacheRows,
+        keep: torch.Tensor,
+        evicted: torch.Tensor,
+        step: Step,
+    ) -> None:
+        """A decode step's one evicted slot per row merges on every layer's rows at once (`_merge_one`), each
+        layer's draws from its own generator and its decisions logged as its own; else layer by layer."""
+        one = evicted.shape[1] == 1 and self.score == "accumulated" and self.mask != "never"
+        if one and not step.prompt and self._merges_one(self._sizes(keep.shape[1])[1]):
+            self._merge_one(everywhere, keep, evicted, step, layers)
+        else:
+            super().merge_evicted_layers(layers, everywhere, keep, evicted, step)
+
+    def _merges_one(self, pool: int) -> bool:
+        """Whether a step's one evicted slot per row merges on the pool alone (`_merge_one`)."""
+        return pool > 0 and self.denominator == "max"
+
+    def _merge_one(
+        self,
+        rows: CacheRows,
+        keep: torch.Tensor,
+        evicted: torch.Tensor,
+        step: Step,
+        layers: Sequence[CacheRows],
+    ) -> None:
         """`_merge` of a decode step's one evicted slot per row `(R, 1)` under `denominator=max`, on the pool
         `(R, P)` alone: i's place c among the candidates is the count of pool positions before it, its targets
         are the pool slots c .. c + found - 1, and its reference is the max over i, the pool after it and the
         kept slots outside the pool (the window of the `max` reference runs to the end: `window_max`'s
-        suffix). The same p, draws and sums as the general path."""
+        suffix). The same p, draws and sums as the general path. `rows` are `layers`' rows, stacked (one
+        layer, or every layer's at once)."""
         b = keep.shape[1]
         local, pool, m = self._sizes(b)
         pool_slots = keep[:, b - pool :]  # (R, P)
@@ -318,16 +347,22 @@ class CaM(Wrapper, MergesEvicted):
             ref = torch.maximum(ref, all_scores.gather(1, keep[:, : b - pool]).amax(-1, keepdim=True))
         p = (a_i / ref.clamp(min=1e-30)).clamp(self.clamp[0], self.clamp[1])
         p = torch.where(found > 0, p, torch.zeros_like(p))
-        draw, w = self._draw(rows, p, found, m)
-        self._add_values(
-            rows, evicted, c, later.long() + torch.arange(pool, device=keep.device), pool_slots, found, w
-        )
+        draw, w = self._draw(layers, p, found, m)
+        places = later.long() + torch.arange(
+            pool, device=keep.device
+        )  # the pool's places among the candidates
+        self._add_values(rows, evicted, c, places, pool_slots, found, w)
         if step.log is None:
             return
         k = torch.arange(max(int(found.max()), 1), device=keep.device)  # target j of i is pool slot c + j
-        targets = pos_pool.gather(1, (c + k).clamp(max=pool - 1)).masked_fill(k >= found, -1)
-        log_merges(step, rows, pos_ev, targets[:, None], w, p, draw)
-        log_evictions(step, rows, pos_ev.masked_fill(found > 0, -1))
+        targets = pos_pool.gather(1, (c + k).clamp(max=pool - 1)).masked_fill(k >= found, -1)[:, None]
+        n = len(layers)
+        for layer, *part in zip(
+            layers, *(t.chunk(n) for t in (pos_ev, targets, w, p, draw, found)), strict=True
+        ):
+            source, into, weight, prob, drawn, has = part
+            log_merges(step, layer, source, into, weight, prob, drawn)
+            log_evictions(step, layer, source.masked_fill(has > 0, -1))
 
     def _add_values(
         self,
@@ -432,15 +467,18 @@ class CaM(Wrapper, MergesEvicted):
         return local, pool, self.span or pool
 
     def _draw(
-        self, rows: CacheRows, p: torch.Tensor, found: torch.Tensor, m: int
+        self, layers: Sequence[CacheRows], p: torch.Tensor, found: torch.Tensor, m: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The merge mask and each target's weight `(R, E)`: Bernoulli(p) from the layer's generator, drawn
-        step by step (the k-th evicted slot of every row together), or 1 wherever a target exists;
-        divided by m or by the number of targets found."""
+        """The merge mask and each target's weight `(R, E)` (the rows of `layers`, stacked): Bernoulli(p) from
+        each layer's generator, drawn step by step (the k-th evicted slot of every row of the layer together),
+        or 1 wherever a target exists; divided by m or by the number of targets found."""
         if self.mask == "always":
             draw = (found > 0).float()
         else:
-            u = torch.rand((p.shape[1], p.shape[0]), generator=self.generator(rows.state, rows.layer)).T
+            shape = (p.shape[1], p.shape[0] // len(layers))
+            u = torch.cat(
+                [torch.rand(shape, generator=self.generator(rows.state, rows.layer)).T for rows in layers]
+            )
             draw = (u.to(p.device) < p).float()
         return draw, draw / (found.clamp(min=1).float() if self.divide == "found" else float(max(m, 1)))
 

@@ -16,6 +16,7 @@ layer at once and the merge runs per layer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import ClassVar
@@ -30,7 +31,7 @@ from kvlens.policies.base import (
     log_evictions,
     log_merges,
     param,
-    recent_mask,
+    protected_window,
     register,
 )
 
@@ -53,7 +54,7 @@ class LeastAveraged(ScoredEviction):
         return rows.abar / rows.nobs.clamp(min=1)
 
     def protected(self, rows: CacheRows, budget: int) -> torch.Tensor:
-        return (rows.pos < self.sink) | recent_mask(rows, self.recent(budget))
+        return (rows.pos < self.sink) | protected_window(rows, self.recent(budget))
 
 
 @register
@@ -87,15 +88,30 @@ class WeightedKV(MergesEvicted):
     def merge_evicted(self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, step: Step) -> None:
         """The single-step rule once per leaving slot: each leaving value merges into its right neighbour
         (`pairs`), weighted by the two averages."""
-        avg = self.selector.score(rows, step)  # (R, S)
-        src, dst = self.pairs(rows, keep, evicted, avg)
+        self.merge_evicted_layers([rows], rows, keep, evicted, step)
+
+    def merge_evicted_layers(
+        self,
+        layers: Sequence[CacheRows],
+        everywhere: CacheRows,
+        keep: torch.Tensor,
+        evicted: torch.Tensor,
+        step: Step,
+    ) -> None:
+        """The rule row by row, so on every layer's rows at once; each layer's decisions logged as its own."""
+        avg = self.selector.score(everywhere, step)  # (R, S)
+        src, dst = self.pairs(everywhere, keep, evicted, avg)
         a_j, a_r = avg.gather(1, src), avg.gather(1, dst)
         total = a_j + a_r
         w = torch.where(total > 0, a_j / total.clamp(min=1e-30), torch.full_like(total, 0.5))  # (R, E)
         if self.merge:
-            merge_in_turn(rows.values[0], src, dst, w)
+            merge_in_turn(everywhere.values[0], src, dst, w)
         if step.log is not None:
-            self._log(step, rows, rows.pos.gather(1, src), rows.pos.gather(1, dst), w)
+            n, pos = len(layers), everywhere.pos
+            for rows, j, right, weight in zip(
+                layers, pos.gather(1, src).chunk(n), pos.gather(1, dst).chunk(n), w.chunk(n), strict=True
+            ):
+                self._log(step, rows, j, right, weight)
 
     def pairs(
         self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, avg: torch.Tensor
