@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.kvcache import CacheRows, Step
-from kvlens.policies.base import ScoredEviction, param, recent_mask, register
+from kvlens.policies.base import ScoredEviction, param, protected_window, register
 
 
 @register
@@ -46,4 +46,4 @@ class H2O(ScoredEviction):
         return rows.abar
 
     def protected(self, rows: CacheRows, budget: int) -> torch.Tensor | None:
-        return recent_mask(rows, self.local_window(budget))
+        return protected_window(rows, self.local_window(budget))

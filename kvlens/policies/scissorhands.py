@@ -47,7 +47,7 @@ from kvlens.policies.base import (
     ScoredEviction,
     check,
     param,
-    recent_mask,
+    protected_window,
     register,
 )
 
@@ -204,7 +204,7 @@ class Scissorhands(ScoredEviction):
         return min(self.recent, budget) if self.recent else int(budget * self.recent_ratio)
 
     def protected(self, rows: CacheRows, budget: int) -> torch.Tensor | None:
-        return recent_mask(rows, self.local_window(budget))
+        return protected_window(rows, self.local_window(budget))
 
     def keeps(self, budget: int) -> int:
         return budget + 1 - self.dropped(budget)
