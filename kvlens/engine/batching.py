@@ -5,7 +5,8 @@ When a policy's selection competes within each KV head and it compresses at ever
 (`batchable`), the cache holds every layer's rows in one store, and a step's selection can run once for all of
 them `(L * Hkv, S)`. The policy still sees one layer: each layer's `score` and `protected` `(Hkv, S)` are
 stacked here, then one `select_lowest` and one `free` run on the all-layer view; each layer's evictions are
-logged as its own, or merged by the policy layer by layer (`MergesEvicted.merge_evicted`: CaM, WeightedKV).
+logged as its own, or merged by the policy (`MergesEvicted.merge_evicted_layers`: layer by layer, or on every
+layer's rows at once where its rule allows, as CaM's decode step and WeightedKV's).
 That is the policy's own final `compress`, row for row (`tests/engine/test_layer_batching.py`).
 """
 
@@ -39,7 +40,7 @@ def batchable(policy: Policy) -> bool:
 def evict_all_layers(policy: Policy, everywhere: SlotRows, layers: Sequence[SlotRows], step: Step) -> None:
     """`policy.compress` on every layer of `layers` (one-layer views of the store `everywhere` views whole),
     as one selection: rows over the budget keep `keeps(budget)` slots (a merging policy: its selector's
-    selection at the budget, then its `merge_evicted` per layer); else each layer's `no_selection`."""
+    selection at the budget, then its `merge_evicted_layers`); else each layer's `no_selection`."""
     chooser = selector(policy)
     assert isinstance(chooser, ScoredEviction)  # `batchable`
     merging = isinstance(policy, MergesEvicted)
