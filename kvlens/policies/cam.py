@@ -348,9 +348,8 @@ class CaM(Wrapper, MergesEvicted):
         p = (a_i / ref.clamp(min=1e-30)).clamp(self.clamp[0], self.clamp[1])
         p = torch.where(found > 0, p, torch.zeros_like(p))
         draw, w = self._draw(layers, p, found, m)
-        places = later.long() + torch.arange(
-            pool, device=keep.device
-        )  # the pool's places among the candidates
+        # the pool's places among the candidates (i comes before the pool slots after it)
+        places = later.long() + torch.arange(pool, device=keep.device)
         self._add_values(rows, evicted, c, places, pool_slots, found, w)
         if step.log is None:
             return
