@@ -546,10 +546,17 @@ def test_benchmarks_opens_on_the_published_files_whatever_is_newer(app, tmp_path
     for key, name in (("tasks", "bench_tasks"), ("frontier", "bench_frontier"), ("speed", "bench_speed")):
         assert at.selectbox(key=f"bench_{key}_bench_file").value == results / f"{name}.json"
     speed = next(c for c in charts(at) if c["layout"].get("meta", {}).get("benchmark") == "speed")
-    assert {t["name"] for t in speed["data"]} == {"256 tokens", "1024 tokens", "2048 tokens"}
+    published = json.loads((ROOT / "results" / "bench_speed.json").read_text(encoding="utf-8"))
+    lengths = [
+        k.rsplit("_", 1)[1] for k in published["ratio_details"] if k.startswith("every_policy_vs_floor")
+    ]
+    assert len(lengths) == 3 and {t["name"] for t in speed["data"]} == {f"{n} tokens" for n in lengths}
     worst = next(d.value for d in at.dataframe if "worst policy" in d.value.columns)
     decode = worst[worst["measure"].str.startswith("decode")]
-    assert len(decode) == 3 and set(decode["worst policy"]) <= set(shipped["config"]["policies"])
+    # decode over the full cache and over its floor, at each length
+    assert len(decode) == 2 * len(lengths) and set(decode["worst policy"]) <= set(
+        published["config"]["policies"]
+    )
     assert len(at.json) == sum(len(e.json) for e in at.expander)  # raw JSON only behind expanders
     at.selectbox(key="bench_tasks_bench_file").set_value(results / "bench_tasks_quick.json").run()
     assert not at.exception and not [s for s in at.selectbox if s.label == "Context length"]
