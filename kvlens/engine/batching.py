@@ -56,12 +56,12 @@ def evict_all_layers(policy: Policy, everywhere: SlotRows, layers: Sequence[Slot
     score = torch.cat([chooser.score(rows, chosen) for rows in layers])  # (L * Hkv, S)
     protected = [p for rows in layers if (p := chooser.protected(rows, chosen.budget)) is not None]
     mask = torch.cat(protected) if len(protected) == len(layers) else None
-    order = (chosen.budget, chooser.older_leaves_first)
+    rule = (chosen.budget, chooser.older_leaves_first)
     if isinstance(policy, MergesEvicted):
-        keep, evicted = select_lowest(everywhere, score, mask, *order)
+        keep, evicted = select_lowest(everywhere, score, mask, *rule)
         policy.merge_evicted_layers(layers, everywhere, keep, evicted, chosen)
     else:  # the kept slots are not needed
-        evicted = evicted_lowest(everywhere, score, mask, *order)
+        evicted = evicted_lowest(everywhere, score, mask, *rule)
         if step.log is not None:
             for rows, leaving in zip(layers, evicted.chunk(len(layers)), strict=True):
                 step.log.evict(step.index, rows.layer, rows.pos.gather(1, leaving))

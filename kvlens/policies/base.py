@@ -432,18 +432,11 @@ def select_lowest(
     newest (oldest) position among the lowest; otherwise a stable sort by score over the position order
     (reversed).
     """
-    order = rows.position_order()  # (R, S): the positions' order, kept in step by the cache
     s, one = _ranking_scores(rows, score, protected, budget)
     if one:
         last = _lowest_one(rows, s, older_leaves_first)
-        return without(order, last)[:, :-1], last  # every slot but `last`, in position order
-    s = s.gather(1, order)  # by position
-    if older_leaves_first:  # among equal scores the newer comes first: a stable sort of the reversed order
-        rank = s.shape[1] - 1 - torch.argsort(s.flip(-1), dim=-1, descending=True, stable=True)
-    else:
-        rank = torch.argsort(s, dim=-1, descending=True, stable=True)
-    keep, evicted = rank[:, :budget].sort(-1).values, rank[:, budget : rows.n_kept].sort(-1).values
-    return order.gather(1, keep), order.gather(1, evicted)
+        return without(rows.position_order(), last)[:, :-1], last  # every slot but `last`, in position order
+    return _sorted_selection(rows, s, budget, older_leaves_first)
 
 
 def evicted_lowest(
@@ -458,7 +451,22 @@ def evicted_lowest(
     s, one = _ranking_scores(rows, score, protected, budget)
     if one:
         return _lowest_one(rows, s, older_leaves_first)
-    return select_lowest(rows, score, protected, budget, older_leaves_first)[1]
+    return _sorted_selection(rows, s, budget, older_leaves_first)[1]
+
+
+def _sorted_selection(
+    rows: CacheRows, s: torch.Tensor, budget: int, older_leaves_first: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept `(R, budget)` and evicted slots of the ranking scores `s` `(R, S)`, each in position order: a
+    stable sort by score over the position order (reversed with `older_leaves_first`)."""
+    order = rows.position_order()  # (R, S): the positions' order, kept in step by the cache
+    s = s.gather(1, order)  # by position
+    if older_leaves_first:  # among equal scores the newer comes first: a stable sort of the reversed order
+        rank = s.shape[1] - 1 - torch.argsort(s.flip(-1), dim=-1, descending=True, stable=True)
+    else:
+        rank = torch.argsort(s, dim=-1, descending=True, stable=True)
+    keep, evicted = rank[:, :budget].sort(-1).values, rank[:, budget : rows.n_kept].sort(-1).values
+    return order.gather(1, keep), order.gather(1, evicted)
 
 
 def _ranking_scores(

@@ -229,7 +229,7 @@ class CaM(Wrapper, MergesEvicted):
     def merge_evicted(self, rows: CacheRows, keep: torch.Tensor, evicted: torch.Tensor, step: Step) -> None:
         """The base's leaving slots `(R, E)` merge into `keep` `(R, B)` (both in position order), unless the
         mask is `never` or the prompt's compression only evicts (`prefill=evict`)."""
-        if self.mask != "never" and not (step.prompt and self.prefill == "evict"):
+        if self._merges(step):
             self._merge(rows, keep, evicted, step)
         else:
             log_evictions(step, rows, rows.pos.gather(1, evicted))
@@ -306,11 +306,16 @@ class CaM(Wrapper, MergesEvicted):
     ) -> None:
         """A decode step's one evicted slot per row merges on every layer's rows at once (`_merge_one`), each
         layer's draws from its own generator and its decisions logged as its own; else layer by layer."""
-        one = evicted.shape[1] == 1 and self.score == "accumulated" and self.mask != "never"
-        if one and not step.prompt and self._merges_one(self._sizes(keep.shape[1])[1]):
+        one = evicted.shape[1] == 1 and self.score == "accumulated" and not step.prompt
+        if one and self._merges(step) and self._merges_one(self._sizes(keep.shape[1])[1]):
             self._merge_one(everywhere, keep, evicted, step, layers)
         else:
             super().merge_evicted_layers(layers, everywhere, keep, evicted, step)
+
+    def _merges(self, step: Step) -> bool:
+        """Whether the evicted slots merge at `step`: never with `mask=never`, nor with `prefill=evict` at the
+        prompt."""
+        return self.mask != "never" and not (step.prompt and self.prefill == "evict")
 
     def _merges_one(self, pool: int) -> bool:
         """Whether a step's one evicted slot per row merges on the pool alone (`_merge_one`)."""
