@@ -9,12 +9,13 @@ the compressed storage a sealed cache may use, each kind a `packed.PackedStates`
 package's top.
 """
 
-from kvlens.kvcache.contract import HIDDEN, O_GRAM, SCORER, CacheRows, Phase, Prompt, Replay, Step
+from kvlens.kvcache.contract import HIDDEN, LOSSY, O_GRAM, SCORER, CacheRows, Phase, Prompt, Replay, Step
 from kvlens.kvcache.scores import AttentionSpec, group_mean, layer_logits, softmax_weights
 from kvlens.kvcache.store import padded_index, padded_slots, without
 
 __all__ = [
     "HIDDEN",
+    "LOSSY",
     "O_GRAM",
     "SCORER",
     "AttentionSpec",

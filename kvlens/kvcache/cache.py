@@ -23,6 +23,7 @@ import torch
 
 from kvlens.errors import KvlensError
 from kvlens.kvcache.channels import ChannelStates
+from kvlens.kvcache.contract import LOSSY
 from kvlens.kvcache.paged import PagedStore
 from kvlens.kvcache.quantize import Storage
 from kvlens.kvcache.quantized import SHARED_STORE, PackedStore, pack, prune, seal_layers
@@ -206,10 +207,13 @@ class KVCache:
             self._replace(store, prune(store, channels, torch.cat([w for _, (_, w) in parts])))
 
     def _replace(self, old: SlotStore, new: SlotStore) -> None:
-        """Every view of `old` now reads `new` (the same slots, in packed storage)."""
+        """Every view of `old` now reads `new` (the same slots, in packed storage); its layers' run state says
+        whether that storage is lossy (`LOSSY`)."""
         for view in filter(None, [*self.layers, self._everywhere]):
             if view.store is old:
                 view.store = new
+                for book in view.books:
+                    book.state[LOSSY] = not new.lossless
         if self.shared is old:
             self.shared = new
 

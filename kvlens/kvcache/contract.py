@@ -16,10 +16,14 @@ import torch
 
 from kvlens.runs.decisions import DecisionLog
 
-# Run-state and model-data names the engine fills for a policy that asks (`Needs.hidden_states`, `model_data`)
+# Run-state and model-data names the engine fills (some only for a policy that asks: `Needs.hidden_states`,
+# `model_data`)
 HIDDEN = "hidden_in"  # per layer: the state entering the attention in the latest forward `(q, d_model)`
 O_GRAM = "output_gram"  # per layer: the output projection's per-head Gram matrices `(Hq, D, D)` float32
 SCORER = "kvzap_scorer"  # per layer: a trained KVzap surrogate, `(N, d_model)` -> `(Hkv, N)` log scores
+# per layer, filled for every policy: True once keys and values are stored lossily (quantized, low rank or
+# channel-pruned), so that what is read back is not what was written
+LOSSY = "stored_lossy"
 
 
 class Phase(enum.Enum):

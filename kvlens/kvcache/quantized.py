@@ -32,6 +32,8 @@ SHARED_STORE = (
 class PackedStore(CopyingStore):
     """A `CopyingStore` (module docstring) with `packed`: name ("keys"/"values") -> its packed storage."""
 
+    lossless = False
+
     def __init__(self, buffers: dict[str, torch.Tensor], n: int, packed: dict[str, PackedStates]):
         super().__init__(buffers, n)
         self.packed = packed

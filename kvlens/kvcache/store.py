@@ -52,6 +52,7 @@ class SlotStore:
 
     # paged: `retain` puts a row's padding after its kept slots, and freed slots are reused lowest first
     tail_padding = False
+    lossless = True  # keys and values read back exactly as written (not quantized, low-rank or pruned)
 
     def __init__(self, buffers: dict[str, torch.Tensor], n: int):
         self.buffers = buffers  # keys/values (1, R, C, D) unless packed, pos/abar/nobs/valid (R, C)

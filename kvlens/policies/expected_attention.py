@@ -25,11 +25,13 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.errors import KvlensError
-from kvlens.kvcache import CacheRows, Prompt, Step
+from kvlens.kvcache import LOSSY, CacheRows, Prompt, Step
 from kvlens.policies.base import NO_ATTENTION, Needs, ScoredEviction, param, register
 
 FUTURE = "expected_attention_future"  # per layer: mu' (Hq, D) and Sigma' (Hq, D, D) or None
-LOGIT = "expected_attention_logit"  # per slot (R, S, G): the expected logit of each query head of the row
+# per slot (R, S, G): the expected logit of each query head of the row (-inf for a sink: outside the softmax)
+LOGIT = "expected_attention_logit"
+VNORM = "expected_attention_vnorm"  # per slot (R, S): ||v||
 SCORED = (
     "expected_attention_scored"  # per slot (R, S): its logits are computed (a new token arrives unscored)
 )
@@ -97,7 +99,11 @@ class ExpectedAttention(ScoredEviction):
         moved = (mean @ rotation.T).view(hkv, -1, d)
         spread = None if cov is None else (rotation @ cov @ rotation.T).view(hkv, -1, d, d)
         rows.state[FUTURE] = (moved, spread, prompt.scaling)
-        rows.extra[LOGIT] = self._logits(rows.keys[0].float(), *rows.state[FUTURE])
+        sinks = rows.pos < self.n_sink
+        rows.extra[LOGIT] = self._logits(rows.keys[0].float(), *rows.state[FUTURE]).masked_fill(
+            sinks[..., None], float("-inf")
+        )
+        rows.extra[VNORM] = rows.values[0].float().norm(dim=-1)
         rows.extra[SCORED] = torch.ones(rows.pos.shape, dtype=torch.bool, device=q.device)
 
     def _logits(
@@ -111,21 +117,30 @@ class ExpectedAttention(ScoredEviction):
         return logits
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
+        """`(R, S)`: the mean over a row's query heads of the softmax of its slots' expected logits (sinks and
+        free slots outside it), times ||v|| with `vnorm`. Each slot keeps its logits and value norm: only new
+        tokens' are computed (every value's norm again where the storage is lossy: a quantized value changes
+        when it is stored)."""
+        if self.vnorm and rows.state.get(LOSSY):
+            rows.extra[VNORM] = rows.values[0].float().norm(dim=-1)
         scored = rows.extra[SCORED]  # the per-slot statistics are views of the store's: written in place
         heads, slots = (rows.valid & ~scored).nonzero(as_tuple=True)
-        if heads.numel():  # new tokens since the last compression: their logits, with the layer's statistics
+        if heads.numel():
             mean, cov, scale = rows.state[FUTURE]  # (Hkv, G, D), (Hkv, G, D, D) or None
             keys = rows.keys[0][heads, slots][:, None].float()  # (n, 1, D)
-            new = self._logits(keys, mean[heads], None if cov is None else cov[heads], scale)
-            rows.extra[LOGIT][heads, slots] = new[:, 0]
+            new = self._logits(keys, mean[heads], None if cov is None else cov[heads], scale)[:, 0]
+            sink = rows.pos[heads, slots, None] < self.n_sink
+            rows.extra[LOGIT][heads, slots] = new.masked_fill(sink, float("-inf"))
+            rows.extra[VNORM][heads, slots] = rows.values[0][heads, slots].float().norm(dim=-1)
             scored[heads, slots] = True
-        hidden = (rows.pos < self.n_sink) | ~rows.valid
-        logits = rows.extra[LOGIT].masked_fill(hidden[..., None], float("-inf")).transpose(1, 2)  # (R, G, S)
+        logits = rows.extra[LOGIT]
+        if not bool(rows.valid.all()):
+            logits = logits.masked_fill(~rows.valid[..., None], float("-inf"))
         # over the slots of each row (a strided softmax over dim 1 of (R, S, G) took twice as long)
-        probs = torch.softmax(logits, dim=-1).mean(1)  # (R, S)
+        probs = torch.softmax(logits.transpose(1, 2), dim=-1).mean(1)  # (R, S)
         probs = torch.nan_to_num(probs, nan=0.0)
         if self.vnorm:
-            probs = (probs + self.epsilon) * rows.values[0].float().norm(dim=-1)
+            probs = (probs + self.epsilon) * rows.extra[VNORM]
         return probs
 
     def protected(self, rows: CacheRows, budget: int) -> torch.Tensor:

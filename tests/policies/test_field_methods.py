@@ -3,6 +3,7 @@ Q-Filters, random): each rule against the same rule written plainly here, on han
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -135,22 +136,39 @@ def test_adakv_keeps_the_total_at_every_decode_step_and_pads_the_heads(tiny):
     assert (slots.amax(-1) != slots.amin(-1)).any()  # heads really keep different counts
 
 
-def test_expected_attention_recovers_the_queries_before_rope_and_scores_as_the_formula(tiny):
+@pytest.mark.parametrize("bits", [None, 2])
+def test_expected_attention_recovers_the_queries_before_rope_and_scores_as_the_formula(tiny, bits):
+    """At the prompt and after new tokens (each scored once, then kept), in the model's dtype or 2-bit
+    storage (whose values change when stored: their norms are read again)."""
     from kvlens.engine.architectures import rotary_of
+    from kvlens.kvcache.cache import KVCache
+    from kvlens.kvcache.quantize import Storage
 
     rope = rotary_of(tiny.model, tiny.supported())
     gen = torch.Generator().manual_seed(5)
-    t, d = 24, 16
+    t, d, new = 24, 16, 3
     before = torch.randn(HKV * G, t, d, generator=gen)
     cos, sin = rope(torch.arange(t))
     after = before * cos + rotate_half(before) * sin  # RoPE as Llama applies it
-    layer = layer_rows()
+    cache = KVCache(1)
+    layer = cache.layers[0]
     layer.append(
         torch.randn(1, HKV, t, d, generator=gen), torch.randn(1, HKV, t, d, generator=gen), torch.arange(t)
     )
     policy = make_policy("expected_attention", {"n_future": 8, "n_sink": 2})
     policy.observe_prefill(layer, Prompt(torch.zeros(HKV * G, 0, t), after, torch.arange(t), 0.25, rope))
-    got = policy.score(layer, Step(0, Phase.PREFILL, 10))
+    got = [policy.score(layer, Step(0, Phase.PREFILL, 10))]
+    read = [(layer.keys[0].clone(), layer.values[0].clone())]  # the keys and values each score read
+    if bits:
+        cache.quantize(Storage(bits=bits, group=4))
+    layer.append(
+        torch.randn(1, HKV, new, d, generator=gen),
+        torch.randn(1, HKV, new, d, generator=gen),
+        torch.arange(t, t + new),
+    )
+    got.append(policy.score(layer, Step(1, Phase.DECODE, 10)))
+    # a slot's expected logits are computed once, from its key as first read; its value is read as stored now
+    read.append((torch.cat([read[0][0], layer.keys[0][:, t:]], 1), layer.values[0]))
     # the formula, written plainly: statistics of the queries before RoPE, RoPE averaged over 8 future
     # positions
     h = before[:, 2:]
@@ -162,17 +180,16 @@ def test_expected_attention_recovers_the_queries_before_rope_and_scores_as_the_f
         [c[None, :] * torch.eye(d) + s[None, :] * swap for c, s in zip(cf, sf, strict=True)]
     ).mean(0)
     mu, cov = mu @ rot.T, rot @ cov @ rot.T
-    keys, values = layer.keys[0], layer.values[0]
-    for kv in range(HKV):
-        probs = []
-        for g in range(G):
-            q = kv * G + g
-            z = 0.25 * keys[kv] @ mu[q] + 0.25**2 / 2 * torch.einsum(
-                "si,ij,sj->s", keys[kv], cov[q], keys[kv]
-            )
-            probs.append(torch.softmax(z[2:], 0))
-        want = torch.stack(probs).mean(0) * values[kv, 2:].norm(dim=-1)
-        torch.testing.assert_close(got[kv, 2:], want, rtol=1e-4, atol=1e-6)
+    for score, (keys, values), slots in zip(got, read, (t, t + new), strict=True):
+        for kv in range(HKV):
+            probs = []
+            for g in range(G):
+                q = kv * G + g
+                k = keys[kv, :slots]
+                z = 0.25 * k @ mu[q] + 0.25**2 / 2 * torch.einsum("si,ij,sj->s", k, cov[q], k)
+                probs.append(torch.softmax(z[2:], 0))
+            want = torch.stack(probs).mean(0) * values[kv, 2:slots].norm(dim=-1)
+            torch.testing.assert_close(score[kv, 2:slots], want, rtol=1e-4, atol=1e-6)
 
 
 def test_qfilters_are_the_main_right_singular_vector_of_the_queries(smol):
