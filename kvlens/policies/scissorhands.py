@@ -51,11 +51,14 @@ from kvlens.policies.base import (
     register,
 )
 
-# (Hkv, S, history) int8, a ring of the last `history` steps' marks: 0 unseen, 1 unimportant, 2 important
+# (Hkv, S, W) int64, a ring of the last `history` steps, one bit per step: the step's mark is the kind `count`
+# counts; step k is bit k % 64 of word k // 64 (W = ceil(history / 64): one contiguous word by default)
 HISTORY = "scissorhands_history"
-COUNT = "scissorhands_count"  # (Hkv, S) int32: the ring's marks of the kind `count` counts
-NEXT = "scissorhands_next"  # per layer: the ring's column the next step's marks replace (its oldest)
+NEWEST = "scissorhands_newest"  # (Hkv, S) int8: the last step's marks, 0 unseen, 1 unimportant, 2 important
+COUNT = "scissorhands_count"  # (Hkv, S) int32: the ring's bits set, the steps of the kind `count` counts
+NEXT = "scissorhands_next"  # per layer: the ring's step the next step's marks replace (its oldest)
 UNSEEN, UNIMPORTANT, IMPORTANT = 0, 1, 2
+BITS = 64  # steps per word of the ring
 COUNTED = {"important": IMPORTANT, "unimportant": UNIMPORTANT}  # `count` -> the mark it counts
 
 # the paper's settings (§4.1: r = 10, w = 400, m = 0.5B; the threshold 1/t of §3.1 and Algorithm 2)
@@ -167,10 +170,17 @@ class Scissorhands(ScoredEviction):
         return COUNTED[self.count]
 
     def set_history(self, rows: CacheRows, hist: torch.Tensor) -> None:
-        """Start the window from `hist` `(R, S, history)`, oldest step first: its ring, its counts, and the
-        next step written over its oldest column."""
-        rows.extra[HISTORY] = hist
-        rows.extra[COUNT] = (hist == self.counted()).sum(-1, dtype=torch.int32)
+        """Start the window from the marks `hist` `(R, S, history)`, oldest step first: its ring of counted
+        bits, its counts, its newest marks, and the next step written over its oldest."""
+        r, s, w = hist.shape
+        words = -(-w // BITS)
+        bits = torch.zeros(r, s, words * BITS, dtype=torch.int64, device=hist.device)
+        bits[..., :w] = hist == self.counted()
+        shift = torch.arange(BITS, device=hist.device)
+        weight = torch.ones(BITS, dtype=torch.int64, device=hist.device) << shift
+        rows.extra[HISTORY] = (bits.view(r, s, words, BITS) * weight).sum(-1)  # bit 63 weighs -2^63: exact
+        rows.extra[COUNT] = bits.sum(-1, dtype=torch.int32)
+        rows.extra[NEWEST] = hist[..., -1].contiguous()
         rows.state[NEXT] = 0
 
     def observe(self, rows: CacheRows, probs: torch.Tensor) -> None:
@@ -182,16 +192,18 @@ class Scissorhands(ScoredEviction):
         else:  # the slots it attends to
             t = rows.valid.sum(-1, keepdim=True).float()
         marks = torch.where(rows.valid, UNIMPORTANT + (att >= 1.0 / t).to(torch.int8), UNSEEN).to(torch.int8)
-        k = rows.state[NEXT]
-        ring = rows.extra[HISTORY]  # a view of the store's rows: written in place
-        gained = (marks == self.counted()).to(torch.int32) - (ring[:, :, k] == self.counted()).to(torch.int32)
-        ring[:, :, k] = marks
-        rows.extra[COUNT].add_(gained)  # in place, as the ring
-        rows.state[NEXT] = (k + 1) % self.history
+        word, bit = divmod(rows.state[NEXT], BITS)
+        ring = rows.extra[HISTORY][:, :, word]  # a view of the store's rows: written in place
+        new = (marks == self.counted()).to(torch.int64)
+        old = (ring >> bit).bitwise_and_(1)
+        ring.bitwise_xor_((new ^ old) << bit)  # the oldest step's bit becomes the new one
+        rows.extra[COUNT].add_((new - old).to(torch.int32))  # in place, as the ring
+        rows.extra[NEWEST].copy_(marks)
+        rows.state[NEXT] = (rows.state[NEXT] + 1) % self.history
 
     def newest_marks(self, rows: CacheRows) -> torch.Tensor:
-        """`(R, S)` int8 the marks of the last step observed (the ring's newest column)."""
-        return rows.extra[HISTORY][:, :, (rows.state[NEXT] - 1) % self.history]
+        """`(R, S)` int8 the marks of the last step observed."""
+        return rows.extra[NEWEST]
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         count = rows.extra[COUNT]

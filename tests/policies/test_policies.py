@@ -17,7 +17,6 @@ from kvlens.kvcache.views import SlotRows
 from kvlens.policies import make_policy, parse_budget, parse_settings
 from kvlens.policies.base import evicted_lowest, lowest_of_all_rows, newest_cut, select_lowest
 from kvlens.policies.cam import DECODE_ATTN
-from kvlens.policies.scissorhands import HISTORY
 from kvlens.runs.decisions import DecisionLog
 from tests.conftest import examples, in_position_order, layer_rows, shrink
 
@@ -105,13 +104,9 @@ def test_scissorhands_drops_least_persistent_then_smaller_abar(case):
     layer = random_layer(seed, slots)
     gen = torch.Generator().manual_seed(seed + 1)
     policy = make_policy("scissorhands", {"history": 8, "recent_ratio": 0.25})
-    policy.set_history(
-        layer, torch.randint(0, 3, (HKV, slots, 8), generator=gen, dtype=torch.int8)
-    )  # unseen/below/above
-    counts, abar = (
-        -(layer.extra[HISTORY] == 1).sum(-1),
-        layer.abar.clone(),
-    )  # fewest unimportant steps are kept
+    hist = torch.randint(0, 3, (HKV, slots, 8), generator=gen, dtype=torch.int8)  # unseen/below/above
+    policy.set_history(layer, hist)
+    counts, abar = -(hist == 1).sum(-1), layer.abar.clone()  # fewest unimportant steps are kept
     compress(policy, layer, budget)
     if slots <= budget:
         return

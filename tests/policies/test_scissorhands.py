@@ -13,7 +13,7 @@ from kvlens.engine.context import Observer
 from kvlens.engine.loop import RunOptions, run
 from kvlens.errors import KvlensError
 from kvlens.policies import make_policy, parse_settings
-from kvlens.policies.scissorhands import COUNT, HISTORY, IMPORTANT, UNIMPORTANT, UNSEEN
+from kvlens.policies.scissorhands import BITS, COUNT, HISTORY, IMPORTANT, UNIMPORTANT, UNSEEN
 from kvlens.runs.decisions import DecisionLog
 from tests.conftest import examples, in_position_order, layer_rows, shrink
 
@@ -30,6 +30,13 @@ def plain_marks(pos: list[int], valid: list[bool], att: list[float], threshold: 
     else:
         t = sum(valid)
     return [_label(a, v, t) for a, v in zip(att, valid, strict=True)]
+
+
+def counted_steps(layer, history: int) -> torch.Tensor:
+    """`(R, S, history)` bool: the ring's steps whose mark is counted (unimportant), unpacked from its bits
+    (step k: bit k % 64 of word k // 64)."""
+    ring = layer.extra[HISTORY]  # (R, S, W) int64
+    return ((ring[..., None] >> torch.arange(BITS)) & 1).flatten(2)[..., :history].bool()
 
 
 def _label(a: float, v: bool, t: int) -> int:
@@ -67,11 +74,12 @@ def test_scissorhands_threshold_is_one_over_t_with_t_the_query_position_plus_one
     make_policy("scissorhands", {"history": 4, "threshold": threshold}).observe(layer, probs)
     # position: t = 19 + 1 = 20, 1/t = 0.05: 0.051 is important and 0.049 is not (1/19 = 0.0526 would mark
     # 0.051 unimportant: t is the position + 1, not the position); slots: 6 valid slots, 1/6 = 0.167
-    assert layer.extra[HISTORY][0, :, 0].tolist() == marks  # the ring's oldest column, replaced
+    assert SCISSORHANDS.newest_marks(layer)[0].tolist() == marks
+    assert counted_steps(layer, 4)[0, :, 0].tolist() == [m == UNIMPORTANT for m in marks]  # the oldest step
     assert marks == plain_marks(
         [0, 3, 7, 12, -1, 15, 19], [True] * 4 + [False] + [True] * 2, mean.tolist(), threshold
     )
-    assert layer.extra[HISTORY][0, :, 1:].eq(UNSEEN).all()  # the other steps untouched
+    assert not counted_steps(layer, 4)[0, :, 1:].any()  # the other steps untouched (unseen)
     assert layer.extra[COUNT][0].tolist() == [int(m == UNIMPORTANT) for m in marks]
 
 
@@ -96,15 +104,45 @@ def test_scissorhands_marks_follow_the_threshold_rule_on_random_rows(seed, slots
     layer.pos, layer.valid = pos.masked_fill(holes, -1), ~holes
     policy = make_policy("scissorhands", {"history": 5, "threshold": threshold})
     policy.set_history(layer, torch.randint(0, 3, (hkv, slots, 5), generator=gen, dtype=torch.int8))
-    before = layer.extra[HISTORY].clone()
+    before = counted_steps(layer, 5)
     probs = torch.softmax(torch.randn(hkv, g, slots, generator=gen) * 2, -1).masked_fill(holes[:, None], 0.0)
     policy.observe(layer, probs)
     att = probs.mean(1)
     for h in range(hkv):
         want = plain_marks(layer.pos[h].tolist(), (~holes[h]).tolist(), att[h].tolist(), threshold)
-        assert layer.extra[HISTORY][h, :, 0].tolist() == want  # the oldest step's column, replaced
-    assert torch.equal(layer.extra[HISTORY][:, :, 1:], before[:, :, 1:])
-    assert torch.equal(layer.extra[COUNT], (layer.extra[HISTORY] == UNIMPORTANT).sum(-1, dtype=torch.int32))
+        assert policy.newest_marks(layer)[h].tolist() == want
+        # the ring's oldest step, replaced
+        assert counted_steps(layer, 5)[h, :, 0].tolist() == [m == UNIMPORTANT for m in want]
+    assert torch.equal(counted_steps(layer, 5)[:, :, 1:], before[:, :, 1:])
+    assert torch.equal(layer.extra[COUNT], counted_steps(layer, 5).sum(-1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("history,count", [(70, "unimportant"), (64, "important"), (3, "unimportant")])
+def test_scissorhands_ring_counts_the_last_history_steps_over_many_steps(history, count):
+    """Steps past the ring's length and its words' boundaries (bit 63 included): each slot's count is its
+    marks of the counted kind among the last `history` steps, kept plainly here as a list per slot."""
+    gen = torch.Generator().manual_seed(history)
+    hkv, slots = 2, 9
+    layer = layer_rows()
+    layer.append(
+        torch.randn(1, hkv, slots, 2, generator=gen),
+        torch.randn(1, hkv, slots, 2, generator=gen),
+        torch.arange(slots),
+    )
+    policy = make_policy("scissorhands", {"history": history, "count": count})
+    start = torch.randint(0, 3, (hkv, slots, history), generator=gen, dtype=torch.int8)
+    policy.set_history(layer, start)
+    window = [[start[h, j].tolist() for j in range(slots)] for h in range(hkv)]  # oldest first
+    kind = IMPORTANT if count == "important" else UNIMPORTANT
+    for _ in range(2 * history + 5):
+        probs = torch.softmax(torch.randn(hkv, 2, slots, generator=gen) * 3, -1)
+        policy.observe(layer, probs)
+        marks = policy.newest_marks(layer)
+        for h in range(hkv):
+            for j in range(slots):
+                window[h][j] = window[h][j][1:] + [int(marks[h, j])]
+        want = [[sum(m == kind for m in window[h][j]) for j in range(slots)] for h in range(hkv)]
+        assert layer.extra[COUNT].tolist() == want
 
 
 class Marks(Observer):
@@ -191,8 +229,9 @@ def test_scissorhands_recent_and_drop_against_the_rule_written_plainly(seed, slo
         torch.arange(slots),
     )
     layer.abar = torch.stack([torch.randperm(slots, generator=gen) for _ in range(hkv)]).float()  # distinct
-    SCISSORHANDS.set_history(layer, torch.randint(0, 3, (hkv, slots, 6), generator=gen, dtype=torch.int8))
-    unimportant, abar = (layer.extra[HISTORY] == UNIMPORTANT).sum(-1).tolist(), layer.abar.tolist()
+    hist = torch.randint(0, 3, (hkv, slots, 6), generator=gen, dtype=torch.int8)
+    SCISSORHANDS.set_history(layer, hist)
+    unimportant, abar = (hist == UNIMPORTANT).sum(-1).tolist(), layer.abar.tolist()
     shrink(policy, layer, budget, DecisionLog())
     m = max(1, int(drop_ratio * budget)) if drop_ratio else drop
     size = budget + 1 - m
