@@ -499,9 +499,12 @@ def test_scissorhands_prefill_history_marks_unseen_slots_and_drop_compresses_m_a
     layer = layer_rows()
     layer.append(torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2), torch.arange(3))
     rows = torch.tensor([[[0.6, 0.4, 0.0], [0.2, 0.3, 0.5]]])  # queries 1 and 2 (one query head)
-    make_policy("scissorhands", {"history": 3}).observe_prefill(layer, Prompt(rows))
-    # query 1 sees 2 slots (average 1/2), query 2 sees 3 (1/3); slot 2 is unseen by query 1
-    assert layer.extra[HISTORY][0].tolist() == [[0, 2, 1], [0, 1, 1], [0, 0, 2]]
+    policy = make_policy("scissorhands", {"history": 3})
+    policy.observe_prefill(layer, Prompt(rows))
+    # query 1 sees 2 slots (average 1/2), query 2 sees 3 (1/3); slot 2 is unseen by query 1: the window's
+    # marks per slot, oldest step first, are [0, 2, 1], [0, 1, 1] and [0, 0, 2] (0 unseen, 1 unimportant)
+    assert policy.newest_marks(layer)[0].tolist() == [1, 1, 2]
+    assert layer.extra[HISTORY][0, :, 0].tolist() == [0b100, 0b110, 0]  # bit k: step k is unimportant
     r = run(
         tiny,
         make_policy("scissorhands", {"drop": 3}),
