@@ -90,22 +90,16 @@ def shaped_model(shape: str, context: int, device: torch.device, dtype: torch.dt
 
 def measure(model: LoadedModel, policy: str, ids: list[int], steps: int, ratio: float) -> dict:
     """One policy's run alone: prefill ms, median decode ms per token, KV bytes, peak memory."""
-    cuda = model.device.type == "cuda"
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(model.device)
     spec = PolicySpec(policy)
-    with PeakRSS() as rss:
+    with PeakRSS(device=model.device) as mem:
         res = lockstep({policy: lambda: engine_steps(model, spec, ids, steps, ratio)})[policy]
-        if cuda:
-            torch.cuda.synchronize(model.device)
-    peak = torch.cuda.max_memory_allocated(model.device) if cuda else rss.peak
+    cuda = mem.device_peak is not None
     return {
         "policy": policy,
         "prefill_ms": res["prefill_ms"],
         "ms_per_token": res["ms_per_token"],
         "kv_bytes_peak": res["kv_bytes_peak"],
-        "peak_memory": peak,
+        "peak_memory": mem.device_peak if cuda else mem.peak,
         "memory": "torch.cuda.max_memory_allocated" if cuda else "process peak RSS",
     }
 

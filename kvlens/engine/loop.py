@@ -27,7 +27,7 @@ from kvlens.engine.architectures import rotary_of
 from kvlens.engine.attention import CONTEXT_KWARG
 from kvlens.engine.batching import batchable, evict_all_layers
 from kvlens.engine.context import Observer, RunContext
-from kvlens.engine.models import LoadedModel
+from kvlens.engine.models import LoadedModel, synchronize
 from kvlens.engine.record import Recorder
 from kvlens.errors import Cancelled, KvlensError
 from kvlens.kvcache import Phase, Step
@@ -212,6 +212,7 @@ class _Loop:
         for start, end, ids in passes:
             with self.ctx.replaying(start, end):
                 self.forward(ids, len(prompt))
+        synchronize(self.model.device)
         self.replay_passes = len(passes)
         self.replay_ms = (time.perf_counter() - t) * 1000 if passes else 0.0
 
@@ -297,6 +298,7 @@ class _Loop:
             else:
                 logits, shared = fed
             self.compress_step(index)
+        synchronize(self.model.device)
         return logits, (time.perf_counter() - t + shared) * 1000
 
     def event(self, step, token, nll, ms, logits, final: bool) -> StepEvent:
@@ -469,6 +471,7 @@ def _steps(loop: _Loop, ids, prefill, steps, teacher, meta) -> Generator[StepEve
     t0 = time.perf_counter()
     with torch.inference_mode():
         logits = loop.prefill(ids[:prefill])
+    synchronize(loop.model.device)
     prefill_ms = (time.perf_counter() - t0) * 1000
     done = _Progress(ids[:prefill], 0, logits, [], [], [], prefill_ms, prefill_ms)
     return (yield from _decode(loop, done, ids, steps, teacher, meta, t0))

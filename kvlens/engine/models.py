@@ -174,6 +174,15 @@ def model_path(spec: str = DEFAULT_SPEC) -> Path:
         ) from err
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a GPU runs asynchronously): call before reading a clock, so that
+    a step's time is its computation and not only its launch. Nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
 def resolve_device(device: str = "auto") -> torch.device:
     """`auto` picks CUDA, then MPS, then CPU; a named device must exist."""
     if device in (None, "", "auto"):

@@ -136,12 +136,16 @@ def bootstrap(groups: list[list[float]], seed: int = 0, resamples: int = 9999) -
 
 
 class PeakRSS:
-    """Samples the process's resident memory in a thread: `with PeakRSS() as m: ...; m.peak` (bytes)."""
+    """Samples the process's resident memory in a thread: `with PeakRSS() as m: ...; m.peak` (bytes). On a
+    CUDA `device`, also the GPU's peak (`m.device_peak`, `torch.cuda.max_memory_allocated` since entry;
+    None elsewhere)."""
 
-    def __init__(self, interval_s: float = 0.005):
+    def __init__(self, interval_s: float = 0.005, device: torch.device | None = None):
         self.interval_s = interval_s
         self.proc = psutil.Process()
         self.peak = 0
+        self.cuda = device if device is not None and device.type == "cuda" else None
+        self.device_peak: int | None = None
         self._stop = threading.Event()
 
     def _sample(self) -> None:
@@ -150,6 +154,9 @@ class PeakRSS:
             time.sleep(self.interval_s)
 
     def __enter__(self) -> PeakRSS:
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
+            torch.cuda.reset_peak_memory_stats(self.cuda)
         self.start = self.peak = self.proc.memory_info().rss
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -159,6 +166,9 @@ class PeakRSS:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self.proc.memory_info().rss)
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
+            self.device_peak = torch.cuda.max_memory_allocated(self.cuda)
 
 
 def label(row: dict) -> str:
@@ -189,6 +199,9 @@ def environment(model=None) -> dict:
             device=str(model.device),
             dtype=str(model.dtype).removeprefix("torch."),
         )
+        if model.device.type == "cuda":
+            env["gpu"] = torch.cuda.get_device_name(model.device)
+            env["cuda"] = torch.version.cuda
     return env
 
 

@@ -254,10 +254,12 @@ def lockstep(sides: dict[str, Callable[[], Steps]]) -> dict[str, dict]:
 def engine_once(
     model: LoadedModel, spec: PolicySpec, ids: list[int], steps: int, budget, record: str = "summary"
 ) -> dict:
-    """One engine run alone (a table row): prefill ms, median ms/token, KV bytes, peak RSS, its tokens."""
-    with PeakRSS() as mem:
+    """One engine run alone (a table row): prefill ms, median ms/token, KV bytes, peak RSS (and on a CUDA GPU
+    its peak, `torch.cuda.max_memory_allocated`), its tokens."""
+    with PeakRSS(device=model.device) as mem:
         res = lockstep({"run": lambda: engine_steps(model, spec, ids, steps, budget, record)})["run"]
-    return {**res, "peak_rss": mem.peak, "rss_growth": mem.peak - mem.start}
+    gpu = {} if mem.device_peak is None else {"peak_gpu_memory": mem.device_peak}
+    return {**res, "peak_rss": mem.peak, "rss_growth": mem.peak - mem.start, **gpu}
 
 
 def paired(a: Callable[[], Steps], b: Callable[[], Steps], repeats: int, tick: Callable[[], None]) -> dict:
