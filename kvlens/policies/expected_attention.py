@@ -99,39 +99,43 @@ class ExpectedAttention(ScoredEviction):
         moved = (mean @ rotation.T).view(hkv, -1, d)
         spread = None if cov is None else (rotation @ cov @ rotation.T).view(hkv, -1, d, d)
         rows.state[FUTURE] = (moved, spread, prompt.scaling)
-        sinks = rows.pos < self.n_sink
-        rows.extra[LOGIT] = self._logits(rows.keys[0].float(), *rows.state[FUTURE]).masked_fill(
-            sinks[..., None], float("-inf")
-        )
-        rows.extra[VNORM] = rows.values[0].float().norm(dim=-1)
+        rows.extra[LOGIT] = self._stored_logits(rows.keys[0].float(), rows.pos, *rows.state[FUTURE])
+        if self.vnorm:
+            rows.extra[VNORM] = rows.values[0].float().norm(dim=-1)
         rows.extra[SCORED] = torch.ones(rows.pos.shape, dtype=torch.bool, device=q.device)
 
-    def _logits(
-        self, keys: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor | None, scale: float
+    def _stored_logits(
+        self,
+        keys: torch.Tensor,
+        pos: torch.Tensor,
+        mean: torch.Tensor,
+        cov: torch.Tensor | None,
+        scale: float,
     ) -> torch.Tensor:
-        """Expected logits `(H, S, G)` of keys `(H, S, D)` under their KV heads' future query statistics: mean
-        `(H, G, D)`, covariance `(H, G, D, D)`."""
+        """What a slot keeps: the expected logits `(H, S, G)` of keys `(H, S, D)` at positions `(H, S)` under
+        their KV heads' future query statistics, mean `(H, G, D)` and covariance `(H, G, D, D)`; a sink's are
+        -inf (outside the softmax)."""
         logits = torch.einsum("hsd,hgd->hsg", keys, mean) * scale
         if cov is not None:
             logits += torch.einsum("hsi,hgij,hsj->hsg", keys, cov, keys) * (scale * scale / 2)
-        return logits
+        return logits.masked_fill((pos < self.n_sink)[..., None], float("-inf"))
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         """`(R, S)`: the mean over a row's query heads of the softmax of its slots' expected logits (sinks and
         free slots outside it), times ||v|| with `vnorm`. Each slot keeps its logits and value norm: only new
         tokens' are computed (every value's norm again where the storage is lossy: a quantized value changes
         when it is stored)."""
-        if self.vnorm and rows.state.get(LOSSY):
-            rows.extra[VNORM] = rows.values[0].float().norm(dim=-1)
+        kept_norms = self.vnorm and not rows.state.get(LOSSY)
         scored = rows.extra[SCORED]  # the per-slot statistics are views of the store's: written in place
         heads, slots = (rows.valid & ~scored).nonzero(as_tuple=True)
         if heads.numel():
             mean, cov, scale = rows.state[FUTURE]  # (Hkv, G, D), (Hkv, G, D, D) or None
             keys = rows.keys[0][heads, slots][:, None].float()  # (n, 1, D)
-            new = self._logits(keys, mean[heads], None if cov is None else cov[heads], scale)[:, 0]
-            sink = rows.pos[heads, slots, None] < self.n_sink
-            rows.extra[LOGIT][heads, slots] = new.masked_fill(sink, float("-inf"))
-            rows.extra[VNORM][heads, slots] = rows.values[0][heads, slots].float().norm(dim=-1)
+            pos = rows.pos[heads, slots][:, None]  # (n, 1)
+            cov = None if cov is None else cov[heads]
+            rows.extra[LOGIT][heads, slots] = self._stored_logits(keys, pos, mean[heads], cov, scale)[:, 0]
+            if kept_norms:
+                rows.extra[VNORM][heads, slots] = rows.values[0][heads, slots].float().norm(dim=-1)
             scored[heads, slots] = True
         logits = rows.extra[LOGIT]
         if not bool(rows.valid.all()):
@@ -140,7 +144,8 @@ class ExpectedAttention(ScoredEviction):
         probs = torch.softmax(logits.transpose(1, 2), dim=-1).mean(1)  # (R, S)
         probs = torch.nan_to_num(probs, nan=0.0)
         if self.vnorm:
-            probs = (probs + self.epsilon) * rows.extra[VNORM]
+            norms = rows.extra[VNORM] if kept_norms else rows.values[0].float().norm(dim=-1)
+            probs = (probs + self.epsilon) * norms
         return probs
 
     def protected(self, rows: CacheRows, budget: int) -> torch.Tensor:
