@@ -72,7 +72,8 @@ class IdTokenizer:
 
 
 def shaped_model(shape: str, context: int, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """A random-init `LlamaForCausalLM` of `SHAPES[shape]` with kvlens's attention, on `device` in `dtype`."""
+    """A random-init `LlamaForCausalLM` of `SHAPES[shape]` with kvlens's attention, on `device` in `dtype`,
+    its weights made there in `dtype` (an 8B shape in bf16 takes 16 GB, never the 32 of float32 first)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     register_attention()
@@ -81,10 +82,15 @@ def shaped_model(shape: str, context: int, device: torch.device, dtype: torch.dt
         **SHAPES[shape],
         max_position_embeddings=context,
         attn_implementation=ATTENTION_NAME,
-        torch_dtype=dtype,
+        dtype=dtype,
     )
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
+    prior = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(prior)
     return LoadedModel(model, IdTokenizer(), f"random {shape}", Path("."), device, dtype)
 
 
