@@ -7,6 +7,8 @@ import is still a dependency). The layers, bottom to top, are the "Layers" table
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,6 +148,18 @@ def test_only_the_interfaces_import_the_app():
         if any(d.startswith("kvlens.ui") for d in deps) and not m.startswith(("kvlens.ui", "kvlens.cli"))
     ]
     assert not offenders
+
+
+def test_the_engine_and_the_benchmarks_run_without_plotting_libraries():
+    """A GPU machine runs `bench speed --no-figure` with the engine's dependencies alone: importing the package,
+    the command line, the engine and the benchmarks loads neither plotly nor streamlit (a figure imports
+    plotly when it is drawn)."""
+    code = (
+        "import sys, kvlens, kvlens.cli.bench_commands, kvlens.engine.loop, kvlens.experiments.bench.speed; "
+        "print(sorted({'plotly', 'streamlit'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
 
 
 def test_no_import_cycle():

@@ -21,10 +21,9 @@ import pkgutil
 from typing import ClassVar
 
 from kvlens.errors import KvlensError
-from kvlens.figures.plots import run_name
 from kvlens.levels import RecordLevel
 from kvlens.params import Param
-from kvlens.runs.run import Run, set_analyses
+from kvlens.runs.run import Run, run_name, set_analyses
 
 INPUTS = ("run", "runs", "model")  # one recorded run, several, or a loaded model (the analysis runs it)
 _REGISTRY: dict[str, type[Analysis]] = {}

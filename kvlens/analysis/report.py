@@ -23,10 +23,10 @@ import kvlens.figures.plots  # noqa: F401  (registers the "kvlens" plotly templa
 from kvlens.analysis.registry import analysis_figure, get_analysis, lacks
 from kvlens.errors import KvlensError
 from kvlens.figures.kept_text import kept_text, kept_text_html
-from kvlens.figures.plots import model_label, run_name, storage_label
+from kvlens.figures.plots import model_label, storage_label
 from kvlens.figures.wording import layers_note, of_prompt, when
 from kvlens.runs.decisions import counts, outcome
-from kvlens.runs.run import Run
+from kvlens.runs.run import Run, run_name
 from kvlens.version import __version__
 
 FIGURES = (

@@ -78,11 +78,6 @@ def run_path(run: Run) -> str | None:
     return run.path and str(run.path)
 
 
-def run_name(run: Run, unsaved: str) -> str:
-    """The run's folder name, or `unsaved` for a run that was never saved."""
-    return getattr(run.path, "name", unsaved)
-
-
 def integer_ticks(fig: go.Figure, span: int = 12) -> go.Figure:
     """Ticks at whole numbers on every axis whose points are all whole numbers spanning at most `span` (plotly
     would otherwise tick steps or positions at 0.5); an axis drawn from zero (`rangemode="tozero"`) spans

@@ -197,3 +197,8 @@ def load_run(path: str | Path) -> Run:
     tensors = _read_tensors(directory, meta.tensors)
     decisions = _read_decisions(directory, meta.decisions)
     return Run(meta=meta, tensors=tensors, decisions=decisions, path=directory)
+
+
+def run_name(run: Run, unsaved: str) -> str:
+    """The run's folder name, or `unsaved` for a run that was never saved."""
+    return getattr(run.path, "name", unsaved)

@@ -16,9 +16,8 @@ import streamlit as st
 from kvlens.analysis.registry import get_analysis
 from kvlens.analysis.report import report_html
 from kvlens.errors import KvlensError
-from kvlens.figures.plots import run_name
 from kvlens.levels import RecordLevel
-from kvlens.runs.run import Run
+from kvlens.runs.run import Run, run_name
 from kvlens.ui import session, url_state
 from kvlens.ui.sidebar import app_shell
 from kvlens.ui.state import RunEntry, all_runs, open_run

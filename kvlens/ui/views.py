@@ -6,11 +6,11 @@ import html
 
 import streamlit as st
 
-from kvlens.figures.plots import run_name, storage_label
+from kvlens.figures.plots import storage_label
 from kvlens.figures.wording import layers_note, of_prompt, when
 from kvlens.policies import changed_params
 from kvlens.runs.decisions import counts
-from kvlens.runs.run import Run
+from kvlens.runs.run import Run, run_name
 from kvlens.runs.token_text import TokenText
 
 

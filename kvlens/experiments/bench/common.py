@@ -206,9 +206,8 @@ def environment(model=None) -> dict:
 
 
 def save_results(result: dict, rows: list[dict], fig, out_dir: str | Path, stem: str) -> list[Path]:
-    """Write `{stem}.json` (the whole result), `{stem}.csv` (`rows`) and `{stem}.png` (`fig`, if given)."""
-    from kvlens.figures.export import image_bytes
-
+    """Write `{stem}.json` (the whole result), `{stem}.csv` (`rows`) and `{stem}.png` (`fig`, if given: plotly
+    is imported only then)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}.json", out / f"{stem}.csv"]
@@ -218,6 +217,8 @@ def save_results(result: dict, rows: list[dict], fig, out_dir: str | Path, stem:
         writer.writeheader()
         writer.writerows(rows)
     if fig is not None:
+        from kvlens.figures.export import image_bytes
+
         paths.append(out / f"{stem}.png")
         paths[-1].write_bytes(image_bytes(fig, "png"))
     return paths
