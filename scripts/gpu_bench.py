@@ -3,15 +3,16 @@ table on the embedded model in bf16 (`kvlens bench speed --device cuda --dtype b
 run (`scripts/bench_shape.py`: a random-init Llama-3.1-8B shape at 32k tokens, full against h2o, snapkv and
 adakv at ratio 0.5), each with the GPU's peak memory (`torch.cuda.max_memory_allocated`).
 
-    python scripts/gpu_bench.py [--out results/cuda] [--parts smoke,table,shape] [--model default]
+    python scripts/gpu_bench.py [--out results/cuda] [--parts smoke,shape,table] [--model default]
         [--steps 16] [--device cuda] [--dtype bfloat16]
 
 - smoke: every policy of the table on 256 prompt tokens, 4 steps, on the device. A policy that fails is named
   with its error and left out of the table, so that one failure does not cost the whole lent run.
+- shape: `bench_shape.py` into `OUT/bench_shape_8b.json`.
 - table: `bench speed` with every policy that passed, in the every-policy lockstep at 1024, 4096 and 8160
   tokens, 3 rounds, `--steps` generated tokens per run (16: half the CPU table's, to fit the lease), written
-  to `OUT/bench_speed.json` and `.csv`.
-- shape: `bench_shape.py` into `OUT/bench_shape_8b.json`.
+  to `OUT/bench_speed.json` and `.csv`. Each length's ratios stream to `OUT/bench_speed.lengths.jsonl` as
+  they are measured, so a lease that ends mid-table keeps the lengths it finished.
 
 The settings are sized for a lent GPU's few minutes; no GPU has timed the whole command yet. Each part's
 seconds go into `OUT/gpu_bench.json` as it ends. `tests/bench/test_gpu_bench.py` runs it on the CPU (`--device
@@ -37,7 +38,7 @@ from kvlens.policies import policy_names  # noqa: E402
 from kvlens.texts import bundled, prefix_ids  # noqa: E402
 from scripts import bench_shape  # noqa: E402
 
-PARTS = ("smoke", "table", "shape")
+PARTS = ("smoke", "shape", "table")  # the bounded parts first: the table streams what it finishes
 
 
 def smoke(model_spec: str, device: str, dtype: str, tokens: int = 256, steps: int = 4) -> dict[str, str]:

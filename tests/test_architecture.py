@@ -151,9 +151,9 @@ def test_only_the_interfaces_import_the_app():
 
 
 def test_the_engine_and_the_benchmarks_run_without_plotting_libraries():
-    """A GPU machine runs `bench speed --no-figure` with the engine's dependencies alone: importing the package,
-    the command line, the engine and the benchmarks loads neither plotly nor streamlit (a figure imports
-    plotly when it is drawn)."""
+    """A GPU machine runs `bench speed --no-figure` with the engine's dependencies alone: importing the
+    package, the command line, the engine and the benchmarks loads neither plotly nor streamlit (a figure
+    imports plotly when it is drawn)."""
     code = (
         "import sys, kvlens, kvlens.cli.bench_commands, kvlens.engine.loop, kvlens.experiments.bench.speed; "
         "print(sorted({'plotly', 'streamlit'} & set(sys.modules)))"

@@ -3,6 +3,7 @@ the app."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -522,13 +523,15 @@ def cmd_speed(args) -> int:
     every = _lockstep(args.lockstep)
     ticks = speed.ticks(len(policies), lengths, args.repeats, evict_lengths, every)
     bar = Progress("bench speed", ticks, "measurement", log=True)
-    rows_file = Path(args.out_dir) / f"bench_speed{suffix}.rows.jsonl"  # each row as soon as it is measured
-    rows_file.parent.mkdir(parents=True, exist_ok=True)
-    rows_file.write_text("", encoding="utf-8")
+    # each row, and each evict length's ratios, as soon as measured: a run cut short keeps what it finished
+    streams = {kind: Path(args.out_dir) / f"bench_speed{suffix}.{kind}.jsonl" for kind in ("rows", "lengths")}
+    for path in streams.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("", encoding="utf-8")
 
-    def on_row(row: dict) -> None:
-        with rows_file.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+    def append(kind: str, item: dict) -> None:
+        with streams[kind].open("a", encoding="utf-8") as f:
+            f.write(json.dumps(item) + "\n")
 
     with bar:
         result = speed.bench_speed(
@@ -543,7 +546,8 @@ def cmd_speed(args) -> int:
             evict_lengths=evict_lengths,
             every=every,
             tick=bar.advance,
-            on_row=on_row,
+            on_row=functools.partial(append, "rows"),
+            on_length=functools.partial(append, "lengths"),
         )
     lines = [speed.markdown_table(result), ""]
     for key, value in result["ratios"].items():

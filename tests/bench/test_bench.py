@@ -317,7 +317,7 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
     from kvlens.policies import policy_names
 
     every = [n for n in policy_names() if n != "full"]
-    ticks = []
+    ticks, lengths = [], []
     result = speed.bench_speed(
         tiny,
         parse_policies("full"),
@@ -330,7 +330,14 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
         evict_lengths=[160],
         every=every,
         tick=lambda: ticks.append(1),
+        on_length=lengths.append,
     )
+    (part,) = lengths  # the length's ratios handed out when measured, as the result names them
+    assert part["evict_length"] == part["prompt_tokens"] == 160
+    assert part["ratios"] == {k: v for k, v in result["ratios"].items() if k.endswith("_at_160")}
+    assert part["ratios_cpu"] == {k: v for k, v in result["ratios_cpu"].items() if k.endswith("_at_160")}
+    at_160 = {k: v for k, v in result["ratio_details"].items() if k.endswith("_at_160")}
+    assert part["ratio_details"] == {k: v for k, v in at_160.items() if not k.startswith("evict")}
     free = [n for n in every if make_policy(n).budget_free]
     floors = {"floor", *(f"floor:{n}" for n in free)}  # half the prompt, and each budget-free policy's own
     assert (

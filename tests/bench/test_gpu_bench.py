@@ -44,5 +44,5 @@ def test_the_shape_part_writes_its_run(tmp_path):
 def test_an_unknown_part_gets_one_sentence(capsys, tmp_path):
     assert gpu_bench.main(["--parts", "smoke,plot", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == (
-        "gpu_bench: --parts takes some of smoke, table, shape; got 'smoke,plot'."
+        "gpu_bench: --parts takes some of smoke, shape, table; got 'smoke,plot'."
     )

@@ -507,6 +507,19 @@ def _policy_rows(
     return rows
 
 
+def length_part(n: int, e: dict, every: Sequence[str]) -> dict:
+    """One evict length's ratios as `bench_speed`'s result names them, from its lockstep `e`: the evict ratio,
+    and with `every` the every-policy ones in wall-clock and CPU time with their details."""
+    ratios, ratios_cpu, details = every_policy_ratios(e) if every else ({}, {}, {})
+    return {
+        "evict_length": n,
+        "prompt_tokens": e["prompt_tokens"],
+        "ratios": {f"evict_half_vs_full_at_{n}": e["ratio"], **ratios},
+        "ratios_cpu": ratios_cpu,
+        "ratio_details": details,
+    }
+
+
 def _speed_ratios(
     pairs: dict, evict: dict[int, dict], half: dict, whole: dict, every: Sequence[str]
 ) -> tuple[dict, dict, dict]:
@@ -545,17 +558,22 @@ def bench_speed(
     every: Sequence[str] = (),
     tick: Callable[[], None] = lambda: None,
     on_row: Callable[[dict], None] = lambda row: None,
+    on_length: Callable[[dict], None] = lambda part: None,
 ) -> dict:
     """The policy table (one run per policy and length, each row handed to `on_row` when measured),
     the ratios at `ratio_length` and the evict ratios at each of `evict_lengths`, every policy of `every` in
-    their lockstep (the `every_policy_*` ratios).
+    their lockstep (the `every_policy_*` ratios), each length's handed to `on_length` when measured
+    (`length_part`: a run cut short keeps the lengths it finished).
 
     `tick` is called after every engine or loop run (progress bars): `ticks(...)` gives the total.
     """
     if repeats < 1 or steps < 2:
         raise KvlensError("Speed needs at least one repeat and two generated tokens.")
     rows = _policy_rows(model, policies, lengths, text, steps, budget, tick, on_row)
-    evict = {n: evict_ratios(model, text, n, steps, 0.5, repeats, tick, list(every)) for n in evict_lengths}
+    evict = {}
+    for n in evict_lengths:
+        evict[n] = evict_ratios(model, text, n, steps, 0.5, repeats, tick, list(every))
+        on_length(length_part(n, evict[n], every))
     ids = prefix_ids(model, text, ratio_length, "The text")
     pairs = engine_pairs(model, ids, steps, budget, repeats, tick)
     sl, full = PolicySpec("streaming_llm"), PolicySpec("full")
