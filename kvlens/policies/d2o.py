@@ -58,6 +58,7 @@ from kvlens.kvcache import CacheRows, Step
 from kvlens.policies.base import (
     Needs,
     Policy,
+    evicted_lowest,
     log_evictions,
     param,
     protected_window,
@@ -199,24 +200,27 @@ class D2O(Policy):
 
     # -- token level
     # ---------------------------------------------------------------------------------------------
-    def select(self, rows: CacheRows, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """H2O's choice: kept `(R, budget)` and evicted `(R, E)` slots, each in position order."""
-        protected = protected_window(rows, self.local_window(budget)) | (rows.valid & (rows.pos < self.sink))
-        return select_lowest(rows, rows.abar, protected, budget)
+    def protected(self, rows: CacheRows, budget: int) -> torch.Tensor:
+        """`(R, S)`: the local window and the sinks, which H2O's choice never evicts."""
+        return protected_window(rows, self.local_window(budget)) | (rows.valid & (rows.pos < self.sink))
 
     def compress(self, rows: CacheRows, step: Step) -> None:
+        """H2O's choice of the leaving slots `(R, E)`, then Eq. 9-12's merge of each into its nearest kept
+        slot (`nearest`; a decode step's one slot per row: `_merge_one`, which needs no kept-slot list)."""
         budget = step.budget
         if budget is None or rows.n_kept <= budget:
             return
-        keep, evicted = self.select(rows, budget)
-        pos_ev = rows.pos.gather(1, evicted)  # (R, E)
-        if not self.merge:
+        if not self.merge or rows.n_kept - budget == 1:  # the leaving slots alone
+            evicted = evicted_lowest(rows, rows.abar, self.protected(rows, budget), budget)
+            pos_ev = rows.pos.gather(1, evicted)  # (R, E)
+            if self.merge:
+                self._merge_one(step, rows, evicted, pos_ev)
+                return
             log_evictions(step, rows, pos_ev)
             rows.free(evicted)
             return
-        if evicted.shape[1] == 1:  # a decode step: one source per row, merged into one target slot
-            self._merge_one(step, rows, evicted, pos_ev)
-            return
+        keep, evicted = select_lowest(rows, rows.abar, self.protected(rows, budget), budget)
+        pos_ev = rows.pos.gather(1, evicted)  # (R, E)
         u, nearest = self.nearest(rows.keys[0], keep, evicted)  # (R, E) best similarity, index into keep
         merged = u >= self.threshold(rows, u)  # (R, E)
         w, w_self = merge_weights(u, nearest, merged, keep.shape[1])
