@@ -521,26 +521,23 @@ def length_part(n: int, e: dict, every: Sequence[str]) -> dict:
 
 
 def _speed_ratios(
-    pairs: dict, evict: dict[int, dict], half: dict, whole: dict, every: Sequence[str]
+    pairs: dict, evict: dict[int, dict], parts: list[dict], half: dict, whole: dict
 ) -> tuple[dict, dict, dict]:
     """The ratios in wall-clock time, in CPU time, and the details of the `every_policy_*` ones, from the
-    engine's `pairs`, the evict lockstep at each length (the first's prefill ratio too) and a StreamingLLM run
-    at half the budget (`half`) beside the full cache's (`whole`)."""
+    engine's `pairs`, each evict length's `length_part` (the first length's lockstep in `evict` gives the
+    prefill ratio) and a StreamingLLM run at half the budget (`half`) beside the full cache's (`whole`)."""
     ratios = {
         **{k: d["ratio"] for k, d in pairs.items()},
         "kv_bytes_half_budget_vs_full": half["kv_bytes_peak"] / whole["kv_bytes_prefill"],
-        **{f"evict_half_vs_full_at_{n}": e["ratio"] for n, e in evict.items()},
     }
     if evict:
         ratios["prefill_stats_vs_full"] = next(iter(evict.values()))["prefill_ratio"]
     ratios_cpu = {k: d["cpu_ratio"] for k, d in pairs.items()}
     every_details: dict[str, dict] = {}
-    if every:
-        for e in evict.values():
-            more, more_cpu, details = every_policy_ratios(e)
-            ratios.update(more)
-            ratios_cpu.update(more_cpu)
-            every_details.update(details)
+    for part in parts:
+        ratios.update(part["ratios"])
+        ratios_cpu.update(part["ratios_cpu"])
+        every_details.update(part["ratio_details"])
     return ratios, ratios_cpu, every_details
 
 
@@ -570,16 +567,17 @@ def bench_speed(
     if repeats < 1 or steps < 2:
         raise KvlensError("Speed needs at least one repeat and two generated tokens.")
     rows = _policy_rows(model, policies, lengths, text, steps, budget, tick, on_row)
-    evict = {}
+    evict, parts = {}, []
     for n in evict_lengths:
         evict[n] = evict_ratios(model, text, n, steps, 0.5, repeats, tick, list(every))
-        on_length(length_part(n, evict[n], every))
+        parts.append(length_part(n, evict[n], every))
+        on_length(parts[-1])
     ids = prefix_ids(model, text, ratio_length, "The text")
     pairs = engine_pairs(model, ids, steps, budget, repeats, tick)
     sl, full = PolicySpec("streaming_llm"), PolicySpec("full")
     half = engine_once(model, sl, ids, steps, 0.5)
     whole = engine_once(model, full, ids, steps, None)
-    ratios, ratios_cpu, every_details = _speed_ratios(pairs, evict, half, whole, every)
+    ratios, ratios_cpu, every_details = _speed_ratios(pairs, evict, parts, half, whole)
     return {
         "config": {
             "policies": [p.label for p in policies],
