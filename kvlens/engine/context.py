@@ -163,7 +163,8 @@ class RunContext:
                 return sdpa(query, key, value, spec.scaling)
             return decode_rows(query, key, value, seen, spec)[0]
         out, probs = decode_rows(query, key, value, seen, spec)
-        self._observed.append((layer, probs, seen))
+        if self.column_sums:  # someone reads `abar` and `nobs`: this step's attention adds to them
+            self._observed.append((layer, probs, seen))
         layer.last_attn = probs.reshape(-1, probs.shape[-1])
         if not self._policy_done:
             self.policy.observe(layer, probs)
@@ -181,7 +182,8 @@ class RunContext:
 
     def accumulate(self) -> None:
         """After a decode step's forward, before compression: add its attention to every slot's `abar`
-        and its query to `nobs`; once for all layers when they share one store and no layer slides."""
+        and its query to `nobs` (when someone reads them: `column_sums`); once for all layers when they share
+        one store and no layer slides."""
         observed, self._observed = self._observed, []
         if observed and not self.windowed and (everywhere := self.cache.all_layers()) is not None:
             probs = torch.stack([p for _, p, _ in observed])  # (L, Hkv, G, S)
@@ -213,11 +215,12 @@ class RunContext:
         rows = self.needs_rows or self.column_sums
         if abar is not None:
             layer.abar = abar
-        if rows:
+        if self.column_sums:
             seen_by = t - torch.arange(
                 t, device=key.device, dtype=torch.float32
             )  # queries at or after each slot
             layer.nobs = seen_by.clamp(max=spec.window or t).expand(key.shape[1], t).clone()
+        if rows:
             layer.last_attn = last[:, -1] if last.shape[1] else None
         self.policy.observe_prefill(
             layer, Prompt(last, query[0], self.cache.positions, spec.scaling, self.rotary)
@@ -244,9 +247,10 @@ class RunContext:
         )  # (Hkv, q, S)
         probs = attention_probs(query[0].view(hkv, hq // hkv, q, d), key[0], spec, allowed[:, None])
         out = torch.matmul(probs.to(value.dtype), value[0].unsqueeze(1))  # (Hkv, G, q, D)
-        if chunk and (self.needs_rows or self.column_sums):
+        if chunk and self.column_sums:
             layer.abar += group_mean(probs.sum(2))
             layer.nobs += allowed.sum(1)
+        if chunk and (self.needs_rows or self.column_sums):
             layer.last_attn = (
                 probs[:, :, -1].reshape(hq, -1).clone()
             )  # a view would keep the chunk's probs alive

@@ -51,7 +51,9 @@ class Needs:
 
     decode_rows: bool = True  # attention rows `(R, G, S)` at decode steps (`observe`, `rows.last_attn`)
     prefill_rows: int = 1  # the last prefill attention rows `observe_prefill` reads (`prompt.last`)
-    column_sums: bool = True  # the prompt's accumulated attention `rows.abar` (a chunked T x T pass)
+    # the accumulated attention `rows.abar` and `rows.nobs`: the prompt's (a chunked T x T pass), then each
+    # decode step's; False: neither is kept (both stay zero)
+    column_sums: bool = True
     model_data: tuple[str, ...] = ()  # per-layer data of the model put in the run state (`MODEL_DATA` names)
     # compresses at decode steps; False (the decode protocol of SnapKV's and KVzip's papers): the prompt only,
     # after which the engine neither calls the policy nor computes attention rows for it, and the cache grows

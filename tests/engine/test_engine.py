@@ -214,7 +214,7 @@ def test_policies_that_read_no_column_sums_skip_the_chunked_pass_and_decide_the_
     tiny, policy, params, monkeypatch
 ):
     """TOVA and CORM read only the last prefill rows, StreamingLLM nothing: SDPA plus those rows, no T x T
-    pass."""
+    pass, and no decode step's attention added to `abar` and `nobs`."""
     import kvlens.engine.context
     from kvlens.engine.context import Observer
 
@@ -236,6 +236,7 @@ def test_policies_that_read_no_column_sums_skip_the_chunked_pass_and_decide_the_
     monkeypatch.setattr(
         kvlens.engine.context, "prefill_stats", lambda *a: pytest.fail("chunked prefill pass")
     )
+    monkeypatch.setattr(kvlens.engine.context, "group_mean", lambda *a: pytest.fail("accumulated attention"))
     light = go()
     assert light.decisions.equals(chunked.decisions) and len(light.decisions)
     torch.testing.assert_close(light.tensors["steps/nll"], chunked.tensors["steps/nll"], rtol=1e-5, atol=1e-6)
