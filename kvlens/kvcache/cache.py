@@ -27,7 +27,7 @@ from kvlens.kvcache.contract import LOSSY
 from kvlens.kvcache.paged import PagedStore
 from kvlens.kvcache.quantize import Storage
 from kvlens.kvcache.quantized import SHARED_STORE, PackedStore, pack, prune, seal_layers
-from kvlens.kvcache.store import STATS, LayerBook, SlotStore
+from kvlens.kvcache.store import STATS, LayerBook, SlotStore, padded_slots, trimmed
 from kvlens.kvcache.tokens import reserve_room
 from kvlens.kvcache.views import SlotRows
 
@@ -208,12 +208,15 @@ class KVCache:
 
     def _replace(self, old: SlotStore, new: SlotStore) -> None:
         """Every view of `old` now reads `new` (the same slots, in packed storage); its layers' run state says
-        whether that storage is lossy (`LOSSY`)."""
+        whether that storage is lossy (`LOSSY`). A layer that freed in place lists its free slots again,
+        lowest first (packed storage frees by index: `kvlens.kvcache.frees.frees_in_place`)."""
         for view in filter(None, [*self.layers, self._everywhere]):
             if view.store is old:
                 view.store = new
                 for book in view.books:
                     book.state[LOSSY] = not new.lossless
+                    if book.in_place:
+                        book.in_place, book.holes = False, trimmed(padded_slots(~view.valid))
         if self.shared is old:
             self.shared = new
 

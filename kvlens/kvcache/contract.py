@@ -108,5 +108,5 @@ class CacheRows(Protocol):
     def n_kept(self) -> int: ...  # valid slots of the fullest row
 
     def position_order(self) -> torch.Tensor: ...  # (R, S) slot indices oldest first, free/padding last
-    def free(self, index: torch.Tensor) -> None: ...  # evict slots (R, E), -1 pads; later tokens reuse them
+    def free(self, index: torch.Tensor) -> None: ...  # evict slots (R, E), -1 pads, or marked (R, S) bool
     def retain(self, index: torch.Tensor, valid: torch.Tensor | None = None) -> None: ...  # keep (R, S') only

@@ -41,6 +41,9 @@ class LayerBook:
     fitted: bool = False  # `retain` fitted the buffers to the kept slots (the prompt's memory is freed)
     paged: bool = False  # a padded layout goes into pages (`kvlens.kvcache.paged`)
     compacts: bool = False  # freed in place (no budget): laid out again once mostly holes (`HOLES`)
+    # its free slots are its invalid ones below `n`, refilled lowest first, with no list of holes: set once
+    # marked slots are freed on a compacting layer (`SlotRows.free` given a mask)
+    in_place: bool = False
     written: torch.Tensor | None = None  # (Hkv, q) the slots the latest `append` wrote
     # quantized storage: the latest `append`'s keys and values (Hkv, q, D) as fed
     fresh: tuple[torch.Tensor, torch.Tensor] | None = None

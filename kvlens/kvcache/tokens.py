@@ -36,6 +36,8 @@ def append(
     positions = positions.to(key.device)
     if store is None:
         store, rows = _adopt(book, key, value, positions), slice(0, key.shape[1])
+    elif q == 1 and book.in_place:
+        Writer(book, store, rows).fill_lowest_free(key, value, positions)
     elif q == 1 and book.holes is not None:
         Writer(book, store, rows).fill_free(book.holes, key, value, positions)
     elif book.holes is not None and chunked:
@@ -107,6 +109,23 @@ class Writer:
         book.holes = None
         if rest.shape[1]:
             book.holes = first_valid(rest) if lacking else trimmed(rest)
+        self.write_into(slot[:, None], key, value, positions)
+        book.written = slot[:, None]
+
+    def fill_lowest_free(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write one token into each head's lowest free slot (`LayerBook.in_place`: its invalid slots are its
+        free ones). When some head has none, every head gets one more slot at the end: a free one for the
+        heads that wrote theirs."""
+        book, store = self.book, self.store
+        free = ~store.buffers["valid"][self.rows, : store.n]  # (Hkv, n)
+        slot = free.byte().argmax(-1)  # (Hkv,) the first free slot, 0 when none
+        has = free.gather(1, slot[:, None])[:, 0]
+        if not bool(has.all()):
+            end = store.n
+            if end == store.capacity:
+                store.resize(end + (FITTED_GROWTH if book.fitted else GROWTH))
+            store.n = end + 1
+            slot = torch.where(has, slot, end)
         self.write_into(slot[:, None], key, value, positions)
         book.written = slot[:, None]
 

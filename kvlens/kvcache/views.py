@@ -21,20 +21,13 @@ from typing import Any
 
 import torch
 
-from kvlens.kvcache import tokens
-from kvlens.kvcache.quantize import slot_mask
+from kvlens.kvcache import frees, tokens
 from kvlens.kvcache.store import (
-    GROWTH,
-    HOLES,
     STATES,
-    STATS,
     LayerBook,
     SlotStore,
-    freed,
-    padded_index,
     padded_slots,
     slot_axis,
-    without,
 )
 
 # (view, capacity, padded: its heads keep different counts) -> (store, rows)
@@ -200,7 +193,7 @@ class SlotRows:
 
     @property
     def padded(self) -> bool:
-        return any(b.holes is not None or b.pad for b in self.books)
+        return any(b.holes is not None or b.pad or b.in_place for b in self.books)
 
     @property
     def capacity(self) -> int:
@@ -227,68 +220,19 @@ class SlotRows:
         order = torch.argsort(
             self.pos.masked_fill(~self.valid, torch.iinfo(self.pos.dtype).max), dim=-1, stable=True
         )
-        if self._whole_store():
+        if self.whole_store():
             store.order = order
         return order
 
-    def _whole_store(self) -> bool:
+    def whole_store(self) -> bool:
+        """Whether these rows are all of their store's."""
         return self._n_rows() == self._live.rows
 
     # -- the contract: changing --------------------------------------------------------------------
     def free(self, index: torch.Tensor) -> None:
-        """Evict slots `index` `(R, E)`; -1 entries pad rows that free fewer (heads keeping different counts).
-        Later tokens reuse the freed slots.
-
-        When the slots in use exceed a layer's `limit` (the prompt's cache after its first compression), the
-        kept slots move into buffers of `limit` slots (or of its fullest head's count, when heads keep
-        different counts) and the old ones are released. Once fitted, a layer whose fullest head outgrows the
-        limit is refitted only when its free slots exceed `GROWTH`, not at every step. A layer whose heads
-        come to keep different counts moves into pages when its book says so (`LayerBook.paged`). A layer
-        whose slots in use are mostly freed ones (a budget-free policy frees in place, and tokens refill one
-        per step) is compacted, when its book says so (`LayerBook.compacts`), to its kept slots once they
-        exceed `HOLES` times its fullest head's count, so a step attends to the kept slots, not the prompt's.
-        """
-        store = self._live
-        uneven = bool((index < 0).any())
-        store.forget(self.rows, index)
-        if uneven:
-            gone = slot_mask(index, store.n)  # the freed slots as a mask `(R, n)`
-            for name, fill in STATS.items():
-                store.buffers[name][self.rows, : store.n].masked_fill_(gone, fill)
-        else:
-            for name, fill in STATS.items():
-                store.buffers[name][self.rows].scatter_(1, index, fill)
-        if store.order is not None and self._whole_store() and not self.padded and not uneven:
-            store.order = without(store.order, index)
-        else:
-            store.order = None
-        counts = self.valid.sum(-1).chunk(len(self.books)) if uneven else ()
-        for i, (book, part) in enumerate(zip(self.books, index.chunk(len(self.books)), strict=True)):
-            if store.tail_padding:  # a paged row's free slots are its invalid ones, refilled lowest first
-                book.holes = freed(part, ~self.valid.chunk(len(self.books))[i])
-            elif book.holes is None and not uneven:  # every row frees as many: already in order
-                book.holes = part
-            else:
-                book.holes = freed(part if book.holes is None else torch.cat([book.holes, part], dim=1), None)
-            if uneven:
-                book.n_kept, book.pad = (
-                    int(counts[i].max()),
-                    book.pad or bool((counts[i] != counts[i][0]).any()),
-                )
-            else:
-                book.n_kept -= part.shape[1]
-        (book, *more), limit = self.books, self.books[0].limit
-        if more:
-            return
-        outgrown = (
-            limit is not None and store.n > limit and (not book.fitted or store.n > book.n_kept + GROWTH)
-        )
-        to_pages = book.pad and book.paged and not store.tail_padding
-        holey = book.compacts and store.n > HOLES * book.n_kept + GROWTH  # freed in place: mostly holes
-        if outgrown or to_pages or holey:
-            kept, valid = padded_index(self.valid)
-            capacity = limit if outgrown or to_pages else book.n_kept + GROWTH  # a holey layer: room to grow
-            self.retain(kept, valid if bool((~valid).any()) else None, capacity=capacity)
+        """Evict slots `index` `(R, E)`, -1 entries padding rows that free fewer (heads keeping different
+        counts), or those marked `(R, S)` bool; later tokens reuse them (`kvlens.kvcache.frees`)."""
+        frees.free(self, index)
 
     def retain(
         self, index: torch.Tensor, valid: torch.Tensor | None = None, capacity: int | None = None
@@ -336,7 +280,7 @@ class SlotRows:
         ):
             book.n_kept, book.pad = int(part.max()), int(part.min()) < s
             free = padded_slots(~valid)  # a head's padding, then the spare slots: its next tokens' slots
-            book.holes = free if free.shape[1] else None
+            book.holes = free if free.shape[1] and not book.in_place else None
             book.fitted = True
 
     def append(

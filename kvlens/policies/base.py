@@ -518,9 +518,11 @@ def lowest_of_all_rows(rows: CacheRows, score: torch.Tensor, leaving: int) -> to
 
 
 def free_logged(step: Step, rows: CacheRows, slots: torch.Tensor) -> None:
-    """Evict `slots` `(R, E)` (-1 pads) and log their positions (when the run keeps a log)."""
+    """Evict `slots` `(R, E)` (-1 pads), or those marked `(R, S)` bool, and log their positions (when the run
+    keeps a log)."""
     if step.log is not None:
-        log_evictions(step, rows, rows.pos.gather(1, slots.clamp(min=0)).masked_fill(slots < 0, -1))
+        index = padded_slots(slots) if slots.dtype == torch.bool else slots
+        log_evictions(step, rows, rows.pos.gather(1, index.clamp(min=0)).masked_fill(index < 0, -1))
     rows.free(slots)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlens.kvcache import CacheRows, Prompt, Step, padded_slots
+from kvlens.kvcache import CacheRows, Prompt, Step
 from kvlens.policies.base import Needs, Policy, free_logged, param, protected_window, register
 
 # (Hkv, S) int32: the number of messages seen when the slot was last important (0: never); it says whether the
@@ -93,4 +93,4 @@ class CORM(Policy):
         in_window = rows.extra[MESSAGE] > self._seen(rows) - self.window  # important in the last w messages
         drop = rows.valid & ~(in_window | protected_window(rows, self.recent))  # (R, S)
         if bool(drop.any()):
-            free_logged(step, rows, padded_slots(drop))  # (R, E), -1 pads heads that free fewer
+            free_logged(step, rows, drop)  # (R, E), -1 pads heads that free fewer

@@ -10,9 +10,10 @@ import torch
 import kvlens.engine.loop as loop_module
 from kvlens.engine.attention import decode_rows, decode_segments
 from kvlens.engine.loop import RunOptions, run
-from kvlens.kvcache import AttentionSpec, views
+from kvlens.kvcache import AttentionSpec, frees
 from kvlens.kvcache.cache import KVCache
 from kvlens.kvcache.paged import PAGE, PagedStore
+from kvlens.kvcache.quantize import Storage
 from kvlens.kvcache.store import GROWTH, HOLES
 from kvlens.policies import make_policy
 from kvlens.texts import prefix_ids
@@ -250,7 +251,7 @@ def test_a_layer_mostly_freed_in_place_is_compacted_and_decides_the_same(smol, l
         return r, made
 
     compact, (cache,) = corm()
-    monkeypatch.setattr(views, "HOLES", float("inf"))
+    monkeypatch.setattr(frees, "HOLES", float("inf"))
     holey, (old,) = corm()
     structural = ["step", "layer", "kv_head", "action", "position"]
     a, b = (r.decisions[structural].sort_values(structural).reset_index(drop=True) for r in (compact, holey))
@@ -267,3 +268,47 @@ def test_a_layer_mostly_freed_in_place_is_compacted_and_decides_the_same(smol, l
     assert compacted > len(cache.layers) // 2
     # a budget-free policy reading attention rows is never paged: a step would gather every page
     assert not any(isinstance(layer._live, PagedStore) for layer in cache.layers)
+
+
+@pytest.mark.parametrize(
+    "storage,in_place", [(Storage(), True), (Storage(4, group=16, residual=32), False)], ids=["plain", "kivi"]
+)
+def test_marked_slots_are_freed_where_they_lie_and_decide_as_listed_holes(
+    smol, long_text, monkeypatch, storage, in_place
+):
+    """CORM marks the slots it frees (`free` given a mask): a layer of plain buffers then clears them where
+    they lie and the next tokens refill each head's free slots (`LayerBook.in_place`), with no list of holes.
+    The run decides, loses and grows exactly as freeing the same slots by index into listed holes does. Packed
+    storage (KIVI), where a slot's place decides its quantization group, lists the free slots again once the
+    prompt is packed, so its runs are unchanged too."""
+    ids = prefix_ids(smol, long_text, 212)
+
+    def corm() -> tuple[object, KVCache]:
+        made: list[KVCache] = []
+        monkeypatch.setattr(loop_module, "KVCache", remembered(made))
+        r = run(
+            smol,
+            make_policy("corm", {"window": 4, "recent": 4}),
+            ids,
+            prefill=200,
+            steps=12,
+            teacher=True,
+            opts=RunOptions(record="summary", storage=storage),
+        )
+        return r, made[0]
+
+    marked, cache = corm()
+    monkeypatch.setattr(frees, "frees_in_place", lambda view: False)
+    listed, old = corm()
+    assert all(book.in_place is in_place for book in cache.books)
+    assert not any(book.in_place for book in old.books)
+    structural = ["step", "layer", "kv_head", "action", "position"]
+    a, b = (r.decisions[structural].sort_values(structural).reset_index(drop=True) for r in (marked, listed))
+    assert len(a) > 0 and a.equals(b)
+    torch.testing.assert_close(marked.tensors["steps/nll"], listed.tensors["steps/nll"], rtol=1e-5, atol=1e-6)
+    for new, was in zip(cache.layers, old.layers, strict=True):
+        assert new.store.n == was.store.n  # a freed slot is refilled, not left behind: the layers grow alike
+        for head in range(new.pos.shape[0]):
+            assert torch.equal(
+                new.pos[head][new.valid[head]].sort().values, was.pos[head][was.valid[head]].sort().values
+            )
