@@ -27,7 +27,7 @@ from kvlens.kvcache.contract import LOSSY
 from kvlens.kvcache.paged import PagedStore
 from kvlens.kvcache.quantize import Storage
 from kvlens.kvcache.quantized import SHARED_STORE, PackedStore, pack, prune, seal_layers
-from kvlens.kvcache.store import STATS, LayerBook, SlotStore, padded_slots, trimmed
+from kvlens.kvcache.store import STATS, LayerBook, SlotStore, listed
 from kvlens.kvcache.tokens import reserve_room
 from kvlens.kvcache.views import SlotRows
 
@@ -216,7 +216,7 @@ class KVCache:
                 for book in view.books:
                     book.state[LOSSY] = not new.lossless
                     if book.in_place:
-                        book.in_place, book.holes = False, trimmed(padded_slots(~view.valid))
+                        book.in_place, book.holes = False, listed(~view.valid)
         if self.shared is old:
             self.shared = new
 

@@ -74,13 +74,11 @@ def free_marked(view: SlotRows, gone: torch.Tensor) -> None:
     where they lie; the layer is compacted once mostly holes (`HOLES`)."""
     store, (book,) = view.store, view.books
     assert store is not None
-    for name, fill in STATS.items():
-        store.buffers[name][view.rows, : store.n].masked_fill_(gone, fill)
+    clear(view, store, gone)
     store.order = None
-    counts = view.valid.sum(-1)
-    book.n_kept, book.pad = int(counts.max()), book.pad or bool((counts != counts[0]).any())
+    recount(book, view.valid.sum(-1))
     book.holes, book.in_place = None, True
-    if store.n > HOLES * book.n_kept + GROWTH:
+    if holey(book, store):
         relayout(view, book.n_kept + GROWTH)
 
 
@@ -101,9 +99,7 @@ def free_listed(view: SlotRows, index: torch.Tensor) -> None:
     uneven = bool((index < 0).any())
     store.forget(view.rows, index)
     if uneven:
-        gone = slot_mask(index, store.n)  # the freed slots as a mask `(R, n)`
-        for name, fill in STATS.items():
-            store.buffers[name][view.rows, : store.n].masked_fill_(gone, fill)
+        clear(view, store, slot_mask(index, store.n))
     else:
         for name, fill in STATS.items():
             store.buffers[name][view.rows].scatter_(1, index, fill)
@@ -120,10 +116,7 @@ def free_listed(view: SlotRows, index: torch.Tensor) -> None:
         else:
             book.holes = freed(part if book.holes is None else torch.cat([book.holes, part], dim=1), None)
         if uneven:
-            book.n_kept, book.pad = (
-                int(counts[i].max()),
-                book.pad or bool((counts[i] != counts[i][0]).any()),
-            )
+            recount(book, counts[i])
         else:
             book.n_kept -= part.shape[1]
     (book, *more), limit = view.books, view.books[0].limit
@@ -131,11 +124,27 @@ def free_listed(view: SlotRows, index: torch.Tensor) -> None:
         return
     outgrown = limit is not None and store.n > limit and (not book.fitted or store.n > book.n_kept + GROWTH)
     to_pages = book.pad and book.paged and not store.tail_padding
-    holey = book.compacts and store.n > HOLES * book.n_kept + GROWTH  # freed in place: mostly holes
     if outgrown or to_pages:
         relayout(view, limit)
-    elif holey:
+    elif book.compacts and holey(book, store):
         relayout(view, book.n_kept + GROWTH)  # room to grow
+
+
+def clear(view: SlotRows, store: SlotStore, gone: torch.Tensor) -> None:
+    """The statistics of the slots marked in `gone` `(R, n)` become a free slot's (`STATS`)."""
+    for name, fill in STATS.items():
+        store.buffers[name][view.rows, : store.n].masked_fill_(gone, fill)
+
+
+def recount(book: LayerBook, counts: torch.Tensor) -> None:
+    """A layer's kept count and padding from its heads' valid slots `counts` `(Hkv,)`."""
+    book.n_kept, book.pad = int(counts.max()), book.pad or bool((counts != counts[0]).any())
+
+
+def holey(book: LayerBook, store: SlotStore) -> bool:
+    """Whether a layer's slots in use are mostly freed ones: more than `HOLES` times its fullest head's kept
+    count + `GROWTH` (a compacting layer is then laid out again)."""
+    return store.n > HOLES * book.n_kept + GROWTH
 
 
 def relayout(view: SlotRows, capacity: int | None) -> None:

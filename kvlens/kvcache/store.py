@@ -232,6 +232,12 @@ def freed(holes: torch.Tensor, free: torch.Tensor | None) -> torch.Tensor | None
     none."""
     if free is None:
         return first_valid(holes)
+    return listed(free)
+
+
+def listed(free: torch.Tensor) -> torch.Tensor | None:
+    """The slots marked in `free` `(R, n)` bool as holes, each row's in slot order `(R, E)` (-1 pads), in O(n)
+    with no sort; None when there are none."""
     slots = padded_slots(free)
     return slots if slots.shape[1] else None
 

@@ -11,7 +11,7 @@ from kvlens.kvcache.store import (
     LayerBook,
     SlotStore,
     first_valid,
-    padded_slots,
+    listed,
     trimmed,
 )
 
@@ -58,7 +58,7 @@ def reserve_room(book: LayerBook, store: SlotStore, rows: slice, tokens: int) ->
     store.reserve(tokens)
     if store.tail_padding:
         store.n = store.capacity
-        book.holes = trimmed(padded_slots(~store.buffers["valid"][rows, : store.n]))
+        book.holes = listed(~store.buffers["valid"][rows, : store.n])
 
 
 def _adopt(book: LayerBook, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> SlotStore:
@@ -98,10 +98,7 @@ class Writer:
         slot, rest = holes[:, 0], holes[:, 1:]  # (Hkv,): -1 where a head has no freed slot
         lacking = bool((slot < 0).any())
         if lacking:
-            end = store.n
-            if end == store.capacity:
-                store.resize(end + (FITTED_GROWTH if book.fitted else GROWTH))
-            store.n = end + 1
+            end = self._one_more_slot()
             rest = torch.cat([rest, torch.where(slot < 0, -1, end)[:, None]], dim=1)
             slot = torch.where(slot < 0, end, slot)
             store.order = None
@@ -116,18 +113,22 @@ class Writer:
         """Write one token into each head's lowest free slot (`LayerBook.in_place`: its invalid slots are its
         free ones). When some head has none, every head gets one more slot at the end: a free one for the
         heads that wrote theirs."""
-        book, store = self.book, self.store
+        store = self.store
         free = ~store.buffers["valid"][self.rows, : store.n]  # (Hkv, n)
         slot = free.byte().argmax(-1)  # (Hkv,) the first free slot, 0 when none
         has = free.gather(1, slot[:, None])[:, 0]
         if not bool(has.all()):
-            end = store.n
-            if end == store.capacity:
-                store.resize(end + (FITTED_GROWTH if book.fitted else GROWTH))
-            store.n = end + 1
-            slot = torch.where(has, slot, end)
+            slot = torch.where(has, slot, self._one_more_slot())
         self.write_into(slot[:, None], key, value, positions)
-        book.written = slot[:, None]
+        self.book.written = slot[:, None]
+
+    def _one_more_slot(self) -> int:
+        """One more slot in use for every head, at the end (growing the buffers if full); returns it."""
+        end = self.store.n
+        if end == self.store.capacity:
+            self.store.resize(end + (FITTED_GROWTH if self.book.fitted else GROWTH))
+        self.store.n = end + 1
+        return end
 
     def fill_chunk(
         self, holes: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor

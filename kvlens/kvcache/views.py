@@ -26,7 +26,7 @@ from kvlens.kvcache.store import (
     STATES,
     LayerBook,
     SlotStore,
-    padded_slots,
+    listed,
     slot_axis,
 )
 
@@ -279,8 +279,8 @@ class SlotRows:
             self.books, counts.chunk(len(self.books)), self.valid.chunk(len(self.books)), strict=True
         ):
             book.n_kept, book.pad = int(part.max()), int(part.min()) < s
-            free = padded_slots(~valid)  # a head's padding, then the spare slots: its next tokens' slots
-            book.holes = free if free.shape[1] and not book.in_place else None
+            # a head's padding, then the spare slots: its next tokens' slots (in place: its invalid ones)
+            book.holes = None if book.in_place else listed(~valid)
             book.fitted = True
 
     def append(

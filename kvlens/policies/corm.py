@@ -93,4 +93,4 @@ class CORM(Policy):
         in_window = rows.extra[MESSAGE] > self._seen(rows) - self.window  # important in the last w messages
         drop = rows.valid & ~(in_window | protected_window(rows, self.recent))  # (R, S)
         if bool(drop.any()):
-            free_logged(step, rows, drop)  # (R, E), -1 pads heads that free fewer
+            free_logged(step, rows, drop)  # marked: freed where they lie

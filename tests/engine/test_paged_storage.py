@@ -193,6 +193,41 @@ def remembered(made: list[KVCache]) -> type[KVCache]:
     return Kept
 
 
+STRUCTURAL = ["step", "layer", "kv_head", "action", "position"]
+
+
+def assert_same_decisions(a_run, b_run) -> None:
+    """Both runs made the same decision rows (some), whatever slot order they were logged in."""
+    a, b = (r.decisions[STRUCTURAL].sort_values(STRUCTURAL).reset_index(drop=True) for r in (a_run, b_run))
+    assert len(a) > 0 and a.equals(b)
+
+
+def assert_same_kept(cache: KVCache, other: KVCache) -> None:
+    """Every layer's heads keep the same positions in both caches, in whatever slots."""
+    for new, was in zip(cache.layers, other.layers, strict=True):
+        for head in range(new.pos.shape[0]):
+            assert torch.equal(
+                new.pos[head][new.valid[head]].sort().values, was.pos[head][was.valid[head]].sort().values
+            )
+
+
+def corm_run(smol, ids: list[int], monkeypatch, storage: Storage | None = None) -> tuple[object, KVCache]:
+    """CORM (window and recent 4) teacher-forced for 12 steps after a 200-token prompt, and its cache."""
+    made: list[KVCache] = []
+    monkeypatch.setattr(loop_module, "KVCache", remembered(made))
+    r = run(
+        smol,
+        make_policy("corm", {"window": 4, "recent": 4}),
+        ids,
+        prefill=200,
+        steps=12,
+        teacher=True,
+        opts=RunOptions(record="summary", storage=storage or Storage()),
+    )
+    (cache,) = made
+    return r, cache
+
+
 @pytest.mark.parametrize(
     "name,params",
     [("adakv", {"base.decoding": "rolling"}), ("kvzip", {"decoding": "rolling"})],  # decode steps evict too
@@ -225,9 +260,7 @@ def test_uneven_policies_hold_half_the_cache_at_budget_half_with_the_padded_layo
     assert m["kv_bytes_peak"] / m["kv_bytes_prefill"] <= 0.52
     assert padded.metrics["kv_bytes_peak"] / m["kv_bytes_prefill"] > 0.6
     assert paged.meta.tokens == padded.meta.tokens
-    structural = ["step", "layer", "kv_head", "action", "position"]
-    a, b = (r.decisions[structural].sort_values(structural).reset_index(drop=True) for r in (paged, padded))
-    assert len(a) > 0 and a.equals(b)
+    assert_same_decisions(paged, padded)
 
 
 def test_a_layer_mostly_freed_in_place_is_compacted_and_decides_the_same(smol, long_text, monkeypatch):
@@ -235,36 +268,16 @@ def test_a_layer_mostly_freed_in_place_is_compacted_and_decides_the_same(smol, l
     use exceed `HOLES` x its fullest head's kept ones + `GROWTH`, its kept slots are laid out again, so steps
     attend to them only. The decisions and losses are the uncompacted layout's."""
     ids = prefix_ids(smol, long_text, 212)
-
-    def corm() -> tuple[object, list[KVCache]]:
-        made: list[KVCache] = []
-        monkeypatch.setattr(loop_module, "KVCache", remembered(made))
-        r = run(
-            smol,
-            make_policy("corm", {"window": 4, "recent": 4}),
-            ids,
-            prefill=200,
-            steps=12,
-            teacher=True,
-            opts=RunOptions(record="summary"),
-        )
-        return r, made
-
-    compact, (cache,) = corm()
+    compact, cache = corm_run(smol, ids, monkeypatch)
     monkeypatch.setattr(frees, "HOLES", float("inf"))
-    holey, (old,) = corm()
-    structural = ["step", "layer", "kv_head", "action", "position"]
-    a, b = (r.decisions[structural].sort_values(structural).reset_index(drop=True) for r in (compact, holey))
-    assert len(a) > 0 and a.equals(b)  # a step logs its evictions in slot order, which compaction changes
+    holey, old = corm_run(smol, ids, monkeypatch)
+    assert_same_decisions(compact, holey)  # a step logs its evictions in slot order, which compaction changes
     torch.testing.assert_close(compact.tensors["steps/nll"], holey.tensors["steps/nll"], rtol=1e-5, atol=1e-6)
     compacted = 0
     for new, was in zip(cache.layers, old.layers, strict=True):
         assert new.store.n <= HOLES * int(new.valid.sum(-1).max()) + GROWTH
         compacted += new.store.n < was.store.n
-        for head in range(new.pos.shape[0]):  # the same positions kept, in other slots
-            assert torch.equal(
-                new.pos[head][new.valid[head]].sort().values, was.pos[head][was.valid[head]].sort().values
-            )
+    assert_same_kept(cache, old)  # the same positions kept, in other slots
     assert compacted > len(cache.layers) // 2
     # a budget-free policy reading attention rows is never paged: a step would gather every page
     assert not any(isinstance(layer._live, PagedStore) for layer in cache.layers)
@@ -282,33 +295,13 @@ def test_marked_slots_are_freed_where_they_lie_and_decide_as_listed_holes(
     storage (KIVI), where a slot's place decides its quantization group, lists the free slots again once the
     prompt is packed, so its runs are unchanged too."""
     ids = prefix_ids(smol, long_text, 212)
-
-    def corm() -> tuple[object, KVCache]:
-        made: list[KVCache] = []
-        monkeypatch.setattr(loop_module, "KVCache", remembered(made))
-        r = run(
-            smol,
-            make_policy("corm", {"window": 4, "recent": 4}),
-            ids,
-            prefill=200,
-            steps=12,
-            teacher=True,
-            opts=RunOptions(record="summary", storage=storage),
-        )
-        return r, made[0]
-
-    marked, cache = corm()
+    marked, cache = corm_run(smol, ids, monkeypatch, storage)
     monkeypatch.setattr(frees, "frees_in_place", lambda view: False)
-    listed, old = corm()
+    listed, old = corm_run(smol, ids, monkeypatch, storage)
     assert all(book.in_place is in_place for book in cache.books)
     assert not any(book.in_place for book in old.books)
-    structural = ["step", "layer", "kv_head", "action", "position"]
-    a, b = (r.decisions[structural].sort_values(structural).reset_index(drop=True) for r in (marked, listed))
-    assert len(a) > 0 and a.equals(b)
+    assert_same_decisions(marked, listed)
     torch.testing.assert_close(marked.tensors["steps/nll"], listed.tensors["steps/nll"], rtol=1e-5, atol=1e-6)
     for new, was in zip(cache.layers, old.layers, strict=True):
         assert new.store.n == was.store.n  # a freed slot is refilled, not left behind: the layers grow alike
-        for head in range(new.pos.shape[0]):
-            assert torch.equal(
-                new.pos[head][new.valid[head]].sort().values, was.pos[head][was.valid[head]].sort().values
-            )
+    assert_same_kept(cache, old)
