@@ -4,7 +4,7 @@ run (`scripts/bench_shape.py`: a random-init Llama-3.1-8B shape at 32k tokens, f
 adakv at ratio 0.5), each with the GPU's peak memory (`torch.cuda.max_memory_allocated`).
 
     python scripts/gpu_bench.py [--out results/cuda] [--parts smoke,shape,table] [--model default]
-        [--steps 16] [--device cuda] [--dtype bfloat16]
+        [--steps 16] [--device cuda] [--dtype bfloat16] [--resume]
 
 - smoke: every policy of the table on 256 prompt tokens, 4 steps, on the device. A policy that fails is named
   with its error and left out of the table, so that one failure does not cost the whole lent run.
@@ -12,7 +12,8 @@ adakv at ratio 0.5), each with the GPU's peak memory (`torch.cuda.max_memory_all
 - table: `bench speed` with every policy that passed, in the every-policy lockstep at 1024, 4096 and 8160
   tokens, 3 rounds, `--steps` generated tokens per run (16: half the CPU table's, to fit the lease), written
   to `OUT/bench_speed.json` and `.csv`. Each length's ratios stream to `OUT/bench_speed.lengths.jsonl` as
-  they are measured, so a lease that ends mid-table keeps the lengths it finished.
+  they are measured, so a lease that ends mid-table keeps the lengths it finished, and `--parts table
+  --resume` goes on from there on the next lease.
 
 The settings are sized for a lent GPU's few minutes; no GPU has timed the whole command yet. Each part's
 seconds go into `OUT/gpu_bench.json` as it ends. `tests/bench/test_gpu_bench.py` runs it on the CPU (`--device
@@ -56,8 +57,11 @@ def smoke(model_spec: str, device: str, dtype: str, tokens: int = 256, steps: in
     return failed
 
 
-def table(out: Path, model_spec: str, device: str, dtype: str, steps: int, left_out: list[str]) -> int:
-    """`kvlens bench speed` on the device, every policy but `left_out`, into `out`."""
+def table(
+    out: Path, model_spec: str, device: str, dtype: str, steps: int, left_out: list[str], resume: bool = False
+) -> int:
+    """`kvlens bench speed` on the device, every policy but `left_out`, into `out` (`resume`: going on with a
+    table cut short there, `kvlens bench speed --resume`)."""
     names = [n for n in policy_names() if n not in left_out]
     return kvlens_main(
         [
@@ -80,6 +84,7 @@ def table(out: Path, model_spec: str, device: str, dtype: str, steps: int, left_
             "--out-dir",
             str(out),
             "--no-figure",
+            *(["--resume"] if resume else []),
         ]
     )
 
@@ -94,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--shape", default="llama-8b", help="bench_shape.py's --shape")
     p.add_argument("--tokens", type=int, default=32768, help="bench_shape.py's --tokens")
+    p.add_argument("--resume", action="store_true", help="the table goes on with a table cut short in --out")
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     if not parts or set(parts) - set(PARTS):
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             failed = smoke(args.model, args.device, args.dtype)
             status["failed"] = failed
         elif part == "table":
-            rc |= table(out, args.model, args.device, args.dtype, args.steps, list(failed))
+            rc |= table(out, args.model, args.device, args.dtype, args.steps, list(failed), args.resume)
         else:
             rc |= bench_shape.main(
                 [

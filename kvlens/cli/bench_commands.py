@@ -224,6 +224,12 @@ def _register_speed(bsub) -> None:
         help="policies measured against full in the evict lockstep for the every_policy_* ratios: 'all' "
         "(every registered policy), a comma-separated list, or 'none'",
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on with the run cut short whose streams (bench_speed.rows.jsonl, .lengths.jsonl) are in "
+        "--out-dir: its rows and finished lengths are kept, the rest is measured (same settings only)",
+    )
     p.set_defaults(func=cmd_speed)
     _quick(
         p,
@@ -518,16 +524,26 @@ def cmd_speed(args) -> int:
     evict_lengths = parse_list(args.evict_lengths, "--evict-lengths", minimum=1)
     if not 0 < args.budget <= 1 or args.repeats < 1 or args.steps < 2:
         raise KvlensError("--budget must be in (0, 1], --repeats at least 1 and --steps at least 2.")
-    model = load(args)
     text = bundled.read(bundled.ids()[0])  # the longest-running address (1946 Truman, ~40k tokens)
     every = _lockstep(args.lockstep)
     ticks = speed.ticks(len(policies), lengths, args.repeats, evict_lengths, every)
     bar = Progress("bench speed", ticks, "measurement", log=True)
-    # each row, and each evict length's ratios, as soon as measured: a run cut short keeps what it finished
+    settings = {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "policies": [p.label for p in policies],
+        "lengths": lengths,
+        "steps": args.steps,
+        "budget": args.budget,
+        "repeats": args.repeats,
+        "ratio_length": args.ratio_length,
+        "evict_lengths": evict_lengths,
+        "lockstep": every,
+    }
     streams = {kind: Path(args.out_dir) / f"bench_speed{suffix}.{kind}.jsonl" for kind in ("rows", "lengths")}
-    for path in streams.values():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("", encoding="utf-8")
+    done = _speed_streams(streams, settings, args.resume)
+    model = load(args)
 
     def append(kind: str, item: dict) -> None:
         with streams[kind].open("a", encoding="utf-8") as f:
@@ -548,6 +564,8 @@ def cmd_speed(args) -> int:
             tick=bar.advance,
             on_row=functools.partial(append, "rows"),
             on_length=functools.partial(append, "lengths"),
+            done_rows=done["rows"],
+            done_lengths=done["lengths"],
         )
     lines = [speed.markdown_table(result), ""]
     for key, value in result["ratios"].items():
@@ -561,6 +579,52 @@ def cmd_speed(args) -> int:
             + (f"  (CPU time: {cpu:.3f})" if cpu is not None else "")
         )
     return _finish(args, result, result["rows"], "bench_speed" + suffix, "\n".join(lines))
+
+
+def _speed_streams(streams: dict[str, Path], settings: dict, resume: bool) -> dict[str, list[dict]]:
+    """Each row, and each evict length's ratios, go to `streams` as soon as measured, after a first line with
+    the run's `settings`: a run cut short keeps what it finished. Started afresh, or with `resume` read back
+    (what they hold, by kind) when they hold a run of the same settings; else one sentence says why not."""
+    if not resume:
+        for path in streams.values():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"settings": settings}) + "\n", encoding="utf-8")
+        return {kind: [] for kind in streams}
+    done = {}
+    for kind, path in streams.items():
+        items = _json_lines(path)
+        if not items or not isinstance(items[0], dict) or items[0].get("settings") is None:
+            raise KvlensError(
+                f"{path} holds no run of `kvlens bench speed` to resume; run it without --resume."
+            )
+        if items[0]["settings"] != json.loads(json.dumps(settings)):
+            raise KvlensError(
+                f"{path} holds a run with other settings than these, so it cannot be resumed; run with its "
+                f"settings ({json.dumps(items[0]['settings'])}) or without --resume."
+            )
+        path.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
+        done[kind] = items[1:]
+    return done
+
+
+def _json_lines(path: Path) -> list:
+    """The items of a JSON-lines stream (none when the file is missing); a last line cut short by the run's
+    interruption is left out, any other line that is not JSON is named in one sentence."""
+    lines = (
+        [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if path.is_file()
+        else []
+    )
+    items = []
+    for i, line in enumerate(lines):
+        try:
+            items.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise KvlensError(
+                    f"Line {i + 1} of {path} is not JSON, so the run cannot be resumed."
+                ) from None
+    return items
 
 
 def _lockstep(text: str) -> list[str]:

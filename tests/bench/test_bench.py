@@ -383,3 +383,75 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
     # 80 slots kept + the step's token, over the full cache's 160 + the 2 tokens fed after the prompt
     assert sizes["per_policy"]["streaming_llm"] == pytest.approx(81 / 162)
     assert "every_policy_half_vs_full_at_160" not in result["targets"]  # targets at 1024, 4096 and 8160 only
+
+
+def test_a_resumed_speed_run_keeps_what_the_run_cut_short_measured_and_measures_the_rest(
+    tiny, texts, monkeypatch
+):
+    settings = {
+        "text": texts["1946-Truman"],
+        "steps": 3,
+        "budget": 0.5,
+        "repeats": 1,
+        "ratio_length": 64,
+        "evict_lengths": [96, 160],
+        "every": ["tova"],
+    }
+    policies = parse_policies("full;h2o")
+
+    class CutShort(Exception):
+        pass
+
+    rows, parts = [], []
+
+    def cut(part):
+        parts.append(part)
+        raise CutShort
+
+    with pytest.raises(CutShort):  # the run ends after its first evict length
+        speed.bench_speed(tiny, policies, [32], on_row=rows.append, on_length=cut, **settings)
+    rows, parts = json.loads(json.dumps(rows)), json.loads(json.dumps(parts))  # as the streams hold them
+    measured = []
+    evict_ratios = speed.evict_ratios
+    monkeypatch.setattr(
+        speed,
+        "evict_ratios",
+        lambda model, text, n, *a, **k: measured.append(n) or evict_ratios(model, text, n, *a, **k),
+    )
+    ticks, new_rows, new_parts = [], [], []
+    result = speed.bench_speed(
+        tiny,
+        policies,
+        [32],
+        tick=lambda: ticks.append(1),
+        on_row=new_rows.append,
+        on_length=new_parts.append,
+        done_rows=rows,
+        done_lengths=parts,
+        **settings,
+    )
+    assert measured == [160] and new_rows == []  # only what the first run did not finish
+    assert [p["evict_length"] for p in new_parts] == [160]
+    assert result["rows"] == rows
+    assert result["ratio_details"]["evict_half_vs_full_at_96"] == parts[0]["lockstep"]
+    assert {k: v for k, v in result["ratios"].items() if k.endswith("_at_96")} == parts[0]["ratios"]
+    assert (
+        result["ratios"]["prefill_stats_vs_full"] == parts[0]["lockstep"]["prefill_ratio"]
+    )  # the first length's
+    assert "every_policy_vs_floor_at_160" in result["ratios"]
+    assert len(ticks) == speed.ticks(len(policies), [32], 1, [96, 160], ["tova"])  # the bar ends full
+
+
+def test_bench_speed_resumes_only_a_run_of_the_same_settings(tmp_path, capsys):
+    argv = ["bench", "speed", "--policies", "full", "--lengths", "32", "--out-dir", str(tmp_path), "--resume"]
+    assert main(argv) == 2
+    assert "holds no run of `kvlens bench speed` to resume" in capsys.readouterr().err
+    stream = tmp_path / "bench_speed.rows.jsonl"
+    (tmp_path / "bench_speed.lengths.jsonl").write_text(json.dumps({"settings": {"steps": 7}}) + "\n")
+    stream.write_text(json.dumps({"settings": {"steps": 7}}) + "\n" + '{"policy": "full", "prompt_tok')
+    assert main(argv) == 2  # a last line cut short is left out; the settings differ
+    err = capsys.readouterr().err
+    assert "holds a run with other settings than these" in err and '{"steps": 7}' in err
+    stream.write_text('{"settings": {"steps": 7}}\nnot json\n{}\n')
+    assert main(argv) == 2
+    assert "Line 2 of" in capsys.readouterr().err

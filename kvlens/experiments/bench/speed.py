@@ -420,14 +420,16 @@ def ticks(
     n_policies: int, lengths: list[int], repeats: int, evict_lengths: list[int], every: Sequence[str] = ()
 ) -> int:
     """How many times `bench_speed` calls `tick`."""
-    free = [n for n in every if PolicySpec(n).budget_free]
-    floors = len(free) + (len(free) < len(every))  # one per budget-free policy, one for the budgeted ones
-    sides = len(lockstep_names(list(every))) + floors
     return (
-        n_policies * len(lengths)
-        + 8 * repeats
-        + sides * sum(evict_repeats(repeats, n, every) for n in evict_lengths)
+        n_policies * len(lengths) + 8 * repeats + sum(length_ticks(n, repeats, every) for n in evict_lengths)
     )
+
+
+def length_ticks(n: int, repeats: int, every: Sequence[str] = ()) -> int:
+    """How many times `evict_ratios` calls `tick` at an n-token prompt: each side's runs."""
+    free = [name for name in every if PolicySpec(name).budget_free]
+    floors = len(free) + (len(free) < len(every))  # one per budget-free policy, one for the budgeted ones
+    return (len(lockstep_names(list(every))) + floors) * evict_repeats(repeats, n, every)
 
 
 def engine_pairs(model: LoadedModel, ids: list[int], steps: int, budget: float, repeats: int, tick) -> dict:
@@ -490,26 +492,34 @@ def _policy_rows(
     budget: float,
     tick: Callable[[], None],
     on_row: Callable[[dict], None],
+    done: Sequence[dict] = (),
 ) -> list[dict]:
-    """The policy table: one run per policy and length, each row handed to `on_row` when measured."""
-    # untimed warm-up: the process's first run pays one-off costs (allocator, kernels) that would land in row
-    # one
-    engine_once(model, PolicySpec("full"), prefix_ids(model, text, min(lengths), "The text"), 2, None)
+    """The policy table: one run per policy and length, each row handed to `on_row` when measured; a row of
+    `done` (a run cut short) is kept, not measured again."""
+    kept = {(row["policy"], row["prompt_tokens"]): row for row in done}
+    if len(kept) < len(policies) * len(lengths):
+        # untimed warm-up: the process's first run pays one-off costs (allocator, kernels) that would land in
+        # row one
+        engine_once(model, PolicySpec("full"), prefix_ids(model, text, min(lengths), "The text"), 2, None)
     rows = []
     for n in lengths:
         ids = prefix_ids(model, text, n, "The text")
         for spec in policies:
-            res = engine_once(model, spec, ids, steps, budget)
-            res.pop("tokens")
-            rows.append({"policy": spec.label, "prompt_tokens": n, "steps": steps, **res})
-            on_row(rows[-1])
+            if (spec.label, n) in kept:
+                rows.append(kept[spec.label, n])
+            else:
+                res = engine_once(model, spec, ids, steps, budget)
+                res.pop("tokens")
+                rows.append({"policy": spec.label, "prompt_tokens": n, "steps": steps, **res})
+                on_row(rows[-1])
             tick()
     return rows
 
 
 def length_part(n: int, e: dict, every: Sequence[str]) -> dict:
     """One evict length's ratios as `bench_speed`'s result names them, from its lockstep `e`: the evict ratio,
-    and with `every` the every-policy ones in wall-clock and CPU time with their details."""
+    and with `every` the every-policy ones in wall-clock and CPU time with their details; and `e` itself
+    (`lockstep`), from which a resumed run rebuilds the result."""
     ratios, ratios_cpu, details = every_policy_ratios(e) if every else ({}, {}, {})
     return {
         "evict_length": n,
@@ -517,6 +527,7 @@ def length_part(n: int, e: dict, every: Sequence[str]) -> dict:
         "ratios": {f"evict_half_vs_full_at_{n}": e["ratio"], **ratios},
         "ratios_cpu": ratios_cpu,
         "ratio_details": details,
+        "lockstep": e,
     }
 
 
@@ -556,19 +567,30 @@ def bench_speed(
     tick: Callable[[], None] = lambda: None,
     on_row: Callable[[dict], None] = lambda row: None,
     on_length: Callable[[dict], None] = lambda part: None,
+    done_rows: Sequence[dict] = (),
+    done_lengths: Sequence[dict] = (),
 ) -> dict:
     """The policy table (one run per policy and length, each row handed to `on_row` when measured),
     the ratios at `ratio_length` and the evict ratios at each of `evict_lengths`, every policy of `every` in
     their lockstep (the `every_policy_*` ratios), each length's handed to `on_length` when measured
     (`length_part`: a run cut short keeps the lengths it finished).
 
-    `tick` is called after every engine or loop run (progress bars): `ticks(...)` gives the total.
+    `done_rows` and `done_lengths`: what a run cut short with the same settings handed out (`kvlens bench
+    speed --resume`), kept and not measured again. `tick` is called after every engine or loop run, or
+    measurement kept (progress bars): `ticks(...)` gives the total.
     """
     if repeats < 1 or steps < 2:
         raise KvlensError("Speed needs at least one repeat and two generated tokens.")
-    rows = _policy_rows(model, policies, lengths, text, steps, budget, tick, on_row)
+    rows = _policy_rows(model, policies, lengths, text, steps, budget, tick, on_row, done_rows)
+    finished = {part["evict_length"]: part for part in done_lengths}
     evict, parts = {}, []
     for n in evict_lengths:
+        if n in finished:
+            parts.append(finished[n])
+            evict[n] = parts[-1]["lockstep"]
+            for _ in range(length_ticks(n, repeats, every)):
+                tick()
+            continue
         evict[n] = evict_ratios(model, text, n, steps, 0.5, repeats, tick, list(every))
         parts.append(length_part(n, evict[n], every))
         on_length(parts[-1])
