@@ -225,6 +225,13 @@ def _register_speed(bsub) -> None:
         "(every registered policy), a comma-separated list, or 'none'",
     )
     p.add_argument(
+        "--group",
+        type=int,
+        default=6,
+        help="policies per group of the evict lockstep, each group run alone beside its own full cache and "
+        "floors, so that only one group's caches are alive at a time (0: every policy in one lockstep)",
+    )
+    p.add_argument(
         "--resume",
         action="store_true",
         help="go on with the run cut short whose streams (bench_speed.rows.jsonl, .lengths.jsonl) are in "
@@ -522,11 +529,13 @@ def cmd_speed(args) -> int:
     policies = parse_policies(args.policies)
     lengths = parse_list(args.lengths, "--lengths", minimum=1)
     evict_lengths = parse_list(args.evict_lengths, "--evict-lengths", minimum=1)
-    if not 0 < args.budget <= 1 or args.repeats < 1 or args.steps < 2:
-        raise KvlensError("--budget must be in (0, 1], --repeats at least 1 and --steps at least 2.")
+    if not 0 < args.budget <= 1 or args.repeats < 1 or args.steps < 2 or args.group < 0:
+        raise KvlensError(
+            "--budget must be in (0, 1], --repeats at least 1, --steps at least 2 and --group at least 0."
+        )
     text = bundled.read(bundled.ids()[0])  # the longest-running address (1946 Truman, ~40k tokens)
     every = _lockstep(args.lockstep)
-    ticks = speed.ticks(len(policies), lengths, args.repeats, evict_lengths, every)
+    ticks = speed.ticks(len(policies), lengths, args.repeats, evict_lengths, every, args.group)
     bar = Progress("bench speed", ticks, "measurement", log=True)
     settings = {
         "model": args.model,
@@ -540,6 +549,7 @@ def cmd_speed(args) -> int:
         "ratio_length": args.ratio_length,
         "evict_lengths": evict_lengths,
         "lockstep": every,
+        "group": args.group,
     }
     streams = {kind: Path(args.out_dir) / f"bench_speed{suffix}.{kind}.jsonl" for kind in ("rows", "lengths")}
     done = _speed_streams(streams, settings, args.resume)
@@ -561,6 +571,7 @@ def cmd_speed(args) -> int:
             ratio_length=args.ratio_length,
             evict_lengths=evict_lengths,
             every=every,
+            group=args.group,
             tick=bar.advance,
             on_row=functools.partial(append, "rows"),
             on_length=functools.partial(append, "lengths"),

@@ -351,8 +351,14 @@ def every_policy_table(obj: dict) -> str:
     lengths = sorted(int(k.rsplit("_", 1)[1]) for k in details if k.startswith("every_policy_vs_floor_at_"))
     if not lengths:
         return ""
+    group = obj["config"].get("group")
+    lockstep = (
+        f"in lockstep groups of {group} policies per prompt length, each group beside its own full cache"
+        if group
+        else "in one lockstep per prompt length"
+    )
     out = (
-        "\nEvery policy at half budget against the full cache, in one lockstep per prompt length: "
+        f"\nEvery policy at half budget against the full cache, {lockstep}: "
         "its **floor** is the full cache on the tokens it keeps (the same model work over as many slots), so "
         "`decode vs floor` is what the method itself costs per step. Medians over "
         f"{max(3, obj['config']['repeats'])} rounds, [lowest–highest]:\n\n"

@@ -260,16 +260,15 @@ def test_speed_bench_rows_and_ratios_from_the_same_run(tiny, texts):
     assert ratios["kv_bytes_half_budget_vs_full"] == pytest.approx(33 / 64)
     assert result["targets"]["kv_bytes_half_budget_vs_full"]["met"]  # 33 of 64 slots allocated: budget + 1
     evict = details["evict_half_vs_full_at_48"]
+    assert evict["groups"] == [["full", "streaming_llm", "h2o", "tova"]]  # no lockstep: one group
+    ms, prefill_ms = evict["ms_per_token"][0], evict["prefill_ms"][0]
     per_policy = {
-        name: sorted(
-            a / b for a, b in zip(evict["ms_per_token"][name], evict["ms_per_token"]["full"], strict=True)
-        )
+        name: sorted(a / b for a, b in zip(ms[name], ms["full"], strict=True))
         for name in ("streaming_llm", "h2o")
     }
     assert ratios["evict_half_vs_full_at_48"] == pytest.approx(max(sum(v) / 2 for v in per_policy.values()))
     prefill = {
-        name: sum(a / b for a, b in zip(evict["prefill_ms"][name], evict["prefill_ms"]["full"], strict=True))
-        / 2
+        name: sum(a / b for a, b in zip(prefill_ms[name], prefill_ms["full"], strict=True)) / 2
         for name in ("h2o", "tova")
     }
     assert ratios["prefill_stats_vs_full"] == pytest.approx(max(prefill.values()))
@@ -313,11 +312,13 @@ def test_lockstep_advances_every_side_one_step_in_turn():
     assert res["a"]["prefill_ms"] == 200.0 and res["a"]["ms_per_token"] == 1.5
 
 
-def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, texts):
+def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, texts, monkeypatch):
     from kvlens.policies import policy_names
 
     every = [n for n in policy_names() if n != "full"]
-    ticks, lengths = [], []
+    ticks, lengths, alive = [], [], []
+    rotated = speed.rotated
+    monkeypatch.setattr(speed, "rotated", lambda runs, *a: alive.append(list(runs)) or rotated(runs, *a))
     result = speed.bench_speed(
         tiny,
         parse_policies("full"),
@@ -329,6 +330,7 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
         ratio_length=64,
         evict_lengths=[160],
         every=every,
+        group=4,
         tick=lambda: ticks.append(1),
         on_length=lengths.append,
     )
@@ -339,17 +341,24 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
     at_160 = {k: v for k, v in result["ratio_details"].items() if k.endswith("_at_160")}
     assert part["ratio_details"] == {k: v for k, v in at_160.items() if not k.startswith("evict")}
     free = [n for n in every if make_policy(n).budget_free]
-    floors = {"floor", *(f"floor:{n}" for n in free)}  # half the prompt, and each budget-free policy's own
-    assert (
-        len(ticks) == speed.ticks(1, [32], 1, [160], every) == 1 + 8 + 3 * (len(every) + 1 + len(floors))
-    )  # + full in the lockstep; every policy measured: 3 rounds at least
+    floor_of = {n: f"floor:{n}" if n in free else "floor" for n in every}  # half the prompt, or what it keeps
     details = result["ratio_details"]["evict_half_vs_full_at_160"]
-    assert set(details["ms_per_token"]) == {"full", *every, *floors}
+    groups = details["groups"]
+    assert alive == groups  # one group's sides alive at a time: its rounds, then the next group's
+    assert groups[0][:4] == ["full", "streaming_llm", "h2o", "tova"]  # the evict and statistics ratios' sides
+    for group in groups:  # its own full cache, at most 4 policies (KVzap beside KVzip), and their floors
+        policies = [n for n in group if n in every]
+        assert group == ["full", *policies, *dict.fromkeys(floor_of[n] for n in policies)]
+        assert len(policies) <= 4 or policies[-2:] == ["kvzip", "kvzap"]
+    assert sorted(n for group in groups for n in group if n in every) == sorted(every)  # each policy once
+    sides = sum(len(group) for group in groups)
+    assert len(ticks) == speed.ticks(1, [32], 1, [160], every, 4) == 1 + 8 + 3 * sides  # 3 rounds at least
     assert details["floor_tokens"]["floor"] == 80
+    ms = {n: g for g in details["ms_per_token"] for n in g if n in every}  # each policy's group
+    prefill_ms = {n: g for g in details["prefill_ms"] for n in g if n in every}
     floor = result["ratio_details"]["every_policy_vs_floor_at_160"]
     for name in every:
-        side = f"floor:{name}" if name in free else "floor"
-        mine, theirs = details["ms_per_token"][name], details["ms_per_token"][side]
+        mine, theirs = ms[name][name], ms[name][floor_of[name]]
         ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
         assert floor["per_policy"][name] == pytest.approx(sorted(ratios)[1])  # the median of 3 rounds
         assert floor["spread"][name] == pytest.approx([min(ratios), max(ratios)])
@@ -364,17 +373,17 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
         ranked = {k: v for k, v in per.items() if kind == "half" or k not in replay["per_policy"]}
         assert set(per) == set(every) and named["worst"] == max(ranked, key=ranked.get)
         assert result["ratios"][key] == per[named["worst"]]
-        measured, name = details[column], named["worst"]
+        measured, name = {"ms_per_token": ms, "prefill_ms": prefill_ms}[column], named["worst"]
         assert per[name] == pytest.approx(
-            sorted(a / b for a, b in zip(measured[name], measured["full"], strict=True))[1]
-        )  # the median of 3 rounds
+            sorted(a / b for a, b in zip(measured[name][name], measured[name]["full"], strict=True))[1]
+        )  # the median of 3 rounds, against its own group's full cache
     assert per["kvzip"] == pytest.approx(replay["per_policy"]["kvzip"])
     learned = result["ratio_details"]["kvzap_vs_kvzip_prefill_at_160"]  # the surrogate over the replay
     rounds = sorted(
-        a / b for a, b in zip(details["prefill_ms"]["kvzap"], details["prefill_ms"]["kvzip"], strict=True)
+        a / b for a, b in zip(prefill_ms["kvzap"]["kvzap"], prefill_ms["kvzip"]["kvzip"], strict=True)
     )
     assert result["ratios"]["kvzap_vs_kvzip_prefill_at_160"] == learned["wall"] == pytest.approx(rounds[1])
-    assert learned["prefill_ms"] == {p: details["prefill_ms"][p] for p in ("kvzap", "kvzip")}
+    assert learned["prefill_ms"] == {p: prefill_ms[p][p] for p in ("kvzap", "kvzip")}
     sizes = result["ratio_details"]["every_policy_bytes_half_vs_full_at_160"]
     budgeted = {n for n in every if not make_policy(n).budget_free}
     assert set(sizes["per_policy"]) == budgeted and sizes["worst"] == max(

@@ -38,9 +38,11 @@ step, which a machine shared with other processes disturbs less than wall time.
   half budget, on the tokens it kept for a budget-free one (measured by an untimed run first). Both sides do
   the same model work over the same number of slots, so the ratio is what the method itself costs per step.
 
-With `every`, each length runs at least 3 rounds (`every_rounds`); `ratio_details` gives each policy's median
-[min, max] over the rounds (`spread`) in wall-clock and in CPU time (`cpu`, `cpu_spread`), and prefill targets
-are judged in CPU time (`CPU_TARGETS`).
+With `every`, the policies run in groups (`group` policies each, `lockstep_groups`), one group after the
+other, each beside its own full cache and floors, so that only one group's caches are alive at a time and each
+ratio compares sides of the same lockstep. Each length runs at least 3 rounds (`every_rounds`);
+`ratio_details` gives each policy's median [min, max] over the rounds (`spread`) in wall-clock and in CPU time
+(`cpu`, `cpu_spread`), and prefill targets are judged in CPU time (`CPU_TARGETS`).
 """
 
 from __future__ import annotations
@@ -319,6 +321,28 @@ def lockstep_names(every: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(("full", *EVICTING, *STATS, *every)))
 
 
+def lockstep_groups(every: Sequence[str], size: int = 0) -> list[list[str]]:
+    """The evict lockstep's groups, each run alone beside its own `full` (and floors, `group_floors`), so that
+    only one group's caches are alive at a time: the evicting and statistics policies, then `every` other
+    policy, `size` policies a group (0: all in one), KVzap in KVzip's group (their prefill ratio)."""
+    rest = [name for name in lockstep_names(every) if name != "full"]
+    units = [[name] for name in rest if not (name == LEARNED[0] and LEARNED[1] in rest)]
+    for unit in units:
+        if unit[0] == LEARNED[1] and LEARNED[0] in rest:
+            unit.append(LEARNED[0])
+    chunks: list[list[str]] = [[]]
+    for unit in units:
+        if size and chunks[-1] and len(chunks[-1]) + len(unit) > size:
+            chunks.append([])
+        chunks[-1].extend(unit)
+    return [["full", *chunk] for chunk in chunks]
+
+
+def group_floors(group: Sequence[str], every: Sequence[str]) -> list[str]:
+    """The floor sides a lockstep group needs: one for each of its `every` policies (`floor_of`), once."""
+    return list(dict.fromkeys(floor_of(name) for name in group if name in every))
+
+
 def floor_sides(
     model: LoadedModel, ids: list[int], steps: int, budget: float, every: Sequence[str]
 ) -> dict[str, list[int]]:
@@ -349,22 +373,27 @@ def evict_ratios(
     repeats: int,
     tick: Callable[[], None],
     every: Sequence[str] = (),
+    group: int = 0,
 ) -> dict:
-    """full, streaming_llm, h2o, tova and `every` other policy on one n-token prompt, rotated: decode and
-    prefill (+ step-0 compression) ratios over full, per policy; the worst of `every` named."""
+    """full, streaming_llm, h2o, tova and `every` other policy on one n-token prompt, rotated in groups of
+    `group` policies (`lockstep_groups`), each beside its own full cache and floors: decode and prefill
+    (+ step-0 compression) ratios over its group's full, per policy; the worst of `every` named."""
     n = min(n, (model.shape()["context"] or n + steps) - steps)
     ids = prefix_ids(model, text, n, "The text")
-    runs = {
-        name: functools.partial(engine_steps, model, PolicySpec(name), ids, steps, budget)
-        for name in lockstep_names(every)
-    }
     floors = floor_sides(model, ids, steps, budget, every)
-    for side, prompt in floors.items():
-        runs[side] = functools.partial(engine_steps, model, PolicySpec("full"), prompt, steps, None)
-    sides = rotated(runs, evict_repeats(repeats, n, every), tick)
+    groups, own = [], {}  # each group's sides' rounds; each policy's group
+    for names in lockstep_groups(every, group):
+        runs = {
+            name: functools.partial(engine_steps, model, PolicySpec(name), ids, steps, budget)
+            for name in names
+        }
+        for side in group_floors(names, every):
+            runs[side] = functools.partial(engine_steps, model, PolicySpec("full"), floors[side], steps, None)
+        groups.append(rotated(runs, evict_repeats(repeats, n, every), tick))
+        own.update({name: groups[-1] for name in names})
 
     def per_round(name, key, against="full"):
-        return [a[key] / b[key] for a, b in zip(sides[name], sides[against], strict=True)]
+        return [a[key] / b[key] for a, b in zip(own[name][name], own[name][against], strict=True)]
 
     def ratio(name, key, against="full"):
         return median(per_round(name, key, against))
@@ -387,15 +416,15 @@ def evict_ratios(
         }
         for part, (wall, cpu, against) in families.items()
     }
-    whole = median(x["kv_bytes_peak"] for x in sides["full"])  # the full cache after the same steps
+    whole = median(x["kv_bytes_peak"] for x in groups[0]["full"])  # the full cache after the same steps
     nbytes = {
-        name: median(x["kv_bytes_peak"] for x in sides[name]) / whole
+        name: median(x["kv_bytes_peak"] for x in own[name][name]) / whole
         for name in others
         if not PolicySpec(name).budget_free
     }
     replays = [
-        name for name in others if sides[name][0]["replay_passes"]
-    ]  # their prefill is the method's pass
+        name for name in others if own[name][name][0]["replay_passes"]
+    ]  # their prefill is the method's
     out = {
         "prompt_tokens": n,
         "decode": decode,
@@ -406,8 +435,9 @@ def evict_ratios(
         "floor_tokens": {side: len(prompt) for side, prompt in floors.items()},
         "ratio": max(decode[name] for name in EVICTING),
         "prefill_ratio": max(prefill[name] for name in STATS),
-        "ms_per_token": {k: [x["ms_per_token"] for x in v] for k, v in sides.items()},
-        "prefill_ms": {k: [x["prefill_ms"] for x in v] for k, v in sides.items()},
+        "groups": [list(sides) for sides in groups],
+        "ms_per_token": [{k: [x["ms_per_token"] for x in v] for k, v in sides.items()} for sides in groups],
+        "prefill_ms": [{k: [x["prefill_ms"] for x in v] for k, v in sides.items()} for sides in groups],
     }
     if every:
         out["worst_bytes"] = max((name for name in every if name in nbytes), key=nbytes.__getitem__)
@@ -417,19 +447,25 @@ def evict_ratios(
 
 
 def ticks(
-    n_policies: int, lengths: list[int], repeats: int, evict_lengths: list[int], every: Sequence[str] = ()
+    n_policies: int,
+    lengths: list[int],
+    repeats: int,
+    evict_lengths: list[int],
+    every: Sequence[str] = (),
+    group: int = 0,
 ) -> int:
     """How many times `bench_speed` calls `tick`."""
     return (
-        n_policies * len(lengths) + 8 * repeats + sum(length_ticks(n, repeats, every) for n in evict_lengths)
+        n_policies * len(lengths)
+        + 8 * repeats
+        + sum(length_ticks(n, repeats, every, group) for n in evict_lengths)
     )
 
 
-def length_ticks(n: int, repeats: int, every: Sequence[str] = ()) -> int:
-    """How many times `evict_ratios` calls `tick` at an n-token prompt: each side's runs."""
-    free = [name for name in every if PolicySpec(name).budget_free]
-    floors = len(free) + (len(free) < len(every))  # one per budget-free policy, one for the budgeted ones
-    return (len(lockstep_names(list(every))) + floors) * evict_repeats(repeats, n, every)
+def length_ticks(n: int, repeats: int, every: Sequence[str] = (), group: int = 0) -> int:
+    """How many times `evict_ratios` calls `tick` at an n-token prompt: each side's runs, in every group."""
+    sides = sum(len(names) + len(group_floors(names, every)) for names in lockstep_groups(every, group))
+    return sides * evict_repeats(repeats, n, every)
 
 
 def engine_pairs(model: LoadedModel, ids: list[int], steps: int, budget: float, repeats: int, tick) -> dict:
@@ -462,7 +498,8 @@ def every_policy_ratios(e: dict) -> tuple[dict, dict, dict]:
     if "learned" in e:
         name = f"{LEARNED[0]}_vs_{LEARNED[1]}_prefill_at_{m}"
         ratios[name], ratios_cpu[name] = e["learned"]["wall"], e["learned"]["cpu"]
-        details[name] = {"prefill_ms": {p: e["prefill_ms"][p] for p in LEARNED}, **e["learned"]}
+        prefill = next(sides for sides in e["prefill_ms"] if LEARNED[0] in sides)  # their group's
+        details[name] = {"prefill_ms": {p: prefill[p] for p in LEARNED}, **e["learned"]}
     name = f"every_policy_bytes_half_vs_full_at_{m}"
     ratios[name] = e["bytes"][e["worst_bytes"]]
     details[name] = {"worst": e["worst_bytes"], "per_policy": e["bytes"]}
@@ -564,6 +601,7 @@ def bench_speed(
     ratio_length: int,
     evict_lengths: list[int],
     every: Sequence[str] = (),
+    group: int = 0,
     tick: Callable[[], None] = lambda: None,
     on_row: Callable[[dict], None] = lambda row: None,
     on_length: Callable[[dict], None] = lambda part: None,
@@ -572,8 +610,9 @@ def bench_speed(
 ) -> dict:
     """The policy table (one run per policy and length, each row handed to `on_row` when measured),
     the ratios at `ratio_length` and the evict ratios at each of `evict_lengths`, every policy of `every` in
-    their lockstep (the `every_policy_*` ratios), each length's handed to `on_length` when measured
-    (`length_part`: a run cut short keeps the lengths it finished).
+    their lockstep (the `every_policy_*` ratios) in groups of `group` policies (`lockstep_groups`), each
+    length's handed to `on_length` when measured (`length_part`: a run cut short keeps the lengths it
+    finished).
 
     `done_rows` and `done_lengths`: what a run cut short with the same settings handed out (`kvlens bench
     speed --resume`), kept and not measured again. `tick` is called after every engine or loop run, or
@@ -588,10 +627,10 @@ def bench_speed(
         if n in finished:
             parts.append(finished[n])
             evict[n] = parts[-1]["lockstep"]
-            for _ in range(length_ticks(n, repeats, every)):
+            for _ in range(length_ticks(n, repeats, every, group)):
                 tick()
             continue
-        evict[n] = evict_ratios(model, text, n, steps, 0.5, repeats, tick, list(every))
+        evict[n] = evict_ratios(model, text, n, steps, 0.5, repeats, tick, list(every), group)
         parts.append(length_part(n, evict[n], every))
         on_length(parts[-1])
     ids = prefix_ids(model, text, ratio_length, "The text")
@@ -609,6 +648,7 @@ def bench_speed(
             "repeats": repeats,
             "ratio_length": ratio_length,
             "evict_lengths": evict_lengths,
+            "group": group,
         },
         "environment": environment(model),
         "rows": rows,
