@@ -23,6 +23,7 @@ LAYERS = [  # bottom first; a module belongs to the layer of its longest matchin
             "kvlens.version",
             "kvlens.errors",
             "kvlens.lists",
+            "kvlens.jsonl",
             "kvlens.levels",
             "kvlens.params",
             "kvlens.texts",

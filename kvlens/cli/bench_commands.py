@@ -619,23 +619,15 @@ def _speed_streams(streams: dict[str, Path], settings: dict, resume: bool) -> di
 
 
 def _json_lines(path: Path) -> list:
-    """The items of a JSON-lines stream (none when the file is missing); a last line cut short by the run's
-    interruption is left out, any other line that is not JSON is named in one sentence."""
-    lines = (
-        [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if path.is_file()
-        else []
-    )
-    items = []
-    for i, line in enumerate(lines):
-        try:
-            items.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i < len(lines) - 1:
-                raise KvlensError(
-                    f"Line {i + 1} of {path} is not JSON, so the run cannot be resumed."
-                ) from None
-    return items
+    """The items of a run's stream (none when the file is missing), a last line cut short by the run's
+    interruption left out; any other line that is not JSON is named in one sentence."""
+    from kvlens.jsonl import json_lines
+
+    try:
+        text = path.read_text(encoding="utf-8") if path.is_file() else ""
+        return [item for _, item in json_lines(text, path, cut_short=True)]
+    except KvlensError as err:
+        raise KvlensError(f"{str(err).rstrip('.')}, so the run cannot be resumed.") from None
 
 
 def _lockstep(text: str) -> list[str]:

@@ -463,4 +463,5 @@ def test_bench_speed_resumes_only_a_run_of_the_same_settings(tmp_path, capsys):
     assert "holds a run with other settings than these" in err and '{"steps": 7}' in err
     stream.write_text('{"settings": {"steps": 7}}\nnot json\n{}\n')
     assert main(argv) == 2
-    assert "Line 2 of" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Line 2 of" in err and "is not valid JSON (Expecting value), so the run cannot be resumed." in err

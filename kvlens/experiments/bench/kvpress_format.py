@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kvlens.errors import KvlensError
 from kvlens.experiments.bench import kvpress_metrics, ruler
+from kvlens.jsonl import json_lines
 
 REQUIRED = ("context", "question", "answer_prefix", "max_new_tokens", "task")
 
@@ -49,14 +50,7 @@ def read_rows(path: str | Path) -> list[dict]:
                 f"{path} is not a readable parquet file ({str(err).splitlines()[0]})."
             ) from None
         return [{k: _plain(v) for k, v in row.items()} for row in frame.to_dict("records")]
-    rows = []
-    for number, raw in enumerate(ruler.read_text(path).split("\n"), 1):
-        if raw.strip():
-            try:
-                rows.append(json.loads(raw))
-            except json.JSONDecodeError as err:
-                raise KvlensError(f"Line {number} of {path} is not valid JSON ({err.msg}).") from None
-    return rows
+    return [row for _, row in json_lines(ruler.read_text(path), path)]
 
 
 def _plain(value):

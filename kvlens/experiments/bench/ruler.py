@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvlens.errors import KvlensError
+from kvlens.jsonl import json_lines
 
 CHAT_ROOM = 64  # tokens left for the chat template around context and question
 # the suite's sample conventions (`kvlens bench tasks`'s defaults): generator seed, samples per task and
@@ -336,15 +337,7 @@ def read_text(path) -> str:
 
 def parse_lines(text: str, path="the samples file") -> list[Sample]:
     """The samples of JSON-lines `text` (from `path`, named in errors); blank lines skipped."""
-    samples = []
-    for number, raw in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit inside a string
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as err:
-            raise KvlensError(f"Line {number} of {path} is not valid JSON ({err.msg}).") from None
-        samples.append(Sample._parse(obj, f"line {number} of {path}"))
+    samples = [Sample._parse(obj, f"line {number} of {path}") for number, obj in json_lines(text, path)]
     if not samples:
         raise KvlensError(f"The samples file {path} has no samples.")
     return samples
