@@ -552,7 +552,7 @@ def cmd_speed(args) -> int:
         "group": args.group,
     }
     streams = {kind: Path(args.out_dir) / f"bench_speed{suffix}.{kind}.jsonl" for kind in ("rows", "lengths")}
-    done = _speed_streams(streams, settings, args.resume)
+    done = _speed_streams(streams, settings, args.resume, Path(args.out_dir) / f"bench_speed{suffix}.json")
     model = load(args)
 
     def append(kind: str, item: dict) -> None:
@@ -592,11 +592,20 @@ def cmd_speed(args) -> int:
     return _finish(args, result, result["rows"], "bench_speed" + suffix, "\n".join(lines))
 
 
-def _speed_streams(streams: dict[str, Path], settings: dict, resume: bool) -> dict[str, list[dict]]:
+def _speed_streams(
+    streams: dict[str, Path], settings: dict, resume: bool, final: Path
+) -> dict[str, list[dict]]:
     """Each row, and each evict length's ratios, go to `streams` as soon as measured, after a first line with
-    the run's `settings`: a run cut short keeps what it finished. Started afresh, or with `resume` read back
-    (what they hold, by kind) when they hold a run of the same settings; else one sentence says why not."""
+    the run's `settings`: a run cut short keeps what it finished. Started afresh (never over the measurements
+    of a run cut short: streams newer than its `final` result), or with `resume` read back (what they hold, by
+    kind) when they hold a run of the same settings; else one sentence says why not."""
     if not resume:
+        held = [p for p in streams.values() if p.is_file() and len(p.read_bytes().strip().split(b"\n")) > 1]
+        if held and (not final.is_file() or final.stat().st_mtime < max(p.stat().st_mtime for p in held)):
+            raise KvlensError(
+                f"{held[0]} holds the measurements of a run cut short; go on with it with --resume, or move "
+                "its streams away to start afresh."
+            )
         for path in streams.values():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"settings": settings}) + "\n", encoding="utf-8")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import pytest
 
@@ -465,3 +466,20 @@ def test_bench_speed_resumes_only_a_run_of_the_same_settings(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Line 2 of" in err and "is not valid JSON (Expecting value), so the run cannot be resumed." in err
+
+
+def test_bench_speed_started_afresh_never_replaces_a_run_cut_short(tmp_path, capsys):
+    argv = ["bench", "speed", "--policies", "full", "--lengths", "32", "--out-dir", str(tmp_path)]
+    argv += ["--model", str(tmp_path / "no-model")]  # refused before the model, or stopped at it
+    stream = tmp_path / "bench_speed.rows.jsonl"
+    held = json.dumps({"settings": {"steps": 7}}) + "\n" + json.dumps({"policy": "full"}) + "\n"
+    stream.write_text(held)
+    assert main(argv) == 2  # no result of that run: it was cut short
+    assert "holds the measurements of a run cut short; go on with it with --resume" in capsys.readouterr().err
+    assert stream.read_text() == held  # kept as it was
+    final = tmp_path / "bench_speed.json"
+    final.write_text("{}")
+    os.utime(stream, (1, 1))  # the run's result is newer than its streams: it finished
+    assert main(argv) == 2  # started afresh, up to the model
+    assert "Unknown model" in capsys.readouterr().err
+    assert json.loads(stream.read_text())["settings"]["steps"] == 32  # a new run's stream
