@@ -37,9 +37,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def streamlit_server(env: dict | None = None):
-    """`streamlit run app.py` headless on a free local port; yields its base URL. No file watcher:
-    an edited source file would otherwise leave a "Source file changed" prompt on the page."""
+def streamlit_server(env: dict | None = None, script: Path | None = None):
+    """`streamlit run app.py` (or `script`) headless on a free local port; yields its base URL. No file
+    watcher: an edited source file would otherwise leave a "Source file changed" prompt on the page."""
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -47,7 +47,7 @@ def streamlit_server(env: dict | None = None):
             "-m",
             "streamlit",
             "run",
-            str(ROOT / "app.py"),
+            str(script or ROOT / "app.py"),
             "--server.address",
             "127.0.0.1",
             "--server.port",
@@ -97,13 +97,16 @@ def refuse_external(target, seen: list[str], hosts: tuple[str, ...] = LOCAL_HOST
 
 
 def wait_idle(page, title: str | None = None, timeout_ms: int = 120000) -> None:
-    """Wait until the page titled `title` (any page if None) is drawn and its script has finished: no
-    running indicator, no skeleton. States only, never a fixed time: after a click the previous page's
-    title is still there until the next one replaces it, so pass the title of the page being opened."""
+    """Wait until the page titled `title` (any page if None) is drawn and its script has finished: the app's
+    script state `notRunning`, no running indicator, no skeleton. The state is what decides: the running
+    indicator shows only 500 ms after a run starts (Streamlit's status widget), so its absence alone passes
+    for idle early in a run. States only, never a fixed time: after a click the previous page's title is
+    still there until the next one replaces it, so pass the title of the page being opened."""
     heading = page.locator("[data-testid='stMain'] h1")
     (heading.filter(has_text=title) if title else heading).first.wait_for(timeout=timeout_ms)
     page.wait_for_function(
-        "() => !document.querySelector('[data-testid=\"stStatusWidget\"]') && "
+        '() => document.querySelector(\'[data-testid="stApp"][data-test-script-state="notRunning"]\') && '
+        "!document.querySelector('[data-testid=\"stStatusWidget\"]') && "
         "!document.querySelector('[data-testid=\"stSkeleton\"]')",
         timeout=timeout_ms,
     )

@@ -30,9 +30,9 @@ def offline(external_requests):
 
 
 @contextmanager
-def chromium_app(runs_dir: Path):
-    """`streamlit run app.py` on the runs folder `runs_dir` and a headless Chromium: yields (chromium, url).
-    Skips the module when Debian's chromium is missing."""
+def chromium_app(runs_dir: Path, script: Path | None = None):
+    """`streamlit run app.py` (or `script`) on the runs folder `runs_dir` and a headless Chromium: yields
+    (chromium, url). Skips the module when Debian's chromium is missing."""
     from kvlens.ui.browser import CHROMIUM, CHROMIUM_ARGS, streamlit_server
 
     if not Path(CHROMIUM).exists():
@@ -41,7 +41,8 @@ def chromium_app(runs_dir: Path):
         )
     from playwright.sync_api import sync_playwright
 
-    with streamlit_server(env={**os.environ, "KVLENS_RUNS": str(runs_dir)}) as url, sync_playwright() as pw:
+    env = {**os.environ, "KVLENS_RUNS": str(runs_dir)}
+    with streamlit_server(env, script) as url, sync_playwright() as pw:
         chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             yield chromium, url
