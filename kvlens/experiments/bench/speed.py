@@ -326,10 +326,12 @@ def lockstep_groups(every: Sequence[str], size: int = 0) -> list[list[str]]:
     only one group's caches are alive at a time: the evicting and statistics policies, then `every` other
     policy, `size` policies a group (0: all in one), KVzap in KVzip's group (their prefill ratio)."""
     rest = [name for name in lockstep_names(every) if name != "full"]
-    units = [[name] for name in rest if not (name == LEARNED[0] and LEARNED[1] in rest)]
-    for unit in units:
-        if unit[0] == LEARNED[1] and LEARNED[0] in rest:
-            unit.append(LEARNED[0])
+    both = all(name in rest for name in LEARNED)
+    units = [
+        [name, LEARNED[0]] if both and name == LEARNED[1] else [name]
+        for name in rest
+        if not (both and name == LEARNED[0])
+    ]
     chunks: list[list[str]] = [[]]
     for unit in units:
         if size and chunks[-1] and len(chunks[-1]) + len(unit) > size:
