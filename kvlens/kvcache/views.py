@@ -16,6 +16,7 @@ memory is really freed.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -99,7 +100,9 @@ class SlotRows:
         self.books = books
         self.store = store
         self.rows = rows
-        self.owner = owner  # the KVCache: where a compressed layout goes
+        # the KVCache, where a compressed layout goes, held weakly: it holds its views, and a cycle would keep
+        # every finished run's cache alive until Python's cycle collector happens to run
+        self._owner = weakref.ref(owner)
 
     # -- the contract: reading ---------------------------------------------------------------------
     @property
@@ -244,7 +247,10 @@ class SlotRows:
         capacity = max(s, capacity or s)
         d = self.keys.shape[-1]
         old, old_rows = self._live, self.rows
-        store, rows = self.owner(self, capacity, valid is not None)
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("kvlens: a layer's rows outlived their cache")
+        store, rows = owner(self, capacity, valid is not None)
         if valid is not None and store.tail_padding:
             tail = torch.sort((~valid).int(), dim=1, stable=True).indices
             index, valid = index.gather(1, tail), valid.gather(1, tail)
