@@ -597,13 +597,12 @@ def _speed_streams(
 ) -> dict[str, list[dict]]:
     """Each row, and each evict length's ratios, go to `streams` as soon as measured, after a first line with
     the run's `settings`: a run cut short keeps what it finished. Started afresh (never over the measurements
-    of a run cut short: streams newer than its `final` result), or with `resume` read back (what they hold, by
-    kind) when they hold a run of the same settings; else one sentence says why not."""
+    of a run cut short, `_cut_short`), or with `resume` read back (what they hold, by kind) when they hold a
+    run of the same settings; else one sentence says why not."""
     if not resume:
-        held = [p for p in streams.values() if p.is_file() and len(p.read_bytes().strip().split(b"\n")) > 1]
-        if held and (not final.is_file() or final.stat().st_mtime < max(p.stat().st_mtime for p in held)):
+        if (held := _cut_short(streams, final)) is not None:
             raise KvlensError(
-                f"{held[0]} holds the measurements of a run cut short; go on with it with --resume, or move "
+                f"{held} holds the measurements of a run cut short; go on with it with --resume, or move "
                 "its streams away to start afresh."
             )
         for path in streams.values():
@@ -625,6 +624,29 @@ def _speed_streams(
         path.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
         done[kind] = items[1:]
     return done
+
+
+def _cut_short(streams: dict[str, Path], final: Path) -> Path | None:
+    """The first stream that holds measurements its finished result `final` does not (a run cut short), else
+    None. A finished run's streams hold exactly its result's rows and evict lengths, whatever the files' times
+    (a clone writes them in any order); a stream that cannot be read is a run cut short."""
+    try:
+        result = json.loads(final.read_text(encoding="utf-8")) if final.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        result = None
+    result = result if isinstance(result, dict) else {}
+    finished = {"rows": result.get("rows"), "lengths": result.get("config", {}).get("evict_lengths")}
+    for kind, path in streams.items():
+        try:
+            items = [
+                item for item in _json_lines(path) if not (isinstance(item, dict) and "settings" in item)
+            ]
+        except KvlensError:
+            return path
+        measured = items if kind == "rows" else [isinstance(x, dict) and x.get("evict_length") for x in items]
+        if measured and measured != finished[kind]:
+            return path
+    return None
 
 
 def _json_lines(path: Path) -> list:

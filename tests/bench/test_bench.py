@@ -469,17 +469,37 @@ def test_bench_speed_resumes_only_a_run_of_the_same_settings(tmp_path, capsys):
 
 
 def test_bench_speed_started_afresh_never_replaces_a_run_cut_short(tmp_path, capsys):
+    """A run cut short is told by what its streams hold, not by the files' times (a clone writes them in any
+    order): refused unless the streams hold exactly the rows and evict lengths of the finished result."""
     argv = ["bench", "speed", "--policies", "full", "--lengths", "32", "--out-dir", str(tmp_path)]
     argv += ["--model", str(tmp_path / "no-model")]  # refused before the model, or stopped at it
-    stream = tmp_path / "bench_speed.rows.jsonl"
-    held = json.dumps({"settings": {"steps": 7}}) + "\n" + json.dumps({"policy": "full"}) + "\n"
+    stream, final = tmp_path / "bench_speed.rows.jsonl", tmp_path / "bench_speed.json"
+    lengths = tmp_path / "bench_speed.lengths.jsonl"
+    settings = json.dumps({"settings": {"steps": 7}}) + "\n"
+    held = settings + json.dumps({"policy": "full", "ms": 1.5}) + "\n"
+    finished = {"rows": [{"policy": "full", "ms": 1.5}], "config": {"evict_lengths": [64]}}
+    lengths.write_text(settings + json.dumps({"evict_length": 64}) + "\n")
+    cases = [  # (the result on disk, the rows stream): refused
+        (None, held),  # no result of that run
+        ({**finished, "rows": [{"policy": "full", "ms": 2.5}]}, held),  # an earlier run's result
+        (finished, held + '{"policy": "full", "m\n{"policy": "h2o"}\n'),  # a line that is not JSON
+        ({**finished, "config": {"evict_lengths": [64, 128]}}, held),  # a length it did not finish
+    ]
+    for result, rows in cases:
+        final.unlink(missing_ok=True)
+        if result is not None:
+            final.write_text(json.dumps(result))
+        stream.write_text(rows)
+        os.utime(stream, (1, 1))  # older than the result: the times say nothing
+        assert main(argv) == 2
+        assert (
+            "holds the measurements of a run cut short; go on with it with --resume"
+            in capsys.readouterr().err
+        )
+        assert stream.read_text() == rows  # kept as it was
+    final.write_text(json.dumps(finished))
     stream.write_text(held)
-    assert main(argv) == 2  # no result of that run: it was cut short
-    assert "holds the measurements of a run cut short; go on with it with --resume" in capsys.readouterr().err
-    assert stream.read_text() == held  # kept as it was
-    final = tmp_path / "bench_speed.json"
-    final.write_text("{}")
-    os.utime(stream, (1, 1))  # the run's result is newer than its streams: it finished
-    assert main(argv) == 2  # started afresh, up to the model
+    os.utime(final, (1, 1))  # older than its streams, as a clone may write them
+    assert main(argv) == 2  # the streams are the finished run's: started afresh, up to the model
     assert "Unknown model" in capsys.readouterr().err
     assert json.loads(stream.read_text())["settings"]["steps"] == 32  # a new run's stream
