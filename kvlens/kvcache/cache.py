@@ -29,7 +29,7 @@ from kvlens.kvcache.quantize import Storage
 from kvlens.kvcache.quantized import SHARED_STORE, PackedStore, pack, prune, seal_layers
 from kvlens.kvcache.store import STATS, LayerBook, SlotStore, listed
 from kvlens.kvcache.tokens import reserve_room
-from kvlens.kvcache.views import SlotRows
+from kvlens.kvcache.views import SlotRows, own_layout
 
 
 class KVCache:
@@ -99,11 +99,9 @@ class KVCache:
     def __call__(self, view: SlotRows, capacity: int, padded: bool) -> tuple[SlotStore, slice]:
         """Where a layer's compressed layout goes: its rows of the all-layer store, or a store of its own
         (paged when its book pages and its heads keep different counts, `padded`)."""
-        hkv = view.keys.shape[1]
         if not self.all_layer_mode or len(view.books) != 1 or capacity != view.books[0].limit:
-            if view.books[0].paged and padded and not view._live.tail_padding:
-                return PagedStore.like(view._live, hkv, capacity), slice(0, hkv)
-            return view._live.empty_like(hkv, capacity), slice(0, hkv)
+            return own_layout(view, capacity, padded)
+        hkv = view.keys.shape[1]
         if self.shared is None:
             self.shared = view._live.empty_like(hkv * len(self.layers), capacity)
         i = view.books[0].layer

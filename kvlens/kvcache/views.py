@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvlens.kvcache import frees, tokens
+from kvlens.kvcache.paged import PagedStore
 from kvlens.kvcache.store import (
     STATES,
     LayerBook,
@@ -101,7 +102,8 @@ class SlotRows:
         self.store = store
         self.rows = rows
         # the KVCache, where a compressed layout goes, held weakly: it holds its views, and a cycle would keep
-        # every finished run's cache alive until Python's cycle collector happens to run
+        # every finished run's cache alive until Python's cycle collector happens to run (a view that outlives
+        # its cache, a standalone layer, lays itself out in a store of its own: `own_layout`)
         self._owner = weakref.ref(owner)
 
     # -- the contract: reading ---------------------------------------------------------------------
@@ -247,10 +249,8 @@ class SlotRows:
         capacity = max(s, capacity or s)
         d = self.keys.shape[-1]
         old, old_rows = self._live, self.rows
-        owner = self._owner()
-        if owner is None:
-            raise RuntimeError("kvlens: a layer's rows outlived their cache")
-        store, rows = owner(self, capacity, valid is not None)
+        layout = self._owner() or own_layout  # the cache's choice; once it is gone, a store of its own
+        store, rows = layout(self, capacity, valid is not None)
         if valid is not None and store.tail_padding:
             tail = torch.sort((~valid).int(), dim=1, stable=True).indices
             index, valid = index.gather(1, tail), valid.gather(1, tail)
@@ -296,3 +296,12 @@ class SlotRows:
         (`kvlens.kvcache.tokens.append`; `chunked`: a chunked prefill's chunk fills the freed slots first)."""
         (book,) = self.books
         self.store, self.rows = tokens.append(book, self.store, self.rows, (key, value, positions), chunked)
+
+
+def own_layout(view: SlotRows, capacity: int, padded: bool) -> tuple[SlotStore, slice]:
+    """A compressed layout in a store of the layer's own, `capacity` slots a row: paged when its book pages
+    and its heads keep different counts (`padded`), else buffers like its current ones."""
+    hkv = view.keys.shape[1]
+    if view.books[0].paged and padded and not view._live.tail_padding:
+        return PagedStore.like(view._live, hkv, capacity), slice(0, hkv)
+    return view._live.empty_like(hkv, capacity), slice(0, hkv)
