@@ -522,6 +522,7 @@ def cmd_speed(args) -> int:
     from kvlens import texts as bundled
     from kvlens.experiments.bench import speed
     from kvlens.experiments.bench.common import parse_policies
+    from kvlens.figures.speed import met_text
     from kvlens.lists import parse_list
     from kvlens.progress import Progress
 
@@ -585,7 +586,7 @@ def cmd_speed(args) -> int:
         worst = result["ratio_details"].get(key, {}).get("worst")
         lines.append(
             f"{key:<38} {value:.3f}"
-            + (f"  target {verdict['target']}: {'met' if verdict['met'] else 'NOT met'}" if verdict else "")
+            + (f"  target {verdict['target']}, met: {met_text(verdict)}" if verdict else "")
             + (f"  (worst: {worst})" if worst else "")
             + (f"  (CPU time: {cpu:.3f})" if cpu is not None else "")
         )

@@ -42,6 +42,16 @@ class Family:
     met: bool | None = None
 
 
+def met_text(verdict: dict) -> str:
+    """A target's verdict (`kvlens bench speed`'s `targets[name]`) in words: `yes`, `no`, or `no` with the
+    exception it names (a method whose rule alone misses the target); empty for a ratio without a target."""
+    if not verdict:
+        return ""
+    if verdict.get("met"):
+        return "yes"
+    return f"no: exception, {verdict['exception']}" if verdict.get("exception") else "no"
+
+
 def dict_at(raw: dict, key: str) -> dict:
     """The dict under `key`, or an empty one (a results file missing it or holding something else)."""
     value = raw.get(key)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from kvlens.figures.speed import dict_at, families, policy_table, speed_figure, worst_table
+from kvlens.figures.speed import dict_at, families, met_text, policy_table, speed_figure, worst_table
 from kvlens.ui.charts import chart
 
 
@@ -68,7 +68,7 @@ def _targets(raw: dict) -> pd.DataFrame:
                 "ratio name": k,
                 "ratio": ratios.get(k),
                 "target": t.get("target"),
-                "met": "yes" if t.get("met") else "no",
+                "met": met_text(t),
             }
             for k, t in targets.items()
             if isinstance(t, dict)

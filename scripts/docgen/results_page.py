@@ -300,6 +300,8 @@ def frontier_section(obj: dict) -> str:
 
 
 def speed_section(obj: dict) -> str:
+    from kvlens.figures.speed import met_text
+
     cfg = obj["config"]
     out = (
         f"Unmeasured runs (no perturbation meter), {cfg['steps']} decode steps at budget {cfg['budget']}. "
@@ -331,7 +333,7 @@ def speed_section(obj: dict) -> str:
         each = detail.get("ratios") if isinstance(detail, dict) else None
         shown = spread(f"{value:.3f}", f"{min(each):.3f}", f"{max(each):.3f}") if each else f"{value:.3f}"
         target = obj.get("targets", {}).get(name, {})
-        rows.append([f"`{name}`", shown, target.get("target", ""), "yes" if target.get("met") else "no"])
+        rows.append([f"`{name}`", shown, target.get("target", ""), met_text(target)])
     return out + table(["ratio", "value", "target", "met"], rows) + "\n" + every_policy_table(obj)
 
 

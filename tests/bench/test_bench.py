@@ -349,7 +349,8 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
     assert groups[0][:4] == ["full", "streaming_llm", "h2o", "tova"]  # the evict and statistics ratios' sides
     for group in groups:  # its own full cache, at most 4 policies (KVzap beside KVzip), and their floors
         policies = [n for n in group if n in every]
-        assert group == ["full", *policies, *dict.fromkeys(floor_of[n] for n in policies)]
+        replays = [f"replay_floor:{n}" for n in policies if n == "kvzip"]  # its passes' forward alone
+        assert group == ["full", *policies, *dict.fromkeys(floor_of[n] for n in policies), *replays]
         assert len(policies) <= 4 or policies[-2:] == ["kvzip", "kvzap"]
     assert sorted(n for group in groups for n in group if n in every) == sorted(every)  # each policy once
     sides = sum(len(group) for group in groups)
@@ -367,6 +368,10 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
     replay = result["ratio_details"]["replay_vs_full_prefill_at_160"]
     assert set(replay["per_policy"]) == {"kvzip"}  # the one method whose algorithm is an extra forward
     assert result["ratios"]["replay_vs_full_prefill_at_160"] == replay["per_policy"]["kvzip"]
+    forward = result["ratio_details"]["replay_floor_vs_full_prefill_at_160"]  # the rule's forward alone
+    rounds = [a / b for a, b in zip(prefill_ms["kvzip"]["replay_floor:kvzip"], prefill_ms["kvzip"]["full"])]
+    assert result["ratios"]["replay_floor_vs_full_prefill_at_160"] == forward["per_policy"]["kvzip"]
+    assert forward["per_policy"]["kvzip"] == pytest.approx(sorted(rounds)[1])
     for kind, column in (("half", "ms_per_token"), ("prefill", "prefill_ms")):
         key = f"every_policy_{kind}_vs_full_at_160"
         named = result["ratio_details"][key]

@@ -263,3 +263,16 @@ def test_the_speed_section_tables_every_policy_against_full_and_its_floor_with_t
     assert cells == ["4096", "1.20 [1.10–1.30]", "1.20 [1.10–1.30]", "1.40 [1.30–1.50]", "0.510 |"]
     assert "prefill vs full (CPU) at 4096: `adakv`" in text and "decode vs floor at 4096: `adakv`" in text
     assert results_page.every_policy_table({"ratio_details": {}, "config": {"repeats": 3}}) == ""
+
+
+def test_the_speed_ratios_name_an_exception_and_leave_a_ratio_without_target_unjudged():
+    why = "its passes' forward alone takes 2.67x the full prefill"
+    obj = {
+        "config": {"steps": 32, "budget": 0.5, "repeats": 3},
+        "rows": [],
+        "ratios": {"replay_vs_full_prefill_at_4096": 3.1, "replay_floor_vs_full_prefill_at_4096": 2.67},
+        "targets": {"replay_vs_full_prefill_at_4096": {"target": "<= 2.5", "met": False, "exception": why}},
+    }
+    rows = {line.split(" | ")[0]: line for line in results_page.speed_section(obj).splitlines()}
+    assert rows["| `replay_vs_full_prefill_at_4096`"].endswith(f"| <= 2.5 | no: exception, {why} |")
+    assert rows["| `replay_floor_vs_full_prefill_at_4096`"].endswith("| 2.670 |  |  |")

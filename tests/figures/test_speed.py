@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
-from kvlens.figures.speed import families, speed_figure, worst_table
+import pytest
+
+from kvlens.figures.speed import families, met_text, speed_figure, worst_table
 from tests.conftest import ROOT
 
 
@@ -45,3 +47,23 @@ def test_a_file_without_families_is_drawn_from_its_rows():
     assert "full" not in decode.per_policy
     assert decode.per_policy["h2o"] == by["h2o", 1024]["ms_per_token"] / by["full", 1024]["ms_per_token"]
     assert decode.worst == max(decode.per_policy, key=decode.per_policy.__getitem__)
+
+
+@pytest.mark.parametrize(
+    ("verdict", "text"),
+    [
+        ({}, ""),
+        ({"target": "<= 2.5", "met": True}, "yes"),
+        ({"target": "<= 2.5", "met": False}, "no"),
+        (
+            {
+                "target": "<= 2.5",
+                "met": False,
+                "exception": "its passes' forward alone takes 2.67x the full prefill",
+            },
+            "no: exception, its passes' forward alone takes 2.67x the full prefill",
+        ),
+    ],
+)
+def test_a_verdict_reads_yes_no_or_no_with_the_exception_it_names(verdict, text):
+    assert met_text(verdict) == text
