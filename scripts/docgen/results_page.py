@@ -616,7 +616,81 @@ def readme_summary() -> str:
     out += cost_sentence(obj) + protocols_sentence(obj)
     learned = learned_summary()
     out += "\n" + learned if learned else ""
-    return out + "\n" + frontier_summary() + "\n" + phases_summary() + "\n" + explain_summary() + "\n"
+    return (
+        out
+        + "\n"
+        + frontier_summary()
+        + "\n"
+        + speed_summary()
+        + "\n"
+        + phases_summary()
+        + "\n"
+        + explain_summary()
+        + "\n"
+    )
+
+
+def speed_summary() -> str:
+    """`speed_overview` of `results/bench_speed.json`, for the README."""
+    return speed_overview(load("bench_speed.json"))
+
+
+def speed_overview(obj: dict) -> str:
+    """Every policy at half budget, per prompt length: the worst policy of each every-policy family with its
+    median [lowest–highest] over the rounds, how many policies meet the family's target, and the replay
+    method's prefill beside its replay floor."""
+    from kvlens.experiments.bench.speed import TARGETS
+
+    details, env = obj["ratio_details"], obj["environment"]
+    lengths = sorted(int(k.rsplit("_", 1)[1]) for k in details if k.startswith("every_policy_vs_floor_at_"))
+    rows = []
+    for n in lengths:
+        cells = []
+        for name, _, unit in EVERY:
+            family = details[name.format(n=n)]
+            key = "cpu" if unit == "cpu" else "per_policy"
+            worst = family["worst_cpu" if unit == "cpu" else "worst"]
+            bounds = family.get("cpu_spread" if unit == "cpu" else "spread", {}).get(worst)
+            value = f"{family[key][worst]:.2f}"
+            cell = f"`{worst}` " + (
+                spread(value, f"{bounds[0]:.2f}", f"{bounds[1]:.2f}") if bounds else value
+            )
+            target = TARGETS.get(name.format(n=n))
+            if target is not None:
+                ranked = [p for p in family[key] if "prefill" not in name or p not in replays_of(details, n)]
+                met = sum(1 for p in ranked if family[key][p] <= target)
+                cell += f"; {met} of {len(ranked)} ≤ {target}"
+            cells.append(cell)
+        rows.append([n, *cells])
+    out = (
+        "Every policy at half budget against the full cache "
+        f"(`{obj['command']}`, `results/bench_speed.json`, {env['time'][:10]}, {machine(env)}; medians over "
+        f"{max(3, obj['config']['repeats'])} rounds run side by side, [lowest–highest]). Its **floor** is "
+        "the full cache on as many tokens as it keeps, so `decode vs floor` is what the method itself costs "
+        "per step. The worst policy of each column, and how many meet the target:\n\n"
+    )
+    out += table(["prompt tokens", *(column for _, column, _ in EVERY)], rows)
+    replay = [
+        f"{n} tokens {details[f'replay_vs_full_prefill_at_{n}']['per_policy'][worst]:.2f}× "
+        f"(its passes' forward alone {obj['ratios'][f'replay_floor_vs_full_prefill_at_{n}']:.2f}×)"
+        for n in lengths
+        if f"replay_floor_vs_full_prefill_at_{n}" in obj["ratios"]
+        for worst in [details[f"replay_vs_full_prefill_at_{n}"]["worst"]]
+    ]
+    if replay:
+        out += (
+            "\nKVzip's prefill with its replay passes over the full prefill (target ≤ 2.5): "
+            + "; ".join(replay)
+            + ". Where the passes' forward alone exceeds the target, the rule itself does, and KVzip is the "
+            "exception the table names. Each policy and length is in "
+            "[Benchmarks and results](docs/results.md).\n"
+        )
+    return out
+
+
+def replays_of(details: dict, n: int) -> set[str]:
+    """The replay methods at `n` tokens, which the prefill family leaves out (their own ratio)."""
+    return set(details.get(f"replay_vs_full_prefill_at_{n}", {}).get("per_policy", {}))
 
 
 def phases_summary() -> str:

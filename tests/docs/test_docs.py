@@ -276,3 +276,42 @@ def test_the_speed_ratios_name_an_exception_and_leave_a_ratio_without_target_unj
     rows = {line.split(" | ")[0]: line for line in results_page.speed_section(obj).splitlines()}
     assert rows["| `replay_vs_full_prefill_at_4096`"].endswith(f"| <= 2.5 | no: exception, {why} |")
     assert rows["| `replay_floor_vs_full_prefill_at_4096`"].endswith("| 2.670 |  |  |")
+
+
+def test_the_readme_speed_overview_names_each_columns_worst_how_many_meet_and_the_replay_floor():
+    """Per length, each family's worst policy with its spread and the count within the target (the prefill
+    family without the replay method, which has its own ratio); KVzip's prefill beside its passes' forward."""
+    fam = {"per_policy": {"h2o": 1.05, "corm": 1.5}, "spread": {"h2o": [1.0, 1.1], "corm": [1.49, 1.52]}}
+    prefill = {
+        "per_policy": {"h2o": 1.2, "kvzip": 3.0},
+        "cpu": {"h2o": 1.25, "kvzip": 3.1},
+        "cpu_spread": {"h2o": [1.2, 1.3], "kvzip": [3.0, 3.2]},
+        "worst_cpu": "h2o",
+    }
+    obj = {
+        "command": "kvlens bench speed --json",
+        "environment": {
+            "time": "2026-12-06T11:00:00Z",
+            "cpus": 2,
+            "machine": "x86_64",
+            "torch": "2.13.0+cpu",
+        },
+        "config": {"repeats": 3},
+        "ratios": {"replay_floor_vs_full_prefill_at_4096": 2.67},
+        "ratio_details": {
+            "every_policy_half_vs_full_at_4096": {**fam, "worst": "corm"},
+            "every_policy_vs_floor_at_4096": {**fam, "worst": "corm"},
+            "every_policy_prefill_vs_full_at_4096": prefill,
+            "every_policy_bytes_half_vs_full_at_4096": {"per_policy": {"h2o": 0.5}, "worst": "h2o"},
+            "replay_vs_full_prefill_at_4096": {"per_policy": {"kvzip": 3.0}, "worst": "kvzip"},
+        },
+    }
+    text = results_page.speed_overview(obj).replace("\u2060", "").replace("\u00a0", " ")
+    row = next(line for line in text.splitlines() if line.startswith("| 4096"))
+    assert row.split(" | ")[1:] == [
+        "`corm` 1.50 [1.49–1.52]; 0 of 2 ≤ 0.9",
+        "`corm` 1.50 [1.49–1.52]; 1 of 2 ≤ 1.15",
+        "`h2o` 1.25 [1.20–1.30]; 1 of 1 ≤ 1.3",
+        "`h2o` 0.50; 1 of 1 ≤ 0.52 |",
+    ]
+    assert "4096 tokens 3.00× (its passes' forward alone 2.67×)" in text and "KVzip is the exception" in text
