@@ -651,7 +651,7 @@ def speed_overview(obj: dict) -> str:
             key = "cpu" if unit == "cpu" else "per_policy"
             worst = family["worst_cpu" if unit == "cpu" else "worst"]
             bounds = family.get("cpu_spread" if unit == "cpu" else "spread", {}).get(worst)
-            value = f"{family[key][worst]:.2f}"
+            value = f"{family[key][worst]:.2f}" if bounds else f"{family[key][worst]:.3f}"
             cell = f"`{worst}` " + (
                 spread(value, f"{bounds[0]:.2f}", f"{bounds[1]:.2f}") if bounds else value
             )
@@ -677,14 +677,20 @@ def speed_overview(obj: dict) -> str:
         if f"replay_floor_vs_full_prefill_at_{n}" in obj["ratios"]
         for worst in [details[f"replay_vs_full_prefill_at_{n}"]["worst"]]
     ]
+    targets = obj.get("targets", {})
+    exceptions = [n for n in lengths if "exception" in targets.get(f"replay_vs_full_prefill_at_{n}", {})]
     if replay:
+        aimed = [str(n) for n in lengths if f"replay_vs_full_prefill_at_{n}" in TARGETS]
+        out += "\nKVzip's prefill with its replay passes over the full prefill"
+        out += f" (target ≤ 2.5 at {' and '.join(aimed)} tokens): " if aimed else ": "
+        out += "; ".join(replay)
         out += (
-            "\nKVzip's prefill with its replay passes over the full prefill (target ≤ 2.5): "
-            + "; ".join(replay)
-            + ". Where the passes' forward alone exceeds the target, the rule itself does, and KVzip is the "
-            "exception the table names. Each policy and length is in "
-            "[Benchmarks and results](docs/results.md).\n"
+            f". At {', '.join(map(str, exceptions))} tokens its passes' forward alone exceeds the target, so "
+            "the rule itself does: there KVzip is the exception the targets name"
+            if exceptions
+            else ""
         )
+        out += ". Each policy and length is in [Benchmarks and results](docs/results.md).\n"
     return out
 
 
