@@ -42,14 +42,19 @@ def speed_section(path: Path, settings: dict, frame: pd.DataFrame, raw: dict) ->
             width="stretch",
             column_config={"its ratio": st.column_config.NumberColumn(format="%.3f")},
         )
-    headline = _targets(raw)
+    headline = targets_table(raw)
     if len(headline):
         st.markdown("**Targets**")
         st.dataframe(
             headline,
             hide_index=True,
             width="stretch",
-            column_config={"ratio": st.column_config.NumberColumn(format="%.3f")},
+            height=35 * (len(headline) + 1) + 3,  # every target at once: no scrolling inside the table
+            column_config={
+                "ratio": st.column_config.NumberColumn(format="%.3f", width="small"),
+                "target": st.column_config.TextColumn(width="medium"),
+                "met": st.column_config.TextColumn(width="large"),  # an exception says why in a sentence
+            },
         )
     with st.expander(f"Every run ({len(frame)} rows)"):
         st.dataframe(frame, hide_index=True, width="stretch")
@@ -59,14 +64,15 @@ def speed_section(path: Path, settings: dict, frame: pd.DataFrame, raw: dict) ->
         )
 
 
-def _targets(raw: dict) -> pd.DataFrame:
-    """A row per ratio that has a target: its value, the target and whether it was met."""
-    ratios, targets = dict_at(raw, "ratios"), dict_at(raw, "targets")
+def targets_table(raw: dict) -> pd.DataFrame:
+    """A row per ratio that has a target: the value it was judged on (CPU time where the target says so), the
+    target and whether it was met."""
+    ratios, cpu, targets = dict_at(raw, "ratios"), dict_at(raw, "ratios_cpu"), dict_at(raw, "targets")
     return pd.DataFrame(
         [
             {
                 "ratio name": k,
-                "ratio": ratios.get(k),
+                "ratio": (cpu if "(CPU time)" in str(t.get("target")) and k in cpu else ratios).get(k),
                 "target": t.get("target"),
                 "met": met_text(t),
             }
