@@ -369,17 +369,9 @@ def every_policy_table(obj: dict) -> str:
     for n in lengths:
         families = [(details.get(name.format(n=n), {}), column, unit) for name, column, unit in EVERY]
         for policy in sorted(families[1][0].get("per_policy", {})):
-            cells = []
-            for family, _, unit in families:
-                median_of = family.get("cpu" if unit == "cpu" else "per_policy", {})
-                bounds = family.get("cpu_spread" if unit == "cpu" else "spread", {}).get(policy)
-                if policy not in median_of:
-                    cells.append("—")
-                elif bounds:
-                    cells.append(spread(f"{median_of[policy]:.2f}", f"{bounds[0]:.2f}", f"{bounds[1]:.2f}"))
-                else:
-                    cells.append(f"{median_of[policy]:.3f}")
-            rows.append([f"`{policy}`", n, *cells])
+            rows.append(
+                [f"`{policy}`", n, *(family_cell(family, unit, policy) for family, _, unit in families)]
+            )
         for family, column, unit in families:
             name = family.get("worst_cpu" if unit == "cpu" else "worst")
             if name:
@@ -616,18 +608,7 @@ def readme_summary() -> str:
     out += cost_sentence(obj) + protocols_sentence(obj)
     learned = learned_summary()
     out += "\n" + learned if learned else ""
-    return (
-        out
-        + "\n"
-        + frontier_summary()
-        + "\n"
-        + speed_summary()
-        + "\n"
-        + phases_summary()
-        + "\n"
-        + explain_summary()
-        + "\n"
-    )
+    return "\n".join([out, frontier_summary(), speed_summary(), phases_summary(), explain_summary(), ""])
 
 
 def speed_summary() -> str:
@@ -645,19 +626,15 @@ def speed_overview(obj: dict) -> str:
     lengths = sorted(int(k.rsplit("_", 1)[1]) for k in details if k.startswith("every_policy_vs_floor_at_"))
     rows = []
     for n in lengths:
-        cells = []
+        cells, replays = [], replays_of(details, n)
         for name, _, unit in EVERY:
             family = details[name.format(n=n)]
             key = "cpu" if unit == "cpu" else "per_policy"
             worst = family["worst_cpu" if unit == "cpu" else "worst"]
-            bounds = family.get("cpu_spread" if unit == "cpu" else "spread", {}).get(worst)
-            value = f"{family[key][worst]:.2f}" if bounds else f"{family[key][worst]:.3f}"
-            cell = f"`{worst}` " + (
-                spread(value, f"{bounds[0]:.2f}", f"{bounds[1]:.2f}") if bounds else value
-            )
+            cell = f"`{worst}` " + family_cell(family, unit, worst)
             target = TARGETS.get(name.format(n=n))
             if target is not None:
-                ranked = [p for p in family[key] if "prefill" not in name or p not in replays_of(details, n)]
+                ranked = [p for p in family[key] if "prefill" not in name or p not in replays]
                 met = sum(1 for p in ranked if family[key][p] <= target)
                 cell += f"; {met} of {len(ranked)} ≤ {target}"
             cells.append(cell)
@@ -680,9 +657,13 @@ def speed_overview(obj: dict) -> str:
     targets = obj.get("targets", {})
     exceptions = [n for n in lengths if "exception" in targets.get(f"replay_vs_full_prefill_at_{n}", {})]
     if replay:
-        aimed = [str(n) for n in lengths if f"replay_vs_full_prefill_at_{n}" in TARGETS]
+        aimed = {n: TARGETS[k] for n in lengths if (k := f"replay_vs_full_prefill_at_{n}") in TARGETS}
         out += "\nKVzip's prefill with its replay passes over the full prefill"
-        out += f" (target ≤ 2.5 at {' and '.join(aimed)} tokens): " if aimed else ": "
+        each = [
+            f"≤ {t} at {' and '.join(str(n) for n in aimed if aimed[n] == t)}"
+            for t in dict.fromkeys(aimed.values())
+        ]
+        out += f" (target {'; '.join(each)} tokens): " if aimed else ": "
         out += "; ".join(replay)
         out += (
             f". At {', '.join(map(str, exceptions))} tokens its passes' forward alone exceeds the target, so "
@@ -697,6 +678,19 @@ def speed_overview(obj: dict) -> str:
 def replays_of(details: dict, n: int) -> set[str]:
     """The replay methods at `n` tokens, which the prefill family leaves out (their own ratio)."""
     return set(details.get(f"replay_vs_full_prefill_at_{n}", {}).get("per_policy", {}))
+
+
+def family_cell(family: dict, unit: str, policy: str) -> str:
+    """`policy`'s median in an every-policy family (in CPU time where `unit` is `cpu`) with its
+    [lowest–highest] over the rounds, or with three decimals where the family keeps no spread; `—` where the
+    family has no value for it."""
+    median_of = family.get("cpu" if unit == "cpu" else "per_policy", {})
+    bounds = family.get("cpu_spread" if unit == "cpu" else "spread", {}).get(policy)
+    if policy not in median_of:
+        return "—"
+    if bounds:
+        return spread(f"{median_of[policy]:.2f}", f"{bounds[0]:.2f}", f"{bounds[1]:.2f}")
+    return f"{median_of[policy]:.3f}"
 
 
 def phases_summary() -> str:
