@@ -12,7 +12,7 @@ cache grows by one slot per generated token; with a base that compresses at deco
 (`base.decoding=rolling`, or a decode-time scorer such as H2O) each step's Hkv new slots make Hkv
 slots leave, chosen the same way.
 
-Heads keep different counts, so each layer's keys and values are held in pages of 8 slots
+Heads keep different counts, so each layer's keys and values are held in pages of 4 slots
 (`kvlens.kvcache.paged`): a head holds its own kept slots, not its fullest head's count.
 `kv_entries_max` counts the kept entries (L x Hkv x B), `kv_bytes_*` the allocated pages, which
 are what is really held. With packed storage (`--kv-bits`, `--kv-rank`) the buffers are padded

@@ -32,7 +32,7 @@ slot per generated token; `rolling` (kvlens's, so that the budget holds at every
 step, the layer's lowest score over its heads, generated tokens scoring above every prompt slot (older ones
 lower), so the least reconstructed prompt slots leave first.
 
-Heads and layers keep different counts: a layer's keys and values are held in pages of 8 slots
+Heads and layers keep different counts: a layer's keys and values are held in pages of 4 slots
 (`kvlens.kvcache.paged`), each head its own kept slots (with packed storage, buffers padded to
 the layer's fullest head, the padding masked); `kv_entries_max` counts the kept entries (L x Hkv
 x budget), `kv_bytes_*` the allocated pages.

@@ -10,7 +10,7 @@ import torch
 import kvlens.engine.loop as loop_module
 from kvlens.engine.attention import decode_rows, decode_segments
 from kvlens.engine.loop import RunOptions, run
-from kvlens.kvcache import AttentionSpec, frees
+from kvlens.kvcache import AttentionSpec, frees, paged
 from kvlens.kvcache.cache import KVCache
 from kvlens.kvcache.paged import PAGE, PagedStore
 from kvlens.kvcache.quantize import Storage
@@ -19,7 +19,14 @@ from kvlens.policies import make_policy
 from kvlens.texts import prefix_ids
 
 N, D = 32, 4  # the unit tests' prompt: 2 KV heads x 32 slots of width 4 (float32)
-PAGE_BYTES = PAGE * 2 * D * 4  # one page of keys and one of values
+UNIT_PAGE = 8  # the unit tests count slots in pages of 8 (`pages_of_8`), whatever the default `PAGE`
+PAGE_BYTES = UNIT_PAGE * 2 * D * 4  # one page of keys and one of values
+
+
+@pytest.fixture
+def pages_of_8(monkeypatch):
+    """The store's pages hold `UNIT_PAGE` slots for this test."""
+    monkeypatch.setattr(paged, "PAGE", UNIT_PAGE)
 
 
 def paged_layer(limit: int) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
@@ -42,6 +49,7 @@ def append(cache: KVCache, position: int, value: float) -> None:
         cache.update(x, x, 0)
 
 
+@pytest.mark.usefixtures("pages_of_8")
 @pytest.mark.parametrize("limit", [29, 64], ids=["outgrown", "within-limit"])
 def test_uneven_heads_hold_pages_for_their_kept_slots_only(limit):
     cache, keys, values = paged_layer(limit)
@@ -56,7 +64,7 @@ def test_uneven_heads_hold_pages_for_their_kept_slots_only(limit):
     assert layer.pos[0, :12].tolist() == list(range(20, 32)) and layer.pos[1, :28].tolist() == list(
         range(4, 32)
     )
-    pages = -(-12 // PAGE) + -(-28 // PAGE)
+    pages = -(-12 // UNIT_PAGE) + -(-28 // UNIT_PAGE)
     assert int((store.table >= 0).sum()) == pages == store.pools["keys"].shape[0] - 1  # page 0: zeros
     assert cache.nbytes == (pages + 1) * PAGE_BYTES
     assert torch.equal(layer.keys[0, 0, :12], keys[0, 0, 20:]) and torch.equal(
@@ -66,6 +74,7 @@ def test_uneven_heads_hold_pages_for_their_kept_slots_only(limit):
     assert not layer.keys[0, 0, 12:].any()  # padding has no page: it reads zeros
 
 
+@pytest.mark.usefixtures("pages_of_8")
 def test_a_page_left_without_a_valid_slot_stays_until_a_token_refills_it():
     cache, _, _ = paged_layer(29)
     layer, store = cache.layers[0], cache.layers[0].store
@@ -80,6 +89,7 @@ def test_a_page_left_without_a_valid_slot_stays_until_a_token_refills_it():
     assert store.pools["keys"].shape[0] == 7
 
 
+@pytest.mark.usefixtures("pages_of_8")
 def test_a_page_needed_reclaims_one_left_without_a_valid_slot_before_the_pool_grows():
     cache, _, _ = paged_layer(64)
     layer, store = cache.layers[0], cache.layers[0].store
@@ -94,6 +104,7 @@ def test_a_page_needed_reclaims_one_left_without_a_valid_slot_before_the_pool_gr
     assert layer.keys[0, 1, 32].eq(4.0).all() and layer.keys[0, 0, 4].eq(4.0).all()
 
 
+@pytest.mark.usefixtures("pages_of_8")
 def test_a_new_page_grows_the_pool_by_a_page_per_row_and_rewind_releases_it():
     cache, keys, _ = paged_layer(64)
     layer, store = cache.layers[0], cache.layers[0].store
@@ -110,6 +121,7 @@ def test_a_new_page_grows_the_pool_by_a_page_per_row_and_rewind_releases_it():
     assert torch.equal(layer.keys[0, 0, :12], keys[0, 0, 20:]) and layer.valid.sum(-1).tolist() == [12, 27]
 
 
+@pytest.mark.usefixtures("pages_of_8")
 def test_what_a_policy_merges_into_the_working_copy_is_committed():
     cache, _, values = paged_layer(29)
     layer = cache.layers[0]
@@ -119,6 +131,7 @@ def test_what_a_policy_merges_into_the_working_copy_is_committed():
     assert not layer.values[0, 0, 12:].any()  # padding slots stay without a page
 
 
+@pytest.mark.usefixtures("pages_of_8")
 def test_reserve_lays_each_head_out_in_one_segment_with_room_for_the_tokens_to_come():
     """After `reserve(5)` head 0 (12 kept) holds 17 slots on 3 pages and head 1 (28 kept) 33 on 5, one run of
     the pool each after the zero page: 9 pages of bytes; the kept keys and values are unchanged; the 5 tokens
@@ -128,7 +141,7 @@ def test_reserve_lays_each_head_out_in_one_segment_with_room_for_the_tokens_to_c
     layer, store = cache.layers[0], cache.layers[0].store
     assert isinstance(store, PagedStore)
     cache.reserve(5)
-    assert store.segments == [(1 * PAGE, 3), (4 * PAGE, 5)] and cache.nbytes == 9 * PAGE_BYTES
+    assert store.segments == [(1 * UNIT_PAGE, 3), (4 * UNIT_PAGE, 5)] and cache.nbytes == 9 * PAGE_BYTES
     assert torch.equal(store.segment("keys", 0, 12), keys[0, 0, 20:])
     assert torch.equal(store.segment("values", 1, 28), values[0, 1, 4:])
     for step in range(5):
@@ -145,6 +158,7 @@ def test_reserve_lays_each_head_out_in_one_segment_with_room_for_the_tokens_to_c
     assert torch.equal(layer.keys[0, 0, :25, 0], torch.cat([keys[0, 0, 20:, 0], torch.arange(1.0, 14.0)]))
 
 
+@pytest.mark.usefixtures("pages_of_8")
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_attention_on_the_segments_is_attention_over_the_gathered_slots(softcap):
     """`decode_segments` (each head's keys and values read in place) gives `decode_rows`'s output on the
