@@ -647,6 +647,7 @@ def speed_overview(obj: dict) -> str:
         "per step. The worst policy of each column, and how many meet the target:\n\n"
     )
     out += table(["prompt tokens", *(column for _, column, _ in EVERY)], rows)
+    out += column_sums_sentence(obj, lengths)
     replay = [
         f"{n} tokens {details[f'replay_vs_full_prefill_at_{n}']['per_policy'][worst]:.2f}× "
         f"(its passes' forward alone {obj['ratios'][f'replay_floor_vs_full_prefill_at_{n}']:.2f}×)"
@@ -673,6 +674,33 @@ def speed_overview(obj: dict) -> str:
         )
         out += ". Each policy and length is in [Benchmarks and results](docs/results.md).\n"
     return out
+
+
+def column_sums_sentence(obj: dict, lengths: list[int]) -> str:
+    """H2O's column sums alone over the full prefill (CPU time) at each length that measured them, and the
+    lengths where the prefill verdict names them as the exception; "" when none did."""
+    key = "column_sums_floor_vs_full_prefill_at_{n}"
+    measured = [n for n in lengths if key.format(n=n) in obj.get("ratios_cpu", {})]
+    if not measured:
+        return ""
+    each = "; ".join(
+        f"{n} tokens {family_cell(floor, 'cpu', floor['worst_cpu'])}"
+        for n in measured
+        for floor in [obj["ratio_details"][key.format(n=n)]]
+    )
+    targets = obj.get("targets", {})
+    named = [n for n in measured if "exception" in targets.get(f"every_policy_prefill_vs_full_at_{n}", {})]
+    out = (
+        "\nH2O, Scissorhands, CaM, WeightedKV, D2O and KVMerger score with the column sums of the prompt's "
+        "attention, which fused attention never holds; H2O's column sums alone (one pass over the causal "
+        f"triangle, nothing evicted) over the full prefill, in CPU time: {each}"
+    )
+    if named:
+        out += (
+            f". At {', '.join(map(str, named))} tokens that alone exceeds the prefill target, so the rule "
+            "itself does: there the worst of them is the exception the targets name"
+        )
+    return out + ".\n"
 
 
 def replays_of(details: dict, n: int) -> set[str]:

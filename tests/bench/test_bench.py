@@ -347,10 +347,12 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
     groups = details["groups"]
     assert alive == groups  # one group's sides alive at a time: its rounds, then the next group's
     assert groups[0][:4] == ["full", "streaming_llm", "h2o", "tova"]  # the evict and statistics ratios' sides
+    sums = {"h2o", "scissorhands", "cam", "d2o", "kvmerger", "weightedkv"}  # H2O's statistic: column sums
     for group in groups:  # its own full cache, at most 4 policies (KVzap beside KVzip), and their floors
         policies = [n for n in group if n in every]
         replays = [f"replay_floor:{n}" for n in policies if n == "kvzip"]  # its passes' forward alone
-        assert group == ["full", *policies, *dict.fromkeys(floor_of[n] for n in policies), *replays]
+        first = [f"column_sums_floor:{n}" for n in policies if n in sums][:1]  # the column sums alone, once
+        assert group == ["full", *policies, *dict.fromkeys(floor_of[n] for n in policies), *replays, *first]
         assert len(policies) <= 4 or policies[-2:] == ["kvzip", "kvzap"]
     assert sorted(n for group in groups for n in group if n in every) == sorted(every)  # each policy once
     sides = sum(len(group) for group in groups)
@@ -372,6 +374,14 @@ def test_every_policy_runs_in_the_evict_lockstep_and_the_worst_is_named(tiny, te
     rounds = [a / b for a, b in zip(prefill_ms["kvzip"]["replay_floor:kvzip"], prefill_ms["kvzip"]["full"])]
     assert result["ratios"]["replay_floor_vs_full_prefill_at_160"] == forward["per_policy"]["kvzip"]
     assert forward["per_policy"]["kvzip"] == pytest.approx(sorted(rounds)[1])
+    prefill_cpu = result["ratio_details"]["every_policy_prefill_vs_full_at_160"]["cpu"]
+    alone = result["ratio_details"]["column_sums_floor_vs_full_prefill_at_160"]  # in each reader's group
+    worst = max(sums, key=prefill_cpu.__getitem__)
+    assert set(alone["per_policy"]) == sums and alone["worst"] == worst
+    group = next(g for g in details["prefill_ms"] if worst in g)
+    side = next(s for s in group if s.startswith("column_sums_floor:"))
+    rounds = [a / b for a, b in zip(group[side], group["full"], strict=True)]
+    assert result["ratios"]["column_sums_floor_vs_full_prefill_at_160"] == pytest.approx(sorted(rounds)[1])
     for kind, column in (("half", "ms_per_token"), ("prefill", "prefill_ms")):
         key = f"every_policy_{kind}_vs_full_at_160"
         named = result["ratio_details"][key]

@@ -317,5 +317,14 @@ def test_the_readme_speed_overview_names_each_columns_worst_how_many_meet_and_th
     ]
     assert "4096 tokens 3.00× (its passes' forward alone 2.67×)" in text
     assert "At 4096 tokens its passes' forward alone exceeds the target" in text
+    assert "column sums" not in text  # none measured
+    sums = {"cpu": {"d2o": 1.44}, "cpu_spread": {"d2o": [1.41, 1.47]}, "worst_cpu": "d2o"}
+    obj["ratio_details"]["column_sums_floor_vs_full_prefill_at_4096"] = sums
+    obj["ratios_cpu"] = {"column_sums_floor_vs_full_prefill_at_4096": 1.44}
+    obj["targets"]["every_policy_prefill_vs_full_at_4096"] = {"met": False, "exception": "its column sums"}
+    text = results_page.speed_overview(obj).replace("\u2060", "").replace("\u00a0", " ")
+    assert (
+        "nothing evicted) over the full prefill, in CPU time: 4096 tokens 1.44 [1.41–1.47]. At 4096" in text
+    )
     obj["targets"] = {}  # missed where its floor did not: no exception named
     assert "exception" not in results_page.speed_overview(obj)

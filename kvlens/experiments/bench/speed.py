@@ -63,7 +63,7 @@ from kvlens.engine.loop import RunOptions, run_steps
 from kvlens.engine.models import LoadedModel
 from kvlens.errors import KvlensError
 from kvlens.experiments.bench.common import PeakRSS, PolicySpec, environment, median
-from kvlens.experiments.bench.replay_floor import replay_forward
+from kvlens.experiments.bench.rule_floors import replay_forward, statistics_alone
 from kvlens.policies import Policy, Replays, make_policy
 from kvlens.texts import prefix_ids
 
@@ -95,6 +95,7 @@ TARGETS = {
 CPU_TARGETS = ("every_policy_prefill_vs_full_at_",)  # judged on `ratios_cpu` (process CPU time)
 FLOOR = "floor"  # the lockstep side of the full cache on the tokens a half budget keeps
 REPLAY_FLOOR = "replay_floor"  # the lockstep side of a replay method's passes' forward alone
+COLUMN_SUMS_FLOOR = "column_sums_floor"  # the lockstep side of H2O's column sums alone (`statistics_alone`)
 EVICTING = ("streaming_llm", "h2o")  # the evict ratios: the worse of these over full
 STATS = ("h2o", "tova")  # the prefill ratio: the worse of these over full
 Steps = Generator[float, None, dict]  # one side of a lockstep: its step times (ms), then its results
@@ -354,10 +355,25 @@ def lockstep_groups(every: Sequence[str], size: int = 0) -> list[list[str]]:
 
 def group_floors(group: Sequence[str], every: Sequence[str]) -> list[str]:
     """The floor sides a lockstep group needs: one for each of its `every` policies (`floor_of`), once, then
-    the replay floor of each that feeds replay passes (`replay_floor_of`)."""
+    the replay floor of each that feeds replay passes (`replay_floor_of`), and the column-sums floor of its
+    first policy that reads them (`column_sums_floor_of`)."""
     mine = [name for name in group if name in every]
     replays = [replay_floor_of(name) for name in mine if isinstance(make_policy(name), Replays)]
-    return list(dict.fromkeys([*(floor_of(name) for name in mine), *replays]))
+    sums = [column_sums_floor_of(name) for name in mine if reads_column_sums(name)][:1]
+    return list(dict.fromkeys([*(floor_of(name) for name in mine), *replays, *sums]))
+
+
+def reads_column_sums(name: str) -> bool:
+    """Whether a policy's prefill computes the column sums of the prompt's attention (H2O's score; a replay
+    method's come from its passes)."""
+    policy = make_policy(name)
+    return policy.needs().column_sums and not isinstance(policy, Replays)
+
+
+def column_sums_floor_of(name: str) -> str:
+    """The lockstep side that holds H2O's column sums alone (`statistics_alone`) on the same prompt, in the
+    group of `name`, its first policy that reads them."""
+    return f"{COLUMN_SUMS_FLOOR}:{name}"
 
 
 def replay_floor_of(name: str) -> str:
@@ -386,11 +402,13 @@ def group_runs(
 
 
 def floor_run(model: LoadedModel, side: str, ids: list[int], floors: dict, steps: int) -> Callable[[], Steps]:
-    """A floor side's run: the full cache on its prompt (`floor_sides`), or a policy's replay floor on the
-    whole prompt."""
+    """A floor side's run: the full cache on its prompt (`floor_sides`), or a policy's replay floor or H2O's
+    column sums alone on the whole prompt."""
     kind, _, name = side.partition(":")
     if kind == REPLAY_FLOOR:
         return functools.partial(engine_steps, model, replay_forward(make_policy(name)), ids, steps, None)
+    if kind == COLUMN_SUMS_FLOOR:
+        return functools.partial(engine_steps, model, statistics_alone(make_policy("h2o")), ids, steps, None)
     return functools.partial(engine_steps, model, PolicySpec("full"), floors[side], steps, None)
 
 
@@ -468,20 +486,14 @@ def evict_ratios(
         for name in others
         if not PolicySpec(name).budget_free
     }
-    # the methods whose prefill holds replay passes; each one's passes' forward alone over the full prefill
-    replays = [name for name in others if own[name][name][0]["replay_passes"]]
-    replay_floor = {
-        name: {unit: per_round(replay_floor_of(name), key) for unit, key in TIMES.items()}
-        for name in replays
-        if replay_floor_of(name) in own
-    }
+    replays = [name for name in others if own[name][name][0]["replay_passes"]]  # prefill holds replay passes
     out = {
         "prompt_tokens": n,
         "decode": decode,
         "prefill": prefill,
         "bytes": nbytes,
         "replay": {name: prefill[name] for name in replays},
-        "replay_floor": replay_floor,
+        **rule_floor_rounds(own, replays, every),
         "rounds": rounds,
         "floor_tokens": {side: len(prompt) for side, prompt in floors.items()},
         "ratio": max(decode[name] for name in EVICTING),
@@ -495,6 +507,33 @@ def evict_ratios(
     if all(name in others for name in LEARNED):  # the surrogate's prefill over the replay it approximates
         out["learned"] = {t: ratio(LEARNED[0], key, LEARNED[1]) for t, key in TIMES.items()}
     return out
+
+
+def rule_floor_rounds(own: dict, replays: Sequence[str], every: Sequence[str]) -> dict:
+    """Each rule floor's per-round prefill over its group's full cache (`TIMES`: wall and CPU), from `own`
+    (each side's group of lockstep results): `replay_floor` for each of the `replays` methods (its passes'
+    forward alone), `column_sums_floor` for each policy of `every` that reads column sums (H2O's column sums
+    alone, in its group)."""
+
+    def rounds(side: str) -> dict[str, list[float]]:
+        sides = own[side]
+        return {
+            u: [a[k] / b[k] for a, b in zip(sides[side], sides["full"], strict=True)]
+            for u, k in TIMES.items()
+        }
+
+    return {
+        "replay_floor": {
+            name: rounds(replay_floor_of(name)) for name in replays if replay_floor_of(name) in own
+        },
+        "column_sums_floor": {
+            name: rounds(side)
+            for name in every
+            if reads_column_sums(name)
+            for side in own[name]
+            if side.startswith(COLUMN_SUMS_FLOOR)
+        },
+    }
 
 
 def ticks(
@@ -572,6 +611,12 @@ def every_policy_ratios(e: dict) -> tuple[dict, dict, dict]:
         ratios[name] = family["per_policy"][family["worst"]]
         ratios_cpu[name] = family["cpu"][family["worst_cpu"]]
         details[name] = family
+    if e.get("column_sums_floor"):  # the column sums alone, in the group of the worst method reading them
+        prefill = details[f"every_policy_prefill_vs_full_at_{m}"]["cpu"]
+        worst = max(e["column_sums_floor"], key=prefill.__getitem__)
+        name = f"column_sums_floor_vs_full_prefill_at_{m}"
+        details[name] = family_details(e["column_sums_floor"], [worst])
+        ratios[name], ratios_cpu[name] = details[name]["per_policy"][worst], details[name]["cpu"][worst]
     return ratios, ratios_cpu, details
 
 
@@ -719,7 +764,7 @@ def bench_speed(
                 "slot_share": (half["kv_slots_max"] + 1) / ratio_length,
             },
         },
-        "targets": verdicts(ratios, (half["kv_slots_max"] + 1) / ratio_length, ratios_cpu),
+        "targets": verdicts(ratios, (half["kv_slots_max"] + 1) / ratio_length, ratios_cpu, every_details),
         "growth": growth(rows),
     }
 
@@ -739,11 +784,13 @@ def family_details(rounds: dict[str, dict[str, list[float]]], ranked: Sequence[s
     return out
 
 
-def verdicts(ratios: dict, slot_share: float, ratios_cpu: dict | None = None) -> dict:
+def verdicts(
+    ratios: dict, slot_share: float, ratios_cpu: dict | None = None, details: dict | None = None
+) -> dict:
     """Each measured ratio against its target (`TARGETS`): `{"target", "met"}`, in CPU time for the
     `CPU_TARGETS` families; bytes must match the slot share within 2% and stay at most 0.52 of the full
-    prompt's. A replay ratio that misses where the method's passes' forward alone misses too (its replay
-    floor) names the method as the exception (`exception`: why)."""
+    prompt's. A ratio that misses where the rule of its method alone misses too names the method as the
+    exception (`exception`: why, `rule_exception`)."""
     cpu = ratios_cpu or {}
     out = {}
     for k, t in TARGETS.items():
@@ -751,15 +798,32 @@ def verdicts(ratios: dict, slot_share: float, ratios_cpu: dict | None = None) ->
         got = cpu[k] if judged else ratios.get(k)
         if got is not None:
             out[k] = {"target": f"<= {t}" + " (CPU time)" * judged, "met": got <= t}
-            floor = ratios.get("replay_floor" + k.removeprefix("replay"), 0.0)  # its replay floor, if one
-            if k.startswith("replay_vs_") and got > t and floor > t:  # the rule's own forward misses it
-                out[k]["exception"] = f"its passes' forward alone takes {floor:.2f}x the full prefill"
+            why = rule_exception(k, t, ratios, cpu, details or {})
+            if got > t and why:
+                out[k]["exception"] = why
     got = ratios["kv_bytes_half_budget_vs_full"]
     out["kv_bytes_half_budget_vs_full"] = {
         "target": f"proportional ({slot_share:.3f}) and <= 0.52",
         "met": abs(got - slot_share) <= 0.02 * slot_share and got <= 0.52,
     }
     return out
+
+
+def rule_exception(k: str, target: float, ratios: dict, cpu: dict, details: dict) -> str:
+    """Why a missed ratio is its method's rule, or "": a replay ratio whose method's passes' forward alone
+    (its replay floor) misses `target` too; a prefill ratio (CPU time) whose worst method reads column sums
+    and whose H2O column sums alone in that method's group miss it too."""
+    if k.startswith("replay_vs_"):
+        floor = ratios.get("replay_floor" + k.removeprefix("replay"), 0.0)
+        return f"its passes' forward alone takes {floor:.2f}x the full prefill" * (floor > target)
+    if k.startswith("every_policy_prefill_vs_full_at_"):
+        sums = "column_sums_floor_vs_full_prefill_at_" + k.rpartition("_")[2]
+        worst = details.get(k, {}).get("worst_cpu")
+        floor = cpu.get(sums, 0.0)
+        reads = worst is not None and worst in details.get(sums, {}).get("cpu", {})
+        why = f"its column sums alone take {floor:.2f}x the full prefill in CPU time"
+        return why * (reads and floor > target)
+    return ""
 
 
 def growth(rows: list[dict]) -> dict:
