@@ -3,8 +3,8 @@ bytes against the full cache (and decode against its floor, where measured), one
 policy and prompt length.
 
 The ratios come from the file's `every_policy_*` families (`ratio_details[name]["per_policy"]`, measured in
-lockstep); a file without them gets the same three measures from its rows (one run per policy and length,
-each over `full`'s run of that length).
+lockstep; in CPU time, `["cpu"]`, where the family's target is judged in CPU time); a file without them gets
+the same three measures from its rows (one run per policy and length, each over `full`'s run of that length).
 """
 
 from __future__ import annotations
@@ -31,15 +31,16 @@ _MEASURE = {"half_vs_full": "decode", "prefill_vs_full": "prefill", "bytes_half_
 
 @dataclass(frozen=True)
 class Family:
-    """One measure at one prompt length: {policy: ratio}, the worst policy, and the file's key and target."""
+    """One measure at one prompt length: {policy: ratio}, the worst policy, the file's key, and its target's
+    verdict (`targets[key]`: target, met, exception); `cpu` when the ratios are in CPU time."""
 
     measure: str
     length: int
     per_policy: dict[str, float]
     worst: str
     key: str
-    target: str | None = None
-    met: bool | None = None
+    verdict: dict | None = None
+    cpu: bool = False
 
 
 def met_text(verdict: dict) -> str:
@@ -66,19 +67,13 @@ def families(raw: dict) -> list[Family]:
     for key, d in details.items():
         match = _FAMILY.fullmatch(key)
         if match and isinstance(d, dict) and isinstance(d.get("per_policy"), dict) and d["per_policy"]:
-            per = {str(p): float(v) for p, v in d["per_policy"].items()}
-            t = dict_at(targets, key)
-            out.append(
-                Family(
-                    _MEASURE.get(match.group(1), "floor"),
-                    int(match.group(2)),
-                    per,
-                    str(d.get("worst") or max(per, key=per.__getitem__)),
-                    key,
-                    t.get("target"),
-                    t.get("met"),
-                )
-            )
+            verdict = dict_at(targets, key)
+            cpu = "CPU time" in str(verdict.get("target", "")) and isinstance(d.get("cpu"), dict)
+            per = {str(p): float(v) for p, v in d["cpu" if cpu else "per_policy"].items()}
+            worst = d.get("worst_cpu" if cpu else "worst")
+            measure = _MEASURE.get(match.group(1), "floor")
+            worst = str(worst if worst in per else max(per, key=per.__getitem__))
+            out.append(Family(measure, int(match.group(2)), per, worst, key, verdict, cpu))
     if not out:
         out = _from_rows([r for r in raw.get("rows", []) if isinstance(r, dict)])
     order = list(MEASURES)
@@ -107,10 +102,12 @@ def _from_rows(rows: list[dict]) -> list[Family]:
 
 
 def policy_table(found: list[Family]) -> pd.DataFrame:
-    """A row per policy, a column per family (`decode @ 1024`, ...): the chart's numbers."""
+    """A row per policy, a column per family (`decode @ 1024`, `prefill CPU @ 4096`, ...): the chart's
+    numbers."""
     policies = sorted({p for f in found for p in f.per_policy})
+    columns = {f"{f.measure}{' CPU' * f.cpu} @ {f.length}": f for f in found}
     return pd.DataFrame(
-        [{"policy": p, **{f"{f.measure} @ {f.length}": f.per_policy.get(p) for f in found}} for p in policies]
+        [{"policy": p, **{c: f.per_policy.get(p) for c, f in columns.items()}} for p in policies]
     )
 
 
@@ -119,16 +116,22 @@ def worst_table(found: list[Family]) -> pd.DataFrame:
     return pd.DataFrame(
         [
             {
-                "measure": MEASURES[f.measure][1],
+                "measure": MEASURES[f.measure][1] + " (CPU time)" * f.cpu,
                 "prompt tokens": f.length,
                 "worst policy": f.worst,
                 "its ratio": f.per_policy[f.worst],
-                "target": f.target or "",
-                "met": {None: "", True: "yes", False: "no"}[f.met],
+                "target": (f.verdict or {}).get("target", ""),
+                "met": met_text(f.verdict or {}),
             }
             for f in found
         ]
     )
+
+
+def panel_title(measure: str, found: list[Family]) -> str:
+    """A measure's panel title, in CPU time where its families' ratios are."""
+    title = MEASURES[measure][0]
+    return title.replace(" ms", " CPU ms", 1) if any(f.cpu for f in found if f.measure == measure) else title
 
 
 def speed_figure(found: list[Family]) -> go.Figure:
@@ -142,7 +145,7 @@ def speed_figure(found: list[Family]) -> go.Figure:
         cols=len(measures),
         shared_yaxes=True,
         horizontal_spacing=0.04,
-        subplot_titles=[MEASURES[m][0] for m in measures],
+        subplot_titles=[panel_title(m, found) for m in measures],
     )
     for col, measure in enumerate(measures, start=1):
         for i, length in enumerate(lengths):

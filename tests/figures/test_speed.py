@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvlens.figures.speed import families, met_text, speed_figure, worst_table
+from kvlens.figures.speed import families, met_text, policy_table, speed_figure, worst_table
 from tests.conftest import ROOT
 
 
@@ -34,6 +34,39 @@ def test_every_policy_families_are_drawn_per_policy_with_the_worst_named():
         "decode ms/token ÷ its floor",
     ]
     assert {tuple(t.y) for t in fig.data} == {("cam", "h2o", "tova")}
+
+
+def test_a_family_judged_in_cpu_time_is_drawn_and_named_in_cpu_time_with_its_exception():
+    """The prefill family's target is judged in CPU time: its bars, its worst policy (another than in wall
+    time here) and its verdict, exception included, are the CPU-time ones."""
+    why = "its column sums alone take 1.44x the full prefill in CPU time"
+    raw = {
+        "ratio_details": {
+            "every_policy_prefill_vs_full_at_4096": {
+                "worst": "h2o",
+                "per_policy": {"h2o": 1.5, "d2o": 1.45},
+                "worst_cpu": "d2o",
+                "cpu": {"h2o": 1.4, "d2o": 1.73},
+            },
+            "every_policy_half_vs_full_at_4096": {"worst": "d2o", "per_policy": {"h2o": 0.8, "d2o": 1.1}},
+        },
+        "targets": {
+            "every_policy_prefill_vs_full_at_4096": {
+                "target": "<= 1.3 (CPU time)",
+                "met": False,
+                "exception": why,
+            }
+        },
+    }
+    decode, prefill = families(raw)
+    assert (prefill.cpu, prefill.worst, prefill.per_policy) == (True, "d2o", {"h2o": 1.4, "d2o": 1.73})
+    assert not decode.cpu and decode.per_policy == {"h2o": 0.8, "d2o": 1.1}
+    row = worst_table([prefill]).iloc[0]
+    assert row["measure"].endswith("(CPU time)") and row["its ratio"] == 1.73
+    assert row["met"] == f"no: exception, {why}"
+    assert list(policy_table([decode, prefill]).columns) == ["policy", "decode @ 4096", "prefill CPU @ 4096"]
+    titles = [a.text for a in speed_figure([decode, prefill]).layout.annotations]
+    assert titles == ["decode ms/token ÷ full", "prefill CPU ms ÷ full"]
 
 
 def test_a_file_without_families_is_drawn_from_its_rows():
