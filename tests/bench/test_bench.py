@@ -42,6 +42,11 @@ def test_policy_specs_parse_and_validate():
         "cam:base=h2o,span=8",
         "tova",
     ]  # ',' between names, as kvpress users write it
+    with pytest.raises(
+        KvlensError, match="Policy 'cam:base=h2o,span=8' is given twice; give each policy once"
+    ):
+        parse_policies("full;cam:span=8,base=h2o;cam:base=h2o,span=8")  # the same parameters, another order
+    assert len(parse_policies("cam:span=8;cam:span=4")) == 2
     with pytest.raises(KvlensError, match="no parameter"):
         PolicySpec.parse("h2o:window=3")
     with pytest.raises(KvlensError, match="Unknown policy"):

@@ -52,7 +52,8 @@ class PolicySpec:
 def parse_policies(text: str) -> list[PolicySpec]:
     """A list of policy specs separated by ';', or by ',' where the next part is a name rather than a
     parameter (parameters are always `key=value`, a policy `name` or `name:key=value`): `full,h2o` and
-    `cam:base=h2o,span=8;tova` both read as expected."""
+    `cam:base=h2o,span=8;tova` both read as expected. A policy given twice (the same name and parameters) is
+    refused: its results would be one."""
     specs = []
     for chunk in text.split(";"):
         group: list[str] = []
@@ -64,6 +65,9 @@ def parse_policies(text: str) -> list[PolicySpec]:
         specs += [PolicySpec.parse(g) for g in group if g.strip()]
     if not specs:
         raise KvlensError("Give at least one policy.")
+    labels = [s.label for s in specs]
+    if twice := next((x for i, x in enumerate(labels) if x in labels[:i]), None):
+        raise KvlensError(f"Policy '{twice}' is given twice; give each policy once.")
     return specs
 
 
