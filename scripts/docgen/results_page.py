@@ -325,16 +325,19 @@ def speed_section(obj: dict) -> str:
     )
     out += (
         f"\nRatios of decode time, each the median over {cfg['repeats']} repeats run in lockstep "
-        "(in brackets the lowest and highest repeat where the file keeps them), against their targets:\n\n"
+        "(in brackets the lowest and highest repeat where the file keeps them), and in process CPU time "
+        "where measured, against their targets:\n\n"
     )
     rows = []
+    cpu = obj.get("ratios_cpu", {})
     for name, value in obj["ratios"].items():
         detail = obj.get("ratio_details", {}).get(name, {})
         each = detail.get("ratios") if isinstance(detail, dict) else None
-        shown = spread(f"{value:.3f}", f"{min(each):.3f}", f"{max(each):.3f}") if each else f"{value:.3f}"
         target = obj.get("targets", {}).get(name, {})
-        rows.append([f"`{name}`", shown, target.get("target", ""), met_text(target)])
-    return out + table(["ratio", "value", "target", "met"], rows) + "\n" + every_policy_table(obj)
+        shown = spread(f"{value:.3f}", f"{min(each):.3f}", f"{max(each):.3f}") if each else f"{value:.3f}"
+        in_cpu = f"{cpu[name]:.3f}" if name in cpu else ""
+        rows.append([f"`{name}`", shown, in_cpu, target.get("target", ""), met_text(target)])
+    return out + table(["ratio", "value", "CPU time", "target", "met"], rows) + "\n" + every_policy_table(obj)
 
 
 EVERY = (  # the every-policy families of `kvlens bench speed`: (ratio name, column, measured in)
@@ -667,8 +670,8 @@ def speed_overview(obj: dict) -> str:
         out += f" (target {'; '.join(each)} tokens): " if aimed else ": "
         out += "; ".join(replay)
         out += (
-            f". At {', '.join(map(str, exceptions))} tokens its passes' forward alone exceeds the target, so "
-            "the rule itself does: there KVzip is the exception the targets name"
+            f". At {' and '.join(map(str, exceptions))} tokens its passes' forward alone exceeds the target, "
+            "so the rule itself does: there KVzip is the exception the targets name"
             if exceptions
             else ""
         )
@@ -697,7 +700,7 @@ def column_sums_sentence(obj: dict, lengths: list[int]) -> str:
     )
     if named:
         out += (
-            f". At {', '.join(map(str, named))} tokens that alone exceeds the prefill target, so the rule "
+            f". At {' and '.join(map(str, named))} tokens that alone exceeds the prefill target, so the rule "
             "itself does: there the worst of them is the exception the targets name"
         )
     return out + ".\n"

@@ -274,8 +274,15 @@ def test_the_speed_ratios_name_an_exception_and_leave_a_ratio_without_target_unj
         "targets": {"replay_vs_full_prefill_at_4096": {"target": "<= 2.5", "met": False, "exception": why}},
     }
     rows = {line.split(" | ")[0]: line for line in results_page.speed_section(obj).splitlines()}
-    assert rows["| `replay_vs_full_prefill_at_4096`"].endswith(f"| <= 2.5 | no: exception, {why} |")
-    assert rows["| `replay_floor_vs_full_prefill_at_4096`"].endswith("| 2.670 |  |  |")
+    assert rows["| `replay_vs_full_prefill_at_4096`"].endswith(f"|  | <= 2.5 | no: exception, {why} |")
+    assert rows["| `replay_floor_vs_full_prefill_at_4096`"].endswith("| 2.670 |  |  |  |")
+    obj["ratios"]["every_policy_prefill_vs_full_at_4096"] = 1.5  # judged in CPU time: its CPU value beside
+    obj["ratios_cpu"] = {"every_policy_prefill_vs_full_at_4096": 1.73}
+    obj["targets"]["every_policy_prefill_vs_full_at_4096"] = {"target": "<= 1.3 (CPU time)", "met": False}
+    rows = {line.split(" | ")[0]: line for line in results_page.speed_section(obj).splitlines()}
+    assert rows["| `every_policy_prefill_vs_full_at_4096`"] == (
+        "| `every_policy_prefill_vs_full_at_4096` | 1.500 | 1.730 | <= 1.3 (CPU time) | no |"
+    )
 
 
 def test_the_readme_speed_overview_names_each_columns_worst_how_many_meet_and_the_replay_floor():
