@@ -27,6 +27,10 @@ MEASURES = {
 }
 _FAMILY = re.compile(r"every_policy_(half_vs_full|prefill_vs_full|bytes_half_vs_full|vs_floor)_at_(\d+)")
 _MEASURE = {"half_vs_full": "decode", "prefill_vs_full": "prefill", "bytes_half_vs_full": "bytes"}
+_IN_CPU_TIME = {
+    False: ("per_policy", "worst"),
+    True: ("cpu", "worst_cpu"),
+}  # a family's medians and its worst
 
 
 @dataclass(frozen=True)
@@ -69,11 +73,13 @@ def families(raw: dict) -> list[Family]:
         if match and isinstance(d, dict) and isinstance(d.get("per_policy"), dict) and d["per_policy"]:
             verdict = dict_at(targets, key)
             cpu = "CPU time" in str(verdict.get("target", "")) and isinstance(d.get("cpu"), dict)
-            per = {str(p): float(v) for p, v in d["cpu" if cpu else "per_policy"].items()}
-            worst = d.get("worst_cpu" if cpu else "worst")
+            medians, named = _IN_CPU_TIME[cpu]
+            per = {str(p): float(v) for p, v in d[medians].items()}
+            worst = d.get(named)
+            if worst not in per:
+                worst = max(per, key=per.__getitem__)
             measure = _MEASURE.get(match.group(1), "floor")
-            worst = str(worst if worst in per else max(per, key=per.__getitem__))
-            out.append(Family(measure, int(match.group(2)), per, worst, key, verdict, cpu))
+            out.append(Family(measure, int(match.group(2)), per, str(worst), key, verdict, cpu))
     if not out:
         out = _from_rows([r for r in raw.get("rows", []) if isinstance(r, dict)])
     order = list(MEASURES)
@@ -112,11 +118,12 @@ def policy_table(found: list[Family]) -> pd.DataFrame:
 
 
 def worst_table(found: list[Family]) -> pd.DataFrame:
-    """A row per family: the measure, the prompt length, the worst policy, its ratio and the target."""
+    """A row per family: the measure (as its panel is titled), the prompt length, the worst policy, its ratio,
+    the target and the verdict."""
     return pd.DataFrame(
         [
             {
-                "measure": MEASURES[f.measure][1] + " (CPU time)" * f.cpu,
+                "measure": panel_title(f.measure, [f]),
                 "prompt tokens": f.length,
                 "worst policy": f.worst,
                 "its ratio": f.per_policy[f.worst],
@@ -129,9 +136,11 @@ def worst_table(found: list[Family]) -> pd.DataFrame:
 
 
 def panel_title(measure: str, found: list[Family]) -> str:
-    """A measure's panel title, in CPU time where its families' ratios are."""
+    """A measure's panel title (`decode ms/token ÷ full`), in CPU time where its families' ratios are."""
     title = MEASURES[measure][0]
-    return title.replace(" ms", " CPU ms", 1) if any(f.cpu for f in found if f.measure == measure) else title
+    if any(f.cpu for f in found if f.measure == measure):
+        return title.replace(" ms", " CPU ms", 1)
+    return title
 
 
 def speed_figure(found: list[Family]) -> go.Figure:

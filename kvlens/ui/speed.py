@@ -36,26 +36,12 @@ def speed_section(path: Path, settings: dict, frame: pd.DataFrame, raw: dict) ->
             )
         )
         st.markdown("**The worst policy of each measure**")
-        st.dataframe(
-            worst_table(found),
-            hide_index=True,
-            width="stretch",
-            column_config={"its ratio": st.column_config.NumberColumn(format="%.3f")},
-        )
+        worst = worst_table(found).set_index("measure")
+        st.table(worst.style.format({"its ratio": "{:.3f}"}))  # static: the verdict's sentence wraps
     headline = targets_table(raw)
     if len(headline):
         st.markdown("**Targets**")
-        st.dataframe(
-            headline,
-            hide_index=True,
-            width="stretch",
-            height=35 * (len(headline) + 1) + 3,  # every target at once: no scrolling inside the table
-            column_config={
-                "ratio": st.column_config.NumberColumn(format="%.3f", width="small"),
-                "target": st.column_config.TextColumn(width="medium"),
-                "met": st.column_config.TextColumn(width="large"),  # an exception says why in a sentence
-            },
-        )
+        st.table(headline.set_index("ratio name").style.format({"ratio": "{:.3f}"}, na_rep=""))
     with st.expander(f"Every run ({len(frame)} rows)"):
         st.dataframe(frame, hide_index=True, width="stretch")
     with st.expander("Raw ratios, targets and growth (JSON)"):

@@ -551,8 +551,8 @@ def test_benchmarks_opens_on_the_published_files_whatever_is_newer(app, tmp_path
         k.rsplit("_", 1)[1] for k in published["ratio_details"] if k.startswith("every_policy_vs_floor")
     ]
     assert len(lengths) == 3 and {t["name"] for t in speed["data"]} == {f"{n} tokens" for n in lengths}
-    worst = next(d.value for d in at.dataframe if "worst policy" in d.value.columns)
-    decode = worst[worst["measure"].str.startswith("decode")]
+    worst = next(t.value for t in at.table if "worst policy" in t.value.columns)  # static: sentences wrap
+    decode = worst[worst.index.str.startswith("decode")]  # the measure names each row
     # decode over the full cache and over its floor, at each length
     assert len(decode) == 2 * len(lengths) and set(decode["worst policy"]) <= set(
         published["config"]["policies"]

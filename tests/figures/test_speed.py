@@ -62,7 +62,7 @@ def test_a_family_judged_in_cpu_time_is_drawn_and_named_in_cpu_time_with_its_exc
     assert (prefill.cpu, prefill.worst, prefill.per_policy) == (True, "d2o", {"h2o": 1.4, "d2o": 1.73})
     assert not decode.cpu and decode.per_policy == {"h2o": 0.8, "d2o": 1.1}
     row = worst_table([prefill]).iloc[0]
-    assert row["measure"].endswith("(CPU time)") and row["its ratio"] == 1.73
+    assert row["measure"] == "prefill CPU ms ÷ full" and row["its ratio"] == 1.73
     assert row["met"] == f"no: exception, {why}"
     assert list(policy_table([decode, prefill]).columns) == ["policy", "decode @ 4096", "prefill CPU @ 4096"]
     titles = [a.text for a in speed_figure([decode, prefill]).layout.annotations]
