@@ -33,6 +33,11 @@ step, which a machine shared with other processes disturbs less than wall time.
   same passes, read by nothing, nothing evicted) over the full prefill, in the same lockstep: what its rule
   costs before it scores anything. Where it misses the replay target too, the method is named as the
   exception (`targets`).
+- column_sums_floor_vs_full_prefill_at_N: H2O's column sums of the prompt's attention alone
+  (`statistics_alone`: computed and observed, nothing evicted) over the full prefill, in the lockstep group of
+  the worst method that reads them (H2O, Scissorhands, CaM, WeightedKV, D2O, KVMerger; `reads_column_sums`).
+  Where it misses the prefill target too (CPU time) and the family's worst reads column sums, that method is
+  named as the exception.
 - every_policy_bytes_half_vs_full_at_N: KV bytes allocated (peak) by every budgeted policy at half the prompt
   over the full cache's (peak) after the same steps, the worst policy's: both hold the generated tokens, so a
   method that compresses the prompt once and then grows is held to the same count as one that keeps its
