@@ -18,12 +18,12 @@ from plotly.subplots import make_subplots
 
 from kvlens.figures.plots import COLORS
 
-# measure -> (panel title, what the ratio divides)
+# measure -> its panel title (prefill: prefill and step-0 compression; floor: the full cache on as many slots)
 MEASURES = {
-    "decode": ("decode ms/token ÷ full", "decode ms per token over the full cache's"),
-    "prefill": ("prefill ms ÷ full", "prefill (and step-0 compression) ms over the full cache's"),
-    "bytes": ("KV bytes ÷ full", "peak KV bytes over the full prompt's cache"),
-    "floor": ("decode ms/token ÷ its floor", "decode ms per token over the full cache on as many slots"),
+    "decode": "decode ms/token ÷ full",
+    "prefill": "prefill ms ÷ full",
+    "bytes": "KV bytes ÷ full",
+    "floor": "decode ms/token ÷ its floor",
 }
 _FAMILY = re.compile(r"every_policy_(half_vs_full|prefill_vs_full|bytes_half_vs_full|vs_floor)_at_(\d+)")
 _MEASURE = {"half_vs_full": "decode", "prefill_vs_full": "prefill", "bytes_half_vs_full": "bytes"}
@@ -57,6 +57,11 @@ def met_text(verdict: dict) -> str:
     return f"no: exception, {verdict['exception']}" if verdict.get("exception") else "no"
 
 
+def judged_in_cpu_time(verdict: dict) -> bool:
+    """Whether a target's verdict (`targets[name]`) was judged on the ratio in process CPU time."""
+    return "(CPU time)" in str(verdict.get("target", ""))
+
+
 def dict_at(raw: dict, key: str) -> dict:
     """The dict under `key`, or an empty one (a results file missing it or holding something else)."""
     value = raw.get(key)
@@ -72,7 +77,7 @@ def families(raw: dict) -> list[Family]:
         match = _FAMILY.fullmatch(key)
         if match and isinstance(d, dict) and isinstance(d.get("per_policy"), dict) and d["per_policy"]:
             verdict = dict_at(targets, key)
-            cpu = "CPU time" in str(verdict.get("target", "")) and isinstance(d.get("cpu"), dict)
+            cpu = judged_in_cpu_time(verdict) and isinstance(d.get("cpu"), dict)
             medians, named = _IN_CPU_TIME[cpu]
             per = {str(p): float(v) for p, v in d[medians].items()}
             worst = d.get(named)
@@ -137,7 +142,7 @@ def worst_table(found: list[Family]) -> pd.DataFrame:
 
 def panel_title(measure: str, found: list[Family]) -> str:
     """A measure's panel title (`decode ms/token ÷ full`), in CPU time where its families' ratios are."""
-    title = MEASURES[measure][0]
+    title = MEASURES[measure]
     if any(f.cpu for f in found if f.measure == measure):
         return title.replace(" ms", " CPU ms", 1)
     return title

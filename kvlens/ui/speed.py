@@ -9,7 +9,15 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from kvlens.figures.speed import dict_at, families, met_text, policy_table, speed_figure, worst_table
+from kvlens.figures.speed import (
+    dict_at,
+    families,
+    judged_in_cpu_time,
+    met_text,
+    policy_table,
+    speed_figure,
+    worst_table,
+)
 from kvlens.ui.charts import chart
 
 
@@ -58,7 +66,7 @@ def targets_table(raw: dict) -> pd.DataFrame:
         [
             {
                 "ratio name": k,
-                "ratio": (cpu if "(CPU time)" in str(t.get("target")) and k in cpu else ratios).get(k),
+                "ratio": (cpu if judged_in_cpu_time(t) and k in cpu else ratios).get(k),
                 "target": t.get("target"),
                 "met": met_text(t),
             }

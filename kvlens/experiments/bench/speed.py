@@ -498,7 +498,7 @@ def evict_ratios(
         "prefill": prefill,
         "bytes": nbytes,
         "replay": {name: prefill[name] for name in replays},
-        **rule_floor_rounds(own, replays, every),
+        **rule_floor_rounds(own, per_round, replays, every),
         "rounds": rounds,
         "floor_tokens": {side: len(prompt) for side, prompt in floors.items()},
         "ratio": max(decode[name] for name in EVICTING),
@@ -514,18 +514,16 @@ def evict_ratios(
     return out
 
 
-def rule_floor_rounds(own: dict, replays: Sequence[str], every: Sequence[str]) -> dict:
-    """Each rule floor's per-round prefill over its group's full cache (`TIMES`: wall and CPU), from `own`
-    (each side's group of lockstep results): `replay_floor` for each of the `replays` methods (its passes'
-    forward alone), `column_sums_floor` for each policy of `every` that reads column sums (H2O's column sums
-    alone, in its group)."""
+def rule_floor_rounds(
+    own: dict, per_round: Callable[[str, str], list[float]], replays: Sequence[str], every: Sequence[str]
+) -> dict:
+    """Each rule floor's per-round prefill over its group's full cache (`TIMES`: wall and CPU; `per_round`
+    gives a side's per-round ratio of a key), from `own` (each side's group of lockstep results):
+    `replay_floor` for each of the `replays` methods (its passes' forward alone), `column_sums_floor` for each
+    policy of `every` that reads column sums (H2O's column sums alone, in its group)."""
 
     def rounds(side: str) -> dict[str, list[float]]:
-        sides = own[side]
-        return {
-            u: [a[k] / b[k] for a, b in zip(sides[side], sides["full"], strict=True)]
-            for u, k in TIMES.items()
-        }
+        return {unit: per_round(side, key) for unit, key in TIMES.items()}
 
     return {
         "replay_floor": {
