@@ -324,9 +324,10 @@ def speed_section(obj: dict) -> str:
         ["policy", "prompt tokens", "prefill ms", "ms per token", "KV MiB (peak)", "peak RSS MiB"], rows
     )
     out += (
-        f"\nRatios of decode time, each the median over {cfg['repeats']} repeats run in lockstep "
-        "(in brackets the lowest and highest repeat where the file keeps them), and in process CPU time "
-        "where measured, against their targets:\n\n"
+        "\nEvery ratio of the run: decode time, prefill time or cache bytes over its reference side (the "
+        f"full cache, a floor or another policy), each the median over {cfg['repeats']} repeats run in "
+        "lockstep (at least 3 for the every-policy ratios; in brackets the lowest and highest repeat where "
+        "the file keeps them), and in process CPU time where measured, against their targets:\n\n"
     )
     rows = []
     cpu = obj.get("ratios_cpu", {})
