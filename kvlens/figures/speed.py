@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlens.figures.plots import COLORS
+from kvlens.figures.wording import IN_CPU_TIME
 
 # measure -> its panel title (prefill: prefill and step-0 compression; floor: the full cache on as many slots)
 MEASURES = {
@@ -59,7 +60,7 @@ def met_text(verdict: dict) -> str:
 
 def judged_in_cpu_time(verdict: dict) -> bool:
     """Whether a target's verdict (`targets[name]`) was judged on the ratio in process CPU time."""
-    return "(CPU time)" in str(verdict.get("target", ""))
+    return IN_CPU_TIME in str(verdict.get("target", ""))
 
 
 def dict_at(raw: dict, key: str) -> dict:

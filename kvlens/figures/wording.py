@@ -7,6 +7,10 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+# the mark of a speed target judged on its ratio in process CPU time: `kvlens bench speed` writes it after the
+# target (`targets[name]["target"]`), the figures and the app read it there
+IN_CPU_TIME = "(CPU time)"
+
 
 def when(cond: object, text: str) -> str:
     """`text` when `cond` is truthy, else the empty string (`text` is built either way: only for text that

@@ -69,6 +69,7 @@ from kvlens.engine.models import LoadedModel
 from kvlens.errors import KvlensError
 from kvlens.experiments.bench.common import PeakRSS, PolicySpec, environment, median
 from kvlens.experiments.bench.rule_floors import replay_forward, statistics_alone
+from kvlens.figures.wording import IN_CPU_TIME, when
 from kvlens.policies import Policy, Replays, make_policy
 from kvlens.texts import prefix_ids
 
@@ -800,7 +801,7 @@ def verdicts(
         judged = k.startswith(CPU_TARGETS) and k in cpu
         got = cpu[k] if judged else ratios.get(k)
         if got is not None:
-            out[k] = {"target": f"<= {t}" + " (CPU time)" * judged, "met": got <= t}
+            out[k] = {"target": f"<= {t}" + when(judged, f" {IN_CPU_TIME}"), "met": got <= t}
             why = rule_exception(k, t, ratios, cpu, details or {})
             if got > t and why:
                 out[k]["exception"] = why
