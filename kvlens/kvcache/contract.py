@@ -106,6 +106,8 @@ class CacheRows(Protocol):
     def state(self) -> dict[str, Any]: ...  # the policy's run state for this layer
     @property
     def n_kept(self) -> int: ...  # valid slots of the fullest row
+    @property
+    def written(self) -> torch.Tensor | None: ...  # (R, q) the slots the latest append wrote (None: none yet)
 
     def position_order(self) -> torch.Tensor: ...  # (R, S) slot indices oldest first, free/padding last
     def free(self, index: torch.Tensor) -> None: ...  # evict slots (R, E), -1 pads, or marked (R, S) bool

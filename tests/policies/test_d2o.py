@@ -5,6 +5,7 @@ rows."""
 from __future__ import annotations
 
 import math
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -15,8 +16,8 @@ from kvlens.engine.loop import RunOptions, run
 from kvlens.figures.provenance import replay
 from kvlens.kvcache import Phase, Step
 from kvlens.kvcache.views import SlotRows
-from kvlens.policies import make_policy
-from kvlens.policies.d2o import THRESHOLD, bounded_shares
+from kvlens.policies import d2o, make_policy
+from kvlens.policies.d2o import THRESHOLD, bounded_shares, norm_of
 from kvlens.runs.decisions import DecisionLog
 from tests.conftest import examples, in_position_order, layer_rows, shrink
 
@@ -151,6 +152,16 @@ def plain_step(heads: list[dict], budget: int, sink: int, recent_ratio: float, b
     return tau, rows
 
 
+def norms_checked(search):
+    """`nearest_slot`, first checking that the cached key norms it is given are exactly a fresh pass's."""
+
+    def checked(keys, norms, valid, *rest):
+        assert torch.equal(norms[valid], norm_of(keys)[valid])
+        return search(keys, norms, valid, *rest)
+
+    return checked
+
+
 @settings(max_examples=examples(25))
 @given(
     st.integers(0, 10_000),
@@ -187,7 +198,9 @@ def test_d2o_prompt_and_decode_compressions_equal_the_rule_written_plainly(
             for h in range(HKV):
                 heads[h][q] = [keys[h, q].double(), values[h, q].double(), float(abar[h, q])]
         start = len(log.frame())
-        policy.compress(layer, Step(step, Phase.PREFILL if step == 0 else Phase.DECODE, budget, log))
+        with patch.object(d2o, "nearest_slot", side_effect=norms_checked(d2o.nearest_slot)) as searched:
+            policy.compress(layer, Step(step, Phase.PREFILL if step == 0 else Phase.DECODE, budget, log))
+        assert searched.call_count == (step > 0 or slots == budget + 1), step  # one slot leaving: one search
         tau, want = plain_step(heads, budget, 2, 0.5, beta, scope, tau)
         got = frame_rows(log, start)
         assert [r[:4] for r in got] == [r[:4] for r in want], step
@@ -226,7 +239,7 @@ def test_d2o_nearest_gives_the_oldest_of_equally_similar_kept_keys(evicted):
     assert nearest[0, -1].item() == 1  # slot 2, the first of the two kept keys along (1, 0)
     assert u[0, -1].item() == pytest.approx(1 / math.sqrt(1.01))
     pos, valid = torch.tensor([[9, 2, 1, 0, 5]]), torch.tensor([[False, True, True, True, True]])
-    u, slot = nearest_slot(keys, valid, pos, torch.tensor([[4]]))
+    u, slot = nearest_slot(keys, norm_of(keys), valid, pos, torch.tensor([[4]]))
     assert slot.item() == 2 and u.item() == pytest.approx(1 / math.sqrt(1.01))  # slot 0 is free
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvlens.kvcache import Phase, Step, padded_slots
 from kvlens.policies import make_policy
-from kvlens.policies.d2o import D2O, nearest_slot
+from kvlens.policies.d2o import D2O, nearest_slot, norm_of
 from kvlens.policies.scissorhands import COUNT, IMPORTANT, UNIMPORTANT
 from tests.conftest import examples, layer_rows
 
@@ -50,9 +50,8 @@ def test_d2o_nearest_kept_key_is_eq9_with_the_oldest_of_ties(seed, slots, evicte
     assert torch.equal(got_where, want_where)
     torch.testing.assert_close(got_best, want_best, rtol=1e-5, atol=1e-6)
     if evicted == 1:  # a decode step's search, against every other slot in place (positions: slot order)
-        got_best, slot = nearest_slot(
-            keys, torch.ones(rows, slots, dtype=torch.bool), torch.arange(slots).expand(rows, -1), gone
-        )
+        valid, pos = torch.ones(rows, slots, dtype=torch.bool), torch.arange(slots).expand(rows, -1)
+        got_best, slot = nearest_slot(keys, norm_of(keys), valid, pos, gone)
         assert torch.equal(slot, keep.gather(1, want_where))
         torch.testing.assert_close(got_best, want_best, rtol=1e-5, atol=1e-6)
 

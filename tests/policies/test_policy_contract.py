@@ -181,7 +181,7 @@ def test_an_instances_parameters_decide_what_its_selection_competes_over_and_whe
     assert (policy.competes, policy.budget_free) == (competes, budget_free)
 
 
-def test_policy_has_at_most_six_hooks_and_the_row_contract_at_most_fourteen_members():
+def test_policy_has_at_most_six_hooks_and_the_row_contract_at_most_fifteen_members():
     """The surface a policy author learns: `Policy`'s hooks (its public methods that are not final) and the
     members of `CacheRows`, each member documented with its shape or meaning on its line."""
     import inspect
@@ -197,7 +197,7 @@ def test_policy_has_at_most_six_hooks_and_the_row_contract_at_most_fourteen_memb
     assert hooks == {"needs", "validate", "allocate", "observe_prefill", "observe", "compress"}
 
     members = {name for name in vars(CacheRows) if not name.startswith("_")} | set(CacheRows.__annotations__)
-    assert len(members) <= 14, sorted(members)
+    assert len(members) <= 15, sorted(members)
     source = inspect.getsource(CacheRows).splitlines()
     undocumented = [m for m in members if not any(f" {m}" in line and "#" in line for line in source)]
     assert not undocumented, undocumented
