@@ -267,7 +267,7 @@ class D2O(Policy):
         goes to `nearest_slot` instead."""
         r, _, d = keys.shape
         b, e = keep.shape[1], evicted.shape[1]
-        norms = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32).clamp_min(1e-12)  # (R, S)
+        norms = norm_of(keys)  # (R, S)
 
         def unit(slots: torch.Tensor) -> torch.Tensor:  # (R, n) -> (R, n, D), `F.normalize`'s eps
             gathered: torch.Tensor = keys.gather(1, slots[..., None].expand(-1, -1, d)).float()
