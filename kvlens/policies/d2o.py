@@ -25,8 +25,9 @@ step; equation numbers of the ICLR version, arXiv v3 §4.2).
   between heavy hitters and recent tokens) and the heavy hitters, the largest accumulated attention `abar`.
 - Nearest kept token (Eq. 9): per KV head, the cosine similarity of each evicted key (after RoPE, as cached)
   to every kept key, `U` `(R, E, B_l)`; `u_i = max_j U[i, j]` and `c_i = argmax_j U[i, j]` (the oldest on
-  ties). At a decode step the kept keys' norms are a per-slot statistic (`key_norms`): each key's is computed
-  when it is written and again after it takes a merge, so the step reads the keys once, in the product.
+  ties). At a decode step the kept keys' norms are a per-slot statistic (`cached_key_norms`): each key's is
+  computed when it is written and again after it takes a merge, so the step reads the keys once, in the
+  product.
 - Dynamic threshold (Eq. 10): at a layer's first compression `tau = mean_i u_i`, then `tau_t = beta * mean_i
   u_i + (1 - beta) * tau_{t-1}` (updated before it is compared, as in the official code); the mean runs over
   the layer's evicted tokens and KV heads (`threshold_scope=layer`, the official code's one threshold per
@@ -55,7 +56,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlens.kvcache import LOSSY, CacheRows, Step
+from kvlens.kvcache import CacheRows, Step
 from kvlens.policies.base import (
     Needs,
     Policy,
@@ -66,13 +67,13 @@ from kvlens.policies.base import (
     register,
     select_lowest,
 )
+from kvlens.policies.key_norms import cached_key_norms, norm_of
 
 THRESHOLD = (
     "d2o_threshold"  # per layer: the EMA threshold tau, a 0-d tensor (scope layer) or (Hkv,) (scope head)
 )
-KEY_NORM = "d2o_key_norm"  # per slot `(Hkv, S)` float32: its cached key's L2 norm, kept across decode steps
-NORMS_AT = "d2o_norms_at"  # per layer: the decode step whose keys `KEY_NORM` holds the norms of
-MERGED = "d2o_merged"  # per layer: `(Hkv, 1)` the slots that step merged into, whose norms are due
+KEY_NORM = "d2o_key_norm"  # per slot `(Hkv, S)` float32: its cached key's L2 norm (`cached_key_norms`)
+MERGED = "d2o_merged"  # per layer: `(Hkv, 1)` the slots the last step merged into, whose norms are due
 # `threshold_scope` -> the dimension of `u` `(Hkv, E)` its similarities are averaged over (None: all)
 SCOPE_DIM: dict[str, int | None] = {"layer": None, "head": -1}
 CHUNK_ELEMENTS = 1 << 24  # similarity entries (rows x evicted x kept) computed at once
@@ -237,9 +238,10 @@ class D2O(Policy):
         """`compress`'s rule for one evicted slot per row `(R, 1)` (a decode step), with no kept-slot list:
         its nearest kept key (`nearest_slot`), the threshold, Eq. 12's weights of one source (`w_i = exp(u_i)
         / (exp(u_i) + e)`, `w_c = e / (exp(u_i) + e)`) and Eq. 11 on the target slot alone. The kept keys'
-        norms are the layer's cached ones (`key_norms`): only the new and the merged keys' are computed."""
+        norms are the layer's cached ones (`cached_key_norms`): only the new and the merged keys' are
+        computed."""
         keys, values = rows.keys[0], rows.values[0]
-        norms = key_norms(rows, step.index)  # (R, S) a view of the store's, updated below
+        norms = cached_key_norms(rows, KEY_NORM, step.index, rows.state.get(MERGED))  # (R, S) a view
         u, target = nearest_slot(keys, norms, rows.valid, rows.pos, evicted)  # (R, 1) each, u float32
         merged = u >= self.threshold(rows, u)
         eu = torch.exp(u) * merged
@@ -250,7 +252,7 @@ class D2O(Policy):
             at, sent = (slot[..., None].expand(-1, -1, states.shape[-1]) for slot in (target, evicted))
             new = states.gather(1, at).float() * by_self + states.gather(1, sent).float() * by_source
             states.scatter_(1, at, new.to(states.dtype))
-        rows.state[MERGED] = target  # its norm is due (`key_norms`)
+        rows.state[MERGED] = target  # its norm is due at the next step
         self._log(step, rows, pos_ev, rows.pos.gather(1, target), w, merged)
         rows.free(evicted)
 
@@ -325,30 +327,6 @@ class D2O(Policy):
             nan, none = torch.full_like(weight, float("nan")), torch.full_like(source, -1)
             step.log.merges(step.index, rows.layer, source, target[..., None], weight, nan, none)
         log_evictions(step, rows, pos_ev.masked_fill(merged, -1))
-
-
-def norm_of(keys: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
-    """`(R, n)` float32 L2 norms of the keys `(R, S, D)` in `slots` `(R, n)` (all of them: None), clamped at
-    `F.normalize`'s eps."""
-    if slots is not None:
-        keys = keys.gather(1, slots[..., None].expand(-1, -1, keys.shape[-1]))
-    norms: torch.Tensor = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32)
-    return norms.clamp_min(1e-12)
-
-
-def key_norms(rows: CacheRows, index: int) -> torch.Tensor:
-    """`(R, S)` the norms of the layer's cached keys at decode step `index`, a view of its per-slot statistic
-    `KEY_NORM`: at the step after the last one, only those of the newly written slots and of the slots the
-    last step merged into are computed; otherwise (the first decode compression, a gap, keys stored lossily:
-    quantized keys change when they are stored) every key's."""
-    written = rows.written
-    fresh = rows.state.get(NORMS_AT) == index - 1 and not rows.state.get(LOSSY)
-    rows.state[NORMS_AT] = index
-    if fresh and written is not None:
-        due = torch.cat([written, rows.state[MERGED]], 1)  # (R, q + 1)
-        return rows.extra[KEY_NORM].scatter_(1, due, norm_of(rows.keys[0], due))
-    rows.extra[KEY_NORM] = norm_of(rows.keys[0])
-    return rows.extra[KEY_NORM]
 
 
 def nearest_slot(

@@ -16,6 +16,9 @@ import torch
 
 from kvlens.kvcache import CacheRows, Step
 from kvlens.policies.base import NO_ATTENTION, Needs, ScoredEviction, register
+from kvlens.policies.key_norms import cached_key_norms
+
+KEY_NORM = "keydiff_key_norm"  # per slot `(Hkv, S)` float32: its cached key's L2 norm
 
 
 @register
@@ -34,9 +37,10 @@ class KeyDiff(ScoredEviction):
 
     def score(self, rows: CacheRows, step: Step) -> torch.Tensor:
         """Minus each slot's cosine to its row's anchor `(R, S)`, as two batched products over the keys
-        `(R, S, D)` (no normalised copy of them)."""
+        `(R, S, D)` (no normalised copy of them). The keys' norms are a per-slot statistic kept across decode
+        steps (`cached_key_norms`): only the new keys' are computed."""
         keys = rows.keys[0].float()  # (R, S, D)
-        norm = torch.linalg.vector_norm(keys, dim=-1).clamp(min=1e-12)  # (R, S), F.normalize's floor
+        norm = cached_key_norms(rows, KEY_NORM, step.index)  # (R, S), F.normalize's floor
         weight = rows.valid / norm / rows.valid.sum(-1, keepdim=True).clamp(min=1)  # (R, S)
         anchor = torch.bmm(weight[:, None, :], keys)  # (R, 1, D): the mean of the kept unit keys
         dot = torch.bmm(keys, anchor.transpose(1, 2))[..., 0]  # (R, S)

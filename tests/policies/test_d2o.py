@@ -17,7 +17,8 @@ from kvlens.figures.provenance import replay
 from kvlens.kvcache import Phase, Step
 from kvlens.kvcache.views import SlotRows
 from kvlens.policies import d2o, make_policy
-from kvlens.policies.d2o import THRESHOLD, bounded_shares, norm_of
+from kvlens.policies.d2o import THRESHOLD, bounded_shares
+from kvlens.policies.key_norms import norm_of
 from kvlens.runs.decisions import DecisionLog
 from tests.conftest import examples, in_position_order, layer_rows, shrink
 

@@ -52,6 +52,44 @@ def test_knorm_and_keydiff_keep_the_lowest_norms_and_the_least_typical_keys(seed
             assert kept(layer)[h] == sorted(score.topk(budget).indices.tolist()), (name, h)
 
 
+@settings(max_examples=examples(25))
+@given(st.integers(0, 10_000), st.integers(6, 30), st.integers(1, 8), st.integers(0, 2))
+def test_keydiff_decode_steps_with_cached_norms_keep_what_a_fresh_pass_keeps(seed, budget, steps, gap):
+    """A prompt compression, then decode steps (one new key each; after a `gap` the cached key norms are
+    recomputed): every step keeps the slots that KeyDiff's rule keeps written plainly over the kept keys, and
+    the cached norms are exactly a fresh pass's."""
+    slots = budget + 5
+    new = torch.randn(HKV, steps, D, generator=torch.Generator().manual_seed(seed + 10_007))
+    layer, policy = random_layer(seed, slots), make_policy("keydiff")
+    held = {h: dict(enumerate(layer.keys[0, h].clone())) for h in range(HKV)}  # position -> key
+    for step in range(steps + 1):
+        if step:
+            q = slots + step - 1
+            layer.append(
+                new[None, :, step - 1 : step].clone(),
+                new[None, :, step - 1 : step].clone(),
+                torch.tensor([q]),
+            )
+            for h in range(HKV):
+                held[h][q] = new[h, step - 1]
+        index = step + gap * (step == steps > 1)  # the last step after a gap: every norm again
+        policy.compress(layer, Step(index, Phase.PREFILL if step == 0 else Phase.DECODE, budget, None))
+        for h in range(HKV):
+            positions = sorted(held[h])
+            keys = torch.stack([held[h][p] for p in positions])
+            anchor = F.normalize(keys, dim=-1).mean(0)
+            score = -F.cosine_similarity(keys, anchor[None], dim=-1)
+            ranked = sorted(range(len(positions)), key=lambda i: (-float(score[i]), positions[i]))
+            keep = sorted(positions[i] for i in ranked[:budget])  # of equal scores the older stays
+            held[h] = {p: held[h][p] for p in keep}
+            assert kept(layer)[h] == keep, (step, h)
+        valid = layer.valid
+        norms = layer.extra["keydiff_key_norm"]
+        assert torch.equal(
+            norms[valid], torch.linalg.vector_norm(layer.keys[0], dim=-1)[valid].clamp(min=1e-12)
+        )
+
+
 def test_snapkv_keeps_its_window_and_the_pooled_window_attention_top():
     t, w, budget = 30, 6, 14
     layer = random_layer(3, t)

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from kvlens.kvcache import Phase, Step, padded_slots
 from kvlens.policies import make_policy
-from kvlens.policies.d2o import D2O, nearest_slot, norm_of
+from kvlens.policies.d2o import D2O, nearest_slot
+from kvlens.policies.key_norms import norm_of
 from kvlens.policies.scissorhands import COUNT, IMPORTANT, UNIMPORTANT
 from tests.conftest import examples, layer_rows
 
