@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.kvcache import CacheRows, Prompt, Step
-from kvlens.policies.base import Needs, Policy, free_logged, param, protected_window, register
+from kvlens.policies.base import Needs, Policy, free_logged, param, register
 
 # (Hkv, S) int32: the number of messages seen when the slot was last important (0: never); it says whether the
 # slot was important in any of the last w messages without keeping them
@@ -75,7 +75,7 @@ class CORM(Policy):
             t = float(rows.pos.max()) + 1
         else:
             t = rows.valid.sum(-1, keepdim=True)[:, None].float()  # (R, 1, 1)
-        important = (probs >= 1.0 / t).any(1) & rows.valid  # (R, S)
+        important = (probs.amax(1) >= 1.0 / t) & rows.valid  # (R, S): any query head of the group
         rows.state[MESSAGES_SEEN] = rows.state.get(MESSAGES_SEEN, 0) + 1
         rows.extra[MESSAGE].masked_fill_(important, self._seen(rows))  # a view of the store's rows: in place
 
@@ -90,7 +90,8 @@ class CORM(Policy):
         step)."""
         if self._seen(rows) < self.window:
             return
-        in_window = rows.extra[MESSAGE] > self._seen(rows) - self.window  # important in the last w messages
-        drop = rows.valid & ~(in_window | protected_window(rows, self.recent))  # (R, S)
+        minor = rows.extra[MESSAGE] <= self._seen(rows) - self.window  # not important in the last w messages
+        pos = rows.pos
+        drop = minor & (pos <= pos.max() - self.recent) & rows.valid  # (R, S): nor among the r newest
         if bool(drop.any()):
             free_logged(step, rows, drop)  # marked: freed where they lie

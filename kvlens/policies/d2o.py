@@ -63,7 +63,6 @@ from kvlens.policies.base import (
     evicted_lowest,
     log_evictions,
     param,
-    protected_window,
     register,
     select_lowest,
 )
@@ -207,7 +206,8 @@ class D2O(Policy):
     # ---------------------------------------------------------------------------------------------
     def protected(self, rows: CacheRows, budget: int) -> torch.Tensor:
         """`(R, S)`: the local window and the sinks, which H2O's choice never evicts."""
-        return protected_window(rows, self.local_window(budget)) | (rows.valid & (rows.pos < self.sink))
+        pos = rows.pos
+        return rows.valid & ((pos > pos.max() - self.local_window(budget)) | (pos < self.sink))
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         """H2O's choice of the leaving slots `(R, E)`, then Eq. 9-12's merge of each into its nearest kept
@@ -216,12 +216,12 @@ class D2O(Policy):
         if budget is None or rows.n_kept <= budget:
             return
         if not self.merge or rows.n_kept - budget == 1:  # the leaving slots alone
-            evicted = evicted_lowest(rows, rows.abar, self.protected(rows, budget), budget)
-            pos_ev = rows.pos.gather(1, evicted)  # (R, E)
+            evicted = evicted_lowest(rows, rows.abar, self.protected(rows, budget), budget)  # (R, E)
             if self.merge:
-                self._merge_one(step, rows, evicted, pos_ev)
+                self._merge_one(step, rows, evicted)
                 return
-            log_evictions(step, rows, pos_ev)
+            if step.log is not None:
+                log_evictions(step, rows, rows.pos.gather(1, evicted))
             rows.free(evicted)
             return
         keep, evicted = select_lowest(rows, rows.abar, self.protected(rows, budget), budget)
@@ -234,7 +234,7 @@ class D2O(Policy):
         self._log(step, rows, pos_ev, rows.pos.gather(1, keep).gather(1, nearest), w, merged)
         rows.free(evicted)
 
-    def _merge_one(self, step: Step, rows: CacheRows, evicted: torch.Tensor, pos_ev: torch.Tensor) -> None:
+    def _merge_one(self, step: Step, rows: CacheRows, evicted: torch.Tensor) -> None:
         """`compress`'s rule for one evicted slot per row `(R, 1)` (a decode step), with no kept-slot list:
         its nearest kept key (`nearest_slot`), the threshold, Eq. 12's weights of one source (`w_i = exp(u_i)
         / (exp(u_i) + e)`, `w_c = e / (exp(u_i) + e)`) and Eq. 11 on the target slot alone. The kept keys'
@@ -253,7 +253,8 @@ class D2O(Policy):
             new = states.gather(1, at).float() * by_self + states.gather(1, sent).float() * by_source
             states.scatter_(1, at, new.to(states.dtype))
         rows.state[MERGED] = target  # its norm is due at the next step
-        self._log(step, rows, pos_ev, rows.pos.gather(1, target), w, merged)
+        if step.log is not None:
+            self._log(step, rows, rows.pos.gather(1, evicted), rows.pos.gather(1, target), w, merged)
         rows.free(evicted)
 
     @staticmethod
