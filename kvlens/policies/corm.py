@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlens.kvcache import CacheRows, Prompt, Step
-from kvlens.policies.base import Needs, Policy, free_logged, param, register
+from kvlens.policies.base import Needs, Policy, free_logged, param, protected_window, register
 
 # (Hkv, S) int32: the number of messages seen when the slot was last important (0: never); it says whether the
 # slot was important in any of the last w messages without keeping them
@@ -91,7 +91,6 @@ class CORM(Policy):
         if self._seen(rows) < self.window:
             return
         minor = rows.extra[MESSAGE] <= self._seen(rows) - self.window  # not important in the last w messages
-        pos = rows.pos
-        drop = minor & (pos <= pos.max() - self.recent) & rows.valid  # (R, S): nor among the r newest
+        drop = minor & rows.valid & ~protected_window(rows, self.recent)  # (R, S): nor among the r newest
         if bool(drop.any()):
             free_logged(step, rows, drop)  # marked: freed where they lie

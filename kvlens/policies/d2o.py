@@ -63,6 +63,7 @@ from kvlens.policies.base import (
     evicted_lowest,
     log_evictions,
     param,
+    protected_window,
     register,
     select_lowest,
 )
@@ -206,8 +207,7 @@ class D2O(Policy):
     # ---------------------------------------------------------------------------------------------
     def protected(self, rows: CacheRows, budget: int) -> torch.Tensor:
         """`(R, S)`: the local window and the sinks, which H2O's choice never evicts."""
-        pos = rows.pos
-        return rows.valid & ((pos > pos.max() - self.local_window(budget)) | (pos < self.sink))
+        return protected_window(rows, self.local_window(budget)) | (rows.valid & (rows.pos < self.sink))
 
     def compress(self, rows: CacheRows, step: Step) -> None:
         """H2O's choice of the leaving slots `(R, E)`, then Eq. 9-12's merge of each into its nearest kept

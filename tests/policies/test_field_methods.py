@@ -14,6 +14,7 @@ from kvlens.engine.loop import RunOptions, run
 from kvlens.kvcache import Phase, Prompt, Step
 from kvlens.policies import make_policy
 from kvlens.policies.expected_attention import rotate_half
+from kvlens.policies.keydiff import KEY_NORM
 from kvlens.runs.decisions import DecisionLog
 from tests.conftest import examples, in_position_order, layer_rows, shrink, within_budget
 
@@ -84,7 +85,7 @@ def test_keydiff_decode_steps_with_cached_norms_keep_what_a_fresh_pass_keeps(see
             held[h] = {p: held[h][p] for p in keep}
             assert kept(layer)[h] == keep, (step, h)
         valid = layer.valid
-        norms = layer.extra["keydiff_key_norm"]
+        norms = layer.extra[KEY_NORM]
         assert torch.equal(
             norms[valid], torch.linalg.vector_norm(layer.keys[0], dim=-1)[valid].clamp(min=1e-12)
         )
