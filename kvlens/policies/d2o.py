@@ -240,21 +240,23 @@ class D2O(Policy):
         / (exp(u_i) + e)`, `w_c = e / (exp(u_i) + e)`) and Eq. 11 on the target slot alone. The kept keys'
         norms are the layer's cached ones (`cached_key_norms`): only the new and the merged keys' are
         computed."""
-        keys, values = rows.keys[0], rows.values[0]
+        keys, values, pos = rows.keys[0], rows.values[0], rows.pos
         norms = cached_key_norms(rows, KEY_NORM, step.index, rows.state.get(MERGED))  # (R, S) a view
-        u, target = nearest_slot(keys, norms, rows.valid, rows.pos, evicted)  # (R, 1) each, u float32
+        u, target = nearest_slot(keys, norms, rows.valid, pos, evicted)  # (R, 1) each, u float32
         merged = u >= self.threshold(rows, u)
         eu = torch.exp(u) * merged
         denom = eu + math.e
         w, w_self = eu / denom, math.e / denom  # a source that does not merge: w = 0, w_c = 1
-        by_source, by_self = w[..., None], w_self[..., None]  # (R, 1, 1)
+        pair = torch.cat([target, evicted], 1)[..., None]  # (R, 2, 1): the target slot, then its source
+        weights = torch.cat([w_self, w], 1)[..., None]  # (R, 2, 1)
         for states in (keys, values):  # (R, S, D), D may differ between keys and values
-            at, sent = (slot[..., None].expand(-1, -1, states.shape[-1]) for slot in (target, evicted))
-            new = states.gather(1, at).float() * by_self + states.gather(1, sent).float() * by_source
-            states.scatter_(1, at, new.to(states.dtype))
+            at = pair.expand(-1, -1, states.shape[-1])
+            both = states.gather(1, at)  # (R, 2, D); a sum of two terms is w_c x_c + w_i x_i exactly
+            new = both.float().mul_(weights).sum(1, keepdim=True)  # (R, 1, D)
+            states.scatter_(1, at[:, :1], new.to(states.dtype))
         rows.state[MERGED] = target  # its norm is due at the next step
         if step.log is not None:
-            self._log(step, rows, rows.pos.gather(1, evicted), rows.pos.gather(1, target), w, merged)
+            self._log(step, rows, pos.gather(1, evicted), pos.gather(1, target), w, merged)
         rows.free(evicted)
 
     @staticmethod
